@@ -1,0 +1,1 @@
+"""kvpoold.service."""

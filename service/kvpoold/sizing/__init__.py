@@ -1,0 +1,8 @@
+"""Pure sizing: model spec + options -> :class:`PoolPlan`, one module per architecture."""
+
+from kvpoold.sizing.options import KVCacheDType, PlanOptions, make_options
+from kvpoold.sizing.plan import BufferKind, BufferSpec, PoolPlan
+from kvpoold.sizing.planner import plan
+
+__all__ = ["BufferKind", "BufferSpec", "KVCacheDType", "PlanOptions", "PoolPlan", "make_options",
+           "plan"]

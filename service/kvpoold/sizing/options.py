@@ -1,0 +1,99 @@
+"""Plan options: the knobs of ``kvpoold plan`` and ``Configure``, validated at decode."""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from kvpool.errors import InvalidArgument
+from kvpoold.spec import Base
+
+# 1 PiB: anything larger is a typo, not a budget.
+MAX_BUDGET_BYTES = 1 << 50
+MAX_TOKENS = 1 << 40
+
+
+class KVCacheDType(enum.StrEnum):
+    """``--kv-cache-dtype`` values. ``auto`` follows the model dtype (or fp8 if the checkpoint
+    says ``kv_cache_quant_algo=FP8``); fp8 is stored as uint8; fp4 packs two values per byte and
+    adds one uint8 scale per 16 values."""
+
+    auto = "auto"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+    fp8_e4m3 = "fp8_e4m3"
+    fp8_e5m2 = "fp8_e5m2"
+    fp4_e2m1 = "fp4_e2m1"
+
+
+SpeculativeAlgorithm = Literal["none", "eagle", "standalone"]
+
+
+class PlanOptions(Base):
+    """Everything besides the model that decides a pool's layout.
+
+    ``budget_bytes`` covers the KV buffers plus mamba / compressed state; the request->token
+    table and the SWA mapping are outside it (reported as ``aux_bytes``). Give a budget, a
+    ``max_total_tokens``, or both (the token count is then the smaller of the two).
+    """
+
+    budget_bytes: Annotated[int, Meta(ge=0, le=MAX_BUDGET_BYTES)] | None = None
+    max_total_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS)] | None = None
+    page_size: Annotated[int, Meta(ge=1, le=1 << 16)] = 1
+    kv_cache_dtype: KVCacheDType = KVCacheDType.auto
+    tp_size: Annotated[int, Meta(ge=1, le=4096)] = 1
+    pp_size: Annotated[int, Meta(ge=1, le=4096)] = 1
+    pp_rank: Annotated[int, Meta(ge=0, le=4095)] = 0
+    context_length: Annotated[int, Meta(ge=1, le=1 << 30)] | None = None
+    max_running_requests: Annotated[int, Meta(ge=1, le=1 << 24)] | None = None
+    swa_full_tokens_ratio: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.8
+    mamba_full_memory_ratio: Annotated[float, Meta(gt=0.0, le=100.0)] = 0.9
+    disable_radix_cache: bool = False
+    speculative_algorithm: SpeculativeAlgorithm = "none"
+    # None: the model's num_nextn_predict_layers, or 1, when an algorithm is set.
+    speculative_num_draft_layers: Annotated[int, Meta(ge=0, le=1024)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.pp_rank >= self.pp_size:
+            raise ValueError(
+                f"pp_rank {self.pp_rank} must be < pp_size {self.pp_size} (ranks are 0-based)"
+            )
+        if self.budget_bytes is None and self.max_total_tokens is None:
+            raise ValueError("give budget_bytes, max_total_tokens, or both")
+        if self.speculative_algorithm == "none" and self.speculative_num_draft_layers:
+            raise ValueError(
+                "speculative_num_draft_layers needs speculative_algorithm eagle or standalone"
+            )
+
+
+def make_options(**fields: object) -> PlanOptions:
+    """Build options from loose values (CLI flags, proto fields), validating every one.
+
+    Raises:
+        InvalidArgument: naming the field (``$.page_size``) and the accepted range.
+    """
+    clean = {k: v for k, v in fields.items() if v is not None}
+    try:
+        return msgspec.convert(clean, PlanOptions, str_keys=True)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        field = _path_field(message)
+        if field == "kv_cache_dtype":
+            message += f" (accepted: {', '.join(d.value for d in KVCacheDType)})"
+        elif field == "speculative_algorithm":
+            message += " (accepted: none, eagle, standalone)"
+        raise InvalidArgument(f"invalid plan option: {message}", field=field) from exc
+
+
+def _path_field(message: str) -> str | None:
+    """Name the field: msgspec's ``... - at `$.page_size```, or a ``__post_init__`` message
+    that starts with the field name."""
+    marker = "at `$."
+    if marker in message:
+        return message.split(marker, 1)[1].rstrip("`").split("[")[0].split(".")[0]
+    first = message.split(" ", 1)[0]
+    return first if first in PlanOptions.__struct_fields__ else None

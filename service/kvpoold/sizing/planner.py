@@ -1,0 +1,118 @@
+"""``plan(spec, options) -> PoolPlan``: the one entry point of pure sizing.
+
+Resolves what every architecture shares (KV format, PP stage, context length, draft layers),
+asks the architecture table for the numbers and buffers, adds the request->token table, places
+everything in one region and returns the frozen plan. No torch, no env vars, no I/O.
+"""
+
+from __future__ import annotations
+
+from kvpool.errors import InvalidArgument
+from kvpoold.sizing.common import (
+    REQ_TO_TOKEN_EXTRA_COLUMNS,
+    SizingContext,
+    resolve_kv_format,
+    stage_layers,
+)
+from kvpoold.sizing.layout import buffer, place
+from kvpoold.sizing.options import PlanOptions
+from kvpoold.sizing.plan import ArchitectureSource, BufferKind, PoolPlan
+from kvpoold.sizing.registry import select_architecture
+from kvpoold.spec import DType, ModelSpec
+
+
+def make_context(spec: ModelSpec, options: PlanOptions) -> SizingContext:
+    """Resolve the shared inputs of sizing.
+
+    Raises:
+        InvalidArgument: for a PP split with more stages than layers.
+    """
+    if options.speculative_algorithm == "none":
+        draft = 0
+    elif options.speculative_num_draft_layers is not None:
+        draft = options.speculative_num_draft_layers
+    else:
+        draft = spec.num_nextn_predict_layers or 1
+    return SizingContext(
+        spec=spec,
+        options=options,
+        kv=resolve_kv_format(options.kv_cache_dtype, spec),
+        layers=stage_layers(spec.num_layers, options.pp_size, options.pp_rank),
+        context_length=options.context_length or spec.context_length,
+        num_draft_layers=draft,
+    )
+
+
+def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = "spec") -> PoolPlan:
+    """Size and lay out one pool.
+
+    Args:
+        spec: the model (from :mod:`kvpoold.hf` or a spec file).
+        options: budget, page size, dtype, parallelism, speculative settings.
+        source: how the spec was obtained, echoed as ``architecture_source``.
+
+    Returns:
+        The frozen plan; ``plan.buffers`` are placed in one region of ``backing_bytes``.
+
+    Raises:
+        InvalidArgument: for any input the architecture cannot plan, naming the field.
+    """
+    ctx = make_context(spec, options)
+    arch = select_architecture(spec)
+    sizing = arch.size(ctx)
+    if sizing.num_pages < 1:
+        raise InvalidArgument(
+            f"{arch.name}: the pool would hold no pages; raise --budget", field="budget_bytes"
+        )
+    columns = ctx.context_length + REQ_TO_TOKEN_EXTRA_COLUMNS
+    if ctx.num_draft_layers:
+        columns += ctx.num_draft_layers + 1
+    buffers = arch.layout(ctx, sizing)
+    buffers.append(
+        buffer(
+            "req_to_token",
+            DType.int32,
+            (sizing.max_running_requests + 1, columns),
+            BufferKind.req_to_token,
+            in_budget=False,
+        )
+    )
+    placed, backing_bytes = place(buffers)
+    total = sum(b.nbytes for b in placed if b.in_budget)
+    aux = sum(b.nbytes for b in placed if not b.in_budget)
+    max_total = sizing.max_total_num_tokens
+    if max_total is None:
+        max_total = sizing.num_pages * ctx.page_size
+    return PoolPlan(
+        architecture=sizing.architecture,
+        architecture_source=source,
+        model_architecture=spec.architecture,
+        kv_cache_dtype=ctx.kv.name,
+        page_size=ctx.page_size,
+        context_length=ctx.context_length,
+        cell_size_bytes=sizing.cell_size_bytes,
+        max_total_num_tokens=max_total,
+        max_running_requests=sizing.max_running_requests,
+        full_max_total_num_tokens=sizing.full_max_total_num_tokens,
+        swa_max_total_num_tokens=sizing.swa_max_total_num_tokens,
+        mamba_cache_size=sizing.mamba_cache_size,
+        c4_max_total_num_tokens=sizing.c4_max_total_num_tokens,
+        c128_max_total_num_tokens=sizing.c128_max_total_num_tokens,
+        c4_state_pool_size=sizing.c4_state_pool_size,
+        c128_state_pool_size=sizing.c128_state_pool_size,
+        total_bytes=total,
+        aux_bytes=aux,
+        backing_bytes=backing_bytes,
+        budget_bytes=options.budget_bytes,
+        num_pages=sizing.num_pages,
+        swa_num_pages=sizing.swa_num_pages,
+        tp_size=options.tp_size,
+        pp_size=options.pp_size,
+        pp_rank=options.pp_rank,
+        layer_start=ctx.layers.start,
+        layer_end=ctx.layers.stop,
+        num_draft_layers=ctx.num_draft_layers,
+        req_to_token_columns=columns,
+        notes=sizing.notes,
+        buffers=placed,
+    )

@@ -1,0 +1,72 @@
+"""The architecture table: which sizing module plans a spec, chosen by what the spec declares.
+
+Order matters (most specific first): DeepSeek-V4 compression, hybrid linear, DSA, sliding
+window, MLA, MHA. No code outside this table branches on architecture names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvpool.errors import InvalidArgument
+from kvpoold.sizing import dsa, dsv4, hybrid_linear, hybrid_swa, mha, mla
+from kvpoold.sizing.common import Sizing, SizingContext
+from kvpoold.sizing.plan import BufferSpec
+from kvpoold.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One sizing module: when it applies, its numbers, and its buffers."""
+
+    name: str
+    matches: Callable[[ModelSpec], bool]
+    size: Callable[[SizingContext], Sizing]
+    layout: Callable[[SizingContext, Sizing], list[BufferSpec]]
+    # architecture names this module can report (hybrid_swa also reports all_swa)
+    reports: tuple[str, ...] = ()
+
+
+ARCHITECTURES: tuple[Architecture, ...] = tuple(
+    Architecture(
+        name=m.NAME,
+        matches=m.matches,
+        size=m.size,
+        layout=m.layout,
+        reports=getattr(m, "REPORTS", (m.NAME,)),
+    )
+    for m in (dsv4, hybrid_linear, dsa, hybrid_swa, mla, mha)
+)
+
+KNOWN_ARCHITECTURES: tuple[str, ...] = tuple(n for a in ARCHITECTURES for n in a.reports)
+
+
+def select_architecture(spec: ModelSpec) -> Architecture:
+    """The first table entry whose ``matches`` accepts the spec.
+
+    Raises:
+        InvalidArgument: when none does, listing the known architectures.
+    """
+    for arch in ARCHITECTURES:
+        if arch.matches(spec):
+            return arch
+    raise InvalidArgument(
+        f"no sizing module accepts this spec (known: {', '.join(KNOWN_ARCHITECTURES)})",
+        field="model",
+    )
+
+
+def get_architecture(name: str) -> Architecture:
+    """Look a module up by name (``mha``, ``hybrid_swa``...).
+
+    Raises:
+        InvalidArgument: for an unknown name, listing the known ones.
+    """
+    for arch in ARCHITECTURES:
+        if name in arch.reports:
+            return arch
+    raise InvalidArgument(
+        f"unknown architecture {name!r} (known: {', '.join(KNOWN_ARCHITECTURES)})",
+        field="architecture",
+    )
