@@ -1,0 +1,110 @@
+"""The backing interface: where a pool's one region lives and how another process maps it.
+
+The daemon asks a :class:`BackingFactory` for a region of ``nbytes`` per pool, builds the views
+over ``backing.tensor`` (see ``kvpoold.pools.build_pool(allocate=...)``), and hands
+``backing.handle()`` to clients on Attach. A handle is plain data (path and size, or CUDA IPC
+handle bytes and a device UUID): it crosses the wire as typed proto fields, never as a pickle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+HandleKind = Literal["shm", "cuda_ipc", "none"]
+
+
+@dataclass(frozen=True)
+class SharedHandle:
+    """Everything an importer needs to map a pool's backing region.
+
+    kind ``shm``: ``path`` of the shared-memory file and ``size`` bytes (the importer maps the
+    whole file). kind ``cuda_ipc``: ``ipc_handle`` (cudaIpcMemHandle bytes of the allocation
+    that holds the region), ``storage_offset`` bytes into that allocation, ``size`` bytes, and
+    the device ``device_uuid`` (importers may see different ``CUDA_VISIBLE_DEVICES``), plus the
+    ref-counter/event fields torch's IPC import needs. kind ``none``: not shareable.
+    """
+
+    kind: HandleKind
+    size: int
+    path: str = ""
+    device_uuid: str = ""
+    ipc_handle: bytes = b""
+    storage_offset: int = 0
+    storage_size: int = 0
+    ref_counter_handle: bytes = b""
+    ref_counter_offset: int = 0
+    event_handle: bytes = b""
+    event_sync_required: bool = False
+
+
+class Backing(Protocol):
+    """One pool's region, owned by the daemon."""
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The region as a flat, zero-filled uint8 tensor of exactly the requested bytes."""
+        ...
+
+    def handle(self) -> SharedHandle:
+        """What a client needs to map the region (kind ``none`` if it cannot be shared)."""
+        ...
+
+    def close(self) -> None:
+        """Release the region (unmap, unlink). Idempotent."""
+        ...
+
+
+class BackingFactory(Protocol):
+    """Creates backings on one device; owns crash cleanup for what it created."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def create(self, nbytes: int, pool_name: str) -> Backing:
+        """A new zero-filled region of ``nbytes`` for pool ``pool_name``.
+
+        Raises:
+            ResourceExhausted: when the device cannot provide the bytes.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release everything this factory created and its instance lock. Idempotent."""
+        ...
+
+
+@dataclass
+class PlainBacking:
+    """Unshared device memory (``torch.zeros``): for tests and ``--sharing none``."""
+
+    _tensor: torch.Tensor
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self._tensor
+
+    def handle(self) -> SharedHandle:
+        return SharedHandle(kind="none", size=self._tensor.numel())
+
+    def close(self) -> None:
+        self._tensor = torch.empty(0, dtype=torch.uint8)
+
+
+@dataclass
+class PlainBackingFactory:
+    """Factory of :class:`PlainBacking` on ``device``."""
+
+    _device: torch.device
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def create(self, nbytes: int, pool_name: str) -> PlainBacking:
+        return PlainBacking(torch.zeros(nbytes, dtype=torch.uint8, device=self._device))
+
+    def close(self) -> None:
+        return None
