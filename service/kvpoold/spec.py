@@ -93,7 +93,7 @@ class SlidingWindow(Base):
 
 
 class DSAIndexer(Base):
-    """DeepSeek sparse attention (V3.2) lightning indexer: one fp8 K + fp32 scale per token/layer."""
+    """DeepSeek sparse attention (V3.2) lightning indexer: fp8 K + fp32 scale per token/layer."""
 
     index_head_dim: Annotated[int, Meta(ge=128, le=128)] = 128
 

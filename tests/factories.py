@@ -1,0 +1,46 @@
+"""Tiny spec factories for tests: real model geometries written out by hand, with defaults."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpoold.sizing import PoolPlan, make_options, plan
+from kvpoold.spec import ModelSpec, decode_spec
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def llama_8b(**over: Any) -> ModelSpec:
+    """Llama-3.1-8B: 32 layers, 8 KV heads, head_dim 128 (4096 / 32), bf16, 131,072 context."""
+    fields: dict[str, Any] = {
+        "architecture": "LlamaForCausalLM",
+        "num_layers": 32,
+        "attention": {"type": "mha", "num_kv_heads": 8, "head_dim": 128},
+        "context_length": 131072,
+    }
+    fields.update(over)
+    return decode_spec(fields)
+
+
+def deepseek_v3(**over: Any) -> ModelSpec:
+    """DeepSeek-V3: 61 layers, MLA latent 512 + rope 64, 1 MTP layer, 163,840 context."""
+    fields: dict[str, Any] = {
+        "architecture": "DeepseekV3ForCausalLM",
+        "num_layers": 61,
+        "attention": {"type": "mla", "kv_lora_rank": 512, "qk_rope_head_dim": 64},
+        "context_length": 163840,
+        "num_nextn_predict_layers": 1,
+    }
+    fields.update(over)
+    return decode_spec(fields)
+
+
+def deepseek_v32(**over: Any) -> ModelSpec:
+    """DeepSeek-V3.2-Exp: DeepSeek-V3 geometry plus the DSA indexer (index_head_dim 128)."""
+    return deepseek_v3(architecture="DeepseekV32ForCausalLM", indexer={"index_head_dim": 128},
+                       **over)
+
+
+def plan_for(spec: ModelSpec, **options: Any) -> PoolPlan:
+    return plan(spec, make_options(**options))
