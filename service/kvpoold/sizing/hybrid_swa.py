@@ -1,21 +1,324 @@
-"""Placeholder: being written (see the helper brief). Not registered as done."""
+"""Hybrid sliding-window sizing (gpt-oss, Gemma-2/3, Command-R, MiMo): full and SWA token spaces.
+
+The layers of this PP stage split into ``nf`` full-attention and ``ns`` sliding-window layers.
+Per layer and token, ``F`` bytes for a full layer and ``S`` for an SWA layer (``mha.layer_bytes``
+with ``max(1, kv_heads // tp)`` heads; the SWA layers use ``sliding_window``'s own heads/dims
+when given). ``D`` EAGLE draft layers count as full layers. With ``r = swa_full_tokens_ratio``:
+
+    Fb   = F * (nf + D)                  bytes per token of the full space (all its layers)
+    Sb   = S * ns                        bytes per token of the SWA space
+    cell = int(Fb + r * Sb)              reported as cell_size_bytes
+
+The SWA space holds ``swa = int(full * r) // page * page`` tokens for ``full`` full tokens. Both
+spaces keep a padding page 0, so with ``fp`` full pages and ``sp = swa // page`` SWA pages the
+buffers cost exactly
+
+    bytes(fp) = page * ((fp + 1) * Fb + (sp + 1) * Sb)
+
+and ``fp`` is the largest count with ``bytes(fp) <= budget``: first the float estimate
+``(budget / page - Fb - Sb) // (Fb + r * Sb)``, then a step down while it overshoots and a step
+up while the next page still fits. The leftover is less than ``bytes(fp + 1) - bytes(fp)``,
+i.e. under one page of every layer (``page * (Fb + Sb)``); it is under ``page * cell`` unless
+that next full page would also have brought a new SWA page (r < 1 rounds the SWA count down).
+``--max-total-tokens`` caps ``full`` (then ``swa`` is derived again); without a budget
+``full = align_down(max_total_tokens, page)``. The SWA space must hold more than the window
+plus one page, else InvalidArgument. ``max_running_requests`` comes from ``full``.
+
+All-SWA (``nf == 0`` in this stage, reported as ``all_swa``): one token space; ``cell = Sb +
+F * D`` and the common budget rule (``pages = budget // (cell * page) - 1``) sizes it;
+``full_max_total_num_tokens`` is None (SGLang says 0), ``max_total_num_tokens`` is the SWA count.
+
+Worked example, gpt-oss-20b (24 layers, sliding = even ids 0, 2, ..., 22, window 128, 8 KV heads,
+head_dim 64), bf16, TP 1, PP 1, r = 0.8, page 16, 40 GiB = 42,949,672,960 B:
+F = S = 8 * (64 + 64) * 2 = 2,048 B; Fb = Sb = 12 * 2,048 = 24,576 B; cell = int(44,236.8) =
+44,236 B. Estimate: (2,684,354,560 - 49,152) / 44,236.8 = 60,680.37 -> fp = 60,680 full pages,
+full = 970,880 tokens; swa = int(776,704.0) // 16 * 16 = 776,704 tokens (sp = 48,544);
+bytes = 16 * 24,576 * (60,681 + 48,545) = 42,949,410,816 B (leftover 262,144 B < 16 * 44,236);
+fp = 60,681 would need 16 * 24,576 * (60,682 + 48,545) = 42,949,804,032 B > budget.
+max_running_requests = min(clamp(int(970,880 / 131,072 * 512), 2,048, 4,096), 485,440) = 3,792.
+
+Buffers: full layers ``k.<l>``/``v.<l>`` (kind kv, ``(fp + 1) * page`` rows), SWA layers
+``k.<l>``/``v.<l>`` (kind swa_kv, ``(sp + 1) * page`` rows), ``draft_k.<i>``/``draft_v.<i>`` as
+full layers, all ``(rows, H, head_dim)`` (FP4: packed plus scales, see fp4.py); plus the aux
+``full_to_swa`` int64 ``(fp + 1,)``: full page id (token slot at page 1) -> SWA page id, 0 =
+none. All-SWA: every buffer has ``(sp + 1) * page`` rows and there is no mapping.
+
+Layer ranges are this stage's half-open ``ctx.layers``. SGLang narrows its SWA/full id lists to
+``range(start, end + 1)`` (an inclusive end, which looks like an off-by-one); that is not
+reproduced here.
+"""
 
 from __future__ import annotations
 
-from kvpoold.sizing.common import Sizing, SizingContext
-from kvpoold.sizing.plan import BufferSpec
-from kvpoold.spec import ModelSpec
+from dataclasses import dataclass
+
+from kvpool.errors import InvalidArgument
+from kvpoold.sizing import mha
+from kvpoold.sizing.common import (
+    Sizing,
+    SizingContext,
+    align_down,
+    cap_tokens,
+    pages_for_budget,
+    resolve_max_running_requests,
+    tp_heads,
+)
+from kvpoold.sizing.layout import buffer, token_rows
+from kvpoold.sizing.plan import BufferKind, BufferSpec
+from kvpoold.spec import DType, MHAAttention, ModelSpec
 
 NAME = "hybrid_swa"
+ALL_SWA = "all_swa"
+REPORTS = (NAME, ALL_SWA)
+MAPPING_BUFFER = "full_to_swa"
 
 
 def matches(spec: ModelSpec) -> bool:
-    return False
+    """MHA specs with at least one sliding layer (DeepSeek-V4's SWA ring is dsv4's)."""
+    return (
+        spec.sliding_window is not None
+        and bool(spec.sliding_window.layers)
+        and spec.dsv4 is None
+        and isinstance(spec.attention, MHAAttention)
+    )
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """KV heads per TP rank and head dims of one kind of layer."""
+
+    heads: int
+    head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    """This stage's global layer ids split by kind, with their per-layer geometries."""
+
+    full_layers: tuple[int, ...]
+    swa_layers: tuple[int, ...]
+    full: LayerGeometry
+    swa: LayerGeometry
+
+    @property
+    def all_swa(self) -> bool:
+        return not self.full_layers
+
+
+def split_stage(ctx: SizingContext) -> StageSplit:
+    """Split ``ctx.layers`` into full and sliding layers and resolve both geometries.
+
+    SWA overrides in ``spec.sliding_window`` win; an SWA ``v_head_dim`` defaults to the SWA
+    ``head_dim`` when that is overridden, else to the model's V dim.
+    """
+    attn = ctx.spec.attention
+    sw = ctx.spec.sliding_window
+    assert isinstance(attn, MHAAttention) and sw is not None
+    sliding = set(sw.layers)
+    full_layers = tuple(layer for layer in ctx.layers if layer not in sliding)
+    swa_layers = tuple(layer for layer in ctx.layers if layer in sliding)
+    full = LayerGeometry(tp_heads(attn.num_kv_heads, ctx.tp_size), attn.head_dim, attn.v_dim)
+    swa_hd = sw.head_dim if sw.head_dim is not None else attn.head_dim
+    if sw.v_head_dim is not None:
+        swa_vd = sw.v_head_dim
+    else:
+        swa_vd = sw.head_dim if sw.head_dim is not None else attn.v_dim
+    swa_heads = sw.num_kv_heads if sw.num_kv_heads is not None else attn.num_kv_heads
+    swa = LayerGeometry(tp_heads(swa_heads, ctx.tp_size), swa_hd, swa_vd)
+    return StageSplit(full_layers, swa_layers, full, swa)
+
+
+def _layer_bytes(ctx: SizingContext, geo: LayerGeometry) -> int:
+    return mha.layer_bytes(ctx.kv, geo.heads, geo.head_dim, geo.v_head_dim)
+
+
+def token_bytes(ctx: SizingContext, split: StageSplit) -> tuple[int, int]:
+    """``(Fb, Sb)``: bytes per token of the full space (full + draft layers) and of the SWA
+    space (SWA layers)."""
+    full = _layer_bytes(ctx, split.full) * (len(split.full_layers) + ctx.num_draft_layers)
+    swa = _layer_bytes(ctx, split.swa) * len(split.swa_layers)
+    return full, swa
+
+
+def swa_tokens_for(full_tokens: int, ratio: float, page_size: int) -> int:
+    """SWA tokens for ``full_tokens`` full tokens: ``int(full * r) // page * page``."""
+    return align_down(int(full_tokens * ratio), page_size)
+
+
+def pool_bytes(full_pages: int, page_size: int, full_token_bytes: int, swa_token_bytes: int,
+               ratio: float) -> int:
+    """Exact in-budget bytes of a hybrid pool with ``full_pages`` full pages.
+
+    Args:
+        full_pages: full pages, excluding the padding page.
+        page_size: tokens per page.
+        full_token_bytes: ``Fb``, bytes per full-space token.
+        swa_token_bytes: ``Sb``, bytes per SWA-space token.
+        ratio: ``swa_full_tokens_ratio``, which sets the SWA page count.
+
+    Returns:
+        ``page * ((fp + 1) * Fb + (sp + 1) * Sb)``: both spaces with their padding pages.
+    """
+    swa_pages = swa_tokens_for(full_pages * page_size, ratio, page_size) // page_size
+    return page_size * ((full_pages + 1) * full_token_bytes + (swa_pages + 1) * swa_token_bytes)
+
+
+def full_pages_for_budget(budget_bytes: int, page_size: int, full_token_bytes: int,
+                          swa_token_bytes: int, ratio: float) -> int:
+    """The largest full page count whose pool fits ``budget_bytes`` (0 when none does).
+
+    Args:
+        budget_bytes: the hard limit for the KV buffers.
+        page_size: tokens per page.
+        full_token_bytes: ``Fb``, bytes per full-space token (> 0).
+        swa_token_bytes: ``Sb``, bytes per SWA-space token.
+        ratio: ``swa_full_tokens_ratio``.
+
+    Returns:
+        ``fp >= 0`` with ``pool_bytes(fp) <= budget < pool_bytes(fp + 1)``, or 0.
+    """
+    def fits(pages: int) -> bool:
+        return pool_bytes(pages, page_size, full_token_bytes, swa_token_bytes,
+                          ratio) <= budget_bytes
+
+    cell = full_token_bytes + ratio * swa_token_bytes
+    estimate = (budget_bytes / page_size - full_token_bytes - swa_token_bytes) // cell
+    pages = max(0, int(estimate))
+    # The float estimate is off by a page or so (float rounding, the SWA count's floor).
+    while pages > 0 and not fits(pages):
+        pages -= 1
+    while fits(pages + 1):
+        pages += 1
+    return pages
+
+
+def _check_window(ctx: SizingContext, full_tokens: int | None, swa_tokens: int,
+                  capped: bool) -> None:
+    """The SWA space must hold a whole window plus one page, or no request can decode."""
+    assert ctx.spec.sliding_window is not None
+    window = ctx.spec.sliding_window.window
+    page = ctx.page_size
+    if window + page < swa_tokens:
+        return
+    ratio = ctx.options.swa_full_tokens_ratio
+    if full_tokens is not None and ratio < 1.0 and window + page < full_tokens:
+        field, knob = "swa_full_tokens_ratio", "raise --swa-full-tokens-ratio or --budget"
+    elif capped:
+        field, knob = "max_total_tokens", "raise --max-total-tokens"
+    else:
+        field, knob = "budget_bytes", "raise --budget" + (
+            " or --swa-full-tokens-ratio" if full_tokens is not None and ratio < 1.0 else "")
+    source = f" ({ratio} of {full_tokens} full tokens)" if full_tokens is not None else ""
+    raise InvalidArgument(
+        f"the SWA pool holds {swa_tokens} tokens{source}, not more than the window {window} "
+        f"plus one page of {page}; {knob}",
+        field=field,
+    )
+
+
+def _size_all_swa(ctx: SizingContext, split: StageSplit) -> Sizing:
+    options = ctx.options
+    page = ctx.page_size
+    full_token_bytes, swa_token_bytes = token_bytes(ctx, split)  # Fb: the draft layers only
+    cell = swa_token_bytes + full_token_bytes
+    notes = [f"all {len(split.swa_layers)} layers of this stage slide: one SWA token space"]
+    if options.budget_bytes is None:
+        assert options.max_total_tokens is not None  # PlanOptions guarantees one of them
+        swa_tokens = cap_tokens(align_down(options.max_total_tokens, page), options, notes)
+        capped = True
+    else:
+        budget_tokens = pages_for_budget(options.budget_bytes, cell * page, what="SWA") * page
+        swa_tokens = cap_tokens(budget_tokens, options, notes)
+        capped = swa_tokens < budget_tokens
+    _check_window(ctx, None, swa_tokens, capped)
+    mrr = resolve_max_running_requests(swa_tokens, ctx.context_length, options, notes)
+    pages = swa_tokens // page
+    return Sizing(
+        ALL_SWA, cell, pages, mrr,
+        full_max_total_num_tokens=None,
+        swa_max_total_num_tokens=swa_tokens,
+        swa_num_pages=pages,
+        max_total_num_tokens=swa_tokens,
+        notes=tuple(notes),
+    )
 
 
 def size(ctx: SizingContext) -> Sizing:
-    raise NotImplementedError
+    """Token counts of both spaces for this stage.
+
+    Raises:
+        InvalidArgument: when the budget holds no full page, when ``--max-total-tokens`` is
+            below one page, or when the SWA space is not larger than the window plus one page.
+    """
+    split = split_stage(ctx)
+    if split.all_swa:
+        return _size_all_swa(ctx, split)
+    options = ctx.options
+    page = ctx.page_size
+    ratio = options.swa_full_tokens_ratio
+    full_token_bytes, swa_token_bytes = token_bytes(ctx, split)
+    cell = int(full_token_bytes + ratio * swa_token_bytes)
+    notes: list[str] = []
+    if options.budget_bytes is None:
+        assert options.max_total_tokens is not None  # PlanOptions guarantees one of them
+        full_tokens = cap_tokens(align_down(options.max_total_tokens, page), options, notes)
+        capped = True
+    else:
+        full_pages = full_pages_for_budget(options.budget_bytes, page, full_token_bytes,
+                                           swa_token_bytes, ratio)
+        if full_pages < 1:
+            need = pool_bytes(1, page, full_token_bytes, swa_token_bytes, ratio)
+            raise InvalidArgument(
+                f"budget {options.budget_bytes:,} B is too small for one full page: one page "
+                f"of {page} tokens in the full and SWA spaces plus their padding pages need "
+                f"{need:,} B; raise --budget or lower --page-size",
+                field="budget_bytes",
+            )
+        budget_tokens = full_pages * page
+        full_tokens = cap_tokens(budget_tokens, options, notes)
+        capped = full_tokens < budget_tokens
+    swa_tokens = swa_tokens_for(full_tokens, ratio, page)
+    _check_window(ctx, full_tokens, swa_tokens, capped)
+    mrr = resolve_max_running_requests(full_tokens, ctx.context_length, options, notes)
+    return Sizing(
+        NAME, cell, full_tokens // page, mrr,
+        full_max_total_num_tokens=full_tokens,
+        swa_max_total_num_tokens=swa_tokens,
+        swa_num_pages=swa_tokens // page,
+        max_total_num_tokens=full_tokens,
+        notes=tuple(notes),
+    )
+
+
+def _layer_buffers(ctx: SizingContext, suffix: str, geo: LayerGeometry, rows: int,
+                   kind: BufferKind, prefix: str = "") -> list[BufferSpec]:
+    return mha.layer_buffers(suffix, ctx.kv, rows, geo.heads, geo.head_dim, geo.v_head_dim,
+                             ctx.page_size, kind, prefix)
 
 
 def layout(ctx: SizingContext, sizing: Sizing) -> list[BufferSpec]:
-    raise NotImplementedError
+    """The buffers of :func:`size`'s counts.
+
+    Returns:
+        KV buffers of both spaces in layer order, the draft layers, then ``full_to_swa``
+        (hybrid only), all with ``offset_bytes = 0`` for :func:`layout.place`.
+    """
+    split = split_stage(ctx)
+    assert sizing.swa_num_pages is not None
+    page = ctx.page_size
+    full_rows = token_rows(sizing.num_pages, page)  # all-SWA: num_pages is the SWA count
+    swa_rows = token_rows(sizing.swa_num_pages, page)
+    swa_ids = set(split.swa_layers)
+    out: list[BufferSpec] = []
+    for layer in ctx.layers:
+        if layer in swa_ids:
+            out += _layer_buffers(ctx, str(layer), split.swa, swa_rows, BufferKind.swa_kv)
+        else:
+            out += _layer_buffers(ctx, str(layer), split.full, full_rows, BufferKind.kv)
+    for i in range(ctx.num_draft_layers):
+        out += _layer_buffers(ctx, str(i), split.full, full_rows, BufferKind.kv, "draft_")
+    if not split.all_swa:
+        out.append(buffer(MAPPING_BUFFER, DType.int64, (sizing.num_pages + 1,), BufferKind.map,
+                          rows_per_page=1, in_budget=False))
+    return out
