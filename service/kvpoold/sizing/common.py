@@ -23,6 +23,14 @@ from kvpoold.spec import DType, ModelDType, ModelSpec
 REQ_TO_TOKEN_EXTRA_COLUMNS = 4
 MIN_RUNNING_REQUESTS_ESTIMATE = 2048
 MAX_RUNNING_REQUESTS_ESTIMATE = 4096
+# Mamba state slots per running request: its own plus cached prefix states with radix cache.
+RADIX_STATE_RATIO = 3
+NO_RADIX_STATE_RATIO = 1
+
+
+def mamba_state_ratio(options: PlanOptions) -> int:
+    """State slots one running request needs: 3 with the radix cache, 1 without."""
+    return NO_RADIX_STATE_RATIO if options.disable_radix_cache else RADIX_STATE_RATIO
 
 
 @dataclass(frozen=True)
@@ -182,7 +190,7 @@ def resolve_max_running_requests(
         estimate = min(max(estimate, MIN_RUNNING_REQUESTS_ESTIMATE), MAX_RUNNING_REQUESTS_ESTIMATE)
         mrr = min(estimate, half)
     if state_slots is not None:
-        ratio = 1 if options.disable_radix_cache else 3
+        ratio = mamba_state_ratio(options)
         by_state = state_slots // ratio
         if by_state < mrr:
             notes.append(

@@ -1,0 +1,502 @@
+"""Hybrid linear attention (Qwen3-Next) sizing: state per slot, budget split, layout, pool views."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvpool.errors import InvalidArgument
+from kvpoold.pools import builder
+from kvpoold.sizing import hybrid_linear, make_options, plan
+from kvpoold.sizing.plan import BufferKind, PoolPlan
+from kvpoold.sizing.planner import make_context
+from kvpoold.sizing.registry import select_architecture
+from kvpoold.spec import (
+    DSAIndexer,
+    LinearAttention,
+    MHAAttention,
+    MLAAttention,
+    ModelDType,
+    ModelSpec,
+)
+
+GIB = 1 << 30
+B40 = 40 * GIB  # 42,949,672,960 B
+
+# Qwen3-Next-80B-A3B, tests/data/models/qwen3-next-80b-a3b-instruct.json, TP 1:
+#   conv_dim = 128*32 + 2*16*128 = 8,192; conv (8192, 3) bf16 = 49,152 B
+#   ssm (32, 128, 128) fp32 = 2,097,152 B; one layer's slot = 2,146,304 B
+#   per_req over the 36 linear layers = 77,266,944 B
+#   cell over the 12 full layers = 2 heads * (256 + 256) * 12 * 2 B = 24,576 B
+SLOT_LAYER_TP1 = 2_146_304
+PER_REQ_TP1 = 77_266_944
+CELL_TP1 = 24_576
+FULL_LAYERS = tuple(range(3, 48, 4))
+
+
+def qwen3_next(**linear_overrides: object) -> ModelSpec:
+    """The Qwen3-Next-80B-A3B spec, written by hand from its config.json."""
+    fields: dict[str, object] = dict(
+        full_attention_layers=FULL_LAYERS,
+        conv_kernel=4,
+        num_key_heads=16,
+        num_value_heads=32,
+        key_head_dim=128,
+        value_head_dim=128,
+        conv_dtype=ModelDType.bfloat16,
+        ssm_dtype=ModelDType.float32,
+    )
+    fields.update(linear_overrides)
+    return ModelSpec(
+        num_layers=48,
+        attention=MHAAttention(num_kv_heads=2, head_dim=256),
+        context_length=262_144,
+        dtype=ModelDType.bfloat16,
+        architecture="Qwen3NextForCausalLM",
+        linear=LinearAttention(**fields),  # type: ignore[arg-type]
+    )
+
+
+def tiny(**spec_overrides: object) -> ModelSpec:
+    """4 layers, full attention at 1 and 3; small dims so a real pool builds in microseconds."""
+    fields: dict[str, object] = dict(
+        num_layers=4,
+        attention=MHAAttention(num_kv_heads=2, head_dim=16),
+        context_length=64,
+        linear=LinearAttention(full_attention_layers=(1, 3), conv_kernel=4, num_key_heads=2,
+                               num_value_heads=4, key_head_dim=8, value_head_dim=8),
+    )
+    fields.update(spec_overrides)
+    return ModelSpec(**fields)  # type: ignore[arg-type]
+
+
+def plan_of(spec: ModelSpec, **options: object) -> PoolPlan:
+    return plan(spec, make_options(**options))
+
+
+def per_req_of(p: PoolPlan) -> int:
+    """One state slot over all linear layers, read back from the buffers' page bytes."""
+    return sum(b.page_bytes for b in p.buffers if b.kind is BufferKind.state)
+
+
+def names(p: PoolPlan) -> set[str]:
+    return {b.name for b in p.buffers}
+
+
+# --- selection and state shapes -------------------------------------------------------------
+
+
+def test_matches_only_specs_with_linear_attention() -> None:
+    assert hybrid_linear.matches(qwen3_next())
+    plain = ModelSpec(num_layers=2, attention=MHAAttention(num_kv_heads=2, head_dim=8),
+                      context_length=16)
+    assert not hybrid_linear.matches(plain)
+    assert select_architecture(qwen3_next()).name == "hybrid_linear"
+
+
+def test_state_shape_tp1() -> None:
+    """conv_dim = 128*32 + 2*16*128 = 8,192 -> conv (8192, 3) bf16 = 49,152 B;
+    ssm (32, 128, 128) fp32 = 2,097,152 B; slot = 2,146,304 B per layer."""
+    shape = hybrid_linear.state_shape(qwen3_next().linear, 1)  # type: ignore[arg-type]
+    assert shape.conv == (8192, 3)
+    assert shape.ssm == (32, 128, 128)
+    assert (shape.conv_bytes, shape.ssm_bytes) == (49_152, 2_097_152)
+    assert shape.slot_bytes == SLOT_LAYER_TP1
+
+
+@pytest.mark.parametrize(
+    ("tp", "conv", "ssm"),
+    [
+        (2, (4096, 3), (16, 128, 128)),  # 8192 / 2
+        (4, (2048, 3), (8, 128, 128)),  # 8192 / 4
+        # 16 key heads over 32 ranks: groups padded to 32, conv_dim = 4096 + 2*32*128 = 12,288
+        (32, (384, 3), (1, 128, 128)),
+    ],
+)
+def test_state_shape_splits_over_tp(tp: int, conv: tuple[int, int],
+                                    ssm: tuple[int, int, int]) -> None:
+    shape = hybrid_linear.state_shape(qwen3_next().linear, tp)  # type: ignore[arg-type]
+    assert (shape.conv, shape.ssm) == (conv, ssm)
+
+
+def test_state_shape_rejects_unsplittable_heads() -> None:
+    with pytest.raises(InvalidArgument, match="32 value heads") as err:
+        hybrid_linear.state_shape(qwen3_next().linear, 3)  # type: ignore[arg-type]
+    assert err.value.field == "tp_size"
+    # 12 key groups over 8 ranks can neither be split nor replicated (48 value heads split fine)
+    spec = qwen3_next(num_key_heads=12, num_value_heads=48)
+    with pytest.raises(InvalidArgument, match="12 key heads") as err:
+        hybrid_linear.state_shape(spec.linear, 8)  # type: ignore[arg-type]
+    assert err.value.field == "tp_size"
+
+
+def test_mamba_budget_uses_the_exact_decimal_ratio() -> None:
+    """17 * 0.7 / 1.7 is 6.999... in floats; with m = 7/10 it is exactly 17*7 // 17 = 7.
+    40 GiB at 0.9: 42,949,672,960 * 9 // 19 = 20,344,581,928."""
+    assert hybrid_linear.mamba_budget_bytes(17, 0.7) == 7
+    assert hybrid_linear.mamba_budget_bytes(B40, 0.9) == 20_344_581_928
+    assert hybrid_linear.mamba_budget_bytes(B40, 1.0) == B40 // 2
+
+
+# --- the worked example and budget variants -------------------------------------------------
+
+
+def test_qwen3_next_40gib_tp1() -> None:
+    """The module docstring's example, page 1:
+    mamba_budget = 20,344,581,928; state_slots = 20,344,581,928 // 77,266,944 - 1 = 262;
+    KV = 42,949,672,960 - 263 * 77,266,944 = 22,628,466,688 B;
+    tokens = 22,628,466,688 // 24,576 - 1 = 920,753;
+    max_running_requests: estimate int(920,753 / 262,144 * 512) = 1,798 -> 2,048, then
+    min(2,048, 460,376, 262 // 3 = 87) = 87.
+    Used = 263 * 77,266,944 + 920,754 * 24,576 = 42,949,656,576 B; left 16,384 B."""
+    p = plan_of(qwen3_next(), budget_bytes=B40)
+    assert p.architecture == "hybrid_linear"
+    assert p.cell_size_bytes == CELL_TP1
+    assert p.mamba_cache_size == 262
+    assert p.max_total_num_tokens == 920_753
+    assert p.num_pages == 920_753
+    assert p.max_running_requests == 87
+    assert per_req_of(p) == PER_REQ_TP1
+    assert p.total_bytes == 42_949_656_576
+    assert B40 - p.total_bytes == 16_384
+    assert p.full_max_total_num_tokens is None and p.swa_max_total_num_tokens is None
+
+    kv = [b for b in p.buffers if b.kind is BufferKind.kv]
+    state = [b for b in p.buffers if b.kind is BufferKind.state]
+    assert len(kv) == 24 and len(state) == 72
+    assert {b.name for b in kv} == {f"{x}.{lay}" for x in "kv" for lay in FULL_LAYERS}
+    assert p.buffer("k.3").shape == (920_754, 2, 256)
+    assert p.buffer("v.47").page_bytes == 2 * 256 * 2
+    conv, ssm = p.buffer("conv.0"), p.buffer("ssm.46")
+    assert (conv.shape, conv.dtype.value) == ((263, 8192, 3), "bfloat16")
+    assert (ssm.shape, ssm.dtype.value) == ((263, 32, 128, 128), "float32")
+    assert (conv.page_bytes, ssm.page_bytes) == (49_152, 2_097_152)
+    assert "conv.3" not in names(p) and "k.0" not in names(p)
+    r2s = p.buffer("req_to_state")
+    assert (r2s.shape, r2s.dtype.value, r2s.kind, r2s.in_budget) == (
+        (88,), "int32", BufferKind.map, False)
+
+
+def test_qwen3_next_1gib_page16() -> None:
+    """1 GiB = 1,073,741,824 B, page 16: mamba_budget = 1,073,741,824 * 9 // 19 = 508,614,548;
+    state_slots = 508,614,548 // 77,266,944 - 1 = 5; KV = 1,073,741,824 - 6 * 77,266,944
+    = 610,140,160 B; one page = 24,576 * 16 = 393,216 B; pages = 1,551 - 1 = 1,550;
+    tokens 24,800; max_running_requests = min(2,048, 12,400, 5 // 3) = 1.
+    Left: 610,140,160 - 1,551 * 393,216 = 262,144 B < one page + one slot."""
+    p = plan_of(qwen3_next(), budget_bytes=GIB, page_size=16)
+    assert (p.mamba_cache_size, p.num_pages, p.max_total_num_tokens) == (5, 1_550, 24_800)
+    assert p.max_running_requests == 1
+    assert GIB - p.total_bytes == 262_144
+    assert p.buffer("k.7").shape == (1_551 * 16, 2, 256)
+    assert p.buffer("k.7").page_bytes == 16 * 2 * 256 * 2
+    assert p.buffer("conv.1").shape == (6, 8192, 3)
+
+
+@pytest.mark.parametrize(
+    ("tp", "per_req", "slots", "tokens", "conv", "ssm"),
+    [
+        # per slot (4096*3*2 + 16*128*128*4) * 36 = 38,633,472; KV heads 2 // 2 = 1,
+        # cell = 1 * 512 * 12 * 2 = 12,288; slots = 20,344,581,928 // 38,633,472 - 1 = 525;
+        # KV = 40 GiB - 526 * 38,633,472 = 22,628,466,688; tokens = // 12,288 - 1 = 1,841,508
+        (2, 38_633_472, 525, 1_841_508, (4096, 3), (16, 128, 128)),
+        # per slot (2048*3*2 + 8*128*128*4) * 36 = 19,316,736; KV heads max(1, 2 // 4) = 1
+        # (replicated), cell 12,288; slots = 1,053 - 1 = 1,052; KV = 40 GiB - 1,053 * 19,316,736
+        # = 22,609,149,952; tokens = 1,839,937 - 1 = 1,839,936
+        (4, 19_316_736, 1_052, 1_839_936, (2048, 3), (8, 128, 128)),
+    ],
+)
+def test_tp_splits_state_and_kv(tp: int, per_req: int, slots: int, tokens: int,
+                                conv: tuple[int, ...], ssm: tuple[int, ...]) -> None:
+    p = plan_of(qwen3_next(), budget_bytes=B40, tp_size=tp)
+    assert per_req_of(p) == per_req
+    assert p.cell_size_bytes == 12_288
+    assert (p.mamba_cache_size, p.max_total_num_tokens) == (slots, tokens)
+    assert p.max_running_requests == min(2048, slots // 3)
+    assert p.buffer("conv.0").shape == (slots + 1, *conv)
+    assert p.buffer("ssm.0").shape == (slots + 1, *ssm)
+    assert p.buffer("k.3").shape == (tokens + 1, 1, 256)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_pp2_sizes_only_the_stage_layers(rank: int) -> None:
+    """Each stage has 24 layers: 6 full (3..23 or 27..47), 18 linear.
+    per_req = 2,146,304 * 18 = 38,633,472; cell = 2 * 512 * 6 * 2 = 12,288: the same numbers as
+    TP 2, so slots 525 and tokens 1,841,508 on both stages."""
+    p = plan_of(qwen3_next(), budget_bytes=B40, pp_size=2, pp_rank=rank)
+    start = 24 * rank
+    assert (p.layer_start, p.layer_end) == (start, start + 24)
+    assert per_req_of(p) == 38_633_472
+    assert p.cell_size_bytes == 12_288
+    assert (p.mamba_cache_size, p.max_total_num_tokens) == (525, 1_841_508)
+    full = [lay for lay in FULL_LAYERS if start <= lay < start + 24]
+    linear = [lay for lay in range(start, start + 24) if lay not in full]
+    expected = ({f"{x}.{lay}" for x in "kv" for lay in full}
+                | {f"{x}.{lay}" for x in ("conv", "ssm") for lay in linear})
+    in_budget = {b.name for b in p.buffers if b.in_budget}
+    assert in_budget == expected
+    assert p.buffer("ssm.24" if rank else "ssm.0").shape == (526, 32, 128, 128)
+
+
+def test_disable_radix_cache_with_max_running_requests_fixes_the_slots() -> None:
+    """N = 100 without the radix cache: state_slots = 100, state = 101 * 77,266,944
+    = 7,803,961,344 B; KV = 35,145,711,616 B; tokens = // 24,576 - 1 = 1,430,081;
+    max_running_requests = min(100, 715,040, 100 // 1) = 100; left 16,384 B."""
+    p = plan_of(qwen3_next(), budget_bytes=B40, disable_radix_cache=True,
+                max_running_requests=100)
+    assert (p.mamba_cache_size, p.max_total_num_tokens, p.max_running_requests) == (
+        100, 1_430_081, 100)
+    assert B40 - p.total_bytes == 16_384
+    assert p.buffer("req_to_state").shape == (101,)
+
+
+def test_disable_radix_cache_alone_keeps_the_split_with_ratio_one() -> None:
+    """Same split as the default (262 slots, 920,753 tokens); one slot per request, so
+    max_running_requests = min(2,048, 460,376, 262) = 262."""
+    p = plan_of(qwen3_next(), budget_bytes=B40, disable_radix_cache=True)
+    assert (p.mamba_cache_size, p.max_total_num_tokens, p.max_running_requests) == (
+        262, 920_753, 262)
+
+
+def test_radix_cache_caps_a_user_max_running_requests_at_a_third_of_the_slots() -> None:
+    """With the radix cache N = 100 does not fix the slots: 262 slots -> min(100, 87) = 87."""
+    p = plan_of(qwen3_next(), budget_bytes=B40, max_running_requests=100)
+    assert (p.mamba_cache_size, p.max_running_requests) == (262, 87)
+
+
+@pytest.mark.parametrize(
+    ("ratio", "slots", "tokens"),
+    [
+        # m = 1/2: 40 GiB // 3 = 14,316,557,653 -> 185 - 1 = 184 slots;
+        # KV = 40 GiB - 185 * 77,266,944 = 28,655,288,320 -> 1,165,986 - 1 tokens
+        (0.5, 184, 1_165_985),
+        # m = 1: 40 GiB // 2 = 21,474,836,480 -> 277 - 1 = 276; KV 21,546,729,472 -> 876,737
+        (1.0, 276, 876_737),
+        # m = 2: 40 GiB * 2 // 3 = 28,633,115,306 -> 370 - 1 = 369; KV 14,360,903,680 -> 584,345
+        (2.0, 369, 584_345),
+    ],
+)
+def test_mamba_full_memory_ratio_variants(ratio: float, slots: int, tokens: int) -> None:
+    p = plan_of(qwen3_next(), budget_bytes=B40, mamba_full_memory_ratio=ratio)
+    assert (p.mamba_cache_size, p.max_total_num_tokens) == (slots, tokens)
+    assert p.total_bytes <= B40
+
+
+def test_eagle_draft_layers_scale_the_cell_by_full_layers() -> None:
+    """EAGLE, 1 draft layer, L = 12 full layers: cell = 24,576 * 13 // 12 = 26,624.
+    State is unchanged (262 slots); KV 22,628,466,688 // 26,624 - 1 = 849,926 tokens.
+    Left: 22,628,466,688 - 849,927 * 26,624 = 10,240 B."""
+    p = plan_of(qwen3_next(), budget_bytes=B40, speculative_algorithm="eagle")
+    assert p.num_draft_layers == 1
+    assert p.cell_size_bytes == 26_624
+    assert (p.mamba_cache_size, p.max_total_num_tokens) == (262, 849_926)
+    assert B40 - p.total_bytes == 10_240
+    assert p.buffer("draft_k.0").shape == (849_927, 2, 256)
+    assert p.buffer("draft_v.0").kind is BufferKind.kv
+    assert "draft_conv.0" not in names(p)
+
+
+def test_mla_attention_hybrid_uses_latent_buffers() -> None:
+    """An MLA hybrid (Kimi-Linear-like): 576-wide latent, not split by TP.
+    cell = 576 * 12 * 2 = 13,824 B; at TP 2 the state is the TP-2 one (525 slots), so
+    KV = 22,628,466,688 B -> 1,636,897 - 1 = 1,636,896 tokens."""
+    spec = ModelSpec(
+        num_layers=48,
+        attention=MLAAttention(kv_lora_rank=512, qk_rope_head_dim=64),
+        context_length=262_144,
+        linear=qwen3_next().linear,
+    )
+    p = plan_of(spec, budget_bytes=B40, tp_size=2)
+    assert p.cell_size_bytes == 13_824
+    assert (p.mamba_cache_size, p.max_total_num_tokens) == (525, 1_636_896)
+    assert p.buffer("kv.3").shape == (1_636_897, 1, 576)
+    assert "k.3" not in names(p)
+
+
+def test_used_bytes_stay_within_budget_and_leftover_is_below_a_page_and_a_slot() -> None:
+    """Seeded sweep: for any budget, TP, page, ratio and radix setting the buffers fit the
+    budget and leave less than one KV page plus one state slot unused."""
+    rng = random.Random(1234)
+    spec = qwen3_next()
+    for _ in range(40):
+        budget = rng.randrange(GIB, 80 * GIB)
+        page = rng.choice([1, 16, 64])
+        options = dict(
+            budget_bytes=budget,
+            page_size=page,
+            tp_size=rng.choice([1, 2, 4, 8]),
+            mamba_full_memory_ratio=rng.choice([0.3, 0.5, 0.9, 1.0, 2.0]),
+            disable_radix_cache=rng.random() < 0.5,
+        )
+        p = plan_of(spec, **options)
+        per_req = per_req_of(p)
+        assert p.total_bytes == (p.mamba_cache_size + 1) * per_req + (
+            p.num_pages + 1) * page * p.cell_size_bytes
+        assert p.total_bytes <= budget, options
+        assert budget - p.total_bytes < page * p.cell_size_bytes + per_req, options
+
+
+# --- without a budget, and stages without one kind of layer -----------------------------------
+
+
+def test_max_total_tokens_only_needs_max_running_requests() -> None:
+    """No budget: 100,000 tokens from the cap; state = 50 * 3 = 150 slots; mrr = 50."""
+    p = plan_of(qwen3_next(), max_total_tokens=100_000, max_running_requests=50)
+    assert (p.max_total_num_tokens, p.mamba_cache_size, p.max_running_requests) == (
+        100_000, 150, 50)
+    assert p.buffer("ssm.0").shape == (151, 32, 128, 128)
+    no_radix = plan_of(qwen3_next(), max_total_tokens=100_000, max_running_requests=50,
+                       disable_radix_cache=True)
+    assert no_radix.mamba_cache_size == 50
+    with pytest.raises(InvalidArgument, match="--max-running-requests") as err:
+        plan_of(qwen3_next(), max_total_tokens=100_000)
+    assert err.value.field == "max_running_requests"
+
+
+def test_max_total_tokens_caps_the_kv_side_of_a_budget() -> None:
+    """The cap lowers the KV side only; the state keeps its 262 slots."""
+    p = plan_of(qwen3_next(), budget_bytes=B40, max_total_tokens=100_000)
+    assert (p.max_total_num_tokens, p.mamba_cache_size) == (100_000, 262)
+
+
+def test_stage_without_full_attention_puts_the_budget_into_state() -> None:
+    """PP 48: stage 0 holds only linear layer 0. cell 0, no KV buffers; per_req = 2,146,304;
+    slots = 1,073,741,824 // 2,146,304 - 1 = 499; tokens = the context length 262,144;
+    max_running_requests = min(2,048, 131,072, 499 // 3 = 166) = 166.
+    With max_total_tokens 4,096 the id space is 4,096 tokens."""
+    p = plan_of(qwen3_next(), budget_bytes=GIB, pp_size=48, pp_rank=0)
+    assert p.cell_size_bytes == 0
+    assert (p.mamba_cache_size, p.max_total_num_tokens, p.max_running_requests) == (
+        499, 262_144, 166)
+    assert not [b for b in p.buffers if b.kind is BufferKind.kv]
+    assert {b.name for b in p.buffers if b.in_budget} == {"conv.0", "ssm.0"}
+    assert GIB - p.total_bytes < SLOT_LAYER_TP1
+    assert any("no full-attention layers" in n for n in p.notes)
+    capped = plan_of(qwen3_next(), budget_bytes=GIB, pp_size=48, pp_rank=0,
+                     max_total_tokens=4096)
+    assert capped.max_total_num_tokens == 4096
+    # a model with no full-attention layer at all is the same case on every stage
+    all_linear = plan_of(qwen3_next(full_attention_layers=()), budget_bytes=B40)
+    assert all_linear.cell_size_bytes == 0
+    assert all_linear.mamba_cache_size == B40 // (48 * SLOT_LAYER_TP1) - 1  # 415
+
+
+def test_stage_without_linear_layers_puts_the_budget_into_kv() -> None:
+    """PP 48: stage 3 holds only full layer 3. per_req 0, cell = 2 * 512 * 2 = 2,048;
+    pages = 1,073,741,824 // 2,048 - 1 = 524,287; mrr = min(2,048, 262,143) = 2,048;
+    state ids = 2,048 * 3 = 6,144 with no state buffers."""
+    p = plan_of(qwen3_next(), budget_bytes=GIB, pp_size=48, pp_rank=3)
+    assert p.cell_size_bytes == 2_048
+    assert (p.max_total_num_tokens, p.max_running_requests, p.mamba_cache_size) == (
+        524_287, 2_048, 6_144)
+    assert {b.name for b in p.buffers if b.in_budget} == {"k.3", "v.3"}
+    assert p.buffer("req_to_state").shape == (2_049,)
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("disable_radix_cache", "needed", "slots"),
+    [
+        # with the radix cache one request needs 3 slots + padding = 4 * 77,266,944
+        # = 309,067,776 B of mamba budget: budget >= 309,067,776 * 19 / 9 = 652,476,416 B
+        (False, 652_476_416, 3),
+        # without it 1 slot + padding: 2 * 77,266,944 * 19 / 9 = 326,238,208 B
+        (True, 326_238_208, 1),
+    ],
+)
+def test_budget_too_small_for_state_names_per_req_and_the_budget_needed(
+        disable_radix_cache: bool, needed: int, slots: int) -> None:
+    """One byte below ``needed`` the state buys one slot too few (2 and 0 slots); at
+    ``needed`` exactly one request runs and the KV side gets the rest."""
+    with pytest.raises(InvalidArgument) as err:
+        plan_of(qwen3_next(), budget_bytes=needed - 1, disable_radix_cache=disable_radix_cache)
+    assert err.value.field == "budget_bytes"
+    assert "77,266,944" in err.value.message and f"{needed:,}" in err.value.message
+    p = plan_of(qwen3_next(), budget_bytes=needed, disable_radix_cache=disable_radix_cache)
+    assert (p.mamba_cache_size, p.max_running_requests) == (slots, 1)
+
+
+def test_stage_without_full_attention_too_small_for_state() -> None:
+    """All budget to state, radix cache: 4 * 2,146,304 = 8,585,216 B needed."""
+    with pytest.raises(InvalidArgument, match="8,585,216 B") as err:
+        plan_of(qwen3_next(), budget_bytes=8_585_215, pp_size=48, pp_rank=0)
+    assert err.value.field == "budget_bytes"
+    p = plan_of(qwen3_next(), budget_bytes=8_585_216, pp_size=48, pp_rank=0)
+    assert p.mamba_cache_size == 3
+
+
+def test_budget_too_small_for_kv_after_state() -> None:
+    """m = 100, 1 GiB, page 4,096: 13 state slots take 1,004,470,272 B, leaving 69,271,552 B
+    for KV, less than 2 pages of 24,576 * 4,096 = 100,663,296 B each."""
+    with pytest.raises(InvalidArgument, match="69,271,552 B for KV") as err:
+        plan_of(qwen3_next(), budget_bytes=GIB, page_size=4096, mamba_full_memory_ratio=100)
+    assert err.value.field == "budget_bytes"
+
+
+def test_no_radix_max_running_requests_beyond_the_budget() -> None:
+    with pytest.raises(InvalidArgument, match="lower --max-running-requests") as err:
+        plan_of(qwen3_next(), budget_bytes=GIB, disable_radix_cache=True,
+                max_running_requests=100)
+    assert err.value.field == "budget_bytes"
+
+
+def test_linear_with_dsa_indexer_is_rejected() -> None:
+    spec = ModelSpec(num_layers=4, attention=MLAAttention(kv_lora_rank=512, qk_rope_head_dim=64),
+                     context_length=64, indexer=DSAIndexer(), linear=tiny().linear)
+    with pytest.raises(InvalidArgument, match="indexer") as err:
+        plan_of(spec, budget_bytes=GIB, page_size=64)
+    assert err.value.field == "model"
+
+
+def test_size_and_layout_agree_through_the_context() -> None:
+    """The module's own entry points (as the registry calls them) give the planner's numbers."""
+    ctx = make_context(qwen3_next(), make_options(budget_bytes=B40))
+    assert hybrid_linear.per_request_state_bytes(ctx) == PER_REQ_TP1
+    full, linear = hybrid_linear.stage_split(ctx)
+    assert (full, len(linear)) == (list(FULL_LAYERS), 36)
+    sizing = hybrid_linear.size(ctx)
+    assert (sizing.architecture, sizing.mamba_cache_size, sizing.num_pages) == (
+        "hybrid_linear", 262, 920_753)
+    assert len(hybrid_linear.layout(ctx, sizing)) == 24 + 72 + 1
+
+
+# --- a real pool ------------------------------------------------------------------------------
+
+
+def test_build_small_pool_views() -> None:
+    """tiny(): full layers 1, 3; linear 0, 2; TP 1, page 4, budget 65,536 B, context 64.
+    conv_dim = 8*4 + 2*2*8 = 64: conv (64, 3) bf16 = 384 B, ssm (4, 8, 8) fp32 = 1,024 B,
+    per_req = 1,408 * 2 = 2,816 B; cell = 2 * 32 * 2 * 2 = 256 B, page = 1,024 B.
+    mamba_budget = 65,536 * 9 // 19 = 31,043 -> slots 31,043 // 2,816 - 1 = 10;
+    KV = 65,536 - 11 * 2,816 = 34,560 -> pages 33 - 1 = 32 (128 tokens, 132 rows);
+    mrr = min(2,048, 64, 10 // 3) = 3."""
+    p = plan_of(tiny(), budget_bytes=65_536, page_size=4)
+    assert (p.mamba_cache_size, p.num_pages, p.max_running_requests) == (10, 32, 3)
+    assert 65_536 - p.total_bytes == 768
+    pool = builder.build_pool(p, "cpu")
+    views = pool.views
+    assert pool.backing.numel() == p.backing_bytes
+    expected = {
+        "k.1": ((132, 2, 16), torch.bfloat16),
+        "v.3": ((132, 2, 16), torch.bfloat16),
+        "conv.0": ((11, 64, 3), torch.bfloat16),
+        "ssm.2": ((11, 4, 8, 8), torch.float32),
+        "req_to_state": ((4,), torch.int32),
+    }
+    for name, (shape, dtype) in expected.items():
+        assert tuple(views[name].shape) == shape, name
+        assert views[name].dtype == dtype, name
+    assert set(views) == names(p)
+    # every view aliases its own bytes of the backing: fill each, then read all back
+    for i, name in enumerate(sorted(views)):
+        views[name].fill_(i + 1)
+    for i, name in enumerate(sorted(views)):
+        assert bool((views[name] == i + 1).all()), name
+    spec = p.buffer("ssm.2")
+    views["ssm.2"][5].fill_(2.5)
+    raw = pool.backing[spec.offset_bytes + 5 * spec.page_bytes:
+                       spec.offset_bytes + 6 * spec.page_bytes]
+    assert bool((raw.view(torch.float32) == 2.5).all())
