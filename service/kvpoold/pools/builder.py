@@ -48,6 +48,12 @@ def view_of(backing: torch.Tensor, spec: BufferSpec) -> torch.Tensor:
     return raw.view(torch_dtype(spec.dtype)).view(spec.shape)
 
 
+def _build_dsv4(plan: PoolPlan, backing: torch.Tensor) -> dict[str, torch.Tensor]:
+    from kvpoold.pools.dsv4 import build_dsv4  # its own module; imports this one for carve
+
+    return build_dsv4(plan, backing)
+
+
 BUILDERS: dict[str, BuilderFn] = {
     "mha": carve,
     "mla": carve,
@@ -55,7 +61,7 @@ BUILDERS: dict[str, BuilderFn] = {
     "hybrid_swa": carve,
     "all_swa": carve,
     "hybrid_linear": carve,
-    "dsv4": carve,
+    "dsv4": _build_dsv4,
 }
 
 

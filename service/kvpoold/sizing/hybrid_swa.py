@@ -64,13 +64,13 @@ from kvpoold.sizing.common import (
     tp_heads,
 )
 from kvpoold.sizing.layout import buffer, token_rows
-from kvpoold.sizing.plan import BufferKind, BufferSpec
+from kvpoold.sizing.plan import FULL_TO_SWA, BufferKind, BufferSpec
 from kvpoold.spec import DType, MHAAttention, ModelSpec
 
 NAME = "hybrid_swa"
 ALL_SWA = "all_swa"
 REPORTS = (NAME, ALL_SWA)
-MAPPING_BUFFER = "full_to_swa"
+MAPPING_BUFFER = FULL_TO_SWA
 
 
 def matches(spec: ModelSpec) -> bool:

@@ -45,6 +45,9 @@ class BufferSpec(Base):
     in_budget: bool = True
 
 
+# The aux full->SWA page map of hybrid SWA and DSV4 pools: int64, indexed by full page id.
+FULL_TO_SWA = "full_to_swa"
+
 ArchitectureSource = Literal["hf_config", "fallback", "spec"]
 
 
