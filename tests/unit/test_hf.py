@@ -1,0 +1,493 @@
+"""Hugging Face config.json -> ModelSpec: the shared model configs, each loading rule, errors."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool.errors import InvalidArgument
+from kvpoold.hf import LOADERS, load_model, load_model_config, spec_from_hf
+from kvpoold.spec import MHAAttention, MLAAttention, ModelDType
+
+MODELS = Path(__file__).resolve().parents[1] / "data" / "models"
+
+
+def llama(**over: Any) -> dict[str, Any]:
+    """A small Llama-shaped config: 4 layers, 8 heads of 64 (hidden 512), 2 KV heads."""
+    cfg: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "hidden_size": 512,
+        "max_position_embeddings": 4096,
+        "torch_dtype": "bfloat16",
+    }
+    cfg.update(over)
+    return cfg
+
+
+def with_arch(arch: str, **over: Any) -> dict[str, Any]:
+    return llama(architectures=[arch], **over)
+
+
+def sliding_layers(cfg: dict[str, Any]) -> tuple[int, ...] | None:
+    spec, _ = spec_from_hf(cfg)
+    return None if spec.sliding_window is None else spec.sliding_window.layers
+
+
+def write(tmp_path: Path, name: str, content: str | bytes) -> Path:
+    path = tmp_path / name
+    path.write_bytes(content.encode() if isinstance(content, str) else content)
+    return path
+
+
+# ---- the shared model configs -------------------------------------------------------------------
+
+
+def test_llama_31_8b():
+    """32 layers; no head_dim, so 4096 hidden / 32 heads = 128; 8 KV heads; context 131,072;
+    torch_dtype bfloat16; no sliding window, no MTP, no FP8 KV."""
+    spec, source = load_model_config(MODELS / "llama-3.1-8b-instruct.json")
+    assert source == "hf_config"
+    assert spec.architecture == "LlamaForCausalLM"
+    assert spec.num_layers == 32
+    assert spec.attention == MHAAttention(num_kv_heads=8, head_dim=128)
+    assert spec.context_length == 131_072
+    assert spec.dtype is ModelDType.bfloat16
+    assert spec.sliding_window is None and spec.linear is None and spec.indexer is None
+    assert spec.num_nextn_predict_layers == 0
+    assert not spec.kv_cache_quant_fp8
+
+
+def test_qwen3_8b():
+    """36 layers, explicit head_dim 128 (here equal to 4096 / 32), 8 KV heads, context 40,960;
+    use_sliding_window false and sliding_window null: no sliding window despite
+    max_window_layers 36."""
+    spec, source = load_model_config(MODELS / "qwen3-8b.json")
+    assert source == "hf_config"
+    assert spec.num_layers == 36
+    assert spec.attention == MHAAttention(num_kv_heads=8, head_dim=128)
+    assert spec.context_length == 40_960
+    assert spec.sliding_window is None
+
+
+def test_deepseek_v3():
+    """MLA: kv_lora_rank 512 + qk_rope_head_dim 64; 61 layers; 1 NextN layer carried; context
+    163,840; quant_method fp8 weights but no kv_cache_quant_algo, so the KV stays bf16."""
+    spec, source = load_model_config(MODELS / "deepseek-v3.json")
+    assert source == "hf_config"
+    assert spec.attention == MLAAttention(kv_lora_rank=512, qk_rope_head_dim=64)
+    assert spec.num_layers == 61
+    assert spec.num_nextn_predict_layers == 1
+    assert spec.context_length == 163_840
+    assert spec.indexer is None
+    assert not spec.kv_cache_quant_fp8
+    assert spec.dtype is ModelDType.bfloat16
+
+
+def test_deepseek_v32():
+    """DeepSeek-V3 geometry plus the DSA indexer with index_head_dim 128."""
+    spec, _ = load_model_config(MODELS / "deepseek-v3.2-exp.json")
+    assert spec.architecture == "DeepseekV32ForCausalLM"
+    assert spec.attention == MLAAttention(kv_lora_rank=512, qk_rope_head_dim=64)
+    assert spec.indexer is not None and spec.indexer.index_head_dim == 128
+    assert spec.num_nextn_predict_layers == 1
+
+
+def test_gpt_oss_20b():
+    """head_dim 64 given explicitly wins over 2880 / 64 = 45; 8 KV heads; 24 layers whose
+    layer_types alternate sliding/full starting with sliding: layers 0, 2, ..., 22 slide, window
+    128; no torch_dtype in the file, so bfloat16."""
+    spec, _ = load_model_config(MODELS / "gpt-oss-20b.json")
+    assert spec.attention == MHAAttention(num_kv_heads=8, head_dim=64)
+    assert spec.num_layers == 24
+    assert spec.sliding_window is not None
+    assert spec.sliding_window.window == 128
+    assert spec.sliding_window.layers == tuple(range(0, 24, 2))
+    assert spec.dtype is ModelDType.bfloat16
+    assert spec.context_length == 131_072
+
+
+def test_qwen3_next():
+    """48 layers, full_attention_interval 4: full where (i + 1) % 4 == 0 -> 3, 7, ..., 47 (12
+    layers), the other 36 linear. Full layers: 2 KV heads of 256. Linear: conv kernel 4, 16 key
+    heads and 32 value heads of 128."""
+    spec, _ = load_model_config(MODELS / "qwen3-next-80b-a3b-instruct.json")
+    assert spec.attention == MHAAttention(num_kv_heads=2, head_dim=256)
+    assert spec.context_length == 262_144
+    assert spec.linear is not None
+    assert spec.linear.full_attention_layers == tuple(range(3, 48, 4))
+    assert len(spec.linear.full_attention_layers) == 12
+    assert (spec.linear.conv_kernel, spec.linear.num_key_heads, spec.linear.num_value_heads,
+            spec.linear.key_head_dim, spec.linear.value_head_dim) == (4, 16, 32, 128, 128)
+    assert spec.linear.ssm_dtype is ModelDType.float32
+    assert spec.sliding_window is None
+
+
+# ---- rules, each on a small synthetic config ----------------------------------------------------
+
+
+def test_explicit_head_dim_wins():
+    """hidden 512 / 8 heads would be 64; head_dim 96 is used instead."""
+    spec, _ = spec_from_hf(llama(head_dim=96))
+    assert spec.attention == MHAAttention(num_kv_heads=2, head_dim=96)
+
+
+def test_head_dim_from_hidden_size():
+    spec, _ = spec_from_hf(llama())
+    assert spec.attention == MHAAttention(num_kv_heads=2, head_dim=64)
+
+
+def test_hidden_size_not_divisible_without_head_dim_is_rejected():
+    with pytest.raises(InvalidArgument, match="head_dim"):
+        spec_from_hf(llama(hidden_size=500))
+
+
+@pytest.mark.parametrize("kv", [None, "absent"])
+def test_kv_heads_default_to_attention_heads(kv: str | None):
+    cfg = llama()
+    if kv is None:
+        cfg["num_key_value_heads"] = None
+    else:
+        del cfg["num_key_value_heads"]
+    spec, _ = spec_from_hf(cfg)
+    assert spec.attention == MHAAttention(num_kv_heads=8, head_dim=64)
+
+
+def test_mistral_window_without_layer_types_is_all_swa():
+    """Mistral-7B-v0.1 style: sliding_window 4096 and no layer_types -> every layer slides."""
+    assert sliding_layers(with_arch("MistralForCausalLM", sliding_window=4096)) == (0, 1, 2, 3)
+
+
+@pytest.mark.parametrize("over", [
+    {"sliding_window": None},
+    {"sliding_window": 4096, "use_sliding_window": False},
+    {},
+])
+def test_mistral_no_window(over: dict[str, Any]):
+    assert sliding_layers(with_arch("MistralForCausalLM", **over)) is None
+
+
+def test_layer_types_decide_which_layers_slide():
+    types = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    cfg = with_arch("MistralForCausalLM", sliding_window=512, layer_types=types)
+    assert sliding_layers(cfg) == (1, 2)
+
+
+def test_layer_types_ignored_when_sliding_is_off():
+    types = ["sliding_attention"] * 4
+    assert sliding_layers(with_arch("Qwen2ForCausalLM", sliding_window=512, layer_types=types,
+                                    use_sliding_window=False)) is None
+    assert sliding_layers(with_arch("Qwen2ForCausalLM", sliding_window=None,
+                                    layer_types=types)) is None
+
+
+def test_layer_types_must_match_layer_count_and_values():
+    with pytest.raises(InvalidArgument, match="layer_types"):
+        spec_from_hf(with_arch("MistralForCausalLM", sliding_window=8,
+                               layer_types=["full_attention"]))
+    with pytest.raises(InvalidArgument, match=r"chunked_attention.*accepted"):
+        spec_from_hf(with_arch("MistralForCausalLM", sliding_window=8,
+                               layer_types=["chunked_attention"] * 4))
+
+
+def test_gemma2_alternates_even_layers_slide():
+    """HF Gemma-2: layer i slides when (i + 1) % 2 != 0, i.e. even ids; 6 layers -> 0, 2, 4."""
+    cfg = with_arch("Gemma2ForCausalLM", num_hidden_layers=6, head_dim=256, sliding_window=4096)
+    assert sliding_layers(cfg) == (0, 2, 4)
+    spec, _ = spec_from_hf(cfg)
+    assert spec.sliding_window is not None and spec.sliding_window.window == 4096
+
+
+def test_gemma3_sliding_window_pattern():
+    """Pattern 6: layers with (i + 1) % 6 == 0 (5 and 11 of 12) are full, the other 10 slide."""
+    cfg = with_arch("Gemma3ForCausalLM", num_hidden_layers=12, sliding_window=512,
+                    sliding_window_pattern=6)
+    assert sliding_layers(cfg) == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)
+    cfg = with_arch("Gemma3ForCausalLM", num_hidden_layers=4, sliding_window=512,
+                    _sliding_window_pattern=2)
+    assert sliding_layers(cfg) == (0, 2)
+
+
+def test_gemma3_defaults_pattern_6():
+    cfg = with_arch("Gemma3ForCausalLM", num_hidden_layers=7, sliding_window=512)
+    assert sliding_layers(cfg) == (0, 1, 2, 3, 4, 6)
+
+
+def test_gemma3_conditional_generation_reads_text_config():
+    """gemma-3-4b-it style: the text_config lists only what differs from Gemma3TextConfig
+    (34 layers, hidden 2560, window 1024); heads 8, KV heads 4, head_dim 256 and context
+    131,072 are the class defaults; torch_dtype is at the top level. Full layers: 5, 11, 17,
+    23, 29 (every 6th), so 29 of 34 slide."""
+    cfg = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "torch_dtype": "bfloat16",
+        "text_config": {"hidden_size": 2560, "num_hidden_layers": 34, "sliding_window": 1024,
+                        "model_type": "gemma3_text"},
+        "vision_config": {"hidden_size": 1152},
+    }
+    spec, source = spec_from_hf(cfg)
+    assert source == "hf_config"
+    assert spec.num_layers == 34
+    assert spec.attention == MHAAttention(num_kv_heads=4, head_dim=256)
+    assert spec.context_length == 131_072
+    assert spec.sliding_window is not None
+    assert spec.sliding_window.window == 1024
+    full = sorted(set(range(34)) - set(spec.sliding_window.layers))
+    assert full == [5, 11, 17, 23, 29]
+
+
+def test_gemma3_conditional_generation_needs_text_config():
+    with pytest.raises(InvalidArgument, match="text_config"):
+        spec_from_hf({"architectures": ["Gemma3ForConditionalGeneration"]})
+
+
+def test_qwen2_layers_from_max_window_layers_slide():
+    """HF Qwen2: with use_sliding_window true the first max_window_layers layers stay full and
+    layers i >= max_window_layers slide: 6 layers, max_window_layers 4 -> 4, 5."""
+    cfg = with_arch("Qwen2ForCausalLM", num_hidden_layers=6, use_sliding_window=True,
+                    sliding_window=4096, max_window_layers=4)
+    assert sliding_layers(cfg) == (4, 5)
+    cfg["max_window_layers"] = 6  # all layers below it: nothing slides
+    assert sliding_layers(cfg) is None
+
+
+def test_qwen_needs_use_sliding_window_true():
+    """Qwen2Config defaults use_sliding_window to false: a window alone does not slide."""
+    cfg = with_arch("Qwen2ForCausalLM", num_hidden_layers=6, sliding_window=4096,
+                    max_window_layers=4)
+    assert sliding_layers(cfg) is None
+
+
+def test_qwen3_default_max_window_layers_is_28():
+    cfg = with_arch("Qwen3ForCausalLM", num_hidden_layers=30, use_sliding_window=True,
+                    sliding_window=4096, head_dim=128)
+    assert sliding_layers(cfg) == (28, 29)
+
+
+def test_qwen3_moe_uses_the_qwen_rule():
+    cfg = with_arch("Qwen3MoeForCausalLM", num_hidden_layers=3, use_sliding_window=True,
+                    sliding_window=64, max_window_layers=1)
+    assert sliding_layers(cfg) == (1, 2)
+
+
+def test_llama_ignores_a_stray_sliding_window():
+    assert sliding_layers(llama(sliding_window=4096)) is None
+
+
+def test_qwen3_next_layer_types_override_interval():
+    cfg = json.loads((MODELS / "qwen3-next-80b-a3b-instruct.json").read_text())
+    cfg["num_hidden_layers"] = 4
+    cfg["layer_types"] = ["linear_attention", "full_attention", "linear_attention",
+                          "full_attention"]
+    spec, _ = spec_from_hf(cfg)
+    assert spec.linear is not None and spec.linear.full_attention_layers == (1, 3)
+
+
+def test_qwen3_next_mamba_ssm_dtype_carried():
+    cfg = json.loads((MODELS / "qwen3-next-80b-a3b-instruct.json").read_text())
+    cfg["mamba_ssm_dtype"] = "bfloat16"
+    spec, _ = spec_from_hf(cfg)
+    assert spec.linear is not None and spec.linear.ssm_dtype is ModelDType.bfloat16
+
+
+@pytest.mark.parametrize(("over", "expected"), [
+    ({"torch_dtype": "float16"}, ModelDType.float16),
+    ({"torch_dtype": None, "dtype": "float32"}, ModelDType.float32),
+    ({"torch_dtype": "auto"}, ModelDType.bfloat16),
+    ({"torch_dtype": None}, ModelDType.bfloat16),
+    ({"torch_dtype": "torch.float16"}, ModelDType.float16),
+])
+def test_dtype(over: dict[str, Any], expected: ModelDType):
+    assert spec_from_hf(llama(**over))[0].dtype is expected
+
+
+def test_dtype_absent_defaults_to_bfloat16():
+    cfg = llama()
+    del cfg["torch_dtype"]
+    assert spec_from_hf(cfg)[0].dtype is ModelDType.bfloat16
+
+
+@pytest.mark.parametrize("bad", ["int8", ["bfloat16"], 16])
+def test_unknown_dtype_is_rejected(bad: object):
+    with pytest.raises(InvalidArgument, match=r"torch_dtype .*accepted"):
+        spec_from_hf(llama(torch_dtype=bad))
+
+
+def test_context_length_and_nextn_carried():
+    spec, _ = spec_from_hf(llama(max_position_embeddings=777, num_nextn_predict_layers=2))
+    assert spec.context_length == 777
+    assert spec.num_nextn_predict_layers == 2
+
+
+def test_kv_cache_quant_fp8():
+    """ModelOpt checkpoints: quantization_config.kv_cache_quant_algo == "FP8" -> fp8 KV."""
+    quant = {"quant_method": "modelopt", "kv_cache_quant_algo": "FP8"}
+    assert spec_from_hf(llama(quantization_config=quant))[0].kv_cache_quant_fp8
+    assert not spec_from_hf(llama(quantization_config={"quant_method": "fp8"}))[0] \
+        .kv_cache_quant_fp8
+
+
+def test_dsa_index_head_dim_other_than_128_is_rejected():
+    cfg = json.loads((MODELS / "deepseek-v3.2-exp.json").read_text())
+    cfg["index_head_dim"] = 64
+    with pytest.raises(InvalidArgument, match="index_head_dim"):
+        spec_from_hf(cfg)
+
+
+def test_deepseek_v2_is_mla():
+    """DeepSeek-V2-Lite: 27 layers, kv_lora_rank 512, rope 64, q_lora_rank null."""
+    cfg = {"architectures": ["DeepseekV2ForCausalLM"], "num_hidden_layers": 27,
+           "kv_lora_rank": 512, "qk_rope_head_dim": 64, "q_lora_rank": None,
+           "max_position_embeddings": 163840, "num_attention_heads": 16}
+    spec, _ = spec_from_hf(cfg)
+    assert spec.attention == MLAAttention(kv_lora_rank=512, qk_rope_head_dim=64)
+
+
+def test_loader_table_lists_every_supported_class():
+    assert set(LOADERS) == {
+        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+        "Gemma3ForConditionalGeneration", "GptOssForCausalLM", "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "Qwen3NextForCausalLM",
+    }
+
+
+# ---- fallback -----------------------------------------------------------------------------------
+
+
+def test_unknown_architecture_with_standard_fields_falls_back_to_mha():
+    spec, source = spec_from_hf(with_arch("FooForCausalLM"))
+    assert source == "fallback"
+    assert spec.architecture == "FooForCausalLM"
+    assert spec.attention == MHAAttention(num_kv_heads=2, head_dim=64)
+    assert spec.num_layers == 4
+
+
+def test_fallback_with_head_dim_instead_of_hidden_size():
+    cfg = with_arch("FooForCausalLM", head_dim=32)
+    del cfg["hidden_size"]
+    assert spec_from_hf(cfg)[0].attention == MHAAttention(num_kv_heads=2, head_dim=32)
+
+
+def test_first_known_class_of_several_is_used():
+    spec, source = spec_from_hf(llama(architectures=["FooModel", "LlamaForCausalLM"]))
+    assert source == "hf_config" and spec.architecture == "LlamaForCausalLM"
+
+
+def test_unknown_architecture_without_fields_lists_missing_and_supported():
+    with pytest.raises(InvalidArgument) as err:
+        spec_from_hf({"architectures": ["FooForCausalLM"], "num_hidden_layers": 2})
+    msg = str(err.value)
+    assert err.value.field == "model_config"
+    assert "num_attention_heads" in msg and "max_position_embeddings" in msg
+    assert "hidden_size (or head_dim)" in msg
+    assert "LlamaForCausalLM" in msg and "Qwen3NextForCausalLM" in msg
+
+
+def test_errors_blame_the_given_field():
+    """The daemon passes its RPC field name; the CLI keeps the default ``model_config``."""
+    with pytest.raises(InvalidArgument) as err:
+        spec_from_hf({"architectures": ["X"]}, where="hf_config_json", field="hf_config_json")
+    assert err.value.field == "hf_config_json"
+    assert str(err.value).startswith("hf_config_json: ")
+    with pytest.raises(InvalidArgument) as err:
+        spec_from_hf(llama(num_hidden_layers=0), field="hf_config_json")
+    assert err.value.field == "hf_config_json"
+
+
+def test_no_architectures_and_no_fields():
+    with pytest.raises(InvalidArgument, match="no architectures listed"):
+        spec_from_hf({})
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+
+def test_known_architecture_missing_field_is_named():
+    cfg = llama()
+    del cfg["num_hidden_layers"]
+    with pytest.raises(InvalidArgument, match="missing num_hidden_layers"):
+        spec_from_hf(cfg)
+    cfg = json.loads((MODELS / "deepseek-v3.json").read_text())
+    del cfg["kv_lora_rank"]
+    with pytest.raises(InvalidArgument, match="missing kv_lora_rank"):
+        spec_from_hf(cfg)
+
+
+@pytest.mark.parametrize("bad", ["32", True, 3.5])
+def test_mistyped_field_is_named(bad: object):
+    with pytest.raises(InvalidArgument, match="num_hidden_layers must be an integer"):
+        spec_from_hf(llama(num_hidden_layers=bad))
+
+
+def test_out_of_range_value_comes_back_with_its_path():
+    with pytest.raises(InvalidArgument, match=r"num_layers"):
+        spec_from_hf(llama(num_hidden_layers=0))
+
+
+def test_missing_file_names_the_path(tmp_path: Path):
+    path = tmp_path / "nope.json"
+    with pytest.raises(InvalidArgument, match=r"nope\.json"):
+        load_model(path)
+    with pytest.raises(InvalidArgument, match=r"nope\.json"):
+        load_model_config(path)
+
+
+def test_non_json_names_the_path(tmp_path: Path):
+    path = write(tmp_path, "config.json", "{not json")
+    with pytest.raises(InvalidArgument, match=re.escape(f"{path} is not valid JSON")):
+        load_model(path)
+
+
+def test_non_object_json_is_rejected(tmp_path: Path):
+    path = write(tmp_path, "config.json", "[1, 2]")
+    with pytest.raises(InvalidArgument, match="JSON list, expected an object"):
+        load_model_config(path)
+
+
+def test_error_messages_name_the_file(tmp_path: Path):
+    path = write(tmp_path, "config.json", json.dumps({"architectures": ["X"]}))
+    with pytest.raises(InvalidArgument, match=re.escape(str(path))):
+        load_model(path)
+
+
+def test_model_directory_means_its_config_json(tmp_path: Path):
+    write(tmp_path, "config.json", json.dumps(llama()))
+    spec, source = load_model(tmp_path)
+    assert source == "hf_config" and spec.num_layers == 4
+
+
+# ---- spec files ---------------------------------------------------------------------------------
+
+
+def test_json_spec_file(tmp_path: Path):
+    spec_json = {"num_layers": 2, "context_length": 1024,
+                 "attention": {"type": "mha", "num_kv_heads": 1, "head_dim": 64}}
+    spec, source = load_model(write(tmp_path, "spec.json", json.dumps(spec_json)))
+    assert source == "spec"
+    assert spec.attention == MHAAttention(num_kv_heads=1, head_dim=64)
+
+
+def test_toml_spec_file(tmp_path: Path):
+    text = ('num_layers = 3\ncontext_length = 2048\n\n[attention]\ntype = "mla"\n'
+            "kv_lora_rank = 512\nqk_rope_head_dim = 64\n")
+    spec, source = load_model(write(tmp_path, "spec.toml", text))
+    assert source == "spec"
+    assert spec.attention == MLAAttention(kv_lora_rank=512, qk_rope_head_dim=64)
+
+
+def test_bad_spec_file_is_invalid_argument(tmp_path: Path):
+    bad = {"num_layers": 0, "context_length": 1,
+           "attention": {"type": "mha", "num_kv_heads": 1, "head_dim": 64}}
+    with pytest.raises(InvalidArgument, match=r"\$\.num_layers"):
+        load_model(write(tmp_path, "spec.json", json.dumps(bad)))
+    with pytest.raises(InvalidArgument, match=r"spec\.toml"):
+        load_model(write(tmp_path, "spec.toml", "num_layers = ["))
+    with pytest.raises(InvalidArgument, match=r"missing\.toml"):
+        load_model(tmp_path / "missing.toml")

@@ -1,0 +1,420 @@
+"""``kvpoold plan``: JSON and table output per model, every bad input -> exit 2, parse_size."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool.errors import InvalidArgument
+from kvpoold import cli
+from kvpoold.hf import load_model
+from kvpoold.sizes import format_size, parse_size
+from kvpoold.sizing import PoolPlan, make_options, plan
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ROOT / "tests" / "data" / "models"
+LLAMA = MODELS / "llama-3.1-8b-instruct.json"
+QWEN3 = MODELS / "qwen3-8b.json"
+DSV3 = MODELS / "deepseek-v3.json"
+DSV32 = MODELS / "deepseek-v3.2-exp.json"
+GPT_OSS = MODELS / "gpt-oss-20b.json"
+QWEN3_NEXT = MODELS / "qwen3-next-80b-a3b-instruct.json"
+BUDGET = 42_949_672_960  # 40 GiB
+
+
+def run_plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """In-process ``kvpoold plan ARGS``; argparse's own errors come back as exit codes too."""
+    try:
+        code = cli.main(["plan", *map(str, args)])
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def plan_json(capsys: pytest.CaptureFixture[str], model: Path, *args: str) -> dict[str, Any]:
+    code, out, err = run_plan(capsys, "--model-config", str(model), "--json", *args)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def run_subprocess(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "client"),
+                                                        str(ROOT / "service")])}
+    return subprocess.run([sys.executable, "-m", "kvpoold.cli", "plan", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=60, check=False)
+
+
+# ---- numbers per model (JSON) -------------------------------------------------------------------
+
+
+def test_llama_40gib_page16(capsys: pytest.CaptureFixture[str]):
+    """cell = 8 KV heads * (128 + 128) * 32 layers * 2 B = 131,072 B; one page of 16 tokens =
+    2,097,152 B; pages = 42,949,672,960 // 2,097,152 - 1 (the padding page is charged) = 20,479;
+    tokens = 327,664. max_running_requests = clamp(int(327,664 / 131,072 * 512) = 1,279, 2,048,
+    4,096) = 2,048. Buffers k.0..31, v.0..31 of (20,480 * 16, 8, 128) bf16 = 671,088,640 B
+    each: 64 * 671,088,640 = 42,949,672,960 B in budget."""
+    p = plan_json(capsys, LLAMA, "--budget", "40GiB", "--page-size", "16")
+    assert p["architecture"] == "mha"
+    assert p["architecture_source"] == "hf_config"
+    assert p["model_architecture"] == "LlamaForCausalLM"
+    assert p["kv_cache_dtype"] == "bfloat16"
+    assert p["cell_size_bytes"] == 131_072
+    assert p["num_pages"] == 20_479
+    assert p["max_total_num_tokens"] == 327_664
+    assert p["max_running_requests"] == 2048
+    assert p["budget_bytes"] == BUDGET
+    assert p["total_bytes"] == BUDGET
+    k0 = next(b for b in p["buffers"] if b["name"] == "k.0")
+    assert k0["shape"] == [327_680, 8, 128]
+    assert k0["nbytes"] == 671_088_640
+
+
+def test_qwen3_8b_40gib(capsys: pytest.CaptureFixture[str]):
+    """cell = 8 * 256 * 36 * 2 = 147,456 B; pages (page 1) = 42,949,672,960 // 147,456 - 1 =
+    291,271 - 1 = 291,270; max_running_requests = int(291,270 / 40,960 * 512) = 3,640; the
+    req_to_token table has 40,960 + 4 columns."""
+    p = plan_json(capsys, QWEN3, "--budget", str(BUDGET))
+    assert p["architecture"] == "mha"
+    assert p["cell_size_bytes"] == 147_456
+    assert p["max_total_num_tokens"] == 291_270
+    assert p["max_running_requests"] == 3640
+    assert p["req_to_token_columns"] == 40_964
+
+
+def test_deepseek_v3_mla(capsys: pytest.CaptureFixture[str]):
+    """cell = (512 + 64) * 61 * 2 = 70,272 B; 70,272 * 611,191 = 42,949,613,952 <= budget <
+    70,272 * 611,192, so pages = 611,191 - 1 = 611,190 (page 1);
+    max_running_requests = clamp(int(611,190 / 163,840 * 512) = 1,909) = 2,048."""
+    p = plan_json(capsys, DSV3, "--budget", "40GiB")
+    assert p["architecture"] == "mla"
+    assert p["cell_size_bytes"] == 70_272
+    assert p["max_total_num_tokens"] == 611_190
+    assert p["max_running_requests"] == 2048
+    assert p["buffers"][0]["shape"] == [611_191, 1, 576]
+
+
+def test_deepseek_v3_eagle_uses_the_nextn_layer(capsys: pytest.CaptureFixture[str]):
+    """With --speculative-algorithm eagle the draft layers default to the config's
+    num_nextn_predict_layers = 1: cell = 70,272 * 62 // 61 = 71,424 B;
+    71,424 * 601,333 = 42,949,608,192 <= budget < 71,424 * 601,334, so pages =
+    601,333 - 1 = 601,332;
+    req_to_token columns = 163,840 + 4 + (1 + 1) = 163,846."""
+    p = plan_json(capsys, DSV3, "--budget", "40GiB", "--speculative-algorithm", "eagle")
+    assert p["num_draft_layers"] == 1
+    assert p["cell_size_bytes"] == 71_424
+    assert p["max_total_num_tokens"] == 601_332
+    assert p["req_to_token_columns"] == 163_846
+    assert any(b["name"] == "draft_kv.0" for b in p["buffers"])
+
+
+def test_deepseek_v32_dsa_page64(capsys: pytest.CaptureFixture[str]):
+    """cell = (1,152 latent + 132 indexer) * 61 = 78,324 B; one page of 64 = 5,012,736 B;
+    pages = 42,949,672,960 // 5,012,736 - 1 = 8,568 - 1 = 8,567; tokens = 548,288."""
+    p = plan_json(capsys, DSV32, "--budget", "40GiB", "--page-size", "64")
+    assert p["architecture"] == "dsa"
+    assert p["cell_size_bytes"] == 78_324
+    assert p["num_pages"] == 8_567
+    assert p["max_total_num_tokens"] == 548_288
+
+
+def test_gpt_oss_hybrid_swa_page16(capsys: pytest.CaptureFixture[str]):
+    """F = S = 8 heads * (64 + 64) * 2 B = 2,048 B per layer; 12 full and 12 SWA layers, so
+    Fb = Sb = 24,576 B; cell = int(24,576 + 0.8 * 24,576) = 44,236 B. Both spaces keep a padding
+    page: bytes(fp) = 16 * 24,576 * ((fp + 1) + (sp + 1)) with sp = int(16 * fp * 0.8) // 16.
+    fp = 60,680: full 970,880, swa 776,704 (sp 48,544), bytes = 393,216 * 109,226 =
+    42,949,410,816 <= budget; fp = 60,681 (sp still 48,544) needs 393,216 * 109,227 =
+    42,949,804,032 > budget. max_running_requests = int(970,880 / 131,072 * 512) = 3,792."""
+    p = plan_json(capsys, GPT_OSS, "--budget", "40GiB", "--page-size", "16")
+    assert p["architecture"] == "hybrid_swa"
+    assert p["cell_size_bytes"] == 44_236
+    assert p["full_max_total_num_tokens"] == 970_880
+    assert p["max_total_num_tokens"] == 970_880
+    assert p["swa_max_total_num_tokens"] == 776_704
+    assert p["max_running_requests"] == 3792
+    assert p["total_bytes"] == 42_949_410_816
+
+
+def test_qwen3_next_hybrid_linear(capsys: pytest.CaptureFixture[str]):
+    """State per request slot and linear layer: conv_dim = 128 * 32 + 2 * 16 * 128 = 8,192,
+    conv (8,192, 3) bf16 = 49,152 B; ssm (32, 128, 128) fp32 = 2,097,152 B; * 36 linear layers =
+    77,266,944 B. mamba budget = 42,949,672,960 * 0.9 / 1.9 -> 20,344,581,928 B;
+    slots = (20,344,581,928 - 77,266,944) // 77,266,944 = 262; KV gets 42,949,672,960 - 263 *
+    77,266,944 = 22,628,466,688 B; cell = 2 * 512 * 12 * 2 = 24,576 B; tokens = 22,628,466,688
+    // 24,576 - 1 = 920,753. max_running_requests = min(2,048, 262 // 3 = 87) = 87."""
+    p = plan_json(capsys, QWEN3_NEXT, "--budget", "40GiB")
+    assert p["architecture"] == "hybrid_linear"
+    assert p["cell_size_bytes"] == 24_576
+    assert p["mamba_cache_size"] == 262
+    assert p["max_total_num_tokens"] == 920_753
+    assert p["max_running_requests"] == 87
+
+
+def test_llama_fp4(capsys: pytest.CaptureFixture[str]):
+    """FP4: per layer 8 * 256 / 2 data + 8 * 256 / 16 scales = 1,024 + 128 = 1,152 B; cell =
+    36,864 B; page 16 = 589,824 B; pages = 42,949,672,960 // 589,824 - 1 = 72,817 - 1 =
+    72,816; tokens = 1,165,056; max_running_requests = int(1,165,056 / 131,072 * 512) = 4,551
+    -> 4,096."""
+    p = plan_json(capsys, LLAMA, "--budget", "40GiB", "--page-size", "16",
+                  "--kv-cache-dtype", "fp4_e2m1")
+    assert p["kv_cache_dtype"] == "fp4_e2m1"
+    assert p["cell_size_bytes"] == 36_864
+    assert p["max_total_num_tokens"] == 1_165_056
+    assert p["max_running_requests"] == 4096
+
+
+def test_llama_tp_pp_fp8(capsys: pytest.CaptureFixture[str]):
+    """TP 2 -> 4 KV heads; PP rank 1 of 2 -> layers 16..31; fp8 -> 1 B: cell = 4 * 256 * 16 * 1
+    = 16,384 B; pages (page 1) = 42,949,672,960 // 16,384 - 1 = 2,621,439."""
+    p = plan_json(capsys, LLAMA, "--budget", "40GiB", "--tp-size", "2", "--pp-size", "2",
+                  "--pp-rank", "1", "--kv-cache-dtype", "fp8_e4m3")
+    assert (p["layer_start"], p["layer_end"]) == (16, 32)
+    assert p["cell_size_bytes"] == 16_384
+    assert p["max_total_num_tokens"] == 2_621_439
+    assert {b["name"] for b in p["buffers"]} >= {"k.16", "v.31"}
+
+
+def test_max_total_tokens_alone_and_caps(capsys: pytest.CaptureFixture[str]):
+    """--max-total-tokens 100,000 alone at page 16: 6,250 pages; with --max-running-requests
+    8 and --context-length 4,096 the table is 9 x 4,100."""
+    p = plan_json(capsys, LLAMA, "--max-total-tokens", "100000", "--page-size", "16",
+                  "--max-running-requests", "8", "--context-length", "4096")
+    assert p["budget_bytes"] is None
+    assert p["max_total_num_tokens"] == 100_000
+    assert p["num_pages"] == 6_250
+    assert p["max_running_requests"] == 8
+    req = next(b for b in p["buffers"] if b["name"] == "req_to_token")
+    assert req["shape"] == [9, 4_100]
+
+
+def test_unknown_architecture_is_planned_as_fallback(capsys: pytest.CaptureFixture[str],
+                                                      tmp_path: Path):
+    """Llama's config relabelled FooForCausalLM: same MHA numbers, source 'fallback'."""
+    cfg = json.loads(LLAMA.read_text())
+    cfg["architectures"] = ["FooForCausalLM"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    p = plan_json(capsys, path, "--budget", "40GiB", "--page-size", "16")
+    assert p["architecture_source"] == "fallback"
+    assert p["max_total_num_tokens"] == 327_664
+
+
+def test_spec_file_source(capsys: pytest.CaptureFixture[str], tmp_path: Path):
+    path = tmp_path / "spec.toml"
+    path.write_text('num_layers = 32\ncontext_length = 131072\n[attention]\ntype = "mha"\n'
+                    "num_kv_heads = 8\nhead_dim = 128\n")
+    p = plan_json(capsys, path, "--budget", "40GiB", "--page-size", "16")
+    assert p["architecture_source"] == "spec"
+    assert p["max_total_num_tokens"] == 327_664
+
+
+@pytest.mark.parametrize("model", sorted(MODELS.glob("*.json")), ids=lambda p: p.stem)
+def test_plan_json_round_trip(model: Path):
+    """Every shared model's plan survives PoolPlan.to_json -> from_json unchanged."""
+    spec, source = load_model(model)
+    p = plan(spec, make_options(budget_bytes=BUDGET, page_size=64), source=source)
+    assert PoolPlan.from_json(p.to_json()) == p
+
+
+# ---- the table ----------------------------------------------------------------------------------
+
+
+def test_table_output(capsys: pytest.CaptureFixture[str]):
+    code, out, err = run_plan(capsys, "--model-config", str(LLAMA), "--budget", "40GiB",
+                              "--page-size", "16")
+    assert code == 0, err
+    assert "mha (from hf_config)" in out
+    assert "327,664" in out  # max total tokens
+    assert "20,479 (+1 padding page)" in out
+    assert "42,949,672,960 B (40.00 GiB)" in out
+    assert "k.0, k.1, k.2, ... k.31 (32 buffers)" in out
+    assert "req_to_token" in out
+    assert "640.00 MiB" in out and "20.00 GiB" in out
+
+
+def test_table_lists_hybrid_fields(capsys: pytest.CaptureFixture[str]):
+    code, out, _ = run_plan(capsys, "--model-config", str(QWEN3_NEXT), "--budget", "40GiB")
+    assert code == 0
+    assert "mamba cache slots" in out and "262" in out
+    assert "note" in out
+
+
+# ---- bad input -> exit 2, the field named ------------------------------------------------------
+
+
+def expect_error(capsys: pytest.CaptureFixture[str], *args: str, model: Path = LLAMA,
+                 needles: tuple[str, ...]) -> str:
+    code, out, err = run_plan(capsys, "--model-config", str(model), *args)
+    assert code == 2, (out, err)
+    assert out == ""
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def test_budget_too_small_says_what_one_page_needs(capsys: pytest.CaptureFixture[str]):
+    """Page 16 of Llama = 2,097,152 B; 4 MiB - 1 holds only the padding page."""
+    err = expect_error(capsys, "--budget", str(4 * 2**20 - 1), "--page-size", "16",
+                       needles=("budget", "one page needs 2,097,152 B", "--budget"))
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_dsa_needs_page_64(capsys: pytest.CaptureFixture[str]):
+    expect_error(capsys, "--budget", "40GiB", "--page-size", "16", model=DSV32,
+                 needles=("page_size", "64"))
+
+
+@pytest.mark.parametrize(("flags", "field"), [
+    (("--page-size", "0"), "page_size"),
+    (("--page-size", "-16"), "page_size"),
+    (("--tp-size", "0"), "tp_size"),
+    (("--tp-size", "100000"), "tp_size"),
+    (("--pp-size", "0"), "pp_size"),
+    (("--pp-size", "64"), "pp_size"),  # more stages than Llama's 32 layers
+    (("--pp-size", "2", "--pp-rank", "2"), "pp_rank"),
+    (("--pp-rank", "1"), "pp_rank"),
+    (("--context-length", "0"), "context_length"),
+    (("--context-length", str(10**12)), "context_length"),
+    (("--max-total-tokens", "-5"), "max_total_tokens"),
+    (("--max-total-tokens", "8", "--page-size", "16"), "max_total_tokens"),
+    (("--max-running-requests", "0"), "max_running_requests"),
+    (("--swa-full-tokens-ratio", "1.5"), "swa_full_tokens_ratio"),
+    (("--swa-full-tokens-ratio", "0"), "swa_full_tokens_ratio"),
+    (("--mamba-full-memory-ratio", "-1"), "mamba_full_memory_ratio"),
+    (("--speculative-num-draft-layers", "2"), "speculative_num_draft_layers"),
+])
+def test_bad_option_names_its_field(capsys: pytest.CaptureFixture[str], flags: tuple[str, ...],
+                                    field: str):
+    err = expect_error(capsys, "--budget", "40GiB", *flags, needles=(field,))
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("size", ["-1", "-1GiB", "40G", "forty", "1e9", "1.5", "1.5B", "",
+                                  "40 GiB extra", "2000TiB", "0x10", "4_000"])
+def test_bad_budget_strings(capsys: pytest.CaptureFixture[str], size: str):
+    expect_error(capsys, "--budget", size, needles=("budget",))
+
+
+def test_no_budget_and_no_max_total_tokens(capsys: pytest.CaptureFixture[str]):
+    expect_error(capsys, needles=("budget", "--max-total-tokens"))
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (("--kv-cache-dtype", "int8"), "--kv-cache-dtype"),
+    (("--kv-cache-dtype", "float32"), "fp4_e2m1"),  # accepted values are listed
+    (("--speculative-algorithm", "medusa"), "--speculative-algorithm"),
+    (("--page-size", "sixteen"), "--page-size"),
+    (("--swa-full-tokens-ratio", "nan"), "--swa-full-tokens-ratio"),
+    (("--mamba-full-memory-ratio", "inf"), "--mamba-full-memory-ratio"),
+])
+def test_argparse_rejections_exit_2(capsys: pytest.CaptureFixture[str], flags: tuple[str, ...],
+                                    needle: str):
+    expect_error(capsys, "--budget", "40GiB", *flags, needles=(needle,))
+
+
+def test_missing_model_config_flag(capsys: pytest.CaptureFixture[str]):
+    code, _, err = run_plan(capsys, "--budget", "40GiB")
+    assert code == 2 and "--model-config" in err
+
+
+def test_unknown_architecture_without_fields(capsys: pytest.CaptureFixture[str], tmp_path: Path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"architectures": ["FooForCausalLM"], "num_hidden_layers": 2}))
+    expect_error(capsys, "--budget", "40GiB", model=path,
+                 needles=("model_config", "num_attention_heads", "LlamaForCausalLM"))
+
+
+def test_malformed_known_config(capsys: pytest.CaptureFixture[str], tmp_path: Path):
+    cfg = json.loads(DSV3.read_text())
+    cfg["kv_lora_rank"] = "512"
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    expect_error(capsys, "--budget", "40GiB", model=path,
+                 needles=("model_config", "kv_lora_rank must be an integer"))
+
+
+@pytest.mark.parametrize(("content", "needle"), [
+    ("{oops", "not valid JSON"),
+    ('"just a string"', "expected an object"),
+])
+def test_non_json_config(capsys: pytest.CaptureFixture[str], tmp_path: Path, content: str,
+                         needle: str):
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    expect_error(capsys, "--budget", "40GiB", model=path, needles=(str(path), needle))
+
+
+def test_missing_config_file(capsys: pytest.CaptureFixture[str], tmp_path: Path):
+    path = tmp_path / "absent.json"
+    expect_error(capsys, "--budget", "40GiB", model=path, needles=("model_config", str(path)))
+
+
+# ---- real subprocesses --------------------------------------------------------------------------
+
+
+def test_subprocess_json():
+    """The real command line: Llama-3.1-8B, 40 GiB, page 16 -> 327,664 tokens (see above)."""
+    proc = run_subprocess("--model-config", str(LLAMA), "--budget", "40GiB", "--page-size",
+                          "16", "--json")
+    assert proc.returncode == 0, proc.stderr
+    p = PoolPlan.from_json(proc.stdout)
+    assert p.max_total_num_tokens == 327_664
+    assert p.num_pages == 20_479
+
+
+def test_subprocess_table():
+    proc = run_subprocess("--model-config", str(GPT_OSS), "--budget", "40GiB", "--page-size",
+                          "16")
+    assert proc.returncode == 0, proc.stderr
+    assert "hybrid_swa (from hf_config)" in proc.stdout
+    assert "970,880" in proc.stdout
+
+
+def test_subprocess_error_is_one_line_exit_2():
+    proc = run_subprocess("--model-config", str(LLAMA), "--budget", "40GiB", "--page-size", "0")
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvpoold plan: error: page_size")
+    assert "--page-size" in lines[0]
+
+
+# ---- parse_size / format_size -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("0", 0),
+    ("42949672960", 42_949_672_960),
+    ("40GiB", 42_949_672_960),
+    ("40 GiB", 42_949_672_960),
+    ("512MiB", 536_870_912),
+    ("1.5GB", 1_500_000_000),
+    ("1.5KiB", 1536),
+    ("1.1GiB", 1_181_116_006),  # 1,181,116,006.4 rounded down
+    ("2TB", 2 * 10**12),
+    ("3KB", 3000),
+    ("7B", 7),
+    ("1024TiB", 2**50),  # exactly 1 PiB is allowed
+])
+def test_parse_size(text: str, expected: int):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["-1", "-0.5GiB", "abc", "1e9", "1.5", "0.5B", "40gb", "40G",
+                                  "1PiB", "1025TiB", "", " ", "1,000", "\uff11\uff12"])
+def test_parse_size_rejects(text: str):
+    with pytest.raises(InvalidArgument) as err:
+        parse_size(text, field="budget")
+    assert err.value.field == "budget"
+
+
+def test_format_size():
+    assert format_size(576) == "576 B"
+    assert format_size(671_088_640) == "640.00 MiB"
+    assert format_size(42_949_672_960) == "40.00 GiB"
