@@ -7,9 +7,14 @@ everything in one region and returns the frozen plan. No torch, no env vars, no 
 
 from __future__ import annotations
 
+import dataclasses
+
+import msgspec
+
 from kvpool.errors import InvalidArgument
 from kvpoold.sizing.common import (
     REQ_TO_TOKEN_EXTRA_COLUMNS,
+    Sizing,
     SizingContext,
     resolve_kv_format,
     stage_layers,
@@ -17,7 +22,7 @@ from kvpoold.sizing.common import (
 from kvpoold.sizing.layout import buffer, place
 from kvpoold.sizing.options import PlanOptions
 from kvpoold.sizing.plan import ArchitectureSource, BufferKind, PoolPlan
-from kvpoold.sizing.registry import select_architecture
+from kvpoold.sizing.registry import Architecture, select_architecture
 from kvpoold.spec import DType, ModelSpec
 
 
@@ -43,6 +48,35 @@ def make_context(spec: ModelSpec, options: PlanOptions) -> SizingContext:
     )
 
 
+def _agree_across_stages(
+    spec: ModelSpec, options: PlanOptions, arch: Architecture, ctx: SizingContext,
+    sizing: Sizing,
+) -> tuple[SizingContext, Sizing]:
+    """Every pipeline stage must hold the same token count (SGLang MIN-all-reduces it), so size
+    all stages and cap this one at the smallest count of a stage that holds KV."""
+    counts = []
+    for rank in range(options.pp_size):
+        if rank == options.pp_rank:
+            other = sizing
+        else:
+            other = arch.size(make_context(spec, msgspec.structs.replace(options, pp_rank=rank)))
+        if other.cell_size_bytes > 0:
+            counts.append(_tokens(other, options.page_size))
+    if not counts or _tokens(sizing, options.page_size) <= min(counts):
+        return ctx, sizing
+    capped = msgspec.structs.replace(options, max_total_tokens=min(counts))
+    ctx = make_context(spec, capped)
+    sizing = arch.size(ctx)
+    note = f"capped at {min(counts)} tokens, the smallest of the {options.pp_size} PP stages"
+    return ctx, dataclasses.replace(sizing, notes=(*sizing.notes, note))
+
+
+def _tokens(sizing: Sizing, page_size: int) -> int:
+    if sizing.max_total_num_tokens is not None:
+        return sizing.max_total_num_tokens
+    return sizing.num_pages * page_size
+
+
 def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = "spec") -> PoolPlan:
     """Size and lay out one pool.
 
@@ -60,6 +94,8 @@ def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = 
     ctx = make_context(spec, options)
     arch = select_architecture(spec)
     sizing = arch.size(ctx)
+    if options.pp_size > 1:
+        ctx, sizing = _agree_across_stages(spec, options, arch, ctx, sizing)
     if sizing.num_pages < 1:
         raise InvalidArgument(
             f"{arch.name}: the pool would hold no pages; raise --budget", field="budget_bytes"
