@@ -179,3 +179,15 @@ def test_budget_invariant(budget, page):
     assert p.total_bytes <= budget
     assert budget - p.total_bytes < p.cell_size_bytes * page
     assert p.max_total_num_tokens % page == 0
+
+
+def test_pp_stages_agree_on_the_smallest_token_count():
+    """32 layers over 3 stages: 10, 11, 11. Stage 0 alone would hold 40 GiB // (4,096 * 10) - 1
+    = 1,048,575 tokens; stages 1 and 2 hold 40 GiB // (4,096 * 11) - 1 = 953,249. Every stage
+    uses 953,249 (SGLang MIN-reduces the count over the PP group)."""
+    counts = [plan_for(llama_8b(), budget_bytes=BUDGET, pp_size=3, pp_rank=r).max_total_num_tokens
+              for r in range(3)]
+    assert counts == [953_249] * 3
+    p0 = plan_for(llama_8b(), budget_bytes=BUDGET, pp_size=3, pp_rank=0)
+    assert any("smallest" in n for n in p0.notes)
+    assert p0.total_bytes < BUDGET
