@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from kvpool.dtypes import ITEMSIZE
 from kvpool.errors import InvalidArgument
 
 PositiveInt = Annotated[int, Meta(ge=1, le=1 << 40)]
@@ -34,17 +35,7 @@ class DType(enum.StrEnum):
 
     @property
     def itemsize(self) -> int:
-        return _ITEMSIZE[self]
-
-
-_ITEMSIZE = {
-    DType.bfloat16: 2,
-    DType.float16: 2,
-    DType.float32: 4,
-    DType.uint8: 1,
-    DType.int32: 4,
-    DType.int64: 8,
-}
+        return ITEMSIZE[self.value]
 
 
 class ModelDType(enum.StrEnum):

@@ -1,20 +1,12 @@
-"""The one place where buffer dtype names become ``torch.dtype``."""
+"""Buffer dtype names to ``torch.dtype``: the client's canonical table (``kvpool.dtypes``)."""
 
 from __future__ import annotations
 
 import torch
 
+from kvpool import dtypes
 from kvpoold.spec import DType
-
-TORCH_DTYPES: dict[DType, torch.dtype] = {
-    DType.bfloat16: torch.bfloat16,
-    DType.float16: torch.float16,
-    DType.float32: torch.float32,
-    DType.uint8: torch.uint8,
-    DType.int32: torch.int32,
-    DType.int64: torch.int64,
-}
 
 
 def torch_dtype(dtype: DType | str) -> torch.dtype:
-    return TORCH_DTYPES[DType(dtype)]
+    return dtypes.torch_dtype(str(dtype))

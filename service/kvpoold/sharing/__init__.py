@@ -7,5 +7,26 @@ from kvpoold.sharing.base import (
     PlainBackingFactory,
     SharedHandle,
 )
+from kvpoold.sharing.cleanup import InstanceLock, check_pool_name, sweep_orphans
+from kvpoold.sharing.cuda_ipc import (
+    CudaIpcBacking,
+    CudaIpcBackingFactory,
+    check_allocator_conf,
+)
+from kvpoold.sharing.shm import ShmBacking, ShmBackingFactory
 
-__all__ = ["Backing", "BackingFactory", "PlainBacking", "PlainBackingFactory", "SharedHandle"]
+__all__ = [
+    "Backing",
+    "BackingFactory",
+    "CudaIpcBacking",
+    "CudaIpcBackingFactory",
+    "InstanceLock",
+    "PlainBacking",
+    "PlainBackingFactory",
+    "SharedHandle",
+    "ShmBacking",
+    "ShmBackingFactory",
+    "check_allocator_conf",
+    "check_pool_name",
+    "sweep_orphans",
+]

@@ -1,0 +1,468 @@
+"""Client side of sharing: map a pool's region from its handle and carve the named views.
+
+A handle and a buffer layout are plain values (what Attach returns): for ``shm`` the file path
+and size, for ``cuda_ipc`` the IPC handle bytes, offsets and the device UUID. Nothing is
+unpickled and nothing is copied: every view is a window on the daemon's memory. The shm file is
+checked before it is mapped (regular file, owned by us, mode 0600, exactly ``size`` bytes) and
+mapped through the checked descriptor, so what is mapped is what was checked.
+
+torch is imported inside the functions that need it; ``import kvpool`` stays light.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from kvpool.dtypes import check_dtype_name, itemsize, torch_dtype
+from kvpool.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+
+if TYPE_CHECKING:
+    import torch
+
+SHM_FILE_MODE = 0o600
+
+
+class HandleLike(Protocol):
+    """Anything with a handle's fields: :class:`RegionHandle`, the daemon's ``SharedHandle``."""
+
+    kind: str
+    size: int
+    path: str
+    device_uuid: str
+    ipc_handle: bytes
+    storage_offset: int
+    storage_size: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+class BufferLike(Protocol):
+    """Anything with a buffer's layout fields: :class:`BufferLayout`, a plan's ``BufferSpec``."""
+
+    name: str
+    dtype: str
+    shape: Sequence[int]
+    offset_bytes: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class RegionHandle:
+    """A pool region's handle as plain values (mirrors ``kvpoold.sharing.SharedHandle``)."""
+
+    kind: str
+    size: int
+    path: str = ""
+    device_uuid: str = ""
+    ipc_handle: bytes = b""
+    storage_offset: int = 0
+    storage_size: int = 0
+    ref_counter_handle: bytes = b""
+    ref_counter_offset: int = 0
+    event_handle: bytes = b""
+    event_sync_required: bool = False
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    """One named view's place in the region, as plain values (dtype by name)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset_bytes: int
+    nbytes: int
+
+
+def normalize_uuid(uuid: str) -> str:
+    """A device UUID in one form: lower case, without nvidia-smi's ``GPU-``/``MIG-`` prefix.
+
+    torch prints ``5a1b...``, nvidia-smi and ``CUDA_VISIBLE_DEVICES`` use ``GPU-5a1b...``.
+    """
+    u = str(uuid).strip().lower()
+    for prefix in ("gpu-", "mig-"):
+        if u.startswith(prefix):
+            return u[len(prefix) :]
+    return u
+
+
+def ordinal_for_uuid(device_uuid: str, visible: Sequence[str]) -> int:
+    """This process's CUDA ordinal of the device named ``device_uuid``.
+
+    Args:
+        device_uuid: the pool's device, from the handle.
+        visible: this process's device UUIDs, indexed by ordinal.
+
+    Raises:
+        InvalidArgument: the handle names no device.
+        FailedPrecondition: the device is not visible here (lists what is visible).
+    """
+    if not device_uuid:
+        raise InvalidArgument("the CUDA IPC handle names no device UUID", field="device_uuid")
+    want = normalize_uuid(device_uuid)
+    for ordinal, uuid in enumerate(visible):
+        if normalize_uuid(uuid) == want:
+            return ordinal
+    seen = ", ".join(f"cuda:{i}={normalize_uuid(u)}" for i, u in enumerate(visible)) or "none"
+    raise FailedPrecondition(
+        f"device UUID mismatch: the pool lives on GPU {want}, which this process cannot see "
+        f"(visible: {seen}); run the engine on the daemon's GPU (check CUDA_VISIBLE_DEVICES "
+        "and the container's --gpus)",
+        field="device_uuid",
+    )
+
+
+def visible_cuda_uuids() -> list[str]:
+    """UUIDs of the CUDA devices this process sees, by ordinal (empty without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [
+        normalize_uuid(str(torch.cuda.get_device_properties(i).uuid))
+        for i in range(torch.cuda.device_count())
+    ]
+
+
+def check_layout(size: int, buffers: Sequence[BufferLike]) -> tuple[BufferLayout, ...]:
+    """Validate buffer layouts against a region of ``size`` bytes.
+
+    Each buffer needs a unique name, a known dtype, ``nbytes == prod(shape) * itemsize``, an
+    offset aligned to its itemsize, and must lie inside the region.
+
+    Returns:
+        The buffers as :class:`BufferLayout` values.
+
+    Raises:
+        InvalidArgument: naming the first bad buffer field (``buffers[2].offset_bytes``).
+    """
+    out: list[BufferLayout] = []
+    seen: set[str] = set()
+    for i, b in enumerate(buffers):
+        where = f"buffers[{i}]"
+        name = str(b.name)
+        if not name or name in seen:
+            raise InvalidArgument(f"buffer name {name!r} is empty or repeated",
+                                  field=f"{where}.name")
+        seen.add(name)
+        dtype = check_dtype_name(b.dtype, field=f"{where}.dtype")
+        shape = tuple(int(d) for d in b.shape)
+        offset, nbytes = int(b.offset_bytes), int(b.nbytes)
+        if any(d < 0 for d in shape):
+            raise InvalidArgument(f"buffer {name!r} has a negative dimension in {shape}",
+                                  field=f"{where}.shape")
+        want = math.prod(shape) * itemsize(dtype)
+        if nbytes != want:
+            raise InvalidArgument(
+                f"buffer {name!r}: nbytes {nbytes:,} != {want:,} for shape {shape} of {dtype}",
+                field=f"{where}.nbytes",
+            )
+        if offset < 0 or offset % itemsize(dtype) or offset + nbytes > size:
+            raise InvalidArgument(
+                f"buffer {name!r} at offset {offset:,} (+{nbytes:,} B) does not fit a region of "
+                f"{size:,} B aligned to {itemsize(dtype)} B",
+                field=f"{where}.offset_bytes",
+            )
+        out.append(BufferLayout(name, dtype, shape, offset, nbytes))
+    return tuple(out)
+
+
+class MappedRegion(Mapping[str, "torch.Tensor"]):
+    """A mapped pool region: a read-only mapping of buffer name -> zero-copy tensor view.
+
+    Use as a context manager; :meth:`close` drops this object's references so the mapping
+    goes away once no view taken from it is still alive (torch cannot unmap memory a tensor
+    still points at, so keep views inside the ``with`` block).
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        device: torch.device,
+        base: torch.Tensor,
+        views: dict[str, torch.Tensor],
+        path: str = "",
+    ) -> None:
+        self.kind = kind
+        self.device = device
+        self.path = path
+        self.size = base.numel()
+        self._base: torch.Tensor | None = base
+        self._views: dict[str, torch.Tensor] | None = views
+
+    @property
+    def closed(self) -> bool:
+        return self._views is None
+
+    @property
+    def base(self) -> torch.Tensor:
+        """The whole region as a flat uint8 tensor."""
+        if self._base is None:
+            raise FailedPrecondition("the mapped region is closed")
+        return self._base
+
+    @property
+    def views(self) -> dict[str, torch.Tensor]:
+        """Buffer name -> view (a new dict each time; the tensors are the shared ones)."""
+        if self._views is None:
+            raise FailedPrecondition("the mapped region is closed")
+        return dict(self._views)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        views = self._views
+        if views is None:
+            raise FailedPrecondition("the mapped region is closed")
+        try:
+            return views[name]
+        except KeyError:
+            known = ", ".join(list(views)[:8])
+            raise KeyError(f"no buffer {name!r} in this pool (buffers: {known}, ...)") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._views or {})
+
+    def __len__(self) -> int:
+        return len(self._views or {})
+
+    # Identity, not Mapping's item-wise equality (which would compare tensors).
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    def __enter__(self) -> MappedRegion:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Drop the region and its views. Idempotent."""
+        self._views = None
+        self._base = None
+
+
+def _open_shm(path: str, size: int) -> int:
+    """An O_RDWR fd of the region file after checking it is safe to map; the caller closes it."""
+    if not path or not os.path.isabs(path):
+        raise InvalidArgument(f"shm handle path {path!r} must be absolute", field="path")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise NotFound(
+            f"region file {path} does not exist: the pool was dropped or the daemon "
+            "restarted; attach again",
+            field="path",
+        ) from None
+    except OSError as exc:
+        raise PermissionDenied(
+            f"cannot open region file {path}: {exc.strerror} (a symlink, or another user's "
+            "file); run the engine as the daemon's user",
+            field="path",
+        ) from exc
+    try:
+        st = os.fstat(fd)
+        uid = os.geteuid()
+        if not stat.S_ISREG(st.st_mode):
+            raise PermissionDenied(f"region {path} is not a regular file; refusing to map it",
+                                   field="path")
+        if st.st_uid != uid:
+            raise PermissionDenied(
+                f"region file {path} is owned by uid {st.st_uid}, this process runs as uid "
+                f"{uid}; refusing to map it (run the engine as the daemon's user)",
+                field="path",
+            )
+        mode = st.st_mode & 0o777
+        if mode != SHM_FILE_MODE:
+            raise PermissionDenied(
+                f"region file {path} has mode {mode:o}, expected 600; refusing to map a file "
+                "others can read or write",
+                field="path",
+            )
+        if st.st_size != size:
+            raise FailedPrecondition(
+                f"region file {path} has {st.st_size:,} B, the handle says {size:,} B; the "
+                "pool changed since the handle was issued: attach again",
+                field="size",
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _map_shm(handle: HandleLike) -> tuple[torch.device, torch.Tensor]:
+    import torch
+
+    size = int(handle.size)
+    fd = _open_shm(str(handle.path), size)
+    try:
+        # Through /proc/self/fd: the checked inode, not whatever the path names by now.
+        base = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=size, dtype=torch.uint8)
+    finally:
+        os.close(fd)
+    return torch.device("cpu"), base
+
+
+def _release_export(handle: HandleLike) -> None:
+    """Give back the export's ref-counter slot when we will never import it.
+
+    The daemon's export counts one importer; torch's importer decrements when it lets go.
+    An importer that fails before opening the handle must decrement instead, or the daemon's
+    block would sit in torch's limbo list after the pool is dropped. Best effort: needs a
+    CUDA build of torch, not a visible GPU.
+    """
+    import torch
+
+    if not handle.ref_counter_handle:
+        return
+    try:
+        torch.UntypedStorage._release_ipc_counter_cuda(
+            bytes(handle.ref_counter_handle), int(handle.ref_counter_offset)
+        )
+    except RuntimeError:
+        pass  # CPU build of torch or the daemon is gone: nothing to give back to
+
+
+def _map_cuda_ipc(handle: HandleLike) -> tuple[torch.device, torch.Tensor]:
+    try:
+        return _open_cuda_ipc(handle)
+    except (FailedPrecondition, InvalidArgument):
+        _release_export(handle)
+        raise
+
+
+def _open_cuda_ipc(handle: HandleLike) -> tuple[torch.device, torch.Tensor]:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise FailedPrecondition(
+            "the pool is in GPU memory (CUDA IPC) but CUDA is not available in this process",
+            field="device_uuid",
+        )
+    ordinal = ordinal_for_uuid(str(handle.device_uuid), visible_cuda_uuids())
+    size, storage_size = int(handle.size), int(handle.storage_size)
+    if size > storage_size:
+        raise InvalidArgument(
+            f"CUDA IPC handle: region of {size:,} B exceeds its storage of {storage_size:,} B",
+            field="size",
+        )
+    torch.cuda._lazy_init()
+    try:
+        # The argument order of torch's rebuild_cuda_tensor (torch/multiprocessing/
+        # reductions.py); every value is plain data from the handle. The storage's deleter
+        # syncs the stream and decrements the export's ref counter when the last view goes.
+        storage = torch.UntypedStorage._new_shared_cuda(
+            ordinal,
+            bytes(handle.ipc_handle),
+            storage_size,
+            int(handle.storage_offset),
+            bytes(handle.ref_counter_handle),
+            int(handle.ref_counter_offset),
+            bytes(handle.event_handle),
+            bool(handle.event_sync_required),
+        )
+    except RuntimeError as exc:
+        raise FailedPrecondition(
+            f"cannot open the pool's CUDA IPC handle on cuda:{ordinal}: {exc}. A handle opens "
+            "only in another process on the same host (not in the daemon itself), while the "
+            "daemon lives; in containers share the daemon's IPC and PID namespaces "
+            "(--ipc=host --pid=host)",
+            field="ipc_handle",
+        ) from exc
+    device = torch.device("cuda", ordinal)
+    base = torch.empty((0,), dtype=torch.uint8, device=device)
+    base.set_(storage, 0, (size,), (1,))
+    return device, base
+
+
+_MAPPERS = {"shm": _map_shm, "cuda_ipc": _map_cuda_ipc}
+
+
+def carve_views(base: torch.Tensor, layout: Sequence[BufferLayout]) -> dict[str, torch.Tensor]:
+    """Typed views of a flat uint8 ``base`` at each buffer's offset (no copies)."""
+    return {
+        b.name: base.narrow(0, b.offset_bytes, b.nbytes).view(torch_dtype(b.dtype)).view(b.shape)
+        for b in layout
+    }
+
+
+def map_region(handle: HandleLike, buffers: Sequence[BufferLike]) -> MappedRegion:
+    """Map a pool's region and return its named zero-copy views.
+
+    Args:
+        handle: the region's handle as plain values (:class:`RegionHandle`, the daemon's
+            ``SharedHandle``, or anything with the same fields).
+        buffers: the pool's buffer layouts (name, dtype name, shape, offset_bytes, nbytes).
+
+    Returns:
+        A :class:`MappedRegion`; ``region["k.0"]`` is a tensor on the pool's device.
+
+    Raises:
+        InvalidArgument: malformed handle or layout.
+        NotFound: the shm file is gone.
+        PermissionDenied: the shm file is not a 0600 regular file owned by this user.
+        FailedPrecondition: size mismatch, kind ``none``, CUDA device not visible here, or
+            the IPC handle cannot be opened.
+    """
+    kind = str(handle.kind)
+    if kind == "none":
+        raise FailedPrecondition(
+            "this pool's memory is not shareable (the daemon runs with --sharing none)",
+            field="kind",
+        )
+    mapper = _MAPPERS.get(kind)
+    if mapper is None:
+        raise InvalidArgument(f"unknown handle kind {kind!r} (known: shm, cuda_ipc, none)",
+                              field="kind")
+    size = int(handle.size)
+    try:
+        if size < 1:
+            raise InvalidArgument(f"handle size must be >= 1 byte, got {size}", field="size")
+        layout = check_layout(size, buffers)
+    except InvalidArgument:
+        if kind == "cuda_ipc":
+            _release_export(handle)
+        raise
+    device, base = mapper(handle)
+    return MappedRegion(kind, device, base, carve_views(base, layout), path=str(handle.path))
+
+
+def page_rows(page_id: int, page_size: int) -> slice:
+    """The token rows of page ``page_id``: ``page_id * page_size`` to ``(page_id + 1) *
+    page_size - 1`` inclusive, as a slice.
+
+    For token-major buffers (kinds ``kv``, ``swa_kv``, ``compressed``); page-major buffers
+    (``index``) and per-slot ones (``state``) are indexed by the id directly.
+
+    Raises:
+        InvalidArgument: negative page id or page size < 1.
+    """
+    if page_size < 1:
+        raise InvalidArgument(f"page_size must be >= 1, got {page_size}", field="page_size")
+    if page_id < 0:
+        raise InvalidArgument(f"page id must be >= 0, got {page_id}", field="page_id")
+    return slice(page_id * page_size, (page_id + 1) * page_size)
+
+
+def page_view(tensor: torch.Tensor, page_id: int, page_size: int) -> torch.Tensor:
+    """The rows of page ``page_id`` of a token-major ``tensor`` (a view, no copy).
+
+    Raises:
+        InvalidArgument: the page lies beyond the tensor's rows (says how many pages fit).
+    """
+    rows = page_rows(page_id, page_size)
+    num_rows = tensor.shape[0]
+    if rows.stop > num_rows:
+        raise InvalidArgument(
+            f"page {page_id} (rows {rows.start}..{rows.stop - 1}) is beyond this buffer's "
+            f"{num_rows} rows ({num_rows // page_size} pages of {page_size})",
+            field="page_id",
+        )
+    return tensor[rows]
+

@@ -1,0 +1,271 @@
+"""CPU backings in shared-memory files: one ``/dev/shm/kvpool-<instance>-<pool>-<hex>`` per pool.
+
+The daemon creates the file (``O_EXCL | O_NOFOLLOW``, mode exactly 0600), sizes it with
+``ftruncate`` (sparse, so it reads as zeros and costs nothing until touched) and maps it shared
+with ``torch.from_file``; a client maps the same file from its path and size and sees every
+write both ways. Nothing goes through torch's shm manager or a pickle. ``close()`` unlinks the
+file; mappings already made survive the unlink. A daemon that dies without closing leaves its
+files behind; the next factory in the same directory removes them (see
+:mod:`kvpoold.sharing.cleanup`).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kvpool.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
+from kvpoold.sharing.base import SharedHandle
+from kvpoold.sharing.cleanup import (
+    FILE_MODE,
+    InstanceLock,
+    check_instance,
+    check_pool_name,
+    region_prefix,
+    sweep_orphans,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SHM_DIR = "/dev/shm"
+_NO_SPACE = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
+
+
+def free_bytes(shm_dir: str | os.PathLike[str]) -> int:
+    """Bytes an unprivileged process may still allocate in ``shm_dir``'s file system."""
+    st = os.statvfs(shm_dir)
+    return st.f_bavail * st.f_frsize
+
+
+def _exhausted(nbytes: int, pool: str, shm_dir: Path, free: int) -> ResourceExhausted:
+    return ResourceExhausted(
+        f"pool {pool!r} needs {nbytes:,} B of shared memory but {shm_dir} has {free:,} B free; "
+        f"lower --budget or enlarge {shm_dir} (mount -o remount,size=... or docker --shm-size)",
+        field="budget",
+    )
+
+
+class ShmBacking:
+    """One pool's region: a shared-memory file mapped into a flat uint8 tensor.
+
+    Made by :meth:`ShmBackingFactory.create`; not constructed directly.
+    """
+
+    def __init__(
+        self, path: Path, nbytes: int, tensor: torch.Tensor, on_close: Callable[[Path], None]
+    ) -> None:
+        self.path = path
+        self.nbytes = nbytes
+        self._tensor: torch.Tensor | None = tensor
+        self._on_close = on_close
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The region as a flat, zero-filled uint8 tensor of exactly ``nbytes``.
+
+        Raises:
+            FailedPrecondition: after :meth:`close`.
+        """
+        if self._tensor is None:
+            raise FailedPrecondition(f"shared-memory region {self.path.name} is closed")
+        return self._tensor
+
+    @property
+    def closed(self) -> bool:
+        return self._tensor is None
+
+    def handle(self) -> SharedHandle:
+        """``SharedHandle(kind="shm", path, size)`` for a client to map the file.
+
+        Raises:
+            FailedPrecondition: after :meth:`close`.
+        """
+        if self._tensor is None:
+            raise FailedPrecondition(f"shared-memory region {self.path.name} is closed")
+        return SharedHandle(kind="shm", size=self.nbytes, path=str(self.path))
+
+    def unbacked_bytes(self) -> int:
+        """Bytes of the file not yet backed by pages (0 after close): what it may still take."""
+        if self._tensor is None:
+            return 0
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return 0
+        return max(0, self.nbytes - st.st_blocks * 512)
+
+    def close(self) -> None:
+        """Unlink the file and drop this backing's reference to the mapping. Idempotent.
+
+        Clients that mapped the file keep their mapping; the daemon's own mapping goes away
+        when the last view over :attr:`tensor` (the pool's views) is dropped.
+        """
+        if self._tensor is None:
+            return
+        self._tensor = None
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+        self._on_close(self.path)
+
+
+class ShmBackingFactory:
+    """Creates :class:`ShmBacking` regions in ``shm_dir`` for one daemon instance.
+
+    On construction it removes dead daemons' files (:func:`sweep_orphans`) and takes this
+    instance's lock, held until :meth:`close`. No atexit hook: the daemon calls close(); a
+    crash is cleaned up by the next factory's sweep.
+
+    Args:
+        shm_dir: a tmpfs directory (``/dev/shm``).
+        instance: this daemon's instance name (``[a-z0-9]{1,32}``); random by default.
+        preallocate: reserve every page at create (``posix_fallocate``) instead of leaving
+            the file sparse. Slower to create, but a full /dev/shm is then reported as
+            ResourceExhausted at create instead of a SIGBUS in whichever process first
+            touches a page that cannot be backed.
+
+    Raises:
+        InvalidArgument: for a bad instance name.
+        FailedPrecondition: when the instance's lock is held by a live daemon or the
+            directory cannot be written.
+    """
+
+    def __init__(
+        self,
+        shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR,
+        instance: str | None = None,
+        *,
+        preallocate: bool = False,
+    ) -> None:
+        self.shm_dir = Path(shm_dir)
+        self.instance = check_instance(instance if instance is not None else secrets.token_hex(8))
+        self.preallocate = preallocate
+        if not self.shm_dir.is_dir():
+            raise FailedPrecondition(
+                f"shared-memory directory {self.shm_dir} does not exist; create it or pass "
+                "another --shm-dir",
+                field="shm_dir",
+            )
+        self.swept: tuple[Path, ...] = tuple(sweep_orphans(self.shm_dir))
+        self._lock: InstanceLock | None = InstanceLock(self.shm_dir, self.instance)
+        self._backings: dict[Path, ShmBacking] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def lock_path(self) -> Path:
+        """This instance's lock file."""
+        if self._lock is None:
+            raise FailedPrecondition("the shared-memory factory is closed")
+        return self._lock.path
+
+    @property
+    def backings(self) -> tuple[ShmBacking, ...]:
+        """The regions created and not yet closed."""
+        return tuple(self._backings.values())
+
+    def __enter__(self) -> ShmBackingFactory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def create(self, nbytes: int, pool_name: str) -> ShmBacking:
+        """A new zero-filled shared-memory region of ``nbytes`` for pool ``pool_name``.
+
+        Args:
+            nbytes: region size in bytes (>= 1).
+            pool_name: ``[a-z0-9][a-z0-9._-]{0,62}``; it goes into the file name.
+
+        Returns:
+            The backing; ``backing.tensor`` is the daemon's mapping, ``backing.handle()`` the
+            client's way in.
+
+        Raises:
+            InvalidArgument: for a bad pool name or size.
+            ResourceExhausted: when the shared-memory file system cannot hold ``nbytes``
+                (counting what this factory's sparse regions may still take).
+            FailedPrecondition: after :meth:`close`.
+        """
+        if self._lock is None:
+            raise FailedPrecondition("the shared-memory factory is closed; start a new one")
+        check_pool_name(pool_name)
+        if not isinstance(nbytes, int) or nbytes < 1:
+            raise InvalidArgument(f"region size must be >= 1 byte, got {nbytes!r}",
+                                  field="nbytes")
+        # Sparse files take pages only when touched, so statvfs alone overstates what is
+        # left: subtract what our own regions may still claim. Failing here beats a SIGBUS
+        # in an engine process when tmpfs runs out under a write.
+        free = free_bytes(self.shm_dir) - sum(b.unbacked_bytes() for b in self._backings.values())
+        if nbytes > free:
+            raise _exhausted(nbytes, pool_name, self.shm_dir, max(free, 0))
+        path = self.shm_dir / f"{region_prefix(self.instance)}{pool_name}-{secrets.token_hex(8)}"
+        tensor = self._create_file(path, nbytes, pool_name)
+        backing = ShmBacking(path, nbytes, tensor, self._forget)
+        self._backings[path] = backing
+        return backing
+
+    def _create_file(self, path: Path, nbytes: int, pool_name: str) -> torch.Tensor:
+        fd = os.open(
+            path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE
+        )
+        try:
+            os.fchmod(fd, FILE_MODE)  # umask can only remove bits; make it exactly 0600
+            st = os.fstat(fd)
+            if st.st_mode & 0o777 != FILE_MODE or st.st_uid != os.geteuid():
+                raise Internal(f"{path} has mode {st.st_mode & 0o777:o} owner {st.st_uid} "
+                               f"after creation; expected 600 owned by {os.geteuid()}")
+            try:
+                if self.preallocate:
+                    os.posix_fallocate(fd, 0, nbytes)
+                else:
+                    os.ftruncate(fd, nbytes)
+            except OSError as exc:
+                if exc.errno in _NO_SPACE:
+                    raise _exhausted(nbytes, pool_name, self.shm_dir,
+                                     free_bytes(self.shm_dir)) from exc
+                raise
+            # Map through our own fd so the mapping is of the inode we just checked.
+            try:
+                return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes,
+                                       dtype=torch.uint8)
+            except RuntimeError as exc:
+                if "Cannot allocate memory" in str(exc):
+                    raise ResourceExhausted(
+                        f"cannot map {nbytes:,} B of shared memory for pool {pool_name!r} "
+                        f"(out of address space or memory): {exc}; lower --budget",
+                        field="budget",
+                    ) from exc
+                raise Internal(f"cannot map {path}: {exc}") from exc
+        except BaseException:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            raise
+        finally:
+            os.close(fd)
+
+    def _forget(self, path: Path) -> None:
+        self._backings.pop(path, None)
+
+    def close(self) -> None:
+        """Close every region this factory created, then release and remove the lock.
+
+        Idempotent. Regions go first so a crash in between leaves only a lock whose flock
+        is free, which the next sweep removes.
+        """
+        for backing in list(self._backings.values()):
+            backing.close()
+        if self._lock is not None:
+            lock, self._lock = self._lock, None
+            lock.release()
