@@ -1,1 +1,137 @@
-"""Shared pytest setup: make ``tests.factories`` importable."""
+"""Shared pytest setup: ``tests.factories`` importable; temp socket dirs, a tiny model, a
+``kvpoold serve`` launcher."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHONPATH = os.pathsep.join(str(REPO / p) for p in ("client", "service"))
+
+# A tiny MHA model: 2 layers, 2 KV heads of 16, bf16. One token costs
+# 2 layers * 2 (K, V) * 2 heads * 16 * 2 B = 256 B, a 16-token page 4096 B, so a 1 MiB budget
+# holds 1 MiB / 4 KiB = 256 pages of which page 0 is padding: 255 usable pages.
+TINY_SPEC: dict[str, Any] = {
+    "num_layers": 2,
+    "attention": {"type": "mha", "num_kv_heads": 2, "head_dim": 16},
+    "context_length": 256,
+}
+TINY_OPTIONS: dict[str, Any] = {"budget_bytes": 1 << 20, "page_size": 16,
+                                "max_running_requests": 8}
+TINY_PAGES = 255
+
+
+@pytest.fixture
+def tiny_spec() -> dict[str, Any]:
+    return dict(TINY_SPEC)
+
+
+@pytest.fixture
+def socket_dir() -> Iterator[Path]:
+    """A short temp dir for Unix sockets (paths must stay under ~100 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="kvp-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment for child processes: the repo's client and service on PYTHONPATH."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = PYTHONPATH + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH")
+                                      else "")
+    env.update(extra)
+    return env
+
+
+def wait_serving(target: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None,
+                 token: str | None = None) -> None:
+    """Poll the health service until SERVING.
+
+    Raises:
+        RuntimeError: the process exited or the timeout passed.
+    """
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"kvpoold exited with {proc.returncode} before serving")
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+    raise RuntimeError(f"kvpoold at {target} not serving after {timeout_s} s")
+
+
+@dataclass
+class DaemonProcess:
+    """A ``kvpoold serve`` child process and where it listens."""
+
+    proc: subprocess.Popen[bytes]
+    socket: Path
+    log: Path
+
+    @property
+    def target(self) -> str:
+        return f"unix://{self.socket}"
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def log_text(self) -> str:
+        return self.log.read_text() if self.log.exists() else ""
+
+
+@contextlib.contextmanager
+def run_daemon(socket_dir: Path, *args: str, budget: str = "64MiB",
+               extra_listen: Sequence[str] = (), timeout_s: float = 30.0
+               ) -> Iterator[DaemonProcess]:
+    """Start ``kvpoold serve`` on ``socket_dir/kvpool.sock``, wait until it serves, yield it,
+    and always stop it (SIGTERM, then SIGKILL)."""
+    sock = socket_dir / "kvpool.sock"
+    log = socket_dir / "kvpoold.log"
+    cmd = [sys.executable, "-m", "kvpoold.cli", "serve", "--listen", f"unix://{sock}",
+           "--budget", budget, *(a for x in extra_listen for a in ("--listen", x)), *args]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT,
+                                cwd=REPO)
+    daemon = DaemonProcess(proc, sock, log)
+    try:
+        wait_serving(daemon.target, timeout_s, proc)
+        yield daemon
+    finally:
+        daemon.stop()
+
+
+@pytest.fixture
+def kvpoold(socket_dir: Path) -> Iterator[DaemonProcess]:
+    """A ``kvpoold serve`` process with a 64 MiB budget on a temp Unix socket."""
+    with run_daemon(socket_dir) as daemon:
+        yield daemon

@@ -16,9 +16,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AlreadyExists",
+    "AsyncKVPoolClient",
     "FailedPrecondition",
     "Internal",
     "InvalidArgument",
+    "KVPoolClient",
     "KVPoolError",
     "NotFound",
     "PermissionDenied",
@@ -26,3 +28,17 @@ __all__ = [
     "Unauthenticated",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # The clients import grpc and numpy: load them on first use so `import kvpool.errors`
+    # (used by the daemon's pure modules) stays light.
+    if name == "KVPoolClient":
+        from kvpool.client import KVPoolClient
+
+        return KVPoolClient
+    if name == "AsyncKVPoolClient":
+        from kvpool.aio import AsyncKVPoolClient
+
+        return AsyncKVPoolClient
+    raise AttributeError(f"module 'kvpool' has no attribute {name!r}")

@@ -1,0 +1,196 @@
+"""``AsyncKVPoolClient``: the asyncio twin of ``KVPoolClient``; leases renew in a task.
+
+    async with AsyncKVPoolClient(target) as client:
+        async with await client.lease("engine-0", ttl_s=10) as lease:
+            pages = await lease.allocate("llama", "kv", 64)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+import numpy as np
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvpool import convert
+from kvpool.client import (
+    CHANNEL_OPTIONS,
+    DEFAULT_TIMEOUT_S,
+    DEFAULT_TTL_S,
+    default_lease_name,
+    keepalive_interval,
+)
+from kvpool.convert import AttachInfo, ConfigureResult, Released, Stats
+from kvpool.targets import channel_target, default_target
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool.v1 import kvpool_pb2_grpc
+
+log = logging.getLogger("kvpool.aio")
+
+
+class AsyncKVPoolClient:
+    """A connection to one kvpoold for asyncio code; arguments as ``KVPoolClient``."""
+
+    def __init__(self, target: str | None = None, *, token: str | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S,
+                 root_certificates: bytes | None = None) -> None:
+        self.target = channel_target(target or default_target())
+        if root_certificates is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates)
+            self._channel = aio.secure_channel(self.target, creds, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        self._stub = kvpool_pb2_grpc.KVPoolStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.timeout_s = timeout_s
+
+    async def call(self, method: str, request: Any, *, timeout_s: float | None = -1.0) -> Any:
+        """Call ``method``; a gRPC error becomes a ``KVPoolError``."""
+        try:
+            return await getattr(self._stub, method)(
+                request, timeout=self.timeout_s if timeout_s == -1.0 else timeout_s,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as exc:
+            raise convert.error_from_rpc(exc, self.target) from None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncKVPoolClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def health(self, service: str = "") -> str:
+        try:
+            resp = await self._health.Check(health_pb2.HealthCheckRequest(service=service),
+                                            timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise convert.error_from_rpc(exc, self.target) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    async def configure(self, pool: str, *, hf_config: Any = None, spec: Any = None,
+                        dry_run: bool = False, timeout_s: float | None = None,
+                        **options: Any) -> ConfigureResult:
+        """See ``KVPoolClient.configure``."""
+        req = convert.configure_request(pool, hf_config=hf_config, spec=spec, dry_run=dry_run,
+                                        **options)
+        return convert.configure_result(await self.call("Configure", req, timeout_s=timeout_s))
+
+    async def lease(self, name: str | None = None, ttl_s: float = DEFAULT_TTL_S) -> AsyncLease:
+        """Open a lease renewed by a background task; ``async with`` closes it."""
+        name = name or default_lease_name()
+        resp = await self.call("OpenLease", pb.OpenLeaseRequest(name=name, ttl_seconds=ttl_s))
+        return AsyncLease(self, resp.lease_id, name, resp.ttl_seconds)
+
+    async def stats(self, pool: str = "") -> Stats:
+        return convert.stats(await self.call("Stats", pb.StatsRequest(pool=pool)))
+
+    async def watch_stats(self, pool: str = "", interval_s: float = 1.0
+                          ) -> AsyncIterator[Stats]:
+        stream = self._stub.WatchStats(
+            pb.WatchStatsRequest(pool=pool, interval_seconds=interval_s), metadata=self._metadata
+        )
+        try:
+            async for resp in stream:
+                yield convert.stats(resp)
+        except grpc.RpcError as exc:
+            raise convert.error_from_rpc(exc, self.target) from None
+        finally:
+            stream.cancel()
+
+    async def drop(self, pool: str, force: bool = False) -> Released:
+        resp = await self.call("Drop", pb.DropRequest(pool=pool, force=force))
+        return Released(convert.held_map(resp.reclaimed), resp.detached, resp.released_bytes)
+
+    async def attach_raw(self, pool: str, expected_fingerprint: str = "",
+                         lease_id: int = 0) -> AttachInfo:
+        req = pb.AttachRequest(pool=pool, expected_fingerprint=expected_fingerprint,
+                               lease_id=lease_id)
+        return convert.attach_info(await self.call("Attach", req))
+
+    async def detach(self, attach_id: int) -> None:
+        await self.call("Detach", pb.DetachRequest(attach_id=attach_id))
+
+    def keep_alive_stream(self) -> Any:
+        return self._stub.KeepAlive(metadata=self._metadata)
+
+
+class AsyncLease:
+    """An open lease renewed by a task over the KeepAlive stream (see ``kvpool.client.Lease``)."""
+
+    def __init__(self, client: AsyncKVPoolClient, lease_id: int, name: str,
+                 ttl_s: float) -> None:
+        self.client = client
+        self.lease_id = lease_id
+        self.name = name
+        self.ttl_s = ttl_s
+        self.error: BaseException | None = None
+        self._closed = False
+        self._task = asyncio.create_task(self._keep_alive(), name=f"kvpool-lease-{lease_id}")
+
+    async def __aenter__(self) -> AsyncLease:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+
+    async def allocate(self, pool: str, kind: str, count: int) -> np.ndarray:
+        return (await self.allocate_batch(pool, [(kind, count)]))[0]
+
+    async def allocate_batch(self, pool: str, items: Sequence[tuple[str, int]]
+                             ) -> list[np.ndarray]:
+        req = convert.allocate_request(pool, self.lease_id, items)
+        resp = await self.client.call("Allocate", req)
+        return [convert.ids_array(item.ids) for item in resp.items]
+
+    async def free(self, pool: str, kind: str, ids: Any) -> int:
+        return await self.free_batch(pool, [(kind, ids)])
+
+    async def free_batch(self, pool: str, items: Sequence[tuple[str, Any]]) -> int:
+        req = convert.free_request(pool, self.lease_id, items)
+        return (await self.client.call("Free", req)).freed
+
+    async def close(self) -> Released:
+        """Stop renewing and end the lease; returns what it held. Idempotent."""
+        if self._closed:
+            return Released({}, 0)
+        self._closed = True
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        resp = await self.client.call("CloseLease", pb.CloseLeaseRequest(lease_id=self.lease_id))
+        return Released(convert.held_map(resp.released), resp.detached)
+
+    async def _keep_alive(self) -> None:
+        request = pb.KeepAliveRequest(lease_id=self.lease_id)
+        interval = keepalive_interval(self.ttl_s)
+        while True:
+            stream = self.client.keep_alive_stream()
+            try:
+                while True:
+                    await stream.write(request)
+                    if await stream.read() is aio.EOF:
+                        return  # the daemon ended the stream (shutting down)
+                    await asyncio.sleep(interval)
+            except grpc.RpcError as exc:
+                err = convert.error_from_rpc(exc, self.client.target)
+                self.error = err
+                if exc.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+                    log.error("lease %d lost: %s", self.lease_id, err)
+                    return
+                log.warning("keep-alive of lease %d failed, retrying: %s", self.lease_id, err)
+                await asyncio.sleep(interval / 2)
+            finally:
+                stream.cancel()

@@ -1,0 +1,259 @@
+"""``kvpool``: the client command line (``configure``, ``stats``, ``leases``, ``drop``).
+
+The parser is built from :data:`SUBCOMMANDS`, one ``add_<name>(subparsers, common)`` function
+per subcommand that registers its parser and sets ``func``; a new subcommand (``demo``, ``top``)
+is one more function in that table. torch is never imported here: ``kvpool stats`` starts in
+the time it takes to import grpc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from kvpool.errors import InvalidArgument, KVPoolError
+from kvpool.targets import default_target
+
+AddParser = Callable[[Any, argparse.ArgumentParser], argparse.ArgumentParser]
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
+
+
+def common_options() -> argparse.ArgumentParser:
+    """Options every subcommand takes: where the daemon is and how to authenticate."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--target", default=None, metavar="ADDR",
+                        help=f"unix:///path.sock or host:port (default {default_target()})")
+    token = common.add_mutually_exclusive_group()
+    token.add_argument("--token", metavar="SECRET", help="bearer token for a TCP listener")
+    token.add_argument("--token-file", type=Path, metavar="PATH", help="read the token here")
+    common.add_argument("--timeout", type=float, default=30.0, metavar="S",
+                        help="deadline per call in seconds (default 30)")
+    return common
+
+
+def client_from(args: argparse.Namespace) -> Any:
+    """A ``KVPoolClient`` for the common options."""
+    from kvpool.client import KVPoolClient
+
+    token = args.token
+    if args.token_file is not None:
+        token = args.token_file.read_text().strip()
+    return KVPoolClient(args.target, token=token, timeout_s=args.timeout)
+
+
+def _size(text: str) -> int:
+    from kvpoold.sizes import parse_size  # pure: no torch
+
+    try:
+        return parse_size(text, field="budget")
+    except InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _human(nbytes: int) -> str:
+    from kvpoold.sizes import format_size
+
+    return format_size(nbytes)
+
+
+def _print_json(value: Any) -> None:
+    sys.stdout.write(msgspec.json.format(msgspec.json.encode(value), indent=2).decode() + "\n")
+
+
+# -- configure ----------------------------------------------------------------------------------
+
+def add_configure(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = sub.add_parser("configure", parents=[common], help="plan and build a pool",
+                       description="Plan a pool for a model and build it in the daemon (or only "
+                                   "plan it with --dry-run). Idempotent for the same layout.")
+    p.add_argument("pool", help="pool name: [a-z0-9][a-z0-9._-]{0,62}")
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--hf-config", type=Path, metavar="PATH",
+                       help="a Hugging Face config.json (or its model directory)")
+    model.add_argument("--spec", type=Path, metavar="PATH",
+                       help="a hand-written kvpool model spec (.json or .toml)")
+    p.add_argument("--budget", type=_size, metavar="SIZE",
+                   help="bytes for this pool's KV + state: 2GiB, 512MiB, 1073741824")
+    p.add_argument("--max-total-tokens", type=int, metavar="N")
+    p.add_argument("--page-size", type=int, metavar="N", help="tokens per page (default 1)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES)
+    for flag in ("tp-size", "pp-size", "pp-rank", "context-length", "max-running-requests",
+                 "speculative-num-draft-layers"):
+        p.add_argument(f"--{flag}", type=int, metavar="N")
+    p.add_argument("--speculative-algorithm", choices=("none", "eagle", "standalone"))
+    p.add_argument("--swa-full-tokens-ratio", type=float, metavar="R")
+    p.add_argument("--mamba-full-memory-ratio", type=float, metavar="R")
+    p.add_argument("--disable-radix-cache", action="store_true", default=None)
+    p.add_argument("--dry-run", action="store_true", help="plan and check; allocate nothing")
+    p.add_argument("--json", action="store_true", help="print the plan and result as JSON")
+    p.set_defaults(func=run_configure)
+    return p
+
+
+_OPTIONS = ("max_total_tokens", "page_size", "kv_cache_dtype", "tp_size", "pp_size", "pp_rank",
+            "context_length", "max_running_requests", "speculative_num_draft_layers",
+            "speculative_algorithm", "swa_full_tokens_ratio", "mamba_full_memory_ratio",
+            "disable_radix_cache")
+
+
+def load_spec_mapping(path: Path) -> dict[str, Any]:
+    """A spec file as a mapping (``.toml`` or JSON)."""
+    try:
+        raw = path.read_bytes()
+        return msgspec.toml.decode(raw) if path.suffix == ".toml" else msgspec.json.decode(raw)
+    except (OSError, msgspec.DecodeError) as exc:
+        raise InvalidArgument(f"cannot read spec {path}: {exc}", field="spec") from exc
+
+
+def run_configure(args: argparse.Namespace) -> int:
+    options = {k: getattr(args, k) for k in _OPTIONS if getattr(args, k) is not None}
+    model: dict[str, Any] = (
+        {"hf_config": args.hf_config} if args.hf_config else
+        {"spec": load_spec_mapping(args.spec)}
+    )
+    with client_from(args) as client:
+        result = client.configure(args.pool, budget_bytes=args.budget, dry_run=args.dry_run,
+                                  **model, **options)
+    if args.json:
+        _print_json({"pool": args.pool, "created": result.created, "dry_run": result.dry_run,
+                     "fingerprint": result.fingerprint,
+                     "budget_available_bytes": result.budget_available_bytes,
+                     "plan": msgspec.json.decode(result.plan_json)})
+        return 0
+    plan = result.plan
+    state = "planned (dry run)" if result.dry_run else "created" if result.created else "exists"
+    print(f"pool {args.pool}: {state}, fingerprint {result.fingerprint}")
+    print(f"  {plan.architecture}, {plan.kv_cache_dtype}, page {plan.page_size}: "
+          f"{plan.num_pages:,} pages ({plan.max_total_num_tokens:,} tokens), "
+          f"{plan.max_running_requests:,} requests")
+    print(f"  backing {_human(plan.backing_bytes)} (KV+state {_human(plan.total_bytes)}, aux "
+          f"{_human(plan.aux_bytes)}); daemon budget left {_human(result.budget_available_bytes)}")
+    return 0
+
+
+# -- stats / leases -----------------------------------------------------------------------------
+
+def add_stats(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = sub.add_parser("stats", parents=[common], help="the daemon, its pools and leases",
+                       description="Print the daemon's budget, each pool's per-kind counters and "
+                                   "each lease's holdings.")
+    p.add_argument("--pool", default="", help="only this pool")
+    p.add_argument("--json", action="store_true",
+                   help='print {"daemon": {...}, "pools": [...], "leases": [...]}')
+    p.set_defaults(func=run_stats)
+    return p
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    with client_from(args) as client:
+        stats = client.stats(args.pool)
+    if args.json:
+        _print_json(stats)
+        return 0
+    d = stats.daemon
+    print(f"kvpoold {d.version} on {d.device}: {_human(d.used_bytes)} of "
+          f"{_human(d.budget_bytes)} used, {d.num_pools} pools, {d.num_leases} leases, up "
+          f"{d.uptime_seconds:.0f}s (leases opened {d.leases_opened}, closed "
+          f"{d.leases_closed}, expired {d.leases_expired})")
+    for p in stats.pools:
+        print(f"pool {p.name}: {p.architecture} {p.kv_cache_dtype} page {p.page_size}, "
+              f"{_human(p.backing_bytes)}, attached {p.attached}, sharing {p.handle_kind}, "
+              f"fingerprint {p.fingerprint}")
+        for kind, k in p.kinds.items():
+            share = 100.0 * k.used / k.capacity if k.capacity else 0.0
+            print(f"  {kind:<6} used {k.used:>10,} / {k.capacity:<10,} ({share:5.1f}%)  "
+                  f"high {k.high_water:,}  allocs {k.allocs:,}  frees {k.frees:,}  "
+                  f"failed {k.failed_allocs:,}")
+    if stats.leases:
+        print_leases(stats.leases)
+    return 0
+
+
+def add_leases(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = sub.add_parser("leases", parents=[common], help="who holds what",
+                       description="List open leases: name, time to expiry, ids held per pool "
+                                   "and kind.")
+    p.add_argument("--json", action="store_true", help="print the leases as a JSON list")
+    p.set_defaults(func=run_leases)
+    return p
+
+
+def print_leases(leases: Sequence[Any]) -> None:
+    print(f"{'LEASE':<20} {'NAME':<24} {'EXPIRES':>8} {'ATT':>4}  HELD")
+    for x in leases:
+        held = "  ".join(
+            f"{pool}: " + " ".join(f"{kind}={n:,}" for kind, n in kinds.items())
+            for pool, kinds in x.held.items()
+        ) or "-"
+        print(f"{x.lease_id:<20} {x.name:<24.24} {x.expires_in_seconds:>7.1f}s {x.attached:>4}"
+              f"  {held}")
+
+
+def run_leases(args: argparse.Namespace) -> int:
+    with client_from(args) as client:
+        leases = client.stats().leases
+    if args.json:
+        _print_json(leases)
+    elif leases:
+        print_leases(leases)
+    else:
+        print("no open leases")
+    return 0
+
+
+# -- drop ---------------------------------------------------------------------------------------
+
+def add_drop(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = sub.add_parser("drop", parents=[common], help="release a pool",
+                       description="Release a pool's memory. Refused while a lease holds ids in "
+                                   "it or a client is attached, unless --force.")
+    p.add_argument("pool")
+    p.add_argument("--force", action="store_true",
+                   help="reclaim every id and end every attachment (engines using it break)")
+    p.set_defaults(func=run_drop)
+    return p
+
+
+def run_drop(args: argparse.Namespace) -> int:
+    with client_from(args) as client:
+        released = client.drop(args.pool, force=args.force)
+    print(f"dropped {args.pool}: released {_human(released.released_bytes)}, reclaimed "
+          f"{released.total:,} ids, detached {released.detached}")
+    return 0
+
+
+SUBCOMMANDS: tuple[AddParser, ...] = (add_configure, add_stats, add_leases, add_drop)
+
+
+def build_parser(subcommands: Sequence[AddParser] = SUBCOMMANDS) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpool",
+                                     description="Client of kvpoold, the KV-cache pool daemon.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = common_options()
+    for add in subcommands:
+        add(sub, common)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand; exit 2 for bad input, 1 for other daemon errors."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except InvalidArgument as exc:
+        print(f"kvpool {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KVPoolError as exc:
+        code = getattr(exc, "code_name", exc.code)
+        print(f"kvpool {args.command}: error ({code}): {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""``KVPoolClient``: the blocking client; leases are context managers kept alive in a thread.
+
+    with KVPoolClient("unix:///run/kvpool/kvpool.sock") as client:
+        client.configure("llama", hf_config=Path("config.json"), budget_bytes=2 << 30,
+                         page_size=16)
+        with client.lease("engine-0", ttl_s=10) as lease:
+            pages = lease.allocate("llama", "kv", 64)   # int32 page ids
+            lease.free("llama", "kv", pages)
+
+Every failed call raises the ``kvpool.errors`` class of its status code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Iterator, Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvpool import convert
+from kvpool.convert import AttachInfo, ConfigureResult, Released, Stats
+from kvpool.targets import channel_target, default_target
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool.v1 import kvpool_pb2_grpc
+
+log = logging.getLogger("kvpool.client")
+
+DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_TTL_S = 10.0
+MAX_MESSAGE_BYTES = 64 << 20
+CHANNEL_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
+
+
+def default_lease_name() -> str:
+    """``host:pid``, what Stats shows for a lease opened without a name."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def keepalive_interval(ttl_s: float) -> float:
+    """Renew three times per TTL: one lost renewal does not expire the lease."""
+    return max(0.03, ttl_s / 3)
+
+
+class KVPoolClient:
+    """A connection to one kvpoold.
+
+    Args:
+        target: ``unix:///path.sock``, ``/path.sock``, ``host:port`` or ``tcp://host:port``
+            (default: the daemon's default socket).
+        token: the daemon's ``--token`` for TCP listeners.
+        timeout_s: deadline of each call (Configure waits for the pool to be built: no
+            deadline unless given).
+        root_certificates: PEM roots for a TLS listener (a TLS channel when given).
+    """
+
+    def __init__(self, target: str | None = None, *, token: str | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S,
+                 root_certificates: bytes | None = None) -> None:
+        self.target = channel_target(target or default_target())
+        if root_certificates is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates)
+            self._channel = grpc.secure_channel(self.target, creds, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        self._stub = kvpool_pb2_grpc.KVPoolStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.timeout_s = timeout_s
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def call(self, method: str, request: Any, *, timeout_s: float | None = -1.0) -> Any:
+        """Call ``method`` on the KVPool stub; a gRPC error becomes a ``KVPoolError``."""
+        try:
+            return getattr(self._stub, method)(
+                request, timeout=self.timeout_s if timeout_s == -1.0 else timeout_s,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as exc:
+            raise convert.error_from_rpc(exc, self.target) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> KVPoolClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- RPCs --------------------------------------------------------------------------------
+
+    def health(self, service: str = "") -> str:
+        """The health status name (``SERVING``, ``NOT_SERVING``)."""
+        try:
+            resp = self._health.Check(health_pb2.HealthCheckRequest(service=service),
+                                      timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise convert.error_from_rpc(exc, self.target) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def configure(self, pool: str, *, hf_config: Any = None, spec: Any = None,
+                  dry_run: bool = False, timeout_s: float | None = None,
+                  **options: Any) -> ConfigureResult:
+        """Plan (and unless ``dry_run``, build) pool ``pool``.
+
+        Args:
+            pool: the name, ``[a-z0-9][a-z0-9._-]{0,62}``.
+            hf_config: a HF config.json as text, a mapping, or a path.
+            spec: a model spec mapping (kvpoold's ModelSpec JSON shape) instead.
+            dry_run: plan and check only.
+            timeout_s: deadline (default none: building a large pool takes a while).
+            options: ``budget_bytes``, ``max_total_tokens``, ``page_size``, ``kv_cache_dtype``,
+                ``tp_size``, ``pp_size``, ``pp_rank``, ``context_length``,
+                ``max_running_requests``, ``speculative_algorithm``, ... (see docs/api.md).
+
+        Returns:
+            The plan, fingerprint and whether this call created the pool.
+
+        Raises:
+            InvalidArgument, AlreadyExists, ResourceExhausted: see docs/api.md.
+        """
+        req = convert.configure_request(pool, hf_config=hf_config, spec=spec, dry_run=dry_run,
+                                        **options)
+        return convert.configure_result(self.call("Configure", req, timeout_s=timeout_s))
+
+    def lease(self, name: str | None = None, ttl_s: float = DEFAULT_TTL_S) -> Lease:
+        """Open a lease kept alive in a background thread; use it as a context manager."""
+        resp = self.call("OpenLease", pb.OpenLeaseRequest(name=name or default_lease_name(),
+                                                          ttl_seconds=ttl_s))
+        return Lease(self, resp.lease_id, name or default_lease_name(), resp.ttl_seconds)
+
+    def stats(self, pool: str = "") -> Stats:
+        return convert.stats(self.call("Stats", pb.StatsRequest(pool=pool)))
+
+    def watch_stats(self, pool: str = "", interval_s: float = 1.0) -> Iterator[Stats]:
+        """Stats every ``interval_s`` until the caller stops iterating."""
+        stream = self._stub.WatchStats(
+            pb.WatchStatsRequest(pool=pool, interval_seconds=interval_s), metadata=self._metadata
+        )
+        try:
+            for resp in stream:
+                yield convert.stats(resp)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
+                raise convert.error_from_rpc(exc, self.target) from None
+        finally:
+            stream.cancel()
+
+    def drop(self, pool: str, force: bool = False) -> Released:
+        resp = self.call("Drop", pb.DropRequest(pool=pool, force=force))
+        return Released(convert.held_map(resp.reclaimed), resp.detached, resp.released_bytes)
+
+    def attach_raw(self, pool: str, expected_fingerprint: str = "",
+                   lease_id: int = 0) -> AttachInfo:
+        """The pool's layout and shared handle; counts as attached until :meth:`detach`."""
+        req = pb.AttachRequest(pool=pool, expected_fingerprint=expected_fingerprint,
+                               lease_id=lease_id)
+        return convert.attach_info(self.call("Attach", req))
+
+    def detach(self, attach_id: int) -> None:
+        self.call("Detach", pb.DetachRequest(attach_id=attach_id))
+
+    def keep_alive_stream(self, requests: Iterator[pb.KeepAliveRequest]) -> Any:
+        return self._stub.KeepAlive(requests, metadata=self._metadata)
+
+
+class Lease:
+    """An open lease: the ids it allocates are its own until freed or the lease ends.
+
+    A background thread renews it over the KeepAlive stream every ``ttl_s / 3``; ``close`` (or
+    leaving the ``with`` block) stops the thread and returns everything the lease holds.
+    """
+
+    def __init__(self, client: KVPoolClient, lease_id: int, name: str, ttl_s: float) -> None:
+        self.client = client
+        self.lease_id = lease_id
+        self.name = name
+        self.ttl_s = ttl_s
+        self.error: BaseException | None = None  # why keep-alive stopped, if it failed
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._keep_alive, daemon=True,
+                                        name=f"kvpool-lease-{lease_id}")
+        self._thread.start()
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def allocate(self, pool: str, kind: str, count: int) -> np.ndarray:
+        """``count`` ids of ``kind`` (``kv``, ``req``, ``state``) as int32, all or none."""
+        return self.allocate_batch(pool, [(kind, count)])[0]
+
+    def allocate_batch(self, pool: str, items: Sequence[tuple[str, int]]) -> list[np.ndarray]:
+        """Several ``(kind, count)`` in one all-or-nothing call; one int32 array per item."""
+        resp = self.client.call("Allocate", convert.allocate_request(pool, self.lease_id, items))
+        return [convert.ids_array(item.ids) for item in resp.items]
+
+    def allocate_swa_pairs(self, pool: str, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Hybrid SWA pools: ``count`` full pages and the SWA page paired with each."""
+        resp = self.client.call("Allocate",
+                                convert.allocate_request(pool, self.lease_id, [("kv", count)]))
+        item = resp.items[0]
+        return convert.ids_array(item.ids), convert.ids_array(item.swa_ids)
+
+    def free(self, pool: str, kind: str, ids: Any) -> int:
+        """Return ``ids`` of ``kind`` (``swa``: only the SWA side of kv pages); all or none."""
+        return self.free_batch(pool, [(kind, ids)])
+
+    def free_batch(self, pool: str, items: Sequence[tuple[str, Any]]) -> int:
+        """Several ``(kind, ids)`` in one validated call; returns the ids freed."""
+        return self.client.call("Free", convert.free_request(pool, self.lease_id, items)).freed
+
+    def close(self) -> Released:
+        """Stop renewing and end the lease; returns what it held. Idempotent."""
+        if self._stop.is_set():
+            return Released({}, 0)
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        resp = self.client.call("CloseLease", pb.CloseLeaseRequest(lease_id=self.lease_id))
+        return Released(convert.held_map(resp.released), resp.detached)
+
+    def _requests(self) -> Iterator[pb.KeepAliveRequest]:
+        request = pb.KeepAliveRequest(lease_id=self.lease_id)
+        interval = keepalive_interval(self.ttl_s)
+        yield request
+        while not self._stop.wait(interval):
+            yield request
+
+    def _keep_alive(self) -> None:
+        """Renew until stopped; reopen the stream after a transient failure."""
+        while not self._stop.is_set():
+            stream = self.client.keep_alive_stream(self._requests())
+            try:
+                for _ in stream:
+                    pass
+                return  # the daemon ended the stream (shutting down)
+            except grpc.RpcError as exc:
+                if self._stop.is_set():
+                    return
+                err = convert.error_from_rpc(exc, self.client.target)
+                self.error = err
+                if exc.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+                    log.error("lease %d lost: %s", self.lease_id, err)
+                    return
+                log.warning("keep-alive of lease %d failed, retrying: %s", self.lease_id, err)
+                self._stop.wait(keepalive_interval(self.ttl_s) / 2)
+            finally:
+                stream.cancel()

@@ -1,0 +1,1 @@
+"""Generated stubs of protos/kvpool/v1/kvpool.proto (regenerate: python protos/generate.py)."""

@@ -1,0 +1,574 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KIND_UNSPECIFIED: _ClassVar[Kind]
+    KIND_KV: _ClassVar[Kind]
+    KIND_REQ: _ClassVar[Kind]
+    KIND_STATE: _ClassVar[Kind]
+    KIND_SWA: _ClassVar[Kind]
+
+class HandleKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HANDLE_KIND_UNSPECIFIED: _ClassVar[HandleKind]
+    HANDLE_KIND_NONE: _ClassVar[HandleKind]
+    HANDLE_KIND_SHM: _ClassVar[HandleKind]
+    HANDLE_KIND_CUDA_IPC: _ClassVar[HandleKind]
+KIND_UNSPECIFIED: Kind
+KIND_KV: Kind
+KIND_REQ: Kind
+KIND_STATE: Kind
+KIND_SWA: Kind
+HANDLE_KIND_UNSPECIFIED: HandleKind
+HANDLE_KIND_NONE: HandleKind
+HANDLE_KIND_SHM: HandleKind
+HANDLE_KIND_CUDA_IPC: HandleKind
+
+class MHAAttention(_message.Message):
+    __slots__ = ("num_kv_heads", "head_dim", "v_head_dim")
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    V_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    def __init__(self, num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ...) -> None: ...
+
+class MLAAttention(_message.Message):
+    __slots__ = ("kv_lora_rank", "qk_rope_head_dim")
+    KV_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    QK_ROPE_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    def __init__(self, kv_lora_rank: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ...) -> None: ...
+
+class SlidingWindow(_message.Message):
+    __slots__ = ("window", "layers", "num_kv_heads", "head_dim", "v_head_dim")
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    V_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    window: int
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    def __init__(self, window: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ...) -> None: ...
+
+class DSAIndexer(_message.Message):
+    __slots__ = ("index_head_dim",)
+    INDEX_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    index_head_dim: int
+    def __init__(self, index_head_dim: _Optional[int] = ...) -> None: ...
+
+class LinearAttention(_message.Message):
+    __slots__ = ("full_attention_layers", "conv_kernel", "num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_dtype", "ssm_dtype")
+    FULL_ATTENTION_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    CONV_KERNEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_KEY_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_VALUE_HEADS_FIELD_NUMBER: _ClassVar[int]
+    KEY_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    VALUE_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    CONV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SSM_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    full_attention_layers: _containers.RepeatedScalarFieldContainer[int]
+    conv_kernel: int
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_dtype: str
+    ssm_dtype: str
+    def __init__(self, full_attention_layers: _Optional[_Iterable[int]] = ..., conv_kernel: _Optional[int] = ..., num_key_heads: _Optional[int] = ..., num_value_heads: _Optional[int] = ..., key_head_dim: _Optional[int] = ..., value_head_dim: _Optional[int] = ..., conv_dtype: _Optional[str] = ..., ssm_dtype: _Optional[str] = ...) -> None: ...
+
+class DSV4Compression(_message.Message):
+    __slots__ = ("compress_ratios", "window_size", "nope_head_dim", "rope_head_dim", "index_head_dim", "state_dtype")
+    COMPRESS_RATIOS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NOPE_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    ROPE_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    INDEX_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    STATE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    compress_ratios: _containers.RepeatedScalarFieldContainer[int]
+    window_size: int
+    nope_head_dim: int
+    rope_head_dim: int
+    index_head_dim: int
+    state_dtype: str
+    def __init__(self, compress_ratios: _Optional[_Iterable[int]] = ..., window_size: _Optional[int] = ..., nope_head_dim: _Optional[int] = ..., rope_head_dim: _Optional[int] = ..., index_head_dim: _Optional[int] = ..., state_dtype: _Optional[str] = ...) -> None: ...
+
+class ModelSpec(_message.Message):
+    __slots__ = ("num_layers", "mha", "mla", "context_length", "dtype", "architecture", "sliding_window", "indexer", "linear", "dsv4", "num_nextn_predict_layers", "kv_cache_quant_fp8")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    MHA_FIELD_NUMBER: _ClassVar[int]
+    MLA_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    INDEXER_FIELD_NUMBER: _ClassVar[int]
+    LINEAR_FIELD_NUMBER: _ClassVar[int]
+    DSV4_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEXTN_PREDICT_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_QUANT_FP8_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    mha: MHAAttention
+    mla: MLAAttention
+    context_length: int
+    dtype: str
+    architecture: str
+    sliding_window: SlidingWindow
+    indexer: DSAIndexer
+    linear: LinearAttention
+    dsv4: DSV4Compression
+    num_nextn_predict_layers: int
+    kv_cache_quant_fp8: bool
+    def __init__(self, num_layers: _Optional[int] = ..., mha: _Optional[_Union[MHAAttention, _Mapping]] = ..., mla: _Optional[_Union[MLAAttention, _Mapping]] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., architecture: _Optional[str] = ..., sliding_window: _Optional[_Union[SlidingWindow, _Mapping]] = ..., indexer: _Optional[_Union[DSAIndexer, _Mapping]] = ..., linear: _Optional[_Union[LinearAttention, _Mapping]] = ..., dsv4: _Optional[_Union[DSV4Compression, _Mapping]] = ..., num_nextn_predict_layers: _Optional[int] = ..., kv_cache_quant_fp8: _Optional[bool] = ...) -> None: ...
+
+class Buffer(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "offset_bytes", "nbytes", "kind", "page_bytes", "in_budget")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset_bytes: int
+    nbytes: int
+    kind: str
+    page_bytes: int
+    in_budget: bool
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset_bytes: _Optional[int] = ..., nbytes: _Optional[int] = ..., kind: _Optional[str] = ..., page_bytes: _Optional[int] = ..., in_budget: _Optional[bool] = ...) -> None: ...
+
+class Plan(_message.Message):
+    __slots__ = ("architecture", "architecture_source", "model_architecture", "kv_cache_dtype", "page_size", "context_length", "cell_size_bytes", "max_total_num_tokens", "max_running_requests", "full_max_total_num_tokens", "swa_max_total_num_tokens", "mamba_cache_size", "c4_max_total_num_tokens", "c128_max_total_num_tokens", "c4_state_pool_size", "c128_state_pool_size", "total_bytes", "aux_bytes", "backing_bytes", "budget_bytes", "num_pages", "swa_num_pages", "tp_size", "pp_size", "pp_rank", "layer_start", "layer_end", "num_draft_layers", "req_to_token_columns", "notes", "buffers")
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CELL_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOTAL_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    FULL_MAX_TOTAL_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SWA_MAX_TOTAL_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAMBA_CACHE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    C4_MAX_TOTAL_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    C128_MAX_TOTAL_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    C4_STATE_POOL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    C128_STATE_POOL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    AUX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BACKING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SWA_NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    REQ_TO_TOKEN_COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    NOTES_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    architecture: str
+    architecture_source: str
+    model_architecture: str
+    kv_cache_dtype: str
+    page_size: int
+    context_length: int
+    cell_size_bytes: int
+    max_total_num_tokens: int
+    max_running_requests: int
+    full_max_total_num_tokens: int
+    swa_max_total_num_tokens: int
+    mamba_cache_size: int
+    c4_max_total_num_tokens: int
+    c128_max_total_num_tokens: int
+    c4_state_pool_size: int
+    c128_state_pool_size: int
+    total_bytes: int
+    aux_bytes: int
+    backing_bytes: int
+    budget_bytes: int
+    num_pages: int
+    swa_num_pages: int
+    tp_size: int
+    pp_size: int
+    pp_rank: int
+    layer_start: int
+    layer_end: int
+    num_draft_layers: int
+    req_to_token_columns: int
+    notes: _containers.RepeatedScalarFieldContainer[str]
+    buffers: _containers.RepeatedCompositeFieldContainer[Buffer]
+    def __init__(self, architecture: _Optional[str] = ..., architecture_source: _Optional[str] = ..., model_architecture: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., context_length: _Optional[int] = ..., cell_size_bytes: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., full_max_total_num_tokens: _Optional[int] = ..., swa_max_total_num_tokens: _Optional[int] = ..., mamba_cache_size: _Optional[int] = ..., c4_max_total_num_tokens: _Optional[int] = ..., c128_max_total_num_tokens: _Optional[int] = ..., c4_state_pool_size: _Optional[int] = ..., c128_state_pool_size: _Optional[int] = ..., total_bytes: _Optional[int] = ..., aux_bytes: _Optional[int] = ..., backing_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., num_pages: _Optional[int] = ..., swa_num_pages: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_draft_layers: _Optional[int] = ..., req_to_token_columns: _Optional[int] = ..., notes: _Optional[_Iterable[str]] = ..., buffers: _Optional[_Iterable[_Union[Buffer, _Mapping]]] = ...) -> None: ...
+
+class ConfigureRequest(_message.Message):
+    __slots__ = ("pool", "hf_config_json", "spec", "budget_bytes", "max_total_tokens", "page_size", "kv_cache_dtype", "tp_size", "pp_size", "pp_rank", "context_length", "max_running_requests", "speculative_algorithm", "speculative_num_draft_layers", "swa_full_tokens_ratio", "mamba_full_memory_ratio", "disable_radix_cache", "dry_run")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    HF_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_NUM_DRAFT_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    SWA_FULL_TOKENS_RATIO_FIELD_NUMBER: _ClassVar[int]
+    MAMBA_FULL_MEMORY_RATIO_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_RADIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    hf_config_json: str
+    spec: ModelSpec
+    budget_bytes: int
+    max_total_tokens: int
+    page_size: int
+    kv_cache_dtype: str
+    tp_size: int
+    pp_size: int
+    pp_rank: int
+    context_length: int
+    max_running_requests: int
+    speculative_algorithm: str
+    speculative_num_draft_layers: int
+    swa_full_tokens_ratio: float
+    mamba_full_memory_ratio: float
+    disable_radix_cache: bool
+    dry_run: bool
+    def __init__(self, pool: _Optional[str] = ..., hf_config_json: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., budget_bytes: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., context_length: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., speculative_algorithm: _Optional[str] = ..., speculative_num_draft_layers: _Optional[int] = ..., swa_full_tokens_ratio: _Optional[float] = ..., mamba_full_memory_ratio: _Optional[float] = ..., disable_radix_cache: _Optional[bool] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+
+class ConfigureResponse(_message.Message):
+    __slots__ = ("plan", "plan_json", "fingerprint", "created", "dry_run", "budget_available_bytes")
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    plan: Plan
+    plan_json: str
+    fingerprint: str
+    created: bool
+    dry_run: bool
+    budget_available_bytes: int
+    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., plan_json: _Optional[str] = ..., fingerprint: _Optional[str] = ..., created: _Optional[bool] = ..., dry_run: _Optional[bool] = ..., budget_available_bytes: _Optional[int] = ...) -> None: ...
+
+class OpenLeaseRequest(_message.Message):
+    __slots__ = ("name", "ttl_seconds")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    ttl_seconds: float
+    def __init__(self, name: _Optional[str] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class OpenLeaseResponse(_message.Message):
+    __slots__ = ("lease_id", "ttl_seconds")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    ttl_seconds: float
+    def __init__(self, lease_id: _Optional[int] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("lease_id", "ttl_seconds", "expires_in_seconds")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    ttl_seconds: float
+    expires_in_seconds: float
+    def __init__(self, lease_id: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., expires_in_seconds: _Optional[float] = ...) -> None: ...
+
+class CloseLeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+
+class Held(_message.Message):
+    __slots__ = ("pool", "kind", "count")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    kind: Kind
+    count: int
+    def __init__(self, pool: _Optional[str] = ..., kind: _Optional[_Union[Kind, str]] = ..., count: _Optional[int] = ...) -> None: ...
+
+class CloseLeaseResponse(_message.Message):
+    __slots__ = ("released", "detached")
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    DETACHED_FIELD_NUMBER: _ClassVar[int]
+    released: _containers.RepeatedCompositeFieldContainer[Held]
+    detached: int
+    def __init__(self, released: _Optional[_Iterable[_Union[Held, _Mapping]]] = ..., detached: _Optional[int] = ...) -> None: ...
+
+class AllocateItem(_message.Message):
+    __slots__ = ("kind", "count")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    kind: Kind
+    count: int
+    def __init__(self, kind: _Optional[_Union[Kind, str]] = ..., count: _Optional[int] = ...) -> None: ...
+
+class AllocateRequest(_message.Message):
+    __slots__ = ("pool", "lease_id", "items")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    lease_id: int
+    items: _containers.RepeatedCompositeFieldContainer[AllocateItem]
+    def __init__(self, pool: _Optional[str] = ..., lease_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[AllocateItem, _Mapping]]] = ...) -> None: ...
+
+class IdList(_message.Message):
+    __slots__ = ("kind", "ids", "swa_ids")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    SWA_IDS_FIELD_NUMBER: _ClassVar[int]
+    kind: Kind
+    ids: bytes
+    swa_ids: bytes
+    def __init__(self, kind: _Optional[_Union[Kind, str]] = ..., ids: _Optional[bytes] = ..., swa_ids: _Optional[bytes] = ...) -> None: ...
+
+class AllocateResponse(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[IdList]
+    def __init__(self, items: _Optional[_Iterable[_Union[IdList, _Mapping]]] = ...) -> None: ...
+
+class FreeRequest(_message.Message):
+    __slots__ = ("pool", "lease_id", "items")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    lease_id: int
+    items: _containers.RepeatedCompositeFieldContainer[IdList]
+    def __init__(self, pool: _Optional[str] = ..., lease_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[IdList, _Mapping]]] = ...) -> None: ...
+
+class FreeResponse(_message.Message):
+    __slots__ = ("freed",)
+    FREED_FIELD_NUMBER: _ClassVar[int]
+    freed: int
+    def __init__(self, freed: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    def __init__(self, pool: _Optional[str] = ...) -> None: ...
+
+class WatchStatsRequest(_message.Message):
+    __slots__ = ("pool", "interval_seconds")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    interval_seconds: float
+    def __init__(self, pool: _Optional[str] = ..., interval_seconds: _Optional[float] = ...) -> None: ...
+
+class KindStats(_message.Message):
+    __slots__ = ("kind", "capacity", "used", "free", "high_water", "allocs", "frees", "failed_allocs")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    HIGH_WATER_FIELD_NUMBER: _ClassVar[int]
+    ALLOCS_FIELD_NUMBER: _ClassVar[int]
+    FREES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_ALLOCS_FIELD_NUMBER: _ClassVar[int]
+    kind: Kind
+    capacity: int
+    used: int
+    free: int
+    high_water: int
+    allocs: int
+    frees: int
+    failed_allocs: int
+    def __init__(self, kind: _Optional[_Union[Kind, str]] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., free: _Optional[int] = ..., high_water: _Optional[int] = ..., allocs: _Optional[int] = ..., frees: _Optional[int] = ..., failed_allocs: _Optional[int] = ...) -> None: ...
+
+class PoolStats(_message.Message):
+    __slots__ = ("name", "fingerprint", "architecture", "kv_cache_dtype", "page_size", "max_total_num_tokens", "max_running_requests", "backing_bytes", "kinds", "attached", "age_seconds", "handle_kind")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOTAL_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    BACKING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_KIND_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    fingerprint: str
+    architecture: str
+    kv_cache_dtype: str
+    page_size: int
+    max_total_num_tokens: int
+    max_running_requests: int
+    backing_bytes: int
+    kinds: _containers.RepeatedCompositeFieldContainer[KindStats]
+    attached: int
+    age_seconds: float
+    handle_kind: str
+    def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., backing_bytes: _Optional[int] = ..., kinds: _Optional[_Iterable[_Union[KindStats, _Mapping]]] = ..., attached: _Optional[int] = ..., age_seconds: _Optional[float] = ..., handle_kind: _Optional[str] = ...) -> None: ...
+
+class LeaseStats(_message.Message):
+    __slots__ = ("lease_id", "name", "ttl_seconds", "expires_in_seconds", "held", "attached")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    name: str
+    ttl_seconds: float
+    expires_in_seconds: float
+    held: _containers.RepeatedCompositeFieldContainer[Held]
+    attached: int
+    def __init__(self, lease_id: _Optional[int] = ..., name: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., expires_in_seconds: _Optional[float] = ..., held: _Optional[_Iterable[_Union[Held, _Mapping]]] = ..., attached: _Optional[int] = ...) -> None: ...
+
+class DaemonStats(_message.Message):
+    __slots__ = ("version", "device", "budget_bytes", "used_bytes", "uptime_seconds", "num_pools", "num_leases", "leases_opened", "leases_closed", "leases_expired")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_POOLS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LEASES_FIELD_NUMBER: _ClassVar[int]
+    LEASES_OPENED_FIELD_NUMBER: _ClassVar[int]
+    LEASES_CLOSED_FIELD_NUMBER: _ClassVar[int]
+    LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    device: str
+    budget_bytes: int
+    used_bytes: int
+    uptime_seconds: float
+    num_pools: int
+    num_leases: int
+    leases_opened: int
+    leases_closed: int
+    leases_expired: int
+    def __init__(self, version: _Optional[str] = ..., device: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., num_pools: _Optional[int] = ..., num_leases: _Optional[int] = ..., leases_opened: _Optional[int] = ..., leases_closed: _Optional[int] = ..., leases_expired: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("daemon", "pools", "leases")
+    DAEMON_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    daemon: DaemonStats
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
+    leases: _containers.RepeatedCompositeFieldContainer[LeaseStats]
+    def __init__(self, daemon: _Optional[_Union[DaemonStats, _Mapping]] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[LeaseStats, _Mapping]]] = ...) -> None: ...
+
+class DropRequest(_message.Message):
+    __slots__ = ("pool", "force")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    force: bool
+    def __init__(self, pool: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class DropResponse(_message.Message):
+    __slots__ = ("reclaimed", "detached", "released_bytes")
+    RECLAIMED_FIELD_NUMBER: _ClassVar[int]
+    DETACHED_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    reclaimed: _containers.RepeatedCompositeFieldContainer[Held]
+    detached: int
+    released_bytes: int
+    def __init__(self, reclaimed: _Optional[_Iterable[_Union[Held, _Mapping]]] = ..., detached: _Optional[int] = ..., released_bytes: _Optional[int] = ...) -> None: ...
+
+class SharedHandle(_message.Message):
+    __slots__ = ("kind", "size", "path", "device_uuid", "ipc_handle", "storage_offset", "storage_size", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    kind: HandleKind
+    size: int
+    path: str
+    device_uuid: str
+    ipc_handle: bytes
+    storage_offset: int
+    storage_size: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, kind: _Optional[_Union[HandleKind, str]] = ..., size: _Optional[int] = ..., path: _Optional[str] = ..., device_uuid: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., storage_offset: _Optional[int] = ..., storage_size: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("pool", "expected_fingerprint", "lease_id")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    expected_fingerprint: str
+    lease_id: int
+    def __init__(self, pool: _Optional[str] = ..., expected_fingerprint: _Optional[str] = ..., lease_id: _Optional[int] = ...) -> None: ...
+
+class AttachResponse(_message.Message):
+    __slots__ = ("fingerprint", "plan", "plan_json", "handle", "attach_id", "device")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: str
+    plan: Plan
+    plan_json: str
+    handle: SharedHandle
+    attach_id: int
+    device: str
+    def __init__(self, fingerprint: _Optional[str] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., plan_json: _Optional[str] = ..., handle: _Optional[_Union[SharedHandle, _Mapping]] = ..., attach_id: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+
+class DetachRequest(_message.Message):
+    __slots__ = ("attach_id",)
+    ATTACH_ID_FIELD_NUMBER: _ClassVar[int]
+    attach_id: int
+    def __init__(self, attach_id: _Optional[int] = ...) -> None: ...
+
+class DetachResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,79 @@
+"""Attachments: clients that mapped a pool (Attach without Detach), indexed by pool and lease.
+
+A pool with attachments is not dropped unless forced (an importer may still map its memory);
+an attachment made under a lease ends with the lease, so a crashed client does not pin a pool.
+Not thread-safe: the daemon calls it from its event loop only.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Attachment:
+    attach_id: int
+    pool: str
+    lease_id: int  # 0: not tied to a lease
+
+
+class AttachmentTable:
+    """Every attachment, by id, with the ids per pool and per lease."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, Attachment] = {}
+        self._by_pool: dict[str, set[int]] = {}
+        self._by_lease: dict[int, set[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def add(self, pool: str, lease_id: int = 0) -> Attachment:
+        """Record a new attachment to ``pool`` (under ``lease_id`` if not 0)."""
+        attach_id = 0
+        while attach_id == 0 or attach_id in self._by_id:
+            attach_id = secrets.randbits(63)
+        att = Attachment(attach_id, pool, lease_id)
+        self._by_id[attach_id] = att
+        self._by_pool.setdefault(pool, set()).add(attach_id)
+        if lease_id:
+            self._by_lease.setdefault(lease_id, set()).add(attach_id)
+        return att
+
+    def remove(self, attach_id: int) -> Attachment | None:
+        """End one attachment; None if there is no such attachment."""
+        att = self._by_id.pop(attach_id, None)
+        if att is None:
+            return None
+        _discard(self._by_pool, att.pool, attach_id)
+        if att.lease_id:
+            _discard(self._by_lease, att.lease_id, attach_id)
+        return att
+
+    def remove_pool(self, pool: str) -> int:
+        """End every attachment to ``pool``; returns how many."""
+        return sum(self.remove(a) is not None for a in list(self._by_pool.get(pool, ())))
+
+    def remove_lease(self, lease_id: int) -> int:
+        """End every attachment made under ``lease_id``; returns how many."""
+        return sum(self.remove(a) is not None for a in list(self._by_lease.get(lease_id, ())))
+
+    def count_pool(self, pool: str) -> int:
+        return len(self._by_pool.get(pool, ()))
+
+    def count_lease(self, lease_id: int) -> int:
+        return len(self._by_lease.get(lease_id, ()))
+
+    def clear(self) -> None:
+        self._by_id.clear()
+        self._by_pool.clear()
+        self._by_lease.clear()
+
+
+def _discard(index: dict, key: object, attach_id: int) -> None:
+    ids = index.get(key)
+    if ids is not None:
+        ids.discard(attach_id)
+        if not ids:
+            del index[key]

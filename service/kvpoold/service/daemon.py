@@ -1,0 +1,395 @@
+"""The daemon's state: pools by name, the device budget, leases and attachments.
+
+Concurrency: every method runs on the server's event loop thread, so the registry, the budget
+and the lease table need no lock (one owner: the loop). The only work off the loop is
+:func:`build_entry` in a worker thread, on objects nobody else sees until it returns; a name
+being built is in ``_building`` so a second Configure of it waits instead of racing. Each
+``PoolAllocator`` has its own leaf lock (see ``kvpoold.alloc.manager``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvpool.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+from kvpoold import __version__
+from kvpoold.alloc import Kind
+from kvpoold.service.attachments import AttachmentTable
+from kvpoold.service.leases import Lease, LeaseTable
+from kvpoold.service.planning import plan_from_args
+from kvpoold.service.records import (
+    AttachResult,
+    CloseResult,
+    ConfigureArgs,
+    ConfigureResult,
+    DropResult,
+    HeldCount,
+    IdBlock,
+    Snapshot,
+)
+from kvpoold.service.registry import PoolEntry, build_entry, plan_json_text
+from kvpoold.service.snapshot import take_snapshot
+from kvpoold.sharing.base import BackingFactory
+from kvpoold.sizing.plan import PoolPlan
+
+log = logging.getLogger("kvpoold.daemon")
+
+POOL_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
+
+
+def check_pool_name(name: str, field: str = "pool") -> str:
+    """A pool name: ``[a-z0-9][a-z0-9._-]{0,62}``.
+
+    Raises:
+        InvalidArgument: anything else.
+    """
+    if not POOL_NAME.fullmatch(name):
+        raise InvalidArgument(
+            f"pool name {name!r} must match [a-z0-9][a-z0-9._-]{{0,62}} (lower case, digits, "
+            "'.', '_', '-'; 1 to 63 characters)",
+            field=field,
+        )
+    return name
+
+
+class Daemon:
+    """Pools, budget, leases and attachments of one device.
+
+    Args:
+        device: ``cpu`` or ``cuda:N`` (for Stats and Attach; memory comes from the factory).
+        budget_bytes: the device bytes pools may take in all (each pool costs its
+            ``plan.backing_bytes``).
+        backing_factory: creates each pool's region (plain, shared memory, CUDA IPC).
+        clock: monotonic seconds; injected so tests can move time.
+    """
+
+    def __init__(
+        self,
+        device: str,
+        budget_bytes: int,
+        backing_factory: BackingFactory,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.device = device
+        self.budget_bytes = budget_bytes
+        self.version = __version__
+        self._factory = backing_factory
+        self._clock = clock
+        self.started_at = clock()
+        self.leases = LeaseTable(clock)
+        self.pools: dict[str, PoolEntry] = {}
+        self.attachments = AttachmentTable()
+        self._building: dict[str, asyncio.Event] = {}
+        self._reserved_bytes = 0
+
+    # -- budget ----------------------------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(e.plan.backing_bytes for e in self.pools.values())
+
+    def available_bytes(self) -> int:
+        return max(0, self.budget_bytes - self.used_bytes - self._reserved_bytes)
+
+    def now(self) -> float:
+        return self._clock()
+
+    # -- Configure ---------------------------------------------------------------------------
+
+    async def configure(self, args: ConfigureArgs) -> ConfigureResult:
+        """Plan a pool and build it, or return the existing one with the same layout.
+
+        Raises:
+            InvalidArgument: bad name, model or options.
+            AlreadyExists: the name is taken by a pool with another fingerprint.
+            ResourceExhausted: the pool does not fit in the device budget left.
+        """
+        name = check_pool_name(args.pool)
+        new_plan = plan_from_args(args, self.available_bytes())
+        fingerprint = new_plan.fingerprint()
+        while name in self._building:  # the same name is being built: wait, then look again
+            await self._building[name].wait()
+        existing = self.pools.get(name)
+        if existing is not None:
+            if existing.fingerprint != fingerprint:
+                raise AlreadyExists(
+                    f"pool {name!r} exists with layout {existing.fingerprint}, this request "
+                    f"plans {fingerprint}; use the same model and options, another name, or "
+                    "Drop it first",
+                    field="pool",
+                )
+            return self._configure_result(existing.plan, existing.plan_json, fingerprint,
+                                          created=False, dry_run=args.dry_run)
+        needed, available = new_plan.backing_bytes, self.available_bytes()
+        if needed > available:
+            raise ResourceExhausted(
+                f"pool {name!r} needs {needed:,} B of device memory, the daemon has "
+                f"{available:,} B of its {self.budget_bytes:,} B budget left; lower "
+                "budget_bytes / max_total_tokens, Drop a pool, or start kvpoold with a larger "
+                "--budget",
+                field="budget_bytes",
+            )
+        if args.dry_run:
+            return self._configure_result(new_plan, plan_json_text(new_plan), fingerprint,
+                                          created=False, dry_run=True, extra=needed)
+        # Claim the name and the bytes now, before any await, so concurrent calls see them.
+        done = asyncio.Event()
+        self._building[name] = done
+        self._reserved_bytes += needed
+        # Building continues if the caller goes away: the pool is then there for its retry.
+        task = asyncio.ensure_future(self._build(name, new_plan, done))
+        entry = await asyncio.shield(task)
+        return self._configure_result(entry.plan, entry.plan_json, fingerprint,
+                                      created=True, dry_run=False)
+
+    async def _build(self, name: str, new_plan: PoolPlan, done: asyncio.Event) -> PoolEntry:
+        try:
+            entry = await asyncio.to_thread(
+                build_entry, name, new_plan, self._factory, self._clock()
+            )
+            self.pools[name] = entry
+        finally:
+            self._reserved_bytes -= new_plan.backing_bytes
+            del self._building[name]
+            done.set()
+        log.info("pool configured", extra={"fields": {
+            "event": "configure", "pool": name, "fingerprint": entry.fingerprint,
+            "architecture": new_plan.architecture, "backing_bytes": new_plan.backing_bytes,
+            "num_pages": new_plan.num_pages, "page_size": new_plan.page_size,
+        }})
+        return entry
+
+    def _configure_result(self, p: PoolPlan, plan_json: str, fingerprint: str, *, created: bool,
+                          dry_run: bool, extra: int = 0) -> ConfigureResult:
+        return ConfigureResult(p, plan_json, fingerprint, created, dry_run,
+                               max(0, self.available_bytes() - extra))
+
+    # -- leases ------------------------------------------------------------------------------
+
+    def open_lease(self, name: str, ttl_s: float) -> Lease:
+        """Open a lease (see :class:`LeaseTable`)."""
+        lease = self.leases.open(name, ttl_s)
+        log.info("lease opened", extra={"fields": {
+            "event": "lease_open", "lease_id": lease.lease_id, "owner": lease.owner,
+            "name": lease.name, "ttl_s": lease.ttl_s,
+        }})
+        return lease
+
+    def renew_lease(self, lease_id: int) -> Lease:
+        return self.leases.renew(check_id(lease_id, "lease_id"))
+
+    def close_lease(self, lease_id: int) -> CloseResult:
+        """End a lease; everything it holds comes back and its attachments end.
+
+        Raises:
+            NotFound: unknown, closed or expired lease.
+        """
+        lease = self.leases.close(check_id(lease_id, "lease_id"))
+        result = self._release(lease)
+        log.info("lease closed", extra={"fields": {
+            "event": "lease_close", "lease_id": lease.lease_id, "name": lease.name,
+            "released": _total(result.released), "detached": result.detached,
+        }})
+        return result
+
+    def expire_leases(self) -> list[tuple[Lease, CloseResult]]:
+        """Expire every lease past its deadline and reclaim what it held; logs each."""
+        out = []
+        for lease in self.leases.pop_expired():
+            result = self._release(lease)
+            out.append((lease, result))
+            log.warning("lease expired", extra={"fields": {
+                "event": "lease_expired", "lease_id": lease.lease_id, "name": lease.name,
+                "ttl_s": lease.ttl_s, "released": _total(result.released),
+                "detached": result.detached,
+                "held": {f"{h.pool}/{h.kind.value}": h.count for h in result.released},
+            }})
+        return out
+
+    def _release(self, lease: Lease) -> CloseResult:
+        released = []
+        for name, entry in self.pools.items():
+            for kind, count in entry.allocator.reclaim(lease.owner).items():
+                if count:
+                    released.append(HeldCount(name, kind, count))
+        return CloseResult(tuple(released), self.attachments.remove_lease(lease.lease_id))
+
+    # -- Allocate / Free ---------------------------------------------------------------------
+
+    def allocate(self, pool: str, lease_id: int,
+                 items: Sequence[tuple[Kind, int]]) -> list[IdBlock]:
+        """Allocate every ``(kind, count)`` item for the lease, all or none.
+
+        Raises:
+            InvalidArgument: bad pool name, no items, or a bad item (kind, count).
+            NotFound: unknown pool or lease.
+            ResourceExhausted: not enough free ids for an item (nothing allocated).
+        """
+        entry = self.pool(pool)
+        lease = self.leases.get(check_id(lease_id, "lease_id"))
+        if not items:
+            raise InvalidArgument("allocate needs at least one (kind, count) item",
+                                  field="items")
+        blocks = entry.allocator.allocate_batch(lease.owner, items)
+        if entry.plan.swa_num_pages:
+            return [
+                IdBlock(kind, ids, entry.allocator.swa_of(ids) if kind is Kind.KV else None)
+                for (kind, _), ids in zip(items, blocks, strict=True)
+            ]
+        return [IdBlock(kind, ids) for (kind, _), ids in zip(items, blocks, strict=True)]
+
+    def free(self, pool: str, lease_id: int, items: Sequence[tuple[Kind, np.ndarray]]) -> int:
+        """Free every ``(kind, ids)`` item of the lease; validated first, all or none.
+
+        Returns:
+            Ids returned over all items.
+
+        Raises:
+            InvalidArgument: bad pool name, no items, a malformed id list, an id out of range or
+                repeated.
+            NotFound: unknown pool or lease.
+            FailedPrecondition: an id not held by this lease (nothing freed).
+        """
+        entry = self.pool(pool)
+        lease = self.leases.get(check_id(lease_id, "lease_id"))
+        if not items:
+            raise InvalidArgument("free needs at least one (kind, ids) item", field="items")
+        return sum(entry.allocator.free_batch(lease.owner, items).values())
+
+    # -- pools -------------------------------------------------------------------------------
+
+    def pool(self, name: str) -> PoolEntry:
+        """The built pool ``name``.
+
+        Raises:
+            InvalidArgument: a malformed name.
+            NotFound: no such pool (or it is still being built).
+        """
+        entry = self.pools.get(name)
+        if entry is None:
+            check_pool_name(name)
+            building = " (it is being configured; retry when Configure returns)" if (
+                name in self._building) else ""
+            known = ", ".join(sorted(self.pools)) or "none"
+            raise NotFound(f"no pool {name!r}{building}; pools: {known}", field="pool")
+        return entry
+
+    def drop(self, name: str, force: bool = False) -> DropResult:
+        """Release a pool's memory and budget.
+
+        Raises:
+            NotFound: no such pool.
+            FailedPrecondition: a lease holds ids in it or a client is attached, and not force.
+        """
+        entry = self.pool(name)
+        holders = entry.allocator.held_by_owner()
+        attached = self.attachments.count_pool(name)
+        if (holders or attached) and not force:
+            owners = {lease.owner: lease for lease in self.leases}
+            who = ", ".join(
+                f"{owners[o].name} ({sum(h.values())} ids)" if o in owners else f"owner {o}"
+                for o, h in list(holders.items())[:5]
+            )
+            raise FailedPrecondition(
+                f"pool {name!r} is in use: {len(holders)} leases hold ids [{who}], "
+                f"{attached} clients attached; free or close them, or Drop with "
+                "force",
+                field="force",
+            )
+        reclaimed = []
+        for owner in holders:
+            for kind, count in entry.allocator.reclaim(owner).items():
+                if count:
+                    reclaimed.append(HeldCount(name, kind, count))
+        detached = self.attachments.remove_pool(name)
+        del self.pools[name]
+        entry.close()
+        log.info("pool dropped", extra={"fields": {
+            "event": "drop", "pool": name, "force": force, "reclaimed": _total(reclaimed),
+            "detached": detached, "released_bytes": entry.plan.backing_bytes,
+        }})
+        return DropResult(tuple(reclaimed), detached, entry.plan.backing_bytes)
+
+    # -- Attach / Detach ---------------------------------------------------------------------
+
+    def attach(self, pool: str, expected_fingerprint: str = "", lease_id: int = 0) -> AttachResult:
+        """Hand out what a client needs to map a pool, and count it as attached.
+
+        Raises:
+            NotFound: unknown pool, or unknown lease (when one is given).
+            FailedPrecondition: the pool's fingerprint is not ``expected_fingerprint``.
+        """
+        entry = self.pool(pool)
+        if expected_fingerprint and expected_fingerprint != entry.fingerprint:
+            raise FailedPrecondition(
+                f"pool {pool!r} has layout {entry.fingerprint}, the client expects "
+                f"{expected_fingerprint}; Configure the client with the pool's plan or attach "
+                "to the pool that matches",
+                field="expected_fingerprint",
+            )
+        if lease_id:
+            self.leases.get(lease_id)
+        att = self.attachments.add(pool, lease_id)
+        return AttachResult(entry.fingerprint, entry.plan, entry.plan_json, entry.handle,
+                            att.attach_id, self.device)
+
+    def detach(self, attach_id: int) -> None:
+        """End an attachment.
+
+        Raises:
+            NotFound: unknown or already ended.
+        """
+        if self.attachments.remove(check_id(attach_id, "attach_id")) is None:
+            raise NotFound(
+                f"no attachment {attach_id} (never made, detached, or ended with its lease or "
+                "a forced Drop)",
+                field="attach_id",
+            )
+
+    # -- Stats and shutdown ------------------------------------------------------------------
+
+    def snapshot(self, pool: str = "") -> Snapshot:
+        """Stats of the daemon, its pools (or one) and its leases, taken now.
+
+        Raises:
+            NotFound: ``pool`` given and unknown.
+        """
+        if pool:
+            self.pool(pool)
+        return take_snapshot(self, pool)
+
+    def close(self) -> None:
+        """Release every pool and the factory (shutdown). Idempotent."""
+        for entry in self.pools.values():
+            entry.close()
+        self.pools.clear()
+        self.attachments.clear()
+        self._factory.close()
+
+
+def check_id(value: int, field: str) -> int:
+    """A lease or attachment id as sent: 0 means the caller did not set it.
+
+    Raises:
+        InvalidArgument: 0.
+    """
+    if value == 0:
+        raise InvalidArgument(f"{field} is not set (0); pass the id OpenLease/Attach returned",
+                              field=field)
+    return value
+
+
+def _total(held: Sequence[HeldCount]) -> int:
+    return sum(h.count for h in held)

@@ -1,0 +1,112 @@
+"""The one table from ``kvpool.errors`` classes to gRPC status codes, applied by one decorator.
+
+Every servicer method is wrapped by :func:`rpc_errors` (unary) or :func:`rpc_stream_errors`
+(server-streaming): a :class:`KVPoolError` becomes its status with the message as details and the
+field at fault in the trailing metadata ``kvpool-field``; anything else is ``INTERNAL`` with the
+traceback logged. The client maps codes back with ``kvpool.errors.error_from_code``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+from grpc import aio
+
+from kvpool.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    KVPoolError,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+)
+
+log = logging.getLogger("kvpoold.rpc")
+
+FIELD_METADATA_KEY = "kvpool-field"
+
+STATUS_BY_ERROR: dict[type[KVPoolError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    Internal: grpc.StatusCode.INTERNAL,
+}
+
+S = TypeVar("S")
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+def status_of(exc: KVPoolError) -> grpc.StatusCode:
+    """The status code of ``exc``: its class or nearest registered base, else ``INTERNAL``."""
+    for cls in type(exc).__mro__:
+        code = STATUS_BY_ERROR.get(cls)  # type: ignore[call-overload]
+        if code is not None:
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+async def abort_with(context: aio.ServicerContext, exc: BaseException, method: str) -> None:
+    """End the call with the status for ``exc`` (always raises ``grpc.aio.AbortError``).
+
+    Args:
+        context: the call's context.
+        exc: a KVPoolError (mapped by the table) or anything else (INTERNAL, traceback logged).
+        method: the RPC name, for the log.
+    """
+    if isinstance(exc, KVPoolError):
+        metadata = ((FIELD_METADATA_KEY, exc.field),) if exc.field else ()
+        await context.abort(status_of(exc), str(exc), metadata)
+    log.error(
+        "unexpected error in %s", method, exc_info=exc, extra={"fields": {"event": "rpc_error"}}
+    )
+    await context.abort(
+        grpc.StatusCode.INTERNAL, f"{method}: internal error ({type(exc).__name__}: {exc})"
+    )
+
+
+UnaryMethod = Callable[[S, Req, aio.ServicerContext], Awaitable[Resp]]
+StreamMethod = Callable[[S, Req, aio.ServicerContext], AsyncIterator[Resp]]
+
+
+def rpc_errors(method: UnaryMethod[S, Req, Resp]) -> UnaryMethod[S, Req, Resp]:
+    """Decorate a unary (or stream-request) servicer coroutine with the error table."""
+
+    @functools.wraps(method)
+    async def wrapper(self: S, request: Req, context: aio.ServicerContext) -> Resp:
+        try:
+            return await method(self, request, context)
+        except aio.AbortError:
+            raise
+        except Exception as exc:
+            await abort_with(context, exc, method.__name__)
+            raise  # unreachable: abort raises
+
+    return wrapper
+
+
+def rpc_stream_errors(method: StreamMethod[S, Req, Resp]) -> StreamMethod[S, Req, Resp]:
+    """Decorate a server-streaming servicer async generator with the error table."""
+
+    @functools.wraps(method)
+    async def wrapper(self: S, request: Req, context: aio.ServicerContext) -> AsyncIterator[Resp]:
+        try:
+            async for item in method(self, request, context):
+                yield item
+        except aio.AbortError:
+            raise
+        except Exception as exc:
+            await abort_with(context, exc, method.__name__)
+
+    return wrapper

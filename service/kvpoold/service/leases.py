@@ -1,0 +1,181 @@
+"""Leases: who holds ids, until when. A lease not renewed within its TTL expires.
+
+A lease has a random 63-bit ``lease_id`` (what clients send; random so that a stale id from
+before a daemon restart does not name someone else's lease) and a small sequential ``owner``
+(what the allocators record per id; they take owners in ``1..2**31-1``). Renewing moves the
+deadline to ``now + ttl``; :meth:`LeaseTable.pop_expired` hands back the leases whose deadline
+has passed so the daemon can reclaim what they hold.
+
+Not thread-safe: the daemon calls it from its event loop only.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from kvpool.errors import InvalidArgument, NotFound, ResourceExhausted
+
+MIN_TTL_S = 0.1
+MAX_TTL_S = 86_400.0
+MAX_NAME_CHARS = 128
+MAX_LEASES = 65_536
+OWNER_MAX = (1 << 31) - 1
+
+
+@dataclass
+class Lease:
+    """One lease. ``deadline`` is on the daemon's monotonic clock."""
+
+    lease_id: int
+    owner: int
+    name: str
+    ttl_s: float
+    deadline: float
+    opened_at: float
+
+    def expires_in(self, now: float) -> float:
+        return max(0.0, self.deadline - now)
+
+
+def check_lease_name(name: str) -> str:
+    """A lease name: 1..128 printable characters (engine name, ``host:pid``).
+
+    Raises:
+        InvalidArgument: empty, too long, or with control characters.
+    """
+    if not name:
+        raise InvalidArgument("lease name is empty; name the holder (engine, host:pid)",
+                              field="name")
+    if len(name) > MAX_NAME_CHARS:
+        raise InvalidArgument(
+            f"lease name has {len(name)} characters, at most {MAX_NAME_CHARS}", field="name"
+        )
+    if not name.isprintable():
+        raise InvalidArgument(f"lease name {name!r} has control characters", field="name")
+    return name
+
+
+def check_ttl(ttl_s: float) -> float:
+    """A TTL in ``MIN_TTL_S..MAX_TTL_S`` seconds.
+
+    Raises:
+        InvalidArgument: NaN, infinite or out of range.
+    """
+    if not MIN_TTL_S <= ttl_s <= MAX_TTL_S:  # NaN fails both comparisons
+        raise InvalidArgument(
+            f"ttl_seconds {ttl_s} is outside {MIN_TTL_S}..{MAX_TTL_S:g} s; a few seconds "
+            "(renewed by KeepAlive) is typical",
+            field="ttl_seconds",
+        )
+    return float(ttl_s)
+
+
+class LeaseTable:
+    """The open leases, by id, with counters for Stats.
+
+    Args:
+        clock: monotonic seconds (``time.monotonic``); injected so tests can move time.
+        max_leases: refuse to open more than this many at once.
+    """
+
+    def __init__(self, clock: Callable[[], float], *, max_leases: int = MAX_LEASES) -> None:
+        self._clock = clock
+        self._max = max_leases
+        self._leases: dict[int, Lease] = {}
+        self._owners: set[int] = set()
+        self._next_owner = 1
+        self.opened = 0
+        self.closed = 0
+        self.expired = 0
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def __iter__(self) -> Iterator[Lease]:
+        return iter(list(self._leases.values()))
+
+    def open(self, name: str, ttl_s: float) -> Lease:
+        """Open a lease that expires ``ttl_s`` from now unless renewed.
+
+        Raises:
+            InvalidArgument: bad name or TTL.
+            ResourceExhausted: ``max_leases`` are open.
+        """
+        name = check_lease_name(name)
+        ttl_s = check_ttl(ttl_s)
+        if len(self._leases) >= self._max:
+            raise ResourceExhausted(
+                f"{len(self._leases)} leases are open, the limit is {self._max}; close unused "
+                "leases (one per engine process is enough)"
+            )
+        lease_id = 0
+        while lease_id == 0 or lease_id in self._leases:
+            lease_id = secrets.randbits(63)
+        owner = self._take_owner()
+        now = self._clock()
+        lease = Lease(lease_id, owner, name, ttl_s, now + ttl_s, now)
+        self._leases[lease_id] = lease
+        self.opened += 1
+        return lease
+
+    def get(self, lease_id: int, *, field: str = "lease_id") -> Lease:
+        """The open lease ``lease_id``.
+
+        Raises:
+            NotFound: unknown, closed or expired.
+        """
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise NotFound(
+                f"no open lease {lease_id}: it was never opened, was closed, or expired "
+                "(renew it within its TTL with KeepAlive; open a new one with OpenLease)",
+                field=field,
+            )
+        return lease
+
+    def find(self, lease_id: int) -> Lease | None:
+        """The open lease ``lease_id``, or None."""
+        return self._leases.get(lease_id)
+
+    def renew(self, lease_id: int) -> Lease:
+        """Move the deadline of ``lease_id`` to now + its TTL.
+
+        Raises:
+            NotFound: unknown, closed or expired.
+        """
+        lease = self.get(lease_id)
+        lease.deadline = self._clock() + lease.ttl_s
+        return lease
+
+    def close(self, lease_id: int) -> Lease:
+        """Remove ``lease_id``; the caller returns what it held.
+
+        Raises:
+            NotFound: unknown, closed or expired.
+        """
+        lease = self.get(lease_id)
+        del self._leases[lease_id]
+        self._owners.discard(lease.owner)
+        self.closed += 1
+        return lease
+
+    def pop_expired(self) -> list[Lease]:
+        """Remove and return every lease whose deadline has passed."""
+        now = self._clock()
+        gone = [lease for lease in self._leases.values() if lease.deadline <= now]
+        for lease in gone:
+            del self._leases[lease.lease_id]
+            self._owners.discard(lease.owner)
+        self.expired += len(gone)
+        return gone
+
+    def _take_owner(self) -> int:
+        # Sequential owners; after 2**31 - 1 leases they wrap and skip the ones still open.
+        while True:
+            owner = self._next_owner
+            self._next_owner = owner % OWNER_MAX + 1
+            if owner not in self._owners:
+                self._owners.add(owner)
+                return owner

@@ -1,0 +1,78 @@
+"""Structured logs: one line per event, as ``key=value`` text or one JSON object per line.
+
+Callers pass the event's fields as ``extra={"fields": {...}}``; both formatters print them after
+the message, so ``grep event=lease_expired`` and ``jq 'select(.event == "lease_expired")'`` work.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any, Literal, TextIO
+
+LogFormat = Literal["text", "json"]
+LOG_FORMATS: tuple[LogFormat, ...] = ("text", "json")
+
+
+def _fields(record: logging.LogRecord) -> dict[str, Any]:
+    fields = getattr(record, "fields", None)
+    return fields if isinstance(fields, dict) else {}
+
+
+class TextFormatter(logging.Formatter):
+    """``2025-01-01T12:00:00.123Z INFO kvpoold.daemon lease opened lease_id=... name=...``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        parts = [
+            f"{stamp}.{int(record.msecs):03d}Z",
+            record.levelname,
+            record.name,
+            record.getMessage(),
+        ]
+        parts += [f"{k}={_text(v)}" for k, v in _fields(record).items()]
+        line = " ".join(parts)
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def _text(value: object) -> str:
+    text = str(value)
+    return json.dumps(text) if (not text or " " in text or "=" in text) else text
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ``ts``, ``level``, ``logger``, ``msg``, then the fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in _fields(record).items():
+            entry.setdefault(key, value)
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def configure_logging(level: str = "info", fmt: LogFormat = "text",
+                      stream: TextIO | None = None) -> None:
+    """Send the ``kvpoold`` loggers to ``stream`` (stderr) at ``level`` in format ``fmt``.
+
+    Args:
+        level: debug, info, warning or error.
+        fmt: ``text`` or ``json``.
+        stream: where lines go (default stderr).
+    """
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    logger = logging.getLogger("kvpoold")
+    logger.handlers[:] = [handler]
+    logger.setLevel(level.upper())
+    logger.propagate = False

@@ -1,0 +1,109 @@
+"""One built pool as the daemon keeps it: plan, backing region, views and allocator together.
+
+:func:`build_entry` is the blocking part of Configure (allocating and zeroing the region); the
+daemon runs it in a worker thread on objects no other call can see until it returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import torch
+
+from kvpool.errors import Internal
+from kvpoold.alloc import Kind, PoolAllocator, PoolCounters
+from kvpoold.pools import Pool, build_pool
+from kvpoold.sharing.base import Backing, BackingFactory, SharedHandle
+from kvpoold.sizing.plan import BufferKind, PoolPlan
+
+
+def plan_json_text(plan: PoolPlan) -> str:
+    """The plan exactly as ``kvpoold plan --json`` prints it."""
+    return msgspec.json.format(plan.to_json(), indent=2).decode() + "\n"
+
+
+@dataclass
+class PoolEntry:
+    """A built pool, as the daemon keeps it."""
+
+    name: str
+    plan: PoolPlan
+    fingerprint: str
+    plan_json: str
+    backing: Backing
+    pool: Pool
+    allocator: PoolAllocator
+    handle: SharedHandle
+    created_at: float
+
+    def counters(self) -> dict[Kind, PoolCounters]:
+        return self.allocator.stats()
+
+    def close(self) -> None:
+        """Release the backing region (idempotent)."""
+        self.backing.close()
+
+
+def make_allocator(name: str, plan: PoolPlan, views: dict[str, torch.Tensor]) -> PoolAllocator:
+    """The allocator of a pool: KV pages ``1..num_pages``, SWA pages (hybrid), request rows
+    ``1..max_running_requests`` and mamba state slots ``1..mamba_cache_size``.
+
+    Raises:
+        Internal: a hybrid plan without its ``map`` buffer, or one the allocator cannot write.
+    """
+    full_to_swa: np.ndarray | None = None
+    swa_pages = plan.swa_num_pages or 0
+    if swa_pages:
+        maps = [b for b in plan.buffers if b.kind == BufferKind.map]
+        if len(maps) != 1:
+            raise Internal(f"pool {name}: a hybrid SWA plan needs one map buffer, has {len(maps)}")
+        view = views[maps[0].name]
+        if view.device.type != "cpu":
+            # The allocator writes the mapping with numpy; a device-side copy is future work.
+            raise Internal(f"pool {name}: hybrid SWA pools are only supported on cpu for now")
+        full_to_swa = view.reshape(-1).numpy()
+    return PoolAllocator(
+        name,
+        kv_pages=plan.num_pages,
+        swa_pages=swa_pages,
+        full_to_swa=full_to_swa,
+        req_rows=plan.max_running_requests,
+        state_slots=plan.mamba_cache_size or 0,
+    )
+
+
+def build_entry(
+    name: str,
+    plan: PoolPlan,
+    factory: BackingFactory,
+    created_at: float,
+) -> PoolEntry:
+    """Create the backing region through ``factory``, carve the views, make the allocator.
+
+    Blocking (the region is allocated and zero-filled): run it in a worker thread.
+
+    Raises:
+        ResourceExhausted: the device cannot provide the bytes (from the factory).
+        InvalidArgument: an architecture without a builder.
+    """
+    backing = factory.create(plan.backing_bytes, name)
+    try:
+        pool = build_pool(plan, factory.device, allocate=lambda _n, _d: backing.tensor)
+        allocator = make_allocator(name, plan, pool.views)
+        handle = backing.handle()
+    except BaseException:
+        backing.close()
+        raise
+    return PoolEntry(
+        name=name,
+        plan=plan,
+        fingerprint=plan.fingerprint(),
+        plan_json=plan_json_text(plan),
+        backing=backing,
+        pool=pool,
+        allocator=allocator,
+        handle=handle,
+        created_at=created_at,
+    )

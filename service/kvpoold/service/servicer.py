@@ -1,0 +1,130 @@
+"""The KVPool servicer: convert in, call the daemon, convert out; errors by one decorator."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from grpc import aio
+
+from kvpool.errors import InvalidArgument
+from kvpool.v1 import kvpool_pb2_grpc
+from kvpoold.service import convert
+from kvpoold.service.daemon import Daemon
+from kvpoold.service.errors import rpc_errors, rpc_stream_errors
+
+if TYPE_CHECKING:  # message types for annotations only; convert.py does the runtime work
+    from kvpool.v1 import kvpool_pb2 as pb
+
+Ctx = aio.ServicerContext
+MIN_WATCH_INTERVAL_S = 0.05
+MAX_WATCH_INTERVAL_S = 3600.0
+DEFAULT_WATCH_INTERVAL_S = 1.0
+
+
+class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
+    """gRPC face of a :class:`Daemon`.
+
+    Args:
+        daemon: the state every call works on.
+        closing: set at shutdown; long-lived streams (KeepAlive, WatchStats) end when it is,
+            so the server's grace period only waits for short calls.
+    """
+
+    def __init__(self, daemon: Daemon, closing: asyncio.Event | None = None) -> None:
+        self._daemon = daemon
+        self._closing = closing or asyncio.Event()
+
+    @rpc_errors
+    async def Configure(self, request: pb.ConfigureRequest, context: Ctx
+                        ) -> pb.ConfigureResponse:
+        result = await self._daemon.configure(convert.configure_args(request))
+        return convert.configure_response(result)
+
+    @rpc_errors
+    async def OpenLease(self, request: pb.OpenLeaseRequest, context: Ctx
+                        ) -> pb.OpenLeaseResponse:
+        lease = self._daemon.open_lease(request.name, request.ttl_seconds)
+        return convert.open_lease_response(lease)
+
+    @rpc_stream_errors
+    async def KeepAlive(self, request_iterator: AsyncIterator[pb.KeepAliveRequest], context: Ctx
+                        ) -> AsyncIterator[pb.KeepAliveResponse]:
+        iterator = request_iterator.__aiter__()
+        while True:
+            request = await self._next_or_closing(iterator)
+            if request is None:
+                return
+            lease = self._daemon.renew_lease(request.lease_id)
+            yield convert.keep_alive_response(lease, self._daemon.now())
+
+    @rpc_errors
+    async def CloseLease(self, request: pb.CloseLeaseRequest, context: Ctx
+                         ) -> pb.CloseLeaseResponse:
+        return convert.close_lease_response(self._daemon.close_lease(request.lease_id))
+
+    @rpc_errors
+    async def Allocate(self, request: pb.AllocateRequest, context: Ctx) -> pb.AllocateResponse:
+        items = convert.allocate_items(request)
+        return convert.allocate_response(
+            self._daemon.allocate(request.pool, request.lease_id, items)
+        )
+
+    @rpc_errors
+    async def Free(self, request: pb.FreeRequest, context: Ctx) -> pb.FreeResponse:
+        items = convert.free_items(request)
+        return convert.free_response(self._daemon.free(request.pool, request.lease_id, items))
+
+    @rpc_errors
+    async def Stats(self, request: pb.StatsRequest, context: Ctx) -> pb.StatsResponse:
+        return convert.stats_response(self._daemon.snapshot(request.pool))
+
+    @rpc_stream_errors
+    async def WatchStats(self, request: pb.WatchStatsRequest, context: Ctx
+                         ) -> AsyncIterator[pb.StatsResponse]:
+        interval = request.interval_seconds or DEFAULT_WATCH_INTERVAL_S
+        if not MIN_WATCH_INTERVAL_S <= interval <= MAX_WATCH_INTERVAL_S:
+            raise InvalidArgument(
+                f"interval_seconds {interval} is outside "
+                f"{MIN_WATCH_INTERVAL_S}..{MAX_WATCH_INTERVAL_S:g}",
+                field="interval_seconds",
+            )
+        while not self._closing.is_set():
+            yield convert.stats_response(self._daemon.snapshot(request.pool))
+            try:
+                await asyncio.wait_for(self._closing.wait(), interval)
+            except TimeoutError:
+                pass
+
+    @rpc_errors
+    async def Drop(self, request: pb.DropRequest, context: Ctx) -> pb.DropResponse:
+        return convert.drop_response(self._daemon.drop(request.pool, request.force))
+
+    @rpc_errors
+    async def Attach(self, request: pb.AttachRequest, context: Ctx) -> pb.AttachResponse:
+        result = self._daemon.attach(request.pool, request.expected_fingerprint,
+                                     request.lease_id)
+        return convert.attach_response(result)
+
+    @rpc_errors
+    async def Detach(self, request: pb.DetachRequest, context: Ctx) -> pb.DetachResponse:
+        self._daemon.detach(request.attach_id)
+        return convert.detach_response()
+
+    async def _next_or_closing(
+        self, iterator: AsyncIterator[pb.KeepAliveRequest]
+    ) -> pb.KeepAliveRequest | None:
+        """The next request of a stream, or None when it ends or the daemon is closing."""
+        if self._closing.is_set():
+            return None
+        nxt = asyncio.ensure_future(anext(iterator, None))
+        closing = asyncio.ensure_future(self._closing.wait())
+        try:
+            await asyncio.wait((nxt, closing), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closing.cancel()
+        if not nxt.done():
+            nxt.cancel()
+            return None
+        return nxt.result()

@@ -1,0 +1,191 @@
+"""``kvpoold serve`` as a separate process driven by client processes and the ``kvpool`` CLI:
+crash reclaim by lease expiry, eight concurrent clients, clean shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpool.client import KVPoolClient
+from tests.conftest import (
+    REPO,
+    TINY_OPTIONS,
+    TINY_PAGES,
+    TINY_SPEC,
+    DaemonProcess,
+    run_daemon,
+    subprocess_env,
+)
+
+
+@pytest.fixture(scope="module")
+def shared_daemon() -> Iterator[DaemonProcess]:
+    """One daemon for the tests that do not stop it (each uses its own pool)."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="kvp-", dir="/tmp"))
+    try:
+        with run_daemon(path) as daemon:
+            yield daemon
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def start_client(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "tests.e2e.clients", *args], cwd=REPO,
+                            env=subprocess_env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def read_json(proc: subprocess.Popen[str], timeout_s: float = 60.0) -> dict:
+    line = proc.stdout.readline() if proc.stdout else ""
+    assert line, f"client exited with {proc.wait(timeout_s)} before reporting"
+    return json.loads(line)
+
+
+def kvpool_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvpool.cli", *args], cwd=REPO,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=60)
+
+
+def test_sigkilled_client_loses_its_pages_within_ttl_plus_1s(
+        shared_daemon: DaemonProcess) -> None:
+    """A client holding 20 pages under a 1 s lease is SIGKILLed: the daemon's sweeper (every
+    0.2 s) sees the lease expire at most 1 s after its last renewal, so Stats shows the pages
+    free again within TTL + 1 s = 2 s of the kill."""
+    target = shared_daemon.target
+    with KVPoolClient(target) as client:
+        client.configure("crash", spec=TINY_SPEC, **TINY_OPTIONS)
+        proc = start_client("hold", target, "crash", "20", "1.0")
+        try:
+            report = read_json(proc)
+            assert len(report["ids"]) == 20
+            assert client.stats("crash").pool("crash").kinds["kv"].used == 20
+            proc.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            proc.wait(10)
+            while client.stats("crash").pool("crash").kinds["kv"].used:
+                assert time.monotonic() - killed < 2.0, "pages not back within TTL + 1 s"
+                time.sleep(0.05)
+        finally:
+            proc.kill()
+            proc.wait()
+        stats = client.stats()
+        assert stats.daemon.leases_expired >= 1
+        assert all(x.lease_id != report["lease_id"] for x in stats.leases)
+        client.drop("crash")
+    assert "event=lease_expired" in shared_daemon.log_text()
+
+
+def test_eight_clients_at_random_then_every_invariant_holds(
+        shared_daemon: DaemonProcess) -> None:
+    """Eight processes allocate (1..16 pages) and free at random on one 255-page pool for
+    3 s. Afterwards: what each says it holds is what Stats says its lease holds, no page is
+    held twice, used == sum over leases == allocs - frees, used + free == capacity; after they
+    close their leases everything is free."""
+    target = shared_daemon.target
+    with KVPoolClient(target) as client:
+        client.configure("churn", spec=TINY_SPEC, **TINY_OPTIONS)
+        procs = [start_client("churn", target, "churn", "3", str(seed)) for seed in range(8)]
+        try:
+            reports = [read_json(p) for p in procs]
+            stats = client.stats("churn")
+            kv = stats.pool("churn").kinds["kv"]
+            by_lease = {x.lease_id: x.held.get("churn", {}).get("kv", 0) for x in stats.leases}
+            for r in reports:
+                assert by_lease[r["lease_id"]] == len(r["held"])
+            all_held = [i for r in reports for i in r["held"]]
+            assert len(all_held) == len(set(all_held)), "a page is held by two leases"
+            assert all(1 <= i <= TINY_PAGES for i in all_held)
+            assert kv.used == len(all_held) == sum(by_lease.values())
+            assert kv.used + kv.free == kv.capacity == TINY_PAGES
+            assert kv.allocs - kv.frees == kv.used
+            assert kv.allocs == sum(r["allocs"] for r in reports)
+            assert sum(r["allocs"] for r in reports) > 100  # they really churned
+            for p in procs:
+                p.communicate("done\n", timeout=30)
+                assert p.returncode == 0
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+        kv = client.stats("churn").pool("churn").kinds["kv"]
+        assert (kv.used, kv.free) == (0, TINY_PAGES)
+        client.drop("churn")
+
+
+def test_cli_configure_stats_leases_drop(shared_daemon: DaemonProcess, tmp_path: Path) -> None:
+    spec = tmp_path / "tiny.json"
+    spec.write_text(json.dumps(TINY_SPEC))
+    target = ["--target", shared_daemon.target]
+    out = kvpool_cli("configure", "cli", "--spec", str(spec), "--budget", "1MiB",
+                     "--page-size", "16", "--max-running-requests", "8", *target)
+    assert out.returncode == 0, out.stderr
+    assert "pool cli: created" in out.stdout and "255 pages" in out.stdout
+    out = kvpool_cli("stats", "--json", *target)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert set(data) == {"daemon", "pools", "leases"}
+    assert data["daemon"]["device"] == "cpu" and data["daemon"]["budget_bytes"] == 64 << 20
+    (pool,) = [p for p in data["pools"] if p["name"] == "cli"]
+    assert pool["kinds"]["kv"] == {"capacity": 255, "used": 0, "free": 255, "high_water": 0,
+                                   "allocs": 0, "frees": 0, "failed_allocs": 0}
+    assert pool["kinds"]["req"]["capacity"] == 8 and pool["attached"] == 0
+    out = kvpool_cli("leases", *target)
+    assert out.returncode == 0, out.stderr
+    out = kvpool_cli("configure", "cli", "--spec", str(spec), "--budget", "1MiB",
+                     "--page-size", "32", *target)
+    assert out.returncode == 1 and "ALREADY_EXISTS" in out.stderr
+    out = kvpool_cli("configure", "BAD", "--spec", str(spec), "--budget", "1MiB", *target)
+    assert out.returncode == 2 and "pool name" in out.stderr
+    out = kvpool_cli("drop", "cli", *target)
+    assert out.returncode == 0 and "dropped cli" in out.stdout, out.stderr
+
+
+def test_cli_does_not_import_torch() -> None:
+    out = subprocess.run([sys.executable, "-X", "importtime", "-c", "import kvpool.cli"],
+                         cwd=REPO, env=subprocess_env(), capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert " torch" not in out.stderr
+
+
+def test_sigterm_shuts_down_cleanly(socket_dir: Path) -> None:
+    """A daemon with a pool, a lease kept alive by a client and a watcher stream: SIGTERM
+    ends it with status 0 well within its grace, and the socket file is gone."""
+    with run_daemon(socket_dir) as daemon:
+        assert stat.S_IMODE(os.stat(daemon.socket).st_mode) == 0o600
+        with KVPoolClient(daemon.target) as client:
+            client.configure("bye", spec=TINY_SPEC, **TINY_OPTIONS)
+            lease = client.lease("engine", ttl_s=5.0)
+            lease.allocate("bye", "kv", 3)
+            watcher = client.watch_stats(interval_s=0.1)
+            next(watcher)
+            started = time.monotonic()
+            assert daemon.stop(signal.SIGTERM) == 0
+            assert time.monotonic() - started < 4.0  # the open streams did not hold the grace
+            lease._stop.set()
+            watcher.close()
+        assert not daemon.socket.exists()
+    log = daemon.log_text()
+    assert "event=shutdown" in log and "event=stopped" in log
+
+
+def test_second_daemon_on_the_same_socket_is_refused(shared_daemon: DaemonProcess) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvpoold.cli", "serve", "--listen", shared_daemon.target],
+        cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 1
+    assert "another daemon is serving" in out.stderr
+    with KVPoolClient(shared_daemon.target) as client:
+        assert client.health() == "SERVING"

@@ -1,0 +1,250 @@
+"""A table of bad requests for every RPC: each gets its status code and field, and changes
+nothing (Stats before == Stats after, but for the refused-allocation counter)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from kvpool.convert import allocate_request, configure_request, free_request, ids_array
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool.v1 import kvpool_pb2_grpc
+from tests.conftest import TINY_OPTIONS, TINY_SPEC
+from tests.service.conftest import Served
+
+C = grpc.StatusCode
+
+
+@dataclass
+class Ctx:
+    """Two leases: ``mine`` holds pages ``my_pages``, ``other`` holds ``their_pages``."""
+
+    stub: kvpool_pb2_grpc.KVPoolStub
+    mine: int
+    other: int
+    my_pages: np.ndarray
+    their_pages: np.ndarray
+    fingerprint: str
+
+
+Call = Callable[[Ctx], Awaitable[Any]]
+
+
+def configure(pool: str = "new", spec: Any = TINY_SPEC, **options: Any) -> Call:
+    def call(c: Ctx) -> Awaitable[Any]:
+        req = configure_request(pool, spec=spec, **{**TINY_OPTIONS, **options})
+        return c.stub.Configure(req)
+    return call
+
+
+def raw_configure(**fields: Any) -> Call:
+    return lambda c: c.stub.Configure(pb.ConfigureRequest(**fields))
+
+
+def open_lease(name: str = "x", ttl: float = 5.0) -> Call:
+    return lambda c: c.stub.OpenLease(pb.OpenLeaseRequest(name=name, ttl_seconds=ttl))
+
+
+def allocate(items: list[tuple[str, int]] | None = None, pool: str = "tiny",
+             lease: str | int = "mine") -> Call:
+    def call(c: Ctx) -> Awaitable[Any]:
+        lease_id = getattr(c, lease) if isinstance(lease, str) else lease
+        return c.stub.Allocate(allocate_request(pool, lease_id, items or []))
+    return call
+
+
+def allocate_raw(*items: pb.AllocateItem) -> Call:
+    return lambda c: c.stub.Allocate(pb.AllocateRequest(pool="tiny", lease_id=c.mine,
+                                                        items=items))
+
+
+def free(ids: Callable[[Ctx], Any], kind: str = "kv", pool: str = "tiny",
+         lease: str | int = "mine") -> Call:
+    def call(c: Ctx) -> Awaitable[Any]:
+        lease_id = getattr(c, lease) if isinstance(lease, str) else lease
+        return c.stub.Free(free_request(pool, lease_id, [(kind, ids(c))]))
+    return call
+
+
+def free_bytes(data: bytes) -> Call:
+    return lambda c: c.stub.Free(pb.FreeRequest(pool="tiny", lease_id=c.mine, items=[
+        pb.IdList(kind=pb.KIND_KV, ids=data)]))
+
+
+async def keep_alive(c: Ctx, lease_id: int) -> Any:
+    stream = c.stub.KeepAlive()
+    await stream.write(pb.KeepAliveRequest(lease_id=lease_id))
+    return await stream.read()
+
+
+async def watch(c: Ctx, pool: str, interval: float) -> Any:
+    stream = c.stub.WatchStats(pb.WatchStatsRequest(pool=pool, interval_seconds=interval))
+    return await stream.read()
+
+
+NO_SUCH = 12345
+CASES: list[tuple[str, Call, grpc.StatusCode, str | None]] = [
+    # Configure
+    ("configure upper-case name", configure("Tiny"), C.INVALID_ARGUMENT, "pool"),
+    ("configure empty name", configure(""), C.INVALID_ARGUMENT, "pool"),
+    ("configure 64-char name", configure("a" * 64), C.INVALID_ARGUMENT, "pool"),
+    ("configure name with slash", configure("a/b"), C.INVALID_ARGUMENT, "pool"),
+    ("configure no model", raw_configure(pool="new", budget_bytes=1 << 20), C.INVALID_ARGUMENT,
+     "model"),
+    ("configure spec without attention",
+     configure(spec={"num_layers": 2, "context_length": 8}), C.INVALID_ARGUMENT, "model"),
+    ("configure hf config not json", raw_configure(pool="new", hf_config_json="{nope",
+                                                   budget_bytes=1 << 20),
+     C.INVALID_ARGUMENT, "hf_config_json"),
+    ("configure hf config a list", raw_configure(pool="new", hf_config_json="[1]",
+                                                 budget_bytes=1 << 20),
+     C.INVALID_ARGUMENT, "hf_config_json"),
+    ("configure no budget", configure(budget_bytes=None), C.INVALID_ARGUMENT, "budget_bytes"),
+    ("configure page_size 0", configure(page_size=0), C.INVALID_ARGUMENT, "page_size"),
+    ("configure unknown dtype", configure(kv_cache_dtype="fp7"), C.INVALID_ARGUMENT,
+     "kv_cache_dtype"),
+    ("configure pp_rank = pp_size", configure(pp_size=2, pp_rank=2), C.INVALID_ARGUMENT,
+     "pp_rank"),
+    ("configure unknown speculative", configure(speculative_algorithm="magic"),
+     C.INVALID_ARGUMENT, "speculative_algorithm"),
+    ("configure nan ratio", configure(swa_full_tokens_ratio=math.nan), C.INVALID_ARGUMENT,
+     "swa_full_tokens_ratio"),
+    ("configure budget below a page", configure(budget_bytes=100), C.INVALID_ARGUMENT,
+     "budget_bytes"),
+    ("configure other layout, same name", configure("tiny", page_size=32), C.ALREADY_EXISTS,
+     "pool"),
+    ("configure over the device budget", configure(budget_bytes=64 << 20),
+     C.RESOURCE_EXHAUSTED, "budget_bytes"),
+    # OpenLease
+    ("open lease empty name", open_lease(""), C.INVALID_ARGUMENT, "name"),
+    ("open lease control chars", open_lease("a\nb"), C.INVALID_ARGUMENT, "name"),
+    ("open lease ttl 0", open_lease(ttl=0.0), C.INVALID_ARGUMENT, "ttl_seconds"),
+    ("open lease ttl nan", open_lease(ttl=math.nan), C.INVALID_ARGUMENT, "ttl_seconds"),
+    ("open lease ttl 1e9", open_lease(ttl=1e9), C.INVALID_ARGUMENT, "ttl_seconds"),
+    # KeepAlive / CloseLease
+    ("keep alive lease 0", lambda c: keep_alive(c, 0), C.INVALID_ARGUMENT, "lease_id"),
+    ("keep alive unknown lease", lambda c: keep_alive(c, NO_SUCH), C.NOT_FOUND, "lease_id"),
+    ("close lease 0", lambda c: c.stub.CloseLease(pb.CloseLeaseRequest()), C.INVALID_ARGUMENT,
+     "lease_id"),
+    ("close unknown lease", lambda c: c.stub.CloseLease(pb.CloseLeaseRequest(lease_id=NO_SUCH)),
+     C.NOT_FOUND, "lease_id"),
+    # Allocate
+    ("allocate unknown pool", allocate([("kv", 1)], pool="nope"), C.NOT_FOUND, "pool"),
+    ("allocate malformed pool", allocate([("kv", 1)], pool="NOPE"), C.INVALID_ARGUMENT, "pool"),
+    ("allocate unknown lease", allocate([("kv", 1)], lease=NO_SUCH), C.NOT_FOUND, "lease_id"),
+    ("allocate lease 0", allocate([("kv", 1)], lease=0), C.INVALID_ARGUMENT, "lease_id"),
+    ("allocate no items", allocate([]), C.INVALID_ARGUMENT, "items"),
+    ("allocate kind unset", allocate_raw(pb.AllocateItem(count=1)), C.INVALID_ARGUMENT,
+     "items[0].kind"),
+    ("allocate kind 99", allocate_raw(pb.AllocateItem(kind=99, count=1)), C.INVALID_ARGUMENT,
+     "items[0].kind"),
+    ("allocate swa", allocate([("kv", 1), ("swa", 1)]), C.INVALID_ARGUMENT, "items[1].kind"),
+    ("allocate state without state space", allocate([("state", 1)]), C.INVALID_ARGUMENT,
+     "items[0].kind"),
+    ("allocate past int32", allocate_raw(pb.AllocateItem(kind=pb.KIND_KV, count=1 << 31)),
+     C.INVALID_ARGUMENT, "items[0].count"),
+    ("allocate more than free", allocate([("kv", 251)]), C.RESOURCE_EXHAUSTED,
+     "items[0].count"),
+    # Free
+    ("free 3 bytes", free_bytes(b"\x01\x00\x00"), C.INVALID_ARGUMENT, "items[0].ids"),
+    ("free id 0", free(lambda c: [0]), C.INVALID_ARGUMENT, "items[0].ids[0]"),
+    ("free id out of range", free(lambda c: [9999]), C.INVALID_ARGUMENT, "items[0].ids[0]"),
+    ("free negative id", free(lambda c: [-3]), C.INVALID_ARGUMENT, "items[0].ids[0]"),
+    ("free repeated id", free(lambda c: [c.my_pages[0], c.my_pages[0]]), C.INVALID_ARGUMENT,
+     "items[0].ids[1]"),
+    ("free id not allocated", free(lambda c: [200]), C.FAILED_PRECONDITION, "items[0].ids[0]"),
+    ("free id of another lease", free(lambda c: [c.my_pages[0], c.their_pages[0]]),
+     C.FAILED_PRECONDITION, "items[0].ids[1]"),
+    ("free swa on a non-hybrid pool", free(lambda c: c.my_pages, kind="swa"),
+     C.INVALID_ARGUMENT, "items[0].kind"),
+    ("free unknown pool", free(lambda c: c.my_pages, pool="nope"), C.NOT_FOUND, "pool"),
+    ("free unknown lease", free(lambda c: c.my_pages, lease=NO_SUCH), C.NOT_FOUND, "lease_id"),
+    ("free no items", lambda c: c.stub.Free(pb.FreeRequest(pool="tiny", lease_id=c.mine)),
+     C.INVALID_ARGUMENT, "items"),
+    # Stats / WatchStats
+    ("stats unknown pool", lambda c: c.stub.Stats(pb.StatsRequest(pool="nope")), C.NOT_FOUND,
+     "pool"),
+    ("stats malformed pool", lambda c: c.stub.Stats(pb.StatsRequest(pool="-x")),
+     C.INVALID_ARGUMENT, "pool"),
+    ("watch negative interval", lambda c: watch(c, "", -1.0), C.INVALID_ARGUMENT,
+     "interval_seconds"),
+    ("watch huge interval", lambda c: watch(c, "", 1e9), C.INVALID_ARGUMENT, "interval_seconds"),
+    ("watch unknown pool", lambda c: watch(c, "nope", 1.0), C.NOT_FOUND, "pool"),
+    # Drop
+    ("drop unknown pool", lambda c: c.stub.Drop(pb.DropRequest(pool="nope")), C.NOT_FOUND,
+     "pool"),
+    ("drop malformed pool", lambda c: c.stub.Drop(pb.DropRequest(pool="")), C.INVALID_ARGUMENT,
+     "pool"),
+    ("drop in use", lambda c: c.stub.Drop(pb.DropRequest(pool="tiny")), C.FAILED_PRECONDITION,
+     "force"),
+    # Attach / Detach
+    ("attach unknown pool", lambda c: c.stub.Attach(pb.AttachRequest(pool="nope")),
+     C.NOT_FOUND, "pool"),
+    ("attach wrong fingerprint",
+     lambda c: c.stub.Attach(pb.AttachRequest(pool="tiny", expected_fingerprint="0" * 32)),
+     C.FAILED_PRECONDITION, "expected_fingerprint"),
+    ("attach unknown lease",
+     lambda c: c.stub.Attach(pb.AttachRequest(pool="tiny", lease_id=NO_SUCH)), C.NOT_FOUND,
+     "lease_id"),
+    ("detach 0", lambda c: c.stub.Detach(pb.DetachRequest()), C.INVALID_ARGUMENT, "attach_id"),
+    ("detach unknown", lambda c: c.stub.Detach(pb.DetachRequest(attach_id=NO_SUCH)),
+     C.NOT_FOUND, "attach_id"),
+]
+
+
+def comparable(stats: pb.StatsResponse) -> pb.StatsResponse:
+    """Stats without the fields that move with time or count refusals."""
+    out = pb.StatsResponse()
+    out.CopyFrom(stats)
+    out.daemon.uptime_seconds = 0
+    for pool in out.pools:
+        pool.age_seconds = 0
+        for kind in pool.kinds:
+            kind.failed_allocs = 0
+    for lease in out.leases:
+        lease.expires_in_seconds = 0
+    return out
+
+
+def failed_allocs(stats: pb.StatsResponse) -> int:
+    return sum(k.failed_allocs for p in stats.pools for k in p.kinds)
+
+
+def test_every_rpc_has_bad_cases() -> None:
+    methods = {m.name for m in pb.DESCRIPTOR.services_by_name["KVPool"].methods}
+    covered = {name.split(" ")[0] for name, *_ in CASES}
+    words = {"configure": "Configure", "open": "OpenLease", "keep": "KeepAlive",
+             "close": "CloseLease", "allocate": "Allocate", "free": "Free", "stats": "Stats",
+             "watch": "WatchStats", "drop": "Drop", "attach": "Attach", "detach": "Detach"}
+    assert {words[w] for w in covered} == methods
+
+
+@pytest.mark.parametrize(("name", "call", "code", "field"), CASES, ids=[c[0] for c in CASES])
+async def test_bad_request(served: Served, name: str, call: Call, code: grpc.StatusCode,
+                           field: str | None) -> None:
+    fingerprint = (await served.configure()).fingerprint
+    mine, other = await served.lease("mine"), await served.lease("other")
+    my_pages = ids_array((await served.stub.Allocate(
+        allocate_request("tiny", mine, [("kv", 3), ("req", 1)]))).items[0].ids)
+    their_pages = ids_array((await served.stub.Allocate(
+        allocate_request("tiny", other, [("kv", 2)]))).items[0].ids)
+    ctx = Ctx(served.stub, mine, other, my_pages, their_pages, fingerprint)
+    before = await served.stub.Stats(pb.StatsRequest())
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call(ctx)
+
+    assert info.value.code() == code, info.value.details()
+    metadata = dict(info.value.trailing_metadata() or ())
+    assert metadata.get("kvpool-field") == field, info.value.details()
+    assert info.value.details()
+    after = await served.stub.Stats(pb.StatsRequest())
+    assert comparable(after) == comparable(before)
+    refused = 1 if (code == C.RESOURCE_EXHAUSTED and name.startswith("allocate")) else 0
+    assert failed_allocs(after) == failed_allocs(before) + refused

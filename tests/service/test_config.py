@@ -1,0 +1,142 @@
+"""``kvpoold serve`` settings: defaults, the TOML file, flags over it, and every refusal."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from kvpool.errors import InvalidArgument
+from kvpool.targets import channel_target, default_socket_path
+from kvpoold.config import (
+    DEFAULT_BUDGET_BYTES,
+    Listener,
+    load_config,
+    parse_budget,
+    parse_listen,
+    resolve,
+)
+from kvpoold.service import serve_cli
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def serve_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serve_cli.add_parser(parser.add_subparsers())
+    return parser.parse_args(["serve", *argv])
+
+
+def test_defaults_work_without_flags() -> None:
+    """cpu, 1 GiB, the per-user socket: $XDG_RUNTIME_DIR/kvpool/kvpool.sock when set."""
+    s = resolve(vars(serve_args()), None, env={"XDG_RUNTIME_DIR": "/run/user/1000"})
+    assert s.listeners == (Listener("unix", "/run/user/1000/kvpool/kvpool.sock"),)
+    assert (s.device, s.budget_bytes, s.token, s.log_format) == ("cpu", DEFAULT_BUDGET_BYTES,
+                                                                 None, "text")
+    assert default_socket_path({}).name == "kvpool.sock"
+    assert str(default_socket_path({})).startswith("/tmp/kvpool-")
+
+
+def test_flags_override_the_config_file(tmp_path: Path) -> None:
+    cfg = tmp_path / "kvpoold.toml"
+    cfg.write_text('listen = ["tcp://127.0.0.1:50051"]\nbudget = "2GiB"\nlog_format = "json"\n'
+                   'grace_seconds = 1.5\n')
+    s = serve_cli.settings_from_args(serve_args("--config", str(cfg), "--budget", "512MiB"))
+    assert s.listeners == (Listener("tcp", "127.0.0.1:50051"),)
+    assert s.budget_bytes == 512 << 20
+    assert (s.log_format, s.grace_seconds) == ("json", 1.5)
+
+
+def test_the_shipped_example_config_loads() -> None:
+    """docker/kvpoold.toml uses every key; it must stay decodable."""
+    path = REPO / "docker" / "kvpoold.toml"
+    if not path.exists():
+        pytest.skip("no docker/kvpoold.toml in this checkout")
+    cfg = load_config(path)
+    assert cfg.budget == "2GiB" and cfg.listen
+
+
+def test_unknown_config_key_is_named(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("budjet = 1\n")
+    with pytest.raises(InvalidArgument, match="budjet") as info:
+        load_config(cfg)
+    assert info.value.field == "config"
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    ("unix:///run/kvpool/kvpool.sock", Listener("unix", "/run/kvpool/kvpool.sock")),
+    ("tcp://127.0.0.1:0", Listener("tcp", "127.0.0.1:0")),
+    ("tcp://[::1]:50051", Listener("tcp", "[::1]:50051")),
+])
+def test_listen_forms(text: str, want: Listener) -> None:
+    assert parse_listen(text) == want
+
+
+@pytest.mark.parametrize("text", ["unix://relative.sock", "unix:///dir/", "tcp://host",
+                                  "tcp://:80", "tcp://h:99999", "http://h:1", "/abs.sock"])
+def test_bad_listen_is_refused(text: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        parse_listen(text)
+    assert info.value.field == "listen"
+
+
+def test_budget_forms() -> None:
+    """2GiB = 2 * 2**30; on cuda 0.5 of 10 GiB free = 5 GiB; a fraction on cpu is refused."""
+    free = {"cuda:0": 10 << 30}.__getitem__
+    assert parse_budget("2GiB", "cpu", free) == 2 << 30
+    assert parse_budget(12345, "cpu", free) == 12345
+    assert parse_budget("0.5", "cuda:0", free) == 5 << 30
+    assert parse_budget(0.5, "cuda:0", free) == 5 << 30
+    with pytest.raises(InvalidArgument, match="cuda devices only"):
+        parse_budget("0.9", "cpu", free)
+    with pytest.raises(InvalidArgument):
+        parse_budget("lots", "cpu", free)
+
+
+@pytest.mark.parametrize(("argv", "field"), [
+    (("--device", "gpu"), "device"),
+    (("--device", "cuda"), "device"),
+    (("--tls-cert", "/x.pem"), "tls_cert"),
+    (("--token-file", "/nonexistent/token"), "token_file"),
+])
+def test_bad_flags_name_the_field(argv: tuple[str, ...], field: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        serve_cli.settings_from_args(serve_args(*argv))
+    assert info.value.field == field
+
+
+def test_token_file_must_be_private(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("abc\n")
+    token.chmod(0o644)
+    with pytest.raises(InvalidArgument, match="chmod 600"):
+        serve_cli.settings_from_args(serve_args("--token-file", str(token)))
+    token.chmod(0o600)
+    assert serve_cli.settings_from_args(serve_args("--token-file", str(token))).token == "abc"
+
+
+@pytest.mark.parametrize(("target", "want"), [
+    ("unix:///a/b.sock", "unix:///a/b.sock"),
+    ("/a/b.sock", "unix:///a/b.sock"),
+    ("localhost:50051", "localhost:50051"),
+    ("tcp://10.0.0.1:7", "10.0.0.1:7"),
+])
+def test_client_targets(target: str, want: str) -> None:
+    assert channel_target(target) == want
+
+
+@pytest.mark.parametrize("target", ["", "unix://rel.sock", "http://x:1", "justahost"])
+def test_bad_client_targets(target: str) -> None:
+    with pytest.raises(InvalidArgument):
+        channel_target(target)
+
+
+def test_a_cuda_device_that_is_not_there_is_refused_at_start() -> None:
+    from kvpoold.service.server import make_backing_factory
+
+    settings = resolve({"device": "cuda:99"}, None)
+    with pytest.raises(InvalidArgument, match="CUDA devices") as info:
+        make_backing_factory(settings)
+    assert info.value.field == "device"

@@ -1,0 +1,119 @@
+"""Configure over gRPC: create, idempotence by fingerprint, dry run, budget, model forms."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from kvpool.convert import configure_request
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpoold.sizing import make_options, plan
+from kvpoold.sizing.plan import PoolPlan
+from kvpoold.spec import decode_spec
+from tests.conftest import REPO, TINY_OPTIONS, TINY_PAGES, TINY_SPEC
+from tests.service.conftest import BUDGET_BYTES, Served
+
+
+def tiny_plan(**options: object) -> PoolPlan:
+    return plan(decode_spec(TINY_SPEC), make_options(**{**TINY_OPTIONS, **options}))
+
+
+async def test_configure_builds_the_planned_pool(served: Served) -> None:
+    """The reply carries the same plan as ``kvpoold.sizing.plan``: 255 pages (1 MiB / 4 KiB
+    per 16-token page, minus the padding page), 8 request rows; the daemon charges
+    backing_bytes = 1 MiB of KV + (8 + 1) rows * (256 + 4) columns * 4 B = 9,360 B of
+    req_to_token = 1,057,936 B against its 16 MiB budget."""
+    expected = tiny_plan()
+    resp = await served.configure()
+    assert resp.created and not resp.dry_run
+    assert resp.fingerprint == expected.fingerprint()
+    assert PoolPlan.from_json(resp.plan_json) == expected
+    assert resp.plan.num_pages == TINY_PAGES == expected.num_pages
+    assert resp.plan.backing_bytes == 1_057_936 == expected.backing_bytes
+    assert not resp.plan.HasField("swa_num_pages")
+    assert [b.name for b in resp.plan.buffers] == [b.name for b in expected.buffers]
+    k0 = resp.plan.buffers[0]
+    assert (k0.dtype, list(k0.shape), k0.page_bytes, k0.in_budget) == (
+        "bfloat16", [4096, 2, 16], 16 * 2 * 16 * 2, True)
+    assert resp.budget_available_bytes == BUDGET_BYTES - 1_057_936
+    stats = await served.stub.Stats(pb.StatsRequest())
+    assert stats.daemon.used_bytes == 1_057_936
+    assert [(k.kind, k.capacity) for k in stats.pools[0].kinds] == [
+        (pb.KIND_KV, TINY_PAGES), (pb.KIND_REQ, 8)]
+
+
+async def test_same_layout_returns_the_existing_pool(served: Served) -> None:
+    first = await served.configure()
+    again = await served.configure()
+    assert (again.created, again.fingerprint) == (False, first.fingerprint)
+    assert len(served.daemon.pools) == 1
+    assert served.daemon.used_bytes == first.plan.backing_bytes
+
+
+async def test_other_layout_with_the_same_name_is_already_exists(served: Served) -> None:
+    await served.configure()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await served.configure(page_size=32)
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "Drop it first" in info.value.details()
+    assert ("kvpool-field", "pool") in tuple(info.value.trailing_metadata())
+
+
+async def test_dry_run_allocates_nothing(served: Served) -> None:
+    resp = await served.configure(dry_run=True)
+    assert (resp.created, resp.dry_run) == (False, True)
+    assert resp.fingerprint == tiny_plan().fingerprint()
+    assert resp.budget_available_bytes == BUDGET_BYTES - 1_057_936
+    assert served.daemon.pools == {} and served.daemon.used_bytes == 0
+
+
+async def test_pool_over_the_device_budget_is_resource_exhausted(served: Served) -> None:
+    """A 32 MiB KV budget needs 32 MiB + 9,360 B of backing; the daemon has 16 MiB left."""
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await served.configure(budget_bytes=32 << 20)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    needed = tiny_plan(budget_bytes=32 << 20).backing_bytes
+    assert f"needs {needed:,} B" in info.value.details()
+    assert f"{BUDGET_BYTES:,} B" in info.value.details()
+    # a dry run answers the same question
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await served.configure(budget_bytes=32 << 20, dry_run=True)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+async def test_budget_is_shared_between_pools(served: Served) -> None:
+    """Fifteen 1 MiB-KV pools cost 15 * 1,057,936 B = 15,869,040 B of the 16,777,216 B budget;
+    908,176 B are left, less than a 16th pool needs."""
+    for i in range(15):
+        await served.configure(f"p{i}")
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await served.configure("p15")
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "908,176 B" in info.value.details()
+    await served.stub.Drop(pb.DropRequest(pool="p0"))
+    assert (await served.configure("p15")).created
+
+
+async def test_hf_config_json_is_planned_like_the_cli(served: Served) -> None:
+    """Llama-3.1-8B's config.json with max_total_tokens 64, page 16, 4 requests, context
+    1024: 4 pages (64 / 16), each 32 layers * 2 * 8 * 128 * 2 B * 16 = 2 MiB, plus the
+    padding page: 10 MiB of KV, which fits the 16 MiB daemon budget."""
+    text = (REPO / "tests/data/models/llama-3.1-8b-instruct.json").read_text()
+    req = configure_request("llama", hf_config=text, max_total_tokens=64, page_size=16,
+                            max_running_requests=4, context_length=1024, dry_run=True)
+    resp = await served.stub.Configure(req)
+    got = PoolPlan.from_json(resp.plan_json)
+    assert got.architecture_source == "hf_config"
+    assert got.model_architecture == "LlamaForCausalLM"
+    assert got.num_pages == 4
+    assert got.buffer("k.0").page_bytes == 8 * 128 * 2 * 16
+    assert got.total_bytes == 5 * (2 << 20)
+
+
+async def test_concurrent_configure_of_one_name_builds_once(served: Served) -> None:
+    import asyncio
+
+    replies = await asyncio.gather(*(served.configure() for _ in range(4)))
+    assert sorted(r.created for r in replies) == [False, False, False, True]
+    assert len({r.fingerprint for r in replies}) == 1
+    assert served.daemon.used_bytes == replies[0].plan.backing_bytes

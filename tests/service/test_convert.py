@@ -1,0 +1,85 @@
+"""Wire conversion: a typed ModelSpec survives client -> proto -> daemon for every attention
+kind and extra; plans and stats map field for field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+from kvpool.convert import configure_request, ids_bytes, spec_message
+from kvpool.errors import InvalidArgument
+from kvpoold.service.convert import configure_args, message_to_builtins, plan_message
+from kvpoold.sizing import make_options, plan
+from kvpoold.spec import ModelSpec, decode_spec
+from tests.factories import deepseek_v32, llama_8b
+
+SPECS: dict[str, dict[str, Any]] = {
+    "mha with v_head_dim": {"num_layers": 2, "context_length": 64,
+                            "attention": {"type": "mha", "num_kv_heads": 2, "head_dim": 16,
+                                          "v_head_dim": 8}},
+    "sliding window": {"num_layers": 4, "context_length": 64, "dtype": "float16",
+                       "attention": {"type": "mha", "num_kv_heads": 2, "head_dim": 16},
+                       "sliding_window": {"window": 32, "layers": [0, 2], "head_dim": 8}},
+    "linear": {"num_layers": 4, "context_length": 64,
+               "attention": {"type": "mha", "num_kv_heads": 2, "head_dim": 16},
+               "linear": {"full_attention_layers": [3], "conv_kernel": 4, "num_key_heads": 2,
+                          "num_value_heads": 4, "key_head_dim": 16, "value_head_dim": 8,
+                          "ssm_dtype": "bfloat16"}},
+    "dsv4": {"num_layers": 3, "context_length": 64,
+             "attention": {"type": "mla", "kv_lora_rank": 512, "qk_rope_head_dim": 64},
+             "dsv4": {"compress_ratios": [0, 4, 128], "window_size": 64}},
+}
+
+
+@pytest.mark.parametrize("spec", [
+    *(decode_spec(s) for s in SPECS.values()), llama_8b(), deepseek_v32(),
+    llama_8b(kv_cache_quant_fp8=True, num_nextn_predict_layers=1, architecture="X"),
+], ids=[*SPECS, "llama", "deepseek-v3.2", "flags"])
+def test_typed_spec_round_trips(spec: ModelSpec) -> None:
+    msg = spec_message(spec)
+    back = decode_spec(message_to_builtins(msg))
+    assert back == spec
+    # the mapping form (ModelSpec JSON shape) gives the same message
+    assert spec_message(msgspec.to_builtins(spec)) == msg
+
+
+def test_unset_options_are_left_to_the_daemon() -> None:
+    req = configure_request("p", spec=SPECS["mha with v_head_dim"], budget_bytes=1 << 20,
+                            page_size=None, kv_cache_dtype="fp8_e4m3", tp_size=2)
+    args = configure_args(req)
+    assert args.options == {"budget_bytes": 1 << 20, "kv_cache_dtype": "fp8_e4m3",
+                            "tp_size": 2}
+    assert args.hf_config_json is None and args.spec is not None and not args.dry_run
+
+
+def test_plan_message_has_every_plan_field() -> None:
+    """Scalars equal, None fields unset, buffers in order with their names and shapes."""
+    p = plan(llama_8b(), make_options(budget_bytes=1 << 30, page_size=16))
+    msg = plan_message(p)
+    for name in msgspec.structs.asdict(p):
+        if name in ("buffers", "notes"):
+            continue
+        value = getattr(p, name)
+        if value is None:
+            assert not msg.HasField(name), name
+        else:
+            assert getattr(msg, name) == value, name
+    assert [(b.name, tuple(b.shape), b.offset_bytes) for b in msg.buffers] == [
+        (b.name, b.shape, b.offset_bytes) for b in p.buffers]
+
+
+def test_ids_bytes() -> None:
+    assert ids_bytes(np.array([1, 2], dtype=np.int64)) == b"\x01\x00\x00\x00\x02\x00\x00\x00"
+    assert ids_bytes([]) == b""
+    for bad in ([1.5], [[1]], [1 << 40]):
+        with pytest.raises(InvalidArgument):
+            ids_bytes(bad)
+
+
+def test_spec_with_unknown_field_is_refused_by_the_client() -> None:
+    with pytest.raises(InvalidArgument) as info:
+        spec_message({**SPECS["mha with v_head_dim"], "num_heads": 3})
+    assert info.value.field == "spec"

@@ -1,0 +1,79 @@
+"""Hybrid pools over gRPC: SWA pairs (kv brings a swa page, swa frees only that side) and
+mamba state slots."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from kvpool.convert import allocate_request, configure_request, free_request, ids_array
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpoold.sizing import make_options, plan
+from kvpoold.spec import decode_spec
+from tests.service.conftest import Served
+
+BASE = {"num_layers": 4, "attention": {"type": "mha", "num_kv_heads": 2, "head_dim": 16},
+        "context_length": 256}
+SWA_SPEC = {**BASE, "sliding_window": {"window": 32, "layers": [0, 2]}}
+LINEAR_SPEC = {**BASE, "linear": {"full_attention_layers": [3], "conv_kernel": 4,
+                                  "num_key_heads": 2, "num_value_heads": 2, "key_head_dim": 16,
+                                  "value_head_dim": 16}}
+OPTIONS = {"budget_bytes": 1 << 20, "page_size": 16, "max_running_requests": 8}
+
+
+def kinds(stats: pb.StatsResponse) -> dict[int, tuple[int, int]]:
+    return {k.kind: (k.capacity, k.used) for k in stats.pools[0].kinds}
+
+
+async def test_swa_pairs(served: Served) -> None:
+    """The hybrid plan's page counts (here 141 full, 112 SWA pages) become the kv and swa
+    spaces; each kv page comes with a swa page, also written into full_to_swa."""
+    expected = plan(decode_spec(SWA_SPEC), make_options(**OPTIONS))
+    resp = await served.stub.Configure(configure_request("swa", spec=SWA_SPEC, **OPTIONS))
+    assert resp.plan.architecture == "hybrid_swa"
+    assert (resp.plan.num_pages, resp.plan.swa_num_pages) == (expected.num_pages,
+                                                             expected.swa_num_pages)
+    lease = await served.lease()
+    got = await served.stub.Allocate(allocate_request("swa", lease, [("kv", 4)]))
+    full, swa = ids_array(got.items[0].ids), ids_array(got.items[0].swa_ids)
+    assert len(full) == len(swa) == 4 and len(set(swa.tolist())) == 4
+    mapping = served.daemon.pools["swa"].pool.views["full_to_swa"].numpy()
+    assert np.array_equal(mapping[full], swa)
+    stats = await served.stub.Stats(pb.StatsRequest(pool="swa"))
+    n_full, n_swa = expected.num_pages, expected.swa_num_pages
+    assert kinds(stats) == {pb.KIND_KV: (n_full, 4), pb.KIND_SWA: (n_swa, 4),
+                            pb.KIND_REQ: (8, 0)}
+    # the window slid past two pages: release their swa side only
+    freed = await served.stub.Free(free_request("swa", lease, [("swa", full[:2])]))
+    assert freed.freed == 2
+    assert mapping[full[:2]].tolist() == [0, 0]
+    stats = await served.stub.Stats(pb.StatsRequest(pool="swa"))
+    assert kinds(stats)[pb.KIND_KV] == (n_full, 4) and kinds(stats)[pb.KIND_SWA] == (n_swa, 2)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await served.stub.Free(free_request("swa", lease, [("swa", full[:1])]))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    # freeing kv returns both sides of the rest
+    await served.stub.Free(free_request("swa", lease, [("kv", full)]))
+    stats = await served.stub.Stats(pb.StatsRequest(pool="swa"))
+    assert kinds(stats)[pb.KIND_KV][1] == kinds(stats)[pb.KIND_SWA][1] == 0
+
+
+async def test_state_slots(served: Served) -> None:
+    """The hybrid linear plan's mamba_cache_size (62 slots here) is the state space."""
+    expected = plan(decode_spec(LINEAR_SPEC), make_options(**OPTIONS))
+    resp = await served.stub.Configure(configure_request("lin", spec=LINEAR_SPEC, **OPTIONS))
+    assert resp.plan.mamba_cache_size == expected.mamba_cache_size
+    lease = await served.lease()
+    got = await served.stub.Allocate(
+        allocate_request("lin", lease, [("req", 1), ("state", 3), ("kv", 2)]))
+    assert [len(item.ids) // 4 for item in got.items] == [1, 3, 2]
+    stats = await served.stub.Stats(pb.StatsRequest(pool="lin"))
+    assert kinds(stats)[pb.KIND_STATE] == (expected.mamba_cache_size, 3)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await served.stub.Allocate(
+            allocate_request("lin", lease, [("state", expected.mamba_cache_size)]))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    closed = await served.stub.CloseLease(pb.CloseLeaseRequest(lease_id=lease))
+    assert sorted((h.kind, h.count) for h in closed.released) == [
+        (pb.KIND_KV, 2), (pb.KIND_REQ, 1), (pb.KIND_STATE, 3)]
