@@ -12,7 +12,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -31,6 +31,10 @@ from kvpool.convert import AttachInfo, ConfigureResult, Released, Stats
 from kvpool.targets import channel_target, default_target
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
+
+if TYPE_CHECKING:
+    from kvpool.attach import LeaseArg
+    from kvpool.mapping import MappedRegion
 
 log = logging.getLogger("kvpool.aio")
 
@@ -121,6 +125,17 @@ class AsyncKVPoolClient:
 
     async def detach(self, attach_id: int) -> None:
         await self.call("Detach", pb.DetachRequest(attach_id=attach_id))
+
+    def attach(self, pool: str, expected_fingerprint: str | None = None,
+               lease: LeaseArg = None) -> contextlib.AbstractAsyncContextManager[MappedRegion]:
+        """``async with client.attach(pool) as region:``; see ``KVPoolClient.attach``.
+
+        Mapping happens on the event loop: an mmap for shm (microseconds), but the first
+        mapping in a process imports torch.
+        """
+        from kvpool.attach import attach_async
+
+        return attach_async(self.attach_raw, self.detach, pool, expected_fingerprint, lease)
 
     def keep_alive_stream(self) -> Any:
         return self._stub.KeepAlive(metadata=self._metadata)

@@ -16,8 +16,10 @@ from typing import Any
 
 import msgspec
 
+from kvpool.demo import add_demo
 from kvpool.errors import InvalidArgument, KVPoolError
 from kvpool.targets import default_target
+from kvpool.top import add_top
 
 AddParser = Callable[[Any, argparse.ArgumentParser], argparse.ArgumentParser]
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
@@ -227,7 +229,8 @@ def run_drop(args: argparse.Namespace) -> int:
     return 0
 
 
-SUBCOMMANDS: tuple[AddParser, ...] = (add_configure, add_stats, add_leases, add_drop)
+SUBCOMMANDS: tuple[AddParser, ...] = (add_configure, add_stats, add_leases, add_drop, add_top,
+                                      add_demo)
 
 
 def build_parser(subcommands: Sequence[AddParser] = SUBCOMMANDS) -> argparse.ArgumentParser:

@@ -17,8 +17,9 @@ import os
 import socket
 import threading
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -29,6 +30,10 @@ from kvpool.convert import AttachInfo, ConfigureResult, Released, Stats
 from kvpool.targets import channel_target, default_target
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
+
+if TYPE_CHECKING:
+    from kvpool.attach import LeaseArg
+    from kvpool.mapping import MappedRegion
 
 log = logging.getLogger("kvpool.client")
 
@@ -170,6 +175,36 @@ class KVPoolClient:
 
     def detach(self, attach_id: int) -> None:
         self.call("Detach", pb.DetachRequest(attach_id=attach_id))
+
+    def attach(self, pool: str, expected_fingerprint: str | None = None,
+               lease: LeaseArg = None) -> AbstractContextManager[MappedRegion]:
+        """Map pool ``pool`` zero-copy for the ``with`` block; unmap and Detach after it.
+
+            with client.attach("llama", expected_fingerprint=fp, lease=lease) as region:
+                region["k.0"]                 # a tensor view of the daemon's memory
+                region.page("v.3", page_id)   # the rows of one KV page
+
+        Args:
+            pool: the pool's name.
+            expected_fingerprint: the layout the caller was built for (refused if the pool
+                has another); None accepts any and ``region.fingerprint`` says which.
+            lease: a ``Lease`` (or its id): the attachment then also ends when the lease
+                does, so a crashed process does not pin the pool.
+
+        Returns:
+            A context manager yielding a :class:`kvpool.mapping.MappedRegion` (name -> view on
+            the pool's device, plus ``plan``, ``page_size``, ``page(name, id)``). On exit
+            the region is closed, then detached; a failing Detach never hides an exception
+            raised in the block, and an attachment already ended (forced Drop) is no error.
+
+        Raises:
+            NotFound: no such pool or lease. FailedPrecondition: another fingerprint, a
+            pool that cannot be shared (``--sharing none``), or a GPU this process cannot
+            see. PermissionDenied: the shm file belongs to another user.
+        """
+        from kvpool.attach import attach_sync  # imports torch when the region is mapped
+
+        return attach_sync(self.attach_raw, self.detach, pool, expected_fingerprint, lease)
 
     def keep_alive_stream(self, requests: Iterator[pb.KeepAliveRequest]) -> Any:
         return self._stub.KeepAlive(requests, metadata=self._metadata)

@@ -19,6 +19,7 @@ import numpy as np
 from google.protobuf import json_format
 
 from kvpool.errors import InvalidArgument, KVPoolError, error_from_code
+from kvpool.handles import HandleKind, SharedHandle
 from kvpool.v1 import kvpool_pb2 as pb
 
 if TYPE_CHECKING:
@@ -28,8 +29,9 @@ FIELD_METADATA_KEY = "kvpool-field"
 KINDS: dict[str, int] = {"kv": pb.KIND_KV, "req": pb.KIND_REQ, "state": pb.KIND_STATE,
                          "swa": pb.KIND_SWA}
 KIND_NAMES: dict[int, str] = {v: k for k, v in KINDS.items()}
-HANDLE_KIND_NAMES = {pb.HANDLE_KIND_NONE: "none", pb.HANDLE_KIND_SHM: "shm",
-                     pb.HANDLE_KIND_CUDA_IPC: "cuda_ipc"}
+HANDLE_KIND_NAMES: dict[int, HandleKind] = {pb.HANDLE_KIND_NONE: "none",
+                                            pb.HANDLE_KIND_SHM: "shm",
+                                            pb.HANDLE_KIND_CUDA_IPC: "cuda_ipc"}
 _INT32 = np.dtype("<i4")
 
 
@@ -169,43 +171,30 @@ def configure_result(resp: pb.ConfigureResponse) -> ConfigureResult:
 # -- Attach -------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class RemoteHandle:
-    """The fields of the daemon's ``SharedHandle`` (same names), as received."""
-
-    kind: str
-    size: int
-    path: str = ""
-    device_uuid: str = ""
-    ipc_handle: bytes = b""
-    storage_offset: int = 0
-    storage_size: int = 0
-    ref_counter_handle: bytes = b""
-    ref_counter_offset: int = 0
-    event_handle: bytes = b""
-    event_sync_required: bool = False
-
-
-@dataclass(frozen=True)
 class AttachInfo:
     """What Attach returned: the layout and the handle to map it; Detach with ``attach_id``."""
 
     fingerprint: str
     plan: PoolPlan
     plan_json: str
-    handle: RemoteHandle
+    handle: SharedHandle
     attach_id: int
     device: str
 
 
-def attach_info(resp: pb.AttachResponse) -> AttachInfo:
-    h = resp.handle
-    handle = RemoteHandle(
+def shared_handle(h: pb.SharedHandle) -> SharedHandle:
+    """The proto handle as the one handle type (an unset kind reads as ``none``)."""
+    return SharedHandle(
         kind=HANDLE_KIND_NAMES.get(h.kind, "none"), size=h.size, path=h.path,
         device_uuid=h.device_uuid, ipc_handle=h.ipc_handle, storage_offset=h.storage_offset,
         storage_size=h.storage_size, ref_counter_handle=h.ref_counter_handle,
         ref_counter_offset=h.ref_counter_offset, event_handle=h.event_handle,
         event_sync_required=h.event_sync_required,
     )
+
+
+def attach_info(resp: pb.AttachResponse) -> AttachInfo:
+    handle = shared_handle(resp.handle)
     return AttachInfo(resp.fingerprint, decode_plan(resp.plan_json), resp.plan_json, handle,
                       resp.attach_id, resp.device)
 

@@ -16,10 +16,11 @@ import os
 import stat
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpool.dtypes import check_dtype_name, itemsize, torch_dtype
 from kvpool.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from kvpool.handles import SharedHandle
 
 if TYPE_CHECKING:
     import torch
@@ -28,7 +29,7 @@ SHM_FILE_MODE = 0o600
 
 
 class HandleLike(Protocol):
-    """Anything with a handle's fields: :class:`RegionHandle`, the daemon's ``SharedHandle``."""
+    """Anything with a handle's fields: :class:`kvpool.handles.SharedHandle`, a proto."""
 
     kind: str
     size: int
@@ -44,7 +45,11 @@ class HandleLike(Protocol):
 
 
 class BufferLike(Protocol):
-    """Anything with a buffer's layout fields: :class:`BufferLayout`, a plan's ``BufferSpec``."""
+    """Anything with a buffer's layout fields: :class:`BufferLayout`, a plan's ``BufferSpec``.
+
+    An optional ``page_bytes`` (one allocation unit: a KV page, a state slot, a request row)
+    enables :meth:`MappedRegion.page`.
+    """
 
     name: str
     dtype: str
@@ -53,32 +58,31 @@ class BufferLike(Protocol):
     nbytes: int
 
 
-@dataclass(frozen=True)
-class RegionHandle:
-    """A pool region's handle as plain values (mirrors ``kvpoold.sharing.SharedHandle``)."""
-
-    kind: str
-    size: int
-    path: str = ""
-    device_uuid: str = ""
-    ipc_handle: bytes = b""
-    storage_offset: int = 0
-    storage_size: int = 0
-    ref_counter_handle: bytes = b""
-    ref_counter_offset: int = 0
-    event_handle: bytes = b""
-    event_sync_required: bool = False
+# The earlier name of the one handle type; kept so existing callers keep working.
+RegionHandle = SharedHandle
 
 
 @dataclass(frozen=True)
 class BufferLayout:
-    """One named view's place in the region, as plain values (dtype by name)."""
+    """One named view's place in the region, as plain values (dtype by name).
+
+    ``page_bytes`` is one allocation unit of the buffer (0: unknown, :meth:`MappedRegion.page`
+    then refuses it); it must be a whole number of rows (``nbytes / shape[0]``).
+    """
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     offset_bytes: int
     nbytes: int
+    page_bytes: int = 0
+
+    @property
+    def rows_per_page(self) -> int:
+        """Rows (first-dimension entries) in one allocation unit; 0 when unknown."""
+        if not self.page_bytes or not self.shape or not self.shape[0]:
+            return 0
+        return self.page_bytes // (self.nbytes // self.shape[0])
 
 
 def normalize_uuid(uuid: str) -> str:
@@ -135,7 +139,8 @@ def check_layout(size: int, buffers: Sequence[BufferLike]) -> tuple[BufferLayout
     """Validate buffer layouts against a region of ``size`` bytes.
 
     Each buffer needs a unique name, a known dtype, ``nbytes == prod(shape) * itemsize``, an
-    offset aligned to its itemsize, and must lie inside the region.
+    offset aligned to its itemsize, must lie inside the region, and an optional
+    ``page_bytes`` must be a whole number of rows.
 
     Returns:
         The buffers as :class:`BufferLayout` values.
@@ -170,7 +175,15 @@ def check_layout(size: int, buffers: Sequence[BufferLike]) -> tuple[BufferLayout
                 f"{size:,} B aligned to {itemsize(dtype)} B",
                 field=f"{where}.offset_bytes",
             )
-        out.append(BufferLayout(name, dtype, shape, offset, nbytes))
+        page_bytes = int(getattr(b, "page_bytes", 0) or 0)
+        row_bytes = nbytes // shape[0] if shape and shape[0] else 0
+        if page_bytes and (page_bytes < 0 or not row_bytes or page_bytes % row_bytes):
+            raise InvalidArgument(
+                f"buffer {name!r}: page_bytes {page_bytes:,} is not a whole number of its "
+                f"{row_bytes:,}-byte rows",
+                field=f"{where}.page_bytes",
+            )
+        out.append(BufferLayout(name, dtype, shape, offset, nbytes, page_bytes))
     return tuple(out)
 
 
@@ -180,6 +193,9 @@ class MappedRegion(Mapping[str, "torch.Tensor"]):
     Use as a context manager; :meth:`close` drops this object's references so the mapping
     goes away once no view taken from it is still alive (torch cannot unmap memory a tensor
     still points at, so keep views inside the ``with`` block).
+
+    Made by :func:`map_region`; ``KVPoolClient.attach`` also fills ``plan`` (the daemon's
+    ``PoolPlan``), ``fingerprint`` and ``attach_id``.
     """
 
     def __init__(
@@ -189,13 +205,60 @@ class MappedRegion(Mapping[str, "torch.Tensor"]):
         base: torch.Tensor,
         views: dict[str, torch.Tensor],
         path: str = "",
+        *,
+        layout: Sequence[BufferLayout] = (),
+        plan: Any = None,
+        fingerprint: str = "",
+        attach_id: int = 0,
     ) -> None:
         self.kind = kind
         self.device = device
         self.path = path
         self.size = base.numel()
+        self.plan = plan
+        self.fingerprint = fingerprint
+        self.attach_id = attach_id
+        self.layout: dict[str, BufferLayout] = {b.name: b for b in layout}
         self._base: torch.Tensor | None = base
         self._views: dict[str, torch.Tensor] | None = views
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per KV page, from the plan (1 when the region was mapped without one)."""
+        return int(self.plan.page_size) if self.plan is not None else 1
+
+    def page(self, name: str, page_id: int) -> torch.Tensor:
+        """The rows of allocation unit ``page_id`` of buffer ``name`` (a view, no copy).
+
+        One unit is what one id names: for ``kv``/``swa_kv`` buffers page ``p`` is rows
+        ``p * page_size`` to ``(p + 1) * page_size - 1``; for page-major (``index``) and
+        per-slot buffers (``state``, ``req_to_token``) it is row ``p``. The unit's size comes
+        from the buffer's ``page_bytes``.
+
+        Raises:
+            KeyError: no buffer ``name``.
+            InvalidArgument: the buffer's layout has no ``page_bytes``, a negative id, or an
+                id past the buffer (says how many units it has).
+            FailedPrecondition: the region is closed.
+        """
+        tensor = self[name]
+        rows = self.layout[name].rows_per_page if name in self.layout else 0
+        if rows < 1:
+            raise InvalidArgument(
+                f"buffer {name!r} was mapped without page_bytes, so its page size is unknown; "
+                "map it with the plan's buffers (KVPoolClient.attach does) or use page_view",
+                field="page_bytes",
+            )
+        if page_id < 0:
+            raise InvalidArgument(f"page id must be >= 0, got {page_id}", field="page_id")
+        units = tensor.shape[0] // rows
+        if page_id >= units:
+            raise InvalidArgument(
+                f"page {page_id} is beyond buffer {name!r}: it has {units} units of {rows} "
+                f"row(s) (ids 0..{units - 1})",
+                field="page_id",
+            )
+        return tensor[page_id * rows : (page_id + 1) * rows]
 
     @property
     def closed(self) -> bool:
@@ -392,13 +455,16 @@ def carve_views(base: torch.Tensor, layout: Sequence[BufferLayout]) -> dict[str,
     }
 
 
-def map_region(handle: HandleLike, buffers: Sequence[BufferLike]) -> MappedRegion:
+def map_region(handle: HandleLike, buffers: Sequence[BufferLike], *, plan: Any = None,
+               fingerprint: str = "", attach_id: int = 0) -> MappedRegion:
     """Map a pool's region and return its named zero-copy views.
 
     Args:
-        handle: the region's handle as plain values (:class:`RegionHandle`, the daemon's
-            ``SharedHandle``, or anything with the same fields).
-        buffers: the pool's buffer layouts (name, dtype name, shape, offset_bytes, nbytes).
+        handle: the region's handle as plain values (:class:`kvpool.handles.SharedHandle`,
+            or anything with the same fields).
+        buffers: the pool's buffer layouts (name, dtype name, shape, offset_bytes, nbytes,
+            optionally page_bytes): ``plan.buffers`` or :class:`BufferLayout` values.
+        plan, fingerprint, attach_id: kept on the region for the caller (Attach's values).
 
     Returns:
         A :class:`MappedRegion`; ``region["k.0"]`` is a tensor on the pool's device.
@@ -430,7 +496,8 @@ def map_region(handle: HandleLike, buffers: Sequence[BufferLike]) -> MappedRegio
             _release_export(handle)
         raise
     device, base = mapper(handle)
-    return MappedRegion(kind, device, base, carve_views(base, layout), path=str(handle.path))
+    return MappedRegion(kind, device, base, carve_views(base, layout), path=str(handle.path),
+                        layout=layout, plan=plan, fingerprint=fingerprint, attach_id=attach_id)
 
 
 def page_rows(page_id: int, page_size: int) -> slice:

@@ -10,6 +10,10 @@ The file holds the same keys as the flags (underscores for dashes), all optional
     log_format = "json"
     token_file = "/etc/kvpool/token"
     shm_dir = "/dev/shm"
+    shm_preallocate = false   # reserve every tmpfs page of a cpu pool when it is built
+    sharing = "auto"          # shm on cpu, CUDA IPC on cuda; "none": unshared (tests only)
+    metrics_port = 9400       # serve Prometheus /metrics (omit it: no metrics server)
+    metrics_host = "127.0.0.1"  # the default; 0.0.0.0 in a container so Prometheus can reach it
 
 :func:`resolve` merges file and flags and checks every value, giving :class:`ServeSettings`.
 """
@@ -33,7 +37,11 @@ from kvpoold.spec import Base
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormatName = Literal["text", "json"]
+# auto: shared memory on cpu, CUDA IPC on cuda. none: plain unshared memory (tests, benchmarks).
+SharingMode = Literal["auto", "none"]
 DEFAULT_BUDGET_BYTES = 1 << 30
+# Loopback unless asked: /metrics has no authentication. Containers pass --metrics-host 0.0.0.0.
+DEFAULT_METRICS_HOST = "127.0.0.1"
 LISTEN_FORMS = "unix:///abs/path.sock or tcp://host:port"
 _DEVICE = re.compile(r"cpu|cuda:(?P<index>[0-9]{1,3})")
 
@@ -51,7 +59,11 @@ class ServeConfig(Base):
     tls_cert: str | None = None
     tls_key: str | None = None
     shm_dir: str | None = None
+    shm_preallocate: bool | None = None
+    sharing: SharingMode | None = None
     grace_seconds: Annotated[float, Meta(ge=0.0, le=600.0)] | None = None
+    metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
+    metrics_host: str | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +93,11 @@ class ServeSettings:
     tls_key: Path | None
     shm_dir: Path
     grace_seconds: float
+    sharing: SharingMode = "auto"
+    shm_preallocate: bool = False
+    # Prometheus /metrics: None serves none; 0 picks a free port (logged as metrics_serving).
+    metrics_port: int | None = None
+    metrics_host: str = DEFAULT_METRICS_HOST
 
 
 def load_config(path: Path) -> ServeConfig:
@@ -205,6 +222,8 @@ def resolve(flags: Mapping[str, Any], config: ServeConfig | None,
     if bool(tls_cert) != bool(tls_key):
         raise InvalidArgument("TLS needs both --tls-cert and --tls-key", field="tls_cert")
     grace = pick("grace_seconds")
+    metrics_port = pick("metrics_port")
+    metrics_host = pick("metrics_host")
     return ServeSettings(
         listeners=tuple(parse_listen(x) for x in listen),
         device=device,
@@ -216,7 +235,58 @@ def resolve(flags: Mapping[str, Any], config: ServeConfig | None,
         tls_cert=Path(tls_cert) if tls_cert else None,
         tls_key=Path(tls_key) if tls_key else None,
         shm_dir=Path(pick("shm_dir") or "/dev/shm"),
+        sharing=parse_sharing(pick("sharing") or "auto"),
+        shm_preallocate=bool(pick("shm_preallocate")),
         grace_seconds=5.0 if grace is None else float(grace),
+        metrics_port=None if metrics_port is None else parse_port(metrics_port, "metrics_port"),
+        metrics_host=parse_host(metrics_host, "metrics_host") if metrics_host
+        else DEFAULT_METRICS_HOST,
+    )
+
+
+def parse_port(value: str | int, field: str) -> int:
+    """A TCP port ``0..65535`` (0: any free port), as a number or its text.
+
+    Raises:
+        InvalidArgument: not an integer, or out of range.
+    """
+    text = str(value).strip()
+    if not text.isdigit() or int(text) > 65535:
+        raise InvalidArgument(f"{field} {value!r}: give a TCP port 0..65535 (0 picks a free one)",
+                              field=field)
+    return int(text)
+
+
+def parse_host(value: str, field: str) -> str:
+    """A host to bind: an IPv4/IPv6 address or a name, without brackets or a port.
+
+    Raises:
+        InvalidArgument: empty, bracketed, or with whitespace or a scheme.
+    """
+    host = value.strip()
+    if not host or host.startswith("[") or "/" in host or any(c.isspace() for c in host):
+        raise InvalidArgument(
+            f"{field} {value!r}: give an address or host name to bind, 127.0.0.1 (this host "
+            "only, the default), 0.0.0.0 or :: (every interface)",
+            field=field,
+        )
+    return host
+
+
+def parse_sharing(text: str) -> SharingMode:
+    """``auto`` or ``none``.
+
+    Raises:
+        InvalidArgument: anything else.
+    """
+    if text == "auto":
+        return "auto"
+    if text == "none":
+        return "none"
+    raise InvalidArgument(
+        f"sharing {text!r}: give auto (shared memory on cpu, CUDA IPC on cuda) or none "
+        "(unshared memory: clients cannot map pools; for tests and benchmarks)",
+        field="sharing",
     )
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvpool.errors import FailedPrecondition
-from kvpool.mapping import BufferLayout, RegionHandle, map_region, visible_cuda_uuids
+from kvpool.mapping import BufferLayout, map_region, visible_cuda_uuids
 from kvpoold.sharing import CudaIpcBackingFactory, SharedHandle
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -32,7 +32,8 @@ BYTE_FIELDS = ("ipc_handle", "ref_counter_handle", "event_handle")
 PRELUDE = r"""
 import json, sys
 import torch
-from kvpool.mapping import BufferLayout, RegionHandle, map_region
+from kvpool.handles import SharedHandle
+from kvpool.mapping import BufferLayout, map_region
 
 def send(obj):
     print(json.dumps(obj), flush=True)
@@ -45,7 +46,7 @@ def region_of(msg):
     for k in ("ipc_handle", "ref_counter_handle", "event_handle"):
         h[k] = bytes.fromhex(h[k])
     size = h["size"]
-    return map_region(RegionHandle(**h), [BufferLayout("b", "uint8", (size,), 0, size)])
+    return map_region(SharedHandle(**h), [BufferLayout("b", "uint8", (size,), 0, size)])
 
 def pattern(n, device):
     return (torch.arange(n, device=device) % 251).to(torch.uint8)
@@ -190,7 +191,7 @@ def test_memory_stays_valid_for_an_importer_after_the_daemon_closes(factory):
 def test_device_uuid_mismatch_lists_the_visible_devices(factory):
     backing = factory.create(MiB, "p")
     h = backing.handle()
-    fake = RegionHandle(**{**plain(h)["handle"], **{k: getattr(h, k) for k in BYTE_FIELDS},
+    fake = SharedHandle(**{**plain(h)["handle"], **{k: getattr(h, k) for k in BYTE_FIELDS},
                            "device_uuid": "00000000-1111-2222-3333-444444444444"})
     with pytest.raises(FailedPrecondition) as err:
         map_region(fake, [BufferLayout("b", "uint8", (MiB,), 0, MiB)])

@@ -58,13 +58,11 @@ METRICS: dict[str, frozenset[str]] = {
     "kvpool_attached_clients": frozenset({"device", "pool"}),
     "kvpool_allocations_total": frozenset({"device", "pool", "kind"}),
     "kvpool_frees_total": frozenset({"device", "pool", "kind"}),
+    "kvpool_allocation_failures_total": frozenset({"device", "pool", "kind"}),
     "kvpool_rpc_failures_total": frozenset({"device", "method", "code"}),
     "kvpool_rpc_duration_seconds_bucket": frozenset({"device", "method", "le"}),
 }
 TARGET_LABELS = frozenset({"instance", "job"})
-# Flags that arrive with issue 6 phase 2 (the exporter); checked by their own test, which skips
-# until `kvpoold serve --help` lists them.
-PHASE2_FLAGS = frozenset({"--metrics-port"})
 
 _METRIC = re.compile(r"\bkvpool_[a-z0-9_]+")
 _SELECTOR = re.compile(r"\b(kvpool_[a-z0-9_]+)\{([^}]*)\}")
@@ -249,13 +247,10 @@ def shell_commands(markdown: str, prefix: str) -> list[list[str]]:
     return commands
 
 
-def _help_or_skip(*argv: str) -> str:
+def kvpoold_help(*argv: str) -> str:
+    """``kvpoold <argv> --help`` from a separate process (the real parser, nothing mocked)."""
     proc = subprocess.run([sys.executable, "-m", "kvpoold.cli", *argv, "--help"], cwd=ROOT,
                           env=ENV, capture_output=True, text=True, timeout=60)
-    if proc.returncode != 0 and re.search(r"ModuleNotFoundError|ImportError", proc.stderr):
-        last = proc.stderr.strip().splitlines()[-1]
-        pytest.skip(f"`kvpoold {' '.join(argv)}` is not importable yet ({last}); "
-                    "re-run once the daemon lands")
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -263,7 +258,7 @@ def _help_or_skip(*argv: str) -> str:
 @pytest.fixture(scope="module")
 def serve_help() -> str:
     """``kvpoold serve --help`` from a separate process (the real parser, nothing mocked)."""
-    return _help_or_skip("serve")
+    return kvpoold_help("serve")
 
 
 def help_flags(text: str) -> set[str]:
@@ -381,19 +376,23 @@ def test_every_serve_flag_in_the_deployment_files_exists(serve_help: str) -> Non
     assert "--listen" in known and "--device" in known, "unexpected help text:\n" + serve_help
     for where, args in serve_sources().items():
         for flag, values in flag_values(args).items():
-            if flag in PHASE2_FLAGS:
-                continue
             assert flag in known, f"{where}: {flag} is not a `kvpoold serve` flag"
             if flag in choices:
                 assert set(values) <= choices[flag], f"{where}: {flag} {values} not in {choices}"
 
 
-def test_phase2_flags_exist(serve_help: str) -> None:
-    missing = sorted(PHASE2_FLAGS - help_flags(serve_help))
-    if missing:
-        pytest.skip(f"{missing} arrive with issue 6 phase 2 (the Prometheus exporter)")
-    used = {f for args in serve_sources().values() for f in flag_values(args)}
-    assert used >= PHASE2_FLAGS
+def test_metrics_flags_exist_and_scraped_deployments_bind_every_interface(
+        serve_help: str) -> None:
+    """Compose and the DaemonSet are scraped from outside the container, so they bind metrics
+    on 0.0.0.0 (the daemon's default is 127.0.0.1); the images' CMD serves no metrics."""
+    assert {"--metrics-port", "--metrics-host"} <= help_flags(serve_help)
+    for where, args in serve_sources().items():
+        values = flag_values(args)
+        if where.endswith(" CMD"):
+            assert "--metrics-port" not in values, where
+        else:
+            assert values["--metrics-port"] == ["9400"], where
+            assert values["--metrics-host"] == ["0.0.0.0"], where
 
 
 def test_serve_arguments_resolve_to_valid_settings() -> None:
@@ -413,6 +412,8 @@ def test_serve_arguments_resolve_to_valid_settings() -> None:
                  for k, v in values.items()}
         settings = resolve(flags, None, free_bytes=lambda _device: 80 * 1024**3)
         assert settings.budget_bytes == expected_budget[where], where
+        if "--metrics-port" in values:
+            assert (settings.metrics_host, settings.metrics_port) == ("0.0.0.0", 9400), where
         assert settings.socket_group == "kvpool", where
         assert [x.kind for x in settings.listeners] == ["unix"], where
 
@@ -426,9 +427,9 @@ def test_operations_doc_commands_use_real_flags(serve_help: str) -> None:
     table_flags |= set(re.findall(r"^\| `--[a-z0-9-]+[^|]*`, `(--[a-z0-9-]+)`", ops, flags=re.M))
     assert {"--listen", "--device", "--budget", "--token-file"} <= table_flags
     used = {f for cmd in serve_cmds for f in flag_values(cmd)} | table_flags
-    for flag in sorted(used - PHASE2_FLAGS):
+    for flag in sorted(used):
         assert flag in known, f"docs/operations.md: {flag} is not a `kvpoold serve` flag"
-    plan_known = help_flags(_help_or_skip("plan"))
+    plan_known = help_flags(kvpoold_help("plan"))
     for cmd in shell_commands(ops, "kvpoold plan"):
         for flag in flag_values(cmd):
             assert flag in plan_known, f"docs/operations.md: {flag} is not a `kvpoold plan` flag"
@@ -483,7 +484,6 @@ def test_healthcheck_probe_against_a_real_kvpoold() -> None:
     """The CPU image's CMD, run as ``kvpoold serve`` with the socket and shm dir moved to a temp
     dir and the socket group swapped for one this machine has: the HEALTHCHECK reports it healthy
     once it serves, and SIGTERM stops it with exit 0 and removes the socket."""
-    _help_or_skip("serve")
     path = DOCKER / "Dockerfile"
     probe = healthcheck_command(path)
     workdir = tempfile.mkdtemp(prefix="kvpd", dir="/tmp")
@@ -606,9 +606,6 @@ def test_compose_cli_flags_exist() -> None:
     """The `kvpool` tools service runs `kvpool stats --target ...`; check against its help."""
     proc = subprocess.run([sys.executable, "-m", "kvpool.cli", "stats", "--help"], cwd=ROOT,
                           env=ENV, capture_output=True, text=True, timeout=60)
-    if proc.returncode != 0 and re.search(r"ModuleNotFoundError|ImportError|No module",
-                                          proc.stderr):
-        pytest.skip("the `kvpool` CLI is not importable yet; re-run once the client lands")
     assert proc.returncode == 0, proc.stderr
     service = compose()["services"]["kvpool"]
     assert service["entrypoint"] == ["kvpool"]

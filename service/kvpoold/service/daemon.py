@@ -327,9 +327,13 @@ class Daemon:
     def attach(self, pool: str, expected_fingerprint: str = "", lease_id: int = 0) -> AttachResult:
         """Hand out what a client needs to map a pool, and count it as attached.
 
+        Every call exports a fresh handle (``backing.handle()``): a CUDA IPC export serves
+        one importer. The backing stays open while the attachment lasts (Drop refuses it).
+
         Raises:
             NotFound: unknown pool, or unknown lease (when one is given).
-            FailedPrecondition: the pool's fingerprint is not ``expected_fingerprint``.
+            FailedPrecondition: the pool's fingerprint is not ``expected_fingerprint``, or
+                the memory cannot be exported (an expandable CUDA segment).
         """
         entry = self.pool(pool)
         if expected_fingerprint and expected_fingerprint != entry.fingerprint:
@@ -341,8 +345,13 @@ class Daemon:
             )
         if lease_id:
             self.leases.get(lease_id)
+        handle = entry.backing.handle()  # last: nothing after it can fail and strand an export
         att = self.attachments.add(pool, lease_id)
-        return AttachResult(entry.fingerprint, entry.plan, entry.plan_json, entry.handle,
+        log.info("attached", extra={"fields": {
+            "event": "attach", "pool": pool, "attach_id": att.attach_id, "lease_id": lease_id,
+            "handle_kind": handle.kind, "attached": self.attachments.count_pool(pool),
+        }})
+        return AttachResult(entry.fingerprint, entry.plan, entry.plan_json, handle,
                             att.attach_id, self.device)
 
     def detach(self, attach_id: int) -> None:
@@ -351,12 +360,17 @@ class Daemon:
         Raises:
             NotFound: unknown or already ended.
         """
-        if self.attachments.remove(check_id(attach_id, "attach_id")) is None:
+        att = self.attachments.remove(check_id(attach_id, "attach_id"))
+        if att is None:
             raise NotFound(
                 f"no attachment {attach_id} (never made, detached, or ended with its lease or "
                 "a forced Drop)",
                 field="attach_id",
             )
+        log.info("detached", extra={"fields": {
+            "event": "detach", "pool": att.pool, "attach_id": attach_id,
+            "attached": self.attachments.count_pool(att.pool),
+        }})
 
     # -- Stats and shutdown ------------------------------------------------------------------
 

@@ -4,14 +4,19 @@ Every servicer method is wrapped by :func:`rpc_errors` (unary) or :func:`rpc_str
 (server-streaming): a :class:`KVPoolError` becomes its status with the message as details and the
 field at fault in the trailing metadata ``kvpool-field``; anything else is ``INTERNAL`` with the
 traceback logged. The client maps codes back with ``kvpool.errors.error_from_code``.
+
+The same decorator reports each call to the servicer's ``rpc_observer`` (``RpcMetrics`` when
+``--metrics-port`` is given, else None): the time of every unary call, and the status code of
+every call that fails, so no method carries its own instrumentation.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import grpc
 from grpc import aio
@@ -48,6 +53,24 @@ Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
 
+class RpcObserver(Protocol):
+    """What the decorators report to (``kvpoold.metrics.RpcMetrics``)."""
+
+    def observe(self, method: str, seconds: float) -> None: ...
+
+    def failed(self, method: str, code: str) -> None: ...
+
+
+def _observer(servicer: object) -> RpcObserver | None:
+    # An attribute, not an argument: the decorators wrap the class's functions once, while the
+    # observer belongs to the servicer instance (one per daemon).
+    return getattr(servicer, "rpc_observer", None)
+
+
+def _code_name(exc: BaseException) -> str:
+    return status_of(exc).name if isinstance(exc, KVPoolError) else "INTERNAL"
+
+
 def status_of(exc: KVPoolError) -> grpc.StatusCode:
     """The status code of ``exc``: its class or nearest registered base, else ``INTERNAL``."""
     for cls in type(exc).__mro__:
@@ -81,23 +104,35 @@ StreamMethod = Callable[[S, Req, aio.ServicerContext], AsyncIterator[Resp]]
 
 
 def rpc_errors(method: UnaryMethod[S, Req, Resp]) -> UnaryMethod[S, Req, Resp]:
-    """Decorate a unary (or stream-request) servicer coroutine with the error table."""
+    """Decorate a unary (or stream-request) servicer coroutine with the error table; the call's
+    time and any failure's code go to the servicer's ``rpc_observer``."""
+    name = method.__name__
 
     @functools.wraps(method)
     async def wrapper(self: S, request: Req, context: aio.ServicerContext) -> Resp:
+        observer = _observer(self)
+        start = time.perf_counter()
         try:
             return await method(self, request, context)
         except aio.AbortError:
             raise
         except Exception as exc:
-            await abort_with(context, exc, method.__name__)
+            if observer is not None:
+                observer.failed(name, _code_name(exc))
+            await abort_with(context, exc, name)
             raise  # unreachable: abort raises
+        finally:
+            if observer is not None:
+                observer.observe(name, time.perf_counter() - start)
 
     return wrapper
 
 
 def rpc_stream_errors(method: StreamMethod[S, Req, Resp]) -> StreamMethod[S, Req, Resp]:
-    """Decorate a server-streaming servicer async generator with the error table."""
+    """Decorate a server-streaming servicer async generator with the error table; a failure's
+    code goes to the servicer's ``rpc_observer`` (a stream's lifetime is not a latency, so it
+    is not timed)."""
+    name = method.__name__
 
     @functools.wraps(method)
     async def wrapper(self: S, request: Req, context: aio.ServicerContext) -> AsyncIterator[Resp]:
@@ -107,6 +142,9 @@ def rpc_stream_errors(method: StreamMethod[S, Req, Resp]) -> StreamMethod[S, Req
         except aio.AbortError:
             raise
         except Exception as exc:
-            await abort_with(context, exc, method.__name__)
+            observer = _observer(self)
+            if observer is not None:
+                observer.failed(name, _code_name(exc))
+            await abort_with(context, exc, name)
 
     return wrapper

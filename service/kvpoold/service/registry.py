@@ -15,7 +15,7 @@ import torch
 from kvpool.errors import Internal
 from kvpoold.alloc import Kind, PoolAllocator, PoolCounters
 from kvpoold.pools import Pool, build_pool
-from kvpoold.sharing.base import Backing, BackingFactory, SharedHandle
+from kvpoold.sharing.base import Backing, BackingFactory
 from kvpoold.sizing.plan import BufferKind, PoolPlan
 
 
@@ -35,8 +35,12 @@ class PoolEntry:
     backing: Backing
     pool: Pool
     allocator: PoolAllocator
-    handle: SharedHandle
     created_at: float
+
+    @property
+    def handle_kind(self) -> str:
+        """shm, cuda_ipc or none; Attach exports a fresh handle each time (backing.handle())."""
+        return self.backing.handle_kind
 
     def counters(self) -> dict[Kind, PoolCounters]:
         return self.allocator.stats()
@@ -92,7 +96,6 @@ def build_entry(
     try:
         pool = build_pool(plan, factory.device, allocate=lambda _n, _d: backing.tensor)
         allocator = make_allocator(name, plan, pool.views)
-        handle = backing.handle()
     except BaseException:
         backing.close()
         raise
@@ -104,6 +107,5 @@ def build_entry(
         backing=backing,
         pool=pool,
         allocator=allocator,
-        handle=handle,
         created_at=created_at,
     )

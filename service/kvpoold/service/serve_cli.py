@@ -42,8 +42,20 @@ def add_parser(subparsers: argparse._SubParsersAction[Any]) -> argparse.Argument
     p.add_argument("--tls-key", metavar="PEM", help="TLS private key for TCP listeners")
     p.add_argument("--shm-dir", metavar="DIR",
                    help="where shared-memory backings live on cpu (default /dev/shm)")
+    p.add_argument("--shm-preallocate", action="store_true", default=None,
+                   help="reserve every shared-memory page of a cpu pool when it is built: a "
+                        "full /dev/shm then fails Configure instead of a SIGBUS on first write")
+    p.add_argument("--sharing", choices=("auto", "none"),
+                   help="auto (default): shared memory on cpu, CUDA IPC on cuda; none: "
+                        "unshared memory that clients cannot map (tests and benchmarks only)")
     p.add_argument("--grace-seconds", type=float, metavar="S",
                    help="how long shutdown waits for in-flight calls (default 5)")
+    p.add_argument("--metrics-port", metavar="N",
+                   help="serve Prometheus metrics at http://HOST:N/metrics (0: a free port, "
+                        "logged; default: no metrics server)")
+    p.add_argument("--metrics-host", metavar="HOST",
+                   help="address the metrics server binds (default 127.0.0.1; 0.0.0.0 in a "
+                        "container so Prometheus can reach it)")
     p.set_defaults(func=run)
     return p
 

@@ -3,7 +3,8 @@
 Unix-socket listeners share one ``grpc.aio`` server; TCP listeners get a second one with the
 token interceptor and optional TLS. Both serve the same servicer, health and reflection.
 Shutdown: health NOT_SERVING -> long streams end -> stop accepting and drain (grace) -> release
-the pools -> remove the socket files.
+the pools -> remove the socket files. With ``--metrics-port`` a Prometheus ``/metrics`` server
+(``kvpoold.metrics``) runs beside them and stops before the pools are released.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from grpc_reflection.v1alpha import reflection
 from kvpool.errors import FailedPrecondition, InvalidArgument
 from kvpool.v1 import kvpool_pb2_grpc
 from kvpoold.config import Listener, ServeSettings
+from kvpoold.metrics import DaemonMetrics, MetricsServer, loop_snapshot, start_metrics_server
 from kvpoold.service.auth import TokenAuthInterceptor
 from kvpoold.service.daemon import Daemon
+from kvpoold.service.errors import RpcObserver
 from kvpoold.service.servicer import KVPoolServicer
 from kvpoold.sharing.base import BackingFactory
 
@@ -86,6 +89,7 @@ def create_server(
     token: str | None = None,
     tls: tuple[bytes, bytes] | None = None,
     socket_group: str | None = None,
+    rpc_observer: RpcObserver | None = None,
 ) -> KVPoolServer:
     """Build (not start) the servers for ``listeners``; call inside the event loop.
 
@@ -95,6 +99,7 @@ def create_server(
         token: shared secret required on TCP listeners (``authorization: Bearer <token>``).
         tls: ``(private_key_pem, certificate_chain_pem)`` for TCP listeners.
         socket_group: group allowed on the Unix sockets (mode 0660 instead of 0600).
+        rpc_observer: told each RPC's time and failures (``kvpoold.metrics.RpcMetrics``).
 
     Returns:
         The server set; ``addresses`` lists what is bound (real ports for port 0).
@@ -107,7 +112,7 @@ def create_server(
         raise InvalidArgument("give at least one --listen address", field="listen")
     gid = _group_id(socket_group) if socket_group else None
     closing = asyncio.Event()
-    servicer = KVPoolServicer(daemon, closing)
+    servicer = KVPoolServicer(daemon, closing, rpc_observer)
     health_servicer = health.aio.HealthServicer()
     unix = [x for x in listeners if x.kind == "unix"]
     tcp = [x for x in listeners if x.kind == "tcp"]
@@ -231,13 +236,35 @@ async def sweep_leases(daemon: Daemon, interval_s: float = SWEEP_INTERVAL_S) -> 
 
 
 def make_backing_factory(settings: ServeSettings) -> BackingFactory:
-    """The backing factory for the device (plain memory until shm/CUDA IPC factories land)."""
+    """The backing factory for the device: shared memory on cpu, CUDA IPC on cuda.
+
+    On cpu the shared-memory factory first removes the files of dead daemons from
+    ``settings.shm_dir`` (logged as ``event=shm_orphans_removed``) and takes this daemon's
+    instance lock; on cuda the allocator settings are checked before CUDA is touched.
+    ``settings.sharing == "none"`` gives unshared memory (tests and benchmarks).
+
+    Raises:
+        InvalidArgument: a CUDA device this process cannot see, ``expandable_segments`` or
+            ``cudaMallocAsync`` in the allocator settings, or a missing shm directory (all
+            exit 2: fix the flags or the environment).
+        FailedPrecondition: the shm directory is not writable.
+    """
     import torch
 
-    from kvpoold.sharing.base import PlainBackingFactory
+    from kvpoold.sharing import (
+        CudaIpcBackingFactory,
+        PlainBackingFactory,
+        ShmBackingFactory,
+        check_allocator_conf,
+    )
 
     device = torch.device(settings.device)
     if device.type == "cuda":
+        if settings.sharing != "none":
+            try:
+                check_allocator_conf(os.environ)
+            except FailedPrecondition as exc:  # a setting to change, like a bad flag: exit 2
+                raise InvalidArgument(str(exc), field=exc.field) from None
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if (device.index or 0) >= count:
             raise InvalidArgument(
@@ -245,7 +272,34 @@ def make_backing_factory(settings: ServeSettings) -> BackingFactory:
                 "--device and CUDA_VISIBLE_DEVICES",
                 field="device",
             )
-    return PlainBackingFactory(device)
+    if settings.sharing == "none":
+        log.warning("sharing is off: clients cannot map pools (--sharing none)",
+                    extra={"fields": {"event": "sharing_none", "device": settings.device}})
+        return PlainBackingFactory(device)
+    if device.type == "cuda":
+        factory = CudaIpcBackingFactory(device)
+        log.info("cuda ipc ready", extra={"fields": {
+            "event": "cuda_ipc_ready", "device": settings.device,
+            "device_uuid": factory.device_uuid,
+        }})
+        return factory
+    if not settings.shm_dir.is_dir():
+        raise InvalidArgument(
+            f"shared-memory directory {settings.shm_dir} does not exist; create it (a tmpfs) "
+            "or pass another --shm-dir",
+            field="shm_dir",
+        )
+    shm = ShmBackingFactory(settings.shm_dir, preallocate=settings.shm_preallocate)
+    if shm.swept:
+        log.warning("removed files of dead daemons", extra={"fields": {
+            "event": "shm_orphans_removed", "shm_dir": str(settings.shm_dir),
+            "count": len(shm.swept), "files": ",".join(p.name for p in shm.swept),
+        }})
+    log.info("shared memory ready", extra={"fields": {
+        "event": "shm_ready", "shm_dir": str(settings.shm_dir), "instance": shm.instance,
+        "lock": str(shm.lock_path), "preallocate": settings.shm_preallocate,
+    }})
+    return shm
 
 
 async def run(
@@ -275,9 +329,16 @@ async def run(
     loop = asyncio.get_running_loop()
     server: KVPoolServer | None = None
     sweeper: asyncio.Task[None] | None = None
+    metrics = None if settings.metrics_port is None else DaemonMetrics(
+        loop_snapshot(daemon.snapshot, loop), settings.device)
+    metrics_server: MetricsServer | None = None
     try:
         server = create_server(daemon, settings.listeners, token=settings.token, tls=tls,
-                               socket_group=settings.socket_group)
+                               socket_group=settings.socket_group,
+                               rpc_observer=metrics.rpc if metrics else None)
+        if metrics is not None and settings.metrics_port is not None:
+            metrics_server = start_metrics_server(metrics.registry, settings.metrics_host,
+                                                  settings.metrics_port)
         await server.start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
@@ -301,6 +362,8 @@ async def run(
             if not server.closing.is_set():  # an error before the normal shutdown
                 await server.shutdown(0)
             server.remove_sockets()
+        if metrics_server is not None:  # before the pools go: a scrape must not see them half
+            await asyncio.to_thread(metrics_server.close)
         daemon.close()
     log.info("stopped", extra={"fields": {"event": "stopped"}})
     return 0

@@ -12,7 +12,7 @@ from kvpool.errors import InvalidArgument
 from kvpool.v1 import kvpool_pb2_grpc
 from kvpoold.service import convert
 from kvpoold.service.daemon import Daemon
-from kvpoold.service.errors import rpc_errors, rpc_stream_errors
+from kvpoold.service.errors import RpcObserver, rpc_errors, rpc_stream_errors
 
 if TYPE_CHECKING:  # message types for annotations only; convert.py does the runtime work
     from kvpool.v1 import kvpool_pb2 as pb
@@ -30,11 +30,15 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
         daemon: the state every call works on.
         closing: set at shutdown; long-lived streams (KeepAlive, WatchStats) end when it is,
             so the server's grace period only waits for short calls.
+        rpc_observer: told each call's time and failures by the error decorators
+            (``kvpoold.metrics.RpcMetrics``); None records nothing.
     """
 
-    def __init__(self, daemon: Daemon, closing: asyncio.Event | None = None) -> None:
+    def __init__(self, daemon: Daemon, closing: asyncio.Event | None = None,
+                 rpc_observer: RpcObserver | None = None) -> None:
         self._daemon = daemon
         self._closing = closing or asyncio.Event()
+        self.rpc_observer = rpc_observer
 
     @rpc_errors
     async def Configure(self, request: pb.ConfigureRequest, context: Ctx

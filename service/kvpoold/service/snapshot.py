@@ -39,7 +39,7 @@ def take_snapshot(daemon: Daemon, pool: str = "") -> Snapshot:
             kinds=entry.counters(),
             attached=daemon.attachments.count_pool(entry.name),
             age_s=now - entry.created_at,
-            handle_kind=entry.handle.kind,
+            handle_kind=entry.handle_kind,
         ))
     leases = tuple(
         LeaseSnapshot(

@@ -9,39 +9,24 @@ handle bytes and a device UUID): it crosses the wire as typed proto fields, neve
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 
-HandleKind = Literal["shm", "cuda_ipc", "none"]
+# The handle is the client's type (torch-free, shared by both sides); re-exported here.
+from kvpool.handles import HandleKind, SharedHandle
 
-
-@dataclass(frozen=True)
-class SharedHandle:
-    """Everything an importer needs to map a pool's backing region.
-
-    kind ``shm``: ``path`` of the shared-memory file and ``size`` bytes (the importer maps the
-    whole file). kind ``cuda_ipc``: ``ipc_handle`` (cudaIpcMemHandle bytes of the allocation
-    that holds the region), ``storage_offset`` bytes into that allocation, ``size`` bytes, and
-    the device ``device_uuid`` (importers may see different ``CUDA_VISIBLE_DEVICES``), plus the
-    ref-counter/event fields torch's IPC import needs. kind ``none``: not shareable.
-    """
-
-    kind: HandleKind
-    size: int
-    path: str = ""
-    device_uuid: str = ""
-    ipc_handle: bytes = b""
-    storage_offset: int = 0
-    storage_size: int = 0
-    ref_counter_handle: bytes = b""
-    ref_counter_offset: int = 0
-    event_handle: bytes = b""
-    event_sync_required: bool = False
+__all__ = ["Backing", "BackingFactory", "HandleKind", "PlainBacking", "PlainBackingFactory",
+           "SharedHandle"]
 
 
 class Backing(Protocol):
     """One pool's region, owned by the daemon."""
+
+    @property
+    def handle_kind(self) -> HandleKind:
+        """The kind of handle :meth:`handle` returns, known without exporting anything."""
+        ...
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -49,7 +34,11 @@ class Backing(Protocol):
         ...
 
     def handle(self) -> SharedHandle:
-        """What a client needs to map the region (kind ``none`` if it cannot be shared)."""
+        """What a client needs to map the region (kind ``none`` if it cannot be shared).
+
+        Called once per Attach: a CUDA IPC export is good for one importer, so each call
+        makes a fresh one; call it only to hand the result to a client.
+        """
         ...
 
     def close(self) -> None:
@@ -81,6 +70,10 @@ class PlainBacking:
     """Unshared device memory (``torch.zeros``): for tests and ``--sharing none``."""
 
     _tensor: torch.Tensor
+
+    @property
+    def handle_kind(self) -> HandleKind:
+        return "none"
 
     @property
     def tensor(self) -> torch.Tensor:

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from collections.abc import Callable, Mapping
 
 import torch
 
 from kvpool.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvpool.mapping import normalize_uuid
-from kvpoold.sharing.base import SharedHandle
+from kvpoold.sharing.base import HandleKind, SharedHandle
 from kvpoold.sharing.cleanup import check_pool_name
 
 ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
@@ -111,6 +112,10 @@ class CudaIpcBacking:
         self.nbytes = tensor.numel()
         self.device_uuid = device_uuid
         self._on_close = on_close
+
+    @property
+    def handle_kind(self) -> HandleKind:
+        return "cuda_ipc"
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -201,6 +206,8 @@ class CudaIpcBackingFactory:
         self.device_uuid = normalize_uuid(str(torch.cuda.get_device_properties(index).uuid))
         self._backings: list[CudaIpcBacking] = []
         self._closed = False
+        # Pools are built in worker threads: guards _backings and _closed (a leaf lock).
+        self._mutex = threading.Lock()
 
     @property
     def device(self) -> torch.device:
@@ -208,7 +215,8 @@ class CudaIpcBackingFactory:
 
     @property
     def backings(self) -> tuple[CudaIpcBacking, ...]:
-        return tuple(self._backings)
+        with self._mutex:
+            return tuple(self._backings)
 
     def __enter__(self) -> CudaIpcBackingFactory:
         return self
@@ -240,15 +248,24 @@ class CudaIpcBackingFactory:
                 field="budget",
             ) from exc
         backing = CudaIpcBacking(tensor, self.device_uuid, self._forget)
-        self._backings.append(backing)
+        with self._mutex:
+            closed = self._closed
+            if not closed:
+                self._backings.append(backing)
+        if closed:  # closed while we allocated: do not hand out memory nobody will free
+            backing.close()
+            raise FailedPrecondition("the CUDA IPC factory is closed; start a new one")
         return backing
 
     def _forget(self, backing: CudaIpcBacking) -> None:
-        if backing in self._backings:
-            self._backings.remove(backing)
+        with self._mutex:
+            if backing in self._backings:
+                self._backings.remove(backing)
 
     def close(self) -> None:
         """Close every region this factory created. Idempotent."""
-        for backing in list(self._backings):
+        with self._mutex:
+            self._closed = True
+            backings = list(self._backings)
+        for backing in backings:
             backing.close()
-        self._closed = True

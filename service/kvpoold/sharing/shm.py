@@ -15,13 +15,14 @@ import errno
 import logging
 import os
 import secrets
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from kvpool.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
-from kvpoold.sharing.base import SharedHandle
+from kvpoold.sharing.base import HandleKind, SharedHandle
 from kvpoold.sharing.cleanup import (
     FILE_MODE,
     InstanceLock,
@@ -64,6 +65,10 @@ class ShmBacking:
         self.nbytes = nbytes
         self._tensor: torch.Tensor | None = tensor
         self._on_close = on_close
+
+    @property
+    def handle_kind(self) -> HandleKind:
+        return "shm"
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -123,6 +128,9 @@ class ShmBackingFactory:
     instance's lock, held until :meth:`close`. No atexit hook: the daemon calls close(); a
     crash is cleaned up by the next factory's sweep.
 
+    Thread-safe: the daemon builds pools in worker threads, so two Configures may create
+    regions at once; one lock guards the table of regions and the free-space check.
+
     Args:
         shm_dir: a tmpfs directory (``/dev/shm``).
         instance: this daemon's instance name (``[a-z0-9]{1,32}``); random by default.
@@ -156,6 +164,8 @@ class ShmBackingFactory:
         self.swept: tuple[Path, ...] = tuple(sweep_orphans(self.shm_dir))
         self._lock: InstanceLock | None = InstanceLock(self.shm_dir, self.instance)
         self._backings: dict[Path, ShmBacking] = {}
+        # Guards _backings and the free-space check + file creation (a leaf lock).
+        self._mutex = threading.Lock()
 
     @property
     def device(self) -> torch.device:
@@ -171,7 +181,8 @@ class ShmBackingFactory:
     @property
     def backings(self) -> tuple[ShmBacking, ...]:
         """The regions created and not yet closed."""
-        return tuple(self._backings.values())
+        with self._mutex:
+            return tuple(self._backings.values())
 
     def __enter__(self) -> ShmBackingFactory:
         return self
@@ -196,22 +207,28 @@ class ShmBackingFactory:
                 (counting what this factory's sparse regions may still take).
             FailedPrecondition: after :meth:`close`.
         """
-        if self._lock is None:
-            raise FailedPrecondition("the shared-memory factory is closed; start a new one")
         check_pool_name(pool_name)
         if not isinstance(nbytes, int) or nbytes < 1:
             raise InvalidArgument(f"region size must be >= 1 byte, got {nbytes!r}",
                                   field="nbytes")
-        # Sparse files take pages only when touched, so statvfs alone overstates what is
-        # left: subtract what our own regions may still claim. Failing here beats a SIGBUS
-        # in an engine process when tmpfs runs out under a write.
-        free = free_bytes(self.shm_dir) - sum(b.unbacked_bytes() for b in self._backings.values())
-        if nbytes > free:
-            raise _exhausted(nbytes, pool_name, self.shm_dir, max(free, 0))
-        path = self.shm_dir / f"{region_prefix(self.instance)}{pool_name}-{secrets.token_hex(8)}"
-        tensor = self._create_file(path, nbytes, pool_name)
-        backing = ShmBacking(path, nbytes, tensor, self._forget)
-        self._backings[path] = backing
+        # Held across check and create: two concurrent creates must not both count the
+        # same free bytes.
+        with self._mutex:
+            if self._lock is None:
+                raise FailedPrecondition("the shared-memory factory is closed; start a new one")
+            # Sparse files take pages only when touched, so statvfs alone overstates what is
+            # left: subtract what our own regions may still claim. Failing here beats a SIGBUS
+            # in an engine process when tmpfs runs out under a write.
+            free = free_bytes(self.shm_dir) - sum(
+                b.unbacked_bytes() for b in self._backings.values()
+            )
+            if nbytes > free:
+                raise _exhausted(nbytes, pool_name, self.shm_dir, max(free, 0))
+            name = f"{region_prefix(self.instance)}{pool_name}-{secrets.token_hex(8)}"
+            path = self.shm_dir / name
+            tensor = self._create_file(path, nbytes, pool_name)
+            backing = ShmBacking(path, nbytes, tensor, self._forget)
+            self._backings[path] = backing
         return backing
 
     def _create_file(self, path: Path, nbytes: int, pool_name: str) -> torch.Tensor:
@@ -256,7 +273,8 @@ class ShmBackingFactory:
             os.close(fd)
 
     def _forget(self, path: Path) -> None:
-        self._backings.pop(path, None)
+        with self._mutex:
+            self._backings.pop(path, None)
 
     def close(self) -> None:
         """Close every region this factory created, then release and remove the lock.
@@ -264,8 +282,10 @@ class ShmBackingFactory:
         Idempotent. Regions go first so a crash in between leaves only a lock whose flock
         is free, which the next sweep removes.
         """
-        for backing in list(self._backings.values()):
-            backing.close()
-        if self._lock is not None:
+        with self._mutex:  # no create can start once the lock attribute is gone
             lock, self._lock = self._lock, None
+            backings = list(self._backings.values())
+        for backing in backings:
+            backing.close()
+        if lock is not None:
             lock.release()

@@ -1,0 +1,447 @@
+"""``kvpool demo``: a daemon, a writer and a reader process sharing one real model's pool, checked.
+
+Without ``--target`` the demo starts its own ``kvpoold serve`` on a temporary Unix socket with a
+temporary shared-memory directory. It configures a pool for a real model config (Qwen3-8B,
+shipped in ``kvpool/data``) scaled to a small CPU budget, then runs two other processes:
+
+* the **writer** opens a lease, allocates N KV pages, attaches the pool and writes a
+  deterministic byte pattern into those pages of every K/V buffer of every layer;
+* the **reader** attaches the same pool by fingerprint, checks every byte of those pages and
+  that every other page is still zero.
+
+It prints Stats as a table, lets both detach, frees, drops the pool, stops the daemon (SIGTERM)
+and checks that no ``kvpool-*`` file of it is left. Any failed step exits 1 with what went wrong.
+Both workers start right away and import torch while the daemon starts; the whole run takes a
+few seconds. The workers are ``kvpool.demo_worker`` (``python -m kvpool.demo_worker ROLE``),
+talking JSON lines on stdin/stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import queue
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from kvpool.demo_worker import DemoFailed
+from kvpool.errors import InvalidArgument, KVPoolError
+
+if TYPE_CHECKING:
+    from kvpool.client import KVPoolClient
+    from kvpool.convert import Stats
+
+MiB = 1 << 20
+DEFAULT_MODEL = "qwen3-8b.json"
+DEFAULT_BUDGET = 32 * MiB
+DEFAULT_PAGES = 8
+PAGE_SIZE = 16
+CONTEXT_LENGTH = 4096
+STEP_TIMEOUT_S = 60.0
+
+
+# -- the parent ---------------------------------------------------------------------------------
+
+class Worker:
+    """A worker child process; its JSON lines arrive on a queue read by a thread."""
+
+    def __init__(self, role: str, env: dict[str, str], log_dir: Path) -> None:
+        self.role = role
+        self.stderr_path = log_dir / f"{role}.stderr"
+        with open(self.stderr_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvpool.demo_worker", role], env=env, text=True,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+            )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, args=(self.proc.stdout,), daemon=True).start()
+
+    def _pump(self, stream: IO[str] | None) -> None:
+        for line in stream or ():
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def send(self, obj: object) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def recv(self, timeout_s: float = STEP_TIMEOUT_S) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise DemoFailed(f"the {self.role} said nothing for {timeout_s:.0f} s") from None
+        if line is None:
+            code = self.proc.wait(10)
+            raise DemoFailed(f"the {self.role} exited with {code}:\n{self.stderr_tail()}")
+        msg = json.loads(line)
+        if "error" in msg:
+            raise DemoFailed(f"the {self.role} failed: {msg['error']}")
+        return msg
+
+    def stderr_tail(self, lines: int = 15) -> str:
+        text = self.stderr_path.read_text(errors="replace") if self.stderr_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def finish(self, timeout_s: float = 30.0) -> int:
+        return self.proc.wait(timeout_s)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@dataclass
+class OwnDaemon:
+    """The ``kvpoold serve`` child the demo started, and its temporary directories."""
+
+    proc: subprocess.Popen[bytes]
+    socket: Path
+    shm_dir: Path
+    log: Path
+
+    @property
+    def target(self) -> str:
+        return f"unix://{self.socket}"
+
+    def log_tail(self, lines: int = 20) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def leftovers(self) -> list[str]:
+        return sorted(p.name for p in self.shm_dir.glob("kvpool-*"))
+
+
+def child_env() -> dict[str, str]:
+    """This environment, with the directories holding ``kvpool`` and ``kvpoold`` on PYTHONPATH
+    so children import the same code (a source checkout as well as an installed package)."""
+    roots = []
+    for name in ("kvpool", "kvpoold"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            roots.append(str(Path(spec.origin).resolve().parent.parent))
+    env = dict(os.environ)
+    old = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(roots + old))
+    return env
+
+
+def shm_parent() -> Path | None:
+    """/dev/shm when it is a writable directory (the demo's shm dir goes under it)."""
+    path = Path("/dev/shm")
+    return path if path.is_dir() and os.access(path, os.W_OK) else None
+
+
+@contextlib.contextmanager
+def own_daemon(budget_bytes: int, env: dict[str, str], say: Any) -> Iterator[OwnDaemon]:
+    """Start ``kvpoold serve`` on a temp socket and shm dir; always stop it and remove both."""
+    work = Path(tempfile.mkdtemp(prefix="kvpooldemo-", dir="/tmp"))
+    parent = shm_parent()
+    shm_dir = Path(tempfile.mkdtemp(prefix="kvpooldemo-", dir=parent)) if parent else work
+    sock, log = work / "kvpool.sock", work / "kvpoold.log"
+    cmd = [sys.executable, "-m", "kvpoold.cli", "serve", "--listen", f"unix://{sock}",
+           "--budget", str(budget_bytes), "--shm-dir", str(shm_dir)]
+    say(f"starting kvpoold (socket {sock}, shared memory in {shm_dir})")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    daemon = OwnDaemon(proc, sock, shm_dir, log)
+    try:
+        yield daemon
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
+        if shm_dir != work:
+            shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def wait_listening(daemon: OwnDaemon, timeout_s: float) -> None:
+    """Wait until the daemon's socket accepts connections.
+
+    Done before the first RPC because a gRPC channel whose first connect fails backs off for
+    a second or more before it tries again.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if daemon.proc.poll() is not None:
+            raise DemoFailed(f"kvpoold exited with {daemon.proc.returncode} before serving:\n"
+                             f"{daemon.log_tail()}")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(str(daemon.socket))
+                return
+            except OSError:
+                pass
+        time.sleep(0.02)
+    raise DemoFailed(f"kvpoold did not listen on {daemon.socket} within {timeout_s:.0f} s:\n"
+                     f"{daemon.log_tail()}")
+
+
+def wait_serving(client: KVPoolClient, daemon: OwnDaemon | None, timeout_s: float) -> None:
+    """Poll the health service until SERVING (the daemon imports torch first: a second or two)."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        if daemon is not None and daemon.proc.poll() is not None:
+            raise DemoFailed(f"kvpoold exited with {daemon.proc.returncode} before serving:\n"
+                             f"{daemon.log_tail()}")
+        try:
+            if client.health() == "SERVING":
+                return
+        except KVPoolError as exc:
+            last = str(exc)
+            if daemon is None:
+                raise DemoFailed(str(exc)) from None
+        time.sleep(0.05)
+    raise DemoFailed(f"kvpoold at {client.target} is not serving after {timeout_s:.0f} s: {last}")
+
+
+def model_arg(path: Path | None) -> dict[str, Any]:
+    """Configure's model argument: the shipped Qwen3-8B config, a HF config, or a spec file."""
+    if path is None:
+        return {"hf_config": (resources.files("kvpool") / "data" / DEFAULT_MODEL).read_text()}
+    if not path.exists():
+        raise InvalidArgument(f"model config {path} does not exist", field="model_config")
+    if path.suffix == ".toml":
+        from kvpool.cli import load_spec_mapping
+
+        return {"spec": load_spec_mapping(path)}
+    if path.is_file():
+        data = json.loads(path.read_text())
+        if "num_layers" in data and "attention" in data:  # a kvpool spec, not a HF config
+            return {"spec": data}
+    return {"hf_config": path}
+
+
+def stats_tables(stats: Stats, pool: str) -> list[Any]:
+    """The daemon, the demo pool's counters and the leases as rich tables."""
+    from rich.table import Table
+
+    from kvpoold.sizes import format_size
+
+    d = stats.daemon
+    daemon = Table(title=f"kvpoold {d.version} on {d.device}", title_justify="left")
+    for col in ("budget", "used", "pools", "leases", "uptime"):
+        daemon.add_column(col, justify="right")
+    daemon.add_row(format_size(d.budget_bytes), format_size(d.used_bytes), str(d.num_pools),
+                   str(d.num_leases), f"{d.uptime_seconds:.1f}s")
+    p = stats.pool(pool)
+    kinds = Table(title=f"pool {p.name}: {format_size(p.backing_bytes)} {p.handle_kind}, "
+                        f"attached {p.attached}", title_justify="left")
+    for col in ("kind", "capacity", "used", "free", "high water", "allocs", "frees"):
+        kinds.add_column(col, justify="left" if col == "kind" else "right")
+    for kind, k in p.kinds.items():
+        kinds.add_row(kind, f"{k.capacity:,}", f"{k.used:,}", f"{k.free:,}",
+                      f"{k.high_water:,}", f"{k.allocs:,}", f"{k.frees:,}")
+    leases = Table(title="leases", title_justify="left")
+    for col in ("lease", "name", "expires in", "attached", "held"):
+        leases.add_column(col)
+    for x in stats.leases:
+        held = " ".join(f"{k}={n}" for kinds_ in x.held.values() for k, n in kinds_.items())
+        leases.add_row(str(x.lease_id), x.name, f"{x.expires_in_seconds:.1f}s",
+                       str(x.attached), held or "-")
+    return [daemon, kinds, leases]
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Entry of ``kvpool demo``: 0 when every check passed, 1 (with the reason) otherwise."""
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    started = time.monotonic()
+
+    def say(text: str) -> None:
+        console.print(f"[{time.monotonic() - started:5.1f}s] {text}", markup=False,
+                      soft_wrap=True)
+
+    try:
+        _run(args, say, console)
+    except DemoFailed as exc:
+        console.print(f"kvpool demo: FAILED: {exc}", markup=False, style="bold red",
+                      soft_wrap=True)
+        return 1
+    say("demo passed: the reader saw exactly the writer's bytes, and everything was cleaned up")
+    return 0
+
+
+def _run(args: argparse.Namespace, say: Any, console: Any) -> None:
+    from kvpool.cli import client_from
+    from kvpoold.sizes import format_size
+
+    if args.pages < 1:
+        raise InvalidArgument(f"--pages must be >= 1, got {args.pages}", field="pages")
+    model = model_arg(args.model_config)
+    env = child_env()
+    with contextlib.ExitStack() as stack:
+        work = Path(tempfile.mkdtemp(prefix="kvpooldemo-logs-", dir="/tmp"))
+        stack.callback(shutil.rmtree, work, True)
+        daemon = None
+        if args.target is None:
+            # Workers start first and import torch while the daemon does.
+            workers = start_workers(stack, env, work)
+            daemon = stack.enter_context(own_daemon(2 * args.budget + 64 * MiB, env, say))
+            args.target = daemon.target
+            for w in workers.values():  # on failure: workers go before the daemon stops
+                stack.callback(w.kill)
+            wait_listening(daemon, 30.0)
+        client = stack.enter_context(client_from(args))
+        wait_serving(client, daemon, 30.0)
+        say(f"kvpoold serving at {client.target}")
+        if daemon is None:
+            workers = start_workers(stack, env, work)
+
+        pool = "demo" if daemon is not None else f"demo-{os.getpid()}-{secrets.token_hex(2)}"
+        result = client.configure(pool, **model, budget_bytes=args.budget, page_size=PAGE_SIZE,
+                                  context_length=CONTEXT_LENGTH)
+        if not result.created:
+            raise DemoFailed(f"pool {pool!r} already existed; the demo needs a fresh one")
+        undropped = [pool]  # a failed run leaves no pool behind in a daemon it did not start
+        if not args.keep:
+            stack.callback(_drop_quietly, client, undropped)
+        plan = result.plan
+        say(f"configured pool {pool}: {plan.model_architecture} ({plan.architecture}), "
+            f"{plan.num_pages} pages of {plan.page_size} tokens, backing "
+            f"{format_size(plan.backing_bytes)}, fingerprint {result.fingerprint}")
+        if args.pages > plan.num_pages:
+            raise DemoFailed(f"--pages {args.pages} exceeds the pool's {plan.num_pages} pages; "
+                             "lower --pages or raise --budget")
+
+        token = args.token or (args.token_file.read_text().strip() if args.token_file else None)
+        # Over the workers' stdin, not their command line: ps would show it there.
+        go = {"target": args.target, "pool": pool, "fingerprint": result.fingerprint,
+              "pages": args.pages, "token": token}
+        for w in workers.values():
+            w.recv()  # ready: torch imported
+        workers["writer"].send(go)
+        wrote = workers["writer"].recv()
+        say(f"writer (pid {workers['writer'].proc.pid}): lease {wrote['lease_id']}, pages "
+            f"{wrote['pages']}, wrote {wrote['bytes']:,} B into {wrote['buffers']} K/V buffers "
+            f"({wrote['kind']} {wrote['path'] or ''})")
+        workers["reader"].send({**go, "pages": wrote["pages"]})
+        read = workers["reader"].recv()
+        say(f"reader (pid {workers['reader'].proc.pid}): verified {read['verified']:,} B "
+            f"byte for byte, {read['zeros']:,} B of untouched pages are zero")
+
+        stats = client.stats(pool)
+        p = stats.pool(pool)
+        if p.attached != 2 or p.kinds["kv"].used != len(wrote["pages"]):
+            raise DemoFailed(f"Stats show {p.attached} attached and {p.kinds['kv'].used} pages "
+                             f"used; expected 2 and {len(wrote['pages'])}")
+        for table in stats_tables(stats, pool):
+            console.print(table)
+
+        for w in workers.values():
+            w.send("done")
+        freed = workers["writer"].recv()["freed"]
+        workers["reader"].recv()
+        # Both have detached and the lease is closed; their exit is waited for at the end.
+        p = client.stats(pool).pool(pool)
+        if (p.attached, p.kinds["kv"].used) != (0, 0):
+            raise DemoFailed(f"after the workers left: {p.attached} attached, "
+                             f"{p.kinds['kv'].used} pages used; expected 0 and 0")
+        say(f"workers detached; the writer freed {freed} pages and closed its lease")
+
+        if not args.keep:
+            dropped = client.drop(pool)
+            undropped.clear()
+            say(f"dropped pool {pool}: released {format_size(dropped.released_bytes)}")
+            if wrote["kind"] == "shm" and os.path.exists(wrote["path"]):
+                raise DemoFailed(f"{wrote['path']} still exists after the pool was dropped")
+        for w in workers.values():
+            if (code := w.finish()) != 0:
+                raise DemoFailed(f"the {w.role} exited with {code}:\n{w.stderr_tail()}")
+        if args.keep:
+            _keep(client, daemon, pool, say)
+            return
+        if daemon is not None:
+            client.close()
+            daemon.proc.send_signal(signal.SIGTERM)
+            code = daemon.proc.wait(30)
+            if code != 0:
+                raise DemoFailed(f"kvpoold exited with {code}:\n{daemon.log_tail()}")
+            left = daemon.leftovers()
+            if left:
+                raise DemoFailed(f"kvpoold left {left} in {daemon.shm_dir}")
+            say(f"kvpoold stopped (exit 0); no kvpool-* file left in {daemon.shm_dir}")
+
+
+def start_workers(stack: contextlib.ExitStack, env: dict[str, str], log_dir: Path
+                  ) -> dict[str, Worker]:
+    """Start the writer and the reader; ``stack`` kills them if they are still running."""
+    workers = {role: Worker(role, env, log_dir) for role in ("writer", "reader")}
+    for w in workers.values():
+        stack.callback(w.kill)
+    return workers
+
+
+def _drop_quietly(client: KVPoolClient, pools: list[str]) -> None:
+    """Force-drop the pools still listed (cleanup after a failure; the daemon may be gone)."""
+    for pool in pools:
+        with contextlib.suppress(KVPoolError):
+            client.drop(pool, force=True)
+
+
+def _keep(client: KVPoolClient, daemon: OwnDaemon | None, pool: str, say: Any) -> None:
+    """--keep: leave the pool; with the demo's own daemon, serve until Ctrl-C."""
+    if daemon is None:
+        say(f"kept pool {pool} at {client.target} (kvpool drop {pool} --target "
+            f"{client.target} removes it)")
+        return
+    say(f"kept pool {pool}; kvpoold serves at {daemon.target} until Ctrl-C (try: kvpool stats "
+        f"--target {daemon.target})")
+    try:
+        daemon.proc.wait()
+    except KeyboardInterrupt:
+        say("stopping kvpoold")
+
+
+def _size(text: str) -> int:
+    from kvpoold.sizes import parse_size  # pure: no torch
+
+    try:
+        return parse_size(text, field="budget")
+    except InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_demo(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Register ``kvpool demo`` (torch is imported only when it runs)."""
+    p = sub.add_parser(
+        "demo", parents=[common], help="daemon + writer + reader on one pool, checked",
+        description="Start a daemon (or use --target), configure a real model's pool on a small "
+                    "CPU budget, have a writer process fill KV pages and a reader process check "
+                    "every byte through its own mapping, print Stats, and clean up. Exits 1 if "
+                    "any check fails.",
+    )
+    p.add_argument("--model-config", type=Path, metavar="PATH",
+                   help="a HF config.json (or its directory) or a kvpool spec (default: the "
+                        "Qwen3-8B config shipped with kvpool)")
+    p.add_argument("--budget", type=_size, default=DEFAULT_BUDGET, metavar="SIZE",
+                   help="the pool's KV budget (default 32MiB; context length 4096, page 16)")
+    p.add_argument("--pages", type=int, default=DEFAULT_PAGES, metavar="N",
+                   help="KV pages the writer fills (default 8)")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the pool (and the demo's own daemon, until Ctrl-C)")
+    p.set_defaults(func=run_demo)
+    return p

@@ -1,0 +1,490 @@
+"""``kvpool top``: a live terminal view of one or several daemons, refreshed from WatchStats.
+
+Per daemon (``--target``, repeatable) a panel shows a header (version, device, uptime, budget
+used of total, leases opened/closed/expired), one row per pool and kind (a usage bar with the
+high-water mark, used/capacity, allocations and frees per second, refused allocations, the
+pool's bytes and attached clients) and the leases holding the most ids (what they hold per pool
+and kind, when they expire). Rates are differences of the daemon's own counters between two
+successive snapshots, divided by the difference of its uptime, so network delay does not skew
+them.
+
+Each daemon is followed by its own task over a ``WatchStats`` stream; one that cannot be reached
+or goes away is shown as unreachable and retried, and the others keep updating. Ctrl-C ends the
+view (exit 0, terminal restored). ``--once`` prints one frame to stdout without a live display
+(one ``Stats`` per daemon, so no rates), for scripts and tests; it exits 1 when a daemon did not
+answer.
+
+rich is imported only when ``top`` runs, and torch never, so the other ``kvpool`` subcommands
+start as fast as before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvpool.errors import InvalidArgument
+from kvpool.targets import channel_target, default_target
+
+if TYPE_CHECKING:
+    from rich.console import Console, RenderableType
+    from rich.text import Text
+
+    from kvpool.convert import LeaseStats, PoolStats, Stats
+
+# The daemon's WatchStats accepts 0.05 s .. 1 h.
+MIN_INTERVAL_S = 0.05
+MAX_INTERVAL_S = 3600.0
+DEFAULT_INTERVAL_S = 1.0
+DEFAULT_WIDTH = 120
+DEFAULT_MAX_LEASES = 20
+DEFAULT_TIMEOUT_S = 5.0
+BAR_WIDTH = 16
+MIN_BAR_WIDTH = len("USAGE")  # narrower, the header would widen the column anyway
+PANEL_MARGIN = 4  # a panel's borders and padding
+POOL_COLUMNS = ("POOL", "KIND", "USED", "CAPACITY", "USE%", "HIGH", "ALLOC/S", "FREE/S",
+                "FAILED", "BYTES", "ATT")
+# When the numbers do not fit, these go first, in this order (after the usage bar).
+OPTIONAL_COLUMNS = ("ATT", "BYTES", "FAILED")
+# A daemon silent for this many intervals is flagged stale (hung, or the network is).
+STALE_INTERVALS = 3.0
+
+
+@dataclass(frozen=True)
+class Rate:
+    """Ids of one pool and kind allocated and freed per second between two snapshots."""
+
+    allocs_per_s: float
+    frees_per_s: float
+
+
+def rates(previous: Stats | None, current: Stats) -> dict[tuple[str, str], Rate]:
+    """Allocations and frees per second per ``(pool, kind)`` between two snapshots of a daemon.
+
+    The time between them is the difference of the daemon's uptime (its monotonic clock). A row
+    gets no rate when there is no earlier snapshot, the daemon restarted (uptime went down), the
+    pool is younger than the interval (dropped and configured again) or a counter went down.
+
+    Args:
+        previous: the snapshot before ``current`` (None: the first one).
+        current: the latest snapshot.
+
+    Returns:
+        ``{(pool, kind): Rate}`` for every row with a rate.
+    """
+    if previous is None:
+        return {}
+    dt = current.daemon.uptime_seconds - previous.daemon.uptime_seconds
+    if dt <= 0:
+        return {}
+    before = {(p.name, kind): k for p in previous.pools for kind, k in p.kinds.items()}
+    out: dict[tuple[str, str], Rate] = {}
+    for pool in current.pools:
+        if pool.age_seconds < dt:
+            continue
+        for kind, k in pool.kinds.items():
+            old = before.get((pool.name, kind))
+            if old is None or k.allocs < old.allocs or k.frees < old.frees:
+                continue
+            out[(pool.name, kind)] = Rate((k.allocs - old.allocs) / dt, (k.frees - old.frees) / dt)
+    return out
+
+
+@dataclass
+class DaemonView:
+    """What top knows of one daemon: its latest snapshot and rates, or why it is unreachable.
+
+    Written by the daemon's follow task (or the ``--once`` fetch), read by the renderer; both run
+    on the same event loop.
+    """
+
+    target: str
+    stats: Stats | None = None
+    rates: dict[tuple[str, str], Rate] = field(default_factory=dict)
+    error: str | None = None
+    updated_at: float | None = None  # time.monotonic() of the latest snapshot
+
+    def update(self, stats: Stats, now: float) -> None:
+        """Take a new snapshot received at ``now``; rates come from the one before it."""
+        self.rates = rates(self.stats, stats)
+        self.stats = stats
+        self.error = None
+        self.updated_at = now
+
+    def down(self, reason: str) -> None:
+        """Mark the daemon unreachable (the last snapshot is kept only for its age)."""
+        self.error = reason
+        self.rates = {}
+
+
+# -- rendering ----------------------------------------------------------------------------------
+
+
+def render(views: Sequence[DaemonView], now: float, *, width: int = DEFAULT_WIDTH,
+           interval_s: float = DEFAULT_INTERVAL_S, max_leases: int = DEFAULT_MAX_LEASES,
+           live: bool = True) -> RenderableType:
+    """One frame: a panel per daemon, in ``--target`` order.
+
+    Args:
+        views: the daemons.
+        now: ``time.monotonic()`` now, for ages.
+        width: the columns it will be printed in (the usage bars shrink, then go, below 100).
+        interval_s: the refresh interval (for the retry and staleness notes).
+        max_leases: leases listed per daemon, most ids held first.
+        live: part of a live view (retry and staleness notes) rather than ``--once``.
+    """
+    from rich.console import Group
+
+    return Group(*(_daemon_panel(v, now, interval_s, max_leases, live, width) for v in views))
+
+
+def _daemon_panel(view: DaemonView, now: float, interval_s: float, max_leases: int,
+                  live: bool, width: int) -> RenderableType:
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.text import Text
+
+    if view.error is not None or view.stats is None:
+        lines = Text()
+        lines.append("unreachable", style="bold red")
+        lines.append(f": {view.error or 'no answer yet'}")
+        notes = [f"retrying every {retry_interval(interval_s):g} s"] if live else []
+        if view.updated_at is not None:
+            notes.append(f"last snapshot {_duration(now - view.updated_at)} ago")
+        if notes:
+            lines.append("\n" + "; ".join(notes), style="dim")
+        return Panel(lines, title=view.target, title_align="left", border_style="red")
+    stats = view.stats
+    parts: list[RenderableType] = [_header(stats, BAR_WIDTH if width >= 100 else 0)]
+    age = now - view.updated_at if view.updated_at is not None else 0.0
+    if live and age > STALE_INTERVALS * max(interval_s, 1.0):
+        parts.append(Text(f"stale: no snapshot for {_duration(age)}", style="bold yellow"))
+    parts.append(_pools_table(stats.pools, view.rates, width - PANEL_MARGIN))
+    parts.append(_leases_table(stats.leases, max_leases))
+    return Panel(Group(*parts), title=view.target, title_align="left")
+
+
+def _header(stats: Stats, bar_width: int) -> Text:
+    """Two lines: the daemon and its budget; its pools and leases."""
+    from rich.text import Text
+
+    d = stats.daemon
+    text = Text()
+    text.append(f"kvpoold {d.version}", style="bold")
+    text.append(f" on {d.device}   up {_duration(d.uptime_seconds)}   budget ")
+    if bar_width:
+        text.append_text(_bar(d.used_bytes, d.budget_bytes, d.used_bytes, bar_width))
+        text.append(" ")
+    text.append(f"{_size(d.used_bytes)} / {_size(d.budget_bytes)} "
+                f"({_percent(d.used_bytes, d.budget_bytes)})\n")
+    text.append(f"pools {d.num_pools}   leases {d.num_leases} open: {d.leases_opened} opened, "
+                f"{d.leases_closed} closed, {d.leases_expired} expired")
+    return text
+
+
+def _pools_table(pools: Sequence[PoolStats], pool_rates: Mapping[tuple[str, str], Rate],
+                 width: int) -> RenderableType:
+    """A row per pool and kind in ``width`` columns: numbers are never cut; the usage bar
+    shrinks and goes first, then the ``OPTIONAL_COLUMNS``, then long pool names are cut."""
+    from rich.table import Table
+    from rich.text import Text
+
+    if not pools:
+        return Text("no pools (kvpool configure POOL ...)", style="dim")
+    rows: list[tuple[dict[str, str], tuple[int, int, int]]] = []
+    for pool in pools:
+        for i, (kind, k) in enumerate(pool.kinds.items()):
+            rate = pool_rates.get((pool.name, kind))
+            first = i == 0
+            cells = dict(zip(POOL_COLUMNS, (
+                pool.name if first else "",
+                kind,
+                f"{k.used:,}",
+                f"{k.capacity:,}",
+                _percent(k.used, k.capacity),
+                f"{k.high_water:,}",
+                f"{rate.allocs_per_s:,.1f}" if rate else "-",
+                f"{rate.frees_per_s:,.1f}" if rate else "-",
+                f"{k.failed_allocs:,}",
+                _size(pool.backing_bytes) if first else "",
+                str(pool.attached) if first else "",
+            ), strict=True))
+            rows.append((cells, (k.used, k.capacity, k.high_water)))
+    natural = {c: max(len(c), *(len(r[c]) for r, _ in rows)) for c in POOL_COLUMNS}
+    columns = list(POOL_COLUMNS)
+
+    def room() -> int:  # columns left for the bar, after the others and one space between
+        return width - sum(natural[c] for c in columns) - len(columns)
+
+    for optional in OPTIONAL_COLUMNS:
+        if room() >= 0:
+            break
+        columns.remove(optional)
+    bar_width = min(BAR_WIDTH, room() - 1)  # the bar column and one more space
+    bar_width = bar_width if bar_width >= MIN_BAR_WIDTH else 0
+
+    table = Table(box=None, pad_edge=False, collapse_padding=True, header_style="bold",
+                  show_edge=False)
+    for name in columns:
+        table.add_column(name, justify="left" if name in ("POOL", "KIND") else "right",
+                         no_wrap=True, overflow="ellipsis",
+                         min_width=None if name == "POOL" else natural[name])
+        if name == "KIND" and bar_width:
+            table.add_column("USAGE", no_wrap=True, min_width=bar_width)
+    for cells, (used, capacity, high_water) in rows:
+        values: list[RenderableType] = [cells[c] for c in columns]
+        if bar_width:
+            values.insert(2, _bar(used, capacity, high_water, bar_width))
+        table.add_row(*values)
+    return table
+
+
+def _leases_table(leases: Sequence[LeaseStats], max_leases: int) -> RenderableType:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    if not leases:
+        return Text("no open leases", style="dim")
+    # The biggest holders first: the question top answers is "who holds the memory".
+    ordered = sorted(leases, key=lambda x: (-_held_total(x), x.name, x.lease_id))
+    table = Table(box=None, pad_edge=False, header_style="bold", show_edge=False)
+    for name in ("LEASE", "NAME", "EXPIRES IN", "TTL", "ATT", "HELD"):
+        table.add_column(name, justify="right" if name in ("EXPIRES IN", "TTL", "ATT") else "left",
+                         no_wrap=name != "HELD", overflow="ellipsis" if name != "HELD" else "fold")
+    for lease in ordered[:max_leases]:
+        held = "  ".join(
+            f"{pool}: " + " ".join(f"{kind}={n:,}" for kind, n in kinds.items())
+            for pool, kinds in lease.held.items()
+        ) or "-"
+        table.add_row(str(lease.lease_id), lease.name, f"{lease.expires_in_seconds:.1f}s",
+                      f"{lease.ttl_seconds:g}s", str(lease.attached), held)
+    rest = len(ordered) - max_leases
+    if rest > 0:
+        return Group(table, Text(f"... and {rest} more leases (kvpool leases lists all)",
+                                 style="dim"))
+    return table
+
+
+def _held_total(lease: LeaseStats) -> int:
+    return sum(n for kinds in lease.held.values() for n in kinds.values())
+
+
+def _bar(used: int, capacity: int, high_water: int, width: int = BAR_WIDTH) -> Text:
+    """``█`` used, ``▒`` up to the high-water mark, ``░`` never used; coloured by fill."""
+    from rich.text import Text
+
+    if capacity <= 0:
+        return Text("░" * width, style="dim")
+    fill = min(width, round(width * used / capacity))
+    high = max(fill, min(width, round(width * high_water / capacity)))
+    share = used / capacity
+    colour = "green" if share < 0.7 else "yellow" if share < 0.9 else "red"
+    text = Text()
+    text.append("█" * fill, style=colour)
+    text.append("▒" * (high - fill), style=f"dim {colour}")
+    text.append("░" * (width - high), style="dim")
+    return text
+
+
+def _percent(used: int, total: int) -> str:
+    return f"{100.0 * used / total:.1f}%" if total else "-"
+
+
+def _size(nbytes: int) -> str:
+    from kvpoold.sizes import format_size  # pure: no torch
+
+    return format_size(nbytes)
+
+
+def _duration(seconds: float) -> str:
+    """``2.5`` -> ``2.5s``; ``62`` -> ``1m02s``; ``3725`` -> ``1h02m``; ``90061`` -> ``1d01h``."""
+    s = max(0, int(seconds))
+    if s < 10:
+        return f"{max(0.0, seconds):.1f}s"
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+# -- fetching -----------------------------------------------------------------------------------
+
+
+def retry_interval(interval_s: float) -> float:
+    """How long to wait before reconnecting to an unreachable daemon."""
+    return max(1.0, interval_s)
+
+
+async def fetch_once(views: Sequence[DaemonView], token: str | None, timeout_s: float) -> None:
+    """One ``Stats`` per daemon, concurrently; a failure marks that view unreachable."""
+    await asyncio.gather(*(_fetch(v, token, timeout_s) for v in views))
+
+
+async def _fetch(view: DaemonView, token: str | None, timeout_s: float) -> None:
+    from kvpool.aio import AsyncKVPoolClient
+
+    try:
+        async with AsyncKVPoolClient(view.target, token=token, timeout_s=timeout_s) as client:
+            view.update(await client.stats(), time.monotonic())
+    except Exception as exc:  # any failure of one daemon is shown, never fatal
+        view.down(_reason(exc))
+
+
+async def follow(view: DaemonView, token: str | None, interval_s: float,
+                 changed: asyncio.Event) -> None:
+    """Keep ``view`` current from a WatchStats stream, reconnecting after a failure; runs until
+    cancelled.
+
+    Args:
+        view: the daemon's view, updated in place.
+        token: bearer token for a TCP listener.
+        interval_s: the stream's interval.
+        changed: set after every update, so the screen redraws at once.
+    """
+    from kvpool.aio import AsyncKVPoolClient
+
+    while True:
+        try:
+            async with AsyncKVPoolClient(view.target, token=token) as client:
+                async for stats in client.watch_stats(interval_s=interval_s):
+                    view.update(stats, time.monotonic())
+                    changed.set()
+            view.down("the daemon ended the stream (shutting down?)")
+        except Exception as exc:  # one daemon failing must not stop the view of the others
+            view.down(_reason(exc))
+        changed.set()
+        await asyncio.sleep(retry_interval(interval_s))
+
+
+def _reason(exc: BaseException) -> str:
+    code = getattr(exc, "code_name", None) or getattr(exc, "code", None)
+    return f"{code}: {exc}" if isinstance(code, str) else f"{type(exc).__name__}: {exc}"
+
+
+async def watch(views: Sequence[DaemonView], console: Console, *, token: str | None,
+                interval_s: float, max_leases: int) -> None:
+    """Show ``views`` live until cancelled (Ctrl-C), one follow task per daemon.
+
+    The screen is redrawn when a snapshot arrives and at least every ``interval_s`` (so ages
+    and the unreachable state stay current); the alternate screen is left on exit. When the
+    output is not a terminal (a pipe, a file) a frame is printed every ``interval_s`` instead,
+    like ``top -b``.
+    """
+    from rich.live import Live
+
+    def frame() -> RenderableType:
+        return render(views, time.monotonic(), width=console.width, interval_s=interval_s,
+                      max_leases=max_leases)
+
+    changed = asyncio.Event()
+    tasks = [asyncio.create_task(follow(v, token, interval_s, changed)) for v in views]
+    try:
+        if not console.is_terminal:
+            while True:
+                await asyncio.sleep(interval_s)
+                console.print(frame())
+        with Live(frame(), console=console, screen=True, auto_refresh=False) as live:
+            while True:
+                try:
+                    await asyncio.wait_for(changed.wait(), interval_s)
+                except TimeoutError:
+                    pass
+                changed.clear()
+                live.update(frame(), refresh=True)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# -- command line -------------------------------------------------------------------------------
+
+
+def add_top(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Register ``kvpool top``; its ``--target`` repeats, so it does not take ``common``'s."""
+    p = sub.add_parser(
+        "top", help="live view of one or several daemons",
+        description="A live view of daemons: budget, pools with usage bars and allocation "
+                    "rates, leases with what they hold. Refreshes from WatchStats; Ctrl-C quits. "
+                    "An unreachable daemon is shown as such and retried.")
+    p.add_argument("--target", action="append", metavar="ADDR",
+                   help="unix:///path.sock or host:port; repeat for several daemons (default "
+                        f"{default_target()})")
+    token = p.add_mutually_exclusive_group()
+    token.add_argument("--token", metavar="SECRET", help="bearer token for TCP listeners")
+    token.add_argument("--token-file", type=Path, metavar="PATH", help="read the token here")
+    p.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S, metavar="S",
+                   help=f"seconds between snapshots (default {DEFAULT_INTERVAL_S:g}; "
+                        f"{MIN_INTERVAL_S:g} to {MAX_INTERVAL_S:g})")
+    p.add_argument("--max-leases", type=int, default=DEFAULT_MAX_LEASES, metavar="N",
+                   help=f"leases listed per daemon, most ids held first (default "
+                        f"{DEFAULT_MAX_LEASES})")
+    p.add_argument("--once", action="store_true",
+                   help="print one frame to stdout and exit (no live view, no rates); exit 1 if "
+                        "a daemon did not answer")
+    p.add_argument("--width", type=int, default=DEFAULT_WIDTH, metavar="COLS",
+                   help=f"with --once: columns of the frame (default {DEFAULT_WIDTH})")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                   help=f"with --once: deadline of each Stats call (default {DEFAULT_TIMEOUT_S:g})")
+    p.set_defaults(func=run_top)
+    return p
+
+
+def check_args(args: argparse.Namespace) -> list[str]:
+    """The targets to show, after checking every option.
+
+    Raises:
+        InvalidArgument: a malformed target, or an interval, width or lease count out of range.
+    """
+    targets = list(args.target or [default_target()])
+    for target in targets:
+        channel_target(target)
+    if not MIN_INTERVAL_S <= args.interval <= MAX_INTERVAL_S:
+        raise InvalidArgument(f"--interval {args.interval} is outside {MIN_INTERVAL_S:g}.."
+                              f"{MAX_INTERVAL_S:g} s", field="interval")
+    if args.width < 40:
+        raise InvalidArgument(f"--width {args.width} is under 40 columns", field="width")
+    if args.max_leases < 0:
+        raise InvalidArgument(f"--max-leases {args.max_leases} is negative", field="max_leases")
+    if args.timeout <= 0:
+        raise InvalidArgument(f"--timeout {args.timeout} must be positive", field="timeout")
+    return targets
+
+
+def run_top(args: argparse.Namespace) -> int:
+    """Entry of ``kvpool top``: exit 0 (Ctrl-C in the live view, or every daemon answered
+    ``--once``), 1 when ``--once`` could not reach a daemon.
+
+    Raises:
+        InvalidArgument: bad options (see :func:`check_args`).
+    """
+    from rich.console import Console
+
+    targets = check_args(args)
+    token = args.token
+    if args.token_file is not None:
+        token = args.token_file.read_text().strip()
+    views = [DaemonView(t) for t in targets]
+    if args.once:
+        asyncio.run(fetch_once(views, token, args.timeout))
+        console = Console(file=sys.stdout, width=args.width, force_terminal=False,
+                          color_system=None, highlight=False, emoji=False)
+        console.print(render(views, time.monotonic(), width=args.width,
+                             interval_s=args.interval, max_leases=args.max_leases, live=False))
+        return 0 if all(v.error is None for v in views) else 1
+    try:
+        asyncio.run(watch(views, Console(), token=token, interval_s=args.interval,
+                          max_leases=args.max_leases))
+    except KeyboardInterrupt:
+        pass  # Ctrl-C is how top ends; Live has already restored the terminal
+    return 0

@@ -1,0 +1,305 @@
+"""Prometheus metrics of one daemon: gauges read from a Stats snapshot at scrape time, RPC
+counters and latency histograms recorded by the servicer's error decorator.
+
+Nothing here keeps its own copy of the daemon's state: :class:`DaemonCollector` takes the same
+snapshot ``Stats`` returns each time ``/metrics`` is scraped, so the two never disagree. Only
+what no snapshot holds, RPC latency and failures by status code, is counted as it happens
+(:class:`RpcMetrics`: one histogram observation and, on failure, one counter increment per call).
+
+Every daemon gets its own :class:`prometheus_client.CollectorRegistry` (not the process-global
+one), so several daemons can run in one process (tests) without clashing.
+
+Exported (labels in braces; ``kind`` is ``kv``, ``swa``, ``req`` or ``state``)::
+
+    kvpool_pool_capacity{device,pool,kind}            gauge      ids the pool can hand out
+    kvpool_pool_used{device,pool,kind}                gauge      ids held by leases
+    kvpool_pool_free{device,pool,kind}                gauge      capacity - used
+    kvpool_pool_high_water{device,pool,kind}          gauge      most ids used at once
+    kvpool_pool_bytes{device,pool}                    gauge      backing region bytes
+    kvpool_attached_clients{device,pool}              gauge      Attach without Detach
+    kvpool_allocations_total{device,pool,kind}        counter    ids handed out
+    kvpool_frees_total{device,pool,kind}              counter    ids returned (reclaim included)
+    kvpool_allocation_failures_total{device,pool,kind} counter   Allocate items refused: no room
+    kvpool_device_budget_bytes{device}                gauge      the daemon's --budget
+    kvpool_device_used_bytes{device}                  gauge      backing bytes of all pools
+    kvpool_leases_open{device}                        gauge      open leases
+    kvpool_lease_expiries_total{device}               counter    leases expired and reclaimed
+    kvpool_rpc_failures_total{device,method,code}     counter    RPCs ended with an error status
+    kvpool_rpc_duration_seconds{device,method}        histogram  server time of unary RPCs
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvpool.errors import FailedPrecondition, Internal
+
+if TYPE_CHECKING:
+    from kvpoold.service.records import Snapshot
+
+log = logging.getLogger("kvpoold.metrics")
+
+# Allocate/Free take ~100 us on a Unix socket; Configure of a large pool can take a second.
+RPC_BUCKETS_S: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+)
+# A scrape waits this long for the event loop to take the snapshot before it fails.
+SNAPSHOT_TIMEOUT_S = 5.0
+
+
+class RpcMetrics:
+    """RPC latency and failures of one daemon (what :func:`kvpoold.service.errors.rpc_errors`
+    records for every call).
+
+    Args:
+        registry: where the histogram and counter are registered.
+        device: the ``device`` label of every series.
+    """
+
+    def __init__(self, registry: CollectorRegistry, device: str) -> None:
+        self.device = device
+        self._duration = Histogram(
+            "kvpool_rpc_duration_seconds",
+            "Server-side time of unary kvpool RPCs, from the servicer's entry to its reply.",
+            ("device", "method"), registry=registry, buckets=RPC_BUCKETS_S,
+        )
+        self._failures = Counter(
+            "kvpool_rpc_failures",
+            "kvpool RPCs that ended with an error status, by method and gRPC status code.",
+            ("device", "method", "code"), registry=registry,
+        )
+        # labels() builds a key and takes the metric's lock; the children are cached per method
+        # so a call costs one dict lookup and one observe.
+        self._timers: dict[str, Histogram] = {}
+
+    def observe(self, method: str, seconds: float) -> None:
+        """Record one unary call of ``method`` that took ``seconds``."""
+        timer = self._timers.get(method)
+        if timer is None:
+            timer = self._timers[method] = self._duration.labels(self.device, method)
+        timer.observe(seconds)
+
+    def failed(self, method: str, code: str) -> None:
+        """Count one call of ``method`` that ended with status ``code`` (``NOT_FOUND``)."""
+        self._failures.labels(self.device, method, code).inc()
+
+
+class DaemonCollector(Collector):
+    """Pool, budget and lease metrics built from a fresh snapshot at every scrape.
+
+    Args:
+        snapshot: returns the daemon's state now (``Daemon.snapshot``, taken on its loop).
+        device: the ``device`` label (the daemon's ``--device``).
+    """
+
+    def __init__(self, snapshot: Callable[[], Snapshot], device: str) -> None:
+        self._snapshot = snapshot
+        self._device = device
+
+    def describe(self) -> Iterator[Metric]:
+        # The names, for the registry's duplicate check, without taking a snapshot.
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        fams = self._families()
+        (capacity, used, free, high_water, pool_bytes, attached, allocs, frees, failures,
+         budget, dev_used, leases_open, expiries) = fams
+        dev = self._device
+        for pool in snap.pools:
+            pool_bytes.add_metric([dev, pool.name], pool.plan.backing_bytes)
+            attached.add_metric([dev, pool.name], pool.attached)
+            for kind, k in pool.kinds.items():
+                labels = [dev, pool.name, kind.value]
+                capacity.add_metric(labels, k.capacity)
+                used.add_metric(labels, k.used)
+                free.add_metric(labels, k.free)
+                high_water.add_metric(labels, k.high_water)
+                allocs.add_metric(labels, k.allocs)
+                frees.add_metric(labels, k.frees)
+                failures.add_metric(labels, k.failed_allocs)
+        d = snap.daemon
+        budget.add_metric([dev], d.budget_bytes)
+        dev_used.add_metric([dev], d.used_bytes)
+        leases_open.add_metric([dev], d.num_leases)
+        expiries.add_metric([dev], d.leases_expired)
+        yield from fams
+
+    @staticmethod
+    def _families() -> tuple[Metric, ...]:
+        kinds = ("device", "pool", "kind")
+        pools = ("device", "pool")
+        device = ("device",)
+        return (
+            GaugeMetricFamily("kvpool_pool_capacity",
+                              "Ids of this kind the pool can hand out (padding page excluded).",
+                              labels=kinds),
+            GaugeMetricFamily("kvpool_pool_used", "Ids of this kind held by leases now.",
+                              labels=kinds),
+            GaugeMetricFamily("kvpool_pool_free", "Ids of this kind free now (capacity - used).",
+                              labels=kinds),
+            GaugeMetricFamily("kvpool_pool_high_water",
+                              "The most ids of this kind used at once since the pool was built.",
+                              labels=kinds),
+            GaugeMetricFamily("kvpool_pool_bytes",
+                              "Bytes of the pool's backing region (KV + state + aux buffers).",
+                              labels=pools),
+            GaugeMetricFamily("kvpool_attached_clients",
+                              "Clients that mapped the pool's memory (Attach without Detach).",
+                              labels=pools),
+            CounterMetricFamily("kvpool_allocations",
+                                "Ids of this kind handed out since the pool was built.",
+                                labels=kinds),
+            CounterMetricFamily("kvpool_frees",
+                                "Ids of this kind returned since the pool was built, reclaim "
+                                "of closed and expired leases included.", labels=kinds),
+            CounterMetricFamily("kvpool_allocation_failures",
+                                "Allocate calls refused for this kind because too few ids were "
+                                "free.", labels=kinds),
+            GaugeMetricFamily("kvpool_device_budget_bytes",
+                              "Device bytes all pools together may occupy (kvpoold --budget).",
+                              labels=device),
+            GaugeMetricFamily("kvpool_device_used_bytes",
+                              "Device bytes the pools' backing regions occupy.", labels=device),
+            GaugeMetricFamily("kvpool_leases_open", "Open leases.", labels=device),
+            CounterMetricFamily("kvpool_lease_expiries",
+                                "Leases not renewed within their TTL, expired and reclaimed.",
+                                labels=device),
+        )
+
+
+def loop_snapshot(take: Callable[[], Snapshot], loop: asyncio.AbstractEventLoop,
+                  timeout_s: float = SNAPSHOT_TIMEOUT_S) -> Callable[[], Snapshot]:
+    """Wrap ``take`` so that calling it from another thread runs it on ``loop``.
+
+    The daemon's state belongs to its event loop (no locks); the metrics HTTP server answers in
+    its own threads, so each scrape hands the snapshot to the loop and waits for it.
+
+    Args:
+        take: the snapshot function (``Daemon.snapshot``).
+        loop: the daemon's running event loop.
+        timeout_s: how long a scrape waits for the loop.
+
+    Returns:
+        A function that returns the snapshot; it raises ``Internal`` when the loop does not
+        answer within ``timeout_s`` (stopped, or blocked), which the scrape sees as HTTP 500.
+    """
+
+    def call() -> Snapshot:
+        try:
+            if asyncio.get_running_loop() is loop:  # already on the loop: no hop
+                return take()
+        except RuntimeError:
+            pass  # no loop in this thread: the normal case, a scrape thread
+        future: concurrent.futures.Future[Snapshot] = concurrent.futures.Future()
+
+        def run() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(take())
+                except BaseException as exc:
+                    future.set_exception(exc)
+
+        try:
+            loop.call_soon_threadsafe(run)
+            return future.result(timeout_s)
+        except (RuntimeError, concurrent.futures.TimeoutError) as exc:
+            future.cancel()
+            raise Internal(
+                f"the daemon's event loop did not take a snapshot within {timeout_s} s "
+                f"({type(exc).__name__}); it is shutting down or blocked"
+            ) from exc
+
+    return call
+
+
+class DaemonMetrics:
+    """The registry of one daemon: its :class:`DaemonCollector` and :class:`RpcMetrics`.
+
+    Args:
+        snapshot: the daemon's snapshot function, callable from any thread
+            (see :func:`loop_snapshot`).
+        device: the ``device`` label.
+    """
+
+    def __init__(self, snapshot: Callable[[], Snapshot], device: str) -> None:
+        # No ``*_created`` series next to each counter and histogram: in the text format they
+        # are extra gauges nobody queries. A process-wide switch of prometheus_client, and the
+        # daemon's process exports nothing else.
+        disable_created_metrics()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.rpc = RpcMetrics(self.registry, device)
+        self.registry.register(DaemonCollector(snapshot, device))
+
+
+@dataclass
+class MetricsServer:
+    """The ``/metrics`` HTTP server (prometheus_client's WSGI server in a daemon thread)."""
+
+    httpd: WSGIServer
+    thread: threading.Thread
+    host: str
+
+    @property
+    def port(self) -> int:
+        """The bound port (the real one when started with port 0)."""
+        return int(self.httpd.server_port)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        """Stop serving and close the socket; blocks up to the server's 0.5 s poll. Idempotent."""
+        if self.thread.is_alive():
+            self.httpd.shutdown()
+            self.thread.join()
+        self.httpd.server_close()
+
+
+def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> MetricsServer:
+    """Serve ``registry`` at ``http://host:port/metrics`` from a background thread.
+
+    Args:
+        registry: what to expose (``DaemonMetrics.registry``).
+        host: the address to bind (``127.0.0.1``; ``0.0.0.0`` for every interface).
+        port: the TCP port; 0 picks a free one (read it from ``MetricsServer.port``).
+
+    Returns:
+        The running server.
+
+    Raises:
+        FailedPrecondition: the address cannot be bound (in use, not permitted, unknown host).
+    """
+    try:
+        httpd, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise FailedPrecondition(
+            f"cannot serve metrics on {host}:{port}: {exc.strerror or exc} (in use, not "
+            "permitted, or not an address of this host); choose another --metrics-port or "
+            "--metrics-host",
+            field="metrics_port",
+        ) from exc
+    server = MetricsServer(httpd, thread, host)
+    log.info("metrics serving", extra={"fields": {
+        "event": "metrics_serving", "url": server.url, "metrics_port": server.port,
+    }})
+    return server

@@ -1,0 +1,41 @@
+"""``kvpool demo`` run as a user would: a subprocess, its exit status and what it prints."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO, subprocess_env
+
+
+def kvpool(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvpool.cli", *args], cwd=REPO,
+                          env=subprocess_env(), capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+def test_demo_passes_and_cleans_up() -> None:
+    """The default run: Qwen3-8B (36 layers, 8 KV heads of 128, bf16: 147,456 B per token) in
+    32 MiB at page 16 is floor(33,554,432 / 147,456) = 227 tokens -> 14 pages, page 0 the
+    padding: 13 pages. The writer fills 8 pages of 72 K/V buffers: 72 x 8 x 16 rows x 2,048 B
+    = 18,874,368 B; the reader checks those and the other 6 pages' 72 x 6 x 16 x 2,048 =
+    14,155,776 B of zeros. Stats show 2 attached and 8 pages used; everything is removed."""
+    out = kvpool("demo")
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    assert "13 pages of 16 tokens" in text and "Qwen3ForCausalLM" in text
+    assert "wrote 18,874,368 B into 72 K/V buffers" in text
+    assert "verified 18,874,368 B byte for byte, 14,155,776 B of untouched pages are zero" in text
+    assert "attached 2" in text  # the Stats table title while both workers are attached
+    assert "dropped pool demo" in text
+    assert "kvpoold stopped (exit 0); no kvpool-* file left in" in text
+    assert text.rstrip().endswith("everything was cleaned up")
+    shm_dir = Path(text.split("no kvpool-* file left in ")[1].split()[0])
+    assert not shm_dir.exists()  # the demo's temporary shm dir is gone too
+
+
+def test_demo_reports_an_unreachable_daemon() -> None:
+    out = kvpool("demo", "--target", "unix:///nonexistent/kvpool.sock", timeout_s=60)
+    assert out.returncode == 1
+    assert "kvpool demo: FAILED:" in out.stdout and "is `kvpoold serve` running?" in out.stdout

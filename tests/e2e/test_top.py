@@ -1,0 +1,330 @@
+"""``kvpool top``: one frame (``--once``) against a real daemon with two pools and leases, two
+targets with one unreachable, the live view on a pseudo-terminal through a daemon restart and
+Ctrl-C, and the rate arithmetic."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import re
+import select
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import termios
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvpool.client import KVPoolClient
+from kvpool.convert import DaemonStats, KindStats, LeaseStats, PoolStats, Stats
+from kvpool.top import Rate, rates, render
+from tests.conftest import REPO, TINY_OPTIONS, TINY_SPEC, DaemonProcess, run_daemon, subprocess_env
+
+BAR_CHARS = set("█▒░")
+_ANSI = re.compile(r"\x1b(\[[0-9;?]*[A-Za-z]|\][^\x07]*\x07|[()][0-9A-B]|[=>78])")
+
+
+def kvpool_top(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvpool.cli", "top", *args], cwd=REPO,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=60)
+
+
+def cells(text: str) -> list[list[str]]:
+    """Each line of a frame, panel borders dropped, split on whitespace."""
+    return [line.strip().strip("│").split() for line in text.splitlines()]
+
+
+def pool_rows(text: str) -> dict[tuple[str, str], list[str]]:
+    """``{(pool, kind): [bar, used, capacity, use%, high, alloc/s, free/s, failed, ...]}``."""
+    rows: dict[tuple[str, str], list[str]] = {}
+    pool = ""
+    for row in cells(text):
+        bar_at = next((i for i, c in enumerate(row) if set(c) <= BAR_CHARS), None)
+        if bar_at == 2:
+            pool = row[0]
+        if bar_at in (1, 2):
+            rows[(pool, row[bar_at - 1])] = row[bar_at:]
+    return rows
+
+
+def lease_rows(text: str) -> list[list[str]]:
+    rows = cells(text)
+    start = next(i for i, r in enumerate(rows) if r[:2] == ["LEASE", "NAME"])
+    out = []
+    for row in rows[start + 1:]:
+        if not row or not row[0].isdigit():
+            break
+        out.append(row)
+    return out
+
+
+@dataclass
+class Served:
+    daemon: DaemonProcess
+    lease_ids: dict[str, int]
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    """A daemon (64 MiB budget) with pool ``tiny`` (255 kv pages, 8 req rows) and ``big``
+    (4 MiB: 1023 kv pages), lease ``engine-0`` holding tiny kv 20 (after 30, so high water 30)
+    + req 2 and big kv 3, and lease ``idle`` holding nothing."""
+    path = Path(tempfile.mkdtemp(prefix="kvp-", dir="/tmp"))
+    with run_daemon(path) as daemon, KVPoolClient(daemon.target) as client:
+        client.configure("tiny", spec=TINY_SPEC, **TINY_OPTIONS)
+        client.configure("big", spec=TINY_SPEC, **{**TINY_OPTIONS, "budget_bytes": 4 << 20})
+        with client.lease("engine-0", ttl_s=30) as engine, client.lease("idle", ttl_s=30) as idle:
+            kv, _req = engine.allocate_batch("tiny", [("kv", 30), ("req", 2)])
+            engine.free("tiny", "kv", kv[:10])
+            engine.allocate("big", "kv", 3)
+            yield Served(daemon, {"engine-0": engine.lease_id, "idle": idle.lease_id})
+
+
+def test_once_shows_header_pools_and_leases(served: Served) -> None:
+    """By hand: tiny kv 20 used of 255 = 7.8%, bar 16 x 20/255 = 1.25 -> 1 block, high water
+    16 x 30/255 = 1.9 -> 2 (one ▒); req 2 of 8 = 25.0%, 4 blocks; big kv 3 of 1023 = 0.3%, no
+    block. Bytes: tiny 1 MiB of KV + 9 x 260 int32 request rows = 1,057,936 B = 1.01 MiB; big
+    4 MiB + 9,360 B = 4,203,664 B = 4.01 MiB; together 5,261,600 B = 5.02 MiB, 7.8% of 64 MiB.
+    ``--once`` takes one snapshot, so no rates ("-")."""
+    out = kvpool_top("--once", "--target", served.daemon.target)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert max(len(line) for line in text.splitlines()) <= 120
+    assert served.daemon.target in text.splitlines()[0]
+    header = [" ".join(r) for r in cells(text)[1:3]]
+    assert re.fullmatch(r"kvpoold \S+ on cpu up \S+ budget █?░+ 5\.02 MiB / 64\.00 MiB "
+                        r"\(7\.8%\)", header[0]), header
+    assert header[1] == "pools 2 leases 2 open: 2 opened, 0 closed, 0 expired"
+
+    rows = pool_rows(text)
+    assert list(rows) == [("tiny", "kv"), ("tiny", "req"), ("big", "kv"), ("big", "req")]
+    assert rows[("tiny", "kv")] == ["█▒" + "░" * 14, "20", "255", "7.8%", "30", "-", "-", "0",
+                                    "1.01", "MiB", "0"]
+    assert rows[("tiny", "req")] == ["████" + "░" * 12, "2", "8", "25.0%", "2", "-", "-", "0"]
+    assert rows[("big", "kv")] == ["░" * 16, "3", "1,023", "0.3%", "3", "-", "-", "0",
+                                   "4.01", "MiB", "0"]
+    assert rows[("big", "req")][1:4] == ["0", "8", "0.0%"]
+
+    engine, idle = lease_rows(text)  # most ids held first
+    assert engine[:2] == [str(served.lease_ids["engine-0"]), "engine-0"]
+    assert 0 < float(engine[2].rstrip("s")) <= 30 and engine[3:5] == ["30s", "0"]
+    assert engine[5:] == ["tiny:", "kv=20", "req=2", "big:", "kv=3"]
+    assert idle[:2] == [str(served.lease_ids["idle"]), "idle"] and idle[5:] == ["-"]
+
+
+def test_once_with_an_unreachable_target_shows_both_and_exits_1(served: Served) -> None:
+    absent = f"unix:///tmp/kvp-absent-{os.getpid()}.sock"
+    out = kvpool_top("--once", "--target", absent, "--target", served.daemon.target,
+                     "--width", "100")
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr
+    text = out.stdout
+    first, second = text.index(absent), text.index(served.daemon.target)
+    assert first < second, "panels in --target order"
+    assert re.search(r"unreachable: UNAVAILABLE: cannot reach kvpoold", text)
+    assert pool_rows(text[second:])[("tiny", "kv")][1:3] == ["20", "255"]
+    assert max(len(line) for line in text.splitlines()) <= 100
+
+
+def test_bad_options_exit_2() -> None:
+    for args, field in ((["--interval", "0.01"], "interval"), (["--target", "nohost"], "target"),
+                        (["--width", "20"], "width")):
+        out = kvpool_top("--once", *args)
+        assert out.returncode == 2, (args, out.stderr)
+        assert field in out.stderr
+
+
+# -- the live view ------------------------------------------------------------------------------
+
+
+class Terminal:
+    """A child process on a pseudo-terminal (40 x 120) whose output is collected as it comes."""
+
+    def __init__(self, argv: list[str]) -> None:
+        master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+        env = subprocess_env(TERM="xterm-256color")
+        env.pop("COLUMNS", None)
+        env.pop("LINES", None)
+        self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, cwd=REPO,
+                                     env=env)
+        os.close(slave)
+        self.master = master
+        self.raw = b""
+
+    def read(self, wait_s: float) -> bool:
+        """Take what the child wrote within ``wait_s``; False once it closed the terminal."""
+        ready, _, _ = select.select([self.master], [], [], wait_s)
+        if not ready:
+            return True
+        try:
+            data = os.read(self.master, 1 << 16)
+        except OSError:  # EIO: the child exited and closed the terminal
+            return False
+        self.raw += data
+        return bool(data)
+
+    def wait_exit(self, timeout_s: float = 10.0) -> int:
+        """The child's exit status, reading its output meanwhile (a terminal nobody reads
+        blocks the writer) and after, until it closed the terminal."""
+        deadline = time.monotonic() + timeout_s
+        while self.proc.poll() is None:
+            assert time.monotonic() < deadline, "top did not exit"
+            self.read(0.05)
+        while self.read(0.2) and select.select([self.master], [], [], 0.2)[0]:
+            pass
+        return self.proc.returncode
+
+    def text(self, since: int = 0) -> str:
+        return _ANSI.sub("", self.raw[since:].decode(errors="replace"))
+
+    def wait_for(self, what: str, check: Callable[[str], bool], since: int = 0,
+                 timeout_s: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not check(self.text(since)):
+            assert self.proc.poll() is None, f"top exited ({self.proc.returncode}):\n" + \
+                self.text()[-3000:]
+            assert time.monotonic() < deadline, f"no {what} on screen:\n" + self.text()[-3000:]
+            self.read(0.1)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        os.close(self.master)
+
+
+def _has_rates(text: str) -> bool:
+    """A tiny/kv row whose ALLOC/S and FREE/S are numbers above 0."""
+    for line in text.split("tiny")[1:]:
+        row = line.split()
+        bar_at = next((i for i, c in enumerate(row[:3]) if set(c) <= BAR_CHARS), None)
+        if bar_at is None or len(row) < bar_at + 8:
+            continue
+        try:
+            if float(row[bar_at + 5].replace(",", "")) > 0 < float(row[bar_at + 6].replace(
+                    ",", "")):
+                return True
+        except ValueError:
+            continue
+    return False
+
+
+def test_live_view_retries_shows_rates_survives_the_daemon_and_ctrl_c(
+        socket_dir: Path) -> None:
+    """``kvpool top`` on a terminal, started before its daemon: "unreachable", retried every
+    1 s. The daemon starts and a client allocates and frees 10 pages in a loop: top picks the
+    daemon up and the tiny/kv row shows allocation and free rates above 0. The daemon stops:
+    "unreachable" again, and top keeps running. Ctrl-C: exit 0, the alternate screen left and
+    the cursor shown again."""
+    target = f"unix://{socket_dir / 'kvpool.sock'}"
+    term = Terminal([sys.executable, "-m", "kvpool.cli", "top", "--target", target,
+                     "--interval", "0.2"])
+    try:
+        term.wait_for("unreachable", lambda t: "unreachable" in t and "retrying every 1 s" in t)
+        with run_daemon(socket_dir) as daemon, KVPoolClient(daemon.target) as client:
+            assert daemon.target == target
+            client.configure("tiny", spec=TINY_SPEC, **TINY_OPTIONS)
+            stop = threading.Event()
+            with client.lease("churn", ttl_s=30) as lease:
+                def churn() -> None:
+                    while not stop.is_set():
+                        lease.free("tiny", "kv", lease.allocate("tiny", "kv", 10))
+                        time.sleep(0.005)
+
+                worker = threading.Thread(target=churn)
+                worker.start()
+                try:
+                    term.wait_for("rates", _has_rates)
+                finally:
+                    stop.set()
+                    worker.join()
+        mark = len(term.raw)
+        term.wait_for("unreachable after the daemon stopped", lambda t: "unreachable" in t,
+                      since=mark)
+        term.proc.send_signal(signal.SIGINT)
+        assert term.wait_exit() == 0
+        assert b"\x1b[?1049l" in term.raw, "the alternate screen was not left"
+        assert term.raw.rfind(b"\x1b[?25h") > term.raw.rfind(b"\x1b[?25l"), "cursor hidden"
+        assert "Traceback" not in term.text()
+    finally:
+        term.close()
+
+
+# -- pieces -------------------------------------------------------------------------------------
+
+
+def kind(allocs: int, frees: int, capacity: int = 100) -> KindStats:
+    used = allocs - frees
+    return KindStats(capacity=capacity, used=used, free=capacity - used, high_water=used,
+                     allocs=allocs, frees=frees, failed_allocs=0)
+
+
+def snapshot(uptime: float, pools: dict[str, tuple[float, dict[str, KindStats]]]) -> Stats:
+    """Stats with ``pools = {name: (age_s, {kind: KindStats})}``."""
+    return Stats(
+        daemon=DaemonStats(version="0", device="cpu", budget_bytes=1 << 20, used_bytes=0,
+                           uptime_seconds=uptime, num_pools=len(pools), num_leases=0,
+                           leases_opened=0, leases_closed=0, leases_expired=0),
+        pools=[PoolStats(name=name, fingerprint="f", architecture="mha", kv_cache_dtype="bf16",
+                         page_size=16, max_total_num_tokens=0, max_running_requests=8,
+                         backing_bytes=1 << 20, kinds=kinds, attached=0, age_seconds=age,
+                         handle_kind="none")
+               for name, (age, kinds) in pools.items()],
+        leases=[LeaseStats(lease_id=1, name="x", ttl_seconds=10.0, expires_in_seconds=5.0,
+                           held={}, attached=0)],
+    )
+
+
+def test_rates_are_counter_deltas_over_the_daemons_uptime() -> None:
+    """Uptime 10 s -> 12 s: kv allocs 100 -> 160 and frees 90 -> 150 are 30/s each; req
+    unchanged is 0/s. Pool ``new`` is 1 s old, younger than the 2 s between: configured again
+    in between, no rate. Pool ``gone`` is not in the newer snapshot."""
+    before = snapshot(10.0, {"a": (10.0, {"kv": kind(100, 90), "req": kind(4, 4)}),
+                             "new": (9.0, {"kv": kind(50, 0)}),
+                             "gone": (5.0, {"kv": kind(1, 0)})})
+    after = snapshot(12.0, {"a": (12.0, {"kv": kind(160, 150), "req": kind(4, 4)}),
+                            "new": (1.0, {"kv": kind(60, 0)})})
+    assert rates(before, after) == {("a", "kv"): Rate(30.0, 30.0), ("a", "req"): Rate(0.0, 0.0)}
+    assert rates(None, after) == {}
+    restarted = snapshot(3.0, {"a": (3.0, {"kv": kind(5, 0)})})
+    assert rates(after, restarted) == {}, "uptime went down: a new daemon"
+
+
+def test_narrow_frames_never_cut_numbers() -> None:
+    """Narrower frames lose the usage bar, then ATT, BYTES and FAILED; the numbers that stay
+    are never cut, and no line is wider than asked. A 40,000-page pool in 200 columns shows
+    everything; in 60, no bar, no ATT/BYTES/FAILED."""
+    from rich.console import Console
+
+    from kvpool.top import POOL_COLUMNS, DaemonView
+
+    stats = snapshot(5.0, {"tiny": (5.0, {"kv": kind(20_000, 0, 40_000)})})
+    view = DaemonView("unix:///x.sock")
+    view.update(stats, time.monotonic())
+    seen = {}
+    for width in (200, 120, 100, 80, 70, 60):
+        with open(os.devnull, "w") as sink:
+            console = Console(width=width, force_terminal=False, color_system=None, record=True,
+                              file=sink)
+            console.print(render([view], time.monotonic(), width=width, live=False))
+        text = console.export_text()
+        assert max(len(line) for line in text.splitlines()) <= width
+        header = next(r for r in cells(text) if r[:2] == ["POOL", "KIND"])
+        assert [c for c in header if c != "USAGE"] == list(POOL_COLUMNS[:len(header) - (
+            "USAGE" in header)]), (width, header)
+        row = next(r for r in cells(text) if r[:2] == ["tiny", "kv"])
+        assert "…" not in " ".join(row)
+        numbers = [c for c in row[2:] if not set(c) <= BAR_CHARS]
+        assert numbers[:4] == ["20,000", "40,000", "50.0%", "20,000"], (width, row)
+        seen[width] = header
+    assert "USAGE" in seen[200] and len(seen[200]) == len(POOL_COLUMNS) + 1
+    assert seen[60] == ["POOL", "KIND", "USED", "CAPACITY", "USE%", "HIGH", "ALLOC/S", "FREE/S"]

@@ -1,0 +1,159 @@
+"""``kvpoold serve --device cuda:0`` end to end: engines attach over gRPC and map by CUDA IPC.
+
+The daemon is its own process (it exports); a child process and this test process attach
+(both import, which only works outside the exporter) and see each other's writes in GPU
+memory. Skipped without CUDA; see tests/gpu/README.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvpool.client import KVPoolClient
+from kvpool.errors import FailedPrecondition
+from kvpool.mapping import visible_cuda_uuids
+from tests.conftest import REPO, TINY_SPEC, DaemonProcess, run_daemon
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+MiB = 1 << 20
+# TINY_SPEC at 64 MiB and page 16: 256 B per token -> 262,144 token rows, 16,384 pages; k.0 is
+# [262144, 2, 16] bf16 (16 MiB), a page 16 rows x 64 B = 1,024 B.
+OPTIONS = {"budget_bytes": 64 * MiB, "page_size": 16, "max_running_requests": 8}
+CLEAN_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_ALLOC_CONF": ""}
+
+# Attach, check what the test wrote in page 2 of k.0, write page 3 of v.1, hold until told.
+ENGINE = r"""
+import json, sys
+import torch
+from kvpool.client import KVPoolClient
+from kvpool.errors import KVPoolError
+
+def send(obj):
+    print(json.dumps(obj), flush=True)
+
+msg = json.loads(sys.stdin.readline())
+with KVPoolClient(msg["target"]) as client:
+    try:
+        with client.attach(msg["pool"], expected_fingerprint=msg["fingerprint"]) as region:
+            ok = bool((region.page("k.0", 2) == 1.25).all())
+            region.page("v.1", 3).fill_(-2.0)
+            torch.cuda.synchronize()
+            send({"ok": ok, "kind": region.kind, "device": str(region.device)})
+            sys.stdin.readline()
+    except KVPoolError as exc:
+        send({"error": type(exc).__name__, "message": str(exc)})
+send("detached")
+"""
+
+
+def engine(env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    full = {**os.environ, **CLEAN_ENV,
+            "PYTHONPATH": f"{REPO / 'client'}:{REPO / 'service'}", **(env or {})}
+    return subprocess.Popen([sys.executable, "-c", ENGINE], cwd=REPO, env=full, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+
+def talk(proc: subprocess.Popen[str], obj: Any = None) -> Any:
+    assert proc.stdin is not None and proc.stdout is not None
+    if obj is not None:
+        proc.stdin.write(json.dumps(obj) + "\n")
+        proc.stdin.flush()
+    line = proc.stdout.readline()
+    assert line, f"engine exited with {proc.wait(30)}"
+    return json.loads(line)
+
+
+@pytest.fixture
+def cuda_daemon(monkeypatch: pytest.MonkeyPatch) -> Iterator[DaemonProcess]:
+    for var, value in CLEAN_ENV.items():
+        monkeypatch.setenv(var, value)  # run_daemon's child inherits os.environ
+    sockets = Path(tempfile.mkdtemp(prefix="kvp-", dir="/tmp"))
+    try:
+        with run_daemon(sockets, "--device", "cuda:0", budget="1GiB") as d:
+            yield d
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+def test_engines_share_gpu_memory_through_the_daemon(cuda_daemon: DaemonProcess) -> None:
+    """This process writes 1.25 into page 2 of k.0 through its attachment; an engine process
+    sees it and writes -2.0 into page 3 of v.1 (rows 48..63), which this process then sees.
+    Two attachments are counted; Drop is refused while they last; after both detach it
+    succeeds, and SIGTERM stops the daemon with status 0."""
+    d = cuda_daemon
+    with KVPoolClient(d.target) as client:
+        result = client.configure("gpu", spec=TINY_SPEC, **OPTIONS)
+        stats = client.stats("gpu")
+        assert stats.daemon.device == "cuda:0" and stats.pool("gpu").handle_kind == "cuda_ipc"
+        proc = engine()
+        try:
+            with client.attach("gpu", expected_fingerprint=result.fingerprint) as region:
+                assert region.kind == "cuda_ipc" and region.device.type == "cuda"
+                region.page("k.0", 2).fill_(1.25)
+                torch.cuda.synchronize()
+                got = talk(proc, {"target": d.target, "pool": "gpu",
+                                  "fingerprint": result.fingerprint})
+                assert got == {"ok": True, "kind": "cuda_ipc", "device": "cuda:0"}
+                torch.cuda.synchronize()
+                v1 = region["v.1"]
+                assert bool((v1[48:64] == -2.0).all()) and int(v1[:48].count_nonzero()) == 0
+                assert client.stats("gpu").pool("gpu").attached == 2
+                with pytest.raises(FailedPrecondition, match="2 clients attached"):
+                    client.drop("gpu")
+                assert talk(proc, "go") == "detached"
+                del v1
+            assert proc.wait(30) == 0
+        finally:
+            proc.kill()
+            proc.wait()
+        assert client.stats("gpu").pool("gpu").attached == 0
+        assert client.drop("gpu").released_bytes == result.plan.backing_bytes
+    assert d.stop(signal.SIGTERM) == 0
+
+
+def test_an_engine_without_the_gpu_is_refused_and_not_left_attached(
+        cuda_daemon: DaemonProcess) -> None:
+    """An engine that sees no GPU (CUDA_VISIBLE_DEVICES empty) or only another GPU gets
+    FailedPrecondition from the mapping, and its attachment ends anyway."""
+    d = cuda_daemon
+    uuids = visible_cuda_uuids()
+    hidden = [""] + ([f"GPU-{uuids[1]}"] if len(uuids) > 1 else [])
+    with KVPoolClient(d.target) as client:
+        result = client.configure("gpu2", spec=TINY_SPEC, **OPTIONS)
+        for visible in hidden:
+            proc = engine({"CUDA_VISIBLE_DEVICES": visible})
+            try:
+                got = talk(proc, {"target": d.target, "pool": "gpu2",
+                                  "fingerprint": result.fingerprint})
+                assert got["error"] == "FailedPrecondition", got
+                want = "device UUID mismatch" if visible else "CUDA is not available"
+                assert want in got["message"], got
+                assert talk(proc) == "detached"
+            finally:
+                proc.kill()
+                proc.wait()
+            assert client.stats("gpu2").pool("gpu2").attached == 0
+        client.drop("gpu2")
+
+
+def test_expandable_segments_stop_the_daemon_at_start(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+           "PYTORCH_ALLOC_CONF": "",
+           "PYTHONPATH": f"{REPO / 'client'}:{REPO / 'service'}"}
+    out = subprocess.run([sys.executable, "-m", "kvpoold.cli", "serve", "--device", "cuda:0",
+                          "--listen", f"unix://{tmp_path}/k.sock"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "pytorch#165685" in out.stderr, out.stderr
