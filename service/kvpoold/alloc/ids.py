@@ -1,0 +1,400 @@
+"""One id space ``1..N`` with an ownership ledger: O(count) allocate/free, O(held) reclaim.
+
+Data (``N`` = capacity; 16 bytes per id):
+
+- ``_stack`` (intp, N): ids ``1..N``; ``_stack[_head:]`` are the free ones, ``_stack[:_head]`` is
+  stale. Allocate takes ``_stack[head:head+k]``, free writes the ids back just below ``head``,
+  so a freed id is the next one handed out (LIFO, warm pages first). ``used == _head``.
+- ``_owner`` (int32, N + 2): the lease holding each id, ``<= 0`` when free. Slots 0 and N + 1 hold
+  a sentinel, so ``take(ids, mode="clip")`` turns every out-of-range id into a mismatch and
+  one gather checks range and ownership together.
+- per owner a ``Holding`` (``holdings.py``): how many ids it holds and a log of the arrays it
+  was handed, compacted so that reclaim reads at most ``2 * held + COMPACT_SLACK`` entries
+  (O(held)); allocate and free stay O(count), amortized over compactions.
+
+Not thread-safe: the caller (``PoolAllocator``) holds one lock around every call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvpool.errors import Internal, InvalidArgument, ResourceExhausted
+from kvpoold.alloc.checks import (
+    CAPACITY_MAX,
+    EMPTY_IDS,
+    OWNER_MAX,
+    Fault,
+    IdsLike,
+    Space,
+    as_ids,
+    check_count,
+    check_owner,
+    fault_error,
+    first_fault,
+    position_label,
+    to_index,
+)
+from kvpoold.alloc.holdings import COMPACT_SLACK, Holding
+
+_SENTINEL = -1
+# Positions get distinct "pending free" marks -2, -3, ...: a repeated id keeps only one of them.
+_TAGS_CACHED = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class PoolCounters:
+    """A snapshot of one id space for Stats.
+
+    ``allocs`` / ``frees`` count ids (not calls) handed out and returned since start, reclaim
+    included, so ``used == allocs - frees``; ``failed_allocs`` counts refused allocate calls
+    (not enough free). ``high_water`` is the largest ``used`` seen.
+    """
+
+    capacity: int
+    used: int
+    free: int
+    high_water: int
+    allocs: int
+    frees: int
+    failed_allocs: int
+
+
+class IdPool:
+    """Ids ``1..capacity`` of one space (KV pages, token slots, request rows, state slots).
+
+    Args:
+        capacity: the number of ids, N; ids are ``1..N`` and 0 is never handed out.
+        name: for messages and Stats (``"llama/kv"``).
+        unit: what an id is, for messages (``"pages"``, ``"slots"``).
+        knob: the setting that makes the space larger, for ResourceExhausted messages.
+
+    Raises:
+        InvalidArgument: for a capacity outside ``1..CAPACITY_MAX``.
+    """
+
+    def __init__(
+        self, capacity: int, name: str, *, unit: str = "ids", knob: str = "budget_bytes"
+    ) -> None:
+        cap = check_count(capacity, f"IdPool {name}", field="capacity")
+        if not 1 <= cap <= CAPACITY_MAX:
+            raise InvalidArgument(
+                f"IdPool {name}: capacity must be in 1..{CAPACITY_MAX:,}, got {cap:,}; "
+                "leave the space out of the pool when it has no ids",
+                field="capacity",
+            )
+        self.space = Space(name=name, capacity=cap, unit=unit)
+        self.name = name
+        self.capacity = cap
+        self.knob = knob
+        self._stack = np.arange(1, cap + 1, dtype=np.intp)
+        self._head = 0
+        self._owner = np.zeros(cap + 2, dtype=np.int32)
+        self._owner[0] = self._owner[cap + 1] = _SENTINEL
+        self._tags = -2 - np.arange(min(cap, _TAGS_CACHED), dtype=np.int32)
+        self._tag_bytes = self._tags.tobytes()
+        self._holdings: dict[int, Holding] = {}
+        self._high_water = 0
+        self._frees = 0
+        self._failed_allocs = 0
+
+    def allocate(self, owner: int, count: int) -> np.ndarray:
+        """Hand ``count`` free ids to ``owner``, all or none.
+
+        Args:
+            owner: the lease, ``>= 1``.
+            count: how many; 0 returns an empty array.
+
+        Returns:
+            An int32 array of distinct ids in ``1..N``. The ledger keeps a reference to it to
+            find the owner's ids at reclaim: do not write into it (if you do, nothing breaks,
+            but that owner's reclaim falls back to an O(N) scan).
+
+        Raises:
+            InvalidArgument: bad owner or count.
+            ResourceExhausted: fewer than ``count`` ids free (nothing is allocated).
+        """
+        if type(owner) is not int or not 0 < owner <= OWNER_MAX:
+            owner = check_owner(owner, f"allocate {self.name}")
+        if type(count) is not int or count <= 0:
+            count = check_count(count, f"allocate {self.name}")
+            if count == 0:
+                return EMPTY_IDS
+        head = self._head
+        end = head + count
+        if end > self.capacity:
+            self.require_free(check_count(count, f"allocate {self.name}"))
+        idx = self._stack[head:end]
+        if count == 1:
+            self._owner[idx.item(0)] = owner  # a scalar write is 3x cheaper than fancy indexing
+        else:
+            self._owner[idx] = owner
+        ids = idx.astype(np.int32)
+        self._head = end
+        if end > self._high_water:
+            self._high_water = end
+        holding = self._holdings.get(owner)
+        if holding is None:
+            holding = self._holdings[owner] = Holding(owner)
+        holding.held += count
+        holding.log.append(ids)
+        holding.logged += count
+        return ids
+
+    def require_free(
+        self, count: int, *, action: str = "", field: str = "count", note: str = ""
+    ) -> None:
+        """Raise unless ``count`` ids are free now; a refusal counts in ``failed_allocs``.
+
+        Args:
+            count: ids asked for.
+            action: what was asked, for the message (default ``"allocate <name>"``).
+            field: the input field of the count.
+            note: said right after the count (``" in all"`` for a batch total).
+
+        Raises:
+            ResourceExhausted: naming asked, free and capacity, and the knob to turn.
+        """
+        free = self.capacity - self._head
+        if count <= free:
+            return
+        self._failed_allocs += 1
+        action = action or f"allocate {self.name}"
+        asked = f"asked for {count:,} {self.name} {self.space.unit}{note}"
+        if count > self.capacity:
+            raise ResourceExhausted(
+                f"{action}: {asked}, more than the whole space ({self.capacity:,}), so it can "
+                f"never fit; ask for fewer or Configure a larger {self.knob}",
+                field=field,
+            )
+        raise ResourceExhausted(
+            f"{action}: {asked}, {free:,} of {self.capacity:,} free ({self._head:,} held by "
+            f"{_leases(len(self._holdings))}); free some or Configure a larger {self.knob}",
+            field=field,
+        )
+
+    def free(self, owner: int, ids: IdsLike) -> int:
+        """Return ``ids`` from ``owner``; every id is checked first and a refusal changes nothing.
+
+        Args:
+            owner: the lease that holds the ids.
+            ids: 1-D integer ids (int32 from the wire, any integer dtype or a sequence).
+
+        Returns:
+            How many ids were freed (``len(ids)``).
+
+        Raises:
+            InvalidArgument: bad owner, dtype or shape; an id out of range or repeated.
+            FailedPrecondition: an id not allocated or held by another lease.
+        """
+        if type(owner) is not int or not 0 < owner <= OWNER_MAX:
+            owner = check_owner(owner, f"free {self.name}")
+        arr = ids if type(ids) is np.ndarray and ids.ndim == 1 else as_ids(ids, f"free {self.name}")
+        if arr.dtype.kind not in "iu":
+            arr = as_ids(arr, f"free {self.name}")
+        count = arr.shape[0]
+        if count == 0:
+            return 0
+        holding = self._holdings.get(owner)
+        if count == 1:
+            i = arr.item(0)
+            if holding is None or not 0 < i <= self.capacity or self._owner.item(i) != owner:
+                raise self._free_error(owner, arr)
+            self._owner[i] = 0
+            self._head -= 1
+            self._stack[self._head] = i
+        else:
+            idx = arr.astype(np.intp, copy=False)
+            if holding is None or not self._mark_pending(owner, holding, idx):
+                raise self._free_error(owner, arr)
+            head = self._head - count
+            self._stack[head : self._head] = idx
+            self._head = head
+        self._frees += count
+        # _drop, inlined: this is the hot path.
+        held = holding.held = holding.held - count
+        if held == 0:
+            del self._holdings[owner]
+        elif holding.logged > 2 * held + COMPACT_SLACK:
+            holding.compact(self._owner, owner)
+        return count
+
+    def validate_free(self, owner: int, ids: IdsLike) -> None:
+        """Check ``free(owner, ids)`` would succeed, without changing anything.
+
+        Raises:
+            InvalidArgument, FailedPrecondition: as :meth:`free` would.
+        """
+        owner = check_owner(owner, f"free {self.name}")
+        arr = as_ids(ids, f"free {self.name}")
+        if self.find_fault(owner, to_index(arr)) is not None:
+            raise self._free_error(owner, arr)
+
+    def find_fault(self, owner: int, idx: np.ndarray) -> Fault | None:
+        """The first id of ``idx`` (``np.intp``) that ``owner`` may not free, or None.
+
+        Changes nothing. O(k) when every id may be freed; the diagnosis of a refusal is
+        O(k log k) (see ``checks.first_fault``).
+        """
+        holding = self._holdings.get(owner)
+        if holding is not None and idx.shape[0] and self._mark_pending(owner, holding, idx):
+            self._owner[idx] = owner  # undo the pending marks
+            return None
+        return first_fault(self._owner, owner, idx)
+
+    def commit_free(self, owner: int, idx: np.ndarray) -> int:
+        """Free ids already checked with :meth:`find_fault` under the same lock.
+
+        For callers that validate several spaces before changing any (``SwaPair``,
+        ``PoolAllocator.free_batch``). ``idx`` must be ``np.intp``, distinct and held by owner.
+
+        Returns:
+            How many ids were freed.
+        """
+        count = idx.shape[0]
+        if count == 0:
+            return 0
+        self._owner[idx] = 0
+        head = self._head - count
+        self._stack[head : self._head] = idx
+        self._head = head
+        self._frees += count
+        self._drop(owner, self._holdings[owner], count)
+        return count
+
+    def reclaim(self, owner: int) -> int:
+        """Free everything ``owner`` holds (a crashed or expired lease); O(held). Returns how
+        many ids came back (0 when none were held); InvalidArgument for a bad owner."""
+        return int(self.reclaim_ids(owner).shape[0])
+
+    def reclaim_ids(self, owner: int) -> np.ndarray:
+        """Like :meth:`reclaim`, returning the freed ids (int32) instead of their number."""
+        owner = check_owner(owner, f"reclaim {self.name}")
+        holding = self._holdings.get(owner)
+        if holding is None:
+            return EMPTY_IDS
+        live = holding.live(self._owner, owner)
+        del self._holdings[owner]
+        self._owner[live] = 0
+        head = self._head - live.shape[0]
+        self._stack[head : self._head] = live
+        self._head = head
+        self._frees += live.shape[0]
+        return live.astype(np.int32)
+
+    @property
+    def num_free(self) -> int:
+        """Ids free now."""
+        return self.capacity - self._head
+
+    def held(self, owner: int) -> int:
+        """How many ids ``owner`` holds now."""
+        holding = self._holdings.get(owner)
+        return 0 if holding is None else holding.held
+
+    def holders(self) -> dict[int, int]:
+        """``{owner: ids held}`` for every owner holding at least one id."""
+        return {owner: h.held for owner, h in self._holdings.items()}
+
+    def owner_of(self, ids: IdsLike) -> np.ndarray:
+        """The owner of each id (0 when free) as int32.
+
+        Raises:
+            InvalidArgument: bad dtype or shape, or an id outside ``1..N``.
+        """
+        idx = to_index(as_ids(ids, f"owner_of {self.name}"))
+        bad = (idx < 1) | (idx > self.capacity)
+        if bad.any():
+            pos = int(bad.argmax())
+            raise InvalidArgument(
+                f"owner_of {self.name} ids[{pos}]={idx[pos]}: out of range 1..{self.capacity}",
+                field=f"ids[{pos}]",
+            )
+        return np.maximum(self._owner[idx], 0)
+
+    def stats(self) -> PoolCounters:
+        """Counters for Stats, taken now."""
+        return PoolCounters(
+            capacity=self.capacity,
+            used=self._head,
+            free=self.capacity - self._head,
+            high_water=self._high_water,
+            allocs=self._frees + self._head,
+            frees=self._frees,
+            failed_allocs=self._failed_allocs,
+        )
+
+    def audit(self) -> None:
+        """Check every invariant of the ledger in O(N); for tests and debugging.
+
+        Raises:
+            Internal: naming the first broken invariant.
+        """
+        cap, head = self.capacity, self._head
+        free_ids = self._stack[head:]
+        owners = self._owner[1 : cap + 1]
+        held = owners > 0
+        checks = [
+            (self._owner[0] == _SENTINEL and self._owner[cap + 1] == _SENTINEL, "sentinels"),
+            (np.unique(free_ids).shape[0] == cap - head, "an id is twice on the free stack"),
+            (bool((self._owner[free_ids] <= 0).all()), "a free id has an owner"),
+            (int(held.sum()) == head, f"{int(held.sum())} ids owned but used == {head}"),
+        ]
+        values, counts = np.unique(owners[held], return_counts=True)
+        in_array = dict(zip(values.tolist(), counts.tolist(), strict=True))
+        checks.append((in_array == self.holders(), "held counts differ from the owner array"))
+        for owner, holding in self._holdings.items():
+            holding.live(self._owner, owner, scan=False)  # raises Internal
+        for ok, what in checks:
+            if not ok:
+                raise Internal(f"IdPool {self.name} ledger broken: {what}")
+
+    def _mark_pending(self, owner: int, holding: Holding, idx: np.ndarray) -> bool:
+        """Fast check of a free of k >= 1 ids; on success the ids are marked free in ``_owner``.
+
+        One gather checks range and ownership (sentinels at 0 and N + 1); then each position
+        writes its own negative mark, and reading the marks back finds any repeated id (it kept
+        one mark for two positions). On failure ``_owner`` is restored and False returned.
+        """
+        count = idx.shape[0]
+        owners = self._owner
+        if owners.take(idx, mode="clip").tobytes() != holding.mark * count:
+            return False
+        if count <= self._tags.shape[0]:
+            tags, tag_bytes = self._tags[:count], self._tag_bytes[: 4 * count]
+        else:
+            tags = -2 - np.arange(count, dtype=np.int32)
+            tag_bytes = tags.tobytes()
+        owners[idx] = tags
+        if owners.take(idx).tobytes() != tag_bytes:
+            owners[idx] = owner
+            return False
+        return True
+
+    def _drop(self, owner: int, holding: Holding, count: int) -> None:
+        """Take ``count`` freed ids off ``owner``'s holding; compact its log when it is stale."""
+        holding.held -= count
+        if holding.held == 0:
+            del self._holdings[owner]
+        elif holding.stale():
+            holding.compact(self._owner, owner)
+
+    def _free_error(self, owner: int, arr: np.ndarray) -> Exception:
+        """The error for a refused free of ``arr`` (state unchanged)."""
+        fault = self.find_fault(owner, to_index(arr))
+        if fault is None:
+            return Internal(f"free {self.name}: refused by the fast check but no fault found")
+        return fault_error(
+            fault,
+            action=f"free {self.name}",
+            space=self.space,
+            owner=owner,
+            value=int(arr[fault.pos]),
+            label=position_label(),
+        )
+
+
+def _leases(n: int) -> str:
+    return f"{n} lease" if n == 1 else f"{n} leases"
