@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -48,6 +48,7 @@ class PoolAllocator:
         kv_pages: KV ids ``1..kv_pages`` (pages, or token slots when page_size == 1).
         swa_pages: SWA ids; > 0 makes the pool hybrid, every kv id then comes with a swa id.
         full_to_swa: the shared mapping buffer (required when ``swa_pages > 0``), see ``SwaPair``.
+        full_to_swa_on_write: see ``SwaPair`` (device pools mirror the mapping through it).
         req_rows: request rows ``1..max_running_requests``.
         state_slots: mamba state slots.
 
@@ -62,6 +63,7 @@ class PoolAllocator:
         kv_pages: int = 0,
         swa_pages: int = 0,
         full_to_swa: np.ndarray | None = None,
+        full_to_swa_on_write: Callable[[np.ndarray], None] | None = None,
         req_rows: int = 0,
         state_slots: int = 0,
     ) -> None:
@@ -99,7 +101,7 @@ class PoolAllocator:
             swa = IdPool(
                 swa_pages, f"{name}/swa", unit="pages", knob="budget_bytes or swa_full_tokens_ratio"
             )
-            self._pair = SwaPair(self._spaces[Kind.KV], swa, full_to_swa)
+            self._pair = SwaPair(self._spaces[Kind.KV], swa, full_to_swa, full_to_swa_on_write)
             self._spaces[Kind.SWA] = swa
         if req_rows:
             self._spaces[Kind.REQ] = IdPool(

@@ -42,12 +42,21 @@ class SwaPair:
         full_to_swa: the shared mapping buffer, a writable 1-D signed-integer array of length
             ``>= full.capacity + 1``; entries ``1..N_full`` are zeroed here, the others (index
             0, a trailing -1) are left alone.
+        on_write: called with the (intp) full ids whose entries were just written, under the
+            caller's lock; a pool on an accelerator passes a host ``full_to_swa`` and copies
+            those entries to the device buffer here (O(count)).
 
     Raises:
         InvalidArgument: for a mapping of the wrong type, dtype, shape or length, or read-only.
     """
 
-    def __init__(self, full: IdPool, swa: IdPool, full_to_swa: np.ndarray) -> None:
+    def __init__(
+        self,
+        full: IdPool,
+        swa: IdPool,
+        full_to_swa: np.ndarray,
+        on_write: Callable[[np.ndarray], None] | None = None,
+    ) -> None:
         need = full.capacity + 1
         problem = None
         if not isinstance(full_to_swa, np.ndarray):
@@ -69,6 +78,7 @@ class SwaPair:
         self.full = full
         self.swa = swa
         self._shared = full_to_swa
+        self._on_write = on_write
         full_to_swa[1:need] = 0
         self._swa_of = np.zeros(need, dtype=np.int32)
 
@@ -229,7 +239,11 @@ class SwaPair:
     def _link(self, idx: np.ndarray, swa_ids: np.ndarray) -> None:
         self._swa_of[idx] = swa_ids
         self._shared[idx] = swa_ids
+        if self._on_write is not None:
+            self._on_write(idx)
 
     def _unlink(self, idx: np.ndarray) -> None:
         self._swa_of[idx] = 0
         self._shared[idx] = 0
+        if self._on_write is not None:
+            self._on_write(idx)

@@ -6,6 +6,7 @@ daemon runs it in a worker thread on objects no other call can see until it retu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -16,7 +17,7 @@ from kvpool.errors import Internal
 from kvpoold.alloc import Kind, PoolAllocator, PoolCounters
 from kvpoold.pools import Pool, build_pool
 from kvpoold.sharing.base import Backing, BackingFactory
-from kvpoold.sizing.plan import BufferKind, PoolPlan
+from kvpoold.sizing.plan import FULL_TO_SWA, PoolPlan
 
 
 def plan_json_text(plan: PoolPlan) -> str:
@@ -50,29 +51,47 @@ class PoolEntry:
         self.backing.close()
 
 
+def device_mirror(device_view: torch.Tensor) -> tuple[np.ndarray, Callable[[np.ndarray], None]]:
+    """A host copy of a 1-D device buffer, and the function that copies written entries over.
+
+    The allocator writes ``host[idx]`` under its lock and calls ``sync(idx)``; the copy is
+    O(len(idx)) and synchronous, so an engine that gets the ids back sees the entries.
+    """
+    host = torch.zeros(device_view.shape, dtype=device_view.dtype)
+    host_np = host.numpy()
+
+    def sync(idx: np.ndarray) -> None:
+        index = torch.from_numpy(idx)
+        device_view[index.to(device_view.device)] = host[index].to(device_view.device)
+
+    return host_np, sync
+
+
 def make_allocator(name: str, plan: PoolPlan, views: dict[str, torch.Tensor]) -> PoolAllocator:
     """The allocator of a pool: KV pages ``1..num_pages``, SWA pages (hybrid), request rows
     ``1..max_running_requests`` and mamba state slots ``1..mamba_cache_size``.
 
     Raises:
-        Internal: a hybrid plan without its ``map`` buffer, or one the allocator cannot write.
+        Internal: a hybrid plan without its ``full_to_swa`` buffer.
     """
     full_to_swa: np.ndarray | None = None
+    on_write: Callable[[np.ndarray], None] | None = None
     swa_pages = plan.swa_num_pages or 0
     if swa_pages:
-        maps = [b for b in plan.buffers if b.kind == BufferKind.map]
-        if len(maps) != 1:
-            raise Internal(f"pool {name}: a hybrid SWA plan needs one map buffer, has {len(maps)}")
-        view = views[maps[0].name]
-        if view.device.type != "cpu":
-            # The allocator writes the mapping with numpy; a device-side copy is future work.
-            raise Internal(f"pool {name}: hybrid SWA pools are only supported on cpu for now")
-        full_to_swa = view.reshape(-1).numpy()
+        if FULL_TO_SWA not in views:
+            raise Internal(f"pool {name}: a plan with SWA pages has no {FULL_TO_SWA} buffer")
+        view = views[FULL_TO_SWA].reshape(-1)
+        if view.device.type == "cpu":
+            full_to_swa = view.numpy()
+        else:
+            # The allocator writes numpy: it gets a host copy and every write is mirrored.
+            full_to_swa, on_write = device_mirror(view)
     return PoolAllocator(
         name,
         kv_pages=plan.num_pages,
         swa_pages=swa_pages,
         full_to_swa=full_to_swa,
+        full_to_swa_on_write=on_write,
         req_rows=plan.max_running_requests,
         state_slots=plan.mamba_cache_size or 0,
     )
