@@ -147,14 +147,19 @@ def run_shm(factory: ShmBackingFactory, conn: Connection, size: int, reps: int) 
 
 @dataclass
 class Daemon:
+    """The bench's ``kvpoold serve``, its shm dir and the directory of its socket."""
+
     proc: subprocess.Popen[bytes]
     target: str
     work: Path
+    socket_dir: Path
 
     def stop(self) -> None:
+        """Stop it and remove both directories."""
         self.proc.terminate()
         self.proc.wait(30)
         shutil.rmtree(self.work, ignore_errors=True)
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
 def start_daemon(budget: int) -> Daemon:
@@ -177,7 +182,7 @@ def start_daemon(budget: int) -> Daemon:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("kvpoold did not start") from None
         time.sleep(0.02)
-    return Daemon(proc, f"unix://{sock}", work)
+    return Daemon(proc, f"unix://{sock}", work, sock.parent)
 
 
 def configure_filled(client: KVPoolClient, pool: str, budget: int) -> int:

@@ -7,6 +7,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -39,14 +40,32 @@ def tiny_spec() -> dict[str, Any]:
     return dict(TINY_SPEC)
 
 
-@pytest.fixture
-def socket_dir() -> Iterator[Path]:
-    """A short temp dir for Unix sockets (paths must stay under ~100 bytes)."""
-    path = Path(tempfile.mkdtemp(prefix="kvp-", dir="/tmp"))
+@contextlib.contextmanager
+def temp_dir(prefix: str = "kvp-", parent: str = "/tmp") -> Iterator[Path]:
+    """A fresh directory under ``parent``, always removed with everything in it.
+
+    The default is short, for Unix sockets (``sun_path`` holds 108 bytes); module-scoped
+    fixtures use this directly, tests take :func:`socket_dir`.
+    """
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     try:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def socket_dir() -> Iterator[Path]:
+    """A short temp dir for Unix sockets (paths must stay under ~100 bytes)."""
+    with temp_dir() as path:
+        yield path
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A private directory on /dev/shm (tmpfs), so parallel tests never see each other."""
+    with temp_dir(prefix="kvpooltest-", parent="/dev/shm") as path:
+        yield path
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
@@ -58,9 +77,32 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _unix_path(target: str) -> str | None:
+    """The socket path of a ``unix://`` / ``unix:`` target; None for anything else."""
+    for prefix in ("unix://", "unix:"):
+        if target.startswith(prefix):
+            return target[len(prefix):]
+    return None
+
+
+def _accepts(path: str) -> bool:
+    """Whether a Unix socket at ``path`` accepts a connection now (bound and listening)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True
+
+
 def wait_serving(target: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None,
                  token: str | None = None) -> None:
     """Poll the health service until SERVING.
+
+    A Unix socket is first probed with a plain ``connect`` until it accepts: a gRPC channel
+    whose first connect fails backs off for a second or more before it tries again, which cost
+    each daemon start that much. Each health check then uses a fresh channel, so no backoff
+    carries over between attempts.
 
     Raises:
         RuntimeError: the process exited or the timeout passed.
@@ -69,18 +111,30 @@ def wait_serving(target: str, timeout_s: float, proc: subprocess.Popen[bytes] | 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"kvpoold exited with {proc.returncode} before serving")
+
+    def check_alive() -> None:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"kvpoold exited with {proc.returncode} before serving")
+
+    path = _unix_path(target)
+    while path is not None and not _accepts(path):
+        check_alive()
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"kvpoold at {target} not listening after {timeout_s} s")
+        time.sleep(0.02)
+    while time.monotonic() < deadline:
+        check_alive()
+        with grpc.insecure_channel(target) as channel:
             try:
-                resp = stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+                grpc.channel_ready_future(channel).result(
+                    timeout=max(0.01, min(0.5, deadline - time.monotonic())))
+                resp = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=0.5)
                 if resp.status == health_pb2.HealthCheckResponse.SERVING:
                     return
-            except grpc.RpcError:
+            except (grpc.RpcError, grpc.FutureTimeoutError):
                 pass
-            time.sleep(0.05)
+        time.sleep(0.02)
     raise RuntimeError(f"kvpoold at {target} not serving after {timeout_s} s")
 
 

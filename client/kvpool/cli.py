@@ -1,4 +1,4 @@
-"""``kvpool``: the client command line (``configure``, ``stats``, ``leases``, ``drop``).
+"""``kvpool``: the client command line (``configure``, ``stats``, ``leases``, ``drop``, ...).
 
 The parser is built from :data:`SUBCOMMANDS`, one ``add_<name>(subparsers, common)`` function
 per subcommand that registers its parser and sets ``func``; a new subcommand (``demo``, ``top``)
@@ -18,18 +18,26 @@ import msgspec
 
 from kvpool.demo import add_demo
 from kvpool.errors import InvalidArgument, KVPoolError
-from kvpool.targets import default_target
+from kvpool.targets import default_target, token_from
 from kvpool.top import add_top
 
 AddParser = Callable[[Any, argparse.ArgumentParser], argparse.ArgumentParser]
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
 
 
-def common_options() -> argparse.ArgumentParser:
-    """Options every subcommand takes: where the daemon is and how to authenticate."""
+def common_options(target_help: str | None = None) -> argparse.ArgumentParser:
+    """Options every subcommand takes: where the daemon is and how to authenticate.
+
+    Args:
+        target_help: ``--target``'s help when its default is not the per-user socket.
+
+    Returns:
+        A parser to pass as ``parents=[...]``.
+    """
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--target", default=None, metavar="ADDR",
-                        help=f"unix:///path.sock or host:port (default {default_target()})")
+                        help=target_help or
+                        f"unix:///path.sock or host:port (default {default_target()})")
     token = common.add_mutually_exclusive_group()
     token.add_argument("--token", metavar="SECRET", help="bearer token for a TCP listener")
     token.add_argument("--token-file", type=Path, metavar="PATH", help="read the token here")
@@ -42,9 +50,7 @@ def client_from(args: argparse.Namespace) -> Any:
     """A ``KVPoolClient`` for the common options."""
     from kvpool.client import KVPoolClient
 
-    token = args.token
-    if args.token_file is not None:
-        token = args.token_file.read_text().strip()
+    token = token_from(args.token, args.token_file)
     return KVPoolClient(args.target, token=token, timeout_s=args.timeout)
 
 
@@ -81,16 +87,32 @@ def add_configure(sub: Any, common: argparse.ArgumentParser) -> argparse.Argumen
                        help="a hand-written kvpool model spec (.json or .toml)")
     p.add_argument("--budget", type=_size, metavar="SIZE",
                    help="bytes for this pool's KV + state: 2GiB, 512MiB, 1073741824")
-    p.add_argument("--max-total-tokens", type=int, metavar="N")
+    p.add_argument("--max-total-tokens", type=int, metavar="N",
+                   help="cap on the token count (alone: size by tokens instead of bytes)")
     p.add_argument("--page-size", type=int, metavar="N", help="tokens per page (default 1)")
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES)
-    for flag in ("tp-size", "pp-size", "pp-rank", "context-length", "max-running-requests",
-                 "speculative-num-draft-layers"):
-        p.add_argument(f"--{flag}", type=int, metavar="N")
-    p.add_argument("--speculative-algorithm", choices=("none", "eagle", "standalone"))
-    p.add_argument("--swa-full-tokens-ratio", type=float, metavar="R")
-    p.add_argument("--mamba-full-memory-ratio", type=float, metavar="R")
-    p.add_argument("--disable-radix-cache", action="store_true", default=None)
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                   help="KV element type (default auto: the model dtype, or fp8_e4m3 when the "
+                        "checkpoint quantizes its KV cache)")
+    # The same knobs as `kvpoold plan`; the daemon applies the same defaults.
+    for flag, text in (
+        ("tp-size", "tensor-parallel ranks (default 1)"),
+        ("pp-size", "pipeline stages (default 1)"),
+        ("pp-rank", "this device's pipeline stage, 0-based (default 0)"),
+        ("context-length", "override the model's max_position_embeddings"),
+        ("max-running-requests", "requests served at once (default: from the token count, "
+                                 "2048 to 4096, at most half the tokens)"),
+        ("speculative-num-draft-layers", "draft layers sharing the pool (default: the model's "
+                                         "MTP layers, or 1)"),
+    ):
+        p.add_argument(f"--{flag}", type=int, metavar="N", help=text)
+    p.add_argument("--speculative-algorithm", choices=("none", "eagle", "standalone"),
+                   help="speculative decoding whose draft layers share the pool (default none)")
+    p.add_argument("--swa-full-tokens-ratio", type=float, metavar="R",
+                   help="SWA tokens per full-attention token in hybrid SWA pools (default 0.8)")
+    p.add_argument("--mamba-full-memory-ratio", type=float, metavar="R",
+                   help="mamba state memory per KV memory in hybrid linear pools (default 0.9)")
+    p.add_argument("--disable-radix-cache", action="store_true", default=None,
+                   help="one state slot per request instead of three (hybrid linear)")
     p.add_argument("--dry-run", action="store_true", help="plan and check; allocate nothing")
     p.add_argument("--json", action="store_true", help="print the plan and result as JSON")
     p.set_defaults(func=run_configure)

@@ -112,7 +112,11 @@ def hf_config_text(hf_config: str | Path | Mapping[str, Any]) -> str:
     if isinstance(hf_config, Path) or not hf_config.lstrip().startswith("{"):
         path = Path(hf_config)
         path = path / "config.json" if path.is_dir() else path
-        return path.read_text()
+        try:
+            return path.read_text()
+        except OSError as exc:
+            raise InvalidArgument(f"cannot read HF config {path}: {exc.strerror or exc}",
+                                  field="hf_config") from exc
     return hf_config
 
 

@@ -6,26 +6,55 @@ unpickled and nothing is copied: every view is a window on the daemon's memory. 
 checked before it is mapped (regular file, owned by us, mode 0600, exactly ``size`` bytes) and
 mapped through the checked descriptor, so what is mapped is what was checked.
 
-torch is imported inside the functions that need it; ``import kvpool`` stays light.
+The importers are one module per handle kind (:mod:`kvpool.mapping_shm`,
+:mod:`kvpool.mapping_cuda`); this module checks the layout, dispatches on the kind and carves
+the views. torch is imported inside the functions that need it; ``import kvpool`` stays light.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import stat
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpool.dtypes import check_dtype_name, itemsize, torch_dtype
-from kvpool.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from kvpool.errors import FailedPrecondition, InvalidArgument
 from kvpool.handles import SharedHandle
+
+# The importers live in their own modules; their public names stay importable from here.
+from kvpool.mapping_cuda import (
+    map_cuda_ipc,
+    normalize_uuid,
+    ordinal_for_uuid,
+    release_export,
+    visible_cuda_uuids,
+)
+from kvpool.mapping_shm import SHM_FILE_MODE, map_shm, open_shm
 
 if TYPE_CHECKING:
     import torch
 
-SHM_FILE_MODE = 0o600
+__all__ = [
+    "SHM_FILE_MODE",
+    "BufferLayout",
+    "BufferLike",
+    "HandleLike",
+    "MappedRegion",
+    "RegionHandle",
+    "carve_views",
+    "check_layout",
+    "map_cuda_ipc",
+    "map_region",
+    "map_shm",
+    "normalize_uuid",
+    "open_shm",
+    "ordinal_for_uuid",
+    "page_rows",
+    "page_view",
+    "release_export",
+    "visible_cuda_uuids",
+]
 
 
 class HandleLike(Protocol):
@@ -83,56 +112,6 @@ class BufferLayout:
         if not self.page_bytes or not self.shape or not self.shape[0]:
             return 0
         return self.page_bytes // (self.nbytes // self.shape[0])
-
-
-def normalize_uuid(uuid: str) -> str:
-    """A device UUID in one form: lower case, without nvidia-smi's ``GPU-``/``MIG-`` prefix.
-
-    torch prints ``5a1b...``, nvidia-smi and ``CUDA_VISIBLE_DEVICES`` use ``GPU-5a1b...``.
-    """
-    u = str(uuid).strip().lower()
-    for prefix in ("gpu-", "mig-"):
-        if u.startswith(prefix):
-            return u[len(prefix) :]
-    return u
-
-
-def ordinal_for_uuid(device_uuid: str, visible: Sequence[str]) -> int:
-    """This process's CUDA ordinal of the device named ``device_uuid``.
-
-    Args:
-        device_uuid: the pool's device, from the handle.
-        visible: this process's device UUIDs, indexed by ordinal.
-
-    Raises:
-        InvalidArgument: the handle names no device.
-        FailedPrecondition: the device is not visible here (lists what is visible).
-    """
-    if not device_uuid:
-        raise InvalidArgument("the CUDA IPC handle names no device UUID", field="device_uuid")
-    want = normalize_uuid(device_uuid)
-    for ordinal, uuid in enumerate(visible):
-        if normalize_uuid(uuid) == want:
-            return ordinal
-    seen = ", ".join(f"cuda:{i}={normalize_uuid(u)}" for i, u in enumerate(visible)) or "none"
-    raise FailedPrecondition(
-        f"device UUID mismatch: the pool lives on GPU {want}, which this process cannot see "
-        f"(visible: {seen}); run the engine on the daemon's GPU (check CUDA_VISIBLE_DEVICES "
-        "and the container's --gpus)",
-        field="device_uuid",
-    )
-
-
-def visible_cuda_uuids() -> list[str]:
-    """UUIDs of the CUDA devices this process sees, by ordinal (empty without CUDA)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return []
-    return [
-        normalize_uuid(str(torch.cuda.get_device_properties(i).uuid))
-        for i in range(torch.cuda.device_count())
-    ]
 
 
 def check_layout(size: int, buffers: Sequence[BufferLike]) -> tuple[BufferLayout, ...]:
@@ -310,141 +289,7 @@ class MappedRegion(Mapping[str, "torch.Tensor"]):
         self._base = None
 
 
-def _open_shm(path: str, size: int) -> int:
-    """An O_RDWR fd of the region file after checking it is safe to map; the caller closes it."""
-    if not path or not os.path.isabs(path):
-        raise InvalidArgument(f"shm handle path {path!r} must be absolute", field="path")
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise NotFound(
-            f"region file {path} does not exist: the pool was dropped or the daemon "
-            "restarted; attach again",
-            field="path",
-        ) from None
-    except OSError as exc:
-        raise PermissionDenied(
-            f"cannot open region file {path}: {exc.strerror} (a symlink, or another user's "
-            "file); run the engine as the daemon's user",
-            field="path",
-        ) from exc
-    try:
-        st = os.fstat(fd)
-        uid = os.geteuid()
-        if not stat.S_ISREG(st.st_mode):
-            raise PermissionDenied(f"region {path} is not a regular file; refusing to map it",
-                                   field="path")
-        if st.st_uid != uid:
-            raise PermissionDenied(
-                f"region file {path} is owned by uid {st.st_uid}, this process runs as uid "
-                f"{uid}; refusing to map it (run the engine as the daemon's user)",
-                field="path",
-            )
-        mode = st.st_mode & 0o777
-        if mode != SHM_FILE_MODE:
-            raise PermissionDenied(
-                f"region file {path} has mode {mode:o}, expected 600; refusing to map a file "
-                "others can read or write",
-                field="path",
-            )
-        if st.st_size != size:
-            raise FailedPrecondition(
-                f"region file {path} has {st.st_size:,} B, the handle says {size:,} B; the "
-                "pool changed since the handle was issued: attach again",
-                field="size",
-            )
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _map_shm(handle: HandleLike) -> tuple[torch.device, torch.Tensor]:
-    import torch
-
-    size = int(handle.size)
-    fd = _open_shm(str(handle.path), size)
-    try:
-        # Through /proc/self/fd: the checked inode, not whatever the path names by now.
-        base = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=size, dtype=torch.uint8)
-    finally:
-        os.close(fd)
-    return torch.device("cpu"), base
-
-
-def _release_export(handle: HandleLike) -> None:
-    """Give back the export's ref-counter slot when we will never import it.
-
-    The daemon's export counts one importer; torch's importer decrements when it lets go.
-    An importer that fails before opening the handle must decrement instead, or the daemon's
-    block would sit in torch's limbo list after the pool is dropped. Best effort: needs a
-    CUDA build of torch, not a visible GPU.
-    """
-    import torch
-
-    if not handle.ref_counter_handle:
-        return
-    try:
-        torch.UntypedStorage._release_ipc_counter_cuda(
-            bytes(handle.ref_counter_handle), int(handle.ref_counter_offset)
-        )
-    except RuntimeError:
-        pass  # CPU build of torch or the daemon is gone: nothing to give back to
-
-
-def _map_cuda_ipc(handle: HandleLike) -> tuple[torch.device, torch.Tensor]:
-    try:
-        return _open_cuda_ipc(handle)
-    except (FailedPrecondition, InvalidArgument):
-        _release_export(handle)
-        raise
-
-
-def _open_cuda_ipc(handle: HandleLike) -> tuple[torch.device, torch.Tensor]:
-    import torch
-
-    if not torch.cuda.is_available():
-        raise FailedPrecondition(
-            "the pool is in GPU memory (CUDA IPC) but CUDA is not available in this process",
-            field="device_uuid",
-        )
-    ordinal = ordinal_for_uuid(str(handle.device_uuid), visible_cuda_uuids())
-    size, storage_size = int(handle.size), int(handle.storage_size)
-    if size > storage_size:
-        raise InvalidArgument(
-            f"CUDA IPC handle: region of {size:,} B exceeds its storage of {storage_size:,} B",
-            field="size",
-        )
-    torch.cuda._lazy_init()
-    try:
-        # The argument order of torch's rebuild_cuda_tensor (torch/multiprocessing/
-        # reductions.py); every value is plain data from the handle. The storage's deleter
-        # syncs the stream and decrements the export's ref counter when the last view goes.
-        storage = torch.UntypedStorage._new_shared_cuda(
-            ordinal,
-            bytes(handle.ipc_handle),
-            storage_size,
-            int(handle.storage_offset),
-            bytes(handle.ref_counter_handle),
-            int(handle.ref_counter_offset),
-            bytes(handle.event_handle),
-            bool(handle.event_sync_required),
-        )
-    except RuntimeError as exc:
-        raise FailedPrecondition(
-            f"cannot open the pool's CUDA IPC handle on cuda:{ordinal}: {exc}. A handle opens "
-            "only in another process on the same host (not in the daemon itself), while the "
-            "daemon lives; in containers share the daemon's IPC and PID namespaces "
-            "(--ipc=host --pid=host)",
-            field="ipc_handle",
-        ) from exc
-    device = torch.device("cuda", ordinal)
-    base = torch.empty((0,), dtype=torch.uint8, device=device)
-    base.set_(storage, 0, (size,), (1,))
-    return device, base
-
-
-_MAPPERS = {"shm": _map_shm, "cuda_ipc": _map_cuda_ipc}
+_MAPPERS = {"shm": map_shm, "cuda_ipc": map_cuda_ipc}
 
 
 def carve_views(base: torch.Tensor, layout: Sequence[BufferLayout]) -> dict[str, torch.Tensor]:
@@ -493,7 +338,7 @@ def map_region(handle: HandleLike, buffers: Sequence[BufferLike], *, plan: Any =
         layout = check_layout(size, buffers)
     except InvalidArgument:
         if kind == "cuda_ipc":
-            _release_export(handle)
+            release_export(handle)
         raise
     device, base = mapper(handle)
     return MappedRegion(kind, device, base, carve_views(base, layout), path=str(handle.path),

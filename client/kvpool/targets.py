@@ -1,4 +1,5 @@
-"""Where the daemon listens by default and how a ``--target`` becomes a gRPC channel address.
+"""Where the daemon listens by default, how a ``--target`` becomes a gRPC channel address, and
+how a client reads its ``--token-file``.
 
 Shared by the daemon (``kvpoold serve``) and the client so both agree on the default socket:
 ``$XDG_RUNTIME_DIR/kvpool/kvpool.sock`` when that variable is set, else
@@ -68,3 +69,25 @@ def channel_target(target: str) -> str:
 def is_unix(target: str) -> bool:
     """Whether a channel address (from :func:`channel_target`) is a Unix socket."""
     return target.startswith("unix:")
+
+
+def token_from(token: str | None, token_file: Path | None) -> str | None:
+    """The bearer token a client sends: ``--token``, else ``--token-file``'s first line.
+
+    Args:
+        token: the token given inline, if any.
+        token_file: a file holding it, if any (surrounding whitespace is dropped).
+
+    Raises:
+        InvalidArgument: the file cannot be read or holds only whitespace.
+    """
+    if token_file is None:
+        return token
+    try:
+        text = Path(token_file).read_text().strip()
+    except OSError as exc:
+        raise InvalidArgument(f"cannot read token file {token_file}: {exc.strerror or exc}",
+                              field="token_file") from exc
+    if not text:
+        raise InvalidArgument(f"token file {token_file} is empty", field="token_file")
+    return text

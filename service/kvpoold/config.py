@@ -1,6 +1,7 @@
 """``kvpoold serve`` settings: a TOML file decoded with msgspec, then command-line flags on top.
 
-The file holds the same keys as the flags (underscores for dashes), all optional::
+The file holds the same keys as the flags (underscores for dashes; no ``token``: a secret
+belongs in ``token_file``), all optional::
 
     listen = ["unix:///run/kvpool/kvpool.sock", "tcp://127.0.0.1:50051"]
     device = "cuda:0"
@@ -9,17 +10,23 @@ The file holds the same keys as the flags (underscores for dashes), all optional
     log_level = "info"
     log_format = "json"
     token_file = "/etc/kvpool/token"
+    tls_cert = "/etc/kvpool/tls.crt"
+    tls_key = "/etc/kvpool/tls.key"
     shm_dir = "/dev/shm"
     shm_preallocate = false   # reserve every tmpfs page of a cpu pool when it is built
     sharing = "auto"          # shm on cpu, CUDA IPC on cuda; "none": unshared (tests only)
     metrics_port = 9400       # serve Prometheus /metrics (omit it: no metrics server)
     metrics_host = "127.0.0.1"  # the default; 0.0.0.0 in a container so Prometheus can reach it
+    grace_seconds = 5.0       # how long shutdown waits for in-flight calls, 0..600
 
-:func:`resolve` merges file and flags and checks every value, giving :class:`ServeSettings`.
+:func:`resolve` merges file and flags and checks every value, giving :class:`ServeSettings`;
+:func:`check_host` then checks what depends on this machine (the group, the TLS files, the
+shared-memory directory), so ``kvpoold serve`` reports either before it imports torch.
 """
 
 from __future__ import annotations
 
+import grp
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -42,6 +49,7 @@ SharingMode = Literal["auto", "none"]
 DEFAULT_BUDGET_BYTES = 1 << 30
 # Loopback unless asked: /metrics has no authentication. Containers pass --metrics-host 0.0.0.0.
 DEFAULT_METRICS_HOST = "127.0.0.1"
+MAX_GRACE_SECONDS = 600.0
 LISTEN_FORMS = "unix:///abs/path.sock or tcp://host:port"
 _DEVICE = re.compile(r"cpu|cuda:(?P<index>[0-9]{1,3})")
 
@@ -61,7 +69,7 @@ class ServeConfig(Base):
     shm_dir: str | None = None
     shm_preallocate: bool | None = None
     sharing: SharingMode | None = None
-    grace_seconds: Annotated[float, Meta(ge=0.0, le=600.0)] | None = None
+    grace_seconds: Annotated[float, Meta(ge=0.0, le=MAX_GRACE_SECONDS)] | None = None
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
     metrics_host: str | None = None
 
@@ -222,6 +230,12 @@ def resolve(flags: Mapping[str, Any], config: ServeConfig | None,
     if bool(tls_cert) != bool(tls_key):
         raise InvalidArgument("TLS needs both --tls-cert and --tls-key", field="tls_cert")
     grace = pick("grace_seconds")
+    if grace is not None and not 0.0 <= float(grace) <= MAX_GRACE_SECONDS:
+        raise InvalidArgument(
+            f"grace_seconds {grace!r}: give 0 to {MAX_GRACE_SECONDS:g} seconds (how long "
+            "shutdown waits for in-flight calls)",
+            field="grace_seconds",
+        )
     metrics_port = pick("metrics_port")
     metrics_host = pick("metrics_host")
     return ServeSettings(
@@ -242,6 +256,66 @@ def resolve(flags: Mapping[str, Any], config: ServeConfig | None,
         metrics_host=parse_host(metrics_host, "metrics_host") if metrics_host
         else DEFAULT_METRICS_HOST,
     )
+
+
+def check_host(settings: ServeSettings) -> None:
+    """Check the settings that depend on this machine, before anything is started.
+
+    Raises:
+        InvalidArgument: an unknown ``socket_group``, an unreadable TLS file, or, for shared
+            memory on cpu, an ``shm_dir`` that is not a directory.
+    """
+    if settings.socket_group:
+        group_id(settings.socket_group)
+    read_tls(settings)
+    if settings.device == "cpu" and settings.sharing == "auto":
+        check_shm_dir(settings.shm_dir)
+
+
+def group_id(group: str) -> int:
+    """The id of a group given by name or number.
+
+    Raises:
+        InvalidArgument: no such group on this machine.
+    """
+    try:
+        return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise InvalidArgument(f"unknown group {group!r} for --socket-group",
+                              field="socket_group") from None
+
+
+def read_tls(settings: ServeSettings) -> tuple[bytes, bytes] | None:
+    """``(private_key_pem, certificate_chain_pem)`` for TCP listeners, or None without TLS.
+
+    Raises:
+        InvalidArgument: a TLS file cannot be read (names it and its flag).
+    """
+    if not (settings.tls_cert and settings.tls_key):
+        return None
+    pems = []
+    for field, path in (("tls_key", settings.tls_key), ("tls_cert", settings.tls_cert)):
+        try:
+            pems.append(path.read_bytes())
+        except OSError as exc:
+            flag = "--" + field.replace("_", "-")
+            raise InvalidArgument(f"cannot read {flag} {path}: {exc.strerror or exc}",
+                                  field=field) from exc
+    return pems[0], pems[1]
+
+
+def check_shm_dir(path: Path) -> None:
+    """Shared-memory backings need ``path`` to be an existing directory.
+
+    Raises:
+        InvalidArgument: it is not.
+    """
+    if not path.is_dir():
+        raise InvalidArgument(
+            f"shared-memory directory {path} does not exist; create it (a tmpfs) or pass "
+            "another --shm-dir",
+            field="shm_dir",
+        )
 
 
 def parse_port(value: str | int, field: str) -> int:

@@ -58,7 +58,9 @@ def add_parser(subparsers: argparse._SubParsersAction[Any]) -> argparse.Argument
                    help="this device's pipeline stage, 0-based (default 0)")
     p.add_argument("--context-length", type=int, metavar="N",
                    help="override the model's max_position_embeddings")
-    p.add_argument("--max-running-requests", type=int, metavar="N")
+    p.add_argument("--max-running-requests", type=int, metavar="N",
+                   help="requests served at once (default: from the token count, 2048 to 4096, "
+                        "at most half the tokens)")
     p.add_argument("--max-total-tokens", type=int, metavar="N",
                    help="cap on the token count (alone: size by tokens instead of bytes)")
     p.add_argument("--swa-full-tokens-ratio", type=_finite_float, default=0.8, metavar="R",
@@ -67,7 +69,8 @@ def add_parser(subparsers: argparse._SubParsersAction[Any]) -> argparse.Argument
                    help="mamba state memory per KV memory in hybrid linear pools (default 0.9)")
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="one state slot per request instead of three (hybrid linear)")
-    p.add_argument("--speculative-algorithm", choices=SPECULATIVE_ALGORITHMS, default="none")
+    p.add_argument("--speculative-algorithm", choices=SPECULATIVE_ALGORITHMS, default="none",
+                   help="speculative decoding whose draft layers share the pool (default none)")
     p.add_argument("--speculative-num-draft-layers", type=int, metavar="N",
                    help="draft layers sharing the pool (default: the model's MTP layers, or 1)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

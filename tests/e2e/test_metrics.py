@@ -27,7 +27,7 @@ from kvpool.client import KVPoolClient
 from kvpool.convert import Stats
 from kvpool.errors import FailedPrecondition, KVPoolError, ResourceExhausted
 from kvpool.v1 import kvpool_pb2 as pb
-from tests.conftest import REPO, TINY_OPTIONS, TINY_PAGES, TINY_SPEC, run_daemon
+from tests.conftest import REPO, TINY_OPTIONS, TINY_PAGES, TINY_SPEC, run_daemon, temp_dir
 
 OPERATIONS = REPO / "docs" / "operations.md"
 CHURN_CYCLES = 50
@@ -96,12 +96,10 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
        the KeepAlive stream with NOT_FOUND.
     8. A client attaches to ``tiny``.
     """
-    import tempfile
-
-    sock_dir = Path(tempfile.mkdtemp(prefix="kvp-", dir="/tmp"))
     errors: dict[str, KVPoolError] = {}
     during: list[Scrape] = []
-    with run_daemon(sock_dir, "--metrics-port", "0", "--log-format", "json") as daemon:
+    with temp_dir() as sock_dir, \
+            run_daemon(sock_dir, "--metrics-port", "0", "--log-format", "json") as daemon:
         url = metrics_url(daemon.log)
         with KVPoolClient(daemon.target) as client:
             client.configure("tiny", spec=TINY_SPEC, **TINY_OPTIONS)

@@ -7,13 +7,11 @@ fingerprint, attach over gRPC (``KVPoolClient.attach``) and map the pool themsel
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,30 +23,20 @@ import torch
 from kvpool.client import KVPoolClient
 from kvpool.demo_worker import pattern
 from kvpool.errors import FailedPrecondition, NotFound
-from tests.conftest import REPO, TINY_SPEC, DaemonProcess, run_daemon, subprocess_env
+from tests.conftest import REPO, TINY_SPEC, DaemonProcess, run_daemon, subprocess_env, temp_dir
+from tests.procs import Child
 
 MiB = 1 << 20
 # TINY_SPEC at 1 MiB and page 16: 256 B per token, 4,096 token rows = 256 pages (page 0 is
 # padding); k.0, v.0, k.1, v.1 are [4096, 2, 16] bf16 = 256 KiB each, page_bytes 4,096.
 SMALL = {"budget_bytes": 1 * MiB, "page_size": 16, "max_running_requests": 8}
 
+# Every child's own prelude (after tests.procs.PRELUDE): connect to the daemon it is sent.
 PRELUDE = r"""
-import hashlib, json, sys, time
+import hashlib, time
 import torch
 from kvpool.client import KVPoolClient
 from kvpool.demo_worker import check_zero_outside, kv_buffers, page_bytes_of, pattern
-
-def send(obj):
-    print(json.dumps(obj), flush=True)
-
-def recv():
-    return json.loads(sys.stdin.readline())
-
-def rss_bytes():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
 
 msg = recv()
 client = KVPoolClient(msg["target"])
@@ -113,49 +101,15 @@ with client.attach(msg["pool"], lease=lease) as region:
 """
 
 
-class Child:
-    """A client process speaking JSON lines; killed on exit if still running.
-
-    It imports torch and the client first, then reads ``first`` (sent now, or later with
-    :meth:`send` when ``first`` is None, so a child can start before its input is known).
-    """
-
-    def __init__(self, script: str, first: dict[str, Any] | None = None) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", PRELUDE + script], cwd=REPO, env=subprocess_env(),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        if first is not None:
-            self.send(first)
-
-    def send(self, obj: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(obj) + "\n")
-        self.proc.stdin.flush()
-
-    def recv(self) -> Any:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait(timeout=30)
-            err = self.proc.stderr.read() if self.proc.stderr else ""
-            raise AssertionError(f"child exited with {self.proc.returncode}: {err}")
-        return json.loads(line)
-
-    def __enter__(self) -> Child:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=30)
-        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            if stream is not None:
-                stream.close()
+def client_child(script: str, first: dict[str, Any] | None = None) -> Child:
+    """A client process running ``script`` once it has its first message (now, or later with
+    :meth:`Child.send` when ``first`` is None)."""
+    return Child(script, prelude=PRELUDE, first=first)
 
 
-def new_shm_dir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="kvpoole2e-", dir="/dev/shm"))
+def new_shm_dir() -> contextlib.AbstractContextManager[Path]:
+    """A private directory on /dev/shm for one daemon, removed on exit."""
+    return temp_dir(prefix="kvpoole2e-", parent="/dev/shm")
 
 
 def kvpool_files(shm_dir: Path) -> list[str]:
@@ -165,13 +119,9 @@ def kvpool_files(shm_dir: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[tuple[DaemonProcess, Path]]:
     """One daemon (512 MiB budget, its own shm dir) for the tests that do not stop it."""
-    sockets, shm_dir = Path(tempfile.mkdtemp(prefix="kvp-", dir="/tmp")), new_shm_dir()
-    try:
-        with run_daemon(sockets, "--shm-dir", str(shm_dir), budget="512MiB") as d:
-            yield d, shm_dir
-    finally:
-        shutil.rmtree(sockets, ignore_errors=True)
-        shutil.rmtree(shm_dir, ignore_errors=True)
+    with temp_dir() as sockets, new_shm_dir() as shm_dir, \
+            run_daemon(sockets, "--shm-dir", str(shm_dir), budget="512MiB") as d:
+        yield d, shm_dir
 
 
 def configure(client: KVPoolClient, pool: str, **options: Any) -> Any:
@@ -193,7 +143,7 @@ def test_reader_sees_exactly_the_writers_bytes(daemon: tuple[DaemonProcess, Path
         result = configure(client, "rw")
         assert client.stats("rw").pool("rw").handle_kind == "shm"
         go = {"target": d.target, "pool": "rw", "fingerprint": result.fingerprint, "pages": 5}
-        with Child(WRITER, go) as writer, Child(READER) as reader:
+        with client_child(WRITER, go) as writer, client_child(READER) as reader:
             wrote = writer.recv()
             assert Path(wrote["path"]).parent == shm_dir
             assert Path(wrote["path"]).name.startswith("kvpool-")
@@ -216,7 +166,7 @@ def test_attaching_maps_instead_of_copying(daemon: tuple[DaemonProcess, Path]) -
     1,024 B of bf16 1.0 = 0x3F80: bytes 0x80 + 0x3F = 191 per element, 512 elements ->
     97,792)."""
     d, _ = daemon
-    with KVPoolClient(d.target) as client, Child(RSS) as child:
+    with KVPoolClient(d.target) as client, client_child(RSS) as child:
         configure(client, "big", budget_bytes=256 * MiB)
         with client.attach("big") as region:
             region.base.view(torch.bfloat16)[: 128 * MiB].fill_(1.0)
@@ -237,7 +187,7 @@ def test_drop_while_attached_is_refused_unless_forced(daemon: tuple[DaemonProces
     force detaches both and unlinks the file, and the reader's mapping still holds the data.
     Leaving this process's ``with`` block after that is no error (the attachment ended)."""
     d, _ = daemon
-    with KVPoolClient(d.target) as client, Child(READER) as reader:
+    with KVPoolClient(d.target) as client, client_child(READER) as reader:
         result = configure(client, "pinned")
         with client.lease("w") as lease, client.attach("pinned", lease=lease) as region:
             pages = [int(p) for p in lease.allocate("pinned", "kv", 2)]
@@ -289,7 +239,7 @@ def test_a_sigkilled_clients_lease_takes_its_attachment_along(
     d, _ = daemon
     with KVPoolClient(d.target) as client:
         configure(client, "crashy")
-        with Child(HOLDER, {"target": d.target, "pool": "crashy"}) as child:
+        with client_child(HOLDER, {"target": d.target, "pool": "crashy"}) as child:
             report = child.recv()
             assert attached(client, "crashy") == 1
             (lease,) = [x for x in client.stats().leases if x.lease_id == report["lease_id"]]
@@ -327,8 +277,7 @@ def test_sigterm_removes_every_file_and_the_body_error_wins(tmp_path: Path) -> N
     ``with`` block, which then raises: the block's RuntimeError comes out (the failed Detach
     only adds a note), the daemon exits 0, and its shm dir holds no kvpool-* file (two
     regions and the instance lock were there). The client's mapping still reads its data."""
-    sockets, shm_dir = Path(tempfile.mkdtemp(prefix="kvp-", dir="/tmp")), new_shm_dir()
-    try:
+    with temp_dir() as sockets, new_shm_dir() as shm_dir:
         with run_daemon(sockets, "--shm-dir", str(shm_dir)) as d, \
                 KVPoolClient(d.target) as client:
             configure(client, "one")
@@ -344,17 +293,13 @@ def test_sigterm_removes_every_file_and_the_body_error_wins(tmp_path: Path) -> N
                 raise RuntimeError("body")
             assert any("detach" in note for note in info.value.__notes__)
         assert "event=shm_ready" in d.log_text() and "event=stopped" in d.log_text()
-    finally:
-        shutil.rmtree(sockets, ignore_errors=True)
-        shutil.rmtree(shm_dir, ignore_errors=True)
 
 
 def test_a_new_daemon_removes_the_files_of_a_sigkilled_one() -> None:
     """Daemon A builds a pool and is SIGKILLed: its region and lock stay in the shm dir.
     Daemon B started on the same dir removes both at start and logs them; B's own lock is
     the only file left while it runs, and nothing after its SIGTERM."""
-    sockets, shm_dir = Path(tempfile.mkdtemp(prefix="kvp-", dir="/tmp")), new_shm_dir()
-    try:
+    with temp_dir() as sockets, new_shm_dir() as shm_dir:
         with run_daemon(sockets, "--shm-dir", str(shm_dir)) as a:
             with KVPoolClient(a.target) as client:
                 configure(client, "orphan")
@@ -368,9 +313,6 @@ def test_a_new_daemon_removes_the_files_of_a_sigkilled_one() -> None:
             assert "event=shm_orphans_removed" in log and "count=2" in log
             assert all(name in log for name in left)
         assert kvpool_files(shm_dir) == []
-    finally:
-        shutil.rmtree(sockets, ignore_errors=True)
-        shutil.rmtree(shm_dir, ignore_errors=True)
 
 
 def test_cuda_with_expandable_segments_refuses_to_start(tmp_path: Path) -> None:

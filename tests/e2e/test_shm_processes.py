@@ -8,102 +8,31 @@ gRPC. No daemon yet: the test process plays the daemon with a :class:`ShmBacking
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import shutil
 import signal
-import subprocess
-import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from kvpool.mapping import BufferLayout
 from kvpoold.sharing import ShmBackingFactory
+from tests.procs import Child
 
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 
-# Shared by every child: JSON lines protocol and the helpers the scripts below use.
+# Every child's own prelude (after tests.procs.PRELUDE): map the region it is sent.
 PRELUDE = r"""
-import hashlib, json, sys, time
+import hashlib, time
 import torch
 from kvpool.mapping import BufferLayout, RegionHandle, map_region, page_view
-
-def send(obj):
-    print(json.dumps(obj), flush=True)
-
-def recv():
-    return json.loads(sys.stdin.readline())
-
-def rss_bytes():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
 
 def region_of(msg):
     layout = [BufferLayout(b["name"], b["dtype"], tuple(b["shape"]), b["offset_bytes"],
                            b["nbytes"]) for b in msg["buffers"]]
     return map_region(RegionHandle(**msg["handle"]), layout)
 """
-
-
-class Child:
-    """A Python child process speaking JSON lines; killed on exit if still running."""
-
-    def __init__(self, script: str) -> None:
-        env = {**os.environ, "PYTHONPATH": f"{ROOT / 'client'}:{ROOT / 'service'}"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", PRELUDE + script],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-
-    def send(self, obj: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(obj) + "\n")
-        self.proc.stdin.flush()
-
-    def recv(self) -> Any:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait(timeout=10)
-            err = self.proc.stderr.read() if self.proc.stderr else ""
-            raise AssertionError(f"child exited with {self.proc.returncode}: {err}")
-        return json.loads(line)
-
-    def wait_ok(self) -> None:
-        assert self.proc.wait(timeout=30) == 0, self.proc.stderr.read() if self.proc.stderr else ""
-
-    def __enter__(self) -> Child:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=10)
-        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            if stream is not None:
-                stream.close()
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="kvpooltest-"))
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def plain(handle: Any, layout: list[BufferLayout]) -> dict[str, Any]:
@@ -145,7 +74,7 @@ def test_child_sees_exactly_the_daemons_bytes_and_the_daemon_sees_the_childs(shm
     """The child checks K (seeded randn) value by value and the whole 8 MiB by sha256, then
     writes page 5 of V (rows 80..95) and row 3 of req_to_token after the parent unlinked the
     file; the parent sees both through the view it kept."""
-    with ShmBackingFactory(shm_dir) as factory, Child(READER_WRITER) as child:
+    with ShmBackingFactory(shm_dir) as factory, Child(READER_WRITER, prelude=PRELUDE) as child:
         backing = factory.create(8 * MiB, "toy")
         k = backing.tensor[: 2 * MiB].view(torch.bfloat16).view(2048, 4, 128)
         k.copy_(torch.randn(k.shape, generator=torch.Generator().manual_seed(5)))
@@ -191,7 +120,7 @@ def test_mapping_256_mib_does_not_grow_the_childs_resident_memory(shm_dir):
     Touching every page (one byte each: 65,536 pages, sum 65,536) then does add ~256 MiB:
     the probe would see a copy."""
     size = 256 * MiB
-    with ShmBackingFactory(shm_dir) as factory, Child(RSS_PROBE) as child:
+    with ShmBackingFactory(shm_dir) as factory, Child(RSS_PROBE, prelude=PRELUDE) as child:
         backing = factory.create(size, "big")
         backing.tensor.fill_(1)
         child.send(plain(backing.handle(), [BufferLayout("b", "uint8", (size,), 0, size)]))
@@ -205,6 +134,7 @@ def test_mapping_256_mib_does_not_grow_the_childs_resident_memory(shm_dir):
 
 VICTIM = r"""
 from kvpoold.sharing import ShmBackingFactory
+from tests.procs import Child
 msg = recv()
 factory = ShmBackingFactory(msg["dir"], "victim")
 backing = factory.create(1 << 20, "doomed")
@@ -219,7 +149,7 @@ def test_files_of_a_sigkilled_daemon_are_removed_by_the_next_one(shm_dir):
     daemon's files sit next to them; a new factory removes exactly the dead one's two files."""
     with ShmBackingFactory(shm_dir, "alive") as alive:
         kept = alive.create(4096, "keep")
-        with Child(VICTIM) as child:
+        with Child(VICTIM, prelude=PRELUDE) as child:
             child.send({"dir": str(shm_dir)})
             files = [Path(p) for p in child.recv()["files"]]
             os.kill(child.proc.pid, signal.SIGKILL)

@@ -13,7 +13,6 @@ import signal
 import struct
 import subprocess
 import sys
-import tempfile
 import termios
 import threading
 import time
@@ -26,7 +25,15 @@ import pytest
 from kvpool.client import KVPoolClient
 from kvpool.convert import DaemonStats, KindStats, LeaseStats, PoolStats, Stats
 from kvpool.top import Rate, rates, render
-from tests.conftest import REPO, TINY_OPTIONS, TINY_SPEC, DaemonProcess, run_daemon, subprocess_env
+from tests.conftest import (
+    REPO,
+    TINY_OPTIONS,
+    TINY_SPEC,
+    DaemonProcess,
+    run_daemon,
+    subprocess_env,
+    temp_dir,
+)
 
 BAR_CHARS = set("█▒░")
 _ANSI = re.compile(r"\x1b(\[[0-9;?]*[A-Za-z]|\][^\x07]*\x07|[()][0-9A-B]|[=>78])")
@@ -77,8 +84,7 @@ def served() -> Iterator[Served]:
     """A daemon (64 MiB budget) with pool ``tiny`` (255 kv pages, 8 req rows) and ``big``
     (4 MiB: 1023 kv pages), lease ``engine-0`` holding tiny kv 20 (after 30, so high water 30)
     + req 2 and big kv 3, and lease ``idle`` holding nothing."""
-    path = Path(tempfile.mkdtemp(prefix="kvp-", dir="/tmp"))
-    with run_daemon(path) as daemon, KVPoolClient(daemon.target) as client:
+    with temp_dir() as path, run_daemon(path) as daemon, KVPoolClient(daemon.target) as client:
         client.configure("tiny", spec=TINY_SPEC, **TINY_OPTIONS)
         client.configure("big", spec=TINY_SPEC, **{**TINY_OPTIONS, "budget_bytes": 4 << 20})
         with client.lease("engine-0", ttl_s=30) as engine, client.lease("idle", ttl_s=30) as idle:

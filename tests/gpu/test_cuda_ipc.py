@@ -7,10 +7,6 @@ CUDA; see tests/gpu/README.md for how to run it.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +16,7 @@ import torch
 from kvpool.errors import FailedPrecondition
 from kvpool.mapping import BufferLayout, map_region, visible_cuda_uuids
 from kvpoold.sharing import CudaIpcBackingFactory, SharedHandle
+from tests.procs import Child
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -29,17 +26,11 @@ SIZE = 64 * MiB
 HALF = SIZE // 2
 BYTE_FIELDS = ("ipc_handle", "ref_counter_handle", "event_handle")
 
+# Every child's own prelude (after tests.procs.PRELUDE): map the one-buffer region it is sent.
 PRELUDE = r"""
-import json, sys
 import torch
 from kvpool.handles import SharedHandle
 from kvpool.mapping import BufferLayout, map_region
-
-def send(obj):
-    print(json.dumps(obj), flush=True)
-
-def recv():
-    return json.loads(sys.stdin.readline())
 
 def region_of(msg):
     h = dict(msg["handle"])
@@ -87,37 +78,9 @@ def plain(handle: SharedHandle) -> dict[str, Any]:
     return {"handle": fields}
 
 
-class Child:
-    """A child Python process speaking JSON lines; killed on exit if still running."""
-
-    def __init__(self, script: str, **env: str) -> None:
-        full_env = {**os.environ, "PYTHONPATH": f"{ROOT / 'client'}:{ROOT / 'service'}", **env}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", PRELUDE + script], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
-        )
-
-    def send(self, obj: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(obj) + "\n")
-        self.proc.stdin.flush()
-
-    def recv(self) -> Any:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait(timeout=30)
-            err = self.proc.stderr.read() if self.proc.stderr else ""
-            raise AssertionError(f"child exited with {self.proc.returncode}: {err}")
-        return json.loads(line)
-
-    def __enter__(self) -> Child:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=30)
+def importer(script: str, **env: str) -> Child:
+    """A child process running ``script`` with ``env`` set on top of this environment."""
+    return Child(script, prelude=PRELUDE, env=env)
 
 
 def pattern(n: int, device: torch.device) -> torch.Tensor:
@@ -142,7 +105,7 @@ def test_export_import_write_read_both_ways(factory):
     h = backing.handle()
     assert h.kind == "cuda_ipc" and h.size == SIZE and h.storage_size >= SIZE
     assert h.device_uuid == visible_cuda_uuids()[0]
-    with Child(IMPORTER) as child:
+    with importer(IMPORTER) as child:
         child.send(plain(h))
         assert child.recv() == {"ok": True, "device": "cuda:0"}
         torch.cuda.synchronize()
@@ -159,7 +122,7 @@ def test_each_attach_gets_its_own_export(factory):
     h1, h2 = backing.handle(), backing.handle()
     assert (h1.ref_counter_handle, h1.ref_counter_offset) != (
         h2.ref_counter_handle, h2.ref_counter_offset)
-    with Child(IMPORTER) as c1, Child(IMPORTER) as c2:
+    with importer(IMPORTER) as c1, importer(IMPORTER) as c2:
         c1.send(plain(h1))
         c2.send(plain(h2))
         assert c1.recv()["ok"] and c2.recv()["ok"]
@@ -174,7 +137,7 @@ def test_memory_stays_valid_for_an_importer_after_the_daemon_closes(factory):
     and the child still reads the pattern."""
     backing = factory.create(SIZE, "lifetime")
     backing.tensor[:HALF] = pattern(HALF, backing.tensor.device)
-    with Child(IMPORTER) as child:
+    with importer(IMPORTER) as child:
         child.send(plain(backing.handle()))
         assert child.recv()["ok"]
         backing.close()
@@ -211,12 +174,12 @@ def test_an_importer_with_other_visible_devices_finds_the_gpu_by_uuid(factory):
     u0, u1 = visible_cuda_uuids()[:2]
     backing = factory.create(SIZE, "p")
     backing.tensor[:HALF] = pattern(HALF, backing.tensor.device)
-    with Child(IMPORTER, CUDA_VISIBLE_DEVICES=f"GPU-{u1},GPU-{u0}") as child:
+    with importer(IMPORTER, CUDA_VISIBLE_DEVICES=f"GPU-{u1},GPU-{u0}") as child:
         child.send(plain(backing.handle()))
         assert child.recv() == {"ok": True, "device": "cuda:1"}
         child.send("close")
         assert child.recv() == "closed"
-    with Child(IMPORTER, CUDA_VISIBLE_DEVICES=f"GPU-{u1}") as child:
+    with importer(IMPORTER, CUDA_VISIBLE_DEVICES=f"GPU-{u1}") as child:
         child.send(plain(backing.handle()))
         got = child.recv()
         assert got["error"] == "FailedPrecondition" and "device UUID mismatch" in got["message"]
@@ -250,13 +213,13 @@ else:
 
 @pytest.mark.parametrize("var", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
 def test_expandable_segments_in_the_environment_are_refused(var):
-    with Child(REFUSE_ENV, **{var: "expandable_segments:True"}) as child:
+    with importer(REFUSE_ENV, **{var: "expandable_segments:True"}) as child:
         refused = child.recv()["refused"]
     assert refused and "pytorch#165685" in refused and var in refused
 
 
 def test_expandable_segments_switched_on_at_runtime_are_refused_at_export():
     env = {"PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_ALLOC_CONF": ""}
-    with Child(REFUSE_RUNTIME, **env) as child:
+    with importer(REFUSE_RUNTIME, **env) as child:
         refused = child.recv()["refused"]
     assert refused, "an expandable-segment handle was exported"

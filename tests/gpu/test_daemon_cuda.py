@@ -7,16 +7,11 @@ memory. Skipped without CUDA; see tests/gpu/README.md.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -24,7 +19,8 @@ import torch
 from kvpool.client import KVPoolClient
 from kvpool.errors import FailedPrecondition
 from kvpool.mapping import visible_cuda_uuids
-from tests.conftest import REPO, TINY_SPEC, DaemonProcess, run_daemon
+from tests.conftest import REPO, TINY_SPEC, DaemonProcess, run_daemon, subprocess_env, temp_dir
+from tests.procs import Child
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -36,15 +32,11 @@ CLEAN_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_ALLOC_CONF": ""}
 
 # Attach, check what the test wrote in page 2 of k.0, write page 3 of v.1, hold until told.
 ENGINE = r"""
-import json, sys
 import torch
 from kvpool.client import KVPoolClient
 from kvpool.errors import KVPoolError
 
-def send(obj):
-    print(json.dumps(obj), flush=True)
-
-msg = json.loads(sys.stdin.readline())
+msg = recv()
 with KVPoolClient(msg["target"]) as client:
     try:
         with client.attach(msg["pool"], expected_fingerprint=msg["fingerprint"]) as region:
@@ -59,33 +51,17 @@ send("detached")
 """
 
 
-def engine(env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    full = {**os.environ, **CLEAN_ENV,
-            "PYTHONPATH": f"{REPO / 'client'}:{REPO / 'service'}", **(env or {})}
-    return subprocess.Popen([sys.executable, "-c", ENGINE], cwd=REPO, env=full, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-
-
-def talk(proc: subprocess.Popen[str], obj: Any = None) -> Any:
-    assert proc.stdin is not None and proc.stdout is not None
-    if obj is not None:
-        proc.stdin.write(json.dumps(obj) + "\n")
-        proc.stdin.flush()
-    line = proc.stdout.readline()
-    assert line, f"engine exited with {proc.wait(30)}"
-    return json.loads(line)
+def engine(env: dict[str, str] | None = None) -> Child:
+    """An engine process (:data:`ENGINE`) with a clean allocator config and ``env`` on top."""
+    return Child(ENGINE, env={**CLEAN_ENV, **(env or {})})
 
 
 @pytest.fixture
 def cuda_daemon(monkeypatch: pytest.MonkeyPatch) -> Iterator[DaemonProcess]:
     for var, value in CLEAN_ENV.items():
         monkeypatch.setenv(var, value)  # run_daemon's child inherits os.environ
-    sockets = Path(tempfile.mkdtemp(prefix="kvp-", dir="/tmp"))
-    try:
-        with run_daemon(sockets, "--device", "cuda:0", budget="1GiB") as d:
-            yield d
-    finally:
-        shutil.rmtree(sockets, ignore_errors=True)
+    with temp_dir() as sockets, run_daemon(sockets, "--device", "cuda:0", budget="1GiB") as d:
+        yield d
 
 
 def test_engines_share_gpu_memory_through_the_daemon(cuda_daemon: DaemonProcess) -> None:
@@ -98,14 +74,13 @@ def test_engines_share_gpu_memory_through_the_daemon(cuda_daemon: DaemonProcess)
         result = client.configure("gpu", spec=TINY_SPEC, **OPTIONS)
         stats = client.stats("gpu")
         assert stats.daemon.device == "cuda:0" and stats.pool("gpu").handle_kind == "cuda_ipc"
-        proc = engine()
-        try:
+        with engine() as eng:
             with client.attach("gpu", expected_fingerprint=result.fingerprint) as region:
                 assert region.kind == "cuda_ipc" and region.device.type == "cuda"
                 region.page("k.0", 2).fill_(1.25)
                 torch.cuda.synchronize()
-                got = talk(proc, {"target": d.target, "pool": "gpu",
-                                  "fingerprint": result.fingerprint})
+                eng.send({"target": d.target, "pool": "gpu", "fingerprint": result.fingerprint})
+                got = eng.recv()
                 assert got == {"ok": True, "kind": "cuda_ipc", "device": "cuda:0"}
                 torch.cuda.synchronize()
                 v1 = region["v.1"]
@@ -113,12 +88,10 @@ def test_engines_share_gpu_memory_through_the_daemon(cuda_daemon: DaemonProcess)
                 assert client.stats("gpu").pool("gpu").attached == 2
                 with pytest.raises(FailedPrecondition, match="2 clients attached"):
                     client.drop("gpu")
-                assert talk(proc, "go") == "detached"
+                eng.send("go")
+                assert eng.recv() == "detached"
                 del v1
-            assert proc.wait(30) == 0
-        finally:
-            proc.kill()
-            proc.wait()
+            eng.wait_ok()
         assert client.stats("gpu").pool("gpu").attached == 0
         assert client.drop("gpu").released_bytes == result.plan.backing_bytes
     assert d.stop(signal.SIGTERM) == 0
@@ -134,25 +107,22 @@ def test_an_engine_without_the_gpu_is_refused_and_not_left_attached(
     with KVPoolClient(d.target) as client:
         result = client.configure("gpu2", spec=TINY_SPEC, **OPTIONS)
         for visible in hidden:
-            proc = engine({"CUDA_VISIBLE_DEVICES": visible})
-            try:
-                got = talk(proc, {"target": d.target, "pool": "gpu2",
-                                  "fingerprint": result.fingerprint})
+            with engine({"CUDA_VISIBLE_DEVICES": visible}) as eng:
+                eng.send({"target": d.target, "pool": "gpu2", "fingerprint": result.fingerprint})
+                got = eng.recv()
                 assert got["error"] == "FailedPrecondition", got
                 want = "device UUID mismatch" if visible else "CUDA is not available"
                 assert want in got["message"], got
-                assert talk(proc) == "detached"
-            finally:
-                proc.kill()
-                proc.wait()
+                assert eng.recv() == "detached"
             assert client.stats("gpu2").pool("gpu2").attached == 0
         client.drop("gpu2")
 
 
 def test_expandable_segments_stop_the_daemon_at_start(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-           "PYTORCH_ALLOC_CONF": "",
-           "PYTHONPATH": f"{REPO / 'client'}:{REPO / 'service'}"}
+    """The same refusal as tests/e2e (test_cuda_with_expandable_segments_refuses_to_start),
+    kept here so tests/gpu/run_on_device.sh checks it where CUDA is real."""
+    env = subprocess_env(PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
+                         PYTORCH_ALLOC_CONF="")
     out = subprocess.run([sys.executable, "-m", "kvpoold.cli", "serve", "--device", "cuda:0",
                           "--listen", f"unix://{tmp_path}/k.sock"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=120)

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from kvpool.errors import InvalidArgument
-from kvpool.targets import channel_target, default_socket_path
+from kvpool.targets import channel_target, default_socket_path, token_from
 from kvpoold.config import (
     DEFAULT_BUDGET_BYTES,
     Listener,
+    check_host,
     load_config,
     parse_budget,
     parse_listen,
@@ -107,6 +108,42 @@ def test_bad_flags_name_the_field(argv: tuple[str, ...], field: str) -> None:
     assert info.value.field == field
 
 
+@pytest.mark.parametrize("grace", ["-1", "600.5", "nan", "inf"])
+def test_grace_seconds_flag_is_held_to_the_config_files_range(grace: str) -> None:
+    """The file's ``grace_seconds`` is typed 0..600; the flag gets the same check."""
+    with pytest.raises(InvalidArgument, match="0 to 600") as info:
+        serve_cli.settings_from_args(serve_args("--grace-seconds", grace))
+    assert info.value.field == "grace_seconds"
+    assert serve_cli.settings_from_args(serve_args("--grace-seconds", "600")).grace_seconds == 600
+
+
+@pytest.mark.parametrize(("argv", "field", "words"), [
+    (("--socket-group", "no-such-group-kvp"), "socket_group", "unknown group"),
+    (("--tls-cert", "{d}/none.crt", "--tls-key", "{d}/none.key"), "tls_key", "--tls-key"),
+    (("--tls-cert", "{d}/none.crt", "--tls-key", "{d}/key.pem"), "tls_cert", "--tls-cert"),
+    (("--shm-dir", "{d}/absent"), "shm_dir", "does not exist"),
+])
+def test_host_checks_name_the_flag(tmp_path: Path, argv: tuple[str, ...], field: str,
+                                   words: str) -> None:
+    """What depends on this machine is checked by ``check_host``, before the server starts."""
+    (tmp_path / "key.pem").write_text("key")
+    settings = serve_cli.settings_from_args(serve_args(*(a.format(d=tmp_path) for a in argv)))
+    with pytest.raises(InvalidArgument, match=words) as info:
+        check_host(settings)
+    assert info.value.field == field
+
+
+def test_host_checks_pass_on_a_good_machine(tmp_path: Path) -> None:
+    """The shm dir is only checked for shared memory on cpu; readable TLS files pass."""
+    (tmp_path / "key.pem").write_text("key")
+    (tmp_path / "cert.pem").write_text("cert")
+    check_host(serve_cli.settings_from_args(serve_args(
+        "--shm-dir", str(tmp_path), "--tls-key", str(tmp_path / "key.pem"),
+        "--tls-cert", str(tmp_path / "cert.pem"))))
+    check_host(serve_cli.settings_from_args(serve_args("--shm-dir", str(tmp_path / "absent"),
+                                                       "--sharing", "none")))
+
+
 def test_token_file_must_be_private(tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("abc\n")
@@ -140,3 +177,20 @@ def test_a_cuda_device_that_is_not_there_is_refused_at_start() -> None:
     with pytest.raises(InvalidArgument, match="CUDA devices") as info:
         make_backing_factory(settings)
     assert info.value.field == "device"
+
+
+def test_client_token_file(tmp_path: Path) -> None:
+    """``--token`` alone is used as is; ``--token-file`` wins and is stripped; a missing or
+    blank file is an InvalidArgument on ``token_file`` (exit 2), not an OSError."""
+    token = tmp_path / "token"
+    token.write_text("  s3cret\n")
+    assert token_from("inline", None) == "inline"
+    assert token_from(None, None) is None
+    assert token_from(None, token) == "s3cret"
+    for bad, words in ((tmp_path / "absent", "cannot read"), (tmp_path / "blank", "empty")):
+        if bad.name == "blank":
+            bad.write_text(" \n")
+        with pytest.raises(InvalidArgument, match=words) as info:
+            token_from(None, bad)
+        assert info.value.field == "token_file"
+

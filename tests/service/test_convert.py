@@ -3,13 +3,14 @@ kind and extra; plans and stats map field for field."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
 
-from kvpool.convert import configure_request, ids_bytes, spec_message
+from kvpool.convert import configure_request, hf_config_text, ids_bytes, spec_message
 from kvpool.errors import InvalidArgument
 from kvpoold.service.convert import configure_args, message_to_builtins, plan_message
 from kvpoold.sizing import make_options, plan
@@ -83,3 +84,14 @@ def test_spec_with_unknown_field_is_refused_by_the_client() -> None:
     with pytest.raises(InvalidArgument) as info:
         spec_message({**SPECS["mha with v_head_dim"], "num_heads": 3})
     assert info.value.field == "spec"
+
+
+def test_an_unreadable_hf_config_path_names_the_file(tmp_path: Path) -> None:
+    """A path that is not there is an InvalidArgument on ``hf_config`` (exit 2 in the CLI),
+    not an OSError; a model directory stands for its config.json."""
+    missing = tmp_path / "absent.json"
+    with pytest.raises(InvalidArgument, match=r"absent\.json") as info:
+        hf_config_text(missing)
+    assert info.value.field == "hf_config"
+    (tmp_path / "config.json").write_text('{"a": 1}')
+    assert hf_config_text(tmp_path) == '{"a": 1}'

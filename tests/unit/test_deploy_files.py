@@ -435,6 +435,29 @@ def test_operations_doc_commands_use_real_flags(serve_help: str) -> None:
             assert flag in plan_known, f"docs/operations.md: {flag} is not a `kvpoold plan` flag"
 
 
+def test_every_serve_flag_is_documented(serve_help: str) -> None:
+    """The other direction: each ``kvpoold serve`` flag is in the operations guide's flag table
+    and in docs/api.md's daemon section, and each config key is in docker/kvpoold.toml
+    (commented out counts: the example shows it)."""
+    from kvpoold.config import ServeConfig
+
+    flags = help_flags(serve_help) - {"--help"}
+    assert {"--sharing", "--shm-preallocate", "--metrics-port"} <= flags
+    ops = OPERATIONS.read_text()
+    api = (ROOT / "docs" / "api.md").read_text().split("## The daemon", 1)[1]
+
+    def mentions(text: str, flag: str) -> bool:
+        return re.search(re.escape(flag) + r"(?![a-z-])", text) is not None
+
+    assert not [f for f in sorted(flags) if not mentions(ops, f)], "docs/operations.md"
+    assert not [f for f in sorted(flags) if not mentions(api, f)], "docs/api.md"
+    toml = (DOCKER / "kvpoold.toml").read_text()
+    keys = set(re.findall(r"^#? ?([a-z_]+) = ", toml, flags=re.M))
+    assert set(ServeConfig.__struct_fields__) <= keys, "docker/kvpoold.toml"
+    assert {k.replace("_", "-") for k in ServeConfig.__struct_fields__} | {"token", "config"} == {
+        f[2:] for f in flags}, "a config key for every flag but --token and --config"
+
+
 # -- the health check ----------------------------------------------------------------------------
 
 

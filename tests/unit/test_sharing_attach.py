@@ -4,11 +4,9 @@ and ``client.attach`` against an in-process daemon on shared memory."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,15 +26,6 @@ from kvpoold.sharing import PlainBacking, PlainBackingFactory, ShmBackingFactory
 from tests.conftest import REPO, TINY_OPTIONS, TINY_SPEC, subprocess_env
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="kvpoolunit-", dir="/dev/shm"))
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 # -- one handle type ----------------------------------------------------------------------------

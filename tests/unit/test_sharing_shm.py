@@ -5,8 +5,6 @@ from __future__ import annotations
 import gc
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,16 +27,6 @@ from kvpoold.spec import DType
 from tests.factories import MiB, llama_8b, plan_for
 
 HEX16 = "[0-9a-f]{16}"
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    """A private directory on /dev/shm (tmpfs), so parallel tests never see each other."""
-    d = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="kvpooltest-"))
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

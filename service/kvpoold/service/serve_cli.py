@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.targets import default_socket_path
-from kvpoold.config import ServeSettings, load_config, resolve
+from kvpoold.config import ServeSettings, check_host, load_config, resolve
 from kvpoold.service.logs import LOG_FORMATS, configure_logging
 
 
@@ -28,10 +28,14 @@ def add_parser(subparsers: argparse._SubParsersAction[Any]) -> argparse.Argument
     p.add_argument("--budget", metavar="SIZE",
                    help="device bytes all pools may use: 2GiB, 2147483648; on cuda also a "
                         "fraction of free memory, 0.9 (default 1GiB)")
-    p.add_argument("--config", type=Path, metavar="PATH", help="kvpoold.toml (see docs/api.md)")
+    p.add_argument("--config", type=Path, metavar="PATH",
+                   help="a TOML file with the same keys, underscores for dashes (example: "
+                        "docker/kvpoold.toml)")
     p.add_argument("--socket-group", metavar="GROUP",
-                   help="make Unix sockets 0660 for this group (default 0600: owner only)")
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+                   help="make Unix sockets 0660 for this group, a name or gid (default 0600: "
+                        "owner only)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                   help="default info")
     p.add_argument("--log-format", choices=LOG_FORMATS, help="text (default) or json lines")
     token = p.add_mutually_exclusive_group()
     token.add_argument("--token", metavar="SECRET",
@@ -49,7 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction[Any]) -> argparse.Argument
                    help="auto (default): shared memory on cpu, CUDA IPC on cuda; none: "
                         "unshared memory that clients cannot map (tests and benchmarks only)")
     p.add_argument("--grace-seconds", type=float, metavar="S",
-                   help="how long shutdown waits for in-flight calls (default 5)")
+                   help="how long shutdown waits for in-flight calls, 0 to 600 (default 5)")
     p.add_argument("--metrics-port", metavar="N",
                    help="serve Prometheus metrics at http://HOST:N/metrics (0: a free port, "
                         "logged; default: no metrics server)")
@@ -71,9 +75,15 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry of ``kvpoold serve``: returns the exit status."""
+    """Entry of ``kvpoold serve``: returns the exit status.
+
+    Raises:
+        InvalidArgument: a bad flag or config value, reported before torch is imported.
+    """
+    settings = settings_from_args(args)
+    check_host(settings)
+    configure_logging(settings.log_level, settings.log_format)
+    # The server imports torch (seconds): only once the settings are known to be good.
     from kvpoold.service.server import run as serve
 
-    settings = settings_from_args(args)
-    configure_logging(settings.log_level, settings.log_format)
     return asyncio.run(serve(settings))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import grp
 import logging
 import os
 import signal
@@ -28,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvpool.errors import FailedPrecondition, InvalidArgument
 from kvpool.v1 import kvpool_pb2_grpc
-from kvpoold.config import Listener, ServeSettings
+from kvpoold.config import Listener, ServeSettings, check_shm_dir, group_id, read_tls
 from kvpoold.metrics import DaemonMetrics, MetricsServer, loop_snapshot, start_metrics_server
 from kvpoold.service.auth import TokenAuthInterceptor
 from kvpoold.service.daemon import Daemon
@@ -110,7 +109,7 @@ def create_server(
     """
     if not listeners:
         raise InvalidArgument("give at least one --listen address", field="listen")
-    gid = _group_id(socket_group) if socket_group else None
+    gid = group_id(socket_group) if socket_group else None
     closing = asyncio.Event()
     servicer = KVPoolServicer(daemon, closing, rpc_observer)
     health_servicer = health.aio.HealthServicer()
@@ -180,14 +179,6 @@ def _bind(add_port: Callable[[str], int], listener: Listener) -> int:
             f"cannot listen on {listener.grpc_address}: {exc} (in use, or not permitted)",
             field="listen",
         ) from exc
-
-
-def _group_id(group: str) -> int:
-    try:
-        return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
-    except KeyError:
-        raise InvalidArgument(f"unknown group {group!r} for --socket-group",
-                              field="socket_group") from None
 
 
 def _prepare_socket_path(path: Path, gid: int | None) -> None:
@@ -283,12 +274,7 @@ def make_backing_factory(settings: ServeSettings) -> BackingFactory:
             "device_uuid": factory.device_uuid,
         }})
         return factory
-    if not settings.shm_dir.is_dir():
-        raise InvalidArgument(
-            f"shared-memory directory {settings.shm_dir} does not exist; create it (a tmpfs) "
-            "or pass another --shm-dir",
-            field="shm_dir",
-        )
+    check_shm_dir(settings.shm_dir)
     shm = ShmBackingFactory(settings.shm_dir, preallocate=settings.shm_preallocate)
     if shm.swept:
         log.warning("removed files of dead daemons", extra={"fields": {
@@ -319,12 +305,14 @@ async def run(
 
     Returns:
         The exit status, 0.
+
+    Raises:
+        InvalidArgument: an unreadable TLS file, or a bad device or shm directory (see
+            :func:`make_backing_factory`).
     """
+    tls = read_tls(settings)  # before the factory: a bad file must not strand its files
     factory = factory or make_backing_factory(settings)
     daemon = Daemon(settings.device, settings.budget_bytes, factory)
-    tls = None
-    if settings.tls_cert and settings.tls_key:
-        tls = (settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     server: KVPoolServer | None = None

@@ -1,0 +1,96 @@
+"""Child Python processes for the tests: a script run with ``python -c``, JSON lines both ways.
+
+The child plays an engine: it gets only plain values on stdin (a target and pool name, or a
+handle and buffer layouts) and answers on stdout. Every script starts with :data:`PRELUDE`
+(``send``, ``recv``, ``rss_bytes``) and the caller's own prelude (imports, helpers).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from tests.conftest import REPO, subprocess_env
+
+# What every child has: the JSON-lines protocol and its resident memory.
+PRELUDE = r"""
+import json, sys
+
+def send(obj):
+    print(json.dumps(obj), flush=True)
+
+def recv():
+    return json.loads(sys.stdin.readline())
+
+def rss_bytes():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+"""
+
+
+class Child:
+    """A child process speaking JSON lines; killed on exit if still running.
+
+    Args:
+        script: the child's code, run after :data:`PRELUDE` and ``prelude``.
+        prelude: the caller's shared part of its scripts (imports, helpers).
+        env: variables set on top of this environment (the repo already on PYTHONPATH).
+        first: sent at once; None to send the first message later with :meth:`send`, so a
+            child can start (and import torch) before its input is known.
+        timeout_s: how long to wait for the child to exit once it has closed its stdout.
+    """
+
+    def __init__(self, script: str, *, prelude: str = "", env: Mapping[str, str] | None = None,
+                 first: Any = None, timeout_s: float = 30.0) -> None:
+        self.timeout_s = timeout_s
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", PRELUDE + prelude + script], cwd=REPO,
+            env=subprocess_env(**(env or {})), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+        )
+        if first is not None:
+            self.send(first)
+
+    def send(self, obj: Any) -> None:
+        """Write ``obj`` as one JSON line to the child's stdin."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def recv(self) -> Any:
+        """The child's next JSON line.
+
+        Raises:
+            AssertionError: the child exited instead (with its status and stderr).
+        """
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(timeout=self.timeout_s)
+            raise AssertionError(f"child exited with {self.proc.returncode}: {self.stderr()}")
+        return json.loads(line)
+
+    def wait_ok(self) -> None:
+        """Wait for the child to exit with status 0 (its stderr is the failure message)."""
+        assert self.proc.wait(timeout=self.timeout_s) == 0, self.stderr()
+
+    def stderr(self) -> str:
+        """What the child wrote to stderr; read once it has exited."""
+        return self.proc.stderr.read() if self.proc.stderr else ""
+
+    def __enter__(self) -> Child:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=self.timeout_s)
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
