@@ -16,8 +16,9 @@ from typing import Any
 
 import msgspec
 
+from kvpool.cli_run import run_subcommand
 from kvpool.demo import add_demo
-from kvpool.errors import InvalidArgument, KVPoolError
+from kvpool.errors import InvalidArgument
 from kvpool.targets import default_target, token_from
 from kvpool.top import add_top
 
@@ -269,15 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one subcommand; exit 2 for bad input, 1 for other daemon errors."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except InvalidArgument as exc:
-        print(f"kvpool {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except KVPoolError as exc:
-        code = getattr(exc, "code_name", exc.code)
-        print(f"kvpool {args.command}: error ({code}): {exc}", file=sys.stderr)
-        return 1
+    return run_subcommand("kvpool", args)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvpool.errors import InvalidArgument, KVPoolError
+from kvpool.cli_run import run_subcommand
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,14 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except InvalidArgument as exc:
-        print(f"kvpoold {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except KVPoolError as exc:
-        print(f"kvpoold {args.command}: error ({exc.code}): {exc}", file=sys.stderr)
-        return 1
+    return run_subcommand("kvpoold", args)
 
 
 if __name__ == "__main__":
