@@ -27,9 +27,10 @@ shared-memory directory), so ``kvpoold serve`` reports either before it imports 
 from __future__ import annotations
 
 import grp
+import ipaddress
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -72,6 +73,7 @@ class ServeConfig(Base):
     grace_seconds: Annotated[float, Meta(ge=0.0, le=MAX_GRACE_SECONDS)] | None = None
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
     metrics_host: str | None = None
+    allow_insecure_tcp: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -238,8 +240,11 @@ def resolve(flags: Mapping[str, Any], config: ServeConfig | None,
         )
     metrics_port = pick("metrics_port")
     metrics_host = pick("metrics_host")
+    listeners = tuple(parse_listen(x) for x in listen)
+    if not token and not pick("allow_insecure_tcp"):
+        check_tcp_is_local(listeners)
     return ServeSettings(
-        listeners=tuple(parse_listen(x) for x in listen),
+        listeners=listeners,
         device=device,
         budget_bytes=budget_bytes,
         socket_group=pick("socket_group"),
@@ -256,6 +261,32 @@ def resolve(flags: Mapping[str, Any], config: ServeConfig | None,
         metrics_host=parse_host(metrics_host, "metrics_host") if metrics_host
         else DEFAULT_METRICS_HOST,
     )
+
+
+def check_tcp_is_local(listeners: Sequence[Listener]) -> None:
+    """Without a token, TCP is served on loopback only: anyone who reaches a listener can
+    allocate pages and map pools.
+
+    Raises:
+        InvalidArgument: a non-loopback TCP listener, naming the ways out.
+    """
+    for x in listeners:
+        if x.kind != "tcp":
+            continue
+        host = x.address.rpartition(":")[0].strip("[]")
+        if host == "localhost":
+            continue
+        try:
+            if ipaddress.ip_address(host).is_loopback:
+                continue
+        except ValueError:
+            pass
+        raise InvalidArgument(
+            f"refusing to serve tcp://{x.address} without a token: anyone who can reach it "
+            "could allocate pages and map pools; give --token-file (or --token), listen on "
+            "127.0.0.1, or pass --allow-insecure-tcp if the network is trusted",
+            field="listen",
+        )
 
 
 def check_host(settings: ServeSettings) -> None:

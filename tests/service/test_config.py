@@ -194,3 +194,20 @@ def test_client_token_file(tmp_path: Path) -> None:
             token_from(None, bad)
         assert info.value.field == "token_file"
 
+
+
+@pytest.mark.parametrize("listen", ["tcp://0.0.0.0:50051", "tcp://10.0.0.1:7", "tcp://[::]:9"])
+def test_tcp_off_loopback_needs_a_token(listen: str) -> None:
+    with pytest.raises(InvalidArgument, match="--allow-insecure-tcp") as e:
+        serve_cli.settings_from_args(serve_args("--listen", listen))
+    assert e.value.field == "listen"
+    with_token = serve_cli.settings_from_args(serve_args("--listen", listen, "--token", "s3"))
+    assert with_token.token == "s3"
+    opted_out = serve_cli.settings_from_args(serve_args("--listen", listen,
+                                                        "--allow-insecure-tcp"))
+    assert opted_out.token is None
+
+
+@pytest.mark.parametrize("listen", ["tcp://127.0.0.1:0", "tcp://localhost:5", "tcp://[::1]:5"])
+def test_tcp_on_loopback_needs_no_token(listen: str) -> None:
+    assert serve_cli.settings_from_args(serve_args("--listen", listen)).listeners[0].kind == "tcp"

@@ -42,6 +42,9 @@ def add_parser(subparsers: argparse._SubParsersAction[Any]) -> argparse.Argument
                        help="require 'authorization: Bearer SECRET' on TCP listeners")
     token.add_argument("--token-file", metavar="PATH",
                        help="read the TCP token from a file (mode 0600)")
+    p.add_argument("--allow-insecure-tcp", action="store_true", default=None,
+                   help="serve TCP on a non-loopback address without a token (refused "
+                        "otherwise: anyone who reaches it could allocate and map pools)")
     p.add_argument("--tls-cert", metavar="PEM", help="TLS certificate chain for TCP listeners")
     p.add_argument("--tls-key", metavar="PEM", help="TLS private key for TCP listeners")
     p.add_argument("--shm-dir", metavar="DIR",
