@@ -21,11 +21,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpool import convert
 from kvpool.client import (
-    CHANNEL_OPTIONS,
     DEFAULT_TIMEOUT_S,
     DEFAULT_TTL_S,
+    auth_metadata,
     default_lease_name,
     keepalive_interval,
+    open_channel,
 )
 from kvpool.convert import AttachInfo, ConfigureResult, Released, Stats
 from kvpool.targets import channel_target, default_target
@@ -46,14 +47,10 @@ class AsyncKVPoolClient:
                  timeout_s: float = DEFAULT_TIMEOUT_S,
                  root_certificates: bytes | None = None) -> None:
         self.target = channel_target(target or default_target())
-        if root_certificates is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates)
-            self._channel = aio.secure_channel(self.target, creds, options=CHANNEL_OPTIONS)
-        else:
-            self._channel = aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        self._channel = open_channel(aio, self.target, root_certificates)
         self._stub = kvpool_pb2_grpc.KVPoolStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._metadata = auth_metadata(token)
         self.timeout_s = timeout_s
 
     async def call(self, method: str, request: Any, *, timeout_s: float | None = -1.0) -> Any:

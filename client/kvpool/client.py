@@ -46,6 +46,19 @@ CHANNEL_OPTIONS = (
 )
 
 
+def open_channel(grpc_module: Any, target: str, root_certificates: bytes | None) -> Any:
+    """A channel of ``grpc`` or ``grpc.aio`` (same signatures): TLS when roots are given."""
+    if root_certificates is not None:
+        creds = grpc.ssl_channel_credentials(root_certificates)
+        return grpc_module.secure_channel(target, creds, options=CHANNEL_OPTIONS)
+    return grpc_module.insecure_channel(target, options=CHANNEL_OPTIONS)
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The bearer-token metadata TCP listeners with ``--token`` require."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
 def default_lease_name() -> str:
     """``host:pid``, what Stats shows for a lease opened without a name."""
     return f"{socket.gethostname()}:{os.getpid()}"
@@ -72,14 +85,10 @@ class KVPoolClient:
                  timeout_s: float = DEFAULT_TIMEOUT_S,
                  root_certificates: bytes | None = None) -> None:
         self.target = channel_target(target or default_target())
-        if root_certificates is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates)
-            self._channel = grpc.secure_channel(self.target, creds, options=CHANNEL_OPTIONS)
-        else:
-            self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        self._channel = open_channel(grpc, self.target, root_certificates)
         self._stub = kvpool_pb2_grpc.KVPoolStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._metadata = auth_metadata(token)
         self.timeout_s = timeout_s
 
     # -- plumbing ----------------------------------------------------------------------------
