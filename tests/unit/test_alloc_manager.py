@@ -11,6 +11,9 @@ from kvpool.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvpoold.alloc.ids import PoolCounters
 from kvpoold.alloc.manager import Kind, PoolAllocator
 
+# Every test runs on the C ledger and on the numpy one.
+pytestmark = pytest.mark.usefixtures("ledger_backend")
+
 
 def make_alloc(
     kv: int = 8, swa: int = 5, req: int = 3, state: int = 2

@@ -10,12 +10,14 @@ model's links. Every refused call must name the model's first bad id and change 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvpool.errors import FailedPrecondition, InvalidArgument, KVPoolError, ResourceExhausted
 from kvpoold.alloc.ids import IdPool
+from kvpoold.alloc.ledger import Backend, native_available
 from kvpoold.alloc.manager import Kind, PoolAllocator
 
 OWNERS = st.integers(min_value=1, max_value=3)
@@ -100,22 +102,24 @@ def check_owners(pool: IdPool, owners: dict[int, int]) -> None:
     for o in owners.values():
         counts[o] = counts.get(o, 0) + 1
     assert pool.holders() == counts
-    free_stack = pool._stack[pool._head :].tolist()
+    free_stack = pool.free_ids().tolist()
     assert sorted(free_stack) == [i for i in range(1, cap + 1) if i not in owners]
 
 
 class IdPoolMachine(RuleBasedStateMachine):
     """One IdPool of 12 ids against a dict id -> owner."""
 
+    BACKEND: Backend = "native"
+
     def __init__(self) -> None:
         super().__init__()
         self.cap = 12
-        self.pool = IdPool(self.cap, "p")
+        self.pool = IdPool(self.cap, "p", backend=self.BACKEND)
         self.owners: dict[int, int] = {}
         self.high_water = 0
 
     def state(self) -> tuple[object, ...]:
-        return self.pool.stats(), self.pool.holders(), self.pool._stack[self.pool._head :].tolist()
+        return self.pool.stats(), self.pool.holders(), self.pool.free_ids().tolist()
 
     @rule(owner=OWNERS, count=st.integers(min_value=0, max_value=14))
     def allocate(self, owner: int, count: int) -> None:
@@ -187,6 +191,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     """A hybrid PoolAllocator (kv 10, swa 6, req 3, state 2) against dicts per space."""
 
     CAPS = {Kind.KV: 10, Kind.SWA: 6, Kind.REQ: 3, Kind.STATE: 2}
+    BACKEND: Backend = "native"
 
     def __init__(self) -> None:
         super().__init__()
@@ -199,6 +204,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             full_to_swa=self.mapping,
             req_rows=self.CAPS[Kind.REQ],
             state_slots=self.CAPS[Kind.STATE],
+            backend=self.BACKEND,
         )
         self.owners: dict[Kind, dict[int, int]] = {k: {} for k in Kind}
         self.links: dict[int, int] = {}  # full id -> swa id
@@ -325,7 +331,20 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.alloc.audit()
 
 
-TestIdPoolMachine = IdPoolMachine.TestCase
-TestIdPoolMachine.settings = SETTINGS
-TestAllocatorMachine = AllocatorMachine.TestCase
-TestAllocatorMachine.settings = SETTINGS
+class NumpyIdPoolMachine(IdPoolMachine):
+    BACKEND = "numpy"
+
+
+class NumpyAllocatorMachine(AllocatorMachine):
+    BACKEND = "numpy"
+
+
+# Each machine on both ledgers; the C one is skipped only where it is not built (CI requires it).
+NATIVE = pytest.mark.skipif(not native_available(), reason="kvpoold.alloc._ledger is not built")
+TestIdPoolMachine = NATIVE(IdPoolMachine.TestCase)
+TestAllocatorMachine = NATIVE(AllocatorMachine.TestCase)
+TestIdPoolMachineNumpy = NumpyIdPoolMachine.TestCase
+TestAllocatorMachineNumpy = NumpyAllocatorMachine.TestCase
+for case in (TestIdPoolMachine, TestAllocatorMachine, TestIdPoolMachineNumpy,
+             TestAllocatorMachineNumpy):
+    case.settings = SETTINGS

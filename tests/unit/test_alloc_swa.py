@@ -9,6 +9,9 @@ from kvpool.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvpoold.alloc.ids import IdPool
 from kvpoold.alloc.swa import SwaPair
 
+# Every test runs on the C ledger and on the numpy one.
+pytestmark = pytest.mark.usefixtures("ledger_backend")
+
 
 def make_pair(full: int = 6, swa: int = 4) -> tuple[SwaPair, np.ndarray]:
     """A pair over a SGLang-shaped mapping: full + 2 entries, the last one -1."""

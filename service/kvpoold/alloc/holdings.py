@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvpool.errors import Internal
+from kvpoold.alloc.ledger import Ledger
 
 # Log entries allowed beyond twice the held count before a compaction. A compaction costs a
 # fixed ~10 µs plus ~4 ns per entry, paid every ~COMPACT_SLACK freed ids: 4096 keeps it near
@@ -24,55 +25,47 @@ class Holding:
     """One owner's ids in one space. Plain attributes: ``IdPool`` updates them inline on its
     hot path (``held``, ``log``, ``logged``)."""
 
-    __slots__ = ("held", "log", "logged", "mark")
+    __slots__ = ("held", "log", "logged")
 
-    def __init__(self, owner: int) -> None:
+    def __init__(self) -> None:
         self.held = 0
         self.log: list[np.ndarray] = []
         self.logged = 0
-        # The owner as 4 int32 bytes: "all k ids held by owner" is one bytes comparison.
-        self.mark = np.int32(owner).tobytes()
 
     def stale(self) -> bool:
         """Whether the log is long enough to compact."""
         return self.logged > 2 * self.held + COMPACT_SLACK
 
-    def compact(self, owners: np.ndarray, owner: int) -> None:
+    def compact(self, ledger: Ledger, owners: np.ndarray, owner: int) -> None:
         """Replace the log by the live ids; O(log length)."""
-        live = self.live(owners, owner)
-        self.log = [live.astype(np.int32)]
+        live = self.live(ledger, owners, owner)
+        self.log = [live]
         self.logged = live.shape[0]
 
-    def live(self, owners: np.ndarray, owner: int, *, scan: bool = True) -> np.ndarray:
-        """The ids ``owner`` holds, each once, as intp; O(log length).
+    def live(
+        self, ledger: Ledger, owners: np.ndarray, owner: int, *, scan: bool = True
+    ) -> np.ndarray:
+        """The ids ``owner`` holds, each once, as int32; O(log length).
 
         Args:
-            owners: the pool's owner array (ids 1..N at 1..N, sentinels at 0 and N + 1); it is
-                written during the call and left as it was.
+            ledger: the pool's ledger (``collect`` reads the log, in C when it is built).
+            owners: the pool's owner array (ids 1..N at 1..N, sentinels at 0 and N + 1).
             owner: the owner this holding belongs to.
             scan: when the log misses ids, scan the owner array instead of raising.
 
         Raises:
             Internal: the owner array and the held count disagree.
         """
-        logged = np.concatenate(self.log).astype(np.intp, copy=False)
-        mine = logged[owners[logged] == owner]
-        if mine.shape[0] == self.held:
-            return mine  # every held id is logged, so exactly once each
-        # An id freed and handed back to the same owner is logged twice. Keep one copy: each
-        # position writes its own mark, the position whose mark survives is kept, then the
-        # owner is written back.
-        marks = -2 - np.arange(mine.shape[0], dtype=np.int32)
-        owners[mine] = marks
-        live = mine[owners[mine] == marks]
-        owners[live] = owner
-        if live.shape[0] != self.held and scan:
+        live = np.empty(self.held, dtype=np.int32)
+        found = ledger.collect(owner, self.log, live)
+        if found == self.held:
+            return live
+        if scan:
             # Someone wrote into an array allocate returned (the log shares it): the owner
             # array is still the truth, so scan it, O(N), this once.
-            live = np.flatnonzero(owners[1:-1] == owner) + 1
-        if live.shape[0] != self.held:
+            live = (np.flatnonzero(owners[1:-1] == owner) + 1).astype(np.int32)
+            found = live.shape[0]
+        if found != self.held:
             source = "the owner array" if scan else "its log"
-            raise Internal(
-                f"owner {owner} should hold {self.held} ids, {source} has {live.shape[0]}"
-            )
+            raise Internal(f"owner {owner} should hold {self.held} ids, {source} has {found}")
         return live

@@ -1,13 +1,14 @@
 """One id space ``1..N`` with an ownership ledger: O(count) allocate/free, O(held) reclaim.
 
-Data (``N`` = capacity; 16 bytes per id):
+Data (``N`` = capacity; 8 bytes per id plus the holdings' logs):
 
-- ``_stack`` (intp, N): ids ``1..N``; ``_stack[_head:]`` are the free ones, ``_stack[:_head]`` is
+- ``_stack`` (int32, N): ids ``1..N``; ``_stack[head:]`` are the free ones, ``_stack[:head]`` is
   stale. Allocate takes ``_stack[head:head+k]``, free writes the ids back just below ``head``,
-  so a freed id is the next one handed out (LIFO, warm pages first). ``used == _head``.
+  so a freed id is the next one handed out (LIFO, warm pages first). ``used == head``.
 - ``_owner`` (int32, N + 2): the lease holding each id, ``<= 0`` when free. Slots 0 and N + 1 hold
-  a sentinel, so ``take(ids, mode="clip")`` turns every out-of-range id into a mismatch and
-  one gather checks range and ownership together.
+  a sentinel (-1), never handed out.
+- ``_ledger`` (``ledger.py``): does the O(count) loops over those two arrays (take, validated
+  give, check) in one C call, or in numpy when the C extension is not built; it keeps ``head``.
 - per owner a ``Holding`` (``holdings.py``): how many ids it holds and a log of the arrays it
   was handed, compacted so that reclaim reads at most ``2 * held + COMPACT_SLACK`` entries
   (O(held)); allocate and free stay O(count), amortized over compactions.
@@ -38,10 +39,9 @@ from kvpoold.alloc.checks import (
     to_index,
 )
 from kvpoold.alloc.holdings import COMPACT_SLACK, Holding
+from kvpoold.alloc.ledger import Backend, check_backend, default_backend, new_ledger
 
 _SENTINEL = -1
-# Positions get distinct "pending free" marks -2, -3, ...: a repeated id keeps only one of them.
-_TAGS_CACHED = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,13 +70,21 @@ class IdPool:
         name: for messages and Stats (``"llama/kv"``).
         unit: what an id is, for messages (``"pages"``, ``"slots"``).
         knob: the setting that makes the space larger, for ResourceExhausted messages.
+        backend: ``"native"`` (C) or ``"numpy"`` ledger; None takes ``$KVPOOL_LEDGER``, by
+            default C when it is built (see ``ledger.py``).
 
     Raises:
-        InvalidArgument: for a capacity outside ``1..CAPACITY_MAX``.
+        InvalidArgument: for a capacity outside ``1..CAPACITY_MAX``, or an unusable backend.
     """
 
     def __init__(
-        self, capacity: int, name: str, *, unit: str = "ids", knob: str = "budget_bytes"
+        self,
+        capacity: int,
+        name: str,
+        *,
+        unit: str = "ids",
+        knob: str = "budget_bytes",
+        backend: Backend | None = None,
     ) -> None:
         cap = check_count(capacity, f"IdPool {name}", field="capacity")
         if not 1 <= cap <= CAPACITY_MAX:
@@ -89,12 +97,11 @@ class IdPool:
         self.name = name
         self.capacity = cap
         self.knob = knob
-        self._stack = np.arange(1, cap + 1, dtype=np.intp)
-        self._head = 0
+        self.backend = default_backend() if backend is None else check_backend(backend)
+        self._stack = np.arange(1, cap + 1, dtype=np.int32)
         self._owner = np.zeros(cap + 2, dtype=np.int32)
         self._owner[0] = self._owner[cap + 1] = _SENTINEL
-        self._tags = -2 - np.arange(min(cap, _TAGS_CACHED), dtype=np.int32)
-        self._tag_bytes = self._tags.tobytes()
+        self._ledger = new_ledger(self._stack, self._owner, self.backend)
         self._holdings: dict[int, Holding] = {}
         self._high_water = 0
         self._frees = 0
@@ -122,22 +129,17 @@ class IdPool:
             count = check_count(count, f"allocate {self.name}")
             if count == 0:
                 return EMPTY_IDS
-        head = self._head
-        end = head + count
-        if end > self.capacity:
+        ledger = self._ledger
+        if ledger.head + count > self.capacity:
             self.require_free(check_count(count, f"allocate {self.name}"))
-        idx = self._stack[head:end]
-        if count == 1:
-            self._owner[idx.item(0)] = owner  # a scalar write is 3x cheaper than fancy indexing
-        else:
-            self._owner[idx] = owner
-        ids = idx.astype(np.int32)
-        self._head = end
+        ids = np.empty(count, dtype=np.int32)
+        ledger.take(owner, ids)
+        end = ledger.head
         if end > self._high_water:
             self._high_water = end
         holding = self._holdings.get(owner)
         if holding is None:
-            holding = self._holdings[owner] = Holding(owner)
+            holding = self._holdings[owner] = Holding()
         holding.held += count
         holding.log.append(ids)
         holding.logged += count
@@ -157,7 +159,8 @@ class IdPool:
         Raises:
             ResourceExhausted: naming asked, free and capacity, and the knob to turn.
         """
-        free = self.capacity - self._head
+        used = self._ledger.head
+        free = self.capacity - used
         if count <= free:
             return
         self._failed_allocs += 1
@@ -170,7 +173,7 @@ class IdPool:
                 field=field,
             )
         raise ResourceExhausted(
-            f"{action}: {asked}, {free:,} of {self.capacity:,} free ({self._head:,} held by "
+            f"{action}: {asked}, {free:,} of {self.capacity:,} free ({used:,} held by "
             f"{_leases(len(self._holdings))}); free some or Configure a larger {self.knob}",
             field=field,
         )
@@ -191,34 +194,25 @@ class IdPool:
         """
         if type(owner) is not int or not 0 < owner <= OWNER_MAX:
             owner = check_owner(owner, f"free {self.name}")
-        arr = ids if type(ids) is np.ndarray and ids.ndim == 1 else as_ids(ids, f"free {self.name}")
-        if arr.dtype.kind not in "iu":
-            arr = as_ids(arr, f"free {self.name}")
+        try:
+            bad = self._ledger.give(owner, ids)
+            arr = ids
+        except TypeError:  # not a 1-D int32/int64 array: a list, uint32, strided, a float...
+            arr = as_ids(ids, f"free {self.name}")  # InvalidArgument for what is not ids
+            bad = self._ledger.give(owner, to_index(arr))
+        if bad >= 0:
+            raise self._free_error(owner, arr)
         count = arr.shape[0]
         if count == 0:
             return 0
-        holding = self._holdings.get(owner)
-        if count == 1:
-            i = arr.item(0)
-            if holding is None or not 0 < i <= self.capacity or self._owner.item(i) != owner:
-                raise self._free_error(owner, arr)
-            self._owner[i] = 0
-            self._head -= 1
-            self._stack[self._head] = i
-        else:
-            idx = arr.astype(np.intp, copy=False)
-            if holding is None or not self._mark_pending(owner, holding, idx):
-                raise self._free_error(owner, arr)
-            head = self._head - count
-            self._stack[head : self._head] = idx
-            self._head = head
+        holding = self._holdings[owner]
         self._frees += count
         # _drop, inlined: this is the hot path.
         held = holding.held = holding.held - count
         if held == 0:
             del self._holdings[owner]
         elif holding.logged > 2 * held + COMPACT_SLACK:
-            holding.compact(self._owner, owner)
+            holding.compact(self._ledger, self._owner, owner)
         return count
 
     def validate_free(self, owner: int, ids: IdsLike) -> None:
@@ -238,9 +232,7 @@ class IdPool:
         Changes nothing. O(k) when every id may be freed; the diagnosis of a refusal is
         O(k log k) (see ``checks.first_fault``).
         """
-        holding = self._holdings.get(owner)
-        if holding is not None and idx.shape[0] and self._mark_pending(owner, holding, idx):
-            self._owner[idx] = owner  # undo the pending marks
+        if self._ledger.check(owner, idx) < 0:
             return None
         return first_fault(self._owner, owner, idx)
 
@@ -256,10 +248,8 @@ class IdPool:
         count = idx.shape[0]
         if count == 0:
             return 0
-        self._owner[idx] = 0
-        head = self._head - count
-        self._stack[head : self._head] = idx
-        self._head = head
+        if self._ledger.give(owner, idx) >= 0:
+            raise Internal(f"free {self.name}: ids checked by find_fault were refused at commit")
         self._frees += count
         self._drop(owner, self._holdings[owner], count)
         return count
@@ -275,19 +265,21 @@ class IdPool:
         holding = self._holdings.get(owner)
         if holding is None:
             return EMPTY_IDS
-        live = holding.live(self._owner, owner)
+        live = holding.live(self._ledger, self._owner, owner)
+        if live.shape[0] and self._ledger.give(owner, live) >= 0:
+            raise Internal(f"reclaim {self.name}: the ledger refused owner {owner}'s own ids")
         del self._holdings[owner]
-        self._owner[live] = 0
-        head = self._head - live.shape[0]
-        self._stack[head : self._head] = live
-        self._head = head
         self._frees += live.shape[0]
-        return live.astype(np.int32)
+        return live
 
     @property
     def num_free(self) -> int:
         """Ids free now."""
-        return self.capacity - self._head
+        return self.capacity - self._ledger.head
+
+    def free_ids(self) -> np.ndarray:
+        """The free ids in the order they will be handed out (a copy; O(N), for tests)."""
+        return self._stack[self._ledger.head :].copy()
 
     def held(self, owner: int) -> int:
         """How many ids ``owner`` holds now."""
@@ -316,12 +308,13 @@ class IdPool:
 
     def stats(self) -> PoolCounters:
         """Counters for Stats, taken now."""
+        used = self._ledger.head
         return PoolCounters(
             capacity=self.capacity,
-            used=self._head,
-            free=self.capacity - self._head,
+            used=used,
+            free=self.capacity - used,
             high_water=self._high_water,
-            allocs=self._frees + self._head,
+            allocs=self._frees + used,
             frees=self._frees,
             failed_allocs=self._failed_allocs,
         )
@@ -332,7 +325,7 @@ class IdPool:
         Raises:
             Internal: naming the first broken invariant.
         """
-        cap, head = self.capacity, self._head
+        cap, head = self.capacity, self._ledger.head
         free_ids = self._stack[head:]
         owners = self._owner[1 : cap + 1]
         held = owners > 0
@@ -346,32 +339,10 @@ class IdPool:
         in_array = dict(zip(values.tolist(), counts.tolist(), strict=True))
         checks.append((in_array == self.holders(), "held counts differ from the owner array"))
         for owner, holding in self._holdings.items():
-            holding.live(self._owner, owner, scan=False)  # raises Internal
+            holding.live(self._ledger, self._owner, owner, scan=False)  # raises Internal
         for ok, what in checks:
             if not ok:
                 raise Internal(f"IdPool {self.name} ledger broken: {what}")
-
-    def _mark_pending(self, owner: int, holding: Holding, idx: np.ndarray) -> bool:
-        """Fast check of a free of k >= 1 ids; on success the ids are marked free in ``_owner``.
-
-        One gather checks range and ownership (sentinels at 0 and N + 1); then each position
-        writes its own negative mark, and reading the marks back finds any repeated id (it kept
-        one mark for two positions). On failure ``_owner`` is restored and False returned.
-        """
-        count = idx.shape[0]
-        owners = self._owner
-        if owners.take(idx, mode="clip").tobytes() != holding.mark * count:
-            return False
-        if count <= self._tags.shape[0]:
-            tags, tag_bytes = self._tags[:count], self._tag_bytes[: 4 * count]
-        else:
-            tags = -2 - np.arange(count, dtype=np.int32)
-            tag_bytes = tags.tobytes()
-        owners[idx] = tags
-        if owners.take(idx).tobytes() != tag_bytes:
-            owners[idx] = owner
-            return False
-        return True
 
     def _drop(self, owner: int, holding: Holding, count: int) -> None:
         """Take ``count`` freed ids off ``owner``'s holding; compact its log when it is stale."""
@@ -379,7 +350,7 @@ class IdPool:
         if holding.held == 0:
             del self._holdings[owner]
         elif holding.stale():
-            holding.compact(self._owner, owner)
+            holding.compact(self._ledger, self._owner, owner)
 
     def _free_error(self, owner: int, arr: np.ndarray) -> Exception:
         """The error for a refused free of ``arr`` (state unchanged)."""

@@ -23,6 +23,7 @@ from kvpoold.alloc.checks import (
     check_owner,
 )
 from kvpoold.alloc.ids import IdPool, PoolCounters
+from kvpoold.alloc.ledger import Backend
 from kvpoold.alloc.swa import SwaPair
 
 
@@ -51,9 +52,12 @@ class PoolAllocator:
         full_to_swa_on_write: see ``SwaPair`` (device pools mirror the mapping through it).
         req_rows: request rows ``1..max_running_requests``.
         state_slots: mamba state slots.
+        backend: the ledger of every space, ``"native"`` or ``"numpy"`` (None: the default, see
+            ``ledger.py``).
 
     Raises:
-        InvalidArgument: a negative size, swa without kv or without a mapping, or no space at all.
+        InvalidArgument: a negative size, swa without kv or without a mapping, no space at all,
+            or an unusable backend.
     """
 
     def __init__(
@@ -66,6 +70,7 @@ class PoolAllocator:
         full_to_swa_on_write: Callable[[np.ndarray], None] | None = None,
         req_rows: int = 0,
         state_slots: int = 0,
+        backend: Backend | None = None,
     ) -> None:
         self.name = name
         # Guards every IdPool of this pool, the SwaPair and both copies of its mapping. A leaf
@@ -90,7 +95,7 @@ class PoolAllocator:
         self._spaces: dict[Kind, IdPool] = {}
         self._pair: SwaPair | None = None
         if kv_pages:
-            self._spaces[Kind.KV] = IdPool(kv_pages, f"{name}/kv", unit="pages")
+            self._spaces[Kind.KV] = IdPool(kv_pages, f"{name}/kv", unit="pages", backend=backend)
         if swa_pages:
             if not kv_pages or full_to_swa is None:
                 raise InvalidArgument(
@@ -99,13 +104,17 @@ class PoolAllocator:
                     field="swa_pages",
                 )
             swa = IdPool(
-                swa_pages, f"{name}/swa", unit="pages", knob="budget_bytes or swa_full_tokens_ratio"
+                swa_pages,
+                f"{name}/swa",
+                unit="pages",
+                knob="budget_bytes or swa_full_tokens_ratio",
+                backend=backend,
             )
             self._pair = SwaPair(self._spaces[Kind.KV], swa, full_to_swa, full_to_swa_on_write)
             self._spaces[Kind.SWA] = swa
         if req_rows:
             self._spaces[Kind.REQ] = IdPool(
-                req_rows, f"{name}/req", unit="rows", knob="max_running_requests"
+                req_rows, f"{name}/req", unit="rows", knob="max_running_requests", backend=backend
             )
         if state_slots:
             self._spaces[Kind.STATE] = IdPool(
@@ -113,6 +122,7 @@ class PoolAllocator:
                 f"{name}/state",
                 unit="slots",
                 knob="budget_bytes or mamba_full_memory_ratio",
+                backend=backend,
             )
 
         # Item kinds accepted as given (a Kind or its value), for the batch fast paths.
