@@ -2,8 +2,9 @@
 
 Everything else is in pyproject.toml. The extension is optional: without a C compiler the
 package still installs and ``kvpoold.alloc.ledger`` falls back to numpy (same behaviour,
-about 3-6x slower per call; ``kvpoold version`` says which is in use). Set
-``KVPOOL_REQUIRE_NATIVE=1`` to make a failed compile fail the install (CI does).
+slower per call; the daemon's "serving" log line says which is in use). Set
+``KVPOOL_REQUIRE_NATIVE=1`` to make a failed compile fail the install (CI and the Docker
+images do).
 """
 
 import os

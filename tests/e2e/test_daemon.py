@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.client import KVPoolClient
+from kvpoold.alloc.ledger import native_available
 from tests.conftest import (
     REPO,
     TINY_OPTIONS,
@@ -194,3 +195,20 @@ def test_second_daemon_on_the_same_socket_is_refused(shared_daemon: DaemonProces
     assert "another daemon is serving" in out.stderr
     with KVPoolClient(shared_daemon.target) as client:
         assert client.health() == "SERVING"
+
+
+def test_serving_log_names_the_allocator_ledger(shared_daemon: DaemonProcess) -> None:
+    want = "native" if native_available() else "numpy"
+    assert f"allocator_ledger={want}" in shared_daemon.log_text()
+
+
+def test_bad_ledger_setting_refuses_to_start(socket_dir: Path) -> None:
+    """A typo in $KVPOOL_LEDGER stops the daemon at start, not at the first Configure."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvpoold.cli", "serve", "--listen", f"unix://{socket_dir}/k.sock"],
+        cwd=REPO, env=subprocess_env() | {"KVPOOL_LEDGER": "fast"}, capture_output=True,
+        text=True, timeout=60,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "KVPOOL_LEDGER" in out.stderr and "got 'fast'" in out.stderr
+    assert not (socket_dir / "k.sock").exists()

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kvpool.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
-from kvpoold.alloc.holdings import COMPACT_SLACK
 from kvpoold.alloc.ids import IdPool, PoolCounters
+from kvpoold.alloc.ledger import MIN_ROOM, SHRINK_ABOVE
 
 # Every test runs on the C ledger and on the numpy one.
 pytestmark = pytest.mark.usefixtures("ledger_backend")
@@ -93,29 +93,42 @@ def test_reclaim_after_id_comes_back_to_same_owner_counts_it_once() -> None:
     pool = make_pool(3)
     pool.allocate(1, 3)
     pool.free(1, [2])
-    assert pool.allocate(1, 1).tolist() == [2]  # logged twice for owner 1 now
-    assert pool.reclaim(1) == 3
+    assert pool.allocate(1, 1).tolist() == [2]  # freed and handed back to the same owner
+    assert sorted(pool.reclaim_ids(1).tolist()) == [1, 2, 3]
     assert pool.stats().used == 0
     pool.audit()
 
 
-def test_log_is_compacted_so_reclaim_reads_o_held() -> None:
+def test_held_set_stays_small_under_churn_so_reclaim_reads_o_held() -> None:
+    """An owner holding 5 ids and churning 2 at a time keeps a held set of 5 ids in a small
+    array: nothing grows with the number of calls."""
     pool = make_pool(100)
     pool.allocate(1, 5)
-    for _ in range(3 * COMPACT_SLACK):
+    for _ in range(20_000):
         pool.free(1, pool.allocate(1, 2))
     holding = pool._holdings[1]
-    assert holding.held == 5
-    assert holding.logged <= 2 * 5 + COMPACT_SLACK
-    assert pool.reclaim(1) == 5
+    assert len(holding) == 5 and holding.room == MIN_ROOM
+    assert sorted(pool.reclaim_ids(1).tolist()) == [1, 2, 3, 4, 5]
     pool.audit()
 
 
-def test_writing_into_a_returned_array_still_reclaims_everything() -> None:
+def test_held_set_grows_and_shrinks_with_the_owner() -> None:
+    pool = IdPool(3 * SHRINK_ABOVE, "big")
+    first = pool.allocate(1, 10)
+    big = pool.allocate(1, 2 * SHRINK_ABOVE)
+    assert pool._holdings[1].room >= 2 * SHRINK_ABOVE + 10
+    pool.free(1, big)
+    assert pool._holdings[1].room < 4 * 10 * 2  # shrunk, still holding the 10
+    assert sorted(pool.reclaim_ids(1).tolist()) == sorted(first.tolist())
+    assert 1 not in pool._holdings  # an owner holding nothing keeps no set
+    pool.audit()
+
+
+def test_writing_into_a_returned_array_changes_nothing() -> None:
     pool = make_pool(8)
     ids = pool.allocate(1, 4)
-    ids[:] = 7  # misuse: the ledger shares this array
-    assert pool.reclaim(1) == 4
+    ids[:] = 7  # the caller's copy: the pool keeps its own
+    assert sorted(pool.reclaim_ids(1).tolist()) == [1, 2, 3, 4]
     assert pool.stats().used == 0
     pool.audit()
 
@@ -333,9 +346,12 @@ def test_empty_float_array_is_an_empty_free() -> None:
     assert pool.held(5) == 4
 
 
-def test_reclaim_refuses_when_held_count_and_owner_array_disagree() -> None:
+def test_reclaim_refuses_when_held_set_and_owner_array_disagree() -> None:
     pool = make_pool(6)
     pool.allocate(1, 3)
-    pool._holdings[1].held = 5  # a ledger bug
-    with pytest.raises(Internal, match="owner 1 should hold 5 ids, the owner array has 3"):
+    pool._owner[2] = 9  # memory corruption: the owner array no longer names owner 1
+    with pytest.raises(Internal, match=r"owner 1's held set \(3 ids\) disagrees .* nothing was"):
         pool.reclaim(1)
+    assert pool.stats().used == 3 and pool.owner_of([1, 2, 3]).tolist() == [1, 9, 1]
+    with pytest.raises(Internal, match="ledger broken"):
+        pool.audit()

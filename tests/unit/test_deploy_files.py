@@ -326,7 +326,7 @@ def test_dockerfile_copies_what_pip_install_needs(name: str) -> None:
     path = DOCKER / name
     copies = [shlex.split(x) for x in instruction(path, "COPY")]
     sources = [src for parts in copies for src in parts[:-1] if not src.startswith("--")]
-    assert {"pyproject.toml", "client", "service"} <= set(sources)
+    assert {"pyproject.toml", "setup.py", "client", "service"} <= set(sources)
     readme = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"].get("readme")
     if readme:
         assert readme in sources, "setuptools reads the readme named in pyproject.toml"
@@ -337,6 +337,10 @@ def test_dockerfile_copies_what_pip_install_needs(name: str) -> None:
     assert "*" in ignore and set(sources) <= allowed
     install = [x for x in instruction(path, "RUN") if "pip install" in x]
     assert any("pip install ." in x for x in install)
+    # the C allocator ledger must build in the image, not silently fall back to numpy
+    assert all("KVPOOL_REQUIRE_NATIVE=1 pip install ." in x for x in install if "install ." in x)
+    assert all(re.search(r"install .*\bgcc\b", x) for x in instruction(path, "RUN")
+               if "apt-get install" in x), "gcc is needed to build kvpoold/alloc/_ledger.c"
     # torch first, from an explicit index: a bare `pip install .` would pick the CUDA build
     torch_step = next(i for i, x in enumerate(install) if "torch==" in x)
     assert re.search(r'--index-url "?https://download\.pytorch\.org/whl/', install[torch_step])

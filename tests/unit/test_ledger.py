@@ -7,6 +7,7 @@ not built (``KVPOOL_REQUIRE_NATIVE=1``).
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 
@@ -17,7 +18,11 @@ from kvpool.errors import InvalidArgument
 from kvpoold.alloc.ids import IdPool
 from kvpoold.alloc.ledger import (
     ENV,
+    MIN_ROOM,
+    SHRINK_ABOVE,
     Backend,
+    HeldSet,
+    Ledger,
     NativeLedger,
     check_backend,
     default_backend,
@@ -28,11 +33,40 @@ from kvpoold.alloc.ledger import (
 NATIVE = pytest.mark.skipif(not native_available(), reason="kvpoold.alloc._ledger is not built")
 
 
-def arrays(cap: int) -> tuple[np.ndarray, np.ndarray]:
+def arrays(cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``stack``, ``owners`` and ``slots`` of an all-free space of ``cap`` ids."""
     stack = np.arange(1, cap + 1, dtype=np.int32)
     owners = np.zeros(cap + 2, dtype=np.int32)
     owners[0] = owners[-1] = -1
-    return stack, owners
+    return stack, owners, np.full(cap + 2, -1, dtype=np.int32)
+
+
+class Sets:
+    """Held sets per owner, made by the ledger as IdPool makes them."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.sets: dict[int, HeldSet] = {}
+
+    def of(self, owner: int) -> HeldSet:
+        if owner not in self.sets:
+            self.sets[owner] = self.ledger.new_set(owner)
+        return self.sets[owner]
+
+    def take(self, owner: int, count: int) -> np.ndarray:
+        out = np.empty(count, dtype=np.int32)
+        self.ledger.take(owner, out, self.of(owner))
+        return out
+
+    def give(self, owner: int, ids: object) -> int:
+        return self.ledger.give(owner, ids, self.of(owner))  # type: ignore[arg-type]
+
+    def ids(self, owner: int) -> list[int]:
+        """The owner's set, in its order."""
+        return np.frombuffer(self.of(owner).tobytes(), dtype=np.int32).tolist()
+
+    def held(self, owner: int) -> list[int]:
+        return sorted(self.ids(owner))
 
 
 @pytest.fixture(params=["native", "numpy"])
@@ -50,29 +84,47 @@ def test_native_ledger_is_built_where_required() -> None:
     assert default_backend() == "native"
 
 
-def test_take_hands_out_the_stack_in_order_and_marks_owners(backend: Backend) -> None:
-    stack, owners = arrays(6)
-    ledger = new_ledger(stack, owners, backend)
-    out = np.empty(4, dtype=np.int32)
-    ledger.take(3, out)
-    assert out.tolist() == [1, 2, 3, 4] and ledger.head == 4
+def test_take_hands_out_the_stack_in_order_and_records_the_owner(backend: Backend) -> None:
+    stack, owners, slots = arrays(6)
+    ledger = new_ledger(stack, owners, slots, backend)
+    sets = Sets(ledger)
+    assert sets.take(3, 4).tolist() == [1, 2, 3, 4] and ledger.head == 4
     assert owners.tolist() == [-1, 3, 3, 3, 3, 0, 0, -1]
+    assert sets.ids(3) == [1, 2, 3, 4] and slots[1:5].tolist() == [0, 1, 2, 3]
+    assert len(sets.of(3)) == 4 and sets.of(3).owner == 3
     with pytest.raises(ValueError, match="only 2 free"):
-        ledger.take(3, np.empty(3, dtype=np.int32))
+        sets.take(3, 3)
     assert ledger.head == 4 and owners.tolist() == [-1, 3, 3, 3, 3, 0, 0, -1]
+    assert len(sets.of(3)) == 4
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
-def test_give_frees_lifo_and_reports_success(backend: Backend, dtype: type) -> None:
-    stack, owners = arrays(6)
-    ledger = new_ledger(stack, owners, backend)
-    ledger.take(5, np.empty(4, dtype=np.int32))
-    assert ledger.give(5, np.array([4, 2], dtype=dtype)) == -1
-    assert ledger.head == 2
-    assert owners.tolist() == [-1, 5, 0, 5, 0, 0, 0, -1]
-    out = np.empty(2, dtype=np.int32)
-    ledger.take(6, out)
-    assert out.tolist() == [4, 2]  # the freed ids come back first, in the order given
+def test_give_frees_lifo_and_keeps_the_held_set_exact(backend: Backend, dtype: type) -> None:
+    stack, owners, slots = arrays(6)
+    ledger = new_ledger(stack, owners, slots, backend)
+    sets = Sets(ledger)
+    sets.take(5, 4)
+    assert sets.give(5, np.array([4, 1], dtype=dtype)) == -1
+    assert ledger.head == 2 and sets.ids(5) == [3, 2]  # 3 filled the hole 1 left
+    assert owners.tolist() == [-1, 0, 5, 5, 0, 0, 0, -1]
+    assert sets.take(6, 2).tolist() == [4, 1]  # freed ids come back first, as given
+    assert sets.give(5, np.array([3, 2], dtype=dtype)) == -1
+    assert len(sets.of(5)) == 0 and sets.held(6) == [1, 4]
+
+
+def test_held_sets_grow_and_shrink(backend: Backend) -> None:
+    cap = 4 * SHRINK_ABOVE
+    ledger = new_ledger(*arrays(cap), backend)
+    sets = Sets(ledger)
+    assert sets.of(1).room == MIN_ROOM
+    small = sets.take(1, 10)
+    big = sets.take(1, 2 * SHRINK_ABOVE)
+    assert sets.of(1).room >= 2 * SHRINK_ABOVE + 10
+    assert sets.give(1, big) == -1
+    room = sets.of(1).room
+    assert MIN_ROOM <= room < 4 * 10 * 2  # halved while three quarters were unused
+    assert sets.held(1) == sorted(small.tolist())
+    assert sets.give(1, small) == -1 and len(sets.of(1)) == 0
 
 
 @pytest.mark.parametrize(
@@ -88,28 +140,49 @@ def test_give_frees_lifo_and_reports_success(backend: Backend, dtype: type) -> N
     ],
 )
 def test_give_refuses_and_changes_nothing(backend: Backend, ids: list[int], first_bad: int) -> None:
-    stack, owners = arrays(6)
-    ledger = new_ledger(stack, owners, backend)
-    ledger.take(7, np.empty(3, dtype=np.int32))
-    ledger.take(9, np.empty(1, dtype=np.int32))
-    before = stack.copy(), owners.copy(), ledger.head
+    stack, owners, slots = arrays(6)
+    ledger = new_ledger(stack, owners, slots, backend)
+    sets = Sets(ledger)
+    sets.take(7, 3)
+    sets.take(9, 1)
+    before = [a.tolist() for a in (stack, owners, slots)], sets.ids(7), ledger.head
     arr = np.array(ids, dtype=np.int64)
-    bad = ledger.give(7, arr)
+    bad = sets.give(7, arr)
     assert bad >= 0
     if backend == "native":
         assert bad == first_bad  # the C ledger names the position; numpy only says "refused"
     assert ledger.check(7, arr) == bad
-    assert (stack.tolist(), owners.tolist(), ledger.head) == (
-        before[0].tolist(), before[1].tolist(), before[2])
+    assert ([a.tolist() for a in (stack, owners, slots)], sets.ids(7), ledger.head) == before
+
+
+def test_a_held_set_serves_only_its_owner_and_ledger(backend: Backend) -> None:
+    ledger = new_ledger(*arrays(4), backend)
+    other = new_ledger(*arrays(4), backend)
+    mine = ledger.new_set(1)
+    one = np.empty(1, dtype=np.int32)
+    with pytest.raises(ValueError, match=r"owner 1 \(of this ledger\) used for owner 2"):
+        ledger.take(2, one, mine)
+    with pytest.raises(ValueError, match="of another ledger"):
+        other.take(1, one, mine)
+    with pytest.raises(TypeError, match="held must be a HeldSet"):
+        ledger.give(1, one, np.zeros(4, dtype=np.int32))  # type: ignore[arg-type]
+    assert ledger.head == 0 and other.head == 0
 
 
 def test_check_changes_nothing_on_success(backend: Backend) -> None:
-    stack, owners = arrays(4)
-    ledger = new_ledger(stack, owners, backend)
-    ledger.take(2, np.empty(3, dtype=np.int32))
+    stack, owners, slots = arrays(4)
+    ledger = new_ledger(stack, owners, slots, backend)
+    Sets(ledger).take(2, 3)
     before = owners.tolist()
     assert ledger.check(2, np.array([3, 1], dtype=np.int32)) == -1
     assert owners.tolist() == before and ledger.head == 3
+
+
+@NATIVE
+def test_room_constants_agree() -> None:
+    from kvpoold.alloc import _ledger
+
+    assert (_ledger.MIN_ROOM, _ledger.SHRINK_ABOVE) == (MIN_ROOM, SHRINK_ABOVE)
 
 
 @NATIVE
@@ -123,96 +196,104 @@ def test_check_changes_nothing_on_success(backend: Backend) -> None:
         np.array([[1, 2]], dtype=np.int32),
         np.array([1.0, 2.0]),
         b"\x01\x00\x00\x00",  # bytes: format "B"
+        [1, 2],
     ],
-    ids=["uint32", "int16", "big-endian", "strided", "2-D", "float", "bytes"],
+    ids=["uint32", "int16", "big-endian", "strided", "2-D", "float", "bytes", "list"],
 )
 def test_native_give_refuses_other_layouts_with_typeerror(ids: object) -> None:
     """TypeError is the "convert and retry" signal IdPool relies on; nothing may change."""
-    stack, owners = arrays(4)
-    ledger = NativeLedger(stack, owners)
-    ledger.take(1, np.empty(2, dtype=np.int32))
+    stack, owners, slots = arrays(4)
+    sets = Sets(NativeLedger(stack, owners, slots))
+    sets.take(1, 2)
     before = owners.tolist()
     with pytest.raises(TypeError):
-        ledger.give(1, ids)
+        sets.give(1, ids)
     with pytest.raises(TypeError):
-        ledger.check(1, ids)
-    assert owners.tolist() == before and ledger.head == 2
+        sets.ledger.check(1, ids)  # type: ignore[arg-type]
+    assert owners.tolist() == before and sets.ledger.head == 2
 
 
 @NATIVE
 def test_native_give_reads_read_only_wire_buffers() -> None:
-    stack, owners = arrays(4)
-    ledger = NativeLedger(stack, owners)
-    ledger.take(1, np.empty(2, dtype=np.int32))
+    sets = Sets(NativeLedger(*arrays(4)))
+    sets.take(1, 2)
     wire = np.frombuffer(np.array([2, 1], dtype="<i4").tobytes(), dtype="<i4")
     assert not wire.flags.writeable
-    assert ledger.give(1, wire) == -1 and ledger.head == 0
+    assert sets.give(1, wire) == -1 and sets.ledger.head == 0
 
 
 @NATIVE
 @pytest.mark.parametrize(
-    ("stack", "owners", "match"),
+    ("sizes", "match"),
     [
-        (np.arange(1, 5, dtype=np.int64), np.zeros(6, dtype=np.int32), "stack must be"),
-        (np.arange(1, 5, dtype=np.int32), np.zeros(5, dtype=np.int32), "owners of N \\+ 2"),
-        (np.zeros(0, dtype=np.int32), np.zeros(2, dtype=np.int32), "got N=0"),
+        ((4, 6, 6, np.int64), "stack must be"),
+        ((4, 5, 6, np.int32), "owners of N \\+ 2"),
+        ((4, 6, 5, np.int32), "slots of N \\+ 2"),
+        ((0, 2, 2, np.int32), "got N=0"),
     ],
 )
 def test_native_constructor_checks_its_arrays(
-    stack: np.ndarray, owners: np.ndarray, match: str
+    sizes: tuple[int, int, int, type], match: str
 ) -> None:
+    n, n_owners, n_slots, stack_dtype = sizes
     with pytest.raises((TypeError, ValueError), match=match):
-        NativeLedger(stack, owners)
+        NativeLedger(np.zeros(n, dtype=stack_dtype), np.zeros(n_owners, dtype=np.int32),
+                     np.zeros(n_slots, dtype=np.int32))
 
 
 @NATIVE
-def test_native_constructor_refuses_read_only_arrays_and_bad_owners() -> None:
-    stack, owners = arrays(4)
+def test_native_refuses_read_only_arrays_and_bad_owners() -> None:
+    stack, owners, slots = arrays(4)
     stack.flags.writeable = False
     with pytest.raises((TypeError, ValueError, BufferError)):
-        NativeLedger(stack, owners)
-    stack, owners = arrays(4)
-    ledger = NativeLedger(stack, owners)
+        NativeLedger(stack, owners, slots)
+    stack, owners, slots = arrays(4)
+    ledger = NativeLedger(stack, owners, slots)
+    one = np.empty(1, dtype=np.int32)
     for owner in (0, -1, 2 ** 31):
         with pytest.raises(ValueError, match="owner must be in"):
-            ledger.take(owner, np.empty(1, dtype=np.int32))
+            ledger.new_set(owner)
+    held = ledger.new_set(1)
     with pytest.raises(TypeError, match="out must be"):
-        ledger.take(1, np.empty(1, dtype=np.int64))
-    assert ledger.head == 0 and owners.tolist() == [-1, 0, 0, 0, 0, -1]
+        ledger.take(1, np.empty(1, dtype=np.int64), held)
+    with pytest.raises(TypeError, match="cannot create"):
+        type(held)()
+    ledger.take(1, one, held)
+    assert ledger.head == 1 and owners.tolist() == [-1, 1, 0, 0, 0, -1]
 
 
 @NATIVE
-def test_native_ledger_keeps_its_arrays_alive() -> None:
-    stack, owners = arrays(3)
-    ledger = NativeLedger(stack, owners)
+def test_native_set_keeps_its_ledger_and_the_ledger_its_arrays_alive() -> None:
+    stack, owners, slots = arrays(3)
     view = owners
-    del stack, owners
+    held = NativeLedger(stack, owners, slots).new_set(4)  # the set holds the only reference
+    del stack, owners, slots
+    gc.collect()
     out = np.empty(3, dtype=np.int32)
-    ledger.take(4, out)
+    held.ledger.take(4, out, held)
     assert out.tolist() == [1, 2, 3] and view.tolist() == [-1, 4, 4, 4, -1]
 
 
 @NATIVE
 def test_both_ledgers_run_the_same_program_identically() -> None:
-    """2,000 random takes, gives (good and bad) and checks on a 64-id space: after every step
-    the C and numpy ledgers have the same stack, owners, head and verdict."""
+    """3,000 random takes, gives (good and bad) and checks on a 64-id space: after every step
+    the C and numpy ledgers agree on the verdict and on every array: stack, owners, slots and
+    each owner's held set, in order."""
     rng = random.Random(1234)
     cap = 64
-    pairs = {b: arrays(cap) for b in ("native", "numpy")}
-    ledgers = {b: new_ledger(*pairs[b], b) for b in pairs}  # type: ignore[arg-type]
+    spaces = {b: arrays(cap) for b in ("native", "numpy")}
+    sets = {b: Sets(new_ledger(*spaces[b], b)) for b in spaces}  # type: ignore[arg-type]
     held: dict[int, list[int]] = {1: [], 2: [], 3: []}
-    for step in range(2000):
+    for step in range(3000):
         owner = rng.randint(1, 3)
         op = rng.random()
         if op < 0.4:
             k = rng.randint(0, 8)
-            if ledgers["native"].head + k > cap:
+            if sets["native"].ledger.head + k > cap:
                 continue
-            outs = {b: np.empty(k, dtype=np.int32) for b in ledgers}
-            for b, ledger in ledgers.items():
-                ledger.take(owner, outs[b])
-            assert outs["native"].tolist() == outs["numpy"].tolist(), step
-            held[owner] += outs["native"].tolist()
+            outs = {b: sets[b].take(owner, k).tolist() for b in sets}
+            assert outs["native"] == outs["numpy"], step
+            held[owner] += outs["native"]
         else:
             mine = held[owner]
             ids = rng.sample(mine, rng.randint(0, min(len(mine), 6)))
@@ -220,16 +301,24 @@ def test_both_ledgers_run_the_same_program_identically() -> None:
                 ids.append(rng.choice([*ids, 0, cap + 1, -5, *range(1, cap + 1)]))
                 rng.shuffle(ids)
             arr = np.array(ids, dtype=rng.choice([np.int32, np.int64]))
-            verb = "check" if op > 0.9 else "give"
-            verdicts = {b: getattr(ledger, verb)(owner, arr) for b, ledger in ledgers.items()}
+            if op > 0.9:
+                verdicts = {b: sets[b].ledger.check(owner, arr) for b in sets}
+            else:
+                verdicts = {b: sets[b].give(owner, arr) for b in sets}
+                if verdicts["native"] < 0:
+                    held[owner] = [i for i in mine if i not in set(ids)]
             assert (verdicts["native"] < 0) == (verdicts["numpy"] < 0), (step, ids)
-            if verb == "give" and verdicts["native"] < 0:
-                held[owner] = [i for i in mine if i not in set(ids)]
-        native, numpy_ = pairs["native"], pairs["numpy"]
-        assert ledgers["native"].head == ledgers["numpy"].head, step
+        native, numpy_ = spaces["native"], spaces["numpy"]
+        head = sets["native"].ledger.head
+        assert head == sets["numpy"].ledger.head, step
         assert native[1].tolist() == numpy_[1].tolist(), step
-        head = ledgers["native"].head
         assert native[0][head:].tolist() == numpy_[0][head:].tolist(), step
+        for o in held:
+            assert sets["native"].ids(o) == sets["numpy"].ids(o), step  # same ids, same order
+            assert sets["native"].held(o) == sorted(held[o]), step
+        # slots of held ids (a freed id's slot is stale in both, and may differ: never read)
+        live = [i for o in held for i in held[o]]
+        assert native[2][live].tolist() == numpy_[2][live].tolist(), step
 
 
 def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,26 +1,33 @@
 /*
- * kvpoold.alloc._ledger: the hot loop of IdPool (take ids off the free stack, validate and give
- * them back) in one C call instead of ~9 numpy calls. Optional: without a C compiler the
- * package installs without it and kvpoold.alloc.ledger.NumpyLedger does the same job.
+ * kvpoold.alloc._ledger: the hot loops of IdPool (take ids off the free stack; validate ids and
+ * give them back) in one C call each instead of ~10 numpy calls. Optional: without a C compiler
+ * the package installs without it and kvpoold.alloc.ledger.NumpyLedger does the same job, with
+ * the same results array for array (tests/unit/test_ledger.py runs one program on both).
  *
- * A Ledger works on two int32 arrays the Python side owns (numpy arrays, via the buffer
- * protocol; this file needs no numpy headers):
+ * A Ledger works in place on three int32 arrays the Python side owns (numpy arrays, through
+ * the buffer protocol; this file needs no numpy headers):
  *
  *   stack  int32[N]      ids 1..N; stack[head:] are free, stack[:head] stale. take() hands out
  *                        stack[head:head+k]; give() writes the ids back just below head, so a
  *                        freed id is the next one handed out (LIFO).
  *   owners int32[N + 2]  the lease holding each id, 0 when free; slots 0 and N + 1 are
  *                        sentinels (-1) and never touched here.
+ *   slots  int32[N + 2]  for a held id, its position in its owner's HeldSet.
  *
- * Every call is O(k) in the ids it is given, never O(N). It runs with the GIL held and does not
- * release it: the caller's lock (PoolAllocator) and the GIL both serialise calls.
+ * and one HeldSet per owner (Ledger.new_set(owner)), which this file owns: the ids the owner
+ * holds, ids[0..n), a sparse set. take() appends; give() fills the holes it leaves with the
+ * set's last ids. So an owner's ids are known exactly at O(1) per id, and a reclaim reads them
+ * in O(held). A set is bound to its ledger and owner, and only this file changes it or the
+ * three arrays, so "owners[id] == owner" and "id is in owner's set" stay the same statement.
  *
- * Validation of a give (free) of k ids, in one pass: for each position in order, the id must be
- * in 1..N and owners[id] == owner; it is then marked PENDING (-2), so a repeat of the same id
- * later in the call no longer matches the owner and is refused. A refusal writes the owner back
- * over the marks it made and returns the position: nothing has changed. Diagnosing *why* (out
- * of range, repeated, free, other lease) is left to the Python side, which only runs it on
- * refusal.
+ * Every call is O(k) in the ids it is given, never O(N). Calls hold the GIL throughout: the
+ * caller's lock (PoolAllocator) and the GIL both serialise them.
+ *
+ * A give (free) of k ids is validated in one pass: at each position in order the id must be in
+ * 1..N and owners[id] == owner; it is then marked PENDING (-2), so a repeat of it later in the
+ * call no longer matches and is refused. A refusal writes the owner back over the marks made
+ * and returns the position: nothing has changed. Why it was refused (out of range, repeated,
+ * free, another lease) is worked out by the Python side, only on refusal.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -28,17 +35,35 @@
 #include <string.h>
 
 #define PENDING ((int32_t)-2)
+/* The smallest HeldSet array, and the size up to which a set never shrinks: an owner that
+ * cycles between a few and a few thousand ids must not pay a resize on every call. */
+#define MIN_ROOM 16
+#define SHRINK_ABOVE (1 << 16)
 
 typedef struct {
     PyObject_HEAD
     Py_buffer stack_buf;
     Py_buffer owners_buf;
+    Py_buffer slots_buf;
     int32_t *stack;
     int32_t *owners;
+    int32_t *slots;
     Py_ssize_t capacity;
     Py_ssize_t head;
     int ready;
 } Ledger;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *ledger; /* strong: the Ledger whose ids these are */
+    int32_t owner;
+    Py_ssize_t n;
+    Py_ssize_t room;
+    int32_t *ids; /* PyMem, `room` entries */
+} HeldSet;
+
+static PyTypeObject LedgerType;
+static PyTypeObject HeldSetType;
 
 /* A view of a 1-D C-contiguous array of native int32 or int64: the ids of one call. */
 typedef struct {
@@ -96,8 +121,8 @@ ids_view(PyObject *obj, IdsView *view)
     if (view->buf.ndim != 1 || !format_is(view->buf.format, &wide) ||
         view->buf.itemsize != (wide ? 8 : 4)) {
         PyBuffer_Release(&view->buf);
-        PyErr_Format(PyExc_TypeError,
-                     "ids must be a 1-D contiguous int32 or int64 array in native byte order");
+        PyErr_SetString(PyExc_TypeError,
+                        "ids must be a 1-D contiguous int32 or int64 array in native byte order");
         return -1;
     }
     view->wide = wide;
@@ -105,14 +130,29 @@ ids_view(PyObject *obj, IdsView *view)
     return 0;
 }
 
-/* The loops over one call's ids, once per id width (the width is tested once per call, not
- * per id). `(U)id - 1 >= cap` refuses 0, negatives and ids past N in one compare. */
-#define ID_LOOPS(W, T, U)                                                                    \
+static int
+int32_buffer(PyObject *obj, Py_buffer *buf, const char *name)
+{
+    if (PyObject_GetBuffer(obj, buf, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        return -1;
+    }
+    int wide = 0;
+    if (buf->ndim != 1 || !format_is(buf->format, &wide) || wide || buf->itemsize != 4) {
+        PyBuffer_Release(buf);
+        PyErr_Format(PyExc_TypeError, "%s must be a writable 1-D contiguous int32 array", name);
+        return -1;
+    }
+    return 0;
+}
+
+/* The loops over one call's ids, once per id width (tested once per call, not per id).
+ * `(U)id - 1 >= cap` refuses 0, negatives and ids past N in one compare. */
+#define ID_LOOPS(W, T, U)                                                                      \
     static Py_ssize_t mark_##W(int32_t *owners, U cap, int32_t owner, const T *ids,            \
-                               Py_ssize_t n)                                                   \
+                               Py_ssize_t k)                                                   \
     {                                                                                          \
         Py_ssize_t i;                                                                          \
-        for (i = 0; i < n; i++) {                                                              \
+        for (i = 0; i < k; i++) {                                                              \
             T id = ids[i];                                                                     \
             if ((U)id - 1u >= cap || owners[id] != owner) {                                    \
                 break;                                                                         \
@@ -121,34 +161,39 @@ ids_view(PyObject *obj, IdsView *view)
         }                                                                                      \
         return i;                                                                              \
     }                                                                                          \
-    static void set_##W(int32_t *owners, const T *ids, Py_ssize_t n, int32_t value)            \
+    static void set_##W(int32_t *owners, const T *ids, Py_ssize_t k, int32_t value)            \
     {                                                                                          \
-        for (Py_ssize_t i = 0; i < n; i++) {                                                   \
+        for (Py_ssize_t i = 0; i < k; i++) {                                                   \
             owners[ids[i]] = value;                                                            \
         }                                                                                      \
     }                                                                                          \
-    static void push_##W(int32_t *owners, int32_t *stack, const T *ids, Py_ssize_t n)          \
+    /* Free ids[0..k), all marked PENDING and all in the set's ids[0..n): the set's last k     \
+     * entries that stay move into the holes the others leave below n - k (in order, as       \
+     * numpy's `held[holes] = stay` does), then the ids go back on the stack. Two passes with \
+     * no chain between iterations; freeing the ids allocated last moves nothing. */          \
+    static void push_##W(int32_t *owners, int32_t *stack, int32_t *slots, int32_t *held,       \
+                         Py_ssize_t n, const T *ids, Py_ssize_t k)                             \
     {                                                                                          \
-        for (Py_ssize_t i = 0; i < n; i++) {                                                   \
+        Py_ssize_t keep = n - k, hole = 0;                                                     \
+        for (Py_ssize_t j = keep; j < n; j++) {                                                \
+            int32_t stay = held[j];                                                            \
+            if (owners[stay] == PENDING) {                                                     \
+                continue;                                                                      \
+            }                                                                                  \
+            while (hole < k && slots[ids[hole]] >= keep) {                                     \
+                hole++;                                                                        \
+            }                                                                                  \
+            if (hole == k) {                                                                   \
+                break; /* unreachable while the set and owners agree (audit() checks) */       \
+            }                                                                                  \
+            int32_t s = slots[ids[hole++]];                                                    \
+            held[s] = stay;                                                                    \
+            slots[stay] = s;                                                                   \
+        }                                                                                      \
+        for (Py_ssize_t i = 0; i < k; i++) {                                                   \
             owners[ids[i]] = 0;                                                                \
             stack[i] = (int32_t)ids[i];                                                        \
         }                                                                                      \
-    }                                                                                          \
-    static Py_ssize_t gather_##W(int32_t *owners, U cap, int32_t owner, const T *ids,          \
-                                 Py_ssize_t n, int32_t *dst, Py_ssize_t found, Py_ssize_t room) \
-    {                                                                                          \
-        for (Py_ssize_t i = 0; i < n; i++) {                                                   \
-            T id = ids[i];                                                                     \
-            if ((U)id - 1u >= cap || owners[id] != owner) {                                    \
-                continue;                                                                      \
-            }                                                                                  \
-            if (found == room) {                                                               \
-                return room + 1;                                                               \
-            }                                                                                  \
-            owners[id] = PENDING;                                                              \
-            dst[found++] = (int32_t)id;                                                        \
-        }                                                                                      \
-        return found;                                                                          \
     }
 
 ID_LOOPS(32, int32_t, uint32_t)
@@ -169,26 +214,6 @@ owner_arg(PyObject *obj, int32_t *owner)
     return 0;
 }
 
-/* Mark ids[0..k) PENDING if every one is in range, held by owner and not repeated; return -1.
- * Otherwise write the owner back over the marks made so far and return the first bad position. */
-static Py_ssize_t
-mark_pending(Ledger *self, int32_t owner, const IdsView *ids)
-{
-    Py_ssize_t n = ids->count, i;
-    if (ids->wide) {
-        i = mark_64(self->owners, (uint64_t)self->capacity, owner, ids->buf.buf, n);
-        if (i < n) {
-            set_64(self->owners, ids->buf.buf, i, owner); /* a repeat is written twice */
-        }
-    } else {
-        i = mark_32(self->owners, (uint32_t)self->capacity, owner, ids->buf.buf, n);
-        if (i < n) {
-            set_32(self->owners, ids->buf.buf, i, owner);
-        }
-    }
-    return i == n ? -1 : i;
-}
-
 static int
 check_ready(Ledger *self)
 {
@@ -199,79 +224,151 @@ check_ready(Ledger *self)
     return 0;
 }
 
+/* The HeldSet argument of a call: of this ledger and of `owner`. */
+static HeldSet *
+set_arg(Ledger *self, PyObject *obj, int32_t owner)
+{
+    if (Py_TYPE(obj) != &HeldSetType) {
+        PyErr_Format(PyExc_TypeError, "held must be a HeldSet from Ledger.new_set, got %s",
+                     Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    HeldSet *set = (HeldSet *)obj;
+    if (set->ledger != (PyObject *)self || set->owner != owner) {
+        PyErr_Format(PyExc_ValueError, "the held set of owner %d (of %s ledger) used for owner %d",
+                     set->owner, set->ledger == (PyObject *)self ? "this" : "another", owner);
+        return NULL;
+    }
+    return set;
+}
+
+/* Mark ids[0..k) PENDING if every one is in range, held by owner and not repeated; return -1.
+ * Otherwise write the owner back over the marks made so far and return the first bad position. */
+static Py_ssize_t
+mark_pending(Ledger *self, int32_t owner, const IdsView *ids)
+{
+    Py_ssize_t k = ids->count, i;
+    if (ids->wide) {
+        i = mark_64(self->owners, (uint64_t)self->capacity, owner, ids->buf.buf, k);
+        if (i < k) {
+            set_64(self->owners, ids->buf.buf, i, owner); /* a repeat is written twice */
+        }
+    } else {
+        i = mark_32(self->owners, (uint32_t)self->capacity, owner, ids->buf.buf, k);
+        if (i < k) {
+            set_32(self->owners, ids->buf.buf, i, owner);
+        }
+    }
+    return i == k ? -1 : i;
+}
+
+static int
+resize_set(HeldSet *set, Py_ssize_t room)
+{
+    int32_t *ids = PyMem_Realloc(set->ids, (size_t)room * sizeof(int32_t));
+    if (ids == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    set->ids = ids;
+    set->room = room;
+    return 0;
+}
+
 PyDoc_STRVAR(take_doc,
-"take(owner, out) -> None\n--\n\n"
-"Hand len(out) free ids to owner, writing them into `out` (a writable int32 array).\n"
-"ValueError when fewer are free (nothing changes): the caller checks first.");
+"take(owner, out, held) -> None\n--\n\n"
+"Hand len(out) free ids to owner: write them into `out` (a writable int32 array) and add them\n"
+"to `held`, the owner's HeldSet. ValueError when fewer ids are free (nothing changes): the\n"
+"caller checks first.");
 
 static PyObject *
 Ledger_take(Ledger *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "take(owner, out) takes 2 arguments");
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "take(owner, out, held) takes 3 arguments");
         return NULL;
     }
     int32_t owner;
-    if (check_ready(self) < 0 || owner_arg(args[0], &owner) < 0) {
-        return NULL;
-    }
+    HeldSet *set;
     Py_buffer out;
-    if (PyObject_GetBuffer(args[1], &out, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
-        return NULL;
-    }
-    int wide = 0;
-    if (out.ndim != 1 || !format_is(out.format, &wide) || wide || out.itemsize != 4) {
-        PyBuffer_Release(&out);
-        PyErr_SetString(PyExc_TypeError, "out must be a writable 1-D contiguous int32 array");
+    if (check_ready(self) < 0 || owner_arg(args[0], &owner) < 0 ||
+        (set = set_arg(self, args[2], owner)) == NULL || int32_buffer(args[1], &out, "out") < 0) {
         return NULL;
     }
     Py_ssize_t count = out.len / 4;
     if (count > self->capacity - self->head) {
-        PyBuffer_Release(&out);
         PyErr_Format(PyExc_ValueError, "take %zd ids: only %zd free", count,
                      self->capacity - self->head);
+        PyBuffer_Release(&out);
         return NULL;
     }
-    int32_t *dst = (int32_t *)out.buf;
+    Py_ssize_t n = set->n;
+    if (n + count > set->room) {
+        Py_ssize_t room = set->room;
+        while (room < n + count) {
+            room *= 2;
+        }
+        if (resize_set(set, room) < 0) {
+            PyBuffer_Release(&out);
+            return NULL;
+        }
+    }
     const int32_t *src = self->stack + self->head;
-    int32_t *owners = self->owners;
-    memcpy(dst, src, (size_t)count * sizeof(int32_t));
+    int32_t *owners = self->owners, *slots = self->slots;
+    memcpy(out.buf, src, (size_t)count * sizeof(int32_t));
+    memcpy(set->ids + n, src, (size_t)count * sizeof(int32_t));
     for (Py_ssize_t i = 0; i < count; i++) {
         owners[src[i]] = owner;
+        slots[src[i]] = (int32_t)(n + i);
     }
+    set->n = n + count;
     self->head += count;
     PyBuffer_Release(&out);
     Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(give_doc,
-"give(owner, ids) -> int\n--\n\n"
-"Free `ids` (1-D int32 or int64) held by owner: -1 when done, else the first position that is\n"
-"out of range, repeated or not held by owner, and nothing has changed.\n"
-"TypeError for any other dtype or layout (convert and call again).");
+"give(owner, ids, held) -> int\n--\n\n"
+"Free `ids` (1-D int32 or int64) held by owner and drop them from `held`, its HeldSet: -1 when\n"
+"done, else the first position that is out of range, repeated or not held by owner, and\n"
+"nothing has changed. TypeError for any other dtype or layout (convert and call again).");
 
 static PyObject *
 Ledger_give(Ledger *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "give(owner, ids) takes 2 arguments");
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "give(owner, ids, held) takes 3 arguments");
         return NULL;
     }
     int32_t owner;
+    HeldSet *set;
     IdsView ids;
-    if (check_ready(self) < 0 || owner_arg(args[0], &owner) < 0 || ids_view(args[1], &ids) < 0) {
+    if (check_ready(self) < 0 || owner_arg(args[0], &owner) < 0 ||
+        (set = set_arg(self, args[2], owner)) == NULL || ids_view(args[1], &ids) < 0) {
         return NULL;
     }
     Py_ssize_t bad = mark_pending(self, owner, &ids);
     if (bad < 0) {
-        /* Every id was held by owner and they are distinct, so count <= head. */
-        Py_ssize_t head = self->head - ids.count;
+        /* Every id was owner's and they are distinct, so all are in the set: k <= n <= head. */
+        Py_ssize_t k = ids.count, head = self->head - k;
         if (ids.wide) {
-            push_64(self->owners, self->stack + head, ids.buf.buf, ids.count);
+            push_64(self->owners, self->stack + head, self->slots, set->ids, set->n, ids.buf.buf,
+                    k);
         } else {
-            push_32(self->owners, self->stack + head, ids.buf.buf, ids.count);
+            push_32(self->owners, self->stack + head, self->slots, set->ids, set->n, ids.buf.buf,
+                    k);
         }
         self->head = head;
+        set->n -= k;
+        if (set->room > SHRINK_ABOVE && set->n * 4 <= set->room) {
+            Py_ssize_t room = set->room;
+            while (room > MIN_ROOM && set->n * 4 <= room) {
+                room /= 2;
+            }
+            if (resize_set(set, room) < 0) {
+                PyErr_Clear(); /* keeping the larger array is fine */
+            }
+        }
     }
     PyBuffer_Release(&ids.buf);
     return PyLong_FromSsize_t(bad);
@@ -279,7 +376,8 @@ Ledger_give(Ledger *self, PyObject *const *args, Py_ssize_t nargs)
 
 PyDoc_STRVAR(check_doc,
 "check(owner, ids) -> int\n--\n\n"
-"What give(owner, ids) would return, changing nothing.");
+"What give(owner, ids, held) would return (-1: it would free them; else the first bad\n"
+"position), changing nothing.");
 
 static PyObject *
 Ledger_check(Ledger *self, PyObject *const *args, Py_ssize_t nargs)
@@ -305,88 +403,41 @@ Ledger_check(Ledger *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromSsize_t(bad);
 }
 
-static int
-int32_buffer(PyObject *obj, Py_buffer *buf, const char *name)
-{
-    if (PyObject_GetBuffer(obj, buf, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
-        return -1;
-    }
-    int wide = 0;
-    if (buf->ndim != 1 || !format_is(buf->format, &wide) || wide ||
-        buf->itemsize != 4) {
-        PyBuffer_Release(buf);
-        PyErr_Format(PyExc_TypeError, "%s must be a writable 1-D contiguous int32 array", name);
-        return -1;
-    }
-    return 0;
-}
-
-PyDoc_STRVAR(collect_doc,
-"collect(owner, log, out) -> int\n--\n\n"
-"The distinct ids of `log` (a list of int32 arrays) that owner holds now, written into `out`\n"
-"(a writable int32 array of the owner's held count) in log order; returns how many were found,\n"
-"len(out) + 1 when there are more. O(total log length); owners is left as it was.");
+PyDoc_STRVAR(new_set_doc,
+"new_set(owner) -> HeldSet\n--\n\n"
+"An empty held set for owner, bound to this ledger.");
 
 static PyObject *
-Ledger_collect(Ledger *self, PyObject *const *args, Py_ssize_t nargs)
+Ledger_new_set(Ledger *self, PyObject *arg)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "collect(owner, log, out) takes 3 arguments");
-        return NULL;
-    }
     int32_t owner;
-    if (check_ready(self) < 0 || owner_arg(args[0], &owner) < 0) {
+    if (check_ready(self) < 0 || owner_arg(arg, &owner) < 0) {
         return NULL;
     }
-    if (!PyList_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "log must be a list of int32 arrays");
+    HeldSet *set = PyObject_New(HeldSet, &HeldSetType);
+    if (set == NULL) {
         return NULL;
     }
-    Py_buffer out;
-    if (int32_buffer(args[2], &out, "out") < 0) {
-        return NULL;
+    set->ids = PyMem_Malloc(MIN_ROOM * sizeof(int32_t));
+    if (set->ids == NULL) {
+        set->ledger = NULL;
+        Py_DECREF(set);
+        return PyErr_NoMemory();
     }
-    int32_t *dst = (int32_t *)out.buf;
-    const Py_ssize_t room = out.len / 4;
-    int32_t *owners = self->owners;
-    const Py_ssize_t cap = self->capacity;
-    Py_ssize_t found = 0;
-    int failed = 0;
-    /* Each id found is marked PENDING so a second copy of it in the log is skipped; the marks
-     * are undone below, before any return. A list item is borrowed: nothing here runs Python
-     * code, so the list cannot change under us. */
-    for (Py_ssize_t a = 0; a < PyList_GET_SIZE(args[1]) && found <= room; a++) {
-        IdsView ids;
-        if (ids_view(PyList_GET_ITEM(args[1], a), &ids) < 0) {
-            failed = 1;
-            break;
-        }
-        /* found == room + 1 means more than the held count: the caller scans instead */
-        found = ids.wide ? gather_64(owners, (uint64_t)cap, owner, ids.buf.buf, ids.count, dst,
-                                     found, room)
-                         : gather_32(owners, (uint32_t)cap, owner, ids.buf.buf, ids.count, dst,
-                                     found, room);
-        PyBuffer_Release(&ids.buf);
-    }
-    Py_ssize_t marked = found <= room ? found : room;
-    for (Py_ssize_t i = 0; i < marked; i++) {
-        owners[dst[i]] = owner;
-    }
-    PyBuffer_Release(&out);
-    if (failed) {
-        return NULL;
-    }
-    return PyLong_FromSsize_t(found);
+    set->ledger = Py_NewRef((PyObject *)self);
+    set->owner = owner;
+    set->n = 0;
+    set->room = MIN_ROOM;
+    return (PyObject *)set;
 }
 
 static int
 Ledger_init(Ledger *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"stack", "owners", "head", NULL};
-    PyObject *stack_obj, *owners_obj;
-    Py_ssize_t head = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|n:Ledger", kwlist, &stack_obj, &owners_obj,
-                                     &head)) {
+    static char *kwlist[] = {"stack", "owners", "slots", NULL};
+    PyObject *stack_obj, *owners_obj, *slots_obj;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO:Ledger", kwlist, &stack_obj, &owners_obj,
+                                     &slots_obj)) {
         return -1;
     }
     if (self->ready) {
@@ -400,21 +451,28 @@ Ledger_init(Ledger *self, PyObject *args, PyObject *kwds)
         PyBuffer_Release(&self->stack_buf);
         return -1;
     }
-    Py_ssize_t cap = self->stack_buf.len / 4;
-    Py_ssize_t owners_len = self->owners_buf.len / 4;
-    if (cap < 1 || cap > INT32_MAX - 1 || owners_len != cap + 2 || head < 0 || head > cap) {
+    if (int32_buffer(slots_obj, &self->slots_buf, "slots") < 0) {
         PyBuffer_Release(&self->stack_buf);
         PyBuffer_Release(&self->owners_buf);
+        return -1;
+    }
+    Py_ssize_t cap = self->stack_buf.len / 4;
+    Py_ssize_t owners_len = self->owners_buf.len / 4, slots_len = self->slots_buf.len / 4;
+    if (cap < 1 || cap > INT32_MAX - 1 || owners_len != cap + 2 || slots_len != cap + 2) {
+        PyBuffer_Release(&self->stack_buf);
+        PyBuffer_Release(&self->owners_buf);
+        PyBuffer_Release(&self->slots_buf);
         PyErr_Format(PyExc_ValueError,
-                     "Ledger needs stack of N in 1..%d ids, owners of N + 2 and head in 0..N; "
-                     "got N=%zd, owners %zd, head %zd",
-                     INT32_MAX - 1, cap, owners_len, head);
+                     "Ledger needs stack of N in 1..%d ids, owners of N + 2 and slots of N + 2; "
+                     "got N=%zd, owners %zd, slots %zd",
+                     INT32_MAX - 1, cap, owners_len, slots_len);
         return -1;
     }
     self->stack = (int32_t *)self->stack_buf.buf;
     self->owners = (int32_t *)self->owners_buf.buf;
+    self->slots = (int32_t *)self->slots_buf.buf;
     self->capacity = cap;
-    self->head = head;
+    self->head = 0; /* all free: stack holds the ids in the order they will be handed out */
     self->ready = 1;
     return 0;
 }
@@ -425,6 +483,7 @@ Ledger_dealloc(Ledger *self)
     if (self->ready) {
         PyBuffer_Release(&self->stack_buf);
         PyBuffer_Release(&self->owners_buf);
+        PyBuffer_Release(&self->slots_buf);
         self->ready = 0;
     }
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -448,7 +507,7 @@ static PyMethodDef Ledger_methods[] = {
     {"take", (PyCFunction)(void (*)(void))Ledger_take, METH_FASTCALL, take_doc},
     {"give", (PyCFunction)(void (*)(void))Ledger_give, METH_FASTCALL, give_doc},
     {"check", (PyCFunction)(void (*)(void))Ledger_check, METH_FASTCALL, check_doc},
-    {"collect", (PyCFunction)(void (*)(void))Ledger_collect, METH_FASTCALL, collect_doc},
+    {"new_set", (PyCFunction)Ledger_new_set, METH_O, new_set_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -459,9 +518,10 @@ static PyGetSetDef Ledger_getset[] = {
 };
 
 PyDoc_STRVAR(Ledger_doc,
-"Ledger(stack, owners, head=0)\n--\n\n"
-"The free stack and owner array of one id space 1..N (see kvpoold/alloc/ledger.py).\n"
-"stack: int32[N], owners: int32[N + 2]; both are used in place and kept alive.");
+"Ledger(stack, owners, slots)\n--\n\n"
+"The free stack, owner array and held-set positions of one id space 1..N, all free\n"
+"(see kvpoold/alloc/ledger.py). stack: int32[N], owners and slots: int32[N + 2]; used in\n"
+"place and kept alive.");
 
 static PyTypeObject LedgerType = {
     PyVarObject_HEAD_INIT(NULL, 0)
@@ -476,6 +536,79 @@ static PyTypeObject LedgerType = {
     .tp_getset = Ledger_getset,
 };
 
+/* -- HeldSet ---------------------------------------------------------------------------- */
+
+static void
+HeldSet_dealloc(HeldSet *self)
+{
+    PyMem_Free(self->ids);
+    Py_XDECREF(self->ledger);
+    PyObject_Free(self);
+}
+
+static Py_ssize_t
+HeldSet_len(HeldSet *self)
+{
+    return self->n;
+}
+
+static PyObject *
+HeldSet_tobytes(HeldSet *self, PyObject *Py_UNUSED(ignored))
+{
+    return PyBytes_FromStringAndSize((const char *)self->ids,
+                                     self->n * (Py_ssize_t)sizeof(int32_t));
+}
+
+static PyObject *
+HeldSet_get_owner(HeldSet *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromLong(self->owner);
+}
+
+static PyObject *
+HeldSet_get_ledger(HeldSet *self, void *closure)
+{
+    (void)closure;
+    return Py_NewRef(self->ledger);
+}
+
+static PyObject *
+HeldSet_get_room(HeldSet *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromSsize_t(self->room);
+}
+
+static PyMethodDef HeldSet_methods[] = {
+    {"tobytes", (PyCFunction)HeldSet_tobytes, METH_NOARGS,
+     "The ids held, as native int32 bytes (np.frombuffer(..., np.int32))."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef HeldSet_getset[] = {
+    {"owner", (getter)HeldSet_get_owner, NULL, "The lease whose ids these are.", NULL},
+    {"ledger", (getter)HeldSet_get_ledger, NULL, "The Ledger the ids belong to.", NULL},
+    {"room", (getter)HeldSet_get_room, NULL, "Ids the set's array has room for.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PySequenceMethods HeldSet_as_sequence = {
+    .sq_length = (lenfunc)HeldSet_len,
+};
+
+static PyTypeObject HeldSetType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvpoold.alloc._ledger.HeldSet",
+    .tp_basicsize = sizeof(HeldSet),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .tp_doc = "The ids one owner holds in one Ledger (len() is how many); see Ledger.new_set.",
+    .tp_dealloc = (destructor)HeldSet_dealloc,
+    .tp_as_sequence = &HeldSet_as_sequence,
+    .tp_methods = HeldSet_methods,
+    .tp_getset = HeldSet_getset,
+};
+
 static struct PyModuleDef ledger_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "kvpoold.alloc._ledger",
@@ -486,16 +619,17 @@ static struct PyModuleDef ledger_module = {
 PyMODINIT_FUNC
 PyInit__ledger(void)
 {
-    if (PyType_Ready(&LedgerType) < 0) {
+    if (PyType_Ready(&LedgerType) < 0 || PyType_Ready(&HeldSetType) < 0) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&ledger_module);
     if (module == NULL) {
         return NULL;
     }
-    Py_INCREF(&LedgerType);
-    if (PyModule_AddObject(module, "Ledger", (PyObject *)&LedgerType) < 0) {
-        Py_DECREF(&LedgerType);
+    if (PyModule_AddObjectRef(module, "Ledger", (PyObject *)&LedgerType) < 0 ||
+        PyModule_AddObjectRef(module, "HeldSet", (PyObject *)&HeldSetType) < 0 ||
+        PyModule_AddIntConstant(module, "MIN_ROOM", MIN_ROOM) < 0 ||
+        PyModule_AddIntConstant(module, "SHRINK_ABOVE", SHRINK_ABOVE) < 0) {
         Py_DECREF(module);
         return NULL;
     }

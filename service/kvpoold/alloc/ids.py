@@ -1,17 +1,17 @@
 """One id space ``1..N`` with an ownership ledger: O(count) allocate/free, O(held) reclaim.
 
-Data (``N`` = capacity; 8 bytes per id plus the holdings' logs):
+Data (``N`` = capacity; 12 bytes per id, plus 4 to 16 per held id in the held sets):
 
 - ``_stack`` (int32, N): ids ``1..N``; ``_stack[head:]`` are the free ones, ``_stack[:head]`` is
   stale. Allocate takes ``_stack[head:head+k]``, free writes the ids back just below ``head``,
   so a freed id is the next one handed out (LIFO, warm pages first). ``used == head``.
 - ``_owner`` (int32, N + 2): the lease holding each id, ``<= 0`` when free. Slots 0 and N + 1 hold
   a sentinel (-1), never handed out.
-- ``_ledger`` (``ledger.py``): does the O(count) loops over those two arrays (take, validated
-  give, check) in one C call, or in numpy when the C extension is not built; it keeps ``head``.
-- per owner a ``Holding`` (``holdings.py``): how many ids it holds and a log of the arrays it
-  was handed, compacted so that reclaim reads at most ``2 * held + COMPACT_SLACK`` entries
-  (O(held)); allocate and free stay O(count), amortized over compactions.
+- ``_slots`` (int32, N + 2): each held id's position in its owner's held set.
+- per owner a ``HeldSet`` (``ledger.py``): the ids it holds, exactly, as a sparse set, so
+  reclaim is O(held).
+- ``_ledger`` (``ledger.py``): does the O(count) loops over those arrays (take, validated give,
+  check) in one C call, or in numpy when the C extension is not built; it keeps ``head``.
 
 Not thread-safe: the caller (``PoolAllocator``) holds one lock around every call.
 """
@@ -38,8 +38,7 @@ from kvpoold.alloc.checks import (
     position_label,
     to_index,
 )
-from kvpoold.alloc.holdings import COMPACT_SLACK, Holding
-from kvpoold.alloc.ledger import Backend, check_backend, default_backend, new_ledger
+from kvpoold.alloc.ledger import Backend, HeldSet, check_backend, default_backend, new_ledger
 
 _SENTINEL = -1
 
@@ -101,8 +100,9 @@ class IdPool:
         self._stack = np.arange(1, cap + 1, dtype=np.int32)
         self._owner = np.zeros(cap + 2, dtype=np.int32)
         self._owner[0] = self._owner[cap + 1] = _SENTINEL
-        self._ledger = new_ledger(self._stack, self._owner, self.backend)
-        self._holdings: dict[int, Holding] = {}
+        self._slots = np.full(cap + 2, -1, dtype=np.int32)
+        self._ledger = new_ledger(self._stack, self._owner, self._slots, self.backend)
+        self._holdings: dict[int, HeldSet] = {}
         self._high_water = 0
         self._frees = 0
         self._failed_allocs = 0
@@ -115,9 +115,7 @@ class IdPool:
             count: how many; 0 returns an empty array.
 
         Returns:
-            An int32 array of distinct ids in ``1..N``. The ledger keeps a reference to it to
-            find the owner's ids at reclaim: do not write into it (if you do, nothing breaks,
-            but that owner's reclaim falls back to an O(N) scan).
+            A new int32 array of distinct ids in ``1..N``; the caller may keep or change it.
 
         Raises:
             InvalidArgument: bad owner or count.
@@ -132,17 +130,14 @@ class IdPool:
         ledger = self._ledger
         if ledger.head + count > self.capacity:
             self.require_free(check_count(count, f"allocate {self.name}"))
+        holding = self._holdings.get(owner)
+        if holding is None:
+            holding = self._holdings[owner] = ledger.new_set(owner)
         ids = np.empty(count, dtype=np.int32)
-        ledger.take(owner, ids)
+        ledger.take(owner, ids, holding)
         end = ledger.head
         if end > self._high_water:
             self._high_water = end
-        holding = self._holdings.get(owner)
-        if holding is None:
-            holding = self._holdings[owner] = Holding()
-        holding.held += count
-        holding.log.append(ids)
-        holding.logged += count
         return ids
 
     def require_free(
@@ -194,25 +189,24 @@ class IdPool:
         """
         if type(owner) is not int or not 0 < owner <= OWNER_MAX:
             owner = check_owner(owner, f"free {self.name}")
+        holding = self._holdings.get(owner)
+        if holding is None:  # holds nothing: only an empty free can succeed
+            arr = as_ids(ids, f"free {self.name}")
+            if arr.shape[0]:
+                raise self._free_error(owner, arr)
+            return 0
         try:
-            bad = self._ledger.give(owner, ids)
+            bad = self._ledger.give(owner, ids, holding)
             arr = ids
         except TypeError:  # not a 1-D int32/int64 array: a list, uint32, strided, a float...
             arr = as_ids(ids, f"free {self.name}")  # InvalidArgument for what is not ids
-            bad = self._ledger.give(owner, to_index(arr))
+            bad = self._ledger.give(owner, to_index(arr), holding)
         if bad >= 0:
             raise self._free_error(owner, arr)
         count = arr.shape[0]
-        if count == 0:
-            return 0
-        holding = self._holdings[owner]
         self._frees += count
-        # _drop, inlined: this is the hot path.
-        held = holding.held = holding.held - count
-        if held == 0:
+        if not len(holding):
             del self._holdings[owner]
-        elif holding.logged > 2 * held + COMPACT_SLACK:
-            holding.compact(self._ledger, self._owner, owner)
         return count
 
     def validate_free(self, owner: int, ids: IdsLike) -> None:
@@ -248,10 +242,12 @@ class IdPool:
         count = idx.shape[0]
         if count == 0:
             return 0
-        if self._ledger.give(owner, idx) >= 0:
+        holding = self._holdings[owner]
+        if self._ledger.give(owner, idx, holding) >= 0:
             raise Internal(f"free {self.name}: ids checked by find_fault were refused at commit")
         self._frees += count
-        self._drop(owner, self._holdings[owner], count)
+        if not len(holding):
+            del self._holdings[owner]
         return count
 
     def reclaim(self, owner: int) -> int:
@@ -265,9 +261,12 @@ class IdPool:
         holding = self._holdings.get(owner)
         if holding is None:
             return EMPTY_IDS
-        live = holding.live(self._ledger, self._owner, owner)
-        if live.shape[0] and self._ledger.give(owner, live) >= 0:
-            raise Internal(f"reclaim {self.name}: the ledger refused owner {owner}'s own ids")
+        live = np.frombuffer(holding.tobytes(), dtype=np.int32).copy()
+        if self._ledger.give(owner, live, holding) >= 0:
+            raise Internal(
+                f"reclaim {self.name}: owner {owner}'s held set ({len(holding)} ids) disagrees "
+                "with the owner array; nothing was freed"
+            )
         del self._holdings[owner]
         self._frees += live.shape[0]
         return live
@@ -284,11 +283,11 @@ class IdPool:
     def held(self, owner: int) -> int:
         """How many ids ``owner`` holds now."""
         holding = self._holdings.get(owner)
-        return 0 if holding is None else holding.held
+        return 0 if holding is None else len(holding)
 
     def holders(self) -> dict[int, int]:
         """``{owner: ids held}`` for every owner holding at least one id."""
-        return {owner: h.held for owner, h in self._holdings.items()}
+        return {owner: len(h) for owner, h in self._holdings.items()}
 
     def owner_of(self, ids: IdsLike) -> np.ndarray:
         """The owner of each id (0 when free) as int32.
@@ -339,18 +338,13 @@ class IdPool:
         in_array = dict(zip(values.tolist(), counts.tolist(), strict=True))
         checks.append((in_array == self.holders(), "held counts differ from the owner array"))
         for owner, holding in self._holdings.items():
-            holding.live(self._ledger, self._owner, owner, scan=False)  # raises Internal
+            mine = np.frombuffer(holding.tobytes(), dtype=np.int32).astype(np.intp)
+            where = np.arange(mine.shape[0])
+            checks.append((bool((self._owner[mine] == owner).all()), f"owner {owner}'s set"))
+            checks.append((bool((self._slots[mine] == where).all()), f"owner {owner}'s slots"))
         for ok, what in checks:
             if not ok:
                 raise Internal(f"IdPool {self.name} ledger broken: {what}")
-
-    def _drop(self, owner: int, holding: Holding, count: int) -> None:
-        """Take ``count`` freed ids off ``owner``'s holding; compact its log when it is stale."""
-        holding.held -= count
-        if holding.held == 0:
-            del self._holdings[owner]
-        elif holding.stale():
-            holding.compact(self._ledger, self._owner, owner)
 
     def _free_error(self, owner: int, arr: np.ndarray) -> Exception:
         """The error for a refused free of ``arr`` (state unchanged)."""

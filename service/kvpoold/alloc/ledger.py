@@ -1,25 +1,29 @@
-"""The hot loop of one id space: the free stack plus the owner array, in C or in numpy.
+"""The hot loops of one id space: free stack, owner array and per-owner held sets, in C or numpy.
 
-``IdPool`` keeps the policy (argument checks, per-owner holdings, counters, error text) and
-hands the three O(count) loops to a ledger:
+``IdPool`` keeps the policy (argument checks, counters, error text) and hands the O(count)
+loops to a ledger:
 
-- ``take(owner, out)``: the next ``len(out)`` free ids into ``out`` (int32), marked as owner's.
-- ``give(owner, ids)``: free ``ids`` if every one is in ``1..N``, held by ``owner`` and listed
-  once; returns -1, or a position >= 0 of a bad id (the C ledger gives the first bad position,
-  the numpy one 0) with nothing changed.
+- ``new_set(owner)``: an empty ``HeldSet`` for ``owner``: the ids it holds, exactly (``len()``
+  is how many, ``tobytes()`` the ids as native int32). The ledger alone changes it.
+- ``take(owner, out, held)``: the next ``len(out)`` free ids into ``out`` (int32), marked as
+  owner's and added to ``held``.
+- ``give(owner, ids, held)``: free ``ids`` if every one is in ``1..N``, held by ``owner`` and
+  listed once, dropping them from ``held``; returns -1, or a position >= 0 of a bad id (the C
+  ledger gives the first bad position, the numpy one 0) with nothing changed. TypeError for
+  anything but a 1-D int32/int64 array (the caller converts and calls again).
 - ``check(owner, ids)``: what ``give`` would return, changing nothing.
-- ``collect(owner, log, out)``: the distinct ids of a list of int32 arrays that ``owner`` holds
-  now, into ``out`` (sized to the held count); returns how many (``len(out) + 1`` if more).
-  ``Holding`` uses it to read back and compact an owner's log (reclaim in O(held)).
 
-Both work in place on the same two int32 arrays: ``stack`` (N ids, ``stack[head:]`` free) and
-``owners`` (N + 2, the lease of each id, 0 when free, sentinels at 0 and N + 1), and both give
-ids back in the same LIFO order, so a pool behaves identically on either.
+The arrays (int32, owned by ``IdPool``): ``stack`` (N ids, ``stack[head:]`` free, handed out
+LIFO), ``owners`` (N + 2: the lease of each id, 0 when free, sentinels -1 at 0 and N + 1) and
+``slots`` (N + 2: a held id's position in its owner's set). A held set is a sparse set (a free
+moves the set's last ids into its holes), so a reclaim reads exactly the owner's ids in
+O(held), and every call is O(count), never O(N).
 
-The C ledger (``_ledger.c``, built by ``pip install`` when a compiler is there) does each call
-in one pass; the numpy one needs ~9 numpy calls per free. ``KVPOOL_LEDGER=numpy`` forces numpy,
-``KVPOOL_LEDGER=native`` makes a missing C build an error; the default, ``auto``, takes C when
-it is built.
+Both ledgers leave every array and every set identical for the same calls
+(``tests/unit/test_ledger.py`` runs one program on both). The C ledger (``_ledger.c``, built by
+``pip install`` when a compiler is there) does each call in one pass; the numpy one needs ~10
+numpy calls per free. ``KVPOOL_LEDGER=numpy`` forces numpy, ``KVPOOL_LEDGER=native`` makes a
+missing C build an error; the default, ``auto``, takes C when it is built.
 """
 
 from __future__ import annotations
@@ -41,6 +45,31 @@ BACKENDS: tuple[Backend, ...] = ("native", "numpy")
 ENV = "KVPOOL_LEDGER"
 # Positions get distinct "pending free" marks -2, -3, ...: a repeated id keeps only one of them.
 _TAGS_CACHED = 1 << 16
+# A held set's smallest array, and the size up to which it never shrinks (an owner cycling
+# between a few and a few thousand ids must not resize on every call). The C ledger has the
+# same two (``_ledger.MIN_ROOM``, ``_ledger.SHRINK_ABOVE``; a test checks they agree).
+MIN_ROOM = 16
+SHRINK_ABOVE = 1 << 16
+
+
+class HeldSet(Protocol):
+    """The ids one owner holds in one ledger."""
+
+    @property
+    def owner(self) -> int: ...
+
+    @property
+    def ledger(self) -> Ledger: ...
+
+    @property
+    def room(self) -> int:
+        """Ids its array has room for (it grows by doubling and, past ``SHRINK_ABOVE``, halves
+        when three quarters are unused)."""
+        ...
+
+    def __len__(self) -> int: ...
+
+    def tobytes(self) -> bytes: ...
 
 
 class Ledger(Protocol):
@@ -51,13 +80,13 @@ class Ledger(Protocol):
         """Ids in use: ``stack[head:]`` are free."""
         ...
 
-    def take(self, owner: int, out: np.ndarray) -> None: ...
+    def new_set(self, owner: int) -> HeldSet: ...
 
-    def give(self, owner: int, ids: np.ndarray) -> int: ...
+    def take(self, owner: int, out: np.ndarray, held: HeldSet) -> None: ...
+
+    def give(self, owner: int, ids: np.ndarray, held: HeldSet) -> int: ...
 
     def check(self, owner: int, ids: np.ndarray) -> int: ...
-
-    def collect(self, owner: int, log: list[np.ndarray], out: np.ndarray) -> int: ...
 
 
 def native_available() -> bool:
@@ -100,12 +129,41 @@ def check_backend(backend: str) -> Backend:
     )
 
 
-def new_ledger(stack: np.ndarray, owners: np.ndarray, backend: Backend) -> Ledger:
-    """A ledger over ``stack`` (int32, N) and ``owners`` (int32, N + 2), all ids free."""
+def new_ledger(
+    stack: np.ndarray, owners: np.ndarray, slots: np.ndarray, backend: Backend
+) -> Ledger:
+    """A ledger over ``stack`` (int32, N), ``owners`` and ``slots`` (int32, N + 2), all free."""
     if backend == "native":
         assert NativeLedger is not None, "check_backend first"
-        return NativeLedger(stack, owners)  # type: ignore[no-any-return]
-    return NumpyLedger(stack, owners)
+        return NativeLedger(stack, owners, slots)  # type: ignore[no-any-return]
+    return NumpyLedger(stack, owners, slots)
+
+
+class NumpyHeldSet:
+    """``HeldSet`` for the numpy ledger: ``ids[:n]`` are the owner's ids."""
+
+    __slots__ = ("ids", "ledger", "n", "owner")
+
+    def __init__(self, ledger: NumpyLedger, owner: int) -> None:
+        self.ledger = ledger
+        self.owner = owner
+        self.n = 0
+        self.ids = np.zeros(MIN_ROOM, dtype=np.int32)
+
+    @property
+    def room(self) -> int:
+        return self.ids.shape[0]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def tobytes(self) -> bytes:
+        return self.ids[: self.n].tobytes()
+
+    def resize(self, room: int) -> None:
+        ids = np.zeros(room, dtype=np.int32)
+        ids[: self.n] = self.ids[: self.n]
+        self.ids = ids
 
 
 class NumpyLedger:
@@ -113,35 +171,70 @@ class NumpyLedger:
 
     A free is checked with one gather (range and ownership together: out-of-range ids are
     clipped onto a sentinel) and then one distinct negative mark per position written and read
-    back (a repeated id kept only one of them).
+    back (a repeated id kept only one of them). The held set loses its k ids at once: the ones
+    among its last k entries that stay move into the holes the others leave.
     """
 
-    def __init__(self, stack: np.ndarray, owners: np.ndarray) -> None:
+    def __init__(self, stack: np.ndarray, owners: np.ndarray, slots: np.ndarray) -> None:
         self.stack = stack
         self.owners = owners
+        self.slots = slots
         self.capacity = stack.shape[0]
         self.head = 0
         self._tags = -2 - np.arange(min(self.capacity, _TAGS_CACHED), dtype=np.int32)
         self._tag_bytes = self._tags.tobytes()
 
-    def take(self, owner: int, out: np.ndarray) -> None:
+    def new_set(self, owner: int) -> NumpyHeldSet:
+        return NumpyHeldSet(self, owner)
+
+    def take(self, owner: int, out: np.ndarray, held: NumpyHeldSet) -> None:
+        self._check_set(owner, held)
+        count = out.shape[0]
         head = self.head
-        end = head + out.shape[0]
+        end = head + count
         if end > self.capacity:
-            raise ValueError(f"take {out.shape[0]} ids: only {self.capacity - head} free")
+            raise ValueError(f"take {count} ids: only {self.capacity - head} free")
+        n = held.n
+        if n + count > held.room:
+            room = held.room
+            while room < n + count:
+                room *= 2
+            held.resize(room)
         out[:] = self.stack[head:end]
+        held.ids[n : n + count] = out
         self.owners[out] = owner
+        self.slots[out] = np.arange(n, n + count, dtype=np.int32)
+        held.n = n + count
         self.head = end
 
-    def give(self, owner: int, ids: np.ndarray) -> int:
+    def give(self, owner: int, ids: np.ndarray, held: NumpyHeldSet) -> int:
+        self._check_set(owner, held)
         idx = _index(ids)
+        count = idx.shape[0]
+        if count == 0:
+            return -1
         if self._mark(owner, idx) >= 0:
             return 0
-        count = idx.shape[0]
-        self.owners[idx] = 0
+        owners, slots, n = self.owners, self.slots, held.n
+        # The set's last k entries that stay (still marked with the owner: the freed ids carry
+        # negative marks) fill the holes the freed ids leave below n - k.
+        keep = n - count
+        tail = held.ids[keep:n]
+        stay = tail[owners[tail] > 0]
+        pos = slots[idx]
+        holes = pos[pos < keep]
+        held.ids[holes] = stay
+        slots[stay] = holes
+        owners[idx] = 0
         head = self.head - count
         self.stack[head : self.head] = idx
         self.head = head
+        held.n = keep
+        if held.room > SHRINK_ABOVE and keep * 4 <= held.room:
+            room = held.room
+            while room > MIN_ROOM and keep * 4 <= room:
+                room //= 2
+            held.resize(room)
         return -1
 
     def check(self, owner: int, ids: np.ndarray) -> int:
@@ -151,24 +244,14 @@ class NumpyLedger:
         self.owners[idx] = owner  # undo the pending marks
         return -1
 
-    def collect(self, owner: int, log: list[np.ndarray], out: np.ndarray) -> int:
-        owners = self.owners
-        logged = np.concatenate(log).astype(np.intp, copy=False) if log else np.zeros(0, np.intp)
-        mine = logged[owners[logged] == owner]
-        # An id freed and handed back to the same owner is logged twice: keep its first copy,
-        # as the C ledger does. Each position writes its own mark; a repeated id keeps one.
-        marks = -2 - np.arange(mine.shape[0], dtype=np.int32)
-        owners[mine] = marks
-        repeated = not np.array_equal(owners[mine], marks)
-        owners[mine] = owner
-        if repeated:
-            _, first = np.unique(mine, return_index=True)
-            mine = mine[np.sort(first)]
-        found = mine.shape[0]
-        if found > out.shape[0]:
-            return out.shape[0] + 1
-        out[:found] = mine
-        return found
+    def _check_set(self, owner: int, held: NumpyHeldSet) -> None:
+        if type(held) is not NumpyHeldSet:
+            raise TypeError(f"held must be a HeldSet from new_set, got {type(held).__name__}")
+        if held.ledger is not self or held.owner != owner:
+            whose = "this" if held.ledger is self else "another"
+            raise ValueError(
+                f"the held set of owner {held.owner} (of {whose} ledger) used for owner {owner}"
+            )
 
     def _mark(self, owner: int, idx: np.ndarray) -> int:
         """Mark ``idx`` pending (-1) or change nothing and return 0 (a bad id somewhere)."""

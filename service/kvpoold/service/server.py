@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvpool.errors import FailedPrecondition, InvalidArgument
 from kvpool.v1 import kvpool_pb2_grpc
+from kvpoold.alloc.ledger import default_backend
 from kvpoold.config import Listener, ServeSettings, check_shm_dir, group_id, read_tls
 from kvpoold.metrics import DaemonMetrics, MetricsServer, loop_snapshot, start_metrics_server
 from kvpoold.service.auth import TokenAuthInterceptor
@@ -307,9 +308,10 @@ async def run(
         The exit status, 0.
 
     Raises:
-        InvalidArgument: an unreadable TLS file, or a bad device or shm directory (see
-            :func:`make_backing_factory`).
+        InvalidArgument: an unreadable TLS file, a bad device or shm directory (see
+            :func:`make_backing_factory`), or a bad ``$KVPOOL_LEDGER``.
     """
+    ledger = default_backend()  # a bad $KVPOOL_LEDGER fails here, not at the first Configure
     tls = read_tls(settings)  # before the factory: a bad file must not strand its files
     factory = factory or make_backing_factory(settings)
     daemon = Daemon(settings.device, settings.budget_bytes, factory)
@@ -334,6 +336,7 @@ async def run(
         log.info("serving", extra={"fields": {
             "event": "serving", "pid": os.getpid(), "listen": ",".join(server.addresses),
             "device": settings.device, "budget_bytes": settings.budget_bytes,
+            "allocator_ledger": ledger,
         }})
         if ready is not None:
             ready(server)
