@@ -202,8 +202,9 @@ class NumpyLedger:
             held.resize(room)
         out[:] = self.stack[head:end]
         held.ids[n : n + count] = out
-        self.owners[out] = owner
-        self.slots[out] = np.arange(n, n + count, dtype=np.int32)
+        idx = out.astype(np.intp)  # numpy indexes with intp ~3x faster than with int32
+        self.owners[idx] = owner
+        self.slots[idx] = np.arange(n, n + count, dtype=np.int32)
         held.n = n + count
         self.head = end
 
@@ -219,12 +220,13 @@ class NumpyLedger:
         # The set's last k entries that stay (still marked with the owner: the freed ids carry
         # negative marks) fill the holes the freed ids leave below n - k.
         keep = n - count
-        tail = held.ids[keep:n]
-        stay = tail[owners[tail] > 0]
-        pos = slots[idx]
+        pos = slots[idx].astype(np.intp)
         holes = pos[pos < keep]
-        held.ids[holes] = stay
-        slots[stay] = holes
+        if holes.shape[0]:  # none when the ids freed are the ones allocated last
+            tail = held.ids[keep:n].astype(np.intp)
+            stay = tail[owners[tail] > 0]
+            held.ids[holes] = stay
+            slots[stay] = holes
         owners[idx] = 0
         head = self.head - count
         self.stack[head : self.head] = idx
