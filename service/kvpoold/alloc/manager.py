@@ -75,7 +75,8 @@ class PoolAllocator:
         self.name = name
         # Guards every IdPool of this pool, the SwaPair and both copies of its mapping. A leaf
         # lock: taken last (after any lease-table lock of the daemon), never held across I/O or
-        # while taking another lock; calls under it are O(count) numpy work, microseconds.
+        # while taking another lock; calls under it are O(count) work in the ledger (C, or numpy),
+        # microseconds. The C ledger also runs under the GIL and never releases it.
         # Engines read the shared full_to_swa without it: they only read entries of ids they
         # were given, which are written before the allocate call returns.
         self._lock = threading.Lock()
