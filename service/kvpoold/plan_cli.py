@@ -6,7 +6,7 @@ import argparse
 import math
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 import msgspec
 
@@ -14,13 +14,15 @@ from kvpool.errors import InvalidArgument
 from kvpoold.hf import load_model
 from kvpoold.sizes import format_size, parse_size
 from kvpoold.sizing import PlanOptions, PoolPlan, make_options, plan
+from kvpoold.sizing.options import KVCacheDType, SpeculativeAlgorithm
 from kvpoold.sizing.plan import BufferSpec
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
-SPECULATIVE_ALGORITHMS = ("none", "eagle", "standalone")
+# The accepted values come from the option types, so the CLI and Configure cannot drift apart.
+KV_CACHE_DTYPES = tuple(d.value for d in KVCacheDType)
+SPECULATIVE_ALGORITHMS = get_args(SpeculativeAlgorithm)
 # a per-layer group longer than this shows its first names and a count
 SHOWN_NAMES = 3
 

@@ -307,7 +307,7 @@ def test_no_budget_and_no_max_total_tokens(capsys: pytest.CaptureFixture[str]):
 
 @pytest.mark.parametrize(("flags", "needle"), [
     (("--kv-cache-dtype", "int8"), "--kv-cache-dtype"),
-    (("--kv-cache-dtype", "float32"), "fp4_e2m1"),  # accepted values are listed
+    (("--kv-cache-dtype", "fp16"), "fp4_e2m1"),  # accepted values are listed
     (("--speculative-algorithm", "medusa"), "--speculative-algorithm"),
     (("--page-size", "sixteen"), "--page-size"),
     (("--swa-full-tokens-ratio", "nan"), "--swa-full-tokens-ratio"),
@@ -418,3 +418,23 @@ def test_format_size():
     assert format_size(576) == "576 B"
     assert format_size(671_088_640) == "640.00 MiB"
     assert format_size(42_949_672_960) == "40.00 GiB"
+
+
+def test_dtype_and_algorithm_choices_match_configure() -> None:
+    """``kvpoold plan`` and ``kvpool configure`` accept exactly what Configure accepts."""
+    from kvpool import cli as client_cli
+    from kvpoold import plan_cli
+    from kvpoold.sizing.options import KVCacheDType
+
+    values = tuple(d.value for d in KVCacheDType)
+    assert values == plan_cli.KV_CACHE_DTYPES
+    assert values == client_cli.KV_CACHE_DTYPES
+    assert "float32" in values
+
+
+def test_plan_accepts_float32_kv(capsys: pytest.CaptureFixture[str]) -> None:
+    """float32 doubles Llama's bf16 cell: 8 heads * (128 + 128) * 32 layers * 4 B = 262,144 B."""
+    out = plan_json(capsys, LLAMA, "--budget", "1GiB", "--kv-cache-dtype", "float32")
+    assert out["kv_cache_dtype"] == "float32"
+    assert out["cell_size_bytes"] == 262_144
+    assert out["max_total_num_tokens"] == 1_073_741_824 // 262_144 - 1  # padding page charged
