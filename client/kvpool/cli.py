@@ -104,6 +104,8 @@ def add_configure(sub: Any, common: argparse.ArgumentParser) -> argparse.Argumen
                                  "2048 to 4096, at most half the tokens)"),
         ("speculative-num-draft-layers", "draft layers sharing the pool (default: the model's "
                                          "MTP layers, or 1)"),
+        ("speculative-num-draft-tokens", "tokens verified per speculative step; hybrid linear "
+                                         "models keep that many intermediate states per request"),
     ):
         p.add_argument(f"--{flag}", type=int, metavar="N", help=text)
     p.add_argument("--speculative-algorithm", choices=("none", "eagle", "standalone"),
@@ -122,8 +124,8 @@ def add_configure(sub: Any, common: argparse.ArgumentParser) -> argparse.Argumen
 
 _OPTIONS = ("max_total_tokens", "page_size", "kv_cache_dtype", "tp_size", "pp_size", "pp_rank",
             "context_length", "max_running_requests", "speculative_num_draft_layers",
-            "speculative_algorithm", "swa_full_tokens_ratio", "mamba_full_memory_ratio",
-            "disable_radix_cache")
+            "speculative_num_draft_tokens", "speculative_algorithm", "swa_full_tokens_ratio",
+            "mamba_full_memory_ratio", "disable_radix_cache")
 
 
 def load_spec_mapping(path: Path) -> dict[str, Any]:

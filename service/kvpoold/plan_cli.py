@@ -75,6 +75,10 @@ def add_parser(subparsers: argparse._SubParsersAction[Any]) -> argparse.Argument
                    help="speculative decoding whose draft layers share the pool (default none)")
     p.add_argument("--speculative-num-draft-layers", type=int, metavar="N",
                    help="draft layers sharing the pool (default: the model's MTP layers, or 1)")
+    p.add_argument("--speculative-num-draft-tokens", type=int, metavar="N",
+                   help="tokens verified per speculative step; hybrid linear models keep that "
+                        "many intermediate conv/SSM states per running request (required there, "
+                        "with --max-running-requests)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
     return p
@@ -100,6 +104,7 @@ def _options(args: argparse.Namespace) -> PlanOptions:
         "disable_radix_cache": args.disable_radix_cache,
         "speculative_algorithm": args.speculative_algorithm,
         "speculative_num_draft_layers": args.speculative_num_draft_layers,
+        "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
     }
     try:
         return make_options(**fields)

@@ -77,3 +77,22 @@ async def test_state_slots(served: Served) -> None:
     closed = await served.stub.CloseLease(pb.CloseLeaseRequest(lease_id=lease))
     assert sorted((h.kind, h.count) for h in closed.released) == [
         (pb.KIND_KV, 2), (pb.KIND_REQ, 1), (pb.KIND_STATE, 3)]
+
+
+async def test_speculative_states_over_grpc(served: Served) -> None:
+    """speculative_num_draft_tokens crosses the wire: the daemon's plan matches the local plan
+    and carries the spec_state buffers; without it Configure names the missing field."""
+    opts = {**OPTIONS, "speculative_algorithm": "eagle", "speculative_num_draft_tokens": 3}
+    expected = plan(decode_spec(LINEAR_SPEC), make_options(**opts))
+    resp = await served.stub.Configure(configure_request("spec", spec=LINEAR_SPEC, **opts))
+    assert resp.fingerprint == expected.fingerprint()
+    spec_buffers = {b.name: tuple(b.shape) for b in resp.plan.buffers if b.kind == "spec_state"}
+    rows = expected.max_running_requests + 1
+    assert spec_buffers["spec_conv.0"][:2] == spec_buffers["spec_ssm.2"][:2] == (rows, 3)
+    views = served.daemon.pools["spec"].pool.views
+    assert tuple(views["spec_ssm.2"].shape) == spec_buffers["spec_ssm.2"]
+    del opts["speculative_num_draft_tokens"]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await served.stub.Configure(configure_request("spec2", spec=LINEAR_SPEC, **opts))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "--speculative-num-draft-tokens" in (info.value.details() or "")

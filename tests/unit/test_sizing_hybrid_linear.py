@@ -283,18 +283,96 @@ def test_mamba_full_memory_ratio_variants(ratio: float, slots: int, tokens: int)
     assert p.total_bytes <= B40
 
 
-def test_eagle_draft_layers_scale_the_cell_by_full_layers() -> None:
-    """EAGLE, 1 draft layer, L = 12 full layers: cell = 24,576 * 13 // 12 = 26,624.
-    State is unchanged (262 slots); KV 22,628,466,688 // 26,624 - 1 = 849,926 tokens.
-    Left: 22,628,466,688 - 849,927 * 26,624 = 10,240 B."""
-    p = plan_of(qwen3_next(), budget_bytes=B40, speculative_algorithm="eagle")
+def test_eagle_reserves_draft_token_states_and_scales_the_cell() -> None:
+    """EAGLE, 1 draft layer, D = 4 draft tokens, max_running_requests 64, radix (ratio 3).
+
+    State (SGLang's joint solve, exact in integers): mamba_budget B = 20,344,581,928;
+    slots = (B - per * (1 + D)) * 3 // (per * (3 + D))
+          = (20,344,581,928 - 386,334,720) * 3 // 540,868,608 = 110;
+    intermediate for min(64, 110 // 3) + 1 = 37 request rows: 37 * 4 * per = 11,435,507,712 B.
+    KV: 42,949,672,960 - 111 * per - 11,435,507,712 = 22,937,534,464 B; cell over L = 12 full
+    layers with the draft layer = 24,576 * 13 // 12 = 26,624; tokens = 22,937,534,464 // 26,624
+    - 1 = 861,535 (leaving exactly 0). max_running_requests = min(.., 64, 110 // 3) = 36."""
+    p = plan_of(qwen3_next(), budget_bytes=B40, speculative_algorithm="eagle",
+                speculative_num_draft_tokens=4, max_running_requests=64)
     assert p.num_draft_layers == 1
     assert p.cell_size_bytes == 26_624
-    assert (p.mamba_cache_size, p.max_total_num_tokens) == (262, 849_926)
-    assert B40 - p.total_bytes == 10_240
-    assert p.buffer("draft_k.0").shape == (849_927, 2, 256)
+    assert (p.mamba_cache_size, p.max_total_num_tokens, p.max_running_requests) == (
+        110, 861_535, 36)
+    assert p.total_bytes == B40
+    assert p.buffer("draft_k.0").shape == (861_536, 2, 256)
     assert p.buffer("draft_v.0").kind is BufferKind.kv
-    assert "draft_conv.0" not in names(p)
+    assert p.buffer("spec_conv.0").shape == (37, 4, 8192, 3)
+    assert p.buffer("spec_ssm.46").shape == (37, 4, 32, 128, 128)
+    assert p.buffer("spec_ssm.46").kind is BufferKind.spec_state
+    spec = [b for b in p.buffers if b.kind is BufferKind.spec_state]
+    assert len(spec) == 2 * 36 and sum(b.nbytes for b in spec) == 11_435_507_712
+    assert "draft_conv.0" not in names(p) and "spec_conv.3" not in names(p)
+
+
+def test_eagle_without_radix_cache_reserves_one_row_per_request() -> None:
+    """disable_radix_cache + max_running_requests 64: slots = 64; intermediate 65 * 4 * per =
+    20,089,405,440 B; KV = 40 GiB - 65 * per - that = 17,837,916,160 B -> 669,992 tokens."""
+    p = plan_of(qwen3_next(), budget_bytes=B40, speculative_algorithm="eagle",
+                speculative_num_draft_tokens=4, max_running_requests=64,
+                disable_radix_cache=True)
+    assert (p.mamba_cache_size, p.max_total_num_tokens, p.max_running_requests) == (
+        64, 669_992, 64)
+    assert p.buffer("spec_ssm.0").shape == (65, 4, 32, 128, 128)
+    assert p.total_bytes <= B40
+
+
+@pytest.mark.parametrize(("options", "field"), [
+    ({"max_running_requests": 64}, "speculative_num_draft_tokens"),
+    ({"speculative_num_draft_tokens": 4}, "max_running_requests"),
+])
+def test_speculative_linear_needs_draft_tokens_and_max_running_requests(
+    options: dict[str, int], field: str
+) -> None:
+    with pytest.raises(InvalidArgument, match=f"needs {field}; give --") as err:
+        plan_of(qwen3_next(), budget_bytes=B40, speculative_algorithm="eagle", **options)
+    assert err.value.field == field
+
+
+def test_draft_tokens_need_an_algorithm() -> None:
+    with pytest.raises(InvalidArgument, match="speculative_num_draft_tokens needs speculative"):
+        make_options(budget_bytes=B40, speculative_num_draft_tokens=4)
+
+
+def test_speculative_state_budget_floor_is_named() -> None:
+    """One request needs ratio + 1 slots and 2 * D intermediate states (its row and the padding
+    row): per * (3 + 1 + 8) = 927,203,328 B of state, so a budget of at least
+    ceil(927,203,328 * 19 / 9) = 1,957,429,248 B; one byte less gets 2 slots."""
+    opts = dict(speculative_algorithm="eagle", speculative_num_draft_tokens=4,
+                max_running_requests=8)
+    with pytest.raises(InvalidArgument, match="at least 1,957,429,248 B") as err:
+        plan_of(qwen3_next(), budget_bytes=1_957_429_247, **opts)
+    assert "4 intermediate states" in str(err.value) and err.value.field == "budget_bytes"
+    p = plan_of(qwen3_next(), budget_bytes=1_957_429_248, **opts)
+    assert (p.mamba_cache_size, p.max_running_requests) == (3, 1)
+    assert p.total_bytes <= 1_957_429_248
+
+
+def test_build_pool_with_speculative_states() -> None:
+    """tiny() with EAGLE, D = 2, max_running_requests 2, page 4, budget 65,536 B:
+    per = 2,816, B = 31,043; slots = (31,043 - 2,816 * 3) * 3 // (2,816 * 5) = 4;
+    intermediate for min(2, 4 // 3) + 1 = 2 rows: 2 * 2 * 2,816 = 11,264 B.
+    KV = 65,536 - 5 * 2,816 - 11,264 = 40,192; cell (2 full layers + 1 draft) = 256 * 3 // 2
+    = 384, page 1,536 -> 26 - 1 = 25 pages (100 tokens); mrr = min(2, 4 // 3) = 1."""
+    p = plan_of(tiny(), budget_bytes=65_536, page_size=4, speculative_algorithm="eagle",
+                speculative_num_draft_tokens=2, max_running_requests=2)
+    assert (p.mamba_cache_size, p.max_total_num_tokens, p.max_running_requests) == (4, 100, 1)
+    assert p.total_bytes == 65_280
+    pool = builder.build_pool(p, "cpu")
+    views = pool.views
+    assert views["spec_conv.0"].shape == (2, 2, 64, 3)
+    assert views["spec_conv.0"].dtype == torch.bfloat16
+    assert views["spec_ssm.2"].shape == (2, 2, 4, 8, 8)
+    assert views["spec_ssm.2"].dtype == torch.float32
+    base = pool.backing.data_ptr()
+    for name in ("spec_conv.0", "spec_ssm.2"):
+        spec = p.buffer(name)
+        assert views[name].data_ptr() == base + spec.offset_bytes  # a view, not a copy
 
 
 def test_mla_attention_hybrid_uses_latent_buffers() -> None:

@@ -45,7 +45,7 @@ HANDLE_KIND_TO_PB = {
 _OPTIONAL_OPTIONS = (
     "budget_bytes", "max_total_tokens", "page_size", "tp_size", "pp_size", "pp_rank",
     "context_length", "max_running_requests", "speculative_num_draft_layers",
-    "swa_full_tokens_ratio", "mamba_full_memory_ratio",
+    "speculative_num_draft_tokens", "swa_full_tokens_ratio", "mamba_full_memory_ratio",
 )
 _PLAN_SCALARS = tuple(
     f.name for f in pb.Plan.DESCRIPTOR.fields if f.name not in ("notes", "buffers")

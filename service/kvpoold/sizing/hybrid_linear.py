@@ -6,7 +6,7 @@ fixed-size conv + SSM state per request slot.
 KV side, over the ``L`` full-attention layers of this PP stage (``linear.full_attention_layers``
 intersected with the stage), per-layer bytes as in mha.py (or mla.py for an MLA model):
 
-    cell = kv_layer_bytes * L, then int(cell * (1 + D / L))    with D EAGLE draft layers
+    cell = kv_layer_bytes * L, then int(cell * (1 + Dl / L))    with Dl EAGLE draft layers
 
 State side, per request slot and linear layer (Mamba2 shapes with the Qwen3-Next mapping;
 ``HV``/``HK`` value/key heads, ``Vd``/``Kd`` their dims, ``k`` the conv kernel, TP ``tp``):
@@ -44,8 +44,21 @@ Edge stages (decided here; SGLang's per-stage results are MIN-reduced by a colle
 - No linear layer in the stage: per_req 0, the whole budget goes to KV and the state id space
   is ``max_running_requests * ratio`` slots with no state buffers (only ``req_to_state``).
 
-Not modelled: SGLang's speculative intermediate SSM/conv buffers (``(mrr + 1) * D`` per linear
-layer), the extra-buffer ping-pong slots, and the PP "max stage share" of per_req.
+Speculative decoding (any algorithm, with ``D`` = ``speculative_num_draft_tokens``; like
+SGLang, it then needs both ``D`` and ``max_running_requests``): each running request also keeps
+D intermediate conv/SSM states, and the state budget is solved jointly for both:
+
+    state_slots  = (mamba_budget - per_req * (1 + D)) * ratio // (per_req * (ratio + D))
+    intermediate = (min(max_running_requests, state_slots // ratio) + 1) * D * per_req
+    kv_budget    = budget - (state_slots + 1) * per_req - intermediate
+
+(without the radix cache: ``state_slots = max_running_requests`` and intermediate ``(slots + 1)
+* D * per_req``). ``D / ratio`` is kept exact, where SGLang computes it in floats. The buffers
+``spec_conv.<l>`` ``(max_running_requests + 1, D, conv_dim / tp, k - 1)`` and ``spec_ssm.<l>``
+``(max_running_requests + 1, D, HV / tp, Vd, Kd)`` (kind spec_state, one row per request row)
+are SGLang's plain layout, not the deduplicated conv window of its CUDA path.
+
+Not modelled: the extra-buffer ping-pong slots, and the PP "max stage share" of per_req.
 
 Worked example, Qwen3-Next-80B-A3B (48 layers, full attention every 4th: 3, 7, ..., 47 = 12
 layers, 36 linear; k 4, HK 16, HV 32, Kd = Vd = 128; 2 KV heads of 256; bf16 KV, bf16 conv,
@@ -60,9 +73,10 @@ fp32 SSM), TP 1, page 1, 40 GiB = 42,949,672,960 B, m 0.9:
 
 Buffers: ``k.<l>``/``v.<l>`` (``kv.<l>`` for MLA) of the full layers, kind kv, global ids;
 ``conv.<l>`` ``(state_slots + 1, conv_dim / tp, k - 1)`` and ``ssm.<l>`` ``(state_slots + 1,
-HV / tp, Vd, Kd)`` of the linear layers, kind state, one slot per page; ``draft_k.<i>`` /
-``draft_v.<i>``; and the aux ``req_to_state`` int32 ``(max_running_requests + 1,)``, kind map,
-outside the budget (request row -> state slot).
+HV / tp, Vd, Kd)`` of the linear layers, kind state, one slot per page; under speculative
+decoding ``spec_conv.<l>`` / ``spec_ssm.<l>`` (above); ``draft_k.<i>`` / ``draft_v.<i>``; and
+the aux ``req_to_state`` int32 ``(max_running_requests + 1,)``, kind map, outside the budget
+(request row -> state slot).
 """
 
 from __future__ import annotations
@@ -217,26 +231,56 @@ def _kv_cell(ctx: SizingContext, num_full: int) -> int:
     return draft_scaled_cell(per_layer * num_full, ctx.num_draft_layers, num_full)
 
 
-def _budget_state_slots(ctx: SizingContext, per_req: int, cell: int) -> int:
-    """State slots paid from the budget (``per_req > 0``, a budget is set)."""
+def draft_tokens(ctx: SizingContext) -> int:
+    """``D``, the intermediate conv/SSM states kept per running request: the draft tokens
+    verified per step under speculative decoding, else 0.
+
+    Raises:
+        InvalidArgument: speculative decoding over linear layers without
+            ``speculative_num_draft_tokens`` or ``max_running_requests`` (SGLang requires both).
+    """
+    options = ctx.options
+    if options.speculative_algorithm == "none" or not stage_split(ctx)[1]:
+        return 0
+    for name, flag in (("speculative_num_draft_tokens", "--speculative-num-draft-tokens"),
+                       ("max_running_requests", "--max-running-requests")):
+        if getattr(options, name) is None:
+            raise InvalidArgument(
+                f"speculative decoding ({options.speculative_algorithm}) over linear attention "
+                f"keeps draft-token intermediate conv/SSM states for every running request, so "
+                f"it needs {name}; give {flag} (as SGLang's server does)",
+                field=name,
+            )
+    assert options.speculative_num_draft_tokens is not None
+    return options.speculative_num_draft_tokens
+
+
+def _budget_state_slots(
+    ctx: SizingContext, per_req: int, cell: int, draft: int
+) -> tuple[int, int]:
+    """State slots paid from the budget, and the bytes of the speculative intermediate states
+    reserved with them (``per_req > 0``, a budget is set, ``draft`` = D)."""
     options = ctx.options
     budget = options.budget_bytes
     assert budget is not None
     if options.disable_radix_cache and options.max_running_requests is not None:
         slots = options.max_running_requests
-        if (slots + 1) * per_req > budget:
+        spec = (slots + 1) * draft * per_req
+        if (slots + 1) * per_req + spec > budget:
+            states = f" and {draft} intermediate states each ({spec:,} B)" if draft else ""
             raise InvalidArgument(
                 f"max_running_requests {slots} without the radix cache needs {slots} state "
                 f"slots plus the padding slot at {per_req:,} B each "
-                f"({(slots + 1) * per_req:,} B), more than the budget {budget:,} B; "
+                f"({(slots + 1) * per_req:,} B){states}, more than the budget {budget:,} B; "
                 "raise --budget or lower --max-running-requests",
                 field="budget_bytes",
             )
-        return slots
+        return slots, spec
     # One running request needs `ratio` slots (its own plus cached prefix states) besides the
-    # padding slot, so that is the least a budget must buy, not just one slot.
+    # padding slot, so that is the least a budget must buy, not just one slot; under
+    # speculative decoding also D intermediate states for it and for the padding row.
     ratio = state_ratio(ctx)
-    state_bytes_needed = (ratio + 1) * per_req
+    state_bytes_needed = (ratio + 1 + 2 * draft) * per_req
     if cell == 0:
         state_budget, needed = budget, state_bytes_needed
         share = "the whole budget (no KV layers in this stage)"
@@ -246,17 +290,26 @@ def _budget_state_slots(ctx: SizingContext, per_req: int, cell: int) -> int:
         needed = -(-state_bytes_needed * (m.numerator + m.denominator) // m.numerator)
         share = (f"{state_budget:,} B of it at mamba_full_memory_ratio "
                  f"{options.mamba_full_memory_ratio}")
-    slots = (state_budget - per_req) // per_req
+    if draft:
+        # The state budget pays for the slots and, per `ratio` slots, D intermediate states:
+        # slots * per * (1 + D / ratio) after the padding slot and its D states.
+        slots = (state_budget - per_req * (1 + draft)) * ratio // (per_req * (ratio + draft))
+    else:
+        slots = (state_budget - per_req) // per_req
     if slots < ratio:
+        spec = f" and {draft} intermediate states for it and the padding row" if draft else ""
         raise InvalidArgument(
             f"budget {budget:,} B leaves {share} for mamba state, {max(slots, 0)} slots; one "
-            f"running request needs {ratio} slot(s) plus the padding slot at {per_req:,} B "
-            f"each (per_req over this stage's linear layers), {state_bytes_needed:,} B; "
-            f"raise --budget to at least {needed:,} B"
+            f"running request needs {ratio} slot(s) plus the padding slot{spec} at "
+            f"{per_req:,} B each (per_req over this stage's linear layers), "
+            f"{state_bytes_needed:,} B; raise --budget to at least {needed:,} B"
             + ("" if cell == 0 else " or raise --mamba-full-memory-ratio"),
             field="budget_bytes",
         )
-    return slots
+    if not draft:
+        return slots, 0
+    assert options.max_running_requests is not None  # draft_tokens() checked it
+    return slots, (min(options.max_running_requests, slots // ratio) + 1) * draft * per_req
 
 
 def _no_kv_pages(ctx: SizingContext, notes: list[str]) -> int:
@@ -292,7 +345,9 @@ def size(ctx: SizingContext) -> Sizing:
     cell = _kv_cell(ctx, len(full))
     per_req = per_request_state_bytes(ctx)
     ratio = state_ratio(ctx)
+    draft = draft_tokens(ctx)
     notes: list[str] = []
+    spec_bytes = 0
 
     if options.budget_bytes is None:
         if options.max_running_requests is None and per_req > 0:
@@ -306,18 +361,19 @@ def size(ctx: SizingContext) -> Sizing:
     elif per_req == 0:
         slots = None  # no linear layers here: the state id space follows max_running_requests
     else:
-        slots = _budget_state_slots(ctx, per_req, cell)
+        slots, spec_bytes = _budget_state_slots(ctx, per_req, cell, draft)
 
-    state_bytes = 0 if slots is None else (slots + 1) * per_req
+    state_bytes = (0 if slots is None else (slots + 1) * per_req) + spec_bytes
     if cell == 0:
         pages = _no_kv_pages(ctx, notes)
     else:
         if options.budget_bytes is not None:
             kv_budget = options.budget_bytes - state_bytes
             if kv_budget < 2 * cell * page:
+                spec = ", speculative states included" if spec_bytes else ""
                 raise InvalidArgument(
                     f"after {slots} state slots plus the padding slot ({state_bytes:,} B at "
-                    f"{per_req:,} B each) the budget {options.budget_bytes:,} B keeps "
+                    f"{per_req:,} B each{spec}) the budget {options.budget_bytes:,} B keeps "
                     f"{kv_budget:,} B for KV, less than one page plus the padding page "
                     f"({2 * cell * page:,} B); raise --budget, or lower "
                     "--mamba-full-memory-ratio / --max-running-requests",
@@ -333,6 +389,10 @@ def size(ctx: SizingContext) -> Sizing:
         notes.append(f"no linear layers in this stage: {slots} state ids, no state buffers")
     else:
         notes.append(f"mamba state: {slots} slots + 1 padding slot, {per_req:,} B each")
+    if draft and per_req:
+        notes.append(f"speculative intermediate state: {draft} per request row, "
+                     f"{mrr + 1} rows ({(mrr + 1) * draft * per_req:,} B"
+                     + (f"; {spec_bytes:,} B reserved)" if spec_bytes else ")"))
     return Sizing(NAME, cell, pages, mrr, mamba_cache_size=slots, notes=tuple(notes))
 
 
@@ -361,6 +421,16 @@ def layout(ctx: SizingContext, sizing: Sizing) -> list[BufferSpec]:
                               BufferKind.state))
             out.append(buffer(f"ssm.{layer}", shape.ssm_dtype, (slots, *shape.ssm),
                               BufferKind.state))
+    draft = draft_tokens(ctx)
+    if draft:
+        # Intermediate states of the draft tokens being verified, one row per request row.
+        reqs = sizing.max_running_requests + 1
+        for layer in ctx.layers:
+            if layer not in full:
+                out.append(buffer(f"spec_conv.{layer}", shape.conv_dtype,
+                                  (reqs, draft, *shape.conv), BufferKind.spec_state))
+                out.append(buffer(f"spec_ssm.{layer}", shape.ssm_dtype,
+                                  (reqs, draft, *shape.ssm), BufferKind.spec_state))
     for i in range(ctx.num_draft_layers):
         out += _kv_layer_buffers(ctx, str(i), rows, "draft_")
     out.append(buffer("req_to_state", DType.int32, (sizing.max_running_requests + 1,),

@@ -56,6 +56,9 @@ class PlanOptions(Base):
     speculative_algorithm: SpeculativeAlgorithm = "none"
     # None: the model's num_nextn_predict_layers, or 1, when an algorithm is set.
     speculative_num_draft_layers: Annotated[int, Meta(ge=0, le=1024)] | None = None
+    # Tokens verified per step (SGLang's --speculative-num-draft-tokens). Hybrid linear models
+    # keep that many intermediate conv/SSM states per running request, so they need it.
+    speculative_num_draft_tokens: Annotated[int, Meta(ge=1, le=1024)] | None = None
 
     def __post_init__(self) -> None:
         if self.pp_rank >= self.pp_size:
@@ -64,10 +67,9 @@ class PlanOptions(Base):
             )
         if self.budget_bytes is None and self.max_total_tokens is None:
             raise ValueError("give budget_bytes, max_total_tokens, or both")
-        if self.speculative_algorithm == "none" and self.speculative_num_draft_layers:
-            raise ValueError(
-                "speculative_num_draft_layers needs speculative_algorithm eagle or standalone"
-            )
+        for name in ("speculative_num_draft_layers", "speculative_num_draft_tokens"):
+            if self.speculative_algorithm == "none" and getattr(self, name):
+                raise ValueError(f"{name} needs speculative_algorithm eagle or standalone")
 
 
 def make_options(**fields: object) -> PlanOptions:

@@ -22,6 +22,7 @@ class BufferKind(enum.StrEnum):
     swa_kv = "swa_kv"  # token-major rows of the SWA token space (hybrid SWA)
     index = "index"  # DSA indexer, page-major rows of the full token space
     state = "state"  # per request-state slot (mamba conv/ssm, DSV4 compress state)
+    spec_state = "spec_state"  # per request row: speculative intermediate conv/ssm states
     compressed = "compressed"  # DSV4 compressed KV token spaces (c4 / c128)
     req_to_token = "req_to_token"  # request row -> token slots (aux, outside the budget)
     map = "map"  # full -> swa slot mapping (aux, outside the budget)
