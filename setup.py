@@ -18,7 +18,7 @@ setup(
         Extension(
             "kvpoold.alloc._ledger",
             ["service/kvpoold/alloc/_ledger.c"],
-            extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror=implicit"],
+            extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Werror=implicit"],
             optional=not REQUIRED,
         )
     ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import array
+
 import numpy as np
 import pytest
 
@@ -355,3 +357,32 @@ def test_reclaim_refuses_when_held_set_and_owner_array_disagree() -> None:
     assert pool.stats().used == 3 and pool.owner_of([1, 2, 3]).tolist() == [1, 9, 1]
     with pytest.raises(Internal, match="ledger broken"):
         pool.audit()
+
+
+@pytest.mark.parametrize("wrap", [
+    lambda ids: array.array("i", ids.tolist()),
+    lambda ids: memoryview(ids.copy()),
+    lambda ids: ids.astype(np.int64)[::-1],  # strided int64
+    lambda ids: ids.astype(np.uint32),
+])
+def test_free_takes_any_integer_buffer_and_counts_it(wrap) -> None:
+    pool = make_pool(8)
+    ids = pool.allocate(1, 4)
+    assert pool.free(1, wrap(ids)) == 4
+    assert pool.stats().frees == 4 and pool.holders() == {}
+    pool.audit()
+
+
+@pytest.mark.parametrize("wrap", [
+    lambda ids: memoryview(ids.copy()),
+    lambda ids: ids.astype(np.int64)[::-1],
+])
+def test_refused_free_of_other_buffers_names_the_id(wrap) -> None:
+    pool = make_pool(8)
+    ids = pool.allocate(1, 4)
+    with pytest.raises(FailedPrecondition, match="held by another lease"):
+        pool.free(2, wrap(ids))
+    with pytest.raises(FailedPrecondition, match="held by another lease"):
+        pool.validate_free(2, wrap(ids))
+    assert pool.held(1) == 4
+    pool.audit()

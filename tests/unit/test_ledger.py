@@ -336,3 +336,88 @@ def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     else:
         with pytest.raises(InvalidArgument, match="not built; reinstall with a C compiler"):
             check_backend("native")
+
+
+# -- misuse: what a Python caller could do wrong must not corrupt memory or state -------------
+
+
+def snapshot(stack: np.ndarray, owners: np.ndarray, slots: np.ndarray) -> list[list[int]]:
+    return [stack.tolist(), owners.tolist(), slots.tolist()]
+
+
+def test_a_second_set_of_the_same_owner_cannot_free_the_first_sets_ids(backend: Backend) -> None:
+    arrs = arrays(8)
+    ledger = new_ledger(*arrs, backend)
+    first, second = ledger.new_set(1), ledger.new_set(1)
+    out = np.empty(4, dtype=np.int32)
+    ledger.take(1, out, first)
+    before = snapshot(*arrs), ledger.head
+    assert ledger.give(1, out, second) == 4  # refused: the ids are not in that set
+    assert (snapshot(*arrs), ledger.head) == before and len(second) == 0 and len(first) == 4
+    assert ledger.give(1, out, first) == -1 and ledger.head == 0
+
+
+def test_an_owner_array_written_from_python_is_refused_not_trusted(backend: Backend) -> None:
+    stack, owners, slots = arrays(8)
+    ledger = new_ledger(stack, owners, slots, backend)
+    Sets(ledger).take(1, 3)
+    owners[2] = 5  # corruption from outside the ledger
+    before = snapshot(stack, owners, slots), ledger.head
+    assert ledger.give(5, np.array([2], dtype=np.int32), ledger.new_set(5)) == 1
+    assert (snapshot(stack, owners, slots), ledger.head) == before
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_buffers_sharing_the_ledgers_memory_are_refused(backend: Backend, which: int) -> None:
+    arrs = arrays(8)
+    ledger = new_ledger(*arrs, backend)
+    sets = Sets(ledger)
+    sets.take(1, 2)
+    view = arrs[which][1:3]  # an int32 window on stack, owners or slots
+    before = snapshot(*arrs), ledger.head
+    with pytest.raises(ValueError, match="shares memory with the ledger"):
+        ledger.take(1, view, sets.of(1))
+    with pytest.raises(ValueError, match="shares memory with the ledger"):
+        ledger.give(1, view, sets.of(1))
+    with pytest.raises(ValueError, match="shares memory with the ledger"):
+        ledger.check(1, view)
+    assert (snapshot(*arrs), ledger.head) == before
+
+
+@pytest.mark.parametrize("bad", [1000, -3, 0, 2])
+def test_a_corrupted_free_stack_is_refused_at_take(backend: Backend, bad: int) -> None:
+    """An entry out of range, or an id that is already held (2), is never handed out."""
+    stack, owners, slots = arrays(8)
+    ledger = new_ledger(stack, owners, slots, backend)
+    sets = Sets(ledger)
+    sets.take(1, 2)
+    stack[3] = bad
+    before = [stack.tolist(), owners.tolist(), slots[[1, 2]].tolist()], ledger.head
+    with pytest.raises(RuntimeError, match=f"entry 3 holds {bad}, not a free id"):
+        sets.take(2, 3)
+    # Nothing handed out; only the slots of free ids (never read) may have been written.
+    assert ([stack.tolist(), owners.tolist(), slots[[1, 2]].tolist()], ledger.head) == before
+    assert len(sets.of(2)) == 0
+
+
+@pytest.mark.parametrize(("spoil", "match"), [
+    (lambda s, o, sl: o.__setitem__(0, 0), "sentinel"),
+    (lambda s, o, sl: o.__setitem__(3, 7), "must be 0"),
+    (lambda s, o, sl: s.__setitem__(2, 1), "each id 1..N once"),
+    (lambda s, o, sl: s.__setitem__(2, 9), "each id 1..N once"),
+])
+def test_ledgers_start_only_from_an_all_free_space(backend: Backend, spoil, match: str) -> None:
+    stack, owners, slots = arrays(8)
+    spoil(stack, owners, slots)
+    with pytest.raises(ValueError, match=match):
+        new_ledger(stack, owners, slots, backend)
+
+
+def test_ledger_arrays_must_not_overlap(backend: Backend) -> None:
+    big = np.zeros(30, dtype=np.int32)
+    stack = big[:8]
+    stack[:] = np.arange(1, 9)
+    owners = big[7:17]  # overlaps the stack's last entry
+    slots = np.full(10, -1, dtype=np.int32)
+    with pytest.raises(ValueError, match="share memory"):
+        new_ledger(stack, owners, slots, backend)

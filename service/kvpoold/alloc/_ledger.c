@@ -113,8 +113,13 @@ static int
 ids_view(PyObject *obj, IdsView *view)
 {
     if (PyObject_GetBuffer(obj, &view->buf, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
-        PyErr_Clear(); /* e.g. a strided view: one error type for "convert and retry" */
-        PyErr_SetString(PyExc_TypeError, "ids must be a contiguous buffer");
+        /* e.g. a strided view: one error type for "convert and retry"; anything else (a
+         * MemoryError) propagates as it is */
+        if (PyErr_ExceptionMatches(PyExc_BufferError) || PyErr_ExceptionMatches(PyExc_TypeError) ||
+            PyErr_ExceptionMatches(PyExc_ValueError)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_TypeError, "ids must be a contiguous buffer");
+        }
         return -1;
     }
     int wide = 0;
@@ -161,6 +166,31 @@ int32_buffer(PyObject *obj, Py_buffer *buf, const char *name)
         }                                                                                      \
         return i;                                                                              \
     }                                                                                          \
+    /* mark_, also requiring each id in the owner's set held[0..n) (its slot points back at  \
+     * it), so a free never removes more than the set holds; sets *missing when an id is the  \
+     * owner's by the owner array but not in this set (an inconsistency, not a user error). */ \
+    static Py_ssize_t mark_in_##W(int32_t *owners, const int32_t *slots, const int32_t *held,  \
+                                  Py_ssize_t n, U cap, int32_t owner, const T *ids,            \
+                                  Py_ssize_t k, int *missing, Py_ssize_t *holes)               \
+    {                                                                                          \
+        Py_ssize_t i, low = 0;                                                                 \
+        const Py_ssize_t keep = n - k;                                                         \
+        for (i = 0; i < k; i++) {                                                              \
+            T id = ids[i];                                                                     \
+            if ((U)id - 1u >= cap || owners[id] != owner) {                                    \
+                break;                                                                         \
+            }                                                                                  \
+            int32_t s = slots[id];                                                             \
+            if (s < 0 || s >= n || held[s] != id) {                                            \
+                *missing = 1;                                                                  \
+                break;                                                                         \
+            }                                                                                  \
+            low += s < keep; /* a hole the set's tail must fill */                             \
+            owners[id] = PENDING;                                                              \
+        }                                                                                      \
+        *holes = low;                                                                          \
+        return i;                                                                              \
+    }                                                                                          \
     static void set_##W(int32_t *owners, const T *ids, Py_ssize_t k, int32_t value)            \
     {                                                                                          \
         for (Py_ssize_t i = 0; i < k; i++) {                                                   \
@@ -172,10 +202,10 @@ int32_buffer(PyObject *obj, Py_buffer *buf, const char *name)
      * numpy's `held[holes] = stay` does), then the ids go back on the stack. Two passes with \
      * no chain between iterations; freeing the ids allocated last moves nothing. */          \
     static void push_##W(int32_t *owners, int32_t *stack, int32_t *slots, int32_t *held,       \
-                         Py_ssize_t n, const T *ids, Py_ssize_t k)                             \
+                         Py_ssize_t n, const T *ids, Py_ssize_t k, Py_ssize_t holes)           \
     {                                                                                          \
         Py_ssize_t keep = n - k, hole = 0;                                                     \
-        for (Py_ssize_t j = keep; j < n; j++) {                                                \
+        for (Py_ssize_t j = keep; holes > 0 && j < n; j++) {                                   \
             int32_t stay = held[j];                                                            \
             if (owners[stay] == PENDING) {                                                     \
                 continue;                                                                      \
@@ -189,6 +219,7 @@ int32_buffer(PyObject *obj, Py_buffer *buf, const char *name)
             int32_t s = slots[ids[hole++]];                                                    \
             held[s] = stay;                                                                    \
             slots[stay] = s;                                                                   \
+            holes--;                                                                           \
         }                                                                                      \
         for (Py_ssize_t i = 0; i < k; i++) {                                                   \
             owners[ids[i]] = 0;                                                                \
@@ -251,7 +282,7 @@ mark_pending(Ledger *self, int32_t owner, const IdsView *ids)
     if (ids->wide) {
         i = mark_64(self->owners, (uint64_t)self->capacity, owner, ids->buf.buf, k);
         if (i < k) {
-            set_64(self->owners, ids->buf.buf, i, owner); /* a repeat is written twice */
+            set_64(self->owners, ids->buf.buf, i, owner); /* undo the marks of 0..i-1 */
         }
     } else {
         i = mark_32(self->owners, (uint32_t)self->capacity, owner, ids->buf.buf, k);
@@ -260,6 +291,69 @@ mark_pending(Ledger *self, int32_t owner, const IdsView *ids)
         }
     }
     return i == k ? -1 : i;
+}
+
+/* mark_pending for a give: the ids must also be in `set`, and no more than are in use. Returns
+ * -1 (all marked), the first bad position, or k for ids the owner array gives to the owner but
+ * the set does not hold (the caller reports an internal inconsistency). */
+static Py_ssize_t
+mark_for_give(Ledger *self, int32_t owner, const IdsView *ids, const HeldSet *set,
+              Py_ssize_t *holes)
+{
+    Py_ssize_t k = ids->count, i;
+    int missing = 0;
+    if (ids->wide) {
+        i = mark_in_64(self->owners, self->slots, set->ids, set->n, (uint64_t)self->capacity,
+                       owner, ids->buf.buf, k, &missing, holes);
+        if (i < k) {
+            set_64(self->owners, ids->buf.buf, i, owner);
+        }
+    } else {
+        i = mark_in_32(self->owners, self->slots, set->ids, set->n, (uint32_t)self->capacity,
+                       owner, ids->buf.buf, k, &missing, holes);
+        if (i < k) {
+            set_32(self->owners, ids->buf.buf, i, owner);
+        }
+    }
+    if (i == k && k > self->head) { /* cannot happen while the arrays agree; never underflow */
+        if (ids->wide) {
+            set_64(self->owners, ids->buf.buf, k, owner);
+        } else {
+            set_32(self->owners, ids->buf.buf, k, owner);
+        }
+        missing = 1;
+    }
+    if (missing) {
+        return k;
+    }
+    return i == k ? -1 : i;
+}
+
+/* Whether [p, p + len) shares a byte with one of the ledger's arrays. */
+static int
+overlaps_ledger(const Ledger *self, const void *p, Py_ssize_t len)
+{
+    const Py_buffer *own[3] = {&self->stack_buf, &self->owners_buf, &self->slots_buf};
+    const char *lo = (const char *)p, *hi = lo + len;
+    for (int i = 0; i < 3; i++) {
+        const char *a = (const char *)own[i]->buf, *b = a + own[i]->len;
+        if (len > 0 && own[i]->len > 0 && lo < b && a < hi) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static int
+refuse_overlap(const Ledger *self, Py_buffer *buf, const char *name)
+{
+    if (!overlaps_ledger(self, buf->buf, buf->len)) {
+        return 0;
+    }
+    PyBuffer_Release(buf);
+    PyErr_Format(PyExc_ValueError, "%s shares memory with the ledger's own arrays; pass a copy",
+                 name);
+    return -1;
 }
 
 static int
@@ -276,10 +370,10 @@ resize_set(HeldSet *set, Py_ssize_t room)
 }
 
 PyDoc_STRVAR(take_doc,
-"take(owner, out, held) -> None\n--\n\n"
+"take(owner, out, held) -> int\n--\n\n"
 "Hand len(out) free ids to owner: write them into `out` (a writable int32 array) and add them\n"
-"to `held`, the owner's HeldSet. ValueError when fewer ids are free (nothing changes): the\n"
-"caller checks first.");
+"to `held`, the owner's HeldSet; returns the new head (ids in use). ValueError when fewer ids\n"
+"are free (nothing changes).");
 
 static PyObject *
 Ledger_take(Ledger *self, PyObject *const *args, Py_ssize_t nargs)
@@ -293,6 +387,9 @@ Ledger_take(Ledger *self, PyObject *const *args, Py_ssize_t nargs)
     Py_buffer out;
     if (check_ready(self) < 0 || owner_arg(args[0], &owner) < 0 ||
         (set = set_arg(self, args[2], owner)) == NULL || int32_buffer(args[1], &out, "out") < 0) {
+        return NULL;
+    }
+    if (refuse_overlap(self, &out, "out") < 0) {
         return NULL;
     }
     Py_ssize_t count = out.len / 4;
@@ -315,16 +412,29 @@ Ledger_take(Ledger *self, PyObject *const *args, Py_ssize_t nargs)
     }
     const int32_t *src = self->stack + self->head;
     int32_t *owners = self->owners, *slots = self->slots;
+    const uint32_t cap = (uint32_t)self->capacity;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int32_t id = src[i];
+        /* The stack is a numpy array Python could write: hand out only free ids in range. */
+        if ((uint32_t)id - 1u >= cap || owners[id] != 0) {
+            for (Py_ssize_t j = 0; j < i; j++) {
+                owners[src[j]] = 0; /* nothing handed out (a free id's slot means nothing) */
+            }
+            PyErr_Format(PyExc_RuntimeError,
+                         "free stack corrupted: entry %zd holds %d, not a free id in 1..%zd",
+                         self->head + i, id, self->capacity);
+            PyBuffer_Release(&out);
+            return NULL;
+        }
+        owners[id] = owner;
+        slots[id] = (int32_t)(n + i);
+    }
     memcpy(out.buf, src, (size_t)count * sizeof(int32_t));
     memcpy(set->ids + n, src, (size_t)count * sizeof(int32_t));
-    for (Py_ssize_t i = 0; i < count; i++) {
-        owners[src[i]] = owner;
-        slots[src[i]] = (int32_t)(n + i);
-    }
     set->n = n + count;
     self->head += count;
     PyBuffer_Release(&out);
-    Py_RETURN_NONE;
+    return PyLong_FromSsize_t(self->head);
 }
 
 PyDoc_STRVAR(give_doc,
@@ -347,16 +457,24 @@ Ledger_give(Ledger *self, PyObject *const *args, Py_ssize_t nargs)
         (set = set_arg(self, args[2], owner)) == NULL || ids_view(args[1], &ids) < 0) {
         return NULL;
     }
-    Py_ssize_t bad = mark_pending(self, owner, &ids);
+    if (refuse_overlap(self, &ids.buf, "ids") < 0) {
+        return NULL;
+    }
+    if (ids.count == 0) {
+        PyBuffer_Release(&ids.buf);
+        return PyLong_FromLong(-1);
+    }
+    Py_ssize_t holes = 0;
+    Py_ssize_t bad = mark_for_give(self, owner, &ids, set, &holes);
     if (bad < 0) {
-        /* Every id was owner's and they are distinct, so all are in the set: k <= n <= head. */
+        /* Distinct ids, each in the set: k <= n, and k <= head was checked. */
         Py_ssize_t k = ids.count, head = self->head - k;
         if (ids.wide) {
             push_64(self->owners, self->stack + head, self->slots, set->ids, set->n, ids.buf.buf,
-                    k);
+                    k, holes);
         } else {
             push_32(self->owners, self->stack + head, self->slots, set->ids, set->n, ids.buf.buf,
-                    k);
+                    k, holes);
         }
         self->head = head;
         set->n -= k;
@@ -389,6 +507,9 @@ Ledger_check(Ledger *self, PyObject *const *args, Py_ssize_t nargs)
     int32_t owner;
     IdsView ids;
     if (check_ready(self) < 0 || owner_arg(args[0], &owner) < 0 || ids_view(args[1], &ids) < 0) {
+        return NULL;
+    }
+    if (refuse_overlap(self, &ids.buf, "ids") < 0) {
         return NULL;
     }
     Py_ssize_t bad = mark_pending(self, owner, &ids);
@@ -432,6 +553,48 @@ Ledger_new_set(Ledger *self, PyObject *arg)
 }
 
 static int
+bufs_overlap(const Py_buffer *a, const Py_buffer *b)
+{
+    const char *a0 = a->buf, *b0 = b->buf;
+    return a->len > 0 && b->len > 0 && a0 < b0 + b->len && b0 < a0 + a->len;
+}
+
+/* NULL when stack is a permutation of 1..N, owners are 0 with -1 at 0 and N + 1, and no two
+ * arrays share memory; else what is wrong ("memory" when the check could not allocate). O(N),
+ * once. */
+static const char *
+all_free_problem(const int32_t *stack, const int32_t *owners, Py_ssize_t cap,
+                 const Py_buffer *s, const Py_buffer *o, const Py_buffer *l)
+{
+    if (bufs_overlap(s, o) || bufs_overlap(s, l) || bufs_overlap(o, l)) {
+        return "stack, owners and slots share memory";
+    }
+    if (owners[0] != -1 || owners[cap + 1] != -1) {
+        return "owners[0] and owners[N + 1] must be the sentinel -1";
+    }
+    for (Py_ssize_t i = 1; i <= cap; i++) {
+        if (owners[i] != 0) {
+            return "owners[1..N] must be 0 (free)";
+        }
+    }
+    unsigned char *seen = PyMem_Calloc((size_t)cap + 1, 1);
+    if (seen == NULL) {
+        return "memory";
+    }
+    const char *problem = NULL;
+    for (Py_ssize_t i = 0; i < cap; i++) {
+        uint32_t id = (uint32_t)stack[i];
+        if (id - 1u >= (uint32_t)cap || seen[id]) {
+            problem = "stack must hold each id 1..N once";
+            break;
+        }
+        seen[id] = 1;
+    }
+    PyMem_Free(seen);
+    return problem;
+}
+
+static int
 Ledger_init(Ledger *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"stack", "owners", "slots", NULL};
@@ -471,6 +634,19 @@ Ledger_init(Ledger *self, PyObject *args, PyObject *kwds)
     self->stack = (int32_t *)self->stack_buf.buf;
     self->owners = (int32_t *)self->owners_buf.buf;
     self->slots = (int32_t *)self->slots_buf.buf;
+    const char *problem = all_free_problem(self->stack, self->owners, cap,
+                                           &self->stack_buf, &self->owners_buf, &self->slots_buf);
+    if (problem != NULL) {
+        PyBuffer_Release(&self->stack_buf);
+        PyBuffer_Release(&self->owners_buf);
+        PyBuffer_Release(&self->slots_buf);
+        if (strcmp(problem, "memory") == 0) {
+            PyErr_NoMemory();
+        } else {
+            PyErr_Format(PyExc_ValueError, "Ledger needs an all-free id space: %s", problem);
+        }
+        return -1;
+    }
     self->capacity = cap;
     self->head = 0; /* all free: stack holds the ids in the order they will be handed out */
     self->ready = 1;
@@ -543,7 +719,7 @@ HeldSet_dealloc(HeldSet *self)
 {
     PyMem_Free(self->ids);
     Py_XDECREF(self->ledger);
-    PyObject_Free(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static Py_ssize_t

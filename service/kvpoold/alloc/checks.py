@@ -118,11 +118,12 @@ def as_ids(ids: object, action: str, field: str = "ids") -> np.ndarray:
 
 
 def to_index(arr: np.ndarray) -> np.ndarray:
-    """``arr`` as ``np.intp``, the dtype numpy fancy indexing uses without a cast per call.
+    """``arr`` as a contiguous ``np.intp`` array: the dtype numpy fancy indexing uses without a
+    cast per call, and a layout the C ledger reads (a strided int64 view is copied).
 
     Unsigned values past int64 wrap to negatives, which the range checks then refuse.
     """
-    return arr.astype(np.intp, copy=False)
+    return np.ascontiguousarray(arr, dtype=np.intp)
 
 
 class Reason(enum.Enum):

@@ -128,14 +128,13 @@ class IdPool:
             if count == 0:
                 return EMPTY_IDS
         ledger = self._ledger
-        if ledger.head + count > self.capacity:
+        if ledger.head + count > self.capacity:  # before np.empty: count may be huge
             self.require_free(check_count(count, f"allocate {self.name}"))
         holding = self._holdings.get(owner)
         if holding is None:
             holding = self._holdings[owner] = ledger.new_set(owner)
         ids = np.empty(count, dtype=np.int32)
-        ledger.take(owner, ids, holding)
-        end = ledger.head
+        end = ledger.take(owner, ids, holding)
         if end > self._high_water:
             self._high_water = end
         return ids
@@ -195,10 +194,14 @@ class IdPool:
             if arr.shape[0]:
                 raise self._free_error(owner, arr)
             return 0
-        try:
-            bad = self._ledger.give(owner, ids, holding)
-            arr = ids
-        except TypeError:  # not a 1-D int32/int64 array: a list, uint32, strided, a float...
+        arr: np.ndarray | None = None
+        if type(ids) is np.ndarray:  # the hot path: the ledger reads int32/int64 as they are
+            try:
+                bad = self._ledger.give(owner, ids, holding)
+                arr = ids
+            except TypeError:  # uint32, strided, float, 2-D, ...: checked and converted below
+                pass
+        if arr is None:  # also a list, an array.array, a memoryview
             arr = as_ids(ids, f"free {self.name}")  # InvalidArgument for what is not ids
             bad = self._ledger.give(owner, to_index(arr), holding)
         if bad >= 0:

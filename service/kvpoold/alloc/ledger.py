@@ -6,7 +6,8 @@ loops to a ledger:
 - ``new_set(owner)``: an empty ``HeldSet`` for ``owner``: the ids it holds, exactly (``len()``
   is how many, ``tobytes()`` the ids as native int32). The ledger alone changes it.
 - ``take(owner, out, held)``: the next ``len(out)`` free ids into ``out`` (int32), marked as
-  owner's and added to ``held``.
+  owner's and added to ``held``; returns the new ``head``. ValueError (nothing changed) when
+  fewer are free.
 - ``give(owner, ids, held)``: free ``ids`` if every one is in ``1..N``, held by ``owner`` and
   listed once, dropping them from ``held``; returns -1, or a position >= 0 of a bad id (the C
   ledger gives the first bad position, the numpy one 0) with nothing changed. TypeError for
@@ -82,7 +83,9 @@ class Ledger(Protocol):
 
     def new_set(self, owner: int) -> HeldSet: ...
 
-    def take(self, owner: int, out: np.ndarray, held: HeldSet) -> None: ...
+    def take(self, owner: int, out: np.ndarray, held: HeldSet) -> int:
+        """Returns the new ``head``."""
+        ...
 
     def give(self, owner: int, ids: np.ndarray, held: HeldSet) -> int: ...
 
@@ -176,10 +179,19 @@ class NumpyLedger:
     """
 
     def __init__(self, stack: np.ndarray, owners: np.ndarray, slots: np.ndarray) -> None:
+        cap = stack.shape[0]
+        if owners.shape != (cap + 2,) or slots.shape != (cap + 2,) or not 1 <= cap < 2**31 - 1:
+            raise ValueError(
+                f"Ledger needs stack of N in 1..{2**31 - 2} ids, owners of N + 2 and slots of "
+                f"N + 2; got N={cap}, owners {owners.shape}, slots {slots.shape}"
+            )
+        problem = _all_free_problem(stack, owners, slots)
+        if problem:
+            raise ValueError(f"Ledger needs an all-free id space: {problem}")
         self.stack = stack
         self.owners = owners
         self.slots = slots
-        self.capacity = stack.shape[0]
+        self.capacity = cap
         self.head = 0
         self._tags = -2 - np.arange(min(self.capacity, _TAGS_CACHED), dtype=np.int32)
         self._tag_bytes = self._tags.tobytes()
@@ -187,13 +199,25 @@ class NumpyLedger:
     def new_set(self, owner: int) -> NumpyHeldSet:
         return NumpyHeldSet(self, owner)
 
-    def take(self, owner: int, out: np.ndarray, held: NumpyHeldSet) -> None:
+    def take(self, owner: int, out: np.ndarray, held: NumpyHeldSet) -> int:
         self._check_set(owner, held)
+        self._refuse_overlap(out, "out")
         count = out.shape[0]
         head = self.head
         end = head + count
         if end > self.capacity:
             raise ValueError(f"take {count} ids: only {self.capacity - head} free")
+        top = self.stack[head:end]
+        # The stack is a numpy array Python could write: hand out only free ids in range
+        # (clipping maps an out-of-range entry onto a sentinel, which is not 0).
+        if self.owners.take(top, mode="clip").any():
+            bad = (top < 1) | (top > self.capacity)
+            bad |= self.owners[np.where(bad, 0, top)] != 0
+            i = int(bad.argmax())
+            raise RuntimeError(
+                f"free stack corrupted: entry {head + i} holds {int(top[i])}, not a free id in "
+                f"1..{self.capacity}"
+            )
         n = held.n
         if n + count > held.room:
             room = held.room
@@ -207,20 +231,26 @@ class NumpyLedger:
         self.slots[idx] = np.arange(n, n + count, dtype=np.int32)
         held.n = n + count
         self.head = end
+        return end
 
     def give(self, owner: int, ids: np.ndarray, held: NumpyHeldSet) -> int:
         self._check_set(owner, held)
         idx = _index(ids)
+        self._refuse_overlap(ids, "ids")
         count = idx.shape[0]
         if count == 0:
             return -1
         if self._mark(owner, idx) >= 0:
             return 0
         owners, slots, n = self.owners, self.slots, held.n
+        pos = slots[idx].astype(np.intp)
+        if (pos.min() < 0 or pos.max() >= n or not np.array_equal(held.ids[pos], idx)
+                or count > self.head):
+            owners[idx] = owner  # the owner's by the owner array but not in this set: refuse
+            return count
         # The set's last k entries that stay (still marked with the owner: the freed ids carry
         # negative marks) fill the holes the freed ids leave below n - k.
         keep = n - count
-        pos = slots[idx].astype(np.intp)
         holes = pos[pos < keep]
         if holes.shape[0]:  # none when the ids freed are the ones allocated last
             tail = held.ids[keep:n].astype(np.intp)
@@ -241,10 +271,18 @@ class NumpyLedger:
 
     def check(self, owner: int, ids: np.ndarray) -> int:
         idx = _index(ids)
+        self._refuse_overlap(ids, "ids")
         if self._mark(owner, idx) >= 0:
             return 0
         self.owners[idx] = owner  # undo the pending marks
         return -1
+
+    def _refuse_overlap(self, arr: np.ndarray, name: str) -> None:
+        base = arr.base
+        if base is None or type(base) is bytes:  # owns its memory, or wraps wire bytes
+            return
+        if any(np.may_share_memory(arr, own) for own in (self.stack, self.owners, self.slots)):
+            raise ValueError(f"{name} shares memory with the ledger's own arrays; pass a copy")
 
     def _check_set(self, owner: int, held: NumpyHeldSet) -> None:
         if type(held) is not NumpyHeldSet:
@@ -273,6 +311,25 @@ class NumpyLedger:
             owners[idx] = owner
             return 0
         return -1
+
+
+def _all_free_problem(stack: np.ndarray, owners: np.ndarray, slots: np.ndarray) -> str:
+    """What keeps the arrays from being an all-free id space (as ``_ledger.c`` checks), or ""."""
+    cap = stack.shape[0]
+    arrays = (stack, owners, slots)
+    if any(arr.dtype != np.int32 or not arr.flags.c_contiguous or not arr.flags.writeable
+           for arr in arrays):
+        return "stack, owners and slots must be writable contiguous int32 arrays"
+    pairs = ((stack, owners), (stack, slots), (owners, slots))
+    if any(np.may_share_memory(a, b) for a, b in pairs):
+        return "stack, owners and slots share memory"
+    if owners[0] != -1 or owners[cap + 1] != -1:
+        return "owners[0] and owners[N + 1] must be the sentinel -1"
+    if owners[1 : cap + 1].any():
+        return "owners[1..N] must be 0 (free)"
+    if stack.min() < 1 or stack.max() > cap or np.unique(stack).shape[0] != cap:
+        return "stack must hold each id 1..N once"
+    return ""
 
 
 def _index(ids: object) -> np.ndarray:
