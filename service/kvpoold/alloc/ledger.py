@@ -244,8 +244,8 @@ class NumpyLedger:
             return 0
         owners, slots, n = self.owners, self.slots, held.n
         pos = slots[idx].astype(np.intp)
-        if (pos.min() < 0 or pos.max() >= n or not np.array_equal(held.ids[pos], idx)
-                or count > self.head):
+        if (pos.min() < 0 or pos.max() >= n or count > self.head
+                or held.ids[pos].astype(np.intp).tobytes() != idx.tobytes()):
             owners[idx] = owner  # the owner's by the owner array but not in this set: refuse
             return count
         # The set's last k entries that stay (still marked with the owner: the freed ids carry
@@ -334,9 +334,9 @@ def _all_free_problem(stack: np.ndarray, owners: np.ndarray, slots: np.ndarray) 
 
 def _index(ids: object) -> np.ndarray:
     """``ids`` as intp if it is a 1-D int32/int64 ndarray, else TypeError (as the C ledger)."""
-    if type(ids) is not np.ndarray or ids.ndim != 1 or ids.dtype not in _ID_DTYPES:
+    if type(ids) is not np.ndarray or ids.ndim != 1:
         raise TypeError("ids must be a 1-D int32 or int64 array")
+    dtype = ids.dtype
+    if dtype.kind != "i" or dtype.itemsize not in (4, 8) or not dtype.isnative:
+        raise TypeError("ids must be a 1-D int32 or int64 array in native byte order")
     return ids.astype(np.intp, copy=False)
-
-
-_ID_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
