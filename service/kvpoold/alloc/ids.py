@@ -1,6 +1,7 @@
 """One id space ``1..N`` with an ownership ledger: O(count) allocate/free, O(held) reclaim.
 
-Data (``N`` = capacity; 12 bytes per id, plus 4 to 16 per held id in the held sets):
+Data (``N`` = capacity; 12 bytes per id, plus the held sets: 4 bytes per held id, in arrays
+that grow by doubling and, past 256 KiB, shrink once three quarters are unused):
 
 - ``_stack`` (int32, N): ids ``1..N``; ``_stack[head:]`` are the free ones, ``_stack[:head]`` is
   stale. Allocate takes ``_stack[head:head+k]``, free writes the ids back just below ``head``,
@@ -237,7 +238,7 @@ class IdPool:
         """Free ids already checked with :meth:`find_fault` under the same lock.
 
         For callers that validate several spaces before changing any (``SwaPair``,
-        ``PoolAllocator.free_batch``). ``idx`` must be ``np.intp``, distinct and held by owner.
+        ``PoolAllocator.free_batch``). ``idx``: int32 or int64, distinct and held by owner.
 
         Returns:
             How many ids were freed.
