@@ -28,17 +28,9 @@ from kvpoold.alloc.ledger import (
     native_available,
     new_ledger,
 )
-from tests.unit.ledger_program import run_program
+from tests.unit.ledger_program import arrays, run_program
 
 NATIVE = pytest.mark.skipif(not native_available(), reason="kvpoold.alloc._ledger is not built")
-
-
-def arrays(cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``stack``, ``owners`` and ``slots`` of an all-free space of ``cap`` ids."""
-    stack = np.arange(1, cap + 1, dtype=np.int32)
-    owners = np.zeros(cap + 2, dtype=np.int32)
-    owners[0] = owners[-1] = -1
-    return stack, owners, np.full(cap + 2, -1, dtype=np.int32)
 
 
 class Sets:
