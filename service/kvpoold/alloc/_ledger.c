@@ -31,7 +31,9 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stddef.h>
 #include <stdint.h>
+#include <structmember.h>
 #include <string.h>
 
 #define PENDING ((int32_t)-2)
@@ -369,6 +371,21 @@ resize_set(HeldSet *set, Py_ssize_t room)
     return 0;
 }
 
+/* The (owner, _, held) arguments of take and give: the owner and its set, or NULL (error set). */
+static HeldSet *
+owner_and_set(Ledger *self, PyObject *const *args, Py_ssize_t nargs, const char *signature,
+              int32_t *owner)
+{
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "%s takes 3 arguments", signature);
+        return NULL;
+    }
+    if (check_ready(self) < 0 || owner_arg(args[0], owner) < 0) {
+        return NULL;
+    }
+    return set_arg(self, args[2], *owner);
+}
+
 PyDoc_STRVAR(take_doc,
 "take(owner, out, held) -> int\n--\n\n"
 "Hand len(out) free ids to owner: write them into `out` (a writable int32 array) and add them\n"
@@ -378,15 +395,10 @@ PyDoc_STRVAR(take_doc,
 static PyObject *
 Ledger_take(Ledger *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "take(owner, out, held) takes 3 arguments");
-        return NULL;
-    }
     int32_t owner;
-    HeldSet *set;
     Py_buffer out;
-    if (check_ready(self) < 0 || owner_arg(args[0], &owner) < 0 ||
-        (set = set_arg(self, args[2], owner)) == NULL || int32_buffer(args[1], &out, "out") < 0) {
+    HeldSet *set = owner_and_set(self, args, nargs, "take(owner, out, held)", &owner);
+    if (set == NULL || int32_buffer(args[1], &out, "out") < 0) {
         return NULL;
     }
     if (refuse_overlap(self, &out, "out") < 0) {
@@ -446,15 +458,10 @@ PyDoc_STRVAR(give_doc,
 static PyObject *
 Ledger_give(Ledger *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "give(owner, ids, held) takes 3 arguments");
-        return NULL;
-    }
     int32_t owner;
-    HeldSet *set;
     IdsView ids;
-    if (check_ready(self) < 0 || owner_arg(args[0], &owner) < 0 ||
-        (set = set_arg(self, args[2], owner)) == NULL || ids_view(args[1], &ids) < 0) {
+    HeldSet *set = owner_and_set(self, args, nargs, "give(owner, ids, held)", &owner);
+    if (set == NULL || ids_view(args[1], &ids) < 0) {
         return NULL;
     }
     if (refuse_overlap(self, &ids.buf, "ids") < 0) {
@@ -665,20 +672,6 @@ Ledger_dealloc(Ledger *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static PyObject *
-Ledger_get_head(Ledger *self, void *closure)
-{
-    (void)closure;
-    return PyLong_FromSsize_t(self->head);
-}
-
-static PyObject *
-Ledger_get_capacity(Ledger *self, void *closure)
-{
-    (void)closure;
-    return PyLong_FromSsize_t(self->capacity);
-}
-
 static PyMethodDef Ledger_methods[] = {
     {"take", (PyCFunction)(void (*)(void))Ledger_take, METH_FASTCALL, take_doc},
     {"give", (PyCFunction)(void (*)(void))Ledger_give, METH_FASTCALL, give_doc},
@@ -687,10 +680,10 @@ static PyMethodDef Ledger_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static PyGetSetDef Ledger_getset[] = {
-    {"head", (getter)Ledger_get_head, NULL, "Ids in use: stack[head:] are free.", NULL},
-    {"capacity", (getter)Ledger_get_capacity, NULL, "N: ids are 1..N.", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
+static PyMemberDef Ledger_members[] = {
+    {"head", T_PYSSIZET, offsetof(Ledger, head), READONLY, "Ids in use: stack[head:] are free."},
+    {"capacity", T_PYSSIZET, offsetof(Ledger, capacity), READONLY, "N: ids are 1..N."},
+    {NULL, 0, 0, 0, NULL},
 };
 
 PyDoc_STRVAR(Ledger_doc,
@@ -709,7 +702,7 @@ static PyTypeObject LedgerType = {
     .tp_init = (initproc)Ledger_init,
     .tp_dealloc = (destructor)Ledger_dealloc,
     .tp_methods = Ledger_methods,
-    .tp_getset = Ledger_getset,
+    .tp_members = Ledger_members,
 };
 
 /* -- HeldSet ---------------------------------------------------------------------------- */
@@ -735,38 +728,17 @@ HeldSet_tobytes(HeldSet *self, PyObject *Py_UNUSED(ignored))
                                      self->n * (Py_ssize_t)sizeof(int32_t));
 }
 
-static PyObject *
-HeldSet_get_owner(HeldSet *self, void *closure)
-{
-    (void)closure;
-    return PyLong_FromLong(self->owner);
-}
-
-static PyObject *
-HeldSet_get_ledger(HeldSet *self, void *closure)
-{
-    (void)closure;
-    return Py_NewRef(self->ledger);
-}
-
-static PyObject *
-HeldSet_get_room(HeldSet *self, void *closure)
-{
-    (void)closure;
-    return PyLong_FromSsize_t(self->room);
-}
-
 static PyMethodDef HeldSet_methods[] = {
     {"tobytes", (PyCFunction)HeldSet_tobytes, METH_NOARGS,
      "The ids held, as native int32 bytes (np.frombuffer(..., np.int32))."},
     {NULL, NULL, 0, NULL},
 };
 
-static PyGetSetDef HeldSet_getset[] = {
-    {"owner", (getter)HeldSet_get_owner, NULL, "The lease whose ids these are.", NULL},
-    {"ledger", (getter)HeldSet_get_ledger, NULL, "The Ledger the ids belong to.", NULL},
-    {"room", (getter)HeldSet_get_room, NULL, "Ids the set's array has room for.", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
+static PyMemberDef HeldSet_members[] = {
+    {"owner", T_INT, offsetof(HeldSet, owner), READONLY, "The lease whose ids these are."},
+    {"ledger", T_OBJECT, offsetof(HeldSet, ledger), READONLY, "The Ledger the ids belong to."},
+    {"room", T_PYSSIZET, offsetof(HeldSet, room), READONLY, "Ids the set's array has room for."},
+    {NULL, 0, 0, 0, NULL},
 };
 
 static PySequenceMethods HeldSet_as_sequence = {
@@ -782,7 +754,7 @@ static PyTypeObject HeldSetType = {
     .tp_dealloc = (destructor)HeldSet_dealloc,
     .tp_as_sequence = &HeldSet_as_sequence,
     .tp_methods = HeldSet_methods,
-    .tp_getset = HeldSet_getset,
+    .tp_members = HeldSet_members,
 };
 
 static struct PyModuleDef ledger_module = {
