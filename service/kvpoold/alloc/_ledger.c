@@ -183,7 +183,7 @@ int32_buffer(PyObject *obj, Py_buffer *buf, const char *name)
                 break;                                                                         \
             }                                                                                  \
             int32_t s = slots[id];                                                             \
-            if (s < 0 || s >= n || held[s] != id) {                                            \
+            if ((size_t)(uint32_t)s >= (size_t)n || held[s] != id) {                           \
                 *missing = 1;                                                                  \
                 break;                                                                         \
             }                                                                                  \
@@ -225,7 +225,13 @@ int32_buffer(PyObject *obj, Py_buffer *buf, const char *name)
         }                                                                                      \
         for (Py_ssize_t i = 0; i < k; i++) {                                                   \
             owners[ids[i]] = 0;                                                                \
-            stack[i] = (int32_t)ids[i];                                                        \
+        }                                                                                      \
+        if (sizeof(T) == 4) {                                                                  \
+            memcpy(stack, ids, (size_t)k * 4);                                                 \
+        } else {                                                                               \
+            for (Py_ssize_t i = 0; i < k; i++) {                                               \
+                stack[i] = (int32_t)ids[i];                                                    \
+            }                                                                                  \
         }                                                                                      \
     }
 
