@@ -3,16 +3,17 @@
 What one "pair" is: allocate ``count`` ids for a lease, then free exactly those ids. Measured
 for ``count`` in 1, 16, 256 on a pool of 1,000,000 ids that is almost empty (the free list holds
 ~1M ids, which is what SGLang's ``torch.cat`` pays for on every free), with
-``time.perf_counter_ns`` around blocks of pairs, the garbage collector off, and the median over
-blocks reported in microseconds per pair. Two phases, each interleaving its blocks so that a
-change in the machine's speed hits everything in the phase alike:
+``time.perf_counter_ns`` around blocks of pairs, the garbage collector off; the times shown are
+medians over 40 blocks in microseconds per pair. Two phases, each running rounds of one block
+per implementation back to back, so that a change in the machine's speed hits a round alike;
+every ratio is the median over rounds of that round's ratio:
 
-1. ours, ours+lock, numpy and bare;
-2. torch.cat and bare again. torch keeps its default threads, which spin for a while after each
-   ``torch.cat`` and slow the bare blocks next to them, so ``bare`` is slower in this phase.
+1. bare, ours, ours+lock and numpy: ``ours/bare``;
+2. torch.cat and bare again: torch keeps its default threads, which spin for a while after each
+   ``torch.cat`` and slow the bare block after it, so ``bare`` is slower in this phase.
 
-``cat/ours`` is ``(torch.cat / bare in phase 2) * (bare / ours in phase 1)``: two ratios each
-taken within one phase, and the slowed phase-2 bare makes it an underestimate, never flattery.
+``cat/ours`` is ``(torch.cat / bare in phase 2) / (ours / bare in phase 1)``, and the slowed
+phase-2 bare makes it an underestimate, never flattery.
 
 - ``ours``: ``IdPool.allocate`` / ``IdPool.free`` on the C ledger (``kvpoold/alloc/_ledger.c``),
   every free validated (range, repeats, ownership) and the owner's held set kept exact; the
@@ -29,7 +30,7 @@ Targets (from the issue): ours within 2x of bare, and at least 50x faster than t
 Without the C build ``ours`` is the numpy ledger and the table says so.
 
 Run: ``PYTHONPATH=client:service python bench/allocator.py`` (or after ``pip install -e .``).
-Takes about 10-20 s.
+Takes about 20 s.
 """
 
 from __future__ import annotations
@@ -89,13 +90,14 @@ class TorchCatFreeList:
         self.free_pages = torch.cat((self.free_pages, ids))
 
 
-def median_pairs_us(
+def pair_samples_us(
     pairs: dict[str, tuple[Callable[[], None], int]], blocks: int
-) -> dict[str, float]:
-    """Median µs per pair for each ``name: (pair, block size)``.
+) -> dict[str, list[float]]:
+    """µs per pair for each ``name: (pair, block size)``, one sample per round of blocks.
 
-    Blocks of the implementations are interleaved, so a burst of load from other processes
-    hits them all alike and the ratios stay meaningful on a noisy machine.
+    Each round runs one block of every implementation, back to back in the order given, so a
+    burst of load from other processes hits a round's blocks alike: ratios are taken per round
+    (:func:`paired_ratio`) and stay meaningful on a noisy machine.
     """
     for pair, block in pairs.values():  # warm up
         for _ in range(max(1, block // 4)):
@@ -111,7 +113,12 @@ def median_pairs_us(
                 samples[name].append((time.perf_counter_ns() - start) / block / 1000)
     finally:
         gc.enable()
-    return {name: statistics.median(times) for name, times in samples.items()}
+    return samples
+
+
+def paired_ratio(a: list[float], b: list[float]) -> float:
+    """The median over rounds of ``a[i] / b[i]``."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
 def measure(count: int) -> dict[str, float]:
@@ -147,18 +154,20 @@ def measure(count: int) -> dict[str, float]:
         assert ids is not None
         cat.free(ids)
 
-    out = median_pairs_us(
+    phase1 = pair_samples_us(
         {
+            "bare": (bare_pair, 500),  # right before ours: the pair a ratio compares
             "ours": (ours_pair, 500),
             "ours+lock": (daemon_pair, 200),
             "numpy": (numpy_pair, 500),
-            "bare": (bare_pair, 500),
         },
         blocks=40,
     )
-    phase2 = median_pairs_us({"torch.cat": (cat_pair, 10), "bare": (bare_pair, 500)}, blocks=40)
-    out["torch.cat"] = phase2["torch.cat"]
-    out["cat/ours"] = phase2["torch.cat"] / phase2["bare"] * out["bare"] / out["ours"]
+    phase2 = pair_samples_us({"torch.cat": (cat_pair, 10), "bare": (bare_pair, 500)}, blocks=40)
+    out = {name: statistics.median(times) for name, times in phase1.items()}
+    out["torch.cat"] = statistics.median(phase2["torch.cat"])
+    out["ours/bare"] = paired_ratio(phase1["ours"], phase1["bare"])
+    out["cat/ours"] = paired_ratio(phase2["torch.cat"], phase2["bare"]) / out["ours/bare"]
     ours.audit()
     fallback.audit()
     daemon.audit()
@@ -171,7 +180,8 @@ def main() -> None:
         f"torch {torch.__version__} ({torch.get_num_threads()} threads), {os.cpu_count()} CPUs"
     )
     ledger = "C" if native_available() else "numpy (the C extension is not built)"
-    print(f"median µs per allocate+free pair; ours = IdPool on the {ledger} ledger")
+    print(f"median µs per allocate+free pair; ours = IdPool on the {ledger} ledger; ratios are "
+          "medians of per-round ratios")
     header = (
         f"{'count':>5} {'ours':>8} {'ours+lock':>10} {'numpy':>8} {'bare':>8} {'torch.cat':>10} "
         f"{'ours/bare':>10} {'cat/ours':>9}"
@@ -180,7 +190,7 @@ def main() -> None:
     worst_bare, worst_cat = 0.0, float("inf")
     for count in COUNTS:
         r = measure(count)
-        vs_bare, vs_cat = r["ours"] / r["bare"], r["cat/ours"]
+        vs_bare, vs_cat = r["ours/bare"], r["cat/ours"]
         worst_bare, worst_cat = max(worst_bare, vs_bare), min(worst_cat, vs_cat)
         print(
             f"{count:>5} {r['ours']:>8.2f} {r['ours+lock']:>10.2f} {r['numpy']:>8.2f} "
