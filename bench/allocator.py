@@ -45,8 +45,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvpoold.alloc import IdPool, Kind, PoolAllocator
-from kvpoold.alloc.ledger import native_available
+from kvpoold.ids import IdPool, Kind, PoolAllocator
+from kvpoold.ids.ledger import native_available
 
 POOL = 1_000_000
 COUNTS = (1, 16, 256)

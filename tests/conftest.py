@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from kvpoold.alloc.ledger import BACKENDS, native_available
-from kvpoold.alloc.ledger import ENV as LEDGER_ENV
+from kvpoold.ids.ledger import BACKENDS, native_available
+from kvpoold.ids.ledger import ENV as LEDGER_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHONPATH = os.pathsep.join(str(REPO / p) for p in ("client", "service"))
@@ -46,7 +46,7 @@ def ledger_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     """
     backend = request.param
     if backend == "native" and not native_available():
-        pytest.skip("kvpoold.alloc._ledger is not built (no C compiler at install time)")
+        pytest.skip("kvpoold.ids._ledger is not built (no C compiler at install time)")
     monkeypatch.setenv(LEDGER_ENV, backend)
     return backend
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpool.spec import ModelSpec, decode_spec
 from kvpoold.sizing import PoolPlan, make_options, plan
-from kvpoold.spec import ModelSpec, decode_spec
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -19,7 +19,7 @@ import numpy as np
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvpool import convert
+from kvpool import wire
 from kvpool.client import (
     DEFAULT_TIMEOUT_S,
     DEFAULT_TTL_S,
@@ -28,10 +28,10 @@ from kvpool.client import (
     keepalive_interval,
     open_channel,
 )
-from kvpool.convert import AttachInfo, ConfigureResult, Released, Stats
 from kvpool.targets import channel_target, default_target
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
+from kvpool.wire import AttachInfo, ConfigureResult, Released, Stats
 
 if TYPE_CHECKING:
     from kvpool.attach import LeaseArg
@@ -61,7 +61,7 @@ class AsyncKVPoolClient:
                 metadata=self._metadata,
             )
         except grpc.RpcError as exc:
-            raise convert.error_from_rpc(exc, self.target) from None
+            raise wire.error_from_rpc(exc, self.target) from None
 
     async def close(self) -> None:
         await self._channel.close()
@@ -77,16 +77,16 @@ class AsyncKVPoolClient:
             resp = await self._health.Check(health_pb2.HealthCheckRequest(service=service),
                                             timeout=self.timeout_s)
         except grpc.RpcError as exc:
-            raise convert.error_from_rpc(exc, self.target) from None
+            raise wire.error_from_rpc(exc, self.target) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     async def configure(self, pool: str, *, hf_config: Any = None, spec: Any = None,
                         dry_run: bool = False, timeout_s: float | None = None,
                         **options: Any) -> ConfigureResult:
         """See ``KVPoolClient.configure``."""
-        req = convert.configure_request(pool, hf_config=hf_config, spec=spec, dry_run=dry_run,
+        req = wire.configure_request(pool, hf_config=hf_config, spec=spec, dry_run=dry_run,
                                         **options)
-        return convert.configure_result(await self.call("Configure", req, timeout_s=timeout_s))
+        return wire.configure_result(await self.call("Configure", req, timeout_s=timeout_s))
 
     async def lease(self, name: str | None = None, ttl_s: float = DEFAULT_TTL_S) -> AsyncLease:
         """Open a lease renewed by a background task; ``async with`` closes it."""
@@ -95,7 +95,7 @@ class AsyncKVPoolClient:
         return AsyncLease(self, resp.lease_id, name, resp.ttl_seconds)
 
     async def stats(self, pool: str = "") -> Stats:
-        return convert.stats(await self.call("Stats", pb.StatsRequest(pool=pool)))
+        return wire.stats(await self.call("Stats", pb.StatsRequest(pool=pool)))
 
     async def watch_stats(self, pool: str = "", interval_s: float = 1.0
                           ) -> AsyncIterator[Stats]:
@@ -104,21 +104,21 @@ class AsyncKVPoolClient:
         )
         try:
             async for resp in stream:
-                yield convert.stats(resp)
+                yield wire.stats(resp)
         except grpc.RpcError as exc:
-            raise convert.error_from_rpc(exc, self.target) from None
+            raise wire.error_from_rpc(exc, self.target) from None
         finally:
             stream.cancel()
 
     async def drop(self, pool: str, force: bool = False) -> Released:
         resp = await self.call("Drop", pb.DropRequest(pool=pool, force=force))
-        return Released(convert.held_map(resp.reclaimed), resp.detached, resp.released_bytes)
+        return Released(wire.held_map(resp.reclaimed), resp.detached, resp.released_bytes)
 
     async def attach_raw(self, pool: str, expected_fingerprint: str = "",
                          lease_id: int = 0) -> AttachInfo:
         req = pb.AttachRequest(pool=pool, expected_fingerprint=expected_fingerprint,
                                lease_id=lease_id)
-        return convert.attach_info(await self.call("Attach", req))
+        return wire.attach_info(await self.call("Attach", req))
 
     async def detach(self, attach_id: int) -> None:
         await self.call("Detach", pb.DetachRequest(attach_id=attach_id))
@@ -163,15 +163,15 @@ class AsyncLease:
 
     async def allocate_batch(self, pool: str, items: Sequence[tuple[str, int]]
                              ) -> list[np.ndarray]:
-        req = convert.allocate_request(pool, self.lease_id, items)
+        req = wire.allocate_request(pool, self.lease_id, items)
         resp = await self.client.call("Allocate", req)
-        return [convert.ids_array(item.ids) for item in resp.items]
+        return [wire.ids_array(item.ids) for item in resp.items]
 
     async def free(self, pool: str, kind: str, ids: Any) -> int:
         return await self.free_batch(pool, [(kind, ids)])
 
     async def free_batch(self, pool: str, items: Sequence[tuple[str, Any]]) -> int:
-        req = convert.free_request(pool, self.lease_id, items)
+        req = wire.free_request(pool, self.lease_id, items)
         return (await self.client.call("Free", req)).freed
 
     async def close(self) -> Released:
@@ -183,7 +183,7 @@ class AsyncLease:
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
         resp = await self.client.call("CloseLease", pb.CloseLeaseRequest(lease_id=self.lease_id))
-        return Released(convert.held_map(resp.released), resp.detached)
+        return Released(wire.held_map(resp.released), resp.detached)
 
     async def _keep_alive(self) -> None:
         request = pb.KeepAliveRequest(lease_id=self.lease_id)
@@ -197,7 +197,7 @@ class AsyncLease:
                         return  # the daemon ended the stream (shutting down)
                     await asyncio.sleep(interval)
             except grpc.RpcError as exc:
-                err = convert.error_from_rpc(exc, self.client.target)
+                err = wire.error_from_rpc(exc, self.client.target)
                 self.error = err
                 if exc.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
                     log.error("lease %d lost: %s", self.lease_id, err)

@@ -17,9 +17,9 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Protocol
 
-from kvpool.convert import AttachInfo
 from kvpool.errors import NotFound
 from kvpool.mapping import MappedRegion, map_region
+from kvpool.wire import AttachInfo
 
 log = logging.getLogger("kvpool.attach")
 

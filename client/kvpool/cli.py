@@ -56,7 +56,7 @@ def client_from(args: argparse.Namespace) -> Any:
 
 
 def _size(text: str) -> int:
-    from kvpoold.sizes import parse_size  # pure: no torch
+    from kvpool.sizes import parse_size  # pure: no torch
 
     try:
         return parse_size(text, field="budget")
@@ -65,7 +65,7 @@ def _size(text: str) -> int:
 
 
 def _human(nbytes: int) -> str:
-    from kvpoold.sizes import format_size
+    from kvpool.sizes import format_size
 
     return format_size(nbytes)
 

@@ -25,11 +25,11 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvpool import convert
-from kvpool.convert import AttachInfo, ConfigureResult, Released, Stats
+from kvpool import wire
 from kvpool.targets import channel_target, default_target
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
+from kvpool.wire import AttachInfo, ConfigureResult, Released, Stats
 
 if TYPE_CHECKING:
     from kvpool.attach import LeaseArg
@@ -101,7 +101,7 @@ class KVPoolClient:
                 metadata=self._metadata,
             )
         except grpc.RpcError as exc:
-            raise convert.error_from_rpc(exc, self.target) from None
+            raise wire.error_from_rpc(exc, self.target) from None
 
     def close(self) -> None:
         self._channel.close()
@@ -120,7 +120,7 @@ class KVPoolClient:
             resp = self._health.Check(health_pb2.HealthCheckRequest(service=service),
                                       timeout=self.timeout_s)
         except grpc.RpcError as exc:
-            raise convert.error_from_rpc(exc, self.target) from None
+            raise wire.error_from_rpc(exc, self.target) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     def configure(self, pool: str, *, hf_config: Any = None, spec: Any = None,
@@ -144,9 +144,9 @@ class KVPoolClient:
         Raises:
             InvalidArgument, AlreadyExists, ResourceExhausted: see docs/api.md.
         """
-        req = convert.configure_request(pool, hf_config=hf_config, spec=spec, dry_run=dry_run,
+        req = wire.configure_request(pool, hf_config=hf_config, spec=spec, dry_run=dry_run,
                                         **options)
-        return convert.configure_result(self.call("Configure", req, timeout_s=timeout_s))
+        return wire.configure_result(self.call("Configure", req, timeout_s=timeout_s))
 
     def lease(self, name: str | None = None, ttl_s: float = DEFAULT_TTL_S) -> Lease:
         """Open a lease kept alive in a background thread; use it as a context manager."""
@@ -155,7 +155,7 @@ class KVPoolClient:
         return Lease(self, resp.lease_id, name or default_lease_name(), resp.ttl_seconds)
 
     def stats(self, pool: str = "") -> Stats:
-        return convert.stats(self.call("Stats", pb.StatsRequest(pool=pool)))
+        return wire.stats(self.call("Stats", pb.StatsRequest(pool=pool)))
 
     def watch_stats(self, pool: str = "", interval_s: float = 1.0) -> Iterator[Stats]:
         """Stats every ``interval_s`` until the caller stops iterating."""
@@ -164,23 +164,23 @@ class KVPoolClient:
         )
         try:
             for resp in stream:
-                yield convert.stats(resp)
+                yield wire.stats(resp)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
-                raise convert.error_from_rpc(exc, self.target) from None
+                raise wire.error_from_rpc(exc, self.target) from None
         finally:
             stream.cancel()
 
     def drop(self, pool: str, force: bool = False) -> Released:
         resp = self.call("Drop", pb.DropRequest(pool=pool, force=force))
-        return Released(convert.held_map(resp.reclaimed), resp.detached, resp.released_bytes)
+        return Released(wire.held_map(resp.reclaimed), resp.detached, resp.released_bytes)
 
     def attach_raw(self, pool: str, expected_fingerprint: str = "",
                    lease_id: int = 0) -> AttachInfo:
         """The pool's layout and shared handle; counts as attached until :meth:`detach`."""
         req = pb.AttachRequest(pool=pool, expected_fingerprint=expected_fingerprint,
                                lease_id=lease_id)
-        return convert.attach_info(self.call("Attach", req))
+        return wire.attach_info(self.call("Attach", req))
 
     def detach(self, attach_id: int) -> None:
         self.call("Detach", pb.DetachRequest(attach_id=attach_id))
@@ -250,15 +250,15 @@ class Lease:
 
     def allocate_batch(self, pool: str, items: Sequence[tuple[str, int]]) -> list[np.ndarray]:
         """Several ``(kind, count)`` in one all-or-nothing call; one int32 array per item."""
-        resp = self.client.call("Allocate", convert.allocate_request(pool, self.lease_id, items))
-        return [convert.ids_array(item.ids) for item in resp.items]
+        resp = self.client.call("Allocate", wire.allocate_request(pool, self.lease_id, items))
+        return [wire.ids_array(item.ids) for item in resp.items]
 
     def allocate_swa_pairs(self, pool: str, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Hybrid SWA pools: ``count`` full pages and the SWA page paired with each."""
         resp = self.client.call("Allocate",
-                                convert.allocate_request(pool, self.lease_id, [("kv", count)]))
+                                wire.allocate_request(pool, self.lease_id, [("kv", count)]))
         item = resp.items[0]
-        return convert.ids_array(item.ids), convert.ids_array(item.swa_ids)
+        return wire.ids_array(item.ids), wire.ids_array(item.swa_ids)
 
     def free(self, pool: str, kind: str, ids: Any) -> int:
         """Return ``ids`` of ``kind`` (``swa``: only the SWA side of kv pages); all or none."""
@@ -266,7 +266,7 @@ class Lease:
 
     def free_batch(self, pool: str, items: Sequence[tuple[str, Any]]) -> int:
         """Several ``(kind, ids)`` in one validated call; returns the ids freed."""
-        return self.client.call("Free", convert.free_request(pool, self.lease_id, items)).freed
+        return self.client.call("Free", wire.free_request(pool, self.lease_id, items)).freed
 
     def close(self) -> Released:
         """Stop renewing and end the lease; returns what it held. Idempotent."""
@@ -275,7 +275,7 @@ class Lease:
         self._stop.set()
         self._thread.join(timeout=5.0)
         resp = self.client.call("CloseLease", pb.CloseLeaseRequest(lease_id=self.lease_id))
-        return Released(convert.held_map(resp.released), resp.detached)
+        return Released(wire.held_map(resp.released), resp.detached)
 
     def _requests(self) -> Iterator[pb.KeepAliveRequest]:
         request = pb.KeepAliveRequest(lease_id=self.lease_id)
@@ -295,7 +295,7 @@ class Lease:
             except grpc.RpcError as exc:
                 if self._stop.is_set():
                     return
-                err = convert.error_from_rpc(exc, self.client.target)
+                err = wire.error_from_rpc(exc, self.client.target)
                 self.error = err
                 if exc.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
                     log.error("lease %d lost: %s", self.lease_id, err)

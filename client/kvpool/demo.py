@@ -46,7 +46,7 @@ from kvpool.targets import token_from
 
 if TYPE_CHECKING:
     from kvpool.client import KVPoolClient
-    from kvpool.convert import Stats
+    from kvpool.wire import Stats
 
 MiB = 1 << 20
 DEFAULT_MODEL = "qwen3-8b.json"
@@ -77,7 +77,7 @@ def stats_tables(stats: Stats, pool: str) -> list[Any]:
     """The daemon, the demo pool's counters and the leases as rich tables."""
     from rich.table import Table
 
-    from kvpoold.sizes import format_size
+    from kvpool.sizes import format_size
 
     d = stats.daemon
     daemon = Table(title=f"kvpoold {d.version} on {d.device}", title_justify="left")
@@ -126,7 +126,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, say: Any, console: Any) -> None:
     from kvpool.cli import client_from
-    from kvpoold.sizes import format_size
+    from kvpool.sizes import format_size
 
     if args.pages < 1:
         raise InvalidArgument(f"--pages must be >= 1, got {args.pages}", field="pages")
@@ -247,7 +247,7 @@ def _keep(client: KVPoolClient, daemon: OwnDaemon | None, pool: str, say: Any) -
 
 
 def _size(text: str) -> int:
-    from kvpoold.sizes import parse_size  # pure: no torch
+    from kvpool.sizes import parse_size  # pure: no torch
 
     try:
         return parse_size(text, field="budget")

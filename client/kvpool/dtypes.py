@@ -1,12 +1,13 @@
-"""Buffer element types by name: the canonical name -> itemsize / ``torch.dtype`` table.
+"""Buffer element types: the one table of names, item sizes and ``torch.dtype``.
 
-Names are the wire form (proto ``Buffer.dtype``, plan JSON); they equal the values of the
-daemon's ``kvpoold.spec.DType``. torch is imported only inside :func:`torch_dtype` so that
-``import kvpool`` stays light (no 1.5 s torch import for ``kvpool stats``).
+Names are the wire form (proto ``Buffer.dtype``, plan JSON) and the values of :class:`DType`.
+torch is imported only inside :func:`torch_dtype` so that ``import kvpool`` stays light (no
+1.5 s torch import for ``kvpool stats``).
 """
 
 from __future__ import annotations
 
+import enum
 from typing import TYPE_CHECKING
 
 from kvpool.errors import InvalidArgument
@@ -14,7 +15,7 @@ from kvpool.errors import InvalidArgument
 if TYPE_CHECKING:
     import torch
 
-# name -> bytes per element; the same six names as kvpoold.spec.DType.
+# name -> bytes per element; DType's members are these names.
 ITEMSIZE: dict[str, int] = {
     "bfloat16": 2,
     "float16": 2,
@@ -25,6 +26,21 @@ ITEMSIZE: dict[str, int] = {
 }
 
 DTYPE_NAMES: tuple[str, ...] = tuple(ITEMSIZE)
+
+
+class DType(enum.StrEnum):
+    """Element types of buffers, by name (no ``torch.dtype`` in any Struct)."""
+
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+    uint8 = "uint8"
+    int32 = "int32"
+    int64 = "int64"
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.value]
 
 
 def check_dtype_name(name: str, *, field: str = "dtype") -> str:

@@ -1,6 +1,6 @@
 """One exception hierarchy for daemon and client; each class carries its gRPC status code name.
 
-The daemon raises these where a condition is detected; one table (``kvpoold.service.errors``)
+The daemon raises these where a condition is detected; one table (``kvpoold.server.status``)
 turns them into gRPC statuses, and the client turns statuses back into the same classes
 (``error_from_code``). This module imports nothing from grpc so the pure parts of the daemon
 (sizing, allocators) can use it without the RPC stack.

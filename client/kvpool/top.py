@@ -45,7 +45,7 @@ from kvpool.top_render import (
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
 
-    from kvpool.convert import Stats
+    from kvpool.wire import Stats
 
 __all__ = [
     "DEFAULT_INTERVAL_S",

@@ -13,8 +13,8 @@ if TYPE_CHECKING:
     from rich.console import RenderableType
     from rich.text import Text
 
-    from kvpool.convert import LeaseStats, PoolStats, Stats
     from kvpool.top import DaemonView, Rate
+    from kvpool.wire import LeaseStats, PoolStats, Stats
 
 DEFAULT_INTERVAL_S = 1.0
 DEFAULT_WIDTH = 120
@@ -210,7 +210,7 @@ def _percent(used: int, total: int) -> str:
 
 
 def _size(nbytes: int) -> str:
-    from kvpoold.sizes import format_size  # pure: no torch
+    from kvpool.sizes import format_size  # pure: no torch
 
     return format_size(nbytes)
 

@@ -15,7 +15,7 @@ from kvpool.cli_run import run_subcommand
 
 def build_parser() -> argparse.ArgumentParser:
     from kvpoold import plan_cli
-    from kvpoold.service import serve_cli
+    from kvpoold.server import serve_cli
 
     parser = argparse.ArgumentParser(
         prog="kvpoold",

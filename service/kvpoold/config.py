@@ -39,9 +39,9 @@ import msgspec
 from msgspec import Meta
 
 from kvpool.errors import InvalidArgument
+from kvpool.sizes import parse_size
+from kvpool.spec import Base
 from kvpool.targets import default_socket_path
-from kvpoold.sizes import parse_size
-from kvpoold.spec import Base
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormatName = Literal["text", "json"]

@@ -35,8 +35,8 @@ from typing import Any
 import msgspec
 
 from kvpool.errors import InvalidArgument
-from kvpoold.sizing.plan import ArchitectureSource
-from kvpoold.spec import ModelDType, ModelSpec, decode_spec, load_spec_file
+from kvpool.plan import ArchitectureSource
+from kvpool.spec import ModelDType, ModelSpec, decode_spec, load_spec_file
 
 FIELD = "model_config"
 SLIDING = "sliding_attention"

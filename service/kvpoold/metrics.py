@@ -52,7 +52,7 @@ from prometheus_client.registry import Collector
 from kvpool.errors import FailedPrecondition, Internal
 
 if TYPE_CHECKING:
-    from kvpoold.service.records import Snapshot
+    from kvpoold.server.records import Snapshot
 
 log = logging.getLogger("kvpoold.metrics")
 
@@ -65,7 +65,7 @@ SNAPSHOT_TIMEOUT_S = 5.0
 
 
 class RpcMetrics:
-    """RPC latency and failures of one daemon (what :func:`kvpoold.service.errors.rpc_errors`
+    """RPC latency and failures of one daemon (what :func:`kvpoold.server.status.rpc_errors`
     records for every call).
 
     Args:

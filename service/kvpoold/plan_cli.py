@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any, get_args
 import msgspec
 
 from kvpool.errors import InvalidArgument
+from kvpool.options import KVCacheDType, SpeculativeAlgorithm
+from kvpool.plan import BufferSpec
+from kvpool.sizes import format_size, parse_size
 from kvpoold.hf import load_model
-from kvpoold.sizes import format_size, parse_size
 from kvpoold.sizing import PlanOptions, PoolPlan, make_options, plan
-from kvpoold.sizing.options import KVCacheDType, SpeculativeAlgorithm
-from kvpoold.sizing.plan import BufferSpec
 
 if TYPE_CHECKING:
     from rich.console import RenderableType

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.client import KVPoolClient
-from kvpoold.alloc.ledger import native_available
+from kvpoold.ids.ledger import native_available
 from tests.conftest import (
     REPO,
     TINY_OPTIONS,

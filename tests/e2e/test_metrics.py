@@ -22,11 +22,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from kvpool import convert
+from kvpool import wire
 from kvpool.client import KVPoolClient
-from kvpool.convert import Stats
 from kvpool.errors import FailedPrecondition, KVPoolError, ResourceExhausted
 from kvpool.v1 import kvpool_pb2 as pb
+from kvpool.wire import Stats
 from tests.conftest import REPO, TINY_OPTIONS, TINY_PAGES, TINY_SPEC, run_daemon, temp_dir
 
 OPERATIONS = REPO / "docs" / "operations.md"
@@ -119,7 +119,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
             lease = client.lease("engine-a", ttl_s=30)
             kv, _req = lease.allocate_batch("tiny", [("kv", 20), ("req", 2)])
             short = client.call("OpenLease", pb.OpenLeaseRequest(name="short", ttl_seconds=0.5))
-            client.call("Allocate", convert.allocate_request("tiny", short.lease_id, [("kv", 7)]))
+            client.call("Allocate", wire.allocate_request("tiny", short.lease_id, [("kv", 7)]))
             lease.free("tiny", "kv", kv[:5])
             with pytest.raises(ResourceExhausted) as exhausted:
                 lease.allocate("tiny", "kv", 1000)
@@ -135,7 +135,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
                 lease_id=short.lease_id)]))
             with pytest.raises(grpc.RpcError) as expired:
                 list(renew)
-            errors["KeepAlive"] = convert.error_from_rpc(expired.value)
+            errors["KeepAlive"] = wire.error_from_rpc(expired.value)
             client.attach_raw("tiny")
             final = scrape(url)
             stats = client.stats()
@@ -263,7 +263,7 @@ def test_port_in_use_fails_start_and_leaves_nothing_behind(socket_dir: Path) -> 
     import asyncio
 
     from kvpoold.config import resolve
-    from kvpoold.service.server import run
+    from kvpoold.server.server import run
 
     sock = socket_dir / "kvpool.sock"
     with socket.socket() as taken:
@@ -310,8 +310,8 @@ def test_two_daemons_in_one_process_have_their_own_registries() -> None:
     from prometheus_client import generate_latest
 
     from kvpoold.metrics import DaemonMetrics, loop_snapshot
-    from kvpoold.service.daemon import Daemon
-    from kvpoold.service.records import ConfigureArgs
+    from kvpoold.server.daemon import Daemon
+    from kvpoold.server.records import ConfigureArgs
     from kvpoold.sharing.base import PlainBackingFactory
 
     async def main() -> tuple[str, str]:

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from kvpool.client import KVPoolClient
-from kvpool.convert import DaemonStats, KindStats, LeaseStats, PoolStats, Stats
 from kvpool.top import Rate, rates, render
+from kvpool.wire import DaemonStats, KindStats, LeaseStats, PoolStats, Stats
 from tests.conftest import (
     REPO,
     TINY_OPTIONS,

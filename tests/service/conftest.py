@@ -15,8 +15,8 @@ from grpc_health.v1 import health_pb2_grpc
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
 from kvpoold.config import Listener
-from kvpoold.service.daemon import Daemon
-from kvpoold.service.server import KVPoolServer, create_server
+from kvpoold.server.daemon import Daemon
+from kvpoold.server.server import KVPoolServer, create_server
 from kvpoold.sharing.base import PlainBackingFactory
 from tests.conftest import TINY_OPTIONS, TINY_SPEC
 
@@ -46,7 +46,7 @@ class Served:
 
     async def configure(self, pool: str = "tiny", **options: Any) -> pb.ConfigureResponse:
         """Configure the tiny model (conftest.TINY_SPEC) with TINY_OPTIONS plus ``options``."""
-        from kvpool.convert import configure_request
+        from kvpool.wire import configure_request
 
         return await self.stub.Configure(
             configure_request(pool, spec=TINY_SPEC, **{**TINY_OPTIONS, **options})

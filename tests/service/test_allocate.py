@@ -6,8 +6,8 @@ import grpc
 import numpy as np
 import pytest
 
-from kvpool.convert import allocate_request, free_request, ids_array
 from kvpool.v1 import kvpool_pb2 as pb
+from kvpool.wire import allocate_request, free_request, ids_array
 from tests.conftest import TINY_PAGES
 from tests.service.conftest import Served
 

@@ -18,8 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
 from kvpoold.config import Listener
-from kvpoold.service.daemon import Daemon
-from kvpoold.service.server import KVPoolServer, create_server
+from kvpoold.server.daemon import Daemon
+from kvpoold.server.server import KVPoolServer, create_server
 from kvpoold.sharing.base import PlainBackingFactory
 
 TOKEN = "s3cret-token"

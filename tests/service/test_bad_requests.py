@@ -12,9 +12,9 @@ import grpc
 import numpy as np
 import pytest
 
-from kvpool.convert import allocate_request, configure_request, free_request, ids_array
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
+from kvpool.wire import allocate_request, configure_request, free_request, ids_array
 from tests.conftest import TINY_OPTIONS, TINY_SPEC
 from tests.service.conftest import Served
 

@@ -21,11 +21,11 @@ from kvpool.errors import (
     NotFound,
     ResourceExhausted,
 )
+from kvpool.plan import PoolPlan
 from kvpoold.config import Listener
-from kvpoold.service.daemon import Daemon
-from kvpoold.service.server import create_server, sweep_leases
+from kvpoold.server.daemon import Daemon
+from kvpoold.server.server import create_server, sweep_leases
 from kvpoold.sharing.base import PlainBackingFactory
-from kvpoold.sizing.plan import PoolPlan
 from tests.conftest import TINY_OPTIONS, TINY_PAGES, TINY_SPEC
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvpool.convert import configure_request
+from kvpool.plan import PoolPlan
+from kvpool.spec import decode_spec
 from kvpool.v1 import kvpool_pb2 as pb
+from kvpool.wire import configure_request
 from kvpoold.sizing import make_options, plan
-from kvpoold.sizing.plan import PoolPlan
-from kvpoold.spec import decode_spec
 from tests.conftest import REPO, TINY_OPTIONS, TINY_PAGES, TINY_SPEC
 from tests.service.conftest import BUDGET_BYTES, Served
 
@@ -19,7 +19,7 @@ def tiny_plan(**options: object) -> PoolPlan:
 
 
 async def test_configure_builds_the_planned_pool(served: Served) -> None:
-    """The reply carries the same plan as ``kvpoold.sizing.plan``: 255 pages (1 MiB / 4 KiB
+    """The reply carries the same plan as ``kvpool.plan``: 255 pages (1 MiB / 4 KiB
     per 16-token page, minus the padding page), 8 request rows; the daemon charges
     backing_bytes = 1 MiB of KV + (8 + 1) rows * (256 + 4) columns * 4 B = 9,360 B of
     req_to_token = 1,057,936 B against its 16 MiB budget."""

@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvpool.convert import allocate_request
+from kvpool.plan import PoolPlan
 from kvpool.v1 import kvpool_pb2 as pb
-from kvpoold.sizing.plan import PoolPlan
+from kvpool.wire import allocate_request
 from tests.service.conftest import BUDGET_BYTES, Served
 
 

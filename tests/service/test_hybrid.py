@@ -7,10 +7,10 @@ import grpc
 import numpy as np
 import pytest
 
-from kvpool.convert import allocate_request, configure_request, free_request, ids_array
+from kvpool.spec import decode_spec
 from kvpool.v1 import kvpool_pb2 as pb
+from kvpool.wire import allocate_request, configure_request, free_request, ids_array
 from kvpoold.sizing import make_options, plan
-from kvpoold.spec import decode_spec
 from tests.service.conftest import Served
 
 BASE = {"num_layers": 4, "attention": {"type": "mha", "num_kv_heads": 2, "head_dim": 16},

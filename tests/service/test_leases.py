@@ -8,9 +8,9 @@ import logging
 import grpc
 import pytest
 
-from kvpool.convert import allocate_request
 from kvpool.v1 import kvpool_pb2 as pb
-from kvpoold.service.server import sweep_leases
+from kvpool.wire import allocate_request
+from kvpoold.server.server import sweep_leases
 from tests.service.conftest import Served
 
 

@@ -18,13 +18,13 @@ import torch
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvpool.convert import configure_request
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
+from kvpool.wire import configure_request
 from kvpoold.config import Listener
-from kvpoold.service.daemon import Daemon
-from kvpoold.service.logs import configure_logging
-from kvpoold.service.server import create_server
+from kvpoold.server.daemon import Daemon
+from kvpoold.server.logs import configure_logging
+from kvpoold.server.server import create_server
 from kvpoold.sharing.base import PlainBacking
 from tests.conftest import TINY_OPTIONS, TINY_SPEC
 

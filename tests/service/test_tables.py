@@ -8,8 +8,8 @@ from grpc import aio
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvpool.errors import InvalidArgument, NotFound, ResourceExhausted
-from kvpoold.service.attachments import AttachmentTable
-from kvpoold.service.leases import OWNER_MAX, LeaseTable
+from kvpoold.server.attachments import AttachmentTable
+from kvpoold.server.leases import OWNER_MAX, LeaseTable
 from tests.service.conftest import ManualClock, Served
 
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from kvpool.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
-from kvpoold.alloc.ids import IdPool, PoolCounters
-from kvpoold.alloc.ledger import MIN_ROOM, SHRINK_ABOVE
+from kvpoold.ids.ledger import MIN_ROOM, SHRINK_ABOVE
+from kvpoold.ids.space import IdPool, PoolCounters
 
 # Every test runs on the C ledger and on the numpy one.
 pytestmark = pytest.mark.usefixtures("ledger_backend")

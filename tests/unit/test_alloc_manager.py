@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from kvpool.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from kvpoold.alloc.ids import PoolCounters
-from kvpoold.alloc.manager import Kind, PoolAllocator
+from kvpoold.ids.pool_ids import Kind, PoolAllocator
+from kvpoold.ids.space import PoolCounters
 
 # Every test runs on the C ledger and on the numpy one.
 pytestmark = pytest.mark.usefixtures("ledger_backend")

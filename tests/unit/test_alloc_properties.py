@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvpool.errors import FailedPrecondition, InvalidArgument, KVPoolError, ResourceExhausted
-from kvpoold.alloc.ids import IdPool
-from kvpoold.alloc.ledger import Backend, native_available
-from kvpoold.alloc.manager import Kind, PoolAllocator
+from kvpoold.ids.ledger import Backend, native_available
+from kvpoold.ids.pool_ids import Kind, PoolAllocator
+from kvpoold.ids.space import IdPool
 
 OWNERS = st.integers(min_value=1, max_value=3)
 # Derandomized, so every run explores the same programs. No shrinking: minimizing a failing
@@ -340,7 +340,7 @@ class NumpyAllocatorMachine(AllocatorMachine):
 
 
 # Each machine on both ledgers; the C one is skipped only where it is not built (CI requires it).
-NATIVE = pytest.mark.skipif(not native_available(), reason="kvpoold.alloc._ledger is not built")
+NATIVE = pytest.mark.skipif(not native_available(), reason="kvpoold.ids._ledger is not built")
 TestIdPoolMachine = NATIVE(IdPoolMachine.TestCase)
 TestAllocatorMachine = NATIVE(AllocatorMachine.TestCase)
 TestIdPoolMachineNumpy = NumpyIdPoolMachine.TestCase

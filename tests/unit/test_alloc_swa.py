@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kvpool.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from kvpoold.alloc.ids import IdPool
-from kvpoold.alloc.swa import SwaPair
+from kvpoold.ids.pairing import SwaPair
+from kvpoold.ids.space import IdPool
 
 # Every test runs on the C ledger and on the numpy one.
 pytestmark = pytest.mark.usefixtures("ledger_backend")

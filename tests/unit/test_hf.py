@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from kvpool.errors import InvalidArgument
+from kvpool.spec import MHAAttention, MLAAttention, ModelDType
 from kvpoold.hf import LOADERS, load_model, load_model_config, spec_from_hf
-from kvpoold.spec import MHAAttention, MLAAttention, ModelDType
 
 MODELS = Path(__file__).resolve().parents[1] / "data" / "models"
 

@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 from kvpool.errors import InvalidArgument
-from kvpoold.alloc.ids import IdPool
-from kvpoold.alloc.ledger import (
+from kvpoold.ids.ledger import (
     ENV,
     MIN_ROOM,
     SHRINK_ABOVE,
@@ -28,9 +27,10 @@ from kvpoold.alloc.ledger import (
     native_available,
     new_ledger,
 )
+from kvpoold.ids.space import IdPool
 from tests.unit.ledger_program import arrays, run_program
 
-NATIVE = pytest.mark.skipif(not native_available(), reason="kvpoold.alloc._ledger is not built")
+NATIVE = pytest.mark.skipif(not native_available(), reason="kvpoold.ids._ledger is not built")
 
 
 class Sets:
@@ -64,7 +64,7 @@ class Sets:
 @pytest.fixture(params=["native", "numpy"])
 def backend(request: pytest.FixtureRequest) -> Backend:
     if request.param == "native" and not native_available():
-        pytest.skip("kvpoold.alloc._ledger is not built")
+        pytest.skip("kvpoold.ids._ledger is not built")
     return request.param  # type: ignore[no-any-return]
 
 
@@ -72,7 +72,7 @@ def test_native_ledger_is_built_where_required() -> None:
     """CI sets KVPOOL_REQUIRE_NATIVE=1: a missing C build must fail the run, not skip tests."""
     if os.environ.get("KVPOOL_REQUIRE_NATIVE") != "1":
         pytest.skip("KVPOOL_REQUIRE_NATIVE is not set")
-    assert native_available(), "kvpoold.alloc._ledger did not build or does not import"
+    assert native_available(), "kvpoold.ids._ledger did not build or does not import"
     assert default_backend() == "native"
 
 
@@ -172,7 +172,7 @@ def test_check_changes_nothing_on_success(backend: Backend) -> None:
 
 @NATIVE
 def test_room_constants_agree() -> None:
-    from kvpoold.alloc import _ledger
+    from kvpoold.ids import _ledger
 
     assert (_ledger.MIN_ROOM, _ledger.SHRINK_ABOVE) == (MIN_ROOM, SHRINK_ABOVE)
 

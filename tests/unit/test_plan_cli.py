@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from kvpool.errors import InvalidArgument
+from kvpool.sizes import format_size, parse_size
 from kvpoold import cli
 from kvpoold.hf import load_model
-from kvpoold.sizes import format_size, parse_size
 from kvpoold.sizing import PoolPlan, make_options, plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -423,8 +423,8 @@ def test_format_size():
 def test_dtype_and_algorithm_choices_match_configure() -> None:
     """``kvpoold plan`` and ``kvpool configure`` accept exactly what Configure accepts."""
     from kvpool import cli as client_cli
+    from kvpool.options import KVCacheDType
     from kvpoold import plan_cli
-    from kvpoold.sizing.options import KVCacheDType
 
     values = tuple(d.value for d in KVCacheDType)
     assert values == plan_cli.KV_CACHE_DTYPES

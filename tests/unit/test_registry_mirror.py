@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvpoold.alloc import Kind, PoolAllocator
-from kvpoold.service.registry import device_mirror
+from kvpoold.ids import Kind, PoolAllocator
+from kvpoold.server.live_pools import device_mirror
 
 
 def test_every_mapping_write_reaches_the_device_buffer():

@@ -18,10 +18,10 @@ from kvpool.errors import FailedPrecondition, InvalidArgument
 from kvpool.handles import SharedHandle
 from kvpool.mapping import BufferLayout, map_region
 from kvpoold.config import Listener, load_config, resolve
-from kvpoold.service.daemon import Daemon
-from kvpoold.service.planning import plan_from_args
-from kvpoold.service.records import ConfigureArgs
-from kvpoold.service.server import create_server, make_backing_factory
+from kvpoold.server.daemon import Daemon
+from kvpoold.server.planning import plan_from_args
+from kvpoold.server.records import ConfigureArgs
+from kvpoold.server.server import create_server, make_backing_factory
 from kvpoold.sharing import PlainBacking, PlainBackingFactory, ShmBackingFactory
 from tests.conftest import REPO, TINY_OPTIONS, TINY_SPEC, subprocess_env
 
@@ -31,18 +31,18 @@ MiB = 1 << 20
 # -- one handle type ----------------------------------------------------------------------------
 
 def test_there_is_one_handle_type_and_it_needs_no_torch() -> None:
-    import kvpool.convert
     import kvpool.mapping
+    import kvpool.wire
     import kvpoold.sharing
     import kvpoold.sharing.base
 
     assert kvpoold.sharing.SharedHandle is SharedHandle
     assert kvpoold.sharing.base.SharedHandle is SharedHandle
     assert kvpool.mapping.RegionHandle is SharedHandle
-    assert kvpool.convert.AttachInfo.__annotations__["handle"] == "SharedHandle"
-    assert not hasattr(kvpool.convert, "RemoteHandle")
+    assert kvpool.wire.AttachInfo.__annotations__["handle"] == "SharedHandle"
+    assert not hasattr(kvpool.wire, "RemoteHandle")
     out = subprocess.run(
-        [sys.executable, "-c", "import sys, kvpool.handles, kvpool.convert, kvpool.client; "
+        [sys.executable, "-c", "import sys, kvpool.handles, kvpool.wire, kvpool.client; "
                                "print('torch' in sys.modules)"],
         cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=60,
     )
@@ -50,8 +50,8 @@ def test_there_is_one_handle_type_and_it_needs_no_torch() -> None:
 
 
 def test_a_proto_handle_converts_both_ways() -> None:
-    from kvpool.convert import shared_handle
-    from kvpoold.service.convert import handle_message
+    from kvpool.wire import shared_handle
+    from kvpoold.server.edge import handle_message
 
     h = SharedHandle(kind="cuda_ipc", size=4096, device_uuid="abc", ipc_handle=b"\x01c",
                      storage_offset=512, storage_size=8192, ref_counter_handle=b"/rc",

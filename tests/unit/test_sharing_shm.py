@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpool.dtypes import DTYPE_NAMES, ITEMSIZE, itemsize, torch_dtype
+from kvpool.dtypes import DTYPE_NAMES, ITEMSIZE, DType, itemsize, torch_dtype
 from kvpool.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -23,7 +23,6 @@ from kvpool.mapping import BufferLayout, RegionHandle, map_region, page_rows, pa
 from kvpoold.pools import build_pool
 from kvpoold.sharing import InstanceLock, ShmBackingFactory, check_pool_name, sweep_orphans
 from kvpoold.sharing.shm import free_bytes
-from kvpoold.spec import DType
 from tests.factories import MiB, llama_8b, plan_for
 
 HEX16 = "[0-9a-f]{16}"

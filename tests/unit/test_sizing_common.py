@@ -5,7 +5,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from kvpool.dtypes import DType
 from kvpool.errors import InvalidArgument
+from kvpool.plan import BufferKind
+from kvpool.spec import decode_spec
 from kvpoold.sizing import PoolPlan, make_options
 from kvpoold.sizing.common import (
     draft_scaled_cell,
@@ -15,8 +18,6 @@ from kvpoold.sizing.common import (
     tp_heads,
 )
 from kvpoold.sizing.layout import ALIGN_BYTES, buffer, place
-from kvpoold.sizing.plan import BufferKind
-from kvpoold.spec import DType, decode_spec
 from tests.factories import GiB, deepseek_v3, deepseek_v32, llama_8b, plan_for
 
 

@@ -29,15 +29,15 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvpool.errors import InvalidArgument
+from kvpool.options import make_options
+from kvpool.plan import BufferKind, PoolPlan
+from kvpool.spec import DSV4Compression, MLAAttention, ModelSpec, SlidingWindow, decode_spec
 from kvpoold.pools.builder import allocate_zeros
 from kvpoold.pools.dsv4 import build_dsv4
 from kvpoold.sizing import dsv4
 from kvpoold.sizing.layout import ALIGN_BYTES
-from kvpoold.sizing.options import make_options
-from kvpoold.sizing.plan import BufferKind, PoolPlan
 from kvpoold.sizing.planner import make_context, plan
 from kvpoold.sizing.registry import select_architecture
-from kvpoold.spec import DSV4Compression, MLAAttention, ModelSpec, SlidingWindow, decode_spec
 
 GIB = 1 << 30
 BUDGET = 40 * GIB  # 42,949,672,960 B

@@ -8,12 +8,8 @@ import pytest
 import torch
 
 from kvpool.errors import InvalidArgument
-from kvpoold.pools import builder
-from kvpoold.sizing import hybrid_linear, make_options, plan
-from kvpoold.sizing.plan import BufferKind, PoolPlan
-from kvpoold.sizing.planner import make_context
-from kvpoold.sizing.registry import select_architecture
-from kvpoold.spec import (
+from kvpool.plan import BufferKind, PoolPlan
+from kvpool.spec import (
     DSAIndexer,
     LinearAttention,
     MHAAttention,
@@ -21,6 +17,10 @@ from kvpoold.spec import (
     ModelDType,
     ModelSpec,
 )
+from kvpoold.pools import builder
+from kvpoold.sizing import hybrid_linear, make_options, plan
+from kvpoold.sizing.planner import make_context
+from kvpoold.sizing.registry import select_architecture
 
 GIB = 1 << 30
 B40 = 40 * GIB  # 42,949,672,960 B

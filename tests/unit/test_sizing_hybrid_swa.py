@@ -19,19 +19,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.errors import InvalidArgument
-from kvpoold.pools import build_pool
-from kvpoold.sizing import hybrid_swa
-from kvpoold.sizing.options import make_options
-from kvpoold.sizing.plan import BufferKind, PoolPlan
-from kvpoold.sizing.planner import make_context, plan
-from kvpoold.sizing.registry import select_architecture
-from kvpoold.spec import (
+from kvpool.options import make_options
+from kvpool.plan import BufferKind, PoolPlan
+from kvpool.spec import (
     DSV4Compression,
     MHAAttention,
     MLAAttention,
     ModelSpec,
     SlidingWindow,
 )
+from kvpoold.pools import build_pool
+from kvpoold.sizing import hybrid_swa
+from kvpoold.sizing.planner import make_context, plan
+from kvpoold.sizing.registry import select_architecture
 
 GPT_OSS = Path(__file__).resolve().parents[1] / "data" / "models" / "gpt-oss-20b.json"
 GIB = 1 << 30

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvpool.dtypes import torch_dtype
 from kvpool.errors import InvalidArgument
-from kvpoold.pools.dtypes import torch_dtype
-from kvpoold.sizing.plan import BufferSpec, PoolPlan
+from kvpool.plan import BufferSpec, PoolPlan
 
 # (nbytes, device) -> a zero-filled, 1-D uint8 tensor of exactly nbytes on that device.
 AllocateFn = Callable[[int, torch.device], torch.Tensor]
@@ -87,7 +87,7 @@ def build_pool(
     """Allocate one region of ``plan.backing_bytes`` on ``device`` and carve the views.
 
     Args:
-        plan: from :func:`kvpoold.sizing.plan`.
+        plan: from :func:`kvpool.plan`.
         device: ``cpu`` or ``cuda:N``; the same code serves both.
         allocate: where the region comes from (plain memory, shared memory, CUDA IPC-able).
 

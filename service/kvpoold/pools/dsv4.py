@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from kvpool.plan import BufferKind, PoolPlan
+
 # The module, not the name: builder.py registers build_dsv4 and imports this file, so carve is
 # looked up at call time to keep that circular import safe.
 from kvpoold.pools import builder
-from kvpoold.sizing.plan import BufferKind, PoolPlan
 
 
 def build_dsv4(plan: PoolPlan, backing: torch.Tensor) -> dict[str, torch.Tensor]:

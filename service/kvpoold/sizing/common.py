@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpool.dtypes import DType
 from kvpool.errors import InvalidArgument
-from kvpoold.sizing.options import KVCacheDType, PlanOptions
-from kvpoold.spec import DType, ModelDType, ModelSpec
+from kvpool.options import KVCacheDType, PlanOptions
+from kvpool.spec import ModelDType, ModelSpec
 
 # Extra req_to_token columns beyond the context length (SGLang: 4 + draft tokens).
 REQ_TO_TOKEN_EXTRA_COLUMNS = 4

@@ -15,7 +15,10 @@ Buffers: ``kv.<l>`` ``(rows, 1, kv_dim)`` (uint8 ``(rows, 1, 656)`` with fp8_e4m
 
 from __future__ import annotations
 
+from kvpool.dtypes import DType
 from kvpool.errors import InvalidArgument
+from kvpool.plan import BufferKind, BufferSpec
+from kvpool.spec import MLAAttention, ModelSpec
 from kvpoold.sizing import mla
 from kvpoold.sizing.common import (
     Sizing,
@@ -25,8 +28,6 @@ from kvpoold.sizing.common import (
     resolve_max_running_requests,
 )
 from kvpoold.sizing.layout import buffer, token_rows
-from kvpoold.sizing.plan import BufferKind, BufferSpec
-from kvpoold.spec import DType, MLAAttention, ModelSpec
 
 NAME = "dsa"
 DSA_PAGE_SIZE = 64

@@ -50,7 +50,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
+from kvpool.dtypes import DType
 from kvpool.errors import InvalidArgument
+from kvpool.plan import FULL_TO_SWA, BufferKind, BufferSpec
+from kvpool.spec import DSV4Compression, ModelSpec
 from kvpoold.sizing.common import (
     Sizing,
     SizingContext,
@@ -59,8 +62,6 @@ from kvpoold.sizing.common import (
     resolve_max_running_requests,
 )
 from kvpoold.sizing.layout import buffer
-from kvpoold.sizing.plan import FULL_TO_SWA, BufferKind, BufferSpec
-from kvpoold.spec import DSV4Compression, DType, ModelSpec
 
 NAME = "dsv4"
 PAGE_SIZE_MULTIPLE = 128  # the c128 space needs whole compressed entries per page

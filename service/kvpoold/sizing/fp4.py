@@ -16,10 +16,10 @@ and ``kv_scale.<l>`` ``(rows, d/16)`` for MLA; all uint8.
 
 from __future__ import annotations
 
+from kvpool.dtypes import DType
 from kvpool.errors import InvalidArgument
+from kvpool.plan import BufferKind, BufferSpec
 from kvpoold.sizing.layout import buffer
-from kvpoold.sizing.plan import BufferKind, BufferSpec
-from kvpoold.spec import DType
 
 SCALE_BLOCK = 16
 

@@ -84,7 +84,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
+from kvpool.dtypes import DType
 from kvpool.errors import InvalidArgument
+from kvpool.plan import BufferKind, BufferSpec
+from kvpool.spec import LinearAttention, MHAAttention, ModelSpec
 from kvpoold.sizing import mha, mla
 from kvpoold.sizing.common import (
     Sizing,
@@ -97,8 +100,6 @@ from kvpoold.sizing.common import (
     tp_heads,
 )
 from kvpoold.sizing.layout import buffer, token_rows
-from kvpoold.sizing.plan import BufferKind, BufferSpec
-from kvpoold.spec import DType, LinearAttention, MHAAttention, ModelSpec
 
 NAME = "hybrid_linear"
 # State slots each running request may hold: with the radix cache a request pins its own slot

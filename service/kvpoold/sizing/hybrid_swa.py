@@ -52,7 +52,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpool.dtypes import DType
 from kvpool.errors import InvalidArgument
+from kvpool.plan import FULL_TO_SWA, BufferKind, BufferSpec
+from kvpool.spec import MHAAttention, ModelSpec
 from kvpoold.sizing import mha
 from kvpoold.sizing.common import (
     Sizing,
@@ -64,8 +67,6 @@ from kvpoold.sizing.common import (
     tp_heads,
 )
 from kvpoold.sizing.layout import buffer, token_rows
-from kvpoold.sizing.plan import FULL_TO_SWA, BufferKind, BufferSpec
-from kvpoold.spec import DType, MHAAttention, ModelSpec
 
 NAME = "hybrid_swa"
 ALL_SWA = "all_swa"

@@ -11,8 +11,8 @@ from collections.abc import Iterable
 
 import msgspec
 
-from kvpoold.sizing.plan import BufferKind, BufferSpec
-from kvpoold.spec import DType
+from kvpool.dtypes import DType
+from kvpool.plan import BufferKind, BufferSpec
 
 ALIGN_BYTES = 256
 

@@ -14,6 +14,8 @@ tokens = 327,664. Buffers ``k.<l>`` and ``v.<l>`` of shape ``(rows, H, head_dim)
 
 from __future__ import annotations
 
+from kvpool.plan import BufferKind, BufferSpec
+from kvpool.spec import MHAAttention, ModelSpec
 from kvpoold.sizing import fp4
 from kvpoold.sizing.common import (
     KVFormat,
@@ -25,8 +27,6 @@ from kvpoold.sizing.common import (
     tp_heads,
 )
 from kvpoold.sizing.layout import buffer, token_rows
-from kvpoold.sizing.plan import BufferKind, BufferSpec
-from kvpoold.spec import MHAAttention, ModelSpec
 
 NAME = "mha"
 

@@ -11,6 +11,8 @@ pages = 42,949,672,960 // 70,272 - 1 = 611,190 tokens. Buffers ``kv.<l>`` of sha
 
 from __future__ import annotations
 
+from kvpool.plan import BufferKind, BufferSpec
+from kvpool.spec import MLAAttention, ModelSpec
 from kvpoold.sizing import fp4
 from kvpoold.sizing.common import (
     KVFormat,
@@ -21,8 +23,6 @@ from kvpoold.sizing.common import (
     resolve_max_running_requests,
 )
 from kvpoold.sizing.layout import buffer, token_rows
-from kvpoold.sizing.plan import BufferKind, BufferSpec
-from kvpoold.spec import MLAAttention, ModelSpec
 
 NAME = "mla"
 

@@ -11,7 +11,11 @@ import dataclasses
 
 import msgspec
 
+from kvpool.dtypes import DType
 from kvpool.errors import InvalidArgument
+from kvpool.options import PlanOptions
+from kvpool.plan import ArchitectureSource, BufferKind, PoolPlan
+from kvpool.spec import ModelSpec
 from kvpoold.sizing.common import (
     REQ_TO_TOKEN_EXTRA_COLUMNS,
     Sizing,
@@ -20,10 +24,7 @@ from kvpoold.sizing.common import (
     stage_layers,
 )
 from kvpoold.sizing.layout import buffer, place
-from kvpoold.sizing.options import PlanOptions
-from kvpoold.sizing.plan import ArchitectureSource, BufferKind, PoolPlan
 from kvpoold.sizing.registry import Architecture, select_architecture
-from kvpoold.spec import DType, ModelSpec
 
 
 def make_context(spec: ModelSpec, options: PlanOptions) -> SizingContext:

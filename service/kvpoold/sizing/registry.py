@@ -10,10 +10,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpool.errors import InvalidArgument
+from kvpool.plan import BufferSpec
+from kvpool.spec import ModelSpec
 from kvpoold.sizing import dsa, dsv4, hybrid_linear, hybrid_swa, mha, mla
 from kvpoold.sizing.common import Sizing, SizingContext
-from kvpoold.sizing.plan import BufferSpec
-from kvpoold.spec import ModelSpec
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvpool.errors import InvalidArgument
-from kvpoold.alloc.batch import Item, check_space, commit_space
-from kvpoold.alloc.checks import (
+from kvpoold.ids.batch import Item, check_space, commit_space
+from kvpoold.ids.faults import (
     INT32_MAX,
     OWNER_MAX,
     IdsLike,
@@ -22,9 +22,9 @@ from kvpoold.alloc.checks import (
     check_count,
     check_owner,
 )
-from kvpoold.alloc.ids import IdPool, PoolCounters
-from kvpoold.alloc.ledger import Backend
-from kvpoold.alloc.swa import SwaPair
+from kvpoold.ids.ledger import Backend
+from kvpoold.ids.pairing import SwaPair
+from kvpoold.ids.space import IdPool, PoolCounters
 
 
 class Kind(enum.StrEnum):

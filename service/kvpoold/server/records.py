@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from kvpoold.alloc import Kind, PoolCounters
+from kvpool.plan import PoolPlan
+from kvpoold.ids import Kind, PoolCounters
 from kvpoold.sharing.base import SharedHandle
-from kvpoold.sizing.plan import PoolPlan
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,11 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvpool.convert import configure_request, hf_config_text, ids_bytes, spec_message
 from kvpool.errors import InvalidArgument
-from kvpoold.service.convert import configure_args, message_to_builtins, plan_message
+from kvpool.spec import ModelSpec, decode_spec
+from kvpool.wire import configure_request, hf_config_text, ids_bytes, spec_message
+from kvpoold.server.edge import configure_args, message_to_builtins, plan_message
 from kvpoold.sizing import make_options, plan
-from kvpoold.spec import ModelSpec, decode_spec
 from tests.factories import deepseek_v32, llama_8b
 
 SPECS: dict[str, dict[str, Any]] = {

@@ -27,13 +27,13 @@ from grpc_reflection.v1alpha import reflection
 
 from kvpool.errors import FailedPrecondition, InvalidArgument
 from kvpool.v1 import kvpool_pb2_grpc
-from kvpoold.alloc.ledger import default_backend
 from kvpoold.config import Listener, ServeSettings, check_shm_dir, group_id, read_tls
+from kvpoold.ids.ledger import default_backend
 from kvpoold.metrics import DaemonMetrics, MetricsServer, loop_snapshot, start_metrics_server
-from kvpoold.service.auth import TokenAuthInterceptor
-from kvpoold.service.daemon import Daemon
-from kvpoold.service.errors import RpcObserver
-from kvpoold.service.servicer import KVPoolServicer
+from kvpoold.server.auth import TokenAuthInterceptor
+from kvpoold.server.daemon import Daemon
+from kvpoold.server.servicer import KVPoolServicer
+from kvpoold.server.status import RpcObserver
 from kvpoold.sharing.base import BackingFactory
 
 log = logging.getLogger("kvpoold.server")

@@ -9,7 +9,7 @@ import msgspec
 from msgspec import Meta
 
 from kvpool.errors import InvalidArgument
-from kvpoold.spec import Base
+from kvpool.spec import Base
 
 # 1 PiB: anything larger is a typo, not a budget.
 MAX_BUDGET_BYTES = 1 << 50

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpool.errors import KVPoolError
-from kvpoold.alloc.checks import Fault, fault_error, to_index
-from kvpoold.alloc.ids import IdPool
-from kvpoold.alloc.swa import SwaPair
+from kvpoold.ids.faults import Fault, fault_error, to_index
+from kvpoold.ids.pairing import SwaPair
+from kvpoold.ids.space import IdPool
 
 
 @dataclass(frozen=True, slots=True)

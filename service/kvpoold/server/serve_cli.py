@@ -9,7 +9,7 @@ from typing import Any
 
 from kvpool.targets import default_socket_path
 from kvpoold.config import ServeSettings, check_host, load_config, resolve
-from kvpoold.service.logs import LOG_FORMATS, configure_logging
+from kvpoold.server.logs import LOG_FORMATS, configure_logging
 
 
 def add_parser(subparsers: argparse._SubParsersAction[Any]) -> argparse.ArgumentParser:
@@ -87,6 +87,6 @@ def run(args: argparse.Namespace) -> int:
     check_host(settings)
     configure_logging(settings.log_level, settings.log_format)
     # The server imports torch (seconds): only once the settings are known to be good.
-    from kvpoold.service.server import run as serve
+    from kvpoold.server.server import run as serve
 
     return asyncio.run(serve(settings))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpool.errors import Internal, InvalidArgument, ResourceExhausted
-from kvpoold.alloc.checks import (
+from kvpoold.ids.faults import (
     CAPACITY_MAX,
     EMPTY_IDS,
     OWNER_MAX,
@@ -39,7 +39,7 @@ from kvpoold.alloc.checks import (
     position_label,
     to_index,
 )
-from kvpoold.alloc.ledger import Backend, HeldSet, check_backend, default_backend, new_ledger
+from kvpoold.ids.ledger import Backend, HeldSet, check_backend, default_backend, new_ledger
 
 _SENTINEL = -1
 

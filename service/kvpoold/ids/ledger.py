@@ -37,7 +37,7 @@ import numpy as np
 from kvpool.errors import InvalidArgument
 
 try:
-    from kvpoold.alloc._ledger import Ledger as NativeLedger
+    from kvpoold.ids._ledger import Ledger as NativeLedger
 except ImportError:  # no C compiler at install time: numpy does the same job
     NativeLedger = None
 
@@ -120,7 +120,7 @@ def check_backend(backend: str) -> Backend:
     if backend == "native":
         if NativeLedger is None:
             raise InvalidArgument(
-                "allocator ledger 'native' asked for but kvpoold.alloc._ledger is not built; "
+                "allocator ledger 'native' asked for but kvpoold.ids._ledger is not built; "
                 "reinstall with a C compiler (gcc and the Python headers) or set "
                 f"{ENV}=numpy",
                 field=ENV,

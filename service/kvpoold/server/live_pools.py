@@ -14,10 +14,10 @@ import numpy as np
 import torch
 
 from kvpool.errors import Internal
-from kvpoold.alloc import Kind, PoolAllocator, PoolCounters
+from kvpool.plan import FULL_TO_SWA, PoolPlan
+from kvpoold.ids import Kind, PoolAllocator, PoolCounters
 from kvpoold.pools import Pool, build_pool
 from kvpoold.sharing.base import Backing, BackingFactory
-from kvpoold.sizing.plan import FULL_TO_SWA, PoolPlan
 
 
 def plan_json_text(plan: PoolPlan) -> str:

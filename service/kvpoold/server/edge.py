@@ -13,10 +13,11 @@ import numpy as np
 from google.protobuf.message import Message
 
 from kvpool.errors import InvalidArgument
+from kvpool.plan import PoolPlan
 from kvpool.v1 import kvpool_pb2 as pb
-from kvpoold.alloc import Kind, PoolCounters
-from kvpoold.service.leases import Lease
-from kvpoold.service.records import (
+from kvpoold.ids import Kind, PoolCounters
+from kvpoold.server.leases import Lease
+from kvpoold.server.records import (
     AttachResult,
     CloseResult,
     ConfigureArgs,
@@ -27,7 +28,6 @@ from kvpoold.service.records import (
     Snapshot,
 )
 from kvpoold.sharing.base import SharedHandle
-from kvpoold.sizing.plan import PoolPlan
 
 KIND_FROM_PB: dict[int, Kind] = {
     pb.KIND_KV: Kind.KV,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import msgspec
 
 from kvpool.errors import InvalidArgument
-from kvpoold.service.records import ConfigureArgs
+from kvpool.plan import PoolPlan
+from kvpool.spec import decode_spec
+from kvpoold.server.records import ConfigureArgs
 from kvpoold.sizing import make_options, plan
-from kvpoold.sizing.plan import PoolPlan
-from kvpoold.spec import decode_spec
 
 
 def plan_from_args(args: ConfigureArgs, available_bytes: int) -> PoolPlan:

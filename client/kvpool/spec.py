@@ -15,27 +15,11 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from kvpool.dtypes import ITEMSIZE
 from kvpool.errors import InvalidArgument
 
 PositiveInt = Annotated[int, Meta(ge=1, le=1 << 40)]
 NonNegInt = Annotated[int, Meta(ge=0, le=1 << 40)]
 LayerId = Annotated[int, Meta(ge=0, le=1 << 20)]
-
-
-class DType(enum.StrEnum):
-    """Element types of buffers, by name (no ``torch.dtype`` in any Struct)."""
-
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-    float32 = "float32"
-    uint8 = "uint8"
-    int32 = "int32"
-    int64 = "int64"
-
-    @property
-    def itemsize(self) -> int:
-        return ITEMSIZE[self.value]
 
 
 class ModelDType(enum.StrEnum):

@@ -4,7 +4,7 @@ Concurrency: every method runs on the server's event loop thread, so the registr
 and the lease table need no lock (one owner: the loop). The only work off the loop is
 :func:`build_entry` in a worker thread, on objects nobody else sees until it returns; a name
 being built is in ``_building`` so a second Configure of it waits instead of racing. Each
-``PoolAllocator`` has its own leaf lock (see ``kvpoold.alloc.manager``).
+``PoolAllocator`` has its own leaf lock (see ``kvpoold.ids.pool_ids``).
 """
 
 from __future__ import annotations
@@ -24,12 +24,14 @@ from kvpool.errors import (
     NotFound,
     ResourceExhausted,
 )
+from kvpool.plan import PoolPlan
 from kvpoold import __version__
-from kvpoold.alloc import Kind
-from kvpoold.service.attachments import AttachmentTable
-from kvpoold.service.leases import Lease, LeaseTable
-from kvpoold.service.planning import plan_from_args
-from kvpoold.service.records import (
+from kvpoold.ids import Kind
+from kvpoold.server.attachments import AttachmentTable
+from kvpoold.server.leases import Lease, LeaseTable
+from kvpoold.server.live_pools import PoolEntry, build_entry, plan_json_text
+from kvpoold.server.planning import plan_from_args
+from kvpoold.server.records import (
     AttachResult,
     CloseResult,
     ConfigureArgs,
@@ -39,10 +41,8 @@ from kvpoold.service.records import (
     IdBlock,
     Snapshot,
 )
-from kvpoold.service.registry import PoolEntry, build_entry, plan_json_text
-from kvpoold.service.snapshot import take_snapshot
+from kvpoold.server.snapshot import take_snapshot
 from kvpoold.sharing.base import BackingFactory
-from kvpoold.sizing.plan import PoolPlan
 
 log = logging.getLogger("kvpoold.daemon")
 

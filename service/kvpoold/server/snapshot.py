@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvpoold.service.records import (
+from kvpoold.server.records import (
     DaemonSnapshot,
     HeldCount,
     LeaseSnapshot,
@@ -13,7 +13,7 @@ from kvpoold.service.records import (
 )
 
 if TYPE_CHECKING:
-    from kvpoold.service.daemon import Daemon
+    from kvpoold.server.daemon import Daemon
 
 
 def take_snapshot(daemon: Daemon, pool: str = "") -> Snapshot:

@@ -10,11 +10,11 @@ from grpc import aio
 
 from kvpool.errors import InvalidArgument
 from kvpool.v1 import kvpool_pb2_grpc
-from kvpoold.service import convert
-from kvpoold.service.daemon import Daemon
-from kvpoold.service.errors import RpcObserver, rpc_errors, rpc_stream_errors
+from kvpoold.server import edge
+from kvpoold.server.daemon import Daemon
+from kvpoold.server.status import RpcObserver, rpc_errors, rpc_stream_errors
 
-if TYPE_CHECKING:  # message types for annotations only; convert.py does the runtime work
+if TYPE_CHECKING:  # message types for annotations only; edge.py does the runtime work
     from kvpool.v1 import kvpool_pb2 as pb
 
 Ctx = aio.ServicerContext
@@ -43,14 +43,14 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
     @rpc_errors
     async def Configure(self, request: pb.ConfigureRequest, context: Ctx
                         ) -> pb.ConfigureResponse:
-        result = await self._daemon.configure(convert.configure_args(request))
-        return convert.configure_response(result)
+        result = await self._daemon.configure(edge.configure_args(request))
+        return edge.configure_response(result)
 
     @rpc_errors
     async def OpenLease(self, request: pb.OpenLeaseRequest, context: Ctx
                         ) -> pb.OpenLeaseResponse:
         lease = self._daemon.open_lease(request.name, request.ttl_seconds)
-        return convert.open_lease_response(lease)
+        return edge.open_lease_response(lease)
 
     @rpc_stream_errors
     async def KeepAlive(self, request_iterator: AsyncIterator[pb.KeepAliveRequest], context: Ctx
@@ -61,28 +61,28 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
             if request is None:
                 return
             lease = self._daemon.renew_lease(request.lease_id)
-            yield convert.keep_alive_response(lease, self._daemon.now())
+            yield edge.keep_alive_response(lease, self._daemon.now())
 
     @rpc_errors
     async def CloseLease(self, request: pb.CloseLeaseRequest, context: Ctx
                          ) -> pb.CloseLeaseResponse:
-        return convert.close_lease_response(self._daemon.close_lease(request.lease_id))
+        return edge.close_lease_response(self._daemon.close_lease(request.lease_id))
 
     @rpc_errors
     async def Allocate(self, request: pb.AllocateRequest, context: Ctx) -> pb.AllocateResponse:
-        items = convert.allocate_items(request)
-        return convert.allocate_response(
+        items = edge.allocate_items(request)
+        return edge.allocate_response(
             self._daemon.allocate(request.pool, request.lease_id, items)
         )
 
     @rpc_errors
     async def Free(self, request: pb.FreeRequest, context: Ctx) -> pb.FreeResponse:
-        items = convert.free_items(request)
-        return convert.free_response(self._daemon.free(request.pool, request.lease_id, items))
+        items = edge.free_items(request)
+        return edge.free_response(self._daemon.free(request.pool, request.lease_id, items))
 
     @rpc_errors
     async def Stats(self, request: pb.StatsRequest, context: Ctx) -> pb.StatsResponse:
-        return convert.stats_response(self._daemon.snapshot(request.pool))
+        return edge.stats_response(self._daemon.snapshot(request.pool))
 
     @rpc_stream_errors
     async def WatchStats(self, request: pb.WatchStatsRequest, context: Ctx
@@ -95,7 +95,7 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
                 field="interval_seconds",
             )
         while not self._closing.is_set():
-            yield convert.stats_response(self._daemon.snapshot(request.pool))
+            yield edge.stats_response(self._daemon.snapshot(request.pool))
             try:
                 await asyncio.wait_for(self._closing.wait(), interval)
             except TimeoutError:
@@ -103,18 +103,18 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
 
     @rpc_errors
     async def Drop(self, request: pb.DropRequest, context: Ctx) -> pb.DropResponse:
-        return convert.drop_response(self._daemon.drop(request.pool, request.force))
+        return edge.drop_response(self._daemon.drop(request.pool, request.force))
 
     @rpc_errors
     async def Attach(self, request: pb.AttachRequest, context: Ctx) -> pb.AttachResponse:
         result = self._daemon.attach(request.pool, request.expected_fingerprint,
                                      request.lease_id)
-        return convert.attach_response(result)
+        return edge.attach_response(result)
 
     @rpc_errors
     async def Detach(self, request: pb.DetachRequest, context: Ctx) -> pb.DetachResponse:
         self._daemon.detach(request.attach_id)
-        return convert.detach_response()
+        return edge.detach_response()
 
     async def _next_or_closing(
         self, iterator: AsyncIterator[pb.KeepAliveRequest]

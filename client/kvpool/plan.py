@@ -12,7 +12,8 @@ from typing import Literal
 
 import msgspec
 
-from kvpoold.spec import Base, DType
+from kvpool.dtypes import DType
+from kvpool.spec import Base
 
 
 class BufferKind(enum.StrEnum):

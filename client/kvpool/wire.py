@@ -23,7 +23,7 @@ from kvpool.handles import HandleKind, SharedHandle
 from kvpool.v1 import kvpool_pb2 as pb
 
 if TYPE_CHECKING:
-    from kvpoold.sizing.plan import BufferSpec, PoolPlan
+    from kvpool.plan import BufferSpec, PoolPlan
 
 FIELD_METADATA_KEY = "kvpool-field"
 KINDS: dict[str, int] = {"kv": pb.KIND_KV, "req": pb.KIND_REQ, "state": pb.KIND_STATE,
@@ -162,7 +162,7 @@ class ConfigureResult:
 
 
 def decode_plan(plan_json: str) -> PoolPlan:
-    from kvpoold.sizing.plan import PoolPlan  # lazy: the stats/leases paths never need it
+    from kvpool.plan import PoolPlan  # lazy: the stats/leases paths never need it
 
     return PoolPlan.from_json(plan_json)
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvpool.errors import Internal, InvalidArgument
-from kvpoold.alloc.checks import (
+from kvpoold.ids.faults import (
     EMPTY_IDS,
     Fault,
     IdsLike,
@@ -30,7 +30,7 @@ from kvpoold.alloc.checks import (
     position_label,
     to_index,
 )
-from kvpoold.alloc.ids import IdPool
+from kvpoold.ids.space import IdPool
 
 
 class SwaPair:

@@ -1,0 +1,1 @@
+"""kvpoold.server."""

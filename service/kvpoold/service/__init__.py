@@ -1,1 +1,0 @@
-"""kvpoold.service."""
