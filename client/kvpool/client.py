@@ -26,6 +26,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpool import wire
+from kvpool.limits import MESSAGE_SIZE_OPTIONS
 from kvpool.targets import channel_target, default_target
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
@@ -39,19 +40,14 @@ log = logging.getLogger("kvpool.client")
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_TTL_S = 10.0
-MAX_MESSAGE_BYTES = 64 << 20
-CHANNEL_OPTIONS = (
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-)
 
 
 def open_channel(grpc_module: Any, target: str, root_certificates: bytes | None) -> Any:
     """A channel of ``grpc`` or ``grpc.aio`` (same signatures): TLS when roots are given."""
     if root_certificates is not None:
         creds = grpc.ssl_channel_credentials(root_certificates)
-        return grpc_module.secure_channel(target, creds, options=CHANNEL_OPTIONS)
-    return grpc_module.insecure_channel(target, options=CHANNEL_OPTIONS)
+        return grpc_module.secure_channel(target, creds, options=MESSAGE_SIZE_OPTIONS)
+    return grpc_module.insecure_channel(target, options=MESSAGE_SIZE_OPTIONS)
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

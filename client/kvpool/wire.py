@@ -20,19 +20,18 @@ from google.protobuf import json_format
 
 from kvpool.errors import InvalidArgument, KVPoolError, error_from_code
 from kvpool.handles import HandleKind, SharedHandle
+from kvpool.limits import FIELD_METADATA_KEY, ID_DTYPE
 from kvpool.v1 import kvpool_pb2 as pb
 
 if TYPE_CHECKING:
     from kvpool.plan import BufferSpec, PoolPlan
 
-FIELD_METADATA_KEY = "kvpool-field"
 KINDS: dict[str, int] = {"kv": pb.KIND_KV, "req": pb.KIND_REQ, "state": pb.KIND_STATE,
                          "swa": pb.KIND_SWA}
 KIND_NAMES: dict[int, str] = {v: k for k, v in KINDS.items()}
 HANDLE_KIND_NAMES: dict[int, HandleKind] = {pb.HANDLE_KIND_NONE: "none",
                                             pb.HANDLE_KIND_SHM: "shm",
                                             pb.HANDLE_KIND_CUDA_IPC: "cuda_ipc"}
-_INT32 = np.dtype("<i4")
 
 
 # -- errors -------------------------------------------------------------------------------------
@@ -73,16 +72,16 @@ def ids_bytes(ids: Any, field: str = "ids") -> bytes:
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise InvalidArgument(f"{field} must be a 1-D array of integer ids, got {arr.dtype} "
                               f"{arr.shape}", field=field)
-    if arr.dtype != _INT32:
+    if arr.dtype != ID_DTYPE:
         if arr.size and (arr.min() < -(1 << 31) or arr.max() >= 1 << 31):
             raise InvalidArgument(f"{field} has an id outside int32", field=field)
-        arr = arr.astype(_INT32)
+        arr = arr.astype(ID_DTYPE)
     return arr.tobytes()
 
 
 def ids_array(data: bytes) -> np.ndarray:
     """Little-endian int32 bytes as a read-only int32 array (no copy)."""
-    return np.frombuffer(data, dtype=_INT32)
+    return np.frombuffer(data, dtype=ID_DTYPE)
 
 
 # -- Configure ----------------------------------------------------------------------------------

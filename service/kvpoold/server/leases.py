@@ -16,12 +16,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvpool.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvpoold.ids.faults import OWNER_MAX
 
 MIN_TTL_S = 0.1
 MAX_TTL_S = 86_400.0
 MAX_NAME_CHARS = 128
 MAX_LEASES = 65_536
-OWNER_MAX = (1 << 31) - 1
 
 
 @dataclass

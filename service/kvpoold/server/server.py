@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvpool.errors import FailedPrecondition, InvalidArgument
+from kvpool.limits import MESSAGE_SIZE_OPTIONS
 from kvpool.v1 import kvpool_pb2_grpc
 from kvpoold.config import Listener, ServeSettings, check_shm_dir, group_id, read_tls
 from kvpoold.ids.ledger import default_backend
@@ -41,12 +42,7 @@ log = logging.getLogger("kvpoold.server")
 SERVICE_NAME = "kvpool.v1.KVPool"
 SWEEP_INTERVAL_S = 0.2
 # Stats with thousands of leases and big id batches are larger than gRPC's 4 MiB default.
-MAX_MESSAGE_BYTES = 64 << 20
-_OPTIONS = (
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.so_reuseport", 0),
-)
+_OPTIONS = (*MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0))
 
 
 @dataclass

@@ -32,10 +32,9 @@ from kvpool.errors import (
     ResourceExhausted,
     Unauthenticated,
 )
+from kvpool.limits import FIELD_METADATA_KEY
 
 log = logging.getLogger("kvpoold.rpc")
-
-FIELD_METADATA_KEY = "kvpool-field"
 
 STATUS_BY_ERROR: dict[type[KVPoolError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
