@@ -19,9 +19,6 @@ from typing import Any
 
 import pytest
 
-from kvpoold.ids.ledger import BACKENDS, native_available
-from kvpoold.ids.ledger import ENV as LEDGER_ENV
-
 REPO = Path(__file__).resolve().parents[1]
 PYTHONPATH = os.pathsep.join(str(REPO / p) for p in ("client", "service"))
 
@@ -36,19 +33,6 @@ TINY_SPEC: dict[str, Any] = {
 TINY_OPTIONS: dict[str, Any] = {"budget_bytes": 1 << 20, "page_size": 16,
                                 "max_running_requests": 8}
 TINY_PAGES = 255
-
-
-@pytest.fixture(params=BACKENDS)
-def ledger_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run the test once per allocator ledger (C and numpy): pools made during the test use it.
-
-    The C one is skipped only when it is not built; ``test_ledger.py`` fails CI if it is not.
-    """
-    backend = request.param
-    if backend == "native" and not native_available():
-        pytest.skip("kvpoold.ids._ledger is not built (no C compiler at install time)")
-    monkeypatch.setenv(LEDGER_ENV, backend)
-    return backend
 
 
 @pytest.fixture

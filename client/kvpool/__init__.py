@@ -1,31 +1,47 @@
 """kvpool: client library and CLI for the kvpoold KV-cache pool daemon."""
 
 from kvpool.errors import (
+    Aborted,
     AlreadyExists,
+    Cancelled,
+    DataLoss,
+    DeadlineExceeded,
     FailedPrecondition,
     Internal,
     InvalidArgument,
     KVPoolError,
     NotFound,
+    OutOfRange,
     PermissionDenied,
     ResourceExhausted,
     Unauthenticated,
+    Unavailable,
+    Unimplemented,
+    Unknown,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Aborted",
     "AlreadyExists",
     "AsyncKVPoolClient",
+    "Cancelled",
+    "DataLoss",
+    "DeadlineExceeded",
     "FailedPrecondition",
     "Internal",
     "InvalidArgument",
     "KVPoolClient",
     "KVPoolError",
     "NotFound",
+    "OutOfRange",
     "PermissionDenied",
     "ResourceExhausted",
     "Unauthenticated",
+    "Unavailable",
+    "Unimplemented",
+    "Unknown",
     "__version__",
 ]
 

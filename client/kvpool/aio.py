@@ -19,7 +19,7 @@ import numpy as np
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvpool import wire
+from kvpool import codec, wire
 from kvpool.client import (
     DEFAULT_TIMEOUT_S,
     DEFAULT_TTL_S,
@@ -28,10 +28,11 @@ from kvpool.client import (
     keepalive_interval,
     open_channel,
 )
+from kvpool.errors import NotFound
+from kvpool.records import AttachInfo, ConfigureResult, Released, Stats
 from kvpool.targets import channel_target, default_target
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
-from kvpool.wire import AttachInfo, ConfigureResult, Released, Stats
 
 if TYPE_CHECKING:
     from kvpool.attach import LeaseArg
@@ -86,7 +87,7 @@ class AsyncKVPoolClient:
         """See ``KVPoolClient.configure``."""
         req = wire.configure_request(pool, hf_config=hf_config, spec=spec, dry_run=dry_run,
                                         **options)
-        return wire.configure_result(await self.call("Configure", req, timeout_s=timeout_s))
+        return codec.configure_from_pb(await self.call("Configure", req, timeout_s=timeout_s))
 
     async def lease(self, name: str | None = None, ttl_s: float = DEFAULT_TTL_S) -> AsyncLease:
         """Open a lease renewed by a background task; ``async with`` closes it."""
@@ -95,7 +96,7 @@ class AsyncKVPoolClient:
         return AsyncLease(self, resp.lease_id, name, resp.ttl_seconds)
 
     async def stats(self, pool: str = "") -> Stats:
-        return wire.stats(await self.call("Stats", pb.StatsRequest(pool=pool)))
+        return codec.stats_from_pb(await self.call("Stats", pb.StatsRequest(pool=pool)))
 
     async def watch_stats(self, pool: str = "", interval_s: float = 1.0
                           ) -> AsyncIterator[Stats]:
@@ -104,7 +105,7 @@ class AsyncKVPoolClient:
         )
         try:
             async for resp in stream:
-                yield wire.stats(resp)
+                yield codec.stats_from_pb(resp)
         except grpc.RpcError as exc:
             raise wire.error_from_rpc(exc, self.target) from None
         finally:
@@ -112,13 +113,13 @@ class AsyncKVPoolClient:
 
     async def drop(self, pool: str, force: bool = False) -> Released:
         resp = await self.call("Drop", pb.DropRequest(pool=pool, force=force))
-        return Released(wire.held_map(resp.reclaimed), resp.detached, resp.released_bytes)
+        return codec.released_from_pb(resp)
 
     async def attach_raw(self, pool: str, expected_fingerprint: str = "",
                          lease_id: int = 0) -> AttachInfo:
         req = pb.AttachRequest(pool=pool, expected_fingerprint=expected_fingerprint,
                                lease_id=lease_id)
-        return wire.attach_info(await self.call("Attach", req))
+        return codec.attach_from_pb(await self.call("Attach", req))
 
     async def detach(self, attach_id: int) -> None:
         await self.call("Detach", pb.DetachRequest(attach_id=attach_id))
@@ -165,7 +166,7 @@ class AsyncLease:
                              ) -> list[np.ndarray]:
         req = wire.allocate_request(pool, self.lease_id, items)
         resp = await self.client.call("Allocate", req)
-        return [wire.ids_array(item.ids) for item in resp.items]
+        return [codec.ids_from_bytes(item.ids) for item in resp.items]
 
     async def free(self, pool: str, kind: str, ids: Any) -> int:
         return await self.free_batch(pool, [(kind, ids)])
@@ -183,7 +184,7 @@ class AsyncLease:
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
         resp = await self.client.call("CloseLease", pb.CloseLeaseRequest(lease_id=self.lease_id))
-        return Released(wire.held_map(resp.released), resp.detached)
+        return codec.released_from_pb(resp)
 
     async def _keep_alive(self) -> None:
         request = pb.KeepAliveRequest(lease_id=self.lease_id)
@@ -196,10 +197,15 @@ class AsyncLease:
                     if await stream.read() is aio.EOF:
                         return  # the daemon ended the stream (shutting down)
                     await asyncio.sleep(interval)
-            except grpc.RpcError as exc:
-                err = wire.error_from_rpc(exc, self.client.target)
+            except (grpc.RpcError, asyncio.InvalidStateError) as exc:
+                # A write to a call that already failed (no daemon) raises InvalidStateError;
+                # the call's own status says why.
+                rpc_error = exc if isinstance(exc, grpc.RpcError) else aio.AioRpcError(
+                    await stream.code(), await stream.initial_metadata(),
+                    await stream.trailing_metadata(), await stream.details())
+                err = wire.error_from_rpc(rpc_error, self.client.target)
                 self.error = err
-                if exc.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+                if isinstance(err, NotFound):  # the lease expired or was closed
                     log.error("lease %d lost: %s", self.lease_id, err)
                     return
                 log.warning("keep-alive of lease %d failed, retrying: %s", self.lease_id, err)

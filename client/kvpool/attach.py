@@ -19,7 +19,7 @@ from typing import Protocol
 
 from kvpool.errors import NotFound
 from kvpool.mapping import MappedRegion, map_region
-from kvpool.wire import AttachInfo
+from kvpool.records import AttachInfo
 
 log = logging.getLogger("kvpool.attach")
 

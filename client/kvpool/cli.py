@@ -167,7 +167,7 @@ def run_configure(args: argparse.Namespace) -> int:
 
 def add_stats(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p = sub.add_parser("stats", parents=[common], help="the daemon, its pools and leases",
-                       description="Print the daemon's budget, each pool's per-kind counters and "
+                       description="Print the daemon's budget, each pool's per-space counters and "
                                    "each lease's holdings.")
     p.add_argument("--pool", default="", help="only this pool")
     p.add_argument("--json", action="store_true",
@@ -191,9 +191,9 @@ def run_stats(args: argparse.Namespace) -> int:
         print(f"pool {p.name}: {p.architecture} {p.kv_cache_dtype} page {p.page_size}, "
               f"{_human(p.backing_bytes)}, attached {p.attached}, sharing {p.handle_kind}, "
               f"fingerprint {p.fingerprint}")
-        for kind, k in p.kinds.items():
+        for space, k in p.spaces.items():
             share = 100.0 * k.used / k.capacity if k.capacity else 0.0
-            print(f"  {kind:<6} used {k.used:>10,} / {k.capacity:<10,} ({share:5.1f}%)  "
+            print(f"  {space:<6} used {k.used:>10,} / {k.capacity:<10,} ({share:5.1f}%)  "
                   f"high {k.high_water:,}  allocs {k.allocs:,}  frees {k.frees:,}  "
                   f"failed {k.failed_allocs:,}")
     if stats.leases:
@@ -204,7 +204,7 @@ def run_stats(args: argparse.Namespace) -> int:
 def add_leases(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p = sub.add_parser("leases", parents=[common], help="who holds what",
                        description="List open leases: name, time to expiry, ids held per pool "
-                                   "and kind.")
+                                   "and space.")
     p.add_argument("--json", action="store_true", help="print the leases as a JSON list")
     p.set_defaults(func=run_leases)
     return p
@@ -214,8 +214,8 @@ def print_leases(leases: Sequence[Any]) -> None:
     print(f"{'LEASE':<20} {'NAME':<24} {'EXPIRES':>8} {'ATT':>4}  HELD")
     for x in leases:
         held = "  ".join(
-            f"{pool}: " + " ".join(f"{kind}={n:,}" for kind, n in kinds.items())
-            for pool, kinds in x.held.items()
+            f"{pool}: " + " ".join(f"{space}={n:,}" for space, n in spaces.items())
+            for pool, spaces in x.held.items()
         ) or "-"
         print(f"{x.lease_id:<20} {x.name:<24.24} {x.expires_in_seconds:>7.1f}s {x.attached:>4}"
               f"  {held}")

@@ -25,12 +25,13 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvpool import wire
+from kvpool import codec, wire
+from kvpool.errors import NotFound
 from kvpool.limits import MESSAGE_SIZE_OPTIONS
+from kvpool.records import AttachInfo, ConfigureResult, Released, Stats
 from kvpool.targets import channel_target, default_target
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
-from kvpool.wire import AttachInfo, ConfigureResult, Released, Stats
 
 if TYPE_CHECKING:
     from kvpool.attach import LeaseArg
@@ -142,7 +143,7 @@ class KVPoolClient:
         """
         req = wire.configure_request(pool, hf_config=hf_config, spec=spec, dry_run=dry_run,
                                         **options)
-        return wire.configure_result(self.call("Configure", req, timeout_s=timeout_s))
+        return codec.configure_from_pb(self.call("Configure", req, timeout_s=timeout_s))
 
     def lease(self, name: str | None = None, ttl_s: float = DEFAULT_TTL_S) -> Lease:
         """Open a lease kept alive in a background thread; use it as a context manager."""
@@ -151,7 +152,7 @@ class KVPoolClient:
         return Lease(self, resp.lease_id, name or default_lease_name(), resp.ttl_seconds)
 
     def stats(self, pool: str = "") -> Stats:
-        return wire.stats(self.call("Stats", pb.StatsRequest(pool=pool)))
+        return codec.stats_from_pb(self.call("Stats", pb.StatsRequest(pool=pool)))
 
     def watch_stats(self, pool: str = "", interval_s: float = 1.0) -> Iterator[Stats]:
         """Stats every ``interval_s`` until the caller stops iterating."""
@@ -160,7 +161,7 @@ class KVPoolClient:
         )
         try:
             for resp in stream:
-                yield wire.stats(resp)
+                yield codec.stats_from_pb(resp)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
                 raise wire.error_from_rpc(exc, self.target) from None
@@ -169,14 +170,14 @@ class KVPoolClient:
 
     def drop(self, pool: str, force: bool = False) -> Released:
         resp = self.call("Drop", pb.DropRequest(pool=pool, force=force))
-        return Released(wire.held_map(resp.reclaimed), resp.detached, resp.released_bytes)
+        return codec.released_from_pb(resp)
 
     def attach_raw(self, pool: str, expected_fingerprint: str = "",
                    lease_id: int = 0) -> AttachInfo:
         """The pool's layout and shared handle; counts as attached until :meth:`detach`."""
         req = pb.AttachRequest(pool=pool, expected_fingerprint=expected_fingerprint,
                                lease_id=lease_id)
-        return wire.attach_info(self.call("Attach", req))
+        return codec.attach_from_pb(self.call("Attach", req))
 
     def detach(self, attach_id: int) -> None:
         self.call("Detach", pb.DetachRequest(attach_id=attach_id))
@@ -247,14 +248,14 @@ class Lease:
     def allocate_batch(self, pool: str, items: Sequence[tuple[str, int]]) -> list[np.ndarray]:
         """Several ``(kind, count)`` in one all-or-nothing call; one int32 array per item."""
         resp = self.client.call("Allocate", wire.allocate_request(pool, self.lease_id, items))
-        return [wire.ids_array(item.ids) for item in resp.items]
+        return [codec.ids_from_bytes(item.ids) for item in resp.items]
 
     def allocate_swa_pairs(self, pool: str, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Hybrid SWA pools: ``count`` full pages and the SWA page paired with each."""
         resp = self.client.call("Allocate",
                                 wire.allocate_request(pool, self.lease_id, [("kv", count)]))
         item = resp.items[0]
-        return wire.ids_array(item.ids), wire.ids_array(item.swa_ids)
+        return codec.ids_from_bytes(item.ids), codec.ids_from_bytes(item.paired_ids)
 
     def free(self, pool: str, kind: str, ids: Any) -> int:
         """Return ``ids`` of ``kind`` (``swa``: only the SWA side of kv pages); all or none."""
@@ -271,7 +272,7 @@ class Lease:
         self._stop.set()
         self._thread.join(timeout=5.0)
         resp = self.client.call("CloseLease", pb.CloseLeaseRequest(lease_id=self.lease_id))
-        return Released(wire.held_map(resp.released), resp.detached)
+        return codec.released_from_pb(resp)
 
     def _requests(self) -> Iterator[pb.KeepAliveRequest]:
         request = pb.KeepAliveRequest(lease_id=self.lease_id)
@@ -293,7 +294,7 @@ class Lease:
                     return
                 err = wire.error_from_rpc(exc, self.client.target)
                 self.error = err
-                if exc.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+                if isinstance(err, NotFound):  # the lease expired or was closed
                     log.error("lease %d lost: %s", self.lease_id, err)
                     return
                 log.warning("keep-alive of lease %d failed, retrying: %s", self.lease_id, err)

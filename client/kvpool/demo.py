@@ -46,7 +46,7 @@ from kvpool.targets import token_from
 
 if TYPE_CHECKING:
     from kvpool.client import KVPoolClient
-    from kvpool.wire import Stats
+    from kvpool.records import Stats
 
 MiB = 1 << 20
 DEFAULT_MODEL = "qwen3-8b.json"
@@ -86,21 +86,21 @@ def stats_tables(stats: Stats, pool: str) -> list[Any]:
     daemon.add_row(format_size(d.budget_bytes), format_size(d.used_bytes), str(d.num_pools),
                    str(d.num_leases), f"{d.uptime_seconds:.1f}s")
     p = stats.pool(pool)
-    kinds = Table(title=f"pool {p.name}: {format_size(p.backing_bytes)} {p.handle_kind}, "
+    spaces = Table(title=f"pool {p.name}: {format_size(p.backing_bytes)} {p.handle_kind}, "
                         f"attached {p.attached}", title_justify="left")
-    for col in ("kind", "capacity", "used", "free", "high water", "allocs", "frees"):
-        kinds.add_column(col, justify="left" if col == "kind" else "right")
-    for kind, k in p.kinds.items():
-        kinds.add_row(kind, f"{k.capacity:,}", f"{k.used:,}", f"{k.free:,}",
+    for col in ("space", "capacity", "used", "free", "high water", "allocs", "frees"):
+        spaces.add_column(col, justify="left" if col == "space" else "right")
+    for space, k in p.spaces.items():
+        spaces.add_row(space, f"{k.capacity:,}", f"{k.used:,}", f"{k.free:,}",
                       f"{k.high_water:,}", f"{k.allocs:,}", f"{k.frees:,}")
     leases = Table(title="leases", title_justify="left")
     for col in ("lease", "name", "expires in", "attached", "held"):
         leases.add_column(col)
     for x in stats.leases:
-        held = " ".join(f"{k}={n}" for kinds_ in x.held.values() for k, n in kinds_.items())
+        held = " ".join(f"{k}={n}" for spaces_ in x.held.values() for k, n in spaces_.items())
         leases.add_row(str(x.lease_id), x.name, f"{x.expires_in_seconds:.1f}s",
                        str(x.attached), held or "-")
-    return [daemon, kinds, leases]
+    return [daemon, spaces, leases]
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -184,8 +184,8 @@ def _run(args: argparse.Namespace, say: Any, console: Any) -> None:
 
         stats = client.stats(pool)
         p = stats.pool(pool)
-        if p.attached != 2 or p.kinds["kv"].used != len(wrote["pages"]):
-            raise DemoFailed(f"Stats show {p.attached} attached and {p.kinds['kv'].used} pages "
+        if p.attached != 2 or p.spaces["kv"].used != len(wrote["pages"]):
+            raise DemoFailed(f"Stats show {p.attached} attached and {p.spaces['kv'].used} pages "
                              f"used; expected 2 and {len(wrote['pages'])}")
         for table in stats_tables(stats, pool):
             console.print(table)
@@ -196,9 +196,9 @@ def _run(args: argparse.Namespace, say: Any, console: Any) -> None:
         workers["reader"].recv()
         # Both have detached and the lease is closed; their exit is waited for at the end.
         p = client.stats(pool).pool(pool)
-        if (p.attached, p.kinds["kv"].used) != (0, 0):
+        if (p.attached, p.spaces["kv"].used) != (0, 0):
             raise DemoFailed(f"after the workers left: {p.attached} attached, "
-                             f"{p.kinds['kv'].used} pages used; expected 0 and 0")
+                             f"{p.spaces['kv'].used} pages used; expected 0 and 0")
         say(f"workers detached; the writer freed {freed} pages and closed its lease")
 
         if not args.keep:

@@ -1,8 +1,11 @@
 """One exception hierarchy for daemon and client; each class carries its gRPC status code name.
 
-The daemon raises these where a condition is detected; one table (``kvpoold.server.status``)
-turns them into gRPC statuses, and the client turns statuses back into the same classes
-(``error_from_code``). This module imports nothing from grpc so the pure parts of the daemon
+This module is the one table between errors and gRPC status codes: every status code but ``OK``
+has a class here (:data:`ERRORS_BY_CODE`), including the ones only the channel produces
+(``UNAVAILABLE`` when no daemon listens, ``DEADLINE_EXCEEDED``, ``CANCELLED``). The daemon raises
+these where a condition is detected and ``kvpoold.server.status`` turns them into statuses with
+``grpc.StatusCode[cls.code]``; the client turns statuses back into the same classes
+(:func:`error_from_code`). This module imports nothing from grpc so the pure parts of the daemon
 (sizing, allocators) can use it without the RPC stack.
 """
 
@@ -17,6 +20,12 @@ class KVPoolError(Exception):
     Args:
         message: what was asked, what was available, and which knob to turn.
         field: the input field at fault (``"page_size"``, ``"items[1].count"``), if any.
+
+    Attributes:
+        code: the class's gRPC status code name (``"NOT_FOUND"``); a bare ``KVPoolError``
+            raised by the daemon is ``INTERNAL``.
+        code_name: the status code name this error was built from: ``code``, except for an
+            :class:`Unknown` made from a name this module does not know, which keeps that name.
     """
 
     code: ClassVar[str] = "INTERNAL"
@@ -25,6 +34,7 @@ class KVPoolError(Exception):
         super().__init__(message)
         self.message = message
         self.field = field
+        self.code_name = self.code
 
     def __str__(self) -> str:
         if self.field and not self.message.startswith(self.field):
@@ -32,10 +42,28 @@ class KVPoolError(Exception):
         return self.message
 
 
+class Cancelled(KVPoolError):
+    """The call was cancelled (by the caller, or by the daemon ending a stream)."""
+
+    code = "CANCELLED"
+
+
+class Unknown(KVPoolError):
+    """A status the client cannot place (also any code name this module does not know)."""
+
+    code = "UNKNOWN"
+
+
 class InvalidArgument(KVPoolError):
     """Malformed input: a bad name, size, index, dtype or config."""
 
     code = "INVALID_ARGUMENT"
+
+
+class DeadlineExceeded(KVPoolError):
+    """The call's deadline (``timeout_s``) passed before the daemon answered."""
+
+    code = "DEADLINE_EXCEEDED"
 
 
 class NotFound(KVPoolError):
@@ -50,10 +78,10 @@ class AlreadyExists(KVPoolError):
     code = "ALREADY_EXISTS"
 
 
-class FailedPrecondition(KVPoolError):
-    """The request is well formed but the state forbids it (free of an id not held, drop in use)."""
+class PermissionDenied(KVPoolError):
+    """The caller may not do this."""
 
-    code = "FAILED_PRECONDITION"
+    code = "PERMISSION_DENIED"
 
 
 class ResourceExhausted(KVPoolError):
@@ -62,16 +90,28 @@ class ResourceExhausted(KVPoolError):
     code = "RESOURCE_EXHAUSTED"
 
 
-class PermissionDenied(KVPoolError):
-    """The caller may not do this."""
+class FailedPrecondition(KVPoolError):
+    """The request is well formed but the state forbids it (free of an id not held, drop in use)."""
 
-    code = "PERMISSION_DENIED"
+    code = "FAILED_PRECONDITION"
 
 
-class Unauthenticated(KVPoolError):
-    """Missing or wrong token."""
+class Aborted(KVPoolError):
+    """The operation was aborted (a conflict); it may succeed if retried."""
 
-    code = "UNAUTHENTICATED"
+    code = "ABORTED"
+
+
+class OutOfRange(KVPoolError):
+    """A value past the end of a valid range."""
+
+    code = "OUT_OF_RANGE"
+
+
+class Unimplemented(KVPoolError):
+    """The daemon does not implement this method (an older kvpoold)."""
+
+    code = "UNIMPLEMENTED"
 
 
 class Internal(KVPoolError):
@@ -80,17 +120,45 @@ class Internal(KVPoolError):
     code = "INTERNAL"
 
 
+class Unavailable(KVPoolError):
+    """The daemon cannot be reached (not running, socket gone) or is shutting down; retryable."""
+
+    code = "UNAVAILABLE"
+
+
+class DataLoss(KVPoolError):
+    """Unrecoverable loss or corruption of data."""
+
+    code = "DATA_LOSS"
+
+
+class Unauthenticated(KVPoolError):
+    """Missing or wrong token."""
+
+    code = "UNAUTHENTICATED"
+
+
+# The one table: gRPC status code name -> class, one entry for every code but OK, in the order
+# of the codes' numbers. ``kvpoold.server.status`` derives the daemon's mapping from it.
 ERRORS_BY_CODE: dict[str, type[KVPoolError]] = {
     cls.code: cls
     for cls in (
+        Cancelled,
+        Unknown,
         InvalidArgument,
+        DeadlineExceeded,
         NotFound,
         AlreadyExists,
-        FailedPrecondition,
-        ResourceExhausted,
         PermissionDenied,
-        Unauthenticated,
+        ResourceExhausted,
+        FailedPrecondition,
+        Aborted,
+        OutOfRange,
+        Unimplemented,
         Internal,
+        Unavailable,
+        DataLoss,
+        Unauthenticated,
     )
 }
 
@@ -98,12 +166,12 @@ ERRORS_BY_CODE: dict[str, type[KVPoolError]] = {
 def error_from_code(code_name: str, message: str, field: str | None = None) -> KVPoolError:
     """Build the exception class registered for a gRPC status code name (``"NOT_FOUND"``).
 
-    Codes with no class of their own (``UNAVAILABLE``, ``DEADLINE_EXCEEDED``...) come back as
-    ``KVPoolError`` with that code kept in ``code_name``.
+    A name with no class (not a gRPC code) comes back as :class:`Unknown` with that name kept in
+    ``code_name``.
     """
     cls = ERRORS_BY_CODE.get(code_name)
     if cls is None:
-        err = KVPoolError(message, field=field)
-        err.code_name = code_name  # type: ignore[attr-defined]
+        err: KVPoolError = Unknown(message, field=field)
+        err.code_name = code_name
         return err
     return cls(message, field=field)

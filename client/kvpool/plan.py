@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -35,6 +35,8 @@ class BufferSpec(Base):
     ``page_bytes`` is the size of one allocation unit of this buffer (a KV page: page_size
     rows; a state slot: one row), what a transfer engine registers as the item length.
     ``in_budget`` is False for the aux buffers that live outside ``budget_bytes``.
+    ``id_space`` names the plan's id space whose id ``u`` addresses unit ``u`` of dim 0 (rows
+    ``u * page_bytes / row_bytes`` onward); "" when no allocatable id does.
     """
 
     name: str
@@ -45,10 +47,32 @@ class BufferSpec(Base):
     kind: BufferKind
     page_bytes: int
     in_budget: bool = True
+    id_space: str = ""
 
 
 # The aux full->SWA page map of hybrid SWA and DSV4 pools: int64, indexed by full page id.
 FULL_TO_SWA = "full_to_swa"
+
+SpaceName = Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
+
+
+class IdSpaceSpec(Base):
+    """One allocatable id space of a pool: ids ``1..capacity`` (0 is the padding unit, never
+    handed out), each standing for ``bytes_per_unit`` bytes over the buffers it indexes.
+
+    ``follows`` names the space this one is paired with: every id handed out in that space
+    brings one id of this space, written into the ``mapping`` buffer at the leader's index
+    (full -> SWA pages of a hybrid sliding-window pool). A following space is never allocated
+    on its own; freeing in it takes leader ids and returns only their paired ids.
+    """
+
+    name: SpaceName  # kv, swa, req, state, c4_state, c128_state
+    capacity: Annotated[int, msgspec.Meta(ge=1, le=(1 << 31) - 2)]
+    unit: str  # pages, rows, slots: what one id is, for messages
+    bytes_per_unit: int
+    knob: str  # the option that makes the space larger, for "not enough free" messages
+    follows: SpaceName | None = None
+    mapping: str | None = None
 
 ArchitectureSource = Literal["hf_config", "fallback", "spec"]
 
@@ -92,6 +116,16 @@ class PoolPlan(Base):
     req_to_token_columns: int
     notes: tuple[str, ...]
     buffers: tuple[BufferSpec, ...]
+    # What Allocate/Free hand out, in this order; Stats, metrics and `kvpool top` follow it.
+    id_spaces: tuple[IdSpaceSpec, ...] = ()
+
+    def id_space(self, name: str) -> IdSpaceSpec:
+        """The id space called ``name``; KeyError lists the plan's spaces."""
+        for s in self.id_spaces:
+            if s.name == name:
+                return s
+        known = ", ".join(s.name for s in self.id_spaces) or "none"
+        raise KeyError(f"no id space {name!r} in this plan (id spaces: {known})")
 
     def buffer(self, name: str) -> BufferSpec:
         """The buffer called ``name``; KeyError lists a few known names."""
@@ -119,5 +153,6 @@ class PoolPlan(Base):
             self.mamba_cache_size,
             self.backing_bytes,
             self.buffers,
+            self.id_spaces,
         )
         return hashlib.sha256(msgspec.json.encode(layout)).hexdigest()[:32]

@@ -1,10 +1,10 @@
 """``kvpool top``: a live terminal view of one or several daemons, refreshed from WatchStats.
 
 Per daemon (``--target``, repeatable) a panel shows a header (version, device, uptime, budget
-used of total, leases opened/closed/expired), one row per pool and kind (a usage bar with the
+used of total, leases opened/closed/expired), one row per pool and space (a usage bar with the
 high-water mark, used/capacity, allocations and frees per second, refused allocations, the
 pool's bytes and attached clients) and the leases holding the most ids (what they hold per pool
-and kind, when they expire). Rates are differences of the daemon's own counters between two
+and space, when they expire). Rates are differences of the daemon's own counters between two
 successive snapshots, divided by the difference of its uptime, so network delay does not skew
 them.
 
@@ -45,7 +45,7 @@ from kvpool.top_render import (
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
 
-    from kvpool.wire import Stats
+    from kvpool.records import Stats
 
 __all__ = [
     "DEFAULT_INTERVAL_S",
@@ -76,14 +76,14 @@ DEFAULT_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True)
 class Rate:
-    """Ids of one pool and kind allocated and freed per second between two snapshots."""
+    """Ids of one pool and space allocated and freed per second between two snapshots."""
 
     allocs_per_s: float
     frees_per_s: float
 
 
 def rates(previous: Stats | None, current: Stats) -> dict[tuple[str, str], Rate]:
-    """Allocations and frees per second per ``(pool, kind)`` between two snapshots of a daemon.
+    """Allocations and frees per second per ``(pool, space)`` between two snapshots of a daemon.
 
     The time between them is the difference of the daemon's uptime (its monotonic clock). A row
     gets no rate when there is no earlier snapshot, the daemon restarted (uptime went down), the
@@ -94,23 +94,23 @@ def rates(previous: Stats | None, current: Stats) -> dict[tuple[str, str], Rate]
         current: the latest snapshot.
 
     Returns:
-        ``{(pool, kind): Rate}`` for every row with a rate.
+        ``{(pool, space): Rate}`` for every row with a rate.
     """
     if previous is None:
         return {}
     dt = current.daemon.uptime_seconds - previous.daemon.uptime_seconds
     if dt <= 0:
         return {}
-    before = {(p.name, kind): k for p in previous.pools for kind, k in p.kinds.items()}
+    before = {(p.name, space): k for p in previous.pools for space, k in p.spaces.items()}
     out: dict[tuple[str, str], Rate] = {}
     for pool in current.pools:
         if pool.age_seconds < dt:
             continue
-        for kind, k in pool.kinds.items():
-            old = before.get((pool.name, kind))
+        for space, k in pool.spaces.items():
+            old = before.get((pool.name, space))
             if old is None or k.allocs < old.allocs or k.frees < old.frees:
                 continue
-            out[(pool.name, kind)] = Rate((k.allocs - old.allocs) / dt, (k.frees - old.frees) / dt)
+            out[(pool.name, space)] = Rate((k.allocs - old.allocs) / dt, (k.frees - old.frees) / dt)
     return out
 
 

@@ -13,8 +13,8 @@ if TYPE_CHECKING:
     from rich.console import RenderableType
     from rich.text import Text
 
+    from kvpool.records import LeaseStats, PoolStats, Stats
     from kvpool.top import DaemonView, Rate
-    from kvpool.wire import LeaseStats, PoolStats, Stats
 
 DEFAULT_INTERVAL_S = 1.0
 DEFAULT_WIDTH = 120
@@ -102,7 +102,7 @@ def _header(stats: Stats, bar_width: int) -> Text:
 
 def _pools_table(pools: Sequence[PoolStats], pool_rates: Mapping[tuple[str, str], Rate],
                  width: int) -> RenderableType:
-    """A row per pool and kind in ``width`` columns: numbers are never cut; the usage bar
+    """A row per pool and space in ``width`` columns: numbers are never cut; the usage bar
     shrinks and goes first, then the ``OPTIONAL_COLUMNS``, then long pool names are cut."""
     from rich.table import Table
     from rich.text import Text
@@ -111,12 +111,12 @@ def _pools_table(pools: Sequence[PoolStats], pool_rates: Mapping[tuple[str, str]
         return Text("no pools (kvpool configure POOL ...)", style="dim")
     rows: list[tuple[dict[str, str], tuple[int, int, int]]] = []
     for pool in pools:
-        for i, (kind, k) in enumerate(pool.kinds.items()):
-            rate = pool_rates.get((pool.name, kind))
+        for i, (space, k) in enumerate(pool.spaces.items()):
+            rate = pool_rates.get((pool.name, space))
             first = i == 0
             cells = dict(zip(POOL_COLUMNS, (
                 pool.name if first else "",
-                kind,
+                space,
                 f"{k.used:,}",
                 f"{k.capacity:,}",
                 _percent(k.used, k.capacity),
@@ -172,8 +172,8 @@ def _leases_table(leases: Sequence[LeaseStats], max_leases: int) -> RenderableTy
                          no_wrap=name != "HELD", overflow="ellipsis" if name != "HELD" else "fold")
     for lease in ordered[:max_leases]:
         held = "  ".join(
-            f"{pool}: " + " ".join(f"{kind}={n:,}" for kind, n in kinds.items())
-            for pool, kinds in lease.held.items()
+            f"{pool}: " + " ".join(f"{space}={n:,}" for space, n in spaces.items())
+            for pool, spaces in lease.held.items()
         ) or "-"
         table.add_row(str(lease.lease_id), lease.name, f"{lease.expires_in_seconds:.1f}s",
                       f"{lease.ttl_seconds:g}s", str(lease.attached), held)
@@ -185,7 +185,7 @@ def _leases_table(leases: Sequence[LeaseStats], max_leases: int) -> RenderableTy
 
 
 def _held_total(lease: LeaseStats) -> int:
-    return sum(n for kinds in lease.held.values() for n in kinds.values())
+    return sum(n for spaces in lease.held.values() for n in spaces.values())
 
 
 def _bar(used: int, capacity: int, high_water: int, width: int = BAR_WIDTH) -> Text:

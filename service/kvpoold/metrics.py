@@ -9,17 +9,18 @@ what no snapshot holds, RPC latency and failures by status code, is counted as i
 Every daemon gets its own :class:`prometheus_client.CollectorRegistry` (not the process-global
 one), so several daemons can run in one process (tests) without clashing.
 
-Exported (labels in braces; ``kind`` is ``kv``, ``swa``, ``req`` or ``state``)::
+Exported (labels in braces; ``space`` is a pool's id space: ``kv``, ``swa``, ``req``, ``state``,
+``c4_state``, ``c128_state``, as its plan declares)::
 
-    kvpool_pool_capacity{device,pool,kind}            gauge      ids the pool can hand out
-    kvpool_pool_used{device,pool,kind}                gauge      ids held by leases
-    kvpool_pool_free{device,pool,kind}                gauge      capacity - used
-    kvpool_pool_high_water{device,pool,kind}          gauge      most ids used at once
+    kvpool_pool_capacity{device,pool,space}            gauge      ids the pool can hand out
+    kvpool_pool_used{device,pool,space}                gauge      ids held by leases
+    kvpool_pool_free{device,pool,space}                gauge      capacity - used
+    kvpool_pool_high_water{device,pool,space}          gauge      most ids used at once
     kvpool_pool_bytes{device,pool}                    gauge      backing region bytes
     kvpool_attached_clients{device,pool}              gauge      Attach without Detach
-    kvpool_allocations_total{device,pool,kind}        counter    ids handed out
-    kvpool_frees_total{device,pool,kind}              counter    ids returned (reclaim included)
-    kvpool_allocation_failures_total{device,pool,kind} counter   Allocate items refused: no room
+    kvpool_allocations_total{device,pool,space}        counter    ids handed out
+    kvpool_frees_total{device,pool,space}              counter    ids returned (reclaim included)
+    kvpool_allocation_failures_total{device,pool,space} counter   Allocate items refused: no room
     kvpool_device_budget_bytes{device}                gauge      the daemon's --budget
     kvpool_device_used_bytes{device}                  gauge      backing bytes of all pools
     kvpool_leases_open{device}                        gauge      open leases
@@ -52,7 +53,7 @@ from prometheus_client.registry import Collector
 from kvpool.errors import FailedPrecondition, Internal
 
 if TYPE_CHECKING:
-    from kvpoold.server.records import Snapshot
+    from kvpool.records import Stats
 
 log = logging.getLogger("kvpoold.metrics")
 
@@ -105,11 +106,11 @@ class DaemonCollector(Collector):
     """Pool, budget and lease metrics built from a fresh snapshot at every scrape.
 
     Args:
-        snapshot: returns the daemon's state now (``Daemon.snapshot``, taken on its loop).
+        snapshot: returns the daemon's state now (``Daemon.stats``, taken on its loop).
         device: the ``device`` label (the daemon's ``--device``).
     """
 
-    def __init__(self, snapshot: Callable[[], Snapshot], device: str) -> None:
+    def __init__(self, snapshot: Callable[[], Stats], device: str) -> None:
         self._snapshot = snapshot
         self._device = device
 
@@ -124,10 +125,10 @@ class DaemonCollector(Collector):
          budget, dev_used, leases_open, expiries) = fams
         dev = self._device
         for pool in snap.pools:
-            pool_bytes.add_metric([dev, pool.name], pool.plan.backing_bytes)
+            pool_bytes.add_metric([dev, pool.name], pool.backing_bytes)
             attached.add_metric([dev, pool.name], pool.attached)
-            for kind, k in pool.kinds.items():
-                labels = [dev, pool.name, kind.value]
+            for space, k in pool.spaces.items():
+                labels = [dev, pool.name, space]
                 capacity.add_metric(labels, k.capacity)
                 used.add_metric(labels, k.used)
                 free.add_metric(labels, k.free)
@@ -144,20 +145,22 @@ class DaemonCollector(Collector):
 
     @staticmethod
     def _families() -> tuple[Metric, ...]:
-        kinds = ("device", "pool", "kind")
+        spaces = ("device", "pool", "space")
         pools = ("device", "pool")
         device = ("device",)
         return (
             GaugeMetricFamily("kvpool_pool_capacity",
-                              "Ids of this kind the pool can hand out (padding page excluded).",
-                              labels=kinds),
-            GaugeMetricFamily("kvpool_pool_used", "Ids of this kind held by leases now.",
-                              labels=kinds),
-            GaugeMetricFamily("kvpool_pool_free", "Ids of this kind free now (capacity - used).",
-                              labels=kinds),
+                              "Ids of this id space the pool can hand out (padding page excluded).",
+                              labels=spaces),
+            GaugeMetricFamily("kvpool_pool_used", "Ids of this id space held by leases now.",
+                              labels=spaces),
+            GaugeMetricFamily("kvpool_pool_free", "Ids of this id space free now "
+                              "(capacity - used).",
+                              labels=spaces),
             GaugeMetricFamily("kvpool_pool_high_water",
-                              "The most ids of this kind used at once since the pool was built.",
-                              labels=kinds),
+                              "The most ids of this id space used at once since the pool was "
+                              "built.",
+                              labels=spaces),
             GaugeMetricFamily("kvpool_pool_bytes",
                               "Bytes of the pool's backing region (KV + state + aux buffers).",
                               labels=pools),
@@ -165,14 +168,14 @@ class DaemonCollector(Collector):
                               "Clients that mapped the pool's memory (Attach without Detach).",
                               labels=pools),
             CounterMetricFamily("kvpool_allocations",
-                                "Ids of this kind handed out since the pool was built.",
-                                labels=kinds),
+                                "Ids of this id space handed out since the pool was built.",
+                                labels=spaces),
             CounterMetricFamily("kvpool_frees",
-                                "Ids of this kind returned since the pool was built, reclaim "
-                                "of closed and expired leases included.", labels=kinds),
+                                "Ids of this id space returned since the pool was built, reclaim "
+                                "of closed and expired leases included.", labels=spaces),
             CounterMetricFamily("kvpool_allocation_failures",
-                                "Allocate calls refused for this kind because too few ids were "
-                                "free.", labels=kinds),
+                                "Allocate calls refused for this id space because too few ids were "
+                                "free.", labels=spaces),
             GaugeMetricFamily("kvpool_device_budget_bytes",
                               "Device bytes all pools together may occupy (kvpoold --budget).",
                               labels=device),
@@ -185,15 +188,15 @@ class DaemonCollector(Collector):
         )
 
 
-def loop_snapshot(take: Callable[[], Snapshot], loop: asyncio.AbstractEventLoop,
-                  timeout_s: float = SNAPSHOT_TIMEOUT_S) -> Callable[[], Snapshot]:
+def loop_snapshot(take: Callable[[], Stats], loop: asyncio.AbstractEventLoop,
+                  timeout_s: float = SNAPSHOT_TIMEOUT_S) -> Callable[[], Stats]:
     """Wrap ``take`` so that calling it from another thread runs it on ``loop``.
 
     The daemon's state belongs to its event loop (no locks); the metrics HTTP server answers in
     its own threads, so each scrape hands the snapshot to the loop and waits for it.
 
     Args:
-        take: the snapshot function (``Daemon.snapshot``).
+        take: the snapshot function (``Daemon.stats``).
         loop: the daemon's running event loop.
         timeout_s: how long a scrape waits for the loop.
 
@@ -202,13 +205,13 @@ def loop_snapshot(take: Callable[[], Snapshot], loop: asyncio.AbstractEventLoop,
         answer within ``timeout_s`` (stopped, or blocked), which the scrape sees as HTTP 500.
     """
 
-    def call() -> Snapshot:
+    def call() -> Stats:
         try:
             if asyncio.get_running_loop() is loop:  # already on the loop: no hop
                 return take()
         except RuntimeError:
             pass  # no loop in this thread: the normal case, a scrape thread
-        future: concurrent.futures.Future[Snapshot] = concurrent.futures.Future()
+        future: concurrent.futures.Future[Stats] = concurrent.futures.Future()
 
         def run() -> None:
             if future.set_running_or_notify_cancel():
@@ -239,7 +242,7 @@ class DaemonMetrics:
         device: the ``device`` label.
     """
 
-    def __init__(self, snapshot: Callable[[], Snapshot], device: str) -> None:
+    def __init__(self, snapshot: Callable[[], Stats], device: str) -> None:
         # No ``*_created`` series next to each counter and histogram: in the text format they
         # are extra gauges nobody queries. A process-wide switch of prometheus_client, and the
         # daemon's process exports nothing else.

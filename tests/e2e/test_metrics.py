@@ -26,7 +26,7 @@ from kvpool import wire
 from kvpool.client import KVPoolClient
 from kvpool.errors import FailedPrecondition, KVPoolError, ResourceExhausted
 from kvpool.v1 import kvpool_pb2 as pb
-from kvpool.wire import Stats
+from kvpool.records import Stats
 from tests.conftest import REPO, TINY_OPTIONS, TINY_PAGES, TINY_SPEC, run_daemon, temp_dir
 
 OPERATIONS = REPO / "docs" / "operations.md"
@@ -160,8 +160,8 @@ def test_gauges_and_counters_equal_stats(scenario: Scenario) -> None:
     """
     m, stats = scenario.final, scenario.stats
     (pool,) = stats.pools
-    for kind, k in pool.kinds.items():
-        labels = {"device": "cpu", "pool": "tiny", "kind": kind}
+    for space, k in pool.spaces.items():
+        labels = {"device": "cpu", "pool": "tiny", "space": space}
         assert m.get("kvpool_pool_capacity", **labels) == k.capacity
         assert m.get("kvpool_pool_used", **labels) == k.used
         assert m.get("kvpool_pool_free", **labels) == k.free
@@ -169,7 +169,7 @@ def test_gauges_and_counters_equal_stats(scenario: Scenario) -> None:
         assert m.get("kvpool_allocations_total", **labels) == k.allocs
         assert m.get("kvpool_frees_total", **labels) == k.frees
         assert m.get("kvpool_allocation_failures_total", **labels) == k.failed_allocs
-    kv = {"device": "cpu", "pool": "tiny", "kind": "kv"}
+    kv = {"device": "cpu", "pool": "tiny", "space": "kv"}
     assert m.get("kvpool_pool_capacity", **kv) == TINY_PAGES == 255
     assert m.get("kvpool_allocations_total", **kv) == 177
     assert m.get("kvpool_frees_total", **kv) == 162
@@ -177,7 +177,7 @@ def test_gauges_and_counters_equal_stats(scenario: Scenario) -> None:
     assert m.get("kvpool_pool_free", **kv) == 240
     assert m.get("kvpool_pool_high_water", **kv) == 27
     assert m.get("kvpool_allocation_failures_total", **kv) == 1
-    req = {"device": "cpu", "pool": "tiny", "kind": "req"}
+    req = {"device": "cpu", "pool": "tiny", "space": "req"}
     assert (m.get("kvpool_pool_used", **req), m.get("kvpool_pool_capacity", **req)) == (2, 8)
     assert m.get("kvpool_allocations_total", **req) == 2
 
@@ -194,7 +194,7 @@ def test_gauges_and_counters_equal_stats(scenario: Scenario) -> None:
 def test_scrapes_during_allocations_are_consistent(scenario: Scenario) -> None:
     """While churn allocated and freed, each scrape saw one instant of the pool: used + free ==
     capacity and allocations - frees == used, used in 0..3, totals never going back."""
-    kv = {"device": "cpu", "pool": "tiny", "kind": "kv"}
+    kv = {"device": "cpu", "pool": "tiny", "space": "kv"}
     previous = 0.0
     for m in scenario.during:
         used = m.get("kvpool_pool_used", **kv)
@@ -262,8 +262,8 @@ def test_port_in_use_fails_start_and_leaves_nothing_behind(socket_dir: Path) -> 
     is removed."""
     import asyncio
 
-    from kvpoold.config import resolve
-    from kvpoold.server.server import run
+    from kvpoold.server.run import run
+    from kvpoold.settings import resolve
 
     sock = socket_dir / "kvpool.sock"
     with socket.socket() as taken:
@@ -284,7 +284,7 @@ def test_bad_metrics_flags_are_refused() -> None:
     """Out-of-range or malformed values: InvalidArgument naming the setting (``kvpoold`` exits
     2 with it); the host defaults to loopback."""
     from kvpool.errors import InvalidArgument
-    from kvpoold.config import resolve
+    from kvpoold.settings import resolve
 
     settings = resolve({"metrics_port": "9400", "metrics_host": "0.0.0.0"}, None)
     assert (settings.metrics_port, settings.metrics_host) == (9400, "0.0.0.0")
@@ -318,7 +318,7 @@ def test_two_daemons_in_one_process_have_their_own_registries() -> None:
         loop = asyncio.get_running_loop()
         daemons = [Daemon(dev, 8 << 20, PlainBackingFactory(torch.device("cpu")))
                    for dev in ("cpu", "cuda:7")]
-        metrics = [DaemonMetrics(loop_snapshot(d.snapshot, loop), d.device) for d in daemons]
+        metrics = [DaemonMetrics(loop_snapshot(d.stats, loop), d.device) for d in daemons]
         try:
             await daemons[1].configure(ConfigureArgs("other", spec=TINY_SPEC,
                                                      options=dict(TINY_OPTIONS)))
@@ -334,5 +334,5 @@ def test_two_daemons_in_one_process_have_their_own_registries() -> None:
     assert 'kvpool_device_budget_bytes{device="cpu"} 8.388608e+06' in first
     assert "cuda:7" not in first and 'pool="other"' not in first
     assert 'kvpool_rpc_duration_seconds_count{device="cpu",method="Allocate"} 1.0' in first
-    assert 'kvpool_pool_capacity{device="cuda:7",kind="kv",pool="other"} 255.0' in second
+    assert 'kvpool_pool_capacity{device="cuda:7",pool="other",space="kv"} 255.0' in second
     assert "kvpool_rpc_duration_seconds_count" not in second

@@ -24,7 +24,7 @@ import pytest
 
 from kvpool.client import KVPoolClient
 from kvpool.top import Rate, rates, render
-from kvpool.wire import DaemonStats, KindStats, LeaseStats, PoolStats, Stats
+from kvpool.records import DaemonStats, LeaseStats, PoolStats, SpaceStats, Stats
 from tests.conftest import (
     REPO,
     TINY_OPTIONS,
@@ -268,21 +268,21 @@ def test_live_view_retries_shows_rates_survives_the_daemon_and_ctrl_c(
 # -- pieces -------------------------------------------------------------------------------------
 
 
-def kind(allocs: int, frees: int, capacity: int = 100) -> KindStats:
+def kind(allocs: int, frees: int, capacity: int = 100) -> SpaceStats:
     used = allocs - frees
-    return KindStats(capacity=capacity, used=used, free=capacity - used, high_water=used,
+    return SpaceStats(capacity=capacity, used=used, free=capacity - used, high_water=used,
                      allocs=allocs, frees=frees, failed_allocs=0)
 
 
-def snapshot(uptime: float, pools: dict[str, tuple[float, dict[str, KindStats]]]) -> Stats:
-    """Stats with ``pools = {name: (age_s, {kind: KindStats})}``."""
+def snapshot(uptime: float, pools: dict[str, tuple[float, dict[str, SpaceStats]]]) -> Stats:
+    """Stats with ``pools = {name: (age_s, {kind: SpaceStats})}``."""
     return Stats(
         daemon=DaemonStats(version="0", device="cpu", budget_bytes=1 << 20, used_bytes=0,
                            uptime_seconds=uptime, num_pools=len(pools), num_leases=0,
                            leases_opened=0, leases_closed=0, leases_expired=0),
         pools=[PoolStats(name=name, fingerprint="f", architecture="mha", kv_cache_dtype="bf16",
                          page_size=16, max_total_num_tokens=0, max_running_requests=8,
-                         backing_bytes=1 << 20, kinds=kinds, attached=0, age_seconds=age,
+                         backing_bytes=1 << 20, spaces=kinds, attached=0, age_seconds=age,
                          handle_kind="none")
                for name, (age, kinds) in pools.items()],
         leases=[LeaseStats(lease_id=1, name="x", ttl_seconds=10.0, expires_in_seconds=5.0,

@@ -14,9 +14,9 @@ from grpc_health.v1 import health_pb2_grpc
 
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
-from kvpoold.config import Listener
 from kvpoold.server.daemon import Daemon
-from kvpoold.server.server import KVPoolServer, create_server
+from kvpoold.server.run import KVPoolServer, create_server
+from kvpoold.settings import Listener
 from kvpoold.sharing.base import PlainBackingFactory
 from tests.conftest import TINY_OPTIONS, TINY_SPEC
 

@@ -6,15 +6,16 @@ import grpc
 import numpy as np
 import pytest
 
+from kvpool.codec import ids_from_bytes
 from kvpool.v1 import kvpool_pb2 as pb
-from kvpool.wire import allocate_request, free_request, ids_array
+from kvpool.wire import allocate_request, free_request
 from tests.conftest import TINY_PAGES
 from tests.service.conftest import Served
 
 
 async def kinds_used(served: Served) -> dict[int, int]:
     stats = await served.stub.Stats(pb.StatsRequest(pool="tiny"))
-    return {k.kind: k.used for k in stats.pools[0].kinds}
+    return {k.kind: k.used for k in stats.pools[0].spaces}
 
 
 async def test_allocate_returns_little_endian_int32_ids(served: Served) -> None:
@@ -24,11 +25,11 @@ async def test_allocate_returns_little_endian_int32_ids(served: Served) -> None:
     resp = await served.stub.Allocate(allocate_request("tiny", lease, [("kv", 3), ("req", 2)]))
     assert [item.kind for item in resp.items] == [pb.KIND_KV, pb.KIND_REQ]
     assert len(resp.items[0].ids) == 3 * 4
-    pages, rows = (ids_array(item.ids) for item in resp.items)
+    pages, rows = (ids_from_bytes(item.ids) for item in resp.items)
     assert pages.dtype == np.dtype("<i4")
     assert sorted(pages.tolist()) == [1, 2, 3]
     assert sorted(rows.tolist()) == [1, 2]
-    assert resp.items[0].swa_ids == b""
+    assert resp.items[0].paired_ids == b""
     assert await kinds_used(served) == {pb.KIND_KV: 3, pb.KIND_REQ: 2}
 
 
@@ -36,12 +37,12 @@ async def test_free_returns_ids_and_they_come_back(served: Served) -> None:
     await served.configure()
     lease = await served.lease()
     resp = await served.stub.Allocate(allocate_request("tiny", lease, [("kv", 5)]))
-    pages = ids_array(resp.items[0].ids)
+    pages = ids_from_bytes(resp.items[0].ids)
     freed = await served.stub.Free(free_request("tiny", lease, [("kv", pages[:2])]))
     assert freed.freed == 2
     assert await kinds_used(served) == {pb.KIND_KV: 3, pb.KIND_REQ: 0}
     again = await served.stub.Allocate(allocate_request("tiny", lease, [("kv", 2)]))
-    assert set(ids_array(again.items[0].ids).tolist()) == set(pages[:2].tolist())
+    assert set(ids_from_bytes(again.items[0].ids).tolist()) == set(pages[:2].tolist())
 
 
 async def test_allocate_is_all_or_nothing(served: Served) -> None:
@@ -67,9 +68,9 @@ async def test_allocate_is_all_or_nothing(served: Served) -> None:
 async def test_free_of_another_lease_ids_is_refused_and_changes_nothing(served: Served) -> None:
     await served.configure()
     a, b = await served.lease("a"), await served.lease("b")
-    pages_a = ids_array((await served.stub.Allocate(allocate_request("tiny", a, [("kv", 2)])))
+    pages_a = ids_from_bytes((await served.stub.Allocate(allocate_request("tiny", a, [("kv", 2)])))
                         .items[0].ids)
-    pages_b = ids_array((await served.stub.Allocate(allocate_request("tiny", b, [("kv", 2)])))
+    pages_b = ids_from_bytes((await served.stub.Allocate(allocate_request("tiny", b, [("kv", 2)])))
                         .items[0].ids)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await served.stub.Free(free_request("tiny", a, [("kv", pages_a), ("kv", pages_b[:1])]))
@@ -105,5 +106,5 @@ async def test_stats_shows_what_each_lease_holds(served: Served) -> None:
     assert entry.expires_in_seconds == pytest.approx(5.0)
     assert sorted((h.pool, h.kind, h.count) for h in entry.held) == [
         ("tiny", pb.KIND_KV, 6), ("tiny", pb.KIND_REQ, 1)]
-    kv = stats.pools[0].kinds[0]
+    kv = stats.pools[0].spaces[0]
     assert (kv.capacity, kv.used, kv.free, kv.high_water, kv.allocs) == (255, 6, 249, 6, 6)

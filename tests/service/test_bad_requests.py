@@ -12,9 +12,10 @@ import grpc
 import numpy as np
 import pytest
 
+from kvpool.codec import ids_from_bytes
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
-from kvpool.wire import allocate_request, configure_request, free_request, ids_array
+from kvpool.wire import allocate_request, configure_request, free_request
 from tests.conftest import TINY_OPTIONS, TINY_SPEC
 from tests.service.conftest import Served
 
@@ -141,14 +142,14 @@ CASES: list[tuple[str, Call, grpc.StatusCode, str | None]] = [
     ("allocate lease 0", allocate([("kv", 1)], lease=0), C.INVALID_ARGUMENT, "lease_id"),
     ("allocate no items", allocate([]), C.INVALID_ARGUMENT, "items"),
     ("allocate kind unset", allocate_raw(pb.AllocateItem(count=1)), C.INVALID_ARGUMENT,
-     "items[0].kind"),
+     "items[0].space"),
     ("allocate kind 99", allocate_raw(pb.AllocateItem(kind=99, count=1)), C.INVALID_ARGUMENT,
-     "items[0].kind"),
-    ("allocate swa", allocate([("kv", 1), ("swa", 1)]), C.INVALID_ARGUMENT, "items[1].kind"),
+     "items[0].space"),
+    ("allocate swa", allocate([("kv", 1), ("swa", 1)]), C.INVALID_ARGUMENT, "items[1].space"),
     ("allocate state without state space", allocate([("state", 1)]), C.INVALID_ARGUMENT,
-     "items[0].kind"),
-    ("allocate past int32", allocate_raw(pb.AllocateItem(kind=pb.KIND_KV, count=1 << 31)),
-     C.INVALID_ARGUMENT, "items[0].count"),
+     "items[0].space"),
+    ("allocate past the whole space", allocate_raw(pb.AllocateItem(space="kv", count=1 << 31)),
+     C.RESOURCE_EXHAUSTED, "items[0].count"),
     ("allocate more than free", allocate([("kv", 251)]), C.RESOURCE_EXHAUSTED,
      "items[0].count"),
     # Free
@@ -162,7 +163,7 @@ CASES: list[tuple[str, Call, grpc.StatusCode, str | None]] = [
     ("free id of another lease", free(lambda c: [c.my_pages[0], c.their_pages[0]]),
      C.FAILED_PRECONDITION, "items[0].ids[1]"),
     ("free swa on a non-hybrid pool", free(lambda c: c.my_pages, kind="swa"),
-     C.INVALID_ARGUMENT, "items[0].kind"),
+     C.INVALID_ARGUMENT, "items[0].space"),
     ("free unknown pool", free(lambda c: c.my_pages, pool="nope"), C.NOT_FOUND, "pool"),
     ("free unknown lease", free(lambda c: c.my_pages, lease=NO_SUCH), C.NOT_FOUND, "lease_id"),
     ("free no items", lambda c: c.stub.Free(pb.FreeRequest(pool="tiny", lease_id=c.mine)),
@@ -205,7 +206,7 @@ def comparable(stats: pb.StatsResponse) -> pb.StatsResponse:
     out.daemon.uptime_seconds = 0
     for pool in out.pools:
         pool.age_seconds = 0
-        for kind in pool.kinds:
+        for kind in pool.spaces:
             kind.failed_allocs = 0
     for lease in out.leases:
         lease.expires_in_seconds = 0
@@ -213,7 +214,7 @@ def comparable(stats: pb.StatsResponse) -> pb.StatsResponse:
 
 
 def failed_allocs(stats: pb.StatsResponse) -> int:
-    return sum(k.failed_allocs for p in stats.pools for k in p.kinds)
+    return sum(k.failed_allocs for p in stats.pools for k in p.spaces)
 
 
 def test_every_rpc_has_bad_cases() -> None:
@@ -230,9 +231,9 @@ async def test_bad_request(served: Served, name: str, call: Call, code: grpc.Sta
                            field: str | None) -> None:
     fingerprint = (await served.configure()).fingerprint
     mine, other = await served.lease("mine"), await served.lease("other")
-    my_pages = ids_array((await served.stub.Allocate(
+    my_pages = ids_from_bytes((await served.stub.Allocate(
         allocate_request("tiny", mine, [("kv", 3), ("req", 1)]))).items[0].ids)
-    their_pages = ids_array((await served.stub.Allocate(
+    their_pages = ids_from_bytes((await served.stub.Allocate(
         allocate_request("tiny", other, [("kv", 2)]))).items[0].ids)
     ctx = Ctx(served.stub, mine, other, my_pages, their_pages, fingerprint)
     before = await served.stub.Stats(pb.StatsRequest())

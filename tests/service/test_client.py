@@ -22,9 +22,9 @@ from kvpool.errors import (
     ResourceExhausted,
 )
 from kvpool.plan import PoolPlan
-from kvpoold.config import Listener
 from kvpoold.server.daemon import Daemon
-from kvpoold.server.server import create_server, sweep_leases
+from kvpoold.server.run import create_server, sweep_leases
+from kvpoold.settings import Listener
 from kvpoold.sharing.base import PlainBackingFactory
 from tests.conftest import TINY_OPTIONS, TINY_PAGES, TINY_SPEC
 
@@ -83,7 +83,7 @@ async def test_sync_client_session(live: tuple[Daemon, str]) -> None:
     after = out["after"]
     assert after.leases == [] and after.daemon.leases_expired == 0
     assert after.daemon.leases_closed == 1
-    assert after.pool("tiny").kinds["kv"].used == 0
+    assert after.pool("tiny").spaces["kv"].used == 0
 
 
 def sync_errors(target: str) -> list[tuple[type, str | None, str]]:
@@ -123,7 +123,7 @@ async def test_sync_client_errors_keep_class_and_field(live: tuple[Daemon, str])
         (InvalidArgument, "flavour", "INVALID_ARGUMENT"),
         (ResourceExhausted, "items[0].count", "RESOURCE_EXHAUSTED"),
         (FailedPrecondition, "items[0].ids[0]", "FAILED_PRECONDITION"),
-        (InvalidArgument, "items[0].kind", "INVALID_ARGUMENT"),  # refused by the client
+        (InvalidArgument, "items[0].space", "INVALID_ARGUMENT"),  # refused by the client
     ]
 
 
@@ -183,6 +183,6 @@ async def test_lease_without_keep_alive_expires(live: tuple[Daemon, str]) -> Non
         while (await client.stats()).leases:
             assert time.monotonic() - start < 0.3 + 1.0
             await asyncio.sleep(0.02)
-        assert (await client.stats()).pool("tiny").kinds["kv"].used == 0
+        assert (await client.stats()).pool("tiny").spaces["kv"].used == 0
         with pytest.raises(NotFound):
             await lease.allocate("tiny", "kv", 1)

@@ -9,7 +9,8 @@ import pytest
 
 from kvpool.errors import InvalidArgument
 from kvpool.targets import channel_target, default_socket_path, token_from
-from kvpoold.config import (
+from kvpoold.server import serve_cli
+from kvpoold.settings import (
     DEFAULT_BUDGET_BYTES,
     Listener,
     check_host,
@@ -18,7 +19,6 @@ from kvpoold.config import (
     parse_listen,
     resolve,
 )
-from kvpoold.server import serve_cli
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -171,7 +171,7 @@ def test_bad_client_targets(target: str) -> None:
 
 
 def test_a_cuda_device_that_is_not_there_is_refused_at_start() -> None:
-    from kvpoold.server.server import make_backing_factory
+    from kvpoold.sharing.select import make_backing_factory
 
     settings = resolve({"device": "cuda:99"}, None)
     with pytest.raises(InvalidArgument, match="CUDA devices") as info:

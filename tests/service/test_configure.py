@@ -38,7 +38,7 @@ async def test_configure_builds_the_planned_pool(served: Served) -> None:
     assert resp.budget_available_bytes == BUDGET_BYTES - 1_057_936
     stats = await served.stub.Stats(pb.StatsRequest())
     assert stats.daemon.used_bytes == 1_057_936
-    assert [(k.kind, k.capacity) for k in stats.pools[0].kinds] == [
+    assert [(k.kind, k.capacity) for k in stats.pools[0].spaces] == [
         (pb.KIND_KV, TINY_PAGES), (pb.KIND_REQ, 8)]
 
 

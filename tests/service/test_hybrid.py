@@ -7,9 +7,10 @@ import grpc
 import numpy as np
 import pytest
 
+from kvpool.codec import ids_from_bytes
 from kvpool.spec import decode_spec
 from kvpool.v1 import kvpool_pb2 as pb
-from kvpool.wire import allocate_request, configure_request, free_request, ids_array
+from kvpool.wire import allocate_request, configure_request, free_request
 from kvpoold.sizing import make_options, plan
 from tests.service.conftest import Served
 
@@ -23,7 +24,7 @@ OPTIONS = {"budget_bytes": 1 << 20, "page_size": 16, "max_running_requests": 8}
 
 
 def kinds(stats: pb.StatsResponse) -> dict[int, tuple[int, int]]:
-    return {k.kind: (k.capacity, k.used) for k in stats.pools[0].kinds}
+    return {k.kind: (k.capacity, k.used) for k in stats.pools[0].spaces}
 
 
 async def test_swa_pairs(served: Served) -> None:
@@ -36,9 +37,9 @@ async def test_swa_pairs(served: Served) -> None:
                                                              expected.swa_num_pages)
     lease = await served.lease()
     got = await served.stub.Allocate(allocate_request("swa", lease, [("kv", 4)]))
-    full, swa = ids_array(got.items[0].ids), ids_array(got.items[0].swa_ids)
+    full, swa = ids_from_bytes(got.items[0].ids), ids_from_bytes(got.items[0].paired_ids)
     assert len(full) == len(swa) == 4 and len(set(swa.tolist())) == 4
-    mapping = served.daemon.pools["swa"].pool.views["full_to_swa"].numpy()
+    mapping = served.daemon.pools["swa"].buffers.views["full_to_swa"].numpy()
     assert np.array_equal(mapping[full], swa)
     stats = await served.stub.Stats(pb.StatsRequest(pool="swa"))
     n_full, n_swa = expected.num_pages, expected.swa_num_pages
@@ -89,7 +90,7 @@ async def test_speculative_states_over_grpc(served: Served) -> None:
     spec_buffers = {b.name: tuple(b.shape) for b in resp.plan.buffers if b.kind == "spec_state"}
     rows = expected.max_running_requests + 1
     assert spec_buffers["spec_conv.0"][:2] == spec_buffers["spec_ssm.2"][:2] == (rows, 3)
-    views = served.daemon.pools["spec"].pool.views
+    views = served.daemon.pools["spec"].buffers.views
     assert tuple(views["spec_ssm.2"].shape) == spec_buffers["spec_ssm.2"]
     del opts["speculative_num_draft_tokens"]
     with pytest.raises(grpc.aio.AioRpcError) as info:

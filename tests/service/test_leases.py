@@ -1,4 +1,5 @@
-"""Leases: KeepAlive renews, expiry reclaims (logged and counted), the sweeper's timing."""
+"""Leases: KeepAlive renews, expiry reclaims (logged and counted), the sweeper's timing, and
+the deadline heap that makes a sweep cost what expired, not every lease."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import pytest
 
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.wire import allocate_request
-from kvpoold.server.server import sweep_leases
-from tests.service.conftest import Served
+from kvpoold.server.leases import LeaseTable
+from kvpoold.server.run import sweep_leases
+from tests.service.conftest import ManualClock, Served
 
 
 async def test_keep_alive_moves_the_deadline(served: Served) -> None:
@@ -42,12 +44,12 @@ async def test_expiry_reclaims_everything_and_is_logged(served: Served,
     with caplog.at_level(logging.WARNING, logger="kvpoold"):
         ((gone, result),) = served.daemon.expire_leases()
     assert gone.lease_id == lease
-    assert sorted((h.kind.value, h.count) for h in result.released) == [("kv", 7), ("req", 2)]
+    assert result.held == {"tiny": {"kv": 7, "req": 2}}
     (record,) = [r for r in caplog.records if r.getMessage() == "lease expired"]
     assert record.fields["lease_id"] == lease and record.fields["released"] == 9
     stats = await served.stub.Stats(pb.StatsRequest())
     assert stats.daemon.leases_expired == 1 and stats.daemon.num_leases == 0
-    assert [k.used for k in stats.pools[0].kinds] == [0, 0]
+    assert [k.used for k in stats.pools[0].spaces] == [0, 0]
 
 
 async def test_keep_alive_of_an_expired_lease_is_not_found(served: Served) -> None:
@@ -77,7 +79,7 @@ async def test_sweeper_expires_within_ttl_plus_its_interval(served: Served) -> N
     finally:
         task.cancel()
     stats = await served.stub.Stats(pb.StatsRequest())
-    assert stats.pools[0].kinds[0].used == 0
+    assert stats.pools[0].spaces[0].used == 0
 
 
 async def test_shutdown_ends_keep_alive_streams(served: Served) -> None:
@@ -87,3 +89,112 @@ async def test_shutdown_ends_keep_alive_streams(served: Served) -> None:
     await stream.read()
     served.server.closing.set()
     assert await asyncio.wait_for(stream.read(), 2.0) == grpc.aio.EOF
+
+
+# -- the deadline heap ------------------------------------------------------------------------
+
+
+def test_leases_expire_in_deadline_order() -> None:
+    """Opened with TTLs 3, 1, 2 s: they expire 1, 2, 3, each once its deadline has passed."""
+    clock = ManualClock()
+    table = LeaseTable(clock)
+    a, b, c = table.open("a", 3.0), table.open("b", 1.0), table.open("c", 2.0)
+    assert table.next_deadline() == b.deadline
+    clock.advance(0.5)
+    assert table.pop_expired() == []
+    clock.advance(1.0)
+    assert [x.name for x in table.pop_expired()] == ["b"]
+    assert table.next_deadline() == c.deadline
+    clock.advance(5.0)
+    assert [x.name for x in table.pop_expired()] == ["c", "a"]
+    assert table.next_deadline() is None and len(table) == 0
+    assert (table.opened, table.expired) == (3, 3)
+    assert a.lease_id not in {x.lease_id for x in table}
+
+
+def test_pop_expired_takes_the_time_to_expire_at() -> None:
+    clock = ManualClock()
+    table = LeaseTable(clock)
+    lease = table.open("a", 1.0)
+    assert table.pop_expired(clock() + 0.5) == []
+    assert table.pop_expired(lease.deadline) == [lease]
+
+
+def test_renew_pushes_the_deadline() -> None:
+    """A renewal at 0.8 s of a 1 s lease moves its deadline to 1.8 s: the old entry at 1 s is
+    stale and skipped, the lease expires only after 1.8 s."""
+    clock = ManualClock()
+    table = LeaseTable(clock)
+    lease = table.open("a", 1.0)
+    clock.advance(0.8)
+    table.renew(lease.lease_id)
+    assert table.next_deadline() == lease.deadline == clock() + 1.0
+    clock.advance(0.5)
+    assert table.pop_expired() == [] and len(table) == 1
+    clock.advance(0.6)
+    assert table.pop_expired() == [lease]
+    assert table.heap_size == 0
+
+
+def test_close_removes_the_lease_from_expiry() -> None:
+    clock = ManualClock()
+    table = LeaseTable(clock)
+    a, b = table.open("a", 1.0), table.open("b", 2.0)
+    table.close(a.lease_id)
+    assert table.next_deadline() == b.deadline
+    clock.advance(5.0)
+    assert table.pop_expired() == [b]
+    assert (table.closed, table.expired) == (1, 1)
+
+
+def test_stale_heap_entries_stay_bounded() -> None:
+    """Renewals and closes leave stale entries behind; the heap is rebuilt once they
+    outnumber the open leases 2:1, so it never holds more than 3 entries per open lease."""
+    clock = ManualClock()
+    table = LeaseTable(clock)
+    leases = [table.open(f"l{i}", 5.0) for i in range(10)]
+    for _ in range(1000):
+        clock.advance(0.001)
+        for lease in leases:
+            table.renew(lease.lease_id)
+            assert table.heap_size <= 3 * len(table)
+    for lease in leases[:9]:
+        table.close(lease.lease_id)
+        assert table.heap_size <= 3 * len(table)
+    assert table.next_deadline() == leases[9].deadline
+    table.close(leases[9].lease_id)
+    assert table.heap_size == 0 and table.next_deadline() is None
+
+
+def test_stale_entries_are_dropped_when_many_leases_expire() -> None:
+    """10 long leases renewed 10 times each leave 100 stale entries, fine beside 100 open
+    leases; once the 90 short ones expire they outnumber the 10 left, and the heap is rebuilt."""
+    clock = ManualClock()
+    table = LeaseTable(clock)
+    for i in range(90):
+        table.open(f"short-{i}", 1.0)
+    long = [table.open(f"long-{i}", 100.0) for i in range(10)]
+    for _ in range(10):
+        for lease in long:
+            table.renew(lease.lease_id)
+    assert table.heap_size == 200
+    clock.advance(2.0)
+    assert len(table.pop_expired()) == 90
+    assert table.heap_size == len(table) == 10
+
+
+def test_a_sweep_examines_only_what_expired() -> None:
+    """10,000 open leases and one expired: a sweep pops one heap entry, not 10,001 leases."""
+    clock = ManualClock()
+    table = LeaseTable(clock)
+    for i in range(10_000):
+        table.open(f"engine-{i}", 60.0)
+    doomed = table.open("doomed", 1.0)
+    clock.advance(2.0)
+    before = table.examined
+    assert table.pop_expired() == [doomed]
+    assert table.examined - before == 1
+    before = table.examined
+    assert table.pop_expired() == []
+    assert table.examined == before
+    assert len(table) == 10_000

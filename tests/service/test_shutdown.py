@@ -21,10 +21,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
 from kvpool.wire import configure_request
-from kvpoold.config import Listener
 from kvpoold.server.daemon import Daemon
 from kvpoold.server.logs import configure_logging
-from kvpoold.server.server import create_server
+from kvpoold.server.run import create_server
+from kvpoold.settings import Listener
 from kvpoold.sharing.base import PlainBacking
 from tests.conftest import TINY_OPTIONS, TINY_SPEC
 

@@ -46,19 +46,19 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "client"), str(RO
 
 # What the exporter serves (issue 6): metric -> its labels. Prometheus adds instance and job.
 METRICS: dict[str, frozenset[str]] = {
-    "kvpool_pool_capacity": frozenset({"device", "pool", "kind"}),
-    "kvpool_pool_used": frozenset({"device", "pool", "kind"}),
-    "kvpool_pool_free": frozenset({"device", "pool", "kind"}),
-    "kvpool_pool_high_water": frozenset({"device", "pool", "kind"}),
+    "kvpool_pool_capacity": frozenset({"device", "pool", "space"}),
+    "kvpool_pool_used": frozenset({"device", "pool", "space"}),
+    "kvpool_pool_free": frozenset({"device", "pool", "space"}),
+    "kvpool_pool_high_water": frozenset({"device", "pool", "space"}),
     "kvpool_pool_bytes": frozenset({"device", "pool"}),
     "kvpool_device_budget_bytes": frozenset({"device"}),
     "kvpool_device_used_bytes": frozenset({"device"}),
     "kvpool_leases_open": frozenset({"device"}),
     "kvpool_lease_expiries_total": frozenset({"device"}),
     "kvpool_attached_clients": frozenset({"device", "pool"}),
-    "kvpool_allocations_total": frozenset({"device", "pool", "kind"}),
-    "kvpool_frees_total": frozenset({"device", "pool", "kind"}),
-    "kvpool_allocation_failures_total": frozenset({"device", "pool", "kind"}),
+    "kvpool_allocations_total": frozenset({"device", "pool", "space"}),
+    "kvpool_frees_total": frozenset({"device", "pool", "space"}),
+    "kvpool_allocation_failures_total": frozenset({"device", "pool", "space"}),
     "kvpool_rpc_failures_total": frozenset({"device", "method", "code"}),
     "kvpool_rpc_duration_seconds_bucket": frozenset({"device", "method", "le"}),
 }
@@ -289,8 +289,8 @@ def test_every_yaml_and_json_file_parses() -> None:
 
 
 def test_example_config_loads_with_the_daemons_loader() -> None:
-    """docker/kvpoold.toml goes through kvpoold.config (msgspec, unknown keys refused)."""
-    from kvpoold.config import ServeConfig, load_config, resolve
+    """docker/kvpoold.toml goes through kvpoold.settings (msgspec, unknown keys refused)."""
+    from kvpoold.settings import ServeConfig, load_config, resolve
 
     raw = tomllib.loads((DOCKER / "kvpoold.toml").read_text())
     assert set(raw) <= set(ServeConfig.__struct_fields__)
@@ -399,11 +399,11 @@ def test_metrics_flags_exist_and_scraped_deployments_bind_every_interface(
 
 
 def test_serve_arguments_resolve_to_valid_settings() -> None:
-    """Values, not just names: each argument list goes through kvpoold.config.resolve.
+    """Values, not just names: each argument list goes through kvpoold.settings.resolve.
 
     A cuda fraction is resolved against a fake 80 GiB free: ``0.5`` -> 42,949,672,960 B.
     """
-    from kvpoold.config import resolve
+    from kvpoold.settings import resolve
 
     expected_budget = {"docker/Dockerfile CMD": 2 * 1024**3,
                        "docker/Dockerfile.cuda CMD": 40 * 1024**3,  # 0.5 of 80 GiB
@@ -442,7 +442,7 @@ def test_every_serve_flag_is_documented(serve_help: str) -> None:
     """The other direction: each ``kvpoold serve`` flag is in the operations guide's flag table
     and in docs/api.md's daemon section, and each config key is in docker/kvpoold.toml
     (commented out counts: the example shows it)."""
-    from kvpoold.config import ServeConfig
+    from kvpoold.settings import ServeConfig
 
     flags = help_flags(serve_help) - {"--help"}
     assert {"--sharing", "--shm-preallocate", "--metrics-port"} <= flags
@@ -611,7 +611,7 @@ def test_compose_bind_mounts_exist_and_socket_is_shared() -> None:
 def test_compose_shm_holds_the_budget_and_grace_covers_the_drain() -> None:
     """CPU pools are /dev/shm files: shm_size must exceed the budget (3 GiB > 2 GiB)."""
     from kvpool.sizes import parse_size
-    from kvpoold.config import resolve
+    from kvpoold.settings import resolve
 
     kvpoold = compose()["services"]["kvpoold"]
     values = flag_values([str(x) for x in kvpoold["command"]])

@@ -17,12 +17,13 @@ from kvpool.aio import AsyncKVPoolClient
 from kvpool.errors import FailedPrecondition, InvalidArgument
 from kvpool.handles import SharedHandle
 from kvpool.mapping import BufferLayout, map_region
-from kvpoold.config import Listener, load_config, resolve
 from kvpoold.server.daemon import Daemon
 from kvpoold.server.planning import plan_from_args
 from kvpoold.server.records import ConfigureArgs
-from kvpoold.server.server import create_server, make_backing_factory
+from kvpoold.server.run import create_server
+from kvpoold.settings import Listener, load_config, resolve
 from kvpoold.sharing import PlainBacking, PlainBackingFactory, ShmBackingFactory
+from kvpoold.sharing.select import make_backing_factory
 from tests.conftest import REPO, TINY_OPTIONS, TINY_SPEC, subprocess_env
 
 MiB = 1 << 20
@@ -32,6 +33,7 @@ MiB = 1 << 20
 
 def test_there_is_one_handle_type_and_it_needs_no_torch() -> None:
     import kvpool.mapping
+    import kvpool.records
     import kvpool.wire
     import kvpoold.sharing
     import kvpoold.sharing.base
@@ -39,7 +41,7 @@ def test_there_is_one_handle_type_and_it_needs_no_torch() -> None:
     assert kvpoold.sharing.SharedHandle is SharedHandle
     assert kvpoold.sharing.base.SharedHandle is SharedHandle
     assert kvpool.mapping.RegionHandle is SharedHandle
-    assert kvpool.wire.AttachInfo.__annotations__["handle"] == "SharedHandle"
+    assert kvpool.records.AttachInfo.__annotations__["handle"] == "SharedHandle"
     assert not hasattr(kvpool.wire, "RemoteHandle")
     out = subprocess.run(
         [sys.executable, "-c", "import sys, kvpool.handles, kvpool.wire, kvpool.client; "
@@ -50,8 +52,8 @@ def test_there_is_one_handle_type_and_it_needs_no_torch() -> None:
 
 
 def test_a_proto_handle_converts_both_ways() -> None:
-    from kvpool.wire import shared_handle
-    from kvpoold.server.edge import handle_message
+    from kvpool.codec import handle_from_pb as shared_handle
+    from kvpool.codec import handle_to_pb as handle_message
 
     h = SharedHandle(kind="cuda_ipc", size=4096, device_uuid="abc", ipc_handle=b"\x01c",
                      storage_offset=512, storage_size=8192, ref_counter_handle=b"/rc",
@@ -203,11 +205,11 @@ async def test_attach_exports_a_fresh_handle_each_time_and_build_exports_none() 
     factory = CountingFactory()
     daemon = Daemon("cpu", 64 * MiB, factory)
     await daemon.configure(ConfigureArgs("tiny", spec=TINY_SPEC, options=TINY_OPTIONS))
-    daemon.snapshot()
+    daemon.stats()
     assert factory.exports == []
     a, b = daemon.attach("tiny"), daemon.attach("tiny")
     assert len(factory.exports) == 2 and a.attach_id != b.attach_id
-    assert daemon.snapshot().pools[0].handle_kind == "none"
+    assert daemon.stats().pools[0].handle_kind == "none"
     daemon.close()
 
 
@@ -237,7 +239,7 @@ async def test_attach_views_are_the_daemons_memory(served_shm: tuple[Daemon, str
             assert region.plan == result.plan and region.attach_id
             region.page("v.1", 2).fill_(-4.0)
             assert daemon.attachments.count_pool("tiny") == 1
-            theirs = daemon.pools["tiny"].pool.views["v.1"]
+            theirs = daemon.pools["tiny"].buffers.views["v.1"]
             assert bool((theirs[32:48] == -4.0).all()) and int(theirs[:32].count_nonzero()) == 0
         assert region.closed and daemon.attachments.count_pool("tiny") == 0
 

@@ -134,7 +134,7 @@ class ModelSpec(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., mha: _Optional[_Union[MHAAttention, _Mapping]] = ..., mla: _Optional[_Union[MLAAttention, _Mapping]] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., architecture: _Optional[str] = ..., sliding_window: _Optional[_Union[SlidingWindow, _Mapping]] = ..., indexer: _Optional[_Union[DSAIndexer, _Mapping]] = ..., linear: _Optional[_Union[LinearAttention, _Mapping]] = ..., dsv4: _Optional[_Union[DSV4Compression, _Mapping]] = ..., num_nextn_predict_layers: _Optional[int] = ..., kv_cache_quant_fp8: _Optional[bool] = ...) -> None: ...
 
 class Buffer(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "offset_bytes", "nbytes", "kind", "page_bytes", "in_budget")
+    __slots__ = ("name", "dtype", "shape", "offset_bytes", "nbytes", "kind", "page_bytes", "in_budget", "id_space")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class Buffer(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     IN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    ID_SPACE_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -151,10 +152,29 @@ class Buffer(_message.Message):
     kind: str
     page_bytes: int
     in_budget: bool
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset_bytes: _Optional[int] = ..., nbytes: _Optional[int] = ..., kind: _Optional[str] = ..., page_bytes: _Optional[int] = ..., in_budget: _Optional[bool] = ...) -> None: ...
+    id_space: str
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset_bytes: _Optional[int] = ..., nbytes: _Optional[int] = ..., kind: _Optional[str] = ..., page_bytes: _Optional[int] = ..., in_budget: _Optional[bool] = ..., id_space: _Optional[str] = ...) -> None: ...
+
+class IdSpace(_message.Message):
+    __slots__ = ("name", "capacity", "unit", "bytes_per_unit", "knob", "follows", "mapping")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    UNIT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_UNIT_FIELD_NUMBER: _ClassVar[int]
+    KNOB_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWS_FIELD_NUMBER: _ClassVar[int]
+    MAPPING_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    capacity: int
+    unit: str
+    bytes_per_unit: int
+    knob: str
+    follows: str
+    mapping: str
+    def __init__(self, name: _Optional[str] = ..., capacity: _Optional[int] = ..., unit: _Optional[str] = ..., bytes_per_unit: _Optional[int] = ..., knob: _Optional[str] = ..., follows: _Optional[str] = ..., mapping: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("architecture", "architecture_source", "model_architecture", "kv_cache_dtype", "page_size", "context_length", "cell_size_bytes", "max_total_num_tokens", "max_running_requests", "full_max_total_num_tokens", "swa_max_total_num_tokens", "mamba_cache_size", "c4_max_total_num_tokens", "c128_max_total_num_tokens", "c4_state_pool_size", "c128_state_pool_size", "total_bytes", "aux_bytes", "backing_bytes", "budget_bytes", "num_pages", "swa_num_pages", "tp_size", "pp_size", "pp_rank", "layer_start", "layer_end", "num_draft_layers", "req_to_token_columns", "notes", "buffers")
+    __slots__ = ("architecture", "architecture_source", "model_architecture", "kv_cache_dtype", "page_size", "context_length", "cell_size_bytes", "max_total_num_tokens", "max_running_requests", "full_max_total_num_tokens", "swa_max_total_num_tokens", "mamba_cache_size", "c4_max_total_num_tokens", "c128_max_total_num_tokens", "c4_state_pool_size", "c128_state_pool_size", "total_bytes", "aux_bytes", "backing_bytes", "budget_bytes", "num_pages", "swa_num_pages", "tp_size", "pp_size", "pp_rank", "layer_start", "layer_end", "num_draft_layers", "req_to_token_columns", "notes", "buffers", "id_spaces")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +206,7 @@ class Plan(_message.Message):
     REQ_TO_TOKEN_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     NOTES_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    ID_SPACES_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     architecture_source: str
     model_architecture: str
@@ -217,7 +238,8 @@ class Plan(_message.Message):
     req_to_token_columns: int
     notes: _containers.RepeatedScalarFieldContainer[str]
     buffers: _containers.RepeatedCompositeFieldContainer[Buffer]
-    def __init__(self, architecture: _Optional[str] = ..., architecture_source: _Optional[str] = ..., model_architecture: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., context_length: _Optional[int] = ..., cell_size_bytes: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., full_max_total_num_tokens: _Optional[int] = ..., swa_max_total_num_tokens: _Optional[int] = ..., mamba_cache_size: _Optional[int] = ..., c4_max_total_num_tokens: _Optional[int] = ..., c128_max_total_num_tokens: _Optional[int] = ..., c4_state_pool_size: _Optional[int] = ..., c128_state_pool_size: _Optional[int] = ..., total_bytes: _Optional[int] = ..., aux_bytes: _Optional[int] = ..., backing_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., num_pages: _Optional[int] = ..., swa_num_pages: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_draft_layers: _Optional[int] = ..., req_to_token_columns: _Optional[int] = ..., notes: _Optional[_Iterable[str]] = ..., buffers: _Optional[_Iterable[_Union[Buffer, _Mapping]]] = ...) -> None: ...
+    id_spaces: _containers.RepeatedCompositeFieldContainer[IdSpace]
+    def __init__(self, architecture: _Optional[str] = ..., architecture_source: _Optional[str] = ..., model_architecture: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., context_length: _Optional[int] = ..., cell_size_bytes: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., full_max_total_num_tokens: _Optional[int] = ..., swa_max_total_num_tokens: _Optional[int] = ..., mamba_cache_size: _Optional[int] = ..., c4_max_total_num_tokens: _Optional[int] = ..., c128_max_total_num_tokens: _Optional[int] = ..., c4_state_pool_size: _Optional[int] = ..., c128_state_pool_size: _Optional[int] = ..., total_bytes: _Optional[int] = ..., aux_bytes: _Optional[int] = ..., backing_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., num_pages: _Optional[int] = ..., swa_num_pages: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_draft_layers: _Optional[int] = ..., req_to_token_columns: _Optional[int] = ..., notes: _Optional[_Iterable[str]] = ..., buffers: _Optional[_Iterable[_Union[Buffer, _Mapping]]] = ..., id_spaces: _Optional[_Iterable[_Union[IdSpace, _Mapping]]] = ...) -> None: ...
 
 class ConfigureRequest(_message.Message):
     __slots__ = ("pool", "hf_config_json", "spec", "budget_bytes", "max_total_tokens", "page_size", "kv_cache_dtype", "tp_size", "pp_size", "pp_rank", "context_length", "max_running_requests", "speculative_algorithm", "speculative_num_draft_layers", "swa_full_tokens_ratio", "mamba_full_memory_ratio", "disable_radix_cache", "dry_run", "speculative_num_draft_tokens")
@@ -316,14 +338,16 @@ class CloseLeaseRequest(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
 
 class Held(_message.Message):
-    __slots__ = ("pool", "kind", "count")
+    __slots__ = ("pool", "kind", "count", "space")
     POOL_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
+    SPACE_FIELD_NUMBER: _ClassVar[int]
     pool: str
     kind: Kind
     count: int
-    def __init__(self, pool: _Optional[str] = ..., kind: _Optional[_Union[Kind, str]] = ..., count: _Optional[int] = ...) -> None: ...
+    space: str
+    def __init__(self, pool: _Optional[str] = ..., kind: _Optional[_Union[Kind, str]] = ..., count: _Optional[int] = ..., space: _Optional[str] = ...) -> None: ...
 
 class CloseLeaseResponse(_message.Message):
     __slots__ = ("released", "detached")
@@ -334,12 +358,14 @@ class CloseLeaseResponse(_message.Message):
     def __init__(self, released: _Optional[_Iterable[_Union[Held, _Mapping]]] = ..., detached: _Optional[int] = ...) -> None: ...
 
 class AllocateItem(_message.Message):
-    __slots__ = ("kind", "count")
+    __slots__ = ("kind", "count", "space")
     KIND_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
+    SPACE_FIELD_NUMBER: _ClassVar[int]
     kind: Kind
     count: int
-    def __init__(self, kind: _Optional[_Union[Kind, str]] = ..., count: _Optional[int] = ...) -> None: ...
+    space: str
+    def __init__(self, kind: _Optional[_Union[Kind, str]] = ..., count: _Optional[int] = ..., space: _Optional[str] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("pool", "lease_id", "items")
@@ -352,14 +378,18 @@ class AllocateRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., lease_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[AllocateItem, _Mapping]]] = ...) -> None: ...
 
 class IdList(_message.Message):
-    __slots__ = ("kind", "ids", "swa_ids")
+    __slots__ = ("kind", "ids", "paired_ids", "space", "paired_space")
     KIND_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
-    SWA_IDS_FIELD_NUMBER: _ClassVar[int]
+    PAIRED_IDS_FIELD_NUMBER: _ClassVar[int]
+    SPACE_FIELD_NUMBER: _ClassVar[int]
+    PAIRED_SPACE_FIELD_NUMBER: _ClassVar[int]
     kind: Kind
     ids: bytes
-    swa_ids: bytes
-    def __init__(self, kind: _Optional[_Union[Kind, str]] = ..., ids: _Optional[bytes] = ..., swa_ids: _Optional[bytes] = ...) -> None: ...
+    paired_ids: bytes
+    space: str
+    paired_space: str
+    def __init__(self, kind: _Optional[_Union[Kind, str]] = ..., ids: _Optional[bytes] = ..., paired_ids: _Optional[bytes] = ..., space: _Optional[str] = ..., paired_space: _Optional[str] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
     __slots__ = ("items",)
@@ -397,8 +427,8 @@ class WatchStatsRequest(_message.Message):
     interval_seconds: float
     def __init__(self, pool: _Optional[str] = ..., interval_seconds: _Optional[float] = ...) -> None: ...
 
-class KindStats(_message.Message):
-    __slots__ = ("kind", "capacity", "used", "free", "high_water", "allocs", "frees", "failed_allocs")
+class SpaceStats(_message.Message):
+    __slots__ = ("kind", "capacity", "used", "free", "high_water", "allocs", "frees", "failed_allocs", "space", "unit", "bytes_per_unit", "follows")
     KIND_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     USED_FIELD_NUMBER: _ClassVar[int]
@@ -407,6 +437,10 @@ class KindStats(_message.Message):
     ALLOCS_FIELD_NUMBER: _ClassVar[int]
     FREES_FIELD_NUMBER: _ClassVar[int]
     FAILED_ALLOCS_FIELD_NUMBER: _ClassVar[int]
+    SPACE_FIELD_NUMBER: _ClassVar[int]
+    UNIT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_UNIT_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWS_FIELD_NUMBER: _ClassVar[int]
     kind: Kind
     capacity: int
     used: int
@@ -415,10 +449,14 @@ class KindStats(_message.Message):
     allocs: int
     frees: int
     failed_allocs: int
-    def __init__(self, kind: _Optional[_Union[Kind, str]] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., free: _Optional[int] = ..., high_water: _Optional[int] = ..., allocs: _Optional[int] = ..., frees: _Optional[int] = ..., failed_allocs: _Optional[int] = ...) -> None: ...
+    space: str
+    unit: str
+    bytes_per_unit: int
+    follows: str
+    def __init__(self, kind: _Optional[_Union[Kind, str]] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., free: _Optional[int] = ..., high_water: _Optional[int] = ..., allocs: _Optional[int] = ..., frees: _Optional[int] = ..., failed_allocs: _Optional[int] = ..., space: _Optional[str] = ..., unit: _Optional[str] = ..., bytes_per_unit: _Optional[int] = ..., follows: _Optional[str] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("name", "fingerprint", "architecture", "kv_cache_dtype", "page_size", "max_total_num_tokens", "max_running_requests", "backing_bytes", "kinds", "attached", "age_seconds", "handle_kind")
+    __slots__ = ("name", "fingerprint", "architecture", "kv_cache_dtype", "page_size", "max_total_num_tokens", "max_running_requests", "backing_bytes", "spaces", "attached", "age_seconds", "handle_kind")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -427,7 +465,7 @@ class PoolStats(_message.Message):
     MAX_TOTAL_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     BACKING_BYTES_FIELD_NUMBER: _ClassVar[int]
-    KINDS_FIELD_NUMBER: _ClassVar[int]
+    SPACES_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
     AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HANDLE_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -439,11 +477,11 @@ class PoolStats(_message.Message):
     max_total_num_tokens: int
     max_running_requests: int
     backing_bytes: int
-    kinds: _containers.RepeatedCompositeFieldContainer[KindStats]
+    spaces: _containers.RepeatedCompositeFieldContainer[SpaceStats]
     attached: int
     age_seconds: float
     handle_kind: str
-    def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., backing_bytes: _Optional[int] = ..., kinds: _Optional[_Iterable[_Union[KindStats, _Mapping]]] = ..., attached: _Optional[int] = ..., age_seconds: _Optional[float] = ..., handle_kind: _Optional[str] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., backing_bytes: _Optional[int] = ..., spaces: _Optional[_Iterable[_Union[SpaceStats, _Mapping]]] = ..., attached: _Optional[int] = ..., age_seconds: _Optional[float] = ..., handle_kind: _Optional[str] = ...) -> None: ...
 
 class LeaseStats(_message.Message):
     __slots__ = ("lease_id", "name", "ttl_seconds", "expires_in_seconds", "held", "attached")

@@ -1,8 +1,16 @@
-"""Allocators: id spaces with an ownership ledger, hybrid SWA pairs, per-pool batch calls."""
+"""Allocator core: id spaces with an ownership ledger, leader/follower pairings, a pool's table."""
 
 from kvpoold.ids.faults import OWNER_MAX
-from kvpoold.ids.pairing import SwaPair
-from kvpoold.ids.pool_ids import Kind, PoolAllocator
-from kvpoold.ids.space import IdPool, PoolCounters
+from kvpoold.ids.pairing import Pairing
+from kvpoold.ids.pool_ids import Grant, MappingBuffer, PoolIds
+from kvpoold.ids.space import IdSpace, SpaceCounters
 
-__all__ = ["OWNER_MAX", "IdPool", "Kind", "PoolAllocator", "PoolCounters", "SwaPair"]
+__all__ = [
+    "OWNER_MAX",
+    "Grant",
+    "IdSpace",
+    "MappingBuffer",
+    "Pairing",
+    "PoolIds",
+    "SpaceCounters",
+]

@@ -1,10 +1,9 @@
-"""Argument checks and error text shared by the allocators (owners, counts, id arrays, faults)."""
+"""Fault diagnosis and error text of the allocators: why an id of a free was refused."""
 
 from __future__ import annotations
 
 import enum
-import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,126 +13,18 @@ from kvpool.errors import FailedPrecondition, InvalidArgument, KVPoolError
 # Owners and ids live in int32 arrays (ids also travel as little-endian int32 on the wire).
 INT32_MAX = (1 << 31) - 1
 OWNER_MAX = INT32_MAX
-# The largest pool: ids 1..N plus the two sentinel slots 0 and N + 1 must stay int32-indexable.
+# The largest space: ids 1..N plus the two sentinel slots 0 and N + 1 must stay int32-indexable.
 CAPACITY_MAX = INT32_MAX - 1
-
-IdsLike = np.ndarray | Sequence[int]
-EMPTY_IDS: np.ndarray = np.zeros(0, dtype=np.int32)
-EMPTY_IDS.flags.writeable = False
-
-
-def check_owner(owner: object, action: str) -> int:
-    """The owner as an int in ``1..OWNER_MAX`` (lease ids; 0 marks a free id).
-
-    Args:
-        owner: a lease id.
-        action: what was asked, for the message (``"allocate llama/kv"``).
-
-    Returns:
-        The owner as a Python int.
-
-    Raises:
-        InvalidArgument: for a bool, a non-integer or a value outside ``1..OWNER_MAX``.
-    """
-    if type(owner) is int and 0 < owner <= OWNER_MAX:
-        return owner
-    value = _as_int(owner)
-    if value is None or not 0 < value <= OWNER_MAX:
-        raise InvalidArgument(
-            f"{action}: owner must be a lease id in 1..{OWNER_MAX} (0 means free), got {owner!r}",
-            field="owner",
-        )
-    return value
-
-
-def check_count(count: object, action: str, field: str = "count") -> int:
-    """The count as an int in ``0..INT32_MAX``; 0 is allowed and asks for nothing.
-
-    Args:
-        count: how many ids are asked for.
-        action: what was asked, for the message.
-        field: the input field (``"count"``, ``"items[2].count"``).
-
-    Returns:
-        The count as a Python int.
-
-    Raises:
-        InvalidArgument: for a bool, a non-integer, a negative count or one past int32.
-    """
-    if type(count) is int and 0 <= count <= INT32_MAX:
-        return count
-    value = _as_int(count)
-    if value is None:
-        raise InvalidArgument(f"{action}: count must be an integer, got {count!r}", field=field)
-    if value < 0:
-        raise InvalidArgument(f"{action}: count must be >= 0, got {value}", field=field)
-    if value > INT32_MAX:
-        raise InvalidArgument(
-            f"{action}: count {value:,} is past the int32 id space ({INT32_MAX:,}); "
-            "ask for what one request needs",
-            field=field,
-        )
-    return value
-
-
-def as_ids(ids: object, action: str, field: str = "ids") -> np.ndarray:
-    """The ids as a 1-D integer ndarray, without a copy when they already are one.
-
-    Args:
-        ids: an integer ndarray or a sequence of ints.
-        action: what was asked, for the message.
-        field: the input field (``"ids"``, ``"items[1].ids"``).
-
-    Returns:
-        A 1-D ndarray of a signed or unsigned integer dtype (an empty input gives an empty int32
-        array whatever its dtype).
-
-    Raises:
-        InvalidArgument: for a non-integer dtype (bool and float included) or a shape that is not
-            1-D.
-    """
-    if type(ids) is np.ndarray:
-        arr = ids
-    else:
-        try:
-            arr = np.asarray(ids)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise InvalidArgument(
-                f"{action}: {field} must be a 1-D sequence of integer ids, got {type(ids).__name__}"
-                f" ({exc})",
-                field=field,
-            ) from exc
-    if arr.ndim != 1:
-        raise InvalidArgument(
-            f"{action}: {field} must be a 1-D array of ids, got shape {arr.shape}", field=field
-        )
-    if arr.dtype.kind not in "iu":
-        if arr.size == 0:
-            return EMPTY_IDS
-        raise InvalidArgument(
-            f"{action}: {field} must hold integers (int32 on the wire), got dtype {arr.dtype}",
-            field=field,
-        )
-    return arr
-
-
-def to_index(arr: np.ndarray) -> np.ndarray:
-    """``arr`` as a contiguous ``np.intp`` array: the dtype numpy fancy indexing uses without a
-    cast per call, and a layout the C ledger reads (a strided int64 view is copied).
-
-    Unsigned values past int64 wrap to negatives, which the range checks then refuse.
-    """
-    return np.ascontiguousarray(arr, dtype=np.intp)
 
 
 class Reason(enum.Enum):
-    """Why one id of a free (or SWA release) was refused."""
+    """Why one id of a free (or of a release in a following space) was refused."""
 
     OUT_OF_RANGE = "out of range"
     REPEATED = "repeated"
     NOT_ALLOCATED = "not allocated"
     OTHER_OWNER = "held by another lease"
-    SWA_RELEASED = "swa already released"
+    RELEASED = "already released"
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +43,7 @@ class Fault:
 
 @dataclass(frozen=True, slots=True)
 class Space:
-    """What an error message says about an id space: its name, size and unit."""
+    """What an error message says about an id space: its label (``"llama/kv"``), size, unit."""
 
     name: str
     capacity: int
@@ -164,12 +55,15 @@ def first_fault(owners: np.ndarray, owner: int, idx: np.ndarray) -> Fault | None
 
     Each position in order must be in range, not a repeat of an earlier position, allocated,
     and held by ``owner``; the first position failing any of these is reported with the first
-    rule it fails. Pure; O(k log k) in the request size k.
+    rule it fails. Pure; O(k log k) in the request size k, so only the refusal path calls it.
 
     Args:
-        owners: an ``IdPool`` owner array: ids ``1..N`` at ``1..N`` (``<= 0``: free), N + 2 long.
+        owners: an ``IdSpace`` owner array: ids ``1..N`` at ``1..N`` (0: free), N + 2 long.
         owner: the lease asking.
-        idx: the requested ids as ``np.intp``.
+        idx: the requested ids (any integer dtype).
+
+    Returns:
+        The first fault, or None.
     """
     count = idx.shape[0]
     if count == 0:
@@ -177,7 +71,7 @@ def first_fault(owners: np.ndarray, owner: int, idx: np.ndarray) -> Fault | None
     in_range = (idx >= 1) & (idx <= owners.shape[0] - 2)
     holder = owners[np.where(in_range, idx, 0)]
     _, first_at, inverse = np.unique(idx, return_index=True, return_inverse=True)
-    first = first_at[inverse]
+    first = first_at[inverse.reshape(-1)]
     repeated = first != np.arange(count)
     bad = ~in_range | repeated | (holder != owner)
     if not bad.any():
@@ -201,18 +95,20 @@ def fault_error(
     value: int,
     label: Callable[[int], str],
     done: str = "nothing was freed",
+    follower: Space | None = None,
 ) -> KVPoolError:
     """The exception for ``fault``: InvalidArgument for malformed ids, FailedPrecondition for ids
     the state forbids.
 
     Args:
-        fault: from ``IdPool.find_fault`` (or the SWA check).
+        fault: from ``first_fault`` (or the release check of a ``Pairing``).
         action: what was asked (``"free llama/kv"``).
-        space: the id space the ids belong to.
+        space: the id space the ids belong to (a leader's for a release).
         owner: the lease that asked.
         value: the bad id as the caller sent it.
         label: position in the request -> input field (``3 -> "ids[3]"``).
         done: what the failed call changed (nothing).
+        follower: the following space of a release (names it in a RELEASED message).
 
     Returns:
         The error to raise, with ``field`` set to the bad id's position.
@@ -239,25 +135,49 @@ def fault_error(
         case Reason.OTHER_OWNER:
             cls = FailedPrecondition
             why = f"held by another lease (owner {fault.holder}), not by lease {owner}"
-        case Reason.SWA_RELEASED:
+        case Reason.RELEASED:
             cls = FailedPrecondition
+            lead, lead_unit = short_name(space.name), singular(space.unit)
+            name = "paired" if follower is None else short_name(follower.name)
+            unit = lead_unit if follower is None else singular(follower.unit)
             why = (
-                "its swa page was already released; free it as kv to return the full page, "
-                "release each swa page once"
+                f"its {name} {unit} was already released; free it as {lead} to return the "
+                f"full {lead_unit}, release each {name} {unit} once"
             )
     return cls(f"{head}: {why}; {done}", field=where)
 
 
 def position_label(field: str = "ids") -> Callable[[int], str]:
-    """``pos -> "ids[pos]"``, the label of a single-array request."""
+    """``pos -> "ids[pos]"``, the label of a single-array request.
+
+    Args:
+        field: the input field of the array (``"items[2].ids"``).
+
+    Returns:
+        The labelling function.
+    """
     return lambda pos: f"{field}[{pos}]"
 
 
-def _as_int(value: object) -> int | None:
-    """``value`` as an int if it is an integer (numpy scalars included) and not a bool."""
-    if isinstance(value, bool | np.bool_):
-        return None
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        return None
+def singular(unit: str) -> str:
+    """``"pages" -> "page"``: one id of a space, for messages.
+
+    Args:
+        unit: the space's unit, plural.
+
+    Returns:
+        The unit without its plural ``s`` (unchanged when it has none).
+    """
+    return unit[:-1] if unit.endswith("s") and len(unit) > 1 else unit
+
+
+def short_name(label: str) -> str:
+    """``"llama/swa" -> "swa"``: a space's own name from its label.
+
+    Args:
+        label: a space label, ``pool/name`` or just the name.
+
+    Returns:
+        The part after the last ``/``.
+    """
+    return label.rsplit("/", 1)[-1]

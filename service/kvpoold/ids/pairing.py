@@ -1,14 +1,15 @@
-"""Hybrid sliding-window pair: a full and an SWA id space allocated together, linked per id.
+"""A leader id space and a following one taken together, linked per id (full -> SWA pages).
 
-Every full id handed out gets an SWA id at the same time; ``full_to_swa[full_id] = swa_id`` is
-written into the pool's shared mapping buffer, which the engines read. Freeing full ids frees
-both sides; ``release_swa`` returns only the SWA side once the window has slid past (the full
-page stays held and its mapping entry goes back to 0).
+Every leader id handed out brings a follower id; ``mapping[leader_id] = follower_id`` is written
+into the pool's shared mapping buffer, which the engines read. Freeing leader ids frees both
+sides; a release (a free item of the following space) takes leader ids and returns only their
+follower ids (the sliding window passed them): the leader id stays held and its entry goes back
+to 0.
 
-The daemon never reads the shared buffer back: a private copy (``_swa_of``) is the truth, so a
-client that scribbles on the shared mapping cannot make the daemon free someone else's pages.
+The daemon never reads the shared buffer back: a private int32 copy (``_link``) is the truth, so
+a client that scribbles on the shared mapping cannot make the daemon free someone else's ids.
 
-Not thread-safe: the caller (``PoolAllocator``) holds one lock around every call.
+Not thread-safe and needs no lock: the daemon's event loop owns all allocator state.
 """
 
 from __future__ import annotations
@@ -17,180 +18,328 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvpool.errors import Internal, InvalidArgument
-from kvpoold.ids.faults import (
-    EMPTY_IDS,
-    Fault,
-    IdsLike,
-    Reason,
-    as_ids,
-    check_count,
-    check_owner,
-    fault_error,
-    position_label,
-    to_index,
-)
-from kvpoold.ids.space import IdPool
+from kvpool.errors import Internal, InvalidArgument, KVPoolError
+from kvpoold.ids.faults import Fault, Reason, fault_error, position_label
+from kvpoold.ids.space import IdSpace, distinct
 
 
-class SwaPair:
-    """Full ids ``1..N_full`` each paired with an SWA id ``1..N_swa`` while both are held.
+class Pairing:
+    """Leader ids ``1..N_lead`` each linked to a follower id ``1..N_follow`` while both are held.
+
+    Invariant: the follower ids an owner holds are exactly the links of the leader ids it holds
+    (the follower space is only ever changed through its pairing).
 
     Args:
-        full: the full-attention space; its ids are what callers see.
-        swa: the sliding-window space.
-        full_to_swa: the shared mapping buffer, a writable 1-D signed-integer array of length
-            ``>= full.capacity + 1``; entries ``1..N_full`` are zeroed here, the others (index
+        leader: the space callers allocate and name ids in (``kv``).
+        follower: the space that follows it (``swa``).
+        mapping: the shared mapping buffer, a writable 1-D signed-integer array of length
+            ``>= leader.capacity + 1``; entries ``1..N_lead`` are zeroed here, the others (index
             0, a trailing -1) are left alone.
-        on_write: called with the (intp) full ids whose entries were just written, under the
-            caller's lock; a pool on an accelerator passes a host ``full_to_swa`` and copies
-            those entries to the device buffer here (O(count)).
+        on_write: called with the (intp) leader ids whose entries were just written; a pool on an
+            accelerator passes a host ``mapping`` and copies those entries to the device here
+            (O(count)).
 
     Raises:
-        InvalidArgument: for a mapping of the wrong type, dtype, shape or length, or read-only.
+        InvalidArgument: a mapping of the wrong type, dtype, shape or length, or read-only.
     """
 
     def __init__(
         self,
-        full: IdPool,
-        swa: IdPool,
-        full_to_swa: np.ndarray,
+        leader: IdSpace,
+        follower: IdSpace,
+        mapping: np.ndarray,
         on_write: Callable[[np.ndarray], None] | None = None,
     ) -> None:
-        need = full.capacity + 1
+        name = follower.spec.mapping or "mapping"
+        need = leader.capacity + 1
         problem = None
-        if not isinstance(full_to_swa, np.ndarray):
-            problem = f"must be a numpy array, got {type(full_to_swa).__name__}"
-        elif full_to_swa.ndim != 1 or full_to_swa.dtype.kind != "i":
-            problem = f"must be 1-D signed integers, got {full_to_swa.dtype} {full_to_swa.shape}"
-        elif full_to_swa.dtype.itemsize < 4:
-            problem = f"must hold int32 ids at least, got {full_to_swa.dtype}"
-        elif full_to_swa.shape[0] < need:
-            problem = f"has {full_to_swa.shape[0]:,} entries, the full space needs {need:,}"
-        elif not full_to_swa.flags.writeable:
+        if not isinstance(mapping, np.ndarray):
+            problem = f"must be a numpy array, got {type(mapping).__name__}"
+        elif mapping.ndim != 1 or mapping.dtype.kind != "i":
+            problem = f"must be 1-D signed integers, got {mapping.dtype} {mapping.shape}"
+        elif mapping.dtype.itemsize < 4:
+            problem = f"must hold int32 ids at least, got {mapping.dtype}"
+        elif mapping.shape[0] < need:
+            problem = f"has {mapping.shape[0]:,} entries, the {leader.name} space needs {need:,}"
+        elif not mapping.flags.writeable:
             problem = "is read-only"
         if problem is not None:
             raise InvalidArgument(
-                f"SwaPair {full.name}: full_to_swa {problem} (full ids 1..{full.capacity:,} "
-                "index it); pass the pool's full_to_swa view",
-                field="full_to_swa",
+                f"Pairing {leader.label}: {name} {problem} ({leader.name} ids "
+                f"1..{leader.capacity:,} index it); pass the pool's {name} view",
+                field=name,
             )
-        self.full = full
-        self.swa = swa
-        self._shared = full_to_swa
+        self.leader = leader
+        self.follower = follower
+        self._shared = mapping
         self._on_write = on_write
-        full_to_swa[1:need] = 0
-        self._swa_of = np.zeros(need, dtype=np.int32)
+        mapping[1:need] = 0
+        if on_write is not None:
+            on_write(np.arange(1, need, dtype=np.intp))
+        self._link = np.zeros(need, dtype=np.int32)
 
-    def allocate(self, owner: int, count: int) -> np.ndarray:
-        """``count`` full ids, each with an SWA id, all or none.
+    # -- take -------------------------------------------------------------------------------
 
-        Returns:
-            The full ids (int32); their SWA ids are in ``full_to_swa``.
-
-        Raises:
-            InvalidArgument: bad owner or count.
-            ResourceExhausted: either side has fewer than ``count`` free.
-        """
-        action = f"allocate {self.full.name}"
-        owner = check_owner(owner, action)
-        count = check_count(count, action)
-        if count == 0:
-            return EMPTY_IDS
-        self.require_free(count, action=action)
-        full_ids = self.full.allocate(owner, count)
-        swa_ids = self.swa.allocate(owner, count)
-        self._link(to_index(full_ids), swa_ids)
-        return full_ids
-
-    def require_free(
-        self, count: int, *, action: str, field: str = "count", note: str = ""
-    ) -> None:
-        """Raise unless both sides have ``count`` ids free (see ``IdPool.require_free``)."""
-        self.full.require_free(count, action=action, field=field, note=note)
-        self.swa.require_free(count, action=action, field=field, note=note)
-
-    def free(self, owner: int, full_ids: IdsLike) -> int:
-        """Free full ids and the SWA ids still linked to them; a refusal changes nothing.
-
-        Returns:
-            How many full ids were freed.
-
-        Raises:
-            InvalidArgument: bad owner, ids dtype/shape, an id out of range or repeated.
-            FailedPrecondition: an id not allocated or held by another lease.
-        """
-        action = f"free {self.full.name}"
-        owner, arr, idx = self._checked(owner, full_ids, action)
-        fault = self.full.find_fault(owner, idx)
-        if fault is not None:
-            raise self._error(fault, owner, arr, action, "nothing was freed")
-        return self.commit_free(owner, idx)
-
-    def release_swa(self, owner: int, full_ids: IdsLike) -> int:
-        """Free only the SWA side of held full ids (the window slid past them).
-
-        Returns:
-            How many SWA ids were released.
-
-        Raises:
-            InvalidArgument: bad owner, ids dtype/shape, an id out of range or repeated.
-            FailedPrecondition: a full id not held by ``owner``, or its SWA side already released.
-        """
-        action = f"release_swa {self.full.name}"
-        owner, arr, idx = self._checked(owner, full_ids, action)
-        fault = self.find_fault(owner, idx, np.ones(idx.shape[0], dtype=bool))
-        if fault is not None:
-            raise self._error(fault, owner, arr, action, "nothing was released")
-        return self.commit_release(owner, idx)
-
-    def find_fault(self, owner: int, idx: np.ndarray, release: np.ndarray) -> Fault | None:
-        """The first full id of ``idx`` (intp) that ``owner`` may not free, or, where
-        ``release`` is True, whose swa side may not be released; None when all are fine.
+    def take(self, owner: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """``count`` leader ids, each with a follower id, all or none.
 
         Args:
             owner: the lease.
-            idx: full ids as ``np.intp``.
-            release: per position, True for a release_swa, False for a free.
+            count: how many, ``>= 0``.
+
+        Returns:
+            ``(leader ids, follower ids)``, new int32 arrays; ``follower[k]`` is linked to
+            ``leader[k]`` (and written into the mapping).
+
+        Raises:
+            ResourceExhausted: either side has fewer than ``count`` free (nothing is taken).
         """
-        fault = self.full.find_fault(owner, idx)
+        if count == 0:
+            return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32)
+        self.require_free(count)
+        lead = self.leader.take(owner, count)
+        follow = self.follower.take(owner, count)
+        if count == 1:  # scalar writes: the array path costs as much as the two takes
+            i = int(lead[0])
+            self._link[i] = self._shared[i] = int(follow[0])
+            if self._on_write is not None:
+                self._on_write(lead.astype(np.intp))
+        else:
+            self._write(lead.astype(np.intp), follow)
+        return lead, follow
+
+    @property
+    def room(self) -> int:
+        """Leader ids that can be taken now: the smaller side's free count."""
+        return min(self.leader.num_free, self.follower.num_free)
+
+    def require_free(
+        self, count: int, *, action: str = "", field: str = "count", note: str = ""
+    ) -> None:
+        """Raise unless both sides have ``count`` ids free (see ``IdSpace.require_free``).
+
+        Args:
+            count: leader ids asked for.
+            action: what was asked (default ``"allocate <leader label>"``).
+            field: the input field of the count.
+            note: said right after the count.
+
+        Raises:
+            ResourceExhausted: the first side short of ids, named in the message.
+        """
+        action = action or f"allocate {self.leader.label}"
+        self.leader.require_free(count, action=action, field=field, note=note)
+        self.follower.require_free(count, action=action, field=field, note=note)
+
+    # -- free and release -------------------------------------------------------------------
+
+    def free(
+        self,
+        owner: int,
+        ids: np.ndarray,
+        *,
+        action: str = "",
+        field: str = "ids",
+        done: str = "nothing was freed",
+    ) -> int:
+        """Free leader ids and the follower ids still linked to them, all or nothing.
+
+        Args:
+            owner: the lease.
+            ids: 1-D native int32 leader ids.
+            action: what was asked, for messages (default ``"free <leader label>"``).
+            field: the input field of ``ids``.
+            done: what a refused call changed.
+
+        Returns:
+            How many leader ids were freed.
+
+        Raises:
+            InvalidArgument: an id out of range or repeated (nothing changed).
+            FailedPrecondition: an id not allocated or held by another lease (nothing changed).
+        """
+        # The leader's one-pass free checks every id; once it passed, each id was the owner's,
+        # so its link (if any) is a follower id the owner holds.
+        count = self.leader.free(owner, ids, action=action, field=field, done=done)
+        if count:
+            self._unlink_and_free(owner, ids.astype(np.intp))
+        return count
+
+    def release(
+        self,
+        owner: int,
+        ids: np.ndarray,
+        *,
+        action: str = "",
+        field: str = "ids",
+        done: str = "nothing was released",
+    ) -> int:
+        """Free only the follower side of held leader ids (the window slid past them).
+
+        Args:
+            owner: the lease.
+            ids: 1-D native int32 leader ids.
+            action: what was asked, for messages (default ``"release <follower label>"``).
+            field: the input field of ``ids``.
+            done: what a refused call changed.
+
+        Returns:
+            How many follower ids were released.
+
+        Raises:
+            InvalidArgument: an id out of range or repeated (nothing changed).
+            FailedPrecondition: a leader id not held by ``owner``, or its follower id already
+                released (nothing changed).
+        """
+        idx = ids.astype(np.intp)
+        fault = self.check(owner, idx, True)
+        if fault is not None:
+            action = action or f"release {self.follower.label}"
+            raise self.error(fault, owner, ids, action=action, field=field, done=done)
+        return self.commit_release(owner, idx)
+
+    def check(self, owner: int, idx: np.ndarray, release: np.ndarray | bool) -> Fault | None:
+        """The first leader id of ``idx`` that ``owner`` may not free, or, where ``release``,
+        whose follower id may not be released; None when all are fine. Changes nothing.
+
+        Args:
+            owner: the lease.
+            idx: leader ids as a 1-D ``np.intp`` array.
+            release: per position (bool array), or for all (bool), True for a release and False
+                for a free.
+
+        Returns:
+            The first fault in position order, or None.
+        """
+        fault = self.leader.check(owner, idx)
+        if release is False:
+            return fault
         # Positions before the first ownership fault are in range and held: their link is valid.
         end = idx.shape[0] if fault is None else fault.pos
-        gone = release[:end] & (self._swa_of[idx[:end]] == 0)
+        gone = self._link[idx[:end]] == 0
+        if isinstance(release, np.ndarray):
+            gone &= release[:end]
         if gone.any():
-            return Fault(int(gone.argmax()), Reason.SWA_RELEASED)
+            return Fault(int(gone.argmax()), Reason.RELEASED)
         return fault
 
     def commit_free(self, owner: int, idx: np.ndarray) -> int:
-        """Free full ids ``idx`` (intp), checked with :meth:`find_fault` under the same lock."""
-        swa = self._swa_of[idx]
-        linked = swa[swa > 0].astype(np.intp)
-        self._unlink(idx)
-        self.swa.commit_free(owner, linked)
-        return self.full.commit_free(owner, idx)
+        """Free leader ids ``idx`` (intp) and their links, checked with :meth:`check` (as frees)
+        with nothing changed since.
 
-    def commit_release(self, owner: int, idx: np.ndarray) -> int:
-        """Release the SWA side of ``idx`` (intp), checked with :meth:`find_fault` under the
-        same lock."""
-        swa = self._swa_of[idx].astype(np.intp)
-        self._unlink(idx)
-        return self.swa.commit_free(owner, swa)
-
-    def reclaim(self, owner: int) -> tuple[int, int]:
-        """Free everything ``owner`` holds on both sides; O(held).
+        Args:
+            owner: the lease.
+            idx: leader ids as ``np.intp``.
 
         Returns:
-            ``(full ids freed, swa ids freed)``.
+            How many leader ids were freed.
         """
-        full_ids = self.full.reclaim_ids(owner)
-        self._unlink(to_index(full_ids))
-        return int(full_ids.shape[0]), self.swa.reclaim(owner)
+        if not idx.shape[0]:
+            return 0
+        self._unlink_and_free(owner, idx)
+        return self.leader.commit(owner, idx)
 
-    def swa_of(self, full_ids: IdsLike) -> np.ndarray:
-        """The SWA id linked to each full id (0: none), from the daemon's private copy."""
-        idx = to_index(as_ids(full_ids, f"swa_of {self.full.name}"))
-        self.full.owner_of(idx)  # range check
-        return self._swa_of[idx].copy()
+    def commit_release(self, owner: int, idx: np.ndarray) -> int:
+        """Release the follower side of ``idx`` (intp), checked with :meth:`check` (as
+        releases) with nothing changed since.
+
+        Args:
+            owner: the lease.
+            idx: leader ids as ``np.intp``.
+
+        Returns:
+            How many follower ids were released.
+        """
+        if not idx.shape[0]:
+            return 0
+        follow = self._link[idx].astype(np.intp)
+        self._write(idx, 0)
+        return self.follower.commit(owner, follow)
+
+    def _unlink_and_free(self, owner: int, idx: np.ndarray) -> None:
+        """Unlink held leader ids ``idx`` (intp) and free the follower ids linked to them."""
+        if idx.shape[0] == 1:  # the hot path in scalars: a fifth of the array path's cost
+            i = int(idx[0])
+            follow = int(self._link[i])
+            self._link[i] = self._shared[i] = 0
+            if self._on_write is not None:
+                self._on_write(idx)
+            if follow:
+                self.follower.commit_one(owner, follow)
+            return
+        linked = self._link[idx]
+        linked = linked[linked != 0].astype(np.intp)
+        self._write(idx, 0)
+        self.follower.commit(owner, linked)
+
+    def error(
+        self,
+        fault: Fault,
+        owner: int,
+        ids: np.ndarray,
+        *,
+        action: str,
+        field: str = "ids",
+        done: str = "nothing was freed",
+    ) -> KVPoolError:
+        """The exception for ``fault`` found in ``ids`` (see ``faults.fault_error``).
+
+        Args:
+            fault: from :meth:`check`.
+            owner: the lease.
+            ids: the leader ids as sent.
+            action: what was asked.
+            field: the input field of ``ids``.
+            done: what the refused call changed.
+
+        Returns:
+            The error to raise.
+        """
+        return fault_error(
+            fault,
+            action=action,
+            space=self.leader.space,
+            owner=owner,
+            value=int(ids[fault.pos]),
+            label=position_label(field),
+            done=done,
+            follower=self.follower.space,
+        )
+
+    # -- reclaim and queries ----------------------------------------------------------------
+
+    def reclaim(self, owner: int) -> tuple[np.ndarray, np.ndarray]:
+        """Free everything ``owner`` holds on both sides; O(held).
+
+        Args:
+            owner: the lease.
+
+        Returns:
+            ``(leader ids freed, follower ids freed)``, new int32 arrays.
+
+        Raises:
+            Internal: a held set disagrees with its owner array (see ``IdSpace.reclaim``).
+        """
+        lead = self.leader.reclaim(owner)
+        if lead.shape[0]:
+            self._write(lead.astype(np.intp), 0)
+        return lead, self.follower.reclaim(owner)
+
+    def paired_of(self, ids: np.ndarray) -> np.ndarray:
+        """The follower id linked to each leader id (0: none), from the private copy.
+
+        Args:
+            ids: 1-D integer leader ids.
+
+        Returns:
+            A new int32 array.
+
+        Raises:
+            InvalidArgument: an id outside ``1..N_lead``.
+        """
+        idx = np.asarray(ids, dtype=np.intp)
+        self.leader.owner_of(idx)  # range check
+        return self._link[idx]
 
     def audit(self) -> None:
         """Check both ledgers and the links in O(N); for tests and debugging.
@@ -198,52 +347,29 @@ class SwaPair:
         Raises:
             Internal: naming the first broken invariant.
         """
-        self.full.audit()
-        self.swa.audit()
-        cap = self.full.capacity
-        linked = np.flatnonzero(self._swa_of[1:]) + 1
-        swa_ids = self._swa_of[linked]
-        full_owner = self.full.owner_of(linked)
+        self.leader.audit()
+        self.follower.audit()
+        cap = self.leader.capacity
+        linked = np.flatnonzero(self._link[1:]) + 1
+        follow = self._link[linked]
+        lead_owner = self.leader.owner_of(linked)
         checks = [
-            (bool((self._shared[1 : cap + 1] == self._swa_of[1:]).all()), "shared != private"),
-            (bool((full_owner > 0).all()), "a free full id has a swa link"),
-            (np.unique(swa_ids).shape[0] == swa_ids.shape[0], "a swa id linked twice"),
-            (linked.shape[0] == self.swa.stats().used, "linked count != swa used"),
+            (bool((self._shared[1 : cap + 1] == self._link[1:]).all()), "shared != private"),
+            (self._link[0] == 0, "entry 0 linked"),
+            (bool((lead_owner > 0).all()), f"a free {self.leader.name} id is linked"),
+            (distinct(follow), "a follower id linked twice"),
+            (linked.shape[0] == self.follower.used, "linked count != follower used"),
         ]
-        if linked.shape[0]:
-            same = self.swa.owner_of(swa_ids) == full_owner
-            checks.append((bool(same.all()), "full and swa owners differ"))
+        if linked.shape[0] and all(ok for ok, _ in checks):
+            same = self.follower.owner_of(follow) == lead_owner
+            checks.append((bool(same.all()), "leader and follower owners differ"))
         for ok, what in checks:
             if not ok:
-                raise Internal(f"SwaPair {self.full.name} broken: {what}")
+                raise Internal(f"Pairing {self.leader.label}->{self.follower.name} broken: {what}")
 
-    def _checked(self, owner: int, ids: IdsLike, action: str) -> tuple[int, np.ndarray, np.ndarray]:
-        owner = check_owner(owner, action)
-        arr = as_ids(ids, action)
-        return owner, arr, to_index(arr)
-
-    def _error(
-        self, fault: Fault, owner: int, arr: np.ndarray, action: str, done: str
-    ) -> Exception:
-        label: Callable[[int], str] = position_label()
-        return fault_error(
-            fault,
-            action=action,
-            space=self.full.space,
-            owner=owner,
-            value=int(arr[fault.pos]),
-            label=label,
-            done=done,
-        )
-
-    def _link(self, idx: np.ndarray, swa_ids: np.ndarray) -> None:
-        self._swa_of[idx] = swa_ids
-        self._shared[idx] = swa_ids
-        if self._on_write is not None:
-            self._on_write(idx)
-
-    def _unlink(self, idx: np.ndarray) -> None:
-        self._swa_of[idx] = 0
-        self._shared[idx] = 0
+    def _write(self, idx: np.ndarray, values: np.ndarray | int) -> None:
+        """Set the links of leader ids ``idx``, private copy first, then the shared buffer."""
+        self._link[idx] = values
+        self._shared[idx] = values
         if self._on_write is not None:
             self._on_write(idx)

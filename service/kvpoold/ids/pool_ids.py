@@ -1,376 +1,445 @@
-"""The allocator of one pool: its id spaces (kv, swa, req, state) behind one lock, batch calls.
+"""All id spaces of one pool, built from the plan's table: batch allocate/free, reclaim, Stats.
 
-Every call is all-or-nothing: a batch is checked in full (kinds, counts, room, every id of every
-item) before anything changes, so a refused call leaves the ledger as it was.
+Every call is all-or-nothing: a batch is checked in full (room per space, every id of every
+item) before anything changes, so a refused call leaves every ledger as it was.
+
+No locks: the daemon's event loop owns all allocator state, and every call here runs to the end
+without yielding (O(count) numpy work, microseconds), so no other call sees a half-done batch.
+Engines read the shared mapping buffers without coordination: they read only entries of ids they
+were given, which are written before the allocate call returns.
 """
 
 from __future__ import annotations
 
-import enum
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from kvpool.errors import InvalidArgument
-from kvpoold.ids.batch import Item, check_space, commit_space
-from kvpoold.ids.faults import (
-    INT32_MAX,
-    OWNER_MAX,
-    IdsLike,
-    as_ids,
-    check_count,
-    check_owner,
-)
-from kvpoold.ids.ledger import Backend
-from kvpoold.ids.pairing import SwaPair
-from kvpoold.ids.space import IdPool, PoolCounters
+from kvpool.errors import Internal, InvalidArgument, KVPoolError
+from kvpool.plan import IdSpaceSpec
+from kvpoold.ids.faults import Fault, fault_error, singular
+from kvpoold.ids.pairing import Pairing
+from kvpoold.ids.space import IdSpace, SpaceCounters
+
+_BATCH_DONE = "nothing in the batch was freed"
 
 
-class Kind(enum.StrEnum):
-    """An id space of a pool. ``swa`` is never allocated on its own: kv brings it in a hybrid
-    pool, and freeing ``swa`` ids means releasing the window part of held kv ids."""
+@dataclass(frozen=True, slots=True, eq=False)
+class MappingBuffer:
+    """A shared mapping buffer a following space writes its links into.
 
-    KV = "kv"
-    SWA = "swa"
-    REQ = "req"
-    STATE = "state"
+    ``array`` is the host view (writable 1-D signed ints, indexed by leader id); ``on_write``,
+    when set, is called with the (intp) leader ids whose entries were just written (a pool on
+    an accelerator mirrors them to device memory through it).
+    """
+
+    array: np.ndarray
+    on_write: Callable[[np.ndarray], None] | None = None
 
 
-_KNOWN = ", ".join(k.value for k in Kind)
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """What one allocate item got: ``ids`` (int32), and for a space with a follower the
+    follower id linked to each (``paired``) and that space's name (``paired_space``)."""
+
+    ids: np.ndarray
+    paired: np.ndarray | None = None
+    paired_space: str | None = None
 
 
-class PoolAllocator:
-    """Ids of one pool, lent to leases: KV pages (or token slots), SWA pages, request rows
-    (``req_to_token`` rows) and mamba state slots, each space optional (0 = absent).
+@dataclass(frozen=True, slots=True)
+class _Item:
+    """One free item, grouped under the space its ids are in (a release: the leader's)."""
+
+    index: int
+    space: IdSpace
+    release: bool
+    ids: np.ndarray
+
+
+class PoolIds:
+    """The id spaces of one pool (``kv``, ``swa`` following ``kv``, ``req``, ``state``...).
 
     Args:
-        name: the pool's name, for messages.
-        kv_pages: KV ids ``1..kv_pages`` (pages, or token slots when page_size == 1).
-        swa_pages: SWA ids; > 0 makes the pool hybrid, every kv id then comes with a swa id.
-        full_to_swa: the shared mapping buffer (required when ``swa_pages > 0``), see ``SwaPair``.
-        full_to_swa_on_write: see ``SwaPair`` (device pools mirror the mapping through it).
-        req_rows: request rows ``1..max_running_requests``.
-        state_slots: mamba state slots.
-        backend: the ledger of every space, ``"native"`` or ``"numpy"`` (None: the default, see
-            ``ledger.py``).
+        pool: the pool's name, for messages (spaces are called ``pool/name``).
+        spaces: the plan's ``id_spaces``, in order (Stats and reclaim follow it).
+        mappings: the shared buffers a following space's ``mapping`` names, by name.
 
     Raises:
-        InvalidArgument: a negative size, swa without kv or without a mapping, no space at all,
-            or an unusable backend.
+        InvalidArgument: no space, a repeated name, a bad capacity, a following space whose
+            leader is missing, itself follows or already has a follower, a following space
+            without a mapping name or whose buffer is not in ``mappings``, or an unusable buffer.
     """
 
     def __init__(
         self,
-        name: str,
-        *,
-        kv_pages: int = 0,
-        swa_pages: int = 0,
-        full_to_swa: np.ndarray | None = None,
-        full_to_swa_on_write: Callable[[np.ndarray], None] | None = None,
-        req_rows: int = 0,
-        state_slots: int = 0,
-        backend: Backend | None = None,
+        pool: str,
+        spaces: Sequence[IdSpaceSpec],
+        mappings: Mapping[str, MappingBuffer],
     ) -> None:
-        self.name = name
-        # Guards every IdPool of this pool, the SwaPair and both copies of its mapping. A leaf
-        # lock: taken last (after any lease-table lock of the daemon), never held across I/O or
-        # while taking another lock; calls under it are O(count) work in the ledger (C, or numpy),
-        # microseconds. The C ledger also runs under the GIL and never releases it.
-        # Engines read the shared full_to_swa without it: they only read entries of ids they
-        # were given, which are written before the allocate call returns.
-        self._lock = threading.Lock()
-        sizes = {
-            "kv_pages": kv_pages,
-            "swa_pages": swa_pages,
-            "req_rows": req_rows,
-            "state_slots": state_slots,
-        }
-        for field, size in sizes.items():
-            check_count(size, f"PoolAllocator {name}", field=field)
-        if not any(sizes.values()):
-            raise InvalidArgument(
-                f"PoolAllocator {name}: every space is empty ({sizes}); give kv_pages at least",
-                field="kv_pages",
-            )
-        self._spaces: dict[Kind, IdPool] = {}
-        self._pair: SwaPair | None = None
-        if kv_pages:
-            self._spaces[Kind.KV] = IdPool(kv_pages, f"{name}/kv", unit="pages", backend=backend)
-        if swa_pages:
-            if not kv_pages or full_to_swa is None:
+        self.pool = pool
+        what = f"PoolIds {pool}"
+        if not spaces:
+            raise InvalidArgument(f"{what}: no id space; a pool has kv at least", field="spaces")
+        by_name = {spec.name: spec for spec in spaces}
+        self._spaces: dict[str, IdSpace] = {}
+        for i, spec in enumerate(spaces):
+            if spec.name in self._spaces:
                 raise InvalidArgument(
-                    f"PoolAllocator {name}: swa_pages={swa_pages} needs kv_pages > 0 (got "
-                    f"{kv_pages}) and the full_to_swa mapping (got {type(full_to_swa).__name__})",
-                    field="swa_pages",
+                    f"{what}: id space {spec.name} is listed twice", field=f"spaces[{i}].name"
                 )
-            swa = IdPool(
-                swa_pages,
-                f"{name}/swa",
-                unit="pages",
-                knob="budget_bytes or swa_full_tokens_ratio",
-                backend=backend,
-            )
-            self._pair = SwaPair(self._spaces[Kind.KV], swa, full_to_swa, full_to_swa_on_write)
-            self._spaces[Kind.SWA] = swa
-        if req_rows:
-            self._spaces[Kind.REQ] = IdPool(
-                req_rows, f"{name}/req", unit="rows", knob="max_running_requests", backend=backend
-            )
-        if state_slots:
-            self._spaces[Kind.STATE] = IdPool(
-                state_slots,
-                f"{name}/state",
-                unit="slots",
-                knob="budget_bytes or mamba_full_memory_ratio",
-                backend=backend,
-            )
+            self._spaces[spec.name] = IdSpace(spec, pool=pool)
+        # Leader space -> its pairing, and follower space -> the same pairing.
+        self._pair_of_leader: dict[IdSpace, Pairing] = {}
+        self._pair_of_follower: dict[IdSpace, Pairing] = {}
+        for i, spec in enumerate(spaces):
+            if spec.follows is None:
+                continue
+            lead = by_name.get(spec.follows)
+            problem = ""
+            if lead is None or lead.name == spec.name:
+                problem = f"follows {spec.follows}, which is not another space of the pool"
+            elif lead.follows is not None:
+                problem = f"follows {lead.name}, which itself follows {lead.follows}"
+            elif spec.mapping is None:
+                problem = "has no mapping buffer to write its links into"
+            elif spec.mapping not in mappings:
+                problem = f"writes its links into {spec.mapping}, which was not given"
+            if problem:
+                raise InvalidArgument(
+                    f"{what}: id space {spec.name} {problem} (have: {', '.join(by_name)}; "
+                    f"mappings: {', '.join(mappings) or 'none'})",
+                    field=f"spaces[{i}].follows",
+                )
+            assert lead is not None and spec.mapping is not None
+            leader, follower = self._spaces[lead.name], self._spaces[spec.name]
+            if leader in self._pair_of_leader:
+                raise InvalidArgument(
+                    f"{what}: id space {lead.name} has two followers "
+                    f"({self._pair_of_leader[leader].follower.name}, {spec.name})",
+                    field=f"spaces[{i}].follows",
+                )
+            buffer = mappings[spec.mapping]
+            pair = Pairing(leader, follower, buffer.array, buffer.on_write)
+            self._pair_of_leader[leader] = pair
+            self._pair_of_follower[follower] = pair
+        self.names: tuple[str, ...] = tuple(self._spaces)
+        self._listed = ", ".join(self.names)
 
-        # Item kinds accepted as given (a Kind or its value), for the batch fast paths.
-        self._alloc_kinds: dict[str, Kind] = {k.value: k for k in self._spaces if k is not Kind.SWA}
-        self._free_kinds: dict[str, Kind] = {k.value: k for k in self._spaces}
+    # -- names ------------------------------------------------------------------------------
 
-    @property
-    def kinds(self) -> tuple[Kind, ...]:
-        """The spaces this pool has."""
-        return tuple(self._spaces)
-
-    # -- allocate ----------------------------------------------------------------------------
-
-    def allocate_batch(
-        self, owner: int, items: Sequence[tuple[Kind | str, int]]
-    ) -> list[np.ndarray]:
-        """Allocate several ``(kind, count)`` requests for ``owner``, all or none.
-
-        A count of 0 is allowed and gets an empty array. Room is checked per kind for the sum
-        of the batch's counts before anything is taken.
+    def spec(self, name: str) -> IdSpaceSpec:
+        """The plan's row of space ``name``.
 
         Args:
-            owner: the lease, ``>= 1``.
-            items: ``(kind, count)`` pairs; a kind may appear more than once.
+            name: a space of this pool.
 
         Returns:
-            One int32 id array per item, in order (kv ids of a hybrid pool each have a swa id
-            in ``full_to_swa``).
+            Its spec.
 
         Raises:
-            InvalidArgument: bad owner, malformed item, unknown or absent kind, ``swa``, bad count.
-            ResourceExhausted: a kind (or the swa side of kv) has too few free; names the item.
+            InvalidArgument: the pool has no such space.
         """
-        action = f"allocate_batch {self.name}"
-        with self._lock:
-            if type(owner) is not int or not 0 < owner <= OWNER_MAX:
-                owner = check_owner(owner, action)
-            parsed: list[tuple[Kind, int]] = []
-            totals: dict[Kind, int] = {}
-            for i, item in enumerate(items):
-                kind, count = (
-                    item
-                    if type(item) is tuple and len(item) == 2
-                    else _unpack(item, i, action, "count")
-                )
-                parsed_kind: Kind | None = (
-                    self._alloc_kinds.get(kind) if isinstance(kind, str) else None
-                )
-                if parsed_kind is None:
-                    parsed_kind = self._kind(kind, i, action, allocating=True)
-                if type(count) is not int or not 0 <= count <= INT32_MAX:
-                    count = check_count(count, action, field=f"items[{i}].count")
-                parsed.append((parsed_kind, count))
-                if count:
-                    total = totals[parsed_kind] = totals.get(parsed_kind, 0) + count
-                    if total > self._room(parsed_kind):
-                        self._refuse(parsed_kind, total, count, i, action)
-            return [self._allocate(owner, kind, count) for kind, count in parsed]
+        return self.space(name, "space", allocating=False).spec
 
-    # -- free --------------------------------------------------------------------------------
+    def space(self, name: str, field: str, *, allocating: bool) -> IdSpace:
+        """Resolve a space name from a request, once, at the edge.
 
-    def free_batch(
-        self, owner: int, items: Sequence[tuple[Kind | str, IdsLike]]
-    ) -> dict[Kind, int]:
-        """Free several ``(kind, ids)`` items of ``owner``; all are checked before any is freed.
+        Args:
+            name: the name as sent (``"kv"``).
+            field: its input field, for messages (``"items[1].kind"``).
+            allocating: True for an allocate item (a following space is refused).
 
-        ``kv`` frees the ids (and, in a hybrid pool, their swa ids); ``swa`` takes kv ids and
-        releases only their swa side. An id may appear once per space in the whole batch (kv
-        and swa items share the kv id space).
+        Returns:
+            The space, to pass to :meth:`allocate` / :meth:`free`.
+
+        Raises:
+            InvalidArgument: the pool has no such space, or ``allocating`` names a following
+                space.
+        """
+        space = self._spaces.get(name) if type(name) is str else None
+        if space is None:
+            shown = name if type(name) is str and name.isidentifier() else repr(name)
+            raise InvalidArgument(
+                f"{field}={shown}: pool {self.pool} has no {shown} space (it has: "
+                f"{self._listed}); Configure it with one",
+                field=field,
+            )
+        if allocating and space in self._pair_of_follower:
+            raise InvalidArgument(self._follower_message(space, field), field=field)
+        return space
+
+    def _follower_message(self, space: IdSpace, field: str) -> str:
+        leader = self._pair_of_follower[space].leader
+        return (
+            f"{field}={space.name} cannot be allocated on its own: allocate {leader.name}, which "
+            f"brings a {space.name} {singular(space.unit)} per {leader.name} "
+            f"{singular(leader.unit)}"
+        )
+
+    # -- allocate ---------------------------------------------------------------------------
+
+    def allocate(self, owner: int, items: Sequence[tuple[IdSpace, int]]) -> list[Grant]:
+        """Allocate several ``(space, count)`` items for ``owner``, all or none.
+
+        Room is checked per space for the batch's sum before anything is taken (a leader's room
+        is its free count or its follower's, whichever is smaller). A count of 0 gets empty
+        arrays.
+
+        Args:
+            owner: the lease, ``1..OWNER_MAX``.
+            items: spaces from :meth:`space` (``allocating=True``) and counts ``>= 0``; a space
+                may appear more than once.
+
+        Returns:
+            One grant per item, in order.
+
+        Raises:
+            ResourceExhausted: a space (or a leader's follower) has too few free; names the item.
+            InvalidArgument: an item names a following space.
+            Internal: a space of another pool.
+        """
+        if len(items) == 1:  # the hot path: one space, no totals to keep
+            space, count = items[0]
+            self._check_allocatable(space, 0)
+            if count > self._room(space):
+                self._refuse(space, count, count, 0)
+            return [self._take(owner, space, count)]
+        totals: dict[IdSpace, int] = {}
+        for i, (space, count) in enumerate(items):
+            self._check_allocatable(space, i)
+            if count:
+                total = totals[space] = totals.get(space, 0) + count
+                if total > self._room(space):
+                    self._refuse(space, total, count, i)
+        return [self._take(owner, space, count) for space, count in items]
+
+    def _check_allocatable(self, space: IdSpace, i: int) -> None:
+        if self._spaces.get(space.name) is not space:
+            raise Internal(f"allocate {self.pool}: items[{i}] is a space of another pool")
+        if space in self._pair_of_follower:
+            field = f"items[{i}].kind"
+            raise InvalidArgument(self._follower_message(space, field), field=field)
+
+    def _room(self, space: IdSpace) -> int:
+        pair = self._pair_of_leader.get(space)
+        return space.num_free if pair is None else pair.room
+
+    def _take(self, owner: int, space: IdSpace, count: int) -> Grant:
+        pair = self._pair_of_leader.get(space)
+        if pair is None:
+            return Grant(space.take(owner, count))
+        ids, paired = pair.take(owner, count)
+        return Grant(ids, paired, pair.follower.name)
+
+    def _refuse(self, space: IdSpace, total: int, count: int, i: int) -> None:
+        """Raise ResourceExhausted for item ``i`` (``total``: the batch's sum so far)."""
+        note = "" if total == count else f" in all (items of kind {space.name} up to {i})"
+        action = f"allocate {self.pool} items[{i}] ({space.name})"
+        field = f"items[{i}].count"
+        pair = self._pair_of_leader.get(space)
+        if pair is not None:
+            pair.require_free(total, action=action, field=field, note=note)
+        space.require_free(total, action=action, field=field, note=note)
+        raise Internal(f"{action}: refused for room but require_free found room")
+
+    # -- free -------------------------------------------------------------------------------
+
+    def free(self, owner: int, items: Sequence[tuple[IdSpace, np.ndarray]]) -> dict[str, int]:
+        """Free several ``(space, ids)`` items of ``owner``; all are checked before any changes.
+
+        An item of a leader space frees its ids and their follower ids; an item of a following
+        space takes leader ids and releases only their follower ids. Ids of a leader space and
+        release items of its follower share the leader's id space: an id may appear once in
+        all of them together (and once per other space).
 
         Args:
             owner: the lease that holds the ids.
-            items: ``(kind, ids)`` pairs; ids are 1-D integer arrays or sequences.
+            items: spaces from :meth:`space` and 1-D native int32 id arrays (read-only views of
+                wire bytes are fine).
 
         Returns:
-            Ids freed per kind of the items (kv: kv ids, swa: swa ids released).
+            Ids freed per space name of the items (a following space: follower ids released).
 
         Raises:
-            InvalidArgument: bad owner, malformed item, unknown or absent kind, bad ids dtype or
-                shape, an id out of range or repeated anywhere in its space.
-            FailedPrecondition: an id not allocated, held by another lease, or (swa) already
-                released. The message names the item and position of the first bad id.
+            InvalidArgument: an id out of range or repeated anywhere in its space.
+            FailedPrecondition: an id not allocated, held by another lease, or (release) its
+                follower id already released. The message names ``items[i].ids[j]`` of the
+                first bad id; nothing was freed.
+            Internal: a space of another pool.
         """
-        action = f"free_batch {self.name}"
-        with self._lock:
-            if type(owner) is not int or not 0 < owner <= OWNER_MAX:
-                owner = check_owner(owner, action)
-            groups: dict[Kind, list[Item]] = {}
-            for i, item in enumerate(items):
-                kind, ids = (
-                    item
-                    if type(item) is tuple and len(item) == 2
-                    else _unpack(item, i, action, "ids")
+        if len(items) == 1:
+            return self._free_one_item(owner, *items[0])
+        groups: dict[IdSpace, list[_Item]] = {}
+        for i, (space, ids) in enumerate(items):
+            if self._spaces.get(space.name) is not space:
+                raise Internal(f"free {self.pool}: items[{i}] is a space of another pool")
+            pair = self._pair_of_follower.get(space)
+            key = space if pair is None else pair.leader
+            groups.setdefault(key, []).append(_Item(i, space, pair is not None, ids))
+        checked: list[tuple[IdSpace, list[_Item], np.ndarray, np.ndarray | None]] = []
+        refused: list[tuple[tuple[int, int], KVPoolError]] = []
+        for key, group in groups.items():
+            idx = (
+                group[0].ids.astype(np.intp)
+                if len(group) == 1
+                else np.concatenate([item.ids for item in group]).astype(np.intp)
+            )
+            pair = self._pair_of_leader.get(key)
+            release: np.ndarray | None = None
+            fault: Fault | None
+            if pair is None:
+                fault = key.check(owner, idx)
+            else:
+                release = np.concatenate(
+                    [np.full(item.ids.shape[0], item.release) for item in group]
                 )
-                parsed: Kind | None = self._free_kinds.get(kind) if isinstance(kind, str) else None
-                if parsed is None:
-                    parsed = self._kind(kind, i, action, allocating=False)
-                if type(ids) is np.ndarray and ids.ndim == 1 and ids.dtype.kind in "iu":
-                    arr = ids
-                else:
-                    arr = as_ids(ids, action, field=f"items[{i}].ids")
-                space: Kind = Kind.KV if parsed is Kind.SWA else parsed
-                release = parsed is Kind.SWA
-                groups.setdefault(space, []).append(Item(i, parsed, release, arr))
-            checks = [
-                check_space(self._spaces[space], self._pair_of(space), owner, group, action)
-                for space, group in groups.items()
-            ]
-            refused = [c for c in checks if c.error is not None]
-            if refused:
-                raise min(refused, key=lambda c: c.first).error  # type: ignore[misc]
-            freed: dict[Kind, int] = {}
-            for space, check in zip(groups, checks, strict=True):
-                n_freed, n_released = commit_space(check, owner)
-                if n_freed is not None:
-                    freed[space] = n_freed
-                if n_released is not None:
-                    freed[Kind.SWA] = n_released
-            return freed
+                fault = pair.check(owner, idx, release)
+            if fault is not None:
+                refused.append(self._batch_error(owner, key, pair, group, fault))
+            checked.append((key, group, idx, release))
+        if refused:
+            raise min(refused, key=lambda r: r[0])[1]
+        freed: dict[str, int] = {}
+        for key, group, idx, release in checked:
+            pair = self._pair_of_leader.get(key)
+            if pair is None or release is None:
+                freed[key.name] = key.commit(owner, idx)
+                continue
+            if any(item.release for item in group):
+                freed[pair.follower.name] = pair.commit_release(owner, idx[release])
+            if not all(item.release for item in group):
+                freed[key.name] = pair.commit_free(owner, idx[~release])
+        return {name: freed[name] for name in self.names if name in freed}
 
-    # -- reclaim and queries -----------------------------------------------------------------
+    def _free_one_item(self, owner: int, space: IdSpace, ids: np.ndarray) -> dict[str, int]:
+        """One item: a single pass through the space (or its pairing)."""
+        if self._spaces.get(space.name) is not space:
+            raise Internal(f"free {self.pool}: items[0] is a space of another pool")
+        action = f"free {self.pool} ({space.name})"
+        field = "items[0].ids"
+        pair = self._pair_of_leader.get(space)
+        if pair is not None:
+            n = pair.free(owner, ids, action=action, field=field, done=_BATCH_DONE)
+            return {space.name: n}
+        pair = self._pair_of_follower.get(space)
+        if pair is not None:
+            n = pair.release(owner, ids, action=action, field=field, done=_BATCH_DONE)
+            return {space.name: n}
+        return {space.name: space.free(owner, ids, action=action, field=field, done=_BATCH_DONE)}
 
-    def reclaim(self, owner: int) -> dict[Kind, int]:
+    def _batch_error(
+        self,
+        owner: int,
+        key: IdSpace,
+        pair: Pairing | None,
+        group: list[_Item],
+        fault: Fault,
+    ) -> tuple[tuple[int, int], KVPoolError]:
+        """The error of a refused group, keyed by the bad id's ``(item, position)``."""
+        starts = np.cumsum([0, *(item.ids.shape[0] for item in group)])
+
+        def where(pos: int) -> tuple[_Item, int]:
+            g = int(np.searchsorted(starts, pos, side="right")) - 1
+            return group[g], pos - int(starts[g])
+
+        def label(pos: int) -> str:
+            item, j = where(pos)
+            return f"items[{item.index}].ids[{j}]"
+
+        item, local = where(fault.pos)
+        error = fault_error(
+            fault,
+            action=f"free {self.pool} ({item.space.name})",
+            space=key.space,
+            owner=owner,
+            value=int(item.ids[local]),
+            label=label,
+            done=_BATCH_DONE,
+            follower=None if pair is None else pair.follower.space,
+        )
+        return (item.index, local), error
+
+    # -- reclaim and queries ----------------------------------------------------------------
+
+    def reclaim(self, owner: int) -> dict[str, int]:
         """Free everything ``owner`` holds in every space (a lease that ended or crashed).
 
+        Args:
+            owner: the lease.
+
         Returns:
-            Ids freed per kind, every kind of the pool listed (0 when none were held).
+            Ids freed per space name, every space of the pool listed in table order (0 when
+            none were held).
 
         Raises:
-            InvalidArgument: bad owner.
+            Internal: a held set disagrees with its owner array (see ``IdSpace.reclaim``).
         """
-        with self._lock:
-            owner = check_owner(owner, f"reclaim {self.name}")
-            out: dict[Kind, int] = {}
-            for kind, pool in self._spaces.items():
-                if kind is Kind.KV and self._pair is not None:
-                    out[Kind.KV], out[Kind.SWA] = self._pair.reclaim(owner)
-                elif kind is not Kind.SWA:
-                    out[kind] = pool.reclaim(owner)
-            return out
+        out: dict[str, int] = {}
+        for space in self._spaces.values():
+            if space in self._pair_of_follower:
+                continue  # its leader's pairing frees it
+            pair = self._pair_of_leader.get(space)
+            if pair is None:
+                out[space.name] = space.reclaim(owner).shape[0]
+            else:
+                lead, follow = pair.reclaim(owner)
+                out[space.name] = lead.shape[0]
+                out[pair.follower.name] = follow.shape[0]
+        return {name: out[name] for name in self.names}
 
-    def stats(self) -> dict[Kind, PoolCounters]:
-        """Counters per kind, all taken under the lock at one instant."""
-        with self._lock:
-            return {kind: pool.stats() for kind, pool in self._spaces.items()}
+    def counters(self) -> dict[str, SpaceCounters]:
+        """Counters per space, in table order.
 
-    def held_by_owner(self) -> dict[int, dict[Kind, int]]:
-        """``{owner: {kind: ids held}}`` for every owner holding something (zeros left out)."""
-        with self._lock:
-            out: dict[int, dict[Kind, int]] = {}
-            for kind, pool in self._spaces.items():
-                for owner, held in pool.holders().items():
-                    out.setdefault(owner, {})[kind] = held
-            return out
+        Returns:
+            ``{name: counters}``.
+        """
+        return {name: space.counters() for name, space in self._spaces.items()}
 
-    def swa_of(self, full_ids: IdsLike) -> np.ndarray:
-        """The swa id linked to each kv id (0: released) of a hybrid pool.
+    def held_by_owner(self) -> dict[int, dict[str, int]]:
+        """``{owner: {space: ids held}}`` for every owner holding something (zeros left out).
+
+        Returns:
+            A new dict.
+        """
+        out: dict[int, dict[str, int]] = {}
+        for name, space in self._spaces.items():
+            for owner, held in space.holders().items():
+                out.setdefault(owner, {})[name] = held
+        return out
+
+    def paired_of(self, space_name: str, ids: np.ndarray) -> np.ndarray:
+        """The follower id linked to each leader id (0: released).
+
+        Args:
+            space_name: the leader space or its follower (``"kv"`` or ``"swa"``).
+            ids: 1-D integer leader ids.
+
+        Returns:
+            A new int32 array of follower ids.
 
         Raises:
-            InvalidArgument: the pool is not hybrid, or bad ids.
+            InvalidArgument: no such space, a space without a pairing, or an id out of range.
         """
-        with self._lock:
-            return self._hybrid(f"swa_of {self.name}", "ids").swa_of(full_ids)
+        space = self.space(space_name, "space", allocating=False)
+        pair = self._pair_of_leader.get(space) or self._pair_of_follower.get(space)
+        if pair is None:
+            raise InvalidArgument(
+                f"paired_of {self.pool}: space {space.name} is not paired with another (spaces: "
+                f"{self._listed})",
+                field="space",
+            )
+        return pair.paired_of(ids)
 
     def audit(self) -> None:
-        """Check every ledger of the pool in O(N); for tests and debugging.
+        """Check every ledger and link of the pool in O(N); for tests and debugging.
 
         Raises:
             Internal: naming the first broken invariant.
         """
-        with self._lock:
-            for kind, pool in self._spaces.items():
-                if self._pair is None or kind not in (Kind.KV, Kind.SWA):
-                    pool.audit()
-            if self._pair is not None:
-                self._pair.audit()
-
-    # -- internals ---------------------------------------------------------------------------
-
-    def _allocate(self, owner: int, kind: Kind, count: int) -> np.ndarray:
-        if kind is Kind.KV and self._pair is not None:
-            return self._pair.allocate(owner, count)
-        return self._spaces[kind].allocate(owner, count)
-
-    def _pair_of(self, space: Kind) -> SwaPair | None:
-        """The hybrid pair behind ``space`` (kv of a hybrid pool), else None."""
-        return self._pair if space is Kind.KV else None
-
-    def _room(self, kind: Kind) -> int:
-        """Ids of ``kind`` free now (kv of a hybrid pool: the smaller side)."""
-        room = self._spaces[kind].num_free
-        if kind is Kind.KV and self._pair is not None:
-            room = min(room, self._pair.swa.num_free)
-        return room
-
-    def _refuse(self, kind: Kind, total: int, count: int, i: int, action: str) -> None:
-        """Raise ResourceExhausted for batch item ``i`` (``total``: the batch's sum so far)."""
-        note = "" if total == count else f" in all (items of kind {kind} up to {i})"
-        where = f"{action} items[{i}] ({kind})"
-        field = f"items[{i}].count"
-        if kind is Kind.KV and self._pair is not None:
-            self._pair.require_free(total, action=where, field=field, note=note)
-        self._spaces[kind].require_free(total, action=where, field=field, note=note)
-        raise AssertionError("unreachable: require_free raised")
-
-    def _kind(self, kind: object, i: int, action: str, *, allocating: bool) -> Kind:
-        """The batch item's kind, checked against the pool's spaces."""
-        field = f"items[{i}].kind"
-        try:
-            if not isinstance(kind, str):
-                raise TypeError(kind)
-            parsed = Kind(kind)
-        except (ValueError, TypeError):
-            raise InvalidArgument(
-                f"{action}: {field}={kind!r} is not a kind; known: {_KNOWN}", field=field
-            ) from None
-        if parsed is Kind.SWA:
-            if allocating:
-                raise InvalidArgument(
-                    f"{action}: {field}=swa cannot be allocated on its own: allocate kv, which "
-                    "brings a swa page per kv page in a hybrid pool",
-                    field=field,
-                )
-            self._hybrid(action, field)
-        elif parsed not in self._spaces:
-            raise InvalidArgument(
-                f"{action}: {field}={parsed.value}: pool {self.name} has no {parsed.value} space "
-                f"(it has: {', '.join(self._spaces)}); Configure it with one",
-                field=field,
-            )
-        return parsed
-
-    def _hybrid(self, action: str, field: str) -> SwaPair:
-        if self._pair is None:
-            raise InvalidArgument(
-                f"{action}: pool {self.name} is not a hybrid sliding-window pool, it has no swa "
-                f"pages (it has: {', '.join(self._spaces)})",
-                field=field,
-            )
-        return self._pair
-
-
-def _unpack(item: object, i: int, action: str, second: str) -> tuple[object, object]:
-    """Unpack a batch item given as a list (or refuse a malformed one)."""
-    if isinstance(item, tuple | list) and len(item) == 2:
-        return item[0], item[1]
-    raise InvalidArgument(
-        f"{action}: items[{i}] must be a (kind, {second}) pair, got {item!r:.60}",
-        field=f"items[{i}]",
-    )
+        for space in self._spaces.values():
+            if space not in self._pair_of_leader and space not in self._pair_of_follower:
+                space.audit()
+        for pair in self._pair_of_leader.values():
+            pair.audit()

@@ -1,56 +1,65 @@
-"""One id space ``1..N`` with an ownership ledger: O(count) allocate/free, O(held) reclaim.
+"""One id space ``1..N`` with an ownership ledger, in numpy: O(count) take/free, O(held) reclaim.
 
-Data (``N`` = capacity; 12 bytes per id, plus the held sets: 4 bytes per held id, in arrays
-that grow by doubling and, past 256 KiB, shrink once three quarters are unused):
+Data (``N`` = capacity; 12 bytes per id, plus the held sets: 4 bytes per held id, in arrays that
+grow by doubling and, past ``SHRINK_ABOVE`` entries, shrink once three quarters are unused):
 
 - ``_stack`` (int32, N): ids ``1..N``; ``_stack[head:]`` are the free ones, ``_stack[:head]`` is
-  stale. Allocate takes ``_stack[head:head+k]``, free writes the ids back just below ``head``,
-  so a freed id is the next one handed out (LIFO, warm pages first). ``used == head``.
-- ``_owner`` (int32, N + 2): the lease holding each id, ``<= 0`` when free. Slots 0 and N + 1 hold
-  a sentinel (-1), never handed out.
-- ``_slots`` (int32, N + 2): each held id's position in its owner's held set.
-- per owner a ``HeldSet`` (``ledger.py``): the ids it holds, exactly, as a sparse set, so
-  reclaim is O(held).
-- ``_ledger`` (``ledger.py``): does the O(count) loops over those arrays (take, validated give,
-  check) in one C call, or in numpy when the C extension is not built; it keeps ``head``.
+  stale. A take hands out ``_stack[head:head+k]``, a free writes the ids back just below
+  ``head``, so a freed id is the next one handed out (LIFO: warm pages first). ``used == head``.
+- ``_owner`` (int32, N + 2): the lease holding each id, 0 when free. Slots 0 and N + 1 hold a
+  sentinel (-1) that no owner equals: a gather with ``mode="clip"`` maps every out-of-range id
+  onto one, so one gather checks range and ownership together.
+- ``_slot`` (int32, N + 2): each held id's position in its owner's held set.
+- per owner a ``_Held``: the ids it holds, exactly, as a sparse set (``ids[:n]``; a free moves
+  the set's last ids into the holes it leaves), so reclaim reads O(held), never O(N).
 
-Not thread-safe: the caller (``PoolAllocator``) holds one lock around every call.
+Every call is O(count) (O(held) for reclaim): a space of 16M ids costs per call what one of 1K
+ids does. Callers below the daemon's edge pass trusted arguments: owners in ``1..OWNER_MAX``,
+counts in ``0..INT32_MAX`` and ids as 1-D C-contiguous native int32 arrays (``check`` and
+``commit`` take ``np.intp``); nothing here re-validates their types.
+
+Not thread-safe and needs no lock: the daemon's event loop owns all allocator state.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvpool.errors import Internal, InvalidArgument, ResourceExhausted
+from kvpool.errors import Internal, InvalidArgument, KVPoolError, ResourceExhausted
+from kvpool.plan import IdSpaceSpec
 from kvpoold.ids.faults import (
     CAPACITY_MAX,
-    EMPTY_IDS,
-    OWNER_MAX,
     Fault,
-    IdsLike,
     Space,
-    as_ids,
-    check_count,
-    check_owner,
     fault_error,
     first_fault,
     position_label,
-    to_index,
 )
-from kvpoold.ids.ledger import Backend, HeldSet, check_backend, default_backend, new_ledger
 
 _SENTINEL = -1
+# Positions of a free get distinct "pending" marks -2, -3, ...: a repeated id keeps only one.
+_TAGS_CACHED = 1 << 16
+# A held set's smallest array, and the room up to which it never shrinks (an owner cycling
+# between a few and a few thousand ids must not resize on every call).
+MIN_ROOM = 16
+SHRINK_ABOVE = 1 << 16
+# Slot numbers for the ids a take adds to a held set (sliced rather than built per call).
+_POSITIONS = np.arange(SHRINK_ABOVE, dtype=np.int32)
+# Comparisons below are of the raw bytes of two int32 arrays: one ``==`` of bytes costs a tenth
+# of a numpy ``(a == b).all()`` at the sizes a call sees.
+_ZEROS = bytes(4 * _TAGS_CACHED)
 
 
 @dataclass(frozen=True, slots=True)
-class PoolCounters:
+class SpaceCounters:
     """A snapshot of one id space for Stats.
 
     ``allocs`` / ``frees`` count ids (not calls) handed out and returned since start, reclaim
-    included, so ``used == allocs - frees``; ``failed_allocs`` counts refused allocate calls
-    (not enough free). ``high_water`` is the largest ``used`` seen.
+    included, so ``used == allocs - frees``; ``failed_allocs`` counts refused takes (not enough
+    free). ``high_water`` is the largest ``used`` seen.
     """
 
     capacity: int
@@ -62,83 +71,134 @@ class PoolCounters:
     failed_allocs: int
 
 
-class IdPool:
-    """Ids ``1..capacity`` of one space (KV pages, token slots, request rows, state slots).
+class _Held:
+    """The ids one owner holds in one space: ``ids[:n]``, in no particular order."""
+
+    __slots__ = ("ids", "n")
+
+    def __init__(self) -> None:
+        self.ids = np.zeros(MIN_ROOM, dtype=np.int32)
+        self.n = 0
+
+    def resize(self, room: int) -> None:
+        ids = np.zeros(room, dtype=np.int32)
+        ids[: self.n] = self.ids[: self.n]
+        self.ids = ids
+
+
+class IdSpace:
+    """Ids ``1..capacity`` of one space (KV pages, request rows, state slots...), lent to owners.
 
     Args:
-        capacity: the number of ids, N; ids are ``1..N`` and 0 is never handed out.
-        name: for messages and Stats (``"llama/kv"``).
-        unit: what an id is, for messages (``"pages"``, ``"slots"``).
-        knob: the setting that makes the space larger, for ResourceExhausted messages.
-        backend: ``"native"`` (C) or ``"numpy"`` ledger; None takes ``$KVPOOL_LEDGER``, by
-            default C when it is built (see ``ledger.py``).
+        spec: the plan's row for this space: name, capacity, unit and knob (for messages).
+        pool: the pool's name; messages and Stats call the space ``pool/name``.
 
     Raises:
-        InvalidArgument: for a capacity outside ``1..CAPACITY_MAX``, or an unusable backend.
+        InvalidArgument: a capacity outside ``1..CAPACITY_MAX``.
     """
 
-    def __init__(
-        self,
-        capacity: int,
-        name: str,
-        *,
-        unit: str = "ids",
-        knob: str = "budget_bytes",
-        backend: Backend | None = None,
-    ) -> None:
-        cap = check_count(capacity, f"IdPool {name}", field="capacity")
-        if not 1 <= cap <= CAPACITY_MAX:
+    def __init__(self, spec: IdSpaceSpec, *, pool: str = "") -> None:
+        cap = spec.capacity
+        label = f"{pool}/{spec.name}" if pool else spec.name
+        if type(cap) is not int or not 1 <= cap <= CAPACITY_MAX:
             raise InvalidArgument(
-                f"IdPool {name}: capacity must be in 1..{CAPACITY_MAX:,}, got {cap:,}; "
+                f"IdSpace {label}: capacity must be in 1..{CAPACITY_MAX:,}, got {cap!r}; "
                 "leave the space out of the pool when it has no ids",
                 field="capacity",
             )
-        self.space = Space(name=name, capacity=cap, unit=unit)
-        self.name = name
+        self.spec = spec
+        self.name = spec.name
+        self.label = label
         self.capacity = cap
-        self.knob = knob
-        self.backend = default_backend() if backend is None else check_backend(backend)
+        self.unit = spec.unit
+        self.knob = spec.knob
+        self.space = Space(name=label, capacity=cap, unit=spec.unit)
         self._stack = np.arange(1, cap + 1, dtype=np.int32)
         self._owner = np.zeros(cap + 2, dtype=np.int32)
         self._owner[0] = self._owner[cap + 1] = _SENTINEL
-        self._slots = np.full(cap + 2, -1, dtype=np.int32)
-        self._ledger = new_ledger(self._stack, self._owner, self._slots, self.backend)
-        self._holdings: dict[int, HeldSet] = {}
+        self._slot = np.zeros(cap + 2, dtype=np.int32)
+        self._head = 0
+        self._held: dict[int, _Held] = {}
+        # One emptied small set kept for the next new owner: an owner that holds nothing between
+        # take(1) and free(1) would otherwise build a set per call.
+        self._spare: _Held | None = None
+        self._tags = -2 - np.arange(min(cap, _TAGS_CACHED), dtype=np.int32)
+        self._tag_bytes = self._tags.tobytes()
         self._high_water = 0
         self._frees = 0
         self._failed_allocs = 0
 
-    def allocate(self, owner: int, count: int) -> np.ndarray:
-        """Hand ``count`` free ids to ``owner``, all or none.
+    # -- take -------------------------------------------------------------------------------
+
+    def take(self, owner: int, count: int) -> np.ndarray:
+        """Hand ``count`` free ids to ``owner``, all or none; the most recently freed first.
 
         Args:
-            owner: the lease, ``>= 1``.
-            count: how many; 0 returns an empty array.
+            owner: the lease, ``1..OWNER_MAX``.
+            count: how many, ``>= 0``.
 
         Returns:
-            A new int32 array of distinct ids in ``1..N``; the caller may keep or change it.
+            A new int32 array of distinct ids in ``1..N`` (empty for 0); the caller owns it.
 
         Raises:
-            InvalidArgument: bad owner or count.
-            ResourceExhausted: fewer than ``count`` ids free (nothing is allocated).
+            ResourceExhausted: fewer than ``count`` ids free (nothing is taken).
         """
-        if type(owner) is not int or not 0 < owner <= OWNER_MAX:
-            owner = check_owner(owner, f"allocate {self.name}")
-        if type(count) is not int or count <= 0:
-            count = check_count(count, f"allocate {self.name}")
+        head = self._head
+        end = head + count
+        if end > self.capacity:
+            self.require_free(count)
+        if count <= 1:
             if count == 0:
-                return EMPTY_IDS
-        ledger = self._ledger
-        if ledger.head + count > self.capacity:  # before np.empty: count may be huge
-            self.require_free(check_count(count, f"allocate {self.name}"))
-        holding = self._holdings.get(owner)
-        if holding is None:
-            holding = self._holdings[owner] = ledger.new_set(owner)
-        ids = np.empty(count, dtype=np.int32)
-        end = ledger.take(owner, ids, holding)
+                return np.zeros(0, dtype=np.int32)
+            return self._take_one(owner, head)
+        held = self._held_of(owner)
+        n = held.n
+        stop = n + count
+        if stop > held.ids.shape[0]:
+            room = held.ids.shape[0]
+            while room < stop:
+                room *= 2
+            held.resize(room)
+        ids = self._stack[head:end].copy()
+        idx = ids.astype(np.intp)  # numpy scatters with intp ~3x faster than with int32
+        held.ids[n:stop] = ids
+        self._owner[idx] = owner
+        self._slot[idx] = (
+            _POSITIONS[n:stop] if stop <= SHRINK_ABOVE else np.arange(n, stop, dtype=np.int32)
+        )
+        held.n = stop
+        self._head = end
         if end > self._high_water:
             self._high_water = end
         return ids
+
+    def _take_one(self, owner: int, head: int) -> np.ndarray:
+        """``take(owner, 1)`` with scalar writes: a fifth of the cost of the array path."""
+        held = self._held_of(owner)
+        n = held.n
+        if n == held.ids.shape[0]:
+            held.resize(2 * n)
+        ids = self._stack[head : head + 1].copy()
+        i = int(ids[0])
+        held.ids[n] = i
+        self._owner[i] = owner
+        self._slot[i] = n
+        held.n = n + 1
+        self._head = end = head + 1
+        if end > self._high_water:
+            self._high_water = end
+        return ids
+
+    def _held_of(self, owner: int) -> _Held:
+        held = self._held.get(owner)
+        if held is None:
+            held = self._spare
+            if held is None:
+                held = _Held()
+            else:
+                self._spare = None
+            self._held[owner] = held
+        return held
 
     def require_free(
         self, count: int, *, action: str = "", field: str = "count", note: str = ""
@@ -147,20 +207,20 @@ class IdPool:
 
         Args:
             count: ids asked for.
-            action: what was asked, for the message (default ``"allocate <name>"``).
+            action: what was asked, for the message (default ``"allocate <label>"``).
             field: the input field of the count.
-            note: said right after the count (``" in all"`` for a batch total).
+            note: said right after the count (``" in all (...)"`` for a batch total).
 
         Raises:
-            ResourceExhausted: naming asked, free and capacity, and the knob to turn.
+            ResourceExhausted: naming asked, free and capacity, the holders and the knob to turn.
         """
-        used = self._ledger.head
+        used = self._head
         free = self.capacity - used
         if count <= free:
             return
         self._failed_allocs += 1
-        action = action or f"allocate {self.name}"
-        asked = f"asked for {count:,} {self.name} {self.space.unit}{note}"
+        action = action or f"allocate {self.label}"
+        asked = f"asked for {count:,} {self.label} {self.unit}{note}"
         if count > self.capacity:
             raise ResourceExhausted(
                 f"{action}: {asked}, more than the whole space ({self.capacity:,}), so it can "
@@ -169,150 +229,331 @@ class IdPool:
             )
         raise ResourceExhausted(
             f"{action}: {asked}, {free:,} of {self.capacity:,} free ({used:,} held by "
-            f"{_leases(len(self._holdings))}); free some or Configure a larger {self.knob}",
+            f"{_leases(len(self._held))}); free some or Configure a larger {self.knob}",
             field=field,
         )
 
-    def free(self, owner: int, ids: IdsLike) -> int:
-        """Return ``ids`` from ``owner``; every id is checked first and a refusal changes nothing.
+    # -- free -------------------------------------------------------------------------------
+
+    def free(
+        self,
+        owner: int,
+        ids: np.ndarray,
+        *,
+        action: str = "",
+        field: str = "ids",
+        done: str = "nothing was freed",
+    ) -> int:
+        """Return ``ids`` from ``owner``, checked and committed in one pass, all or nothing.
 
         Args:
             owner: the lease that holds the ids.
-            ids: 1-D integer ids (int32 from the wire, any integer dtype or a sequence).
+            ids: 1-D C-contiguous native int32 ids (a read-only view of wire bytes is fine).
+            action: what was asked, for messages (default ``"free <label>"``).
+            field: the input field of ``ids`` (``"items[2].ids"``), for messages.
+            done: what a refused call changed, for messages.
 
         Returns:
             How many ids were freed (``len(ids)``).
 
         Raises:
-            InvalidArgument: bad owner, dtype or shape; an id out of range or repeated.
-            FailedPrecondition: an id not allocated or held by another lease.
+            InvalidArgument: an id out of range or repeated (nothing changed).
+            FailedPrecondition: an id not allocated or held by another lease (nothing changed).
         """
-        if type(owner) is not int or not 0 < owner <= OWNER_MAX:
-            owner = check_owner(owner, f"free {self.name}")
-        holding = self._holdings.get(owner)
-        if holding is None:  # holds nothing: only an empty free can succeed
-            arr = as_ids(ids, f"free {self.name}")
-            if arr.shape[0]:
-                raise self._free_error(owner, arr)
+        count = ids.shape[0]
+        held = self._held.get(owner)
+        if held is not None and count <= held.n:
+            if count == 1:
+                if self._free_one(owner, int(ids[0]), held):
+                    return 1
+            elif count:
+                idx = ids.astype(np.intp)
+                if self._mark(owner, idx):
+                    self._remove(owner, held, idx)
+                    self._frees += count
+                    return count
+            else:
+                return 0
+        elif count == 0:
             return 0
-        arr: np.ndarray | None = None
-        if type(ids) is np.ndarray:  # the hot path: the ledger reads int32/int64 as they are
-            try:
-                bad = self._ledger.give(owner, ids, holding)
-                arr = ids
-            except TypeError:  # uint32, strided, float, 2-D, ...: checked and converted below
-                pass
-        if arr is None:  # also a list, an array.array, a memoryview
-            arr = as_ids(ids, f"free {self.name}")  # InvalidArgument for what is not ids
-            bad = self._ledger.give(owner, to_index(arr), holding)
-        if bad >= 0:
-            raise self._free_error(owner, arr)
-        count = arr.shape[0]
-        self._frees += count
-        if not len(holding):
-            del self._holdings[owner]
-        return count
+        raise self.free_error(owner, ids, action=action, field=field, done=done)
 
-    def validate_free(self, owner: int, ids: IdsLike) -> None:
-        """Check ``free(owner, ids)`` would succeed, without changing anything.
+    def _free_one(self, owner: int, i: int, held: _Held) -> bool:
+        """Free id ``i`` if ``owner`` holds it (scalar reads and writes); False changes nothing."""
+        owners = self._owner
+        if not 1 <= i <= self.capacity or owners[i] != owner:
+            return False
+        slots, held_ids = self._slot, held.ids
+        last = held.n - 1
+        at = int(slots[i])
+        if at != last:  # the set's last id fills the hole
+            moved = int(held_ids[last])
+            held_ids[at] = moved
+            slots[moved] = at
+        owners[i] = 0
+        self._head = head = self._head - 1
+        self._stack[head] = i
+        held.n = last
+        if not last:
+            self._drop(owner, held)
+        self._frees += 1
+        return True
+
+    def check(self, owner: int, idx: np.ndarray) -> Fault | None:
+        """The first id of ``idx`` that ``owner`` may not free, or None; changes nothing.
+
+        O(count) when every id may be freed; the diagnosis of a refusal is O(k log k).
+
+        Args:
+            owner: the lease.
+            idx: the ids as a 1-D ``np.intp`` array.
+
+        Returns:
+            None when :meth:`commit` of the same ids may follow, else the first fault.
 
         Raises:
-            InvalidArgument, FailedPrecondition: as :meth:`free` would.
+            Internal: the fast check refused but no fault is found (a corrupted ledger).
         """
-        owner = check_owner(owner, f"free {self.name}")
-        arr = as_ids(ids, f"free {self.name}")
-        if self.find_fault(owner, to_index(arr)) is not None:
-            raise self._free_error(owner, arr)
-
-    def find_fault(self, owner: int, idx: np.ndarray) -> Fault | None:
-        """The first id of ``idx`` (``np.intp``) that ``owner`` may not free, or None.
-
-        Changes nothing. O(k) when every id may be freed; the diagnosis of a refusal is
-        O(k log k) (see ``checks.first_fault``).
-        """
-        if self._ledger.check(owner, idx) < 0:
+        count = idx.shape[0]
+        if count == 0:
             return None
-        return first_fault(self._owner, owner, idx)
+        held = self._held.get(owner)
+        if held is not None and count <= held.n and self._mark(owner, idx):
+            self._owner[idx] = owner  # undo the pending marks
+            return None
+        fault = first_fault(self._owner, owner, idx)
+        if fault is None:
+            raise Internal(f"free {self.label}: refused by the fast check but no fault found")
+        return fault
 
-    def commit_free(self, owner: int, idx: np.ndarray) -> int:
-        """Free ids already checked with :meth:`find_fault` under the same lock.
+    def commit(self, owner: int, idx: np.ndarray) -> int:
+        """Free ids already checked with :meth:`check`, with no call changing this space between.
 
-        For callers that validate several spaces before changing any (``SwaPair``,
-        ``PoolAllocator.free_batch``). ``idx``: int32 or int64, distinct and held by owner.
+        Args:
+            owner: the lease.
+            idx: 1-D ``np.intp`` ids, distinct and held by ``owner``.
 
         Returns:
             How many ids were freed.
         """
         count = idx.shape[0]
-        if count == 0:
-            return 0
-        holding = self._holdings[owner]
-        if self._ledger.give(owner, idx, holding) >= 0:
-            raise Internal(f"free {self.name}: ids checked by find_fault were refused at commit")
+        if count <= 1:
+            if count:
+                self.commit_one(owner, int(idx[0]))
+            return count
+        self._remove(owner, self._held[owner], idx)
         self._frees += count
-        if not len(holding):
-            del self._holdings[owner]
         return count
 
-    def reclaim(self, owner: int) -> int:
-        """Free everything ``owner`` holds (a crashed or expired lease); O(held). Returns how
-        many ids came back (0 when none were held); InvalidArgument for a bad owner."""
-        return int(self.reclaim_ids(owner).shape[0])
+    def commit_one(self, owner: int, i: int) -> None:
+        """:meth:`commit` of the one id ``i``, with scalar reads and writes.
 
-    def reclaim_ids(self, owner: int) -> np.ndarray:
-        """Like :meth:`reclaim`, returning the freed ids (int32) instead of their number."""
-        owner = check_owner(owner, f"reclaim {self.name}")
-        holding = self._holdings.get(owner)
-        if holding is None:
-            return EMPTY_IDS
-        live = np.frombuffer(holding.tobytes(), dtype=np.int32).copy()
-        if self._ledger.give(owner, live, holding) >= 0:
+        Args:
+            owner: the lease.
+            i: an id ``owner`` holds, checked with :meth:`check` (or known to be the owner's).
+
+        Raises:
+            Internal: ``owner`` does not hold ``i`` (a corrupted ledger or a caller bug).
+        """
+        held = self._held.get(owner)
+        if held is None or not self._free_one(owner, i, held):
+            raise Internal(f"free {self.label}: id {i} checked before was refused at commit")
+
+    def _mark(self, owner: int, idx: np.ndarray) -> bool:
+        """Mark ``idx`` pending (distinct negative tags) when all are the owner's and distinct;
+        else change nothing and return False."""
+        owners = self._owner
+        count = idx.shape[0]
+        # Range and ownership in one gather: an out-of-range id clips onto a sentinel (-1).
+        mine = owner.to_bytes(4, sys.byteorder) * count
+        if owners.take(idx, mode="clip").tobytes() != mine:
+            return False
+        if count <= self._tags.shape[0]:
+            tags, tag_bytes = self._tags[:count], self._tag_bytes[: 4 * count]
+        else:
+            tags = -2 - np.arange(count, dtype=np.int32)
+            tag_bytes = tags.tobytes()
+        owners[idx] = tags
+        # A repeated id keeps only the tag of its last position, so some position reads back
+        # another's tag.
+        if owners[idx].tobytes() != tag_bytes:
+            owners[idx] = owner
+            return False
+        return True
+
+    def _remove(self, owner: int, held: _Held, idx: np.ndarray) -> None:
+        """Free checked ids ``idx`` (intp, distinct, the owner's; maybe marked pending)."""
+        owners, slots = self._owner, self._slot
+        count = idx.shape[0]
+        n = held.n
+        keep = n - count
+        owners[idx] = 0
+        if keep:
+            tail = held.ids[keep:n]
+            left = owners[tail]
+            # Holes only when some of the set's last ``count`` entries stay (the ids freed are
+            # not the ones taken last): those fill the holes the others leave below ``keep``.
+            if count > _TAGS_CACHED or left.tobytes() != _ZEROS[: 4 * count]:
+                pos = slots[idx]
+                holes = pos[pos < keep]
+                stay = tail[left != 0]
+                held.ids[holes] = stay
+                slots[stay] = holes
+        head = self._head - count
+        self._stack[head : self._head] = idx
+        self._head = head
+        held.n = keep
+        if not keep:
+            self._drop(owner, held)
+        elif held.ids.shape[0] > SHRINK_ABOVE and keep * 4 <= held.ids.shape[0]:
+            room = held.ids.shape[0]
+            while room > MIN_ROOM and keep * 4 <= room:
+                room //= 2
+            held.resize(room)
+
+    def _drop(self, owner: int, held: _Held) -> None:
+        """Forget an owner that holds nothing now (its set may serve the next new owner)."""
+        del self._held[owner]
+        if held.ids.shape[0] == MIN_ROOM:
+            self._spare = held
+
+    def free_error(
+        self,
+        owner: int,
+        ids: np.ndarray,
+        *,
+        action: str = "",
+        field: str = "ids",
+        done: str = "nothing was freed",
+    ) -> KVPoolError:
+        """The error for a refused free of ``ids`` by ``owner`` (nothing was changed).
+
+        Args:
+            owner: the lease.
+            ids: the ids as sent.
+            action: what was asked (default ``"free <label>"``).
+            field: the input field of ``ids``.
+            done: what the refused call changed.
+
+        Returns:
+            The error to raise (Internal when no fault is found: a corrupted ledger).
+        """
+        action = action or f"free {self.label}"
+        fault = first_fault(self._owner, owner, ids)
+        if fault is None:
+            return Internal(f"{action}: refused by the fast check but no fault found")
+        return fault_error(
+            fault,
+            action=action,
+            space=self.space,
+            owner=owner,
+            value=int(ids[fault.pos]),
+            label=position_label(field),
+            done=done,
+        )
+
+    # -- reclaim and queries ----------------------------------------------------------------
+
+    def reclaim(self, owner: int) -> np.ndarray:
+        """Free everything ``owner`` holds (a lease that ended or crashed); O(held).
+
+        Args:
+            owner: the lease.
+
+        Returns:
+            The freed ids (a new int32 array; empty when none were held).
+
+        Raises:
+            Internal: the held set disagrees with the owner array (nothing is freed).
+        """
+        held = self._held.get(owner)
+        if held is None:
+            return np.zeros(0, dtype=np.int32)
+        ids = held.ids[: held.n].copy()
+        idx = ids.astype(np.intp)
+        if self._owner[idx].tobytes() != owner.to_bytes(4, sys.byteorder) * held.n:
             raise Internal(
-                f"reclaim {self.name}: owner {owner}'s held set ({len(holding)} ids) disagrees "
+                f"reclaim {self.label}: owner {owner}'s held set ({held.n} ids) disagrees "
                 "with the owner array; nothing was freed"
             )
-        del self._holdings[owner]
-        self._frees += live.shape[0]
-        return live
+        count = held.n
+        self._owner[idx] = 0
+        head = self._head - count
+        self._stack[head : self._head] = ids
+        self._head = head
+        held.n = 0
+        self._drop(owner, held)
+        self._frees += count
+        return ids
 
     @property
     def num_free(self) -> int:
         """Ids free now."""
-        return self.capacity - self._ledger.head
+        return self.capacity - self._head
 
-    def free_ids(self) -> np.ndarray:
-        """The free ids in the order they will be handed out (a copy; O(N), for tests)."""
-        return self._stack[self._ledger.head :].copy()
+    @property
+    def used(self) -> int:
+        """Ids held now."""
+        return self._head
 
     def held(self, owner: int) -> int:
-        """How many ids ``owner`` holds now."""
-        holding = self._holdings.get(owner)
-        return 0 if holding is None else len(holding)
+        """How many ids ``owner`` holds now.
+
+        Args:
+            owner: the lease.
+
+        Returns:
+            The count (0 for an owner holding nothing).
+        """
+        held = self._held.get(owner)
+        return 0 if held is None else held.n
 
     def holders(self) -> dict[int, int]:
-        """``{owner: ids held}`` for every owner holding at least one id."""
-        return {owner: len(h) for owner, h in self._holdings.items()}
+        """``{owner: ids held}`` for every owner holding at least one id.
 
-    def owner_of(self, ids: IdsLike) -> np.ndarray:
-        """The owner of each id (0 when free) as int32.
+        Returns:
+            A new dict.
+        """
+        return {owner: held.n for owner, held in self._held.items()}
+
+    def owner_of(self, ids: np.ndarray) -> np.ndarray:
+        """The owner of each id (0 when free).
+
+        Args:
+            ids: 1-D integer ids.
+
+        Returns:
+            A new int32 array, one owner per id.
 
         Raises:
-            InvalidArgument: bad dtype or shape, or an id outside ``1..N``.
+            InvalidArgument: an id outside ``1..N``.
         """
-        idx = to_index(as_ids(ids, f"owner_of {self.name}"))
+        idx = np.asarray(ids, dtype=np.intp)
         bad = (idx < 1) | (idx > self.capacity)
         if bad.any():
             pos = int(bad.argmax())
             raise InvalidArgument(
-                f"owner_of {self.name} ids[{pos}]={idx[pos]}: out of range 1..{self.capacity}",
+                f"owner_of {self.label} ids[{pos}]={idx[pos]}: out of range 1..{self.capacity}",
                 field=f"ids[{pos}]",
             )
-        return np.maximum(self._owner[idx], 0)
+        return self._owner[idx]
 
-    def stats(self) -> PoolCounters:
-        """Counters for Stats, taken now."""
-        used = self._ledger.head
-        return PoolCounters(
+    def free_ids(self) -> np.ndarray:
+        """The free ids in the order they will be handed out; O(N), for tests.
+
+        Returns:
+            A new int32 array.
+        """
+        return self._stack[self._head :].copy()
+
+    def counters(self) -> SpaceCounters:
+        """Counters for Stats, taken now.
+
+        Returns:
+            The snapshot.
+        """
+        used = self._head
+        return SpaceCounters(
             capacity=self.capacity,
             used=used,
             free=self.capacity - used,
@@ -328,41 +569,52 @@ class IdPool:
         Raises:
             Internal: naming the first broken invariant.
         """
-        cap, head = self.capacity, self._ledger.head
-        free_ids = self._stack[head:]
+        cap, head = self.capacity, self._head
+        free_ids = self._stack[head:].astype(np.intp)
         owners = self._owner[1 : cap + 1]
-        held = owners > 0
-        checks = [
+        held = owners != 0
+        checks: list[tuple[bool, str]] = [
+            (0 <= head <= cap, f"used {head} outside 0..{cap}"),
             (self._owner[0] == _SENTINEL and self._owner[cap + 1] == _SENTINEL, "sentinels"),
-            (np.unique(free_ids).shape[0] == cap - head, "an id is twice on the free stack"),
-            (bool((self._owner[free_ids] <= 0).all()), "a free id has an owner"),
-            (int(held.sum()) == head, f"{int(held.sum())} ids owned but used == {head}"),
+            (bool((owners >= 0).all()), "an owner entry is negative (a pending mark left)"),
+            (bool(((free_ids >= 1) & (free_ids <= cap)).all()), "a free-stack id out of range"),
         ]
-        values, counts = np.unique(owners[held], return_counts=True)
-        in_array = dict(zip(values.tolist(), counts.tolist(), strict=True))
-        checks.append((in_array == self.holders(), "held counts differ from the owner array"))
-        for owner, holding in self._holdings.items():
-            mine = np.frombuffer(holding.tobytes(), dtype=np.int32).astype(np.intp)
-            where = np.arange(mine.shape[0])
-            checks.append((bool((self._owner[mine] == owner).all()), f"owner {owner}'s set"))
-            checks.append((bool((self._slots[mine] == where).all()), f"owner {owner}'s slots"))
+        if all(ok for ok, _ in checks):
+            checks += [
+                (distinct(free_ids), "an id is twice on the free stack"),
+                (not self._owner[free_ids].any(), "a free id has an owner"),
+                (int(held.sum()) == head, f"{int(held.sum())} ids owned but used == {head}"),
+            ]
+            values, counts = np.unique(owners[held], return_counts=True)
+            in_array = dict(zip(values.tolist(), counts.tolist(), strict=True))
+            checks.append((in_array == self.holders(), "held counts differ from the owner array"))
+        for owner, holding in self._held.items():
+            mine = holding.ids[: holding.n].astype(np.intp)
+            ok_range = bool(((mine >= 1) & (mine <= cap)).all())
+            checks.append((0 < holding.n <= holding.ids.shape[0], f"owner {owner}'s set size"))
+            checks.append((ok_range, f"owner {owner}'s set holds an id out of range"))
+            if ok_range:
+                where = np.arange(holding.n)
+                checks.append((distinct(mine), f"owner {owner}'s set repeats an id"))
+                checks.append((bool((self._owner[mine] == owner).all()), f"owner {owner}'s set"))
+                checks.append((bool((self._slot[mine] == where).all()), f"owner {owner}'s slots"))
         for ok, what in checks:
             if not ok:
-                raise Internal(f"IdPool {self.name} ledger broken: {what}")
+                raise Internal(f"IdSpace {self.label} ledger broken: {what}")
 
-    def _free_error(self, owner: int, arr: np.ndarray) -> Exception:
-        """The error for a refused free of ``arr`` (state unchanged)."""
-        fault = self.find_fault(owner, to_index(arr))
-        if fault is None:
-            return Internal(f"free {self.name}: refused by the fast check but no fault found")
-        return fault_error(
-            fault,
-            action=f"free {self.name}",
-            space=self.space,
-            owner=owner,
-            value=int(arr[fault.pos]),
-            label=position_label(),
-        )
+
+def distinct(values: np.ndarray) -> bool:
+    """Whether no value of the 1-D integer array ``values`` repeats; O(n log n), for audits.
+
+    Args:
+        values: the array.
+
+    Returns:
+        True when every value is distinct.
+    """
+    # A sort, not np.unique: numpy 2's unique of millions of ints is ~100x slower than a sort.
+    ordered = np.sort(values)
+    return ordered.shape[0] < 2 or bool((ordered[1:] != ordered[:-1]).all())
 
 
 def _leases(n: int) -> str:

@@ -66,7 +66,7 @@ BUILDERS: dict[str, BuilderFn] = {
 
 
 @dataclass
-class Pool:
+class PoolBuffers:
     """A built pool: its plan, the backing region and the named views over it."""
 
     plan: PoolPlan
@@ -83,7 +83,7 @@ def build_pool(
     plan: PoolPlan,
     device: str | torch.device = "cpu",
     allocate: AllocateFn = allocate_zeros,
-) -> Pool:
+) -> PoolBuffers:
     """Allocate one region of ``plan.backing_bytes`` on ``device`` and carve the views.
 
     Args:
@@ -103,4 +103,4 @@ def build_pool(
         )
     dev = torch.device(device)
     backing = allocate(plan.backing_bytes, dev)
-    return Pool(plan=plan, device=dev, backing=backing, views=builder(plan, backing))
+    return PoolBuffers(plan=plan, device=dev, backing=backing, views=builder(plan, backing))

@@ -1,10 +1,12 @@
 """The daemon's state: pools by name, the device budget, leases and attachments.
 
-Concurrency: every method runs on the server's event loop thread, so the registry, the budget
-and the lease table need no lock (one owner: the loop). The only work off the loop is
-:func:`build_entry` in a worker thread, on objects nobody else sees until it returns; a name
-being built is in ``_building`` so a second Configure of it waits instead of racing. Each
-``PoolAllocator`` has its own leaf lock (see ``kvpoold.ids.pool_ids``).
+Concurrency, the one story: every method runs on the server's event loop thread, so the pools,
+their id spaces, the budget, the lease table and the attachments need no lock (one owner: the
+loop; nothing here awaits while it holds state half-changed). The only work off the loop is
+:func:`build_live_pool` in a worker thread, on objects nobody else sees until it returns; a
+name being built is in ``_building`` so a second Configure of it waits instead of racing.
+Device writes other processes read (a CUDA pool's ``full_to_swa``) are complete before a
+method returns (``live_pools.device_mirror``).
 """
 
 from __future__ import annotations
@@ -25,23 +27,15 @@ from kvpool.errors import (
     ResourceExhausted,
 )
 from kvpool.plan import PoolPlan
+from kvpool.records import AttachInfo, ConfigureResult, HeldMap, Released, Stats
 from kvpoold import __version__
-from kvpoold.ids import Kind
+from kvpoold.ids import Grant
 from kvpoold.server.attachments import AttachmentTable
 from kvpoold.server.leases import Lease, LeaseTable
-from kvpoold.server.live_pools import PoolEntry, build_entry, plan_json_text
+from kvpoold.server.live_pools import LivePool, build_live_pool, plan_json_text
 from kvpoold.server.planning import plan_from_args
-from kvpoold.server.records import (
-    AttachResult,
-    CloseResult,
-    ConfigureArgs,
-    ConfigureResult,
-    DropResult,
-    HeldCount,
-    IdBlock,
-    Snapshot,
-)
-from kvpoold.server.snapshot import take_snapshot
+from kvpoold.server.records import ConfigureArgs
+from kvpoold.server.stats import take_stats
 from kvpoold.sharing.base import BackingFactory
 
 log = logging.getLogger("kvpoold.daemon")
@@ -89,7 +83,7 @@ class Daemon:
         self._clock = clock
         self.started_at = clock()
         self.leases = LeaseTable(clock)
-        self.pools: dict[str, PoolEntry] = {}
+        self.pools: dict[str, LivePool] = {}
         self.attachments = AttachmentTable()
         self._building: dict[str, asyncio.Event] = {}
         self._reserved_bytes = 0
@@ -154,10 +148,10 @@ class Daemon:
         return self._configure_result(entry.plan, entry.plan_json, fingerprint,
                                       created=True, dry_run=False)
 
-    async def _build(self, name: str, new_plan: PoolPlan, done: asyncio.Event) -> PoolEntry:
+    async def _build(self, name: str, new_plan: PoolPlan, done: asyncio.Event) -> LivePool:
         try:
             entry = await asyncio.to_thread(
-                build_entry, name, new_plan, self._factory, self._clock()
+                build_live_pool, name, new_plan, self._factory, self._clock()
             )
             self.pools[name] = entry
         finally:
@@ -190,7 +184,7 @@ class Daemon:
     def renew_lease(self, lease_id: int) -> Lease:
         return self.leases.renew(check_id(lease_id, "lease_id"))
 
-    def close_lease(self, lease_id: int) -> CloseResult:
+    def close_lease(self, lease_id: int) -> Released:
         """End a lease; everything it holds comes back and its attachments end.
 
         Raises:
@@ -200,11 +194,11 @@ class Daemon:
         result = self._release(lease)
         log.info("lease closed", extra={"fields": {
             "event": "lease_close", "lease_id": lease.lease_id, "name": lease.name,
-            "released": _total(result.released), "detached": result.detached,
+            "released": result.total, "detached": result.detached,
         }})
         return result
 
-    def expire_leases(self) -> list[tuple[Lease, CloseResult]]:
+    def expire_leases(self) -> list[tuple[Lease, Released]]:
         """Expire every lease past its deadline and reclaim what it held; logs each."""
         out = []
         for lease in self.leases.pop_expired():
@@ -212,52 +206,56 @@ class Daemon:
             out.append((lease, result))
             log.warning("lease expired", extra={"fields": {
                 "event": "lease_expired", "lease_id": lease.lease_id, "name": lease.name,
-                "ttl_s": lease.ttl_s, "released": _total(result.released),
+                "ttl_s": lease.ttl_s, "released": result.total,
                 "detached": result.detached,
-                "held": {f"{h.pool}/{h.kind.value}": h.count for h in result.released},
+                "held": {f"{pool}/{space}": n for pool, spaces in result.held.items()
+                         for space, n in spaces.items()},
             }})
         return out
 
-    def _release(self, lease: Lease) -> CloseResult:
-        released = []
+    def _release(self, lease: Lease) -> Released:
+        released: HeldMap = {}
         for name, entry in self.pools.items():
-            for kind, count in entry.allocator.reclaim(lease.owner).items():
-                if count:
-                    released.append(HeldCount(name, kind, count))
-        return CloseResult(tuple(released), self.attachments.remove_lease(lease.lease_id))
+            counts = {s: n for s, n in entry.ids.reclaim(lease.owner).items() if n}
+            if counts:
+                released[name] = counts
+        return Released(released, self.attachments.remove_lease(lease.lease_id))
 
     # -- Allocate / Free ---------------------------------------------------------------------
 
     def allocate(self, pool: str, lease_id: int,
-                 items: Sequence[tuple[Kind, int]]) -> list[IdBlock]:
-        """Allocate every ``(kind, count)`` item for the lease, all or none.
+                 items: Sequence[tuple[str, int]]) -> list[tuple[str, Grant]]:
+        """Allocate every ``(space, count)`` item for the lease, all or none.
+
+        Returns:
+            ``(space, grant)`` per item, in order.
 
         Raises:
-            InvalidArgument: bad pool name, no items, or a bad item (kind, count).
+            InvalidArgument: bad pool name, no items, an unknown space or one that follows
+                another.
             NotFound: unknown pool or lease.
             ResourceExhausted: not enough free ids for an item (nothing allocated).
         """
         entry = self.pool(pool)
         lease = self.leases.get(check_id(lease_id, "lease_id"))
         if not items:
-            raise InvalidArgument("allocate needs at least one (kind, count) item",
+            raise InvalidArgument("allocate needs at least one (space, count) item",
                                   field="items")
-        blocks = entry.allocator.allocate_batch(lease.owner, items)
-        if entry.plan.swa_num_pages:
-            return [
-                IdBlock(kind, ids, entry.allocator.swa_of(ids) if kind is Kind.KV else None)
-                for (kind, _), ids in zip(items, blocks, strict=True)
-            ]
-        return [IdBlock(kind, ids) for (kind, _), ids in zip(items, blocks, strict=True)]
+        ids = entry.ids
+        spaces = [ids.space(name, f"items[{i}].space", allocating=True)
+                  for i, (name, _) in enumerate(items)]
+        grants = ids.allocate(lease.owner, [(s, n) for s, (_, n) in zip(spaces, items,
+                                                                        strict=True)])
+        return [(name, grant) for (name, _), grant in zip(items, grants, strict=True)]
 
-    def free(self, pool: str, lease_id: int, items: Sequence[tuple[Kind, np.ndarray]]) -> int:
-        """Free every ``(kind, ids)`` item of the lease; validated first, all or none.
+    def free(self, pool: str, lease_id: int, items: Sequence[tuple[str, np.ndarray]]) -> int:
+        """Free every ``(space, ids)`` item of the lease; validated first, all or none.
 
         Returns:
             Ids returned over all items.
 
         Raises:
-            InvalidArgument: bad pool name, no items, a malformed id list, an id out of range or
+            InvalidArgument: bad pool name, no items, an unknown space, an id out of range or
                 repeated.
             NotFound: unknown pool or lease.
             FailedPrecondition: an id not held by this lease (nothing freed).
@@ -265,12 +263,15 @@ class Daemon:
         entry = self.pool(pool)
         lease = self.leases.get(check_id(lease_id, "lease_id"))
         if not items:
-            raise InvalidArgument("free needs at least one (kind, ids) item", field="items")
-        return sum(entry.allocator.free_batch(lease.owner, items).values())
+            raise InvalidArgument("free needs at least one (space, ids) item", field="items")
+        ids = entry.ids
+        typed = [(ids.space(name, f"items[{i}].space", allocating=False), arr)
+                 for i, (name, arr) in enumerate(items)]
+        return sum(ids.free(lease.owner, typed).values())
 
     # -- pools -------------------------------------------------------------------------------
 
-    def pool(self, name: str) -> PoolEntry:
+    def pool(self, name: str) -> LivePool:
         """The built pool ``name``.
 
         Raises:
@@ -286,7 +287,7 @@ class Daemon:
             raise NotFound(f"no pool {name!r}{building}; pools: {known}", field="pool")
         return entry
 
-    def drop(self, name: str, force: bool = False) -> DropResult:
+    def drop(self, name: str, force: bool = False) -> Released:
         """Release a pool's memory and budget.
 
         Raises:
@@ -294,7 +295,7 @@ class Daemon:
             FailedPrecondition: a lease holds ids in it or a client is attached, and not force.
         """
         entry = self.pool(name)
-        holders = entry.allocator.held_by_owner()
+        holders = entry.ids.held_by_owner()
         attached = self.attachments.count_pool(name)
         if (holders or attached) and not force:
             owners = {lease.owner: lease for lease in self.leases}
@@ -308,23 +309,23 @@ class Daemon:
                 "force",
                 field="force",
             )
-        reclaimed = []
+        reclaimed: dict[str, int] = {}
         for owner in holders:
-            for kind, count in entry.allocator.reclaim(owner).items():
-                if count:
-                    reclaimed.append(HeldCount(name, kind, count))
+            for space, count in entry.ids.reclaim(owner).items():
+                reclaimed[space] = reclaimed.get(space, 0) + count
+        held = {name: {s: n for s, n in reclaimed.items() if n}} if holders else {}
         detached = self.attachments.remove_pool(name)
         del self.pools[name]
         entry.close()
         log.info("pool dropped", extra={"fields": {
-            "event": "drop", "pool": name, "force": force, "reclaimed": _total(reclaimed),
+            "event": "drop", "pool": name, "force": force, "reclaimed": sum(reclaimed.values()),
             "detached": detached, "released_bytes": entry.plan.backing_bytes,
         }})
-        return DropResult(tuple(reclaimed), detached, entry.plan.backing_bytes)
+        return Released(held, detached, entry.plan.backing_bytes)
 
     # -- Attach / Detach ---------------------------------------------------------------------
 
-    def attach(self, pool: str, expected_fingerprint: str = "", lease_id: int = 0) -> AttachResult:
+    def attach(self, pool: str, expected_fingerprint: str = "", lease_id: int = 0) -> AttachInfo:
         """Hand out what a client needs to map a pool, and count it as attached.
 
         Every call exports a fresh handle (``backing.handle()``): a CUDA IPC export serves
@@ -351,8 +352,8 @@ class Daemon:
             "event": "attach", "pool": pool, "attach_id": att.attach_id, "lease_id": lease_id,
             "handle_kind": handle.kind, "attached": self.attachments.count_pool(pool),
         }})
-        return AttachResult(entry.fingerprint, entry.plan, entry.plan_json, handle,
-                            att.attach_id, self.device)
+        return AttachInfo(entry.fingerprint, entry.plan, entry.plan_json, handle,
+                          att.attach_id, self.device)
 
     def detach(self, attach_id: int) -> None:
         """End an attachment.
@@ -374,7 +375,7 @@ class Daemon:
 
     # -- Stats and shutdown ------------------------------------------------------------------
 
-    def snapshot(self, pool: str = "") -> Snapshot:
+    def stats(self, pool: str = "") -> Stats:
         """Stats of the daemon, its pools (or one) and its leases, taken now.
 
         Raises:
@@ -382,7 +383,7 @@ class Daemon:
         """
         if pool:
             self.pool(pool)
-        return take_snapshot(self, pool)
+        return take_stats(self, pool)
 
     def close(self) -> None:
         """Release every pool and the factory (shutdown). Idempotent."""
@@ -403,7 +404,3 @@ def check_id(value: int, field: str) -> int:
         raise InvalidArgument(f"{field} is not set (0); pass the id OpenLease/Attach returned",
                               field=field)
     return value
-
-
-def _total(held: Sequence[HeldCount]) -> int:
-    return sum(h.count for h in held)

@@ -1,66 +1,49 @@
-"""Proto <-> domain conversion: the only module of the daemon that imports ``kvpool_pb2``.
+"""The daemon's edge: request messages -> typed values, once; replies through ``kvpool.codec``.
 
-Requests become plain values and records (``records.py``); records become responses. Malformed
-wire input (an unset kind, an id list that is not a whole number of int32) is refused here as
-``InvalidArgument`` naming the field; range and state checks belong to the daemon.
+Malformed wire input (an item naming no id space, an id list that is not a whole number of
+int32) is refused here as ``InvalidArgument`` naming the field; what a value means for a pool
+(its spaces, ranges, owners) is checked by the daemon and the id spaces, which take only the
+typed values this module makes. Replies are the shared records encoded by ``kvpool.codec``, so
+the client decodes exactly the shape the daemon built.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from google.protobuf.message import Message
 
+from kvpool import codec
+from kvpool.codec import KIND_OF_SPACE, SPACE_OF_KIND
 from kvpool.errors import InvalidArgument
-from kvpool.plan import PoolPlan
 from kvpool.v1 import kvpool_pb2 as pb
-from kvpoold.ids import Kind, PoolCounters
+from kvpoold.ids import Grant
 from kvpoold.server.leases import Lease
-from kvpoold.server.records import (
-    AttachResult,
-    CloseResult,
-    ConfigureArgs,
-    ConfigureResult,
-    DropResult,
-    HeldCount,
-    IdBlock,
-    Snapshot,
-)
-from kvpoold.sharing.base import SharedHandle
+from kvpoold.server.records import ConfigureArgs
 
-KIND_FROM_PB: dict[int, Kind] = {
-    pb.KIND_KV: Kind.KV,
-    pb.KIND_SWA: Kind.SWA,
-    pb.KIND_REQ: Kind.REQ,
-    pb.KIND_STATE: Kind.STATE,
-}
-KIND_TO_PB: dict[Kind, int] = {kind: value for value, kind in KIND_FROM_PB.items()}
-HANDLE_KIND_TO_PB = {
-    "none": pb.HANDLE_KIND_NONE,
-    "shm": pb.HANDLE_KIND_SHM,
-    "cuda_ipc": pb.HANDLE_KIND_CUDA_IPC,
-}
 # ConfigureRequest fields that are PlanOptions fields of the same name.
 _OPTIONAL_OPTIONS = (
     "budget_bytes", "max_total_tokens", "page_size", "tp_size", "pp_size", "pp_rank",
     "context_length", "max_running_requests", "speculative_num_draft_layers",
     "speculative_num_draft_tokens", "swa_full_tokens_ratio", "mamba_full_memory_ratio",
 )
-_PLAN_SCALARS = tuple(
-    f.name for f in pb.Plan.DESCRIPTOR.fields if f.name not in ("notes", "buffers")
-)
 
 
-def _kind(value: int, field: str) -> Kind:
-    kind = KIND_FROM_PB.get(value)
-    if kind is None:
+def _space(space: str, kind: int, field: str) -> str:
+    """The id space an item names: ``space``, else the first API form's ``kind`` enum."""
+    if space:
+        return space
+    name = SPACE_OF_KIND.get(kind)
+    if name is None:
+        shown = pb.Kind.Name(kind) if kind in pb.Kind.values() else kind
         raise InvalidArgument(
-            f"{field} is {pb.Kind.Name(value) if value in pb.Kind.values() else value}; give "
-            "KIND_KV, KIND_REQ, KIND_STATE (or KIND_SWA to free)",
+            f"{field} is not set (kind is {shown}); name an id space of the pool in space "
+            "(kv, req, state, ...)",
             field=field,
         )
-    return kind
+    return name
 
 
 # -- requests -----------------------------------------------------------------------------------
@@ -108,54 +91,33 @@ def configure_args(req: pb.ConfigureRequest) -> ConfigureArgs:
     )
 
 
-def allocate_items(req: pb.AllocateRequest) -> list[tuple[Kind, int]]:
-    """The ``(kind, count)`` items of an AllocateRequest."""
-    return [(_kind(item.kind, f"items[{i}].kind"), item.count) for i, item in enumerate(req.items)]
+def allocate_items(req: pb.AllocateRequest) -> list[tuple[str, int]]:
+    """The ``(space, count)`` items of an AllocateRequest (counts are uint32 on the wire)."""
+    return [(_space(item.space, item.kind, f"items[{i}].space"), item.count)
+            for i, item in enumerate(req.items)]
 
 
-def free_items(req: pb.FreeRequest) -> list[tuple[Kind, np.ndarray]]:
-    """The ``(kind, ids)`` items of a FreeRequest; ids decoded from little-endian int32 bytes."""
+def free_items(req: pb.FreeRequest) -> list[tuple[str, np.ndarray]]:
+    """The ``(space, ids)`` items of a FreeRequest: ids as read-only contiguous int32 arrays
+    over the message's bytes (no copy).
+
+    Raises:
+        InvalidArgument: an item without a space, or ids that are not whole int32 values.
+    """
     out = []
     for i, item in enumerate(req.items):
-        kind = _kind(item.kind, f"items[{i}].kind")
+        space = _space(item.space, item.kind, f"items[{i}].space")
         if len(item.ids) % 4:
             raise InvalidArgument(
                 f"items[{i}].ids has {len(item.ids)} bytes, not a whole number of little-endian "
                 "int32 ids (4 bytes each)",
                 field=f"items[{i}].ids",
             )
-        out.append((kind, np.frombuffer(item.ids, dtype="<i4")))
+        out.append((space, codec.ids_from_bytes(item.ids)))
     return out
 
 
 # -- responses ----------------------------------------------------------------------------------
-
-def plan_message(plan: PoolPlan) -> pb.Plan:
-    """The plan as a proto message (None fields left unset)."""
-    msg = pb.Plan(notes=plan.notes)
-    for name in _PLAN_SCALARS:
-        value = getattr(plan, name)
-        if value is not None:
-            setattr(msg, name, value)
-    msg.buffers.extend(
-        pb.Buffer(name=b.name, dtype=b.dtype.value, shape=b.shape, offset_bytes=b.offset_bytes,
-                  nbytes=b.nbytes, kind=b.kind.value, page_bytes=b.page_bytes,
-                  in_budget=b.in_budget)
-        for b in plan.buffers
-    )
-    return msg
-
-
-def configure_response(result: ConfigureResult) -> pb.ConfigureResponse:
-    return pb.ConfigureResponse(
-        plan=plan_message(result.plan),
-        plan_json=result.plan_json,
-        fingerprint=result.fingerprint,
-        created=result.created,
-        dry_run=result.dry_run,
-        budget_available_bytes=result.budget_available_bytes,
-    )
-
 
 def open_lease_response(lease: Lease) -> pb.OpenLeaseResponse:
     return pb.OpenLeaseResponse(lease_id=lease.lease_id, ttl_seconds=lease.ttl_s)
@@ -166,22 +128,17 @@ def keep_alive_response(lease: Lease, now: float) -> pb.KeepAliveResponse:
                                 expires_in_seconds=lease.expires_in(now))
 
 
-def _held(held: tuple[HeldCount, ...]) -> list[pb.Held]:
-    return [pb.Held(pool=h.pool, kind=KIND_TO_PB[h.kind], count=h.count) for h in held]
-
-
-def close_lease_response(result: CloseResult) -> pb.CloseLeaseResponse:
-    return pb.CloseLeaseResponse(released=_held(result.released), detached=result.detached)
-
-
-def allocate_response(blocks: list[IdBlock]) -> pb.AllocateResponse:
+def allocate_response(items: Sequence[tuple[str, Grant]]) -> pb.AllocateResponse:
+    """One IdList per request item: its space, its ids, and a following space's paired ids."""
     return pb.AllocateResponse(items=[
         pb.IdList(
-            kind=KIND_TO_PB[b.kind],
-            ids=b.ids.astype("<i4", copy=False).tobytes(),
-            swa_ids=b"" if b.swa_ids is None else b.swa_ids.astype("<i4", copy=False).tobytes(),
+            space=space,
+            kind=KIND_OF_SPACE.get(space, 0),
+            ids=codec.ids_to_bytes(grant.ids),
+            paired_ids=b"" if grant.paired is None else codec.ids_to_bytes(grant.paired),
+            paired_space=grant.paired_space or "",
         )
-        for b in blocks
+        for space, grant in items
     ])
 
 
@@ -191,71 +148,3 @@ def free_response(freed: int) -> pb.FreeResponse:
 
 def detach_response() -> pb.DetachResponse:
     return pb.DetachResponse()
-
-
-def drop_response(result: DropResult) -> pb.DropResponse:
-    return pb.DropResponse(reclaimed=_held(result.reclaimed), detached=result.detached,
-                           released_bytes=result.released_bytes)
-
-
-def handle_message(handle: SharedHandle) -> pb.SharedHandle:
-    return pb.SharedHandle(
-        kind=HANDLE_KIND_TO_PB[handle.kind],
-        size=handle.size,
-        path=handle.path,
-        device_uuid=handle.device_uuid,
-        ipc_handle=handle.ipc_handle,
-        storage_offset=handle.storage_offset,
-        storage_size=handle.storage_size,
-        ref_counter_handle=handle.ref_counter_handle,
-        ref_counter_offset=handle.ref_counter_offset,
-        event_handle=handle.event_handle,
-        event_sync_required=handle.event_sync_required,
-    )
-
-
-def attach_response(result: AttachResult) -> pb.AttachResponse:
-    return pb.AttachResponse(
-        fingerprint=result.fingerprint,
-        plan=plan_message(result.plan),
-        plan_json=result.plan_json,
-        handle=handle_message(result.handle),
-        attach_id=result.attach_id,
-        device=result.device,
-    )
-
-
-def _kind_stats(kind: Kind, c: PoolCounters) -> pb.KindStats:
-    return pb.KindStats(kind=KIND_TO_PB[kind], capacity=c.capacity, used=c.used, free=c.free,
-                        high_water=c.high_water, allocs=c.allocs, frees=c.frees,
-                        failed_allocs=c.failed_allocs)
-
-
-def stats_response(snap: Snapshot) -> pb.StatsResponse:
-    d = snap.daemon
-    return pb.StatsResponse(
-        daemon=pb.DaemonStats(
-            version=d.version, device=d.device, budget_bytes=d.budget_bytes,
-            used_bytes=d.used_bytes, uptime_seconds=d.uptime_s, num_pools=d.num_pools,
-            num_leases=d.num_leases, leases_opened=d.leases_opened,
-            leases_closed=d.leases_closed, leases_expired=d.leases_expired,
-        ),
-        pools=[
-            pb.PoolStats(
-                name=p.name, fingerprint=p.fingerprint, architecture=p.plan.architecture,
-                kv_cache_dtype=p.plan.kv_cache_dtype, page_size=p.plan.page_size,
-                max_total_num_tokens=p.plan.max_total_num_tokens,
-                max_running_requests=p.plan.max_running_requests,
-                backing_bytes=p.plan.backing_bytes,
-                kinds=[_kind_stats(k, c) for k, c in p.kinds.items()],
-                attached=p.attached, age_seconds=p.age_s, handle_kind=p.handle_kind,
-            )
-            for p in snap.pools
-        ],
-        leases=[
-            pb.LeaseStats(lease_id=x.lease_id, name=x.name, ttl_seconds=x.ttl_s,
-                          expires_in_seconds=x.expires_in_s, held=_held(x.held),
-                          attached=x.attached)
-            for x in snap.leases
-        ],
-    )

@@ -6,14 +6,20 @@ before a daemon restart does not name someone else's lease) and a small sequenti
 deadline to ``now + ttl``; :meth:`LeaseTable.pop_expired` hands back the leases whose deadline
 has passed so the daemon can reclaim what they hold.
 
+Deadlines are kept in a heap of ``(deadline, lease_id, generation)``: a sweep pops only what
+has expired (O(expired log n)), not every lease. Renewing pushes a new entry and closing leaves
+the old one behind; such stale entries (their generation is no longer the lease's) are skipped
+when they surface, and the heap is rebuilt from the open leases when they outnumber them 2:1.
+
 Not thread-safe: the daemon calls it from its event loop only.
 """
 
 from __future__ import annotations
 
+import heapq
 import secrets
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpool.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvpoold.ids.faults import OWNER_MAX
@@ -22,6 +28,8 @@ MIN_TTL_S = 0.1
 MAX_TTL_S = 86_400.0
 MAX_NAME_CHARS = 128
 MAX_LEASES = 65_536
+# Rebuild the deadline heap when stale entries exceed this many per open lease.
+STALE_PER_LEASE = 2
 
 
 @dataclass
@@ -34,8 +42,18 @@ class Lease:
     ttl_s: float
     deadline: float
     opened_at: float
+    # Which deadline-heap entry is current; older entries of this lease are stale.
+    generation: int = field(default=0, repr=False, compare=False)
 
     def expires_in(self, now: float) -> float:
+        """Seconds left until ``deadline``, 0 once it has passed.
+
+        Args:
+            now: the table's clock.
+
+        Returns:
+            The seconds left.
+        """
         return max(0.0, self.deadline - now)
 
 
@@ -73,7 +91,7 @@ def check_ttl(ttl_s: float) -> float:
 
 
 class LeaseTable:
-    """The open leases, by id, with counters for Stats.
+    """The open leases, by id, with counters for Stats and a heap of their deadlines.
 
     Args:
         clock: monotonic seconds (``time.monotonic``); injected so tests can move time.
@@ -86,9 +104,13 @@ class LeaseTable:
         self._leases: dict[int, Lease] = {}
         self._owners: set[int] = set()
         self._next_owner = 1
+        self._heap: list[tuple[float, int, int]] = []  # (deadline, lease_id, generation)
+        self._stale = 0  # heap entries whose lease was renewed or closed since
+        self._generation = 0
         self.opened = 0
         self.closed = 0
         self.expired = 0
+        self.examined = 0  # heap entries popped by sweeps: what expiry costs, for tests
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -117,6 +139,7 @@ class LeaseTable:
         now = self._clock()
         lease = Lease(lease_id, owner, name, ttl_s, now + ttl_s, now)
         self._leases[lease_id] = lease
+        self._push(lease)
         self.opened += 1
         return lease
 
@@ -147,6 +170,8 @@ class LeaseTable:
         """
         lease = self.get(lease_id)
         lease.deadline = self._clock() + lease.ttl_s
+        self._push(lease)
+        self._went_stale()
         return lease
 
     def close(self, lease_id: int) -> Lease:
@@ -159,17 +184,78 @@ class LeaseTable:
         del self._leases[lease_id]
         self._owners.discard(lease.owner)
         self.closed += 1
+        self._went_stale()
         return lease
 
-    def pop_expired(self) -> list[Lease]:
-        """Remove and return every lease whose deadline has passed."""
-        now = self._clock()
-        gone = [lease for lease in self._leases.values() if lease.deadline <= now]
-        for lease in gone:
-            del self._leases[lease.lease_id]
+    def pop_expired(self, now: float | None = None) -> list[Lease]:
+        """Remove and return every lease whose deadline has passed, earliest first.
+
+        Costs O(expired log n): only heap entries due by ``now`` are popped (counted in
+        ``examined``), live or stale.
+
+        Args:
+            now: the time to expire at; default the table's clock.
+
+        Returns:
+            The expired leases, by deadline.
+        """
+        now = self._clock() if now is None else now
+        gone = []
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            _deadline, lease_id, generation = heapq.heappop(heap)
+            self.examined += 1
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.generation != generation:
+                self._stale -= 1
+                continue
+            del self._leases[lease_id]
             self._owners.discard(lease.owner)
+            gone.append(lease)
         self.expired += len(gone)
+        if gone:
+            self._compact_if_stale()  # fewer open leases: the stale ones may now outnumber them
         return gone
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of an open lease, or None without leases.
+
+        Returns:
+            A time on the table's clock; stale entries on top of the heap are dropped.
+        """
+        heap = self._heap
+        while heap:
+            deadline, lease_id, generation = heap[0]
+            lease = self._leases.get(lease_id)
+            if lease is not None and lease.generation == generation:
+                return deadline
+            heapq.heappop(heap)
+            self._stale -= 1
+        return None
+
+    @property
+    def heap_size(self) -> int:
+        """Entries in the deadline heap: one per open lease plus the stale ones."""
+        return len(self._heap)
+
+    def _push(self, lease: Lease) -> None:
+        self._generation += 1
+        lease.generation = self._generation
+        heapq.heappush(self._heap, (lease.deadline, lease.lease_id, lease.generation))
+
+    def _went_stale(self) -> None:
+        self._stale += 1
+        self._compact_if_stale()
+
+    def _compact_if_stale(self) -> None:
+        """Rebuild the heap from the open leases once stale entries outnumber them 2:1.
+
+        Amortized O(1): a rebuild costs O(open leases) and drops more stale entries than that.
+        """
+        if self._stale > STALE_PER_LEASE * len(self._leases):
+            self._heap = [(x.deadline, x.lease_id, x.generation) for x in self._leases.values()]
+            heapq.heapify(self._heap)
+            self._stale = 0
 
     def _take_owner(self) -> int:
         # Sequential owners; after 2**31 - 1 leases they wrap and skip the ones still open.

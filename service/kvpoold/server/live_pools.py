@@ -1,7 +1,7 @@
-"""One built pool as the daemon keeps it: plan, backing region, views and allocator together.
+"""One built pool as the daemon keeps it: plan, backing region, buffers and id spaces together.
 
-:func:`build_entry` is the blocking part of Configure (allocating and zeroing the region); the
-daemon runs it in a worker thread on objects no other call can see until it returns.
+:func:`build_live_pool` is the blocking part of Configure (allocating and zeroing the region);
+the daemon runs it in a worker thread on objects no other call can see until it returns.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import numpy as np
 import torch
 
 from kvpool.errors import Internal
-from kvpool.plan import FULL_TO_SWA, PoolPlan
-from kvpoold.ids import Kind, PoolAllocator, PoolCounters
-from kvpoold.pools import Pool, build_pool
+from kvpool.plan import PoolPlan
+from kvpoold.ids import MappingBuffer, PoolIds
+from kvpoold.pools import PoolBuffers, build_pool
 from kvpoold.sharing.base import Backing, BackingFactory
 
 
@@ -26,7 +26,7 @@ def plan_json_text(plan: PoolPlan) -> str:
 
 
 @dataclass
-class PoolEntry:
+class LivePool:
     """A built pool, as the daemon keeps it."""
 
     name: str
@@ -34,17 +34,14 @@ class PoolEntry:
     fingerprint: str
     plan_json: str
     backing: Backing
-    pool: Pool
-    allocator: PoolAllocator
+    buffers: PoolBuffers
+    ids: PoolIds
     created_at: float
 
     @property
     def handle_kind(self) -> str:
         """shm, cuda_ipc or none; Attach exports a fresh handle each time (backing.handle())."""
         return self.backing.handle_kind
-
-    def counters(self) -> dict[Kind, PoolCounters]:
-        return self.allocator.stats()
 
     def close(self) -> None:
         """Release the backing region (idempotent)."""
@@ -54,56 +51,54 @@ class PoolEntry:
 def device_mirror(device_view: torch.Tensor) -> tuple[np.ndarray, Callable[[np.ndarray], None]]:
     """A host copy of a 1-D device buffer, and the function that copies written entries over.
 
-    The allocator writes ``host[idx]`` under its lock and calls ``sync(idx)``; the copy is
-    O(len(idx)) and synchronous, so an engine that gets the ids back sees the entries.
+    The id spaces write ``host[idx]`` and call ``sync(idx)``, which copies those entries to the
+    device and waits for the copy: engines in other processes read the device buffer as soon
+    as the Allocate reply reaches them, so the write must be complete before the daemon
+    answers (a cross-process reader is not ordered by this process's stream). O(len(idx)).
     """
     host = torch.zeros(device_view.shape, dtype=device_view.dtype)
     host_np = host.numpy()
+    device = device_view.device
 
     def sync(idx: np.ndarray) -> None:
         index = torch.from_numpy(idx)
-        device_view[index.to(device_view.device)] = host[index].to(device_view.device)
+        device_view[index.to(device)] = host[index].to(device)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
 
     return host_np, sync
 
 
-def make_allocator(name: str, plan: PoolPlan, views: dict[str, torch.Tensor]) -> PoolAllocator:
-    """The allocator of a pool: KV pages ``1..num_pages``, SWA pages (hybrid), request rows
-    ``1..max_running_requests`` and mamba state slots ``1..mamba_cache_size``.
+def make_pool_ids(name: str, plan: PoolPlan, views: dict[str, torch.Tensor]) -> PoolIds:
+    """The id spaces of a pool, from the plan's table; each mapping buffer a following space
+    writes is handed over as numpy (a device buffer through a host mirror, see
+    :func:`device_mirror`).
 
     Raises:
-        Internal: a hybrid plan without its ``full_to_swa`` buffer.
+        Internal: a following space whose mapping buffer the plan does not carve.
     """
-    full_to_swa: np.ndarray | None = None
-    on_write: Callable[[np.ndarray], None] | None = None
-    swa_pages = plan.swa_num_pages or 0
-    if swa_pages:
-        if FULL_TO_SWA not in views:
-            raise Internal(f"pool {name}: a plan with SWA pages has no {FULL_TO_SWA} buffer")
-        view = views[FULL_TO_SWA].reshape(-1)
+    mappings: dict[str, MappingBuffer] = {}
+    for space in plan.id_spaces:
+        if space.mapping is None or space.mapping in mappings:
+            continue
+        if space.mapping not in views:
+            raise Internal(f"pool {name}: id space {space.name} maps through buffer "
+                           f"{space.mapping!r}, which the plan does not have")
+        view = views[space.mapping].reshape(-1)
         if view.device.type == "cpu":
-            full_to_swa = view.numpy()
+            mappings[space.mapping] = MappingBuffer(view.numpy())
         else:
-            # The allocator writes numpy: it gets a host copy and every write is mirrored.
-            full_to_swa, on_write = device_mirror(view)
-    return PoolAllocator(
-        name,
-        kv_pages=plan.num_pages,
-        swa_pages=swa_pages,
-        full_to_swa=full_to_swa,
-        full_to_swa_on_write=on_write,
-        req_rows=plan.max_running_requests,
-        state_slots=plan.mamba_cache_size or 0,
-    )
+            mappings[space.mapping] = MappingBuffer(*device_mirror(view))
+    return PoolIds(name, plan.id_spaces, mappings)
 
 
-def build_entry(
+def build_live_pool(
     name: str,
     plan: PoolPlan,
     factory: BackingFactory,
     created_at: float,
-) -> PoolEntry:
-    """Create the backing region through ``factory``, carve the views, make the allocator.
+) -> LivePool:
+    """Create the backing region through ``factory``, carve the buffers, make the id spaces.
 
     Blocking (the region is allocated and zero-filled): run it in a worker thread.
 
@@ -113,18 +108,18 @@ def build_entry(
     """
     backing = factory.create(plan.backing_bytes, name)
     try:
-        pool = build_pool(plan, factory.device, allocate=lambda _n, _d: backing.tensor)
-        allocator = make_allocator(name, plan, pool.views)
+        buffers = build_pool(plan, factory.device, allocate=lambda _n, _d: backing.tensor)
+        ids = make_pool_ids(name, plan, buffers.views)
     except BaseException:
         backing.close()
         raise
-    return PoolEntry(
+    return LivePool(
         name=name,
         plan=plan,
         fingerprint=plan.fingerprint(),
         plan_json=plan_json_text(plan),
         backing=backing,
-        pool=pool,
-        allocator=allocator,
+        buffers=buffers,
+        ids=ids,
         created_at=created_at,
     )

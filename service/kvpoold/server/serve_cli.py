@@ -1,74 +1,84 @@
-"""``kvpoold serve``: parse flags (and ``--config``), then run the daemon until a signal."""
+"""``kvpoold serve``: flags built from the settings Struct, merged with ``--config``, then run."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+import msgspec
 
 from kvpool.targets import default_socket_path
-from kvpoold.config import ServeSettings, check_host, load_config, resolve
-from kvpoold.server.logs import LOG_FORMATS, configure_logging
+from kvpoold.server.logs import configure_logging
+from kvpoold.settings import ServeConfig, ServeSettings, check_host, describe, load_config, resolve
 
 
 def add_parser(subparsers: argparse._SubParsersAction[Any]) -> argparse.ArgumentParser:
-    """Register ``serve`` with the ``kvpoold`` subcommand parser and return its parser."""
+    """Register ``serve`` with the ``kvpoold`` subcommand parser.
+
+    Every field of :class:`~kvpoold.settings.ServeConfig` becomes a flag (``shm_dir`` ->
+    ``--shm-dir``) with its description, choices and default; ``--config`` and ``--token``
+    are the command-line-only extras.
+
+    Args:
+        subparsers: the ``kvpoold`` parser's subcommands.
+
+    Returns:
+        The ``serve`` parser.
+    """
+    defaults = ServeConfig()
     p = subparsers.add_parser(
         "serve",
         help="run the daemon: own the pools of one device and serve them over gRPC",
-        description="Serve the KVPool gRPC API on Unix sockets and/or TCP. Flags override the "
-                    "--config file; with no flags: cpu, a 1GiB budget, and the socket "
-                    f"{default_socket_path()}.",
+        description="Serve the KVPool gRPC API on Unix sockets and/or TCP. Each setting is a "
+                    "flag and a key of the --config file (underscores for dashes); flags "
+                    f"override the file. With neither: {defaults.device}, a {defaults.budget} "
+                    f"budget, and the socket {default_socket_path()}.",
     )
-    p.add_argument("--listen", action="append", metavar="ADDR",
-                   help="unix:///abs/path.sock or tcp://host:port; repeat for several "
-                        "(default: the per-user socket above)")
-    p.add_argument("--device", metavar="DEV", help="cpu (default) or cuda:N")
-    p.add_argument("--budget", metavar="SIZE",
-                   help="device bytes all pools may use: 2GiB, 2147483648; on cuda also a "
-                        "fraction of free memory, 0.9 (default 1GiB)")
-    p.add_argument("--config", type=Path, metavar="PATH",
-                   help="a TOML file with the same keys, underscores for dashes (example: "
-                        "docker/kvpoold.toml)")
-    p.add_argument("--socket-group", metavar="GROUP",
-                   help="make Unix sockets 0660 for this group, a name or gid (default 0600: "
-                        "owner only)")
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
-                   help="default info")
-    p.add_argument("--log-format", choices=LOG_FORMATS, help="text (default) or json lines")
-    token = p.add_mutually_exclusive_group()
-    token.add_argument("--token", metavar="SECRET",
-                       help="require 'authorization: Bearer SECRET' on TCP listeners")
-    token.add_argument("--token-file", metavar="PATH",
-                       help="read the TCP token from a file (mode 0600)")
-    p.add_argument("--allow-insecure-tcp", action="store_true", default=None,
-                   help="serve TCP on a non-loopback address without a token (refused "
-                        "otherwise: anyone who reaches it could allocate and map pools)")
-    p.add_argument("--tls-cert", metavar="PEM", help="TLS certificate chain for TCP listeners")
-    p.add_argument("--tls-key", metavar="PEM", help="TLS private key for TCP listeners")
-    p.add_argument("--shm-dir", metavar="DIR",
-                   help="where shared-memory backings live on cpu (default /dev/shm)")
-    p.add_argument("--shm-preallocate", action="store_true", default=None,
-                   help="reserve every shared-memory page of a cpu pool when it is built: a "
-                        "full /dev/shm then fails Configure instead of a SIGBUS on first write")
-    p.add_argument("--sharing", choices=("auto", "none"),
-                   help="auto (default): shared memory on cpu, CUDA IPC on cuda; none: "
-                        "unshared memory that clients cannot map (tests and benchmarks only)")
-    p.add_argument("--grace-seconds", type=float, metavar="S",
-                   help="how long shutdown waits for in-flight calls, 0 to 600 (default 5)")
-    p.add_argument("--metrics-port", metavar="N",
-                   help="serve Prometheus metrics at http://HOST:N/metrics (0: a free port, "
-                        "logged; default: no metrics server)")
-    p.add_argument("--metrics-host", metavar="HOST",
-                   help="address the metrics server binds (default 127.0.0.1; 0.0.0.0 in a "
-                        "container so Prometheus can reach it)")
+    group = p.add_argument_group("settings", "also keys of the --config file")
+    for field in msgspec.structs.fields(ServeConfig):
+        group.add_argument("--" + field.name.replace("_", "-"), **_flag(field))
+    extras = p.add_argument_group("command line only")
+    extras.add_argument("--config", type=Path, metavar="PATH",
+                        help="a TOML file of the settings above, underscores for dashes "
+                             "(example: docker/kvpoold.toml)")
+    extras.add_argument("--token", metavar="SECRET",
+                        help="the TCP token given inline (it shows in ps: prefer --token-file); "
+                             "not allowed in the config file")
     p.set_defaults(func=run)
     return p
 
 
+def _flag(field: msgspec.structs.FieldInfo) -> dict[str, Any]:
+    """``add_argument`` keywords for one setting; an absent flag is None ("not given")."""
+    description, extra = describe(field.name)
+    help_text = description
+    if field.default not in (None, False, ()):
+        help_text += f" (default {field.default})"
+    kwargs: dict[str, Any] = {"dest": field.name, "default": None,
+                              "help": help_text.replace("%", "%%")}
+    value_type = typing.get_args(field.type)[0]  # inside the outer Annotated
+    if value_type is bool:
+        kwargs["action"] = "store_true"
+    elif typing.get_origin(value_type) is tuple:
+        kwargs.update(action="append", metavar=extra.get("metavar"))
+    elif typing.get_origin(value_type) is Literal:
+        kwargs["choices"] = typing.get_args(value_type)
+    else:  # text here; msgspec converts it to the field's type in resolve()
+        kwargs["metavar"] = extra.get("metavar")
+    return kwargs
+
+
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     """Merge ``--config`` and the flags into checked settings.
+
+    Args:
+        args: the parsed ``kvpoold serve`` arguments.
+
+    Returns:
+        The settings.
 
     Raises:
         InvalidArgument: naming the first bad flag or config key.
@@ -78,7 +88,13 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry of ``kvpoold serve``: returns the exit status.
+    """Entry of ``kvpoold serve``.
+
+    Args:
+        args: the parsed ``kvpoold serve`` arguments.
+
+    Returns:
+        The exit status.
 
     Raises:
         InvalidArgument: a bad flag or config value, reported before torch is imported.
@@ -87,6 +103,6 @@ def run(args: argparse.Namespace) -> int:
     check_host(settings)
     configure_logging(settings.log_level, settings.log_format)
     # The server imports torch (seconds): only once the settings are known to be good.
-    from kvpoold.server.server import run as serve
+    from kvpoold.server.run import run as serve
 
     return asyncio.run(serve(settings))

@@ -1,4 +1,4 @@
-"""The KVPool servicer: convert in, call the daemon, convert out; errors by one decorator."""
+"""The KVPool servicer: edge in, call the daemon, codec out; errors by one decorator."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ from typing import TYPE_CHECKING
 
 from grpc import aio
 
+from kvpool import codec
 from kvpool.errors import InvalidArgument
 from kvpool.v1 import kvpool_pb2_grpc
 from kvpoold.server import edge
 from kvpoold.server.daemon import Daemon
 from kvpoold.server.status import RpcObserver, rpc_errors, rpc_stream_errors
 
-if TYPE_CHECKING:  # message types for annotations only; edge.py does the runtime work
+if TYPE_CHECKING:  # message types for annotations only; edge.py and kvpool.codec build them
     from kvpool.v1 import kvpool_pb2 as pb
 
 Ctx = aio.ServicerContext
@@ -44,7 +45,7 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
     async def Configure(self, request: pb.ConfigureRequest, context: Ctx
                         ) -> pb.ConfigureResponse:
         result = await self._daemon.configure(edge.configure_args(request))
-        return edge.configure_response(result)
+        return codec.configure_to_pb(result)
 
     @rpc_errors
     async def OpenLease(self, request: pb.OpenLeaseRequest, context: Ctx
@@ -66,7 +67,7 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
     @rpc_errors
     async def CloseLease(self, request: pb.CloseLeaseRequest, context: Ctx
                          ) -> pb.CloseLeaseResponse:
-        return edge.close_lease_response(self._daemon.close_lease(request.lease_id))
+        return codec.close_lease_to_pb(self._daemon.close_lease(request.lease_id))
 
     @rpc_errors
     async def Allocate(self, request: pb.AllocateRequest, context: Ctx) -> pb.AllocateResponse:
@@ -82,7 +83,7 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
 
     @rpc_errors
     async def Stats(self, request: pb.StatsRequest, context: Ctx) -> pb.StatsResponse:
-        return edge.stats_response(self._daemon.snapshot(request.pool))
+        return codec.stats_to_pb(self._daemon.stats(request.pool))
 
     @rpc_stream_errors
     async def WatchStats(self, request: pb.WatchStatsRequest, context: Ctx
@@ -95,7 +96,7 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
                 field="interval_seconds",
             )
         while not self._closing.is_set():
-            yield edge.stats_response(self._daemon.snapshot(request.pool))
+            yield codec.stats_to_pb(self._daemon.stats(request.pool))
             try:
                 await asyncio.wait_for(self._closing.wait(), interval)
             except TimeoutError:
@@ -103,13 +104,13 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
 
     @rpc_errors
     async def Drop(self, request: pb.DropRequest, context: Ctx) -> pb.DropResponse:
-        return edge.drop_response(self._daemon.drop(request.pool, request.force))
+        return codec.drop_to_pb(self._daemon.drop(request.pool, request.force))
 
     @rpc_errors
     async def Attach(self, request: pb.AttachRequest, context: Ctx) -> pb.AttachResponse:
         result = self._daemon.attach(request.pool, request.expected_fingerprint,
                                      request.lease_id)
-        return edge.attach_response(result)
+        return codec.attach_to_pb(result)
 
     @rpc_errors
     async def Detach(self, request: pb.DetachRequest, context: Ctx) -> pb.DetachResponse:

@@ -1,9 +1,10 @@
-"""The one table from ``kvpool.errors`` classes to gRPC status codes, applied by one decorator.
+"""``kvpool.errors`` classes as gRPC status codes, applied by one decorator.
 
 Every servicer method is wrapped by :func:`rpc_errors` (unary) or :func:`rpc_stream_errors`
 (server-streaming): a :class:`KVPoolError` becomes its status with the message as details and the
 field at fault in the trailing metadata ``kvpool-field``; anything else is ``INTERNAL`` with the
-traceback logged. The client maps codes back with ``kvpool.errors.error_from_code``.
+traceback logged. The mapping is derived from ``kvpool.errors.ERRORS_BY_CODE`` (the one table;
+the client maps codes back with ``kvpool.errors.error_from_code``).
 
 The same decorator reports each call to the servicer's ``rpc_observer`` (``RpcMetrics`` when
 ``--metrics-port`` is given, else None): the time of every unary call, and the status code of
@@ -21,30 +22,14 @@ from typing import Protocol, TypeVar
 import grpc
 from grpc import aio
 
-from kvpool.errors import (
-    AlreadyExists,
-    FailedPrecondition,
-    Internal,
-    InvalidArgument,
-    KVPoolError,
-    NotFound,
-    PermissionDenied,
-    ResourceExhausted,
-    Unauthenticated,
-)
+from kvpool.errors import ERRORS_BY_CODE, KVPoolError
 from kvpool.limits import FIELD_METADATA_KEY
 
 log = logging.getLogger("kvpoold.rpc")
 
+# Derived from the one table in ``kvpool.errors`` (each class's ``code`` names its status).
 STATUS_BY_ERROR: dict[type[KVPoolError], grpc.StatusCode] = {
-    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    NotFound: grpc.StatusCode.NOT_FOUND,
-    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
-    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
-    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
-    Internal: grpc.StatusCode.INTERNAL,
+    cls: grpc.StatusCode[cls.code] for cls in ERRORS_BY_CODE.values()
 }
 
 S = TypeVar("S")

@@ -247,3 +247,5 @@ class Sizing:
     c128_state_pool_size: int | None = None
     max_total_num_tokens: int | None = None  # default: num_pages * page_size
     notes: tuple[str, ...] = field(default=())
+    # (name, capacity) of allocatable id spaces beyond kv/swa/req/state (DSV4's state rings)
+    extra_spaces: tuple[tuple[str, int], ...] = field(default=())

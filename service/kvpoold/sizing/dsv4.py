@@ -70,6 +70,8 @@ KV_PAGE_ALIGN_BYTES = 576  # FlashMLA reads packed KV pages in 576-byte units
 NOPE_SCALE_BLOCK = 64  # one one-byte scale per 64 fp8 nope values
 INDEX_SCALE_BLOCK = 128  # one fp32 scale per 128 fp8 indexer values
 C4, C128 = 4, 128
+# The allocatable id spaces of the compress-state rings.
+C4_STATE, C128_STATE = "c4_state", "c128_state"
 MAPPING_BUFFER = FULL_TO_SWA
 STATE_DTYPES = {"float32": DType.float32, "bfloat16": DType.bfloat16}
 
@@ -372,6 +374,12 @@ def size(ctx: SizingContext) -> Sizing:
         c128_state_pool_size=slots * geo.ring128,
         max_total_num_tokens=full_tokens,
         notes=tuple(notes),
+        # Compress-state rings as allocatable units: id u owns ring rows u * ring .. + ring - 1
+        # (row block 0 is the sentinel block the budget already pays for).
+        extra_spaces=(
+            (C4_STATE, geo.c4_state_size(swa_pages) // geo.ring4),
+            (C128_STATE, slots),
+        ),
     )
 
 
@@ -397,9 +405,9 @@ def layout(ctx: SizingContext, sizing: Sizing) -> list[BufferSpec]:
                 buffer(f"c4_index_k.{layer}", u8, (full_pages + 1, geo.index_page_bytes),
                        BufferKind.index),
                 buffer(f"c4_state.{layer}", state, (c4_rows, 4 * geo.attn_dim),
-                       BufferKind.state, rows_per_page=geo.ring4),
+                       BufferKind.state, rows_per_page=geo.ring4, space=C4_STATE),
                 buffer(f"c4_index_state.{layer}", state, (c4_rows, 4 * geo.index_dim),
-                       BufferKind.state, rows_per_page=geo.ring4),
+                       BufferKind.state, rows_per_page=geo.ring4, space=C4_STATE),
             ]
         elif layer in c128_ids:
             out += [
@@ -407,7 +415,7 @@ def layout(ctx: SizingContext, sizing: Sizing) -> list[BufferSpec]:
                        BufferKind.compressed),
                 buffer(f"c128_state.{layer}", state,
                        (geo.c128_state_rows(slots), 2 * geo.attn_dim),
-                       BufferKind.state, rows_per_page=geo.ring128),
+                       BufferKind.state, rows_per_page=geo.ring128, space=C128_STATE),
             ]
     for i in range(geo.num_draft_layers):
         out.append(buffer(f"draft_swa_kv.{i}", u8, (swa_pages + 1, geo.swa_page_bytes),

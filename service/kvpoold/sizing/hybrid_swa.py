@@ -52,6 +52,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 from kvpool.dtypes import DType
 from kvpool.errors import InvalidArgument
 from kvpool.plan import FULL_TO_SWA, BufferKind, BufferSpec
@@ -319,7 +321,9 @@ def layout(ctx: SizingContext, sizing: Sizing) -> list[BufferSpec]:
             out += _layer_buffers(ctx, str(layer), split.full, full_rows, BufferKind.kv)
     for i in range(ctx.num_draft_layers):
         out += _layer_buffers(ctx, str(i), split.full, full_rows, BufferKind.kv, "draft_")
-    if not split.all_swa:
-        out.append(buffer(MAPPING_BUFFER, DType.int64, (sizing.num_pages + 1,), BufferKind.map,
-                          rows_per_page=1, in_budget=False))
+    if split.all_swa:
+        # One token space: its pages are the pool's kv ids (there is no full side to follow).
+        return [msgspec.structs.replace(b, id_space="kv") for b in out]
+    out.append(buffer(MAPPING_BUFFER, DType.int64, (sizing.num_pages + 1,), BufferKind.map,
+                      rows_per_page=1, in_budget=False))
     return out

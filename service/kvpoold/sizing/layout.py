@@ -15,6 +15,18 @@ from kvpool.dtypes import DType
 from kvpool.plan import BufferKind, BufferSpec
 
 ALIGN_BYTES = 256
+# The id space that addresses a buffer of each kind unless its module says otherwise: compressed
+# and indexer rows follow the full KV page, per-request rows the request row.
+DEFAULT_SPACE: dict[BufferKind, str] = {
+    BufferKind.kv: "kv",
+    BufferKind.index: "kv",
+    BufferKind.compressed: "kv",
+    BufferKind.map: "kv",
+    BufferKind.swa_kv: "swa",
+    BufferKind.state: "state",
+    BufferKind.spec_state: "req",
+    BufferKind.req_to_token: "req",
+}
 
 
 def buffer(
@@ -25,8 +37,10 @@ def buffer(
     *,
     rows_per_page: int = 1,
     in_budget: bool = True,
+    space: str | None = None,
 ) -> BufferSpec:
-    """Declare one buffer; ``rows_per_page`` rows of dim 0 make one allocation unit."""
+    """Declare one buffer; ``rows_per_page`` rows of dim 0 make one allocation unit, addressed
+    by an id of ``space`` (default: :data:`DEFAULT_SPACE` of ``kind``)."""
     nbytes = math.prod(shape) * dtype.itemsize
     row_bytes = nbytes // shape[0] if shape and shape[0] else 0
     return BufferSpec(
@@ -38,6 +52,7 @@ def buffer(
         kind=kind,
         page_bytes=row_bytes * rows_per_page,
         in_budget=in_budget,
+        id_space=DEFAULT_SPACE[kind] if space is None else space,
     )
 
 

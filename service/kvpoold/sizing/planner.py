@@ -25,6 +25,7 @@ from kvpoold.sizing.common import (
 )
 from kvpoold.sizing.layout import buffer, place
 from kvpoold.sizing.registry import Architecture, select_architecture
+from kvpoold.sizing.spaces import declare_spaces
 
 
 def make_context(spec: ModelSpec, options: PlanOptions) -> SizingContext:
@@ -152,4 +153,5 @@ def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = 
         req_to_token_columns=columns,
         notes=sizing.notes,
         buffers=placed,
+        id_spaces=declare_spaces(sizing, placed),
     )

@@ -1,0 +1,216 @@
+"""Records <-> proto messages, both directions in one place: the daemon encodes, clients decode.
+
+Each wire concept has one record (``kvpool.records``, ``kvpool.plan``, ``kvpool.handles``) and
+here its ``*_to_pb`` / ``*_from_pb`` pair, so the two sides cannot drift. Ids cross as
+little-endian int32 bytes; ``ids_from_bytes`` reads them without a copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from kvpool.handles import HandleKind, SharedHandle
+from kvpool.limits import ID_DTYPE
+from kvpool.plan import PoolPlan
+from kvpool.records import (
+    AttachInfo,
+    ConfigureResult,
+    DaemonStats,
+    HeldMap,
+    LeaseStats,
+    PoolStats,
+    Released,
+    SpaceStats,
+    Stats,
+)
+from kvpool.v1 import kvpool_pb2 as pb
+
+# The first form of the API named four id spaces by enum; requests may still use it.
+SPACE_OF_KIND: dict[int, str] = {
+    pb.KIND_KV: "kv",
+    pb.KIND_REQ: "req",
+    pb.KIND_STATE: "state",
+    pb.KIND_SWA: "swa",
+}
+KIND_OF_SPACE: dict[str, int] = {name: kind for kind, name in SPACE_OF_KIND.items()}
+HANDLE_KIND_TO_PB: dict[HandleKind, int] = {
+    "none": pb.HANDLE_KIND_NONE,
+    "shm": pb.HANDLE_KIND_SHM,
+    "cuda_ipc": pb.HANDLE_KIND_CUDA_IPC,
+}
+HANDLE_KIND_FROM_PB: dict[int, HandleKind] = {v: k for k, v in HANDLE_KIND_TO_PB.items()}
+
+_PLAN_SCALARS = tuple(
+    f.name for f in pb.Plan.DESCRIPTOR.fields if f.name not in ("notes", "buffers", "id_spaces")
+)
+_HANDLE_FIELDS = tuple(f.name for f in pb.SharedHandle.DESCRIPTOR.fields if f.name != "kind")
+_COUNTERS = tuple(f for f in SpaceStats.__struct_fields__ if f != "follows")
+_POOL_SCALARS = tuple(f for f in PoolStats.__struct_fields__ if f != "spaces")
+_LEASE_SCALARS = tuple(f for f in LeaseStats.__struct_fields__ if f != "held")
+
+
+# -- ids ----------------------------------------------------------------------------------------
+
+def ids_to_bytes(ids: np.ndarray) -> bytes:
+    """An int32 id array as little-endian int32 bytes."""
+    return ids.astype(ID_DTYPE, copy=False).tobytes()
+
+
+def ids_from_bytes(data: bytes) -> np.ndarray:
+    """Little-endian int32 bytes as a read-only int32 array (no copy)."""
+    return np.frombuffer(data, dtype=ID_DTYPE)
+
+
+# -- plan ---------------------------------------------------------------------------------------
+
+def plan_to_pb(plan: PoolPlan) -> pb.Plan:
+    """The plan as a proto message (None fields left unset)."""
+    msg = pb.Plan(notes=plan.notes)
+    for name in _PLAN_SCALARS:
+        value = getattr(plan, name)
+        if value is not None:
+            setattr(msg, name, value)
+    msg.buffers.extend(
+        pb.Buffer(name=b.name, dtype=b.dtype.value, shape=b.shape, offset_bytes=b.offset_bytes,
+                  nbytes=b.nbytes, kind=b.kind.value, page_bytes=b.page_bytes,
+                  in_budget=b.in_budget, id_space=b.id_space)
+        for b in plan.buffers
+    )
+    msg.id_spaces.extend(
+        pb.IdSpace(name=s.name, capacity=s.capacity, unit=s.unit,
+                   bytes_per_unit=s.bytes_per_unit, knob=s.knob, follows=s.follows or "",
+                   mapping=s.mapping or "")
+        for s in plan.id_spaces
+    )
+    return msg
+
+
+def plan_from_json(plan_json: str) -> PoolPlan:
+    """The plan from ``plan_json``, the exact ``kvpoold plan --json`` text every reply carries."""
+    return PoolPlan.from_json(plan_json)
+
+
+# -- handles, Configure, Attach -----------------------------------------------------------------
+
+def handle_to_pb(handle: SharedHandle) -> pb.SharedHandle:
+    return pb.SharedHandle(kind=HANDLE_KIND_TO_PB[handle.kind],
+                           **{f: getattr(handle, f) for f in _HANDLE_FIELDS})
+
+
+def handle_from_pb(msg: pb.SharedHandle) -> SharedHandle:
+    """The proto handle as the one handle record (an unset kind reads as ``none``)."""
+    return SharedHandle(kind=HANDLE_KIND_FROM_PB.get(msg.kind, "none"),
+                        **{f: getattr(msg, f) for f in _HANDLE_FIELDS})
+
+
+def configure_to_pb(result: ConfigureResult) -> pb.ConfigureResponse:
+    return pb.ConfigureResponse(
+        plan=plan_to_pb(result.plan), plan_json=result.plan_json,
+        fingerprint=result.fingerprint, created=result.created, dry_run=result.dry_run,
+        budget_available_bytes=result.budget_available_bytes,
+    )
+
+
+def configure_from_pb(msg: pb.ConfigureResponse) -> ConfigureResult:
+    return ConfigureResult(plan_from_json(msg.plan_json), msg.plan_json, msg.fingerprint,
+                           msg.created, msg.dry_run, msg.budget_available_bytes)
+
+
+def attach_to_pb(info: AttachInfo) -> pb.AttachResponse:
+    return pb.AttachResponse(
+        fingerprint=info.fingerprint, plan=plan_to_pb(info.plan), plan_json=info.plan_json,
+        handle=handle_to_pb(info.handle), attach_id=info.attach_id, device=info.device,
+    )
+
+
+def attach_from_pb(msg: pb.AttachResponse) -> AttachInfo:
+    return AttachInfo(msg.fingerprint, plan_from_json(msg.plan_json), msg.plan_json,
+                      handle_from_pb(msg.handle), msg.attach_id, msg.device)
+
+
+# -- held ids: CloseLease, Drop, Stats ----------------------------------------------------------
+
+def held_to_pb(held: Mapping[str, Mapping[str, int]]) -> list[pb.Held]:
+    return [
+        pb.Held(pool=pool, space=space, kind=KIND_OF_SPACE.get(space, 0), count=count)
+        for pool, spaces in held.items()
+        for space, count in spaces.items()
+    ]
+
+
+def held_from_pb(held: Iterable[pb.Held]) -> HeldMap:
+    out: HeldMap = {}
+    for h in held:
+        out.setdefault(h.pool, {})[_space_name(h.space, h.kind)] = h.count
+    return out
+
+
+def close_lease_to_pb(released: Released) -> pb.CloseLeaseResponse:
+    return pb.CloseLeaseResponse(released=held_to_pb(released.held), detached=released.detached)
+
+
+def drop_to_pb(released: Released) -> pb.DropResponse:
+    return pb.DropResponse(reclaimed=held_to_pb(released.held), detached=released.detached,
+                           released_bytes=released.released_bytes)
+
+
+def released_from_pb(msg: pb.CloseLeaseResponse | pb.DropResponse) -> Released:
+    if isinstance(msg, pb.CloseLeaseResponse):
+        return Released(held_from_pb(msg.released), msg.detached)
+    return Released(held_from_pb(msg.reclaimed), msg.detached, msg.released_bytes)
+
+
+# -- Stats --------------------------------------------------------------------------------------
+
+def stats_to_pb(stats: Stats) -> pb.StatsResponse:
+    return pb.StatsResponse(
+        daemon=pb.DaemonStats(**msgspec_fields(stats.daemon, DaemonStats.__struct_fields__)),
+        pools=[
+            pb.PoolStats(
+                **msgspec_fields(p, _POOL_SCALARS),
+                spaces=[
+                    pb.SpaceStats(space=name, kind=KIND_OF_SPACE.get(name, 0),
+                                  follows=s.follows, **msgspec_fields(s, _COUNTERS))
+                    for name, s in p.spaces.items()
+                ],
+            )
+            for p in stats.pools
+        ],
+        leases=[
+            pb.LeaseStats(**msgspec_fields(x, _LEASE_SCALARS), held=held_to_pb(x.held))
+            for x in stats.leases
+        ],
+    )
+
+
+def stats_from_pb(msg: pb.StatsResponse) -> Stats:
+    return Stats(
+        daemon=DaemonStats(**msgspec_fields(msg.daemon, DaemonStats.__struct_fields__)),
+        pools=[
+            PoolStats(
+                **msgspec_fields(p, _POOL_SCALARS),
+                spaces={
+                    _space_name(s.space, s.kind): SpaceStats(
+                        follows=s.follows, **msgspec_fields(s, _COUNTERS)
+                    )
+                    for s in p.spaces
+                },
+            )
+            for p in msg.pools
+        ],
+        leases=[LeaseStats(**msgspec_fields(x, _LEASE_SCALARS), held=held_from_pb(x.held))
+                for x in msg.leases],
+    )
+
+
+def msgspec_fields(obj: Any, names: Iterable[str]) -> dict[str, Any]:
+    """``{name: obj.name}`` for ``names`` (a Struct's or a message's fields)."""
+    return {n: getattr(obj, n) for n in names}
+
+
+def _space_name(space: str, kind: int) -> str:
+    """A reply's space: the string, or for a daemon of the first form its enum."""
+    return space or SPACE_OF_KIND.get(kind, str(kind))

@@ -1,0 +1,136 @@
+"""What the daemon answers, as one set of records both sides use (no proto, no grpc, no torch).
+
+The daemon builds these (``Stats`` once per call, in this shape), ``kvpool.codec`` turns them into
+proto messages and back, and the clients hand them to callers. ``kvpool stats --json`` is
+``msgspec.json.encode`` of :class:`Stats`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from kvpool.handles import SharedHandle
+from kvpool.plan import BufferSpec, PoolPlan
+
+# pool -> id space -> ids: what a lease holds, or what CloseLease / Drop gave back.
+HeldMap = dict[str, dict[str, int]]
+
+
+class SpaceStats(msgspec.Struct, frozen=True, kw_only=True):
+    """One id space of a pool, counted now.
+
+    ``allocs`` / ``frees`` count ids (not calls) since the pool was built, reclaim included, so
+    ``used == allocs - frees``; ``failed_allocs`` counts refused Allocate calls; ``high_water``
+    is the largest ``used`` seen.
+    """
+
+    capacity: int
+    used: int
+    free: int
+    high_water: int
+    allocs: int
+    frees: int
+    failed_allocs: int
+    unit: str = "ids"
+    bytes_per_unit: int = 0
+    follows: str = ""
+
+
+class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    fingerprint: str
+    architecture: str
+    kv_cache_dtype: str
+    page_size: int
+    max_total_num_tokens: int
+    max_running_requests: int
+    backing_bytes: int
+    spaces: dict[str, SpaceStats]  # in the plan's order
+    attached: int
+    age_seconds: float
+    handle_kind: str
+
+
+class LeaseStats(msgspec.Struct, frozen=True, kw_only=True):
+    lease_id: int
+    name: str
+    ttl_seconds: float
+    expires_in_seconds: float
+    held: HeldMap
+    attached: int
+
+
+class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
+    version: str
+    device: str
+    budget_bytes: int
+    used_bytes: int
+    uptime_seconds: float
+    num_pools: int
+    num_leases: int
+    leases_opened: int
+    leases_closed: int
+    leases_expired: int
+
+
+class Stats(msgspec.Struct, frozen=True, kw_only=True):
+    """The daemon, its pools and its leases at one instant of its event loop."""
+
+    daemon: DaemonStats
+    pools: list[PoolStats]
+    leases: list[LeaseStats]
+
+    def pool(self, name: str) -> PoolStats:
+        """The pool called ``name``; KeyError if Stats has none."""
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+
+@dataclass(frozen=True)
+class Released:
+    """What CloseLease or Drop gave back: ids per pool and id space, attachments ended."""
+
+    held: HeldMap
+    detached: int
+    released_bytes: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(n for spaces in self.held.values() for n in spaces.values())
+
+
+@dataclass(frozen=True)
+class ConfigureResult:
+    """What Configure returned: the plan, its fingerprint, and whether this call created the
+    pool; ``budget_available_bytes`` is the daemon's device budget left after the call."""
+
+    plan: PoolPlan
+    plan_json: str
+    fingerprint: str
+    created: bool
+    dry_run: bool
+    budget_available_bytes: int
+
+    @property
+    def buffers(self) -> tuple[BufferSpec, ...]:
+        return self.plan.buffers
+
+
+@dataclass(frozen=True)
+class AttachInfo:
+    """What Attach returned: the layout and the handle to map it; Detach with ``attach_id``."""
+
+    fingerprint: str
+    plan: PoolPlan
+    plan_json: str
+    handle: SharedHandle
+    attach_id: int
+    device: str

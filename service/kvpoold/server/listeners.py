@@ -1,0 +1,307 @@
+"""Where the daemon listens and how: addresses, socket files and their modes, TLS, the TCP token.
+
+A Unix socket is guarded by its file mode: ``0600`` (the daemon's user), or ``0660`` owned by
+``--socket-group``; its directory is created ``0700``/``0750`` and a stale socket left by a dead
+daemon is removed, a live one refused. A TCP listener is guarded by the token
+(:class:`~kvpoold.server.auth.TokenAuthInterceptor`) and optionally TLS; without a token it is
+served on loopback only, unless ``--allow-insecure-tcp``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import grp
+import ipaddress
+import logging
+import os
+import socket
+import stat
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import grpc
+
+from kvpool.errors import FailedPrecondition, InvalidArgument
+from kvpoold.server.auth import TokenAuthInterceptor
+
+if TYPE_CHECKING:
+    from grpc import aio
+
+log = logging.getLogger("kvpoold.server")
+
+LISTEN_FORMS = "unix:///abs/path.sock or tcp://host:port"
+
+
+@dataclass(frozen=True)
+class Listener:
+    """One address to serve on: a Unix socket path or a TCP ``host:port``."""
+
+    kind: Literal["unix", "tcp"]
+    address: str  # the socket path, or host:port
+
+    @property
+    def grpc_address(self) -> str:
+        """The address as gRPC takes it: ``unix:///abs/path.sock`` or ``host:port``."""
+        return f"unix://{self.address}" if self.kind == "unix" else self.address
+
+
+def parse_listen(text: str) -> Listener:
+    """``unix:///abs/path.sock`` or ``tcp://host:port`` (``tcp://[::1]:50051`` for IPv6).
+
+    Args:
+        text: one ``--listen`` value.
+
+    Returns:
+        The listener.
+
+    Raises:
+        InvalidArgument: anything else, naming the accepted forms.
+    """
+    if text.startswith("unix://"):
+        path = text[len("unix://"):]
+        if not path.startswith("/") or path.endswith("/"):
+            raise InvalidArgument(
+                f"listen {text!r}: give an absolute socket path ({LISTEN_FORMS})", field="listen"
+            )
+        return Listener("unix", path)
+    if text.startswith("tcp://"):
+        address = text[len("tcp://"):]
+        host, sep, port = address.rpartition(":")
+        if sep and host and port.isdigit() and int(port) <= 65535:
+            return Listener("tcp", address)
+    raise InvalidArgument(f"cannot read listen address {text!r}; give {LISTEN_FORMS}",
+                          field="listen")
+
+
+def check_tcp_is_local(listeners: Sequence[Listener]) -> None:
+    """Refuse TCP off loopback without a token: whoever reaches it could allocate and map pools.
+
+    Args:
+        listeners: every listener; Unix sockets pass.
+
+    Raises:
+        InvalidArgument: a non-loopback TCP listener, naming the ways out.
+    """
+    for x in listeners:
+        if x.kind != "tcp":
+            continue
+        host = x.address.rpartition(":")[0].strip("[]")
+        if host == "localhost":
+            continue
+        try:
+            if ipaddress.ip_address(host).is_loopback:
+                continue
+        except ValueError:
+            pass
+        raise InvalidArgument(
+            f"refusing to serve tcp://{x.address} without a token: anyone who can reach it "
+            "could allocate pages and map pools; give --token-file (or --token), listen on "
+            "127.0.0.1, or pass --allow-insecure-tcp if the network is trusted",
+            field="listen",
+        )
+
+
+def group_id(group: str) -> int:
+    """The id of a group given by name or number.
+
+    Args:
+        group: a group name or a numeric gid.
+
+    Returns:
+        The gid.
+
+    Raises:
+        InvalidArgument: no such group on this machine.
+    """
+    try:
+        return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise InvalidArgument(f"unknown group {group!r} for --socket-group",
+                              field="socket_group") from None
+
+
+def read_tls(cert: str | Path | None, key: str | Path | None) -> tuple[bytes, bytes] | None:
+    """The TLS files of the TCP listeners, read.
+
+    Args:
+        cert: the certificate chain (PEM), or None.
+        key: its private key (PEM), or None.
+
+    Returns:
+        ``(private_key_pem, certificate_chain_pem)``, or None without TLS (either not given).
+
+    Raises:
+        InvalidArgument: a file cannot be read (names it and its flag).
+    """
+    if not (cert and key):
+        return None
+    pems = []
+    for field, path in (("tls_key", Path(key)), ("tls_cert", Path(cert))):
+        try:
+            pems.append(path.read_bytes())
+        except OSError as exc:
+            flag = "--" + field.replace("_", "-")
+            raise InvalidArgument(f"cannot read {flag} {path}: {exc.strerror or exc}",
+                                  field=field) from exc
+    return pems[0], pems[1]
+
+
+def bind_unix(server: aio.Server, listeners: Sequence[Listener], gid: int | None) -> list[Path]:
+    """Bind ``listeners`` (Unix sockets) on ``server``; the files are created ``0600``/``0660``.
+
+    The umask is set around the bind so there is no moment when a socket file is open to
+    others; :func:`secure_sockets` sets the mode and group again once the server started.
+
+    Args:
+        server: the (not yet started) server for the Unix sockets.
+        listeners: Unix-socket listeners.
+        gid: the ``--socket-group``, or None for owner-only sockets.
+
+    Returns:
+        The socket paths bound, for :func:`remove_sockets`; on an error those bound so far
+        are removed before it is raised.
+
+    Raises:
+        FailedPrecondition: another daemon serves on a path, a path is not a socket, or a
+            bind fails.
+    """
+    for x in listeners:
+        prepare_socket_path(Path(x.address), gid)
+    bound: list[Path] = []
+    umask = os.umask(0o117 if gid is not None else 0o177)
+    try:
+        for x in listeners:
+            _bind(server.add_insecure_port, x)
+            bound.append(Path(x.address))
+    except BaseException:
+        remove_sockets(bound)
+        raise
+    finally:
+        os.umask(umask)
+    return bound
+
+
+def bind_tcp(server: aio.Server, listeners: Sequence[Listener],
+             tls: tuple[bytes, bytes] | None) -> list[str]:
+    """Bind ``listeners`` (TCP) on ``server``, over TLS when ``tls`` is given.
+
+    Args:
+        server: the (not yet started) server for TCP, built with :func:`tcp_interceptors`.
+        listeners: TCP listeners (port 0 picks a free port).
+        tls: ``(private_key_pem, certificate_chain_pem)``, or None for plain TCP.
+
+    Returns:
+        The bound ``host:port`` addresses (real ports for port 0).
+
+    Raises:
+        FailedPrecondition: an address in use or not permitted.
+    """
+    add_port: Callable[[str], int] = server.add_insecure_port
+    if tls is not None:
+        add_port = functools.partial(server.add_secure_port,
+                                     server_credentials=grpc.ssl_server_credentials([tls]))
+    return [f"{x.address.rpartition(':')[0]}:{_bind(add_port, x)}" for x in listeners]
+
+
+def tcp_interceptors(token: str | None) -> tuple[aio.ServerInterceptor, ...]:
+    """The interceptors of the TCP server: the token check, or none (logged as insecure).
+
+    Args:
+        token: the shared secret every TCP call must carry, or None.
+
+    Returns:
+        The interceptors to build the TCP server with.
+    """
+    if token:
+        return (TokenAuthInterceptor(token),)
+    log.warning("tcp listeners without --token: anyone who can reach them may call",
+                extra={"fields": {"event": "insecure_tcp"}})
+    return ()
+
+
+def secure_sockets(paths: Sequence[Path], gid: int | None) -> None:
+    """Set the bound socket files' mode (``0600``, or ``0660`` with ``gid``) and group.
+
+    Args:
+        paths: the socket files, once the server has started.
+        gid: the ``--socket-group``, or None.
+    """
+    for path in paths:  # the umask made them so already; be explicit anyway
+        os.chmod(path, socket_mode(gid))
+        if gid is not None:
+            os.chown(path, -1, gid)
+
+
+def socket_mode(gid: int | None) -> int:
+    """``0660`` with a socket group, else ``0600``.
+
+    Args:
+        gid: the ``--socket-group``, or None.
+
+    Returns:
+        The socket file mode.
+    """
+    return 0o660 if gid is not None else 0o600
+
+
+def remove_sockets(paths: Sequence[Path]) -> None:
+    """Remove the socket files; ones already gone are fine.
+
+    Args:
+        paths: the socket files.
+    """
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def prepare_socket_path(path: Path, gid: int | None) -> None:
+    """Create the socket's directory (0700, or 0750 for a group) and clear a stale socket.
+
+    Args:
+        path: the socket file to be.
+        gid: the ``--socket-group``, or None.
+
+    Raises:
+        FailedPrecondition: another daemon answers on the socket, or the path is not a socket.
+    """
+    parent = path.parent
+    if not parent.exists():
+        parent.mkdir(parents=True, mode=0o750 if gid is not None else 0o700)
+        os.chmod(parent, 0o750 if gid is not None else 0o700)  # mkdir's mode obeys the umask
+        if gid is not None:
+            os.chown(parent, -1, gid)
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise FailedPrecondition(f"{path} exists and is not a socket; remove it or choose "
+                                 "another --listen path", field="listen")
+    if _socket_alive(path):
+        raise FailedPrecondition(f"another daemon is serving on {path}; stop it or choose "
+                                 "another --listen path", field="listen")
+    path.unlink()  # stale: left by a daemon that died
+
+
+def _socket_alive(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(0.5)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
+def _bind(add_port: Callable[[str], int], listener: Listener) -> int:
+    try:
+        return add_port(listener.grpc_address)
+    except RuntimeError as exc:
+        raise FailedPrecondition(
+            f"cannot listen on {listener.grpc_address}: {exc} (in use, or not permitted)",
+            field="listen",
+        ) from exc

@@ -1,0 +1,239 @@
+"""Build the gRPC servers (:func:`create_server`) and run them until a signal (:func:`run`).
+
+Unix-socket listeners share one ``grpc.aio`` server; TCP listeners get a second one with the
+token interceptor and optional TLS (``kvpoold.server.listeners``). Both serve the same
+servicer, health and reflection. Shutdown: health NOT_SERVING -> long streams end -> stop
+accepting and drain (grace) -> release the pools -> remove the socket files. With
+``metrics_port`` a Prometheus ``/metrics`` server (``kvpoold.metrics``) runs beside them and
+stops before the pools are released. Arguments are parsed in ``kvpoold.server.serve_cli``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from grpc import aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvpool.errors import InvalidArgument
+from kvpool.limits import MESSAGE_SIZE_OPTIONS
+from kvpool.v1 import kvpool_pb2_grpc
+from kvpoold.metrics import DaemonMetrics, MetricsServer, loop_snapshot, start_metrics_server
+from kvpoold.server.daemon import Daemon
+from kvpoold.server.listeners import (
+    Listener,
+    bind_tcp,
+    bind_unix,
+    group_id,
+    read_tls,
+    remove_sockets,
+    secure_sockets,
+    tcp_interceptors,
+)
+from kvpoold.server.servicer import KVPoolServicer
+from kvpoold.server.status import RpcObserver
+from kvpoold.settings import ServeSettings
+from kvpoold.sharing.base import BackingFactory
+from kvpoold.sharing.select import make_backing_factory
+
+log = logging.getLogger("kvpoold.server")
+
+SERVICE_NAME = "kvpool.v1.KVPool"
+# The sweeper's longest sleep: a lease opened meanwhile (TTL >= 0.1 s) is seen within it.
+SWEEP_INTERVAL_S = 0.2
+# Stats with thousands of leases and big id batches are larger than gRPC's 4 MiB default.
+_OPTIONS = (*MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0))
+
+
+@dataclass
+class KVPoolServer:
+    """The running pieces: servers, health, the closing flag and the sockets to remove."""
+
+    servers: list[aio.Server]
+    health: health.aio.HealthServicer
+    closing: asyncio.Event
+    addresses: list[str] = field(default_factory=list)
+    sockets: list[Path] = field(default_factory=list)
+    socket_gid: int | None = None
+
+    async def start(self) -> None:
+        """Start accepting calls, fix the socket files' modes, and report SERVING."""
+        for server in self.servers:
+            await server.start()
+        secure_sockets(self.sockets, self.socket_gid)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Health NOT_SERVING, end long streams, stop accepting, drain up to ``grace_s``.
+
+        Args:
+            grace_s: seconds in-flight calls get to finish.
+        """
+        await self.health.enter_graceful_shutdown()
+        self.closing.set()
+        await asyncio.gather(*(server.stop(grace_s) for server in self.servers))
+
+    def remove_sockets(self) -> None:
+        """Remove the Unix socket files (after :meth:`shutdown`)."""
+        remove_sockets(self.sockets)
+
+
+def create_server(
+    daemon: Daemon,
+    listeners: Sequence[Listener],
+    *,
+    token: str | None = None,
+    tls: tuple[bytes, bytes] | None = None,
+    socket_group: str | None = None,
+    rpc_observer: RpcObserver | None = None,
+) -> KVPoolServer:
+    """Build (not start) the servers for ``listeners``; call inside the event loop.
+
+    Args:
+        daemon: the state the servicer works on.
+        listeners: Unix sockets and TCP addresses (TCP port 0 picks a free port).
+        token: shared secret required on TCP listeners (``authorization: Bearer <token>``).
+        tls: ``(private_key_pem, certificate_chain_pem)`` for TCP listeners.
+        socket_group: group allowed on the Unix sockets (mode 0660 instead of 0600).
+        rpc_observer: told each RPC's time and failures (``kvpoold.metrics.RpcMetrics``).
+
+    Returns:
+        The server set; ``addresses`` lists what is bound (real ports for port 0).
+
+    Raises:
+        InvalidArgument: no listeners, or an unknown group.
+        FailedPrecondition: a socket path served by another daemon, or an address in use.
+    """
+    if not listeners:
+        raise InvalidArgument("give at least one --listen address", field="listen")
+    gid = group_id(socket_group) if socket_group else None
+    closing = asyncio.Event()
+    servicer = KVPoolServicer(daemon, closing, rpc_observer)
+    built = KVPoolServer([], health.aio.HealthServicer(), closing, socket_gid=gid)
+    unix = [x for x in listeners if x.kind == "unix"]
+    tcp = [x for x in listeners if x.kind == "tcp"]
+    try:
+        if unix:
+            server = _new_server(servicer, built.health, ())
+            built.sockets += bind_unix(server, unix, gid)
+            built.addresses += [x.grpc_address for x in unix]
+            built.servers.append(server)
+        if tcp:
+            server = _new_server(servicer, built.health, tcp_interceptors(token))
+            built.addresses += bind_tcp(server, tcp, tls)
+            built.servers.append(server)
+    except BaseException:
+        built.remove_sockets()
+        raise
+    return built
+
+
+def _new_server(servicer: KVPoolServicer, health_servicer: health.aio.HealthServicer,
+                interceptors: Sequence[aio.ServerInterceptor]) -> aio.Server:
+    server = aio.server(interceptors=interceptors, options=_OPTIONS)
+    kvpool_pb2_grpc.add_KVPoolServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    return server
+
+
+async def sweep_leases(daemon: Daemon, interval_s: float = SWEEP_INTERVAL_S) -> None:
+    """Expire leases as their deadlines pass, until cancelled.
+
+    Sleeps until the next deadline (``LeaseTable.next_deadline``), at most ``interval_s`` so
+    that a lease opened meanwhile with a shorter TTL is seen: a lease is reclaimed within
+    TTL + ``interval_s`` of its last renewal, and each sweep touches only expired leases.
+
+    Args:
+        daemon: whose leases to expire.
+        interval_s: the longest sleep between sweeps.
+    """
+    while True:
+        deadline = daemon.leases.next_deadline()
+        wait = interval_s if deadline is None else min(interval_s, deadline - daemon.now())
+        await asyncio.sleep(max(0.0, wait))
+        try:
+            daemon.expire_leases()
+        except Exception:
+            log.exception("lease sweep failed", extra={"fields": {"event": "sweep_error"}})
+            await asyncio.sleep(interval_s)  # a past deadline must not make a failing sweep spin
+
+
+async def run(
+    settings: ServeSettings,
+    *,
+    factory: BackingFactory | None = None,
+    ready: Callable[[KVPoolServer], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> int:
+    """Serve until SIGTERM/SIGINT (or ``stop``), then shut down cleanly.
+
+    Args:
+        settings: checked settings (``kvpoold.settings.resolve``).
+        factory: backing factory (default ``kvpoold.sharing.select.make_backing_factory``).
+        ready: called once the servers accept calls.
+        stop: set it to stop (tests); signals set it too.
+
+    Returns:
+        The exit status, 0.
+
+    Raises:
+        InvalidArgument: an unreadable TLS file, or a bad device or shm directory (see
+            ``make_backing_factory``).
+        FailedPrecondition: a listen address or the metrics port cannot be served.
+    """
+    tls = read_tls(settings.tls_cert, settings.tls_key)  # first: a bad file must not strand
+    factory = factory or make_backing_factory(settings)  # the factory's files
+    daemon = Daemon(settings.device, settings.budget_bytes, factory)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    server: KVPoolServer | None = None
+    sweeper: asyncio.Task[None] | None = None
+    metrics = None if settings.metrics_port is None else DaemonMetrics(
+        loop_snapshot(daemon.stats, loop), settings.device)
+    metrics_server: MetricsServer | None = None
+    try:
+        server = create_server(daemon, settings.listeners, token=settings.token, tls=tls,
+                               socket_group=settings.socket_group,
+                               rpc_observer=metrics.rpc if metrics else None)
+        if metrics is not None and settings.metrics_port is not None:
+            metrics_server = start_metrics_server(metrics.registry, settings.metrics_host,
+                                                  settings.metrics_port)
+        await server.start()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        sweeper = asyncio.create_task(sweep_leases(daemon))
+        log.info("serving", extra={"fields": {
+            "event": "serving", "pid": os.getpid(), "listen": ",".join(server.addresses),
+            "device": settings.device, "budget_bytes": settings.budget_bytes,
+        }})
+        if ready is not None:
+            ready(server)
+        await stop.wait()
+        log.info("shutting down", extra={"fields": {"event": "shutdown",
+                                                    "grace_s": settings.grace_seconds}})
+        await server.shutdown(settings.grace_seconds)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        if sweeper is not None:
+            sweeper.cancel()
+        if server is not None:
+            if not server.closing.is_set():  # an error before the normal shutdown
+                await server.shutdown(0)
+            server.remove_sockets()
+        if metrics_server is not None:  # before the pools go: a scrape must not see them half
+            await asyncio.to_thread(metrics_server.close)
+        daemon.close()
+    log.info("stopped", extra={"fields": {"event": "stopped"}})
+    return 0

@@ -1,0 +1,87 @@
+"""Stats: one consistent picture of the daemon, its pools and its leases, taken on the loop.
+
+Built once, in the shape clients decode (``kvpool.records.Stats``): the servicer encodes it with
+``kvpool.codec`` and ``/metrics`` reads the same record.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvpool.records import DaemonStats, HeldMap, LeaseStats, PoolStats, SpaceStats, Stats
+
+if TYPE_CHECKING:
+    from kvpoold.server.daemon import Daemon
+    from kvpoold.server.live_pools import LivePool
+
+
+def take_stats(daemon: Daemon, pool: str = "") -> Stats:
+    """Stats now; with ``pool`` only that pool, and leases show only what they hold in it.
+
+    Args:
+        daemon: the daemon (read only).
+        pool: a known pool name, or "" for all.
+    """
+    now = daemon.now()
+    entries = [daemon.pools[pool]] if pool else list(daemon.pools.values())
+    held: dict[int, HeldMap] = {}
+    pools = []
+    for entry in entries:
+        for owner, spaces in entry.ids.held_by_owner().items():
+            held.setdefault(owner, {})[entry.name] = spaces
+        pools.append(PoolStats(
+            name=entry.name,
+            fingerprint=entry.fingerprint,
+            architecture=entry.plan.architecture,
+            kv_cache_dtype=entry.plan.kv_cache_dtype,
+            page_size=entry.plan.page_size,
+            max_total_num_tokens=entry.plan.max_total_num_tokens,
+            max_running_requests=entry.plan.max_running_requests,
+            backing_bytes=entry.plan.backing_bytes,
+            spaces=_spaces(entry),
+            attached=daemon.attachments.count_pool(entry.name),
+            age_seconds=now - entry.created_at,
+            handle_kind=entry.handle_kind,
+        ))
+    leases = [
+        LeaseStats(
+            lease_id=lease.lease_id,
+            name=lease.name,
+            ttl_seconds=lease.ttl_s,
+            expires_in_seconds=lease.expires_in(now),
+            held=held.get(lease.owner, {}),
+            attached=daemon.attachments.count_lease(lease.lease_id),
+        )
+        for lease in daemon.leases
+    ]
+    table = daemon.leases
+    return Stats(
+        daemon=DaemonStats(
+            version=daemon.version,
+            device=daemon.device,
+            budget_bytes=daemon.budget_bytes,
+            used_bytes=daemon.used_bytes,
+            uptime_seconds=now - daemon.started_at,
+            num_pools=len(daemon.pools),
+            num_leases=len(table),
+            leases_opened=table.opened,
+            leases_closed=table.closed,
+            leases_expired=table.expired,
+        ),
+        pools=pools,
+        leases=leases,
+    )
+
+
+def _spaces(entry: LivePool) -> dict[str, SpaceStats]:
+    """Each id space's counters, with what the plan says of it, in the plan's order."""
+    counters = entry.ids.counters()
+    out = {}
+    for spec in entry.plan.id_spaces:
+        c = counters[spec.name]
+        out[spec.name] = SpaceStats(
+            capacity=c.capacity, used=c.used, free=c.free, high_water=c.high_water,
+            allocs=c.allocs, frees=c.frees, failed_allocs=c.failed_allocs, unit=spec.unit,
+            bytes_per_unit=spec.bytes_per_unit, follows=spec.follows or "",
+        )
+    return out

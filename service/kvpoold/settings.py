@@ -1,0 +1,352 @@
+"""``kvpoold serve`` settings, declared once in :class:`ServeConfig`: file, flags, defaults, bounds.
+
+Each setting is one field of :class:`ServeConfig`, with its default, its bounds and a one-line
+description. The ``--config`` TOML file decodes into it (every key optional, unknown keys
+refused); ``kvpoold serve``'s flags are built from its fields (``kvpoold.server.serve_cli``);
+:func:`resolve` merges file and flags (flags win), validates the result once with
+``msgspec.convert`` and derives what the daemon uses (listeners, the budget in bytes, the
+token) into :class:`ServeSettings`. :func:`check_host` then checks what depends on this machine
+(the group, the TLS files, the shared-memory directory), so ``kvpoold serve`` reports a bad
+setting before it imports torch. Two flags are command-line only: ``--config`` (the file
+itself) and ``--token`` (a secret belongs in ``token_file``).
+
+The list of settings: ``kvpoold serve --help`` and docs/operations.md; an example file:
+docker/kvpoold.toml.
+"""
+
+import math
+import re
+import typing
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from kvpool.errors import InvalidArgument
+from kvpool.sizes import parse_size
+from kvpool.spec import Base
+from kvpool.targets import default_socket_path
+from kvpoold.server.listeners import (
+    LISTEN_FORMS,
+    Listener,
+    check_tcp_is_local,
+    group_id,
+    parse_listen,
+    read_tls,
+)
+from kvpoold.server.logs import LogFormat
+
+__all__ = [
+    "DEFAULT_BUDGET_BYTES",
+    "Listener",
+    "ServeConfig",
+    "ServeSettings",
+    "check_host",
+    "check_shm_dir",
+    "describe",
+    "load_config",
+    "parse_budget",
+    "parse_listen",
+    "resolve",
+]
+
+LogLevel = Literal["debug", "info", "warning", "error"]
+# auto: shared memory on cpu, CUDA IPC on cuda. none: plain unshared memory (tests, benchmarks).
+SharingMode = Literal["auto", "none"]
+MAX_GRACE_SECONDS = 600.0
+MAX_PORT = 65535
+
+
+def _setting(description: str, *, metavar: str | None = None, hint: str | None = None,
+             **bounds: Any) -> Meta:
+    """A field's ``Meta``: its bounds, its description (the ``--help`` line) and, in ``extra``,
+    the flag's metavar and the advice given with a bad value (default: its bounds or choices).
+    """
+    extra = {k: v for k, v in (("metavar", metavar), ("hint", hint)) if v is not None}
+    return Meta(description=description, extra=extra, **bounds)
+
+
+class ServeConfig(Base):
+    """Every ``kvpoold serve`` setting (frozen, keyword-only, unknown fields refused).
+
+    The ``--config`` file has these keys, all optional; each is also the flag ``--key-name``.
+    """
+
+    listen: Annotated[tuple[str, ...], _setting(
+        f"where to serve: {LISTEN_FORMS}; repeat for several (default: the per-user socket, "
+        "$XDG_RUNTIME_DIR/kvpool/kvpool.sock, else /tmp/kvpool-$UID/kvpool.sock)",
+        metavar="ADDR",
+    )] = ()
+    device: Annotated[str, _setting(
+        "the device whose memory the pools take: cpu or cuda:N",
+        metavar="DEV", hint="give cpu or cuda:N (cuda:0, cuda:1 ...)",
+        pattern=r"^(cpu|cuda:[0-9]{1,3})$",
+    )] = "cpu"
+    budget: Annotated[
+        str | Annotated[int, Meta(ge=0)] | Annotated[float, Meta(gt=0.0, le=1.0)],
+        _setting("the most device bytes all pools together may use: a size (2GiB), a byte "
+                 "count, or on cuda a fraction of the free memory at start (0.9)",
+                 metavar="SIZE"),
+    ] = "1GiB"
+    socket_group: Annotated[str | None, _setting(
+        "make the Unix sockets 0660 for this group, a name or gid (without it: 0600, the "
+        "daemon's user only)",
+        metavar="GROUP",
+    )] = None
+    log_level: Annotated[LogLevel, _setting("the least severe log lines written")] = "info"
+    log_format: Annotated[LogFormat, _setting(
+        "text (key=value) or json (one object per line)")] = "text"
+    token_file: Annotated[str | None, _setting(
+        "a file (mode 0600) with the secret every TCP call must carry as 'authorization: "
+        "Bearer SECRET'",
+        metavar="PATH",
+    )] = None
+    allow_insecure_tcp: Annotated[bool, _setting(
+        "serve TCP on a non-loopback address without a token (refused otherwise: anyone who "
+        "reaches it could allocate and map pools)")] = False
+    tls_cert: Annotated[str | None, _setting(
+        "TLS certificate chain (PEM) for TCP listeners; give both TLS files or neither",
+        metavar="PEM")] = None
+    tls_key: Annotated[str | None, _setting(
+        "TLS private key (PEM) for TCP listeners; give both TLS files or neither",
+        metavar="PEM")] = None
+    shm_dir: Annotated[str, _setting(
+        "where cpu pools' shared-memory files and the instance lock live; it must exist",
+        metavar="DIR")] = "/dev/shm"
+    shm_preallocate: Annotated[bool, _setting(
+        "reserve every shared-memory page of a cpu pool when it is built: a full directory "
+        "then fails Configure instead of a SIGBUS on first write")] = False
+    sharing: Annotated[SharingMode, _setting(
+        "auto: shared memory on cpu, CUDA IPC on cuda; none: unshared memory that clients "
+        "cannot map (tests and benchmarks only)")] = "auto"
+    grace_seconds: Annotated[float, _setting(
+        "how long shutdown waits for in-flight calls, in seconds",
+        metavar="S", ge=0.0, le=MAX_GRACE_SECONDS)] = 5.0
+    metrics_port: Annotated[Annotated[int, Meta(ge=0, le=MAX_PORT)] | None, _setting(
+        "serve Prometheus metrics at http://HOST:N/metrics (0: a free port, logged; without "
+        "it: no metrics server)",
+        metavar="N", hint=f"give a TCP port 0..{MAX_PORT} (0 picks a free one)")] = None
+    metrics_host: Annotated[str, _setting(
+        "the address the metrics server binds (/metrics has no authentication; 0.0.0.0 in a "
+        "container so Prometheus can reach it)",
+        metavar="HOST", pattern=r"^[^\s/\[\]]+$",
+        hint="give an address or host name to bind: 127.0.0.1 (this host only), 0.0.0.0 or "
+             ":: (every interface)")] = "127.0.0.1"
+
+
+class ServeSettings(ServeConfig, kw_only=True):
+    """The checked settings: every :class:`ServeConfig` value, plus what is derived from them."""
+
+    listeners: tuple[Listener, ...]  # ``listen`` parsed, or the per-user socket
+    budget_bytes: int  # ``budget`` in bytes (a cuda fraction resolved against free memory)
+    token: str | None  # ``--token``, or the contents of ``token_file``
+
+
+DEFAULT_BUDGET_BYTES = parse_size(str(ServeConfig().budget), field="budget")
+_FIELDS = {f.name: f for f in msgspec.structs.fields(ServeConfig)}
+
+
+def describe(name: str) -> tuple[str, dict[str, Any]]:
+    """A setting's description and ``extra`` (metavar, hint), read from its ``Meta``.
+
+    Args:
+        name: a :class:`ServeConfig` field.
+
+    Returns:
+        ``(description, extra)``.
+    """
+    meta = _outer_meta(_FIELDS[name].type)
+    return meta.description or "", dict(meta.extra or {})
+
+
+def load_config(path: Path) -> ServeConfig:
+    """Read a ``kvpoold.toml``.
+
+    Args:
+        path: the ``--config`` file.
+
+    Returns:
+        The file's settings; keys it leaves out have their defaults.
+
+    Raises:
+        InvalidArgument: unreadable file, bad TOML, an unknown key or a mistyped value (with
+            its path, ``$.budget``).
+    """
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise InvalidArgument(f"cannot read config {path}: {exc.strerror or exc}",
+                              field="config") from exc
+    try:
+        return msgspec.toml.decode(raw, type=ServeConfig)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise InvalidArgument(f"invalid config {path}: {exc}", field="config") from exc
+
+
+def resolve(flags: Mapping[str, Any], config: ServeConfig | None,
+            env: Mapping[str, str] | None = None,
+            free_bytes: Callable[[str], int] | None = None) -> ServeSettings:
+    """Merge the config file and flags (flags win) into checked settings.
+
+    Args:
+        flags: flag values by setting name (``listen``, ``device``, ``budget`` ...) plus
+            ``token``, as text or typed; ``None`` or an empty list means "not given", and keys
+            that are not settings are ignored.
+        config: the ``--config`` file, if any.
+        env: environment for the default socket path.
+        free_bytes: device -> free bytes, for a fractional cuda budget.
+
+    Returns:
+        The settings, with listeners parsed, the budget in bytes and the token read.
+
+    Raises:
+        InvalidArgument: naming the first bad setting.
+    """
+    merged: dict[str, Any] = msgspec.structs.asdict(config) if config is not None else {}
+    merged.update({k: v for k, v in flags.items() if k in _FIELDS and v not in (None, [], ())})
+    try:
+        cfg = msgspec.convert(merged, ServeConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        raise _invalid(exc, merged) from None
+    listeners = tuple(parse_listen(x) for x in cfg.listen or (
+        f"unix://{default_socket_path(env)}",))
+    budget_bytes = parse_budget(cfg.budget, cfg.device, free_bytes or _cuda_free_bytes)
+    token = flags.get("token")
+    if token and cfg.token_file:
+        raise InvalidArgument("give --token or --token-file, not both", field="token")
+    if cfg.token_file:
+        token = _read_token(Path(cfg.token_file))
+    if bool(cfg.tls_cert) != bool(cfg.tls_key):
+        raise InvalidArgument("TLS needs both --tls-cert and --tls-key", field="tls_cert")
+    if not token and not cfg.allow_insecure_tcp:
+        check_tcp_is_local(listeners)
+    return ServeSettings(**msgspec.structs.asdict(cfg), listeners=listeners,
+                         budget_bytes=budget_bytes, token=token or None)
+
+
+def parse_budget(value: str | int | float, device: str,
+                 free_bytes: Callable[[str], int]) -> int:
+    """The device budget in bytes.
+
+    Args:
+        value: bytes (``2147483648``), a size (``2GiB``), or on cuda a fraction of the device's
+            free memory (``0.9``).
+        device: ``cpu`` or ``cuda:N``.
+        free_bytes: device -> free bytes now (``torch.cuda.mem_get_info``), asked only for a
+            fraction.
+
+    Returns:
+        The budget in bytes.
+
+    Raises:
+        InvalidArgument: malformed, or a fraction on cpu.
+    """
+    fraction: float | None = None
+    if isinstance(value, float):
+        fraction = value
+    elif isinstance(value, str) and re.fullmatch(r"0?\.[0-9]+|1\.0*|0", value.strip()):
+        fraction = float(value)
+    if fraction is None:
+        return value if isinstance(value, int) else parse_size(str(value), field="budget")
+    if not (0.0 < fraction <= 1.0 and math.isfinite(fraction)):
+        raise InvalidArgument(f"budget fraction {value!r} must be in (0, 1]", field="budget")
+    if device == "cpu":
+        raise InvalidArgument(
+            f"budget {value!r}: a fraction of free memory applies to cuda devices only; on cpu "
+            "give a size (2GiB)",
+            field="budget",
+        )
+    return int(free_bytes(device) * fraction)
+
+
+def check_host(settings: ServeSettings) -> None:
+    """Check the settings that depend on this machine, before anything is started.
+
+    Args:
+        settings: resolved settings.
+
+    Raises:
+        InvalidArgument: an unknown ``socket_group``, an unreadable TLS file, or, for shared
+            memory on cpu, an ``shm_dir`` that is not a directory.
+    """
+    if settings.socket_group:
+        group_id(settings.socket_group)
+    read_tls(settings.tls_cert, settings.tls_key)
+    if settings.device == "cpu" and settings.sharing == "auto":
+        check_shm_dir(settings.shm_dir)
+
+
+def check_shm_dir(path: str | Path) -> None:
+    """Shared-memory backings need ``path`` to be an existing directory.
+
+    Args:
+        path: the ``shm_dir`` setting.
+
+    Raises:
+        InvalidArgument: it is not.
+    """
+    if not Path(path).is_dir():
+        raise InvalidArgument(
+            f"shared-memory directory {path} does not exist; create it (a tmpfs) or pass "
+            "another --shm-dir",
+            field="shm_dir",
+        )
+
+
+def _invalid(exc: msgspec.ValidationError, values: Mapping[str, Any]) -> InvalidArgument:
+    """The error for a value ``msgspec.convert`` refused: ``name value: advice``."""
+    match = re.search(r"at `\$\.([a-z_]+)", str(exc))
+    if match is None or match.group(1) not in _FIELDS:
+        return InvalidArgument(f"invalid settings: {exc}")
+    name = match.group(1)
+    return InvalidArgument(f"{name} {values.get(name)!r}: {_advice(name, exc)}", field=name)
+
+
+def _advice(name: str, exc: msgspec.ValidationError) -> str:
+    """What to give instead: the field's hint, else its choices or bounds, with its meaning."""
+    description, extra = describe(name)
+    if "hint" in extra:
+        return str(extra["hint"])
+    info = typing.get_args(_FIELDS[name].type)[0]  # inside the outer Annotated
+    choices = typing.get_args(info) if typing.get_origin(info) is Literal else ()
+    bounds = _outer_meta(_FIELDS[name].type)
+    if choices:
+        *rest, last = [str(c) for c in choices]
+        advice = f"give {', '.join(rest)} or {last}" if rest else f"give {last}"
+    elif bounds.ge is not None and bounds.le is not None:
+        advice = f"give {bounds.ge:g} to {bounds.le:g}"
+    else:
+        advice = str(exc).split(" - at ", 1)[0]
+    return f"{advice} ({description})"
+
+
+def _outer_meta(annotation: Any) -> Meta:
+    """The ``Meta`` of a field's outer ``Annotated`` (description, bounds, extra)."""
+    for item in getattr(annotation, "__metadata__", ()):
+        if isinstance(item, Meta):
+            return item
+    return Meta()
+
+
+def _read_token(path: Path) -> str:
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise InvalidArgument(f"cannot read token file {path}: {exc.strerror or exc}",
+                              field="token_file") from exc
+    if not token:
+        raise InvalidArgument(f"token file {path} is empty", field="token_file")
+    if path.stat().st_mode & 0o077:
+        # A token others can read is no secret; refuse rather than serve with it.
+        raise InvalidArgument(f"token file {path} is readable by group/others; chmod 600 it",
+                              field="token_file")
+    return token
+
+
+def _cuda_free_bytes(device: str) -> int:
+    import torch  # only for a fractional cuda budget
+
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    return int(free)
