@@ -25,8 +25,8 @@ from prometheus_client.samples import Sample
 from kvpool import wire
 from kvpool.client import KVPoolClient
 from kvpool.errors import FailedPrecondition, KVPoolError, ResourceExhausted
-from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.records import Stats
+from kvpool.v1 import kvpool_pb2 as pb
 from tests.conftest import REPO, TINY_OPTIONS, TINY_PAGES, TINY_SPEC, run_daemon, temp_dir
 
 OPERATIONS = REPO / "docs" / "operations.md"

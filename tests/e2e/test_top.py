@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from kvpool.client import KVPoolClient
-from kvpool.top import Rate, rates, render
 from kvpool.records import DaemonStats, LeaseStats, PoolStats, SpaceStats, Stats
+from kvpool.top import Rate, rates, render
 from tests.conftest import (
     REPO,
     TINY_OPTIONS,
