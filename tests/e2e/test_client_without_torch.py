@@ -171,3 +171,16 @@ def test_the_client_cli_runs_without_torch(client_venv: ClientVenv,
                               f"unix://{client_venv.root}/none.sock")
     assert missing.returncode == 1
     assert "error (UNAVAILABLE)" in missing.stderr
+
+
+@pytest.mark.timeout(600)
+def test_kvpoold_serve_without_the_server_extra_says_what_to_install(
+        client_venv: ClientVenv) -> None:
+    """The base install carries the kvpoold command too; without torch it refuses to serve
+    with one line naming the extra, after checking its flags, not with a traceback."""
+    kvpoold = client_venv.kvpool.with_name("kvpoold")
+    out = client_venv.run(kvpoold, "serve", "--listen",
+                          f"unix://{client_venv.root}/serve.sock", "--shm-dir",
+                          str(client_venv.root))
+    assert out.returncode == 1, out.stderr
+    assert "kvpool[server]" in out.stderr and "Traceback" not in out.stderr

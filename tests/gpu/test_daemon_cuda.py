@@ -127,3 +127,47 @@ def test_expandable_segments_stop_the_daemon_at_start(tmp_path: Path) -> None:
                           "--listen", f"unix://{tmp_path}/k.sock"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "pytorch#165685" in out.stderr, out.stderr
+
+
+# Attach a hybrid pool, then for each list of kv pages sent, read their full_to_swa entries
+# from GPU memory at once (no waiting, no synchronize before the read) and send them back.
+MAPPING_READER = r"""
+from kvpool.client import KVPoolClient
+
+msg = recv()
+with KVPoolClient(msg["target"]) as client:
+    with client.attach(msg["pool"]) as region:
+        mapping = region["full_to_swa"]
+        send("attached")
+        while (pages := recv()) != "stop":
+            send(mapping[pages].tolist())
+send("detached")
+"""
+HYBRID_SPEC = {**TINY_SPEC, "sliding_window": {"window": 32, "layers": [0]}}
+
+
+def test_full_to_swa_on_the_gpu_is_written_before_allocate_replies(
+        cuda_daemon: DaemonProcess) -> None:
+    """The daemon writes each kv page's SWA page into the device full_to_swa buffer (through
+    its host mirror) and synchronizes before Allocate replies: an engine process that reads the
+    buffer as soon as it has the reply sees every pair, and the zeros after a free."""
+    d = cuda_daemon
+    with KVPoolClient(d.target) as client:
+        result = client.configure("hyb", spec=HYBRID_SPEC, **OPTIONS)
+        assert result.plan.id_space("swa").follows == "kv"
+        with Child(MAPPING_READER, env=CLEAN_ENV) as reader, client.lease("gpu-test") as lease:
+            reader.send({"target": d.target, "pool": "hyb"})
+            assert reader.recv() == "attached"
+            for count in (1, 7, 300):
+                full, swa = lease.allocate_swa_pairs("hyb", count)
+                reader.send(full.tolist())
+                assert reader.recv() == swa.tolist()
+                lease.free("hyb", "swa", full[: count // 2])  # the window slid past these
+                reader.send(full.tolist())
+                half = count // 2
+                assert reader.recv() == [0] * half + swa[half:].tolist()
+                lease.free("hyb", "kv", full)
+            reader.send("stop")
+            assert reader.recv() == "detached"
+            reader.wait_ok()
+        client.drop("hyb")

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from kvpool.errors import FailedPrecondition
 from kvpool.targets import default_socket_path
 from kvpoold.server.logs import configure_logging
 from kvpoold.settings import ServeConfig, ServeSettings, check_host, describe, load_config, resolve
@@ -86,6 +87,9 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     config = load_config(args.config) if args.config else None
     return resolve(vars(args), config)
 
+# What `kvpool[server]` adds to the client's dependencies (pyproject.toml).
+SERVER_EXTRA = ("torch", "prometheus_client", "grpc_reflection")
+
 
 def run(args: argparse.Namespace) -> int:
     """Entry of ``kvpoold serve``.
@@ -103,6 +107,15 @@ def run(args: argparse.Namespace) -> int:
     check_host(settings)
     configure_logging(settings.log_level, settings.log_format)
     # The server imports torch (seconds): only once the settings are known to be good.
-    from kvpoold.server.run import run as serve
+    try:
+        from kvpoold.server.run import run as serve
+    except ModuleNotFoundError as exc:
+        if exc.name not in SERVER_EXTRA:
+            raise
+        raise FailedPrecondition(
+            f"kvpoold serve needs {exc.name}, which is not installed: the daemon comes with the "
+            "server extra, pip install 'kvpool[server]' (plain `pip install kvpool` is the "
+            "client and its CLI only)"
+        ) from None
 
     return asyncio.run(serve(settings))
