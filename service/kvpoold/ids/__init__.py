@@ -3,7 +3,7 @@
 from kvpoold.ids.faults import OWNER_MAX
 from kvpoold.ids.pairing import Pairing
 from kvpoold.ids.pool_ids import Grant, MappingBuffer, PoolIds
-from kvpoold.ids.space import IdSpace, SpaceCounters
+from kvpoold.ids.space import IdSpace
 
 __all__ = [
     "OWNER_MAX",
@@ -12,5 +12,4 @@ __all__ = [
     "MappingBuffer",
     "Pairing",
     "PoolIds",
-    "SpaceCounters",
 ]

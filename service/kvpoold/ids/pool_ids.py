@@ -18,9 +18,10 @@ import numpy as np
 
 from kvpool.errors import Internal, InvalidArgument, KVPoolError
 from kvpool.plan import IdSpaceSpec
+from kvpool.records import SpaceStats
 from kvpoold.ids.faults import Fault, fault_error, singular
 from kvpoold.ids.pairing import Pairing
-from kvpoold.ids.space import IdSpace, SpaceCounters
+from kvpoold.ids.space import IdSpace
 
 _BATCH_DONE = "nothing in the batch was freed"
 
@@ -389,7 +390,7 @@ class PoolIds:
                 out[pair.follower.name] = follow.shape[0]
         return {name: out[name] for name in self.names}
 
-    def counters(self) -> dict[str, SpaceCounters]:
+    def counters(self) -> dict[str, SpaceStats]:
         """Counters per space, in table order.
 
         Returns:

@@ -24,12 +24,12 @@ Not thread-safe and needs no lock: the daemon's event loop owns all allocator st
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
 import numpy as np
 
 from kvpool.errors import Internal, InvalidArgument, KVPoolError, ResourceExhausted
 from kvpool.plan import IdSpaceSpec
+from kvpool.records import SpaceStats
 from kvpoold.ids.faults import (
     CAPACITY_MAX,
     Fault,
@@ -51,24 +51,6 @@ _POSITIONS = np.arange(SHRINK_ABOVE, dtype=np.int32)
 # Comparisons below are of the raw bytes of two int32 arrays: one ``==`` of bytes costs a tenth
 # of a numpy ``(a == b).all()`` at the sizes a call sees.
 _ZEROS = bytes(4 * _TAGS_CACHED)
-
-
-@dataclass(frozen=True, slots=True)
-class SpaceCounters:
-    """A snapshot of one id space for Stats.
-
-    ``allocs`` / ``frees`` count ids (not calls) handed out and returned since start, reclaim
-    included, so ``used == allocs - frees``; ``failed_allocs`` counts refused takes (not enough
-    free). ``high_water`` is the largest ``used`` seen.
-    """
-
-    capacity: int
-    used: int
-    free: int
-    high_water: int
-    allocs: int
-    frees: int
-    failed_allocs: int
 
 
 class _Held:
@@ -546,14 +528,15 @@ class IdSpace:
         """
         return self._stack[self._head :].copy()
 
-    def counters(self) -> SpaceCounters:
-        """Counters for Stats, taken now.
+    def counters(self) -> SpaceStats:
+        """This space in Stats, taken now: the counters and what the plan says of the space.
 
         Returns:
-            The snapshot.
+            The record Stats carries (``allocs`` / ``frees`` count ids, reclaim included, so
+            ``used == allocs - frees``; ``failed_allocs`` counts refused takes).
         """
         used = self._head
-        return SpaceCounters(
+        return SpaceStats(
             capacity=self.capacity,
             used=used,
             free=self.capacity - used,
@@ -561,6 +544,9 @@ class IdSpace:
             allocs=self._frees + used,
             frees=self._frees,
             failed_allocs=self._failed_allocs,
+            unit=self.spec.unit,
+            bytes_per_unit=self.spec.bytes_per_unit,
+            follows=self.spec.follows or "",
         )
 
     def audit(self) -> None:

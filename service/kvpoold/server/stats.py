@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvpool.records import DaemonStats, HeldMap, LeaseStats, PoolStats, SpaceStats, Stats
+from kvpool.records import DaemonStats, HeldMap, LeaseStats, PoolStats, Stats
 
 if TYPE_CHECKING:
     from kvpoold.server.daemon import Daemon
-    from kvpoold.server.live_pools import LivePool
 
 
 def take_stats(daemon: Daemon, pool: str = "") -> Stats:
@@ -38,7 +37,7 @@ def take_stats(daemon: Daemon, pool: str = "") -> Stats:
             max_total_num_tokens=entry.plan.max_total_num_tokens,
             max_running_requests=entry.plan.max_running_requests,
             backing_bytes=entry.plan.backing_bytes,
-            spaces=_spaces(entry),
+            spaces=entry.ids.counters(),
             attached=daemon.attachments.count_pool(entry.name),
             age_seconds=now - entry.created_at,
             handle_kind=entry.handle_kind,
@@ -71,17 +70,3 @@ def take_stats(daemon: Daemon, pool: str = "") -> Stats:
         pools=pools,
         leases=leases,
     )
-
-
-def _spaces(entry: LivePool) -> dict[str, SpaceStats]:
-    """Each id space's counters, with what the plan says of it, in the plan's order."""
-    counters = entry.ids.counters()
-    out = {}
-    for spec in entry.plan.id_spaces:
-        c = counters[spec.name]
-        out[spec.name] = SpaceStats(
-            capacity=c.capacity, used=c.used, free=c.free, high_water=c.high_water,
-            allocs=c.allocs, frees=c.frees, failed_allocs=c.failed_allocs, unit=spec.unit,
-            bytes_per_unit=spec.bytes_per_unit, follows=spec.follows or "",
-        )
-    return out
