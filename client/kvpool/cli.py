@@ -193,7 +193,7 @@ def run_stats(args: argparse.Namespace) -> int:
               f"fingerprint {p.fingerprint}")
         for space, k in p.spaces.items():
             share = 100.0 * k.used / k.capacity if k.capacity else 0.0
-            print(f"  {space:<6} used {k.used:>10,} / {k.capacity:<10,} ({share:5.1f}%)  "
+            print(f"  {space:<10} used {k.used:>10,} / {k.capacity:<10,} ({share:5.1f}%)  "
                   f"high {k.high_water:,}  allocs {k.allocs:,}  frees {k.frees:,}  "
                   f"failed {k.failed_allocs:,}")
     if stats.leases:

@@ -22,7 +22,7 @@ DEFAULT_MAX_LEASES = 20
 BAR_WIDTH = 16
 MIN_BAR_WIDTH = len("USAGE")  # narrower, the header would widen the column anyway
 PANEL_MARGIN = 4  # a panel's borders and padding
-POOL_COLUMNS = ("POOL", "KIND", "USED", "CAPACITY", "USE%", "HIGH", "ALLOC/S", "FREE/S",
+POOL_COLUMNS = ("POOL", "SPACE", "USED", "CAPACITY", "USE%", "HIGH", "ALLOC/S", "FREE/S",
                 "FAILED", "BYTES", "ATT")
 # When the numbers do not fit, these go first, in this order (after the usage bar).
 OPTIONAL_COLUMNS = ("ATT", "BYTES", "FAILED")
@@ -144,10 +144,10 @@ def _pools_table(pools: Sequence[PoolStats], pool_rates: Mapping[tuple[str, str]
     table = Table(box=None, pad_edge=False, collapse_padding=True, header_style="bold",
                   show_edge=False)
     for name in columns:
-        table.add_column(name, justify="left" if name in ("POOL", "KIND") else "right",
+        table.add_column(name, justify="left" if name in ("POOL", "SPACE") else "right",
                          no_wrap=True, overflow="ellipsis",
                          min_width=None if name == "POOL" else natural[name])
-        if name == "KIND" and bar_width:
+        if name == "SPACE" and bar_width:
             table.add_column("USAGE", no_wrap=True, min_width=bar_width)
     for cells, (used, capacity, high_water) in rows:
         values: list[RenderableType] = [cells[c] for c in columns]

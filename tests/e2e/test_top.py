@@ -50,7 +50,7 @@ def cells(text: str) -> list[list[str]]:
 
 
 def pool_rows(text: str) -> dict[tuple[str, str], list[str]]:
-    """``{(pool, kind): [bar, used, capacity, use%, high, alloc/s, free/s, failed, ...]}``."""
+    """``{(pool, space): [bar, used, capacity, use%, high, alloc/s, free/s, failed, ...]}``."""
     rows: dict[tuple[str, str], list[str]] = {}
     pool = ""
     for row in cells(text):
@@ -268,23 +268,23 @@ def test_live_view_retries_shows_rates_survives_the_daemon_and_ctrl_c(
 # -- pieces -------------------------------------------------------------------------------------
 
 
-def kind(allocs: int, frees: int, capacity: int = 100) -> SpaceStats:
+def space(allocs: int, frees: int, capacity: int = 100) -> SpaceStats:
     used = allocs - frees
     return SpaceStats(capacity=capacity, used=used, free=capacity - used, high_water=used,
                      allocs=allocs, frees=frees, failed_allocs=0)
 
 
 def snapshot(uptime: float, pools: dict[str, tuple[float, dict[str, SpaceStats]]]) -> Stats:
-    """Stats with ``pools = {name: (age_s, {kind: SpaceStats})}``."""
+    """Stats with ``pools = {name: (age_s, {space: SpaceStats})}``."""
     return Stats(
         daemon=DaemonStats(version="0", device="cpu", budget_bytes=1 << 20, used_bytes=0,
                            uptime_seconds=uptime, num_pools=len(pools), num_leases=0,
                            leases_opened=0, leases_closed=0, leases_expired=0),
         pools=[PoolStats(name=name, fingerprint="f", architecture="mha", kv_cache_dtype="bf16",
                          page_size=16, max_total_num_tokens=0, max_running_requests=8,
-                         backing_bytes=1 << 20, spaces=kinds, attached=0, age_seconds=age,
+                         backing_bytes=1 << 20, spaces=spaces_, attached=0, age_seconds=age,
                          handle_kind="none")
-               for name, (age, kinds) in pools.items()],
+               for name, (age, spaces_) in pools.items()],
         leases=[LeaseStats(lease_id=1, name="x", ttl_seconds=10.0, expires_in_seconds=5.0,
                            held={}, attached=0)],
     )
@@ -294,14 +294,14 @@ def test_rates_are_counter_deltas_over_the_daemons_uptime() -> None:
     """Uptime 10 s -> 12 s: kv allocs 100 -> 160 and frees 90 -> 150 are 30/s each; req
     unchanged is 0/s. Pool ``new`` is 1 s old, younger than the 2 s between: configured again
     in between, no rate. Pool ``gone`` is not in the newer snapshot."""
-    before = snapshot(10.0, {"a": (10.0, {"kv": kind(100, 90), "req": kind(4, 4)}),
-                             "new": (9.0, {"kv": kind(50, 0)}),
-                             "gone": (5.0, {"kv": kind(1, 0)})})
-    after = snapshot(12.0, {"a": (12.0, {"kv": kind(160, 150), "req": kind(4, 4)}),
-                            "new": (1.0, {"kv": kind(60, 0)})})
+    before = snapshot(10.0, {"a": (10.0, {"kv": space(100, 90), "req": space(4, 4)}),
+                             "new": (9.0, {"kv": space(50, 0)}),
+                             "gone": (5.0, {"kv": space(1, 0)})})
+    after = snapshot(12.0, {"a": (12.0, {"kv": space(160, 150), "req": space(4, 4)}),
+                            "new": (1.0, {"kv": space(60, 0)})})
     assert rates(before, after) == {("a", "kv"): Rate(30.0, 30.0), ("a", "req"): Rate(0.0, 0.0)}
     assert rates(None, after) == {}
-    restarted = snapshot(3.0, {"a": (3.0, {"kv": kind(5, 0)})})
+    restarted = snapshot(3.0, {"a": (3.0, {"kv": space(5, 0)})})
     assert rates(after, restarted) == {}, "uptime went down: a new daemon"
 
 
@@ -313,7 +313,7 @@ def test_narrow_frames_never_cut_numbers() -> None:
 
     from kvpool.top import POOL_COLUMNS, DaemonView
 
-    stats = snapshot(5.0, {"tiny": (5.0, {"kv": kind(20_000, 0, 40_000)})})
+    stats = snapshot(5.0, {"tiny": (5.0, {"kv": space(20_000, 0, 40_000)})})
     view = DaemonView("unix:///x.sock")
     view.update(stats, time.monotonic())
     seen = {}
@@ -324,7 +324,7 @@ def test_narrow_frames_never_cut_numbers() -> None:
             console.print(render([view], time.monotonic(), width=width, live=False))
         text = console.export_text()
         assert max(len(line) for line in text.splitlines()) <= width
-        header = next(r for r in cells(text) if r[:2] == ["POOL", "KIND"])
+        header = next(r for r in cells(text) if r[:2] == ["POOL", "SPACE"])
         assert [c for c in header if c != "USAGE"] == list(POOL_COLUMNS[:len(header) - (
             "USAGE" in header)]), (width, header)
         row = next(r for r in cells(text) if r[:2] == ["tiny", "kv"])
@@ -333,4 +333,4 @@ def test_narrow_frames_never_cut_numbers() -> None:
         assert numbers[:4] == ["20,000", "40,000", "50.0%", "20,000"], (width, row)
         seen[width] = header
     assert "USAGE" in seen[200] and len(seen[200]) == len(POOL_COLUMNS) + 1
-    assert seen[60] == ["POOL", "KIND", "USED", "CAPACITY", "USE%", "HIGH", "ALLOC/S", "FREE/S"]
+    assert seen[60] == ["POOL", "SPACE", "USED", "CAPACITY", "USE%", "HIGH", "ALLOC/S", "FREE/S"]
