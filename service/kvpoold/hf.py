@@ -1,28 +1,35 @@
-"""Hugging Face ``config.json`` -> :class:`ModelSpec`, one loader per architecture class in a table.
+"""Hugging Face ``config.json`` -> :class:`ModelSpec`, read the way SGLang 0.5.23 reads it.
 
 :data:`LOADERS` maps the HF class name (``LlamaForCausalLM``) to a :class:`Loader`; an unknown
-class with the standard fields is planned as plain MHA (source ``"fallback"``). Conventions,
-each as the Hugging Face config classes define them:
+class with the standard fields is planned as plain MHA (source ``"fallback"``). The rules, each
+SGLang's (``configs/model_config.py``, ``utils/hf_transformers/common.py``):
 
-- ``head_dim`` given explicitly wins over ``hidden_size // num_attention_heads``;
-  ``num_key_value_heads`` defaults to ``num_attention_heads``.
-- No sliding window when ``use_sliding_window`` is false or ``sliding_window`` is null/absent
-  (Qwen2/Qwen3 configs also need ``use_sliding_window: true``: false is their HF default).
-  Otherwise ``layer_types`` (``"sliding_attention"`` / ``"full_attention"``) decides which
-  layers slide; without it each family's default pattern applies:
-  Mistral: every layer (all-SWA); Qwen2/Qwen3/Qwen3-MoE: layers ``i >= max_window_layers``
-  (HF default 28), the first ``max_window_layers`` stay full; Gemma-2 and gpt-oss: even layers
-  slide, odd are full (HF: ``sliding if (i + 1) % 2 else full``, so layer 0 slides);
-  Gemma-3: every ``sliding_window_pattern``-th layer is full (``(i + 1) % pattern == 0``, HF
-  default 6), the rest slide. Llama and DeepSeek never slide.
+- **Text config.** A multimodal config is read through its first sub-config present among
+  ``thinker_config``, ``llm_config``, ``language_config``, ``text_config``; a sub-config without a
+  dtype inherits the parent's.
+- **KV geometry.** ``head_dim`` given explicitly wins over ``hidden_size // num_attention_heads``;
+  ``multi_query: true`` means one KV head; otherwise the first of ``n_head_kv``,
+  ``num_kv_heads``, ``num_key_value_heads``, ``multi_query_group_num`` that is not null, else
+  ``num_attention_heads``.
+- **dtype** (``--dtype auto``): the config's ``dtype``, else ``torch_dtype``; none means
+  float32, and float32 is served as float16, or bfloat16 when ``model_type`` starts with
+  ``gemma``; gpt-oss with an ``mxfp4`` ``quantization_config`` runs in bfloat16. A checkpoint's
+  ``kv_cache_quant_algo: FP8`` makes ``auto`` KV fp8_e4m3.
+- **Context length**: the first present of ``max_sequence_length``, ``seq_length``,
+  ``max_seq_len``, ``model_max_length``, ``max_position_embeddings`` (else 2048), times the
+  ``rope_scaling`` ``factor`` unless that has ``original_max_position_embeddings`` or
+  ``rope_type: llama3``.
+- **Sliding window pools** only for SGLang's hybrid-SWA allowlist (:data:`HYBRID_SWA`: gpt-oss,
+  Llama-4, Gemma-4, MiMo-V2, Step-3.5, ...) or a config saying ``is_hybrid_swa: true``. Gemma-2,
+  Gemma-3, Mistral, Qwen2/3, Phi-3 and the like get a plain full-attention pool even with
+  ``sliding_window`` or ``layer_types`` (the window is applied in attention only). An
+  allowlisted model whose layers all slide gets an SWA-only pool.
 - Qwen3-Next: full attention on ``(i + 1) % full_attention_interval == 0`` (or the
   ``"full_attention"`` entries of ``layer_types``), linear attention elsewhere.
-- dtype from ``torch_dtype`` (or ``dtype``), default bfloat16; context length is
-  ``max_position_embeddings``; ``quantization_config.kv_cache_quant_algo == "FP8"`` sets
-  ``kv_cache_quant_fp8``.
 
 Worked example, Llama-3.1-8B: 32 layers, 32 heads, 8 KV heads, hidden 4096 -> head_dim 128,
-context 131,072, bfloat16: ``ModelSpec(num_layers=32, attention=MHAAttention(8, 128), ...)``.
+context 131,072 (rope_type llama3: no scaling), bfloat16:
+``ModelSpec(num_layers=32, attention=MHAAttention(8, 128), context_length=131072, ...)``.
 """
 
 from __future__ import annotations
@@ -43,20 +50,21 @@ SLIDING = "sliding_attention"
 FULL = "full_attention"
 LINEAR = "linear_attention"
 
-# HF dtype spellings -> ours; "auto" and null mean "not said", i.e. the bfloat16 default.
+# The dtype names SGLang recognizes in a config; any other value, or none, means float32.
 _DTYPES: dict[str, ModelDType] = {
     "bfloat16": ModelDType.bfloat16,
-    "bf16": ModelDType.bfloat16,
     "float16": ModelDType.float16,
-    "fp16": ModelDType.float16,
     "half": ModelDType.float16,
     "float32": ModelDType.float32,
-    "fp32": ModelDType.float32,
     "float": ModelDType.float32,
 }
-DEFAULT_DTYPE = ModelDType.bfloat16
-QWEN2_DEFAULT_MAX_WINDOW_LAYERS = 28  # Qwen2Config / Qwen3Config default
-GEMMA3_DEFAULT_SLIDING_WINDOW_PATTERN = 6  # Gemma3TextConfig default
+# SGLang's priority among the sub-configs of a multimodal config.
+TEXT_CONFIG_KEYS = ("thinker_config", "llm_config", "language_config", "text_config")
+CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length",
+                       "max_position_embeddings")
+DEFAULT_CONTEXT_LENGTH = 2048
+# Key names of the KV head count, in the order SGLang tries them.
+KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num")
 
 Config = Mapping[str, Any]
 SpecFields = dict[str, Any]
@@ -93,12 +101,23 @@ class _Reader:
         return value
 
 
+def _kv_heads(r: _Reader, heads: int) -> int:
+    """KV heads: one for multi-query attention, else the first key SGLang reads that is set."""
+    if r.config.get("multi_query") is True and not r.config.get("new_decoder_architecture"):
+        return 1
+    for key in KV_HEAD_KEYS:
+        value = r.opt_int(key)
+        if value is not None:
+            return value
+    return heads
+
+
 def _mha_attention(r: _Reader) -> dict[str, Any]:
     """KV geometry of an MHA/GQA model: explicit head_dim wins over hidden / heads."""
     heads = r.get_int("num_attention_heads")
     if heads < 1:
         raise r.fail(f"num_attention_heads must be >= 1, got {heads}")
-    kv_heads = r.opt_int("num_key_value_heads", heads)
+    kv_heads = _kv_heads(r, heads)
     head_dim = r.opt_int("head_dim")
     if head_dim is None:
         hidden = r.get_int("hidden_size")
@@ -111,18 +130,36 @@ def _mha_attention(r: _Reader) -> dict[str, Any]:
     return {"type": "mha", "num_kv_heads": kv_heads, "head_dim": head_dim}
 
 
-def _model_dtype(r: _Reader) -> ModelDType:
-    raw = r.config.get("torch_dtype")
-    if raw is None:  # newer transformers write ``dtype``
-        raw = r.config.get("dtype")
-    if raw is None or raw == "auto":
-        return DEFAULT_DTYPE
+def _model_dtype(r: _Reader, architecture: str) -> ModelDType:
+    """The dtype SGLang serves the model in with ``--dtype auto``."""
+    raw = r.config.get("dtype") or r.config.get("torch_dtype")
     name = raw.removeprefix("torch.") if isinstance(raw, str) else ""
-    if name not in _DTYPES:
-        raise r.fail(
-            f"torch_dtype {raw!r} is not supported (accepted: {', '.join(_DTYPES)}, auto)"
-        )
-    return _DTYPES[name]
+    declared = _DTYPES.get(name, ModelDType.float32)
+    quant = r.config.get("quantization_config")
+    if (architecture == "GptOssForCausalLM" and isinstance(quant, Mapping)
+            and quant.get("quant_method") == "mxfp4"):
+        return ModelDType.bfloat16  # SGLang's gpt-oss override: mxfp4 kernels run in bf16
+    if declared is not ModelDType.float32:
+        return declared
+    model_type = r.config.get("model_type")
+    if isinstance(model_type, str) and model_type.startswith("gemma"):
+        return ModelDType.bfloat16
+    return ModelDType.float16
+
+
+def _context_length(r: _Reader) -> int:
+    """The model's context length as SGLang derives it (rope scaling included)."""
+    rope = r.config.get("rope_scaling") or r.config.get("rope_parameters")
+    factor: float = 1
+    if isinstance(rope, Mapping):
+        raw = rope.get("factor", 1)
+        factor = raw if isinstance(raw, int | float) and not isinstance(raw, bool) else 1
+        if "original_max_position_embeddings" in rope or rope.get("rope_type") == "llama3":
+            factor = 1
+    for key in CONTEXT_LENGTH_KEYS:
+        if r.config.get(key) is not None:
+            return int(factor * r.get_int(key))
+    return DEFAULT_CONTEXT_LENGTH
 
 
 def _kv_cache_quant_fp8(r: _Reader) -> bool:
@@ -137,8 +174,8 @@ def _common(r: _Reader, architecture: str) -> SpecFields:
     """Fields every loader fills the same way."""
     return {
         "num_layers": r.get_int("num_hidden_layers"),
-        "context_length": r.get_int("max_position_embeddings"),
-        "dtype": _model_dtype(r),
+        "context_length": _context_length(r),
+        "dtype": _model_dtype(r, architecture),
         "architecture": architecture,
         "num_nextn_predict_layers": r.opt_int("num_nextn_predict_layers", 0),
         "kv_cache_quant_fp8": _kv_cache_quant_fp8(r),
@@ -147,90 +184,116 @@ def _common(r: _Reader, architecture: str) -> SpecFields:
 
 # ---- sliding window ---------------------------------------------------------------------------
 
-# (reader, num_layers) -> global ids of the sliding layers when the config has no layer_types
-SlidingPattern = Callable[[_Reader, int], list[int]]
-
-
-def _window(r: _Reader, flag_default: bool) -> int | None:
-    """The window size, or None when the config turns sliding off (``flag_default`` is what an
-    absent ``use_sliding_window`` means for the family)."""
-    flag = r.config.get("use_sliding_window")
-    if not (flag_default if flag is None else flag):
-        return None
-    return r.opt_int("sliding_window")
+# (reader, num_layers) -> global ids of the sliding layers (None: the model gets no SWA pool)
+SlidingRule = Callable[[_Reader, int], "list[int] | None"]
 
 
 def _layer_types(r: _Reader, n: int, accepted: tuple[str, ...]) -> list[str] | None:
     raw = r.config.get("layer_types")
     if raw is None:
         return None
-    if not isinstance(raw, list) or len(raw) != n:
-        raise r.fail(f"layer_types must be a list of num_hidden_layers = {n} entries")
+    if not isinstance(raw, list) or len(raw) < n:
+        raise r.fail(f"layer_types must be a list of (at least) num_hidden_layers = {n} entries")
+    raw = raw[:n]  # Step-3.5 lists its MTP layers after the model's
     bad = [t for t in raw if t not in accepted]
     if bad:
         raise r.fail(f"layer_types has {bad[0]!r} (accepted: {', '.join(accepted)})")
     return raw
 
 
-def _sliding(r: _Reader, n: int, pattern: SlidingPattern | None,
-             flag_default: bool) -> dict[str, Any] | None:
-    """The spec's ``sliding_window`` entry: layer_types first, then the family pattern."""
-    window = _window(r, flag_default)
-    if window is None:
-        return None
+def _by_layer_types(r: _Reader, n: int) -> list[int] | None:
     types = _layer_types(r, n, (SLIDING, FULL))
-    if types is not None:
-        layers = [i for i, t in enumerate(types) if t == SLIDING]
-    elif pattern is not None:
-        layers = pattern(r, n)
-    else:
-        return None
-    if not layers:
-        return None
-    return {"window": window, "layers": layers}
+    if types is None:
+        raise r.fail("layer_types is missing: this architecture's sliding layers are listed "
+                     "there")
+    return [i for i, t in enumerate(types) if t == SLIDING]
 
 
-def _all_layers(r: _Reader, n: int) -> list[int]:
+def _if_any_sliding(r: _Reader, n: int) -> list[int] | None:
+    """Beam: an SWA pool only when some layer slides."""
+    layers = _by_layer_types(r, n)
+    return layers or None
+
+
+def _if_window(r: _Reader, n: int) -> list[int] | None:
+    """Laguna: an SWA pool only with a non-zero sliding_window."""
+    return _by_layer_types(r, n) if r.config.get("sliding_window") else None
+
+
+def _llama4(r: _Reader, n: int) -> list[int]:
+    """Llama-4: every fourth layer is global attention, the others chunked (sliding)."""
+    return [i for i in range(n) if (i + 1) % 4 != 0]
+
+
+def _by_pattern(r: _Reader, n: int) -> list[int]:
+    """MiMo-V2 and configs opting in with ``is_hybrid_swa``: ``hybrid_layer_pattern`` 1 = SWA."""
+    pattern = r.config.get("hybrid_layer_pattern")
+    if not isinstance(pattern, list) or len(pattern) < n:
+        raise r.fail(f"hybrid_layer_pattern must list (at least) num_hidden_layers = {n} "
+                     "entries, 1 for a sliding layer and 0 for full attention")
+    return [i for i in range(n) if pattern[i] == 1]
+
+
+def _every_layer(r: _Reader, n: int) -> list[int]:
     return list(range(n))
 
 
-def _even_layers(r: _Reader, n: int) -> list[int]:
-    return list(range(0, n, 2))
+# SGLang 0.5.23's hybrid sliding-window allowlist (``is_hybrid_swa_model``) and how each class
+# names its sliding layers (``get_hybrid_layer_ids``). DeepSeek-V4 is planned from a spec file.
+HYBRID_SWA: dict[str, SlidingRule] = {
+    "GptOssForCausalLM": _by_layer_types,
+    "GraniteSWAForCausalLM": _by_layer_types,
+    "GraniteMoeSWAForCausalLM": _by_layer_types,
+    "IQuestQ1ForCausalLM": _by_layer_types,
+    "BeamForCausalLM": _if_any_sliding,
+    "Llama4ForConditionalGeneration": _llama4,
+    "MiMoV2ForCausalLM": _by_pattern,
+    "MiMoV2FlashForCausalLM": _by_pattern,
+    "Step3p5ForCausalLM": _by_layer_types,
+    "Step3p7ForConditionalGeneration": _by_layer_types,
+    "Gemma4ForCausalLM": _by_layer_types,
+    "Gemma4ForConditionalGeneration": _by_layer_types,
+    "Gemma4UnifiedForConditionalGeneration": _by_layer_types,
+    "EmbeddingGemma2Model": _by_layer_types,
+    "DiffusionGemmaForBlockDiffusion": _by_layer_types,
+    "LagunaForCausalLM": _if_window,
+    "MellumForCausalLM": _by_layer_types,
+    "MuseGlimmerForCausalLM": _by_layer_types,
+    "MuseGlimmerForConditionalGeneration": _by_layer_types,
+    "UnlimitedOCRForCausalLM": _every_layer,
+}
+# Llama-4 slides over its attention chunk; the others name their window directly.
+WINDOW_KEYS = ("sliding_window_size", "sliding_window", "window_size", "attention_chunk_size")
 
 
-def _after_max_window_layers(r: _Reader, n: int) -> list[int]:
-    first = r.opt_int("max_window_layers", QWEN2_DEFAULT_MAX_WINDOW_LAYERS)
-    assert first is not None
-    return list(range(max(first, 0), n))
-
-
-def _gemma3_pattern(r: _Reader, n: int) -> list[int]:
-    key = "sliding_window_pattern" if r.has("sliding_window_pattern") \
-        else "_sliding_window_pattern"
-    every = r.opt_int(key, GEMMA3_DEFAULT_SLIDING_WINDOW_PATTERN)
-    assert every is not None
-    if every < 1:
-        raise r.fail(f"{key} must be >= 1, got {every}")
-    return [i for i in range(n) if (i + 1) % every != 0]
+def _sliding(r: _Reader, n: int, architecture: str) -> dict[str, Any] | None:
+    """The spec's ``sliding_window`` entry: only for the allowlist or ``is_hybrid_swa: true``."""
+    rule = HYBRID_SWA.get(architecture)
+    if rule is None and r.config.get("is_hybrid_swa") is True:
+        rule = _by_pattern
+    if rule is None:
+        return None
+    layers = rule(r, n)
+    if not layers:
+        return None
+    window = next((r.get_int(k) for k in WINDOW_KEYS if r.config.get(k) is not None), None)
+    if window is None:
+        raise r.fail(f"{architecture or 'this model'} has sliding layers but no window "
+                     f"({', '.join(WINDOW_KEYS)})")
+    return {"window": window, "layers": layers}
 
 
 # ---- loaders -----------------------------------------------------------------------------------
 
 
-def _mha_family(pattern: SlidingPattern | None, *, use_sliding_window_default: bool = True,
-                ) -> Callable[[_Reader, str], SpecFields]:
-    """Loader body for an MHA/GQA family whose default sliding layers follow ``pattern``;
-    ``use_sliding_window_default`` is the family's value of an absent ``use_sliding_window``."""
-
-    def load(r: _Reader, architecture: str) -> SpecFields:
-        fields = _common(r, architecture)
-        fields["attention"] = _mha_attention(r)
-        window = _sliding(r, fields["num_layers"], pattern, use_sliding_window_default)
-        if window is not None:
-            fields["sliding_window"] = window
-        return fields
-
-    return load
+def _mha(r: _Reader, architecture: str) -> SpecFields:
+    """An MHA/GQA model, with an SWA pool when SGLang gives it one (:func:`_sliding`)."""
+    fields = _common(r, architecture)
+    fields["attention"] = _mha_attention(r)
+    window = _sliding(r, fields["num_layers"], architecture)
+    if window is not None:
+        fields["sliding_window"] = window
+    return fields
 
 
 def _mla(r: _Reader, architecture: str) -> SpecFields:
@@ -285,45 +348,39 @@ class Loader:
     """How to read one HF architecture class.
 
     ``defaults`` are the HF config class defaults for keys real checkpoints omit (Gemma-3's
-    ``text_config`` lists only what differs from ``Gemma3TextConfig``); ``text_config`` says the
-    text model's fields are nested there (multimodal wrappers).
+    ``text_config`` lists only what differs from ``Gemma3TextConfig``).
     """
 
     load: Callable[[_Reader, str], SpecFields]
     defaults: Mapping[str, Any] = field(default_factory=dict)
-    text_config: bool = False
 
 
 _GEMMA2_DEFAULTS = {
     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
-    "max_position_embeddings": 8192, "sliding_window": 4096,
+    "max_position_embeddings": 8192,
 }
 _GEMMA3_DEFAULTS = {
     "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
-    "max_position_embeddings": 131072, "sliding_window": 4096,
+    "max_position_embeddings": 131072,
 }
-_gemma3 = _mha_family(_gemma3_pattern)
-# Qwen2Config / Qwen3Config default use_sliding_window to false
-_qwen = _mha_family(_after_max_window_layers, use_sliding_window_default=False)
 
 LOADERS: dict[str, Loader] = {
-    "LlamaForCausalLM": Loader(_mha_family(None)),
-    "MistralForCausalLM": Loader(_mha_family(_all_layers)),
-    "Qwen2ForCausalLM": Loader(_qwen),
-    "Qwen3ForCausalLM": Loader(_qwen),
-    "Qwen3MoeForCausalLM": Loader(_qwen),
-    "Gemma2ForCausalLM": Loader(_mha_family(_even_layers), _GEMMA2_DEFAULTS),
-    "Gemma3ForCausalLM": Loader(_gemma3, _GEMMA3_DEFAULTS),
-    "Gemma3ForConditionalGeneration": Loader(_gemma3, _GEMMA3_DEFAULTS, text_config=True),
-    "GptOssForCausalLM": Loader(_mha_family(_even_layers)),
+    "LlamaForCausalLM": Loader(_mha),
+    "MistralForCausalLM": Loader(_mha),
+    "Qwen2ForCausalLM": Loader(_mha),
+    "Qwen3ForCausalLM": Loader(_mha),
+    "Qwen3MoeForCausalLM": Loader(_mha),
+    "Phi3ForCausalLM": Loader(_mha),
+    "Gemma2ForCausalLM": Loader(_mha, _GEMMA2_DEFAULTS),
+    "Gemma3ForCausalLM": Loader(_mha, _GEMMA3_DEFAULTS),
+    "Gemma3ForConditionalGeneration": Loader(_mha, _GEMMA3_DEFAULTS),
     "DeepseekV2ForCausalLM": Loader(_mla),
     "DeepseekV3ForCausalLM": Loader(_mla),
     "DeepseekV32ForCausalLM": Loader(_dsa),
     "Qwen3NextForCausalLM": Loader(_hybrid_linear),
+    **{name: Loader(_mha) for name in HYBRID_SWA},
 }
 
-# What the MHA fallback needs; ``hidden_size`` may stand in for ``head_dim``.
-FALLBACK_FIELDS = ("num_hidden_layers", "num_attention_heads", "max_position_embeddings")
 
 
 def _architecture_names(config: Config) -> list[str]:
@@ -335,17 +392,28 @@ def _architecture_names(config: Config) -> list[str]:
     return []
 
 
-def _text_view(config: Config, loader: Loader, r: _Reader) -> Config:
-    """The mapping the loader reads: HF defaults, then the (text) config's own keys."""
-    if not loader.text_config:
-        return {**loader.defaults, **config}
-    text = config.get("text_config")
-    if not isinstance(text, Mapping):
-        raise r.fail("missing text_config (the text model's settings)")
-    # dtype and quantization are usually stated once at the top level of a wrapper config
-    inherited = {k: config[k] for k in ("torch_dtype", "dtype", "quantization_config")
-                 if k in config}
-    return {**loader.defaults, **inherited, **text}
+def _text_view(config: Config, defaults: Mapping[str, Any]) -> Config:
+    """The mapping a loader reads: the class defaults, then the text config's own keys.
+
+    A multimodal config's text settings are its first sub-config among
+    :data:`TEXT_CONFIG_KEYS` (Qwen2.5-Omni's thinker nests one more ``text_config``); a
+    sub-config that states no dtype inherits the parent's, and quantization stated once at the
+    top applies to it.
+    """
+    parent = config
+    for key in TEXT_CONFIG_KEYS:
+        sub = config.get(key)
+        if not isinstance(sub, Mapping):
+            continue
+        if key == "thinker_config" and isinstance(sub.get("text_config"), Mapping):
+            parent, sub = sub, sub["text_config"]
+        # a sub-config's own class knows its model_type (gemma3 -> gemma3_text); the parent's
+        # has the same family prefix, which is what the dtype rule reads
+        inherited = {k: parent[k] for k in ("dtype", "torch_dtype", "quantization_config",
+                                            "model_type")
+                     if k in parent and sub.get(k) is None}
+        return {**defaults, **inherited, **sub}
+    return {**defaults, **config}
 
 
 def _to_spec(fields: SpecFields, r: _Reader) -> ModelSpec:
@@ -356,18 +424,16 @@ def _to_spec(fields: SpecFields, r: _Reader) -> ModelSpec:
 
 
 def _fallback(config: Config, name: str, r: _Reader) -> SpecFields:
-    missing = [k for k in FALLBACK_FIELDS if config.get(k) is None]
+    missing = [k for k in ("num_hidden_layers", "num_attention_heads") if config.get(k) is None]
     if config.get("head_dim") is None and config.get("hidden_size") is None:
         missing.append("hidden_size (or head_dim)")
     if missing:
         what = f"architecture {name!r} has no loader" if name else "no architectures listed"
         raise r.fail(
             f"{what} and the MHA fallback needs {', '.join(missing)} "
-            f"(supported architectures: {', '.join(LOADERS)})"
+            f"(supported architectures: {', '.join(sorted(LOADERS))})"
         )
-    fields = _common(r, name)
-    fields["attention"] = _mha_attention(r)
-    return fields
+    return _mha(r, name)
 
 
 def spec_from_hf(config: Config, *, where: str = "config.json", field: str = FIELD,
@@ -389,13 +455,17 @@ def spec_from_hf(config: Config, *, where: str = "config.json", field: str = FIE
     """
     names = _architecture_names(config)
     known = next((n for n in names if n in LOADERS), None)
-    top = _Reader(config, where, field)
     if known is None:
-        model_type = config.get("model_type")
-        name = names[0] if names else (model_type if isinstance(model_type, str) else "")
-        return _to_spec(_fallback(config, name, top), top), "fallback"
+        view = _Reader(_text_view(config, {}), where, field)
+        # a wrapper around a known text model (LLaVA's text_config names LlamaForCausalLM)
+        inner = next((n for n in _architecture_names(view.config) if n in LOADERS), None)
+        if inner is None:
+            model_type = config.get("model_type")
+            name = names[0] if names else (model_type if isinstance(model_type, str) else "")
+            return _to_spec(_fallback(view.config, name, view), view), "fallback"
+        known = inner
     loader = LOADERS[known]
-    view = _Reader(_text_view(config, loader, top), where, field)
+    view = _Reader(_text_view(config, loader.defaults), where, field)
     return _to_spec(loader.load(view, known), view), "hf_config"
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from kvpool.errors import InvalidArgument
 from kvpool.spec import MHAAttention, MLAAttention, ModelDType
-from kvpoold.hf import LOADERS, load_model, load_model_config, spec_from_hf
+from kvpoold.hf import HYBRID_SWA, LOADERS, load_model, load_model_config, spec_from_hf
 
 MODELS = Path(__file__).resolve().parents[1] / "data" / "models"
 
@@ -159,71 +159,71 @@ def test_kv_heads_default_to_attention_heads(kv: str | None):
     assert spec.attention == MHAAttention(num_kv_heads=8, head_dim=64)
 
 
-def test_mistral_window_without_layer_types_is_all_swa():
-    """Mistral-7B-v0.1 style: sliding_window 4096 and no layer_types -> every layer slides."""
-    assert sliding_layers(with_arch("MistralForCausalLM", sliding_window=4096)) == (0, 1, 2, 3)
+@pytest.mark.parametrize("arch", ["MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                  "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
+                                  "LlamaForCausalLM"])
+def test_models_off_the_hybrid_swa_allowlist_get_a_full_attention_pool(arch: str):
+    """SGLang applies their window in attention only: a window, layer_types and
+    use_sliding_window do not make a sliding-window pool."""
+    types = ["sliding_attention", "full_attention"] * 2
+    cfg = with_arch(arch, sliding_window=4096, use_sliding_window=True, layer_types=types,
+                    sliding_window_pattern=2, max_window_layers=1)
+    assert sliding_layers(cfg) is None
 
 
-@pytest.mark.parametrize("over", [
-    {"sliding_window": None},
-    {"sliding_window": 4096, "use_sliding_window": False},
-    {},
-])
-def test_mistral_no_window(over: dict[str, Any]):
-    assert sliding_layers(with_arch("MistralForCausalLM", **over)) is None
-
-
-def test_layer_types_decide_which_layers_slide():
+def test_gpt_oss_layer_types_decide_which_layers_slide():
     types = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
-    cfg = with_arch("MistralForCausalLM", sliding_window=512, layer_types=types)
+    cfg = with_arch("GptOssForCausalLM", sliding_window=512, layer_types=types)
     assert sliding_layers(cfg) == (1, 2)
+    spec, _ = spec_from_hf(cfg)
+    assert spec.sliding_window is not None and spec.sliding_window.window == 512
 
 
-def test_layer_types_ignored_when_sliding_is_off():
-    types = ["sliding_attention"] * 4
-    assert sliding_layers(with_arch("Qwen2ForCausalLM", sliding_window=512, layer_types=types,
-                                    use_sliding_window=False)) is None
-    assert sliding_layers(with_arch("Qwen2ForCausalLM", sliding_window=None,
-                                    layer_types=types)) is None
+def test_an_allowlisted_model_whose_layers_all_slide_gets_an_swa_only_pool():
+    cfg = with_arch("GptOssForCausalLM", sliding_window=128, layer_types=["sliding_attention"] * 4)
+    assert sliding_layers(cfg) == (0, 1, 2, 3)
+    from kvpoold.sizing import make_options, plan
+
+    p = plan(spec_from_hf(cfg)[0], make_options(budget_bytes=64 << 20, page_size=16))
+    assert p.architecture == "all_swa" and p.full_max_total_num_tokens is None
 
 
-def test_layer_types_must_match_layer_count_and_values():
+def test_layer_types_must_cover_the_layers_and_name_known_kinds():
     with pytest.raises(InvalidArgument, match="layer_types"):
-        spec_from_hf(with_arch("MistralForCausalLM", sliding_window=8,
+        spec_from_hf(with_arch("GptOssForCausalLM", sliding_window=8,
                                layer_types=["full_attention"]))
     with pytest.raises(InvalidArgument, match=r"chunked_attention.*accepted"):
-        spec_from_hf(with_arch("MistralForCausalLM", sliding_window=8,
+        spec_from_hf(with_arch("GptOssForCausalLM", sliding_window=8,
                                layer_types=["chunked_attention"] * 4))
+    with pytest.raises(InvalidArgument, match="layer_types is missing"):
+        spec_from_hf(with_arch("GptOssForCausalLM", sliding_window=8))
 
 
-def test_gemma2_alternates_even_layers_slide():
-    """HF Gemma-2: layer i slides when (i + 1) % 2 != 0, i.e. even ids; 6 layers -> 0, 2, 4."""
-    cfg = with_arch("Gemma2ForCausalLM", num_hidden_layers=6, head_dim=256, sliding_window=4096)
-    assert sliding_layers(cfg) == (0, 2, 4)
+def test_llama4_slides_on_three_of_every_four_layers_over_its_attention_chunk():
+    cfg = {"architectures": ["Llama4ForConditionalGeneration"], "torch_dtype": "bfloat16",
+           "text_config": {"num_hidden_layers": 8, "num_attention_heads": 40,
+                           "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 5120,
+                           "max_position_embeddings": 10485760, "attention_chunk_size": 8192,
+                           "model_type": "llama4_text"}}
     spec, _ = spec_from_hf(cfg)
-    assert spec.sliding_window is not None and spec.sliding_window.window == 4096
+    assert spec.sliding_window is not None
+    assert spec.sliding_window.layers == (0, 1, 2, 4, 5, 6)
+    assert spec.sliding_window.window == 8192
 
 
-def test_gemma3_sliding_window_pattern():
-    """Pattern 6: layers with (i + 1) % 6 == 0 (5 and 11 of 12) are full, the other 10 slide."""
-    cfg = with_arch("Gemma3ForCausalLM", num_hidden_layers=12, sliding_window=512,
-                    sliding_window_pattern=6)
-    assert sliding_layers(cfg) == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)
-    cfg = with_arch("Gemma3ForCausalLM", num_hidden_layers=4, sliding_window=512,
-                    _sliding_window_pattern=2)
-    assert sliding_layers(cfg) == (0, 2)
-
-
-def test_gemma3_defaults_pattern_6():
-    cfg = with_arch("Gemma3ForCausalLM", num_hidden_layers=7, sliding_window=512)
-    assert sliding_layers(cfg) == (0, 1, 2, 3, 4, 6)
+def test_is_hybrid_swa_opt_in_reads_hybrid_layer_pattern():
+    cfg = with_arch("MyHybridForCausalLM", is_hybrid_swa=True, sliding_window=64,
+                    hybrid_layer_pattern=[1, 0, 1, 1])
+    spec, source = spec_from_hf(cfg)
+    assert source == "fallback"
+    assert spec.sliding_window is not None and spec.sliding_window.layers == (0, 2, 3)
 
 
 def test_gemma3_conditional_generation_reads_text_config():
     """gemma-3-4b-it style: the text_config lists only what differs from Gemma3TextConfig
     (34 layers, hidden 2560, window 1024); heads 8, KV heads 4, head_dim 256 and context
-    131,072 are the class defaults; torch_dtype is at the top level. Full layers: 5, 11, 17,
-    23, 29 (every 6th), so 29 of 34 slide."""
+    131,072 are the class defaults; torch_dtype is at the top level. No SWA pool (Gemma-3 is
+    not on SGLang's allowlist)."""
     cfg = {
         "architectures": ["Gemma3ForConditionalGeneration"],
         "torch_dtype": "bfloat16",
@@ -236,48 +236,43 @@ def test_gemma3_conditional_generation_reads_text_config():
     assert spec.num_layers == 34
     assert spec.attention == MHAAttention(num_kv_heads=4, head_dim=256)
     assert spec.context_length == 131_072
-    assert spec.sliding_window is not None
-    assert spec.sliding_window.window == 1024
-    full = sorted(set(range(34)) - set(spec.sliding_window.layers))
-    assert full == [5, 11, 17, 23, 29]
+    assert spec.sliding_window is None
+    assert spec.dtype is ModelDType.bfloat16
 
 
-def test_gemma3_conditional_generation_needs_text_config():
-    with pytest.raises(InvalidArgument, match="text_config"):
-        spec_from_hf({"architectures": ["Gemma3ForConditionalGeneration"]})
+@pytest.mark.parametrize("key", ["text_config", "llm_config", "language_config"])
+def test_a_nested_text_config_is_read_and_inherits_the_parents_dtype(key: str):
+    text = {k: v for k, v in llama().items() if k not in ("architectures", "torch_dtype")}
+    cfg = {"architectures": ["SomeVLForConditionalGeneration"], "torch_dtype": "bfloat16",
+           key: {**text, "num_hidden_layers": 6}}
+    spec, source = spec_from_hf(cfg)
+    assert (source, spec.num_layers, spec.dtype) == ("fallback", 6, ModelDType.bfloat16)
 
 
-def test_qwen2_layers_from_max_window_layers_slide():
-    """HF Qwen2: with use_sliding_window true the first max_window_layers layers stay full and
-    layers i >= max_window_layers slide: 6 layers, max_window_layers 4 -> 4, 5."""
-    cfg = with_arch("Qwen2ForCausalLM", num_hidden_layers=6, use_sliding_window=True,
-                    sliding_window=4096, max_window_layers=4)
-    assert sliding_layers(cfg) == (4, 5)
-    cfg["max_window_layers"] = 6  # all layers below it: nothing slides
-    assert sliding_layers(cfg) is None
+def test_thinker_config_wins_and_its_text_config_is_the_model():
+    text = {k: v for k, v in llama().items() if k not in ("architectures", "torch_dtype")}
+    cfg = {"architectures": ["Qwen2_5OmniModel"],
+           "text_config": {**text, "num_hidden_layers": 2},
+           "thinker_config": {"torch_dtype": "float16",
+                              "text_config": {**text, "num_hidden_layers": 5}}}
+    spec, _ = spec_from_hf(cfg)
+    assert (spec.num_layers, spec.dtype) == (5, ModelDType.float16)
 
 
-def test_qwen_needs_use_sliding_window_true():
-    """Qwen2Config defaults use_sliding_window to false: a window alone does not slide."""
-    cfg = with_arch("Qwen2ForCausalLM", num_hidden_layers=6, sliding_window=4096,
-                    max_window_layers=4)
-    assert sliding_layers(cfg) is None
+def test_a_wrapper_around_a_known_text_model_uses_its_loader():
+    """LLaVA-style: the top class has no loader, its text_config names LlamaForCausalLM."""
+    cfg = {"architectures": ["LlavaForConditionalGeneration"], "torch_dtype": "float16",
+           "text_config": llama()}
+    spec, source = spec_from_hf(cfg)
+    assert source == "hf_config" and spec.architecture == "LlamaForCausalLM"
 
 
-def test_qwen3_default_max_window_layers_is_28():
-    cfg = with_arch("Qwen3ForCausalLM", num_hidden_layers=30, use_sliding_window=True,
-                    sliding_window=4096, head_dim=128)
-    assert sliding_layers(cfg) == (28, 29)
-
-
-def test_qwen3_moe_uses_the_qwen_rule():
-    cfg = with_arch("Qwen3MoeForCausalLM", num_hidden_layers=3, use_sliding_window=True,
-                    sliding_window=64, max_window_layers=1)
-    assert sliding_layers(cfg) == (1, 2)
-
-
-def test_llama_ignores_a_stray_sliding_window():
-    assert sliding_layers(llama(sliding_window=4096)) is None
+def test_multi_query_means_one_kv_head():
+    assert spec_from_hf(llama(multi_query=True))[0].attention == MHAAttention(1, 64)
+    # Falcon's new decoder architecture ignores multi_query and reads its KV head count
+    cfg = llama(multi_query=True, new_decoder_architecture=True, num_kv_heads=4)
+    del cfg["num_key_value_heads"]
+    assert spec_from_hf(cfg)[0].attention == MHAAttention(4, 64)
 
 
 def test_qwen3_next_layer_types_override_interval():
@@ -298,25 +293,43 @@ def test_qwen3_next_mamba_ssm_dtype_carried():
 
 @pytest.mark.parametrize(("over", "expected"), [
     ({"torch_dtype": "float16"}, ModelDType.float16),
-    ({"torch_dtype": None, "dtype": "float32"}, ModelDType.float32),
-    ({"torch_dtype": "auto"}, ModelDType.bfloat16),
-    ({"torch_dtype": None}, ModelDType.bfloat16),
-    ({"torch_dtype": "torch.float16"}, ModelDType.float16),
+    ({"torch_dtype": "bfloat16", "dtype": "float16"}, ModelDType.float16),  # dtype wins
+    ({"torch_dtype": None, "dtype": "bfloat16"}, ModelDType.bfloat16),
+    ({"torch_dtype": "float32"}, ModelDType.float16),  # served as float16
+    ({"torch_dtype": "auto"}, ModelDType.float16),  # not a dtype name: float32 -> float16
+    ({"torch_dtype": None}, ModelDType.float16),
+    ({"torch_dtype": "int8"}, ModelDType.float16),
+    ({"torch_dtype": "float32", "model_type": "gemma2"}, ModelDType.bfloat16),
+    ({"torch_dtype": None, "model_type": "gemma3_text"}, ModelDType.bfloat16),
+    ({"torch_dtype": "float16", "model_type": "gemma"}, ModelDType.float16),
 ])
-def test_dtype(over: dict[str, Any], expected: ModelDType):
+def test_dtype_is_what_sglang_serves_with_dtype_auto(over: dict[str, Any],
+                                                     expected: ModelDType):
     assert spec_from_hf(llama(**over))[0].dtype is expected
 
 
-def test_dtype_absent_defaults_to_bfloat16():
-    cfg = llama()
-    del cfg["torch_dtype"]
+def test_gpt_oss_mxfp4_runs_in_bfloat16():
+    cfg = json.loads((MODELS / "gpt-oss-20b.json").read_text())
+    cfg.pop("torch_dtype", None)
+    cfg.pop("dtype", None)
     assert spec_from_hf(cfg)[0].dtype is ModelDType.bfloat16
+    cfg["quantization_config"] = {"quant_method": "fp8"}
+    assert spec_from_hf(cfg)[0].dtype is ModelDType.float16
 
 
-@pytest.mark.parametrize("bad", ["int8", ["bfloat16"], 16])
-def test_unknown_dtype_is_rejected(bad: object):
-    with pytest.raises(InvalidArgument, match=r"torch_dtype .*accepted"):
-        spec_from_hf(llama(torch_dtype=bad))
+@pytest.mark.parametrize(("over", "expected"), [
+    ({}, 4096),
+    ({"rope_scaling": {"type": "linear", "factor": 4.0}}, 16384),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                       "original_max_position_embeddings": 1024}}, 4096),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, 4096),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.5}}, 10240),
+    ({"seq_length": 8192}, 8192),
+    ({"max_sequence_length": 1000, "seq_length": 8192}, 1000),
+    ({"max_position_embeddings": None}, 2048),
+])
+def test_context_length_as_sglang_derives_it(over: dict[str, Any], expected: int):
+    assert spec_from_hf(llama(**over))[0].context_length == expected
 
 
 def test_context_length_and_nextn_carried():
@@ -352,10 +365,11 @@ def test_deepseek_v2_is_mla():
 def test_loader_table_lists_every_supported_class():
     assert set(LOADERS) == {
         "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-        "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-        "Gemma3ForConditionalGeneration", "GptOssForCausalLM", "DeepseekV2ForCausalLM",
-        "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "Qwen3NextForCausalLM",
+        "Qwen3MoeForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+        "Gemma3ForConditionalGeneration", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+        "DeepseekV32ForCausalLM", "Qwen3NextForCausalLM", *HYBRID_SWA,
     }
+    assert "GptOssForCausalLM" in HYBRID_SWA
 
 
 # ---- fallback -----------------------------------------------------------------------------------
@@ -385,8 +399,7 @@ def test_unknown_architecture_without_fields_lists_missing_and_supported():
         spec_from_hf({"architectures": ["FooForCausalLM"], "num_hidden_layers": 2})
     msg = str(err.value)
     assert err.value.field == "model_config"
-    assert "num_attention_heads" in msg and "max_position_embeddings" in msg
-    assert "hidden_size (or head_dim)" in msg
+    assert "num_attention_heads" in msg and "hidden_size (or head_dim)" in msg
     assert "LlamaForCausalLM" in msg and "Qwen3NextForCausalLM" in msg
 
 

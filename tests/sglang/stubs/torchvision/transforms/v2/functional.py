@@ -1,0 +1,3 @@
+"""Import-only stand-in for ``torchvision.transforms.v2.functional`` (see the ``torchvision`` stub)."""
+
+from torchvision.transforms.functional import __getattr__  # noqa: F401
