@@ -24,7 +24,7 @@ PYTHONPATH = os.pathsep.join(str(REPO / p) for p in ("client", "service"))
 
 # A tiny MHA model: 2 layers, 2 KV heads of 16, bf16. One token costs
 # 2 layers * 2 (K, V) * 2 heads * 16 * 2 B = 256 B, a 16-token page 4096 B, so a 1 MiB budget
-# holds 1 MiB / 4 KiB = 256 pages of which page 0 is padding: 255 usable pages.
+# holds 1 MiB / 4 KiB = 256 pages, and the padding page 0 comes on top (as in SGLang).
 TINY_SPEC: dict[str, Any] = {
     "num_layers": 2,
     "attention": {"type": "mha", "num_kv_heads": 2, "head_dim": 16},
@@ -32,7 +32,7 @@ TINY_SPEC: dict[str, Any] = {
 }
 TINY_OPTIONS: dict[str, Any] = {"budget_bytes": 1 << 20, "page_size": 16,
                                 "max_running_requests": 8}
-TINY_PAGES = 255
+TINY_PAGES = 256
 
 
 @pytest.fixture

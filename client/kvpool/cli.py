@@ -19,11 +19,11 @@ import msgspec
 from kvpool.cli_run import run_subcommand
 from kvpool.demo import add_demo
 from kvpool.errors import InvalidArgument
+from kvpool.option_flags import add_option_flags, option_values
 from kvpool.targets import default_target, token_from
 from kvpool.top import add_top
 
 AddParser = Callable[[Any, argparse.ArgumentParser], argparse.ArgumentParser]
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
 
 
 def common_options(target_help: str | None = None) -> argparse.ArgumentParser:
@@ -55,15 +55,6 @@ def client_from(args: argparse.Namespace) -> Any:
     return KVPoolClient(args.target, token=token, timeout_s=args.timeout)
 
 
-def _size(text: str) -> int:
-    from kvpool.sizes import parse_size  # pure: no torch
-
-    try:
-        return parse_size(text, field="budget")
-    except InvalidArgument as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _human(nbytes: int) -> str:
     from kvpool.sizes import format_size
 
@@ -86,46 +77,11 @@ def add_configure(sub: Any, common: argparse.ArgumentParser) -> argparse.Argumen
                        help="a Hugging Face config.json (or its model directory)")
     model.add_argument("--spec", type=Path, metavar="PATH",
                        help="a hand-written kvpool model spec (.json or .toml)")
-    p.add_argument("--budget", type=_size, metavar="SIZE",
-                   help="bytes for this pool's KV + state: 2GiB, 512MiB, 1073741824")
-    p.add_argument("--max-total-tokens", type=int, metavar="N",
-                   help="cap on the token count (alone: size by tokens instead of bytes)")
-    p.add_argument("--page-size", type=int, metavar="N", help="tokens per page (default 1)")
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
-                   help="KV element type (default auto: the model dtype, or fp8_e4m3 when the "
-                        "checkpoint quantizes its KV cache)")
-    # The same knobs as `kvpoold plan`; the daemon applies the same defaults.
-    for flag, text in (
-        ("tp-size", "tensor-parallel ranks (default 1)"),
-        ("pp-size", "pipeline stages (default 1)"),
-        ("pp-rank", "this device's pipeline stage, 0-based (default 0)"),
-        ("context-length", "override the model's max_position_embeddings"),
-        ("max-running-requests", "requests served at once (default: from the token count, "
-                                 "2048 to 4096, at most half the tokens)"),
-        ("speculative-num-draft-layers", "draft layers sharing the pool (default: the model's "
-                                         "MTP layers, or 1)"),
-        ("speculative-num-draft-tokens", "tokens verified per speculative step; hybrid linear "
-                                         "models keep that many intermediate states per request"),
-    ):
-        p.add_argument(f"--{flag}", type=int, metavar="N", help=text)
-    p.add_argument("--speculative-algorithm", choices=("none", "eagle", "standalone"),
-                   help="speculative decoding whose draft layers share the pool (default none)")
-    p.add_argument("--swa-full-tokens-ratio", type=float, metavar="R",
-                   help="SWA tokens per full-attention token in hybrid SWA pools (default 0.8)")
-    p.add_argument("--mamba-full-memory-ratio", type=float, metavar="R",
-                   help="mamba state memory per KV memory in hybrid linear pools (default 0.9)")
-    p.add_argument("--disable-radix-cache", action="store_true", default=None,
-                   help="one state slot per request instead of three (hybrid linear)")
+    add_option_flags(p)  # the same knobs as `kvpoold plan`, from PlanOptions
     p.add_argument("--dry-run", action="store_true", help="plan and check; allocate nothing")
     p.add_argument("--json", action="store_true", help="print the plan and result as JSON")
     p.set_defaults(func=run_configure)
     return p
-
-
-_OPTIONS = ("max_total_tokens", "page_size", "kv_cache_dtype", "tp_size", "pp_size", "pp_rank",
-            "context_length", "max_running_requests", "speculative_num_draft_layers",
-            "speculative_num_draft_tokens", "speculative_algorithm", "swa_full_tokens_ratio",
-            "mamba_full_memory_ratio", "disable_radix_cache")
 
 
 def load_spec_mapping(path: Path) -> dict[str, Any]:
@@ -138,14 +94,13 @@ def load_spec_mapping(path: Path) -> dict[str, Any]:
 
 
 def run_configure(args: argparse.Namespace) -> int:
-    options = {k: getattr(args, k) for k in _OPTIONS if getattr(args, k) is not None}
+    options = option_values(args)
     model: dict[str, Any] = (
         {"hf_config": args.hf_config} if args.hf_config else
         {"spec": load_spec_mapping(args.spec)}
     )
     with client_from(args) as client:
-        result = client.configure(args.pool, budget_bytes=args.budget, dry_run=args.dry_run,
-                                  **model, **options)
+        result = client.configure(args.pool, dry_run=args.dry_run, **model, **options)
     if args.json:
         _print_json({"pool": args.pool, "created": result.created, "dry_run": result.dry_run,
                      "fingerprint": result.fingerprint,

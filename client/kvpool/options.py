@@ -31,34 +31,65 @@ class KVCacheDType(enum.StrEnum):
 
 
 SpeculativeAlgorithm = Literal["none", "eagle", "standalone"]
+# SGLang's --mamba-radix-cache-strategy: extra_buffer keeps ping-pong state slots per request.
+MambaRadixCacheStrategy = Literal["no_buffer", "extra_buffer"]
+
+
+def _doc(text: str, **bounds: int | float) -> Meta:
+    """A field's bounds and its one-line description (the flag's ``--help``)."""
+    return Meta(description=text, **bounds)
 
 
 class PlanOptions(Base):
     """Everything besides the model that decides a pool's layout.
 
     ``budget_bytes`` covers the KV buffers plus mamba / compressed state; the request->token
-    table and the SWA mapping are outside it (reported as ``aux_bytes``). Give a budget, a
-    ``max_total_tokens``, or both (the token count is then the smaller of the two).
+    table and the SWA mapping are outside it (reported as ``aux_bytes``), and so is the padding
+    page, which comes on top as in SGLang. Give a budget, a ``max_total_tokens``, or both (the
+    token count is then the smaller of the two). Each field is also a flag of ``kvpoold plan``
+    and ``kvpool configure`` (``kvpool.option_flags``), with this description as its help.
     """
 
-    budget_bytes: Annotated[int, Meta(ge=0, le=MAX_BUDGET_BYTES)] | None = None
-    max_total_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS)] | None = None
-    page_size: Annotated[int, Meta(ge=1, le=1 << 16)] = 1
-    kv_cache_dtype: KVCacheDType = KVCacheDType.auto
-    tp_size: Annotated[int, Meta(ge=1, le=4096)] = 1
-    pp_size: Annotated[int, Meta(ge=1, le=4096)] = 1
-    pp_rank: Annotated[int, Meta(ge=0, le=4095)] = 0
-    context_length: Annotated[int, Meta(ge=1, le=1 << 30)] | None = None
-    max_running_requests: Annotated[int, Meta(ge=1, le=1 << 24)] | None = None
-    swa_full_tokens_ratio: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.8
-    mamba_full_memory_ratio: Annotated[float, Meta(gt=0.0, le=100.0)] = 0.9
-    disable_radix_cache: bool = False
-    speculative_algorithm: SpeculativeAlgorithm = "none"
-    # None: the model's num_nextn_predict_layers, or 1, when an algorithm is set.
-    speculative_num_draft_layers: Annotated[int, Meta(ge=0, le=1024)] | None = None
-    # Tokens verified per step (SGLang's --speculative-num-draft-tokens). Hybrid linear models
-    # keep that many intermediate conv/SSM states per running request, so they need it.
-    speculative_num_draft_tokens: Annotated[int, Meta(ge=1, le=1024)] | None = None
+    budget_bytes: Annotated[int, _doc(
+        "bytes for KV + state: 42949672960, 40GiB, 512MiB, 1.5GB ...",
+        ge=0, le=MAX_BUDGET_BYTES)] | None = None
+    max_total_tokens: Annotated[int, _doc(
+        "cap on the token count (alone: size by tokens instead of bytes)",
+        ge=1, le=MAX_TOKENS)] | None = None
+    page_size: Annotated[int, _doc("tokens per page", ge=1, le=1 << 16)] = 1
+    kv_cache_dtype: Annotated[KVCacheDType, _doc(
+        "KV element type; auto: the model dtype, or fp8_e4m3 when the checkpoint quantizes "
+        "its KV cache")] = KVCacheDType.auto
+    tp_size: Annotated[int, _doc("tensor-parallel ranks", ge=1, le=4096)] = 1
+    pp_size: Annotated[int, _doc("pipeline stages", ge=1, le=4096)] = 1
+    pp_rank: Annotated[int, _doc("this device's pipeline stage, 0-based", ge=0, le=4095)] = 0
+    context_length: Annotated[int, _doc(
+        "override the model's context length (above it only with --allow-longer-context)",
+        ge=1, le=1 << 30)] | None = None
+    allow_longer_context: Annotated[bool, _doc(
+        "accept a --context-length above the model's (SGLang: "
+        "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1)")] = False
+    max_running_requests: Annotated[int, _doc(
+        "requests served at once (default: from the token count, 2048 to 4096, at most half "
+        "the tokens)", ge=1, le=1 << 24)] | None = None
+    swa_full_tokens_ratio: Annotated[float, _doc(
+        "SWA tokens per full-attention token in hybrid SWA pools", gt=0.0, le=1.0)] = 0.8
+    mamba_full_memory_ratio: Annotated[float, _doc(
+        "mamba state memory per KV memory in hybrid linear pools", gt=0.0, le=100.0)] = 0.9
+    mamba_radix_cache_strategy: Annotated[MambaRadixCacheStrategy, _doc(
+        "hybrid linear pools: no_buffer, or extra_buffer (ping-pong state slots per request)"
+    )] = "no_buffer"
+    disable_radix_cache: Annotated[bool, _doc(
+        "no prefix cache: one state slot per request (hybrid linear)")] = False
+    speculative_algorithm: Annotated[SpeculativeAlgorithm, _doc(
+        "speculative decoding whose draft layers share the pool")] = "none"
+    speculative_num_draft_layers: Annotated[int, _doc(
+        "draft layers sharing the pool (default: the model's MTP layers, or 1)",
+        ge=0, le=1024)] | None = None
+    speculative_num_draft_tokens: Annotated[int, _doc(
+        "tokens verified per speculative step; hybrid linear models keep that many "
+        "intermediate conv/SSM states per running request (required there, with "
+        "--max-running-requests)", ge=1, le=1024)] | None = None
 
     def __post_init__(self) -> None:
         if self.pp_rank >= self.pp_size:
@@ -88,6 +119,8 @@ def make_options(**fields: object) -> PlanOptions:
             message += f" (accepted: {', '.join(d.value for d in KVCacheDType)})"
         elif field == "speculative_algorithm":
             message += " (accepted: none, eagle, standalone)"
+        elif field == "mamba_radix_cache_strategy":
+            message += " (accepted: no_buffer, extra_buffer)"
         raise InvalidArgument(f"invalid plan option: {message}", field=field) from exc
 
 

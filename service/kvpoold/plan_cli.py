@@ -3,39 +3,24 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, get_args
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from kvpool.errors import InvalidArgument
-from kvpool.options import KVCacheDType, SpeculativeAlgorithm
+from kvpool.option_flags import add_option_flags, flag_of, option_values
 from kvpool.plan import BufferSpec
-from kvpool.sizes import format_size, parse_size
+from kvpool.sizes import format_size
 from kvpoold.hf import load_model
 from kvpoold.sizing import PlanOptions, PoolPlan, make_options, plan
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
-# The accepted values come from the option types, so the CLI and Configure cannot drift apart.
-KV_CACHE_DTYPES = tuple(d.value for d in KVCacheDType)
-SPECULATIVE_ALGORITHMS = get_args(SpeculativeAlgorithm)
 # a per-layer group longer than this shows its first names and a count
 SHOWN_NAMES = 3
-
-# PlanOptions field <- argparse dest, for the fields whose names differ
-_OPTION_FIELDS = {"budget": "budget_bytes"}
-
-
-def _finite_float(text: str) -> float:
-    """argparse type: a float that is neither nan nor infinite (msgspec limits miss nan)."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(text)
-    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction[Any]) -> argparse.ArgumentParser:
@@ -48,79 +33,24 @@ def add_parser(subparsers: argparse._SubParsersAction[Any]) -> argparse.Argument
     )
     p.add_argument("--model-config", type=Path, required=True, metavar="PATH",
                    help="HF config.json (or its model directory), or a spec file (.json/.toml)")
-    p.add_argument("--budget", metavar="SIZE",
-                   help="bytes for KV + state: 42949672960, 40GiB, 512MiB, 1.5GB ...")
-    p.add_argument("--page-size", type=int, metavar="N", help="tokens per page (default 1)")
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
-                   help="KV element type (default auto: the model dtype, or fp8_e4m3 when the "
-                        "checkpoint quantizes its KV cache)")
-    p.add_argument("--tp-size", type=int, metavar="N", help="tensor-parallel ranks (default 1)")
-    p.add_argument("--pp-size", type=int, metavar="N", help="pipeline stages (default 1)")
-    p.add_argument("--pp-rank", type=int, metavar="N",
-                   help="this device's pipeline stage, 0-based (default 0)")
-    p.add_argument("--context-length", type=int, metavar="N",
-                   help="override the model's max_position_embeddings")
-    p.add_argument("--max-running-requests", type=int, metavar="N",
-                   help="requests served at once (default: from the token count, 2048 to 4096, "
-                        "at most half the tokens)")
-    p.add_argument("--max-total-tokens", type=int, metavar="N",
-                   help="cap on the token count (alone: size by tokens instead of bytes)")
-    p.add_argument("--swa-full-tokens-ratio", type=_finite_float, default=0.8, metavar="R",
-                   help="SWA tokens per full-attention token in hybrid SWA pools (default 0.8)")
-    p.add_argument("--mamba-full-memory-ratio", type=_finite_float, default=0.9, metavar="R",
-                   help="mamba state memory per KV memory in hybrid linear pools (default 0.9)")
-    p.add_argument("--disable-radix-cache", action="store_true",
-                   help="one state slot per request instead of three (hybrid linear)")
-    p.add_argument("--speculative-algorithm", choices=SPECULATIVE_ALGORITHMS, default="none",
-                   help="speculative decoding whose draft layers share the pool (default none)")
-    p.add_argument("--speculative-num-draft-layers", type=int, metavar="N",
-                   help="draft layers sharing the pool (default: the model's MTP layers, or 1)")
-    p.add_argument("--speculative-num-draft-tokens", type=int, metavar="N",
-                   help="tokens verified per speculative step; hybrid linear models keep that "
-                        "many intermediate conv/SSM states per running request (required there, "
-                        "with --max-running-requests)")
+    add_option_flags(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
     return p
 
 
 def _options(args: argparse.Namespace) -> PlanOptions:
-    if args.budget is None and args.max_total_tokens is None:
+    fields = option_values(args)
+    if "budget_bytes" not in fields and "max_total_tokens" not in fields:
         raise InvalidArgument("give --budget SIZE, --max-total-tokens N, or both",
                               field="budget")
-    budget = None if args.budget is None else parse_size(args.budget, field="budget")
-    fields = {
-        "budget_bytes": budget,
-        "page_size": args.page_size,
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "tp_size": args.tp_size,
-        "pp_size": args.pp_size,
-        "pp_rank": args.pp_rank,
-        "context_length": args.context_length,
-        "max_running_requests": args.max_running_requests,
-        "max_total_tokens": args.max_total_tokens,
-        "swa_full_tokens_ratio": args.swa_full_tokens_ratio,
-        "mamba_full_memory_ratio": args.mamba_full_memory_ratio,
-        "disable_radix_cache": args.disable_radix_cache,
-        "speculative_algorithm": args.speculative_algorithm,
-        "speculative_num_draft_layers": args.speculative_num_draft_layers,
-        "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
-    }
     try:
         return make_options(**fields)
     except InvalidArgument as exc:
-        flag = _flag(exc.field)
-        if flag is None:
+        if exc.field is None:
             raise
-        raise InvalidArgument(f"{exc.message} (set by {flag})", field=exc.field) from exc
-
-
-def _flag(field: str | None) -> str | None:
-    """The command-line flag behind a PlanOptions field (``page_size`` -> ``--page-size``)."""
-    if field is None:
-        return None
-    dest = next((d for d, f in _OPTION_FIELDS.items() if f == field), field)
-    return "--" + dest.replace("_", "-")
+        raise InvalidArgument(f"{exc.message} (set by {flag_of(exc.field)})",
+                              field=exc.field) from exc
 
 
 def run(args: argparse.Namespace) -> int:

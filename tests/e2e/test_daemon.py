@@ -83,7 +83,7 @@ def test_sigkilled_client_loses_its_pages_within_ttl_plus_1s(
 
 def test_eight_clients_at_random_then_every_invariant_holds(
         shared_daemon: DaemonProcess) -> None:
-    """Eight processes allocate (1..16 pages) and free at random on one 255-page pool for
+    """Eight processes allocate (1..16 pages) and free at random on one 256-page pool for
     3 s. Afterwards: what each says it holds is what Stats says its lease holds, no page is
     held twice, used == sum over leases == allocs - frees, used + free == capacity; after they
     close their leases everything is free."""
@@ -125,7 +125,7 @@ def test_cli_configure_stats_leases_drop(shared_daemon: DaemonProcess, tmp_path:
     out = kvpool_cli("configure", "cli", "--spec", str(spec), "--budget", "1MiB",
                      "--page-size", "16", "--max-running-requests", "8", *target)
     assert out.returncode == 0, out.stderr
-    assert "pool cli: created" in out.stdout and "255 pages" in out.stdout
+    assert "pool cli: created" in out.stdout and "256 pages" in out.stdout
     out = kvpool_cli("stats", "--json", *target)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
@@ -133,7 +133,7 @@ def test_cli_configure_stats_leases_drop(shared_daemon: DaemonProcess, tmp_path:
     assert data["daemon"]["device"] == "cpu" and data["daemon"]["budget_bytes"] == 64 << 20
     (pool,) = [p for p in data["pools"] if p["name"] == "cli"]
     # a kv page: 2 layers x (K, V) x 2 heads x 16 x 2 B x 16 tokens; a req row: 4 x (256 + 4)
-    assert pool["spaces"]["kv"] == {"capacity": 255, "used": 0, "free": 255, "high_water": 0,
+    assert pool["spaces"]["kv"] == {"capacity": 256, "used": 0, "free": 256, "high_water": 0,
                                     "allocs": 0, "frees": 0, "failed_allocs": 0,
                                     "unit": "pages", "bytes_per_unit": 4096, "follows": ""}
     assert pool["spaces"]["req"]["capacity"] == 8 and pool["attached"] == 0

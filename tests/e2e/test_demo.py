@@ -17,16 +17,17 @@ def kvpool(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[
 
 def test_demo_passes_and_cleans_up() -> None:
     """The default run: Qwen3-8B (36 layers, 8 KV heads of 128, bf16: 147,456 B per token) in
-    32 MiB at page 16 is floor(33,554,432 / 147,456) = 227 tokens -> 14 pages, page 0 the
-    padding: 13 pages. The writer fills 8 pages of 72 K/V buffers: 72 x 8 x 16 rows x 2,048 B
-    = 18,874,368 B; the reader checks those and the other 6 pages' 72 x 6 x 16 x 2,048 =
-    14,155,776 B of zeros. Stats show 2 attached and 8 pages used; everything is removed."""
+    32 MiB at page 16 is floor(33,554,432 / 147,456) = 227 tokens -> 14 pages, and the padding
+    page 0 on top (15 pages of rows). The writer fills 8 pages of 72 K/V buffers: 72 x 8 x 16
+    rows x 2,048 B = 18,874,368 B; the reader checks those and the other 7 pages' 72 x 7 x 16 x
+    2,048 = 16,515,072 B of zeros. Stats show 2 attached and 8 pages used; everything is
+    removed."""
     out = kvpool("demo")
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout
-    assert "13 pages of 16 tokens" in text and "Qwen3ForCausalLM" in text
+    assert "14 pages of 16 tokens" in text and "Qwen3ForCausalLM" in text
     assert "wrote 18,874,368 B into 72 K/V buffers" in text
-    assert "verified 18,874,368 B byte for byte, 14,155,776 B of untouched pages are zero" in text
+    assert "verified 18,874,368 B byte for byte, 16,515,072 B of untouched pages are zero" in text
     assert "attached 2" in text  # the Stats table title while both workers are attached
     assert "dropped pool demo" in text
     assert "kvpoold stopped (exit 0); no kvpool-* file left in" in text

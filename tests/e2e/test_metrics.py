@@ -83,7 +83,7 @@ class Scenario:
 
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
-    """A daemon (64 MiB budget, ``--metrics-port 0``) with pool ``tiny`` (255 kv pages, 8 req
+    """A daemon (64 MiB budget, ``--metrics-port 0``) with pool ``tiny`` (256 kv pages, 8 req
     rows), driven through churn, allocations, two bad requests and a lease expiry, then stopped.
 
     1. Lease ``churn`` allocates 3 and frees 3 pages 50 times while this thread scrapes; closed.
@@ -153,9 +153,9 @@ def test_gauges_and_counters_equal_stats(scenario: Scenario) -> None:
     """Every per-pool, per-kind and per-device series equals the Stats taken right after.
 
     By hand, kv: allocs 50 x 3 + 20 + 7 = 177, frees 50 x 3 + 5 + 7 = 162, used 177 - 162 = 15,
-    free 255 - 15 = 240, high water 20 + 7 = 27 (churn peaked at 3), one refused allocation;
-    req: 2 allocated, none freed. Pool bytes: 256 pages x 4 KiB = 1,048,576 B of KV plus the
-    request table, 9 rows x (256 + 4) int32 = 9,360 B: 1,057,936 B, all the daemon uses of its
+    free 256 - 15 = 241, high water 20 + 7 = 27 (churn peaked at 3), one refused allocation;
+    req: 2 allocated, none freed. Pool bytes: 257 pages x 4 KiB = 1,052,672 B of KV plus the
+    request table, 9 rows x (256 + 4) int32 = 9,360 B: 1,062,032 B, all the daemon uses of its
     64 MiB budget. One lease open (A), one expired, one client attached.
     """
     m, stats = scenario.final, scenario.stats
@@ -170,11 +170,11 @@ def test_gauges_and_counters_equal_stats(scenario: Scenario) -> None:
         assert m.get("kvpool_frees_total", **labels) == k.frees
         assert m.get("kvpool_allocation_failures_total", **labels) == k.failed_allocs
     kv = {"device": "cpu", "pool": "tiny", "space": "kv"}
-    assert m.get("kvpool_pool_capacity", **kv) == TINY_PAGES == 255
+    assert m.get("kvpool_pool_capacity", **kv) == TINY_PAGES == 256
     assert m.get("kvpool_allocations_total", **kv) == 177
     assert m.get("kvpool_frees_total", **kv) == 162
     assert m.get("kvpool_pool_used", **kv) == 15
-    assert m.get("kvpool_pool_free", **kv) == 240
+    assert m.get("kvpool_pool_free", **kv) == 241
     assert m.get("kvpool_pool_high_water", **kv) == 27
     assert m.get("kvpool_allocation_failures_total", **kv) == 1
     req = {"device": "cpu", "pool": "tiny", "space": "req"}
@@ -182,11 +182,11 @@ def test_gauges_and_counters_equal_stats(scenario: Scenario) -> None:
     assert m.get("kvpool_allocations_total", **req) == 2
 
     assert m.get("kvpool_pool_bytes", device="cpu", pool="tiny") == pool.backing_bytes \
-        == 1_057_936
+        == 1_062_032
     assert m.get("kvpool_attached_clients", device="cpu", pool="tiny") == pool.attached == 1
     d = stats.daemon
     assert m.get("kvpool_device_budget_bytes", device="cpu") == d.budget_bytes == 64 << 20
-    assert m.get("kvpool_device_used_bytes", device="cpu") == d.used_bytes == 1_057_936
+    assert m.get("kvpool_device_used_bytes", device="cpu") == d.used_bytes == 1_062_032
     assert m.get("kvpool_leases_open", device="cpu") == d.num_leases == 1
     assert m.get("kvpool_lease_expiries_total", device="cpu") == d.leases_expired == 1
 
@@ -334,5 +334,5 @@ def test_two_daemons_in_one_process_have_their_own_registries() -> None:
     assert 'kvpool_device_budget_bytes{device="cpu"} 8.388608e+06' in first
     assert "cuda:7" not in first and 'pool="other"' not in first
     assert 'kvpool_rpc_duration_seconds_count{device="cpu",method="Allocate"} 1.0' in first
-    assert 'kvpool_pool_capacity{device="cuda:7",pool="other",space="kv"} 255.0' in second
+    assert 'kvpool_pool_capacity{device="cuda:7",pool="other",space="kv"} 256.0' in second
     assert "kvpool_rpc_duration_seconds_count" not in second

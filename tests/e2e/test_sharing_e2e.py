@@ -27,8 +27,8 @@ from tests.conftest import REPO, TINY_SPEC, DaemonProcess, run_daemon, subproces
 from tests.procs import Child
 
 MiB = 1 << 20
-# TINY_SPEC at 1 MiB and page 16: 256 B per token, 4,096 token rows = 256 pages (page 0 is
-# padding); k.0, v.0, k.1, v.1 are [4096, 2, 16] bf16 = 256 KiB each, page_bytes 4,096.
+# TINY_SPEC at 1 MiB and page 16: 256 B per token, 256 pages and the padding page 0 on top:
+# 4,112 token rows; k.0, v.0, k.1, v.1 are [4112, 2, 16] bf16 = 257 KiB each, page_bytes 4,096.
 SMALL = {"budget_bytes": 1 * MiB, "page_size": 16, "max_running_requests": 8}
 
 # Every child's own prelude (after tests.procs.PRELUDE): connect to the daemon it is sent.
@@ -211,7 +211,7 @@ def test_drop_while_attached_is_refused_unless_forced(daemon: tuple[DaemonProces
             assert reader.recv() == {"verified": 4 * 2 * 16 * 64}
             reader.send("stop")
             assert reader.recv() == "bye"
-            assert region["k.0"].shape == (4096, 2, 16)  # our mapping outlived the unlink too
+            assert region["k.0"].shape == (4112, 2, 16)  # our mapping outlived the unlink too
 
 
 def test_fingerprint_mismatch_is_refused(daemon: tuple[DaemonProcess, Path]) -> None:

@@ -81,8 +81,8 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    """A daemon (64 MiB budget) with pool ``tiny`` (255 kv pages, 8 req rows) and ``big``
-    (4 MiB: 1023 kv pages), lease ``engine-0`` holding tiny kv 20 (after 30, so high water 30)
+    """A daemon (64 MiB budget) with pool ``tiny`` (256 kv pages, 8 req rows) and ``big``
+    (4 MiB: 1024 kv pages), lease ``engine-0`` holding tiny kv 20 (after 30, so high water 30)
     + req 2 and big kv 3, and lease ``idle`` holding nothing."""
     with temp_dir() as path, run_daemon(path) as daemon, KVPoolClient(daemon.target) as client:
         client.configure("tiny", spec=TINY_SPEC, **TINY_OPTIONS)
@@ -95,10 +95,11 @@ def served() -> Iterator[Served]:
 
 
 def test_once_shows_header_pools_and_leases(served: Served) -> None:
-    """By hand: tiny kv 20 used of 255 = 7.8%, bar 16 x 20/255 = 1.25 -> 1 block, high water
-    16 x 30/255 = 1.9 -> 2 (one ▒); req 2 of 8 = 25.0%, 4 blocks; big kv 3 of 1023 = 0.3%, no
-    block. Bytes: tiny 1 MiB of KV + 9 x 260 int32 request rows = 1,057,936 B = 1.01 MiB; big
-    4 MiB + 9,360 B = 4,203,664 B = 4.01 MiB; together 5,261,600 B = 5.02 MiB, 7.8% of 64 MiB.
+    """By hand: tiny kv 20 used of 256 = 7.8%, bar 16 x 20/256 = 1.25 -> 1 block, high water
+    16 x 30/256 = 1.9 -> 2 (one ▒); req 2 of 8 = 25.0%, 4 blocks; big kv 3 of 1024 = 0.3%, no
+    block. Bytes (the padding page on top): tiny 257 x 4 KiB + 9 x 260 int32 request rows =
+    1,062,032 B = 1.01 MiB; big 1,025 x 4 KiB + 9,360 B = 4,207,760 B = 4.01 MiB; together
+    5,269,792 B = 5.03 MiB, 7.9% of 64 MiB.
     ``--once`` takes one snapshot, so no rates ("-")."""
     out = kvpool_top("--once", "--target", served.daemon.target)
     assert out.returncode == 0, out.stderr
@@ -106,16 +107,16 @@ def test_once_shows_header_pools_and_leases(served: Served) -> None:
     assert max(len(line) for line in text.splitlines()) <= 120
     assert served.daemon.target in text.splitlines()[0]
     header = [" ".join(r) for r in cells(text)[1:3]]
-    assert re.fullmatch(r"kvpoold \S+ on cpu up \S+ budget █?░+ 5\.02 MiB / 64\.00 MiB "
-                        r"\(7\.8%\)", header[0]), header
+    assert re.fullmatch(r"kvpoold \S+ on cpu up \S+ budget █?░+ 5\.03 MiB / 64\.00 MiB "
+                        r"\(7\.9%\)", header[0]), header
     assert header[1] == "pools 2 leases 2 open: 2 opened, 0 closed, 0 expired"
 
     rows = pool_rows(text)
     assert list(rows) == [("tiny", "kv"), ("tiny", "req"), ("big", "kv"), ("big", "req")]
-    assert rows[("tiny", "kv")] == ["█▒" + "░" * 14, "20", "255", "7.8%", "30", "-", "-", "0",
+    assert rows[("tiny", "kv")] == ["█▒" + "░" * 14, "20", "256", "7.8%", "30", "-", "-", "0",
                                     "1.01", "MiB", "0"]
     assert rows[("tiny", "req")] == ["████" + "░" * 12, "2", "8", "25.0%", "2", "-", "-", "0"]
-    assert rows[("big", "kv")] == ["░" * 16, "3", "1,023", "0.3%", "3", "-", "-", "0",
+    assert rows[("big", "kv")] == ["░" * 16, "3", "1,024", "0.3%", "3", "-", "-", "0",
                                    "4.01", "MiB", "0"]
     assert rows[("big", "req")][1:4] == ["0", "8", "0.0%"]
 
@@ -136,7 +137,7 @@ def test_once_with_an_unreachable_target_shows_both_and_exits_1(served: Served) 
     first, second = text.index(absent), text.index(served.daemon.target)
     assert first < second, "panels in --target order"
     assert re.search(r"unreachable: UNAVAILABLE: cannot reach kvpoold", text)
-    assert pool_rows(text[second:])[("tiny", "kv")][1:3] == ["20", "255"]
+    assert pool_rows(text[second:])[("tiny", "kv")][1:3] == ["20", "256"]
     assert max(len(line) for line in text.splitlines()) <= 100
 
 

@@ -46,7 +46,7 @@ async def test_free_returns_ids_and_they_come_back(served: Served) -> None:
 
 
 async def test_allocate_is_all_or_nothing(served: Served) -> None:
-    """255 pages and 8 rows: asking 10 pages + 9 rows fails on the rows, and no page is
+    """256 pages and 8 rows: asking 10 pages + 9 rows fails on the rows, and no page is
     taken either; asking exactly what is free succeeds."""
     await served.configure()
     lease = await served.lease()
@@ -62,7 +62,7 @@ async def test_allocate_is_all_or_nothing(served: Served) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await served.stub.Allocate(allocate_request("tiny", lease, [("kv", 1)]))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "0 of 255 free" in info.value.details()
+    assert "0 of 256 free" in info.value.details()
 
 
 async def test_free_of_another_lease_ids_is_refused_and_changes_nothing(served: Served) -> None:
@@ -107,4 +107,4 @@ async def test_stats_shows_what_each_lease_holds(served: Served) -> None:
     assert sorted((h.pool, h.kind, h.count) for h in entry.held) == [
         ("tiny", pb.KIND_KV, 6), ("tiny", pb.KIND_REQ, 1)]
     kv = stats.pools[0].spaces[0]
-    assert (kv.capacity, kv.used, kv.free, kv.high_water, kv.allocs) == (255, 6, 249, 6, 6)
+    assert (kv.capacity, kv.used, kv.free, kv.high_water, kv.allocs) == (256, 6, 250, 6, 6)

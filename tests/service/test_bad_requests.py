@@ -150,7 +150,7 @@ CASES: list[tuple[str, Call, grpc.StatusCode, str | None]] = [
      "items[0].space"),
     ("allocate past the whole space", allocate_raw(pb.AllocateItem(space="kv", count=1 << 31)),
      C.RESOURCE_EXHAUSTED, "items[0].count"),
-    ("allocate more than free", allocate([("kv", 251)]), C.RESOURCE_EXHAUSTED,
+    ("allocate more than free", allocate([("kv", 252)]), C.RESOURCE_EXHAUSTED,
      "items[0].count"),
     # Free
     ("free 3 bytes", free_bytes(b"\x01\x00\x00"), C.INVALID_ARGUMENT, "items[0].ids"),

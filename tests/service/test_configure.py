@@ -19,25 +19,25 @@ def tiny_plan(**options: object) -> PoolPlan:
 
 
 async def test_configure_builds_the_planned_pool(served: Served) -> None:
-    """The reply carries the same plan as ``kvpool.plan``: 255 pages (1 MiB / 4 KiB
-    per 16-token page, minus the padding page), 8 request rows; the daemon charges
-    backing_bytes = 1 MiB of KV + (8 + 1) rows * (256 + 4) columns * 4 B = 9,360 B of
-    req_to_token = 1,057,936 B against its 16 MiB budget."""
+    """The reply carries the same plan as ``kvpool.plan``: 256 pages (1 MiB / 4 KiB
+    per 16-token page), 8 request rows; the daemon charges backing_bytes = 257 pages (the
+    padding page on top) * 4 KiB = 1,052,672 B of KV + (8 + 1) rows * (256 + 4) columns * 4 B
+    = 9,360 B of req_to_token = 1,062,032 B against its 16 MiB budget."""
     expected = tiny_plan()
     resp = await served.configure()
     assert resp.created and not resp.dry_run
     assert resp.fingerprint == expected.fingerprint()
     assert PoolPlan.from_json(resp.plan_json) == expected
     assert resp.plan.num_pages == TINY_PAGES == expected.num_pages
-    assert resp.plan.backing_bytes == 1_057_936 == expected.backing_bytes
+    assert resp.plan.backing_bytes == 1_062_032 == expected.backing_bytes
     assert not resp.plan.HasField("swa_num_pages")
     assert [b.name for b in resp.plan.buffers] == [b.name for b in expected.buffers]
     k0 = resp.plan.buffers[0]
     assert (k0.dtype, list(k0.shape), k0.page_bytes, k0.in_budget) == (
-        "bfloat16", [4096, 2, 16], 16 * 2 * 16 * 2, True)
-    assert resp.budget_available_bytes == BUDGET_BYTES - 1_057_936
+        "bfloat16", [4112, 2, 16], 16 * 2 * 16 * 2, True)
+    assert resp.budget_available_bytes == BUDGET_BYTES - 1_062_032
     stats = await served.stub.Stats(pb.StatsRequest())
-    assert stats.daemon.used_bytes == 1_057_936
+    assert stats.daemon.used_bytes == 1_062_032
     assert [(k.kind, k.capacity) for k in stats.pools[0].spaces] == [
         (pb.KIND_KV, TINY_PAGES), (pb.KIND_REQ, 8)]
 
@@ -63,7 +63,7 @@ async def test_dry_run_allocates_nothing(served: Served) -> None:
     resp = await served.configure(dry_run=True)
     assert (resp.created, resp.dry_run) == (False, True)
     assert resp.fingerprint == tiny_plan().fingerprint()
-    assert resp.budget_available_bytes == BUDGET_BYTES - 1_057_936
+    assert resp.budget_available_bytes == BUDGET_BYTES - 1_062_032
     assert served.daemon.pools == {} and served.daemon.used_bytes == 0
 
 
@@ -82,14 +82,14 @@ async def test_pool_over_the_device_budget_is_resource_exhausted(served: Served)
 
 
 async def test_budget_is_shared_between_pools(served: Served) -> None:
-    """Fifteen 1 MiB-KV pools cost 15 * 1,057,936 B = 15,869,040 B of the 16,777,216 B budget;
-    908,176 B are left, less than a 16th pool needs."""
+    """Fifteen 1 MiB-KV pools cost 15 * 1,062,032 B = 15,930,480 B of the 16,777,216 B budget;
+    846,736 B are left, less than a 16th pool needs."""
     for i in range(15):
         await served.configure(f"p{i}")
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await served.configure("p15")
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "908,176 B" in info.value.details()
+    assert "846,736 B" in info.value.details()
     await served.stub.Drop(pb.DropRequest(pool="p0"))
     assert (await served.configure("p15")).created
 

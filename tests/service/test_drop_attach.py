@@ -18,7 +18,7 @@ async def attached(served: Served, pool: str = "tiny") -> int:
 async def test_drop_releases_memory_and_budget(served: Served) -> None:
     await served.configure()
     resp = await served.stub.Drop(pb.DropRequest(pool="tiny"))
-    assert resp.released_bytes == 1_057_936 and list(resp.reclaimed) == []
+    assert resp.released_bytes == 1_062_032 and list(resp.reclaimed) == []
     stats = await served.stub.Stats(pb.StatsRequest())
     assert (stats.daemon.used_bytes, len(stats.pools)) == (0, 0)
     assert served.daemon.available_bytes() == BUDGET_BYTES
@@ -48,7 +48,7 @@ async def test_attach_hands_out_layout_and_handle(served: Served) -> None:
     assert PoolPlan.from_json(resp.plan_json).fingerprint() == configured.fingerprint
     assert resp.plan == configured.plan
     # PlainBackingFactory: not shareable, the size is the whole region
-    assert (resp.handle.kind, resp.handle.size) == (pb.HANDLE_KIND_NONE, 1_057_936)
+    assert (resp.handle.kind, resp.handle.size) == (pb.HANDLE_KIND_NONE, 1_062_032)
     assert resp.device == "cpu" and resp.attach_id != 0
     assert await attached(served) == 1
     await served.stub.Detach(pb.DetachRequest(attach_id=resp.attach_id))

@@ -98,3 +98,17 @@ def test_an_unreadable_hf_config_path_names_the_file(tmp_path: Path) -> None:
     assert info.value.field == "hf_config"
     (tmp_path / "config.json").write_text('{"a": 1}')
     assert hf_config_text(tmp_path) == '{"a": 1}'
+
+
+def test_every_plan_option_crosses_the_wire() -> None:
+    """Configure carries each PlanOptions field by name; set ones arrive, unset ones don't."""
+    from kvpool.options import PlanOptions
+    from kvpool.v1 import kvpool_pb2 as pb
+
+    assert set(PlanOptions.__struct_fields__) <= set(pb.ConfigureRequest.DESCRIPTOR.fields_by_name)
+    req = configure_request("p", spec=SPECS["linear"], budget_bytes=1 << 20,
+                            allow_longer_context=True, mamba_radix_cache_strategy="extra_buffer",
+                            context_length=4096)
+    assert configure_args(req).options == {
+        "budget_bytes": 1 << 20, "allow_longer_context": True,
+        "mamba_radix_cache_strategy": "extra_buffer", "context_length": 4096}

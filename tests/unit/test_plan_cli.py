@@ -420,16 +420,27 @@ def test_format_size():
     assert format_size(42_949_672_960) == "40.00 GiB"
 
 
-def test_dtype_and_algorithm_choices_match_configure() -> None:
-    """``kvpoold plan`` and ``kvpool configure`` accept exactly what Configure accepts."""
-    from kvpool import cli as client_cli
-    from kvpool.options import KVCacheDType
-    from kvpoold import plan_cli
+def test_plan_and_configure_take_the_same_option_flags() -> None:
+    """``kvpoold plan`` and ``kvpool configure`` build their option flags from PlanOptions:
+    every field is a flag in both, with the same choices, and nothing else differs."""
+    import argparse
 
-    values = tuple(d.value for d in KVCacheDType)
-    assert values == plan_cli.KV_CACHE_DTYPES
-    assert values == client_cli.KV_CACHE_DTYPES
-    assert "float32" in values
+    from kvpool import cli as client_cli
+    from kvpool.option_flags import flag_of
+    from kvpool.options import KVCacheDType, PlanOptions
+    from kvpoold import cli as daemon_cli
+
+    def option_actions(parser: argparse.ArgumentParser, command: str) -> dict[str, object]:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        return {a.option_strings[0]: a.choices for a in sub.choices[command]._actions
+                if a.option_strings and a.option_strings[0] in flags}
+
+    flags = {flag_of(f) for f in PlanOptions.__struct_fields__}
+    plan = option_actions(daemon_cli.build_parser(), "plan")
+    configure = option_actions(client_cli.build_parser(), "configure")
+    assert set(plan) == set(configure) == flags
+    assert plan == configure
+    assert plan["--kv-cache-dtype"] == [d.value for d in KVCacheDType]
 
 
 def test_plan_accepts_float32_kv(capsys: pytest.CaptureFixture[str]) -> None:

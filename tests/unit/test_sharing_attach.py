@@ -73,13 +73,14 @@ def tiny_plan(**options: object):  # -> PoolPlan
 def test_page_addresses_one_allocation_unit_of_any_buffer(shm_dir: Path) -> None:
     """TINY_SPEC at page 16: page 3 of k.0 is rows 48..63 (16 rows of [2, 16] bf16); the
     request table's unit (its page_bytes) is one row, so its "page" 5 is row 5. k.0 has
-    1 MiB / 256 B = 4,096 rows = 256 pages (ids 0..255); 256 is refused, naming the count."""
+    (256 + 1) pages * 16 = 4,112 rows (ids 0..256, the padding page on top); 257 is refused,
+    naming the count."""
     plan = tiny_plan()
     with ShmBackingFactory(shm_dir) as factory:
         backing = factory.create(plan.backing_bytes, "tiny")
         region = map_region(backing.handle(), plan.buffers, plan=plan)
         k0 = region["k.0"]
-        assert region.page_size == 16 and k0.shape == (4096, 2, 16)
+        assert region.page_size == 16 and k0.shape == (4112, 2, 16)
         region.page("k.0", 3).fill_(1.5)
         assert bool((k0[48:64] == 1.5).all()) and int(k0[:48].count_nonzero()) == 0
         assert int(k0[64:].count_nonzero()) == 0
@@ -87,9 +88,9 @@ def test_page_addresses_one_allocation_unit_of_any_buffer(shm_dir: Path) -> None
         assert region.page("req_to_token", 5).shape == (1, r2t.shape[1])
         region.page("req_to_token", 5)[0, :3] = torch.tensor([7, 8, 9], dtype=torch.int32)
         assert r2t[5, :3].tolist() == [7, 8, 9]
-        assert region.page("k.0", 255).shape == (16, 2, 16)
-        with pytest.raises(InvalidArgument, match=r"256 units of 16 row\(s\)") as info:
-            region.page("k.0", 256)
+        assert region.page("k.0", 256).shape == (16, 2, 16)
+        with pytest.raises(InvalidArgument, match=r"257 units of 16 row\(s\)") as info:
+            region.page("k.0", 257)
         assert info.value.field == "page_id"
         with pytest.raises(InvalidArgument):
             region.page("k.0", -1)

@@ -18,16 +18,18 @@ from google.protobuf.message import Message
 from kvpool import codec
 from kvpool.codec import KIND_OF_SPACE, SPACE_OF_KIND
 from kvpool.errors import InvalidArgument
+from kvpool.options import PlanOptions
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpoold.ids import Grant
 from kvpoold.server.leases import Lease
 from kvpoold.server.records import ConfigureArgs
 
-# ConfigureRequest fields that are PlanOptions fields of the same name.
-_OPTIONAL_OPTIONS = (
-    "budget_bytes", "max_total_tokens", "page_size", "tp_size", "pp_size", "pp_rank",
-    "context_length", "max_running_requests", "speculative_num_draft_layers",
-    "speculative_num_draft_tokens", "swa_full_tokens_ratio", "mamba_full_memory_ratio",
+# The PlanOptions fields a ConfigureRequest carries, by the same name; unset ones are left to
+# the plan's defaults (optional numbers by presence, strings when empty, bools when false).
+_OPTION_FIELDS = tuple(
+    pb.ConfigureRequest.DESCRIPTOR.fields_by_name[name]
+    for name in PlanOptions.__struct_fields__
+    if name in pb.ConfigureRequest.DESCRIPTOR.fields_by_name
 )
 
 
@@ -74,13 +76,11 @@ def message_to_builtins(msg: Message) -> dict[str, Any]:
 
 def configure_args(req: pb.ConfigureRequest) -> ConfigureArgs:
     """A ConfigureRequest as :class:`ConfigureArgs` (options: only the fields that were set)."""
-    options: dict[str, Any] = {f: getattr(req, f) for f in _OPTIONAL_OPTIONS if req.HasField(f)}
-    if req.kv_cache_dtype:
-        options["kv_cache_dtype"] = req.kv_cache_dtype
-    if req.speculative_algorithm:
-        options["speculative_algorithm"] = req.speculative_algorithm
-    if req.disable_radix_cache:
-        options["disable_radix_cache"] = True
+    options: dict[str, Any] = {}
+    for fd in _OPTION_FIELDS:
+        value = getattr(req, fd.name)
+        if req.HasField(fd.name) if fd.has_presence else bool(value):
+            options[fd.name] = value
     model = req.WhichOneof("model")
     return ConfigureArgs(
         pool=req.pool,

@@ -1,14 +1,13 @@
 """Sizing rules shared by every architecture: KV format, PP/TP split, token counts, request rows.
 
-All integer arithmetic; no torch, no environment, no I/O. The budget rule used everywhere:
+No torch, no environment, no I/O. The budget rule used everywhere, SGLang's:
 
-    num_pages = budget // (cell * page_size) - 1        # the padding page 0 is charged too
-    max_total_num_tokens = num_pages * page_size
+    max_total_num_tokens = budget // cell // page_size * page_size
+    num_pages = max_total_num_tokens // page_size
 
-so the KV buffers, which hold ``(num_pages + 1) * page_size`` rows, never exceed the budget and
-leave less than one page's worth of it unused. (SGLang charges ``size // cell`` tokens and adds
-the padding page on top of its budget; kvpool's budget is a hard limit, so counts are one page
-lower than SGLang's for the same bytes.)
+and the padding page 0 comes on top: the KV buffers hold ``(num_pages + 1) * page_size`` rows,
+so they exceed the budget by up to one page of cells (``total_bytes`` and ``backing_bytes`` say
+what is really allocated, and the daemon admits a pool by its ``backing_bytes``).
 """
 
 from __future__ import annotations
@@ -24,14 +23,22 @@ from kvpool.spec import ModelDType, ModelSpec
 REQ_TO_TOKEN_EXTRA_COLUMNS = 4
 MIN_RUNNING_REQUESTS_ESTIMATE = 2048
 MAX_RUNNING_REQUESTS_ESTIMATE = 4096
-# Mamba state slots per running request: its own plus cached prefix states with radix cache.
+# Mamba state slots per running request (SGLang's _calculate_mamba_ratio): its own plus cached
+# prefix states with the radix cache (3), one without it; the extra_buffer strategy adds two
+# ping-pong tracking slots (SGLang's default overlap schedule; one without overlap).
 RADIX_STATE_RATIO = 3
 NO_RADIX_STATE_RATIO = 1
+EXTRA_BUFFER_TRACKING_SLOTS = 2
 
 
 def mamba_state_ratio(options: PlanOptions) -> int:
-    """State slots one running request needs: 3 with the radix cache, 1 without."""
-    return NO_RADIX_STATE_RATIO if options.disable_radix_cache else RADIX_STATE_RATIO
+    """State slots one running request needs: 1 without the radix cache, else 3, plus 2 with
+    the extra_buffer strategy."""
+    if options.disable_radix_cache:
+        return NO_RADIX_STATE_RATIO
+    extra = EXTRA_BUFFER_TRACKING_SLOTS if options.mamba_radix_cache_strategy == "extra_buffer" \
+        else 0
+    return RADIX_STATE_RATIO + extra
 
 
 @dataclass(frozen=True)
@@ -106,19 +113,19 @@ def align_down(value: int, page_size: int) -> int:
 
 
 def pages_for_budget(budget_bytes: int, page_bytes: int, *, what: str = "KV") -> int:
-    """Pages that fit ``budget_bytes`` after the padding page, at ``page_bytes`` per page.
+    """Pages that ``budget_bytes`` buys at ``page_bytes`` per page (the padding page comes on
+    top, as in SGLang).
 
     Raises:
-        InvalidArgument: when not even one page (plus the padding page) fits.
+        InvalidArgument: when not even one page fits.
     """
     if page_bytes <= 0:
         raise InvalidArgument(f"{what} page size in bytes is {page_bytes}; nothing to size")
-    pages = budget_bytes // page_bytes - 1
+    pages = budget_bytes // page_bytes
     if pages < 1:
         raise InvalidArgument(
-            f"budget {budget_bytes:,} B is too small for one {what} page: one page needs "
-            f"{page_bytes:,} B and the padding page another {page_bytes:,} B "
-            f"({2 * page_bytes:,} B in all); raise --budget or lower --page-size",
+            f"budget {budget_bytes:,} B is too small for one {what} page of "
+            f"{page_bytes:,} B; raise --budget or lower --page-size",
             field="budget_bytes",
         )
     return pages

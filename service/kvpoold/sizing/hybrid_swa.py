@@ -149,53 +149,6 @@ def swa_tokens_for(full_tokens: int, ratio: float, page_size: int) -> int:
     return align_down(int(full_tokens * ratio), page_size)
 
 
-def pool_bytes(full_pages: int, page_size: int, full_token_bytes: int, swa_token_bytes: int,
-               ratio: float) -> int:
-    """Exact in-budget bytes of a hybrid pool with ``full_pages`` full pages.
-
-    Args:
-        full_pages: full pages, excluding the padding page.
-        page_size: tokens per page.
-        full_token_bytes: ``Fb``, bytes per full-space token.
-        swa_token_bytes: ``Sb``, bytes per SWA-space token.
-        ratio: ``swa_full_tokens_ratio``, which sets the SWA page count.
-
-    Returns:
-        ``page * ((fp + 1) * Fb + (sp + 1) * Sb)``: both spaces with their padding pages.
-    """
-    swa_pages = swa_tokens_for(full_pages * page_size, ratio, page_size) // page_size
-    return page_size * ((full_pages + 1) * full_token_bytes + (swa_pages + 1) * swa_token_bytes)
-
-
-def full_pages_for_budget(budget_bytes: int, page_size: int, full_token_bytes: int,
-                          swa_token_bytes: int, ratio: float) -> int:
-    """The largest full page count whose pool fits ``budget_bytes`` (0 when none does).
-
-    Args:
-        budget_bytes: the hard limit for the KV buffers.
-        page_size: tokens per page.
-        full_token_bytes: ``Fb``, bytes per full-space token (> 0).
-        swa_token_bytes: ``Sb``, bytes per SWA-space token.
-        ratio: ``swa_full_tokens_ratio``.
-
-    Returns:
-        ``fp >= 0`` with ``pool_bytes(fp) <= budget < pool_bytes(fp + 1)``, or 0.
-    """
-    def fits(pages: int) -> bool:
-        return pool_bytes(pages, page_size, full_token_bytes, swa_token_bytes,
-                          ratio) <= budget_bytes
-
-    cell = full_token_bytes + ratio * swa_token_bytes
-    estimate = (budget_bytes / page_size - full_token_bytes - swa_token_bytes) // cell
-    pages = max(0, int(estimate))
-    # The float estimate is off by a page or so (float rounding, the SWA count's floor).
-    while pages > 0 and not fits(pages):
-        pages -= 1
-    while fits(pages + 1):
-        pages += 1
-    return pages
-
-
 def _check_window(ctx: SizingContext, full_tokens: int | None, swa_tokens: int,
                   capped: bool) -> None:
     """The SWA space must hold a whole window plus one page, or no request can decode."""
@@ -261,24 +214,24 @@ def size(ctx: SizingContext) -> Sizing:
     page = ctx.page_size
     ratio = options.swa_full_tokens_ratio
     full_token_bytes, swa_token_bytes = token_bytes(ctx, split)
-    cell = int(full_token_bytes + ratio * swa_token_bytes)
+    # SGLang's per-token cost of the full space, in float: what it divides the budget by
+    cell_f = full_token_bytes + ratio * swa_token_bytes
+    cell = int(cell_f)
     notes: list[str] = []
     if options.budget_bytes is None:
         assert options.max_total_tokens is not None  # PlanOptions guarantees one of them
         full_tokens = cap_tokens(align_down(options.max_total_tokens, page), options, notes)
         capped = True
     else:
-        full_pages = full_pages_for_budget(options.budget_bytes, page, full_token_bytes,
-                                           swa_token_bytes, ratio)
-        if full_pages < 1:
-            need = pool_bytes(1, page, full_token_bytes, swa_token_bytes, ratio)
+        budget_tokens = align_down(int(options.budget_bytes // cell_f), page)
+        if budget_tokens < page:
             raise InvalidArgument(
-                f"budget {options.budget_bytes:,} B is too small for one full page: one page "
-                f"of {page} tokens in the full and SWA spaces plus their padding pages need "
-                f"{need:,} B; raise --budget or lower --page-size",
+                f"budget {options.budget_bytes:,} B is too small for one full page: a token "
+                f"of the full space with its share of the SWA space costs {cell_f:,.1f} B, a "
+                f"page of {page} tokens {cell_f * page:,.0f} B; raise --budget or lower "
+                "--page-size",
                 field="budget_bytes",
             )
-        budget_tokens = full_pages * page
         full_tokens = cap_tokens(budget_tokens, options, notes)
         capped = full_tokens < budget_tokens
     swa_tokens = swa_tokens_for(full_tokens, ratio, page)

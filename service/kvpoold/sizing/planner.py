@@ -32,7 +32,8 @@ def make_context(spec: ModelSpec, options: PlanOptions) -> SizingContext:
     """Resolve the shared inputs of sizing.
 
     Raises:
-        InvalidArgument: for a PP split with more stages than layers.
+        InvalidArgument: for a PP split with more stages than layers, or a context length above
+            the model's without ``allow_longer_context``.
     """
     if options.speculative_algorithm == "none":
         draft = 0
@@ -40,12 +41,20 @@ def make_context(spec: ModelSpec, options: PlanOptions) -> SizingContext:
         draft = options.speculative_num_draft_layers
     else:
         draft = spec.num_nextn_predict_layers or 1
+    asked = options.context_length
+    if asked is not None and asked > spec.context_length and not options.allow_longer_context:
+        raise InvalidArgument(
+            f"context_length {asked:,} is above the model's {spec.context_length:,} (from its "
+            "config, rope scaling included), which SGLang refuses; lower --context-length, or "
+            "give --allow-longer-context (SGLang: SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1)",
+            field="context_length",
+        )
     return SizingContext(
         spec=spec,
         options=options,
         kv=resolve_kv_format(options.kv_cache_dtype, spec),
         layers=stage_layers(spec.num_layers, options.pp_size, options.pp_rank),
-        context_length=options.context_length or spec.context_length,
+        context_length=asked or spec.context_length,
         num_draft_layers=draft,
     )
 
