@@ -31,8 +31,11 @@ class KVCacheDType(enum.StrEnum):
 
 
 SpeculativeAlgorithm = Literal["none", "eagle", "standalone"]
-# SGLang's --mamba-radix-cache-strategy: extra_buffer keeps ping-pong state slots per request.
-MambaRadixCacheStrategy = Literal["no_buffer", "extra_buffer"]
+# SGLang's --mamba-radix-cache-strategy: extra_buffer keeps ping-pong state slots per request;
+# auto is what SGLang picks on CUDA (extra_buffer for the hybrid linear models it supports).
+MambaRadixCacheStrategy = Literal["auto", "no_buffer", "extra_buffer"]
+# SGLang's default prefill chunk on 60-160 GiB GPUs (H100, H200, A100-80G).
+DEFAULT_CHUNKED_PREFILL_SIZE = 8192
 
 
 def _doc(text: str, **bounds: int | float) -> Meta:
@@ -77,10 +80,19 @@ class PlanOptions(Base):
     mamba_full_memory_ratio: Annotated[float, _doc(
         "mamba state memory per KV memory in hybrid linear pools", gt=0.0, le=100.0)] = 0.9
     mamba_radix_cache_strategy: Annotated[MambaRadixCacheStrategy, _doc(
-        "hybrid linear pools: no_buffer, or extra_buffer (ping-pong state slots per request)"
-    )] = "no_buffer"
+        "hybrid linear pools with the radix cache: extra_buffer keeps two ping-pong state "
+        "slots per request, no_buffer none (page size 1 only); auto: extra_buffer, as SGLang "
+        "on CUDA")] = "auto"
+    chunked_prefill_size: Annotated[int, _doc(
+        "the engine's prefill chunk in tokens (SGLang's default by GPU memory: 2048 below 20 "
+        "GiB, 4096 below 60, 8192 below 160, else 16384; 0: unchunked); sizes the SWA pool of "
+        "a hybrid SWA model served without the radix cache at a fixed max_running_requests",
+        ge=0, le=1 << 24)] = DEFAULT_CHUNKED_PREFILL_SIZE
     disable_radix_cache: Annotated[bool, _doc(
         "no prefix cache: one state slot per request (hybrid linear)")] = False
+    disable_overlap_schedule: Annotated[bool, _doc(
+        "the engine runs without SGLang's overlap scheduler (always so under pipeline "
+        "parallelism): one extra_buffer tracking slot and one prefill chunk in flight")] = False
     speculative_algorithm: Annotated[SpeculativeAlgorithm, _doc(
         "speculative decoding whose draft layers share the pool")] = "none"
     speculative_num_draft_layers: Annotated[int, _doc(
@@ -120,7 +132,7 @@ def make_options(**fields: object) -> PlanOptions:
         elif field == "speculative_algorithm":
             message += " (accepted: none, eagle, standalone)"
         elif field == "mamba_radix_cache_strategy":
-            message += " (accepted: no_buffer, extra_buffer)"
+            message += " (accepted: auto, no_buffer, extra_buffer)"
         raise InvalidArgument(f"invalid plan option: {message}", field=field) from exc
 
 

@@ -264,6 +264,13 @@ HYBRID_SWA: dict[str, SlidingRule] = {
 }
 # Llama-4 slides over its attention chunk; the others name their window directly.
 WINDOW_KEYS = ("sliding_window_size", "sliding_window", "window_size", "attention_chunk_size")
+# Classes whose SGLang model reports the HF window minus one (HF counts the current token).
+EXCLUSIVE_WINDOW = frozenset({
+    "GptOssForCausalLM", "BeamForCausalLM", "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration",
+    "Gemma4UnifiedForConditionalGeneration", "DiffusionGemmaForBlockDiffusion",
+    "MellumForCausalLM", "MuseGlimmerForCausalLM", "MuseGlimmerForConditionalGeneration",
+})
+EMBEDDING_GEMMA2_WINDOW = 512  # EmbeddingGemma2Model's fixed window in SGLang
 
 
 def _sliding(r: _Reader, n: int, architecture: str) -> dict[str, Any] | None:
@@ -276,6 +283,10 @@ def _sliding(r: _Reader, n: int, architecture: str) -> dict[str, Any] | None:
     layers = rule(r, n)
     if not layers:
         return None
+    if architecture == "EmbeddingGemma2Model":
+        return {"window": EMBEDDING_GEMMA2_WINDOW, "layers": layers}
+    if architecture in EXCLUSIVE_WINDOW:
+        return {"window": r.get_int("sliding_window") - 1, "layers": layers}
     window = next((r.get_int(k) for k in WINDOW_KEYS if r.config.get(k) is not None), None)
     if window is None:
         raise r.fail(f"{architecture or 'this model'} has sliding layers but no window "

@@ -107,7 +107,7 @@ def test_gpt_oss_20b():
     assert spec.attention == MHAAttention(num_kv_heads=8, head_dim=64)
     assert spec.num_layers == 24
     assert spec.sliding_window is not None
-    assert spec.sliding_window.window == 128
+    assert spec.sliding_window.window == 127  # SGLang: HF window - 1
     assert spec.sliding_window.layers == tuple(range(0, 24, 2))
     assert spec.dtype is ModelDType.bfloat16
     assert spec.context_length == 131_072
@@ -176,7 +176,7 @@ def test_gpt_oss_layer_types_decide_which_layers_slide():
     cfg = with_arch("GptOssForCausalLM", sliding_window=512, layer_types=types)
     assert sliding_layers(cfg) == (1, 2)
     spec, _ = spec_from_hf(cfg)
-    assert spec.sliding_window is not None and spec.sliding_window.window == 512
+    assert spec.sliding_window is not None and spec.sliding_window.window == 511
 
 
 def test_an_allowlisted_model_whose_layers_all_slide_gets_an_swa_only_pool():

@@ -242,7 +242,7 @@ class Plan(_message.Message):
     def __init__(self, architecture: _Optional[str] = ..., architecture_source: _Optional[str] = ..., model_architecture: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., context_length: _Optional[int] = ..., cell_size_bytes: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., full_max_total_num_tokens: _Optional[int] = ..., swa_max_total_num_tokens: _Optional[int] = ..., mamba_cache_size: _Optional[int] = ..., c4_max_total_num_tokens: _Optional[int] = ..., c128_max_total_num_tokens: _Optional[int] = ..., c4_state_pool_size: _Optional[int] = ..., c128_state_pool_size: _Optional[int] = ..., total_bytes: _Optional[int] = ..., aux_bytes: _Optional[int] = ..., backing_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., num_pages: _Optional[int] = ..., swa_num_pages: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_draft_layers: _Optional[int] = ..., req_to_token_columns: _Optional[int] = ..., notes: _Optional[_Iterable[str]] = ..., buffers: _Optional[_Iterable[_Union[Buffer, _Mapping]]] = ..., id_spaces: _Optional[_Iterable[_Union[IdSpace, _Mapping]]] = ...) -> None: ...
 
 class ConfigureRequest(_message.Message):
-    __slots__ = ("pool", "hf_config_json", "spec", "budget_bytes", "max_total_tokens", "page_size", "kv_cache_dtype", "tp_size", "pp_size", "pp_rank", "context_length", "max_running_requests", "speculative_algorithm", "speculative_num_draft_layers", "swa_full_tokens_ratio", "mamba_full_memory_ratio", "disable_radix_cache", "dry_run", "speculative_num_draft_tokens", "allow_longer_context", "mamba_radix_cache_strategy")
+    __slots__ = ("pool", "hf_config_json", "spec", "budget_bytes", "max_total_tokens", "page_size", "kv_cache_dtype", "tp_size", "pp_size", "pp_rank", "context_length", "max_running_requests", "speculative_algorithm", "speculative_num_draft_layers", "swa_full_tokens_ratio", "mamba_full_memory_ratio", "disable_radix_cache", "dry_run", "speculative_num_draft_tokens", "allow_longer_context", "mamba_radix_cache_strategy", "chunked_prefill_size", "disable_overlap_schedule")
     POOL_FIELD_NUMBER: _ClassVar[int]
     HF_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +264,8 @@ class ConfigureRequest(_message.Message):
     SPECULATIVE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_LONGER_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     MAMBA_RADIX_CACHE_STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    CHUNKED_PREFILL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_OVERLAP_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     pool: str
     hf_config_json: str
     spec: ModelSpec
@@ -285,7 +287,9 @@ class ConfigureRequest(_message.Message):
     speculative_num_draft_tokens: int
     allow_longer_context: bool
     mamba_radix_cache_strategy: str
-    def __init__(self, pool: _Optional[str] = ..., hf_config_json: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., budget_bytes: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., context_length: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., speculative_algorithm: _Optional[str] = ..., speculative_num_draft_layers: _Optional[int] = ..., swa_full_tokens_ratio: _Optional[float] = ..., mamba_full_memory_ratio: _Optional[float] = ..., disable_radix_cache: _Optional[bool] = ..., dry_run: _Optional[bool] = ..., speculative_num_draft_tokens: _Optional[int] = ..., allow_longer_context: _Optional[bool] = ..., mamba_radix_cache_strategy: _Optional[str] = ...) -> None: ...
+    chunked_prefill_size: int
+    disable_overlap_schedule: bool
+    def __init__(self, pool: _Optional[str] = ..., hf_config_json: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., budget_bytes: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., context_length: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., speculative_algorithm: _Optional[str] = ..., speculative_num_draft_layers: _Optional[int] = ..., swa_full_tokens_ratio: _Optional[float] = ..., mamba_full_memory_ratio: _Optional[float] = ..., disable_radix_cache: _Optional[bool] = ..., dry_run: _Optional[bool] = ..., speculative_num_draft_tokens: _Optional[int] = ..., allow_longer_context: _Optional[bool] = ..., mamba_radix_cache_strategy: _Optional[str] = ..., chunked_prefill_size: _Optional[int] = ..., disable_overlap_schedule: _Optional[bool] = ...) -> None: ...
 
 class ConfigureResponse(_message.Message):
     __slots__ = ("plan", "plan_json", "fingerprint", "created", "dry_run", "budget_available_bytes")

@@ -24,21 +24,27 @@ REQ_TO_TOKEN_EXTRA_COLUMNS = 4
 MIN_RUNNING_REQUESTS_ESTIMATE = 2048
 MAX_RUNNING_REQUESTS_ESTIMATE = 4096
 # Mamba state slots per running request (SGLang's _calculate_mamba_ratio): its own plus cached
-# prefix states with the radix cache (3), one without it; the extra_buffer strategy adds two
-# ping-pong tracking slots (SGLang's default overlap schedule; one without overlap).
+# prefix states with the radix cache (3), one without it; the extra_buffer strategy adds one
+# ping-pong tracking slot, two under the overlap schedule.
 RADIX_STATE_RATIO = 3
 NO_RADIX_STATE_RATIO = 1
-EXTRA_BUFFER_TRACKING_SLOTS = 2
+
+
+def overlap_schedule(options: PlanOptions) -> bool:
+    """Whether SGLang runs its overlap scheduler: on unless disabled, and off under pipeline
+    parallelism (SGLang turns it off when ``pp_size > 1``)."""
+    return not options.disable_overlap_schedule and options.pp_size == 1
 
 
 def mamba_state_ratio(options: PlanOptions) -> int:
-    """State slots one running request needs: 1 without the radix cache, else 3, plus 2 with
-    the extra_buffer strategy."""
+    """State slots one running request needs: 1 without the radix cache, else 3, plus the
+    extra_buffer strategy's tracking slots (``auto`` resolves to it, as SGLang does on CUDA):
+    2 with the overlap schedule, 1 without."""
     if options.disable_radix_cache:
         return NO_RADIX_STATE_RATIO
-    extra = EXTRA_BUFFER_TRACKING_SLOTS if options.mamba_radix_cache_strategy == "extra_buffer" \
-        else 0
-    return RADIX_STATE_RATIO + extra
+    if options.mamba_radix_cache_strategy == "no_buffer":
+        return RADIX_STATE_RATIO
+    return RADIX_STATE_RATIO + (2 if overlap_schedule(options) else 1)
 
 
 @dataclass(frozen=True)

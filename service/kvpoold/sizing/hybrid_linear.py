@@ -96,6 +96,7 @@ from kvpoold.sizing.common import (
     draft_scaled_cell,
     kv_pages,
     mamba_state_ratio,
+    overlap_schedule,
     resolve_max_running_requests,
     tp_heads,
 )
@@ -221,6 +222,23 @@ def _check(ctx: SizingContext) -> None:
             "hybrid linear attention with a DSA indexer is not supported; drop `indexer` "
             "from the spec",
             field="model",
+        )
+    options = ctx.options
+    if options.mamba_radix_cache_strategy != "no_buffer" or options.disable_radix_cache:
+        return
+    if options.page_size != 1:
+        raise InvalidArgument(
+            f"mamba_radix_cache_strategy no_buffer caches prefix states per token, so SGLang "
+            f"accepts it only at page_size 1, got {options.page_size}; use extra_buffer (or "
+            "auto), --page-size 1, or --disable-radix-cache",
+            field="mamba_radix_cache_strategy",
+        )
+    if overlap_schedule(options):
+        raise InvalidArgument(
+            "mamba_radix_cache_strategy no_buffer does not work with SGLang's overlap "
+            "scheduler; give --disable-overlap-schedule (as the engine must), or use "
+            "extra_buffer (or auto)",
+            field="mamba_radix_cache_strategy",
         )
 
 

@@ -64,6 +64,7 @@ from kvpoold.sizing.common import (
     SizingContext,
     align_down,
     cap_tokens,
+    overlap_schedule,
     pages_for_budget,
     resolve_max_running_requests,
     tp_heads,
@@ -210,6 +211,8 @@ def size(ctx: SizingContext) -> Sizing:
     split = split_stage(ctx)
     if split.all_swa:
         return _size_all_swa(ctx, split)
+    if request_cap_applies(ctx):
+        return _size_request_cap(ctx, split)
     options = ctx.options
     page = ctx.page_size
     ratio = options.swa_full_tokens_ratio
@@ -239,6 +242,75 @@ def size(ctx: SizingContext) -> Sizing:
     mrr = resolve_max_running_requests(full_tokens, ctx.context_length, options, notes)
     return Sizing(
         NAME, cell, full_tokens // page, mrr,
+        full_max_total_num_tokens=full_tokens,
+        swa_max_total_num_tokens=swa_tokens,
+        swa_num_pages=swa_tokens // page,
+        max_total_num_tokens=full_tokens,
+        notes=tuple(notes),
+    )
+
+
+# SGLang's SGLANG_SWA_EVICTION_INTERVAL default: tokens between SWA evictions of a request.
+SWA_EVICTION_INTERVAL = 128
+
+
+def request_cap_applies(ctx: SizingContext) -> bool:
+    """SGLang's SWA request cap: without the radix cache and with a fixed
+    ``max_running_requests`` and chunked prefill, the SWA space is sized from the worst case of
+    those requests instead of ``swa_full_tokens_ratio``."""
+    o = ctx.options
+    return (o.disable_radix_cache and o.max_running_requests is not None
+            and o.chunked_prefill_size > 0)
+
+
+def swa_request_cap(ctx: SizingContext) -> int:
+    """SWA tokens live at ``max_running_requests``: per request the window, the tokens
+    between evictions and a page of padding plus one decode step's allocation (two draft
+    steps under speculative decoding), and the prefill chunks in flight plus a page."""
+    assert ctx.spec.sliding_window is not None and ctx.options.max_running_requests is not None
+    o, page = ctx.options, ctx.page_size
+    draft = o.speculative_num_draft_tokens or 1 if o.speculative_algorithm != "none" else 1
+    trailing = ctx.spec.sliding_window.window + SWA_EVICTION_INTERVAL * draft + page
+    decode = page if o.speculative_algorithm == "none" else 2 * draft
+    chunks_in_flight = 2 if overlap_schedule(o) else 1
+    return ((trailing + decode) * o.max_running_requests
+            + chunks_in_flight * o.chunked_prefill_size + page)
+
+
+def _size_request_cap(ctx: SizingContext, split: StageSplit) -> Sizing:
+    """The request-cap split: the SWA space holds the cap (page-aligned up), the full space
+    what the budget has left at ``Fb`` per token.
+
+    Raises:
+        InvalidArgument: when the SWA cap leaves the full space no page.
+    """
+    options, page = ctx.options, ctx.page_size
+    full_token_bytes, swa_token_bytes = token_bytes(ctx, split)
+    cap = -(-swa_request_cap(ctx) // page) * page
+    notes = [f"SWA space sized from {options.max_running_requests} requests without the radix "
+             f"cache (SGLang's request cap): {cap} tokens"]
+    if options.budget_bytes is None:
+        assert options.max_total_tokens is not None
+        full_tokens = align_down(options.max_total_tokens, page)
+        swa_tokens = min(cap, options.max_total_tokens)
+    else:
+        left = options.budget_bytes - cap * swa_token_bytes
+        budget_tokens = align_down(max(left, 0) // full_token_bytes, page)
+        if budget_tokens <= 0:
+            raise InvalidArgument(
+                f"the SWA space for {options.max_running_requests} requests without the radix "
+                f"cache takes {cap:,} tokens = {cap * swa_token_bytes:,} B, leaving the budget "
+                f"{options.budget_bytes:,} B no full page; lower --max-running-requests or "
+                "--chunked-prefill-size, or raise --budget",
+                field="budget_bytes",
+            )
+        full_tokens = cap_tokens(budget_tokens, options, notes)
+        # capped by --max-total-tokens, SGLang re-derives the SWA side from that raw count
+        swa_tokens = cap if full_tokens == budget_tokens else min(cap, options.max_total_tokens
+                                                                  or cap)
+    mrr = resolve_max_running_requests(full_tokens, ctx.context_length, options, notes)
+    return Sizing(
+        NAME, full_token_bytes, full_tokens // page, mrr,
         full_max_total_num_tokens=full_tokens,
         swa_max_total_num_tokens=swa_tokens,
         swa_num_pages=swa_tokens // page,
