@@ -147,10 +147,22 @@ def _model_dtype(r: _Reader, architecture: str) -> ModelDType:
     return ModelDType.float16
 
 
+# Families whose transformers (v5) config nests rope parameters per layer type
+# ({"full_attention": {...}, "sliding_attention": {...}}): SGLang reads ``factor`` at the top of
+# that mapping, finds none, and does not scale their context length.
+PER_LAYER_TYPE_ROPE = frozenset({
+    "gemma3", "gemma3_text", "gemma3n", "gemma3n_text", "gemma4", "gemma4_text",
+    "gemma4_unified", "embedding_gemma2", "diffusion_gemma", "t5gemma2", "laguna", "mellum",
+    "mimo_v2_flash", "olmo3", "modernbert", "modernbert_decoder", "neomme",
+})
+
+
 def _context_length(r: _Reader) -> int:
     """The model's context length as SGLang derives it (rope scaling included)."""
     rope = r.config.get("rope_scaling") or r.config.get("rope_parameters")
     factor: float = 1
+    if r.config.get("model_type") in PER_LAYER_TYPE_ROPE:
+        rope = None
     if isinstance(rope, Mapping):
         raw = rope.get("factor", 1)
         factor = raw if isinstance(raw, int | float) and not isinstance(raw, bool) else 1

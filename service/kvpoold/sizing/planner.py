@@ -27,6 +27,18 @@ from kvpoold.sizing.layout import buffer, place
 from kvpoold.sizing.registry import Architecture, select_architecture
 from kvpoold.sizing.spaces import declare_spaces
 
+# SGLang's max_running_requests when speculative decoding is on and the user gave none.
+SPECULATIVE_MAX_RUNNING_REQUESTS = 48
+
+
+def engine_defaults(options: PlanOptions) -> PlanOptions:
+    """The options as SGLang's server resolves them before sizing: speculative decoding sets
+    ``max_running_requests`` to 48 when it is not given."""
+    if options.speculative_algorithm != "none" and options.max_running_requests is None:
+        return msgspec.structs.replace(options,
+                                       max_running_requests=SPECULATIVE_MAX_RUNNING_REQUESTS)
+    return options
+
 
 def make_context(spec: ModelSpec, options: PlanOptions) -> SizingContext:
     """Resolve the shared inputs of sizing.
@@ -102,6 +114,7 @@ def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = 
     Raises:
         InvalidArgument: for any input the architecture cannot plan, naming the field.
     """
+    options = engine_defaults(options)
     ctx = make_context(spec, options)
     arch = select_architecture(spec)
     sizing = arch.size(ctx)

@@ -1,4 +1,7 @@
-"""Import-only stand-in for ``torchvision.transforms.functional`` (see the ``torchvision`` stub)."""
+"""Import-only stand-in for ``torchvision.transforms.functional``.
+
+See the ``torchvision`` stub.
+"""
 
 import enum
 

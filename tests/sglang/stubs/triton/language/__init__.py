@@ -22,4 +22,6 @@ class _Placeholder:
 
 
 def __getattr__(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
     return _Placeholder(name)

@@ -1,3 +1,6 @@
-"""Import-only stand-in for ``torchvision.transforms.v2.functional`` (see the ``torchvision`` stub)."""
+"""Import-only stand-in for ``torchvision.transforms.v2.functional``.
+
+See the ``torchvision`` stub.
+"""
 
 from torchvision.transforms.functional import __getattr__  # noqa: F401
