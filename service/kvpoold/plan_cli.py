@@ -105,7 +105,7 @@ def _summary_rows(p: PoolPlan) -> list[tuple[str, str]]:
     rows += [(k, _count(v)) for k, v in optional if v is not None]
     rows += [
         ("budget", "-" if p.budget_bytes is None else _bytes(p.budget_bytes)),
-        ("in budget", _bytes(p.total_bytes)),
+        ("KV + state", _bytes(p.total_bytes)),
         ("aux (outside budget)", _bytes(p.aux_bytes)),
         ("backing region", _bytes(p.backing_bytes)),
         ("parallelism", f"TP {p.tp_size}, PP rank {p.pp_rank} of {p.pp_size}, "

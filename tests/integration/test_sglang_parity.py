@@ -158,10 +158,13 @@ def _cases() -> list[Case]:
     variants("llama-3.1-8b-instruct", "mrr-100", {"max_running_requests": 100})
     for name, options in (("chunk-2048", {"chunked_prefill_size": 2048}),
                           ("no-overlap", {"disable_overlap_schedule": True}),
-                          ("max-total-tokens", {"max_total_tokens": 50_000})):
+                          ("max-total-tokens", {"max_total_tokens": 50_000}),
+                          ("max-total-tokens-unaligned", {"max_total_tokens": 20_001})):
         variants("gpt-oss-20b", f"no-radix-mrr64-{name}",
                  {"disable_radix_cache": True, "max_running_requests": 64, **options})
     variants("llama-3.1-8b-instruct", "budget-too-small", {"budget_bytes": 1 << 20})
+    variants("qwen3-next-80b-a3b-instruct", "budget-256MiB", {"budget_bytes": 256 << 20})
+    variants("qwen3-next-80b-a3b-instruct", "budget-64MiB", {"budget_bytes": 64 << 20})
     return cases
 
 

@@ -56,89 +56,91 @@ def run_subprocess(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_llama_40gib_page16(capsys: pytest.CaptureFixture[str]):
     """cell = 8 KV heads * (128 + 128) * 32 layers * 2 B = 131,072 B; one page of 16 tokens =
-    2,097,152 B; pages = 42,949,672,960 // 2,097,152 - 1 (the padding page is charged) = 20,479;
-    tokens = 327,664. max_running_requests = clamp(int(327,664 / 131,072 * 512) = 1,279, 2,048,
-    4,096) = 2,048. Buffers k.0..31, v.0..31 of (20,480 * 16, 8, 128) bf16 = 671,088,640 B
-    each: 64 * 671,088,640 = 42,949,672,960 B in budget."""
+    2,097,152 B; pages = 42,949,672,960 // 2,097,152 = 20,480 (the padding page comes on top);
+    tokens = 327,680. max_running_requests = clamp(int(327,680 / 131,072 * 512) = 1,280, 2,048,
+    4,096) = 2,048. Buffers k.0..31, v.0..31 of (20,481 * 16 = 327,696, 8, 128) bf16 =
+    671,121,408 B each: 64 * 671,121,408 = 42,951,770,112 B, the budget plus one page."""
     p = plan_json(capsys, LLAMA, "--budget", "40GiB", "--page-size", "16")
     assert p["architecture"] == "mha"
     assert p["architecture_source"] == "hf_config"
     assert p["model_architecture"] == "LlamaForCausalLM"
     assert p["kv_cache_dtype"] == "bfloat16"
     assert p["cell_size_bytes"] == 131_072
-    assert p["num_pages"] == 20_479
-    assert p["max_total_num_tokens"] == 327_664
+    assert p["num_pages"] == 20_480
+    assert p["max_total_num_tokens"] == 327_680
     assert p["max_running_requests"] == 2048
     assert p["budget_bytes"] == BUDGET
-    assert p["total_bytes"] == BUDGET
+    assert p["total_bytes"] == 42_951_770_112 == BUDGET + 2_097_152
     k0 = next(b for b in p["buffers"] if b["name"] == "k.0")
-    assert k0["shape"] == [327_680, 8, 128]
-    assert k0["nbytes"] == 671_088_640
+    assert k0["shape"] == [327_696, 8, 128]
+    assert k0["nbytes"] == 671_121_408
 
 
 def test_qwen3_8b_40gib(capsys: pytest.CaptureFixture[str]):
-    """cell = 8 * 256 * 36 * 2 = 147,456 B; pages (page 1) = 42,949,672,960 // 147,456 - 1 =
-    291,271 - 1 = 291,270; max_running_requests = int(291,270 / 40,960 * 512) = 3,640; the
-    req_to_token table has 40,960 + 4 columns."""
+    """cell = 8 * 256 * 36 * 2 = 147,456 B (= 36 * 4,096); tokens (page 1) = 42,949,672,960 //
+    147,456 = 10,485,760 // 36 = 291,271; max_running_requests = int(291,271 / 40,960 * 512) =
+    int(3,640.9) = 3,640; the req_to_token table has 40,960 + 4 columns."""
     p = plan_json(capsys, QWEN3, "--budget", str(BUDGET))
     assert p["architecture"] == "mha"
     assert p["cell_size_bytes"] == 147_456
-    assert p["max_total_num_tokens"] == 291_270
+    assert p["max_total_num_tokens"] == 291_271
     assert p["max_running_requests"] == 3640
     assert p["req_to_token_columns"] == 40_964
 
 
 def test_deepseek_v3_mla(capsys: pytest.CaptureFixture[str]):
     """cell = (512 + 64) * 61 * 2 = 70,272 B; 70,272 * 611,191 = 42,949,613,952 <= budget <
-    70,272 * 611,192, so pages = 611,191 - 1 = 611,190 (page 1);
-    max_running_requests = clamp(int(611,190 / 163,840 * 512) = 1,909) = 2,048."""
+    70,272 * 611,192, so tokens = 611,191 (page 1), plus the padding row: 611,192 rows;
+    max_running_requests = clamp(int(611,191 / 163,840 * 512) = 1,909) = 2,048."""
     p = plan_json(capsys, DSV3, "--budget", "40GiB")
     assert p["architecture"] == "mla"
     assert p["cell_size_bytes"] == 70_272
-    assert p["max_total_num_tokens"] == 611_190
+    assert p["max_total_num_tokens"] == 611_191
     assert p["max_running_requests"] == 2048
-    assert p["buffers"][0]["shape"] == [611_191, 1, 576]
+    assert p["buffers"][0]["shape"] == [611_192, 1, 576]
 
 
 def test_deepseek_v3_eagle_uses_the_nextn_layer(capsys: pytest.CaptureFixture[str]):
     """With --speculative-algorithm eagle the draft layers default to the config's
     num_nextn_predict_layers = 1: cell = 70,272 * 62 // 61 = 71,424 B;
-    71,424 * 601,333 = 42,949,608,192 <= budget < 71,424 * 601,334, so pages =
-    601,333 - 1 = 601,332;
+    71,424 * 601,333 = 42,949,608,192 <= budget < 71,424 * 601,334, so tokens = 601,333;
+    max_running_requests: SGLang's speculative default, 48;
     req_to_token columns = 163,840 + 4 + (1 + 1) = 163,846."""
     p = plan_json(capsys, DSV3, "--budget", "40GiB", "--speculative-algorithm", "eagle")
     assert p["num_draft_layers"] == 1
     assert p["cell_size_bytes"] == 71_424
-    assert p["max_total_num_tokens"] == 601_332
+    assert p["max_total_num_tokens"] == 601_333
+    assert p["max_running_requests"] == 48
     assert p["req_to_token_columns"] == 163_846
     assert any(b["name"] == "draft_kv.0" for b in p["buffers"])
 
 
 def test_deepseek_v32_dsa_page64(capsys: pytest.CaptureFixture[str]):
     """cell = (1,152 latent + 132 indexer) * 61 = 78,324 B; one page of 64 = 5,012,736 B;
-    pages = 42,949,672,960 // 5,012,736 - 1 = 8,568 - 1 = 8,567; tokens = 548,288."""
+    pages = 42,949,672,960 // 5,012,736 = 8,568 (550,912 B left); tokens = 548,352."""
     p = plan_json(capsys, DSV32, "--budget", "40GiB", "--page-size", "64")
     assert p["architecture"] == "dsa"
     assert p["cell_size_bytes"] == 78_324
-    assert p["num_pages"] == 8_567
-    assert p["max_total_num_tokens"] == 548_288
+    assert p["num_pages"] == 8_568
+    assert p["max_total_num_tokens"] == 548_352
 
 
 def test_gpt_oss_hybrid_swa_page16(capsys: pytest.CaptureFixture[str]):
     """F = S = 8 heads * (64 + 64) * 2 B = 2,048 B per layer; 12 full and 12 SWA layers, so
-    Fb = Sb = 24,576 B; cell = int(24,576 + 0.8 * 24,576) = 44,236 B. Both spaces keep a padding
-    page: bytes(fp) = 16 * 24,576 * ((fp + 1) + (sp + 1)) with sp = int(16 * fp * 0.8) // 16.
-    fp = 60,680: full 970,880, swa 776,704 (sp 48,544), bytes = 393,216 * 109,226 =
-    42,949,410,816 <= budget; fp = 60,681 (sp still 48,544) needs 393,216 * 109,227 =
-    42,949,804,032 > budget. max_running_requests = int(970,880 / 131,072 * 512) = 3,792."""
+    Fb = Sb = 24,576 B; SGLang's float cell 24,576 + 0.8 * 24,576 = 44,236.8 (reported 44,236).
+    full = int(42,949,672,960 // 44,236.8) = 970,903 -> // 16 * 16 = 970,896 (60,681 pages);
+    swa = int(970,896 * 0.8) = int(776,716.8) = 776,716 -> 776,704 (48,544 pages). Both spaces
+    add a padding page on top: bytes = 16 * 24,576 * (60,682 + 48,545) = 393,216 * 109,227 =
+    42,949,804,032. max_running_requests = int(970,896 / 131,072 * 512) = 3,792. The loader
+    gives SGLang's exclusive window: 128 - 1 = 127."""
     p = plan_json(capsys, GPT_OSS, "--budget", "40GiB", "--page-size", "16")
     assert p["architecture"] == "hybrid_swa"
     assert p["cell_size_bytes"] == 44_236
-    assert p["full_max_total_num_tokens"] == 970_880
-    assert p["max_total_num_tokens"] == 970_880
+    assert p["full_max_total_num_tokens"] == 970_896
+    assert p["max_total_num_tokens"] == 970_896
     assert p["swa_max_total_num_tokens"] == 776_704
     assert p["max_running_requests"] == 3792
-    assert p["total_bytes"] == 42_949_410_816
+    assert p["total_bytes"] == 42_949_804_032
 
 
 def test_qwen3_next_hybrid_linear(capsys: pytest.CaptureFixture[str]):
@@ -147,36 +149,36 @@ def test_qwen3_next_hybrid_linear(capsys: pytest.CaptureFixture[str]):
     77,266,944 B. mamba budget = 42,949,672,960 * 0.9 / 1.9 -> 20,344,581,928 B;
     slots = (20,344,581,928 - 77,266,944) // 77,266,944 = 262; KV gets 42,949,672,960 - 263 *
     77,266,944 = 22,628,466,688 B; cell = 2 * 512 * 12 * 2 = 24,576 B; tokens = 22,628,466,688
-    // 24,576 - 1 = 920,753. max_running_requests = min(2,048, 262 // 3 = 87) = 87."""
+    // 24,576 = 920,754. max_running_requests = min(2,048, 262 // 5 = 52) = 52: 5 state slots
+    per request with the radix cache (3, plus extra_buffer's 2 under the overlap schedule)."""
     p = plan_json(capsys, QWEN3_NEXT, "--budget", "40GiB")
     assert p["architecture"] == "hybrid_linear"
     assert p["cell_size_bytes"] == 24_576
     assert p["mamba_cache_size"] == 262
-    assert p["max_total_num_tokens"] == 920_753
-    assert p["max_running_requests"] == 87
+    assert p["max_total_num_tokens"] == 920_754
+    assert p["max_running_requests"] == 52
 
 
 def test_llama_fp4(capsys: pytest.CaptureFixture[str]):
     """FP4: per layer 8 * 256 / 2 data + 8 * 256 / 16 scales = 1,024 + 128 = 1,152 B; cell =
-    36,864 B; page 16 = 589,824 B; pages = 42,949,672,960 // 589,824 - 1 = 72,817 - 1 =
-    72,816; tokens = 1,165,056; max_running_requests = int(1,165,056 / 131,072 * 512) = 4,551
-    -> 4,096."""
+    36,864 B; page 16 = 589,824 B; pages = 42,949,672,960 // 589,824 = 72,817; tokens =
+    1,165,072; max_running_requests = int(1,165,072 / 131,072 * 512) = 4,551 -> 4,096."""
     p = plan_json(capsys, LLAMA, "--budget", "40GiB", "--page-size", "16",
                   "--kv-cache-dtype", "fp4_e2m1")
     assert p["kv_cache_dtype"] == "fp4_e2m1"
     assert p["cell_size_bytes"] == 36_864
-    assert p["max_total_num_tokens"] == 1_165_056
+    assert p["max_total_num_tokens"] == 1_165_072
     assert p["max_running_requests"] == 4096
 
 
 def test_llama_tp_pp_fp8(capsys: pytest.CaptureFixture[str]):
     """TP 2 -> 4 KV heads; PP rank 1 of 2 -> layers 16..31; fp8 -> 1 B: cell = 4 * 256 * 16 * 1
-    = 16,384 B; pages (page 1) = 42,949,672,960 // 16,384 - 1 = 2,621,439."""
+    = 16,384 B; pages (page 1) = 42,949,672,960 // 16,384 = 2,621,440 (both stages alike)."""
     p = plan_json(capsys, LLAMA, "--budget", "40GiB", "--tp-size", "2", "--pp-size", "2",
                   "--pp-rank", "1", "--kv-cache-dtype", "fp8_e4m3")
     assert (p["layer_start"], p["layer_end"]) == (16, 32)
     assert p["cell_size_bytes"] == 16_384
-    assert p["max_total_num_tokens"] == 2_621_439
+    assert p["max_total_num_tokens"] == 2_621_440
     assert {b["name"] for b in p["buffers"]} >= {"k.16", "v.31"}
 
 
@@ -202,7 +204,7 @@ def test_unknown_architecture_is_planned_as_fallback(capsys: pytest.CaptureFixtu
     path.write_text(json.dumps(cfg))
     p = plan_json(capsys, path, "--budget", "40GiB", "--page-size", "16")
     assert p["architecture_source"] == "fallback"
-    assert p["max_total_num_tokens"] == 327_664
+    assert p["max_total_num_tokens"] == 327_680
 
 
 def test_spec_file_source(capsys: pytest.CaptureFixture[str], tmp_path: Path):
@@ -211,7 +213,7 @@ def test_spec_file_source(capsys: pytest.CaptureFixture[str], tmp_path: Path):
                     "num_kv_heads = 8\nhead_dim = 128\n")
     p = plan_json(capsys, path, "--budget", "40GiB", "--page-size", "16")
     assert p["architecture_source"] == "spec"
-    assert p["max_total_num_tokens"] == 327_664
+    assert p["max_total_num_tokens"] == 327_680
 
 
 @pytest.mark.parametrize("model", sorted(MODELS.glob("*.json")), ids=lambda p: p.stem)
@@ -230,12 +232,14 @@ def test_table_output(capsys: pytest.CaptureFixture[str]):
                               "--page-size", "16")
     assert code == 0, err
     assert "mha (from hf_config)" in out
-    assert "327,664" in out  # max total tokens
-    assert "20,479 (+1 padding page)" in out
-    assert "42,949,672,960 B (40.00 GiB)" in out
+    assert "327,680" in out  # max total tokens
+    assert "20,480 (+1 padding page)" in out
+    assert "42,949,672,960 B (40.00 GiB)" in out  # the budget
+    assert "42,951,770,112 B" in out  # the buffers: one page more
     assert "k.0, k.1, k.2, ... k.31 (32 buffers)" in out
     assert "req_to_token" in out
-    assert "640.00 MiB" in out and "20.00 GiB" in out
+    # each k/v buffer: 327,696 * 8 * 128 * 2 = 671,121,408 B = 640.03 MiB; 32 of them 20.00 GiB
+    assert "640.03 MiB" in out and "20.00 GiB" in out
 
 
 def test_table_lists_hybrid_fields(capsys: pytest.CaptureFixture[str]):
@@ -259,10 +263,33 @@ def expect_error(capsys: pytest.CaptureFixture[str], *args: str, model: Path = L
 
 
 def test_budget_too_small_says_what_one_page_needs(capsys: pytest.CaptureFixture[str]):
-    """Page 16 of Llama = 2,097,152 B; 4 MiB - 1 holds only the padding page."""
-    err = expect_error(capsys, "--budget", str(4 * 2**20 - 1), "--page-size", "16",
-                       needles=("budget", "one page needs 2,097,152 B", "--budget"))
+    """Page 16 of Llama = 2,097,152 B; 2 MiB - 1 does not buy it (the padding page comes on
+    top, so 2 MiB would)."""
+    err = expect_error(capsys, "--budget", str(2 * 2**20 - 1), "--page-size", "16",
+                       needles=("budget", "one KV page of 2,097,152 B", "--budget"))
     assert len(err.strip().splitlines()) == 1
+
+
+def test_context_length_above_the_model_needs_the_flag(capsys: pytest.CaptureFixture[str]):
+    """Llama's 131,072 context: 262,144 is refused naming the field and the flag; with
+    --allow-longer-context the table has 262,144 + 4 columns."""
+    err = expect_error(capsys, "--budget", "40GiB", "--context-length", "262144",
+                       needles=("context_length", "--allow-longer-context"))
+    assert len(err.strip().splitlines()) == 1
+    p = plan_json(capsys, LLAMA, "--budget", "40GiB", "--context-length", "262144",
+                  "--allow-longer-context")
+    assert (p["context_length"], p["req_to_token_columns"]) == (262_144, 262_148)
+
+
+def test_mamba_flags_reach_the_sizing(capsys: pytest.CaptureFixture[str]):
+    """Qwen3-Next, 40 GiB: 262 slots; --disable-overlap-schedule leaves extra_buffer one
+    tracking slot (ratio 4): 262 // 4 = 65 requests; --mamba-radix-cache-strategy no_buffer at
+    page 16 is refused, naming the strategy."""
+    p = plan_json(capsys, QWEN3_NEXT, "--budget", "40GiB", "--disable-overlap-schedule")
+    assert (p["mamba_cache_size"], p["max_running_requests"]) == (262, 65)
+    expect_error(capsys, "--budget", "40GiB", "--page-size", "16",
+                 "--mamba-radix-cache-strategy", "no_buffer", model=QWEN3_NEXT,
+                 needles=("mamba_radix_cache_strategy", "page_size 1"))
 
 
 def test_dsa_needs_page_64(capsys: pytest.CaptureFixture[str]):
@@ -359,13 +386,13 @@ def test_missing_config_file(capsys: pytest.CaptureFixture[str], tmp_path: Path)
 
 
 def test_subprocess_json():
-    """The real command line: Llama-3.1-8B, 40 GiB, page 16 -> 327,664 tokens (see above)."""
+    """The real command line: Llama-3.1-8B, 40 GiB, page 16 -> 327,680 tokens (see above)."""
     proc = run_subprocess("--model-config", str(LLAMA), "--budget", "40GiB", "--page-size",
                           "16", "--json")
     assert proc.returncode == 0, proc.stderr
     p = PoolPlan.from_json(proc.stdout)
-    assert p.max_total_num_tokens == 327_664
-    assert p.num_pages == 20_479
+    assert p.max_total_num_tokens == 327_680
+    assert p.num_pages == 20_480
 
 
 def test_subprocess_table():
@@ -373,7 +400,7 @@ def test_subprocess_table():
                           "16")
     assert proc.returncode == 0, proc.stderr
     assert "hybrid_swa (from hf_config)" in proc.stdout
-    assert "970,880" in proc.stdout
+    assert "970,896" in proc.stdout
 
 
 def test_subprocess_error_is_one_line_exit_2():
@@ -444,8 +471,9 @@ def test_plan_and_configure_take_the_same_option_flags() -> None:
 
 
 def test_plan_accepts_float32_kv(capsys: pytest.CaptureFixture[str]) -> None:
-    """float32 doubles Llama's bf16 cell: 8 heads * (128 + 128) * 32 layers * 4 B = 262,144 B."""
+    """float32 doubles Llama's bf16 cell: 8 heads * (128 + 128) * 32 layers * 4 B = 262,144 B;
+    1 GiB // 262,144 = 4,096 tokens (the padding page comes on top)."""
     out = plan_json(capsys, LLAMA, "--budget", "1GiB", "--kv-cache-dtype", "float32")
     assert out["kv_cache_dtype"] == "float32"
     assert out["cell_size_bytes"] == 262_144
-    assert out["max_total_num_tokens"] == 1_073_741_824 // 262_144 - 1  # padding page charged
+    assert out["max_total_num_tokens"] == 4_096

@@ -12,12 +12,15 @@ from kvpool.spec import decode_spec
 from kvpoold.sizing import PoolPlan, make_options
 from kvpoold.sizing.common import (
     draft_scaled_cell,
+    mamba_state_ratio,
+    overlap_schedule,
     pages_for_budget,
     resolve_max_running_requests,
     stage_layers,
     tp_heads,
 )
 from kvpoold.sizing.layout import ALIGN_BYTES, buffer, place
+from kvpoold.sizing.planner import SPECULATIVE_MAX_RUNNING_REQUESTS, engine_defaults
 from tests.factories import GiB, deepseek_v3, deepseek_v32, llama_8b, plan_for
 
 
@@ -43,9 +46,12 @@ def test_draft_scaled_cell_is_exact():
 
 
 def test_pages_for_budget():
-    assert pages_for_budget(10 * 100, 100) == 9
-    with pytest.raises(InvalidArgument):
-        pages_for_budget(199, 100)
+    """The padding page comes on top (SGLang): 1,000 // 100 = 10 pages, 199 // 100 = 1; below
+    one page (99 < 100) nothing fits."""
+    assert pages_for_budget(10 * 100, 100) == 10
+    assert pages_for_budget(199, 100) == 1
+    with pytest.raises(InvalidArgument, match="too small for one KV page of 100 B"):
+        pages_for_budget(99, 100)
 
 
 @pytest.mark.parametrize(
@@ -63,14 +69,51 @@ def test_resolve_max_running_requests(tokens, ctx, user, expected):
     assert resolve_max_running_requests(tokens, ctx, opts, []) == expected
 
 
+@pytest.mark.parametrize(
+    ("fields", "ratio"),
+    [
+        ({}, 5),  # auto = extra_buffer, overlap on: 3 + 2
+        ({"mamba_radix_cache_strategy": "extra_buffer"}, 5),
+        ({"disable_overlap_schedule": True}, 4),  # 3 + 1
+        ({"mamba_radix_cache_strategy": "extra_buffer", "disable_overlap_schedule": True}, 4),
+        ({"pp_size": 2}, 4),  # PP turns the overlap schedule off
+        ({"mamba_radix_cache_strategy": "no_buffer"}, 3),
+        ({"mamba_radix_cache_strategy": "no_buffer", "disable_overlap_schedule": True}, 3),
+        ({"disable_radix_cache": True}, 1),
+        ({"disable_radix_cache": True, "mamba_radix_cache_strategy": "no_buffer"}, 1),
+    ],
+)
+def test_mamba_state_ratio(fields, ratio):
+    """SGLang's slots per running request: 1 without the radix cache, else 3, plus the
+    extra_buffer tracking slots (auto resolves to extra_buffer): 2 under the overlap schedule,
+    1 without it."""
+    opts = make_options(budget_bytes=1, **fields)
+    assert mamba_state_ratio(opts) == ratio
+
+
+def test_overlap_schedule_is_off_when_disabled_or_under_pp():
+    assert overlap_schedule(make_options(budget_bytes=1))
+    assert not overlap_schedule(make_options(budget_bytes=1, disable_overlap_schedule=True))
+    assert not overlap_schedule(make_options(budget_bytes=1, pp_size=2, pp_rank=1))
+
+
 def test_max_running_requests_capped_by_state_slots():
-    """state_slots 300, radix cache on: 300 // 3 = 100; off: 300 // 1 = 300."""
+    """10^6 tokens at context 4,096: estimate int(10^6 / 4,096 * 512) = 125,000 -> clamp 4,096.
+    state_slots 300: radix cache with auto (extra_buffer, overlap): 300 // 5 = 60; without
+    the overlap schedule 300 // 4 = 75; no_buffer 300 // 3 = 100; no radix cache 300 // 1 =
+    300. Four slots are not one request's five."""
     radix = make_options(budget_bytes=1)
-    assert resolve_max_running_requests(10**6, 4096, radix, [], state_slots=300) == 100
+    notes: list[str] = []
+    assert resolve_max_running_requests(10**6, 4096, radix, notes, state_slots=300) == 60
+    assert notes == ["max_running_requests 4096 reduced to 60 (300 state slots / 5 per request)"]
+    no_overlap = make_options(budget_bytes=1, disable_overlap_schedule=True)
+    assert resolve_max_running_requests(10**6, 4096, no_overlap, [], state_slots=300) == 75
+    no_buffer = make_options(budget_bytes=1, mamba_radix_cache_strategy="no_buffer")
+    assert resolve_max_running_requests(10**6, 4096, no_buffer, [], state_slots=300) == 100
     no_radix = make_options(budget_bytes=1, disable_radix_cache=True)
     assert resolve_max_running_requests(10**6, 4096, no_radix, [], state_slots=300) == 300
-    with pytest.raises(InvalidArgument):
-        resolve_max_running_requests(10**6, 4096, radix, [], state_slots=2)
+    with pytest.raises(InvalidArgument, match="and 4 state slots, not enough for one"):
+        resolve_max_running_requests(10**6, 4096, radix, [], state_slots=4)
 
 
 @pytest.mark.parametrize(
@@ -158,3 +201,51 @@ def test_fingerprint_changes_with_layout():
     b = plan_for(llama_8b(), budget_bytes=GiB, page_size=16)
     c = plan_for(llama_8b(), budget_bytes=GiB)
     assert a.fingerprint() == c.fingerprint() != b.fingerprint()
+
+
+# ---- engine defaults and the context length ----------------------------------------------------
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "standalone"])
+def test_engine_defaults_speculative_max_running_requests_48(algorithm):
+    """SGLang's server sets max_running_requests to 48 under speculative decoding when none is
+    given; a given value, or no speculative decoding, is left alone."""
+    opts = engine_defaults(make_options(budget_bytes=GiB, speculative_algorithm=algorithm))
+    assert opts.max_running_requests == SPECULATIVE_MAX_RUNNING_REQUESTS == 48
+    given = make_options(budget_bytes=GiB, speculative_algorithm=algorithm,
+                         max_running_requests=7)
+    assert engine_defaults(given) is given
+    plain = make_options(budget_bytes=GiB)
+    assert engine_defaults(plain) is plain
+
+
+def test_plan_applies_the_speculative_default():
+    """Llama EAGLE, 1 GiB: cell 135,168; tokens 1,073,741,824 // 135,168 = 7,943 (7,943 *
+    135,168 = 1,073,639,424); max_running_requests = min(48, 7,943 // 2) = 48, so req_to_token
+    has 49 rows. At 8 MiB: 8,388,608 // 135,168 = 62 tokens -> min(48, 31) = 31."""
+    p = plan_for(llama_8b(), budget_bytes=GiB, speculative_algorithm="eagle")
+    assert (p.max_total_num_tokens, p.max_running_requests) == (7_943, 48)
+    assert p.buffer("req_to_token").shape[0] == 49
+    small = plan_for(llama_8b(), budget_bytes=8 * 2**20, speculative_algorithm="eagle")
+    assert (small.max_total_num_tokens, small.max_running_requests) == (62, 31)
+    # without speculative decoding the usual estimate: 1 GiB // 131,072 = 8,192 tokens ->
+    # clamp(int(8,192 / 131,072 * 512) = 32, 2,048, 4,096) = 2,048, min(2,048, 4,096)
+    assert plan_for(llama_8b(), budget_bytes=GiB).max_running_requests == 2048
+
+
+def test_context_length_above_the_model_needs_allow_longer_context():
+    """Llama's context is 131,072: 131,073 is refused (as SGLang refuses it) unless
+    allow_longer_context, which then sizes req_to_token with 131,073 + 4 columns. Equal or
+    shorter is always accepted."""
+    with pytest.raises(InvalidArgument, match="--allow-longer-context") as e:
+        plan_for(llama_8b(), budget_bytes=GiB, context_length=131_073)
+    assert e.value.field == "context_length"
+    assert "131,073 is above the model's 131,072" in str(e.value)
+    p = plan_for(llama_8b(), budget_bytes=GiB, context_length=131_073, allow_longer_context=True)
+    assert p.context_length == 131_073
+    assert p.req_to_token_columns == 131_077
+    assert plan_for(llama_8b(), budget_bytes=GiB, context_length=131_072).context_length == 131_072
+    assert plan_for(llama_8b(), budget_bytes=GiB, context_length=4096).context_length == 4096
+    # the context length only drives the request estimate: 8,192 tokens at context 131,073 ->
+    # int(8,192 / 131,073 * 512) = 31 -> 2,048
+    assert p.max_running_requests == 2048

@@ -147,27 +147,27 @@ def test_qwen3_next_40gib_tp1() -> None:
     """The module docstring's example, page 1:
     mamba_budget = 20,344,581,928; state_slots = 20,344,581,928 // 77,266,944 - 1 = 262;
     KV = 42,949,672,960 - 263 * 77,266,944 = 22,628,466,688 B;
-    tokens = 22,628,466,688 // 24,576 - 1 = 920,753;
-    max_running_requests: estimate int(920,753 / 262,144 * 512) = 1,798 -> 2,048, then
-    min(2,048, 460,376, 262 // 3 = 87) = 87.
-    Used = 263 * 77,266,944 + 920,754 * 24,576 = 42,949,656,576 B; left 16,384 B."""
+    tokens = 22,628,466,688 // 24,576 = 920,754 (920,754 * 24,576 = 22,628,450,304, 16,384 B
+    left); max_running_requests: estimate int(920,754 / 262,144 * 512) = 1,798 -> 2,048, then
+    min(2,048, 460,377, 262 // 5 = 52) = 52 (ratio 5: 3 plus extra_buffer's 2 tracking slots
+    under the overlap schedule). The padding row comes on top: used = 263 * 77,266,944 +
+    920,755 * 24,576 = 20,321,206,272 + 22,628,474,880 = 42,949,681,152 B = budget + 8,192."""
     p = plan_of(qwen3_next(), budget_bytes=B40)
     assert p.architecture == "hybrid_linear"
     assert p.cell_size_bytes == CELL_TP1
     assert p.mamba_cache_size == 262
-    assert p.max_total_num_tokens == 920_753
-    assert p.num_pages == 920_753
-    assert p.max_running_requests == 87
+    assert p.max_total_num_tokens == 920_754
+    assert p.num_pages == 920_754
+    assert p.max_running_requests == 52
     assert per_req_of(p) == PER_REQ_TP1
-    assert p.total_bytes == 42_949_656_576
-    assert B40 - p.total_bytes == 16_384
+    assert p.total_bytes == 42_949_681_152 == B40 + 8_192
     assert p.full_max_total_num_tokens is None and p.swa_max_total_num_tokens is None
 
     kv = [b for b in p.buffers if b.kind is BufferKind.kv]
     state = [b for b in p.buffers if b.kind is BufferKind.state]
     assert len(kv) == 24 and len(state) == 72
     assert {b.name for b in kv} == {f"{x}.{lay}" for x in "kv" for lay in FULL_LAYERS}
-    assert p.buffer("k.3").shape == (920_754, 2, 256)
+    assert p.buffer("k.3").shape == (920_755, 2, 256)
     assert p.buffer("v.47").page_bytes == 2 * 256 * 2
     conv, ssm = p.buffer("conv.0"), p.buffer("ssm.46")
     assert (conv.shape, conv.dtype.value) == ((263, 8192, 3), "bfloat16")
@@ -176,20 +176,21 @@ def test_qwen3_next_40gib_tp1() -> None:
     assert "conv.3" not in names(p) and "k.0" not in names(p)
     r2s = p.buffer("req_to_state")
     assert (r2s.shape, r2s.dtype.value, r2s.kind, r2s.in_budget) == (
-        (88,), "int32", BufferKind.map, False)
+        (53,), "int32", BufferKind.map, False)
 
 
 def test_qwen3_next_1gib_page16() -> None:
     """1 GiB = 1,073,741,824 B, page 16: mamba_budget = 1,073,741,824 * 9 // 19 = 508,614,548;
     state_slots = 508,614,548 // 77,266,944 - 1 = 5; KV = 1,073,741,824 - 6 * 77,266,944
-    = 610,140,160 B; one page = 24,576 * 16 = 393,216 B; pages = 1,551 - 1 = 1,550;
-    tokens 24,800; max_running_requests = min(2,048, 12,400, 5 // 3) = 1.
-    Left: 610,140,160 - 1,551 * 393,216 = 262,144 B < one page + one slot."""
+    = 610,140,160 B; one page = 24,576 * 16 = 393,216 B; pages = 610,140,160 // 393,216 =
+    1,551 (262,144 B left); tokens 24,816; max_running_requests = min(2,048, 12,408, 5 // 5)
+    = 1. The padding page on top: used = 6 * 77,266,944 + 1,552 * 393,216 = 463,601,664 +
+    610,271,232 = 1,073,872,896 B = budget + 131,072."""
     p = plan_of(qwen3_next(), budget_bytes=GIB, page_size=16)
-    assert (p.mamba_cache_size, p.num_pages, p.max_total_num_tokens) == (5, 1_550, 24_800)
+    assert (p.mamba_cache_size, p.num_pages, p.max_total_num_tokens) == (5, 1_551, 24_816)
     assert p.max_running_requests == 1
-    assert GIB - p.total_bytes == 262_144
-    assert p.buffer("k.7").shape == (1_551 * 16, 2, 256)
+    assert p.total_bytes == 1_073_872_896 == GIB + 131_072
+    assert p.buffer("k.7").shape == (1_552 * 16, 2, 256)
     assert p.buffer("k.7").page_bytes == 16 * 2 * 256 * 2
     assert p.buffer("conv.1").shape == (6, 8192, 3)
 
@@ -199,12 +200,12 @@ def test_qwen3_next_1gib_page16() -> None:
     [
         # per slot (4096*3*2 + 16*128*128*4) * 36 = 38,633,472; KV heads 2 // 2 = 1,
         # cell = 1 * 512 * 12 * 2 = 12,288; slots = 20,344,581,928 // 38,633,472 - 1 = 525;
-        # KV = 40 GiB - 526 * 38,633,472 = 22,628,466,688; tokens = // 12,288 - 1 = 1,841,508
-        (2, 38_633_472, 525, 1_841_508, (4096, 3), (16, 128, 128)),
+        # KV = 40 GiB - 526 * 38,633,472 = 22,628,466,688; tokens = // 12,288 = 1,841,509
+        (2, 38_633_472, 525, 1_841_509, (4096, 3), (16, 128, 128)),
         # per slot (2048*3*2 + 8*128*128*4) * 36 = 19,316,736; KV heads max(1, 2 // 4) = 1
         # (replicated), cell 12,288; slots = 1,053 - 1 = 1,052; KV = 40 GiB - 1,053 * 19,316,736
-        # = 22,609,149,952; tokens = 1,839,937 - 1 = 1,839,936
-        (4, 19_316_736, 1_052, 1_839_936, (2048, 3), (8, 128, 128)),
+        # = 22,609,149,952; tokens = // 12,288 = 1,839,937
+        (4, 19_316_736, 1_052, 1_839_937, (2048, 3), (8, 128, 128)),
     ],
 )
 def test_tp_splits_state_and_kv(tp: int, per_req: int, slots: int, tokens: int,
@@ -213,7 +214,7 @@ def test_tp_splits_state_and_kv(tp: int, per_req: int, slots: int, tokens: int,
     assert per_req_of(p) == per_req
     assert p.cell_size_bytes == 12_288
     assert (p.mamba_cache_size, p.max_total_num_tokens) == (slots, tokens)
-    assert p.max_running_requests == min(2048, slots // 3)
+    assert p.max_running_requests == min(2048, slots // 5)  # 105 and 210
     assert p.buffer("conv.0").shape == (slots + 1, *conv)
     assert p.buffer("ssm.0").shape == (slots + 1, *ssm)
     assert p.buffer("k.3").shape == (tokens + 1, 1, 256)
@@ -223,13 +224,16 @@ def test_tp_splits_state_and_kv(tp: int, per_req: int, slots: int, tokens: int,
 def test_pp2_sizes_only_the_stage_layers(rank: int) -> None:
     """Each stage has 24 layers: 6 full (3..23 or 27..47), 18 linear.
     per_req = 2,146,304 * 18 = 38,633,472; cell = 2 * 512 * 6 * 2 = 12,288: the same numbers as
-    TP 2, so slots 525 and tokens 1,841,508 on both stages."""
+    TP 2, so slots 525 and tokens 1,841,509 on both stages. PP turns SGLang's overlap schedule
+    off, so extra_buffer adds one tracking slot: ratio 4, max_running_requests 525 // 4 =
+    131."""
     p = plan_of(qwen3_next(), budget_bytes=B40, pp_size=2, pp_rank=rank)
     start = 24 * rank
     assert (p.layer_start, p.layer_end) == (start, start + 24)
     assert per_req_of(p) == 38_633_472
     assert p.cell_size_bytes == 12_288
-    assert (p.mamba_cache_size, p.max_total_num_tokens) == (525, 1_841_508)
+    assert (p.mamba_cache_size, p.max_total_num_tokens) == (525, 1_841_509)
+    assert p.max_running_requests == 131
     full = [lay for lay in FULL_LAYERS if start <= lay < start + 24]
     linear = [lay for lay in range(start, start + 24) if lay not in full]
     expected = ({f"{x}.{lay}" for x in "kv" for lay in full}
@@ -241,97 +245,166 @@ def test_pp2_sizes_only_the_stage_layers(rank: int) -> None:
 
 def test_disable_radix_cache_with_max_running_requests_fixes_the_slots() -> None:
     """N = 100 without the radix cache: state_slots = 100, state = 101 * 77,266,944
-    = 7,803,961,344 B; KV = 35,145,711,616 B; tokens = // 24,576 - 1 = 1,430,081;
-    max_running_requests = min(100, 715,040, 100 // 1) = 100; left 16,384 B."""
+    = 7,803,961,344 B; KV = 35,145,711,616 B; tokens = // 24,576 = 1,430,082 (16,384 B
+    left); max_running_requests = min(100, 715,041, 100 // 1) = 100; the padding row on top:
+    used = budget - 16,384 + 24,576 = budget + 8,192."""
     p = plan_of(qwen3_next(), budget_bytes=B40, disable_radix_cache=True,
                 max_running_requests=100)
     assert (p.mamba_cache_size, p.max_total_num_tokens, p.max_running_requests) == (
-        100, 1_430_081, 100)
-    assert B40 - p.total_bytes == 16_384
+        100, 1_430_082, 100)
+    assert p.total_bytes == B40 + 8_192
     assert p.buffer("req_to_state").shape == (101,)
 
 
 def test_disable_radix_cache_alone_keeps_the_split_with_ratio_one() -> None:
-    """Same split as the default (262 slots, 920,753 tokens); one slot per request, so
-    max_running_requests = min(2,048, 460,376, 262) = 262."""
+    """Same split as the default (262 slots, 920,754 tokens); one slot per request, so
+    max_running_requests = min(2,048, 460,377, 262) = 262."""
     p = plan_of(qwen3_next(), budget_bytes=B40, disable_radix_cache=True)
     assert (p.mamba_cache_size, p.max_total_num_tokens, p.max_running_requests) == (
-        262, 920_753, 262)
+        262, 920_754, 262)
 
 
-def test_radix_cache_caps_a_user_max_running_requests_at_a_third_of_the_slots() -> None:
-    """With the radix cache N = 100 does not fix the slots: 262 slots -> min(100, 87) = 87."""
+def test_radix_cache_caps_a_user_max_running_requests_at_a_fifth_of_the_slots() -> None:
+    """With the radix cache N = 100 does not fix the slots: 262 slots -> min(100, 262 // 5)
+    = 52."""
     p = plan_of(qwen3_next(), budget_bytes=B40, max_running_requests=100)
-    assert (p.mamba_cache_size, p.max_running_requests) == (262, 87)
+    assert (p.mamba_cache_size, p.max_running_requests) == (262, 52)
+
+
+@pytest.mark.parametrize(
+    ("options", "ratio", "mrr"),
+    [
+        ({}, 5, 52),  # auto = extra_buffer, overlap schedule on: 3 + 2
+        ({"mamba_radix_cache_strategy": "extra_buffer"}, 5, 52),
+        # without the overlap schedule one tracking slot: 3 + 1 = 4 -> 262 // 4 = 65
+        ({"disable_overlap_schedule": True}, 4, 65),
+        ({"mamba_radix_cache_strategy": "extra_buffer", "disable_overlap_schedule": True}, 4, 65),
+        # no_buffer (page 1, no overlap schedule): SGLang's plain 3 -> 262 // 3 = 87
+        ({"mamba_radix_cache_strategy": "no_buffer", "disable_overlap_schedule": True}, 3, 87),
+    ],
+)
+def test_radix_cache_strategy_sets_the_state_ratio(options: dict[str, object], ratio: int,
+                                                   mrr: int) -> None:
+    """The strategy changes only max_running_requests (state_slots // ratio): the split stays
+    the default one, 262 slots and 920,754 tokens."""
+    p = plan_of(qwen3_next(), budget_bytes=B40, **options)
+    ctx = make_context(qwen3_next(), make_options(budget_bytes=B40, **options))
+    assert hybrid_linear.state_ratio(ctx) == ratio
+    assert (p.mamba_cache_size, p.max_total_num_tokens, p.max_running_requests) == (
+        262, 920_754, mrr)
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [
+        ({"page_size": 16, "disable_overlap_schedule": True}, "only at page_size 1, got 16"),
+        ({}, "overlap scheduler; give --disable-overlap-schedule"),  # page 1, overlap on
+        ({"page_size": 16}, "only at page_size 1, got 16"),
+    ],
+)
+def test_no_buffer_needs_page_one_and_no_overlap_schedule(options: dict[str, object],
+                                                          needle: str) -> None:
+    with pytest.raises(InvalidArgument, match=needle) as err:
+        plan_of(qwen3_next(), budget_bytes=B40, mamba_radix_cache_strategy="no_buffer",
+                **options)
+    assert err.value.field == "mamba_radix_cache_strategy"
+
+
+def test_no_buffer_is_accepted_without_the_radix_cache_and_under_pp() -> None:
+    """Without the radix cache the strategy does not apply (ratio 1); under PP the overlap
+    schedule is off anyway, so page 1 is all no_buffer needs (ratio 3: 525 // 3 = 175)."""
+    p = plan_of(qwen3_next(), budget_bytes=B40, page_size=16, disable_radix_cache=True,
+                mamba_radix_cache_strategy="no_buffer")
+    assert p.max_running_requests == 262
+    pp = plan_of(qwen3_next(), budget_bytes=B40, pp_size=2, pp_rank=0,
+                 mamba_radix_cache_strategy="no_buffer")
+    assert (pp.mamba_cache_size, pp.max_running_requests) == (525, 175)
 
 
 @pytest.mark.parametrize(
     ("ratio", "slots", "tokens"),
     [
         # m = 1/2: 40 GiB // 3 = 14,316,557,653 -> 185 - 1 = 184 slots;
-        # KV = 40 GiB - 185 * 77,266,944 = 28,655,288,320 -> 1,165,986 - 1 tokens
-        (0.5, 184, 1_165_985),
-        # m = 1: 40 GiB // 2 = 21,474,836,480 -> 277 - 1 = 276; KV 21,546,729,472 -> 876,737
-        (1.0, 276, 876_737),
-        # m = 2: 40 GiB * 2 // 3 = 28,633,115,306 -> 370 - 1 = 369; KV 14,360,903,680 -> 584,345
-        (2.0, 369, 584_345),
+        # KV = 40 GiB - 185 * 77,266,944 = 28,655,288,320 -> // 24,576 = 1,165,986 tokens
+        (0.5, 184, 1_165_986),
+        # m = 1: 40 GiB // 2 = 21,474,836,480 -> 277 - 1 = 276; KV 21,546,729,472 -> 876,738
+        (1.0, 276, 876_738),
+        # m = 2: 40 GiB * 2 // 3 = 28,633,115,306 -> 370 - 1 = 369; KV 14,360,903,680 -> 584,346
+        (2.0, 369, 584_346),
     ],
 )
 def test_mamba_full_memory_ratio_variants(ratio: float, slots: int, tokens: int) -> None:
+    """Each KV side leaves 16,384 B (2/3 of a cell) unbought; the padding row comes on top."""
     p = plan_of(qwen3_next(), budget_bytes=B40, mamba_full_memory_ratio=ratio)
     assert (p.mamba_cache_size, p.max_total_num_tokens) == (slots, tokens)
-    assert p.total_bytes <= B40
+    assert p.total_bytes == (slots + 1) * PER_REQ_TP1 + (tokens + 1) * CELL_TP1
+    assert p.total_bytes == B40 + CELL_TP1 - 16_384
 
 
 def test_eagle_reserves_draft_token_states_and_scales_the_cell() -> None:
-    """EAGLE, 1 draft layer, D = 4 draft tokens, max_running_requests 64, radix (ratio 3).
+    """EAGLE, 1 draft layer, D = 4 draft tokens, max_running_requests 64, radix (ratio 5).
 
     State (SGLang's joint solve, exact in integers): mamba_budget B = 20,344,581,928;
-    slots = (B - per * (1 + D)) * 3 // (per * (3 + D))
-          = (20,344,581,928 - 386,334,720) * 3 // 540,868,608 = 110;
-    intermediate for min(64, 110 // 3) + 1 = 37 request rows: 37 * 4 * per = 11,435,507,712 B.
-    KV: 42,949,672,960 - 111 * per - 11,435,507,712 = 22,937,534,464 B; cell over L = 12 full
-    layers with the draft layer = 24,576 * 13 // 12 = 26,624; tokens = 22,937,534,464 // 26,624
-    - 1 = 861,535 (leaving exactly 0). max_running_requests = min(.., 64, 110 // 3) = 36."""
+    slots = (B - per * (1 + D)) * 5 // (per * (5 + D))
+          = (20,344,581,928 - 386,334,720) * 5 // 695,402,496 = 99,791,236,040 // 695,402,496
+          = 143;
+    intermediate for min(64, 143 // 5) + 1 = 29 request rows: 29 * 4 * per = 8,962,965,504 B.
+    KV: 42,949,672,960 - 144 * per - 8,962,965,504 = 42,949,672,960 - 11,126,439,936 -
+    8,962,965,504 = 22,860,267,520 B; cell over L = 12 full layers with the draft layer =
+    24,576 * 13 // 12 = 26,624; tokens = 22,860,267,520 // 26,624 = 858,633 (22,528 B left).
+    max_running_requests = min(.., 64, 143 // 5) = 28."""
     p = plan_of(qwen3_next(), budget_bytes=B40, speculative_algorithm="eagle",
                 speculative_num_draft_tokens=4, max_running_requests=64)
     assert p.num_draft_layers == 1
     assert p.cell_size_bytes == 26_624
     assert (p.mamba_cache_size, p.max_total_num_tokens, p.max_running_requests) == (
-        110, 861_535, 36)
-    assert p.total_bytes == B40
-    assert p.buffer("draft_k.0").shape == (861_536, 2, 256)
+        143, 858_633, 28)
+    assert p.total_bytes == B40 - 22_528 + 26_624
+    assert p.buffer("draft_k.0").shape == (858_634, 2, 256)
     assert p.buffer("draft_v.0").kind is BufferKind.kv
-    assert p.buffer("spec_conv.0").shape == (37, 4, 8192, 3)
-    assert p.buffer("spec_ssm.46").shape == (37, 4, 32, 128, 128)
+    assert p.buffer("spec_conv.0").shape == (29, 4, 8192, 3)
+    assert p.buffer("spec_ssm.46").shape == (29, 4, 32, 128, 128)
     assert p.buffer("spec_ssm.46").kind is BufferKind.spec_state
     spec = [b for b in p.buffers if b.kind is BufferKind.spec_state]
-    assert len(spec) == 2 * 36 and sum(b.nbytes for b in spec) == 11_435_507_712
+    assert len(spec) == 2 * 36 and sum(b.nbytes for b in spec) == 8_962_965_504
     assert "draft_conv.0" not in names(p) and "spec_conv.3" not in names(p)
 
 
 def test_eagle_without_radix_cache_reserves_one_row_per_request() -> None:
     """disable_radix_cache + max_running_requests 64: slots = 64; intermediate 65 * 4 * per =
-    20,089,405,440 B; KV = 40 GiB - 65 * per - that = 17,837,916,160 B -> 669,992 tokens."""
+    20,089,405,440 B; KV = 40 GiB - 65 * per - that = 42,949,672,960 - 5,022,351,360 -
+    20,089,405,440 = 17,837,916,160 B -> // 26,624 = 669,993 tokens (22,528 B left)."""
     p = plan_of(qwen3_next(), budget_bytes=B40, speculative_algorithm="eagle",
                 speculative_num_draft_tokens=4, max_running_requests=64,
                 disable_radix_cache=True)
     assert (p.mamba_cache_size, p.max_total_num_tokens, p.max_running_requests) == (
-        64, 669_992, 64)
+        64, 669_993, 64)
     assert p.buffer("spec_ssm.0").shape == (65, 4, 32, 128, 128)
-    assert p.total_bytes <= B40
+    assert p.total_bytes == B40 - 22_528 + 26_624
 
 
-@pytest.mark.parametrize(("options", "field"), [
-    ({"max_running_requests": 64}, "speculative_num_draft_tokens"),
-    ({"speculative_num_draft_tokens": 4}, "max_running_requests"),
-])
-def test_speculative_linear_needs_draft_tokens_and_max_running_requests(
-    options: dict[str, int], field: str
-) -> None:
-    with pytest.raises(InvalidArgument, match=f"needs {field}; give --") as err:
-        plan_of(qwen3_next(), budget_bytes=B40, speculative_algorithm="eagle", **options)
-    assert err.value.field == field
+def test_speculative_linear_needs_draft_tokens() -> None:
+    with pytest.raises(InvalidArgument, match="needs speculative_num_draft_tokens; give --") as err:
+        plan_of(qwen3_next(), budget_bytes=B40, speculative_algorithm="eagle",
+                max_running_requests=64)
+    assert err.value.field == "speculative_num_draft_tokens"
+
+
+def test_speculative_linear_without_max_running_requests_uses_sglangs_48() -> None:
+    """SGLang sets max_running_requests to 48 under speculative decoding. Without the radix
+    cache that fixes the slots at 48: intermediate 49 * 4 * per = 15,144,321,024 B; KV =
+    42,949,672,960 - 49 * per - 15,144,321,024 = 42,949,672,960 - 3,786,080,256 -
+    15,144,321,024 = 24,019,271,680 B -> // 26,624 = 902,166 tokens (4,096 B left).
+    With the radix cache: the same 143 slots and 28 requests as with 64 (min(48, 143 // 5))."""
+    p = plan_of(qwen3_next(), budget_bytes=B40, speculative_algorithm="eagle",
+                speculative_num_draft_tokens=4, disable_radix_cache=True)
+    assert (p.mamba_cache_size, p.max_total_num_tokens, p.max_running_requests) == (
+        48, 902_166, 48)
+    assert p.buffer("spec_conv.0").shape == (49, 4, 8192, 3)
+    radix = plan_of(qwen3_next(), budget_bytes=B40, speculative_algorithm="eagle",
+                    speculative_num_draft_tokens=4)
+    assert (radix.mamba_cache_size, radix.max_total_num_tokens,
+            radix.max_running_requests) == (143, 858_633, 28)
 
 
 def test_draft_tokens_need_an_algorithm() -> None:
@@ -341,28 +414,33 @@ def test_draft_tokens_need_an_algorithm() -> None:
 
 def test_speculative_state_budget_floor_is_named() -> None:
     """One request needs ratio + 1 slots and 2 * D intermediate states (its row and the padding
-    row): per * (3 + 1 + 8) = 927,203,328 B of state, so a budget of at least
-    ceil(927,203,328 * 19 / 9) = 1,957,429,248 B; one byte less gets 2 slots."""
+    row): per * (5 + 1 + 8) = 1,081,737,216 B of state, so a budget of at least
+    1,081,737,216 * 19 / 9 = 2,283,667,456 B (exact). There the state budget is 14 * per and
+    slots = (14 - 5) * per * 5 // (9 * per) = 5; one byte less gets 4 slots, too few.
+    At the floor: state 6 * per + intermediate (min(8, 1) + 1) * 4 * per = 14 * per, KV
+    2,283,667,456 - 1,081,737,216 = 1,201,930,240 B -> // 26,624 = 45,144 tokens."""
     opts = dict(speculative_algorithm="eagle", speculative_num_draft_tokens=4,
                 max_running_requests=8)
-    with pytest.raises(InvalidArgument, match="at least 1,957,429,248 B") as err:
-        plan_of(qwen3_next(), budget_bytes=1_957_429_247, **opts)
+    with pytest.raises(InvalidArgument, match="at least 2,283,667,456 B") as err:
+        plan_of(qwen3_next(), budget_bytes=2_283_667_455, **opts)
     assert "4 intermediate states" in str(err.value) and err.value.field == "budget_bytes"
-    p = plan_of(qwen3_next(), budget_bytes=1_957_429_248, **opts)
-    assert (p.mamba_cache_size, p.max_running_requests) == (3, 1)
-    assert p.total_bytes <= 1_957_429_248
+    p = plan_of(qwen3_next(), budget_bytes=2_283_667_456, **opts)
+    assert (p.mamba_cache_size, p.max_running_requests) == (5, 1)
+    assert p.max_total_num_tokens == 45_144
+    assert p.total_bytes == 14 * PER_REQ_TP1 + 45_145 * 26_624
 
 
 def test_build_pool_with_speculative_states() -> None:
     """tiny() with EAGLE, D = 2, max_running_requests 2, page 4, budget 65,536 B:
-    per = 2,816, B = 31,043; slots = (31,043 - 2,816 * 3) * 3 // (2,816 * 5) = 4;
-    intermediate for min(2, 4 // 3) + 1 = 2 rows: 2 * 2 * 2,816 = 11,264 B.
-    KV = 65,536 - 5 * 2,816 - 11,264 = 40,192; cell (2 full layers + 1 draft) = 256 * 3 // 2
-    = 384, page 1,536 -> 26 - 1 = 25 pages (100 tokens); mrr = min(2, 4 // 3) = 1."""
+    per = 2,816, B = 31,043; slots = (31,043 - 2,816 * 3) * 5 // (2,816 * 7) = 112,975 //
+    19,712 = 5; intermediate for min(2, 5 // 5) + 1 = 2 rows: 2 * 2 * 2,816 = 11,264 B.
+    KV = 65,536 - 6 * 2,816 - 11,264 = 37,376; cell (2 full layers + 1 draft) = 256 * 3 // 2
+    = 384, page 1,536 -> 37,376 // 1,536 = 24 pages (96 tokens); mrr = min(2, 5 // 5) = 1.
+    Used = 16,896 + 11,264 + 25 * 1,536 = 66,560 B."""
     p = plan_of(tiny(), budget_bytes=65_536, page_size=4, speculative_algorithm="eagle",
                 speculative_num_draft_tokens=2, max_running_requests=2)
-    assert (p.mamba_cache_size, p.max_total_num_tokens, p.max_running_requests) == (4, 100, 1)
-    assert p.total_bytes == 65_280
+    assert (p.mamba_cache_size, p.max_total_num_tokens, p.max_running_requests) == (5, 96, 1)
+    assert p.total_bytes == 66_560
     pool = builder.build_pool(p, "cpu")
     views = pool.views
     assert views["spec_conv.0"].shape == (2, 2, 64, 3)
@@ -378,7 +456,7 @@ def test_build_pool_with_speculative_states() -> None:
 def test_mla_attention_hybrid_uses_latent_buffers() -> None:
     """An MLA hybrid (Kimi-Linear-like): 576-wide latent, not split by TP.
     cell = 576 * 12 * 2 = 13,824 B; at TP 2 the state is the TP-2 one (525 slots), so
-    KV = 22,628,466,688 B -> 1,636,897 - 1 = 1,636,896 tokens."""
+    KV = 22,628,466,688 B -> // 13,824 = 1,636,897 tokens (2,560 B left)."""
     spec = ModelSpec(
         num_layers=48,
         attention=MLAAttention(kv_lora_rank=512, qk_rope_head_dim=64),
@@ -387,14 +465,15 @@ def test_mla_attention_hybrid_uses_latent_buffers() -> None:
     )
     p = plan_of(spec, budget_bytes=B40, tp_size=2)
     assert p.cell_size_bytes == 13_824
-    assert (p.mamba_cache_size, p.max_total_num_tokens) == (525, 1_636_896)
-    assert p.buffer("kv.3").shape == (1_636_897, 1, 576)
+    assert (p.mamba_cache_size, p.max_total_num_tokens) == (525, 1_636_897)
+    assert p.buffer("kv.3").shape == (1_636_898, 1, 576)
     assert "k.3" not in names(p)
 
 
-def test_used_bytes_stay_within_budget_and_leftover_is_below_a_page_and_a_slot() -> None:
-    """Seeded sweep: for any budget, TP, page, ratio and radix setting the buffers fit the
-    budget and leave less than one KV page plus one state slot unused."""
+def test_state_takes_its_share_and_kv_buys_whole_pages_of_the_rest() -> None:
+    """Seeded sweep over budget, TP, page, ratio, radix and overlap settings: the state slots
+    (plus the padding slot) are the most the mamba budget buys, the KV pages the most the rest
+    buys, the padding page comes on top of those, and max_running_requests fits the slots."""
     rng = random.Random(1234)
     spec = qwen3_next()
     for _ in range(40):
@@ -406,24 +485,32 @@ def test_used_bytes_stay_within_budget_and_leftover_is_below_a_page_and_a_slot()
             tp_size=rng.choice([1, 2, 4, 8]),
             mamba_full_memory_ratio=rng.choice([0.3, 0.5, 0.9, 1.0, 2.0]),
             disable_radix_cache=rng.random() < 0.5,
+            disable_overlap_schedule=rng.random() < 0.5,
         )
         p = plan_of(spec, **options)
         per_req = per_req_of(p)
-        assert p.total_bytes == (p.mamba_cache_size + 1) * per_req + (
-            p.num_pages + 1) * page * p.cell_size_bytes
-        assert p.total_bytes <= budget, options
-        assert budget - p.total_bytes < page * p.cell_size_bytes + per_req, options
+        slots = p.mamba_cache_size
+        mamba = hybrid_linear.mamba_budget_bytes(budget, options["mamba_full_memory_ratio"])
+        assert (slots + 1) * per_req <= mamba < (slots + 2) * per_req, options
+        page_bytes = page * p.cell_size_bytes
+        kv_budget = budget - (slots + 1) * per_req
+        assert p.num_pages * page_bytes <= kv_budget < (p.num_pages + 1) * page_bytes, options
+        assert p.total_bytes == (slots + 1) * per_req + (p.num_pages + 1) * page_bytes
+        ratio = 1 if options["disable_radix_cache"] else (
+            4 if options["disable_overlap_schedule"] else 5)
+        assert p.max_running_requests <= slots // ratio, options
 
 
 # --- without a budget, and stages without one kind of layer -----------------------------------
 
 
 def test_max_total_tokens_only_needs_max_running_requests() -> None:
-    """No budget: 100,000 tokens from the cap; state = 50 * 3 = 150 slots; mrr = 50."""
+    """No budget: 100,000 tokens from the cap; state = 50 * 5 = 250 slots (ratio 5); mrr =
+    min(50, 50,000, 250 // 5) = 50. Without the radix cache 50 * 1 slots."""
     p = plan_of(qwen3_next(), max_total_tokens=100_000, max_running_requests=50)
     assert (p.max_total_num_tokens, p.mamba_cache_size, p.max_running_requests) == (
-        100_000, 150, 50)
-    assert p.buffer("ssm.0").shape == (151, 32, 128, 128)
+        100_000, 250, 50)
+    assert p.buffer("ssm.0").shape == (251, 32, 128, 128)
     no_radix = plan_of(qwen3_next(), max_total_tokens=100_000, max_running_requests=50,
                        disable_radix_cache=True)
     assert no_radix.mamba_cache_size == 50
@@ -440,13 +527,14 @@ def test_max_total_tokens_caps_the_kv_side_of_a_budget() -> None:
 
 def test_stage_without_full_attention_puts_the_budget_into_state() -> None:
     """PP 48: stage 0 holds only linear layer 0. cell 0, no KV buffers; per_req = 2,146,304;
-    slots = 1,073,741,824 // 2,146,304 - 1 = 499; tokens = the context length 262,144;
-    max_running_requests = min(2,048, 131,072, 499 // 3 = 166) = 166.
+    slots = 1,073,741,824 // 2,146,304 - 1 = 500 - 1 = 499; tokens = the context length
+    262,144; PP turns the overlap schedule off (ratio 4), so max_running_requests =
+    min(2,048, 131,072, 499 // 4 = 124) = 124.
     With max_total_tokens 4,096 the id space is 4,096 tokens."""
     p = plan_of(qwen3_next(), budget_bytes=GIB, pp_size=48, pp_rank=0)
     assert p.cell_size_bytes == 0
     assert (p.mamba_cache_size, p.max_total_num_tokens, p.max_running_requests) == (
-        499, 262_144, 166)
+        499, 262_144, 124)
     assert not [b for b in p.buffers if b.kind is BufferKind.kv]
     assert {b.name for b in p.buffers if b.in_budget} == {"conv.0", "ssm.0"}
     assert GIB - p.total_bytes < SLOT_LAYER_TP1
@@ -462,12 +550,12 @@ def test_stage_without_full_attention_puts_the_budget_into_state() -> None:
 
 def test_stage_without_linear_layers_puts_the_budget_into_kv() -> None:
     """PP 48: stage 3 holds only full layer 3. per_req 0, cell = 2 * 512 * 2 = 2,048;
-    pages = 1,073,741,824 // 2,048 - 1 = 524,287; mrr = min(2,048, 262,143) = 2,048;
-    state ids = 2,048 * 3 = 6,144 with no state buffers."""
+    pages = 1,073,741,824 // 2,048 = 524,288; mrr = min(2,048, 262,144) = 2,048;
+    state ids = 2,048 * 4 (ratio 4: PP, no overlap schedule) = 8,192 with no state buffers."""
     p = plan_of(qwen3_next(), budget_bytes=GIB, pp_size=48, pp_rank=3)
     assert p.cell_size_bytes == 2_048
     assert (p.max_total_num_tokens, p.max_running_requests, p.mamba_cache_size) == (
-        524_287, 2_048, 6_144)
+        524_288, 2_048, 8_192)
     assert {b.name for b in p.buffers if b.in_budget} == {"k.3", "v.3"}
     assert p.buffer("req_to_state").shape == (2_049,)
 
@@ -476,34 +564,41 @@ def test_stage_without_linear_layers_puts_the_budget_into_kv() -> None:
 
 
 @pytest.mark.parametrize(
-    ("disable_radix_cache", "needed", "slots"),
+    ("options", "needed", "slots"),
     [
-        # with the radix cache one request needs 3 slots + padding = 4 * 77,266,944
-        # = 309,067,776 B of mamba budget: budget >= 309,067,776 * 19 / 9 = 652,476,416 B
-        (False, 652_476_416, 3),
-        # without it 1 slot + padding: 2 * 77,266,944 * 19 / 9 = 326,238,208 B
-        (True, 326_238_208, 1),
+        # with the radix cache (extra_buffer, overlap) one request needs 5 slots + padding =
+        # 6 * 77,266,944 = 463,601,664 B of mamba budget: budget >= 463,601,664 * 19 / 9 =
+        # 978,714,624 B
+        ({}, 978_714_624, 5),
+        # no overlap schedule: 4 slots + padding: 5 * 77,266,944 * 19 / 9 = 815,595,520 B
+        ({"disable_overlap_schedule": True}, 815_595_520, 4),
+        # no_buffer: 3 slots + padding: 4 * 77,266,944 * 19 / 9 = 652,476,416 B
+        ({"mamba_radix_cache_strategy": "no_buffer", "disable_overlap_schedule": True},
+         652_476_416, 3),
+        # without the radix cache 1 slot + padding: 2 * 77,266,944 * 19 / 9 = 326,238,208 B
+        ({"disable_radix_cache": True}, 326_238_208, 1),
     ],
 )
 def test_budget_too_small_for_state_names_per_req_and_the_budget_needed(
-        disable_radix_cache: bool, needed: int, slots: int) -> None:
-    """One byte below ``needed`` the state buys one slot too few (2 and 0 slots); at
-    ``needed`` exactly one request runs and the KV side gets the rest."""
+        options: dict[str, object], needed: int, slots: int) -> None:
+    """One byte below ``needed`` the state buys one slot too few; at ``needed`` exactly one
+    request runs and the KV side gets the rest."""
     with pytest.raises(InvalidArgument) as err:
-        plan_of(qwen3_next(), budget_bytes=needed - 1, disable_radix_cache=disable_radix_cache)
+        plan_of(qwen3_next(), budget_bytes=needed - 1, **options)
     assert err.value.field == "budget_bytes"
     assert "77,266,944" in err.value.message and f"{needed:,}" in err.value.message
-    p = plan_of(qwen3_next(), budget_bytes=needed, disable_radix_cache=disable_radix_cache)
+    p = plan_of(qwen3_next(), budget_bytes=needed, **options)
     assert (p.mamba_cache_size, p.max_running_requests) == (slots, 1)
 
 
 def test_stage_without_full_attention_too_small_for_state() -> None:
-    """All budget to state, radix cache: 4 * 2,146,304 = 8,585,216 B needed."""
-    with pytest.raises(InvalidArgument, match="8,585,216 B") as err:
-        plan_of(qwen3_next(), budget_bytes=8_585_215, pp_size=48, pp_rank=0)
+    """All budget to state, radix cache under PP (no overlap schedule: ratio 4): 4 slots plus
+    the padding slot, 5 * 2,146,304 = 10,731,520 B needed."""
+    with pytest.raises(InvalidArgument, match="10,731,520 B") as err:
+        plan_of(qwen3_next(), budget_bytes=10_731_519, pp_size=48, pp_rank=0)
     assert err.value.field == "budget_bytes"
-    p = plan_of(qwen3_next(), budget_bytes=8_585_216, pp_size=48, pp_rank=0)
-    assert p.mamba_cache_size == 3
+    p = plan_of(qwen3_next(), budget_bytes=10_731_520, pp_size=48, pp_rank=0)
+    assert p.mamba_cache_size == 4
 
 
 def test_budget_too_small_for_kv_after_state() -> None:
@@ -537,7 +632,7 @@ def test_size_and_layout_agree_through_the_context() -> None:
     assert (full, len(linear)) == (list(FULL_LAYERS), 36)
     sizing = hybrid_linear.size(ctx)
     assert (sizing.architecture, sizing.mamba_cache_size, sizing.num_pages) == (
-        "hybrid_linear", 262, 920_753)
+        "hybrid_linear", 262, 920_754)
     assert len(hybrid_linear.layout(ctx, sizing)) == 24 + 72 + 1
 
 
@@ -549,20 +644,20 @@ def test_build_small_pool_views() -> None:
     conv_dim = 8*4 + 2*2*8 = 64: conv (64, 3) bf16 = 384 B, ssm (4, 8, 8) fp32 = 1,024 B,
     per_req = 1,408 * 2 = 2,816 B; cell = 2 * 32 * 2 * 2 = 256 B, page = 1,024 B.
     mamba_budget = 65,536 * 9 // 19 = 31,043 -> slots 31,043 // 2,816 - 1 = 10;
-    KV = 65,536 - 11 * 2,816 = 34,560 -> pages 33 - 1 = 32 (128 tokens, 132 rows);
-    mrr = min(2,048, 64, 10 // 3) = 3."""
+    KV = 65,536 - 11 * 2,816 = 34,560 -> pages 34,560 // 1,024 = 33 (132 tokens, 136 rows);
+    mrr = min(2,048, 66, 10 // 5) = 2. Used = 30,976 + 34 * 1,024 = 65,792 B."""
     p = plan_of(tiny(), budget_bytes=65_536, page_size=4)
-    assert (p.mamba_cache_size, p.num_pages, p.max_running_requests) == (10, 32, 3)
-    assert 65_536 - p.total_bytes == 768
+    assert (p.mamba_cache_size, p.num_pages, p.max_running_requests) == (10, 33, 2)
+    assert p.total_bytes == 65_792
     pool = builder.build_pool(p, "cpu")
     views = pool.views
     assert pool.backing.numel() == p.backing_bytes
     expected = {
-        "k.1": ((132, 2, 16), torch.bfloat16),
-        "v.3": ((132, 2, 16), torch.bfloat16),
+        "k.1": ((136, 2, 16), torch.bfloat16),
+        "v.3": ((136, 2, 16), torch.bfloat16),
         "conv.0": ((11, 64, 3), torch.bfloat16),
         "ssm.2": ((11, 4, 8, 8), torch.float32),
-        "req_to_state": ((4,), torch.int32),
+        "req_to_state": ((3,), torch.int32),
     }
     for name, (shape, dtype) in expected.items():
         assert tuple(views[name].shape) == shape, name

@@ -186,7 +186,8 @@ def resolve_max_running_requests(
     state_slots: int | None = None,
 ) -> int:
     """``clamp(int(T / context_len * 512), 2048, 4096)``, or the user's value, capped at
-    ``T // 2``; for mamba models also at ``state_slots // ratio`` (3 with radix cache, else 1).
+    ``T // 2``; for mamba models also at ``state_slots // ratio`` (:func:`mamba_state_ratio`:
+    1 without the radix cache, else 3 plus the extra_buffer tracking slots).
 
     Raises:
         InvalidArgument: when the result is < 1 (the pool is too small for one request).

@@ -7,7 +7,7 @@
 
 The page size must be 64 (the indexer kernels' page). Worked example, DeepSeek-V3.2 (61 layers),
 bf16, page 64, 40 GiB: cell = (1152 + 132) * 61 = 78,324 B; one page = 5,012,736 B;
-pages = 42,949,672,960 // 5,012,736 - 1 = 8,567; tokens = 548,288.
+pages = 42,949,672,960 // 5,012,736 = 8,568 (the padding page on top); tokens = 548,352.
 Buffers: ``kv.<l>`` ``(rows, 1, kv_dim)`` (uint8 ``(rows, 1, 656)`` with fp8_e4m3) and
 ``index_k.<l>`` uint8 ``(num_pages + 1, page_size * 132)``, page-major: page ``p`` holds
 ``page_size * 128`` fp8 bytes then ``page_size`` fp32 scales.

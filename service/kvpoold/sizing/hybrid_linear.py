@@ -18,13 +18,17 @@ State side, per request slot and linear layer (Mamba2 shapes with the Qwen3-Next
     per_req  = (numel(conv) * conv_itemsize + numel(ssm) * ssm_itemsize) * n_linear_in_stage
 
 Budget (``budget`` pays for KV and state; ``m`` = --mamba-full-memory-ratio, taken as the exact
-decimal fraction so 0.9 is 9/10; ``ratio`` = state slots per running request, 3 with the radix
-cache and 1 without):
+decimal fraction so 0.9 is 9/10; ``ratio`` = state slots per running request, SGLang's: 1
+without the radix cache, else 3 plus the extra_buffer strategy's tracking slots, 2 under the
+overlap schedule and 1 without it (``auto`` is extra_buffer; PP turns the overlap schedule off;
+``no_buffer`` adds none and needs page size 1 and --disable-overlap-schedule). The default is
+5.)
 
     mamba_budget = floor(budget * m / (1 + m))
     state_slots  = (mamba_budget - per_req) // per_req        (slot 0 is padding and is built)
     kv_budget    = budget - (state_slots + 1) * per_req
-    num_pages    = kv_budget // (cell * page_size) - 1         (the common padding-page rule)
+    num_pages    = kv_budget // cell // page_size              (the common rule: the padding
+                                                               page comes on top)
     max_running_requests = min(usual rule, state_slots // ratio)
 
 An error names ``per_req`` and the budget needed when ``state_slots < ratio`` (not even one
@@ -32,8 +36,9 @@ running request; below 1 this is the plain "no state slot" case).
 
 ``--disable-radix-cache`` with ``--max-running-requests N`` sets ``state_slots = N`` instead
 and the KV side gets the rest. Without a budget (``max_total_tokens`` only) the state pool is
-``max_running_requests * ratio`` slots; ``max_running_requests`` is then required. Unused budget
-is below one KV page plus one state slot.
+``max_running_requests * ratio`` slots; ``max_running_requests`` is then required. The state
+slots are the most the state budget buys; the KV pages the most the rest buys, and the KV
+buffers' padding page comes on top, so ``total_bytes`` may exceed the budget by up to a page.
 
 Edge stages (decided here; SGLang's per-stage results are MIN-reduced by a collective we lack):
 
@@ -44,9 +49,9 @@ Edge stages (decided here; SGLang's per-stage results are MIN-reduced by a colle
 - No linear layer in the stage: per_req 0, the whole budget goes to KV and the state id space
   is ``max_running_requests * ratio`` slots with no state buffers (only ``req_to_state``).
 
-Speculative decoding (any algorithm, with ``D`` = ``speculative_num_draft_tokens``; like
-SGLang, it then needs both ``D`` and ``max_running_requests``): each running request also keeps
-D intermediate conv/SSM states, and the state budget is solved jointly for both:
+Speculative decoding (any algorithm, with ``D`` = ``speculative_num_draft_tokens``, which it
+then needs; ``max_running_requests`` is SGLang's 48 unless given): each running request also
+keeps D intermediate conv/SSM states, and the state budget is solved jointly for both:
 
     state_slots  = (mamba_budget - per_req * (1 + D)) * ratio // (per_req * (ratio + D))
     intermediate = (min(max_running_requests, state_slots // ratio) + 1) * D * per_req
@@ -58,7 +63,8 @@ D intermediate conv/SSM states, and the state budget is solved jointly for both:
 ``(max_running_requests + 1, D, HV / tp, Vd, Kd)`` (kind spec_state, one row per request row)
 are SGLang's plain layout, not the deduplicated conv window of its CUDA path.
 
-Not modelled: the extra-buffer ping-pong slots, and the PP "max stage share" of per_req.
+The extra_buffer tracking slots enter only through ``ratio``. Not modelled: the PP "max stage
+share" of per_req.
 
 Worked example, Qwen3-Next-80B-A3B (48 layers, full attention every 4th: 3, 7, ..., 47 = 12
 layers, 36 linear; k 4, HK 16, HV 32, Kd = Vd = 128; 2 KV heads of 256; bf16 KV, bf16 conv,
@@ -68,8 +74,8 @@ fp32 SSM), TP 1, page 1, 40 GiB = 42,949,672,960 B, m 0.9:
     ssm (32, 128, 128) fp32 = 2,097,152 B;  per layer 2,146,304 B;  per_req * 36 = 77,266,944 B
     mamba_budget = 42,949,672,960 * 9 // 19 = 20,344,581,928 B;  state_slots = 262
     kv_budget = 42,949,672,960 - 263 * 77,266,944 = 22,628,466,688 B
-    cell = 2 * (256 + 256) * 12 * 2 = 24,576 B;  tokens = 22,628,466,688 // 24,576 - 1 = 920,753
-    max_running_requests = min(2048, 460,376, 262 // 3) = 87
+    cell = 2 * (256 + 256) * 12 * 2 = 24,576 B;  tokens = 22,628,466,688 // 24,576 = 920,754
+    max_running_requests = min(2048, 460,377, 262 // 5) = 52       (ratio 5: auto, overlap)
 
 Buffers: ``k.<l>``/``v.<l>`` (``kv.<l>`` for MLA) of the full layers, kind kv, global ids;
 ``conv.<l>`` ``(state_slots + 1, conv_dim / tp, k - 1)`` and ``ssm.<l>`` ``(state_slots + 1,
@@ -104,7 +110,8 @@ from kvpoold.sizing.layout import buffer, token_rows
 
 NAME = "hybrid_linear"
 # State slots each running request may hold: with the radix cache a request pins its own slot
-# plus cached prefix states, so SGLang budgets 3 per request; without it exactly 1.
+# plus cached prefix states, so SGLang budgets 3 per request, plus the extra_buffer strategy's
+# tracking slots (2 under the overlap schedule, else 1); without it exactly 1.
 
 
 def matches(spec: ModelSpec) -> bool:
@@ -199,7 +206,8 @@ def mamba_budget_bytes(budget_bytes: int, mamba_full_memory_ratio: float) -> int
 
 
 def state_ratio(ctx: SizingContext) -> int:
-    """State slots reserved per running request (3 with the radix cache, 1 without)."""
+    """State slots reserved per running request (:func:`common.mamba_state_ratio`: 5 by
+    default, 4 without the overlap schedule, 3 with no_buffer, 1 without the radix cache)."""
     return mamba_state_ratio(ctx.options)
 
 
@@ -354,8 +362,9 @@ def size(ctx: SizingContext) -> Sizing:
 
     Raises:
         InvalidArgument: for an unsplittable TP, a budget too small for one running request's
-            state slots (3 with the radix cache, else 1, plus the padding slot) and two KV
-            pages, or no budget and no ``max_running_requests``.
+            state slots (the ratio, plus the padding slot) and two KV pages, no budget and no
+            ``max_running_requests``, or ``no_buffer`` above page size 1 or under the overlap
+            schedule.
     """
     _check(ctx)
     options = ctx.options
@@ -388,14 +397,13 @@ def size(ctx: SizingContext) -> Sizing:
     else:
         if options.budget_bytes is not None:
             kv_budget = options.budget_bytes - state_bytes
-            if kv_budget < 2 * cell * page:
+            if kv_budget < cell * page:
                 spec = ", speculative states included" if spec_bytes else ""
                 raise InvalidArgument(
                     f"after {slots} state slots plus the padding slot ({state_bytes:,} B at "
                     f"{per_req:,} B each{spec}) the budget {options.budget_bytes:,} B keeps "
-                    f"{kv_budget:,} B for KV, less than one page plus the padding page "
-                    f"({2 * cell * page:,} B); raise --budget, or lower "
-                    "--mamba-full-memory-ratio / --max-running-requests",
+                    f"{kv_budget:,} B for KV, less than one page ({cell * page:,} B); raise "
+                    "--budget, or lower --mamba-full-memory-ratio / --max-running-requests",
                     field="budget_bytes",
                 )
         pages = kv_pages(cell * page, options, notes, fixed_bytes=state_bytes)

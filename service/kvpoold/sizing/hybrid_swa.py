@@ -1,41 +1,55 @@
-"""Hybrid sliding-window sizing (gpt-oss, Gemma-2/3, Command-R, MiMo): full and SWA token spaces.
+"""Hybrid sliding-window sizing (gpt-oss, Llama-4, Gemma-4, MiMo-V2...): full and SWA spaces.
+
+The HF loader gives a spec sliding layers only for SGLang's hybrid-SWA allowlist (see
+kvpoold.hf); Mistral, Gemma-2/3 and Qwen are sized as plain MHA there, as SGLang sizes them.
 
 The layers of this PP stage split into ``nf`` full-attention and ``ns`` sliding-window layers.
 Per layer and token, ``F`` bytes for a full layer and ``S`` for an SWA layer (``mha.layer_bytes``
 with ``max(1, kv_heads // tp)`` heads; the SWA layers use ``sliding_window``'s own heads/dims
-when given). ``D`` EAGLE draft layers count as full layers. With ``r = swa_full_tokens_ratio``:
+when given). ``D`` EAGLE draft layers count as full layers. With ``r = swa_full_tokens_ratio``,
+SGLang's rule, in floats as Python computes it:
 
-    Fb   = F * (nf + D)                  bytes per token of the full space (all its layers)
-    Sb   = S * ns                        bytes per token of the SWA space
-    cell = int(Fb + r * Sb)              reported as cell_size_bytes
+    Fb     = F * (nf + D)                bytes per token of the full space (all its layers)
+    Sb     = S * ns                      bytes per token of the SWA space
+    cell_f = Fb + r * Sb                 float; reported as cell_size_bytes = int(cell_f)
+    full   = int(budget // cell_f) // page * page
+    swa    = int(full * r) // page * page
 
-The SWA space holds ``swa = int(full * r) // page * page`` tokens for ``full`` full tokens. Both
-spaces keep a padding page 0, so with ``fp`` full pages and ``sp = swa // page`` SWA pages the
-buffers cost exactly
-
-    bytes(fp) = page * ((fp + 1) * Fb + (sp + 1) * Sb)
-
-and ``fp`` is the largest count with ``bytes(fp) <= budget``: first the float estimate
-``(budget / page - Fb - Sb) // (Fb + r * Sb)``, then a step down while it overshoots and a step
-up while the next page still fits. The leftover is less than ``bytes(fp + 1) - bytes(fp)``,
-i.e. under one page of every layer (``page * (Fb + Sb)``); it is under ``page * cell`` unless
-that next full page would also have brought a new SWA page (r < 1 rounds the SWA count down).
+Both spaces keep a padding page 0 on top of that, so with ``fp = full // page`` and
+``sp = swa // page`` the buffers cost ``page * ((fp + 1) * Fb + (sp + 1) * Sb)`` bytes, which
+exceeds the budget, if at all, by less than one page of every layer (``page * (Fb + Sb)``),
+since ``full * cell_f <= budget`` and ``swa <= full * r``.
 ``--max-total-tokens`` caps ``full`` (then ``swa`` is derived again); without a budget
 ``full = align_down(max_total_tokens, page)``. The SWA space must hold more than the window
 plus one page, else InvalidArgument. ``max_running_requests`` comes from ``full``.
 
-All-SWA (``nf == 0`` in this stage, reported as ``all_swa``): one token space; ``cell = Sb +
-F * D`` and the common budget rule (``pages = budget // (cell * page) - 1``) sizes it;
-``full_max_total_num_tokens`` is None (SGLang says 0), ``max_total_num_tokens`` is the SWA count.
+SGLang's SWA request cap: without the radix cache, with a fixed ``max_running_requests`` N and
+a chunked prefill (``chunked_prefill_size`` C > 0), the SWA space is sized from the requests
+instead of ``r``: per request the window W, the 128 tokens between SWA evictions (times the
+draft tokens under speculative decoding), a page, and one decode step's allocation (a page;
+two per draft token under speculative decoding); plus the prefill chunks in flight (2 under
+the overlap schedule, else 1) and a page:
 
-Worked example, gpt-oss-20b (24 layers, sliding = even ids 0, 2, ..., 22, window 128, 8 KV heads,
-head_dim 64), bf16, TP 1, PP 1, r = 0.8, page 16, 40 GiB = 42,949,672,960 B:
-F = S = 8 * (64 + 64) * 2 = 2,048 B; Fb = Sb = 12 * 2,048 = 24,576 B; cell = int(44,236.8) =
-44,236 B. Estimate: (2,684,354,560 - 49,152) / 44,236.8 = 60,680.37 -> fp = 60,680 full pages,
-full = 970,880 tokens; swa = int(776,704.0) // 16 * 16 = 776,704 tokens (sp = 48,544);
-bytes = 16 * 24,576 * (60,681 + 48,545) = 42,949,410,816 B (leftover 262,144 B < 16 * 44,236);
-fp = 60,681 would need 16 * 24,576 * (60,682 + 48,545) = 42,949,804,032 B > budget.
-max_running_requests = min(clamp(int(970,880 / 131,072 * 512), 2,048, 4,096), 485,440) = 3,792.
+    swa  = ceil_page((W + 128 + page + page) * N + chunks * C + page)   (no speculation)
+    full = (budget - swa * Sb) // Fb // page * page                      cell_size_bytes = Fb
+
+gpt-oss, page 16, N 64, C 8,192, overlap on: (127 + 128 + 16 + 16) * 64 + 2 * 8,192 + 16 =
+34,768 SWA tokens; at 40 GiB full = (42,949,672,960 - 34,768 * 24,576) // 24,576 = 1,712,858
+-> 1,712,848.
+
+All-SWA (``nf == 0`` in this stage, reported as ``all_swa``): one token space; ``cell = Sb +
+F * D`` (an int) and the common budget rule (``tokens = budget // cell // page * page``) sizes
+it; ``full_max_total_num_tokens`` is None (SGLang says 0), ``max_total_num_tokens`` is the SWA
+count.
+
+Worked example, gpt-oss-20b (24 layers, sliding = even ids 0, 2, ..., 22, window 128 in the HF
+config, 127 as SGLang's gpt-oss model reports it; 8 KV heads, head_dim 64), bf16, TP 1, PP 1,
+r = 0.8, page 16, 40 GiB = 42,949,672,960 B: F = S = 8 * (64 + 64) * 2 = 2,048 B; Fb = Sb =
+12 * 2,048 = 24,576 B; cell_f = 44,236.8 (cell_size_bytes 44,236). 42,949,672,960 / 44,236.8 =
+970,903.7 -> full = 970,896 tokens (fp = 60,681); swa = int(776,716.8) = 776,716 -> 776,704
+(sp = 48,544); bytes = 16 * 24,576 * (60,682 + 48,545) = 42,949,804,032 B (the budget plus
+131,072). max_running_requests = min(clamp(int(970,896 / 131,072 * 512), 2,048, 4,096),
+485,448) = 3,792.
 
 Buffers: full layers ``k.<l>``/``v.<l>`` (kind kv, ``(fp + 1) * page`` rows), SWA layers
 ``k.<l>``/``v.<l>`` (kind swa_kv, ``(sp + 1) * page`` rows), ``draft_k.<i>``/``draft_v.<i>`` as

@@ -4,12 +4,14 @@ Per-token cell over the ``L`` layers of this PP stage, with ``H = max(1, kv_head
 
     cell = H * (head_dim + v_head_dim) * L * kv_itemsize        (FP4: see fp4.py)
     cell = int(cell * (1 + D / L))                               with D EAGLE draft layers
-    num_pages = budget // (cell * page_size) - 1                 (page 0 is padding)
+    num_pages = budget // cell // page_size                      (the common rule, SGLang's)
 
-Worked example, Llama-3.1-8B (32 layers, 8 KV heads, head_dim 128), bf16, TP 1, 40 GiB:
-cell = 8 * 256 * 32 * 2 = 131,072 B; pages (page 16) = 42,949,672,960 // 2,097,152 - 1 = 20,479;
-tokens = 327,664. Buffers ``k.<l>`` and ``v.<l>`` of shape ``(rows, H, head_dim)`` with
-``rows = (num_pages + 1) * page_size``; draft layers add ``draft_k.<i>`` / ``draft_v.<i>``.
+Page 0 is the padding page and comes on top of the budget. Worked example, Llama-3.1-8B
+(32 layers, 8 KV heads, head_dim 128), bf16, TP 1, 40 GiB = 42,949,672,960 B:
+cell = 8 * 256 * 32 * 2 = 131,072 B; tokens (page 16) = 42,949,672,960 // 131,072 // 16 * 16 =
+327,680; pages = 20,480. Buffers ``k.<l>`` and ``v.<l>`` of shape ``(rows, H, head_dim)`` with
+``rows = (num_pages + 1) * page_size`` = 327,696, 42,951,770,112 B in all (the budget plus one
+page); draft layers add ``draft_k.<i>`` / ``draft_v.<i>``.
 """
 
 from __future__ import annotations

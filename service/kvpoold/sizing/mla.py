@@ -5,8 +5,9 @@
     cell   = int(cell * (1 + D / L))                             with D EAGLE/MTP draft layers
 
 Worked example, DeepSeek-V3 (61 layers), bf16, 40 GiB, page 1: cell = 576 * 61 * 2 = 70,272 B;
-pages = 42,949,672,960 // 70,272 - 1 = 611,190 tokens. Buffers ``kv.<l>`` of shape
-``(rows, 1, kv_dim)``; V is the first ``kv_lora_rank`` columns of the same buffer.
+tokens = 42,949,672,960 // 70,272 = 611,191 (the padding row on top: 611,192 rows). Buffers
+``kv.<l>`` of shape ``(rows, 1, kv_dim)``; V is the first ``kv_lora_rank`` columns of the same
+buffer.
 """
 
 from __future__ import annotations
