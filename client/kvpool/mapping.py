@@ -39,7 +39,6 @@ __all__ = [
     "SHM_FILE_MODE",
     "BufferLayout",
     "BufferLike",
-    "HandleLike",
     "MappedRegion",
     "RegionHandle",
     "carve_views",
@@ -55,22 +54,6 @@ __all__ = [
     "release_export",
     "visible_cuda_uuids",
 ]
-
-
-class HandleLike(Protocol):
-    """Anything with a handle's fields: :class:`kvpool.handles.SharedHandle`, a proto."""
-
-    kind: str
-    size: int
-    path: str
-    device_uuid: str
-    ipc_handle: bytes
-    storage_offset: int
-    storage_size: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes
-    event_sync_required: bool
 
 
 class BufferLike(Protocol):
@@ -300,7 +283,7 @@ def carve_views(base: torch.Tensor, layout: Sequence[BufferLayout]) -> dict[str,
     }
 
 
-def map_region(handle: HandleLike, buffers: Sequence[BufferLike], *, plan: Any = None,
+def map_region(handle: SharedHandle, buffers: Sequence[BufferLike], *, plan: Any = None,
                fingerprint: str = "", attach_id: int = 0) -> MappedRegion:
     """Map a pool's region and return its named zero-copy views.
 

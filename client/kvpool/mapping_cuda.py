@@ -17,7 +17,7 @@ from kvpool.errors import FailedPrecondition, InvalidArgument
 if TYPE_CHECKING:
     import torch
 
-    from kvpool.mapping import HandleLike
+    from kvpool.handles import SharedHandle
 
 
 def normalize_uuid(uuid: str) -> str:
@@ -70,7 +70,7 @@ def visible_cuda_uuids() -> list[str]:
     ]
 
 
-def release_export(handle: HandleLike) -> None:
+def release_export(handle: SharedHandle) -> None:
     """Give back the export's ref-counter slot when we will never import it.
 
     The daemon's export counts one importer; torch's importer decrements when it lets go.
@@ -93,7 +93,7 @@ def release_export(handle: HandleLike) -> None:
         pass  # CPU build of torch or the daemon is gone: nothing to give back to
 
 
-def map_cuda_ipc(handle: HandleLike) -> tuple[torch.device, torch.Tensor]:
+def map_cuda_ipc(handle: SharedHandle) -> tuple[torch.device, torch.Tensor]:
     """Import a ``cuda_ipc`` handle as a flat uint8 tensor on this process's ordinal of its GPU.
 
     Args:
@@ -114,7 +114,7 @@ def map_cuda_ipc(handle: HandleLike) -> tuple[torch.device, torch.Tensor]:
         raise
 
 
-def _open_cuda_ipc(handle: HandleLike) -> tuple[torch.device, torch.Tensor]:
+def _open_cuda_ipc(handle: SharedHandle) -> tuple[torch.device, torch.Tensor]:
     import torch
 
     if not torch.cuda.is_available():

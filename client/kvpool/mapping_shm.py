@@ -16,7 +16,7 @@ from kvpool.errors import FailedPrecondition, InvalidArgument, NotFound, Permiss
 if TYPE_CHECKING:
     import torch
 
-    from kvpool.mapping import HandleLike
+    from kvpool.handles import SharedHandle
 
 SHM_FILE_MODE = 0o600
 
@@ -81,7 +81,7 @@ def open_shm(path: str, size: int) -> int:
     return fd
 
 
-def map_shm(handle: HandleLike) -> tuple[torch.device, torch.Tensor]:
+def map_shm(handle: SharedHandle) -> tuple[torch.device, torch.Tensor]:
     """Map a ``shm`` handle's file as a flat shared uint8 CPU tensor.
 
     Args:
