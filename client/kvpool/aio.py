@@ -35,6 +35,7 @@ from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
 
 if TYPE_CHECKING:
+    from kvpool.aio_page_cache import AsyncPageCache
     from kvpool.attach import LeaseArg
     from kvpool.mapping import MappedRegion
 
@@ -174,6 +175,14 @@ class AsyncLease:
     async def free_batch(self, pool: str, items: Sequence[tuple[str, Any]]) -> int:
         req = wire.free_request(pool, self.lease_id, items)
         return (await self.client.call("Free", req)).freed
+
+    async def page_cache(self, pool: str, space: str = "kv", *, low: int | None = None,
+                         high: int | None = None, batch: int | None = None
+                         ) -> AsyncPageCache:
+        """See ``Lease.page_cache``: ``async with await lease.page_cache(pool) as cache``."""
+        from kvpool.aio_page_cache import AsyncPageCache
+
+        return await AsyncPageCache.open(self, pool, space, low=low, high=high, batch=batch)
 
     async def close(self) -> Released:
         """Stop renewing and end the lease; returns what it held. Idempotent."""

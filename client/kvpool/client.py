@@ -36,6 +36,7 @@ from kvpool.v1 import kvpool_pb2_grpc
 if TYPE_CHECKING:
     from kvpool.attach import LeaseArg
     from kvpool.mapping import MappedRegion
+    from kvpool.page_cache import PageCache
 
 log = logging.getLogger("kvpool.client")
 
@@ -264,6 +265,18 @@ class Lease:
     def free_batch(self, pool: str, items: Sequence[tuple[str, Any]]) -> int:
         """Several ``(kind, ids)`` in one validated call; returns the ids freed."""
         return self.client.call("Free", wire.free_request(pool, self.lease_id, items)).freed
+
+    def page_cache(self, pool: str, space: str = "kv", *, low: int | None = None,
+                   high: int | None = None, batch: int | None = None) -> PageCache:
+        """A local cache of ``space`` ids held by this lease: ``alloc``/``free`` without gRPC.
+
+        Watermarks in ids (defaults 64/512/128, less for small spaces); see
+        ``kvpool.page_cache`` and docs/api.md, "Page cache". One Stats call; paired spaces (``kv``
+        of hybrid SWA and DeepSeek-V4 pools, ``swa``) are refused (InvalidArgument).
+        """
+        from kvpool.page_cache import PageCache
+
+        return PageCache.open(self, pool, space, low=low, high=high, batch=batch)
 
     def close(self) -> Released:
         """Stop renewing and end the lease; returns what it held. Idempotent."""

@@ -1,0 +1,766 @@
+"""A client-side page cache: ``alloc``/``free`` of one id space in microseconds, no gRPC call.
+
+An engine scheduler allocates and frees KV pages every step; one Allocate or Free costs about
+0.4-1 ms over gRPC. A :class:`PageCache` keeps a stack of ids that its lease already holds in
+the daemon and serves ``alloc``/``free`` from it:
+
+    with client.lease("engine-0", ttl_s=10) as lease, lease.page_cache("llama") as cache:
+        pages = cache.alloc(16)        # int32 ids, from the local stack
+        cache.free(pages[:4])          # back onto the stack, checked against a bitmap
+
+Every id in the cache is held by the lease, so a crash returns them all when the lease expires
+(TTL + at most 0.2 s), exactly as for ids allocated one call at a time.
+
+Watermarks (pages; per cache):
+
+- ``low``: when an ``alloc`` leaves fewer than ``low`` ids cached, a background worker tops the
+  stack up to ``high`` with one Allocate, so the engine rarely waits.
+- ``high``: when a ``free`` leaves more than ``high`` cached, the worker returns ids to the
+  daemon with one Free, down to ``max(low, high - batch)`` (so each return moves more than
+  ``batch`` ids instead of one Free per few frees at the mark). In the background: ``free``
+  stays local; until the worker runs the ids are still this lease's.
+- ``batch``: an ``alloc`` that the stack cannot serve calls Allocate itself (``waits`` counts
+  it) for ``max(n - cached, batch)`` ids: its own plus a refill; if the daemon cannot give that
+  many it asks for exactly ``n - cached``, and if that is refused too it raises the daemon's
+  ``ResourceExhausted`` with the cache as it was.
+
+Checks: ``free`` refuses, naming the first bad id and its position (``ids[3]``) and changing
+nothing, an id out of the space's range or repeated in the call (``InvalidArgument``) and an id
+this cache has not handed out or that was already freed (``FailedPrecondition``), the daemon's
+classes for the same faults. A bool bitmap over the space's capacity makes this O(count).
+
+Spaces: any id space that no other space follows and that follows none (``kv`` of MHA, MLA,
+DSA and hybrid linear pools; ``req``, ``state``, ``c4_state``, ``c128_state``). Paired pages
+(``kv`` of hybrid SWA and DeepSeek-V4 pools, which ``swa`` follows, and ``swa``) are refused for
+now: a page's ``swa`` side is released through the daemon as the window slides (``Free`` of
+``swa``), so a cached pair can go stale; see docs/api.md, "Page cache".
+
+Locking (the sync cache): one lock guards the stack, the bitmap and the counters; ``alloc`` and
+``free`` hold it for a few numpy operations. No RPC is ever made with it held: the worker and
+a missing ``alloc`` take ids off the stack under the lock, call the daemon unlocked, and put
+the result back under the lock. The lock is innermost (nothing else is acquired under it but
+the worker's ``threading.Event``), and the lease's keep-alive thread shares nothing with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import threading
+import time
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvpool.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    KVPoolError,
+    NotFound,
+    ResourceExhausted,
+    error_from_code,
+)
+from kvpool.limits import ID_DTYPE
+
+if TYPE_CHECKING:
+    from kvpool.client import Lease
+    from kvpool.records import Stats
+
+log = logging.getLogger("kvpool.page_cache")
+
+# Defaults, clamped for small spaces (see ``watermarks``).
+DEFAULT_LOW = 64
+DEFAULT_HIGH = 512
+DEFAULT_BATCH = 128
+# After a refill or return the daemon refused (other than ResourceExhausted with room to ask
+# for less), the worker waits RETRY_S before trying again, twice that after a second refusal in
+# a row, and so on up to RETRY_MAX_S; a success resets it.
+RETRY_S = 0.1
+RETRY_MAX_S = 1.6
+# How often an idle worker looks whether its lease was closed (it then ends).
+LEASE_POLL_S = 1.0
+
+REFILL = "refill"
+RETURN = "return"
+
+
+@dataclass(frozen=True)
+class PageCacheCounters:
+    """A consistent snapshot of a cache's counters.
+
+    Attributes:
+        in_use: ids handed out by ``alloc`` and not freed.
+        cached: ids on the stack: held by the lease, not handed out.
+        refills: Allocate calls that succeeded (background refills and ``alloc`` misses).
+        returns: Free calls of the worker that succeeded (cached ids above ``high``).
+        rpc_calls: Allocate and Free calls made, refused ones included (not the Stats call
+            made when the cache is opened).
+        waits: ``alloc`` calls that had to wait on an Allocate (misses), refused ones included.
+        fetched: ids received from the daemon, in all.
+        returned: ids given back to the daemon by the worker, in all (not by ``close``).
+    """
+
+    in_use: int
+    cached: int
+    refills: int
+    returns: int
+    rpc_calls: int
+    waits: int
+    fetched: int
+    returned: int
+
+
+def space_capacity(stats: Stats, pool: str, space: str) -> int:
+    """The capacity of ``pool``'s id space ``space``, if a page cache can serve it.
+
+    Args:
+        stats: the daemon's Stats for ``pool``.
+        pool: the pool's name.
+        space: the id space.
+
+    Returns:
+        The capacity (ids ``1..capacity``).
+
+    Raises:
+        NotFound: no such pool. InvalidArgument: no such space, a following space (``swa``),
+        or a space another follows (``kv`` of a hybrid SWA pool).
+    """
+    try:
+        spaces = stats.pool(pool).spaces
+    except KeyError:
+        raise NotFound(f"no pool {pool!r}", field="pool") from None
+    info = spaces.get(space)
+    if info is None:
+        raise InvalidArgument(f"pool {pool!r} has no id space {space!r} (it has: "
+                              f"{', '.join(spaces)})", field="space")
+    if info.follows:
+        raise InvalidArgument(
+            f"{pool}/{space} follows {info.follows!r}: its ids come paired with "
+            f"{info.follows} ids and cannot be cached by themselves", field="space")
+    followers = [name for name, s in spaces.items() if s.follows == space]
+    if followers:
+        raise InvalidArgument(
+            f"{pool}/{space} is paired with {'/'.join(followers)}: each {space} id comes with "
+            f"a {followers[0]} id, and the page cache does not serve paired pages yet; use "
+            "lease.allocate_swa_pairs and lease.free", field="space")
+    return info.capacity
+
+
+def watermarks(capacity: int, low: int | None, high: int | None,
+               batch: int | None) -> tuple[int, int, int]:
+    """``(low, high, batch)``: the given values checked, the defaults filled in.
+
+    Defaults: ``high`` = min(512, capacity // 4) (a cache keeps at most a quarter of a small
+    pool), ``low`` = min(64, high // 8), ``batch`` = min(128, high // 4), each at least 1
+    (``low`` at least 0).
+
+    Raises:
+        InvalidArgument: not ``0 <= low <= high <= capacity`` or not ``1 <= batch <= high``.
+    """
+    hi = max(1, min(DEFAULT_HIGH, capacity // 4)) if high is None else as_int(high, "high")
+    if not 1 <= hi <= capacity:
+        raise InvalidArgument(f"high={hi}: the high watermark must be 1..{capacity} (the "
+                              "space's capacity)", field="high")
+    lo = min(DEFAULT_LOW, hi // 8) if low is None else as_int(low, "low")
+    if not 0 <= lo <= hi:
+        raise InvalidArgument(f"low={lo}: the low watermark must be 0..high ({hi})",
+                              field="low")
+    ba = max(1, min(DEFAULT_BATCH, hi // 4)) if batch is None else as_int(batch, "batch")
+    if not 1 <= ba <= hi:
+        raise InvalidArgument(f"batch={ba}: must be 1..high ({hi})", field="batch")
+    return lo, hi, ba
+
+
+def as_int(value: Any, field: str) -> int:
+    """``value`` as an int (any integer type).
+
+    Raises:
+        InvalidArgument: not an integer.
+    """
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InvalidArgument(f"{field}={value!r}: must be an integer", field=field) from None
+
+
+def copy_error(err: KVPoolError) -> KVPoolError:
+    """A fresh exception of ``err``'s class and text (raising one instance again and again
+    would grow its traceback)."""
+    return error_from_code(err.code_name, err.message, err.field)
+
+
+class PageCacheCore:
+    """The state of a page cache and every operation on it; no I/O, no locking.
+
+    The sync :class:`PageCache` calls it under its lock, the asyncio ``AsyncPageCache`` from
+    its event loop. Ids move between four places: the stack (``cached``), handed out
+    (``in_use``, the bitmap), taken by an ``alloc`` waiting on the daemon (``reserved``), and
+    being returned by the worker (``returning``); all of them are held by the lease.
+    """
+
+    def __init__(self, pool: str, space: str, capacity: int, low: int, high: int,
+                 batch: int) -> None:
+        self.pool = pool
+        self.space = space
+        self.label = f"{pool}/{space}"
+        self.capacity = capacity
+        self.low = low
+        self.high = high
+        self.batch = batch
+        self.stack = np.empty(capacity, dtype=ID_DTYPE)
+        self.top = 0
+        # ids 1..capacity; 0 and capacity + 1 are sentinels, always False, so
+        # ``take(ids, mode="clip")`` checks range and state in one pass.
+        self.in_use = np.zeros(capacity + 2, dtype=bool)
+        self.mark = np.zeros(capacity + 2, dtype=np.intp)  # scratch for the repeat check
+        self.positions = np.arange(capacity, dtype=np.intp)
+        self.n_in_use = 0
+        self.reserved = 0
+        self.returning = 0
+        self.refills = 0
+        self.returns = 0
+        self.rpc_calls = 0
+        self.waits = 0
+        self.fetched = 0
+        self.returned = 0
+        self.closed = False
+        self.lost: KVPoolError | None = None  # the lease or pool is gone
+        self.dead: KVPoolError | None = None  # closed or lost: ``alloc`` raises this
+        self.kicked = False  # the worker has been woken and has not gone idle since
+        self.retry_at = 0.0
+        self.retry_s = RETRY_S
+        self.refill_cap = high
+        self.prefill = True  # the first refill fills to ``high`` even when ``low`` is 0
+        self.last_error: KVPoolError | None = None
+
+    # -- alloc --------------------------------------------------------------------------------
+
+    def take(self, n: int) -> np.ndarray | None:
+        """``n`` ids off the stack (the last freed first), marked in use; None when fewer are
+        cached."""
+        top = self.top
+        if n > top:
+            return None
+        new = top - n
+        ids = self.stack[new:top][::-1].copy()
+        self.top = new
+        if n == 1:
+            self.in_use[ids[0]] = True  # a scalar store: a fancy one costs ~1 us more
+        else:
+            self.in_use[ids] = True
+        self.n_in_use += n
+        return ids
+
+    def reserve(self, n: int) -> np.ndarray:
+        """An ``alloc`` of ``n`` the stack cannot serve: take what it has (all of it) while the
+        rest is asked of the daemon."""
+        k = min(self.top, n)
+        new = self.top - k
+        ids = self.stack[new:self.top].copy()
+        self.top = new
+        self.reserved += k
+        return ids
+
+    def unreserve(self, ids: np.ndarray) -> None:
+        """The daemon refused: put the reserved ids back as they were."""
+        k = ids.shape[0]
+        self.stack[self.top:self.top + k] = ids
+        self.top += k
+        self.reserved -= k
+
+    def finish_miss(self, reserved: np.ndarray, got: np.ndarray, n: int) -> np.ndarray:
+        """The ``n`` ids of a missing ``alloc``: the reserved ones and the first of ``got``;
+        the rest of ``got`` goes on the stack."""
+        need = n - reserved.shape[0]
+        ids = np.concatenate((reserved[::-1], got[:need]))
+        self.push(got[need:])
+        self.reserved -= reserved.shape[0]
+        self.in_use[ids] = True
+        self.n_in_use += n
+        self.refills += 1
+        self.fetched += got.shape[0]
+        return ids
+
+    def push(self, ids: np.ndarray) -> None:
+        k = ids.shape[0]
+        self.stack[self.top:self.top + k] = ids
+        self.top += k
+
+    # -- free ---------------------------------------------------------------------------------
+
+    def check_free(self, ids: Any) -> np.ndarray:
+        """``ids`` as an array, if every one is in use and listed once; O(len(ids)).
+
+        Raises:
+            InvalidArgument: not a 1-D integer array, or the first id out of range or repeated.
+            FailedPrecondition: the first id not handed out by this cache (or already freed).
+        """
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+            if arr.ndim == 1 and arr.size == 0:
+                return arr.astype(ID_DTYPE)
+            raise InvalidArgument(f"ids must be a 1-D array of integer ids, got {arr.dtype} "
+                                  f"{arr.shape}", field="ids")
+        n = arr.shape[0]
+        if n == 1:
+            value = arr[0]
+            if not (0 < value <= self.capacity and self.in_use[value]):
+                raise self.free_error(arr)
+            return arr
+        if n == 0:
+            return arr
+        if n > self.capacity or not self.in_use.take(arr, mode="clip").all():
+            raise self.free_error(arr)
+        # Every id is in 1..capacity now. Whatever the order of the fancy assignment, an id
+        # listed twice finds another position than its own in ``mark``.
+        pos = self.positions[:n]
+        self.mark[arr] = pos
+        if (self.mark[arr] != pos).any():
+            raise self.free_error(arr)
+        return arr
+
+    def free_error(self, arr: np.ndarray) -> KVPoolError:
+        """The error for the first bad id of ``arr`` (the refusal path: O(n) in Python)."""
+        seen: dict[int, int] = {}
+        for pos, value in enumerate(arr.tolist()):
+            where = f"ids[{pos}]"
+            head = f"free {self.label} {where}={value}"
+            if not 1 <= value <= self.capacity:
+                return InvalidArgument(
+                    f"{head}: out of range: {self.label} ids are 1..{self.capacity}; nothing "
+                    "was freed", field=where)
+            if value in seen:
+                return InvalidArgument(
+                    f"{head}: repeated (also at ids[{seen[value]}]); list each id once; "
+                    "nothing was freed", field=where)
+            if not self.in_use[value]:
+                return FailedPrecondition(
+                    f"{head}: not in use in this page cache (never handed out by it, or "
+                    "already freed: a double free?); nothing was freed", field=where)
+            seen[value] = pos
+        return InvalidArgument(f"free {self.label}: refused but no bad id found", field="ids")
+
+    def release(self, arr: np.ndarray) -> None:
+        """Checked ids back onto the stack."""
+        n = arr.shape[0]
+        if n == 1:
+            value = arr[0]
+            self.in_use[value] = False
+            self.stack[self.top] = value
+        else:
+            self.in_use[arr] = False
+            self.stack[self.top:self.top + n] = arr
+        self.top += n
+        self.n_in_use -= n
+
+    def forget(self, arr: np.ndarray) -> None:
+        """Checked ids no longer in use, not cached (a free after ``close``)."""
+        self.in_use[arr] = False
+        self.n_in_use -= arr.shape[0]
+
+    def unforget(self, arr: np.ndarray) -> None:
+        """Undo ``forget``: the Free after ``close`` was refused."""
+        self.in_use[arr] = True
+        self.n_in_use += arr.shape[0]
+
+    # -- the worker ---------------------------------------------------------------------------
+
+    def wants_work(self) -> bool:
+        return self.top < self.low or self.top > self.high
+
+    def next_job(self, now: float) -> tuple[str, Any] | None:
+        """What the worker should do now: ``(RETURN, ids)`` (taken off the stack),
+        ``(REFILL, count)``, or None."""
+        if self.dead is not None or now < self.retry_at:
+            return None
+        if self.top > self.high:
+            keep = max(self.low, self.high - self.batch)
+            ids = self.stack[keep:self.top].copy()
+            self.top = keep
+            self.returning += ids.shape[0]
+            return RETURN, ids
+        if self.top < self.low or (self.prefill and self.top < self.high):
+            return REFILL, min(self.high - self.top, self.refill_cap)
+        return None
+
+    def job_done(self, kind: str, arg: Any, result: Any) -> None:
+        self.retry_s = RETRY_S
+        if kind == REFILL:
+            self.push(result)
+            self.refills += 1
+            self.fetched += result.shape[0]
+            self.refill_cap = self.high
+            self.prefill = False
+        else:
+            k = arg.shape[0]
+            self.returning -= k
+            self.returns += 1
+            self.returned += k
+
+    def job_failed(self, kind: str, arg: Any, err: KVPoolError, now: float) -> None:
+        self.last_error = err
+        if kind == RETURN:
+            self.returning -= arg.shape[0]
+            self.push(arg)  # still the lease's
+        if isinstance(err, NotFound):
+            self.lose(err)
+        elif kind == REFILL and isinstance(err, ResourceExhausted) and arg > 1:
+            self.refill_cap = max(1, arg // 2)  # ask for half at once
+        else:
+            if not isinstance(err, ResourceExhausted):
+                log.warning("page cache %s: %s failed, retrying in %.1f s: %s", self.label,
+                            kind, self.retry_s, err)
+            self.retry_at = now + self.retry_s
+            self.retry_s = min(RETRY_MAX_S, self.retry_s * 2)
+            self.refill_cap = self.high
+            self.prefill = False
+
+    def idle(self, now: float) -> tuple[bool, float]:
+        """The worker found nothing to do: ``(stop, how long to sleep)``; sets ``kicked``."""
+        if self.dead is not None:
+            self.kicked = False
+            return True, 0.0
+        waiting = self.wants_work() and now < self.retry_at
+        self.kicked = waiting  # while waiting to retry, alloc and free need not wake it
+        return False, (min(LEASE_POLL_S, self.retry_at - now) if waiting else LEASE_POLL_S)
+
+    # -- end ----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self.closed = True
+        if self.dead is None:
+            self.dead = FailedPrecondition(f"the page cache of {self.label} is closed",
+                                           field="cache")
+
+    def lose(self, err: KVPoolError) -> None:
+        """The lease or pool is gone, and with it every id this cache had."""
+        if self.lost is None:
+            self.lost = err
+            self.dead = err
+            self.top = 0
+            log.error("page cache %s lost its ids: %s", self.label, err)
+
+    def drain(self) -> np.ndarray:
+        """Every cached id, taken off the stack (``close``)."""
+        ids = self.stack[:self.top].copy()
+        self.top = 0
+        return ids
+
+    def counters(self) -> PageCacheCounters:
+        return PageCacheCounters(self.n_in_use, self.top, self.refills, self.returns,
+                                 self.rpc_calls, self.waits, self.fetched, self.returned)
+
+    def check_count(self, n: Any) -> int:
+        n = as_int(n, "count")
+        if n < 0:
+            raise InvalidArgument(f"count={n}: must be >= 0", field="count")
+        return n
+
+
+def lease_lost(lease: Any) -> KVPoolError | None:
+    """Why the lease can no longer hold ids: its keep-alive was told NotFound (it expired), or
+    it was closed; None while it is alive."""
+    err = lease.error
+    if isinstance(err, NotFound):
+        return err
+    if getattr(lease, "_closed", False) or (
+            getattr(lease, "_stop", None) is not None and lease._stop.is_set()):
+        return FailedPrecondition(f"lease {lease.lease_id} is closed", field="lease")
+    return None
+
+
+class PageCache:
+    """Ids of one (lease, pool, id space) served from a local stack; see the module docstring.
+
+    Made by :meth:`kvpool.client.Lease.page_cache`; a context manager (``close`` on exit).
+    Thread-safe: ``alloc``, ``free`` and the counters may be used from any thread.
+    """
+
+    def __init__(self, lease: Lease, pool: str, space: str, capacity: int, *,
+                 low: int | None = None, high: int | None = None,
+                 batch: int | None = None) -> None:
+        lo, hi, ba = watermarks(capacity, low, high, batch)
+        self._lease = lease
+        # The lease's stop event: set by ``Lease.close``, whose CloseLease takes back every id
+        # of this cache, so ``alloc`` checks it (an attribute read) before handing one out.
+        self._lease_stop: threading.Event = getattr(lease, "_stop", None) or threading.Event()
+        self._core = PageCacheCore(pool, space, capacity, lo, hi, ba)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._idle = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"kvpool-page-cache-{pool}-{space}")
+        self._core.kicked = True  # the first refill, to ``high``
+        self._wake.set()
+        self._thread.start()
+
+    @classmethod
+    def open(cls, lease: Lease, pool: str, space: str = "kv", *, low: int | None = None,
+             high: int | None = None, batch: int | None = None) -> PageCache:
+        """A cache over ``pool``'s ``space`` for ``lease``: one Stats call learns the space's
+        capacity (and whether it is paired); the worker then fills the stack to ``high``."""
+        stats = lease.client.stats(pool)
+        capacity = space_capacity(stats, pool, space)
+        return cls(lease, pool, space, capacity, low=low, high=high, batch=batch)
+
+    # -- the hot path -------------------------------------------------------------------------
+
+    def alloc(self, n: int) -> np.ndarray:
+        """``n`` ids (int32), from the stack when it has them, else with one Allocate.
+
+        Raises:
+            ResourceExhausted: the stack and the daemon together have fewer than ``n`` (the
+                cache is left as it was). FailedPrecondition: the cache is closed.
+            NotFound / FailedPrecondition: the lease expired or was closed, or the pool was
+                dropped (the cache's ids are gone with it).
+        """
+        if type(n) is not int or n < 0:
+            n = self._core.check_count(n)
+        lease_err = self._lease.error
+        with self._lock:
+            core = self._core
+            if core.dead is not None or lease_err is not None or self._lease_stop.is_set():
+                self._check_alive()
+            ids = core.take(n)
+            if ids is not None:
+                if core.top < core.low and not core.kicked:
+                    core.kicked = True
+                    self._wake.set()
+                return ids
+            reserved = core.reserve(n)
+        return self._miss(n, reserved)
+
+    def free(self, ids: Any) -> int:
+        """Give back ids this cache handed out; they go onto the stack (above ``high``, the
+        worker returns some). After ``close``, they go straight to the daemon (one Free).
+
+        Returns:
+            The number of ids freed.
+
+        Raises:
+            InvalidArgument: an id out of range or repeated. FailedPrecondition: an id not in
+                use (never handed out by this cache, or already freed). Nothing is changed.
+        """
+        with self._lock:
+            core = self._core
+            arr = core.check_free(ids)
+            if core.dead is None:
+                core.release(arr)
+                if core.top > core.high and not core.kicked:
+                    core.kicked = True
+                    self._wake.set()
+                return arr.shape[0]
+            core.forget(arr)
+            if core.lost is not None or not arr.shape[0]:
+                return arr.shape[0]  # the daemon took them back with the lease
+            core.rpc_calls += 1
+        try:
+            self._lease.free(core.pool, core.space, arr)
+        except KVPoolError as err:
+            if not isinstance(err, NotFound):
+                with self._lock:
+                    core.unforget(arr)  # still the lease's and still in use: free them again
+            raise
+        return arr.shape[0]
+
+    # -- state --------------------------------------------------------------------------------
+
+    @property
+    def pool(self) -> str:
+        return self._core.pool
+
+    @property
+    def space(self) -> str:
+        return self._core.space
+
+    @property
+    def capacity(self) -> int:
+        return self._core.capacity
+
+    @property
+    def low(self) -> int:
+        return self._core.low
+
+    @property
+    def high(self) -> int:
+        return self._core.high
+
+    @property
+    def batch(self) -> int:
+        return self._core.batch
+
+    @property
+    def in_use(self) -> int:
+        return self._core.n_in_use
+
+    @property
+    def cached(self) -> int:
+        return self._core.top
+
+    @property
+    def refills(self) -> int:
+        return self._core.refills
+
+    @property
+    def returns(self) -> int:
+        return self._core.returns
+
+    @property
+    def rpc_calls(self) -> int:
+        return self._core.rpc_calls
+
+    @property
+    def waits(self) -> int:
+        return self._core.waits
+
+    @property
+    def closed(self) -> bool:
+        return self._core.closed
+
+    @property
+    def error(self) -> KVPoolError | None:
+        """Why the cache lost its ids (lease expired or closed, pool dropped), else None."""
+        return self._core.lost
+
+    def counters(self) -> PageCacheCounters:
+        """All counters at one instant."""
+        with self._lock:
+            return self._core.counters()
+
+    def settle(self, timeout_s: float | None = None) -> bool:
+        """Wait until the worker has done what the watermarks ask (or cannot now: the daemon
+        refused and it waits to retry). For tests and shutdown; never needed for correctness.
+
+        Returns:
+            False if ``timeout_s`` passed first.
+        """
+        with self._lock:
+            if self._core.dead is not None or not self._thread.is_alive():
+                return True
+            self._idle.clear()
+            self._core.kicked = True
+            self._wake.set()
+        return self._idle.wait(timeout_s)
+
+    def close(self) -> int:
+        """Stop the worker and return every cached id to the daemon (one Free). Ids in use stay
+        the lease's until freed (``free`` then calls the daemon) or the lease ends. Idempotent.
+
+        Returns:
+            The ids returned.
+        """
+        with self._lock:
+            if self._core.closed:
+                return 0
+            self._core.close()
+        self._wake.set()
+        self._thread.join()
+        with self._lock:
+            ids = self._core.drain()
+            if not ids.shape[0] or self._core.lost is not None:
+                return 0
+            self._core.rpc_calls += 1
+        try:
+            self._lease.free(self._core.pool, self._core.space, ids)
+        except NotFound:
+            return 0  # the lease (or pool) is gone and the ids with it
+        return ids.shape[0]
+
+    def __enter__(self) -> PageCache:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        c = self._core
+        return (f"PageCache({c.label}, lease={self._lease.lease_id}, low={c.low}, "
+                f"high={c.high}, batch={c.batch}, in_use={c.n_in_use}, cached={c.top})")
+
+    # -- the slow paths -----------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        """Raise why the cache cannot hand out ids (called under the lock)."""
+        core = self._core
+        if core.dead is None:
+            lost = lease_lost(self._lease)
+            if lost is None:
+                return  # a transient keep-alive failure: the lease is still ours
+            core.lose(lost)
+        assert core.dead is not None
+        raise copy_error(core.dead)
+
+    def _miss(self, n: int, reserved: np.ndarray) -> np.ndarray:
+        """Allocate what the stack lacked (plus a refill), unlocked; see the module docstring."""
+        core = self._core
+        need = n - reserved.shape[0]
+        ask = max(need, core.batch)
+        try:
+            try:
+                got = self._allocate(ask)
+            except ResourceExhausted:
+                if ask == need:
+                    raise
+                got = self._allocate(need)
+        except KVPoolError as err:
+            with self._lock:
+                core.waits += 1
+                core.unreserve(reserved)
+                if isinstance(err, NotFound):
+                    core.lose(err)
+            raise
+        with self._lock:
+            core.waits += 1
+            ids = core.finish_miss(reserved, got, n)
+            if core.wants_work() and not core.kicked:
+                core.kicked = True
+                self._wake.set()
+        return ids
+
+    def _allocate(self, count: int) -> np.ndarray:
+        with self._lock:
+            self._core.rpc_calls += 1
+        return self._lease.allocate(self._core.pool, self._core.space, count)
+
+    def _run(self) -> None:
+        """The worker: refill below ``low``, return above ``high``; one RPC at a time."""
+        core = self._core
+        sleep = 0.0
+        while True:
+            self._wake.wait(sleep)
+            self._wake.clear()
+            while True:
+                now = time.monotonic()
+                with self._lock:
+                    if core.dead is None:
+                        lost = lease_lost(self._lease)
+                        if lost is not None:
+                            core.lose(lost)
+                    job = core.next_job(now)
+                    if job is None:
+                        stop, sleep = core.idle(now)
+                        self._idle.set()
+                        if stop:
+                            return
+                        break
+                    core.rpc_calls += 1
+                kind, arg = job
+                try:
+                    if kind == REFILL:
+                        result = self._lease.allocate(core.pool, core.space, arg)
+                    else:
+                        result = self._lease.free(core.pool, core.space, arg)
+                except KVPoolError as err:
+                    with self._lock:
+                        core.job_failed(kind, arg, err, time.monotonic())
+                except Exception as err:  # never let the worker die silently
+                    log.exception("page cache %s: %s failed", core.label, kind)
+                    with self._lock:
+                        core.job_failed(kind, arg, FailedPrecondition(str(err)),
+                                        time.monotonic())
+                else:
+                    with self._lock:
+                        core.job_done(kind, arg, result)

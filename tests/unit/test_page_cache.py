@@ -1,0 +1,444 @@
+"""The client page cache (``kvpool.page_cache``, ``kvpool.aio_page_cache``) against a real
+``kvpoold serve`` process: watermarks, misses, refusals that change nothing, close, counters.
+
+Every case waits for the background worker with ``settle()`` (no sleeps, no timed asserts)
+and checks what the daemon's Stats say the lease holds: every id in the cache (in use or
+cached) is held by the lease, and nothing else.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvpool import AsyncKVPoolClient, KVPoolClient
+from kvpool.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    KVPoolError,
+    NotFound,
+    ResourceExhausted,
+)
+from kvpool.page_cache import PageCache, PageCacheCounters, watermarks
+from tests.conftest import TINY_OPTIONS, TINY_PAGES, TINY_SPEC, DaemonProcess, run_daemon, temp_dir
+
+SWA_SPEC = {"num_layers": 4, "attention": {"type": "mha", "num_kv_heads": 2, "head_dim": 16},
+            "context_length": 256, "sliding_window": {"window": 32, "layers": [0, 2]}}
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[DaemonProcess]:
+    with temp_dir() as path, run_daemon(path) as proc:
+        yield proc
+
+
+@pytest.fixture
+def client(daemon: DaemonProcess) -> Iterator[KVPoolClient]:
+    with KVPoolClient(daemon.target) as c:
+        yield c
+
+
+@pytest.fixture
+def pool(client: KVPoolClient) -> Iterator[str]:
+    """A fresh 256-page pool (TINY_SPEC), dropped afterwards."""
+    name = f"pc{next(_names)}"
+    client.configure(name, spec=TINY_SPEC, **TINY_OPTIONS)
+    yield name
+    client.drop(name, force=True)
+
+
+def held(client: KVPoolClient, pool: str, lease_id: int, space: str = "kv") -> int:
+    """What the daemon says ``lease_id`` holds of ``pool``'s ``space``."""
+    for x in client.stats(pool).leases:
+        if x.lease_id == lease_id:
+            return x.held.get(pool, {}).get(space, 0)
+    raise AssertionError(f"no lease {lease_id}")
+
+
+def snapshot(cache: PageCache) -> tuple[PageCacheCounters, list[int], np.ndarray]:
+    """Everything a refused call must leave alone: counters, stack, bitmap."""
+    core = cache._core
+    return cache.counters(), core.stack[:core.top].tolist(), core.in_use.copy()
+
+
+def assert_unchanged(cache: PageCache, before: tuple) -> None:
+    after = snapshot(cache)
+    assert after[0] == before[0] and after[1] == before[1]
+    assert np.array_equal(after[2], before[2])
+
+
+# -- watermarks -----------------------------------------------------------------------------
+
+def test_refills_to_high_when_below_low_and_returns_above_high(client: KVPoolClient,
+                                                               pool: str) -> None:
+    with client.lease("engine") as lease, lease.page_cache(pool, low=4, high=16,
+                                                           batch=8) as cache:
+        assert cache.settle(30)
+        assert (cache.cached, cache.in_use, cache.refills, cache.rpc_calls) == (16, 0, 1, 1)
+        assert held(client, pool, lease.lease_id) == 16
+        a = cache.alloc(12)  # leaves 4: not below low, no refill
+        assert cache.settle(30)
+        assert (cache.cached, cache.refills) == (4, 1)
+        b = cache.alloc(1)  # leaves 3 < low: the worker tops up to high
+        assert cache.settle(30)
+        assert (cache.cached, cache.in_use, cache.refills, cache.rpc_calls) == (16, 13, 2, 2)
+        assert cache.waits == 0
+        assert held(client, pool, lease.lease_id) == 29
+        cache.free(a)  # 28 cached > high: the worker returns 20, down to high - batch
+        assert cache.settle(30)
+        c = cache.counters()
+        assert (c.cached, c.in_use, c.returns, c.returned, c.rpc_calls) == (8, 1, 1, 20, 3)
+        assert held(client, pool, lease.lease_id) == 9
+        cache.free(b)  # 9 cached: between the marks, nothing moves
+        assert cache.settle(30)
+        assert (cache.cached, cache.in_use, cache.returns, cache.rpc_calls) == (9, 0, 1, 3)
+        assert held(client, pool, lease.lease_id) == 9
+
+
+def test_ids_are_the_daemons_and_reused_last_freed_first(client: KVPoolClient,
+                                                          pool: str) -> None:
+    with client.lease("engine") as lease, lease.page_cache(pool, low=0, high=8,
+                                                           batch=8) as cache:
+        cache.settle(30)
+        ids = cache.alloc(8)
+        assert ids.dtype == np.int32 and len(set(ids.tolist())) == 8
+        assert all(1 <= i <= TINY_PAGES for i in ids.tolist())
+        # The lease holds these ids: the daemon refuses them to anyone else's Free.
+        with client.lease("other") as other, pytest.raises(FailedPrecondition):
+            other.free(pool, "kv", ids[:1])
+        cache.free(ids[3:4])
+        cache.free(ids[5:6])
+        assert cache.alloc(2).tolist() == [ids[5], ids[3]]
+        assert cache.alloc(0).shape == (0,)
+
+
+def test_alloc_larger_than_the_stack_calls_the_daemon_once(client: KVPoolClient,
+                                                           pool: str) -> None:
+    with client.lease("engine") as lease, lease.page_cache(pool, low=0, high=16,
+                                                           batch=8) as cache:
+        cache.settle(30)
+        assert (cache.cached, cache.rpc_calls) == (16, 1)
+        ids = cache.alloc(40)  # 16 from the stack, 24 from one Allocate
+        assert len(set(ids.tolist())) == 40
+        assert (cache.cached, cache.in_use, cache.rpc_calls, cache.waits) == (0, 40, 2, 1)
+        more = cache.alloc(2)  # a miss asks for batch = 8: 2 handed out, 6 cached
+        assert (cache.cached, cache.in_use, cache.rpc_calls, cache.waits) == (6, 42, 3, 2)
+        assert not set(more.tolist()) & set(ids.tolist())
+        assert cache.settle(30)
+        assert cache.rpc_calls == 3  # low = 0: no background refill
+        assert held(client, pool, lease.lease_id) == 48
+
+
+def test_resource_exhausted_leaves_the_cache_as_it_was(client: KVPoolClient,
+                                                       pool: str) -> None:
+    with client.lease("engine") as lease, lease.page_cache(pool, low=0, high=8,
+                                                           batch=8) as cache, \
+            client.lease("hog") as hog:
+        cache.settle(30)
+        cache.alloc(4)
+        hog.allocate(pool, "kv", TINY_PAGES - 8)  # the pool is full now
+        before = snapshot(cache)
+        with pytest.raises(ResourceExhausted) as info:
+            cache.alloc(10)  # asks for max(6, 8) = 8, then exactly 6: both refused
+        assert "asked for 6" in str(info.value)
+        counters, stack, bitmap = snapshot(cache)
+        assert stack == before[1] and np.array_equal(bitmap, before[2])
+        assert (counters.in_use, counters.cached) == (4, 4)
+        assert (counters.rpc_calls, counters.waits) == (before[0].rpc_calls + 2, 1)
+        assert held(client, pool, lease.lease_id) == 8
+        assert len(cache.alloc(4)) == 4  # the stack still serves
+
+
+def test_refill_on_a_full_pool_takes_what_there_is(client: KVPoolClient, pool: str) -> None:
+    """The worker halves a refused refill until the daemon can give it."""
+    with client.lease("hog") as hog, client.lease("engine") as lease:
+        hog.allocate(pool, "kv", TINY_PAGES - 5)
+        with lease.page_cache(pool, low=8, high=16, batch=4) as cache:
+            assert cache.settle(30)
+            # 16 and 8 refused, 4 given; then 12, 6, 3 refused, 1 given; then it waits
+            assert (cache.cached, cache.refills) == (5, 2)
+            assert cache.rpc_calls >= 11  # 3 + 4 + then 11, 5, 2, 1 refused: it backs off
+            assert held(client, pool, lease.lease_id) == 5
+
+
+# -- local checks ---------------------------------------------------------------------------
+
+def test_double_free_and_foreign_ids_are_refused_and_change_nothing(
+        client: KVPoolClient, pool: str) -> None:
+    with client.lease("engine") as lease, lease.page_cache(pool, low=0, high=16,
+                                                           batch=8) as cache:
+        cache.settle(30)
+        ids = cache.alloc(4)
+        direct = lease.allocate(pool, "kv", 1)  # the lease's, but not from the cache
+        cached_id = int(cache._core.stack[0])  # held, on the stack, never handed out
+        cache.free(ids[:1])
+        cases: list[tuple[object, type[KVPoolError], str]] = [
+            ([ids[1], ids[0]], FailedPrecondition, "ids[1]"),  # a double free
+            ([ids[1], ids[2], ids[1]], InvalidArgument, "ids[2]"),  # repeated in one call
+            ([ids[1], 0], InvalidArgument, "ids[1]"),
+            ([TINY_PAGES + 1], InvalidArgument, "ids[0]"),
+            ([-3, ids[1]], InvalidArgument, "ids[0]"),
+            ([ids[1], direct[0]], FailedPrecondition, "ids[1]"),
+            ([cached_id], FailedPrecondition, "ids[0]"),
+            (np.array([ids[2], ids[3]], dtype=np.float32), InvalidArgument, "ids"),
+            (np.array([[ids[2]]]), InvalidArgument, "ids"),
+        ]
+        for bad, cls, field in cases:
+            before = snapshot(cache)
+            with pytest.raises(cls) as info:
+                cache.free(bad)
+            assert type(info.value) is cls and info.value.field == field, (bad, info.value)
+            assert_unchanged(cache, before)
+        with pytest.raises(FailedPrecondition, match=rf"ids\[0\]={ids[0]}.*double free"):
+            cache.free(ids[:1])
+        assert cache.free(ids[1:]) == 3  # all still in use: freed at once
+        assert cache.in_use == 0
+        for count in (-1, 1.5, "2"):
+            with pytest.raises(InvalidArgument) as info:
+                cache.alloc(count)
+            assert info.value.field == "count"
+        lease.free(pool, "kv", direct)
+
+
+def test_checks_are_exact_for_every_bitmap_position(client: KVPoolClient, pool: str) -> None:
+    """Range ends and the sentinels: 0 and capacity + 1 are never in use."""
+    with client.lease("engine") as lease, lease.page_cache(pool, low=0, high=TINY_PAGES - 8,
+                                                           batch=8) as cache:
+        cache.settle(30)
+        ids = cache.alloc(cache.cached)
+        for value in (0, TINY_PAGES + 1, 2**31, -(2**31)):
+            with pytest.raises(InvalidArgument, match="out of range"):
+                cache.free(np.array([value], dtype=np.int64))
+        assert cache.free(np.asarray(ids, dtype=np.int64)) == len(ids)
+        assert cache.free([]) == 0
+
+
+# -- close, lease end -----------------------------------------------------------------------
+
+def test_close_returns_the_cached_ids_and_keeps_those_in_use(client: KVPoolClient,
+                                                            pool: str) -> None:
+    with client.lease("engine") as lease:
+        with lease.page_cache(pool, low=4, high=16, batch=8) as cache:
+            cache.settle(30)
+            ids = cache.alloc(5)
+            cache.settle(30)
+            assert held(client, pool, lease.lease_id) == 5 + cache.cached
+        assert cache.closed and cache.cached == 0 and cache.in_use == 5
+        assert held(client, pool, lease.lease_id) == 5
+        assert cache.close() == 0  # idempotent
+        with pytest.raises(FailedPrecondition, match="closed"):
+            cache.alloc(1)
+        calls = cache.rpc_calls
+        assert cache.free(ids[:2]) == 2  # after close: straight to the daemon
+        assert cache.rpc_calls == calls + 1
+        assert held(client, pool, lease.lease_id) == 3
+        with pytest.raises(FailedPrecondition):
+            cache.free(ids[:1])
+
+
+def test_closing_the_lease_ends_the_cache(client: KVPoolClient, pool: str) -> None:
+    lease = client.lease("engine")
+    cache = lease.page_cache(pool, low=4, high=16, batch=8)
+    cache.settle(30)
+    ids = cache.alloc(2)
+    assert lease.close().held == {pool: {"kv": 16}}
+    with pytest.raises(FailedPrecondition, match=r"lease \d+ is closed"):
+        cache.alloc(1)  # the stack's ids went back with the lease
+    assert isinstance(cache.error, FailedPrecondition) and cache.cached == 0
+    assert cache.free(ids) == 2  # bookkeeping only
+    assert cache.close() == 0
+    assert client.stats(pool).pool(pool).spaces["kv"].used == 0
+
+
+def test_dropped_pool_is_lost(client: KVPoolClient) -> None:
+    client.configure("pcdrop", spec=TINY_SPEC, **TINY_OPTIONS)
+    with client.lease("engine") as lease, lease.page_cache("pcdrop", low=0, high=4,
+                                                           batch=4) as cache:
+        cache.settle(30)
+        cache.alloc(4)
+        client.drop("pcdrop", force=True)
+        with pytest.raises(NotFound):
+            cache.alloc(1)  # a miss: the daemon says the pool is gone
+        assert isinstance(cache.error, NotFound)
+        with pytest.raises(NotFound):
+            cache.alloc(1)
+
+
+# -- what can be cached ---------------------------------------------------------------------
+
+def test_spaces_and_watermarks_are_checked(client: KVPoolClient, pool: str) -> None:
+    client.configure("pcswa", spec=SWA_SPEC, **TINY_OPTIONS)
+    try:
+        with client.lease("engine") as lease:
+            with pytest.raises(InvalidArgument, match=r"paired with swa.*not serve paired") as info:
+                lease.page_cache("pcswa", "kv")
+            assert info.value.field == "space"
+            with pytest.raises(InvalidArgument, match="follows 'kv'"):
+                lease.page_cache("pcswa", "swa")
+            with lease.page_cache("pcswa", "req", low=1, high=4, batch=2) as rows:
+                assert rows.capacity == TINY_OPTIONS["max_running_requests"]
+                assert len(rows.alloc(3)) == 3
+            with pytest.raises(InvalidArgument, match="no id space 'state'"):
+                lease.page_cache(pool, "state")
+            with pytest.raises(NotFound):
+                lease.page_cache("nosuchpool")
+            for kwargs, field in (({"low": 9, "high": 8}, "low"),
+                                  ({"high": TINY_PAGES + 1}, "high"),
+                                  ({"high": 0}, "high"),
+                                  ({"high": 8, "batch": 9}, "batch"),
+                                  ({"batch": 0}, "batch"),
+                                  ({"low": 2.0}, "low")):
+                with pytest.raises(InvalidArgument) as info:
+                    lease.page_cache(pool, **kwargs)
+                assert info.value.field == field
+    finally:
+        client.drop("pcswa", force=True)
+
+
+def test_default_watermarks() -> None:
+    assert watermarks(1 << 20, None, None, None) == (64, 512, 128)
+    assert watermarks(256, None, None, None) == (8, 64, 16)
+    assert watermarks(3, None, None, None) == (0, 1, 1)
+    assert watermarks(256, 0, 1, 1) == (0, 1, 1)
+
+
+# -- threads --------------------------------------------------------------------------------
+
+def test_threads_share_a_cache(client: KVPoolClient, pool: str) -> None:
+    """Four threads alloc and free at once: no id is handed out twice, and afterwards the
+    daemon's count for the lease is exactly in use + cached."""
+    with client.lease("engine") as lease, lease.page_cache(pool, low=4, high=24,
+                                                           batch=8) as cache:
+        owners: dict[int, int] = {}
+        guard = threading.Lock()
+        errors: list[BaseException] = []
+
+        def work(seed: int) -> None:
+            rng = np.random.default_rng(seed)
+            mine: list[int] = []
+            try:
+                for _ in range(400):
+                    if mine and rng.random() < 0.5:
+                        k = int(rng.integers(1, len(mine) + 1))
+                        out, mine[:] = mine[:k], mine[k:]
+                        with guard:
+                            for i in out:
+                                del owners[i]
+                        cache.free(out)
+                    elif len(mine) < 40:
+                        ids = cache.alloc(int(rng.integers(1, 6))).tolist()
+                        with guard:
+                            for i in ids:
+                                assert i not in owners, f"id {i} handed out twice"
+                                owners[i] = seed
+                        mine += ids
+                cache.free(mine[: len(mine) // 2])
+                with guard:
+                    for i in mine[: len(mine) // 2]:
+                        del owners[i]
+            except BaseException as exc:  # reported by the main thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert cache.settle(30)
+        assert cache.in_use == len(owners)
+        assert cache.low <= cache.cached <= cache.high
+        assert held(client, pool, lease.lease_id) == cache.in_use + cache.cached
+
+
+# -- asyncio --------------------------------------------------------------------------------
+
+async def test_async_watermarks_and_counters(daemon: DaemonProcess, client: KVPoolClient,
+                                             pool: str) -> None:
+    async with AsyncKVPoolClient(daemon.target) as aclient, \
+            await aclient.lease("engine") as lease, \
+            await lease.page_cache(pool, low=4, high=16, batch=8) as cache:
+        await cache.settle()
+        assert (cache.cached, cache.refills, cache.rpc_calls) == (16, 1, 1)
+        a = await cache.alloc(13)
+        await cache.settle()
+        assert (cache.cached, cache.in_use, cache.refills) == (16, 13, 2)
+        assert (await aclient.stats(pool)).leases[0].held[pool]["kv"] == 29
+        await cache.free(a)
+        await cache.settle()
+        c = cache.counters()
+        assert (c.cached, c.in_use, c.returns, c.returned, c.rpc_calls, c.waits) == (
+            8, 0, 1, 21, 3, 0)
+        big = await cache.alloc(20)  # one Allocate for the 12 the stack lacks
+        assert (cache.in_use, cache.waits, cache.rpc_calls) == (20, 1, 4)
+        assert len(set(big.tolist())) == 20
+        await cache.settle()
+        assert held(client, pool, lease.lease_id) == cache.in_use + cache.cached
+    assert client.stats(pool).pool(pool).spaces["kv"].used == 0
+
+
+async def test_async_hit_does_not_suspend(daemon: DaemonProcess, pool: str) -> None:
+    """A hit runs to completion in one step of the coroutine: no await reaches the loop."""
+    async with AsyncKVPoolClient(daemon.target) as aclient, \
+            await aclient.lease("engine") as lease, \
+            await lease.page_cache(pool, low=0, high=8, batch=8) as cache:
+        await cache.settle()
+        coro = cache.alloc(3)
+        with pytest.raises(StopIteration) as stop:
+            coro.send(None)
+        ids = stop.value.value
+        assert len(ids) == 3 and cache.in_use == 3
+        coro = cache.free(ids)
+        with pytest.raises(StopIteration) as stop:
+            coro.send(None)
+        assert stop.value.value == 3 and cache.in_use == 0
+
+
+async def test_async_refusals_change_nothing(daemon: DaemonProcess, client: KVPoolClient,
+                                             pool: str) -> None:
+    async with AsyncKVPoolClient(daemon.target) as aclient, \
+            await aclient.lease("engine") as lease, \
+            await aclient.lease("hog") as hog, \
+            await lease.page_cache(pool, low=0, high=8, batch=8) as cache:
+        await cache.settle()
+        ids = await cache.alloc(4)
+        await cache.free(ids[:1])
+        await hog.allocate(pool, "kv", TINY_PAGES - 8)
+        core = cache._core
+        before = (cache.counters(), core.stack[:core.top].tolist(), core.in_use.copy())
+        with pytest.raises(FailedPrecondition) as info:
+            await cache.free([ids[1], ids[0]])
+        assert info.value.field == "ids[1]"
+        with pytest.raises(InvalidArgument) as info:
+            await cache.free([ids[1], ids[1]])
+        assert info.value.field == "ids[1]"
+        assert cache.counters() == before[0] and core.stack[:core.top].tolist() == before[1]
+        assert np.array_equal(core.in_use, before[2])
+        with pytest.raises(ResourceExhausted):
+            await cache.alloc(10)
+        assert core.stack[:core.top].tolist() == before[1]
+        assert (cache.in_use, cache.cached, cache.waits) == (3, 5, 1)
+        assert (await cache.alloc(5)).shape == (5,)
+
+
+async def test_async_close_returns_cached(daemon: DaemonProcess, client: KVPoolClient,
+                                          pool: str) -> None:
+    async with AsyncKVPoolClient(daemon.target) as aclient, \
+            await aclient.lease("engine") as lease:
+        async with await lease.page_cache(pool, low=4, high=16, batch=8) as cache:
+            await cache.settle()
+            ids = await cache.alloc(6)
+            await cache.settle()
+        assert cache.closed and cache.cached == 0
+        assert held(client, pool, lease.lease_id) == 6
+        with pytest.raises(FailedPrecondition, match="closed"):
+            await cache.alloc(1)
+        assert await cache.free(ids) == 6
+        assert held(client, pool, lease.lease_id) == 0
+        with pytest.raises(InvalidArgument, match="no id space 'state'"):
+            await lease.page_cache(pool, "state")
