@@ -1,0 +1,538 @@
+"""Benchmark: per-step KV-page allocator time of an engine scheduler loop, four ways, one trace.
+
+What it measures. A scheduler loop shaped like SGLang's, page size 16: ``--requests`` (256)
+requests decode one token per step, and a request needs a new page each time its length
+crosses a multiple of 16; arrivals (Poisson, at the rate that keeps about ``--requests``
+running: an M/G/inf queue whose mean is ``--requests``) prefill 1-8,192 tokens and need
+ceil(len / 16) pages at once; each request decodes a uniform 64-1,024 tokens and then frees
+all of its pages. The run starts in the steady state (the first requests are drawn
+length-biased, part-way through their decode; their pages are allocated untimed). The trace
+(per step: which requests finish, then which need how many pages) is generated once from
+``--seed`` and replayed ``--steps`` (2,000) times four ways:
+
+1. floor: an in-process numpy stack of page ids; ``alloc`` takes n off the end (a copy),
+   ``free`` puts them back. Called the way the page cache is called (one take per request
+   that needs pages, one put-back per finished request), so the ratio to it is the cache's
+   per-call cost. (A "floor, one take per step" row, informational, batches the same work
+   into one take and one put-back per step.)
+2. sglang: SGLang's paged allocator as docs/sglang-sizing-reference.md section 6.3 describes
+   it (reimplemented here; CPU tensors instead of device ones): a torch int64 free list of
+   page ids; one alloc per batch per step (the prefill batch and the decode batch: alloc_extend
+   and alloc_decode each take their pages with one slice from the front); frees inside a free
+   group (one ``torch.cat`` of the finished requests' token indices, ``unique(idx // page)``,
+   then prepended to the free list with ``torch.cat``). ``need_sort`` is off (it is on only
+   with PD disaggregation), so nothing is ever sorted; with it on, frees are staged and
+   merged-and-sorted when an alloc finds the list short.
+3. rpc: a real ``kvpoold serve`` process on a Unix socket, one lease; per step ONE
+   ``lease.allocate_batch(pool, [("kv", n), ...])`` with one item per request that needs pages
+   (the daemon returns one id array per item, so nothing is split client-side) and ONE
+   ``lease.free_batch(pool, [("kv", ids), ...])`` with one item per finished request. A step
+   with nothing to allocate (or free) skips that RPC; a step with neither counts as 0.
+4. page cache: the same daemon and pool, another lease, ``lease.page_cache(pool, "kv",
+   low=1024, high=8192, batch=4096)``; per step ``cache.free(ids)`` per finished request and
+   ``cache.alloc(n)`` per request that needs pages. Watermarks: an arrival takes up to 512
+   pages at once and a step's decode about 16, so ``low`` = 1,024 keeps two of the largest
+   prefills on the stack when the worker is asked to refill (an ``alloc`` that finds the stack
+   short waits on an RPC: ``waits``). The pages the running set holds drift by thousands over
+   a few hundred steps (a completion frees up to 576 pages, an arrival takes 0-512), so
+   ``high`` = 8,192 and ``batch`` = 4,096 let the stack absorb that drift and make each refill
+   or return move >= 4,096 ids: about 20 background RPCs in 2,000 steps. A step that overlaps
+   one pays for it (the worker's gRPC call competes for the GIL and, on 2 cores, the daemon for
+   the CPU), so fewer RPCs is what keeps the p99 down; the price is up to 8,192 pages parked in
+   this lease that other leases of the pool cannot have. (low 1,024 / high 4,096 / batch 1,024
+   makes ~90 RPCs and a p99 ~1.5-2x worse; try them with ``--low/--high/--batch``.)
+
+Timing: per step, only the allocator work (that step's free and alloc calls) between two
+``time.perf_counter_ns``; the bookkeeping (which ids a request holds, the checks that no id
+is handed out twice) is outside it. Between steps each variant sleeps ``--forward-us`` (100)
+microseconds, outside the timed region and the same for all four: it stands for the forward
+pass, during which a real engine releases the GIL, so the page cache's background thread gets
+to run its refills and returns then (a pure-Python loop that never released the GIL would let
+it run only at the interpreter's 5 ms switch interval, and the worker's RPC would land inside
+the timed calls).
+
+Printed per variant: p50, p99 and mean per-step allocator time (us), pages allocated and freed
+(asserted identical across the four), then the target ratios with "met"/"MISSED", and the page
+cache's counters. Run from the repository root (finishes in well under 2 minutes on 2 cores):
+
+    PYTHONPATH=client:service python bench/engine_step.py [--steps 2000] [--seed 0]
+        [--requests 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rpc import start_daemon, wait_ready
+
+from kvpool.client import KVPoolClient, Lease
+from kvpool.page_cache import PageCache
+
+PAGE = 16
+PROMPT = (1, 8192)  # prefill tokens, uniform
+DECODE = (64, 1024)  # decode tokens, uniform
+POOL = "engine"
+# One layer, one KV head of one element: 4 B per token, so a 160K-page pool is ~10 MiB.
+SPEC = {"num_layers": 1, "attention": {"type": "mha", "num_kv_heads": 1, "head_dim": 1},
+        "context_length": 16384}
+LOW, HIGH, BATCH = 1024, 8192, 4096
+clock = time.perf_counter_ns
+
+
+# -- the trace --------------------------------------------------------------------------------
+
+@dataclass
+class Trace:
+    """``setup``: (request, pages) allocated untimed before step 0. Per step: ``frees[s]``, the
+    requests that finish (freed first), then ``allocs[s]``, (request, pages) in order: the
+    step's arrivals (prefill) then the running requests that cross a page boundary."""
+
+    setup: list[tuple[int, int]]
+    frees: list[list[int]]
+    allocs: list[list[tuple[int, int]]]
+    arrivals: list[int]  # how many of ``allocs[s]`` are prefills (the first ones)
+    tokens: dict[int, int]  # a request's final length (token indices freed, for sglang)
+    peak_pages: int
+    running: list[int]
+
+    @property
+    def pages_allocated(self) -> int:
+        return sum(n for step in self.allocs for _, n in step)
+
+    @property
+    def pages_freed(self) -> int:
+        return sum(-(-self.tokens[r] // PAGE) for step in self.frees for r in step)
+
+
+def make_trace(steps: int, requests: int, seed: int) -> Trace:
+    rng = np.random.default_rng(seed)
+    mean_decode = (DECODE[0] + DECODE[1]) / 2
+    rate = requests / mean_decode  # arrivals per step: the M/G/inf mean is ``requests``
+    length: dict[int, int] = {}  # request -> tokens now
+    left: dict[int, int] = {}  # request -> decode tokens still to come
+    final: dict[int, int] = {}
+    setup: list[tuple[int, int]] = []
+    next_id = 0
+    # The steady state: decode lengths length-biased (a running request is more likely a long
+    # one), each part-way through.
+    lo2, hi2 = DECODE[0] ** 2, DECODE[1] ** 2
+    for _ in range(requests):
+        p = int(rng.integers(PROMPT[0], PROMPT[1] + 1))
+        d = int(np.sqrt(lo2 + rng.random() * (hi2 - lo2)))
+        k = int(rng.integers(0, d))
+        length[next_id] = p + k
+        left[next_id] = d - k
+        final[next_id] = p + d
+        setup.append((next_id, -(-(p + k) // PAGE)))
+        next_id += 1
+    held = sum(n for _, n in setup)
+    peak = held
+    frees: list[list[int]] = []
+    allocs: list[list[tuple[int, int]]] = []
+    arrivals: list[int] = []
+    running: list[int] = []
+    for _ in range(steps):
+        done = [r for r, n in left.items() if n == 0]
+        for r in done:
+            held -= -(-length[r] // PAGE)
+            del left[r], length[r]
+        step: list[tuple[int, int]] = []
+        for _ in range(int(rng.poisson(rate))):
+            p = int(rng.integers(PROMPT[0], PROMPT[1] + 1))
+            d = int(rng.integers(DECODE[0], DECODE[1] + 1))
+            step.append((next_id, -(-p // PAGE)))
+            length[next_id] = p
+            left[next_id] = d
+            final[next_id] = p + d
+            next_id += 1
+        new = {r for r, _ in step}
+        arrivals.append(len(step))
+        for r in list(left):
+            if r in new:
+                continue  # prefilled this step; decodes from the next
+            if length[r] % PAGE == 0:
+                step.append((r, 1))
+            length[r] += 1
+            left[r] -= 1
+        held += sum(n for _, n in step)
+        peak = max(peak, held)
+        frees.append(done)
+        allocs.append(step)
+        running.append(len(left))
+    return Trace(setup, frees, allocs, arrivals, final, peak, running)
+
+
+# -- the variants -----------------------------------------------------------------------------
+
+class Checker:
+    """Untimed: every id handed out is in range and not already in use; frees match."""
+
+    def __init__(self, capacity: int) -> None:
+        self.in_use = np.zeros(capacity + 1, dtype=bool)
+        self.allocated = 0
+        self.freed = 0
+
+    def take(self, ids: np.ndarray, n: int) -> None:
+        assert ids.shape == (n,), (ids.shape, n)
+        assert not self.in_use[ids].any(), "an id handed out twice"
+        self.in_use[ids] = True
+        self.allocated += n
+
+    def give(self, ids: np.ndarray) -> None:
+        assert self.in_use[ids].all()
+        self.in_use[ids] = False
+        self.freed += ids.shape[0]
+
+
+@dataclass
+class Result:
+    name: str
+    samples: list[int]
+    allocated: int
+    freed: int
+
+
+class Batches(list):  # type: ignore[type-arg]
+    """What a step returns when it allocates per batch, not per request: arrays whose
+    concatenation is the step's allocs in order (``replay`` splits it, untimed)."""
+
+
+def replay(name: str, trace: Trace, capacity: int, forward_s: float,
+           setup: Callable[[list[tuple[int, int]]], list[np.ndarray]],
+           step: Callable[[list[Any], list[tuple[int, int]], int], list[Any]],
+           free_arg: Callable[[int, np.ndarray], Any] | None = None) -> Result:
+    """Run the trace through ``step(frees, allocs, arrivals) -> one id array per alloc`` (or a
+    :class:`Batches`); ``frees`` holds ``free_arg(request, ids)`` per finished request (by
+    default its page ids), built before the timer starts."""
+    check = Checker(capacity)
+    held: dict[int, list[np.ndarray]] = {}
+    for (r, n), ids in zip(trace.setup, setup(trace.setup), strict=True):
+        ids = np.asarray(ids)
+        check.take(ids, n)
+        held[r] = [ids]
+    check.allocated = 0  # count the timed steps only
+    samples: list[int] = []
+    for s in range(len(trace.allocs)):
+        freed = [np.concatenate(held.pop(r)) for r in trace.frees[s]]
+        frees: list[Any] = freed if free_arg is None else [
+            free_arg(r, ids) for r, ids in zip(trace.frees[s], freed, strict=True)]
+        allocs = trace.allocs[s]
+        if freed or allocs:
+            t0 = clock()
+            got = step(frees, allocs, trace.arrivals[s])
+            samples.append(clock() - t0)
+        else:
+            got = []
+            samples.append(0)
+        if isinstance(got, Batches):
+            flat = np.concatenate([np.asarray(b) for b in got]) if got else np.empty(0)
+            got = np.split(flat, np.cumsum([n for _, n in allocs])[:-1]) if allocs else []
+        for ids in freed:
+            check.give(ids)
+        for (r, n), ids in zip(allocs, got, strict=True):
+            ids = np.array(ids)  # a copy: a view into a free list could change under it
+            check.take(ids, n)
+            held.setdefault(r, []).append(ids)
+        time.sleep(forward_s)  # the forward pass (untimed)
+    return Result(name, samples, check.allocated, check.freed)
+
+
+class Floor:
+    """A numpy stack of ids 1..capacity: take from the end, put back at the end."""
+
+    def __init__(self, capacity: int) -> None:
+        self.stack = np.arange(capacity, 0, -1, dtype=np.int32)
+        self.top = capacity
+
+    def alloc(self, n: int) -> np.ndarray:
+        top = self.top
+        if n > top:
+            raise MemoryError(f"floor: {n} pages, {top} free")
+        self.top = top - n
+        return self.stack[top - n:top].copy()
+
+    def free(self, ids: np.ndarray) -> None:
+        k = ids.shape[0]
+        self.stack[self.top:self.top + k] = ids
+        self.top += k
+
+    def setup(self, items: list[tuple[int, int]]) -> list[np.ndarray]:
+        return [self.alloc(n) for _, n in items]
+
+    def step(self, freed: list[np.ndarray], allocs: list[tuple[int, int]],
+             arrivals: int) -> list[np.ndarray]:
+        for ids in freed:
+            self.free(ids)
+        return [self.alloc(n) for _, n in allocs]
+
+    def step_batched(self, freed: list[np.ndarray], allocs: list[tuple[int, int]],
+                     arrivals: int) -> list[np.ndarray]:
+        """Informational: one put-back and one take per step (the split is bookkeeping)."""
+        if freed:
+            self.free(freed[0] if len(freed) == 1 else np.concatenate(freed))
+        total = sum(n for _, n in allocs)
+        return Batches([self.alloc(total)] if total else [])
+
+
+class SGLangPaged:
+    """SGLang's PagedTokenToKVPoolAllocator free-list algorithm (reference doc section 6.3),
+    on CPU tensors: page ids 1..num_pages; alloc slices from the front; free prepends
+    ``unique(idx // page)``; with ``need_sort`` frees are staged and merged and sorted only when
+    an alloc finds the free list short."""
+
+    def __init__(self, num_pages: int, page_size: int = PAGE, need_sort: bool = False) -> None:
+        self.page_size = page_size
+        self.need_sort = need_sort
+        self.free_pages = torch.arange(1, num_pages + 1, dtype=torch.int64)
+        self.release_pages = torch.empty(0, dtype=torch.int64)
+        self.free_group: list[torch.Tensor] | None = None
+
+    def merge_and_sort_free(self) -> None:
+        if self.release_pages.numel():
+            self.free_pages = torch.cat((self.free_pages, self.release_pages))
+            self.free_pages, _ = torch.sort(self.free_pages)
+            self.release_pages = torch.empty(0, dtype=torch.int64)
+
+    def alloc_pages(self, num_pages: int) -> torch.Tensor | None:
+        """The page-taking core of alloc / alloc_extend / alloc_decode."""
+        if self.need_sort and num_pages > self.free_pages.numel():
+            self.merge_and_sort_free()
+        if num_pages > self.free_pages.numel():
+            return None
+        out = self.free_pages[:num_pages]
+        self.free_pages = self.free_pages[num_pages:]
+        return out
+
+    def free(self, free_index: torch.Tensor) -> None:
+        if free_index.numel() == 0:
+            return
+        if self.free_group is not None:
+            self.free_group.append(free_index)
+            return
+        free_page_ids = torch.unique(free_index // self.page_size)
+        if self.need_sort:
+            self.release_pages = torch.cat((free_page_ids, self.release_pages))
+        else:
+            self.free_pages = torch.cat((free_page_ids, self.free_pages))
+
+    def free_group_begin(self) -> None:
+        self.free_group = []
+
+    def free_group_end(self) -> None:
+        group, self.free_group = self.free_group, None
+        if group:
+            self.free(torch.cat(group))
+
+
+class SGLangVariant:
+    """The trace through :class:`SGLangPaged` the way SGLang's scheduler calls it: the
+    finished requests' token indices freed in one free group, one alloc for the prefill batch
+    and one for the decode batch. The token indices of a finished request (its req_to_token
+    row) are built outside the timed region."""
+
+    def __init__(self, capacity: int, trace: Trace) -> None:
+        self.alloc = SGLangPaged(capacity)
+        self.tokens = trace.tokens
+        self.offsets = torch.arange(PAGE, dtype=torch.int64)
+
+    def setup(self, items: list[tuple[int, int]]) -> list[np.ndarray]:
+        out = []
+        for _, n in items:
+            pages = self.alloc.alloc_pages(n)
+            assert pages is not None
+            out.append(pages.clone().numpy())
+        return out
+
+    def token_indices(self, request: int, pages: np.ndarray) -> torch.Tensor:
+        """A finished request's token indices (its req_to_token row), what SGLang frees."""
+        p = torch.from_numpy(pages).to(torch.int64)
+        return (p[:, None] * PAGE + self.offsets).reshape(-1)[:self.tokens[request]]
+
+    def step(self, freed: list[torch.Tensor], allocs: list[tuple[int, int]],
+             arrivals: int) -> Batches:
+        a = self.alloc
+        if freed:
+            a.free_group_begin()
+            for idx in freed:
+                a.free(idx)
+            a.free_group_end()
+        out = Batches()
+        if arrivals:  # alloc_extend: the prefill batch
+            out.append(self.must(sum(n for _, n in allocs[:arrivals])))
+        if len(allocs) > arrivals:  # alloc_decode: the decode batch
+            out.append(self.must(len(allocs) - arrivals))
+        return out
+
+    def must(self, n: int) -> torch.Tensor:
+        pages = self.alloc.alloc_pages(n)
+        if pages is None:
+            raise MemoryError(f"sglang: {n} pages, {self.alloc.free_pages.numel()} free")
+        return pages
+
+
+class RPCVariant:
+    def __init__(self, lease: Lease) -> None:
+        self.lease = lease
+
+    def setup(self, items: list[tuple[int, int]]) -> list[np.ndarray]:
+        return self.lease.allocate_batch(POOL, [("kv", n) for _, n in items])
+
+    def step(self, freed: list[np.ndarray], allocs: list[tuple[int, int]],
+             arrivals: int) -> list[np.ndarray]:
+        if freed:
+            self.lease.free_batch(POOL, [("kv", ids) for ids in freed])
+        if allocs:
+            return self.lease.allocate_batch(POOL, [("kv", n) for _, n in allocs])
+        return []
+
+
+class CacheVariant:
+    def __init__(self, cache: PageCache) -> None:
+        self.cache = cache
+
+    def setup(self, items: list[tuple[int, int]]) -> list[np.ndarray]:
+        return [self.cache.alloc(n) for _, n in items]
+
+    def step(self, freed: list[np.ndarray], allocs: list[tuple[int, int]],
+             arrivals: int) -> list[np.ndarray]:
+        cache = self.cache
+        for ids in freed:
+            cache.free(ids)
+        return [cache.alloc(n) for _, n in allocs]
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+def stats_us(samples: list[int]) -> tuple[float, float, float]:
+    arr = np.asarray(samples, dtype=np.float64) / 1e3
+    return (float(np.percentile(arr, 50)), float(np.percentile(arr, 99)), float(arr.mean()))
+
+
+def daemon_variants(target: str, trace: Trace, pages: int, forward_s: float,
+                    marks: tuple[int, int, int]) -> tuple[Result, Result, dict[str, int]]:
+    with KVPoolClient(target) as client:
+        wait_ready(client)
+        client.configure(POOL, spec=SPEC, max_total_tokens=pages * PAGE, page_size=PAGE,
+                         max_running_requests=512)
+        capacity = client.stats(POOL).pool(POOL).spaces["kv"].capacity
+        low, high, batch = marks
+        assert capacity >= trace.peak_pages + high, (capacity, trace.peak_pages)
+        with client.lease("engine-rpc", ttl_s=30.0) as lease:
+            var = RPCVariant(lease)
+            rpc = replay("rpc", trace, capacity, forward_s, var.setup, var.step)
+        with client.lease("engine-cache", ttl_s=30.0) as lease, \
+                lease.page_cache(POOL, "kv", low=low, high=high, batch=batch) as cache:
+            cvar = CacheVariant(cache)
+            before = cache.counters()
+
+            def setup(items: list[tuple[int, int]]) -> list[np.ndarray]:
+                out = cvar.setup(items)
+                cache.settle(10.0)  # the steady state: the worker has caught up
+                nonlocal before
+                before = cache.counters()
+                return out
+
+            pc = replay("page cache", trace, capacity, forward_s, setup, cvar.step)
+            after = cache.counters()
+            counters = {k: getattr(after, k) - getattr(before, k)
+                        for k in ("rpc_calls", "waits", "refills", "returns", "fetched",
+                                  "returned")}
+            counters["cached_at_end"] = after.cached
+        client.drop(POOL, force=True)
+    pc.name = "page cache"
+    return rpc, pc, counters
+
+
+def run(args: argparse.Namespace) -> int:
+    t_start = time.perf_counter()
+    torch.set_num_threads(1)
+    trace = make_trace(args.steps, args.requests, args.seed)
+    # The trace's peak, the page cache's stack (twice: its returns run late), slack.
+    pages = trace.peak_pages + 2 * args.high + 4096
+    run_ = trace.running
+    print(f"trace: seed {args.seed}, {args.steps:,} steps, page {PAGE}; running requests "
+          f"min/mean/max {min(run_)}/{np.mean(run_):.0f}/{max(run_)}; "
+          f"{sum(trace.arrivals):,} arrivals, {sum(map(len, trace.frees)):,} completions; "
+          f"{trace.pages_allocated:,} pages allocated, {trace.pages_freed:,} freed in the "
+          f"timed steps ({sum(n for _, n in trace.setup):,} at setup, untimed); peak held "
+          f"{trace.peak_pages:,}; pool {pages:,} pages")
+    forward_s = args.forward_us / 1e6
+    results: list[Result] = []
+    floor = Floor(pages)
+    results.append(replay("floor", trace, pages, forward_s, floor.setup, floor.step))
+    fb = Floor(pages)
+    batched = replay("floor, one take per step", trace, pages, forward_s, fb.setup,
+                     fb.step_batched)
+    sg = SGLangVariant(pages, trace)
+    results.append(replay("sglang", trace, pages, forward_s, sg.setup, sg.step,
+                          sg.token_indices))
+    tmp = Path(tempfile.mkdtemp(prefix="kvp-engine-", dir="/tmp"))
+    daemon = start_daemon(tmp / "kvpool.sock")
+    try:
+        rpc, pc, counters = daemon_variants(f"unix://{tmp / 'kvpool.sock'}", trace, pages,
+                                            forward_s, (args.low, args.high, args.batch))
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+        shutil.rmtree(tmp, ignore_errors=True)
+    results += [rpc, pc]
+    for r in [*results, batched]:
+        assert (r.allocated, r.freed) == (trace.pages_allocated, trace.pages_freed), \
+            (r.name, r.allocated, r.freed)
+        assert len(r.samples) == args.steps
+
+    print(f"\n{'variant':<32} {'p50 us':>9} {'p99 us':>9} {'mean us':>9} {'allocated':>11} "
+          f"{'freed':>11}")
+    table = {}
+    for r in [*results, batched]:
+        p50, p99, mean = stats_us(r.samples)
+        table[r.name] = (p50, p99, mean)
+        label = r.name + (" (info)" if r is batched else "")
+        print(f"{label:<32} {p50:9.2f} {p99:9.2f} {mean:9.2f} {r.allocated:11,} {r.freed:11,}")
+    print("all variants ran the same trace (pages allocated and freed asserted equal)")
+
+    f50, f99, _ = table["floor"]
+    c50, c99, _ = table["page cache"]
+    r50 = table["rpc"][0]
+    s50, s99, _ = table["sglang"]
+    print()
+    for label, value, target, ok in (
+            ("page cache p50 / floor p50", c50 / f50, "<= 2x", c50 / f50 <= 2),
+            ("page cache p99 / floor p99", c99 / f99, "<= 5x", c99 / f99 <= 5),
+            ("rpc p50 / page cache p50", r50 / c50, ">= 100x", r50 / c50 >= 100)):
+        print(f"{label:<30} {value:9.2f}x  target {target:<8} {'met' if ok else 'MISSED'}")
+    print(f"{'sglang p50 / floor p50':<30} {s50 / f50:9.2f}x  (p99: {s99 / f99:.2f}x)")
+    print(f"\npage cache counters over the {args.steps:,} steps (low {args.low}, high "
+          f"{args.high}, batch {args.batch}): "
+          + ", ".join(f"{k} {v:,}" for k, v in counters.items()))
+    print(f"({time.perf_counter() - t_start:.1f} s)")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--requests", type=int, default=256, help="running requests (mean)")
+    parser.add_argument("--low", type=int, default=LOW, help="page cache low watermark")
+    parser.add_argument("--high", type=int, default=HIGH, help="page cache high watermark")
+    parser.add_argument("--batch", type=int, default=BATCH, help="page cache batch")
+    parser.add_argument("--forward-us", type=float, default=100.0,
+                        help="untimed sleep between steps standing for the forward pass")
+    return run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
