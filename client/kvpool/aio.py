@@ -24,7 +24,9 @@ from kvpool.client import (
     DEFAULT_TIMEOUT_S,
     DEFAULT_TTL_S,
     auth_metadata,
+    cache_reports,
     default_lease_name,
+    give_back,
     keepalive_interval,
     open_channel,
 )
@@ -151,6 +153,11 @@ class AsyncLease:
         self.ttl_s = ttl_s
         self.error: BaseException | None = None
         self._closed = False
+        self._kick = asyncio.Event()  # send a renewal (with the caches' report) now
+        self._acked = asyncio.Event()  # set at every answered renewal
+        self._caches: list[AsyncPageCache] = []
+        self._seq = 0
+        self._acked_seq = 0
         self._task = asyncio.create_task(self._keep_alive(), name=f"kvpool-lease-{lease_id}")
 
     async def __aenter__(self) -> AsyncLease:
@@ -195,17 +202,66 @@ class AsyncLease:
         resp = await self.client.call("CloseLease", pb.CloseLeaseRequest(lease_id=self.lease_id))
         return codec.released_from_pb(resp)
 
+    async def report_now(self, timeout_s: float = 10.0) -> bool:
+        """See ``Lease.report_now``."""
+        target = self._seq + 1
+        self._kick.set()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._acked_seq < target and not self._closed and not self._task.done():
+            self._acked.clear()
+            try:
+                await asyncio.wait_for(self._acked.wait(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                return False
+        return self._acked_seq >= target
+
+    def _register_cache(self, cache: AsyncPageCache) -> None:
+        self._caches.append(cache)
+        self._kick.set()
+
+    def _unregister_cache(self, cache: AsyncPageCache) -> None:
+        if cache in self._caches:
+            self._caches.remove(cache)
+        self._kick.set()
+
+    def _report_soon(self) -> None:
+        self._kick.set()
+
+    def _request(self) -> pb.KeepAliveRequest:
+        self._seq += 1
+        return pb.KeepAliveRequest(lease_id=self.lease_id, seq=self._seq,
+                                   caches=cache_reports(self._caches))
+
+    async def _read(self, stream: Any) -> None:
+        """Answers and give-backs, until the daemon ends the stream (EOF)."""
+        while True:
+            resp = await stream.read()
+            if resp is aio.EOF:
+                return
+            if give_back(self._caches, resp):
+                self._kick.set()
+            if resp.seq:
+                self._acked_seq = max(self._acked_seq, resp.seq)
+                self._acked.set()
+
     async def _keep_alive(self) -> None:
-        request = pb.KeepAliveRequest(lease_id=self.lease_id)
         interval = keepalive_interval(self.ttl_s)
         while True:
             stream = self.client.keep_alive_stream()
+            reader = asyncio.ensure_future(self._read(stream))
             try:
-                while True:
-                    await stream.write(request)
-                    if await stream.read() is aio.EOF:
-                        return  # the daemon ended the stream (shutting down)
-                    await asyncio.sleep(interval)
+                while not reader.done():
+                    self._kick.clear()
+                    await stream.write(self._request())
+                    kick = asyncio.ensure_future(self._kick.wait())
+                    try:
+                        await asyncio.wait((reader, kick), timeout=interval,
+                                           return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        kick.cancel()
+                reader.result()  # raises the stream's error
+                return  # the daemon ended the stream (shutting down)
             except (grpc.RpcError, asyncio.InvalidStateError) as exc:
                 # A write to a call that already failed (no daemon) raises InvalidStateError;
                 # the call's own status says why.
@@ -220,4 +276,7 @@ class AsyncLease:
                 log.warning("keep-alive of lease %d failed, retrying: %s", self.lease_id, err)
                 await asyncio.sleep(interval / 2)
             finally:
+                if reader.done() and not reader.cancelled():
+                    reader.exception()  # retrieved (it was raised above, or a write failed)
+                reader.cancel()
                 stream.cancel()

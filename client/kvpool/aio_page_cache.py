@@ -55,6 +55,9 @@ class AsyncPageCache:
         self._core.kicked = True  # the first refill, to ``high``
         self._wake.set()
         self._task = asyncio.create_task(self._run(), name=f"kvpool-page-cache-{pool}-{space}")
+        register = getattr(lease, "_register_cache", None)
+        if register is not None:  # the lease reports it on KeepAlive and routes give-backs
+            register(self)
 
     @classmethod
     async def open(cls, lease: AsyncLease, pool: str, space: str = "kv", *,
@@ -182,6 +185,9 @@ class AsyncPageCache:
         if core.closed:
             return 0
         core.close()
+        unregister = getattr(self._lease, "_unregister_cache", None)
+        if unregister is not None:
+            unregister(self)
         self._wake.set()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
@@ -206,6 +212,31 @@ class AsyncPageCache:
         c = self._core
         return (f"AsyncPageCache({c.label}, lease={self._lease.lease_id}, low={c.low}, "
                 f"high={c.high}, batch={c.batch}, in_use={c.n_in_use}, cached={c.top})")
+
+    @property
+    def gave_back(self) -> int:
+        return self._core.gave_back
+
+    # -- the lease's keep-alive task ----------------------------------------------------------
+
+    def _report(self) -> tuple[int, int]:
+        return self._core.report()
+
+    def _give_back(self, n: int) -> int:
+        """See ``PageCache._give_back``."""
+        k = self._core.ask_give_back(n)
+        if k:
+            self._core.kicked = True
+            self._wake.set()
+        return k
+
+    def _report_soon(self) -> None:
+        """The cached count moved by a batch (a refill, a return, a give-back, a miss): the
+        lease sends its report now rather than at the next renewal, so the daemon knows what
+        it may ask back."""
+        report_soon = getattr(self._lease, "_report_soon", None)
+        if report_soon is not None:
+            report_soon()
 
     # -- the slow paths -----------------------------------------------------------------------
 
@@ -243,6 +274,7 @@ class AsyncPageCache:
         if core.wants_work() and not core.kicked:
             core.kicked = True
             self._wake.set()
+        self._report_soon()
         return ids
 
     async def _run(self) -> None:
@@ -284,3 +316,4 @@ class AsyncPageCache:
                     core.job_failed(kind, arg, FailedPrecondition(str(err)), time.monotonic())
                 else:
                     core.job_done(kind, arg, result)
+                    self._report_soon()

@@ -159,7 +159,8 @@ def run_stats(args: argparse.Namespace) -> int:
 def add_leases(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p = sub.add_parser("leases", parents=[common], help="who holds what",
                        description="List open leases: name, time to expiry, ids held per pool "
-                                   "and space.")
+                                   "and space (with how many of them its page caches hold "
+                                   "unused, as reported).")
     p.add_argument("--json", action="store_true", help="print the leases as a JSON list")
     p.set_defaults(func=run_leases)
     return p
@@ -168,10 +169,7 @@ def add_leases(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentPa
 def print_leases(leases: Sequence[Any]) -> None:
     print(f"{'LEASE':<20} {'NAME':<24} {'EXPIRES':>8} {'ATT':>4}  HELD")
     for x in leases:
-        held = "  ".join(
-            f"{pool}: " + " ".join(f"{space}={n:,}" for space, n in spaces.items())
-            for pool, spaces in x.held.items()
-        ) or "-"
+        held = x.held_text()
         print(f"{x.lease_id:<20} {x.name:<24.24} {x.expires_in_seconds:>7.1f}s {x.attached:>4}"
               f"  {held}")
 

@@ -67,6 +67,32 @@ def keepalive_interval(ttl_s: float) -> float:
     return max(0.03, ttl_s / 3)
 
 
+def cache_reports(caches: Sequence[Any]) -> list[pb.CacheReport]:
+    """The KeepAlive report of a lease's page caches: ``(cached, in_use)`` summed per (pool,
+    space)."""
+    sums: dict[tuple[str, str], list[int]] = {}
+    for cache in caches:
+        cached, in_use = cache._report()
+        counts = sums.setdefault((cache.pool, cache.space), [0, 0])
+        counts[0] += cached
+        counts[1] += in_use
+    return [pb.CacheReport(pool=pool, space=space, cached=c, in_use=u)
+            for (pool, space), (c, u) in sums.items()]
+
+
+def give_back(caches: Sequence[Any], resp: pb.KeepAliveResponse) -> bool:
+    """Route a response's give-backs to the caches of their pool and space (each returns cached
+    ids only, up to what is asked of it). Returns whether any was asked."""
+    for item in resp.give_back:
+        left = item.count
+        for cache in caches:
+            if left <= 0:
+                break
+            if cache.pool == item.pool and cache.space == item.space:
+                left -= cache._give_back(left)
+    return bool(resp.give_back)
+
+
 class KVPoolClient:
     """A connection to one kvpoold.
 
@@ -231,6 +257,11 @@ class Lease:
         self.ttl_s = ttl_s
         self.error: BaseException | None = None  # why keep-alive stopped, if it failed
         self._stop = threading.Event()
+        self._kick = threading.Event()  # send a renewal (with the caches' report) now
+        self._caches: list[PageCache] = []
+        self._acked = threading.Condition()  # guards _seq, _acked_seq and _caches
+        self._seq = 0
+        self._acked_seq = 0
         self._thread = threading.Thread(target=self._keep_alive, daemon=True,
                                         name=f"kvpool-lease-{lease_id}")
         self._thread.start()
@@ -283,24 +314,73 @@ class Lease:
         if self._stop.is_set():
             return Released({}, 0)
         self._stop.set()
+        self._kick.set()
+        with self._acked:
+            self._acked.notify_all()
         self._thread.join(timeout=5.0)
         resp = self.client.call("CloseLease", pb.CloseLeaseRequest(lease_id=self.lease_id))
         return codec.released_from_pb(resp)
 
+    def report_now(self, timeout_s: float = 10.0) -> bool:
+        """Renew now with the page caches' current counts, and wait until the daemon has the
+        report (for tests and tools; the lease reports every TTL/3 anyway).
+
+        Returns:
+            False if ``timeout_s`` passed first or the lease stopped.
+        """
+        with self._acked:
+            target = self._seq + 1
+        self._kick.set()
+        with self._acked:
+            return self._acked.wait_for(
+                lambda: self._acked_seq >= target or self._stop.is_set(),
+                timeout_s) and self._acked_seq >= target
+
+    def _register_cache(self, cache: PageCache) -> None:
+        with self._acked:
+            self._caches.append(cache)
+        self._kick.set()
+
+    def _unregister_cache(self, cache: PageCache) -> None:
+        with self._acked:
+            if cache in self._caches:
+                self._caches.remove(cache)
+        self._kick.set()
+
+    def _report_soon(self) -> None:
+        self._kick.set()
+
+    def _request(self) -> pb.KeepAliveRequest:
+        with self._acked:
+            self._seq += 1
+            seq = self._seq
+            caches = list(self._caches)
+        return pb.KeepAliveRequest(lease_id=self.lease_id, seq=seq, caches=cache_reports(caches))
+
     def _requests(self) -> Iterator[pb.KeepAliveRequest]:
-        request = pb.KeepAliveRequest(lease_id=self.lease_id)
         interval = keepalive_interval(self.ttl_s)
-        yield request
-        while not self._stop.wait(interval):
-            yield request
+        while not self._stop.is_set():
+            yield self._request()
+            self._kick.wait(interval)
+            self._kick.clear()
+
+    def _on_response(self, resp: pb.KeepAliveResponse) -> None:
+        with self._acked:
+            caches = list(self._caches)
+        if give_back(caches, resp):
+            self._kick.set()  # the new counts go out now; again once the Free is done
+        if resp.seq:
+            with self._acked:
+                self._acked_seq = max(self._acked_seq, resp.seq)
+                self._acked.notify_all()
 
     def _keep_alive(self) -> None:
         """Renew until stopped; reopen the stream after a transient failure."""
         while not self._stop.is_set():
             stream = self.client.keep_alive_stream(self._requests())
             try:
-                for _ in stream:
-                    pass
+                for resp in stream:
+                    self._on_response(resp)
                 return  # the daemon ended the stream (shutting down)
             except grpc.RpcError as exc:
                 if self._stop.is_set():

@@ -49,7 +49,7 @@ _PLAN_SCALARS = tuple(
 _HANDLE_FIELDS = tuple(f.name for f in pb.SharedHandle.DESCRIPTOR.fields if f.name != "kind")
 _COUNTERS = tuple(f for f in SpaceStats.__struct_fields__ if f != "follows")
 _POOL_SCALARS = tuple(f for f in PoolStats.__struct_fields__ if f != "spaces")
-_LEASE_SCALARS = tuple(f for f in LeaseStats.__struct_fields__ if f != "held")
+_LEASE_SCALARS = tuple(f for f in LeaseStats.__struct_fields__ if f not in ("held", "cached"))
 
 
 # -- ids ----------------------------------------------------------------------------------------
@@ -180,7 +180,8 @@ def stats_to_pb(stats: Stats) -> pb.StatsResponse:
             for p in stats.pools
         ],
         leases=[
-            pb.LeaseStats(**msgspec_fields(x, _LEASE_SCALARS), held=held_to_pb(x.held))
+            pb.LeaseStats(**msgspec_fields(x, _LEASE_SCALARS), held=held_to_pb(x.held),
+                          cached=held_to_pb(x.cached))
             for x in stats.leases
         ],
     )
@@ -201,7 +202,8 @@ def stats_from_pb(msg: pb.StatsResponse) -> Stats:
             )
             for p in msg.pools
         ],
-        leases=[LeaseStats(**msgspec_fields(x, _LEASE_SCALARS), held=held_from_pb(x.held))
+        leases=[LeaseStats(**msgspec_fields(x, _LEASE_SCALARS), held=held_from_pb(x.held),
+                           cached=held_from_pb(x.cached))
                 for x in msg.leases],
     )
 

@@ -39,7 +39,9 @@ Locking (the sync cache): one lock guards the stack, the bitmap and the counters
 ``free`` hold it for a few numpy operations. No RPC is ever made with it held: the worker and
 a missing ``alloc`` take ids off the stack under the lock, call the daemon unlocked, and put
 the result back under the lock. The lock is innermost (nothing else is acquired under it but
-the worker's ``threading.Event``), and the lease's keep-alive thread shares nothing with it.
+the worker's ``threading.Event``); the lease's keep-alive thread takes it briefly, holding
+nothing else, to read the counts it reports and to pass on a give-back (docs/api.md, "Page
+cache", pressure).
 """
 
 from __future__ import annotations
@@ -82,8 +84,14 @@ RETRY_MAX_S = 1.6
 # How often an idle worker looks whether its lease was closed (it then ends).
 LEASE_POLL_S = 1.0
 
+# After giving ids back at the daemon's request, the worker does not refill for this long (an
+# ``alloc`` the stack cannot serve still calls Allocate), so the ids reach the lease that ran
+# short instead of coming straight back.
+GIVE_BACK_HOLD_S = 0.5
+
 REFILL = "refill"
 RETURN = "return"
+GIVE_BACK = "give_back"
 
 
 @dataclass(frozen=True)
@@ -100,6 +108,8 @@ class PageCacheCounters:
         waits: ``alloc`` calls that had to wait on an Allocate (misses), refused ones included.
         fetched: ids received from the daemon, in all.
         returned: ids given back to the daemon by the worker, in all (not by ``close``).
+        gave_back: of ``returned``, ids given back because the daemon asked (another lease's
+            Allocate ran short; see docs/api.md, "Page cache", pressure).
     """
 
     in_use: int
@@ -110,6 +120,7 @@ class PageCacheCounters:
     waits: int
     fetched: int
     returned: int
+    gave_back: int = 0
 
 
 def space_capacity(stats: Stats, pool: str, space: str) -> int:
@@ -225,6 +236,9 @@ class PageCacheCore:
         self.waits = 0
         self.fetched = 0
         self.returned = 0
+        self.gave_back = 0
+        self.give_back = 0  # ids the daemon asked back, not yet taken off the stack
+        self.hold_until = 0.0  # no background refill before (after a give-back)
         self.closed = False
         self.lost: KVPoolError | None = None  # the lease or pool is gone
         self.dead: KVPoolError | None = None  # closed or lost: ``alloc`` raises this
@@ -368,12 +382,37 @@ class PageCacheCore:
     # -- the worker ---------------------------------------------------------------------------
 
     def wants_work(self) -> bool:
-        return self.top < self.low or self.top > self.high
+        return self.top < self.low or self.top > self.high or self.give_back > 0
+
+    def ask_give_back(self, n: int) -> int:
+        """The daemon asks for ``n`` cached ids: the worker returns up to that many off the
+        stack (never ids in use). Returns how many it will return."""
+        if self.dead is not None:
+            return 0
+        k = min(n, self.top - self.give_back)
+        if k > 0:
+            self.give_back += k
+        return max(0, k)
+
+    def report(self) -> tuple[int, int]:
+        """``(cached, in_use)`` for the lease's KeepAlive report (ids an ``alloc`` waiting on
+        the daemon took off the stack count as in use)."""
+        return self.top, self.n_in_use + self.reserved
 
     def next_job(self, now: float) -> tuple[str, Any] | None:
         """What the worker should do now: ``(RETURN, ids)`` (taken off the stack),
         ``(REFILL, count)``, or None."""
-        if self.dead is not None or now < self.retry_at:
+        if self.dead is not None:
+            return None
+        if self.give_back > 0:
+            k = min(self.give_back, self.top)
+            self.give_back = 0
+            if k:
+                ids = self.stack[self.top - k:self.top].copy()
+                self.top -= k
+                self.returning += k
+                return GIVE_BACK, ids
+        if now < self.retry_at:
             return None
         if self.top > self.high:
             keep = max(self.low, self.high - self.batch)
@@ -381,7 +420,8 @@ class PageCacheCore:
             self.top = keep
             self.returning += ids.shape[0]
             return RETURN, ids
-        if self.top < self.low or (self.prefill and self.top < self.high):
+        if (self.top < self.low or (self.prefill and self.top < self.high)) and (
+                now >= self.hold_until):
             return REFILL, min(self.high - self.top, self.refill_cap)
         return None
 
@@ -398,10 +438,13 @@ class PageCacheCore:
             self.returning -= k
             self.returns += 1
             self.returned += k
+            if kind == GIVE_BACK:
+                self.gave_back += k
+                self.hold_until = time.monotonic() + GIVE_BACK_HOLD_S
 
     def job_failed(self, kind: str, arg: Any, err: KVPoolError, now: float) -> None:
         self.last_error = err
-        if kind == RETURN:
+        if kind != REFILL:
             self.returning -= arg.shape[0]
             self.push(arg)  # still the lease's
         if isinstance(err, NotFound):
@@ -422,9 +465,10 @@ class PageCacheCore:
         if self.dead is not None:
             self.kicked = False
             return True, 0.0
-        waiting = self.wants_work() and now < self.retry_at
+        until = max(self.retry_at, self.hold_until if self.top < self.low else 0.0)
+        waiting = self.wants_work() and now < until
         self.kicked = waiting  # while waiting to retry, alloc and free need not wake it
-        return False, (min(LEASE_POLL_S, self.retry_at - now) if waiting else LEASE_POLL_S)
+        return False, (min(LEASE_POLL_S, until - now) if waiting else LEASE_POLL_S)
 
     # -- end ----------------------------------------------------------------------------------
 
@@ -450,7 +494,8 @@ class PageCacheCore:
 
     def counters(self) -> PageCacheCounters:
         return PageCacheCounters(self.n_in_use, self.top, self.refills, self.returns,
-                                 self.rpc_calls, self.waits, self.fetched, self.returned)
+                                 self.rpc_calls, self.waits, self.fetched, self.returned,
+                                 self.gave_back)
 
     def check_count(self, n: Any) -> int:
         n = as_int(n, "count")
@@ -495,6 +540,9 @@ class PageCache:
         self._core.kicked = True  # the first refill, to ``high``
         self._wake.set()
         self._thread.start()
+        register = getattr(lease, "_register_cache", None)
+        if register is not None:  # the lease reports it on KeepAlive and routes give-backs
+            register(self)
 
     @classmethod
     def open(cls, lease: Lease, pool: str, space: str = "kv", *, low: int | None = None,
@@ -655,6 +703,9 @@ class PageCache:
             if self._core.closed:
                 return 0
             self._core.close()
+        unregister = getattr(self._lease, "_unregister_cache", None)
+        if unregister is not None:
+            unregister(self)
         self._wake.set()
         self._thread.join()
         with self._lock:
@@ -679,6 +730,35 @@ class PageCache:
         c = self._core
         return (f"PageCache({c.label}, lease={self._lease.lease_id}, low={c.low}, "
                 f"high={c.high}, batch={c.batch}, in_use={c.n_in_use}, cached={c.top})")
+
+    @property
+    def gave_back(self) -> int:
+        return self._core.gave_back
+
+    # -- the lease's keep-alive thread --------------------------------------------------------
+
+    def _report(self) -> tuple[int, int]:
+        """``(cached, in_use)`` now, for the lease's KeepAlive."""
+        with self._lock:
+            return self._core.report()
+
+    def _give_back(self, n: int) -> int:
+        """The daemon asked for ``n`` cached ids; the worker returns up to that many (one
+        Free), then the lease reports the new counts. Returns how many it will return."""
+        with self._lock:
+            k = self._core.ask_give_back(n)
+            if k:
+                self._core.kicked = True
+                self._wake.set()
+        return k
+
+    def _report_soon(self) -> None:
+        """The cached count moved by a batch (a refill, a return, a give-back, a miss): the
+        lease sends its report now rather than at the next renewal, so the daemon knows what
+        it may ask back."""
+        report_soon = getattr(self._lease, "_report_soon", None)
+        if report_soon is not None:
+            report_soon()
 
     # -- the slow paths -----------------------------------------------------------------------
 
@@ -718,6 +798,7 @@ class PageCache:
             if core.wants_work() and not core.kicked:
                 core.kicked = True
                 self._wake.set()
+        self._report_soon()
         return ids
 
     def _allocate(self, count: int) -> np.ndarray:
@@ -764,3 +845,4 @@ class PageCache:
                 else:
                     with self._lock:
                         core.job_done(kind, arg, result)
+                    self._report_soon()

@@ -55,12 +55,33 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class LeaseStats(msgspec.Struct, frozen=True, kw_only=True):
+    """One lease. ``cached``: of ``held``, the ids its page caches hold unused, as they last
+    reported on KeepAlive (``in_use`` = held - cached)."""
+
     lease_id: int
     name: str
     ttl_seconds: float
     expires_in_seconds: float
     held: HeldMap
     attached: int
+    cached: HeldMap = msgspec.field(default_factory=dict)
+
+    def in_use(self, pool: str, space: str = "kv") -> int:
+        """Ids of ``pool``/``space`` held and not cached (in use by the engine)."""
+        return (self.held.get(pool, {}).get(space, 0)
+                - self.cached.get(pool, {}).get(space, 0))
+
+    def held_text(self) -> str:
+        """``pool: kv=120 (96 cached) req=1`` per pool (``kvpool top`` and ``kvpool leases``);
+        ``-`` when it holds nothing."""
+        def one(pool: str, space: str, n: int) -> str:
+            cached = self.cached.get(pool, {}).get(space, 0)
+            return f"{space}={n:,}" + (f" ({cached:,} cached)" if cached else "")
+
+        return "  ".join(
+            f"{pool}: " + " ".join(one(pool, space, n) for space, n in spaces.items())
+            for pool, spaces in self.held.items()
+        ) or "-"
 
 
 class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):

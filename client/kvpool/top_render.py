@@ -171,10 +171,7 @@ def _leases_table(leases: Sequence[LeaseStats], max_leases: int) -> RenderableTy
         table.add_column(name, justify="right" if name in ("EXPIRES IN", "TTL", "ATT") else "left",
                          no_wrap=name != "HELD", overflow="ellipsis" if name != "HELD" else "fold")
     for lease in ordered[:max_leases]:
-        held = "  ".join(
-            f"{pool}: " + " ".join(f"{space}={n:,}" for space, n in spaces.items())
-            for pool, spaces in lease.held.items()
-        ) or "-"
+        held = lease.held_text()
         table.add_row(str(lease.lease_id), lease.name, f"{lease.expires_in_seconds:.1f}s",
                       f"{lease.ttl_seconds:g}s", str(lease.attached), held)
     rest = len(ordered) - max_leases

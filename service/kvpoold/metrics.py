@@ -25,6 +25,7 @@ Exported (labels in braces; ``space`` is a pool's id space: ``kv``, ``swa``, ``r
     kvpool_device_used_bytes{device}                  gauge      backing bytes of all pools
     kvpool_leases_open{device}                        gauge      open leases
     kvpool_lease_expiries_total{device}               counter    leases expired and reclaimed
+    kvpool_lease_cached_ids{device,pool,space}         gauge      cached in page caches (reports)
     kvpool_rpc_failures_total{device,method,code}     counter    RPCs ended with an error status
     kvpool_rpc_duration_seconds{device,method}        histogram  server time of unary RPCs
 """
@@ -122,8 +123,13 @@ class DaemonCollector(Collector):
         snap = self._snapshot()
         fams = self._families()
         (capacity, used, free, high_water, pool_bytes, attached, allocs, frees, failures,
-         budget, dev_used, leases_open, expiries) = fams
+         budget, dev_used, leases_open, expiries, lease_cached) = fams
         dev = self._device
+        cached: dict[tuple[str, str], int] = {}
+        for lease in snap.leases:
+            for pool_name, spaces in lease.cached.items():
+                for space, n in spaces.items():
+                    cached[(pool_name, space)] = cached.get((pool_name, space), 0) + n
         for pool in snap.pools:
             pool_bytes.add_metric([dev, pool.name], pool.backing_bytes)
             attached.add_metric([dev, pool.name], pool.attached)
@@ -136,6 +142,7 @@ class DaemonCollector(Collector):
                 allocs.add_metric(labels, k.allocs)
                 frees.add_metric(labels, k.frees)
                 failures.add_metric(labels, k.failed_allocs)
+                lease_cached.add_metric(labels, cached.get((pool.name, space), 0))
         d = snap.daemon
         budget.add_metric([dev], d.budget_bytes)
         dev_used.add_metric([dev], d.used_bytes)
@@ -185,6 +192,9 @@ class DaemonCollector(Collector):
             CounterMetricFamily("kvpool_lease_expiries",
                                 "Leases not renewed within their TTL, expired and reclaimed.",
                                 labels=device),
+            GaugeMetricFamily("kvpool_lease_cached_ids",
+                              "Ids of this id space held by leases' page caches unused (as "
+                              "reported on KeepAlive), summed over leases.", labels=spaces),
         )
 
 

@@ -45,7 +45,7 @@ def sample_stats() -> Stats:
         leases=[LeaseStats(lease_id=(1 << 62) + 5, name="engine-0", ttl_seconds=10.0,
                            expires_in_seconds=7.5,
                            held={"v4": {"kv": 3, "swa": 3, "req": 1, "c4_state": 2}},
-                           attached=1)],
+                           attached=1, cached={"v4": {"c4_state": 1}})],
     )
 
 
@@ -54,6 +54,9 @@ def test_stats_round_trip_in_the_plan_order() -> None:
     msg = codec.stats_to_pb(stats)
     assert codec.stats_from_pb(pb.StatsResponse.FromString(msg.SerializeToString())) == stats
     assert list(codec.stats_from_pb(msg).pools[0].spaces) == ["kv", "swa", "req", "c4_state"]
+    lease = codec.stats_from_pb(msg).leases[0]
+    assert lease.cached == {"v4": {"c4_state": 1}} and lease.in_use("v4", "c4_state") == 1
+    assert lease.held_text() == "v4: kv=3 swa=3 req=1 c4_state=2 (1 cached)"
     # the first form's enum is filled where one exists, left unset beyond the four
     assert [(s.space, s.kind) for s in msg.pools[0].spaces] == [
         ("kv", pb.KIND_KV), ("swa", pb.KIND_SWA), ("req", pb.KIND_REQ), ("c4_state", 0)]

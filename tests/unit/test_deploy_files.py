@@ -55,6 +55,7 @@ METRICS: dict[str, frozenset[str]] = {
     "kvpool_device_used_bytes": frozenset({"device"}),
     "kvpool_leases_open": frozenset({"device"}),
     "kvpool_lease_expiries_total": frozenset({"device"}),
+    "kvpool_lease_cached_ids": frozenset({"device", "pool", "space"}),
     "kvpool_attached_clients": frozenset({"device", "pool"}),
     "kvpool_allocations_total": frozenset({"device", "pool", "space"}),
     "kvpool_frees_total": frozenset({"device", "pool", "space"}),

@@ -323,21 +323,51 @@ class OpenLeaseResponse(_message.Message):
     ttl_seconds: float
     def __init__(self, lease_id: _Optional[int] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
 
+class CacheReport(_message.Message):
+    __slots__ = ("pool", "space", "cached", "in_use")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SPACE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    IN_USE_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    space: str
+    cached: int
+    in_use: int
+    def __init__(self, pool: _Optional[str] = ..., space: _Optional[str] = ..., cached: _Optional[int] = ..., in_use: _Optional[int] = ...) -> None: ...
+
 class KeepAliveRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "caches", "seq")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHES_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
-    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+    caches: _containers.RepeatedCompositeFieldContainer[CacheReport]
+    seq: int
+    def __init__(self, lease_id: _Optional[int] = ..., caches: _Optional[_Iterable[_Union[CacheReport, _Mapping]]] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class GiveBack(_message.Message):
+    __slots__ = ("pool", "space", "count")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SPACE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    space: str
+    count: int
+    def __init__(self, pool: _Optional[str] = ..., space: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class KeepAliveResponse(_message.Message):
-    __slots__ = ("lease_id", "ttl_seconds", "expires_in_seconds")
+    __slots__ = ("lease_id", "ttl_seconds", "expires_in_seconds", "give_back", "seq")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GIVE_BACK_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     ttl_seconds: float
     expires_in_seconds: float
-    def __init__(self, lease_id: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., expires_in_seconds: _Optional[float] = ...) -> None: ...
+    give_back: _containers.RepeatedCompositeFieldContainer[GiveBack]
+    seq: int
+    def __init__(self, lease_id: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., expires_in_seconds: _Optional[float] = ..., give_back: _Optional[_Iterable[_Union[GiveBack, _Mapping]]] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class CloseLeaseRequest(_message.Message):
     __slots__ = ("lease_id",)
@@ -492,20 +522,22 @@ class PoolStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., backing_bytes: _Optional[int] = ..., spaces: _Optional[_Iterable[_Union[SpaceStats, _Mapping]]] = ..., attached: _Optional[int] = ..., age_seconds: _Optional[float] = ..., handle_kind: _Optional[str] = ...) -> None: ...
 
 class LeaseStats(_message.Message):
-    __slots__ = ("lease_id", "name", "ttl_seconds", "expires_in_seconds", "held", "attached")
+    __slots__ = ("lease_id", "name", "ttl_seconds", "expires_in_seconds", "held", "attached", "cached")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     name: str
     ttl_seconds: float
     expires_in_seconds: float
     held: _containers.RepeatedCompositeFieldContainer[Held]
     attached: int
-    def __init__(self, lease_id: _Optional[int] = ..., name: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., expires_in_seconds: _Optional[float] = ..., held: _Optional[_Iterable[_Union[Held, _Mapping]]] = ..., attached: _Optional[int] = ...) -> None: ...
+    cached: _containers.RepeatedCompositeFieldContainer[Held]
+    def __init__(self, lease_id: _Optional[int] = ..., name: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., expires_in_seconds: _Optional[float] = ..., held: _Optional[_Iterable[_Union[Held, _Mapping]]] = ..., attached: _Optional[int] = ..., cached: _Optional[_Iterable[_Union[Held, _Mapping]]] = ...) -> None: ...
 
 class DaemonStats(_message.Message):
     __slots__ = ("version", "device", "budget_bytes", "used_bytes", "uptime_seconds", "num_pools", "num_leases", "leases_opened", "leases_closed", "leases_expired")

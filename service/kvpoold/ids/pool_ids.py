@@ -223,6 +223,10 @@ class PoolIds:
             field = f"items[{i}].kind"
             raise InvalidArgument(self._follower_message(space, field), field=field)
 
+    def room(self, space: IdSpace) -> int:
+        """Ids of ``space`` an Allocate could take now (a leader: with its follower's)."""
+        return self._room(space)
+
     def _room(self, space: IdSpace) -> int:
         pair = self._pair_of_leader.get(space)
         return space.num_free if pair is None else pair.room

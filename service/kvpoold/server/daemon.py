@@ -12,6 +12,7 @@ method returns (``live_pools.device_mirror``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -41,6 +42,12 @@ from kvpoold.sharing.base import BackingFactory
 log = logging.getLogger("kvpoold.daemon")
 
 POOL_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
+# An Allocate short of free ids, while other leases' page caches report enough cached ones,
+# asks them to give back and waits this long at most (less under a shorter gRPC deadline).
+GIVE_BACK_WAIT_S = 1.0
+# Under pressure: an Allocate that leaves a space fewer than capacity // PRESSURE_FRACTION free
+# asks other leases' caches to give back the difference (without waiting).
+PRESSURE_FRACTION = 16
 
 
 def check_pool_name(name: str, field: str = "pool") -> str:
@@ -87,6 +94,9 @@ class Daemon:
         self.attachments = AttachmentTable()
         self._building: dict[str, asyncio.Event] = {}
         self._reserved_bytes = 0
+        # Set (and dropped) when ids come back, for Allocates waiting on give-backs; None
+        # while nobody waits, so Free costs nothing extra then.
+        self._freed: asyncio.Event | None = None
 
     # -- budget ----------------------------------------------------------------------------
 
@@ -181,8 +191,18 @@ class Daemon:
         }})
         return lease
 
-    def renew_lease(self, lease_id: int) -> Lease:
-        return self.leases.renew(check_id(lease_id, "lease_id"))
+    def renew_lease(self, lease_id: int,
+                    reports: dict[tuple[str, str], tuple[int, int]] | None = None) -> Lease:
+        """Renew a lease and keep its page caches' report (``(pool, space) -> (cached,
+        in_use)``; it replaces the last one).
+
+        Raises:
+            NotFound: unknown, closed or expired lease.
+        """
+        lease = self.leases.renew(check_id(lease_id, "lease_id"))
+        if reports is not None:
+            lease.reports = reports
+        return lease
 
     def close_lease(self, lease_id: int) -> Released:
         """End a lease; everything it holds comes back and its attachments end.
@@ -219,6 +239,8 @@ class Daemon:
             counts = {s: n for s, n in entry.ids.reclaim(lease.owner).items() if n}
             if counts:
                 released[name] = counts
+        if released:
+            self._notify_freed()
         return Released(released, self.attachments.remove_lease(lease.lease_id))
 
     # -- Allocate / Free ---------------------------------------------------------------------
@@ -246,7 +268,108 @@ class Daemon:
                   for i, (name, _) in enumerate(items)]
         grants = ids.allocate(lease.owner, [(s, n) for s, (_, n) in zip(spaces, items,
                                                                         strict=True)])
+        for space in spaces:  # O(items): a comparison each unless the space runs low
+            low = max(1, space.capacity // PRESSURE_FRACTION)
+            room = ids.room(space)
+            if room < low:
+                self._ask_give_back(pool, space.name, low - room, lease.owner, cover=False)
         return [(name, grant) for (name, _), grant in zip(items, grants, strict=True)]
+
+    async def allocate_waiting(self, pool: str, lease_id: int,
+                               items: Sequence[tuple[str, int]],
+                               wait_s: float = GIVE_BACK_WAIT_S) -> list[tuple[str, Grant]]:
+        """:meth:`allocate`; when short of free ids while other leases' page caches report
+        enough cached ids to cover every shortfall, ask them to give back (on their KeepAlive
+        streams, now) and retry as ids come back, for ``wait_s`` at most.
+
+        Raises:
+            As :meth:`allocate`; ResourceExhausted also after the wait, saying how many ids
+            were asked back and how many came.
+        """
+        try:
+            return self.allocate(pool, lease_id, items)
+        except ResourceExhausted as err:
+            first = err
+        entry = self.pool(pool)
+        lease = self.leases.get(lease_id)
+        shortfall: dict[str, int] = {}
+        for name, count in items:
+            shortfall[name] = shortfall.get(name, 0) + count
+        free_before = {}
+        for name in list(shortfall):
+            space = entry.ids.space(name, "items", allocating=True)
+            free_before[name] = space.num_free
+            short = shortfall[name] - entry.ids.room(space)
+            if short <= 0:
+                del shortfall[name]
+                continue
+            shortfall[name] = short
+            if self._cached_elsewhere(pool, name, lease.owner) < short:
+                raise first  # even every cached id would not do: refuse at once
+        if not shortfall or wait_s <= 0:
+            raise first
+        asked = sum(self._ask_give_back(pool, name, short, lease.owner, cover=True)
+                    for name, short in shortfall.items())
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            if self._freed is None:
+                self._freed = asyncio.Event()
+            freed = self._freed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(freed.wait(), remaining)
+            try:
+                return self.allocate(pool, lease_id, items)
+            except ResourceExhausted as err:
+                first = err
+        entry = self.pool(pool)
+        came = sum(max(0, entry.ids.space(name, "items", allocating=True).num_free - before)
+                   for name, before in free_before.items())
+        raise ResourceExhausted(
+            f"{first.message}; asked other leases' page caches to give back {asked} cached "
+            f"ids, {came} came back within {wait_s:.2f} s", field=first.field)
+
+    def _cached_elsewhere(self, pool: str, space: str, owner: int) -> int:
+        return sum(x.cached(pool, space) for x in self.leases if x.owner != owner)
+
+    def _ask_give_back(self, pool: str, space: str, count: int, owner: int, *,
+                       cover: bool) -> int:
+        """Ask the leases other than ``owner`` whose caches report cached ids of
+        ``pool``/``space`` to give back ``count`` in all (at most what they report): shares
+        proportional to what each reported, at least 1 each. Returns the ids asked.
+
+        ``cover=False`` (pressure after a successful Allocate) skips leases already asked.
+        """
+        holders = [(x, x.cached(pool, space)) for x in self.leases
+                   if x.owner != owner and x.cached(pool, space) > 0
+                   and (cover or (pool, space) not in x.give_back)]
+        total = sum(c for _, c in holders)
+        if not total:
+            return 0
+        count = min(count, total)
+        shares = [min(c, max(1, count * c // total)) for _, c in holders]
+        rest = count - sum(shares)
+        for i, (_, c) in sorted(enumerate(holders), key=lambda t: -t[1][1]):
+            if rest <= 0:
+                break
+            more = min(rest, c - shares[i])
+            shares[i] += more
+            rest -= more
+        for (x, _), n in zip(holders, shares, strict=True):
+            x.ask_give_back(pool, space, n)
+        log.info("give-back asked", extra={"fields": {
+            "event": "give_back", "pool": pool, "space": space, "asked": sum(shares),
+            "leases": len(holders), "waiting": cover,
+        }})
+        return sum(shares)
+
+    def _notify_freed(self) -> None:
+        if self._freed is not None:
+            self._freed.set()
+            self._freed = None
 
     def free(self, pool: str, lease_id: int, items: Sequence[tuple[str, np.ndarray]]) -> int:
         """Free every ``(space, ids)`` item of the lease; validated first, all or none.
@@ -267,7 +390,9 @@ class Daemon:
         ids = entry.ids
         typed = [(ids.space(name, f"items[{i}].space", allocating=False), arr)
                  for i, (name, arr) in enumerate(items)]
-        return sum(ids.free(lease.owner, typed).values())
+        freed = sum(ids.free(lease.owner, typed).values())
+        self._notify_freed()
+        return freed
 
     # -- pools -------------------------------------------------------------------------------
 
@@ -317,6 +442,7 @@ class Daemon:
         detached = self.attachments.remove_pool(name)
         del self.pools[name]
         entry.close()
+        self._notify_freed()  # Allocates waiting on give-backs in it: NOT_FOUND now
         log.info("pool dropped", extra={"fields": {
             "event": "drop", "pool": name, "force": force, "reclaimed": sum(reclaimed.values()),
             "detached": detached, "released_bytes": entry.plan.backing_bytes,

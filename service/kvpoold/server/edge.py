@@ -117,15 +117,42 @@ def free_items(req: pb.FreeRequest) -> list[tuple[str, np.ndarray]]:
     return out
 
 
+MAX_CACHE_REPORTS = 1024
+
+
+def cache_reports(request: pb.KeepAliveRequest) -> dict[tuple[str, str], tuple[int, int]]:
+    """A KeepAlive's page-cache report: ``(pool, space) -> (cached, in_use)``, summed per key.
+
+    Raises:
+        InvalidArgument: more than MAX_CACHE_REPORTS entries, or one without pool or space.
+    """
+    if len(request.caches) > MAX_CACHE_REPORTS:
+        raise InvalidArgument(f"caches has {len(request.caches)} reports, at most "
+                              f"{MAX_CACHE_REPORTS}", field="caches")
+    out: dict[tuple[str, str], tuple[int, int]] = {}
+    for i, r in enumerate(request.caches):
+        if not r.pool or not r.space:
+            raise InvalidArgument(f"caches[{i}] needs a pool and a space", field=f"caches[{i}]")
+        cached, in_use = out.get((r.pool, r.space), (0, 0))
+        out[(r.pool, r.space)] = (cached + r.cached, in_use + r.in_use)
+    return out
+
+
 # -- responses ----------------------------------------------------------------------------------
 
 def open_lease_response(lease: Lease) -> pb.OpenLeaseResponse:
     return pb.OpenLeaseResponse(lease_id=lease.lease_id, ttl_seconds=lease.ttl_s)
 
 
-def keep_alive_response(lease: Lease, now: float) -> pb.KeepAliveResponse:
-    return pb.KeepAliveResponse(lease_id=lease.lease_id, ttl_seconds=lease.ttl_s,
-                                expires_in_seconds=lease.expires_in(now))
+def keep_alive_response(lease: Lease, now: float, seq: int = 0,
+                        give_back: dict[tuple[str, str], int] | None = None
+                        ) -> pb.KeepAliveResponse:
+    """A renewal's answer (``seq`` of the request), or a give-back sent on its own (0)."""
+    return pb.KeepAliveResponse(
+        lease_id=lease.lease_id, ttl_seconds=lease.ttl_s,
+        expires_in_seconds=lease.expires_in(now), seq=seq,
+        give_back=[pb.GiveBack(pool=pool, space=space, count=n)
+                   for (pool, space), n in (give_back or {}).items()])
 
 
 def allocate_response(items: Sequence[tuple[str, Grant]]) -> pb.AllocateResponse:

@@ -16,6 +16,7 @@ Not thread-safe: the daemon calls it from its event loop only.
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import secrets
 from collections.abc import Callable, Iterator
@@ -44,6 +45,33 @@ class Lease:
     opened_at: float
     # Which deadline-heap entry is current; older entries of this lease are stale.
     generation: int = field(default=0, repr=False, compare=False)
+    # (pool, space) -> (cached, in_use): its page caches as last reported on KeepAlive.
+    reports: dict[tuple[str, str], tuple[int, int]] = field(
+        default_factory=dict, repr=False, compare=False)
+    # (pool, space) -> ids to give back, not yet sent; ``wake`` tells its KeepAlive stream.
+    give_back: dict[tuple[str, str], int] = field(default_factory=dict, repr=False,
+                                                  compare=False)
+    wake: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
+
+    def cached(self, pool: str, space: str) -> int:
+        """Ids of ``pool``/``space`` its caches last reported holding unused."""
+        report = self.reports.get((pool, space))
+        return 0 if report is None else report[0]
+
+    def ask_give_back(self, pool: str, space: str, count: int) -> None:
+        """Queue a give-back for its KeepAlive stream and wake the stream. The report is
+        lowered at once, so a second Allocate does not ask for the same ids again."""
+        key = (pool, space)
+        self.give_back[key] = self.give_back.get(key, 0) + count
+        cached, in_use = self.reports.get(key, (0, 0))
+        self.reports[key] = (max(0, cached - count), in_use)
+        self.wake.set()
+
+    def take_give_back(self) -> dict[tuple[str, str], int]:
+        """The queued give-backs, now sent."""
+        out, self.give_back = self.give_back, {}
+        self.wake.clear()
+        return out
 
     def expires_in(self, now: float) -> float:
         """Seconds left until ``deadline``, 0 once it has passed.

@@ -12,7 +12,7 @@ from kvpool import codec
 from kvpool.errors import InvalidArgument
 from kvpool.v1 import kvpool_pb2_grpc
 from kvpoold.server import edge
-from kvpoold.server.daemon import Daemon
+from kvpoold.server.daemon import GIVE_BACK_WAIT_S, Daemon
 from kvpoold.server.status import RpcObserver, rpc_errors, rpc_stream_errors
 
 if TYPE_CHECKING:  # message types for annotations only; edge.py and kvpool.codec build them
@@ -22,6 +22,16 @@ Ctx = aio.ServicerContext
 MIN_WATCH_INTERVAL_S = 0.05
 MAX_WATCH_INTERVAL_S = 3600.0
 DEFAULT_WATCH_INTERVAL_S = 1.0
+DEADLINE_MARGIN_S = 0.05
+
+
+def give_back_wait(context: Ctx) -> float:
+    """How long an Allocate may wait for give-backs: GIVE_BACK_WAIT_S, or less under the call's
+    own deadline (leaving it DEADLINE_MARGIN_S to answer RESOURCE_EXHAUSTED in time)."""
+    remaining = context.time_remaining()
+    if remaining is None:
+        return GIVE_BACK_WAIT_S
+    return max(0.0, min(GIVE_BACK_WAIT_S, remaining - DEADLINE_MARGIN_S))
 
 
 class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
@@ -56,13 +66,46 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
     @rpc_stream_errors
     async def KeepAlive(self, request_iterator: AsyncIterator[pb.KeepAliveRequest], context: Ctx
                         ) -> AsyncIterator[pb.KeepAliveResponse]:
+        """Answer each request (renew, keep its page-cache report); in between, send the
+        lease's give-backs as soon as an Allocate asks for them."""
         iterator = request_iterator.__aiter__()
-        while True:
-            request = await self._next_or_closing(iterator)
-            if request is None:
-                return
-            lease = self._daemon.renew_lease(request.lease_id)
-            yield edge.keep_alive_response(lease, self._daemon.now())
+        closing = asyncio.ensure_future(self._closing.wait())
+        nxt: asyncio.Future | None = None
+        lease = None
+        try:
+            while not self._closing.is_set():
+                if nxt is None:
+                    nxt = asyncio.ensure_future(anext(iterator, None))
+                waits: list[asyncio.Future] = [nxt, closing]
+                if lease is not None:
+                    waits.append(asyncio.ensure_future(lease.wake.wait()))
+                try:
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waits[2:]:
+                        w.cancel()
+                if closing.done():
+                    return
+                if nxt.done():
+                    request, nxt = nxt.result(), None
+                    if request is None:
+                        return
+                    lease = self._daemon.renew_lease(request.lease_id,
+                                                     edge.cache_reports(request))
+                    yield edge.keep_alive_response(lease, self._daemon.now(), request.seq,
+                                                   lease.take_give_back())
+                elif lease is not None and lease.give_back:
+                    if self._daemon.leases.find(lease.lease_id) is not lease:
+                        lease.take_give_back()  # closed or expired meanwhile
+                        continue
+                    yield edge.keep_alive_response(lease, self._daemon.now(), 0,
+                                                   lease.take_give_back())
+                elif lease is not None:
+                    lease.wake.clear()
+        finally:
+            closing.cancel()
+            if nxt is not None:
+                nxt.cancel()
 
     @rpc_errors
     async def CloseLease(self, request: pb.CloseLeaseRequest, context: Ctx
@@ -72,9 +115,8 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
     @rpc_errors
     async def Allocate(self, request: pb.AllocateRequest, context: Ctx) -> pb.AllocateResponse:
         items = edge.allocate_items(request)
-        return edge.allocate_response(
-            self._daemon.allocate(request.pool, request.lease_id, items)
-        )
+        return edge.allocate_response(await self._daemon.allocate_waiting(
+            request.pool, request.lease_id, items, give_back_wait(context)))
 
     @rpc_errors
     async def Free(self, request: pb.FreeRequest, context: Ctx) -> pb.FreeResponse:
@@ -116,20 +158,3 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
     async def Detach(self, request: pb.DetachRequest, context: Ctx) -> pb.DetachResponse:
         self._daemon.detach(request.attach_id)
         return edge.detach_response()
-
-    async def _next_or_closing(
-        self, iterator: AsyncIterator[pb.KeepAliveRequest]
-    ) -> pb.KeepAliveRequest | None:
-        """The next request of a stream, or None when it ends or the daemon is closing."""
-        if self._closing.is_set():
-            return None
-        nxt = asyncio.ensure_future(anext(iterator, None))
-        closing = asyncio.ensure_future(self._closing.wait())
-        try:
-            await asyncio.wait((nxt, closing), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            closing.cancel()
-        if not nxt.done():
-            nxt.cancel()
-            return None
-        return nxt.result()

@@ -42,17 +42,18 @@ def take_stats(daemon: Daemon, pool: str = "") -> Stats:
             age_seconds=now - entry.created_at,
             handle_kind=entry.handle_kind,
         ))
-    leases = [
-        LeaseStats(
+    leases = []
+    for lease in daemon.leases:
+        lease_held = held.get(lease.owner, {})
+        leases.append(LeaseStats(
             lease_id=lease.lease_id,
             name=lease.name,
             ttl_seconds=lease.ttl_s,
             expires_in_seconds=lease.expires_in(now),
-            held=held.get(lease.owner, {}),
+            held=lease_held,
             attached=daemon.attachments.count_lease(lease.lease_id),
-        )
-        for lease in daemon.leases
-    ]
+            cached=cached_of(lease.reports, lease_held),
+        ))
     table = daemon.leases
     return Stats(
         daemon=DaemonStats(
@@ -70,3 +71,14 @@ def take_stats(daemon: Daemon, pool: str = "") -> Stats:
         pools=pools,
         leases=leases,
     )
+
+
+def cached_of(reports: dict[tuple[str, str], tuple[int, int]], held: HeldMap) -> HeldMap:
+    """The reported cached ids of the pools and spaces the lease holds ids in (never more than
+    it holds: a report can be a renewal old)."""
+    out: HeldMap = {}
+    for (pool, space), (cached, _in_use) in reports.items():
+        n = min(cached, held.get(pool, {}).get(space, 0))
+        if n:
+            out.setdefault(pool, {})[space] = n
+    return out
