@@ -10,11 +10,11 @@ length-biased, part-way through their decode; their pages are allocated untimed)
 (per step: which requests finish, then which need how many pages) is generated once from
 ``--seed`` and replayed ``--steps`` (2,000) times four ways:
 
-1. floor: an in-process numpy stack of page ids; ``alloc`` takes n off the end (a copy),
-   ``free`` puts them back. Called the way the page cache is called (one take per request
-   that needs pages, one put-back per finished request), so the ratio to it is the cache's
-   per-call cost. (A "floor, one take per step" row, informational, batches the same work
-   into one take and one put-back per step.)
+1. floor: an in-process numpy stack of page ids; per step one put-back of the finished
+   requests' pages and one take of all the pages the step's requests need (an engine
+   allocates per batch, as SGLang's ``alloc_extend``/``alloc_decode`` do; the split of the
+   step's ids among its requests is bookkeeping, outside the timer). A "per request" row,
+   informational, makes one call per request instead.
 2. sglang: SGLang's paged allocator as docs/sglang-sizing-reference.md section 6.3 describes
    it (reimplemented here; CPU tensors instead of device ones): a torch int64 free list of
    page ids; one alloc per batch per step (the prefill batch and the decode batch: alloc_extend
@@ -29,8 +29,10 @@ length-biased, part-way through their decode; their pages are allocated untimed)
    ``lease.free_batch(pool, [("kv", ids), ...])`` with one item per finished request. A step
    with nothing to allocate (or free) skips that RPC; a step with neither counts as 0.
 4. page cache: the same daemon and pool, another lease, ``lease.page_cache(pool, "kv",
-   low=1024, high=8192, batch=4096)``; per step ``cache.free(ids)`` per finished request and
-   ``cache.alloc(n)`` per request that needs pages. Watermarks: an arrival takes up to 512
+   low=1024, high=8192, batch=4096)``; per step one ``cache.free(ids)`` of the finished
+   requests' pages and one ``cache.alloc(n)`` of the step's pages, called as the floor is
+   (a "per request" row, informational, makes one call per request). Watermarks: an
+   arrival takes up to 512
    pages at once and a step's decode about 16, so ``low`` = 1,024 keeps two of the largest
    prefills on the stack when the worker is asked to refill (an ``alloc`` that finds the stack
    short waits on an RPC: ``waits``). The pages the running set holds drift by thousands over
@@ -412,6 +414,15 @@ class CacheVariant:
             cache.free(ids)
         return [cache.alloc(n) for _, n in allocs]
 
+    def step_batched(self, freed: list[np.ndarray], allocs: list[tuple[int, int]],
+                     arrivals: int) -> list[np.ndarray]:
+        """One free and one alloc per step, as the engine's batch does."""
+        cache = self.cache
+        if freed:
+            cache.free(freed[0] if len(freed) == 1 else np.concatenate(freed))
+        total = sum(n for _, n in allocs)
+        return Batches([cache.alloc(total)] if total else [])
+
 
 # -- the run ----------------------------------------------------------------------------------
 
@@ -432,27 +443,32 @@ def daemon_variants(target: str, trace: Trace, pages: int, forward_s: float,
         with client.lease("engine-rpc", ttl_s=30.0) as lease:
             var = RPCVariant(lease)
             rpc = replay("rpc", trace, capacity, forward_s, var.setup, var.step)
-        with client.lease("engine-cache", ttl_s=30.0) as lease, \
-                lease.page_cache(POOL, "kv", low=low, high=high, batch=batch) as cache:
-            cvar = CacheVariant(cache)
-            before = cache.counters()
-
-            def setup(items: list[tuple[int, int]]) -> list[np.ndarray]:
-                out = cvar.setup(items)
-                cache.settle(10.0)  # the steady state: the worker has caught up
-                nonlocal before
+        def with_cache(name: str, batched: bool) -> tuple[Result, dict[str, int]]:
+            with client.lease(f"engine-{name}", ttl_s=30.0) as lease, \
+                    lease.page_cache(POOL, "kv", low=low, high=high, batch=batch) as cache:
+                cvar = CacheVariant(cache)
                 before = cache.counters()
-                return out
 
-            pc = replay("page cache", trace, capacity, forward_s, setup, cvar.step)
-            after = cache.counters()
-            counters = {k: getattr(after, k) - getattr(before, k)
-                        for k in ("rpc_calls", "waits", "refills", "returns", "fetched",
-                                  "returned")}
-            counters["cached_at_end"] = after.cached
+                def setup(items: list[tuple[int, int]]) -> list[np.ndarray]:
+                    out = cvar.setup(items)
+                    cache.settle(10.0)  # the steady state: the worker has caught up
+                    nonlocal before
+                    before = cache.counters()
+                    return out
+
+                result = replay(name, trace, capacity, forward_s, setup,
+                                cvar.step_batched if batched else cvar.step)
+                after = cache.counters()
+                counters = {k: getattr(after, k) - getattr(before, k)
+                            for k in ("rpc_calls", "waits", "refills", "returns", "fetched",
+                                      "returned")}
+                counters["cached_at_end"] = after.cached
+            return result, counters
+
+        pc, counters = with_cache("page cache", batched=True)
+        per_request, _ = with_cache("page cache, per request", batched=False)
         client.drop(POOL, force=True)
-    pc.name = "page cache"
-    return rpc, pc, counters
+    return rpc, pc, per_request, counters
 
 
 def run(args: argparse.Namespace) -> int:
@@ -471,24 +487,25 @@ def run(args: argparse.Namespace) -> int:
     forward_s = args.forward_us / 1e6
     results: list[Result] = []
     floor = Floor(pages)
-    results.append(replay("floor", trace, pages, forward_s, floor.setup, floor.step))
-    fb = Floor(pages)
-    batched = replay("floor, one take per step", trace, pages, forward_s, fb.setup,
-                     fb.step_batched)
+    results.append(replay("floor", trace, pages, forward_s, floor.setup, floor.step_batched))
+    fr = Floor(pages)
+    info = [replay("floor, per request", trace, pages, forward_s, fr.setup, fr.step)]
     sg = SGLangVariant(pages, trace)
     results.append(replay("sglang", trace, pages, forward_s, sg.setup, sg.step,
                           sg.token_indices))
     tmp = Path(tempfile.mkdtemp(prefix="kvp-engine-", dir="/tmp"))
     daemon = start_daemon(tmp / "kvpool.sock")
     try:
-        rpc, pc, counters = daemon_variants(f"unix://{tmp / 'kvpool.sock'}", trace, pages,
-                                            forward_s, (args.low, args.high, args.batch))
+        rpc, pc, pc_per_request, counters = daemon_variants(
+            f"unix://{tmp / 'kvpool.sock'}", trace, pages, forward_s,
+            (args.low, args.high, args.batch))
     finally:
         daemon.terminate()
         daemon.wait(30)
         shutil.rmtree(tmp, ignore_errors=True)
     results += [rpc, pc]
-    for r in [*results, batched]:
+    info.append(pc_per_request)
+    for r in [*results, *info]:
         assert (r.allocated, r.freed) == (trace.pages_allocated, trace.pages_freed), \
             (r.name, r.allocated, r.freed)
         assert len(r.samples) == args.steps
@@ -496,10 +513,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n{'variant':<32} {'p50 us':>9} {'p99 us':>9} {'mean us':>9} {'allocated':>11} "
           f"{'freed':>11}")
     table = {}
-    for r in [*results, batched]:
+    for r in [*results, *info]:
         p50, p99, mean = stats_us(r.samples)
         table[r.name] = (p50, p99, mean)
-        label = r.name + (" (info)" if r is batched else "")
+        label = r.name + (" (info)" if r in info else "")
         print(f"{label:<32} {p50:9.2f} {p99:9.2f} {mean:9.2f} {r.allocated:11,} {r.freed:11,}")
     print("all variants ran the same trace (pages allocated and freed asserted equal)")
 
