@@ -183,6 +183,11 @@ class AsyncLease:
         req = wire.free_request(pool, self.lease_id, items)
         return (await self.client.call("Free", req)).freed
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called (CloseLease took back every id the lease held)."""
+        return self._closed
+
     async def page_cache(self, pool: str, space: str = "kv", *, low: int | None = None,
                          high: int | None = None, batch: int | None = None
                          ) -> AsyncPageCache:

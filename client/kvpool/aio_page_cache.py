@@ -77,7 +77,7 @@ class AsyncPageCache:
         if type(n) is not int or n < 0:
             n = core.check_count(n)
         lease = self._lease
-        if core.dead is not None or lease.error is not None or lease._closed:
+        if core.dead is not None or lease.error is not None or lease.closed:
             self._check_alive()
         ids = core.take(n)
         if ids is not None:

@@ -297,6 +297,11 @@ class Lease:
         """Several ``(kind, ids)`` in one validated call; returns the ids freed."""
         return self.client.call("Free", wire.free_request(pool, self.lease_id, items)).freed
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called (CloseLease took back every id the lease held)."""
+        return self._stop.is_set()
+
     def page_cache(self, pool: str, space: str = "kv", *, low: int | None = None,
                    high: int | None = None, batch: int | None = None) -> PageCache:
         """A local cache of ``space`` ids held by this lease: ``alloc``/``free`` without gRPC.

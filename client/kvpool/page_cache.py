@@ -512,8 +512,7 @@ def lease_lost(lease: Any) -> KVPoolError | None:
     err = lease.error
     if isinstance(err, NotFound):
         return err
-    if getattr(lease, "_closed", False) or (
-            getattr(lease, "_stop", None) is not None and lease._stop.is_set()):
+    if lease.closed:
         return FailedPrecondition(f"lease {lease.lease_id} is closed", field="lease")
     return None
 
@@ -530,9 +529,6 @@ class PageCache:
                  batch: int | None = None) -> None:
         lo, hi, ba = watermarks(capacity, low, high, batch)
         self._lease = lease
-        # The lease's stop event: set by ``Lease.close``, whose CloseLease takes back every id
-        # of this cache, so ``alloc`` checks it (an attribute read) before handing one out.
-        self._lease_stop: threading.Event = getattr(lease, "_stop", None) or threading.Event()
         self._core = PageCacheCore(pool, space, capacity, lo, hi, ba)
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -571,7 +567,8 @@ class PageCache:
         lease_err = self._lease.error
         with self._lock:
             core = self._core
-            if core.dead is not None or lease_err is not None or self._lease_stop.is_set():
+            # ``Lease.close``'s CloseLease takes back every id of this cache: check it first
+            if core.dead is not None or lease_err is not None or self._lease.closed:
                 self._check_alive()
             ids = core.take(n)
             if ids is not None:
