@@ -24,6 +24,7 @@ import numpy as np
 from kvpool.errors import FailedPrecondition, KVPoolError, NotFound, ResourceExhausted
 from kvpool.page_cache import (
     REFILL,
+    CacheState,
     PageCacheCore,
     PageCacheCounters,
     copy_error,
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpool.page_cache")
 
 
-class AsyncPageCache:
+class AsyncPageCache(CacheState):
     """Ids of one (lease, pool, id space) served from a local stack; see ``kvpool.page_cache``.
 
     Made by :meth:`kvpool.aio.AsyncLease.page_cache`; ``async with`` closes it.
@@ -111,62 +112,6 @@ class AsyncPageCache:
 
     # -- state --------------------------------------------------------------------------------
 
-    @property
-    def pool(self) -> str:
-        return self._core.pool
-
-    @property
-    def space(self) -> str:
-        return self._core.space
-
-    @property
-    def capacity(self) -> int:
-        return self._core.capacity
-
-    @property
-    def low(self) -> int:
-        return self._core.low
-
-    @property
-    def high(self) -> int:
-        return self._core.high
-
-    @property
-    def batch(self) -> int:
-        return self._core.batch
-
-    @property
-    def in_use(self) -> int:
-        return self._core.n_in_use
-
-    @property
-    def cached(self) -> int:
-        return self._core.top
-
-    @property
-    def refills(self) -> int:
-        return self._core.refills
-
-    @property
-    def returns(self) -> int:
-        return self._core.returns
-
-    @property
-    def rpc_calls(self) -> int:
-        return self._core.rpc_calls
-
-    @property
-    def waits(self) -> int:
-        return self._core.waits
-
-    @property
-    def closed(self) -> bool:
-        return self._core.closed
-
-    @property
-    def error(self) -> KVPoolError | None:
-        return self._core.lost
-
     def counters(self) -> PageCacheCounters:
         return self._core.counters()
 
@@ -212,10 +157,6 @@ class AsyncPageCache:
         c = self._core
         return (f"AsyncPageCache({c.label}, lease={self._lease.lease_id}, low={c.low}, "
                 f"high={c.high}, batch={c.batch}, in_use={c.n_in_use}, cached={c.top})")
-
-    @property
-    def gave_back(self) -> int:
-        return self._core.gave_back
 
     # -- the lease's keep-alive task ----------------------------------------------------------
 

@@ -517,7 +517,75 @@ def lease_lost(lease: Any) -> KVPoolError | None:
     return None
 
 
-class PageCache:
+class CacheState:
+    """The read-only state both page caches expose (``self._core`` is their
+    :class:`PageCacheCore`)."""
+
+    _core: PageCacheCore
+
+    @property
+    def pool(self) -> str:
+        return self._core.pool
+
+    @property
+    def space(self) -> str:
+        return self._core.space
+
+    @property
+    def capacity(self) -> int:
+        return self._core.capacity
+
+    @property
+    def low(self) -> int:
+        return self._core.low
+
+    @property
+    def high(self) -> int:
+        return self._core.high
+
+    @property
+    def batch(self) -> int:
+        return self._core.batch
+
+    @property
+    def in_use(self) -> int:
+        return self._core.n_in_use
+
+    @property
+    def cached(self) -> int:
+        return self._core.top
+
+    @property
+    def refills(self) -> int:
+        return self._core.refills
+
+    @property
+    def returns(self) -> int:
+        return self._core.returns
+
+    @property
+    def rpc_calls(self) -> int:
+        return self._core.rpc_calls
+
+    @property
+    def waits(self) -> int:
+        return self._core.waits
+
+    @property
+    def gave_back(self) -> int:
+        return self._core.gave_back
+
+    @property
+    def closed(self) -> bool:
+        return self._core.closed
+
+    @property
+    def error(self) -> KVPoolError | None:
+        """Why the cache lost its ids (lease expired or closed, pool dropped), else None."""
+        return self._core.lost
+
+
+class PageCache(CacheState):
     """Ids of one (lease, pool, id space) served from a local stack; see the module docstring.
 
     Made by :meth:`kvpool.client.Lease.page_cache`; a context manager (``close`` on exit).
@@ -614,63 +682,6 @@ class PageCache:
 
     # -- state --------------------------------------------------------------------------------
 
-    @property
-    def pool(self) -> str:
-        return self._core.pool
-
-    @property
-    def space(self) -> str:
-        return self._core.space
-
-    @property
-    def capacity(self) -> int:
-        return self._core.capacity
-
-    @property
-    def low(self) -> int:
-        return self._core.low
-
-    @property
-    def high(self) -> int:
-        return self._core.high
-
-    @property
-    def batch(self) -> int:
-        return self._core.batch
-
-    @property
-    def in_use(self) -> int:
-        return self._core.n_in_use
-
-    @property
-    def cached(self) -> int:
-        return self._core.top
-
-    @property
-    def refills(self) -> int:
-        return self._core.refills
-
-    @property
-    def returns(self) -> int:
-        return self._core.returns
-
-    @property
-    def rpc_calls(self) -> int:
-        return self._core.rpc_calls
-
-    @property
-    def waits(self) -> int:
-        return self._core.waits
-
-    @property
-    def closed(self) -> bool:
-        return self._core.closed
-
-    @property
-    def error(self) -> KVPoolError | None:
-        """Why the cache lost its ids (lease expired or closed, pool dropped), else None."""
-        return self._core.lost
-
     def counters(self) -> PageCacheCounters:
         """All counters at one instant."""
         with self._lock:
@@ -729,10 +740,6 @@ class PageCache:
         c = self._core
         return (f"PageCache({c.label}, lease={self._lease.lease_id}, low={c.low}, "
                 f"high={c.high}, batch={c.batch}, in_use={c.n_in_use}, cached={c.top})")
-
-    @property
-    def gave_back(self) -> int:
-        return self._core.gave_back
 
     # -- the lease's keep-alive thread --------------------------------------------------------
 
