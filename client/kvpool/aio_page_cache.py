@@ -27,7 +27,6 @@ from kvpool.page_cache import (
     CacheState,
     PageCacheCore,
     PageCacheCounters,
-    copy_error,
     lease_lost,
     space_capacity,
     watermarks,
@@ -171,25 +170,8 @@ class AsyncPageCache(CacheState):
             self._wake.set()
         return k
 
-    def _report_soon(self) -> None:
-        """The cached count moved by a batch (a refill, a return, a give-back, a miss): the
-        lease sends its report now rather than at the next renewal, so the daemon knows what
-        it may ask back."""
-        report_soon = getattr(self._lease, "_report_soon", None)
-        if report_soon is not None:
-            report_soon()
-
     # -- the slow paths -----------------------------------------------------------------------
 
-    def _check_alive(self) -> None:
-        core = self._core
-        if core.dead is None:
-            lost = lease_lost(self._lease)
-            if lost is None:
-                return
-            core.lose(lost)
-        assert core.dead is not None
-        raise copy_error(core.dead)
 
     async def _miss(self, n: int, reserved: np.ndarray) -> np.ndarray:
         core = self._core

@@ -522,6 +522,26 @@ class CacheState:
     :class:`PageCacheCore`)."""
 
     _core: PageCacheCore
+    _lease: Any
+
+    def _report_soon(self) -> None:
+        """The cached count moved by a batch (a refill, a return, a give-back, a miss): the
+        lease sends its report now rather than at the next renewal, so the daemon knows what
+        it may ask back."""
+        report_soon = getattr(self._lease, "_report_soon", None)
+        if report_soon is not None:
+            report_soon()
+
+    def _check_alive(self) -> None:
+        """Raise why the cache cannot hand out ids (the sync cache calls it under its lock)."""
+        core = self._core
+        if core.dead is None:
+            lost = lease_lost(self._lease)
+            if lost is None:
+                return  # a transient keep-alive failure: the lease is still ours
+            core.lose(lost)
+        assert core.dead is not None
+        raise copy_error(core.dead)
 
     @property
     def pool(self) -> str:
@@ -758,26 +778,8 @@ class PageCache(CacheState):
                 self._wake.set()
         return k
 
-    def _report_soon(self) -> None:
-        """The cached count moved by a batch (a refill, a return, a give-back, a miss): the
-        lease sends its report now rather than at the next renewal, so the daemon knows what
-        it may ask back."""
-        report_soon = getattr(self._lease, "_report_soon", None)
-        if report_soon is not None:
-            report_soon()
-
     # -- the slow paths -----------------------------------------------------------------------
 
-    def _check_alive(self) -> None:
-        """Raise why the cache cannot hand out ids (called under the lock)."""
-        core = self._core
-        if core.dead is None:
-            lost = lease_lost(self._lease)
-            if lost is None:
-                return  # a transient keep-alive failure: the lease is still ours
-            core.lose(lost)
-        assert core.dead is not None
-        raise copy_error(core.dead)
 
     def _miss(self, n: int, reserved: np.ndarray) -> np.ndarray:
         """Allocate what the stack lacked (plus a refill), unlocked; see the module docstring."""
