@@ -141,15 +141,17 @@ def test_resource_exhausted_leaves_the_cache_as_it_was(client: KVPoolClient,
             client.lease("hog") as hog:
         cache.settle(30)
         cache.alloc(4)
-        hog.allocate(pool, "kv", TINY_PAGES - 8)  # the pool is full now
+        # 16 free: the pressure line (capacity / 16) is not crossed, so nobody is asked to
+        # give cached ids back and the cache's 4 cached ids stay put
+        hog.allocate(pool, "kv", TINY_PAGES - 24)
         before = snapshot(cache)
         with pytest.raises(ResourceExhausted) as info:
-            cache.alloc(10)  # asks for max(6, 8) = 8, then exactly 6: both refused
-        assert "asked for 6" in str(info.value)
+            cache.alloc(21)  # 4 cached, asks for max(17, 8) = 17 of the 16 free: refused
+        assert "asked for 17" in str(info.value)
         counters, stack, bitmap = snapshot(cache)
         assert stack == before[1] and np.array_equal(bitmap, before[2])
         assert (counters.in_use, counters.cached) == (4, 4)
-        assert (counters.rpc_calls, counters.waits) == (before[0].rpc_calls + 2, 1)
+        assert (counters.rpc_calls, counters.waits) == (before[0].rpc_calls + 1, 1)
         assert held(client, pool, lease.lease_id) == 8
         assert len(cache.alloc(4)) == 4  # the stack still serves
 
@@ -408,7 +410,8 @@ async def test_async_refusals_change_nothing(daemon: DaemonProcess, client: KVPo
         await cache.settle()
         ids = await cache.alloc(4)
         await cache.free(ids[:1])
-        await hog.allocate(pool, "kv", TINY_PAGES - 8)
+        # 16 free: above the pressure line (capacity / 16), so no give-back is asked of us
+        await hog.allocate(pool, "kv", TINY_PAGES - 24)
         core = cache._core
         before = (cache.counters(), core.stack[:core.top].tolist(), core.in_use.copy())
         with pytest.raises(FailedPrecondition) as info:
@@ -420,7 +423,7 @@ async def test_async_refusals_change_nothing(daemon: DaemonProcess, client: KVPo
         assert cache.counters() == before[0] and core.stack[:core.top].tolist() == before[1]
         assert np.array_equal(core.in_use, before[2])
         with pytest.raises(ResourceExhausted):
-            await cache.alloc(10)
+            await cache.alloc(22)  # 5 cached, 17 more asked of the 16 free
         assert core.stack[:core.top].tolist() == before[1]
         assert (cache.in_use, cache.cached, cache.waits) == (3, 5, 1)
         assert (await cache.alloc(5)).shape == (5,)
