@@ -214,7 +214,8 @@ class Batches(list):  # type: ignore[type-arg]
 def replay(name: str, trace: Trace, capacity: int, forward_s: float,
            setup: Callable[[list[tuple[int, int]]], list[np.ndarray]],
            step: Callable[[list[Any], list[tuple[int, int]], int], list[Any]],
-           free_arg: Callable[[int, np.ndarray], Any] | None = None) -> Result:
+           free_arg: Callable[[int, np.ndarray], Any] | None = None,
+           between: Callable[[], Any] | None = None) -> Result:
     """Run the trace through ``step(frees, allocs, arrivals) -> one id array per alloc`` (or a
     :class:`Batches`); ``frees`` holds ``free_arg(request, ids)`` per finished request (by
     default its page ids), built before the timer starts."""
@@ -247,6 +248,8 @@ def replay(name: str, trace: Trace, capacity: int, forward_s: float,
             ids = np.array(ids)  # a copy: a view into a free list could change under it
             check.take(ids, n)
             held.setdefault(r, []).append(ids)
+        if between is not None:
+            between()  # the engine's own work between steps (untimed), e.g. cache.maintain()
         time.sleep(forward_s)  # the forward pass (untimed)
     return Result(name, samples, check.allocated, check.freed)
 
@@ -432,7 +435,8 @@ def stats_us(samples: list[int]) -> tuple[float, float, float]:
 
 
 def daemon_variants(target: str, trace: Trace, pages: int, forward_s: float,
-                    marks: tuple[int, int, int]) -> tuple[Result, Result, dict[str, int]]:
+                    marks: tuple[int, int, int], background: bool
+                    ) -> tuple[Result, Result, Result, dict[str, int]]:
     with KVPoolClient(target) as client:
         wait_ready(client)
         client.configure(POOL, spec=SPEC, max_total_tokens=pages * PAGE, page_size=PAGE,
@@ -445,7 +449,8 @@ def daemon_variants(target: str, trace: Trace, pages: int, forward_s: float,
             rpc = replay("rpc", trace, capacity, forward_s, var.setup, var.step)
         def with_cache(name: str, batched: bool) -> tuple[Result, dict[str, int]]:
             with client.lease(f"engine-{name}", ttl_s=30.0) as lease, \
-                    lease.page_cache(POOL, "kv", low=low, high=high, batch=batch) as cache:
+                    lease.page_cache(POOL, "kv", low=low, high=high, batch=batch,
+                                     background=background) as cache:
                 cvar = CacheVariant(cache)
                 before = cache.counters()
 
@@ -457,7 +462,8 @@ def daemon_variants(target: str, trace: Trace, pages: int, forward_s: float,
                     return out
 
                 result = replay(name, trace, capacity, forward_s, setup,
-                                cvar.step_batched if batched else cvar.step)
+                                cvar.step_batched if batched else cvar.step,
+                                between=None if background else cache.maintain)
                 after = cache.counters()
                 counters = {k: getattr(after, k) - getattr(before, k)
                             for k in ("rpc_calls", "waits", "refills", "returns", "fetched",
@@ -498,7 +504,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         rpc, pc, pc_per_request, counters = daemon_variants(
             f"unix://{tmp / 'kvpool.sock'}", trace, pages, forward_s,
-            (args.low, args.high, args.batch))
+            (args.low, args.high, args.batch), args.background)
     finally:
         daemon.terminate()
         daemon.wait(30)
@@ -531,7 +537,8 @@ def run(args: argparse.Namespace) -> int:
             ("rpc p50 / page cache p50", r50 / c50, ">= 100x", r50 / c50 >= 100)):
         print(f"{label:<30} {value:9.2f}x  target {target:<8} {'met' if ok else 'MISSED'}")
     print(f"{'sglang p50 / floor p50':<30} {s50 / f50:9.2f}x  (p99: {s99 / f99:.2f}x)")
-    print(f"\npage cache counters over the {args.steps:,} steps (low {args.low}, high "
+    mode = "worker thread" if args.background else "maintain() between steps"
+    print(f"\npage cache counters over the {args.steps:,} steps ({mode}; low {args.low}, high "
           f"{args.high}, batch {args.batch}): "
           + ", ".join(f"{k} {v:,}" for k, v in counters.items()))
     print(f"({time.perf_counter() - t_start:.1f} s)")
@@ -546,6 +553,9 @@ def main() -> int:
     parser.add_argument("--low", type=int, default=LOW, help="page cache low watermark")
     parser.add_argument("--high", type=int, default=HIGH, help="page cache high watermark")
     parser.add_argument("--batch", type=int, default=BATCH, help="page cache batch")
+    parser.add_argument("--background", action="store_true",
+                        help="let the page cache's worker thread refill and return (default: "
+                             "the engine calls cache.maintain() between steps)")
     parser.add_argument("--forward-us", type=float, default=100.0,
                         help="untimed sleep between steps standing for the forward pass")
     return run(parser.parse_args())

@@ -227,6 +227,7 @@ class PageCacheCore:
         self.in_use = np.zeros(capacity + 2, dtype=bool)
         self.mark = np.zeros(capacity + 2, dtype=np.intp)  # scratch for the repeat check
         self.positions = np.arange(capacity, dtype=np.intp)
+        self.checked = np.empty(0, dtype=np.intp)  # the last multi-id free's ids as intp
         self.n_in_use = 0
         self.reserved = 0
         self.returning = 0
@@ -326,7 +327,7 @@ class PageCacheCore:
             return arr
         if n == 0:
             return arr
-        idx = arr.astype(np.intp)  # one conversion for the three fancy ops below
+        idx = arr.astype(np.intp)  # one conversion for the fancy ops here and in release
         if n > self.capacity or not self.in_use.take(idx, mode="clip").all():
             raise self.free_error(arr)
         # Every id is in 1..capacity now. Whatever the order of the fancy assignment, an id
@@ -335,6 +336,7 @@ class PageCacheCore:
         self.mark[idx] = pos
         if (self.mark[idx] != pos).any():
             raise self.free_error(arr)
+        self.checked = idx
         return arr
 
     def free_error(self, arr: np.ndarray) -> KVPoolError:
@@ -366,7 +368,9 @@ class PageCacheCore:
             self.in_use[value] = False
             self.stack[self.top] = value
         else:
-            self.in_use[arr.astype(np.intp)] = False
+            # the intp ids ``check_free`` just made for ``arr`` (it always runs first)
+            idx = self.checked if self.checked.shape[0] == n else arr.astype(np.intp)
+            self.in_use[idx] = False
             self.stack[self.top:self.top + n] = arr
         self.top += n
         self.n_in_use -= n
@@ -614,7 +618,7 @@ class PageCache(CacheState):
 
     def __init__(self, lease: Lease, pool: str, space: str, capacity: int, *,
                  low: int | None = None, high: int | None = None,
-                 batch: int | None = None) -> None:
+                 batch: int | None = None, background: bool = True) -> None:
         lo, hi, ba = watermarks(capacity, low, high, batch)
         self._lease = lease
         self._core = PageCacheCore(pool, space, capacity, lo, hi, ba)
@@ -625,19 +629,55 @@ class PageCache(CacheState):
                                         name=f"kvpool-page-cache-{pool}-{space}")
         self._core.kicked = True  # the first refill, to ``high``
         self._wake.set()
-        self._thread.start()
+        # background=False: no worker thread; the engine calls ``maintain`` (between steps,
+        # while its forward pass runs), so no refill or return ever lands inside its calls.
+        self.background = background
+        if background:
+            self._thread.start()
+        else:
+            self.maintain()
         register = getattr(lease, "_register_cache", None)
         if register is not None:  # the lease reports it on KeepAlive and routes give-backs
             register(self)
 
     @classmethod
     def open(cls, lease: Lease, pool: str, space: str = "kv", *, low: int | None = None,
-             high: int | None = None, batch: int | None = None) -> PageCache:
+             high: int | None = None, batch: int | None = None,
+             background: bool = True) -> PageCache:
         """A cache over ``pool``'s ``space`` for ``lease``: one Stats call learns the space's
-        capacity (and whether it is paired); the worker then fills the stack to ``high``."""
+        capacity (and whether it is paired); the stack is then filled to ``high`` (by the
+        worker, or at once without one)."""
         stats = lease.client.stats(pool)
         capacity = space_capacity(stats, pool, space)
-        return cls(lease, pool, space, capacity, low=low, high=high, batch=batch)
+        return cls(lease, pool, space, capacity, low=low, high=high, batch=batch,
+                   background=background)
+
+    def maintain(self) -> int:
+        """Do now, in this thread, the refills, returns and give-backs the watermarks ask for
+        (what the worker does in the background); for a cache opened with
+        ``background=False``, call it once per engine step, outside the step's allocs and
+        frees (a give-back the daemon asks for also waits for it). Without work it costs a
+        lock and a few comparisons.
+
+        Returns:
+            The RPCs made.
+        """
+        done = 0
+        while True:
+            with self._lock:
+                core = self._core
+                if core.dead is None:
+                    lost = lease_lost(self._lease)
+                    if lost is not None:
+                        core.lose(lost)
+                now = time.monotonic()
+                job = core.next_job(now)
+                if job is None:
+                    core.idle(now)  # what the worker does when it runs out of work
+                    return done
+                core.rpc_calls += 1
+            self._do_job(job)
+            done += 1
 
     # -- the hot path -------------------------------------------------------------------------
 
@@ -714,6 +754,9 @@ class PageCache(CacheState):
         Returns:
             False if ``timeout_s`` passed first.
         """
+        if not self.background:
+            self.maintain()
+            return True
         with self._lock:
             if self._core.dead is not None or not self._thread.is_alive():
                 return True
@@ -737,7 +780,8 @@ class PageCache(CacheState):
         if unregister is not None:
             unregister(self)
         self._wake.set()
-        self._thread.join()
+        if self.background:
+            self._thread.join()
         with self._lock:
             ids = self._core.drain()
             if not ids.shape[0] or self._core.lost is not None:
@@ -814,6 +858,27 @@ class PageCache(CacheState):
             self._core.rpc_calls += 1
         return self._lease.allocate(self._core.pool, self._core.space, count)
 
+    def _do_job(self, job: tuple[str, Any]) -> None:
+        """One refill or return RPC for the worker or ``maintain`` (called unlocked)."""
+        core = self._core
+        kind, arg = job
+        try:
+            if kind == REFILL:
+                result = self._lease.allocate(core.pool, core.space, arg)
+            else:
+                result = self._lease.free(core.pool, core.space, arg)
+        except KVPoolError as err:
+            with self._lock:
+                core.job_failed(kind, arg, err, time.monotonic())
+        except Exception as err:  # never let the worker die silently
+            log.exception("page cache %s: %s failed", core.label, kind)
+            with self._lock:
+                core.job_failed(kind, arg, FailedPrecondition(str(err)), time.monotonic())
+        else:
+            with self._lock:
+                core.job_done(kind, arg, result)
+            self._report_soon()
+
     def _run(self) -> None:
         """The worker: refill below ``low``, return above ``high``; one RPC at a time."""
         core = self._core
@@ -836,21 +901,4 @@ class PageCache(CacheState):
                             return
                         break
                     core.rpc_calls += 1
-                kind, arg = job
-                try:
-                    if kind == REFILL:
-                        result = self._lease.allocate(core.pool, core.space, arg)
-                    else:
-                        result = self._lease.free(core.pool, core.space, arg)
-                except KVPoolError as err:
-                    with self._lock:
-                        core.job_failed(kind, arg, err, time.monotonic())
-                except Exception as err:  # never let the worker die silently
-                    log.exception("page cache %s: %s failed", core.label, kind)
-                    with self._lock:
-                        core.job_failed(kind, arg, FailedPrecondition(str(err)),
-                                        time.monotonic())
-                else:
-                    with self._lock:
-                        core.job_done(kind, arg, result)
-                    self._report_soon()
+                self._do_job(job)

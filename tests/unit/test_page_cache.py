@@ -445,3 +445,22 @@ async def test_async_close_returns_cached(daemon: DaemonProcess, client: KVPoolC
         assert held(client, pool, lease.lease_id) == 0
         with pytest.raises(InvalidArgument, match="no id space 'state'"):
             await lease.page_cache(pool, "state")
+
+
+def test_without_a_worker_the_engine_drives_refills_and_returns(client: KVPoolClient,
+                                                                pool: str) -> None:
+    """``background=False``: no thread; the stack is filled to ``high`` when the cache opens,
+    and later refills and returns happen only inside ``maintain()``, one RPC each."""
+    with client.lease("engine") as lease, lease.page_cache(
+            pool, low=4, high=16, batch=8, background=False) as cache:
+        assert (cache.cached, cache.rpc_calls) == (16, 1)
+        ids = cache.alloc(14)  # 2 left, below low: nothing happens until maintain
+        assert (cache.cached, cache.rpc_calls) == (2, 1)
+        assert held(client, pool, lease.lease_id) == 16
+        assert cache.maintain() == 1  # one refill to high
+        assert (cache.cached, cache.refills) == (16, 2)
+        cache.free(ids)  # 30 cached, above high: returned only by maintain
+        assert cache.cached == 30 and held(client, pool, lease.lease_id) == 30
+        assert cache.maintain() == 1  # down to max(low, high - batch) = 8
+        assert cache.cached == 8 and held(client, pool, lease.lease_id) == 8
+        assert cache.maintain() == 0
