@@ -91,7 +91,7 @@ class AsyncPageCache(CacheState):
         """Give back ids this cache handed out, without awaiting (after ``close``: one Free).
         Raises as ``PageCache.free``."""
         core = self._core
-        arr = core.check_free(ids)
+        arr = core.unmark(ids)
         if core.dead is None:
             core.release(arr)
             if core.top > core.high and not core.kicked:

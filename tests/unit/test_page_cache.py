@@ -182,6 +182,8 @@ def test_double_free_and_foreign_ids_are_refused_and_change_nothing(
         cases: list[tuple[object, type[KVPoolError], str]] = [
             ([ids[1], ids[0]], FailedPrecondition, "ids[1]"),  # a double free
             ([ids[1], ids[2], ids[1]], InvalidArgument, "ids[2]"),  # repeated in one call
+            ([ids[3], ids[3], ids[3], ids[2]], InvalidArgument, "ids[1]"),  # three times
+            (np.array([ids[2], 2**63 + 5], dtype=np.uint64), InvalidArgument, "ids[1]"),
             ([ids[1], 0], InvalidArgument, "ids[1]"),
             ([TINY_PAGES + 1], InvalidArgument, "ids[0]"),
             ([-3, ids[1]], InvalidArgument, "ids[0]"),
