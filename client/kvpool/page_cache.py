@@ -27,7 +27,7 @@ Watermarks (pages; per cache):
 Checks: ``free`` refuses, naming the first bad id and its position (``ids[3]``) and changing
 nothing, an id out of the space's range or repeated in the call (``InvalidArgument``) and an id
 this cache has not handed out or that was already freed (``FailedPrecondition``), the daemon's
-classes for the same faults. A one-byte mark per id of the space (a bitmap in spirit) makes this O(count).
+classes for the same faults. A mark per id of the space (2 bytes) makes this O(count).
 
 Spaces: any id space that no other space follows and that follows none (``kv`` of MHA, MLA,
 DSA and hybrid linear pools; ``req``, ``state``, ``c4_state``, ``c128_state``). Paired pages
@@ -74,7 +74,17 @@ log = logging.getLogger("kvpool.page_cache")
 count_nonzero = np.count_nonzero
 subtract_at = np.subtract.at
 add_at = np.add.at
-ONE = np.int8(1)  # the mark's dtype: ``ufunc.at`` with a Python int is ~10x slower
+ONE = np.int16(1)  # the mark's dtype: ``ufunc.at`` with a Python int is ~10x slower
+# A free of more ids than this could list one id 65,537 times, which its int16 mark would not
+# show; such a call also checks for repeats with a sort (O(n log n)).
+REPEAT_SAFE = 65_536
+
+
+def repeats(idx: np.ndarray) -> bool:
+    """Whether ``idx`` lists an id twice."""
+    s = np.sort(idx)
+    return bool(count_nonzero(s[1:] == s[:-1]))
+
 
 # Defaults, clamped for small spaces (see ``watermarks``).
 DEFAULT_LOW = 64
@@ -227,9 +237,9 @@ class PageCacheCore:
         self.stack = np.empty(capacity, dtype=ID_DTYPE)
         self.top = 0
         # 1 for an id handed out, else 0: ids 1..capacity; 0 and capacity + 1 are sentinels,
-        # always 0, so ``take(ids, mode="clip")`` checks range and state in one pass. int8, not
-        # bool: ``unmark`` subtracts 1 per listing, so a repeated id shows as negative.
-        self.in_use = np.zeros(capacity + 2, dtype=np.int8)
+        # always 0, so ``take(ids, mode="clip")`` checks range and state in one pass. int16, not
+        # bool: ``unmark`` subtracts 1 per listing, so a repeated id shows as nonzero.
+        self.in_use = np.zeros(capacity + 2, dtype=np.int16)
         self.n_in_use = 0
         self.reserved = 0
         self.returning = 0
@@ -336,9 +346,10 @@ class PageCacheCore:
         # ``count_nonzero`` rather than ``.all()``: no ufunc reduction, ~0.5 us less.
         if n > self.capacity or count_nonzero(in_use.take(idx, mode="clip")) != n:
             raise self.free_error(arr)
-        # Every id is in 1..capacity and marked 1; an id listed k times ends at 1 - k.
+        # Every id is in 1..capacity and marked 1; an id listed k times ends at 1 - k (an int16
+        # wraps back to 0 only for k = 65,537 and more: larger calls check with a sort).
         subtract_at(in_use, idx, ONE)
-        if count_nonzero(in_use.take(idx)):
+        if count_nonzero(in_use.take(idx)) or (n > REPEAT_SAFE and repeats(idx)):
             add_at(in_use, idx, ONE)  # back as it was
             raise self.free_error(arr)
         return arr

@@ -23,7 +23,7 @@ from kvpool.errors import (
     NotFound,
     ResourceExhausted,
 )
-from kvpool.page_cache import PageCache, PageCacheCounters, watermarks
+from kvpool.page_cache import PageCache, PageCacheCore, PageCacheCounters, watermarks
 from tests.conftest import TINY_OPTIONS, TINY_PAGES, TINY_SPEC, DaemonProcess, run_daemon, temp_dir
 
 SWA_SPEC = {"num_layers": 4, "attention": {"type": "mha", "num_kv_heads": 2, "head_dim": 16},
@@ -183,6 +183,9 @@ def test_double_free_and_foreign_ids_are_refused_and_change_nothing(
             ([ids[1], ids[0]], FailedPrecondition, "ids[1]"),  # a double free
             ([ids[1], ids[2], ids[1]], InvalidArgument, "ids[2]"),  # repeated in one call
             ([ids[3], ids[3], ids[3], ids[2]], InvalidArgument, "ids[1]"),  # three times
+            ([ids[3]] * (TINY_PAGES + 1), InvalidArgument, "ids[1]"),  # more than capacity
+            # 256 listings on the sentinel mark 0: a one-byte mark would wrap back to 0
+            ([0] * TINY_PAGES, InvalidArgument, "ids[0]"),
             (np.array([ids[2], 2**63 + 5], dtype=np.uint64), InvalidArgument, "ids[1]"),
             ([ids[1], 0], InvalidArgument, "ids[1]"),
             ([TINY_PAGES + 1], InvalidArgument, "ids[0]"),
@@ -466,3 +469,17 @@ def test_without_a_worker_the_engine_drives_refills_and_returns(client: KVPoolCl
         assert cache.maintain() == 1  # down to max(low, high - batch) = 8
         assert cache.cached == 8 and held(client, pool, lease.lease_id) == 8
         assert cache.maintain() == 0
+
+
+def test_an_id_listed_65537_times_is_refused() -> None:
+    """The marks are int16: 1 - 65,537 wraps back to 0, so a call that long checks with a sort."""
+    core = PageCacheCore("p", "kv", capacity=70_000, low=0, high=70_000, batch=1)
+    core.push(np.arange(70_000, 0, -1, dtype=np.int32))
+    ids = core.take(2)
+    assert ids is not None
+    before = core.in_use.copy()
+    with pytest.raises(InvalidArgument) as info:
+        core.unmark(np.full(65_537, ids[0], dtype=np.int32))
+    assert info.value.field == "ids[1]"
+    assert np.array_equal(core.in_use, before)
+    assert core.unmark(ids).tolist() == ids.tolist()  # both still in use: freed at once
