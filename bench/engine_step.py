@@ -53,12 +53,17 @@ to run its refills and returns then (a pure-Python loop that never released the 
 it run only at the interpreter's 5 ms switch interval, and the worker's RPC would land inside
 the timed calls).
 
-Printed per variant: p50, p99 and mean per-step allocator time (us), pages allocated and freed
-(asserted identical across the four), then the target ratios with "met"/"MISSED", and the page
-cache's counters. Run from the repository root (finishes in well under 2 minutes on 2 cores):
+Rounds: the machine is noisy (a burst of load lasts seconds, a variant's replay about one), so
+every variant runs ``--rounds`` (3) times, round by round, each round running all of them back
+to back; the ratios are computed per round and their median printed with the rounds' range.
+
+Printed: per variant the median over the rounds of its p50, p99 and mean per-step allocator
+time (us) (pages allocated and freed are asserted identical across variants), the target ratios
+with "met"/"MISSED", and the page cache's counters. Run from the repository root (about half a
+minute on 2 cores):
 
     PYTHONPATH=client:service python bench/engine_step.py [--steps 2000] [--seed 0]
-        [--requests 256]
+        [--requests 256] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -434,47 +439,65 @@ def stats_us(samples: list[int]) -> tuple[float, float, float]:
     return (float(np.percentile(arr, 50)), float(np.percentile(arr, 99)), float(arr.mean()))
 
 
-def daemon_variants(target: str, trace: Trace, pages: int, forward_s: float,
-                    marks: tuple[int, int, int], background: bool
-                    ) -> tuple[Result, Result, Result, dict[str, int]]:
-    with KVPoolClient(target) as client:
-        wait_ready(client)
-        client.configure(POOL, spec=SPEC, max_total_tokens=pages * PAGE, page_size=PAGE,
-                         max_running_requests=512)
-        capacity = client.stats(POOL).pool(POOL).spaces["kv"].capacity
-        low, high, batch = marks
-        assert capacity >= trace.peak_pages + high, (capacity, trace.peak_pages)
-        with client.lease("engine-rpc", ttl_s=30.0) as lease:
-            var = RPCVariant(lease)
-            rpc = replay("rpc", trace, capacity, forward_s, var.setup, var.step)
-        def with_cache(name: str, batched: bool) -> tuple[Result, dict[str, int]]:
-            with client.lease(f"engine-{name}", ttl_s=30.0) as lease, \
-                    lease.page_cache(POOL, "kv", low=low, high=high, batch=batch,
-                                     background=background) as cache:
-                cvar = CacheVariant(cache)
-                before = cache.counters()
+def cache_replay(client: KVPoolClient, name: str, trace: Trace, capacity: int,
+                 forward_s: float, marks: tuple[int, int, int], background: bool,
+                 batched: bool) -> tuple[Result, dict[str, int]]:
+    """The trace through a fresh lease's page cache; its counters over the timed steps."""
+    low, high, batch = marks
+    with client.lease(f"engine-{name}", ttl_s=30.0) as lease, \
+            lease.page_cache(POOL, "kv", low=low, high=high, batch=batch,
+                             background=background) as cache:
+        cvar = CacheVariant(cache)
+        before = cache.counters()
 
-                def setup(items: list[tuple[int, int]]) -> list[np.ndarray]:
-                    out = cvar.setup(items)
-                    cache.settle(10.0)  # the steady state: the worker has caught up
-                    nonlocal before
-                    before = cache.counters()
-                    return out
+        def setup(items: list[tuple[int, int]]) -> list[np.ndarray]:
+            out = cvar.setup(items)
+            cache.settle(10.0)  # the steady state: the worker has caught up
+            nonlocal before
+            before = cache.counters()
+            return out
 
-                result = replay(name, trace, capacity, forward_s, setup,
-                                cvar.step_batched if batched else cvar.step,
-                                between=None if background else cache.maintain)
-                after = cache.counters()
-                counters = {k: getattr(after, k) - getattr(before, k)
-                            for k in ("rpc_calls", "waits", "refills", "returns", "fetched",
-                                      "returned")}
-                counters["cached_at_end"] = after.cached
-            return result, counters
+        result = replay(name, trace, capacity, forward_s, setup,
+                        cvar.step_batched if batched else cvar.step,
+                        between=None if background else cache.maintain)
+        after = cache.counters()
+        counters = {k: getattr(after, k) - getattr(before, k)
+                    for k in ("rpc_calls", "waits", "refills", "returns", "fetched",
+                              "returned")}
+        counters["cached_at_end"] = after.cached
+    return result, counters
 
-        pc, counters = with_cache("page cache", batched=True)
-        per_request, _ = with_cache("page cache, per request", batched=False)
-        client.drop(POOL, force=True)
-    return rpc, pc, per_request, counters
+
+def one_round(client: KVPoolClient, trace: Trace, pages: int, capacity: int,
+              args: argparse.Namespace) -> tuple[dict[str, Result], dict[str, int]]:
+    """Every variant once, back to back, on the same trace."""
+    forward_s = args.forward_us / 1e6
+    marks = (args.low, args.high, args.batch)
+    out: dict[str, Result] = {}
+    floor = Floor(pages)
+    out["floor"] = replay("floor", trace, pages, forward_s, floor.setup, floor.step_batched)
+    sg = SGLangVariant(pages, trace)
+    out["sglang"] = replay("sglang", trace, pages, forward_s, sg.setup, sg.step,
+                           sg.token_indices)
+    with client.lease("engine-rpc", ttl_s=30.0) as lease:
+        var = RPCVariant(lease)
+        out["rpc"] = replay("rpc", trace, capacity, forward_s, var.setup, var.step)
+    out["page cache"], counters = cache_replay(client, "page cache", trace, capacity,
+                                               forward_s, marks, args.background, True)
+    fr = Floor(pages)
+    out["floor, per request"] = replay("floor, per request", trace, pages, forward_s,
+                                       fr.setup, fr.step)
+    out["page cache, per request"], _ = cache_replay(
+        client, "page cache, per request", trace, capacity, forward_s, marks,
+        args.background, False)
+    for r in out.values():
+        assert (r.allocated, r.freed) == (trace.pages_allocated, trace.pages_freed), \
+            (r.name, r.allocated, r.freed)
+        assert len(r.samples) == args.steps
+    return out, counters
+
+
+INFO = ("floor, per request", "page cache, per request")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -490,56 +513,60 @@ def run(args: argparse.Namespace) -> int:
           f"{trace.pages_allocated:,} pages allocated, {trace.pages_freed:,} freed in the "
           f"timed steps ({sum(n for _, n in trace.setup):,} at setup, untimed); peak held "
           f"{trace.peak_pages:,}; pool {pages:,} pages")
-    forward_s = args.forward_us / 1e6
-    results: list[Result] = []
-    floor = Floor(pages)
-    results.append(replay("floor", trace, pages, forward_s, floor.setup, floor.step_batched))
-    fr = Floor(pages)
-    info = [replay("floor, per request", trace, pages, forward_s, fr.setup, fr.step)]
-    sg = SGLangVariant(pages, trace)
-    results.append(replay("sglang", trace, pages, forward_s, sg.setup, sg.step,
-                          sg.token_indices))
+    rounds: list[dict[str, tuple[float, float, float]]] = []
+    counters: dict[str, int] = {}
     tmp = Path(tempfile.mkdtemp(prefix="kvp-engine-", dir="/tmp"))
     daemon = start_daemon(tmp / "kvpool.sock")
     try:
-        rpc, pc, pc_per_request, counters = daemon_variants(
-            f"unix://{tmp / 'kvpool.sock'}", trace, pages, forward_s,
-            (args.low, args.high, args.batch), args.background)
+        with KVPoolClient(f"unix://{tmp / 'kvpool.sock'}") as client:
+            wait_ready(client)
+            client.configure(POOL, spec=SPEC, max_total_tokens=pages * PAGE, page_size=PAGE,
+                             max_running_requests=512)
+            capacity = client.stats(POOL).pool(POOL).spaces["kv"].capacity
+            assert capacity >= trace.peak_pages + args.high, (capacity, trace.peak_pages)
+            for k in range(args.rounds):
+                results, counters = one_round(client, trace, pages, capacity, args)
+                rounds.append({name: stats_us(r.samples) for name, r in results.items()})
+                print(f"round {k + 1}/{args.rounds}: page cache p50 "
+                      f"{rounds[-1]['page cache'][0]:.2f} us, floor p50 "
+                      f"{rounds[-1]['floor'][0]:.2f} us", flush=True)
+            client.drop(POOL, force=True)
     finally:
         daemon.terminate()
         daemon.wait(30)
         shutil.rmtree(tmp, ignore_errors=True)
-    results += [rpc, pc]
-    info.append(pc_per_request)
-    for r in [*results, *info]:
-        assert (r.allocated, r.freed) == (trace.pages_allocated, trace.pages_freed), \
-            (r.name, r.allocated, r.freed)
-        assert len(r.samples) == args.steps
 
-    print(f"\n{'variant':<32} {'p50 us':>9} {'p99 us':>9} {'mean us':>9} {'allocated':>11} "
-          f"{'freed':>11}")
-    table = {}
-    for r in [*results, *info]:
-        p50, p99, mean = stats_us(r.samples)
-        table[r.name] = (p50, p99, mean)
-        label = r.name + (" (info)" if r in info else "")
-        print(f"{label:<32} {p50:9.2f} {p99:9.2f} {mean:9.2f} {r.allocated:11,} {r.freed:11,}")
-    print("all variants ran the same trace (pages allocated and freed asserted equal)")
+    def med(values: list[float]) -> float:
+        return float(np.median(values))
 
-    f50, f99, _ = table["floor"]
-    c50, c99, _ = table["page cache"]
-    r50 = table["rpc"][0]
-    s50, s99, _ = table["sglang"]
-    print()
-    for label, value, target, ok in (
-            ("page cache p50 / floor p50", c50 / f50, "<= 2x", c50 / f50 <= 2),
-            ("page cache p99 / floor p99", c99 / f99, "<= 5x", c99 / f99 <= 5),
-            ("rpc p50 / page cache p50", r50 / c50, ">= 100x", r50 / c50 >= 100)):
-        print(f"{label:<30} {value:9.2f}x  target {target:<8} {'met' if ok else 'MISSED'}")
-    print(f"{'sglang p50 / floor p50':<30} {s50 / f50:9.2f}x  (p99: {s99 / f99:.2f}x)")
+    print(f"\nmedian over {args.rounds} rounds (each round runs every variant once, back to "
+          "back; all ran the same trace, pages allocated and freed asserted equal)")
+    print(f"{'variant':<32} {'p50 us':>9} {'p99 us':>9} {'mean us':>9}")
+    for name in rounds[0]:
+        p50, p99, mean = (med([r[name][i] for r in rounds]) for i in range(3))
+        label = name + (" (info)" if name in INFO else "")
+        print(f"{label:<32} {p50:9.2f} {p99:9.2f} {mean:9.2f}")
+
+    def ratios(num: str, den: str, col: int) -> list[float]:
+        return [r[num][col] / r[den][col] for r in rounds]
+
+    print("\nratios: the median of the per-round ratios [the rounds' min .. max]")
+    for label, values, target, ok in (
+            ("page cache p50 / floor p50", ratios("page cache", "floor", 0), "<= 2x",
+             lambda v: v <= 2),
+            ("page cache p99 / floor p99", ratios("page cache", "floor", 1), "<= 5x",
+             lambda v: v <= 5),
+            ("rpc p50 / page cache p50", ratios("rpc", "page cache", 0), ">= 100x",
+             lambda v: v >= 100)):
+        v = med(values)
+        print(f"{label:<30} {v:9.2f}x  [{min(values):.2f} .. {max(values):.2f}]  target "
+              f"{target:<8} {'met' if ok(v) else 'MISSED'}")
+    s50 = med(ratios("sglang", "floor", 0))
+    s99 = med(ratios("sglang", "floor", 1))
+    print(f"{'sglang p50 / floor p50':<30} {s50:9.2f}x  (p99: {s99:.2f}x)")
     mode = "worker thread" if args.background else "maintain() between steps"
-    print(f"\npage cache counters over the {args.steps:,} steps ({mode}; low {args.low}, high "
-          f"{args.high}, batch {args.batch}): "
+    print(f"\npage cache counters over the {args.steps:,} steps of the last round ({mode}; low "
+          f"{args.low}, high {args.high}, batch {args.batch}): "
           + ", ".join(f"{k} {v:,}" for k, v in counters.items()))
     print(f"({time.perf_counter() - t_start:.1f} s)")
     return 0
@@ -556,6 +583,8 @@ def main() -> int:
     parser.add_argument("--background", action="store_true",
                         help="let the page cache's worker thread refill and return (default: "
                              "the engine calls cache.maintain() between steps)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of every variant, back to back; medians are printed")
     parser.add_argument("--forward-us", type=float, default=100.0,
                         help="untimed sleep between steps standing for the forward pass")
     return run(parser.parse_args())
