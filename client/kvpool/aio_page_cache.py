@@ -27,7 +27,6 @@ from kvpool.page_cache import (
     CacheState,
     PageCacheCore,
     PageCacheCounters,
-    lease_lost,
     space_capacity,
     watermarks,
 )
@@ -211,18 +210,13 @@ class AsyncPageCache(CacheState):
             self._wake.clear()
             while True:
                 now = time.monotonic()
-                if core.dead is None:
-                    lost = lease_lost(self._lease)
-                    if lost is not None:
-                        core.lose(lost)
-                job = core.next_job(now)
+                job = core.next_job(now, self._lease)
                 if job is None:
                     stop, sleep = core.idle(now)
                     self._idle.set()
                     if stop:
                         return
                     break
-                core.rpc_calls += 1
                 kind, arg = job
                 try:
                     if kind == REFILL:

@@ -411,9 +411,20 @@ class PageCacheCore:
         the daemon took off the stack count as in use)."""
         return self.top, self.n_in_use + self.reserved
 
-    def next_job(self, now: float) -> tuple[str, Any] | None:
-        """What the worker should do now: ``(RETURN, ids)`` (taken off the stack),
-        ``(REFILL, count)``, or None."""
+    def next_job(self, now: float, lease: Any) -> tuple[str, Any] | None:
+        """The RPC the worker (or ``maintain``) should make now, counted in ``rpc_calls``:
+        ``(GIVE_BACK | RETURN, ids)`` (taken off the stack), ``(REFILL, count)``, or None. A
+        cache whose lease is gone is marked lost first and has nothing to do."""
+        if self.dead is None:
+            lost = lease_lost(lease)
+            if lost is not None:
+                self.lose(lost)
+        job = self.pick_job(now)
+        if job is not None:
+            self.rpc_calls += 1
+        return job
+
+    def pick_job(self, now: float) -> tuple[str, Any] | None:
         if self.dead is not None:
             return None
         if self.give_back > 0:
@@ -672,16 +683,11 @@ class PageCache(CacheState):
         while True:
             with self._lock:
                 core = self._core
-                if core.dead is None:
-                    lost = lease_lost(self._lease)
-                    if lost is not None:
-                        core.lose(lost)
                 now = time.monotonic()
-                job = core.next_job(now)
+                job = core.next_job(now, self._lease)
                 if job is None:
                     core.idle(now)  # what the worker does when it runs out of work
                     return done
-                core.rpc_calls += 1
             self._do_job(job)
             done += 1
 
@@ -895,16 +901,11 @@ class PageCache(CacheState):
             while True:
                 now = time.monotonic()
                 with self._lock:
-                    if core.dead is None:
-                        lost = lease_lost(self._lease)
-                        if lost is not None:
-                            core.lose(lost)
-                    job = core.next_job(now)
+                    job = core.next_job(now, self._lease)
                     if job is None:
                         stop, sleep = core.idle(now)
                         self._idle.set()
                         if stop:
                             return
                         break
-                    core.rpc_calls += 1
                 self._do_job(job)
