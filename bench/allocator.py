@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +34,7 @@ import torch
 from grpc_health.v1 import health_pb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rpc import start_daemon, wait_ready
+from rpc import serving_daemon
 
 from kvpool.client import KVPoolClient
 from kvpool.sizes import format_size, parse_size
@@ -53,6 +51,20 @@ SPEC = {"num_layers": 1, "attention": {"type": "mha", "num_kv_heads": 1, "head_d
 FLOOR_CALLS = 300
 TARGET_PAIR_SHARE = 0.05
 TARGET_PAGES_PER_S = 1_000_000
+
+
+class CallContext:
+    """What the servicer asks of a gRPC call's context, for a call made in process: no
+    deadline; an abort raises (the bench expects none)."""
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    async def abort(self, code: Any, details: str, metadata: Any = ()) -> None:
+        raise RuntimeError(f"{code}: {details}")
+
+
+CONTEXT = CallContext()
 
 
 def drive(coro: Any) -> Any:
@@ -91,9 +103,9 @@ class EntryPoint:
         pool, lease_id = self.pool, self.lease_id
 
         def run() -> None:
-            reply = drive(allocate(request, None))
+            reply = drive(allocate(request, CONTEXT))
             drive(free(pb.FreeRequest(pool=pool, lease_id=lease_id, items=[
-                pb.IdList(space="kv", ids=reply.items[0].ids)]), None))
+                pb.IdList(space="kv", ids=reply.items[0].ids)]), CONTEXT))
 
         return run
 
@@ -190,16 +202,8 @@ def main() -> int:
     args = parser.parse_args()
     sizes = [parse_size(s.replace("K", "KiB").replace("M", "MiB")) for s in
              args.sizes.split(",")]
-    tmp = Path(tempfile.mkdtemp(prefix="kvp-bench-", dir="/tmp"))
-    daemon = start_daemon(tmp / "kvpool.sock")
-    try:
-        with KVPoolClient(f"unix://{tmp / 'kvpool.sock'}") as client:
-            wait_ready(client)
-            return run(client, args.rounds, sizes, args.seconds)
-    finally:
-        daemon.terminate()
-        daemon.wait(30)
-        shutil.rmtree(tmp, ignore_errors=True)
+    with serving_daemon() as target, KVPoolClient(target) as client:
+        return run(client, args.rounds, sizes, args.seconds)
 
 
 if __name__ == "__main__":

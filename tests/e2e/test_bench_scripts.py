@@ -1,0 +1,38 @@
+"""Every script in ``bench/`` runs to completion on tiny settings (real daemons, real child
+processes). No figures are asserted: the scripts print ratios for people; this only keeps them
+runnable (a servicer change once broke ``bench/allocator.py`` unnoticed)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+SCRIPTS = {
+    "allocator.py": ["--sizes", "1K", "--rounds", "1", "--seconds", "0.05"],
+    "attach.py": ["--sizes-mib", "8", "--reps", "1"],
+    "engine_step.py": ["--steps", "60", "--rounds", "1", "--requests", "16"],
+    "page_cache.py": ["--calls", "200"],
+    "plan_build.py": ["--runs", "1", "--build-runs", "1"],
+    "rpc.py": ["--calls", "20", "--seconds", "0.05"],
+    "scale.py": ["--seconds", "0.05"],
+}
+
+
+def test_every_bench_script_is_listed() -> None:
+    assert sorted(p.name for p in (REPO / "bench").glob("*.py")) == sorted(SCRIPTS)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_bench_script_runs(script: str) -> None:
+    env = dict(os.environ, PYTHONPATH=f"{REPO / 'client'}:{REPO / 'service'}")
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / script), *SCRIPTS[script]],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.strip(), "printed nothing"
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
