@@ -69,9 +69,7 @@ minute on 2 cores):
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,7 +80,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rpc import start_daemon, wait_ready
+from rpc import serving_daemon
 
 from kvpool.client import KVPoolClient, Lease
 from kvpool.page_cache import PageCache
@@ -515,26 +513,18 @@ def run(args: argparse.Namespace) -> int:
           f"{trace.peak_pages:,}; pool {pages:,} pages")
     rounds: list[dict[str, tuple[float, float, float]]] = []
     counters: dict[str, int] = {}
-    tmp = Path(tempfile.mkdtemp(prefix="kvp-engine-", dir="/tmp"))
-    daemon = start_daemon(tmp / "kvpool.sock")
-    try:
-        with KVPoolClient(f"unix://{tmp / 'kvpool.sock'}") as client:
-            wait_ready(client)
-            client.configure(POOL, spec=SPEC, max_total_tokens=pages * PAGE, page_size=PAGE,
-                             max_running_requests=512)
-            capacity = client.stats(POOL).pool(POOL).spaces["kv"].capacity
-            assert capacity >= trace.peak_pages + args.high, (capacity, trace.peak_pages)
-            for k in range(args.rounds):
-                results, counters = one_round(client, trace, pages, capacity, args)
-                rounds.append({name: stats_us(r.samples) for name, r in results.items()})
-                print(f"round {k + 1}/{args.rounds}: page cache p50 "
-                      f"{rounds[-1]['page cache'][0]:.2f} us, floor p50 "
-                      f"{rounds[-1]['floor'][0]:.2f} us", flush=True)
-            client.drop(POOL, force=True)
-    finally:
-        daemon.terminate()
-        daemon.wait(30)
-        shutil.rmtree(tmp, ignore_errors=True)
+    with serving_daemon("kvp-engine-") as target, KVPoolClient(target) as client:
+        client.configure(POOL, spec=SPEC, max_total_tokens=pages * PAGE, page_size=PAGE,
+                         max_running_requests=512)
+        capacity = client.stats(POOL).pool(POOL).spaces["kv"].capacity
+        assert capacity >= trace.peak_pages + args.high, (capacity, trace.peak_pages)
+        for k in range(args.rounds):
+            results, counters = one_round(client, trace, pages, capacity, args)
+            rounds.append({name: stats_us(r.samples) for name, r in results.items()})
+            print(f"round {k + 1}/{args.rounds}: page cache p50 "
+                  f"{rounds[-1]['page cache'][0]:.2f} us, floor p50 "
+                  f"{rounds[-1]['floor'][0]:.2f} us", flush=True)
+        client.drop(POOL, force=True)
 
     def med(values: list[float]) -> float:
         return float(np.median(values))

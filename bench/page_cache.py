@@ -25,14 +25,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
-from rpc import SPEC, percentiles, start_daemon, wait_ready
+from rpc import SPEC, percentiles, serving_daemon, wait_ready
 
 from kvpool.aio import AsyncKVPoolClient
 from kvpool.client import KVPoolClient
@@ -175,14 +172,8 @@ def main() -> int:
     if args.target:
         run(args.target, args.calls)
         return 0
-    tmp = Path(tempfile.mkdtemp(prefix="kvp-bench-", dir="/tmp"))
-    daemon = start_daemon(tmp / "kvpool.sock")
-    try:
-        run(f"unix://{tmp / 'kvpool.sock'}", args.calls)
-    finally:
-        daemon.terminate()
-        daemon.wait(30)
-        shutil.rmtree(tmp, ignore_errors=True)
+    with serving_daemon() as target:
+        run(target, args.calls)
     return 0
 
 

@@ -20,12 +20,14 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +50,23 @@ def start_daemon(sock: Path) -> subprocess.Popen[bytes]:
          "--budget", "64MiB", "--log-level", "warning"],
         env=env, cwd=REPO,
     )
+
+
+@contextlib.contextmanager
+def serving_daemon(prefix: str = "kvp-bench-") -> Iterator[str]:
+    """A ``kvpoold serve`` on a Unix socket in a fresh temporary directory, ready to serve:
+    yields its target; stops it and removes the directory after."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    daemon = start_daemon(tmp / "kvpool.sock")
+    target = f"unix://{tmp / 'kvpool.sock'}"
+    try:
+        with KVPoolClient(target) as client:
+            wait_ready(client)
+        yield target
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def wait_ready(client: KVPoolClient, timeout_s: float = 60.0) -> None:
@@ -140,14 +159,8 @@ def main() -> int:
     if args.target:
         run(args.target, args.calls, args.seconds)
         return 0
-    tmp = Path(tempfile.mkdtemp(prefix="kvp-bench-", dir="/tmp"))
-    daemon = start_daemon(tmp / "kvpool.sock")
-    try:
-        run(f"unix://{tmp / 'kvpool.sock'}", args.calls, args.seconds)
-    finally:
-        daemon.terminate()
-        daemon.wait(30)
-        shutil.rmtree(tmp, ignore_errors=True)
+    with serving_daemon() as target:
+        run(target, args.calls, args.seconds)
     return 0
 
 
