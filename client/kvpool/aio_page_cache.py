@@ -27,6 +27,7 @@ from kvpool.page_cache import (
     CacheState,
     PageCacheCore,
     PageCacheCounters,
+    lease_lost,
     space_capacity,
     watermarks,
 )
@@ -54,9 +55,10 @@ class AsyncPageCache(CacheState):
         self._core.kicked = True  # the first refill, to ``high``
         self._wake.set()
         self._task = asyncio.create_task(self._run(), name=f"kvpool-page-cache-{pool}-{space}")
-        register = getattr(lease, "_register_cache", None)
-        if register is not None:  # the lease reports it on KeepAlive and routes give-backs
-            register(self)
+        lease._register_cache(self)  # see PageCache.__init__
+        lost = lease_lost(lease)
+        if lost is not None:
+            self.lease_gone(lost)
 
     @classmethod
     async def open(cls, lease: AsyncLease, pool: str, space: str = "kv", *,
@@ -75,9 +77,8 @@ class AsyncPageCache(CacheState):
         core = self._core
         if type(n) is not int or n < 0:
             n = core.check_count(n)
-        lease = self._lease
-        if core.dead is not None or lease.error is not None or lease.closed:
-            self._check_alive()
+        if core.dead is not None:  # the lease marks it (``lease_gone``), see PageCache.alloc
+            self._raise_dead()
         ids = core.take(n)
         if ids is not None:
             if core.top < core.low and not core.kicked:
@@ -90,16 +91,10 @@ class AsyncPageCache(CacheState):
         """Give back ids this cache handed out, without awaiting (after ``close``: one Free).
         Raises as ``PageCache.free``."""
         core = self._core
-        arr = core.unmark(ids)
-        if core.dead is None:
-            core.release(arr)
-            if core.top > core.high and not core.kicked:
-                core.kicked = True
-                self._wake.set()
-            return arr.shape[0]
-        core.forget(arr)
-        if core.lost is None and arr.shape[0]:
-            core.rpc_calls += 1
+        arr, wake, send = core.free_ids(ids)
+        if wake:
+            self._wake.set()
+        if send:
             try:
                 await self._lease.free(core.pool, core.space, arr)
             except KVPoolError as err:
@@ -128,9 +123,7 @@ class AsyncPageCache(CacheState):
         if core.closed:
             return 0
         core.close()
-        unregister = getattr(self._lease, "_unregister_cache", None)
-        if unregister is not None:
-            unregister(self)
+        self._lease._unregister_cache(self)
         self._wake.set()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
@@ -157,6 +150,11 @@ class AsyncPageCache(CacheState):
                 f"high={c.high}, batch={c.batch}, in_use={c.n_in_use}, cached={c.top})")
 
     # -- the lease's keep-alive task ----------------------------------------------------------
+
+    def lease_gone(self, err: KVPoolError) -> None:
+        """See ``PageCache.lease_gone``."""
+        self._core.lose(err)
+        self._wake.set()
 
     def _report(self) -> tuple[int, int]:
         return self._core.report()

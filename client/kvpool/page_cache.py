@@ -234,7 +234,9 @@ class PageCacheCore:
         self.low = low
         self.high = high
         self.batch = batch
-        self.stack = np.empty(capacity, dtype=ID_DTYPE)
+        # intp, not int32: the ids index the marks straight from the stack (no conversion on
+        # every alloc) and a free's converted ids go back without another; 8 bytes per id.
+        self.stack = np.empty(capacity, dtype=np.intp)
         self.top = 0
         # 1 for an id handed out, else 0: ids 1..capacity; 0 and capacity + 1 are sentinels,
         # always 0, so ``take(ids, mode="clip")`` checks range and state in one pass. int16, not
@@ -271,15 +273,15 @@ class PageCacheCore:
         if n > top:
             return None
         new = top - n
-        ids = self.stack[new:top][::-1].copy()
         self.top = new
-        if n == 1:
-            self.in_use[ids[0]] = 1  # a scalar store: a fancy one costs ~1 us more
-        else:
-            # numpy converts an int32 index to intp on every fancy op (~0.8 us): once here
-            self.in_use[ids.astype(np.intp)] = 1
         self.n_in_use += n
-        return ids
+        if n == 1:  # the decode step's case: no reversal, a scalar store (a fancy one ~1 us)
+            view = self.stack[new:top]
+            self.in_use[view[0]] = 1
+            return view.astype(ID_DTYPE)
+        view = self.stack[new:top][::-1]
+        self.in_use[view] = 1  # intp ids: no conversion (an int32 index costs ~0.8 us more)
+        return view.astype(ID_DTYPE)  # the copy handed out
 
     def reserve(self, n: int) -> np.ndarray:
         """An ``alloc`` of ``n`` the stack cannot serve: take what it has (all of it) while the
@@ -302,14 +304,14 @@ class PageCacheCore:
         """The ``n`` ids of a missing ``alloc``: the reserved ones and the first of ``got``;
         the rest of ``got`` goes on the stack."""
         need = n - reserved.shape[0]
-        ids = np.concatenate((reserved[::-1], got[:need]))
+        ids = np.concatenate((reserved[::-1], got[:need].astype(np.intp)))
         self.push(got[need:])
         self.reserved -= reserved.shape[0]
         self.in_use[ids] = 1
         self.n_in_use += n
         self.refills += 1
         self.fetched += got.shape[0]
-        return ids
+        return ids.astype(ID_DTYPE)
 
     def push(self, ids: np.ndarray) -> None:
         k = ids.shape[0]
@@ -319,8 +321,8 @@ class PageCacheCore:
     # -- free ---------------------------------------------------------------------------------
 
     def unmark(self, ids: Any) -> np.ndarray:
-        """``ids`` as an array, marked no longer in use, if every one is in use and listed
-        once; O(len(ids)). On a refusal nothing changes.
+        """``ids`` as an array (intp when more than one), marked no longer in use, if every
+        one is in use and listed once; O(len(ids)). On a refusal nothing changes.
 
         Raises:
             InvalidArgument: not a 1-D integer array, or the first id out of range or repeated.
@@ -352,7 +354,29 @@ class PageCacheCore:
         if count_nonzero(in_use.take(idx)) or (n > REPEAT_SAFE and repeats(idx)):
             add_at(in_use, idx, ONE)  # back as it was
             raise self.free_error(arr)
-        return arr
+        return idx  # what goes back on the stack
+
+    def free_ids(self, ids: Any) -> tuple[np.ndarray, bool, bool]:
+        """The bookkeeping of both caches' ``free``: ``(ids, wake, send)``. While the cache is
+        open the ids go back on the stack, and ``wake`` says the worker should run (above
+        ``high``); after ``close`` they are forgotten, and ``send`` says to Free them at the
+        daemon now (counted in ``rpc_calls``): not once the lease is gone, which took them.
+
+        Raises:
+            As :meth:`unmark`; nothing changes.
+        """
+        arr = self.unmark(ids)
+        if self.dead is None:
+            self.release(arr)
+            if self.top > self.high and not self.kicked:
+                self.kicked = True
+                return arr, True, False
+            return arr, False, False
+        self.forget(arr)
+        send = self.lost is None and arr.shape[0] > 0
+        if send:
+            self.rpc_calls += 1
+        return arr, False, send
 
     def free_error(self, arr: np.ndarray) -> KVPoolError:
         """The error for the first bad id of ``arr`` (the refusal path: O(n) in Python)."""
@@ -527,6 +551,10 @@ class PageCacheCore:
         return n
 
 
+def closed_error(lease_id: int) -> FailedPrecondition:
+    return FailedPrecondition(f"lease {lease_id} is closed", field="lease")
+
+
 def lease_lost(lease: Any) -> KVPoolError | None:
     """Why the lease can no longer hold ids: its keep-alive was told NotFound (it expired), or
     it was closed; None while it is alive."""
@@ -534,7 +562,7 @@ def lease_lost(lease: Any) -> KVPoolError | None:
     if isinstance(err, NotFound):
         return err
     if lease.closed:
-        return FailedPrecondition(f"lease {lease.lease_id} is closed", field="lease")
+        return closed_error(lease.lease_id)
     return None
 
 
@@ -553,16 +581,10 @@ class CacheState:
         if report_soon is not None:
             report_soon()
 
-    def _check_alive(self) -> None:
-        """Raise why the cache cannot hand out ids (the sync cache calls it under its lock)."""
-        core = self._core
-        if core.dead is None:
-            lost = lease_lost(self._lease)
-            if lost is None:
-                return  # a transient keep-alive failure: the lease is still ours
-            core.lose(lost)
-        assert core.dead is not None
-        raise copy_error(core.dead)
+    def _raise_dead(self) -> None:
+        """Raise why the cache cannot hand out ids (closed, or its lease or pool gone)."""
+        assert self._core.dead is not None
+        raise copy_error(self._core.dead)
 
     @property
     def pool(self) -> str:
@@ -653,9 +675,11 @@ class PageCache(CacheState):
             self._thread.start()
         else:
             self.maintain()
-        register = getattr(lease, "_register_cache", None)
-        if register is not None:  # the lease reports it on KeepAlive and routes give-backs
-            register(self)
+        # The lease reports the cache on KeepAlive, routes give-backs, and says when it ends.
+        lease._register_cache(self)
+        lost = lease_lost(lease)
+        if lost is not None:  # closed or lost before the registration
+            self.lease_gone(lost)
 
     @classmethod
     def open(cls, lease: Lease, pool: str, space: str = "kv", *, low: int | None = None,
@@ -704,12 +728,12 @@ class PageCache(CacheState):
         """
         if type(n) is not int or n < 0:
             n = self._core.check_count(n)
-        lease_err = self._lease.error
         with self._lock:
             core = self._core
-            # ``Lease.close``'s CloseLease takes back every id of this cache: check it first
-            if core.dead is not None or lease_err is not None or self._lease.closed:
-                self._check_alive()
+            # The lease marks the cache dead (``lease_gone``) before its CloseLease takes back
+            # every id, and when its keep-alive learns that it expired.
+            if core.dead is not None:
+                self._raise_dead()
             ids = core.take(n)
             if ids is not None:
                 if core.top < core.low and not core.kicked:
@@ -730,26 +754,19 @@ class PageCache(CacheState):
             InvalidArgument: an id out of range or repeated. FailedPrecondition: an id not in
                 use (never handed out by this cache, or already freed). Nothing is changed.
         """
+        core = self._core
         with self._lock:
-            core = self._core
-            arr = core.unmark(ids)
-            if core.dead is None:
-                core.release(arr)
-                if core.top > core.high and not core.kicked:
-                    core.kicked = True
-                    self._wake.set()
-                return arr.shape[0]
-            core.forget(arr)
-            if core.lost is not None or not arr.shape[0]:
-                return arr.shape[0]  # the daemon took them back with the lease
-            core.rpc_calls += 1
-        try:
-            self._lease.free(core.pool, core.space, arr)
-        except KVPoolError as err:
-            if not isinstance(err, NotFound):
-                with self._lock:
-                    core.unforget(arr)  # still the lease's and still in use: free them again
-            raise
+            arr, wake, send = core.free_ids(ids)
+            if wake:
+                self._wake.set()
+        if send:
+            try:
+                self._lease.free(core.pool, core.space, arr)
+            except KVPoolError as err:
+                if not isinstance(err, NotFound):
+                    with self._lock:
+                        core.unforget(arr)  # still the lease's and in use: free them again
+                raise
         return arr.shape[0]
 
     # -- state --------------------------------------------------------------------------------
@@ -788,9 +805,7 @@ class PageCache(CacheState):
             if self._core.closed:
                 return 0
             self._core.close()
-        unregister = getattr(self._lease, "_unregister_cache", None)
-        if unregister is not None:
-            unregister(self)
+        self._lease._unregister_cache(self)
         self._wake.set()
         if self.background:
             self._thread.join()
@@ -818,6 +833,13 @@ class PageCache(CacheState):
                 f"high={c.high}, batch={c.batch}, in_use={c.n_in_use}, cached={c.top})")
 
     # -- the lease's keep-alive thread --------------------------------------------------------
+
+    def lease_gone(self, err: KVPoolError) -> None:
+        """The lease is closing or expired: every id of the cache goes with it (``alloc``
+        raises ``err`` from now on; ``free`` only unmarks)."""
+        with self._lock:
+            self._core.lose(err)
+        self._wake.set()
 
     def _report(self) -> tuple[int, int]:
         """``(cached, in_use)`` now, for the lease's KeepAlive."""

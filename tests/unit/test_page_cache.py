@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -259,6 +260,28 @@ def test_closing_the_lease_ends_the_cache(client: KVPoolClient, pool: str) -> No
     assert isinstance(cache.error, FailedPrecondition) and cache.cached == 0
     assert cache.free(ids) == 2  # bookkeeping only
     assert cache.close() == 0
+    assert client.stats(pool).pool(pool).spaces["kv"].used == 0
+
+
+def test_a_lease_ended_elsewhere_ends_its_cache(client: KVPoolClient, pool: str) -> None:
+    """The keep-alive learns that the lease is gone (NotFound) and tells its caches: an alloc
+    the stack could serve raises instead of handing out ids the daemon took back."""
+    from kvpool.v1 import kvpool_pb2 as pb
+
+    lease = client.lease("engine", ttl_s=0.3)
+    cache = lease.page_cache(pool, low=4, high=16, batch=8, background=False)
+    assert cache.cached == 16
+    client.call("CloseLease", pb.CloseLeaseRequest(lease_id=lease.lease_id,
+                                                     lease_secret=lease.secret))
+    deadline = time.monotonic() + 5.0
+    while cache.error is None and time.monotonic() < deadline:
+        time.sleep(0.02)  # the next renewal (every 0.1 s) is answered NotFound
+    assert isinstance(cache.error, NotFound) and cache.cached == 0
+    with pytest.raises(NotFound):
+        cache.alloc(1)
+    assert cache.maintain() == 0  # nothing to refill for a lost lease
+    with pytest.raises(NotFound):
+        lease.close()  # CloseLease of a lease that is gone
     assert client.stats(pool).pool(pool).spaces["kv"].used == 0
 
 
