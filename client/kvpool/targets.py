@@ -3,7 +3,7 @@ how a client reads its ``--token-file``.
 
 Shared by the daemon (``kvpoold serve``) and the client so both agree on the default socket:
 ``$XDG_RUNTIME_DIR/kvpool/kvpool.sock`` when that variable is set, else
-``/tmp/kvpool-$UID/kvpool.sock``.
+``/tmp/kvpool-$UID/kvpool.sock``. Clients given no target use ``$KVPOOL_TARGET`` first.
 """
 
 from __future__ import annotations
@@ -31,8 +31,18 @@ def default_socket_path(env: Mapping[str, str] | None = None) -> Path:
     return Path(f"/tmp/kvpool-{os.getuid()}") / SOCKET_NAME
 
 
+# Where clients find the daemon when given no target: the CLI, ``KVPoolClient()``,
+# ``AsyncKVPoolClient()`` and the SGLang integration.
+TARGET_ENV = "KVPOOL_TARGET"
+
+
 def default_target(env: Mapping[str, str] | None = None) -> str:
-    """``unix://`` + the default socket path."""
+    """The client's target when none is given: ``$KVPOOL_TARGET`` when set (any form
+    ``channel_target`` takes), else ``unix://`` + the default socket path."""
+    env = os.environ if env is None else env
+    chosen = env.get(TARGET_ENV, "").strip()
+    if chosen:
+        return chosen
     return f"unix://{default_socket_path(env)}"
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +26,9 @@ import pytest
 
 from kvpoold import cli as kvpoold_cli
 from tests.conftest import REPO
+from tests.integration.side_venv import SGLANG_DIR, sglang_env, sglang_python_or_skip
 
 MODELS = REPO / "tests" / "data" / "models"
-SGLANG_DIR = REPO / "tests" / "sglang"
-VENV = Path(os.environ.get("KVPOOL_SGLANG_VENV", REPO / ".venv-sglang"))
 GiB = 1 << 30
 
 # kvpool architecture -> SGLang's pool family (its configurator and attention kind).
@@ -184,14 +182,8 @@ def run_kvpool(case: Case) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def sglang_results() -> dict[str, dict[str, Any]]:
     """SGLang's results for every case, from one run of the harness in the side venv."""
-    python = VENV / "bin" / "python"
-    if not python.exists():
-        missing = f"no SGLang side venv at {VENV}: run tests/sglang/setup_venv.sh (.ci/run does)"
-        if os.environ.get("KVPOOL_REQUIRE_SGLANG") == "1":
-            pytest.fail(missing)
-        pytest.skip(missing)
-    env = {**os.environ, "PYTHONPATH": str(SGLANG_DIR / "stubs"), "HF_HUB_OFFLINE": "1"}
-    env.pop("VIRTUAL_ENV", None)
+    python = sglang_python_or_skip()
+    env = sglang_env()
     proc = subprocess.run(
         [str(python), str(SGLANG_DIR / "sglang_sizes.py")],
         input=json.dumps([c.sglang_case() for c in CASES]), capture_output=True, text=True,

@@ -46,11 +46,35 @@ DEPS=(
     pybase64
     pydantic
     requests
+    # The engine and HTTP server (tests/integration/sglang/): scheduler, tokenizer manager,
+    # detokenizer, sampling, the OpenAI-compatible server's imports.
+    "openai-harmony==0.0.4"
+    "xgrammar==0.2.7"
+    anthropic
+    blobfile
+    interegular
+    jsonschema
+    loguru
+    nvidia-ml-py
+    opentelemetry-api
+    pydantic-settings
+    python-dateutil
+    python-multipart
+    setproctitle
+    six
+    soundfile
+    tiktoken
+    tqdm
+    uvloop
+    watchfiles
+    xxhash
+    zstandard
+    prometheus-client
 )
 
 say() { printf 'setup_venv: %s\n' "$*"; }
 
-want="$TORCH $SGLANG ${DEPS[*]}"
+want="$TORCH $SGLANG ${DEPS[*]} kvpool-editable:$repo"
 if [[ -f "$marker" && "$(cat "$marker")" == "$want" ]]; then
     say "$venv is ready (marker $marker); nothing to do"
     exit 0
@@ -99,6 +123,13 @@ run_pip --no-deps "$SGLANG"
 
 say "installing the harness's dependencies: ${DEPS[*]}"
 run_pip -c "$constraints" "${DEPS[@]}"
+
+# kvpool's client and its SGLang plugin (the entry point in group sglang.srt.platforms),
+# editable from this checkout; its base dependencies pinned as pyproject.toml pins them.
+KVPOOL_DEPS=("grpcio==1.85.1" "grpcio-health-checking==1.85.1" "protobuf>=7.35.1,<8" rich)
+say "installing kvpool (editable, the client and the SGLang plugin) from $repo"
+run_pip -c "$constraints" "${KVPOOL_DEPS[@]}"
+run_pip --no-deps -e "$repo"
 
 say "smoke test: SGLang sizes a Llama 3.1 8B pool through the harness"
 case='[{"id": "smoke", "config": "'"$repo"'/tests/data/models/llama-3.1-8b-instruct.json",

@@ -63,6 +63,8 @@ import types
 from typing import Any
 from unittest import mock
 
+from stub_probes import hide_stubs  # beside this script
+
 # The import-only stubs (GPU-only packages SGLang imports at module level) come first.
 _STUBS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stubs")
 if _STUBS not in sys.path:
@@ -120,36 +122,6 @@ _WARM_MODULES = (
     "sglang.srt.model_executor.pool_configurator",
     "sglang.srt.model_loader.loader",
 )
-
-
-def _hide_stubs_from_availability_probes() -> None:
-    """Let torch and transformers see what a CPU install really has: no triton and no
-    torchvision. The stubs in ``tests/sglang/stubs`` exist for SGLang's unconditional
-    module-level imports only; torch's inductor and transformers' image utilities take
-    a found ``triton``/``torchvision`` for a real one and import their internals. So
-    their cached probes, and the torch modules that try-import triton when imported,
-    are evaluated once here with both names blocked."""
-    blocked = ("triton", "torchvision")
-    saved = {name: sys.modules.get(name) for name in blocked}
-    for name in blocked:
-        sys.modules[name] = None  # `import name` raises ImportError
-    try:
-        import torch
-        import torch.utils._triton as torch_triton
-
-        torch_triton.has_triton_package()
-        torch.compile(lambda x: x)  # imports dynamo and inductor
-        import torch._inductor.compile_fx
-        from transformers.utils import import_utils
-
-        import_utils.is_torchvision_available()
-        import transformers.models.auto.processing_auto  # noqa: F401
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
 
 
 def _model_dir(config: str, workdir: str) -> str:
@@ -654,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     # Keep stdout for the JSON: anything SGLang prints goes to stderr.
     stdout, sys.stdout = sys.stdout, sys.stderr
     try:
-        _hide_stubs_from_availability_probes()
+        hide_stubs()
         # Import once, so each forked case starts warm.
         for module in _WARM_MODULES:
             importlib.import_module(module)

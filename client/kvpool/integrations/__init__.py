@@ -1,0 +1,1 @@
+"""Integrations of kvpool into serving engines (optional extras: ``kvpool[sglang]``)."""

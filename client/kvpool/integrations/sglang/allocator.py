@@ -1,0 +1,474 @@
+"""kvpool's paged allocator for SGLang: SGLang's ``PagedTokenToKVPoolAllocator`` interface,
+with the pages coming from a kvpool lease.
+
+SGLang's scheduler and radix caches ask their ``token_to_kv_pool_allocator`` for token indices
+(``alloc``, ``alloc_extend``, ``alloc_decode``) and give them back (``free``, free groups,
+``free_segment(s)``, ``free_page_ids``). :class:`PagedAllocator` answers the same calls, with
+the same results as SGLang's allocator (which calls succeed, ``available_size`` after each),
+but it owns no free list: the pages are ids of the pool's ``kv`` space, held by the
+scheduler's lease in the kvpool daemon and served from a client page cache
+(``kvpool.page_cache``), so several engines can share one pool and a crashed scheduler's pages
+go back to the pool when its lease expires.
+
+- Page ``p`` (an id of the pool's ``kv`` space, ``1..capacity``; 0 is never handed out, as in
+  SGLang, whose page 0 is the padding page) covers token indices ``p * page_size + j``,
+  ``j < page_size``; indices are int64 tensors on ``device``.
+- ``size`` tokens is the allocator's quota in the pool: at most ``size // page_size`` pages in
+  use at once. ``available_size()`` is the quota less the pages in use, in tokens, as SGLang
+  counts it. The pool may be larger and shared with other leases; when the pool itself runs
+  short first, an allocation returns None as if the quota had been reached (a warning is
+  logged once).
+- Where the pool comes from: a kvpool KV pool carries its binding (``kvpool_binding``, see
+  ``binding.py``) and the allocator uses that binding's lease (it does not close it); given any
+  other KV pool (SGLang's own, None) the allocator makes a binding from the environment
+  (``KVPOOL_POOL``, ``KVPOOL_TARGET``, ...) and owns it: :meth:`PagedAllocator.close`, also
+  run at interpreter exit, ends that lease and the daemon takes every page back.
+
+Frees: SGLang's allocator keeps freed pages on its free list (or staged on a side list with
+``need_sort``) and only sorts them when an allocation runs short. Here a free goes straight
+back to the page cache, so ``need_sort`` changes nothing observable (``merge_and_sort_free``
+has nothing to do); free groups still hold their frees until ``free_group_end``, as SGLang's
+do, so ``available_size`` moves at the same points.
+
+Double frees: with ``SGLANG_DEBUG_MEMORY_POOL`` set, freeing a page that is not in use (freed
+twice, never handed out, page 0, out of range) raises AssertionError, as SGLang's debug check
+does, and changes nothing. Without it SGLang's allocator silently takes the page onto its
+free list twice (and later hands it to two requests); this one logs a warning, skips the pages
+that are not in use and frees the rest, so its state and the page cache's stay right and the
+scheduler carries on.
+
+Importing this module imports SGLang (the ``kvpool[sglang]`` extra); ``import kvpool`` never
+does.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+
+from kvpool.errors import InvalidArgument, KVPoolError, ResourceExhausted
+from kvpool.integrations.sglang.binding import PoolBinding, binding_from_env, binding_of
+from kvpool.page_cache import DEFAULT_HIGH, PageCache, space_capacity
+from kvpool.records import Stats
+
+log = logging.getLogger("kvpool.integrations.sglang.allocator")
+
+SPACE = "kv"
+DEBUG_ENV = "SGLANG_DEBUG_MEMORY_POOL"
+# How long a refused allocation waits for the page cache's worker before asking again.
+SETTLE_S = 1.0
+_I64 = np.int64
+
+
+def debug_memory_pool(env: Any = None) -> bool:
+    """Whether ``SGLANG_DEBUG_MEMORY_POOL`` asks for SGLang's allocator checks (``1`` or
+    ``true``, any case, as SGLang reads it)."""
+    env = os.environ if env is None else env
+    return str(env.get(DEBUG_ENV, "false")).strip().lower() in ("1", "true")
+
+
+def cpu_int64(values: Any) -> np.ndarray:
+    """``values`` (a tensor on any device, an array, a list) as a 1-D int64 numpy array."""
+    if isinstance(values, torch.Tensor):
+        return values.detach().to("cpu", torch.int64).reshape(-1).numpy()
+    return np.asarray(values, dtype=_I64).reshape(-1)
+
+
+class PagedAllocator(BaseTokenToKVPoolAllocator):
+    """SGLang's paged token-to-KV allocator over a kvpool lease (see the module docstring).
+
+    Args:
+        size: the quota in tokens: at most ``size // page_size`` pages in use at once.
+        page_size: tokens per page; must be the pool's page size.
+        dtype: the KV cache dtype (kept for SGLang, unused here).
+        device: where the returned token indices live.
+        kvcache: SGLang's KV pool; a kvpool KV pool's ``kvpool_binding`` names the daemon,
+            the pool and the lease, anything else means: from the environment.
+        need_sort: SGLang's option to stage frees for sorting; accepted, changes nothing here.
+
+    Attributes:
+        lease: the kvpool lease the pages are held by.
+        cache: the page cache of the pool's ``kv`` space that serves them.
+        binding: the scheduler's :class:`PoolBinding`.
+        num_pages: the quota in pages (SGLang's name).
+        capacity: the pool's ``kv`` capacity in pages.
+
+    Raises:
+        FailedPrecondition: no binding on ``kvcache`` and ``KVPOOL_POOL`` not set.
+        NotFound: the pool is not configured in the daemon.
+        InvalidArgument: ``page_size`` is not the pool's, or the quota exceeds its capacity.
+    """
+
+    def __init__(self, size: int, page_size: int, dtype: torch.dtype, device: Any,
+                 kvcache: Any, need_sort: bool) -> None:
+        super().__init__(size, page_size, dtype, device, kvcache, need_sort)
+        self.debug_mode = debug_memory_pool()
+        self.use_triton_kernels = False  # SGLang's flag; the work here is numpy on the host
+        binding = binding_of(kvcache)
+        self.owns_binding = binding is None
+        self.binding: PoolBinding = binding_from_env() if binding is None else binding
+        self.pool_name = self.binding.pool
+        self._closed = False
+        try:
+            stats = self.binding.client.stats(self.pool_name)
+            self.capacity = space_capacity(stats, self.pool_name, SPACE)
+            self._check_page_size(stats)
+            self.num_pages = self._quota_pages(size)
+            self.lease = self.binding.lease
+            high = max(1, min(DEFAULT_HIGH, self.capacity // 4, self.num_pages))
+            self.cache: PageCache = self.lease.page_cache(self.pool_name, SPACE, high=high)
+        except BaseException:
+            if self.owns_binding:
+                self.binding.close()
+            raise
+        # Pages handed out and not freed (0 and ids above capacity never are): O(capacity)
+        # bytes once; every call below reads and writes only the entries it names.
+        self._in_use = np.zeros(self.capacity + 1, dtype=bool)
+        self._n_in_use = 0
+        self._page_group: list[torch.Tensor] = []
+        self._short_warned = False
+        # The binding's close returns the cached pages before it ends the lease (which would
+        # otherwise take them from under the open cache, and log that it did).
+        self.binding.on_close(self._close_cache)
+        if self.owns_binding:
+            atexit.register(self.close)
+        self.clear()
+
+    # -- setup --------------------------------------------------------------------------------
+
+    def _check_page_size(self, stats: Stats) -> None:
+        pool_ps = stats.pool(self.pool_name).page_size
+        if self.page_size != pool_ps:
+            raise InvalidArgument(
+                f"SGLang's page size {self.page_size} (--page-size) differs from kvpool pool "
+                f"{self.pool_name!r}'s page size {pool_ps}: run SGLang with --page-size "
+                f"{pool_ps}, or configure the pool with page_size={self.page_size}",
+                field="page_size")
+
+    def _quota_pages(self, size: int) -> int:
+        pages = int(size) // self.page_size
+        if pages > self.capacity:
+            raise InvalidArgument(
+                f"SGLang asked for {int(size)} tokens ({pages} pages of {self.page_size}) but "
+                f"kvpool pool {self.pool_name!r} holds {self.capacity} kv pages "
+                f"({self.capacity * self.page_size} tokens): lower --max-total-tokens, or "
+                "configure the pool with a larger budget_bytes / max_total_tokens",
+                field="max_total_tokens")
+        return pages
+
+    # -- state --------------------------------------------------------------------------------
+
+    @property
+    def pages_in_use(self) -> int:
+        """Pages handed out by this allocator and not freed (free groups' pending frees
+        included)."""
+        return self._n_in_use
+
+    def available_size(self) -> int:
+        """Tokens the allocator may still hand out: (quota pages - pages in use) * page_size,
+        as SGLang counts its free (and staged) pages. Frees pending in a free group are still
+        in use."""
+        return (self.num_pages - self._n_in_use) * self.page_size
+
+    def get_all_free_pages(self) -> None:
+        """None: the allocator has no free list of its own (the free pages of a kvpool pool
+        are the daemon's, shared by its leases). SGLang's leak census skips on None."""
+        return None
+
+    def merge_and_sort_free(self) -> None:
+        """Nothing to do: frees go straight back to the page cache (SGLang sorts its staged
+        free pages here)."""
+
+    def debug_print(self) -> str:
+        return (f"kvpool pool={self.pool_name} lease={self.lease.lease_id} "
+                f"in_use={self._n_in_use}/{self.num_pages} pages")
+
+    def __repr__(self) -> str:
+        return (f"PagedAllocator(pool={self.pool_name!r}, page_size={self.page_size}, "
+                f"quota={self.num_pages} pages, in_use={self._n_in_use}, "
+                f"lease={self.lease.lease_id}, device={self.device})")
+
+    # -- allocation ---------------------------------------------------------------------------
+
+    def _take(self, n: int) -> np.ndarray | None:
+        """``n`` pages (int64) from the page cache, marked in use; None when the quota or the
+        pool cannot give that many (nothing changes)."""
+        if n > self.num_pages - self._n_in_use:
+            return None
+        if n == 0:
+            return np.empty(0, dtype=_I64)
+        try:
+            try:
+                ids = self.cache.alloc(n)
+            except ResourceExhausted:
+                # The page cache's own refill or return may be in flight (ids neither on its
+                # stack nor free in the pool): let the worker finish, then ask once more.
+                self.cache.settle(SETTLE_S)
+                ids = self.cache.alloc(n)
+        except ResourceExhausted as err:
+            if not self._short_warned:
+                self._short_warned = True
+                log.warning("kvpool pool %r ran short before this allocator's quota "
+                            "(%d of %d pages in use, asked %d more): %s; the allocation "
+                            "fails as if out of memory", self.pool_name, self._n_in_use,
+                            self.num_pages, n, err)
+            return None
+        pages = ids.astype(_I64)
+        self._in_use[pages] = True
+        self._n_in_use += n
+        return pages
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device)
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        """``need_size // page_size`` whole pages as their token indices (int64, on
+        ``device``, page after page), or None when the quota (or the pool) has not that many
+        pages free. In debug mode ``need_size`` must be page-aligned, as in SGLang."""
+        need_size = int(need_size)
+        if self.debug_mode:
+            assert need_size % self.page_size == 0, "The allocation size should be page-aligned"
+        pages = self._take(need_size // self.page_size)
+        if pages is None:
+            return None
+        ps = self.page_size
+        idx = (pages[:, None] * ps + np.arange(ps, dtype=_I64)).reshape(-1)
+        return self._to_device(idx)
+
+    def alloc_extend(self, prefix_lens: torch.Tensor, prefix_lens_cpu: torch.Tensor,
+                     seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
+                     last_loc: torch.Tensor, extend_num_tokens: int,
+                     num_new_pages: int | None = None) -> torch.Tensor | None:
+        """Token indices for extending each request ``i`` from ``prefix_lens[i]`` to
+        ``seq_lens[i]`` tokens: first the rest of its current page (the slots after
+        ``last_loc[i]``, its last token's index), then new pages, one ``cache.alloc`` for the
+        whole batch. Returns ``extend_num_tokens`` int64 indices on ``device``, request after
+        request, or None (changing nothing) when the quota or the pool has too few pages.
+
+        The page arithmetic runs on the host from the CPU copies (O(tokens of the batch));
+        only ``last_loc`` is read on its device. ``num_new_pages`` (SGLang's hint) is
+        recomputed, not trusted.
+        """
+        ps = self.page_size
+        prefix = cpu_int64(prefix_lens_cpu)
+        seq = cpu_int64(seq_lens_cpu)
+        if self.debug_mode:
+            assert torch.all((last_loc + 1) % ps == prefix_lens % ps)
+        ext = seq - prefix
+        n_tok = int(ext.sum())
+        if n_tok != int(extend_num_tokens) or (ext < 0).any():
+            raise ValueError(
+                f"alloc_extend: extend_num_tokens={int(extend_num_tokens)} but seq_lens - "
+                f"prefix_lens sums to {n_tok} (min {int(ext.min()) if ext.size else 0})")
+        have = (prefix + ps - 1) // ps  # pages each request holds (its last one maybe partly)
+        new_per_req = (seq + ps - 1) // ps - have
+        total = int(new_per_req.sum())
+        pages = self._take(total)
+        if pages is None:
+            return None
+        if n_tok == 0:
+            return torch.empty((0,), dtype=torch.int64, device=self.device)
+        owner = np.repeat(np.arange(prefix.shape[0], dtype=_I64), ext)
+        first_tok = np.cumsum(ext) - ext
+        local = np.arange(n_tok, dtype=_I64) - first_tok[owner]  # 0.. within the request
+        pos = prefix[owner] + local  # the token's position in its sequence
+        page_start = (have * ps)[owner]  # first position of the request's first new page
+        in_old = pos < page_start
+        rank = (np.cumsum(new_per_req) - new_per_req)[owner] + (pos - page_start) // ps
+        if total:
+            new_slot = pages[np.clip(rank, 0, total - 1)] * ps + pos % ps
+        else:
+            new_slot = np.zeros(n_tok, dtype=_I64)
+        if not in_old.any():
+            return self._to_device(new_slot)
+        # Old-page slots follow last_loc: base = offset after it, added on last_loc's device.
+        packed = self._to_device(np.stack((owner, np.where(in_old, local, new_slot),
+                                           in_old.astype(_I64))))
+        follow = last_loc.to(torch.int64)[packed[0]] + 1
+        return packed[1] + packed[2] * follow
+
+    def alloc_decode(self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
+                     last_loc: torch.Tensor) -> torch.Tensor | None:
+        """One token index per request for its ``seq_lens[i]``-th token: the slot after
+        ``last_loc[i]``, or the first slot of a new page when the token starts one. Returns
+        int64 indices on ``device``, or None (changing nothing) when the quota or the pool has
+        too few pages for the requests that start a page."""
+        ps = self.page_size
+        seq = cpu_int64(seq_lens_cpu)
+        if self.debug_mode:
+            assert torch.all((last_loc + 2) % ps == seq_lens % ps)
+        starts = (seq - 1) % ps == 0
+        total = int(starts.sum())
+        pages = self._take(total)
+        if pages is None:
+            return None
+        if total == 0:
+            return last_loc.to(torch.int64) + 1
+        if total == seq.shape[0]:
+            return self._to_device(pages * ps)
+        new_slot = np.zeros(seq.shape[0], dtype=_I64)
+        new_slot[starts] = pages * ps
+        packed = self._to_device(np.stack((new_slot, starts.astype(_I64))))
+        return torch.where(packed[1].bool(), packed[0], last_loc.to(torch.int64) + 1)
+
+    # -- frees --------------------------------------------------------------------------------
+
+    def _release(self, pages: np.ndarray) -> None:
+        """Give ``pages`` (int64 page ids) back to the page cache and mark them free. Pages not
+        in use (or listed twice): AssertionError in debug mode (nothing changes), else a
+        warning and only the others are freed."""
+        if pages.size == 0:
+            return
+        uniq = np.unique(pages)
+        inside = (uniq >= 1) & (uniq <= self.capacity)
+        ok = inside.copy()
+        ok[inside] = self._in_use[uniq[inside]]
+        if uniq.size != pages.size or not ok.all():
+            bad = uniq[~ok]
+            repeated = pages.size - uniq.size
+            parts = []
+            if bad.size:
+                parts.append(f"{bad.size} page(s) not in use {bad[:8].tolist()}"
+                             f"{' ...' if bad.size > 8 else ''}")
+            if repeated:
+                parts.append(f"{repeated} listed more than once")
+            what = " and ".join(parts)
+            if self.debug_mode:
+                raise AssertionError(f"double free in kvpool pool {self.pool_name!r}: {what} "
+                                     f"({DEBUG_ENV} is set)")
+            log.warning("kvpool pool %r: free of %d page(s): %s; skipped, the rest freed "
+                        "(set %s=1 to fail here instead)", self.pool_name, pages.size, what,
+                        DEBUG_ENV)
+            uniq = uniq[ok]
+            if uniq.size == 0:
+                return
+        self.cache.free(uniq.astype(np.int32))
+        self._in_use[uniq] = False
+        self._n_in_use -= uniq.size
+
+    def free(self, free_index: torch.Tensor) -> None:
+        """Free the pages of these token indices (each page once, however many of its tokens
+        are listed): back to the page cache, or held until ``free_group_end`` inside a free
+        group."""
+        if free_index.numel() == 0:
+            return
+        if self.free_group is not None:
+            self.free_group.append(free_index.clone())
+            return
+        self._release(np.unique(cpu_int64(free_index) // self.page_size))
+
+    def free_page_ids(self, page_ids: torch.Tensor) -> None:
+        """Free exactly these pages (each listed once), or hold them until
+        ``free_group_end`` inside a free group."""
+        if page_ids.numel() == 0:
+            return
+        if self.free_group is not None:
+            self._page_group.append(page_ids.clone())
+            return
+        self._release(cpu_int64(page_ids))
+
+    def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
+        """Free ``kv_row[start_pos : start_pos + n]`` of one request: its pages are those of
+        every ``page_size``-th index (``start_pos`` must be page-aligned; the last page may be
+        partly listed and is freed whole)."""
+        if free_index.numel() == 0:
+            return
+        ps = self.page_size
+        assert start_pos % ps == 0, f"segment start {start_pos} is not page-aligned"
+        pages = cpu_int64(free_index[::ps]) // ps
+        if self.debug_mode:
+            assert np.array_equal(np.sort(pages), np.unique(cpu_int64(free_index) // ps)), (
+                "free_segment: the segment's tokens are not contiguous within its pages")
+        self.free_page_ids(torch.from_numpy(pages))
+
+    def free_group_begin(self) -> None:
+        """Start holding frees (SGLang frees a batch's pages together); free groups do not
+        nest."""
+        assert self.free_group is None, "free groups cannot be nested"
+        self.free_group = []
+        self._page_group = []
+
+    def free_group_end(self) -> None:
+        """Free everything held since ``free_group_begin`` in one page-cache free: the pages of
+        the token indices (each once) and the page ids, which must not overlap."""
+        tokens, self.free_group = self.free_group, None
+        page_ids, self._page_group = self._page_group, []
+        parts = []
+        if tokens:
+            parts.append(np.unique(cpu_int64(torch.cat(tokens)) // self.page_size))
+        if page_ids:
+            parts.append(cpu_int64(torch.cat(page_ids)))
+        if parts:
+            self._release(np.concatenate(parts))
+
+    def clear(self) -> None:
+        """Free every page in use (back to the page cache) and drop pending free groups:
+        the allocator is empty, its whole quota available."""
+        pages = np.flatnonzero(self._in_use)
+        if pages.size:
+            # After the lease ended (closed or expired) the page cache only unmarks them.
+            self.cache.free(pages.astype(np.int32))
+        self._in_use[pages] = False
+        self._n_in_use = 0
+        self.free_group = None
+        self._page_group = []
+
+    def resize(self, config: Any) -> None:
+        """SGLang re-sized its pools (``config.max_total_num_tokens``): the quota follows,
+        checked against the pool's capacity, and every page is freed."""
+        num_pages = self._quota_pages(config.max_total_num_tokens)
+        self.size = int(config.max_total_num_tokens)
+        self.num_pages = num_pages
+        self.clear()
+
+    # -- host copies (SGLang's hooks, the KV pool's work) --------------------------------------
+
+    def get_cpu_copy(self, indices: Any, mamba_indices: Any = None,
+                     req_pool_index: Any = None) -> Any:
+        return self._kvcache.get_cpu_copy(indices, mamba_indices=mamba_indices,
+                                          req_pool_index=req_pool_index)
+
+    def load_cpu_copy(self, kv_cache_cpu: Any, indices: Any, mamba_indices: Any = None,
+                      req_pool_index: Any = None) -> Any:
+        return self._kvcache.load_cpu_copy(kv_cache_cpu, indices, mamba_indices=mamba_indices,
+                                           req_pool_index=req_pool_index)
+
+    # -- end ----------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """End the allocator. With a binding it made from the environment: close the binding,
+        which ends the lease (the daemon takes back every page, in use or cached). With the KV
+        pool's binding: return the cached pages (the lease and the pages in use stay the
+        binding's). Idempotent; run at interpreter exit for an owned binding. Allocating
+        afterwards raises the lease's error."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.owns_binding:
+            self._close_cache()
+            return
+        atexit.unregister(self.close)
+        try:
+            self.binding.close()
+        except KVPoolError as err:  # the daemon is gone: the lease expires by itself
+            log.warning("kvpool pool %r: closing lease %d failed: %s", self.pool_name,
+                        self.lease.lease_id, err)
+
+    def _close_cache(self) -> None:
+        """Return the page cache's cached pages to the daemon (the pages in use stay the
+        lease's); a failure is logged, not raised (the lease's end takes them anyway)."""
+        try:
+            self.cache.close()
+        except KVPoolError as err:
+            log.warning("kvpool pool %r: returning cached pages failed: %s", self.pool_name,
+                        err)

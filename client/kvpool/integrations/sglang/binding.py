@@ -1,0 +1,137 @@
+"""How an SGLang worker finds its kvpool pool: one :class:`PoolBinding` per scheduler process.
+
+The KV pool class (``kvpool.integrations.sglang.pools``) makes the binding when SGLang builds
+the pool: it opens the scheduler's lease, configures the pool in the daemon from SGLang's own
+model config and options, attaches it, and stores the binding on the pool as
+``kvpool_binding``. The paged allocator (``kvpool.integrations.sglang.allocator``) takes the
+binding of the KV pool it is given; given any other pool (SGLang's own classes, a test's), it
+makes one from the environment.
+
+Environment (read once, here):
+
+- ``KVPOOL_TARGET``: the daemon (``kvpool.targets.default_target``; default the per-user socket).
+  ``{gpu}`` in it becomes the scheduler's CUDA device index (one daemon per GPU:
+  ``unix:///run/kvpool/gpu{gpu}.sock``); on CPU it becomes 0.
+- ``KVPOOL_TOKEN_FILE``: a file holding the daemon's bearer token (TCP listeners).
+- ``KVPOOL_POOL``: the pool's name. Required.
+- ``KVPOOL_LEASE_TTL_S``: the scheduler's lease TTL in seconds (default 10): how long after a
+  crash the daemon takes its pages back.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpool.client import KVPoolClient, Lease
+from kvpool.errors import FailedPrecondition, InvalidArgument
+from kvpool.targets import TARGET_ENV, default_target, token_from
+
+POOL_ENV = "KVPOOL_POOL"
+TOKEN_FILE_ENV = "KVPOOL_TOKEN_FILE"
+TTL_ENV = "KVPOOL_LEASE_TTL_S"
+DEFAULT_TTL_S = 10.0
+
+
+@dataclass
+class PoolBinding:
+    """A scheduler's connection to its pool: the client, the pool's name, and the one lease the
+    scheduler holds its pages with (opened lazily, shared by the KV pool's attachment and the
+    paged allocator, closed by :meth:`close`)."""
+
+    client: KVPoolClient
+    pool: str
+    ttl_s: float = DEFAULT_TTL_S
+    lease_name: str = field(default_factory=lambda: f"sglang@{socket.gethostname()}:{os.getpid()}")
+    _lease: Lease | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    # What keeps the binding's resources open (the attachment's context manager, caches, ...),
+    # closed last-in first-out by ``close``.
+    _closers: list[Any] = field(default_factory=list)
+
+    @property
+    def lease(self) -> Lease:
+        with self._lock:
+            if self._lease is None:
+                self._lease = self.client.lease(self.lease_name, ttl_s=self.ttl_s)
+            return self._lease
+
+    def on_close(self, closer: Any) -> None:
+        """Call ``closer()`` at :meth:`close` (before the lease ends)."""
+        self._closers.append(closer)
+
+    def close(self) -> None:
+        """Run the closers, end the lease (its pages go back to the pool) and the channel.
+        Idempotent."""
+        while self._closers:
+            self._closers.pop()()
+        with self._lock:
+            lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.close()
+        self.client.close()
+
+
+def ttl_from(env: Mapping[str, str]) -> float:
+    text = env.get(TTL_ENV, "").strip()
+    if not text:
+        return DEFAULT_TTL_S
+    try:
+        ttl = float(text)
+    except ValueError:
+        raise InvalidArgument(f"{TTL_ENV}={text!r}: expected seconds, e.g. 10",
+                              field=TTL_ENV) from None
+    if not 0.1 <= ttl <= 3600:
+        raise InvalidArgument(f"{TTL_ENV}={text!r}: must be between 0.1 and 3600 seconds",
+                              field=TTL_ENV)
+    return ttl
+
+
+def target_for_this_gpu(target: str, gpu: int | None = None) -> str:
+    """``target`` with ``{gpu}`` replaced by ``gpu`` (default: the current CUDA device, 0
+    without CUDA); a target without the placeholder is returned as it is."""
+    if "{gpu}" not in target:
+        return target
+    if gpu is None:
+        gpu = current_gpu()
+    return target.replace("{gpu}", str(gpu))
+
+
+def current_gpu() -> int:
+    """The current CUDA device index of this process (SGLang sets it per scheduler), else 0."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return int(torch.cuda.current_device()) if torch.cuda.is_available() else 0
+
+
+def binding_from_env(env: Mapping[str, str] | None = None) -> PoolBinding:
+    """A binding from ``KVPOOL_TARGET``, ``KVPOOL_TOKEN_FILE``, ``KVPOOL_POOL`` and
+    ``KVPOOL_LEASE_TTL_S``.
+
+    Raises:
+        FailedPrecondition: ``KVPOOL_POOL`` is not set.
+        InvalidArgument: a malformed value (the variable is named).
+    """
+    env = os.environ if env is None else env
+    pool = env.get(POOL_ENV, "").strip()
+    if not pool:
+        raise FailedPrecondition(
+            f"{POOL_ENV} is not set: name the kvpool pool this SGLang worker uses "
+            f"(and {TARGET_ENV} its daemon, default {default_target(env)})", field=POOL_ENV)
+    token_file = env.get(TOKEN_FILE_ENV, "").strip()
+    token = token_from(None, Path(token_file)) if token_file else None
+    client = KVPoolClient(target_for_this_gpu(default_target(env)), token=token)
+    return PoolBinding(client=client, pool=pool, ttl_s=ttl_from(env))
+
+
+def binding_of(kvcache: Any) -> PoolBinding | None:
+    """The binding a kvpool KV pool carries (``kvpool_binding``), else None."""
+    binding = getattr(kvcache, "kvpool_binding", None)
+    return binding if isinstance(binding, PoolBinding) else None

@@ -1,0 +1,414 @@
+"""SGLang KV pools whose buffers are views of a kvpool daemon pool (SGLang 0.5.23).
+
+SGLang builds these classes (through ``get_kv_pool_cls(kind=...)`` of kvpool's platform) with
+the in-tree classes' own arguments. Where the in-tree class would allocate its buffers, the
+kvpool class instead:
+
+1. makes the scheduler's :class:`PoolBinding` from the environment (``KVPOOL_POOL``, ...);
+2. configures the pool in the daemon from the model SGLang serves and the sizes SGLang resolved
+   (:func:`plan_request`): the model path's ``config.json``, ``max_total_tokens`` = the pool's
+   ``size``, its page size, the KV dtype SGLang passes, TP/PP, context length and
+   ``max_running_requests``. An existing pool with the same layout is reused (Configure answers
+   ``created=False``); one with another layout is refused by the daemon;
+3. checks the plan against what SGLang expects (token count, layers, every buffer's shape and
+   dtype) and refuses any difference, naming both values;
+4. attaches the pool with the binding's lease and keeps the mapping open for the process
+   lifetime (closed by ``binding.close()``, which runs at exit);
+5. uses the daemon's views as its buffers (same shapes, dtypes, layer ids and padding page), so
+   SGLang's own ``set_kv_buffer``, ``get_key_buffer``, ... read and write daemon memory.
+
+The pool carries its binding as ``kvpool_binding`` (the paged allocator takes its pages from
+that lease) and the Configure answer as ``kvpool_configured``.
+
+Supported layouts: the plain per-layer token-major layout (NHD) of unquantized MHA pools, MLA
+and DSA latent pools, DSA indexer keys. Refused with an error: quantized KV methods (FP4, MXFP8),
+post-capture (VMM) backing, HND / vectorized layouts, and pools of other architectures
+(hybrid SWA, hybrid linear, DeepSeek-V4), whose daemon plans this module does not map yet.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.index_key_cache import IndexKeyCache
+from sglang.srt.mem_cache.memory_pool import (
+    DSATokenToKVPool,
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+)
+
+from kvpool.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from kvpool.integrations.sglang.binding import POOL_ENV, PoolBinding, binding_from_env
+from kvpool.mapping import MappedRegion
+from kvpool.options import KVCacheDType
+from kvpool.records import ConfigureResult
+
+log = logging.getLogger("kvpool.sglang")
+
+# The torch dtype SGLang passes as the pool's ``dtype`` -> kvpool's --kv-cache-dtype.
+KV_CACHE_DTYPES: dict[torch.dtype, KVCacheDType] = {
+    torch.float32: KVCacheDType.float32,
+    torch.float16: KVCacheDType.float16,
+    torch.bfloat16: KVCacheDType.bfloat16,
+    torch.float8_e4m3fn: KVCacheDType.fp8_e4m3,
+    torch.float8_e5m2: KVCacheDType.fp8_e5m2,
+}
+# SGLang's switch for a --context-length above the model's; the daemon's allow_longer_context.
+LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
+
+
+def kv_cache_dtype_name(dtype: torch.dtype) -> KVCacheDType:
+    """kvpool's KV dtype for the torch dtype SGLang gives its KV pool.
+
+    Raises:
+        InvalidArgument: a dtype kvpool's SGLang pools do not map (lists the ones they do).
+    """
+    try:
+        return KV_CACHE_DTYPES[dtype]
+    except KeyError:
+        known = ", ".join(f"{d} -> {n.value}" for d, n in KV_CACHE_DTYPES.items())
+        raise InvalidArgument(
+            f"SGLang asked for a KV cache of {dtype}, which kvpool's SGLang pools do not "
+            f"support (supported: {known}); choose another --kv-cache-dtype",
+            field="kv_cache_dtype") from None
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What SGLang resolved that decides the daemon's plan (read from SGLang's runtime
+    context, or given by a test)."""
+
+    model_path: str
+    revision: str | None = None
+    tp_size: int = 1
+    pp_size: int = 1
+    pp_rank: int = 0
+    context_length: int | None = None
+    max_running_requests: int | None = None
+    allow_longer_context: bool = False
+
+
+def engine_settings() -> EngineSettings:
+    """The running SGLang scheduler's settings, from its published runtime context."""
+    from sglang.srt.runtime_context import get_model, get_parallel, get_schedule
+
+    model, parallel = get_model(), get_parallel()
+    try:
+        # KV heads are split over attention TP (tp_size unless DP attention is on).
+        tp_size = int(parallel.attn_tp_size)
+    except (AttributeError, RuntimeError, ValueError):
+        tp_size = int(parallel.tp_size)
+    return EngineSettings(
+        model_path=str(model.model_path),
+        revision=getattr(model, "revision", None),
+        tp_size=tp_size,
+        pp_size=int(parallel.pp_size),
+        pp_rank=int(parallel.pp_rank),
+        context_length=model.context_length,
+        max_running_requests=get_schedule().max_running_requests,
+        allow_longer_context=os.environ.get(LONGER_CONTEXT_ENV, "").lower() in ("1", "true"),
+    )
+
+
+def model_config_path(model_path: str, revision: str | None = None) -> Path:
+    """The ``config.json`` of the model SGLang serves: in the model directory, else from the
+    local Hugging Face cache (as SGLang loads it; ``HF_HUB_OFFLINE`` is honoured).
+
+    Raises:
+        FailedPrecondition: no config.json could be found (names the path or repo).
+    """
+    local = Path(model_path).expanduser()
+    if local.is_dir():
+        config = local / "config.json"
+        if not config.is_file():
+            raise FailedPrecondition(
+                f"the model directory {local} has no config.json; kvpool plans the pool from "
+                "the model's Hugging Face config", field="model_path")
+        return config
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(model_path, "config.json", revision=revision))
+    except Exception as exc:
+        raise FailedPrecondition(
+            f"could not find config.json of model {model_path!r} (revision {revision}): "
+            f"{exc}", field="model_path") from exc
+
+
+def plan_request(settings: EngineSettings, *, size: int, page_size: int,
+                 dtype: torch.dtype) -> dict[str, Any]:
+    """The Configure options for a pool of ``size`` tokens (``max_total_tokens``)."""
+    return {
+        "max_total_tokens": size,
+        "page_size": page_size,
+        "kv_cache_dtype": kv_cache_dtype_name(dtype).value,
+        "tp_size": settings.tp_size,
+        "pp_size": settings.pp_size,
+        "pp_rank": settings.pp_rank,
+        "context_length": settings.context_length,
+        "max_running_requests": settings.max_running_requests,
+        "allow_longer_context": settings.allow_longer_context,
+    }
+
+
+class PoolMismatch(FailedPrecondition):
+    """The daemon's plan differs from the pool SGLang is building."""
+
+
+def check_plan(result: ConfigureResult, *, architecture: str, size: int, page_size: int,
+               start_layer: int, layer_num: int, pool: str) -> None:
+    """Refuse a plan whose architecture, token count, page size or layers differ from SGLang's.
+
+    Raises:
+        PoolMismatch: naming SGLang's value and the plan's.
+    """
+    plan = result.plan
+    where = f"kvpool pool {pool!r}"
+    if plan.architecture != architecture:
+        raise PoolMismatch(
+            f"SGLang builds a {architecture} KV pool but the daemon planned {where} as "
+            f"{plan.architecture!r}; kvpool's SGLang pools map mha, mla and dsa plans",
+            field="architecture")
+    if plan.max_total_num_tokens != size:
+        raise PoolMismatch(
+            f"SGLang sized its KV pool at {size} tokens but the daemon's plan of {where} has "
+            f"max_total_num_tokens {plan.max_total_num_tokens}; set --max-total-tokens (or "
+            f"--mem-fraction-static) so both agree, or drop the pool if it was configured "
+            "with other options", field="max_total_tokens")
+    if plan.page_size != page_size:
+        raise PoolMismatch(
+            f"SGLang's page size is {page_size} but {where} has page_size {plan.page_size}",
+            field="page_size")
+    end_layer = start_layer + layer_num
+    if (plan.layer_start, plan.layer_end) != (start_layer, end_layer):
+        raise PoolMismatch(
+            f"SGLang's KV pool holds layers {start_layer}..{end_layer - 1} but {where} holds "
+            f"{plan.layer_start}..{plan.layer_end - 1}; check --pp-size / the PP rank",
+            field="pp_rank")
+
+
+class Attachment:
+    """A pool's attached daemon region, whose views are handed out after checking them."""
+
+    def __init__(self, binding: PoolBinding, configured: ConfigureResult,
+                 region: MappedRegion) -> None:
+        self.binding = binding
+        self.configured = configured
+        self.region = region
+
+    def view(self, name: str, shape: Sequence[int], dtype: torch.dtype,
+             device: str | torch.device) -> torch.Tensor:
+        """The daemon's buffer ``name``, checked against what SGLang expects.
+
+        Raises:
+            PoolMismatch: a missing buffer, another shape, dtype or device (both named).
+        """
+        where = f"kvpool pool {self.binding.pool!r}"
+        try:
+            tensor = self.region[name]
+        except KeyError:
+            names = ", ".join(list(self.region)[:6])
+            raise PoolMismatch(
+                f"SGLang expects buffer {name!r} of shape {tuple(shape)} but {where} has no "
+                f"such buffer (it has {names}, ...)", field="buffers") from None
+        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+            raise PoolMismatch(
+                f"SGLang expects buffer {name!r} as {tuple(shape)} {dtype} but {where} has "
+                f"{tuple(tensor.shape)} {tensor.dtype}", field="buffers")
+        want = torch.device(device)
+        if tensor.device.type != want.type or (
+                want.index is not None and tensor.device.index != want.index):
+            raise PoolMismatch(
+                f"SGLang's KV cache is on {want} but {where} lives on {tensor.device}; point "
+                "KVPOOL_TARGET at the daemon of this device", field="device")
+        return tensor
+
+
+def attach_pool(pool: Any, *, architecture: str, settings: EngineSettings | None = None,
+                binding: PoolBinding | None = None) -> Attachment:
+    """Configure, check and attach the daemon pool for SGLang pool ``pool`` (being built).
+
+    Args:
+        pool: the SGLang pool (reads ``size``, ``page_size``, ``dtype``, ``start_layer``,
+            ``layer_num``); gets ``kvpool_binding`` and ``kvpool_configured``.
+        architecture: the plan architecture the pool class maps (``mha``, ``mla``, ``dsa``).
+        settings: SGLang's settings (default: the running scheduler's).
+        binding: the binding to use (default: a new one from the environment, closed at exit).
+
+    Raises:
+        FailedPrecondition: ``KVPOOL_POOL`` unset, a plan that differs from SGLang's pool.
+        KVPoolError: the daemon's refusal (a different layout, not enough budget, ...).
+    """
+    own = binding is None
+    binding = binding_from_env() if binding is None else binding
+    try:
+        settings = engine_settings() if settings is None else settings
+        options = plan_request(settings, size=pool.size, page_size=pool.page_size,
+                               dtype=pool.dtype)
+        config = model_config_path(settings.model_path, settings.revision)
+        try:
+            configured = binding.client.configure(binding.pool, hf_config=config, **options)
+        except AlreadyExists as exc:
+            raise existing_pool_differs(binding, options, exc) from exc
+        log.info("kvpool pool %r %s for SGLang (%s, %d tokens, page %d, %s): fingerprint %s",
+                 binding.pool, "created" if configured.created else "reused", architecture,
+                 pool.size, pool.page_size, options["kv_cache_dtype"], configured.fingerprint)
+        check_plan(configured, architecture=architecture, size=pool.size,
+                   page_size=pool.page_size, start_layer=pool.start_layer,
+                   layer_num=pool.layer_num, pool=binding.pool)
+        stack = contextlib.ExitStack()
+        region = stack.enter_context(binding.client.attach(
+            binding.pool, configured.fingerprint, lease=binding.lease))
+        binding.on_close(stack.close)
+    except BaseException:
+        if own:
+            binding.close()
+        raise
+    if own:
+        atexit.register(binding.close)
+    pool.kvpool_binding = binding
+    pool.kvpool_configured = configured
+    return Attachment(binding, configured, region)
+
+
+def existing_pool_differs(binding: PoolBinding, options: dict[str, Any],
+                          exc: AlreadyExists) -> PoolMismatch:
+    """The daemon's refusal of a pool that exists with another layout, with both sizes."""
+    try:
+        have = binding.client.stats(binding.pool).pool(binding.pool)
+        existing = (f"{have.max_total_num_tokens} tokens, page {have.page_size}, "
+                    f"{have.kv_cache_dtype}")
+    except Exception:  # the refusal itself is the error; the sizes only explain it
+        existing = "another layout"
+    return PoolMismatch(
+        f"SGLang needs kvpool pool {binding.pool!r} with {options['max_total_tokens']} tokens, "
+        f"page {options['page_size']}, {options['kv_cache_dtype']} (tp {options['tp_size']}, "
+        f"pp {options['pp_rank']}/{options['pp_size']}) but it exists with {existing}: "
+        f"{exc.message}", field="max_total_tokens")
+
+
+def _refuse(pool: Any, what: str, knob: str) -> None:
+    raise FailedPrecondition(
+        f"kvpool's SGLang pool {type(pool).__name__} does not support {what}; {knob}, or unset "
+        f"{POOL_ENV} to use SGLang's own pool", field="kv_pool")
+
+
+class KVPoolMHATokenToKVPool(MHATokenToKVPool):
+    """SGLang's MHA pool with ``k.<layer>`` / ``v.<layer>`` from the daemon's pool."""
+
+    kvpool_binding: PoolBinding
+    kvpool_configured: ConfigureResult
+
+    def _create_buffers(self) -> None:
+        if self.is_quantized_kv_cache:
+            _refuse(self, f"the quantized KV method {self.quant_method.name!r}",
+                    "choose another --kv-cache-dtype")
+        if self.post_capture_active:
+            _refuse(self, "post-capture KV backing", "turn off post-capture KV sizing")
+        if self.kv_cache_layout != "nhd":
+            _refuse(self, f"the {self.kv_cache_layout!r} KV layout",
+                    "unset SGLANG_USE_HND_KVCACHE / SGLANG_AITER_KV_CACHE_LAYOUT")
+        super()._create_buffers()
+
+    def _create_buffers_normal(self) -> None:
+        attachment = attach_pool(self, architecture="mha")
+        k_shape, v_shape = self._kv_buffer_shapes()
+        layers = range(self.start_layer, self.start_layer + self.layer_num)
+        self.k_buffer = [attachment.view(f"k.{layer}", k_shape, self.store_dtype, self.device)
+                         for layer in layers]
+        self.v_buffer = [attachment.view(f"v.{layer}", v_shape, self.store_dtype, self.device)
+                         for layer in layers]
+
+
+class _DaemonLatentBuffers:
+    """The MLA latent buffers ``kv.<layer>`` from the daemon's pool (MLA and DSA pools)."""
+
+    kvpool_architecture = "mla"
+    kvpool_binding: PoolBinding
+    kvpool_configured: ConfigureResult
+    kvpool_attachment: Attachment
+
+    def _create_buffers(self) -> None:
+        pool: Any = self
+        attachment = attach_pool(pool, architecture=self.kvpool_architecture)
+        self.kvpool_attachment = attachment
+        shape = (pool.size + pool.page_size, 1, pool.kv_cache_dim)
+        pool.kv_buffer = [
+            attachment.view(f"kv.{layer}", shape, pool.store_dtype, pool.device)
+            for layer in range(pool.start_layer, pool.start_layer + pool.layer_num)
+        ]
+
+
+class KVPoolMLATokenToKVPool(_DaemonLatentBuffers, MLATokenToKVPool):
+    """SGLang's MLA pool with ``kv.<layer>`` from the daemon's pool."""
+
+
+class DaemonIndexKeyCache(IndexKeyCache):
+    """SGLang's DSA indexer-key cache over the daemon's ``index_k.<layer>`` buffers.
+
+    Layers SGLang skips (they reuse an earlier layer's top-k) keep SGLang's 0-row placeholder.
+    """
+
+    def __init__(self, pool: KVPoolDSATokenToKVPool, index_buf_size: int) -> None:
+        # IndexKeyCache's own __init__ allocates the buffers; this one maps them instead.
+        self.pool = pool
+        num_pages = (index_buf_size + pool.page_size + 1) // pool.page_size
+        dtype = pool.index_k_with_scale_buffer_dtype
+        buffers = []
+        for i in range(pool.layer_num):
+            shape = self._buffer_shape(self._layer_num_pages(i, num_pages))
+            if shape[0] == 0:
+                buffers.append(torch.zeros(shape, dtype=dtype, device=pool.device))
+            else:
+                buffers.append(pool.kvpool_attachment.view(
+                    f"index_k.{pool.start_layer + i}", shape, dtype, pool.device))
+        self.buffer = buffers
+
+
+class KVPoolDSATokenToKVPool(_DaemonLatentBuffers, DSATokenToKVPool):
+    """SGLang's DSA pool with ``kv.<layer>`` and ``index_k.<layer>`` from the daemon's pool.
+
+    The k-pool compression tails (per running request, ``index_kpool > 1`` models) stay in
+    SGLang's own memory: the daemon's plan has no buffer for them.
+    """
+
+    kvpool_architecture = "dsa"
+
+    def _create_index_key_cache(self) -> IndexKeyCache:
+        return DaemonIndexKeyCache(self, self.index_buf_size)
+
+
+POOL_CLASSES: dict[str, type] = {
+    "mha": KVPoolMHATokenToKVPool,
+    "mla": KVPoolMLATokenToKVPool,
+    "dsa": KVPoolDSATokenToKVPool,
+}
+
+
+def pool_class(kind: str) -> type:
+    """kvpool's pool class for SGLang's pool kind.
+
+    Raises:
+        InvalidArgument: an unknown kind (lists the known ones).
+    """
+    try:
+        return POOL_CLASSES[kind]
+    except KeyError:
+        raise InvalidArgument(f"SGLang asked for a {kind!r} KV pool; kvpool provides "
+                              f"{', '.join(POOL_CLASSES)}", field="kind") from None
+
+
+__all__ = [
+    "KV_CACHE_DTYPES", "POOL_CLASSES", "Attachment", "DaemonIndexKeyCache", "EngineSettings",
+    "KVPoolDSATokenToKVPool", "KVPoolMHATokenToKVPool", "KVPoolMLATokenToKVPool",
+    "PoolMismatch", "attach_pool", "check_plan", "engine_settings", "kv_cache_dtype_name",
+    "model_config_path", "plan_request", "pool_class",
+]
