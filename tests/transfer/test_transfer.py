@@ -1,0 +1,358 @@
+"""Disaggregated prefill/decode: two ``kvpoold serve`` processes move KV pages with NIXL (UCX
+over shared memory on this CPU machine).
+
+The prefill side writes known bytes into its pages through its own mapping of its pool, the
+decode side grants pages, the prefill daemon sends, and the decode side reads every byte back
+through its mapping. Skipped where NIXL is not installed (``pip install 'kvpool[nixl]'``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvpool import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    KVPoolClient,
+    NotFound,
+    Unavailable,
+)
+from kvpool.records import TransferState
+from tests.conftest import TINY_OPTIONS, TINY_SPEC, DaemonProcess, run_daemon, temp_dir
+from tests.e2e.test_metrics import metrics_url, scrape
+
+MLA_SPEC: dict[str, Any] = {"num_layers": 2, "context_length": 256,
+                            "attention": {"type": "mla", "kv_lora_rank": 32,
+                                          "qk_rope_head_dim": 16}}
+SWA_SPEC: dict[str, Any] = {"num_layers": 4, "context_length": 256,
+                            "attention": {"type": "mha", "num_kv_heads": 2, "head_dim": 16},
+                            "sliding_window": {"window": 32, "layers": [0, 2]}}
+PREFILL = dict(TINY_OPTIONS)
+DECODE = {**TINY_OPTIONS, "budget_bytes": 2 << 20}  # another size: another fingerprint
+
+
+@dataclass
+class Pair:
+    prefill: DaemonProcess
+    decode: DaemonProcess
+    p: KVPoolClient
+    d: KVPoolClient
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[Pair]:
+    """A prefill and a decode daemon, each in its own process on its own socket."""
+    metrics = ("--metrics-port", "0", "--log-format", "json")
+    with temp_dir() as d1, temp_dir() as d2, run_daemon(d1, *metrics) as prefill, \
+            run_daemon(d2, *metrics) as decode, KVPoolClient(prefill.target) as p, \
+            KVPoolClient(decode.target) as d:
+        yield Pair(prefill, decode, p, d)
+
+
+def page_bytes(region: Any, names: list[str], page: int) -> bytes:
+    """Every byte of one page over ``names``, as the pool's mapping holds them."""
+    import torch
+
+    return b"".join(region.page(n, page).contiguous().view(-1).view(torch.uint8).numpy()
+                    .tobytes() for n in names)
+
+
+def fill(region: Any, names: list[str], pages: np.ndarray, seed: int) -> None:
+    """Random bytes into every page of ``names``."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    for n in names:
+        for p in pages:
+            view = region.page(n, int(p))
+            raw = view.view(-1).view(torch.uint8)
+            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+
+
+def kv_names(region: Any, space: str = "kv") -> list[str]:
+    return [b.name for b in region.plan.buffers if b.id_space == space]
+
+
+def configure(pair: Pair, name: str, spec: dict[str, Any], **over: Any) -> None:
+    pair.p.configure(name, spec=spec, **{**PREFILL, **over.get("prefill", {})})
+    pair.d.configure(name, spec=spec, **{**DECODE, **over.get("decode", {})})
+
+
+@pytest.mark.parametrize("count", [1, 16, 256])
+def test_mha_pages_arrive(pair: Pair, count: int) -> None:
+    pool = f"mha-{count}"
+    configure(pair, pool, TINY_SPEC)
+    with pair.p.lease("prefill") as pl, pair.d.lease("decode") as dl, \
+            pair.p.attach(pool, lease=pl) as src_region, \
+            pair.d.attach(pool, lease=dl) as dst_region:
+        src = pl.allocate(pool, "kv", count)
+        dst = dl.allocate(pool, "kv", count)
+        names = kv_names(src_region)
+        fill(src_region, names, src, seed=count)
+        grant = dl.grant_receive(pool, dst)
+        assert len(grant.token) == 16 and grant.swa_pages is None
+
+        handle = pair.p.send(pool, src, peer=pair.decode.target, token=grant.token, lease=pl)
+        sent = handle.wait(30)
+        got = grant.wait(30)
+
+        per_page = sum(b.page_bytes for b in src_region.plan.buffers if b.id_space == "kv")
+        assert handle.bytes == sent.bytes == got.bytes == per_page * count
+        assert handle.descriptors == len(names) * count
+        assert sent.state == got.state == TransferState.done
+        for a, b in zip(src, dst, strict=True):
+            assert page_bytes(src_region, names, int(a)) == page_bytes(dst_region, names, int(b))
+        # The pages are still each lease's own; the decode side frees them when it likes.
+        assert pair.d.stats(pool).leases[0].held[pool]["kv"] == count
+        assert dl.free(pool, "kv", dst) == count
+
+
+def test_mla_pages_arrive(pair: Pair) -> None:
+    pool = "mla"
+    configure(pair, pool, MLA_SPEC)
+    with pair.p.lease("prefill") as pl, pair.d.lease("decode") as dl, \
+            pair.p.attach(pool, lease=pl) as src_region, \
+            pair.d.attach(pool, lease=dl) as dst_region:
+        src, dst = pl.allocate(pool, "kv", 16), dl.allocate(pool, "kv", 16)
+        names = kv_names(src_region)
+        fill(src_region, names, src, seed=7)
+        grant = dl.grant_receive(pool, dst)
+        pair.p.send(pool, src, peer=pair.decode.target, token=grant.token, lease=pl).wait(30)
+        grant.wait(30)
+        for a, b in zip(src, dst, strict=True):
+            assert page_bytes(src_region, names, int(a)) == page_bytes(dst_region, names, int(b))
+
+
+def test_hybrid_swa_pages_and_their_swa_pairs_arrive(pair: Pair) -> None:
+    pool = "swa"
+    configure(pair, pool, SWA_SPEC)
+    with pair.p.lease("prefill") as pl, pair.d.lease("decode") as dl, \
+            pair.p.attach(pool, lease=pl) as src_region, \
+            pair.d.attach(pool, lease=dl) as dst_region:
+        src, src_swa = pl.allocate_swa_pairs(pool, 16)
+        dst, dst_swa = dl.allocate_swa_pairs(pool, 16)
+        full, swa = kv_names(src_region, "kv"), kv_names(src_region, "swa")
+        assert full and swa
+        fill(src_region, full, src, seed=1)
+        fill(src_region, swa, src_swa, seed=2)
+        grant = dl.grant_receive(pool, dst)
+        assert grant.swa_pages is not None
+        np.testing.assert_array_equal(grant.swa_pages, dst_swa)
+        pair.p.send(pool, src, peer=pair.decode.target, token=grant.token, lease=pl).wait(30)
+        grant.wait(30)
+        for a, b in zip(src, dst, strict=True):
+            assert page_bytes(src_region, full, int(a)) == page_bytes(dst_region, full, int(b))
+        for a, b in zip(src_swa, dst_swa, strict=True):
+            assert page_bytes(src_region, swa, int(a)) == page_bytes(dst_region, swa, int(b))
+
+
+def test_layout_mismatch_is_refused(pair: Pair) -> None:
+    """Another head count (a TP split of the KV heads) gives other bytes per page."""
+    pool = "tp"
+    pair.p.configure(pool, spec=TINY_SPEC, tp_size=2, **PREFILL)
+    pair.d.configure(pool, spec=TINY_SPEC, **DECODE)
+    with pair.p.lease("prefill") as pl, pair.d.lease("decode") as dl:
+        src, dst = pl.allocate(pool, "kv", 4), dl.allocate(pool, "kv", 4)
+        grant = dl.grant_receive(pool, dst)
+        with pytest.raises(FailedPrecondition) as info:
+            pair.p.send(pool, src, peer=pair.decode.target, token=grant.token, lease=pl)
+        text = str(info.value)
+        assert "bytes per page" in text and "tp_size 2" in text and "not supported" in text
+        assert grant.status().state == TransferState.pending  # a refused sender burns nothing
+
+
+def test_page_size_mismatch_is_refused(pair: Pair) -> None:
+    pool = "pagesize"
+    pair.p.configure(pool, spec=TINY_SPEC, **{**PREFILL, "page_size": 32})
+    pair.d.configure(pool, spec=TINY_SPEC, **DECODE)
+    with pair.p.lease("prefill") as pl, pair.d.lease("decode") as dl:
+        src, dst = pl.allocate(pool, "kv", 2), dl.allocate(pool, "kv", 2)
+        grant = dl.grant_receive(pool, dst)
+        with pytest.raises(FailedPrecondition, match="page_size is 32 on the sender, 16 here"):
+            pair.p.send(pool, src, peer=pair.decode.target, token=grant.token, lease=pl)
+
+
+def test_refusals(pair: Pair) -> None:
+    pool = "refuse"
+    configure(pair, pool, TINY_SPEC)
+    with pair.p.lease("prefill") as pl, pair.d.lease("decode") as dl, \
+            pair.d.lease("other") as other:
+        src, dst = pl.allocate(pool, "kv", 8), dl.allocate(pool, "kv", 8)
+        theirs = other.allocate(pool, "kv", 2)
+        peer = pair.decode.target
+
+        # Granting pages the lease does not hold.
+        with pytest.raises(FailedPrecondition, match="not held by lease"):
+            dl.grant_receive(pool, theirs)
+        # More pages than granted: the sender cannot reach pages outside the grant.
+        grant = dl.grant_receive(pool, dst[:4])
+        with pytest.raises(InvalidArgument, match="the grant covers 4"):
+            pair.p.send(pool, src, peer=peer, token=grant.token, lease=pl)
+        # Sending pages the sender's lease does not hold.
+        with pytest.raises(FailedPrecondition, match="not held by lease"):
+            pair.p.send(pool, src[:4] * 0 + 200, peer=peer, token=grant.token, lease=pl)
+        # A token the decode daemon never made.
+        with pytest.raises(NotFound, match="no receive grant"):
+            pair.p.send(pool, src[:4], peer=peer, token=b"\x00" * 16, lease=pl)
+        # A grant takes one transfer.
+        pair.p.send(pool, src[:4], peer=peer, token=grant.token, lease=pl).wait(30)
+        with pytest.raises(FailedPrecondition, match="used"):
+            pair.p.send(pool, src[:4], peer=peer, token=grant.token, lease=pl)
+
+        # An expired grant.
+        short = dl.grant_receive(pool, dst[4:], ttl_s=0.2)
+        time.sleep(0.5)
+        with pytest.raises(FailedPrecondition, match="expired"):
+            pair.p.send(pool, src[4:], peer=peer, token=short.token, lease=pl)
+        with pytest.raises(Aborted, match="expired"):
+            short.wait(5)
+
+        # A grant whose pages were freed.
+        freed = dl.grant_receive(pool, dst[4:])
+        dl.free(pool, "kv", dst[6:])
+        with pytest.raises(FailedPrecondition, match="freed"):
+            pair.p.send(pool, src[4:], peer=peer, token=freed.token, lease=pl)
+        assert freed.status().state == TransferState.failed
+
+        # An unreachable peer.
+        grant2 = dl.grant_receive(pool, dst[4:6])
+        with pytest.raises(Unavailable):
+            pair.p.send(pool, src[4:6], peer="unix:///nonexistent/kvpool.sock",
+                        token=grant2.token, lease=pl)
+        # Nothing changed hands: each lease holds what it allocated.
+        held = {x.name: x.held.get(pool, {}).get("kv", 0) for x in pair.d.stats(pool).leases}
+        assert held == {"decode": 6, "other": 2}
+        assert pair.p.stats(pool).leases[0].held[pool]["kv"] == 8
+
+
+def test_free_of_a_page_in_flight_is_refused_then_allowed(pair: Pair) -> None:
+    """While a write is in flight its pages cannot be freed; afterwards they can."""
+    pool = "busy"
+    configure(pair, pool, TINY_SPEC)
+    with pair.p.lease("prefill") as pl, pair.d.lease("decode") as dl:
+        src, dst = pl.allocate(pool, "kv", 256), dl.allocate(pool, "kv", 256)
+        grant = dl.grant_receive(pool, dst)
+        handle = pair.p.send(pool, src, peer=pair.decode.target, token=grant.token, lease=pl)
+        try:
+            pl.free(pool, "kv", src[:1])
+        except FailedPrecondition as exc:  # the write had not ended yet
+            assert "in a transfer in flight" in str(exc)
+        handle.wait(30)
+        grant.wait(30)
+        assert dl.free(pool, "kv", dst) == 256
+
+
+BIG_SPEC: dict[str, Any] = {"num_layers": 8, "context_length": 4096,
+                            "attention": {"type": "mha", "num_kv_heads": 8, "head_dim": 128}}
+BIG_OPTIONS: dict[str, Any] = {"budget_bytes": 160 << 20, "page_size": 16,
+                               "max_running_requests": 8}
+
+
+@contextlib.contextmanager
+def big_pair() -> Iterator[Pair]:
+    """Two fresh daemons with a 128 MiB pool each (512 KiB pages): a 256-page write takes
+    long enough for a SIGKILL to land under it on most runs."""
+    with temp_dir() as d1, temp_dir() as d2, run_daemon(d1, budget="256MiB") as prefill, \
+            run_daemon(d2, budget="256MiB") as decode, KVPoolClient(prefill.target) as p, \
+            KVPoolClient(decode.target) as d:
+        p.configure("big", spec=BIG_SPEC, **BIG_OPTIONS)
+        d.configure("big", spec=BIG_SPEC, **BIG_OPTIONS)
+        yield Pair(prefill, decode, p, d)
+
+
+def test_sender_sigkilled_mid_transfer() -> None:
+    """SIGKILL the prefill daemon right after its send is posted (the write may or may not
+    have landed): the decode grant ends (done, or failed at its expiry) and the decode pages
+    stay held by their lease until it frees them."""
+    with big_pair() as pair:
+        pl = pair.p.lease("prefill", ttl_s=30)
+        with pair.d.lease("decode", ttl_s=30) as dl:
+            src, dst = pl.allocate("big", "kv", 256), dl.allocate("big", "kv", 256)
+            grant = dl.grant_receive("big", dst, ttl_s=3)
+            pair.p.send("big", src, peer=pair.decode.target, token=grant.token, lease=pl)
+            pair.prefill.stop(signal.SIGKILL)
+            try:
+                assert grant.wait(30).state == TransferState.done  # it had landed
+            except Aborted as exc:
+                assert "did not complete before the grant expired" in str(exc)
+            assert pair.d.stats("big").leases[0].held["big"]["kv"] == 256
+            assert dl.free("big", "kv", dst) == 256
+        with contextlib.suppress(Unavailable):  # its daemon is gone
+            pl.close()
+
+
+def test_receiver_sigkilled_mid_transfer() -> None:
+    """SIGKILL the decode daemon under a send: the prefill side reports the outcome (done or
+    a NIXL error), its pages stay its lease's, and a new send to the dead peer is refused."""
+    with big_pair() as pair:
+        dl = pair.d.lease("decode", ttl_s=30)
+        with pair.p.lease("prefill", ttl_s=30) as pl:
+            src, dst = pl.allocate("big", "kv", 256), dl.allocate("big", "kv", 256)
+            grant = dl.grant_receive("big", dst)
+            handle = pair.p.send("big", src, peer=pair.decode.target, token=grant.token,
+                                 lease=pl)
+            pair.decode.stop(signal.SIGKILL)
+            try:
+                assert handle.wait(30).state == TransferState.done  # it had landed
+            except Aborted as exc:
+                assert "NIXL reported an error" in str(exc)
+            assert pair.p.stats("big").leases[0].held["big"]["kv"] == 256
+            assert pl.free("big", "kv", src) == 256
+            with pytest.raises(Unavailable):
+                pair.p.send("big", pl.allocate("big", "kv", 1), peer=pair.decode.target,
+                            token=grant.token, lease=pl)
+        with contextlib.suppress(Unavailable):
+            dl.close()
+
+
+async def test_asyncio_forms(pair: Pair) -> None:
+    from kvpool import AsyncKVPoolClient
+
+    pool = "aio"
+    configure(pair, pool, TINY_SPEC)
+    async with AsyncKVPoolClient(pair.prefill.target) as p, \
+            AsyncKVPoolClient(pair.decode.target) as d, await p.lease("prefill") as pl, \
+            await d.lease("decode") as dl:
+        src, dst = await pl.allocate(pool, "kv", 4), await dl.allocate(pool, "kv", 4)
+        grant = await dl.grant_receive(pool, dst)
+        assert (await grant.status()).state == TransferState.pending
+        handle = await p.send(pool, src, peer=pair.decode.target, token=grant.token, lease=pl)
+        assert (await handle.wait(30)).state == TransferState.done
+        done = await grant.wait(30)
+        assert done.pages == 4 and done.bytes == handle.bytes
+
+
+def test_stats_and_metrics_count_transfers_per_peer(pair: Pair) -> None:
+    pool = "counted"
+    configure(pair, pool, TINY_SPEC)
+    with pair.p.lease("prefill") as pl, pair.d.lease("decode") as dl:
+        src, dst = pl.allocate(pool, "kv", 2), dl.allocate(pool, "kv", 2)
+        grant = dl.grant_receive(pool, dst)
+        handle = pair.p.send(pool, src, peer=pair.decode.target, token=grant.token, lease=pl)
+        handle.wait(30)
+        grant.wait(30)
+        with pytest.raises(FailedPrecondition):  # a used grant: one failure to this peer
+            pair.p.send(pool, src, peer=pair.decode.target, token=grant.token, lease=pl)
+    sender, receiver = pair.p.stats(), pair.d.stats()
+    assert sender.daemon.nixl_agent and receiver.daemon.nixl_agent
+    sent = {x.peer: x for x in sender.peers}[pair.decode.target]
+    received = {x.peer: x for x in receiver.peers}[sender.daemon.nixl_agent]
+    assert sent.sent >= 1 and sent.send_failures >= 1 and sent.sent_bytes >= handle.bytes
+    assert received.received >= 1 and received.received_bytes >= handle.bytes
+    metrics = scrape(metrics_url(pair.prefill.log))
+    labels = {"device": "cpu", "peer": pair.decode.target, "direction": "sent"}
+    assert metrics.get("kvpool_transfers_total", **labels) == sent.sent
+    assert metrics.get("kvpool_transfer_bytes_total", **labels) == sent.sent_bytes
+    assert metrics.get("kvpool_transfer_failures_total", **labels) == sent.send_failures
+    metrics = scrape(metrics_url(pair.decode.log))
+    labels = {"device": "cpu", "peer": sender.daemon.nixl_agent, "direction": "received"}
+    assert metrics.get("kvpool_transfers_total", **labels) == received.received
