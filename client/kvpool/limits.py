@@ -18,3 +18,32 @@ MESSAGE_SIZE_OPTIONS: tuple[tuple[str, int], ...] = (
 FIELD_METADATA_KEY = "kvpool-field"
 # Ids cross the wire as little-endian int32 bytes.
 ID_DTYPE = np.dtype("<i4")
+
+# -- bounds on what one request may carry (docs/api.md, "Limits") ------------------------------
+# Checked at the daemon's edge before any work, so a hostile or broken request costs O(its
+# bytes) at most and is refused with INVALID_ARGUMENT naming the bound.
+
+# Layers of a model spec (num_layers, num_hidden_layers): real models have < 200.
+MAX_LAYERS = 1024
+# Items of one Allocate or Free: an engine's batch call has one per request of the batch.
+MAX_ITEMS_PER_CALL = 4096
+# Ids of one Free (all items together), and ids of one transfer call: 16M int32 = 64 MiB.
+MAX_IDS_PER_CALL = 1 << 24
+# Characters of ``hf_config_json`` (real config.json files are < 100 KB).
+MAX_CONFIG_CHARS = 1 << 20
+# Bytes of one request message, per method, checked before the message is parsed; methods not
+# listed take MAX_MESSAGE_BYTES. Sized for the bounds above with room to spare.
+MAX_REQUEST_BYTES: dict[str, int] = {
+    "Configure": MAX_CONFIG_CHARS + (64 << 10),
+    "OpenLease": 4 << 10,
+    "KeepAlive": 256 << 10,
+    "CloseLease": 1 << 10,
+    "Allocate": 128 << 10,  # 4,096 items of a short space name and a count
+    "Stats": 1 << 10,
+    "WatchStats": 1 << 10,
+    "Drop": 1 << 10,
+    "Attach": 4 << 10,
+    "Detach": 1 << 10,
+}
+# Characters of user input an error message quotes (the rest is elided, with its length).
+MAX_ECHO_CHARS = 80

@@ -1,0 +1,114 @@
+"""Request intake: every request message's size is checked against its method's bound before it
+is parsed, and a message that does not parse is refused as INVALID_ARGUMENT.
+
+gRPC parses a request with the method's ``request_deserializer`` before the servicer runs, on
+the event loop; a failure there would answer UNKNOWN/INTERNAL and log a traceback per message.
+:class:`IntakeInterceptor` wraps each method's deserializer so that it never raises: a message
+over ``kvpool.limits.MAX_REQUEST_BYTES[method]`` (the global ``MAX_MESSAGE_BYTES`` for methods
+not listed) or one that is not valid protobuf becomes a :class:`Refused` value carrying the
+``InvalidArgument`` to answer. The error decorators (``kvpoold.server.status``) raise it for
+unary methods; stream-request methods (KeepAlive) raise it with :func:`accept`. Either way the
+refusal costs O(1) (size) or one parse, and its log line is rate-limited there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc import aio
+
+from kvpool.errors import InvalidArgument
+from kvpool.limits import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES
+from kvpoold.server.logs import LogLimiter
+
+log = logging.getLogger("kvpoold.rpc")
+
+T = TypeVar("T")
+SERVICE_PREFIX = "/kvpool.v1.KVPool/"
+# One line per method and minute for refused messages: a client looping on a bad message
+# must not fill the log.
+_LOG_LIMIT = LogLimiter(burst=1, every_s=60.0)
+
+
+class Refused:
+    """A request message refused before the servicer saw it (too large, or not parsable)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: InvalidArgument) -> None:
+        self.error = error
+
+
+def accept(request: T | Refused, method: str) -> T:
+    """The request, or raise the error of a :class:`Refused` one (logged, rate-limited)."""
+    if isinstance(request, Refused):
+        ok, suppressed = _LOG_LIMIT.allow(method)
+        if ok:
+            log.warning("request refused at intake", extra={"fields": {
+                "event": "request_refused", "method": method, "reason": request.error.message,
+                "suppressed": suppressed}})
+        raise request.error
+    return request
+
+
+def checked_deserializer(method: str, parse: Callable[[bytes], Any],
+                         limit: int) -> Callable[[bytes], Any]:
+    """``parse`` behind a size check; never raises: a refusal is returned as :class:`Refused`.
+
+    Args:
+        method: the RPC name, for messages.
+        parse: the generated ``FromString``.
+        limit: the most bytes one message may have.
+    """
+
+    def deserialize(data: bytes) -> Any:
+        if len(data) > limit:
+            return Refused(InvalidArgument(
+                f"the {method} request is {len(data):,} B, at most {limit:,} B for {method} "
+                "(docs/api.md, \"Limits\"); send fewer items or split the call",
+                field="request"))
+        try:
+            return parse(data)
+        except (DecodeError, RuntimeError, ValueError) as exc:
+            return Refused(InvalidArgument(
+                f"the {method} request ({len(data):,} B) is not a valid protobuf message of "
+                f"this method ({type(exc).__name__}); is the client built from the same "
+                "kvpool.v1 protos?", field="request"))
+
+    return deserialize
+
+
+class IntakeInterceptor(aio.ServerInterceptor):
+    """Puts :func:`checked_deserializer` in front of every method's request parser.
+
+    The wrapped handler is built once per method and cached (O(1) per call after that).
+    """
+
+    def __init__(self) -> None:
+        self._handlers: dict[tuple[str, int], grpc.RpcMethodHandler] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails],
+                               Awaitable[grpc.RpcMethodHandler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        if (handler is None or handler.request_deserializer is None
+                or not handler_call_details.method.startswith(SERVICE_PREFIX)):
+            return handler  # health and reflection keep their own parsers
+        key = (handler_call_details.method, id(handler))
+        wrapped = self._handlers.get(key)
+        if wrapped is None:
+            method = handler_call_details.method.rpartition("/")[2]
+            limit = MAX_REQUEST_BYTES.get(method, MAX_MESSAGE_BYTES)
+            wrapped = handler._replace(  # type: ignore[attr-defined]
+                request_deserializer=checked_deserializer(
+                    method, handler.request_deserializer, limit))
+            if len(self._handlers) < 1024:  # methods are few; never grow without bound
+                self._handlers[key] = wrapped
+        return wrapped
