@@ -43,21 +43,21 @@ SPEC = {"num_layers": 2, "attention": {"type": "mha", "num_kv_heads": 2, "head_d
 POOL = "bench"
 
 
-def start_daemon(sock: Path) -> subprocess.Popen[bytes]:
+def start_daemon(sock: Path, budget: str = "64MiB") -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONPATH=f"{REPO / 'client'}:{REPO / 'service'}")
     return subprocess.Popen(
         [sys.executable, "-m", "kvpoold.cli", "serve", "--listen", f"unix://{sock}",
-         "--budget", "64MiB", "--log-level", "warning"],
+         "--budget", budget, "--log-level", "warning"],
         env=env, cwd=REPO,
     )
 
 
 @contextlib.contextmanager
-def serving_daemon(prefix: str = "kvp-bench-") -> Iterator[str]:
+def serving_daemon(prefix: str = "kvp-bench-", budget: str = "64MiB") -> Iterator[str]:
     """A ``kvpoold serve`` on a Unix socket in a fresh temporary directory, ready to serve:
     yields its target; stops it and removes the directory after."""
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
-    daemon = start_daemon(tmp / "kvpool.sock")
+    daemon = start_daemon(tmp / "kvpool.sock", budget)
     target = f"unix://{tmp / 'kvpool.sock'}"
     try:
         with KVPoolClient(target) as client:

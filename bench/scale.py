@@ -37,8 +37,10 @@ from kvpool import codec
 from kvpool.sizes import format_size
 from kvpool.spec import decode_spec
 from kvpoold.ids import PoolIds
+from kvpoold.server.auth import LOCAL_ADMIN
 from kvpoold.server.daemon import Daemon
-from kvpoold.server.records import ConfigureArgs
+from kvpoold.server.leases import MAX_LEASES
+from kvpoold.server.records import ConfigureArgs, LeaseRef
 from kvpoold.sharing.base import PlainBackingFactory
 from kvpoold.sizing import make_options, plan
 
@@ -88,15 +90,16 @@ def leases_curve() -> None:
     first: tuple[float, float] | None = None
     for count in LEASE_COUNTS:
         clock = Clock()
-        daemon = Daemon("cpu", 1 << 40, PlainBackingFactory(torch.device("cpu")), clock=clock)
+        daemon = Daemon("cpu", 1 << 40, PlainBackingFactory(torch.device("cpu")), clock=clock,
+                        max_leases_per_identity=MAX_LEASES)  # one identity opens them all
         args = ConfigureArgs(pool="p", spec=SPEC, options={
             "max_total_tokens": 2 * count + 1024, "page_size": 1, "max_running_requests": 8})
-        asyncio.run(daemon.configure(args))
+        asyncio.run(daemon.configure(LOCAL_ADMIN, args))
         short = max(1, count // 100)
         for i in range(count):
-            lease = daemon.open_lease(f"engine-{i}", 1.0 if i < short else 86_400.0)
-            daemon.allocate("p", lease.lease_id, [("kv", 1)])
-        stats_us = median_us(lambda d=daemon: codec.stats_to_pb(d.stats()))
+            lease = daemon.open_lease(LOCAL_ADMIN, f"engine-{i}", 1.0 if i < short else 86_400.0)
+            daemon.allocate(LOCAL_ADMIN, "p", LeaseRef(lease.lease_id, lease.secret), [("kv", 1)])
+        stats_us = median_us(lambda d=daemon: codec.stats_to_pb(d.stats(LOCAL_ADMIN)))
         sweep_none = median_us(daemon.expire_leases, repeats=21)
         clock.t += 2.0  # the short leases are now due
         t0 = time.perf_counter()

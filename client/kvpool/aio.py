@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -28,9 +29,11 @@ from kvpool.client import (
     default_lease_name,
     give_back,
     keepalive_interval,
+    lease_gone,
     open_channel,
 )
 from kvpool.errors import NotFound
+from kvpool.page_cache import closed_error
 from kvpool.records import AttachInfo, ConfigureResult, Released, Stats
 from kvpool.targets import channel_target, default_target
 from kvpool.v1 import kvpool_pb2 as pb
@@ -40,6 +43,7 @@ if TYPE_CHECKING:
     from kvpool.aio_page_cache import AsyncPageCache
     from kvpool.attach import LeaseArg
     from kvpool.mapping import MappedRegion
+    from kvpool.transfer import AsyncReceiveGrant, AsyncSendHandle
 
 log = logging.getLogger("kvpool.aio")
 
@@ -96,7 +100,7 @@ class AsyncKVPoolClient:
         """Open a lease renewed by a background task; ``async with`` closes it."""
         name = name or default_lease_name()
         resp = await self.call("OpenLease", pb.OpenLeaseRequest(name=name, ttl_seconds=ttl_s))
-        return AsyncLease(self, resp.lease_id, name, resp.ttl_seconds)
+        return AsyncLease(self, resp.lease_id, name, resp.ttl_seconds, resp.lease_secret)
 
     async def stats(self, pool: str = "") -> Stats:
         return codec.stats_from_pb(await self.call("Stats", pb.StatsRequest(pool=pool)))
@@ -119,9 +123,10 @@ class AsyncKVPoolClient:
         return codec.released_from_pb(resp)
 
     async def attach_raw(self, pool: str, expected_fingerprint: str = "",
-                         lease_id: int = 0) -> AttachInfo:
+                         lease: LeaseArg = None) -> AttachInfo:
+        lease_id, secret = wire.lease_key(lease)
         req = pb.AttachRequest(pool=pool, expected_fingerprint=expected_fingerprint,
-                               lease_id=lease_id)
+                               lease_id=lease_id, lease_secret=secret)
         return codec.attach_from_pb(await self.call("Attach", req))
 
     async def detach(self, attach_id: int) -> None:
@@ -138,6 +143,14 @@ class AsyncKVPoolClient:
 
         return attach_async(self.attach_raw, self.detach, pool, expected_fingerprint, lease)
 
+    async def send(self, pool: str, pages: Any, *, peer: str, token: bytes,
+                   lease: AsyncLease) -> AsyncSendHandle:
+        """:meth:`KVPoolClient.send` for asyncio code."""
+        from kvpool.transfer import AsyncSendHandle
+
+        resp = await self.call("Send", wire.send_request(pool, lease, pages, peer, token))
+        return AsyncSendHandle(self, resp)
+
     def keep_alive_stream(self) -> Any:
         return self._stub.KeepAlive(metadata=self._metadata)
 
@@ -146,11 +159,12 @@ class AsyncLease:
     """An open lease renewed by a task over the KeepAlive stream (see ``kvpool.client.Lease``)."""
 
     def __init__(self, client: AsyncKVPoolClient, lease_id: int, name: str,
-                 ttl_s: float) -> None:
+                 ttl_s: float, secret: bytes) -> None:
         self.client = client
         self.lease_id = lease_id
         self.name = name
         self.ttl_s = ttl_s
+        self._secret = secret
         self.error: BaseException | None = None
         self._closed = False
         self._kick = asyncio.Event()  # send a renewal (with the caches' report) now
@@ -158,7 +172,19 @@ class AsyncLease:
         self._caches: list[AsyncPageCache] = []
         self._seq = 0
         self._acked_seq = 0
-        self._task = asyncio.create_task(self._keep_alive(), name=f"kvpool-lease-{lease_id}")
+        # The task holds the lease weakly: one dropped without close() stops being renewed
+        # (its ids come back by expiry), as a dropped Lease does.
+        self._task = asyncio.create_task(
+            _keep_alive(weakref.ref(self), client, lease_id, ttl_s),
+            name=f"kvpool-lease-{lease_id}")
+
+    @property
+    def secret(self) -> bytes:
+        """The lease's secret, which every request acting on it carries (see ``Lease``)."""
+        return self._secret
+
+    def __repr__(self) -> str:
+        return f"AsyncLease(lease_id={self.lease_id}, name={self.name!r}, ttl_s={self.ttl_s})"
 
     async def __aenter__(self) -> AsyncLease:
         return self
@@ -172,7 +198,7 @@ class AsyncLease:
 
     async def allocate_batch(self, pool: str, items: Sequence[tuple[str, int]]
                              ) -> list[np.ndarray]:
-        req = wire.allocate_request(pool, self.lease_id, items)
+        req = wire.allocate_request(pool, self, items)
         resp = await self.client.call("Allocate", req)
         return [codec.ids_from_bytes(item.ids) for item in resp.items]
 
@@ -180,8 +206,17 @@ class AsyncLease:
         return await self.free_batch(pool, [(kind, ids)])
 
     async def free_batch(self, pool: str, items: Sequence[tuple[str, Any]]) -> int:
-        req = wire.free_request(pool, self.lease_id, items)
+        req = wire.free_request(pool, self, items)
         return (await self.client.call("Free", req)).freed
+
+    async def grant_receive(self, pool: str, pages: Any, ttl_s: float | None = None
+                            ) -> AsyncReceiveGrant:
+        """:meth:`kvpool.client.Lease.grant_receive` for asyncio code."""
+        from kvpool.transfer import AsyncReceiveGrant
+
+        req = wire.grant_receive_request(pool, self, pages, ttl_s)
+        resp = await self.client.call("GrantReceive", req)
+        return AsyncReceiveGrant(self.client, codec.ids_from_bytes(req.pages), resp)
 
     @property
     def closed(self) -> bool:
@@ -201,10 +236,12 @@ class AsyncLease:
         if self._closed:
             return Released({}, 0)
         self._closed = True
+        lease_gone(self._caches, closed_error(self.lease_id))  # see Lease.close
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
-        resp = await self.client.call("CloseLease", pb.CloseLeaseRequest(lease_id=self.lease_id))
+        resp = await self.client.call("CloseLease", pb.CloseLeaseRequest(
+            lease_id=self.lease_id, lease_secret=self._secret))
         return codec.released_from_pb(resp)
 
     async def report_now(self, timeout_s: float = 10.0) -> bool:
@@ -235,53 +272,73 @@ class AsyncLease:
 
     def _request(self) -> pb.KeepAliveRequest:
         self._seq += 1
-        return pb.KeepAliveRequest(lease_id=self.lease_id, seq=self._seq,
-                                   caches=cache_reports(self._caches))
+        return pb.KeepAliveRequest(lease_id=self.lease_id, lease_secret=self._secret,
+                                   seq=self._seq, caches=cache_reports(self._caches))
 
-    async def _read(self, stream: Any) -> None:
-        """Answers and give-backs, until the daemon ends the stream (EOF)."""
-        while True:
-            resp = await stream.read()
-            if resp is aio.EOF:
-                return
-            if give_back(self._caches, resp):
-                self._kick.set()
-            if resp.seq:
-                self._acked_seq = max(self._acked_seq, resp.seq)
-                self._acked.set()
 
-    async def _keep_alive(self) -> None:
-        interval = keepalive_interval(self.ttl_s)
-        while True:
-            stream = self.client.keep_alive_stream()
-            reader = asyncio.ensure_future(self._read(stream))
-            try:
-                while not reader.done():
-                    self._kick.clear()
-                    await stream.write(self._request())
-                    kick = asyncio.ensure_future(self._kick.wait())
-                    try:
-                        await asyncio.wait((reader, kick), timeout=interval,
-                                           return_when=asyncio.FIRST_COMPLETED)
-                    finally:
-                        kick.cancel()
-                reader.result()  # raises the stream's error
-                return  # the daemon ended the stream (shutting down)
-            except (grpc.RpcError, asyncio.InvalidStateError) as exc:
-                # A write to a call that already failed (no daemon) raises InvalidStateError;
-                # the call's own status says why.
-                rpc_error = exc if isinstance(exc, grpc.RpcError) else aio.AioRpcError(
-                    await stream.code(), await stream.initial_metadata(),
-                    await stream.trailing_metadata(), await stream.details())
-                err = wire.error_from_rpc(rpc_error, self.client.target)
-                self.error = err
-                if isinstance(err, NotFound):  # the lease expired or was closed
-                    log.error("lease %d lost: %s", self.lease_id, err)
+async def _read(ref: weakref.ref[AsyncLease], stream: Any) -> None:
+    """Answers and give-backs, until the daemon ends the stream (EOF) or the lease is gone."""
+    while True:
+        resp = await stream.read()
+        lease = ref()
+        if resp is aio.EOF or lease is None:
+            return
+        if give_back(lease._caches, resp):
+            lease._kick.set()
+        if resp.seq:
+            lease._acked_seq = max(lease._acked_seq, resp.seq)
+            lease._acked.set()
+        del lease  # not held across the next read
+
+
+async def _keep_alive(ref: weakref.ref[AsyncLease], client: AsyncKVPoolClient, lease_id: int,
+                      ttl_s: float) -> None:
+    """Renew the lease ``ref`` names until it closes, is lost, or is garbage (a reference held
+    only between awaits: the task never keeps the lease alive)."""
+    interval = keepalive_interval(ttl_s)
+    while True:
+        stream = client.keep_alive_stream()
+        reader = asyncio.ensure_future(_read(ref, stream))
+        try:
+            while not reader.done():
+                lease = ref()
+                if lease is None:
+                    log.warning("lease %d was dropped without close(); it is no longer renewed "
+                                "and the daemon reclaims its ids within its TTL (%.1f s)",
+                                lease_id, ttl_s)
                     return
-                log.warning("keep-alive of lease %d failed, retrying: %s", self.lease_id, err)
-                await asyncio.sleep(interval / 2)
-            finally:
-                if reader.done() and not reader.cancelled():
-                    reader.exception()  # retrieved (it was raised above, or a write failed)
-                reader.cancel()
-                stream.cancel()
+                lease._kick.clear()
+                request, kick_event = lease._request(), lease._kick
+                del lease
+                await stream.write(request)
+                kick = asyncio.ensure_future(kick_event.wait())
+                try:
+                    await asyncio.wait((reader, kick), timeout=interval,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    kick.cancel()
+            reader.result()  # raises the stream's error
+            return  # the daemon ended the stream (shutting down), or the lease is gone
+        except (grpc.RpcError, asyncio.InvalidStateError) as exc:
+            # A write to a call that already failed (no daemon) raises InvalidStateError;
+            # the call's own status says why.
+            rpc_error = exc if isinstance(exc, grpc.RpcError) else aio.AioRpcError(
+                await stream.code(), await stream.initial_metadata(),
+                await stream.trailing_metadata(), await stream.details())
+            err = wire.error_from_rpc(rpc_error, client.target)
+            lease = ref()
+            if lease is None:
+                return
+            lease.error = err
+            if isinstance(err, NotFound):  # the lease expired or was closed
+                log.error("lease %d lost: %s", lease_id, err)
+                lease_gone(lease._caches, err)
+                return
+            del lease
+            log.warning("keep-alive of lease %d failed, retrying: %s", lease_id, err)
+            await asyncio.sleep(interval / 2)
+        finally:
+            if reader.done() and not reader.cancelled():
+                reader.exception()  # retrieved (it was raised above, or a write failed)
+            reader.cancel()
+            stream.cancel()

@@ -15,27 +15,17 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Protocol
 
 from kvpool.errors import NotFound
 from kvpool.mapping import MappedRegion, map_region
 from kvpool.records import AttachInfo
+from kvpool.wire import LeaseLike
 
 log = logging.getLogger("kvpool.attach")
 
 
-class HasLeaseId(Protocol):
-    lease_id: int
-
-
-LeaseArg = HasLeaseId | int | None
-
-
-def lease_id_of(lease: LeaseArg) -> int:
-    """The lease id of a ``Lease``/``AsyncLease``, an int id, or 0 for none."""
-    if lease is None:
-        return 0
-    return int(lease) if isinstance(lease, int) else int(lease.lease_id)
+# A Lease, AsyncLease or kvpool.wire.LeaseKey (the attachment ends with it), or None.
+LeaseArg = LeaseLike | None
 
 
 def region_of(info: AttachInfo) -> MappedRegion:
@@ -66,11 +56,11 @@ def _detach_failed(exc: Exception, attach_id: int, body: BaseException | None) -
 
 
 @contextlib.contextmanager
-def attach_sync(attach_raw: Callable[[str, str, int], AttachInfo],
+def attach_sync(attach_raw: Callable[[str, str, LeaseArg], AttachInfo],
                 detach: Callable[[int], None], pool: str, expected_fingerprint: str | None,
                 lease: LeaseArg) -> Iterator[MappedRegion]:
     """The body of ``KVPoolClient.attach`` (see there)."""
-    info = attach_raw(pool, expected_fingerprint or "", lease_id_of(lease))
+    info = attach_raw(pool, expected_fingerprint or "", lease)
     body: BaseException | None = None
     try:
         with region_of(info) as region:
@@ -86,12 +76,12 @@ def attach_sync(attach_raw: Callable[[str, str, int], AttachInfo],
 
 
 @contextlib.asynccontextmanager
-async def attach_async(attach_raw: Callable[[str, str, int], Awaitable[AttachInfo]],
+async def attach_async(attach_raw: Callable[[str, str, LeaseArg], Awaitable[AttachInfo]],
                        detach: Callable[[int], Awaitable[None]], pool: str,
                        expected_fingerprint: str | None,
                        lease: LeaseArg) -> AsyncIterator[MappedRegion]:
     """The body of ``AsyncKVPoolClient.attach`` (see ``KVPoolClient.attach``)."""
-    info = await attach_raw(pool, expected_fingerprint or "", lease_id_of(lease))
+    info = await attach_raw(pool, expected_fingerprint or "", lease)
     body: BaseException | None = None
     try:
         with region_of(info) as region:
@@ -106,4 +96,4 @@ async def attach_async(attach_raw: Callable[[str, str, int], Awaitable[AttachInf
             _detach_failed(exc, info.attach_id, body)
 
 
-__all__ = ["LeaseArg", "attach_async", "attach_sync", "lease_id_of", "region_of"]
+__all__ = ["LeaseArg", "attach_async", "attach_sync", "region_of"]

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from kvpool.cli_run import run_subcommand
+from kvpool.cli_run import parse_command_line, run_subcommand
 from kvpool.demo import add_demo
 from kvpool.errors import InvalidArgument
 from kvpool.option_flags import add_option_flags, option_values
@@ -40,7 +40,8 @@ def common_options(target_help: str | None = None) -> argparse.ArgumentParser:
                         help=target_help or
                         f"unix:///path.sock or host:port (default {default_target()})")
     token = common.add_mutually_exclusive_group()
-    token.add_argument("--token", metavar="SECRET", help="bearer token for a TCP listener")
+    token.add_argument("--token", metavar="SECRET",
+                       help="bearer token for a TCP listener (visible in ps: prefer --token-file)")
     token.add_argument("--token-file", type=Path, metavar="PATH", help="read the token here")
     common.add_argument("--timeout", type=float, default=30.0, metavar="S",
                         help="deadline per call in seconds (default 30)")
@@ -51,6 +52,10 @@ def client_from(args: argparse.Namespace) -> Any:
     """A ``KVPoolClient`` for the common options."""
     from kvpool.client import KVPoolClient
 
+    if args.token:
+        print("kvpool: warning: --token "
+              "shows the secret to every local user (ps, /proc/<pid>/cmdline); use --token-file",
+              file=sys.stderr)
     token = token_from(args.token, args.token_file)
     return KVPoolClient(args.target, token=token, timeout_s=args.timeout)
 
@@ -115,6 +120,8 @@ def run_configure(args: argparse.Namespace) -> int:
           f"{plan.max_running_requests:,} requests")
     print(f"  backing {_human(plan.backing_bytes)} (KV+state {_human(plan.total_bytes)}, aux "
           f"{_human(plan.aux_bytes)}); daemon budget left {_human(result.budget_available_bytes)}")
+    for note in plan.notes:
+        print(f"  note: {note}")
     return 0
 
 
@@ -138,8 +145,9 @@ def run_stats(args: argparse.Namespace) -> int:
         _print_json(stats)
         return 0
     d = stats.daemon
+    hidden = f" ({d.other_leases} of other identities, not shown)" if d.other_leases else ""
     print(f"kvpoold {d.version} on {d.device}: {_human(d.used_bytes)} of "
-          f"{_human(d.budget_bytes)} used, {d.num_pools} pools, {d.num_leases} leases, up "
+          f"{_human(d.budget_bytes)} used, {d.num_pools} pools, {d.num_leases} leases{hidden}, up "
           f"{d.uptime_seconds:.0f}s (leases opened {d.leases_opened}, closed "
           f"{d.leases_closed}, expired {d.leases_expired})")
     for p in stats.pools:
@@ -224,7 +232,7 @@ def build_parser(subcommands: Sequence[AddParser] = SUBCOMMANDS) -> argparse.Arg
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one subcommand; exit 2 for bad input, 1 for other daemon errors."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     return run_subcommand("kvpool", args)
 
 

@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from types import TracebackType
@@ -26,8 +27,9 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpool import codec, wire
-from kvpool.errors import NotFound
+from kvpool.errors import KVPoolError, NotFound
 from kvpool.limits import MESSAGE_SIZE_OPTIONS
+from kvpool.page_cache import closed_error
 from kvpool.records import AttachInfo, ConfigureResult, Released, Stats
 from kvpool.targets import channel_target, default_target
 from kvpool.v1 import kvpool_pb2 as pb
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from kvpool.attach import LeaseArg
     from kvpool.mapping import MappedRegion
     from kvpool.page_cache import PageCache
+    from kvpool.transfer import ReceiveGrant, SendHandle
 
 log = logging.getLogger("kvpool.client")
 
@@ -91,6 +94,12 @@ def give_back(caches: Sequence[Any], resp: pb.KeepAliveResponse) -> bool:
             if cache.pool == item.pool and cache.space == item.space:
                 left -= cache._give_back(left)
     return bool(resp.give_back)
+
+
+def lease_gone(caches: Sequence[Any], err: KVPoolError) -> None:
+    """The lease is closing or expired: its page caches stop handing out ids (``err``)."""
+    for cache in caches:
+        cache.lease_gone(err)
 
 
 class KVPoolClient:
@@ -176,7 +185,8 @@ class KVPoolClient:
         """Open a lease kept alive in a background thread; use it as a context manager."""
         resp = self.call("OpenLease", pb.OpenLeaseRequest(name=name or default_lease_name(),
                                                           ttl_seconds=ttl_s))
-        return Lease(self, resp.lease_id, name or default_lease_name(), resp.ttl_seconds)
+        return Lease(self, resp.lease_id, name or default_lease_name(), resp.ttl_seconds,
+                     resp.lease_secret)
 
     def stats(self, pool: str = "") -> Stats:
         return codec.stats_from_pb(self.call("Stats", pb.StatsRequest(pool=pool)))
@@ -200,10 +210,12 @@ class KVPoolClient:
         return codec.released_from_pb(resp)
 
     def attach_raw(self, pool: str, expected_fingerprint: str = "",
-                   lease_id: int = 0) -> AttachInfo:
-        """The pool's layout and shared handle; counts as attached until :meth:`detach`."""
+                   lease: LeaseArg = None) -> AttachInfo:
+        """The pool's layout and shared handle; counts as attached until :meth:`detach`
+        (or until ``lease``, a ``Lease``, ends)."""
+        lease_id, secret = wire.lease_key(lease)
         req = pb.AttachRequest(pool=pool, expected_fingerprint=expected_fingerprint,
-                               lease_id=lease_id)
+                               lease_id=lease_id, lease_secret=secret)
         return codec.attach_from_pb(self.call("Attach", req))
 
     def detach(self, attach_id: int) -> None:
@@ -221,8 +233,8 @@ class KVPoolClient:
             pool: the pool's name.
             expected_fingerprint: the layout the caller was built for (refused if the pool
                 has another); None accepts any and ``region.fingerprint`` says which.
-            lease: a ``Lease`` (or its id): the attachment then also ends when the lease
-                does, so a crashed process does not pin the pool.
+            lease: a ``Lease``: the attachment then also ends when the lease does, so a
+                crashed process does not pin the pool.
 
         Returns:
             A context manager yielding a :class:`kvpool.mapping.MappedRegion` (name -> view on
@@ -239,6 +251,23 @@ class KVPoolClient:
 
         return attach_sync(self.attach_raw, self.detach, pool, expected_fingerprint, lease)
 
+    def send(self, pool: str, pages: Any, *, peer: str, token: bytes,
+             lease: Lease) -> SendHandle:
+        """Write ``pages`` (held by ``lease``) into the pages a peer daemon granted with
+        ``token`` (page i -> granted page i), with NIXL; see docs/pd-transfer.md.
+
+        Returns once the peer accepted and the write is posted: ``handle.wait()`` for its end.
+
+        Raises:
+            FailedPrecondition: no NIXL in the daemon, a page not held, or the peer refused
+                (grant ended or used, layouts differ; the peer's message). Unavailable: the
+                peer cannot be reached. NotFound: pool, lease or grant unknown.
+        """
+        from kvpool.transfer import SendHandle
+
+        resp = self.call("Send", wire.send_request(pool, lease, pages, peer, token))
+        return SendHandle(self, resp)
+
     def keep_alive_stream(self, requests: Iterator[pb.KeepAliveRequest]) -> Any:
         return self._stub.KeepAlive(requests, metadata=self._metadata)
 
@@ -248,13 +277,24 @@ class Lease:
 
     A background thread renews it over the KeepAlive stream every ``ttl_s / 3``; ``close`` (or
     leaving the ``with`` block) stops the thread and returns everything the lease holds.
+
+    Every request acting on the lease carries its ``secret`` (from OpenLease), which proves it
+    to the daemon: the id alone is not enough (docs/security.md). The secret is kept here,
+    never shown in ``repr`` or logs; hand it to no one you would not hand the lease to.
+
+    The thread holds the lease only weakly (:func:`_keep_alive`): a ``Lease`` dropped without
+    ``close()`` stops renewing once it is garbage (a ``weakref.finalize`` stops the thread, with
+    a warning), and the daemon reclaims its ids when its TTL runs out. A page cache with a
+    background worker keeps its lease alive while the cache is open.
     """
 
-    def __init__(self, client: KVPoolClient, lease_id: int, name: str, ttl_s: float) -> None:
+    def __init__(self, client: KVPoolClient, lease_id: int, name: str, ttl_s: float,
+                 secret: bytes) -> None:
         self.client = client
         self.lease_id = lease_id
         self.name = name
         self.ttl_s = ttl_s
+        self._secret = secret
         self.error: BaseException | None = None  # why keep-alive stopped, if it failed
         self._stop = threading.Event()
         self._kick = threading.Event()  # send a renewal (with the caches' report) now
@@ -262,9 +302,20 @@ class Lease:
         self._acked = threading.Condition()  # guards _seq, _acked_seq and _caches
         self._seq = 0
         self._acked_seq = 0
-        self._thread = threading.Thread(target=self._keep_alive, daemon=True,
-                                        name=f"kvpool-lease-{lease_id}")
+        self._thread = threading.Thread(
+            target=_keep_alive, args=(weakref.ref(self), client, lease_id, ttl_s, self._stop,
+                                      self._kick),
+            daemon=True, name=f"kvpool-lease-{lease_id}")
+        weakref.finalize(self, _dropped, lease_id, ttl_s, self._stop, self._kick)
         self._thread.start()
+
+    @property
+    def secret(self) -> bytes:
+        """The lease's secret, which every request acting on it carries."""
+        return self._secret
+
+    def __repr__(self) -> str:
+        return f"Lease(lease_id={self.lease_id}, name={self.name!r}, ttl_s={self.ttl_s})"
 
     def __enter__(self) -> Lease:
         return self
@@ -279,13 +330,12 @@ class Lease:
 
     def allocate_batch(self, pool: str, items: Sequence[tuple[str, int]]) -> list[np.ndarray]:
         """Several ``(kind, count)`` in one all-or-nothing call; one int32 array per item."""
-        resp = self.client.call("Allocate", wire.allocate_request(pool, self.lease_id, items))
+        resp = self.client.call("Allocate", wire.allocate_request(pool, self, items))
         return [codec.ids_from_bytes(item.ids) for item in resp.items]
 
     def allocate_swa_pairs(self, pool: str, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Hybrid SWA pools: ``count`` full pages and the SWA page paired with each."""
-        resp = self.client.call("Allocate",
-                                wire.allocate_request(pool, self.lease_id, [("kv", count)]))
+        resp = self.client.call("Allocate", wire.allocate_request(pool, self, [("kv", count)]))
         item = resp.items[0]
         return codec.ids_from_bytes(item.ids), codec.ids_from_bytes(item.paired_ids)
 
@@ -295,7 +345,25 @@ class Lease:
 
     def free_batch(self, pool: str, items: Sequence[tuple[str, Any]]) -> int:
         """Several ``(kind, ids)`` in one validated call; returns the ids freed."""
-        return self.client.call("Free", wire.free_request(pool, self.lease_id, items)).freed
+        return self.client.call("Free", wire.free_request(pool, self, items)).freed
+
+    def grant_receive(self, pool: str, pages: Any, ttl_s: float | None = None) -> ReceiveGrant:
+        """Let one transfer from a peer daemon write into ``pages`` (kv pages this lease
+        holds, and their SWA pages in a hybrid SWA pool) within ``ttl_s`` (default 60 s).
+
+        Returns:
+            The grant: pass ``grant.token`` to the sending side; ``grant.wait()`` until the
+            bytes are in. Freeing a granted page (or the lease ending) revokes it.
+
+        Raises:
+            FailedPrecondition: no NIXL in the daemon, or a page this lease does not hold.
+            ResourceExhausted: too many live grants.
+        """
+        from kvpool.transfer import ReceiveGrant
+
+        req = wire.grant_receive_request(pool, self, pages, ttl_s)
+        resp = self.client.call("GrantReceive", req)
+        return ReceiveGrant(self.client, codec.ids_from_bytes(req.pages), resp)
 
     @property
     def closed(self) -> bool:
@@ -326,8 +394,12 @@ class Lease:
         self._kick.set()
         with self._acked:
             self._acked.notify_all()
+            caches = list(self._caches)
+        # Before CloseLease takes back every id: the caches' allocs stop handing them out.
+        lease_gone(caches, closed_error(self.lease_id))
         self._thread.join(timeout=5.0)
-        resp = self.client.call("CloseLease", pb.CloseLeaseRequest(lease_id=self.lease_id))
+        resp = self.client.call("CloseLease", pb.CloseLeaseRequest(lease_id=self.lease_id,
+                                                                   lease_secret=self._secret))
         return codec.released_from_pb(resp)
 
     def report_now(self, timeout_s: float = 10.0) -> bool:
@@ -364,14 +436,8 @@ class Lease:
             self._seq += 1
             seq = self._seq
             caches = list(self._caches)
-        return pb.KeepAliveRequest(lease_id=self.lease_id, seq=seq, caches=cache_reports(caches))
-
-    def _requests(self) -> Iterator[pb.KeepAliveRequest]:
-        interval = keepalive_interval(self.ttl_s)
-        while not self._stop.is_set():
-            yield self._request()
-            self._kick.wait(interval)
-            self._kick.clear()
+        return pb.KeepAliveRequest(lease_id=self.lease_id, lease_secret=self._secret, seq=seq,
+                                   caches=cache_reports(caches))
 
     def _on_response(self, resp: pb.KeepAliveResponse) -> None:
         with self._acked:
@@ -383,23 +449,72 @@ class Lease:
                 self._acked_seq = max(self._acked_seq, resp.seq)
                 self._acked.notify_all()
 
-    def _keep_alive(self) -> None:
-        """Renew until stopped; reopen the stream after a transient failure."""
-        while not self._stop.is_set():
-            stream = self.client.keep_alive_stream(self._requests())
-            try:
-                for resp in stream:
-                    self._on_response(resp)
-                return  # the daemon ended the stream (shutting down)
-            except grpc.RpcError as exc:
-                if self._stop.is_set():
+    def _failed(self, err: KVPoolError) -> None:
+        """The keep-alive stream failed with ``err`` (the thread retries unless NotFound)."""
+        self.error = err
+        if isinstance(err, NotFound):  # the lease expired or was closed
+            log.error("lease %d lost: %s", self.lease_id, err)
+            with self._acked:
+                caches = list(self._caches)
+            lease_gone(caches, err)
+        else:
+            log.warning("keep-alive of lease %d failed, retrying: %s", self.lease_id, err)
+
+
+# -- the keep-alive thread: it reaches its Lease through a weak reference only -------------------
+
+def _requests(ref: weakref.ref[Lease], stop: threading.Event, kick: threading.Event,
+              interval: float) -> Iterator[pb.KeepAliveRequest]:
+    """The KeepAlive requests of the lease behind ``ref``, every ``interval`` or when kicked;
+    ends when stopped or when the lease is garbage (never keeps it alive between requests)."""
+    while not stop.is_set():
+        lease = ref()
+        if lease is None:
+            return
+        request = lease._request()
+        del lease
+        yield request
+        kick.wait(interval)
+        kick.clear()
+
+
+def _keep_alive(ref: weakref.ref[Lease], client: KVPoolClient, lease_id: int, ttl_s: float,
+                stop: threading.Event, kick: threading.Event) -> None:
+    """Renew until stopped (close, or the Lease became garbage); reopen the stream after a
+    transient failure. Holds the Lease only while handling one response."""
+    interval = keepalive_interval(ttl_s)
+    while not stop.is_set():
+        stream = client.keep_alive_stream(_requests(ref, stop, kick, interval))
+        try:
+            for resp in stream:
+                lease = ref()
+                if lease is None:
                     return
-                err = wire.error_from_rpc(exc, self.client.target)
-                self.error = err
-                if isinstance(err, NotFound):  # the lease expired or was closed
-                    log.error("lease %d lost: %s", self.lease_id, err)
-                    return
-                log.warning("keep-alive of lease %d failed, retrying: %s", self.lease_id, err)
-                self._stop.wait(keepalive_interval(self.ttl_s) / 2)
-            finally:
-                stream.cancel()
+                lease._on_response(resp)
+                del lease
+            return  # the daemon ended the stream (shutting down, or we stopped asking)
+        except grpc.RpcError as exc:
+            if stop.is_set():
+                return
+            err = wire.error_from_rpc(exc, client.target)
+            lease = ref()
+            if lease is None:
+                return
+            lease._failed(err)
+            del lease
+            if isinstance(err, NotFound):
+                return
+            stop.wait(interval / 2)
+        finally:
+            stream.cancel()
+
+
+def _dropped(lease_id: int, ttl_s: float, stop: threading.Event, kick: threading.Event) -> None:
+    """A Lease became garbage: stop its keep-alive thread (weakref.finalize; a no-op after
+    close)."""
+    if stop.is_set():
+        return
+    stop.set()
+    kick.set()
+    log.warning("lease %d was dropped without close(); it is no longer renewed and the daemon "
+                "reclaims its ids within its TTL (%.1f s)", lease_id, ttl_s)

@@ -21,10 +21,13 @@ from kvpool.records import (
     DaemonStats,
     HeldMap,
     LeaseStats,
+    PeerStats,
     PoolStats,
     Released,
     SpaceStats,
     Stats,
+    TransferState,
+    TransferStatus,
 )
 from kvpool.v1 import kvpool_pb2 as pb
 
@@ -42,6 +45,13 @@ HANDLE_KIND_TO_PB: dict[HandleKind, int] = {
     "cuda_ipc": pb.HANDLE_KIND_CUDA_IPC,
 }
 HANDLE_KIND_FROM_PB: dict[int, HandleKind] = {v: k for k, v in HANDLE_KIND_TO_PB.items()}
+TRANSFER_STATE_TO_PB: dict[TransferState, int] = {
+    TransferState.pending: pb.TRANSFER_STATE_PENDING,
+    TransferState.done: pb.TRANSFER_STATE_DONE,
+    TransferState.failed: pb.TRANSFER_STATE_FAILED,
+}
+TRANSFER_STATE_FROM_PB: dict[int, TransferState] = {
+    v: k for k, v in TRANSFER_STATE_TO_PB.items()}
 
 _PLAN_SCALARS = tuple(
     f.name for f in pb.Plan.DESCRIPTOR.fields if f.name not in ("notes", "buffers", "id_spaces")
@@ -131,6 +141,21 @@ def attach_from_pb(msg: pb.AttachResponse) -> AttachInfo:
                       handle_from_pb(msg.handle), msg.attach_id, msg.device)
 
 
+# -- transfers ----------------------------------------------------------------------------------
+
+def transfer_status_to_pb(status: TransferStatus) -> pb.TransferStatus:
+    return pb.TransferStatus(state=TRANSFER_STATE_TO_PB[status.state], message=status.message,
+                             bytes=status.bytes, pages=status.pages, seconds=status.seconds,
+                             peer=status.peer)
+
+
+def transfer_status_from_pb(msg: pb.TransferStatus) -> TransferStatus:
+    """The status record (an unset state reads as failed: a daemon that cannot say)."""
+    return TransferStatus(state=TRANSFER_STATE_FROM_PB.get(msg.state, TransferState.failed),
+                          message=msg.message, bytes=msg.bytes, pages=msg.pages,
+                          seconds=msg.seconds, peer=msg.peer)
+
+
 # -- held ids: CloseLease, Drop, Stats ----------------------------------------------------------
 
 def held_to_pb(held: Mapping[str, Mapping[str, int]]) -> list[pb.Held]:
@@ -184,6 +209,8 @@ def stats_to_pb(stats: Stats) -> pb.StatsResponse:
                           cached=held_to_pb(x.cached))
             for x in stats.leases
         ],
+        peers=[pb.PeerStats(**msgspec_fields(x, PeerStats.__struct_fields__))
+               for x in stats.peers],
     )
 
 
@@ -205,6 +232,7 @@ def stats_from_pb(msg: pb.StatsResponse) -> Stats:
         leases=[LeaseStats(**msgspec_fields(x, _LEASE_SCALARS), held=held_from_pb(x.held),
                            cached=held_from_pb(x.cached))
                 for x in msg.leases],
+        peers=[PeerStats(**msgspec_fields(x, PeerStats.__struct_fields__)) for x in msg.peers],
     )
 
 

@@ -163,6 +163,18 @@ ERRORS_BY_CODE: dict[str, type[KVPoolError]] = {
 }
 
 
+def echo(value: object, limit: int = 80) -> str:
+    """``repr(value)`` for an error message, at most ``limit`` characters of it: a longer text
+    is cut with an ellipsis and its length (``'aaaa…' (10,000 chars)``), so a message never
+    grows with the input it quotes (``kvpool.limits.MAX_ECHO_CHARS`` is the daemon's limit).
+    """
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) <= limit:
+        return repr(value) if isinstance(value, str) else text
+    shown = repr(text[:limit])
+    return f"{shown[:-1]}\u2026{shown[-1]} ({len(text):,} chars)"
+
+
 def error_from_code(code_name: str, message: str, field: str | None = None) -> KVPoolError:
     """Build the exception class registered for a gRPC status code name (``"NOT_FOUND"``).
 

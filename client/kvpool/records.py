@@ -7,6 +7,7 @@ proto messages and back, and the clients hand them to callers. ``kvpool stats --
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +96,23 @@ class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
     leases_opened: int
     leases_closed: int
     leases_expired: int
+    nixl_agent: str = ""  # "" = this daemon cannot move pages to peers (kvpool[nixl] missing)
+    # Open leases of other identities, in num_leases but not listed (a caller that is not admin
+    # sees only its own identity's leases; docs/security.md).
+    other_leases: int = 0
+
+
+class PeerStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Transfers with one peer daemon: sent to the address a Send named, received from the
+    sending daemon's NIXL agent. ``sent``/``received`` count completed transfers."""
+
+    peer: str
+    sent: int = 0
+    sent_bytes: int = 0
+    send_failures: int = 0
+    received: int = 0
+    received_bytes: int = 0
+    receive_failures: int = 0
 
 
 class Stats(msgspec.Struct, frozen=True, kw_only=True):
@@ -103,6 +121,7 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
     daemon: DaemonStats
     pools: list[PoolStats]
     leases: list[LeaseStats]
+    peers: list[PeerStats] = msgspec.field(default_factory=list)
 
     def pool(self, name: str) -> PoolStats:
         """The pool called ``name``; KeyError if Stats has none."""
@@ -155,3 +174,29 @@ class AttachInfo:
     handle: SharedHandle
     attach_id: int
     device: str
+
+
+class TransferState(enum.StrEnum):
+    """Where a transfer between daemons stands (``TransferStatus.state``)."""
+
+    pending = "pending"  # granted and not yet written, or posted and not yet complete
+    done = "done"  # every byte is in the receiving pages
+    failed = "failed"  # see the message; pages stay owned as they were
+
+
+class TransferStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """A transfer as one side sees it (WaitTransfer): the sender by transfer id, the receiver
+    by grant token. ``seconds`` runs from posting (sender) or accepting (receiver) to the end;
+    ``peer`` is the other daemon's NIXL agent."""
+
+    state: TransferState
+    message: str = ""
+    bytes: int = 0
+    pages: int = 0
+    seconds: float = 0.0
+    peer: str = ""
+
+    @property
+    def ended(self) -> bool:
+        return self.state != TransferState.pending
+

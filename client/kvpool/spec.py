@@ -16,10 +16,14 @@ import msgspec
 from msgspec import Meta
 
 from kvpool.errors import InvalidArgument
+from kvpool.limits import MAX_LAYERS
 
 PositiveInt = Annotated[int, Meta(ge=1, le=1 << 40)]
 NonNegInt = Annotated[int, Meta(ge=0, le=1 << 40)]
-LayerId = Annotated[int, Meta(ge=0, le=1 << 20)]
+# Layer counts and ids are bounded (kvpool.limits.MAX_LAYERS): planning is O(layers).
+LayerCount = Annotated[int, Meta(ge=1, le=MAX_LAYERS)]
+LayerId = Annotated[int, Meta(ge=0, le=MAX_LAYERS - 1)]
+LayerIds = Annotated[tuple[LayerId, ...], Meta(max_length=MAX_LAYERS)]
 
 
 class ModelDType(enum.StrEnum):
@@ -61,7 +65,7 @@ class SlidingWindow(Base):
     """
 
     window: PositiveInt
-    layers: tuple[LayerId, ...]
+    layers: LayerIds
     num_kv_heads: PositiveInt | None = None
     head_dim: PositiveInt | None = None
     v_head_dim: PositiveInt | None = None
@@ -81,7 +85,7 @@ class LinearAttention(Base):
     value_head_dim, key_head_dim)`` per request slot.
     """
 
-    full_attention_layers: tuple[LayerId, ...]
+    full_attention_layers: LayerIds
     conv_kernel: PositiveInt
     num_key_heads: PositiveInt
     num_value_heads: PositiveInt
@@ -94,7 +98,7 @@ class LinearAttention(Base):
 class DSV4Compression(Base):
     """DeepSeek-V4 compressed attention: per-layer compress ratio (0, 4 or 128) plus an SWA ring."""
 
-    compress_ratios: tuple[Literal[0, 4, 128], ...]
+    compress_ratios: Annotated[tuple[Literal[0, 4, 128], ...], Meta(max_length=MAX_LAYERS)]
     window_size: PositiveInt = 128
     nope_head_dim: PositiveInt = 448
     rope_head_dim: PositiveInt = 64
@@ -108,7 +112,7 @@ class ModelSpec(Base):
     Cross-field rules are checked in ``__post_init__`` (layer ids in range, one attention kind).
     """
 
-    num_layers: PositiveInt
+    num_layers: LayerCount
     attention: MHAAttention | MLAAttention
     context_length: PositiveInt
     dtype: ModelDType = ModelDType.bfloat16
@@ -117,7 +121,7 @@ class ModelSpec(Base):
     indexer: DSAIndexer | None = None
     linear: LinearAttention | None = None
     dsv4: DSV4Compression | None = None
-    num_nextn_predict_layers: NonNegInt = 0
+    num_nextn_predict_layers: Annotated[int, Meta(ge=0, le=MAX_LAYERS)] = 0
     kv_cache_quant_fp8: bool = False  # checkpoint says kv_cache_quant_algo=FP8: `auto` -> fp8_e4m3
 
     def __post_init__(self) -> None:
@@ -144,18 +148,20 @@ class ModelSpec(Base):
             raise ValueError(f"{' and '.join(extras)} cannot be combined in one spec")
 
 
-def decode_spec(data: bytes | str | dict, *, source: str = "spec") -> ModelSpec:
+def decode_spec(data: bytes | str | dict, *, source: str = "spec",
+                field: str = "model") -> ModelSpec:
     """Validate a spec given as JSON text or an already-parsed mapping.
 
     Raises:
-        InvalidArgument: with the msgspec path of the first bad field.
+        InvalidArgument: with the msgspec path of the first bad field (``field`` names the
+            request field that carried the spec).
     """
     try:
         if isinstance(data, dict):
             return msgspec.convert(data, ModelSpec)
         return msgspec.json.decode(data, type=ModelSpec)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise InvalidArgument(f"invalid model spec in {source}: {exc}", field="model") from exc
+        raise InvalidArgument(f"invalid model spec in {source}: {exc}", field=field) from exc
 
 
 def load_spec_file(path: Path) -> ModelSpec:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import msgspec
@@ -19,6 +20,7 @@ from google.protobuf import json_format
 from kvpool.codec import SPACE_OF_KIND
 from kvpool.errors import InvalidArgument, KVPoolError, error_from_code
 from kvpool.limits import FIELD_METADATA_KEY, ID_DTYPE
+from kvpool.spec import decode_spec
 from kvpool.v1 import kvpool_pb2 as pb
 
 # -- errors -------------------------------------------------------------------------------------
@@ -41,6 +43,43 @@ def error_from_rpc(exc: grpc.RpcError, target: str = "") -> KVPoolError:
     if code == grpc.StatusCode.UNAVAILABLE and target:
         details = f"cannot reach kvpoold at {target} ({details}); is `kvpoold serve` running?"
     return error_from_code(code.name if code is not None else "UNKNOWN", details, field)
+
+
+# -- leases -------------------------------------------------------------------------------------
+
+class LeaseLike(Protocol):
+    """A lease as requests name it: ``Lease``, ``AsyncLease`` or :class:`LeaseKey`."""
+
+    @property
+    def lease_id(self) -> int: ...
+
+    @property
+    def secret(self) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class LeaseKey:
+    """A lease's id and secret (OpenLease's answer), for code that holds no ``Lease`` object:
+    another process the lease was handed to, a raw-stub test. The secret is not in its repr."""
+
+    lease_id: int
+    secret: bytes = field(repr=False)
+
+
+def lease_key(lease: LeaseLike | None, field: str = "lease") -> tuple[int, bytes]:
+    """``(lease_id, lease_secret)`` of a lease, or ``(0, b"")`` for none.
+
+    Raises:
+        InvalidArgument: a bare lease id: a request acting on a lease needs its secret too,
+            which only the ``Lease`` object (or a :class:`LeaseKey`) holds.
+    """
+    if lease is None:
+        return 0, b""
+    if isinstance(lease, int):
+        raise InvalidArgument(f"{field} must be the Lease object, not its id {lease}: the "
+                              "daemon needs the lease's secret too, which the Lease holds "
+                              "(docs/security.md)", field=field)
+    return int(lease.lease_id), bytes(lease.secret)
 
 
 # -- ids and kinds ------------------------------------------------------------------------------
@@ -82,9 +121,30 @@ def ids_bytes(ids: Any, field: str = "ids") -> bytes:
 
 # -- Configure ----------------------------------------------------------------------------------
 
+# Keys of a Hugging Face config.json that no model spec has: such a mapping was meant as
+# ``hf_config``.
+HF_CONFIG_KEYS = ("architectures", "model_type", "num_hidden_layers", "hidden_size")
+
+
 def spec_message(spec: Any) -> pb.ModelSpec:
-    """A model spec (a mapping in kvpoold's ModelSpec JSON shape, or a ModelSpec Struct)."""
-    data = msgspec.to_builtins(spec) if hasattr(spec, "__struct_fields__") else dict(spec)
+    """A model spec (a mapping in kvpoold's ModelSpec JSON shape, or a ModelSpec Struct).
+
+    Raises:
+        InvalidArgument: the mapping is a Hugging Face config (pass it as ``hf_config``) or not a
+            valid spec (msgspec's path of the first bad field).
+    """
+    if not hasattr(spec, "__struct_fields__"):
+        if not isinstance(spec, Mapping):
+            raise InvalidArgument(f"a model spec is a mapping or a ModelSpec, got "
+                                  f"{type(spec).__name__}", field="spec")
+        hf_keys = [k for k in HF_CONFIG_KEYS if k in spec]
+        if hf_keys:
+            raise InvalidArgument(
+                f"the spec looks like a Hugging Face config.json (it has {hf_keys[0]!r}); give "
+                "it as hf_config (kvpool configure --hf-config PATH); a spec is kvpool's own "
+                "model description (docs/api.md, \"Model spec\")", field="spec")
+        spec = decode_spec(dict(spec), source="spec", field="spec")
+    data = msgspec.to_builtins(spec)
     attention = data.get("attention")
     if isinstance(attention, Mapping) and "type" in attention:
         rest = {k: v for k, v in attention.items() if k != "type"}
@@ -141,18 +201,37 @@ def configure_request(pool: str, *, hf_config: Any = None, spec: Any = None,
 
 # -- Allocate / Free ----------------------------------------------------------------------------
 
-def allocate_request(pool: str, lease_id: int,
+def allocate_request(pool: str, lease: LeaseLike,
                      items: Sequence[tuple[str | int, int]]) -> pb.AllocateRequest:
-    return pb.AllocateRequest(pool=pool, lease_id=lease_id, items=[
+    return pb.AllocateRequest(pool=pool, lease_id=lease.lease_id, lease_secret=lease.secret,
+                              items=[
         pb.AllocateItem(space=space_name(space, f"items[{i}].space"), count=count)
         for i, (space, count) in enumerate(items)
     ])
 
 
-def free_request(pool: str, lease_id: int, items: Sequence[tuple[str | int, Any]]
-                 ) -> pb.FreeRequest:
-    return pb.FreeRequest(pool=pool, lease_id=lease_id, items=[
+def free_request(pool: str, lease: LeaseLike,
+                 items: Sequence[tuple[str | int, Any]]) -> pb.FreeRequest:
+    return pb.FreeRequest(pool=pool, lease_id=lease.lease_id, lease_secret=lease.secret, items=[
         pb.IdList(space=space_name(space, f"items[{i}].space"),
                   ids=ids_bytes(ids, f"items[{i}].ids"))
         for i, (space, ids) in enumerate(items)
     ])
+
+
+# -- transfers between daemons ------------------------------------------------------------------
+
+def grant_receive_request(pool: str, lease: LeaseLike, pages: Any,
+                          ttl_s: float | None = None) -> pb.GrantReceiveRequest:
+    return pb.GrantReceiveRequest(pool=pool, lease_id=lease.lease_id, lease_secret=lease.secret,
+                                  pages=ids_bytes(pages, "pages"), ttl_seconds=ttl_s or 0.0)
+
+
+def send_request(pool: str, lease: LeaseLike, pages: Any, peer: str,
+                 token: bytes) -> pb.SendRequest:
+    if not isinstance(token, bytes | bytearray):
+        raise InvalidArgument(f"token must be the bytes GrantReceive returned, got "
+                              f"{type(token).__name__}", field="token")
+    lease_id, secret = lease_key(lease)
+    return pb.SendRequest(pool=pool, lease_id=lease_id, lease_secret=secret,
+                          pages=ids_bytes(pages, "pages"), peer=peer, token=bytes(token))

@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvpool.cli_run import run_subcommand
+from kvpool.cli_run import parse_command_line, run_subcommand
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     return run_subcommand("kvpoold", args)
 
 

@@ -41,7 +41,8 @@ from typing import Any
 
 import msgspec
 
-from kvpool.errors import InvalidArgument
+from kvpool.errors import InvalidArgument, echo
+from kvpool.limits import MAX_LAYERS
 from kvpool.plan import ArchitectureSource
 from kvpool.spec import ModelDType, ModelSpec, decode_spec, load_spec_file
 
@@ -97,7 +98,9 @@ class _Reader:
     def _check_int(self, key: str, value: object) -> int:
         # bool is an int subclass; `true` is never a layer count
         if isinstance(value, bool) or not isinstance(value, int):
-            raise self.fail(f"{key} must be an integer, got {value!r}")
+            raise self.fail(f"{key} must be an integer, got {echo(value)}")
+        if key == "num_hidden_layers" and value > MAX_LAYERS:  # before any O(layers) work
+            raise self.fail(f"{key} is {value:,}, at most {MAX_LAYERS:,} layers are supported")
         return value
 
 

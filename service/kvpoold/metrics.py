@@ -35,20 +35,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-from wsgiref.simple_server import WSGIServer
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
     Histogram,
     disable_created_metrics,
-    start_http_server,
+    make_wsgi_app,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from kvpool.errors import FailedPrecondition, Internal
@@ -107,7 +109,7 @@ class DaemonCollector(Collector):
     """Pool, budget and lease metrics built from a fresh snapshot at every scrape.
 
     Args:
-        snapshot: returns the daemon's state now (``Daemon.stats``, taken on its loop).
+        snapshot: returns the daemon's state now (``Daemon.snapshot``, taken on its loop).
         device: the ``device`` label (the daemon's ``--device``).
     """
 
@@ -123,7 +125,8 @@ class DaemonCollector(Collector):
         snap = self._snapshot()
         fams = self._families()
         (capacity, used, free, high_water, pool_bytes, attached, allocs, frees, failures,
-         budget, dev_used, leases_open, expiries, lease_cached) = fams
+         budget, dev_used, leases_open, expiries, lease_cached, transfers, transfer_bytes,
+         transfer_failures) = fams
         dev = self._device
         cached: dict[tuple[str, str], int] = {}
         for lease in snap.leases:
@@ -148,6 +151,14 @@ class DaemonCollector(Collector):
         dev_used.add_metric([dev], d.used_bytes)
         leases_open.add_metric([dev], d.num_leases)
         expiries.add_metric([dev], d.leases_expired)
+        for p in snap.peers:
+            for direction, done, nbytes, failed in (
+                    ("sent", p.sent, p.sent_bytes, p.send_failures),
+                    ("received", p.received, p.received_bytes, p.receive_failures)):
+                labels = [dev, p.peer, direction]
+                transfers.add_metric(labels, done)
+                transfer_bytes.add_metric(labels, nbytes)
+                transfer_failures.add_metric(labels, failed)
         yield from fams
 
     @staticmethod
@@ -155,6 +166,7 @@ class DaemonCollector(Collector):
         spaces = ("device", "pool", "space")
         pools = ("device", "pool")
         device = ("device",)
+        peers = ("device", "peer", "direction")
         return (
             GaugeMetricFamily("kvpool_pool_capacity",
                               "Ids of this id space the pool can hand out (padding page excluded).",
@@ -195,6 +207,17 @@ class DaemonCollector(Collector):
             GaugeMetricFamily("kvpool_lease_cached_ids",
                               "Ids of this id space held by leases' page caches unused (as "
                               "reported on KeepAlive), summed over leases.", labels=spaces),
+            CounterMetricFamily("kvpool_transfers",
+                                "Transfers of KV pages with this peer daemon that completed "
+                                "(direction sent or received).", labels=peers),
+            CounterMetricFamily("kvpool_transfer_bytes",
+                                "Bytes of the completed transfers with this peer daemon.",
+                                labels=peers),
+            CounterMetricFamily("kvpool_transfer_failures",
+                                "Transfers with this peer daemon that failed: sent ones refused "
+                                "by the peer or unreachable, or whose write failed; received "
+                                "ones whose write failed or never completed.",
+                                labels=peers),
         )
 
 
@@ -206,7 +229,7 @@ def loop_snapshot(take: Callable[[], Stats], loop: asyncio.AbstractEventLoop,
     its own threads, so each scrape hands the snapshot to the loop and waits for it.
 
     Args:
-        take: the snapshot function (``Daemon.stats``).
+        take: the snapshot function (``Daemon.snapshot``).
         loop: the daemon's running event loop.
         timeout_s: how long a scrape waits for the loop.
 
@@ -289,7 +312,8 @@ class MetricsServer:
 
 
 def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> MetricsServer:
-    """Serve ``registry`` at ``http://host:port/metrics`` from a background thread.
+    """Serve ``registry`` at ``http://host:port/metrics`` from a background thread (404 on
+    other paths but ``/``, see :func:`routed_app`).
 
     Args:
         registry: what to expose (``DaemonMetrics.registry``).
@@ -303,7 +327,7 @@ def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> M
         FailedPrecondition: the address cannot be bound (in use, not permitted, unknown host).
     """
     try:
-        httpd, thread = start_http_server(port, addr=host, registry=registry)
+        httpd, thread = _serve(routed_app(registry), host, port)
     except OSError as exc:
         raise FailedPrecondition(
             f"cannot serve metrics on {host}:{port}: {exc.strerror or exc} (in use, not "
@@ -316,3 +340,45 @@ def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> M
         "event": "metrics_serving", "url": server.url, "metrics_port": server.port,
     }})
     return server
+
+
+INDEX = b"kvpoold: Prometheus metrics at /metrics\n"
+
+
+def routed_app(registry: CollectorRegistry) -> Callable[..., Iterable[bytes]]:
+    """The WSGI app: ``/metrics`` (query strings as prometheus_client reads them), a one-line
+    index at ``/``, 404 for every other path (a scraper pointed at a wrong path must see it)."""
+    metrics = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO") or "/"
+        if path == "/metrics":
+            return metrics(environ, start_response)
+        if path == "/":
+            start_response("200 OK", [("Content-Type", "text/plain; charset=utf-8")])
+            return [INDEX]
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+        return [b"not found; metrics are at /metrics\n"]
+
+    return app
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """No line per scrape."""
+
+
+def _serve(app: Callable[..., Iterable[bytes]], host: str, port: int
+           ) -> tuple[WSGIServer, threading.Thread]:
+    """``app`` on ``host:port`` (IPv4 or IPv6 as ``host`` resolves) from a daemon thread, one
+    thread per request, as prometheus_client's own server does."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                   flags=socket.AI_PASSIVE)[0]
+
+    class Server(ThreadingWSGIServer):
+        address_family = family
+
+    httpd = make_server(str(sockaddr[0]), port, app, Server, handler_class=_QuietHandler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True, name="kvpoold-metrics")
+    thread.start()
+    return httpd, thread

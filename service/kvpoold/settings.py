@@ -28,11 +28,24 @@ from kvpool.errors import InvalidArgument
 from kvpool.sizes import parse_size
 from kvpool.spec import Base
 from kvpool.targets import default_socket_path
+from kvpoold.server.attachments import MAX_ATTACHMENTS_PER_IDENTITY
+from kvpoold.server.auth import (
+    SINGLE_TOKEN_IDENTITY,
+    Authority,
+    NamedToken,
+    Scope,
+    UnixAuth,
+    all_tokens,
+    check_pool_patterns,
+    check_token_name,
+)
+from kvpoold.server.leases import MAX_LEASES, MAX_LEASES_PER_IDENTITY
 from kvpoold.server.listeners import (
     LISTEN_FORMS,
     Listener,
     check_tcp_is_local,
     group_id,
+    is_loopback,
     parse_listen,
     read_tls,
 )
@@ -103,6 +116,21 @@ class ServeConfig(Base):
         "Bearer SECRET'",
         metavar="PATH",
     )] = None
+    tokens_file: Annotated[str | None, _setting(
+        "a TOML file of named, scoped tokens: [tokens.NAME] with secret_file = \"PATH\" (a "
+        "0600 file) and admin = true or pools = [\"llama\", \"llama-tp*\"]; a caller's "
+        "identity is its token's name (docs/security.md)",
+        metavar="PATH",
+    )] = None
+    unix_auth: Annotated[UnixAuth, _setting(
+        "trust: Unix-socket callers without a token are the identity 'local', admin (the "
+        "socket's mode guards it); token: they must present a token like TCP callers")] = "trust"
+    max_leases_per_identity: Annotated[int, _setting(
+        "the most leases one caller identity (a token, or 'local') may hold open at once",
+        metavar="N", ge=1, le=MAX_LEASES)] = MAX_LEASES_PER_IDENTITY
+    max_attachments_per_identity: Annotated[int, _setting(
+        "the most attachments (Attach without Detach) one caller identity may hold at once",
+        metavar="N", ge=1, le=MAX_LEASES)] = MAX_ATTACHMENTS_PER_IDENTITY
     allow_insecure_tcp: Annotated[bool, _setting(
         "serve TCP on a non-loopback address without a token (refused otherwise: anyone who "
         "reaches it could allocate and map pools)")] = False
@@ -141,7 +169,8 @@ class ServeSettings(ServeConfig, kw_only=True):
 
     listeners: tuple[Listener, ...]  # ``listen`` parsed, or the per-user socket
     budget_bytes: int  # ``budget`` in bytes (a cuda fraction resolved against free memory)
-    token: str | None  # ``--token``, or the contents of ``token_file``
+    token: str | None  # ``--token``, or the contents of ``token_file`` (the admin token)
+    tokens: tuple[NamedToken, ...] = ()  # ``tokens_file``, read
 
 
 DEFAULT_BUDGET_BYTES = parse_size(str(ServeConfig().budget), field="budget")
@@ -218,12 +247,84 @@ def resolve(flags: Mapping[str, Any], config: ServeConfig | None,
         raise InvalidArgument("give --token or --token-file, not both", field="token")
     if cfg.token_file:
         token = _read_token(Path(cfg.token_file))
+    tokens = load_tokens(Path(cfg.tokens_file)) if cfg.tokens_file else ()
+    if token and any(t.name == SINGLE_TOKEN_IDENTITY for t in tokens):
+        raise InvalidArgument(f"--tokens-file names a token {SINGLE_TOKEN_IDENTITY!r}, the name "
+                              "of the --token / --token-file token; rename it",
+                              field="tokens_file")
+    Authority(all_tokens(token, tokens))  # refuses two tokens with one secret, now
     if bool(cfg.tls_cert) != bool(cfg.tls_key):
         raise InvalidArgument("TLS needs both --tls-cert and --tls-key", field="tls_cert")
-    if not token and not cfg.allow_insecure_tcp:
+    if not (token or tokens) and not cfg.allow_insecure_tcp:
         check_tcp_is_local(listeners)
+    if cfg.unix_auth == "token" and not (token or tokens):
+        raise InvalidArgument("unix_auth token needs tokens: give --tokens-file or --token-file",
+                              field="unix_auth")
     return ServeSettings(**msgspec.structs.asdict(cfg), listeners=listeners,
-                         budget_bytes=budget_bytes, token=token or None)
+                         budget_bytes=budget_bytes, token=token or None, tokens=tokens)
+
+
+class TokenEntry(Base):
+    """One ``[tokens.NAME]`` table of a tokens file."""
+
+    secret_file: str
+    admin: bool = False
+    pools: tuple[str, ...] = ()
+
+
+class TokensFile(Base):
+    tokens: dict[str, TokenEntry]
+
+
+def load_tokens(path: Path) -> tuple[NamedToken, ...]:
+    """Read a ``--tokens-file``: each ``[tokens.NAME]`` has ``secret_file`` (mode 0600, as
+    ``--token-file``) and either ``admin = true`` or ``pools`` (pool names, ``*``/``?``
+    patterns).
+
+    Raises:
+        InvalidArgument: unreadable or malformed, a bad name or pattern, a token both admin
+            and pool-scoped (or neither), an unreadable or open secret file.
+    """
+    try:
+        decoded = msgspec.toml.decode(path.read_bytes(), type=TokensFile)
+    except OSError as exc:
+        raise InvalidArgument(f"cannot read tokens file {path}: {exc.strerror or exc}",
+                              field="tokens_file") from exc
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise InvalidArgument(f"invalid tokens file {path}: {exc}", field="tokens_file") from exc
+    out = []
+    for name, entry in decoded.tokens.items():
+        where = f"tokens file {path}, [tokens.{name}]"
+        check_token_name(name)
+        if entry.admin == bool(entry.pools):
+            raise InvalidArgument(f"{where}: give admin = true or pools = [...], one of them",
+                                  field="tokens_file")
+        secret = _read_token(Path(entry.secret_file), field="tokens_file")
+        out.append(NamedToken(name, secret, Scope(entry.admin,
+                                                  check_pool_patterns(entry.pools, where))))
+    if not out:
+        raise InvalidArgument(f"tokens file {path} has no [tokens.NAME] table",
+                              field="tokens_file")
+    return tuple(out)
+
+
+def security_warnings(settings: ServeSettings, token_inline: bool) -> list[str]:
+    """What ``kvpoold serve`` warns about at start (it serves anyway):
+
+    - a token given inline (``--token``): every local user can read it in
+      ``/proc/<pid>/cmdline`` and ``ps``;
+    - a token on a TCP listener off loopback without TLS: it crosses the network in clear.
+    """
+    out = []
+    if token_inline and settings.token:
+        out.append("the token was given with --token: every local user can read it in "
+                   "/proc/<pid>/cmdline and ps; put it in a 0600 file and pass --token-file")
+    if (settings.token or settings.tokens) and not settings.tls_cert:
+        for x in settings.listeners:
+            if not is_loopback(x):
+                out.append(f"tcp://{x.address} has no TLS: the bearer token and every message "
+                           "cross the network in clear; give --tls-cert and --tls-key")
+    return out
 
 
 def parse_budget(value: str | int | float, device: str,
@@ -330,18 +431,18 @@ def _outer_meta(annotation: Any) -> Meta:
     return Meta()
 
 
-def _read_token(path: Path) -> str:
+def _read_token(path: Path, field: str = "token_file") -> str:
     try:
         token = path.read_text().strip()
     except OSError as exc:
         raise InvalidArgument(f"cannot read token file {path}: {exc.strerror or exc}",
-                              field="token_file") from exc
+                              field=field) from exc
     if not token:
-        raise InvalidArgument(f"token file {path} is empty", field="token_file")
+        raise InvalidArgument(f"token file {path} is empty", field=field)
     if path.stat().st_mode & 0o077:
         # A token others can read is no secret; refuse rather than serve with it.
         raise InvalidArgument(f"token file {path} is readable by group/others; chmod 600 it",
-                              field="token_file")
+                              field=field)
     return token
 
 

@@ -20,6 +20,9 @@ SCRIPTS = {
     "plan_build.py": ["--runs", "1", "--build-runs", "1"],
     "rpc.py": ["--calls", "20", "--seconds", "0.05"],
     "scale.py": ["--seconds", "0.05"],
+    "soak.py": ["--minutes", "0.15", "--workers", "2", "--kill-every-s", "4", "--sample-s", "2",
+                "--baseline-s", "1", "--ttl-s", "1"],
+    "transfer.py": ["--rounds", "1", "--sizes", "1,4", "--control-calls", "2"],
 }
 
 

@@ -129,7 +129,8 @@ def test_cli_configure_stats_leases_drop(shared_daemon: DaemonProcess, tmp_path:
     out = kvpool_cli("stats", "--json", *target)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
-    assert set(data) == {"daemon", "pools", "leases"}
+    assert set(data) == {"daemon", "pools", "leases", "peers"}
+    assert data["peers"] == []  # no transfer with another daemon yet
     assert data["daemon"]["device"] == "cpu" and data["daemon"]["budget_bytes"] == 64 << 20
     (pool,) = [p for p in data["pools"] if p["name"] == "cli"]
     # a kv page: 2 layers x (K, V) x 2 heads x 16 x 2 B x 16 tokens; a req row: 4 x (256 + 4)
@@ -197,3 +198,27 @@ def test_second_daemon_on_the_same_socket_is_refused(shared_daemon: DaemonProces
     assert "another daemon is serving" in out.stderr
     with KVPoolClient(shared_daemon.target) as client:
         assert client.health() == "SERVING"
+
+
+def test_kvpool_target_is_the_default_target(shared_daemon: DaemonProcess) -> None:
+    """``KVPOOL_TARGET`` names the daemon for the CLI and for clients built without a
+    target; ``--target`` still wins."""
+    env = {**subprocess_env(), "KVPOOL_TARGET": shared_daemon.target}
+    out = subprocess.run([sys.executable, "-m", "kvpool.cli", "stats", "--json"], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["daemon"]["device"] == "cpu"
+    code = ("from kvpool import KVPoolClient\n"
+            "with KVPoolClient() as c: print(c.target, c.health())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[0].endswith(shared_daemon.target.removeprefix("unix://"))
+    env["KVPOOL_TARGET"] = "unix:///nonexistent/kvpool.sock"
+    out = subprocess.run([sys.executable, "-m", "kvpool.cli", "stats", "--json", "--target",
+                          shared_daemon.target], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    out = subprocess.run([sys.executable, "-m", "kvpool.cli", "stats", "--json"], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "/nonexistent/kvpool.sock" in out.stderr

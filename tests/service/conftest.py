@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2_grpc
 
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
+from kvpool.wire import LeaseKey
 from kvpoold.server.daemon import Daemon
 from kvpoold.server.run import KVPoolServer, create_server
 from kvpoold.settings import Listener
@@ -52,9 +53,21 @@ class Served:
             configure_request(pool, spec=TINY_SPEC, **{**TINY_OPTIONS, **options})
         )
 
-    async def lease(self, name: str = "test", ttl: float = 10.0) -> int:
+    async def lease(self, name: str = "test", ttl: float = 10.0) -> LeaseKey:
+        """A lease opened on the raw stub: its id and secret, for raw requests."""
         resp = await self.stub.OpenLease(pb.OpenLeaseRequest(name=name, ttl_seconds=ttl))
-        return resp.lease_id
+        return LeaseKey(resp.lease_id, resp.lease_secret)
+
+
+def proof(lease: LeaseKey) -> dict[str, Any]:
+    """The lease fields of a raw request: ``pb.CloseLeaseRequest(**proof(lease))``."""
+    return {"lease_id": lease.lease_id, "lease_secret": lease.secret}
+
+
+async def open_raw(stub: kvpool_pb2_grpc.KVPoolStub, name: str, ttl: float = 10.0) -> LeaseKey:
+    """OpenLease on a raw stub: the new lease's id and secret."""
+    resp = await stub.OpenLease(pb.OpenLeaseRequest(name=name, ttl_seconds=ttl))
+    return LeaseKey(resp.lease_id, resp.lease_secret)
 
 
 BUDGET_BYTES = 16 << 20

@@ -10,7 +10,7 @@ from kvpool.codec import ids_from_bytes
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.wire import allocate_request, free_request
 from tests.conftest import TINY_PAGES
-from tests.service.conftest import Served
+from tests.service.conftest import Served, proof
 
 
 async def kinds_used(served: Served) -> dict[int, int]:
@@ -86,7 +86,7 @@ async def test_close_lease_returns_everything_it_holds(served: Served) -> None:
     lease = await served.lease()
     await served.stub.Allocate(allocate_request("tiny", lease, [("kv", 4), ("req", 1)]))
     await served.stub.Allocate(allocate_request("other", lease, [("kv", 2)]))
-    resp = await served.stub.CloseLease(pb.CloseLeaseRequest(lease_id=lease))
+    resp = await served.stub.CloseLease(pb.CloseLeaseRequest(**proof(lease)))
     got = sorted((h.pool, h.kind, h.count) for h in resp.released)
     assert got == [("other", pb.KIND_KV, 2), ("tiny", pb.KIND_KV, 4), ("tiny", pb.KIND_REQ, 1)]
     assert await kinds_used(served) == {pb.KIND_KV: 0, pb.KIND_REQ: 0}
@@ -102,7 +102,7 @@ async def test_stats_shows_what_each_lease_holds(served: Served) -> None:
     served.clock.advance(2.0)
     stats = await served.stub.Stats(pb.StatsRequest())
     (entry,) = stats.leases
-    assert (entry.lease_id, entry.name, entry.ttl_seconds) == (lease, "engine-0", 7.0)
+    assert (entry.lease_id, entry.name, entry.ttl_seconds) == (lease.lease_id, "engine-0", 7.0)
     assert entry.expires_in_seconds == pytest.approx(5.0)
     assert sorted((h.pool, h.kind, h.count) for h in entry.held) == [
         ("tiny", pb.KIND_KV, 6), ("tiny", pb.KIND_REQ, 1)]

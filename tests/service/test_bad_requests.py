@@ -15,9 +15,9 @@ import pytest
 from kvpool.codec import ids_from_bytes
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
-from kvpool.wire import allocate_request, configure_request, free_request
+from kvpool.wire import LeaseKey, allocate_request, configure_request, free_request
 from tests.conftest import TINY_OPTIONS, TINY_SPEC
-from tests.service.conftest import Served
+from tests.service.conftest import Served, proof
 
 C = grpc.StatusCode
 
@@ -27,14 +27,37 @@ class Ctx:
     """Two leases: ``mine`` holds pages ``my_pages``, ``other`` holds ``their_pages``."""
 
     stub: kvpool_pb2_grpc.KVPoolStub
-    mine: int
-    other: int
+    mine: LeaseKey
+    other: LeaseKey
     my_pages: np.ndarray
     their_pages: np.ndarray
     fingerprint: str
 
 
 Call = Callable[[Ctx], Awaitable[Any]]
+# A lease of a case: an attribute of Ctx ("mine"), a bare id (no secret), or a key made from Ctx.
+LeaseArg = str | int | Callable[[Ctx], LeaseKey]
+
+
+def key(c: Ctx, lease: LeaseArg) -> LeaseKey:
+    if isinstance(lease, str):
+        return getattr(c, lease)
+    if isinstance(lease, int):
+        return LeaseKey(lease, b"")
+    return lease(c)
+
+
+def no_secret(c: Ctx) -> LeaseKey:
+    return LeaseKey(c.mine.lease_id, b"")
+
+
+def wrong_secret(c: Ctx) -> LeaseKey:
+    return LeaseKey(c.mine.lease_id, bytes(len(c.mine.secret)))
+
+
+def others_id(c: Ctx) -> LeaseKey:
+    """The other lease's id with my secret: knowing an id is not owning it."""
+    return LeaseKey(c.other.lease_id, c.mine.secret)
 
 
 def configure(pool: str = "new", spec: Any = TINY_SPEC, **options: Any) -> Call:
@@ -53,34 +76,54 @@ def open_lease(name: str = "x", ttl: float = 5.0) -> Call:
 
 
 def allocate(items: list[tuple[str, int]] | None = None, pool: str = "tiny",
-             lease: str | int = "mine") -> Call:
+             lease: LeaseArg = "mine") -> Call:
     def call(c: Ctx) -> Awaitable[Any]:
-        lease_id = getattr(c, lease) if isinstance(lease, str) else lease
-        return c.stub.Allocate(allocate_request(pool, lease_id, items or []))
+        return c.stub.Allocate(allocate_request(pool, key(c, lease), items or []))
     return call
 
 
 def allocate_raw(*items: pb.AllocateItem) -> Call:
-    return lambda c: c.stub.Allocate(pb.AllocateRequest(pool="tiny", lease_id=c.mine,
+    return lambda c: c.stub.Allocate(pb.AllocateRequest(pool="tiny", **proof(c.mine),
                                                         items=items))
 
 
 def free(ids: Callable[[Ctx], Any], kind: str = "kv", pool: str = "tiny",
-         lease: str | int = "mine") -> Call:
+         lease: LeaseArg = "mine") -> Call:
     def call(c: Ctx) -> Awaitable[Any]:
-        lease_id = getattr(c, lease) if isinstance(lease, str) else lease
-        return c.stub.Free(free_request(pool, lease_id, [(kind, ids(c))]))
+        return c.stub.Free(free_request(pool, key(c, lease), [(kind, ids(c))]))
     return call
 
 
+def grant(pages: Callable[[Ctx], bytes], lease: LeaseArg = "mine") -> Call:
+    def call(c: Ctx) -> Awaitable[Any]:
+        return c.stub.GrantReceive(pb.GrantReceiveRequest(pool="tiny", **proof(key(c, lease)),
+                                                          pages=pages(c)))
+    return call
+
+
+def send(peer: str = "unix:///nonexistent.sock", token: bytes = b"x" * 16,
+         lease: LeaseArg = "mine") -> Call:
+    return lambda c: c.stub.Send(pb.SendRequest(pool="tiny", **proof(key(c, lease)),
+                                                pages=c.my_pages.tobytes(), peer=peer,
+                                                token=token))
+
+
 def free_bytes(data: bytes) -> Call:
-    return lambda c: c.stub.Free(pb.FreeRequest(pool="tiny", lease_id=c.mine, items=[
+    return lambda c: c.stub.Free(pb.FreeRequest(pool="tiny", **proof(c.mine), items=[
         pb.IdList(kind=pb.KIND_KV, ids=data)]))
 
 
-async def keep_alive(c: Ctx, lease_id: int) -> Any:
+def close(lease: LeaseArg) -> Call:
+    return lambda c: c.stub.CloseLease(pb.CloseLeaseRequest(**proof(key(c, lease))))
+
+
+def attach_under(lease: LeaseArg) -> Call:
+    return lambda c: c.stub.Attach(pb.AttachRequest(pool="tiny", **proof(key(c, lease))))
+
+
+async def keep_alive(c: Ctx, lease: LeaseArg) -> Any:
     stream = c.stub.KeepAlive()
-    await stream.write(pb.KeepAliveRequest(lease_id=lease_id))
+    await stream.write(pb.KeepAliveRequest(**proof(key(c, lease))))
     return await stream.read()
 
 
@@ -98,8 +141,9 @@ CASES: list[tuple[str, Call, grpc.StatusCode, str | None]] = [
     ("configure name with slash", configure("a/b"), C.INVALID_ARGUMENT, "pool"),
     ("configure no model", raw_configure(pool="new", budget_bytes=1 << 20), C.INVALID_ARGUMENT,
      "model"),
-    ("configure spec without attention",
-     configure(spec={"num_layers": 2, "context_length": 8}), C.INVALID_ARGUMENT, "model"),
+    ("configure spec without attention",  # a raw message: the client would refuse it first
+     raw_configure(pool="new", spec=pb.ModelSpec(num_layers=2, context_length=8),
+                   budget_bytes=1 << 20), C.INVALID_ARGUMENT, "model"),
     ("configure hf config not json", raw_configure(pool="new", hf_config_json="{nope",
                                                    budget_bytes=1 << 20),
      C.INVALID_ARGUMENT, "hf_config_json"),
@@ -131,15 +175,24 @@ CASES: list[tuple[str, Call, grpc.StatusCode, str | None]] = [
     # KeepAlive / CloseLease
     ("keep alive lease 0", lambda c: keep_alive(c, 0), C.INVALID_ARGUMENT, "lease_id"),
     ("keep alive unknown lease", lambda c: keep_alive(c, NO_SUCH), C.NOT_FOUND, "lease_id"),
+    ("keep alive without the secret", lambda c: keep_alive(c, no_secret), C.NOT_FOUND,
+     "lease_id"),
+    ("keep alive another's lease", lambda c: keep_alive(c, others_id), C.NOT_FOUND, "lease_id"),
     ("close lease 0", lambda c: c.stub.CloseLease(pb.CloseLeaseRequest()), C.INVALID_ARGUMENT,
      "lease_id"),
-    ("close unknown lease", lambda c: c.stub.CloseLease(pb.CloseLeaseRequest(lease_id=NO_SUCH)),
-     C.NOT_FOUND, "lease_id"),
+    ("close unknown lease", close(NO_SUCH), C.NOT_FOUND, "lease_id"),
+    ("close without the secret", close(no_secret), C.NOT_FOUND, "lease_id"),
+    ("close with a wrong secret", close(wrong_secret), C.NOT_FOUND, "lease_id"),
+    ("close another's lease", close(others_id), C.NOT_FOUND, "lease_id"),
     # Allocate
     ("allocate unknown pool", allocate([("kv", 1)], pool="nope"), C.NOT_FOUND, "pool"),
     ("allocate malformed pool", allocate([("kv", 1)], pool="NOPE"), C.INVALID_ARGUMENT, "pool"),
     ("allocate unknown lease", allocate([("kv", 1)], lease=NO_SUCH), C.NOT_FOUND, "lease_id"),
     ("allocate lease 0", allocate([("kv", 1)], lease=0), C.INVALID_ARGUMENT, "lease_id"),
+    ("allocate with a wrong secret", allocate([("kv", 1)], lease=wrong_secret), C.NOT_FOUND,
+     "lease_id"),
+    ("allocate under another's lease", allocate([("kv", 1)], lease=others_id), C.NOT_FOUND,
+     "lease_id"),
     ("allocate no items", allocate([]), C.INVALID_ARGUMENT, "items"),
     ("allocate kind unset", allocate_raw(pb.AllocateItem(count=1)), C.INVALID_ARGUMENT,
      "items[0].space"),
@@ -166,7 +219,12 @@ CASES: list[tuple[str, Call, grpc.StatusCode, str | None]] = [
      C.INVALID_ARGUMENT, "items[0].space"),
     ("free unknown pool", free(lambda c: c.my_pages, pool="nope"), C.NOT_FOUND, "pool"),
     ("free unknown lease", free(lambda c: c.my_pages, lease=NO_SUCH), C.NOT_FOUND, "lease_id"),
-    ("free no items", lambda c: c.stub.Free(pb.FreeRequest(pool="tiny", lease_id=c.mine)),
+    ("free without the secret", free(lambda c: c.my_pages, lease=no_secret), C.NOT_FOUND,
+     "lease_id"),
+    ("free another's pages by its id",
+     free(lambda c: c.their_pages, lease=lambda c: LeaseKey(c.other.lease_id, b"")),
+     C.NOT_FOUND, "lease_id"),
+    ("free no items", lambda c: c.stub.Free(pb.FreeRequest(pool="tiny", **proof(c.mine))),
      C.INVALID_ARGUMENT, "items"),
     # Stats / WatchStats
     ("stats unknown pool", lambda c: c.stub.Stats(pb.StatsRequest(pool="nope")), C.NOT_FOUND,
@@ -190,12 +248,43 @@ CASES: list[tuple[str, Call, grpc.StatusCode, str | None]] = [
     ("attach wrong fingerprint",
      lambda c: c.stub.Attach(pb.AttachRequest(pool="tiny", expected_fingerprint="0" * 32)),
      C.FAILED_PRECONDITION, "expected_fingerprint"),
-    ("attach unknown lease",
-     lambda c: c.stub.Attach(pb.AttachRequest(pool="tiny", lease_id=NO_SUCH)), C.NOT_FOUND,
+    ("attach unknown lease", attach_under(NO_SUCH), C.NOT_FOUND, "lease_id"),
+    ("attach under a lease without its secret", attach_under(no_secret), C.NOT_FOUND,
      "lease_id"),
+    ("attach under another's lease", attach_under(others_id), C.NOT_FOUND, "lease_id"),
     ("detach 0", lambda c: c.stub.Detach(pb.DetachRequest()), C.INVALID_ARGUMENT, "attach_id"),
     ("detach unknown", lambda c: c.stub.Detach(pb.DetachRequest(attach_id=NO_SUCH)),
      C.NOT_FOUND, "attach_id"),
+    # Transfers (this daemon has no NIXL agent: well-formed calls say what to install)
+    ("grant 3 bytes", grant(lambda c: b"\x01\x00\x00"), C.INVALID_ARGUMENT, "pages"),
+    ("grant no pages", grant(lambda c: b""), C.INVALID_ARGUMENT, "pages"),
+    ("grant lease 0", grant(lambda c: c.my_pages.tobytes(), lease=0), C.INVALID_ARGUMENT,
+     "lease_id"),
+    ("grant without nixl", grant(lambda c: c.my_pages.tobytes()), C.FAILED_PRECONDITION, None),
+    ("grant with a wrong secret", grant(lambda c: c.my_pages.tobytes(), lease=wrong_secret),
+     C.NOT_FOUND, "lease_id"),
+    ("send no peer", send(peer=""), C.INVALID_ARGUMENT, "peer"),
+    ("send no token", send(token=b""), C.INVALID_ARGUMENT, "token"),
+    ("send huge token", send(token=b"x" * 65), C.INVALID_ARGUMENT, "token"),
+    ("send without nixl", send(), C.FAILED_PRECONDITION, None),
+    ("send under another's lease", send(lease=others_id), C.NOT_FOUND, "lease_id"),
+    ("wait for nothing", lambda c: c.stub.WaitTransfer(pb.WaitTransferRequest()),
+     C.INVALID_ARGUMENT, "transfer_id"),
+    ("wait unknown transfer",
+     lambda c: c.stub.WaitTransfer(pb.WaitTransferRequest(transfer_id=NO_SUCH)), C.NOT_FOUND,
+     "transfer_id"),
+    ("wait unknown grant",
+     lambda c: c.stub.WaitTransfer(pb.WaitTransferRequest(token=b"x" * 16)), C.NOT_FOUND,
+     "token"),
+    ("wait negative timeout", lambda c: c.stub.WaitTransfer(pb.WaitTransferRequest(
+        token=b"x" * 16, timeout_seconds=-1)), C.INVALID_ARGUMENT, "timeout_seconds"),
+    ("peerreceive no token", lambda c: c.stub.PeerReceive(pb.PeerReceiveRequest()),
+     C.INVALID_ARGUMENT, "token"),
+    ("peerreceive without nixl",
+     lambda c: c.stub.PeerReceive(pb.PeerReceiveRequest(token=b"x" * 16)),
+     C.FAILED_PRECONDITION, None),
+    ("peerdone unknown grant",
+     lambda c: c.stub.PeerDone(pb.PeerDoneRequest(token=b"x" * 16)), C.NOT_FOUND, "token"),
 ]
 
 
@@ -222,7 +311,9 @@ def test_every_rpc_has_bad_cases() -> None:
     covered = {name.split(" ")[0] for name, *_ in CASES}
     words = {"configure": "Configure", "open": "OpenLease", "keep": "KeepAlive",
              "close": "CloseLease", "allocate": "Allocate", "free": "Free", "stats": "Stats",
-             "watch": "WatchStats", "drop": "Drop", "attach": "Attach", "detach": "Detach"}
+             "watch": "WatchStats", "drop": "Drop", "attach": "Attach", "detach": "Detach",
+             "grant": "GrantReceive", "send": "Send", "wait": "WaitTransfer",
+             "peerreceive": "PeerReceive", "peerdone": "PeerDone"}
     assert {words[w] for w in covered} == methods
 
 

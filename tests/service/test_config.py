@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,9 @@ from kvpoold.settings import (
     parse_budget,
     parse_listen,
     resolve,
+    security_warnings,
 )
+from tests.conftest import run_daemon, subprocess_env, temp_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -144,6 +148,71 @@ def test_host_checks_pass_on_a_good_machine(tmp_path: Path) -> None:
                                                        "--sharing", "none")))
 
 
+def secret_file(tmp_path: Path, name: str, secret: str, mode: int = 0o600) -> Path:
+    path = tmp_path / name
+    path.write_text(secret + "\n")
+    path.chmod(mode)
+    return path
+
+
+def test_tokens_file_names_and_scopes_tokens(tmp_path: Path) -> None:
+    """Each [tokens.NAME] reads its secret file; admin or pools; --token-file beside it is the
+    admin token; the caps and unix_auth are flags like the rest."""
+    ops, a = secret_file(tmp_path, "ops", "s-ops"), secret_file(tmp_path, "a", "s-a")
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(f'''
+[tokens.ops]
+secret_file = "{ops}"
+admin = true
+
+[tokens.engine-a]
+secret_file = "{a}"
+pools = ["llama", "llama-tp*"]
+''')
+    single = secret_file(tmp_path, "single", "s-single")
+    s = serve_cli.settings_from_args(serve_args(
+        "--tokens-file", str(tokens), "--token-file", str(single), "--unix-auth", "token",
+        "--max-leases-per-identity", "8", "--max-attachments-per-identity", "2"))
+    assert [(t.name, t.secret, t.scope.admin, t.scope.pools) for t in s.tokens] == [
+        ("ops", "s-ops", True, ()), ("engine-a", "s-a", False, ("llama", "llama-tp*"))]
+    assert s.token == "s-single" and s.unix_auth == "token"
+    assert (s.max_leases_per_identity, s.max_attachments_per_identity) == (8, 2)
+    assert "s-ops" not in repr(s.tokens)
+    defaults = resolve(vars(serve_args()), None)
+    assert (defaults.tokens, defaults.unix_auth, defaults.max_leases_per_identity,
+            defaults.max_attachments_per_identity) == ((), "trust", 1024, 256)
+
+
+@pytest.mark.parametrize(("body", "match"), [
+    ('[tokens.x]\nsecret_file = "{ok}"\n', "admin = true or pools"),
+    ('[tokens.x]\nsecret_file = "{ok}"\nadmin = true\npools = ["a"]\n', "admin = true or pools"),
+    ('[tokens.x]\nsecret_file = "{open}"\nadmin = true\n', "chmod 600"),
+    ('[tokens.local]\nsecret_file = "{ok}"\nadmin = true\n', "reserved"),
+    ('[tokens."a b"]\nsecret_file = "{ok}"\nadmin = true\n', "must match"),
+    ('[tokens.x]\nsecret_file = "{ok}"\npools = ["Llama"]\n', "pool pattern"),
+    ('[tokens.x]\nsecret_file = "{ok}"\nadmin = true\nscope = 1\n', "invalid tokens file"),
+    ('[tokens.admin]\nsecret_file = "{ok}"\nadmin = true\n', "rename it"),
+    ("", "invalid tokens file"),
+    ('[tokens.x]\nsecret_file = "{single}"\nadmin = true\n', "same secret"),
+])
+def test_bad_tokens_files(tmp_path: Path, body: str, match: str) -> None:
+    ok = secret_file(tmp_path, "ok", "s-ok")
+    opened = secret_file(tmp_path, "open", "s-open", 0o644)
+    tokens = tmp_path / "tokens.toml"
+    single = secret_file(tmp_path, "single", "s-single")
+    tokens.write_text(body.format(ok=ok, open=opened, single=single))
+    with pytest.raises(InvalidArgument, match=match) as info:
+        serve_cli.settings_from_args(serve_args("--tokens-file", str(tokens),
+                                                "--token-file", str(single)))
+    assert info.value.field == "tokens_file"
+
+
+def test_unix_auth_token_needs_tokens() -> None:
+    with pytest.raises(InvalidArgument, match="needs tokens") as info:
+        resolve(vars(serve_args("--unix-auth", "token")), None)
+    assert info.value.field == "unix_auth"
+
+
 def test_token_file_must_be_private(tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("abc\n")
@@ -211,3 +280,31 @@ def test_tcp_off_loopback_needs_a_token(listen: str) -> None:
 @pytest.mark.parametrize("listen", ["tcp://127.0.0.1:0", "tcp://localhost:5", "tcp://[::1]:5"])
 def test_tcp_on_loopback_needs_no_token(listen: str) -> None:
     assert serve_cli.settings_from_args(serve_args("--listen", listen)).listeners[0].kind == "tcp"
+
+
+def test_insecure_token_settings_are_warned(tmp_path: Path) -> None:
+    """An inline --token and a token on TCP off loopback without TLS start with warnings."""
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    token_file.chmod(0o600)
+    inline = serve_cli.settings_from_args(serve_args("--listen", "tcp://10.0.0.1:7",
+                                                     "--token", "s3"))
+    warnings = security_warnings(inline, token_inline=True)
+    assert len(warnings) == 2
+    assert "/proc/<pid>/cmdline" in warnings[0] and "--token-file" in warnings[0]
+    assert warnings[1].startswith("tcp://10.0.0.1:7 has no TLS") and "--tls-cert" in warnings[1]
+    from_file = serve_cli.settings_from_args(serve_args("--listen", "tcp://127.0.0.1:7",
+                                                        "--token-file", str(token_file)))
+    assert security_warnings(from_file, token_inline=False) == []
+
+
+def test_the_daemon_logs_the_warning_at_start() -> None:
+    with temp_dir() as d, run_daemon(d, "--token", "s3") as daemon:
+        assert daemon.proc.poll() is None
+        log = daemon.log.read_text()
+        assert "every local user can read it in /proc/<pid>/cmdline" in log
+        out = subprocess.run([sys.executable, "-m", "kvpool.cli", "stats", "--json", "--target",
+                              daemon.target, "--token", "s3"], env=subprocess_env(),
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "kvpool: warning: --token shows the secret" in out.stderr

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 
+from kvpool.errors import InvalidArgument
 from kvpool.plan import PoolPlan
 from kvpool.spec import decode_spec
 from kvpool.v1 import kvpool_pb2 as pb
@@ -117,3 +120,18 @@ async def test_concurrent_configure_of_one_name_builds_once(served: Served) -> N
     assert sorted(r.created for r in replies) == [False, False, False, True]
     assert len({r.fingerprint for r in replies}) == 1
     assert served.daemon.used_bytes == replies[0].plan.backing_bytes
+
+
+def test_a_spec_is_checked_before_it_is_sent() -> None:
+    """A HF config passed as ``spec`` is named as such; a bad spec gets msgspec's path, not
+    protobuf's field list."""
+    hf = (REPO / "tests" / "data" / "models" / "llama-3.1-8b-instruct.json").read_text()
+    with pytest.raises(InvalidArgument, match=r"looks like a Hugging Face config\.json.*"
+                       r"--hf-config") as info:
+        configure_request("p", spec=json.loads(hf), budget_bytes=1 << 20)
+    assert info.value.field == "spec"
+    bad = {**TINY_SPEC, "attention": {**TINY_SPEC["attention"], "num_kv_heads": 0}}
+    with pytest.raises(InvalidArgument, match=r"at `\$\.attention\.num_kv_heads`"):
+        configure_request("p", spec=bad, budget_bytes=1 << 20)
+    assert configure_request("p", spec=TINY_SPEC, budget_bytes=1 << 20).spec.num_layers == \
+        TINY_SPEC["num_layers"]

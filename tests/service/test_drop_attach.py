@@ -8,7 +8,7 @@ import pytest
 from kvpool.plan import PoolPlan
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.wire import allocate_request
-from tests.service.conftest import BUDGET_BYTES, Served
+from tests.service.conftest import BUDGET_BYTES, Served, proof
 
 
 async def attached(served: Served, pool: str = "tiny") -> int:
@@ -31,7 +31,9 @@ async def test_drop_is_refused_while_a_lease_holds_pages_unless_forced(served: S
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await served.stub.Drop(pb.DropRequest(pool="tiny"))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "engine-0 (4 ids)" in info.value.details()
+    # the holder as users know it: its name and public lease id, never the internal owner
+    assert f"engine-0 (lease {lease.lease_id}, 4 ids)" in info.value.details()
+    assert "owner" not in info.value.details()
     resp = await served.stub.Drop(pb.DropRequest(pool="tiny", force=True))
     assert [(h.pool, h.kind, h.count) for h in resp.reclaimed] == [("tiny", pb.KIND_KV, 4)]
     # the lease lives on, holding nothing
@@ -77,13 +79,13 @@ async def test_attachments_under_a_lease_end_with_it(served: Served) -> None:
     client does not pin the pool forever."""
     await served.configure()
     a, b = await served.lease("a", ttl=1.0), await served.lease("b", ttl=5.0)
-    await served.stub.Attach(pb.AttachRequest(pool="tiny", lease_id=a))
-    await served.stub.Attach(pb.AttachRequest(pool="tiny", lease_id=b))
-    await served.stub.Attach(pb.AttachRequest(pool="tiny", lease_id=b))
+    await served.stub.Attach(pb.AttachRequest(pool="tiny", **proof(a)))
+    await served.stub.Attach(pb.AttachRequest(pool="tiny", **proof(b)))
+    await served.stub.Attach(pb.AttachRequest(pool="tiny", **proof(b)))
     stats = await served.stub.Stats(pb.StatsRequest())
     assert stats.pools[0].attached == 3
     assert sorted(x.attached for x in stats.leases) == [1, 2]
-    closed = await served.stub.CloseLease(pb.CloseLeaseRequest(lease_id=b))
+    closed = await served.stub.CloseLease(pb.CloseLeaseRequest(**proof(b)))
     assert closed.detached == 2
     served.clock.advance(1.5)
     ((_, result),) = served.daemon.expire_leases()

@@ -25,6 +25,7 @@ from kvpoold.server.run import create_server, sweep_leases
 from kvpoold.settings import Listener
 from kvpoold.sharing.base import PlainBackingFactory
 from tests.conftest import TINY_OPTIONS, TINY_SPEC
+from tests.service.conftest import open_raw, proof
 
 CAPACITY = 256  # tiny/kv
 PRESSURE = CAPACITY // 16
@@ -120,23 +121,23 @@ async def test_give_back_is_sent_at_once_and_allocate_waits_for_the_free(
     request (seq 0); the Allocate answers once the holder frees."""
     async with aio.insecure_channel(live[1]) as channel:
         stub = kvpool_pb2_grpc.KVPoolStub(channel)
-        holder = (await stub.OpenLease(pb.OpenLeaseRequest(name="raw", ttl_seconds=10))).lease_id
-        taker = (await stub.OpenLease(pb.OpenLeaseRequest(name="t", ttl_seconds=10))).lease_id
+        holder = await open_raw(stub, "raw")
+        taker = await open_raw(stub, "t")
         resp = await stub.Allocate(allocate_request("tiny", holder, [("kv", 250)]))
         ids = np.frombuffer(resp.items[0].ids, "<i4")
         stream = stub.KeepAlive()
-        await stream.write(pb.KeepAliveRequest(lease_id=holder, seq=7, caches=[
+        await stream.write(pb.KeepAliveRequest(**proof(holder), seq=7, caches=[
             pb.CacheReport(pool="tiny", space="kv", cached=200, in_use=50)]))
         answer = await stream.read()
         assert answer.seq == 7 and list(answer.give_back) == []
         stats = await stub.Stats(pb.StatsRequest(pool="tiny"))
-        (mine,) = [x for x in stats.leases if x.lease_id == holder]
+        (mine,) = [x for x in stats.leases if x.lease_id == holder.lease_id]
         assert [(h.pool, h.space, h.count) for h in mine.cached] == [("tiny", "kv", 200)]
 
         allocate = asyncio.ensure_future(
             stub.Allocate(allocate_request("tiny", taker, [("kv", 10)])))
         ask = await stream.read()  # no request was written: the daemon sent it on its own
-        assert ask.seq == 0 and ask.lease_id == holder
+        assert ask.seq == 0 and ask.lease_id == holder.lease_id
         # 6 free, 10 asked: 4 short
         assert [(g.pool, g.space, g.count) for g in ask.give_back] == [("tiny", "kv", 4)]
         assert not allocate.done()
@@ -157,11 +158,11 @@ async def test_allocate_fails_at_its_deadline_when_nobody_gives_back(
     gRPC deadline) and then fails RESOURCE_EXHAUSTED, saying what was asked and what came."""
     async with aio.insecure_channel(live[1]) as channel:
         stub = kvpool_pb2_grpc.KVPoolStub(channel)
-        holder = (await stub.OpenLease(pb.OpenLeaseRequest(name="raw", ttl_seconds=10))).lease_id
-        taker = (await stub.OpenLease(pb.OpenLeaseRequest(name="t", ttl_seconds=10))).lease_id
+        holder = await open_raw(stub, "raw")
+        taker = await open_raw(stub, "t")
         await stub.Allocate(allocate_request("tiny", holder, [("kv", CAPACITY)]))
         stream = stub.KeepAlive()
-        await stream.write(pb.KeepAliveRequest(lease_id=holder, seq=1, caches=[
+        await stream.write(pb.KeepAliveRequest(**proof(holder), seq=1, caches=[
             pb.CacheReport(pool="tiny", space="kv", cached=CAPACITY)]))
         await stream.read()
         with pytest.raises(grpc.RpcError) as info:
@@ -175,15 +176,15 @@ async def test_allocate_fails_at_its_deadline_when_nobody_gives_back(
 async def test_keep_alive_without_caches_and_bad_reports(live: tuple[Daemon, str]) -> None:
     async with aio.insecure_channel(live[1]) as channel:
         stub = kvpool_pb2_grpc.KVPoolStub(channel)
-        lease = (await stub.OpenLease(pb.OpenLeaseRequest(name="plain", ttl_seconds=10))).lease_id
+        lease = await open_raw(stub, "plain")
         stream = stub.KeepAlive()
-        await stream.write(pb.KeepAliveRequest(lease_id=lease, seq=1, caches=[]))
+        await stream.write(pb.KeepAliveRequest(**proof(lease), seq=1, caches=[]))
         assert (await stream.read()).seq == 1
-        await stream.write(pb.KeepAliveRequest(lease_id=lease))  # a client of the first form
+        await stream.write(pb.KeepAliveRequest(**proof(lease)))  # a client of the first form
         assert (await stream.read()).seq == 0
         stats = await stub.Stats(pb.StatsRequest())
         assert [list(x.cached) for x in stats.leases] == [[]]
-        await stream.write(pb.KeepAliveRequest(lease_id=lease, caches=[pb.CacheReport()]))
+        await stream.write(pb.KeepAliveRequest(**proof(lease), caches=[pb.CacheReport()]))
         with pytest.raises(grpc.RpcError) as info:
             await stream.read()
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -12,7 +12,7 @@ from kvpool.spec import decode_spec
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.wire import allocate_request, configure_request, free_request
 from kvpoold.sizing import make_options, plan
-from tests.service.conftest import Served
+from tests.service.conftest import Served, proof
 
 BASE = {"num_layers": 4, "attention": {"type": "mha", "num_kv_heads": 2, "head_dim": 16},
         "context_length": 256}
@@ -75,7 +75,7 @@ async def test_state_slots(served: Served) -> None:
         await served.stub.Allocate(
             allocate_request("lin", lease, [("state", expected.mamba_cache_size)]))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    closed = await served.stub.CloseLease(pb.CloseLeaseRequest(lease_id=lease))
+    closed = await served.stub.CloseLease(pb.CloseLeaseRequest(**proof(lease)))
     assert sorted((h.kind, h.count) for h in closed.released) == [
         (pb.KIND_KV, 2), (pb.KIND_REQ, 1), (pb.KIND_STATE, 3)]
 

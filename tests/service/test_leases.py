@@ -13,7 +13,7 @@ from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.wire import allocate_request
 from kvpoold.server.leases import LeaseTable
 from kvpoold.server.run import sweep_leases
-from tests.service.conftest import ManualClock, Served
+from tests.service.conftest import ManualClock, Served, proof
 
 
 async def test_keep_alive_moves_the_deadline(served: Served) -> None:
@@ -21,12 +21,12 @@ async def test_keep_alive_moves_the_deadline(served: Served) -> None:
     lease = await served.lease(ttl=3.0)
     served.clock.advance(2.0)
     stream = served.stub.KeepAlive()
-    await stream.write(pb.KeepAliveRequest(lease_id=lease))
+    await stream.write(pb.KeepAliveRequest(**proof(lease)))
     resp = await stream.read()
-    assert (resp.lease_id, resp.ttl_seconds, resp.expires_in_seconds) == (lease, 3.0, 3.0)
+    assert (resp.lease_id, resp.ttl_seconds, resp.expires_in_seconds) == (lease.lease_id, 3.0, 3.0)
     served.clock.advance(2.0)
     assert served.daemon.expire_leases() == []
-    await stream.write(pb.KeepAliveRequest(lease_id=lease))
+    await stream.write(pb.KeepAliveRequest(**proof(lease)))
     assert (await stream.read()).expires_in_seconds == 3.0
     await stream.done_writing()
     assert await stream.read() == grpc.aio.EOF
@@ -43,10 +43,10 @@ async def test_expiry_reclaims_everything_and_is_logged(served: Served,
     served.clock.advance(0.02)
     with caplog.at_level(logging.WARNING, logger="kvpoold"):
         ((gone, result),) = served.daemon.expire_leases()
-    assert gone.lease_id == lease
+    assert gone.lease_id == lease.lease_id
     assert result.held == {"tiny": {"kv": 7, "req": 2}}
     (record,) = [r for r in caplog.records if r.getMessage() == "lease expired"]
-    assert record.fields["lease_id"] == lease and record.fields["released"] == 9
+    assert record.fields["lease_id"] == lease.lease_id and record.fields["released"] == 9
     stats = await served.stub.Stats(pb.StatsRequest())
     assert stats.daemon.leases_expired == 1 and stats.daemon.num_leases == 0
     assert [k.used for k in stats.pools[0].spaces] == [0, 0]
@@ -58,7 +58,7 @@ async def test_keep_alive_of_an_expired_lease_is_not_found(served: Served) -> No
     served.daemon.expire_leases()
     stream = served.stub.KeepAlive()
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await stream.write(pb.KeepAliveRequest(lease_id=lease))
+        await stream.write(pb.KeepAliveRequest(**proof(lease)))
         await stream.read()
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
     assert "renew it within its TTL" in info.value.details()
@@ -72,10 +72,10 @@ async def test_sweeper_expires_within_ttl_plus_its_interval(served: Served) -> N
     task = asyncio.create_task(sweep_leases(served.daemon, interval_s=0.01))
     try:
         await asyncio.sleep(0.05)
-        assert served.daemon.leases.find(lease) is not None
+        assert served.daemon.leases.find(lease.lease_id) is not None
         served.clock.advance(1.0)
         await asyncio.sleep(0.05)
-        assert served.daemon.leases.find(lease) is None
+        assert served.daemon.leases.find(lease.lease_id) is None
     finally:
         task.cancel()
     stats = await served.stub.Stats(pb.StatsRequest())
@@ -85,7 +85,7 @@ async def test_sweeper_expires_within_ttl_plus_its_interval(served: Served) -> N
 async def test_shutdown_ends_keep_alive_streams(served: Served) -> None:
     lease = await served.lease()
     stream = served.stub.KeepAlive()
-    await stream.write(pb.KeepAliveRequest(lease_id=lease))
+    await stream.write(pb.KeepAliveRequest(**proof(lease)))
     await stream.read()
     served.server.closing.set()
     assert await asyncio.wait_for(stream.read(), 2.0) == grpc.aio.EOF
@@ -198,3 +198,25 @@ def test_a_sweep_examines_only_what_expired() -> None:
     assert table.pop_expired() == []
     assert table.examined == before
     assert len(table) == 10_000
+
+
+def test_the_cachers_index_follows_reports_closes_and_expiry() -> None:
+    """Give-back visits the leases whose caches report cached ids of the pool and space; the
+    index follows every report and forgets a lease when it closes or expires."""
+    clock = ManualClock()
+    table = LeaseTable(clock)
+    a, b, c = (table.open(name, 1.0) for name in "abc")
+    table.set_reports(a, {("p", "kv"): (5, 1), ("p", "req"): (2, 0)})
+    table.set_reports(b, {("p", "kv"): (0, 9)})  # in use only: nothing to give back
+    table.set_reports(c, {("p", "kv"): (3, 0)})
+    assert {x.name for x in table.cachers("p", "kv")} == {"a", "c"}
+    assert [x.name for x in table.cachers("p", "req")] == ["a"]
+    table.set_reports(a, {("p", "kv"): (0, 6)})  # cached all used; req no longer reported
+    assert [x.name for x in table.cachers("p", "kv")] == ["c"]
+    assert table.cachers("p", "req") == [] and table.cachers("q", "kv") == []
+    table.close(c.lease_id)
+    assert table.cachers("p", "kv") == []
+    table.set_reports(b, {("p", "kv"): (4, 5)})
+    clock.advance(2.0)
+    assert {x.name for x in table.pop_expired()} == {"a", "b"}
+    assert table.cachers("p", "kv") == []

@@ -62,6 +62,9 @@ METRICS: dict[str, frozenset[str]] = {
     "kvpool_allocation_failures_total": frozenset({"device", "pool", "space"}),
     "kvpool_rpc_failures_total": frozenset({"device", "method", "code"}),
     "kvpool_rpc_duration_seconds_bucket": frozenset({"device", "method", "le"}),
+    "kvpool_transfers_total": frozenset({"device", "peer", "direction"}),
+    "kvpool_transfer_bytes_total": frozenset({"device", "peer", "direction"}),
+    "kvpool_transfer_failures_total": frozenset({"device", "peer", "direction"}),
 }
 TARGET_LABELS = frozenset({"instance", "job"})
 

@@ -242,7 +242,7 @@ def test_free_of_another_leases_id_names_it_and_changes_nothing() -> None:
             pair.free(1, bad)
         pos = bad.shape[0] - 1
         assert err.value.message == (
-            f"free p/kv ids[{pos}]=3: held by another lease (owner 2), not by lease 1; nothing "
+            f"free p/kv ids[{pos}]=3: held by another lease, not by this one; nothing "
             "was freed"
         )
         assert err.value.field == f"ids[{pos}]"
@@ -256,7 +256,7 @@ def test_free_of_another_leases_id_names_it_and_changes_nothing() -> None:
         ([1, 7], FailedPrecondition, "release p/swa ids[0]=1: its swa page was already"),
         ([2, 2], InvalidArgument, "release p/swa ids[1]=2: repeated (also at ids[0])"),
         ([5], FailedPrecondition, "release p/swa ids[0]=5: not allocated"),
-        ([3], FailedPrecondition, "release p/swa ids[0]=3: held by another lease (owner 2)"),
+        ([3], FailedPrecondition, "release p/swa ids[0]=3: held by another lease, not by this one"),
         (
             [2, 1],
             FailedPrecondition,

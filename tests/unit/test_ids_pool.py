@@ -432,7 +432,7 @@ def _held() -> tuple[PoolIds, np.ndarray]:
         (
             [("kv", [2]), ("req", [1]), ("kv", [3, 4])],
             FailedPrecondition,
-            "free m (kv) items[2].ids[1]=4: held by another lease (owner 2), not by lease 5; "
+            "free m (kv) items[2].ids[1]=4: held by another lease, not by this one; "
             "nothing in the batch was freed",
         ),
         (
@@ -479,7 +479,7 @@ def _held() -> tuple[PoolIds, np.ndarray]:
         (
             [("req", [2]), ("kv", [2])],
             FailedPrecondition,
-            "free m (req) items[0].ids[0]=2: held by another lease (owner 2)",
+            "free m (req) items[0].ids[0]=2: held by another lease, not by this one",
         ),
     ],
 )

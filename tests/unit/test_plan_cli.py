@@ -477,3 +477,58 @@ def test_plan_accepts_float32_kv(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["kv_cache_dtype"] == "float32"
     assert out["cell_size_bytes"] == 262_144
     assert out["max_total_num_tokens"] == 4_096
+
+
+def test_a_negative_size_reaches_the_flags_own_check(capsys: pytest.CaptureFixture[str]):
+    code, _, err = run_plan(capsys, "--model-config", LLAMA, "--budget", "-5GiB")
+    assert code == 2
+    assert "argument --budget: budget: size '-5GiB' is negative" in err
+    assert "expected one argument" not in err
+
+
+def test_an_unknown_flag_shows_the_subcommands_usage(capsys: pytest.CaptureFixture[str]):
+    code, _, err = run_plan(capsys, "--model-config", LLAMA, "--budget", "1GiB", "--bogus")
+    assert code == 2
+    assert err.startswith("usage: kvpoold plan ")
+    assert "kvpoold plan: error: unrecognized arguments: --bogus" in err
+
+
+def test_a_reader_that_stops_early_ends_the_output_quietly():
+    """``kvpoold plan --json | head -c 1``: the reader is gone before the plan is printed."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvpoold.cli", "plan", "--model-config", str(LLAMA), "--budget",
+         "1GiB", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": f"{ROOT / 'client'}{os.pathsep}{ROOT / 'service'}"})
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader goes away at once
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err
+
+
+@pytest.mark.parametrize(("spec_file", "hf_config"), [
+    ("llama-3.1-8b.toml", LLAMA), ("deepseek-v3.json", DSV3), ("gpt-oss-20b.toml", GPT_OSS)])
+def test_the_example_specs_plan_like_their_hf_configs(spec_file: str, hf_config: Path):
+    """The shipped example specs (examples/specs/) describe real models: each plans the same
+    layout as the model's own config.json."""
+    options = make_options(budget_bytes=BUDGET, page_size=16)
+    spec, source = load_model(ROOT / "examples" / "specs" / spec_file)
+    assert source == "spec"
+    by_spec = plan(spec, options, source=source)
+    by_hf = plan(*load_model(hf_config)[:1], options)
+    assert by_spec.fingerprint() == by_hf.fingerprint()
+    assert by_spec.max_total_num_tokens == by_hf.max_total_num_tokens
+
+
+def test_a_pool_too_small_for_one_full_context_request_says_so(
+        capsys: pytest.CaptureFixture[str]):
+    code, out, _ = run_plan(capsys, "--model-config", LLAMA, "--max-total-tokens", "4096",
+                            "--page-size", "16", "--json")
+    assert code == 0
+    (note,) = json.loads(out)["notes"]
+    assert note.startswith("the pool holds 4,096 tokens, less than one request at the context "
+                           "length 131,072")
+    assert "--context-length" in note
+    code, out, _ = run_plan(capsys, "--model-config", LLAMA, "--max-total-tokens", "4096",
+                            "--page-size", "16", "--context-length", "4096", "--json")
+    assert code == 0 and json.loads(out)["notes"] == []

@@ -17,6 +17,7 @@ from kvpool.aio import AsyncKVPoolClient
 from kvpool.errors import FailedPrecondition, InvalidArgument
 from kvpool.handles import SharedHandle
 from kvpool.mapping import BufferLayout, map_region
+from kvpoold.server.auth import LOCAL_ADMIN
 from kvpoold.server.daemon import Daemon
 from kvpoold.server.planning import plan_from_args
 from kvpoold.server.records import ConfigureArgs
@@ -205,12 +206,13 @@ async def test_attach_exports_a_fresh_handle_each_time_and_build_exports_none() 
     Attach exactly one."""
     factory = CountingFactory()
     daemon = Daemon("cpu", 64 * MiB, factory)
-    await daemon.configure(ConfigureArgs("tiny", spec=TINY_SPEC, options=TINY_OPTIONS))
-    daemon.stats()
+    await daemon.configure(LOCAL_ADMIN, ConfigureArgs("tiny", spec=TINY_SPEC,
+                                                      options=TINY_OPTIONS))
+    daemon.stats(LOCAL_ADMIN)
     assert factory.exports == []
-    a, b = daemon.attach("tiny"), daemon.attach("tiny")
+    a, b = daemon.attach(LOCAL_ADMIN, "tiny"), daemon.attach(LOCAL_ADMIN, "tiny")
     assert len(factory.exports) == 2 and a.attach_id != b.attach_id
-    assert daemon.stats().pools[0].handle_kind == "none"
+    assert daemon.stats(LOCAL_ADMIN).pools[0].handle_kind == "none"
     daemon.close()
 
 

@@ -113,7 +113,10 @@ def test_worked_example_fp32_40gib() -> None:
     assert p.buffer("c128_state.3").dtype == "float32"
     assert p.buffer("full_to_swa").shape == (3_079,)
     assert not p.buffer("full_to_swa").in_budget
-    assert p.notes == ()
+    # 1M context, ~0.8M tokens: the one note says a full-context request does not fit
+    assert len(p.notes) == 1
+    assert p.notes[0].startswith(f"the pool holds {p.max_total_num_tokens:,} tokens, less than "
+                                 "one request at the context length 1,048,576")
 
 
 def test_default_max_running_requests_from_first_pass() -> None:

@@ -21,6 +21,13 @@ class HandleKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HANDLE_KIND_NONE: _ClassVar[HandleKind]
     HANDLE_KIND_SHM: _ClassVar[HandleKind]
     HANDLE_KIND_CUDA_IPC: _ClassVar[HandleKind]
+
+class TransferState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSFER_STATE_UNSPECIFIED: _ClassVar[TransferState]
+    TRANSFER_STATE_PENDING: _ClassVar[TransferState]
+    TRANSFER_STATE_DONE: _ClassVar[TransferState]
+    TRANSFER_STATE_FAILED: _ClassVar[TransferState]
 KIND_UNSPECIFIED: Kind
 KIND_KV: Kind
 KIND_REQ: Kind
@@ -30,6 +37,10 @@ HANDLE_KIND_UNSPECIFIED: HandleKind
 HANDLE_KIND_NONE: HandleKind
 HANDLE_KIND_SHM: HandleKind
 HANDLE_KIND_CUDA_IPC: HandleKind
+TRANSFER_STATE_UNSPECIFIED: TransferState
+TRANSFER_STATE_PENDING: TransferState
+TRANSFER_STATE_DONE: TransferState
+TRANSFER_STATE_FAILED: TransferState
 
 class MHAAttention(_message.Message):
     __slots__ = ("num_kv_heads", "head_dim", "v_head_dim")
@@ -316,12 +327,14 @@ class OpenLeaseRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class OpenLeaseResponse(_message.Message):
-    __slots__ = ("lease_id", "ttl_seconds")
+    __slots__ = ("lease_id", "ttl_seconds", "lease_secret")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     ttl_seconds: float
-    def __init__(self, lease_id: _Optional[int] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+    lease_secret: bytes
+    def __init__(self, lease_id: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., lease_secret: _Optional[bytes] = ...) -> None: ...
 
 class CacheReport(_message.Message):
     __slots__ = ("pool", "space", "cached", "in_use")
@@ -336,14 +349,16 @@ class CacheReport(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., space: _Optional[str] = ..., cached: _Optional[int] = ..., in_use: _Optional[int] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
-    __slots__ = ("lease_id", "caches", "seq")
+    __slots__ = ("lease_id", "caches", "seq", "lease_secret")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     CACHES_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     caches: _containers.RepeatedCompositeFieldContainer[CacheReport]
     seq: int
-    def __init__(self, lease_id: _Optional[int] = ..., caches: _Optional[_Iterable[_Union[CacheReport, _Mapping]]] = ..., seq: _Optional[int] = ...) -> None: ...
+    lease_secret: bytes
+    def __init__(self, lease_id: _Optional[int] = ..., caches: _Optional[_Iterable[_Union[CacheReport, _Mapping]]] = ..., seq: _Optional[int] = ..., lease_secret: _Optional[bytes] = ...) -> None: ...
 
 class GiveBack(_message.Message):
     __slots__ = ("pool", "space", "count")
@@ -370,10 +385,12 @@ class KeepAliveResponse(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., expires_in_seconds: _Optional[float] = ..., give_back: _Optional[_Iterable[_Union[GiveBack, _Mapping]]] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class CloseLeaseRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "lease_secret")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
-    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+    lease_secret: bytes
+    def __init__(self, lease_id: _Optional[int] = ..., lease_secret: _Optional[bytes] = ...) -> None: ...
 
 class Held(_message.Message):
     __slots__ = ("pool", "kind", "count", "space")
@@ -406,14 +423,16 @@ class AllocateItem(_message.Message):
     def __init__(self, kind: _Optional[_Union[Kind, str]] = ..., count: _Optional[int] = ..., space: _Optional[str] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("pool", "lease_id", "items")
+    __slots__ = ("pool", "lease_id", "items", "lease_secret")
     POOL_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
     pool: str
     lease_id: int
     items: _containers.RepeatedCompositeFieldContainer[AllocateItem]
-    def __init__(self, pool: _Optional[str] = ..., lease_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[AllocateItem, _Mapping]]] = ...) -> None: ...
+    lease_secret: bytes
+    def __init__(self, pool: _Optional[str] = ..., lease_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[AllocateItem, _Mapping]]] = ..., lease_secret: _Optional[bytes] = ...) -> None: ...
 
 class IdList(_message.Message):
     __slots__ = ("kind", "ids", "paired_ids", "space", "paired_space")
@@ -436,14 +455,16 @@ class AllocateResponse(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[IdList, _Mapping]]] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
-    __slots__ = ("pool", "lease_id", "items")
+    __slots__ = ("pool", "lease_id", "items", "lease_secret")
     POOL_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
     pool: str
     lease_id: int
     items: _containers.RepeatedCompositeFieldContainer[IdList]
-    def __init__(self, pool: _Optional[str] = ..., lease_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[IdList, _Mapping]]] = ...) -> None: ...
+    lease_secret: bytes
+    def __init__(self, pool: _Optional[str] = ..., lease_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[IdList, _Mapping]]] = ..., lease_secret: _Optional[bytes] = ...) -> None: ...
 
 class FreeResponse(_message.Message):
     __slots__ = ("freed",)
@@ -540,7 +561,7 @@ class LeaseStats(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., name: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., expires_in_seconds: _Optional[float] = ..., held: _Optional[_Iterable[_Union[Held, _Mapping]]] = ..., attached: _Optional[int] = ..., cached: _Optional[_Iterable[_Union[Held, _Mapping]]] = ...) -> None: ...
 
 class DaemonStats(_message.Message):
-    __slots__ = ("version", "device", "budget_bytes", "used_bytes", "uptime_seconds", "num_pools", "num_leases", "leases_opened", "leases_closed", "leases_expired")
+    __slots__ = ("version", "device", "budget_bytes", "used_bytes", "uptime_seconds", "num_pools", "num_leases", "leases_opened", "leases_closed", "leases_expired", "nixl_agent", "other_leases")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -551,6 +572,8 @@ class DaemonStats(_message.Message):
     LEASES_OPENED_FIELD_NUMBER: _ClassVar[int]
     LEASES_CLOSED_FIELD_NUMBER: _ClassVar[int]
     LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    NIXL_AGENT_FIELD_NUMBER: _ClassVar[int]
+    OTHER_LEASES_FIELD_NUMBER: _ClassVar[int]
     version: str
     device: str
     budget_bytes: int
@@ -561,17 +584,39 @@ class DaemonStats(_message.Message):
     leases_opened: int
     leases_closed: int
     leases_expired: int
-    def __init__(self, version: _Optional[str] = ..., device: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., num_pools: _Optional[int] = ..., num_leases: _Optional[int] = ..., leases_opened: _Optional[int] = ..., leases_closed: _Optional[int] = ..., leases_expired: _Optional[int] = ...) -> None: ...
+    nixl_agent: str
+    other_leases: int
+    def __init__(self, version: _Optional[str] = ..., device: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., num_pools: _Optional[int] = ..., num_leases: _Optional[int] = ..., leases_opened: _Optional[int] = ..., leases_closed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., nixl_agent: _Optional[str] = ..., other_leases: _Optional[int] = ...) -> None: ...
+
+class PeerStats(_message.Message):
+    __slots__ = ("peer", "sent", "sent_bytes", "send_failures", "received", "received_bytes", "receive_failures")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    SENT_FIELD_NUMBER: _ClassVar[int]
+    SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEND_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    sent: int
+    sent_bytes: int
+    send_failures: int
+    received: int
+    received_bytes: int
+    receive_failures: int
+    def __init__(self, peer: _Optional[str] = ..., sent: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., send_failures: _Optional[int] = ..., received: _Optional[int] = ..., received_bytes: _Optional[int] = ..., receive_failures: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("daemon", "pools", "leases")
+    __slots__ = ("daemon", "pools", "leases", "peers")
     DAEMON_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
     daemon: DaemonStats
     pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
     leases: _containers.RepeatedCompositeFieldContainer[LeaseStats]
-    def __init__(self, daemon: _Optional[_Union[DaemonStats, _Mapping]] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[LeaseStats, _Mapping]]] = ...) -> None: ...
+    peers: _containers.RepeatedCompositeFieldContainer[PeerStats]
+    def __init__(self, daemon: _Optional[_Union[DaemonStats, _Mapping]] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[LeaseStats, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerStats, _Mapping]]] = ...) -> None: ...
 
 class DropRequest(_message.Message):
     __slots__ = ("pool", "force")
@@ -618,14 +663,16 @@ class SharedHandle(_message.Message):
     def __init__(self, kind: _Optional[_Union[HandleKind, str]] = ..., size: _Optional[int] = ..., path: _Optional[str] = ..., device_uuid: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., storage_offset: _Optional[int] = ..., storage_size: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("pool", "expected_fingerprint", "lease_id")
+    __slots__ = ("pool", "expected_fingerprint", "lease_id", "lease_secret")
     POOL_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
     pool: str
     expected_fingerprint: str
     lease_id: int
-    def __init__(self, pool: _Optional[str] = ..., expected_fingerprint: _Optional[str] = ..., lease_id: _Optional[int] = ...) -> None: ...
+    lease_secret: bytes
+    def __init__(self, pool: _Optional[str] = ..., expected_fingerprint: _Optional[str] = ..., lease_id: _Optional[int] = ..., lease_secret: _Optional[bytes] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("fingerprint", "plan", "plan_json", "handle", "attach_id", "device")
@@ -650,5 +697,171 @@ class DetachRequest(_message.Message):
     def __init__(self, attach_id: _Optional[int] = ...) -> None: ...
 
 class DetachResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GrantReceiveRequest(_message.Message):
+    __slots__ = ("lease_id", "pool", "pages", "ttl_seconds", "lease_secret")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    pool: str
+    pages: bytes
+    ttl_seconds: float
+    lease_secret: bytes
+    def __init__(self, lease_id: _Optional[int] = ..., pool: _Optional[str] = ..., pages: _Optional[bytes] = ..., ttl_seconds: _Optional[float] = ..., lease_secret: _Optional[bytes] = ...) -> None: ...
+
+class GrantReceiveResponse(_message.Message):
+    __slots__ = ("token", "expires_in_seconds", "pages", "swa_pages")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    SWA_PAGES_FIELD_NUMBER: _ClassVar[int]
+    token: bytes
+    expires_in_seconds: float
+    pages: int
+    swa_pages: bytes
+    def __init__(self, token: _Optional[bytes] = ..., expires_in_seconds: _Optional[float] = ..., pages: _Optional[int] = ..., swa_pages: _Optional[bytes] = ...) -> None: ...
+
+class SendRequest(_message.Message):
+    __slots__ = ("lease_id", "pool", "pages", "peer", "token", "lease_secret")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    pool: str
+    pages: bytes
+    peer: str
+    token: bytes
+    lease_secret: bytes
+    def __init__(self, lease_id: _Optional[int] = ..., pool: _Optional[str] = ..., pages: _Optional[bytes] = ..., peer: _Optional[str] = ..., token: _Optional[bytes] = ..., lease_secret: _Optional[bytes] = ...) -> None: ...
+
+class SendResponse(_message.Message):
+    __slots__ = ("transfer_id", "bytes", "descriptors", "peer_agent")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
+    PEER_AGENT_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    bytes: int
+    descriptors: int
+    peer_agent: str
+    def __init__(self, transfer_id: _Optional[int] = ..., bytes: _Optional[int] = ..., descriptors: _Optional[int] = ..., peer_agent: _Optional[str] = ...) -> None: ...
+
+class WaitTransferRequest(_message.Message):
+    __slots__ = ("transfer_id", "token", "timeout_seconds")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    token: bytes
+    timeout_seconds: float
+    def __init__(self, transfer_id: _Optional[int] = ..., token: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class TransferStatus(_message.Message):
+    __slots__ = ("state", "message", "bytes", "pages", "seconds", "peer")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    state: TransferState
+    message: str
+    bytes: int
+    pages: int
+    seconds: float
+    peer: str
+    def __init__(self, state: _Optional[_Union[TransferState, str]] = ..., message: _Optional[str] = ..., bytes: _Optional[int] = ..., pages: _Optional[int] = ..., seconds: _Optional[float] = ..., peer: _Optional[str] = ...) -> None: ...
+
+class PageBuffer(_message.Message):
+    __slots__ = ("name", "dtype", "kind", "page_bytes", "id_space")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ID_SPACE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    kind: str
+    page_bytes: int
+    id_space: str
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., kind: _Optional[str] = ..., page_bytes: _Optional[int] = ..., id_space: _Optional[str] = ...) -> None: ...
+
+class PageLayout(_message.Message):
+    __slots__ = ("architecture", "kv_cache_dtype", "page_size", "layer_start", "layer_end", "tp_size", "buffers")
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    architecture: str
+    kv_cache_dtype: str
+    page_size: int
+    layer_start: int
+    layer_end: int
+    tp_size: int
+    buffers: _containers.RepeatedCompositeFieldContainer[PageBuffer]
+    def __init__(self, architecture: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., tp_size: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[PageBuffer, _Mapping]]] = ...) -> None: ...
+
+class PeerReceiveRequest(_message.Message):
+    __slots__ = ("token", "layout", "pages", "swa_mask", "known_agent", "known_generation", "sender")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    SWA_MASK_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_AGENT_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    token: bytes
+    layout: PageLayout
+    pages: int
+    swa_mask: bytes
+    known_agent: str
+    known_generation: int
+    sender: str
+    def __init__(self, token: _Optional[bytes] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., pages: _Optional[int] = ..., swa_mask: _Optional[bytes] = ..., known_agent: _Optional[str] = ..., known_generation: _Optional[int] = ..., sender: _Optional[str] = ...) -> None: ...
+
+class PeerReceiveResponse(_message.Message):
+    __slots__ = ("agent", "generation", "agent_metadata", "buffer_addresses", "pages", "swa_pages", "notification", "memory", "device")
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    SWA_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NOTIFICATION_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    agent: str
+    generation: int
+    agent_metadata: bytes
+    buffer_addresses: _containers.RepeatedScalarFieldContainer[int]
+    pages: bytes
+    swa_pages: bytes
+    notification: bytes
+    memory: str
+    device: int
+    def __init__(self, agent: _Optional[str] = ..., generation: _Optional[int] = ..., agent_metadata: _Optional[bytes] = ..., buffer_addresses: _Optional[_Iterable[int]] = ..., pages: _Optional[bytes] = ..., swa_pages: _Optional[bytes] = ..., notification: _Optional[bytes] = ..., memory: _Optional[str] = ..., device: _Optional[int] = ...) -> None: ...
+
+class PeerDoneRequest(_message.Message):
+    __slots__ = ("token", "ok", "message")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    token: bytes
+    ok: bool
+    message: str
+    def __init__(self, token: _Optional[bytes] = ..., ok: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+
+class PeerDoneResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -89,6 +89,31 @@ class KVPoolStub:
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.DetachRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.DetachResponse.FromString,
                 _registered_method=True)
+        self.GrantReceive = channel.unary_unary(
+                '/kvpool.v1.KVPool/GrantReceive',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.GrantReceiveRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.GrantReceiveResponse.FromString,
+                _registered_method=True)
+        self.Send = channel.unary_unary(
+                '/kvpool.v1.KVPool/Send',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.SendRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.SendResponse.FromString,
+                _registered_method=True)
+        self.WaitTransfer = channel.unary_unary(
+                '/kvpool.v1.KVPool/WaitTransfer',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.WaitTransferRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.TransferStatus.FromString,
+                _registered_method=True)
+        self.PeerReceive = channel.unary_unary(
+                '/kvpool.v1.KVPool/PeerReceive',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.PeerReceiveRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.PeerReceiveResponse.FromString,
+                _registered_method=True)
+        self.PeerDone = channel.unary_unary(
+                '/kvpool.v1.KVPool/PeerDone',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.PeerDoneRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.PeerDoneResponse.FromString,
+                _registered_method=True)
 
 
 class KVPoolServicer:
@@ -169,6 +194,48 @@ class KVPoolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GrantReceive(self, request, context):
+        """Disaggregated prefill/decode (docs/pd-transfer.md): daemons move KV pages with NIXL.
+        Without `kvpool[nixl]` these answer FAILED_PRECONDITION saying what to install.
+
+        Decode side: let one transfer from a peer daemon write into pages the lease holds, until
+        the grant expires or the pages are freed; the reply's token is the capability to pass on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Send(self, request, context):
+        """Prefill side: write pages the lease holds into a peer daemon's granted pages (one NIXL
+        WRITE). Returns once the peer accepted and the write is posted; WaitTransfer for the end.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WaitTransfer(self, request, context):
+        """Either side: the state of a transfer (sender: transfer_id; receiver: the grant token),
+        waiting up to timeout_seconds for it to end.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PeerReceive(self, request, context):
+        """Daemon to daemon: a sender asks the receiver for the granted pages' addresses.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PeerDone(self, request, context):
+        """Daemon to daemon: the sender says a posted write failed (success comes as a NIXL
+        notification).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVPoolServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -226,6 +293,31 @@ def add_KVPoolServicer_to_server(servicer, server):
                     servicer.Detach,
                     request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.DetachRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_kvpool__pb2.DetachResponse.SerializeToString,
+            ),
+            'GrantReceive': grpc.unary_unary_rpc_method_handler(
+                    servicer.GrantReceive,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.GrantReceiveRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.GrantReceiveResponse.SerializeToString,
+            ),
+            'Send': grpc.unary_unary_rpc_method_handler(
+                    servicer.Send,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.SendRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.SendResponse.SerializeToString,
+            ),
+            'WaitTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitTransfer,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.WaitTransferRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.TransferStatus.SerializeToString,
+            ),
+            'PeerReceive': grpc.unary_unary_rpc_method_handler(
+                    servicer.PeerReceive,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.PeerReceiveRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.PeerReceiveResponse.SerializeToString,
+            ),
+            'PeerDone': grpc.unary_unary_rpc_method_handler(
+                    servicer.PeerDone,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.PeerDoneRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.PeerDoneResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -525,6 +617,141 @@ class KVPool:
             '/kvpool.v1.KVPool/Detach',
             kvpool_dot_v1_dot_kvpool__pb2.DetachRequest.SerializeToString,
             kvpool_dot_v1_dot_kvpool__pb2.DetachResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GrantReceive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.KVPool/GrantReceive',
+            kvpool_dot_v1_dot_kvpool__pb2.GrantReceiveRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.GrantReceiveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Send(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.KVPool/Send',
+            kvpool_dot_v1_dot_kvpool__pb2.SendRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.SendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.KVPool/WaitTransfer',
+            kvpool_dot_v1_dot_kvpool__pb2.WaitTransferRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.TransferStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PeerReceive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.KVPool/PeerReceive',
+            kvpool_dot_v1_dot_kvpool__pb2.PeerReceiveRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.PeerReceiveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PeerDone(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.KVPool/PeerDone',
+            kvpool_dot_v1_dot_kvpool__pb2.PeerDoneRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.PeerDoneResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -129,12 +129,14 @@ def fault_error(
         case Reason.NOT_ALLOCATED:
             cls = FailedPrecondition
             why = (
-                f"not allocated (already free: a double free?); free only ids lease {owner} was "
+                "not allocated (already free: a double free?); free only ids this lease was "
                 "given and still holds"
             )
         case Reason.OTHER_OWNER:
             cls = FailedPrecondition
-            why = f"held by another lease (owner {fault.holder}), not by lease {owner}"
+            # Owners are internal numbers: messages name no owner (the caller knows its own
+            # lease id; Stats says which lease holds what).
+            why = "held by another lease, not by this one"
         case Reason.RELEASED:
             cls = FailedPrecondition
             lead, lead_unit = short_name(space.name), singular(space.unit)

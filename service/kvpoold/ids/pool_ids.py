@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpool.errors import Internal, InvalidArgument, KVPoolError
+from kvpool.errors import Internal, InvalidArgument, KVPoolError, echo
 from kvpool.plan import IdSpaceSpec
 from kvpool.records import SpaceStats
 from kvpoold.ids.faults import Fault, fault_error, singular
@@ -161,7 +161,8 @@ class PoolIds:
         """
         space = self._spaces.get(name) if type(name) is str else None
         if space is None:
-            shown = name if type(name) is str and name.isidentifier() else repr(name)
+            shown = (name if type(name) is str and name.isidentifier() and len(name) <= 40
+                     else echo(name, 40))
             raise InvalidArgument(
                 f"{field}={shown}: pool {self.pool} has no {shown} space (it has: "
                 f"{self._listed}); Configure it with one",

@@ -1,4 +1,5 @@
-"""Attachments: clients that mapped a pool (Attach without Detach), indexed by pool and lease.
+"""Attachments: clients that mapped a pool (Attach without Detach), indexed by pool and lease,
+and counted per caller identity (for the per-identity cap; only that identity may Detach it).
 
 A pool with attachments is not dropped unless forced (an importer may still map its memory);
 an attachment made under a lease ends with the lease, so a crashed client does not pin a pool.
@@ -10,12 +11,16 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
+# The attachments one identity may hold (``--max-attachments-per-identity``), by default.
+MAX_ATTACHMENTS_PER_IDENTITY = 256
+
 
 @dataclass(frozen=True)
 class Attachment:
     attach_id: int
     pool: str
     lease_id: int  # 0: not tied to a lease
+    identity: str = "local"  # the caller that attached (``kvpoold.server.auth``)
 
 
 class AttachmentTable:
@@ -25,17 +30,19 @@ class AttachmentTable:
         self._by_id: dict[int, Attachment] = {}
         self._by_pool: dict[str, set[int]] = {}
         self._by_lease: dict[int, set[int]] = {}
+        self._per_identity: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._by_id)
 
-    def add(self, pool: str, lease_id: int = 0) -> Attachment:
-        """Record a new attachment to ``pool`` (under ``lease_id`` if not 0)."""
+    def add(self, pool: str, lease_id: int = 0, identity: str = "local") -> Attachment:
+        """Record a new attachment to ``pool`` (under ``lease_id`` if not 0) by ``identity``."""
         attach_id = 0
         while attach_id == 0 or attach_id in self._by_id:
             attach_id = secrets.randbits(63)
-        att = Attachment(attach_id, pool, lease_id)
+        att = Attachment(attach_id, pool, lease_id, identity)
         self._by_id[attach_id] = att
+        self._per_identity[identity] = self._per_identity.get(identity, 0) + 1
         self._by_pool.setdefault(pool, set()).add(attach_id)
         if lease_id:
             self._by_lease.setdefault(lease_id, set()).add(attach_id)
@@ -47,6 +54,11 @@ class AttachmentTable:
         if att is None:
             return None
         _discard(self._by_pool, att.pool, attach_id)
+        left = self._per_identity[att.identity] - 1
+        if left:
+            self._per_identity[att.identity] = left
+        else:
+            del self._per_identity[att.identity]
         if att.lease_id:
             _discard(self._by_lease, att.lease_id, attach_id)
         return att
@@ -65,10 +77,17 @@ class AttachmentTable:
     def count_lease(self, lease_id: int) -> int:
         return len(self._by_lease.get(lease_id, ()))
 
+    def count_identity(self, identity: str) -> int:
+        return self._per_identity.get(identity, 0)
+
+    def get(self, attach_id: int) -> Attachment | None:
+        return self._by_id.get(attach_id)
+
     def clear(self) -> None:
         self._by_id.clear()
         self._by_pool.clear()
         self._by_lease.clear()
+        self._per_identity.clear()
 
 
 def _discard(index: dict, key: object, attach_id: int) -> None:

@@ -1,5 +1,11 @@
 """The daemon's state: pools by name, the device budget, leases and attachments.
 
+Authorization, the one story: every method a client reaches takes the :class:`Caller` of the
+call (``kvpoold.server.auth``) first. A pool is checked against the caller's scope before it is
+looked up (PERMISSION_DENIED says nothing about whether it exists); a lease is proven by its
+secret and must be the caller's identity's (``LeaseTable.prove``: any failure is the NOT_FOUND of
+an unknown lease); messages name only the caller's own leases and the pools it may see.
+
 Concurrency, the one story: every method runs on the server's event loop thread, so the pools,
 their id spaces, the budget, the lease table and the attachments need no lock (one owner: the
 loop; nothing here awaits while it holds state half-changed). The only work off the loop is
@@ -23,21 +29,28 @@ import numpy as np
 from kvpool.errors import (
     AlreadyExists,
     FailedPrecondition,
+    Internal,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    echo,
 )
+from kvpool.limits import MAX_ECHO_CHARS
 from kvpool.plan import PoolPlan
 from kvpool.records import AttachInfo, ConfigureResult, HeldMap, Released, Stats
 from kvpoold import __version__
 from kvpoold.ids import Grant
-from kvpoold.server.attachments import AttachmentTable
-from kvpoold.server.leases import Lease, LeaseTable
-from kvpoold.server.live_pools import LivePool, build_live_pool, plan_json_text
-from kvpoold.server.planning import plan_from_args
-from kvpoold.server.records import ConfigureArgs
+from kvpoold.server.attachments import MAX_ATTACHMENTS_PER_IDENTITY, AttachmentTable
+from kvpoold.server.auth import DAEMON_CALLER, Caller
+from kvpoold.server.leases import MAX_LEASES_PER_IDENTITY, Lease, LeaseTable
+from kvpoold.server.live_pools import LivePool, build_live_pool
+from kvpoold.server.planning import plan_off_loop
+from kvpoold.server.records import ConfigureArgs, LeaseRef
 from kvpoold.server.stats import take_stats
 from kvpoold.sharing.base import BackingFactory
+from kvpoold.transfer import NIXL_MISSING, NixlAgent, Outgoing, Transfers
+from kvpoold.transfer.grants import ReceiveGrant
+from kvpoold.transfer.layout import TRANSFER_SPACES
 
 log = logging.getLogger("kvpoold.daemon")
 
@@ -48,6 +61,8 @@ GIVE_BACK_WAIT_S = 1.0
 # Under pressure: an Allocate that leaves a space fewer than capacity // PRESSURE_FRACTION free
 # asks other leases' caches to give back the difference (without waiting).
 PRESSURE_FRACTION = 16
+# Configure plans in worker threads, this many at once.
+PLANNING_SLOTS = 2
 
 
 def check_pool_name(name: str, field: str = "pool") -> str:
@@ -56,10 +71,10 @@ def check_pool_name(name: str, field: str = "pool") -> str:
     Raises:
         InvalidArgument: anything else.
     """
-    if not POOL_NAME.fullmatch(name):
+    if len(name) > MAX_ECHO_CHARS or not POOL_NAME.fullmatch(name):
         raise InvalidArgument(
-            f"pool name {name!r} must match [a-z0-9][a-z0-9._-]{{0,62}} (lower case, digits, "
-            "'.', '_', '-'; 1 to 63 characters)",
+            f"pool name {echo(name, MAX_ECHO_CHARS)} must match [a-z0-9][a-z0-9._-]{{0,62}} "
+            "(lower case, digits, '.', '_', '-'; 1 to 63 characters)",
             field=field,
         )
     return name
@@ -74,6 +89,15 @@ class Daemon:
             ``plan.backing_bytes``).
         backing_factory: creates each pool's region (plain, shared memory, CUDA IPC).
         clock: monotonic seconds; injected so tests can move time.
+        lease_clock: the clock of lease deadlines (default ``clock``); ``kvpoold serve`` gives
+            a ``loop_clock.StallClock``, which stands still while the event loop is stalled,
+            so a renewal the daemon was too busy to read never expires a lease.
+        nixl_agent: the NIXL agent for transfers between daemons (``kvpoold.transfer``);
+            None answers every transfer RPC with ``nixl_off``.
+        nixl_off: why there is no agent, for those answers.
+        peer_token: the bearer token this daemon sends to peer daemons.
+        max_leases_per_identity: leases one caller identity may hold open at once.
+        max_attachments_per_identity: attachments one caller identity may hold at once.
     """
 
     def __init__(
@@ -82,6 +106,13 @@ class Daemon:
         budget_bytes: int,
         backing_factory: BackingFactory,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        lease_clock: Callable[[], float] | None = None,
+        nixl_agent: NixlAgent | None = None,
+        nixl_off: str = NIXL_MISSING,
+        peer_token: str | None = None,
+        max_leases_per_identity: int = MAX_LEASES_PER_IDENTITY,
+        max_attachments_per_identity: int = MAX_ATTACHMENTS_PER_IDENTITY,
     ) -> None:
         self.device = device
         self.budget_bytes = budget_bytes
@@ -89,7 +120,10 @@ class Daemon:
         self._factory = backing_factory
         self._clock = clock
         self.started_at = clock()
-        self.leases = LeaseTable(clock)
+        self.leases = LeaseTable(lease_clock or clock, max_per_identity=max_leases_per_identity)
+        self.max_attachments_per_identity = max_attachments_per_identity
+        # Configures planning at once (each in a worker thread); the rest wait their turn.
+        self._planning = asyncio.Semaphore(PLANNING_SLOTS)
         self.pools: dict[str, LivePool] = {}
         self.attachments = AttachmentTable()
         self._building: dict[str, asyncio.Event] = {}
@@ -97,6 +131,8 @@ class Daemon:
         # Set (and dropped) when ids come back, for Allocates waiting on give-backs; None
         # while nobody waits, so Free costs nothing extra then.
         self._freed: asyncio.Event | None = None
+        self.transfers = Transfers(self.pool, self.leases, clock, nixl_agent, nixl_off,
+                                   peer_token)
 
     # -- budget ----------------------------------------------------------------------------
 
@@ -112,17 +148,20 @@ class Daemon:
 
     # -- Configure ---------------------------------------------------------------------------
 
-    async def configure(self, args: ConfigureArgs) -> ConfigureResult:
+    async def configure(self, caller: Caller, args: ConfigureArgs) -> ConfigureResult:
         """Plan a pool and build it, or return the existing one with the same layout.
 
         Raises:
             InvalidArgument: bad name, model or options.
+            PermissionDenied: the caller's scope does not cover the name.
             AlreadyExists: the name is taken by a pool with another fingerprint.
             ResourceExhausted: the pool does not fit in the device budget left.
         """
-        name = check_pool_name(args.pool)
-        new_plan = plan_from_args(args, self.available_bytes())
-        fingerprint = new_plan.fingerprint()
+        name = caller.check_pool(check_pool_name(args.pool))
+        # Off the loop (O(layers) of Python); nothing read before this await is trusted after
+        # it: the name, the existing pools and the budget are all looked at below.
+        planned = await plan_off_loop(args, self.available_bytes(), self._planning)
+        new_plan, fingerprint = planned.plan, planned.fingerprint
         while name in self._building:  # the same name is being built: wait, then look again
             await self._building[name].wait()
         existing = self.pools.get(name)
@@ -140,13 +179,12 @@ class Daemon:
         if needed > available:
             raise ResourceExhausted(
                 f"pool {name!r} needs {needed:,} B of device memory, the daemon has "
-                f"{available:,} B of its {self.budget_bytes:,} B budget left; lower "
-                "budget_bytes / max_total_tokens, Drop a pool, or start kvpoold with a larger "
-                "--budget",
+                f"{available:,} B of its {self.budget_bytes:,} B budget left; "
+                f"{budget_hint(new_plan)}",
                 field="budget_bytes",
             )
         if args.dry_run:
-            return self._configure_result(new_plan, plan_json_text(new_plan), fingerprint,
+            return self._configure_result(new_plan, planned.plan_json, fingerprint,
                                           created=False, dry_run=True, extra=needed)
         # Claim the name and the bytes now, before any await, so concurrent calls see them.
         done = asyncio.Event()
@@ -160,9 +198,7 @@ class Daemon:
 
     async def _build(self, name: str, new_plan: PoolPlan, done: asyncio.Event) -> LivePool:
         try:
-            entry = await asyncio.to_thread(
-                build_live_pool, name, new_plan, self._factory, self._clock()
-            )
+            entry = await asyncio.to_thread(self._build_registered, name, new_plan)
             self.pools[name] = entry
         finally:
             self._reserved_bytes -= new_plan.backing_bytes
@@ -175,6 +211,17 @@ class Daemon:
         }})
         return entry
 
+    def _build_registered(self, name: str, new_plan: PoolPlan) -> LivePool:
+        """Build the pool and register its backing with NIXL (worker thread)."""
+        entry = build_live_pool(name, new_plan, self._factory, self._clock())
+        try:
+            self.transfers.register_pool(entry)
+        except BaseException as exc:
+            entry.close()
+            raise Internal(f"pool {name!r}: NIXL could not register its {new_plan.backing_bytes:,}"
+                           f" B region: {type(exc).__name__}: {exc}") from exc
+        return entry
+
     def _configure_result(self, p: PoolPlan, plan_json: str, fingerprint: str, *, created: bool,
                           dry_run: bool, extra: int = 0) -> ConfigureResult:
         return ConfigureResult(p, plan_json, fingerprint, created, dry_run,
@@ -182,35 +229,48 @@ class Daemon:
 
     # -- leases ------------------------------------------------------------------------------
 
-    def open_lease(self, name: str, ttl_s: float) -> Lease:
-        """Open a lease (see :class:`LeaseTable`)."""
-        lease = self.leases.open(name, ttl_s)
+    def open_lease(self, caller: Caller, name: str, ttl_s: float) -> Lease:
+        """Open a lease of the caller's identity (see :class:`LeaseTable`).
+
+        Raises:
+            InvalidArgument: bad name or TTL.
+            ResourceExhausted: the daemon's lease limit, or the identity's cap.
+        """
+        lease = self.leases.open(name, ttl_s, caller.identity)
         log.info("lease opened", extra={"fields": {
             "event": "lease_open", "lease_id": lease.lease_id, "owner": lease.owner,
-            "name": lease.name, "ttl_s": lease.ttl_s,
+            "name": lease.name, "ttl_s": lease.ttl_s, "identity": lease.identity,
         }})
         return lease
 
-    def renew_lease(self, lease_id: int,
+    def lease(self, caller: Caller, ref: LeaseRef) -> Lease:
+        """The open lease ``ref`` names, proven by its secret, of the caller's identity.
+
+        Raises:
+            NotFound: unknown, closed or expired, or not proven (the same answer).
+        """
+        return self.leases.prove(ref.lease_id, ref.secret, caller.identity)
+
+    def renew_lease(self, caller: Caller, ref: LeaseRef,
                     reports: dict[tuple[str, str], tuple[int, int]] | None = None) -> Lease:
         """Renew a lease and keep its page caches' report (``(pool, space) -> (cached,
         in_use)``; it replaces the last one).
 
         Raises:
-            NotFound: unknown, closed or expired lease.
+            NotFound: unknown, closed or expired lease, or not proven.
         """
-        lease = self.leases.renew(check_id(lease_id, "lease_id"))
+        lease = self.leases.renew(self.lease(caller, ref).lease_id)
         if reports is not None:
-            lease.reports = reports
+            self.leases.set_reports(lease, reports)
         return lease
 
-    def close_lease(self, lease_id: int) -> Released:
+    def close_lease(self, caller: Caller, ref: LeaseRef) -> Released:
         """End a lease; everything it holds comes back and its attachments end.
 
         Raises:
-            NotFound: unknown, closed or expired lease.
+            NotFound: unknown, closed or expired lease, or not proven.
         """
-        lease = self.leases.close(check_id(lease_id, "lease_id"))
+        lease = self.leases.close(self.lease(caller, ref).lease_id)
         result = self._release(lease)
         log.info("lease closed", extra={"fields": {
             "event": "lease_close", "lease_id": lease.lease_id, "name": lease.name,
@@ -220,6 +280,7 @@ class Daemon:
 
     def expire_leases(self) -> list[tuple[Lease, Released]]:
         """Expire every lease past its deadline and reclaim what it held; logs each."""
+        self.transfers.expire()  # receive grants past their expiry end on the same sweep
         out = []
         for lease in self.leases.pop_expired():
             result = self._release(lease)
@@ -234,6 +295,7 @@ class Daemon:
         return out
 
     def _release(self, lease: Lease) -> Released:
+        self.transfers.lease_gone(lease.owner, f"lease {lease.lease_id} ({lease.name}) ended")
         released: HeldMap = {}
         for name, entry in self.pools.items():
             counts = {s: n for s, n in entry.ids.reclaim(lease.owner).items() if n}
@@ -245,7 +307,7 @@ class Daemon:
 
     # -- Allocate / Free ---------------------------------------------------------------------
 
-    def allocate(self, pool: str, lease_id: int,
+    def allocate(self, caller: Caller, pool: str, ref: LeaseRef,
                  items: Sequence[tuple[str, int]]) -> list[tuple[str, Grant]]:
         """Allocate every ``(space, count)`` item for the lease, all or none.
 
@@ -256,10 +318,11 @@ class Daemon:
             InvalidArgument: bad pool name, no items, an unknown space or one that follows
                 another.
             NotFound: unknown pool or lease.
+            PermissionDenied: the caller's scope does not cover the pool.
             ResourceExhausted: not enough free ids for an item (nothing allocated).
         """
-        entry = self.pool(pool)
-        lease = self.leases.get(check_id(lease_id, "lease_id"))
+        entry = self.pool(pool, caller)
+        lease = self.lease(caller, ref)
         if not items:
             raise InvalidArgument("allocate needs at least one (space, count) item",
                                   field="items")
@@ -275,7 +338,7 @@ class Daemon:
                 self._ask_give_back(pool, space.name, low - room, lease.owner, cover=False)
         return [(name, grant) for (name, _), grant in zip(items, grants, strict=True)]
 
-    async def allocate_waiting(self, pool: str, lease_id: int,
+    async def allocate_waiting(self, caller: Caller, pool: str, ref: LeaseRef,
                                items: Sequence[tuple[str, int]],
                                wait_s: float = GIVE_BACK_WAIT_S) -> list[tuple[str, Grant]]:
         """:meth:`allocate`; when short of free ids while other leases' page caches report
@@ -287,11 +350,11 @@ class Daemon:
             were asked back and how many came.
         """
         try:
-            return self.allocate(pool, lease_id, items)
+            return self.allocate(caller, pool, ref, items)
         except ResourceExhausted as err:
-            first = err
-        entry = self.pool(pool)
-        lease = self.leases.get(lease_id)
+            first = err.with_traceback(None)  # no cycle: err -> traceback -> frame -> err
+        entry = self.pool(pool, caller)
+        lease = self.lease(caller, ref)
         shortfall: dict[str, int] = {}
         for name, count in items:
             shortfall[name] = shortfall.get(name, 0) + count
@@ -322,10 +385,10 @@ class Daemon:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(freed.wait(), remaining)
             try:
-                return self.allocate(pool, lease_id, items)
+                return self.allocate(caller, pool, ref, items)
             except ResourceExhausted as err:
-                first = err
-        entry = self.pool(pool)
+                first = err.with_traceback(None)  # no cycle: err -> traceback -> frame -> err
+        entry = self.pool(pool, caller)
         came = sum(max(0, entry.ids.space(name, "items", allocating=True).num_free - before)
                    for name, before in free_before.items())
         raise ResourceExhausted(
@@ -333,7 +396,8 @@ class Daemon:
             f"ids, {came} came back within {wait_s:.2f} s", field=first.field)
 
     def _cached_elsewhere(self, pool: str, space: str, owner: int) -> int:
-        return sum(x.cached(pool, space) for x in self.leases if x.owner != owner)
+        return sum(x.cached(pool, space) for x in self.leases.cachers(pool, space)
+                   if x.owner != owner)
 
     def _ask_give_back(self, pool: str, space: str, count: int, owner: int, *,
                        cover: bool) -> int:
@@ -343,7 +407,7 @@ class Daemon:
 
         ``cover=False`` (pressure after a successful Allocate) skips leases already asked.
         """
-        holders = [(x, x.cached(pool, space)) for x in self.leases
+        holders = [(x, x.cached(pool, space)) for x in self.leases.cachers(pool, space)
                    if x.owner != owner and x.cached(pool, space) > 0
                    and (cover or (pool, space) not in x.give_back)]
         total = sum(c for _, c in holders)
@@ -371,7 +435,8 @@ class Daemon:
             self._freed.set()
             self._freed = None
 
-    def free(self, pool: str, lease_id: int, items: Sequence[tuple[str, np.ndarray]]) -> int:
+    def free(self, caller: Caller, pool: str, ref: LeaseRef,
+             items: Sequence[tuple[str, np.ndarray]]) -> int:
         """Free every ``(space, ids)`` item of the lease; validated first, all or none.
 
         Returns:
@@ -381,53 +446,66 @@ class Daemon:
             InvalidArgument: bad pool name, no items, an unknown space, an id out of range or
                 repeated.
             NotFound: unknown pool or lease.
+            PermissionDenied: the caller's scope does not cover the pool.
             FailedPrecondition: an id not held by this lease (nothing freed).
         """
-        entry = self.pool(pool)
-        lease = self.leases.get(check_id(lease_id, "lease_id"))
+        entry = self.pool(pool, caller)
+        lease = self.lease(caller, ref)
         if not items:
             raise InvalidArgument("free needs at least one (space, ids) item", field="items")
         ids = entry.ids
         typed = [(ids.space(name, f"items[{i}].space", allocating=False), arr)
                  for i, (name, arr) in enumerate(items)]
+        moving = [arr for space, arr in typed if space.name in TRANSFER_SPACES]
+        for arr in moving:  # O(1) unless the lease has a transfer in flight
+            self.transfers.before_free(lease.owner, pool, arr)
         freed = sum(ids.free(lease.owner, typed).values())
+        for arr in moving:  # O(1) unless the lease has receive grants
+            self.transfers.after_free(lease.owner, pool, arr)
         self._notify_freed()
         return freed
 
     # -- pools -------------------------------------------------------------------------------
 
-    def pool(self, name: str) -> LivePool:
-        """The built pool ``name``.
+    def pool(self, name: str, caller: Caller | None = None) -> LivePool:
+        """The built pool ``name``, checked against the caller's scope first (None: the
+        daemon's own lookup, whose NotFound lists no pools).
 
         Raises:
             InvalidArgument: a malformed name.
+            PermissionDenied: the caller's scope does not cover ``name``.
             NotFound: no such pool (or it is still being built).
         """
+        if caller is not None and not caller.admin:
+            caller.check_pool(check_pool_name(name))
         entry = self.pools.get(name)
         if entry is None:
             check_pool_name(name)
             building = " (it is being configured; retry when Configure returns)" if (
                 name in self._building) else ""
-            known = ", ".join(sorted(self.pools)) or "none"
-            raise NotFound(f"no pool {name!r}{building}; pools: {known}", field="pool")
+            known = "" if caller is None else "; pools: " + (
+                ", ".join(sorted(p for p in self.pools if caller.sees(p))) or "none")
+            raise NotFound(f"no pool {name!r}{building}{known}", field="pool")
         return entry
 
-    def drop(self, name: str, force: bool = False) -> Released:
+    def drop(self, caller: Caller, name: str, force: bool = False) -> Released:
         """Release a pool's memory and budget.
 
         Raises:
             NotFound: no such pool.
+            PermissionDenied: the caller's scope does not cover it.
             FailedPrecondition: a lease holds ids in it or a client is attached, and not force.
         """
-        entry = self.pool(name)
+        entry = self.pool(name, caller)
         holders = entry.ids.held_by_owner()
         attached = self.attachments.count_pool(name)
         if (holders or attached) and not force:
-            owners = {lease.owner: lease for lease in self.leases}
-            who = ", ".join(
-                f"{owners[o].name} ({sum(h.values())} ids)" if o in owners else f"owner {o}"
-                for o, h in list(holders.items())[:5]
-            )
+            labels = [self._holder_label(o, sum(h.values())) for o, h in holders.items()
+                      if self._shown_to(caller, o)][:5]
+            rest = len(holders) - len(labels)
+            if rest:  # another identity's leases are counted, never named
+                labels.append(f"and {rest} more" if labels else f"{rest} not yours")
+            who = ", ".join(labels)
             raise FailedPrecondition(
                 f"pool {name!r} is in use: {len(holders)} leases hold ids [{who}], "
                 f"{attached} clients attached; free or close them, or Drop with "
@@ -441,6 +519,7 @@ class Daemon:
         held = {name: {s: n for s, n in reclaimed.items() if n}} if holders else {}
         detached = self.attachments.remove_pool(name)
         del self.pools[name]
+        self.transfers.pool_gone(name)
         entry.close()
         self._notify_freed()  # Allocates waiting on give-backs in it: NOT_FOUND now
         log.info("pool dropped", extra={"fields": {
@@ -449,31 +528,55 @@ class Daemon:
         }})
         return Released(held, detached, entry.plan.backing_bytes)
 
+    def _shown_to(self, caller: Caller, owner: int) -> bool:
+        """Whether the caller may see the lease ``owner`` by name and id (admin, or its own)."""
+        if caller.admin:
+            return True
+        lease = self.leases.of_owner(owner)
+        return lease is not None and lease.identity == caller.identity
+
+    def _holder_label(self, owner: int, count: int) -> str:
+        """``name (lease <id>, N ids)``: a holder as users know it (never the owner number)."""
+        lease = self.leases.of_owner(owner)
+        if lease is None:
+            return f"a lease that ended ({count} ids)"
+        name = lease.name if len(lease.name) <= 40 else echo(lease.name, 40)
+        return f"{name} (lease {lease.lease_id}, {count} ids)"
+
     # -- Attach / Detach ---------------------------------------------------------------------
 
-    def attach(self, pool: str, expected_fingerprint: str = "", lease_id: int = 0) -> AttachInfo:
-        """Hand out what a client needs to map a pool, and count it as attached.
+    def attach(self, caller: Caller, pool: str, expected_fingerprint: str = "",
+               ref: LeaseRef | None = None) -> AttachInfo:
+        """Hand out what a client needs to map a pool, and count it as attached (under the
+        lease ``ref`` if given, so it ends with the lease).
 
         Every call exports a fresh handle (``backing.handle()``): a CUDA IPC export serves
         one importer. The backing stays open while the attachment lasts (Drop refuses it).
 
         Raises:
-            NotFound: unknown pool, or unknown lease (when one is given).
+            NotFound: unknown pool, or unknown (or unproven) lease when one is given.
+            PermissionDenied: the caller's scope does not cover the pool.
+            ResourceExhausted: the caller's identity holds its cap of attachments.
             FailedPrecondition: the pool's fingerprint is not ``expected_fingerprint``, or
                 the memory cannot be exported (an expandable CUDA segment).
         """
-        entry = self.pool(pool)
+        entry = self.pool(pool, caller)
         if expected_fingerprint and expected_fingerprint != entry.fingerprint:
             raise FailedPrecondition(
                 f"pool {pool!r} has layout {entry.fingerprint}, the client expects "
-                f"{expected_fingerprint}; Configure the client with the pool's plan or attach "
-                "to the pool that matches",
+                f"{echo(expected_fingerprint, 40)}; Configure the client with the pool's plan or "
+                "attach to the pool that matches",
                 field="expected_fingerprint",
             )
-        if lease_id:
-            self.leases.get(lease_id)
+        lease_id = 0 if ref is None else self.lease(caller, ref).lease_id
+        mine = self.attachments.count_identity(caller.identity)
+        if mine >= self.max_attachments_per_identity:
+            raise ResourceExhausted(
+                f"identity {caller.identity!r} has {mine} attachments, the cap per identity is "
+                f"{self.max_attachments_per_identity} (max_attachments_per_identity, "
+                "--max-attachments-per-identity); Detach the ones no longer mapped")
         handle = entry.backing.handle()  # last: nothing after it can fail and strand an export
-        att = self.attachments.add(pool, lease_id)
+        att = self.attachments.add(pool, lease_id, caller.identity)
         log.info("attached", extra={"fields": {
             "event": "attach", "pool": pool, "attach_id": att.attach_id, "lease_id": lease_id,
             "handle_kind": handle.kind, "attached": self.attachments.count_pool(pool),
@@ -481,14 +584,16 @@ class Daemon:
         return AttachInfo(entry.fingerprint, entry.plan, entry.plan_json, handle,
                           att.attach_id, self.device)
 
-    def detach(self, attach_id: int) -> None:
-        """End an attachment.
+    def detach(self, caller: Caller, attach_id: int) -> None:
+        """End an attachment of the caller's identity.
 
         Raises:
-            NotFound: unknown or already ended.
+            NotFound: unknown, already ended, or another identity's (the same answer).
         """
-        att = self.attachments.remove(check_id(attach_id, "attach_id"))
-        if att is None:
+        att = self.attachments.get(check_id(attach_id, "attach_id"))
+        if att is not None and att.identity == caller.identity:
+            self.attachments.remove(attach_id)
+        else:
             raise NotFound(
                 f"no attachment {attach_id} (never made, detached, or ended with its lease or "
                 "a forced Drop)",
@@ -501,23 +606,59 @@ class Daemon:
 
     # -- Stats and shutdown ------------------------------------------------------------------
 
-    def stats(self, pool: str = "") -> Stats:
-        """Stats of the daemon, its pools (or one) and its leases, taken now.
+    def stats(self, caller: Caller, pool: str = "") -> Stats:
+        """Stats of the daemon, its pools (or one) and its leases, taken now, as the caller may
+        see them (``kvpoold.server.stats.take_stats``).
 
         Raises:
             NotFound: ``pool`` given and unknown.
+            PermissionDenied: ``pool`` given and outside the caller's scope.
         """
         if pool:
-            self.pool(pool)
-        return take_stats(self, pool)
+            self.pool(pool, caller)
+        return take_stats(self, caller, pool)
+
+    def snapshot(self) -> Stats:
+        """Stats of everything, as the daemon itself sees them (``/metrics``)."""
+        return take_stats(self, DAEMON_CALLER)
+
+    # -- transfers (kvpoold.transfer): the lease and pool checked here ----------------------
+
+    def grant_receive(self, caller: Caller, ref: LeaseRef, pool: str, pages: bytes,
+                      ttl_s: float) -> ReceiveGrant:
+        """``Transfers.grant`` for a proven lease of the caller, in a pool of its scope."""
+        self.pool(pool, caller)
+        return self.transfers.grant(self.lease(caller, ref).lease_id, pool, pages, ttl_s)
+
+    async def send(self, caller: Caller, ref: LeaseRef, pool: str, pages: bytes, peer: str,
+                   token: bytes) -> Outgoing:
+        """``Transfers.send`` for a proven lease of the caller, in a pool of its scope."""
+        self.pool(pool, caller)
+        return await self.transfers.send(self.lease(caller, ref).lease_id, pool, pages, peer,
+                                         token)
 
     def close(self) -> None:
         """Release every pool and the factory (shutdown). Idempotent."""
-        for entry in self.pools.values():
+        for name, entry in self.pools.items():
+            self.transfers.pool_gone(name)
             entry.close()
         self.pools.clear()
         self.attachments.clear()
         self._factory.close()
+
+
+def budget_hint(p: PoolPlan) -> str:
+    """What to lower when a plan does not fit: the request->token table and page maps (aux,
+    sized by context length x running requests) when they are most of the bytes, else the
+    pool's KV budget."""
+    if p.aux_bytes * 2 >= p.backing_bytes:
+        return (f"{p.aux_bytes:,} B of it is the request->token table (about "
+                f"max_running_requests {p.max_running_requests:,} x {p.req_to_token_columns:,} "
+                "columns x 4 B) and "
+                "page maps, outside budget_bytes: lower --context-length or "
+                "--max-running-requests, Drop a pool, or start kvpoold with a larger --budget")
+    return ("lower budget_bytes / max_total_tokens, Drop a pool, or start kvpoold with a larger "
+            "--budget")
 
 
 def check_id(value: int, field: str) -> int:

@@ -18,11 +18,14 @@ from google.protobuf.message import Message
 from kvpool import codec
 from kvpool.codec import KIND_OF_SPACE, SPACE_OF_KIND
 from kvpool.errors import InvalidArgument
+from kvpool.limits import MAX_IDS_PER_CALL, MAX_ITEMS_PER_CALL
 from kvpool.options import PlanOptions
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpoold.ids import Grant
 from kvpoold.server.leases import Lease
-from kvpoold.server.records import ConfigureArgs
+from kvpoold.server.records import ConfigureArgs, LeaseRef
+from kvpoold.transfer import Outgoing
+from kvpoold.transfer.grants import ReceiveGrant
 
 # The PlanOptions fields a ConfigureRequest carries, by the same name; unset ones are left to
 # the plan's defaults (optional numbers by presence, strings when empty, bools when false).
@@ -91,8 +94,45 @@ def configure_args(req: pb.ConfigureRequest) -> ConfigureArgs:
     )
 
 
+def lease_ref(lease_id: int, secret: bytes, field: str = "lease_id") -> LeaseRef:
+    """The lease a request names: ``lease_id`` (0 is "not set") with its ``lease_secret``.
+
+    The secret is not checked here: a missing or wrong one is answered as an unknown lease by
+    ``LeaseTable.prove``, so its answer never depends on whether the id exists.
+
+    Raises:
+        InvalidArgument: ``lease_id`` is 0.
+    """
+    if lease_id == 0:
+        raise InvalidArgument(f"{field} is not set (0); pass the lease_id and lease_secret "
+                              "OpenLease returned", field=field)
+    return LeaseRef(lease_id, secret)
+
+
+def optional_lease_ref(lease_id: int, secret: bytes) -> LeaseRef | None:
+    """An Attach's lease: None when ``lease_id`` is 0 (an attachment tied to no lease)."""
+    return LeaseRef(lease_id, secret) if lease_id else None
+
+
+def check_items(n: int, rpc: str) -> None:
+    """At most MAX_ITEMS_PER_CALL items in one call (checked before any item is read).
+
+    Raises:
+        InvalidArgument: more.
+    """
+    if n > MAX_ITEMS_PER_CALL:
+        raise InvalidArgument(
+            f"{rpc} has {n:,} items, at most {MAX_ITEMS_PER_CALL:,} per call; split the batch, "
+            "or merge the items of one space into one (count, or ids)", field="items")
+
+
 def allocate_items(req: pb.AllocateRequest) -> list[tuple[str, int]]:
-    """The ``(space, count)`` items of an AllocateRequest (counts are uint32 on the wire)."""
+    """The ``(space, count)`` items of an AllocateRequest (counts are uint32 on the wire).
+
+    Raises:
+        InvalidArgument: more than MAX_ITEMS_PER_CALL items, or an item without a space.
+    """
+    check_items(len(req.items), "allocate")
     return [(_space(item.space, item.kind, f"items[{i}].space"), item.count)
             for i, item in enumerate(req.items)]
 
@@ -102,8 +142,14 @@ def free_items(req: pb.FreeRequest) -> list[tuple[str, np.ndarray]]:
     over the message's bytes (no copy).
 
     Raises:
-        InvalidArgument: an item without a space, or ids that are not whole int32 values.
+        InvalidArgument: more than MAX_ITEMS_PER_CALL items or MAX_IDS_PER_CALL ids, an item
+            without a space, or ids that are not whole int32 values.
     """
+    check_items(len(req.items), "free")
+    total = sum(len(item.ids) for item in req.items) // 4
+    if total > MAX_IDS_PER_CALL:
+        raise InvalidArgument(f"free has {total:,} ids, at most {MAX_IDS_PER_CALL:,} per call; "
+                              "split it", field="items")
     out = []
     for i, item in enumerate(req.items):
         space = _space(item.space, item.kind, f"items[{i}].space")
@@ -141,7 +187,8 @@ def cache_reports(request: pb.KeepAliveRequest) -> dict[tuple[str, str], tuple[i
 # -- responses ----------------------------------------------------------------------------------
 
 def open_lease_response(lease: Lease) -> pb.OpenLeaseResponse:
-    return pb.OpenLeaseResponse(lease_id=lease.lease_id, ttl_seconds=lease.ttl_s)
+    return pb.OpenLeaseResponse(lease_id=lease.lease_id, ttl_seconds=lease.ttl_s,
+                                lease_secret=lease.secret)
 
 
 def keep_alive_response(lease: Lease, now: float, seq: int = 0,
@@ -175,3 +222,19 @@ def free_response(freed: int) -> pb.FreeResponse:
 
 def detach_response() -> pb.DetachResponse:
     return pb.DetachResponse()
+
+
+def grant_receive_response(grant: ReceiveGrant, now: float) -> pb.GrantReceiveResponse:
+    return pb.GrantReceiveResponse(
+        token=grant.token, expires_in_seconds=max(0.0, grant.expires_at - now),
+        pages=int(grant.pages.shape[0]),
+        swa_pages=b"" if grant.swa_pages is None else codec.ids_to_bytes(grant.swa_pages))
+
+
+def send_response(out: Outgoing) -> pb.SendResponse:
+    return pb.SendResponse(transfer_id=out.transfer_id, bytes=out.nbytes,
+                           descriptors=out.descriptors, peer_agent=out.peer_agent)
+
+
+def peer_done_response() -> pb.PeerDoneResponse:
+    return pb.PeerDoneResponse()

@@ -1,8 +1,11 @@
 """Leases: who holds ids, until when. A lease not renewed within its TTL expires.
 
 A lease has a random 63-bit ``lease_id`` (what clients send; random so that a stale id from
-before a daemon restart does not name someone else's lease) and a small sequential ``owner``
-(what the allocators record per id; they take owners in ``1..2**31-1``). Renewing moves the
+before a daemon restart does not name someone else's lease), a random ``secret`` that proves it
+(only its opener gets it; every call acting on the lease carries it, see
+:meth:`LeaseTable.prove`), the ``identity`` of the caller that opened it
+(``kvpoold.server.auth``), and a small sequential ``owner`` (what the allocators record per id;
+they take owners in ``1..2**31-1``). Renewing moves the
 deadline to ``now + ttl``; :meth:`LeaseTable.pop_expired` hands back the leases whose deadline
 has passed so the daemon can reclaim what they hold.
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import hmac
 import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,13 +33,18 @@ MIN_TTL_S = 0.1
 MAX_TTL_S = 86_400.0
 MAX_NAME_CHARS = 128
 MAX_LEASES = 65_536
+# The leases one identity may hold open (``--max-leases-per-identity``), by default.
+MAX_LEASES_PER_IDENTITY = 1024
+SECRET_BYTES = 16
+_NO_SECRET = bytes(SECRET_BYTES)  # compared against when the id is unknown (same work)
 # Rebuild the deadline heap when stale entries exceed this many per open lease.
 STALE_PER_LEASE = 2
 
 
 @dataclass
 class Lease:
-    """One lease. ``deadline`` is on the daemon's monotonic clock."""
+    """One lease. ``deadline`` is on the table's clock (the daemon's lease clock: monotonic
+    time that stands still while the event loop is stalled, ``kvpoold.server.loop_clock``)."""
 
     lease_id: int
     owner: int
@@ -43,6 +52,8 @@ class Lease:
     ttl_s: float
     deadline: float
     opened_at: float
+    identity: str = "local"  # who opened it (``kvpoold.server.auth``); only it may use it
+    secret: bytes = field(default=b"", repr=False, compare=False)  # the proof; never shown
     # Which deadline-heap entry is current; older entries of this lease are stale.
     generation: int = field(default=0, repr=False, compare=False)
     # (pool, space) -> (cached, in_use): its page caches as last reported on KeepAlive.
@@ -122,19 +133,29 @@ class LeaseTable:
     """The open leases, by id, with counters for Stats and a heap of their deadlines.
 
     Args:
-        clock: monotonic seconds (``time.monotonic``); injected so tests can move time.
+        clock: monotonic seconds (``time.monotonic``, or the daemon's
+            ``loop_clock.StallClock``); injected so tests can move time.
         max_leases: refuse to open more than this many at once.
+        max_per_identity: refuse one identity more than this many at once (None: no cap
+            but ``max_leases``).
     """
 
-    def __init__(self, clock: Callable[[], float], *, max_leases: int = MAX_LEASES) -> None:
+    def __init__(self, clock: Callable[[], float], *, max_leases: int = MAX_LEASES,
+                 max_per_identity: int | None = None) -> None:
         self._clock = clock
         self._max = max_leases
+        self._max_per_identity = max_per_identity
+        self._per_identity: dict[str, int] = {}
         self._leases: dict[int, Lease] = {}
         self._owners: set[int] = set()
+        self._by_owner: dict[int, Lease] = {}
         self._next_owner = 1
         self._heap: list[tuple[float, int, int]] = []  # (deadline, lease_id, generation)
         self._stale = 0  # heap entries whose lease was renewed or closed since
         self._generation = 0
+        # (pool, space) -> {lease_id: lease} of the leases whose caches last reported cached
+        # ids there: give-back visits these, not every lease (O(holders), not O(leases)).
+        self._cachers: dict[tuple[str, str], dict[int, Lease]] = {}
         self.opened = 0
         self.closed = 0
         self.expired = 0
@@ -146,15 +167,26 @@ class LeaseTable:
     def __iter__(self) -> Iterator[Lease]:
         return iter(list(self._leases.values()))
 
-    def open(self, name: str, ttl_s: float) -> Lease:
-        """Open a lease that expires ``ttl_s`` from now unless renewed.
+    def now(self) -> float:
+        """The table's clock (deadlines are on it; the daemon's may be another)."""
+        return self._clock()
+
+    def open(self, name: str, ttl_s: float, identity: str = "local") -> Lease:
+        """Open a lease of ``identity`` that expires ``ttl_s`` from now unless renewed.
 
         Raises:
             InvalidArgument: bad name or TTL.
-            ResourceExhausted: ``max_leases`` are open.
+            ResourceExhausted: ``max_leases`` are open, or ``max_per_identity`` of this
+                identity's.
         """
         name = check_lease_name(name)
         ttl_s = check_ttl(ttl_s)
+        mine = self._per_identity.get(identity, 0)
+        if self._max_per_identity is not None and mine >= self._max_per_identity:
+            raise ResourceExhausted(
+                f"identity {identity!r} has {mine} leases open, the cap per identity is "
+                f"{self._max_per_identity} (max_leases_per_identity, --max-leases-per-identity);"
+                " close unused leases (one per engine process is enough)")
         if len(self._leases) >= self._max:
             raise ResourceExhausted(
                 f"{len(self._leases)} leases are open, the limit is {self._max}; close unused "
@@ -165,8 +197,11 @@ class LeaseTable:
             lease_id = secrets.randbits(63)
         owner = self._take_owner()
         now = self._clock()
-        lease = Lease(lease_id, owner, name, ttl_s, now + ttl_s, now)
+        lease = Lease(lease_id, owner, name, ttl_s, now + ttl_s, now, identity,
+                      secrets.token_bytes(SECRET_BYTES))
         self._leases[lease_id] = lease
+        self._per_identity[identity] = mine + 1
+        self._by_owner[owner] = lease
         self._push(lease)
         self.opened += 1
         return lease
@@ -186,9 +221,39 @@ class LeaseTable:
             )
         return lease
 
+    def prove(self, lease_id: int, secret: bytes, identity: str, *,
+              field: str = "lease_id") -> Lease:
+        """The open lease ``lease_id``, if ``secret`` is its secret and ``identity`` opened it.
+
+        Every refusal is the same NotFound as for an unknown id, so a caller learns nothing
+        about leases it cannot prove; the secret is compared in constant time.
+
+        Raises:
+            NotFound: unknown, closed or expired, a wrong or missing secret, or another
+                identity's lease.
+        """
+        lease = self._leases.get(lease_id)
+        proven = hmac.compare_digest(lease.secret if lease is not None else _NO_SECRET, secret)
+        if lease is None or not proven or lease.identity != identity:
+            raise NotFound(
+                f"no open lease {lease_id} with this lease_secret: it was never opened, was "
+                "closed or expired, or lease_secret is not the one OpenLease returned with it "
+                "(renew it within its TTL with KeepAlive; open a new one with OpenLease)",
+                field=field,
+            )
+        return lease
+
+    def count_identity(self, identity: str) -> int:
+        """Open leases of ``identity``."""
+        return self._per_identity.get(identity, 0)
+
     def find(self, lease_id: int) -> Lease | None:
         """The open lease ``lease_id``, or None."""
         return self._leases.get(lease_id)
+
+    def of_owner(self, owner: int) -> Lease | None:
+        """The open lease with internal number ``owner``, or None; O(1)."""
+        return self._by_owner.get(owner)
 
     def renew(self, lease_id: int) -> Lease:
         """Move the deadline of ``lease_id`` to now + its TTL.
@@ -202,6 +267,43 @@ class LeaseTable:
         self._went_stale()
         return lease
 
+    def set_reports(self, lease: Lease,
+                    reports: dict[tuple[str, str], tuple[int, int]]) -> None:
+        """Keep ``lease``'s page-cache report (``(pool, space) -> (cached, in_use)``, replacing
+        the last one) and the index of who caches what; O(keys of the two reports)."""
+        for key in lease.reports.keys() - reports.keys():
+            self._uncache(key, lease)
+        for key, (cached, _in_use) in reports.items():
+            if cached > 0:
+                self._cachers.setdefault(key, {})[lease.lease_id] = lease
+            else:
+                self._uncache(key, lease)
+        lease.reports = reports
+
+    def cachers(self, pool: str, space: str) -> list[Lease]:
+        """The open leases whose caches last reported cached ids of ``pool``/``space`` (a
+        give-back may have lowered a report to 0 since: callers read ``cached``)."""
+        return list(self._cachers.get((pool, space), {}).values())
+
+    def _uncache(self, key: tuple[str, str], lease: Lease) -> None:
+        holders = self._cachers.get(key)
+        if holders is not None:
+            holders.pop(lease.lease_id, None)
+            if not holders:
+                del self._cachers[key]
+
+    def _forget(self, lease: Lease) -> None:
+        """Drop a closed or expired lease from the indexes and its identity's count."""
+        self._owners.discard(lease.owner)
+        self._by_owner.pop(lease.owner, None)
+        for key in lease.reports:
+            self._uncache(key, lease)
+        left = self._per_identity[lease.identity] - 1
+        if left:
+            self._per_identity[lease.identity] = left
+        else:
+            del self._per_identity[lease.identity]
+
     def close(self, lease_id: int) -> Lease:
         """Remove ``lease_id``; the caller returns what it held.
 
@@ -210,7 +312,7 @@ class LeaseTable:
         """
         lease = self.get(lease_id)
         del self._leases[lease_id]
-        self._owners.discard(lease.owner)
+        self._forget(lease)
         self.closed += 1
         self._went_stale()
         return lease
@@ -238,7 +340,7 @@ class LeaseTable:
                 self._stale -= 1
                 continue
             del self._leases[lease_id]
-            self._owners.discard(lease.owner)
+            self._forget(lease)
             gone.append(lease)
         self.expired += len(gone)
         if gone:

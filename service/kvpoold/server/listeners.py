@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Literal
 import grpc
 
 from kvpool.errors import FailedPrecondition, InvalidArgument
-from kvpoold.server.auth import TokenAuthInterceptor
+from kvpoold.server.auth import Authority, TokenAuthInterceptor, Transport
 
 if TYPE_CHECKING:
     from grpc import aio
@@ -76,6 +76,19 @@ def parse_listen(text: str) -> Listener:
                           field="listen")
 
 
+def is_loopback(listener: Listener) -> bool:
+    """A Unix socket, or TCP on localhost / a loopback address."""
+    if listener.kind != "tcp":
+        return True
+    host = listener.address.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def check_tcp_is_local(listeners: Sequence[Listener]) -> None:
     """Refuse TCP off loopback without a token: whoever reaches it could allocate and map pools.
 
@@ -86,16 +99,8 @@ def check_tcp_is_local(listeners: Sequence[Listener]) -> None:
         InvalidArgument: a non-loopback TCP listener, naming the ways out.
     """
     for x in listeners:
-        if x.kind != "tcp":
+        if is_loopback(x):
             continue
-        host = x.address.rpartition(":")[0].strip("[]")
-        if host == "localhost":
-            continue
-        try:
-            if ipaddress.ip_address(host).is_loopback:
-                continue
-        except ValueError:
-            pass
         raise InvalidArgument(
             f"refusing to serve tcp://{x.address} without a token: anyone who can reach it "
             "could allocate pages and map pools; give --token-file (or --token), listen on "
@@ -189,7 +194,7 @@ def bind_tcp(server: aio.Server, listeners: Sequence[Listener],
     """Bind ``listeners`` (TCP) on ``server``, over TLS when ``tls`` is given.
 
     Args:
-        server: the (not yet started) server for TCP, built with :func:`tcp_interceptors`.
+        server: the (not yet started) server for TCP, built with :func:`auth_interceptors`.
         listeners: TCP listeners (port 0 picks a free port).
         tls: ``(private_key_pem, certificate_chain_pem)``, or None for plain TCP.
 
@@ -206,19 +211,23 @@ def bind_tcp(server: aio.Server, listeners: Sequence[Listener],
     return [f"{x.address.rpartition(':')[0]}:{_bind(add_port, x)}" for x in listeners]
 
 
-def tcp_interceptors(token: str | None) -> tuple[aio.ServerInterceptor, ...]:
-    """The interceptors of the TCP server: the token check, or none (logged as insecure).
+def auth_interceptors(authority: Authority, transport: Transport = "tcp"
+                     ) -> tuple[aio.ServerInterceptor, ...]:
+    """The interceptors of a server: the token check where a call can be refused for its token,
+    else none (a TCP server without tokens is logged as insecure).
 
     Args:
-        token: the shared secret every TCP call must carry, or None.
+        authority: the daemon's tokens.
+        transport: the server's listeners.
 
     Returns:
-        The interceptors to build the TCP server with.
+        The interceptors to build the server with.
     """
-    if token:
-        return (TokenAuthInterceptor(token),)
-    log.warning("tcp listeners without --token: anyone who can reach them may call",
-                extra={"fields": {"event": "insecure_tcp"}})
+    if authority.needs_check(transport):
+        return (TokenAuthInterceptor(authority, transport),)
+    if transport == "tcp":
+        log.warning("tcp listeners without --token: anyone who can reach them may call",
+                    extra={"fields": {"event": "insecure_tcp"}})
     return ()
 
 

@@ -10,6 +10,8 @@ import json
 import logging
 import sys
 import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from typing import Any, Literal, TextIO
 
 LogFormat = Literal["text", "json"]
@@ -76,3 +78,44 @@ def configure_logging(level: str = "info", fmt: LogFormat = "text",
     logger.handlers[:] = [handler]
     logger.setLevel(level.upper())
     logger.propagate = False
+
+
+class LogLimiter:
+    """Rate limit for log lines that a client can repeat at will (refused requests, internal
+    errors): per key, a token bucket of ``burst`` lines refilled at one per ``every_s``.
+
+    :meth:`allow` says whether to log now and how many lines of that key were suppressed since
+    the last one logged (put it in the line, ``suppressed=N``). At most ``max_keys`` keys are
+    kept (the least recently used go first), so a client inventing keys costs bounded memory.
+    O(1) per call. Not thread-safe: the daemon calls it from its event loop.
+
+    Args:
+        burst: lines of one key logged back to back before the limit applies.
+        every_s: seconds per line of one key after that.
+        max_keys: keys remembered.
+        clock: monotonic seconds.
+    """
+
+    def __init__(self, burst: int = 1, every_s: float = 60.0, max_keys: int = 256,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.burst = burst
+        self.every_s = every_s
+        self.max_keys = max_keys
+        self._clock = clock
+        # key -> (tokens, time of the last refill, lines suppressed since the last logged)
+        self._keys: OrderedDict[Hashable, tuple[float, float, int]] = OrderedDict()
+
+    def allow(self, key: Hashable) -> tuple[bool, int]:
+        """``(log it, suppressed before it)``; a suppressed line is counted for the next."""
+        now = self._clock()
+        tokens, last, suppressed = self._keys.pop(key, (float(self.burst), now, 0))
+        tokens = min(float(self.burst), tokens + (now - last) / self.every_s)
+        if tokens >= 1.0:
+            self._keys[key] = (tokens - 1.0, now, 0)
+            ok, count = True, suppressed
+        else:
+            self._keys[key] = (tokens, now, suppressed + 1)
+            ok, count = False, suppressed + 1
+        while len(self._keys) > self.max_keys:
+            self._keys.popitem(last=False)
+        return ok, count

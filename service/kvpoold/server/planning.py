@@ -1,12 +1,22 @@
-"""Configure's pure part: resolve the model (HF config text or spec) and options, then plan."""
+"""Configure's pure part: resolve the model (HF config text or spec) and options, then plan.
+
+Planning is O(layers) of Python (bounded by ``kvpool.limits.MAX_LAYERS``) and decoding the config
+O(its characters) (bounded by ``MAX_CONFIG_CHARS``); :func:`plan_off_loop` runs both in a
+worker thread, so even the largest allowed request leaves the event loop free.
+"""
 
 from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
 
 import msgspec
 
 from kvpool.errors import InvalidArgument
+from kvpool.limits import MAX_CONFIG_CHARS
 from kvpool.plan import PoolPlan
 from kvpool.spec import decode_spec
+from kvpoold.server.live_pools import plan_json_text
 from kvpoold.server.records import ConfigureArgs
 from kvpoold.sizing import make_options, plan
 
@@ -24,11 +34,20 @@ def plan_from_args(args: ConfigureArgs, available_bytes: int) -> PoolPlan:
     if args.hf_config_json is not None:
         from kvpoold.hf import spec_from_hf
 
+        text = args.hf_config_json
+        if len(text) > MAX_CONFIG_CHARS:
+            raise InvalidArgument(f"hf_config_json has {len(text):,} characters, at most "
+                                  f"{MAX_CONFIG_CHARS:,}; send the model's config.json only",
+                                  field="hf_config_json")
         try:
-            config = msgspec.json.decode(args.hf_config_json)
+            config = msgspec.json.decode(text)
         except msgspec.DecodeError as exc:
             raise InvalidArgument(f"hf_config_json is not valid JSON: {exc}",
                                   field="hf_config_json") from exc
+        except RecursionError:  # msgspec stops at Python's recursion limit (~1000 deep)
+            raise InvalidArgument("hf_config_json nests too deep to be a config.json (arrays "
+                                  "or objects past ~1,000 levels)",
+                                  field="hf_config_json") from None
         if not isinstance(config, dict):
             raise InvalidArgument(
                 f"hf_config_json holds a JSON {type(config).__name__}, expected an object",
@@ -47,3 +66,30 @@ def plan_from_args(args: ConfigureArgs, available_bytes: int) -> PoolPlan:
             field="budget_bytes",
         )
     return plan(spec, make_options(**opts), source=source)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A plan with what Configure answers about it, all computed off the loop."""
+
+    plan: PoolPlan
+    fingerprint: str
+    plan_json: str
+
+
+def plan_fully(args: ConfigureArgs, available_bytes: int) -> Planned:
+    """:func:`plan_from_args`, its fingerprint and its JSON text (blocking: a worker thread)."""
+    new_plan = plan_from_args(args, available_bytes)
+    return Planned(new_plan, new_plan.fingerprint(), plan_json_text(new_plan))
+
+
+async def plan_off_loop(args: ConfigureArgs, available_bytes: int,
+                        slots: asyncio.Semaphore) -> Planned:
+    """:func:`plan_fully` in a worker thread, at most ``slots`` at once (the rest wait their
+    turn), so a slow plan never holds the event loop and a burst of Configures cannot take
+    every worker thread (pool builds use the same executor).
+
+    Reads nothing of the daemon's state: the caller checks names and budget after the await.
+    """
+    async with slots:
+        return await asyncio.to_thread(plan_fully, args, available_bytes)

@@ -1,4 +1,4 @@
-"""The typed request the daemon takes for Configure (edge.py builds it from the wire)."""
+"""The typed requests the daemon takes (edge.py builds them from the wire)."""
 
 from __future__ import annotations
 
@@ -18,3 +18,11 @@ class ConfigureArgs:
     spec: dict[str, Any] | None = None
     options: dict[str, Any] = field(default_factory=dict)
     dry_run: bool = False
+
+
+@dataclass(frozen=True)
+class LeaseRef:
+    """A lease as a request names it: its id and the secret that proves it (never shown)."""
+
+    lease_id: int
+    secret: bytes = field(repr=False)

@@ -1,7 +1,9 @@
 """Build the gRPC servers (:func:`create_server`) and run them until a signal (:func:`run`).
 
 Unix-socket listeners share one ``grpc.aio`` server; TCP listeners get a second one with the
-token interceptor and optional TLS (``kvpoold.server.listeners``). Both serve the same
+token interceptor and optional TLS (``kvpoold.server.listeners``). Each server has its own
+servicer over the one daemon, knowing its transport: who a call is depends on it
+(``kvpoold.server.auth``). Both serve the same
 servicer, health and reflection. Shutdown: health NOT_SERVING -> long streams end -> stop
 accepting and drain (grace) -> release the pools -> remove the socket files. With
 ``metrics_port`` a Prometheus ``/metrics`` server (``kvpoold.metrics``) runs beside them and
@@ -26,22 +28,26 @@ from kvpool.errors import InvalidArgument
 from kvpool.limits import MESSAGE_SIZE_OPTIONS
 from kvpool.v1 import kvpool_pb2_grpc
 from kvpoold.metrics import DaemonMetrics, MetricsServer, loop_snapshot, start_metrics_server
+from kvpoold.server.auth import Authority, NamedToken, UnixAuth, all_tokens
 from kvpoold.server.daemon import Daemon
+from kvpoold.server.intake import IntakeInterceptor
 from kvpoold.server.listeners import (
     Listener,
+    auth_interceptors,
     bind_tcp,
     bind_unix,
     group_id,
     read_tls,
     remove_sockets,
     secure_sockets,
-    tcp_interceptors,
 )
+from kvpoold.server.loop_clock import StallClock
 from kvpoold.server.servicer import KVPoolServicer
 from kvpoold.server.status import RpcObserver
 from kvpoold.settings import ServeSettings
 from kvpoold.sharing.base import BackingFactory
 from kvpoold.sharing.select import make_backing_factory
+from kvpoold.transfer import NIXL_MISSING, make_agent, nixl_installed
 
 log = logging.getLogger("kvpoold.server")
 
@@ -91,6 +97,8 @@ def create_server(
     listeners: Sequence[Listener],
     *,
     token: str | None = None,
+    tokens: Sequence[NamedToken] = (),
+    unix_auth: UnixAuth = "trust",
     tls: tuple[bytes, bytes] | None = None,
     socket_group: str | None = None,
     rpc_observer: RpcObserver | None = None,
@@ -100,7 +108,10 @@ def create_server(
     Args:
         daemon: the state the servicer works on.
         listeners: Unix sockets and TCP addresses (TCP port 0 picks a free port).
-        token: shared secret required on TCP listeners (``authorization: Bearer <token>``).
+        token: shared secret required on TCP listeners (``authorization: Bearer <token>``):
+            one admin token, the identity ``admin`` (``kvpoold.server.auth``).
+        tokens: named, scoped tokens (``--tokens-file``), beside ``token``.
+        unix_auth: ``trust`` (Unix callers without a token are the local admin) or ``token``.
         tls: ``(private_key_pem, certificate_chain_pem)`` for TCP listeners.
         socket_group: group allowed on the Unix sockets (mode 0660 instead of 0600).
         rpc_observer: told each RPC's time and failures (``kvpoold.metrics.RpcMetrics``).
@@ -116,18 +127,22 @@ def create_server(
         raise InvalidArgument("give at least one --listen address", field="listen")
     gid = group_id(socket_group) if socket_group else None
     closing = asyncio.Event()
-    servicer = KVPoolServicer(daemon, closing, rpc_observer)
+    authority = Authority(all_tokens(token, tokens), unix_auth)
     built = KVPoolServer([], health.aio.HealthServicer(), closing, socket_gid=gid)
     unix = [x for x in listeners if x.kind == "unix"]
     tcp = [x for x in listeners if x.kind == "tcp"]
     try:
         if unix:
-            server = _new_server(servicer, built.health, ())
+            servicer = KVPoolServicer(daemon, closing, rpc_observer, authority=authority,
+                                      transport="unix")
+            server = _new_server(servicer, built.health, auth_interceptors(authority, "unix"))
             built.sockets += bind_unix(server, unix, gid)
             built.addresses += [x.grpc_address for x in unix]
             built.servers.append(server)
         if tcp:
-            server = _new_server(servicer, built.health, tcp_interceptors(token))
+            servicer = KVPoolServicer(daemon, closing, rpc_observer, authority=authority,
+                                      transport="tcp")
+            server = _new_server(servicer, built.health, auth_interceptors(authority, "tcp"))
             built.addresses += bind_tcp(server, tcp, tls)
             built.servers.append(server)
     except BaseException:
@@ -138,7 +153,8 @@ def create_server(
 
 def _new_server(servicer: KVPoolServicer, health_servicer: health.aio.HealthServicer,
                 interceptors: Sequence[aio.ServerInterceptor]) -> aio.Server:
-    server = aio.server(interceptors=interceptors, options=_OPTIONS)
+    # The intake check runs last: a TCP call's token is checked before its message is read.
+    server = aio.server(interceptors=(*interceptors, IntakeInterceptor()), options=_OPTIONS)
     kvpool_pb2_grpc.add_KVPoolServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -160,7 +176,8 @@ async def sweep_leases(daemon: Daemon, interval_s: float = SWEEP_INTERVAL_S) -> 
     """
     while True:
         deadline = daemon.leases.next_deadline()
-        wait = interval_s if deadline is None else min(interval_s, deadline - daemon.now())
+        now = daemon.leases.now()
+        wait = interval_s if deadline is None else min(interval_s, deadline - now)
         await asyncio.sleep(max(0.0, wait))
         try:
             daemon.expire_leases()
@@ -194,16 +211,27 @@ async def run(
     """
     tls = read_tls(settings.tls_cert, settings.tls_key)  # first: a bad file must not strand
     factory = factory or make_backing_factory(settings)  # the factory's files
-    daemon = Daemon(settings.device, settings.budget_bytes, factory)
+    # With kvpool[nixl] installed the daemon owns a NIXL agent and can move pages to peers.
+    agent = make_agent()
+    nixl_off = NIXL_MISSING if not nixl_installed() else (
+        "NIXL is installed but its agent did not start (see kvpoold's log); transfers are off")
+    # Lease deadlines run on a clock that stands still while the loop is stalled (loop_clock).
+    lease_clock = StallClock()
+    daemon = Daemon(settings.device, settings.budget_bytes, factory, nixl_agent=agent,
+                    nixl_off=nixl_off, peer_token=settings.token, lease_clock=lease_clock,
+                    max_leases_per_identity=settings.max_leases_per_identity,
+                    max_attachments_per_identity=settings.max_attachments_per_identity)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     server: KVPoolServer | None = None
     sweeper: asyncio.Task[None] | None = None
+    ticker = asyncio.create_task(lease_clock.run())
     metrics = None if settings.metrics_port is None else DaemonMetrics(
-        loop_snapshot(daemon.stats, loop), settings.device)
+        loop_snapshot(daemon.snapshot, loop), settings.device)
     metrics_server: MetricsServer | None = None
     try:
-        server = create_server(daemon, settings.listeners, token=settings.token, tls=tls,
+        server = create_server(daemon, settings.listeners, token=settings.token,
+                               tokens=settings.tokens, unix_auth=settings.unix_auth, tls=tls,
                                socket_group=settings.socket_group,
                                rpc_observer=metrics.rpc if metrics else None)
         if metrics is not None and settings.metrics_port is not None:
@@ -216,6 +244,7 @@ async def run(
         log.info("serving", extra={"fields": {
             "event": "serving", "pid": os.getpid(), "listen": ",".join(server.addresses),
             "device": settings.device, "budget_bytes": settings.budget_bytes,
+            "nixl_agent": agent.name if agent is not None else None,
         }})
         if ready is not None:
             ready(server)
@@ -228,12 +257,14 @@ async def run(
             loop.remove_signal_handler(sig)
         if sweeper is not None:
             sweeper.cancel()
+        ticker.cancel()
         if server is not None:
             if not server.closing.is_set():  # an error before the normal shutdown
                 await server.shutdown(0)
             server.remove_sockets()
         if metrics_server is not None:  # before the pools go: a scrape must not see them half
             await asyncio.to_thread(metrics_server.close)
+        await daemon.transfers.close()
         daemon.close()
     log.info("stopped", extra={"fields": {"event": "stopped"}})
     return 0

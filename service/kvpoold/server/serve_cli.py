@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -13,7 +14,17 @@ import msgspec
 from kvpool.errors import FailedPrecondition
 from kvpool.targets import default_socket_path
 from kvpoold.server.logs import configure_logging
-from kvpoold.settings import ServeConfig, ServeSettings, check_host, describe, load_config, resolve
+from kvpoold.settings import (
+    ServeConfig,
+    ServeSettings,
+    check_host,
+    describe,
+    load_config,
+    resolve,
+    security_warnings,
+)
+
+log = logging.getLogger("kvpoold.server")
 
 
 def add_parser(subparsers: argparse._SubParsersAction[Any]) -> argparse.ArgumentParser:
@@ -106,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     check_host(settings)
     configure_logging(settings.log_level, settings.log_format)
+    for warning in security_warnings(settings, token_inline=bool(args.token)):
+        log.warning(warning, extra={"fields": {"event": "insecure_setting"}})
     # The server imports torch (seconds): only once the settings are known to be good.
     try:
         from kvpoold.server.run import run as serve

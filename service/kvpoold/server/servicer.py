@@ -1,4 +1,9 @@
-"""The KVPool servicer: edge in, call the daemon, codec out; errors by one decorator."""
+"""The KVPool servicer: who calls, edge in, call the daemon, codec out; errors by one decorator.
+
+Every method first asks the :class:`~kvpoold.server.auth.Authority` who the caller is (its
+token's identity and scope, or the local identity on a trusted Unix socket) and hands that
+:class:`~kvpoold.server.auth.Caller` to the daemon, which checks pools and leases against it.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +17,13 @@ from kvpool import codec
 from kvpool.errors import InvalidArgument
 from kvpool.v1 import kvpool_pb2_grpc
 from kvpoold.server import edge
+from kvpoold.server.auth import Authority, Caller, Transport
 from kvpoold.server.daemon import GIVE_BACK_WAIT_S, Daemon
+from kvpoold.server.intake import accept
 from kvpoold.server.status import RpcObserver, rpc_errors, rpc_stream_errors
 
 if TYPE_CHECKING:  # message types for annotations only; edge.py and kvpool.codec build them
+    from kvpool.records import Stats
     from kvpool.v1 import kvpool_pb2 as pb
 
 Ctx = aio.ServicerContext
@@ -34,6 +42,20 @@ def give_back_wait(context: Ctx) -> float:
     return max(0.0, min(GIVE_BACK_WAIT_S, remaining - DEADLINE_MARGIN_S))
 
 
+# Stats with more leases than this are encoded in a worker thread.
+STATS_ENCODE_OFF_LOOP = 256
+
+
+async def stats_response(stats: Stats) -> pb.StatsResponse:
+    """The Stats reply of a snapshot taken on the loop (``take_stats``: one consistent
+    picture, ~1.5 us per lease). Encoding it costs ~12 us per lease (0.8 s for 65k leases), so
+    a large one is encoded in a worker thread: the snapshot is immutable records, nobody else
+    touches it."""
+    if len(stats.leases) <= STATS_ENCODE_OFF_LOOP:
+        return codec.stats_to_pb(stats)
+    return await asyncio.to_thread(codec.stats_to_pb, stats)
+
+
 class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
     """gRPC face of a :class:`Daemon`.
 
@@ -43,24 +65,35 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
             so the server's grace period only waits for short calls.
         rpc_observer: told each call's time and failures by the error decorators
             (``kvpoold.metrics.RpcMetrics``); None records nothing.
+        authority: the daemon's tokens (default: none; Unix callers are the local admin).
+        transport: the listeners this servicer serves (one servicer per server).
     """
 
     def __init__(self, daemon: Daemon, closing: asyncio.Event | None = None,
-                 rpc_observer: RpcObserver | None = None) -> None:
+                 rpc_observer: RpcObserver | None = None, *,
+                 authority: Authority | None = None, transport: Transport = "unix") -> None:
         self._daemon = daemon
         self._closing = closing or asyncio.Event()
         self.rpc_observer = rpc_observer
+        self._authority = authority or Authority()
+        self._transport: Transport = transport
+
+    def _caller(self, context: Ctx) -> Caller:
+        """Who makes this call (Unauthenticated for a token the daemon does not know)."""
+        return self._authority.identify(context.invocation_metadata(), self._transport)
 
     @rpc_errors
     async def Configure(self, request: pb.ConfigureRequest, context: Ctx
                         ) -> pb.ConfigureResponse:
-        result = await self._daemon.configure(edge.configure_args(request))
+        result = await self._daemon.configure(self._caller(context),
+                                              edge.configure_args(request))
         return codec.configure_to_pb(result)
 
     @rpc_errors
     async def OpenLease(self, request: pb.OpenLeaseRequest, context: Ctx
                         ) -> pb.OpenLeaseResponse:
-        lease = self._daemon.open_lease(request.name, request.ttl_seconds)
+        lease = self._daemon.open_lease(self._caller(context), request.name,
+                                        request.ttl_seconds)
         return edge.open_lease_response(lease)
 
     @rpc_stream_errors
@@ -68,6 +101,7 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
                         ) -> AsyncIterator[pb.KeepAliveResponse]:
         """Answer each request (renew, keep its page-cache report); in between, send the
         lease's give-backs as soon as an Allocate asks for them."""
+        caller = self._caller(context)
         iterator = request_iterator.__aiter__()
         closing = asyncio.ensure_future(self._closing.wait())
         nxt: asyncio.Future | None = None
@@ -90,15 +124,17 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
                     request, nxt = nxt.result(), None
                     if request is None:
                         return
-                    lease = self._daemon.renew_lease(request.lease_id,
-                                                     edge.cache_reports(request))
-                    yield edge.keep_alive_response(lease, self._daemon.now(), request.seq,
-                                                   lease.take_give_back())
+                    request = accept(request, "KeepAlive")
+                    lease = self._daemon.renew_lease(
+                        caller, edge.lease_ref(request.lease_id, request.lease_secret),
+                        edge.cache_reports(request))
+                    yield edge.keep_alive_response(lease, self._daemon.leases.now(),
+                                                   request.seq, lease.take_give_back())
                 elif lease is not None and lease.give_back:
                     if self._daemon.leases.find(lease.lease_id) is not lease:
                         lease.take_give_back()  # closed or expired meanwhile
                         continue
-                    yield edge.keep_alive_response(lease, self._daemon.now(), 0,
+                    yield edge.keep_alive_response(lease, self._daemon.leases.now(), 0,
                                                    lease.take_give_back())
                 elif lease is not None:
                     lease.wake.clear()
@@ -110,26 +146,32 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
     @rpc_errors
     async def CloseLease(self, request: pb.CloseLeaseRequest, context: Ctx
                          ) -> pb.CloseLeaseResponse:
-        return codec.close_lease_to_pb(self._daemon.close_lease(request.lease_id))
+        ref = edge.lease_ref(request.lease_id, request.lease_secret)
+        return codec.close_lease_to_pb(self._daemon.close_lease(self._caller(context), ref))
 
     @rpc_errors
     async def Allocate(self, request: pb.AllocateRequest, context: Ctx) -> pb.AllocateResponse:
+        caller = self._caller(context)
+        ref = edge.lease_ref(request.lease_id, request.lease_secret)
         items = edge.allocate_items(request)
         return edge.allocate_response(await self._daemon.allocate_waiting(
-            request.pool, request.lease_id, items, give_back_wait(context)))
+            caller, request.pool, ref, items, give_back_wait(context)))
 
     @rpc_errors
     async def Free(self, request: pb.FreeRequest, context: Ctx) -> pb.FreeResponse:
+        caller = self._caller(context)
+        ref = edge.lease_ref(request.lease_id, request.lease_secret)
         items = edge.free_items(request)
-        return edge.free_response(self._daemon.free(request.pool, request.lease_id, items))
+        return edge.free_response(self._daemon.free(caller, request.pool, ref, items))
 
     @rpc_errors
     async def Stats(self, request: pb.StatsRequest, context: Ctx) -> pb.StatsResponse:
-        return codec.stats_to_pb(self._daemon.stats(request.pool))
+        return await stats_response(self._daemon.stats(self._caller(context), request.pool))
 
     @rpc_stream_errors
     async def WatchStats(self, request: pb.WatchStatsRequest, context: Ctx
                          ) -> AsyncIterator[pb.StatsResponse]:
+        caller = self._caller(context)
         interval = request.interval_seconds or DEFAULT_WATCH_INTERVAL_S
         if not MIN_WATCH_INTERVAL_S <= interval <= MAX_WATCH_INTERVAL_S:
             raise InvalidArgument(
@@ -138,7 +180,7 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
                 field="interval_seconds",
             )
         while not self._closing.is_set():
-            yield codec.stats_to_pb(self._daemon.stats(request.pool))
+            yield await stats_response(self._daemon.stats(caller, request.pool))
             try:
                 await asyncio.wait_for(self._closing.wait(), interval)
             except TimeoutError:
@@ -146,15 +188,59 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
 
     @rpc_errors
     async def Drop(self, request: pb.DropRequest, context: Ctx) -> pb.DropResponse:
-        return codec.drop_to_pb(self._daemon.drop(request.pool, request.force))
+        return codec.drop_to_pb(self._daemon.drop(self._caller(context), request.pool,
+                                                  request.force))
 
     @rpc_errors
     async def Attach(self, request: pb.AttachRequest, context: Ctx) -> pb.AttachResponse:
-        result = self._daemon.attach(request.pool, request.expected_fingerprint,
-                                     request.lease_id)
+        result = self._daemon.attach(self._caller(context), request.pool,
+                                     request.expected_fingerprint,
+                                     edge.optional_lease_ref(request.lease_id,
+                                                             request.lease_secret))
         return codec.attach_to_pb(result)
 
     @rpc_errors
     async def Detach(self, request: pb.DetachRequest, context: Ctx) -> pb.DetachResponse:
-        self._daemon.detach(request.attach_id)
+        self._daemon.detach(self._caller(context), request.attach_id)
         return edge.detach_response()
+
+    # -- transfers between daemons (kvpoold.transfer, docs/pd-transfer.md) ---------------------
+
+    @rpc_errors
+    async def GrantReceive(self, request: pb.GrantReceiveRequest, context: Ctx
+                           ) -> pb.GrantReceiveResponse:
+        grant = self._daemon.grant_receive(
+            self._caller(context), edge.lease_ref(request.lease_id, request.lease_secret),
+            request.pool, request.pages, request.ttl_seconds)
+        return edge.grant_receive_response(grant, self._daemon.now())
+
+    @rpc_errors
+    async def Send(self, request: pb.SendRequest, context: Ctx) -> pb.SendResponse:
+        out = await self._daemon.send(
+            self._caller(context), edge.lease_ref(request.lease_id, request.lease_secret),
+            request.pool, request.pages, request.peer, request.token)
+        return edge.send_response(out)
+
+    @rpc_errors
+    async def WaitTransfer(self, request: pb.WaitTransferRequest, context: Ctx
+                           ) -> pb.TransferStatus:
+        caller = self._caller(context)
+        timeout = request.timeout_seconds
+        remaining = context.time_remaining()
+        if remaining is not None and timeout > 0:  # answer PENDING before the deadline hits
+            timeout = max(0.0, min(timeout, remaining - DEADLINE_MARGIN_S))
+        status = await self._daemon.transfers.wait(request.transfer_id, request.token, timeout,
+                                                   None if caller.admin else caller.identity)
+        return codec.transfer_status_to_pb(status)
+
+    @rpc_errors
+    async def PeerReceive(self, request: pb.PeerReceiveRequest, context: Ctx
+                          ) -> pb.PeerReceiveResponse:
+        self._caller(context)  # a peer daemon, authenticated; the grant token is the capability
+        return self._daemon.transfers.peer_receive(request)
+
+    @rpc_errors
+    async def PeerDone(self, request: pb.PeerDoneRequest, context: Ctx) -> pb.PeerDoneResponse:
+        self._caller(context)
+        self._daemon.transfers.peer_done(request.token, request.ok, request.message)
+        return edge.peer_done_response()

@@ -1,28 +1,37 @@
 """Stats: one consistent picture of the daemon, its pools and its leases, taken on the loop.
 
 Built once, in the shape clients decode (``kvpool.records.Stats``): the servicer encodes it with
-``kvpool.codec`` and ``/metrics`` reads the same record.
+``kvpool.codec`` and ``/metrics`` reads the same record (as the daemon's own, admin, view).
+
+What a caller sees (docs/security.md): an admin sees everything; any other caller sees the pools
+its scope covers and its own identity's leases, the others' only counted
+(``daemon.other_leases``), and no peers (they name other tenants' transfers).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvpool.records import DaemonStats, HeldMap, LeaseStats, PoolStats, Stats
+from kvpool.records import DaemonStats, HeldMap, LeaseStats, PeerStats, PoolStats, Stats
 
 if TYPE_CHECKING:
+    from kvpoold.server.auth import Caller
     from kvpoold.server.daemon import Daemon
 
 
-def take_stats(daemon: Daemon, pool: str = "") -> Stats:
-    """Stats now; with ``pool`` only that pool, and leases show only what they hold in it.
+def take_stats(daemon: Daemon, caller: Caller, pool: str = "") -> Stats:
+    """Stats now, as ``caller`` may see them; with ``pool`` only that pool, and leases show
+    only what they hold in it.
 
     Args:
         daemon: the daemon (read only).
-        pool: a known pool name, or "" for all.
+        caller: who asks: an admin sees every pool, lease and peer; anyone else the pools its
+            scope covers and its own identity's leases.
+        pool: a known pool name the caller may see, or "" for all.
     """
     now = daemon.now()
-    entries = [daemon.pools[pool]] if pool else list(daemon.pools.values())
+    entries = [daemon.pools[pool]] if pool else [
+        e for e in daemon.pools.values() if caller.sees(e.name)]
     held: dict[int, HeldMap] = {}
     pools = []
     for entry in entries:
@@ -43,13 +52,18 @@ def take_stats(daemon: Daemon, pool: str = "") -> Stats:
             handle_kind=entry.handle_kind,
         ))
     leases = []
+    lease_now = daemon.leases.now()  # lease deadlines are on the lease clock
+    others = 0
     for lease in daemon.leases:
+        if not caller.admin and lease.identity != caller.identity:
+            others += 1
+            continue
         lease_held = held.get(lease.owner, {})
         leases.append(LeaseStats(
             lease_id=lease.lease_id,
             name=lease.name,
             ttl_seconds=lease.ttl_s,
-            expires_in_seconds=lease.expires_in(now),
+            expires_in_seconds=lease.expires_in(lease_now),
             held=lease_held,
             attached=daemon.attachments.count_lease(lease.lease_id),
             cached=cached_of(lease.reports, lease_held),
@@ -67,9 +81,13 @@ def take_stats(daemon: Daemon, pool: str = "") -> Stats:
             leases_opened=table.opened,
             leases_closed=table.closed,
             leases_expired=table.expired,
+            nixl_agent=agent.name if (agent := daemon.transfers.agent) is not None else "",
+            other_leases=others,
         ),
         pools=pools,
         leases=leases,
+        peers=[PeerStats(peer=peer, **vars(c)) for peer, c in daemon.transfers.peers.items()]
+        if caller.admin else [],
     )
 
 

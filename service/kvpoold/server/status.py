@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol, TypeVar
 
@@ -24,8 +25,20 @@ from grpc import aio
 
 from kvpool.errors import ERRORS_BY_CODE, KVPoolError
 from kvpool.limits import FIELD_METADATA_KEY
+from kvpoold.server.intake import accept
+from kvpoold.server.logs import LogLimiter
 
 log = logging.getLogger("kvpoold.rpc")
+
+# Refusals of these methods are logged (one line each, event=<name>): they change or would have
+# changed what the daemon holds, and an operator asks "why did my Configure fail".
+REFUSAL_EVENTS = {"Configure": "configure_refused", "Drop": "drop_refused"}
+# Lines a client can cause at will are rate-limited per key: unexpected errors per (method,
+# type), refusals per (method, code).
+_INTERNAL_LOG = LogLimiter(burst=3, every_s=60.0)
+_REFUSAL_LOG = LogLimiter(burst=20, every_s=1.0)
+# The longest status message sent (see bounded()).
+MAX_DETAILS_CHARS = 2048
 
 # Derived from the one table in ``kvpool.errors`` (each class's ``code`` names its status).
 STATUS_BY_ERROR: dict[type[KVPoolError], grpc.StatusCode] = {
@@ -73,14 +86,63 @@ async def abort_with(context: aio.ServicerContext, exc: BaseException, method: s
         method: the RPC name, for the log.
     """
     if isinstance(exc, KVPoolError):
-        metadata = ((FIELD_METADATA_KEY, exc.field),) if exc.field else ()
-        await context.abort(status_of(exc), str(exc), metadata)
-    log.error(
-        "unexpected error in %s", method, exc_info=exc, extra={"fields": {"event": "rpc_error"}}
-    )
+        log_refusal(method, exc)
+        metadata = ((FIELD_METADATA_KEY, bounded(exc.field, 200)),) if exc.field else ()
+        await context.abort(status_of(exc), bounded(str(exc)), metadata)
+    ok, suppressed = _INTERNAL_LOG.allow((method, type(exc).__name__))
+    if ok:
+        log.error("unexpected error in %s", method, exc_info=exc,
+                  extra={"fields": {"event": "rpc_error", "suppressed": suppressed}})
     await context.abort(
-        grpc.StatusCode.INTERNAL, f"{method}: internal error ({type(exc).__name__}: {exc})"
+        grpc.StatusCode.INTERNAL,
+        bounded(f"{method}: internal error ({type(exc).__name__}: {exc})"),
     )
+
+
+def bounded(text: str, limit: int = MAX_DETAILS_CHARS) -> str:
+    """``text`` cut to ``limit`` characters (with an ellipsis and its length): status details
+    travel in a trailer whose size gRPC limits (8 KiB by default), and a message quoting a
+    client's input must not outgrow it. Messages quote input through ``kvpool.errors.echo``
+    already; this is the net under them."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}\u2026 ({len(text):,} chars)"
+
+
+def log_refusal(method: str, exc: KVPoolError) -> None:
+    """One line for a refused call of a method in :data:`REFUSAL_EVENTS` (rate-limited)."""
+    event = REFUSAL_EVENTS.get(method)
+    if event is None:
+        return
+    code = status_of(exc).name
+    ok, suppressed = _REFUSAL_LOG.allow((method, code))
+    if ok:
+        log.warning("%s refused", method, extra={"fields": {
+            "event": event, "code": code, "field": exc.field, "reason": exc.message,
+            "suppressed": suppressed}})
+
+
+def release_frames(exc: BaseException) -> None:
+    """Clear the locals of the finished frames in ``exc``'s traceback (and its cause's and
+    context's), then drop the tracebacks.
+
+    An error raised in the daemon keeps every frame it passed through, and their locals (a
+    pool entry, its backing) with them; anything that keeps the error (the AbortError gRPC
+    raises has it as ``__context__``, and a cycle through a frame holding the error keeps both)
+    would keep a dropped pool's memory mapped until a garbage collection. Called once the
+    error has been logged and answered. Frames still running are left alone.
+    """
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+            e.__traceback__ = None
+        todo += (e.__cause__, e.__context__)
 
 
 UnaryMethod = Callable[[S, Req, aio.ServicerContext], Awaitable[Resp]]
@@ -97,13 +159,16 @@ def rpc_errors(method: UnaryMethod[S, Req, Resp]) -> UnaryMethod[S, Req, Resp]:
         observer = _observer(self)
         start = time.perf_counter()
         try:
-            return await method(self, request, context)
+            return await method(self, accept(request, name), context)
         except aio.AbortError:
             raise
         except Exception as exc:
             if observer is not None:
                 observer.failed(name, _code_name(exc))
-            await abort_with(context, exc, name)
+            try:
+                await abort_with(context, exc, name)
+            finally:
+                release_frames(exc)
             raise  # unreachable: abort raises
         finally:
             if observer is not None:
@@ -129,6 +194,9 @@ def rpc_stream_errors(method: StreamMethod[S, Req, Resp]) -> StreamMethod[S, Req
             observer = _observer(self)
             if observer is not None:
                 observer.failed(name, _code_name(exc))
-            await abort_with(context, exc, name)
+            try:
+                await abort_with(context, exc, name)
+            finally:
+                release_frames(exc)
 
     return wrapper

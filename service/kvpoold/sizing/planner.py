@@ -143,6 +143,12 @@ def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = 
     max_total = sizing.max_total_num_tokens
     if max_total is None:
         max_total = sizing.num_pages * ctx.page_size
+    notes = sizing.notes
+    if max_total < ctx.context_length:
+        notes = (*notes, (
+            f"the pool holds {max_total:,} tokens, less than one request at the context length "
+            f"{ctx.context_length:,}: longer requests cannot run; raise --budget / "
+            "--max-total-tokens or lower --context-length"))
     return PoolPlan(
         architecture=sizing.architecture,
         architecture_source=source,
@@ -173,7 +179,7 @@ def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = 
         layer_end=ctx.layers.stop,
         num_draft_layers=ctx.num_draft_layers,
         req_to_token_columns=columns,
-        notes=sizing.notes,
+        notes=notes,
         buffers=placed,
         id_spaces=declare_spaces(sizing, placed),
     )
