@@ -149,7 +149,9 @@ def run_stats(args: argparse.Namespace) -> int:
     print(f"kvpoold {d.version} on {d.device}: {_human(d.used_bytes)} of "
           f"{_human(d.budget_bytes)} used, {d.num_pools} pools, {d.num_leases} leases{hidden}, up "
           f"{d.uptime_seconds:.0f}s (leases opened {d.leases_opened}, closed "
-          f"{d.leases_closed}, expired {d.leases_expired})")
+          f"{d.leases_closed}, expired {d.leases_expired})"
+          + (f"; event loop stalled {d.loop_stalls} times, longest "
+             f"{d.loop_longest_stall_seconds:.2f} s" if d.loop_stalls else ""))
     for p in stats.pools:
         print(f"pool {p.name}: {p.architecture} {p.kv_cache_dtype} page {p.page_size}, "
               f"{_human(p.backing_bytes)}, attached {p.attached}, sharing {p.handle_kind}, "

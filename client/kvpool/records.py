@@ -100,6 +100,11 @@ class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
     # Open leases of other identities, in num_leases but not listed (a caller that is not admin
     # sees only its own identity's leases; docs/security.md).
     other_leases: int = 0
+    # Event-loop stalls since start, their summed and longest length (lease deadlines stand
+    # still during a stall; docs/operations.md, "Event-loop stalls").
+    loop_stalls: int = 0
+    loop_stalled_seconds: float = 0.0
+    loop_longest_stall_seconds: float = 0.0
 
 
 class PeerStats(msgspec.Struct, frozen=True, kw_only=True):

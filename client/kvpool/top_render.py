@@ -97,6 +97,9 @@ def _header(stats: Stats, bar_width: int) -> Text:
                 f"({_percent(d.used_bytes, d.budget_bytes)})\n")
     text.append(f"pools {d.num_pools}   leases {d.num_leases} open: {d.leases_opened} opened, "
                 f"{d.leases_closed} closed, {d.leases_expired} expired")
+    if d.loop_stalls:
+        text.append(f"   loop stalls {d.loop_stalls} (longest "
+                    f"{d.loop_longest_stall_seconds:.2f} s)", style="yellow")
     return text
 
 

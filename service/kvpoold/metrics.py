@@ -126,7 +126,7 @@ class DaemonCollector(Collector):
         fams = self._families()
         (capacity, used, free, high_water, pool_bytes, attached, allocs, frees, failures,
          budget, dev_used, leases_open, expiries, lease_cached, transfers, transfer_bytes,
-         transfer_failures) = fams
+         transfer_failures, stalls, stalled, longest_stall) = fams
         dev = self._device
         cached: dict[tuple[str, str], int] = {}
         for lease in snap.leases:
@@ -151,6 +151,9 @@ class DaemonCollector(Collector):
         dev_used.add_metric([dev], d.used_bytes)
         leases_open.add_metric([dev], d.num_leases)
         expiries.add_metric([dev], d.leases_expired)
+        stalls.add_metric([dev], d.loop_stalls)
+        stalled.add_metric([dev], d.loop_stalled_seconds)
+        longest_stall.add_metric([dev], d.loop_longest_stall_seconds)
         for p in snap.peers:
             for direction, done, nbytes, failed in (
                     ("sent", p.sent, p.sent_bytes, p.send_failures),
@@ -218,6 +221,16 @@ class DaemonCollector(Collector):
                                 "by the peer or unreachable, or whose write failed; received "
                                 "ones whose write failed or never completed.",
                                 labels=peers),
+            CounterMetricFamily("kvpool_loop_stalls",
+                                "Stalls of the daemon's event loop (a 50 ms tick answered over "
+                                "50 ms late); lease deadlines stand still during them.",
+                                labels=device),
+            CounterMetricFamily("kvpool_loop_stalled_seconds",
+                                "Seconds the daemon's event loop was stalled, summed.",
+                                labels=device),
+            GaugeMetricFamily("kvpool_loop_longest_stall_seconds",
+                              "The longest stall of the daemon's event loop since start.",
+                              labels=device),
         )
 
 

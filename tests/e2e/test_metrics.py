@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import signal
 import socket
 import threading
 import time
@@ -95,6 +96,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
     7. ``short`` expires; its 7 pages are reclaimed: used 15. Renewing it afterwards fails on
        the KeepAlive stream with NOT_FOUND.
     8. A client attaches to ``tiny``.
+    9. The daemon is paused (SIGSTOP) for 1.2 s: its loop stalls once.
     """
     errors: dict[str, KVPoolError] = {}
     during: list[Scrape] = []
@@ -138,6 +140,13 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
                 list(renew)
             errors["KeepAlive"] = wire.error_from_rpc(expired.value)
             client.attach_raw("tiny")
+            daemon.proc.send_signal(signal.SIGSTOP)
+            time.sleep(1.2)
+            daemon.proc.send_signal(signal.SIGCONT)
+            deadline = time.monotonic() + 5
+            while client.stats().daemon.loop_stalls < 1:  # the ticker folds it in <= 50 ms
+                assert time.monotonic() < deadline, "the daemon never counted its stall"
+                time.sleep(0.05)
             final = scrape(url)
             stats = client.stats()
             lease._stop.set()  # the daemon goes away under it; do not try to close it
@@ -190,6 +199,13 @@ def test_gauges_and_counters_equal_stats(scenario: Scenario) -> None:
     assert m.get("kvpool_device_used_bytes", device="cpu") == d.used_bytes == 1_062_032
     assert m.get("kvpool_leases_open", device="cpu") == d.num_leases == 1
     assert m.get("kvpool_lease_expiries_total", device="cpu") == d.leases_expired == 1
+    # The 1.2 s SIGSTOP: one stall of about that length (the ticker counts lateness past
+    # 100 ms; on a busy machine a scheduling hiccup may add another, short one).
+    assert m.get("kvpool_loop_stalls_total", device="cpu") == d.loop_stalls >= 1
+    assert m.get("kvpool_loop_longest_stall_seconds", device="cpu") \
+        == d.loop_longest_stall_seconds
+    assert 1.0 <= d.loop_longest_stall_seconds <= d.loop_stalled_seconds < 5.0
+    assert m.get("kvpool_loop_stalled_seconds_total", device="cpu") == d.loop_stalled_seconds
 
 
 def test_scrapes_during_allocations_are_consistent(scenario: Scenario) -> None:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from kvpool.client import KVPoolClient
@@ -335,3 +336,26 @@ def test_narrow_frames_never_cut_numbers() -> None:
         seen[width] = header
     assert "USAGE" in seen[200] and len(seen[200]) == len(POOL_COLUMNS) + 1
     assert seen[60] == ["POOL", "SPACE", "USED", "CAPACITY", "USE%", "HIGH", "ALLOC/S", "FREE/S"]
+
+
+def test_header_shows_event_loop_stalls_only_when_there_were_some() -> None:
+    """A daemon whose loop stalled (DaemonStats.loop_stalls) says so in the header; one that
+    never stalled shows nothing about it."""
+    from rich.console import Console
+
+    from kvpool.top import DaemonView
+
+    def header_text(stats: Stats) -> str:
+        view = DaemonView("unix:///x.sock")
+        view.update(stats, time.monotonic())
+        with open(os.devnull, "w") as sink:
+            console = Console(width=200, force_terminal=False, color_system=None, record=True,
+                              file=sink)
+            console.print(render([view], time.monotonic(), width=200, live=False))
+        return console.export_text()
+
+    calm = snapshot(5.0, {"tiny": (5.0, {"kv": space(2, 0)})})
+    assert "stall" not in header_text(calm)
+    stalled = msgspec.structs.replace(calm, daemon=msgspec.structs.replace(
+        calm.daemon, loop_stalls=2, loop_stalled_seconds=1.75, loop_longest_stall_seconds=1.5))
+    assert "loop stalls 2 (longest 1.50 s)" in header_text(stalled)

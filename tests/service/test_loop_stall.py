@@ -45,6 +45,7 @@ def test_stall_clock_stands_still_past_tick_plus_tolerance() -> None:
     base.t = 105.08
     assert clock() == pytest.approx(100.18)  # runs again from there
     assert clock.stalled_s == pytest.approx(4.9) and clock.longest_stall_s == pytest.approx(4.9)
+    assert clock.stalls == 1
 
 
 async def test_a_stalled_loop_does_not_expire_a_renewing_lease(socket_dir: Path) -> None:
@@ -69,6 +70,9 @@ async def test_a_stalled_loop_does_not_expire_a_renewing_lease(socket_dir: Path)
         assert daemon.leases.find(lease.lease_id) is not None
         assert lease.error is None
         assert lease_clock.longest_stall_s > 1.0
+        daemon_stats = (await asyncio.to_thread(client.stats)).daemon  # what operators see
+        assert daemon_stats.loop_stalls == lease_clock.stalls >= 1
+        assert daemon_stats.loop_longest_stall_seconds == lease_clock.longest_stall_s
         await asyncio.to_thread(lease.close)
     finally:
         client.close()

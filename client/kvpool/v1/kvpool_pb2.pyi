@@ -561,7 +561,7 @@ class LeaseStats(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., name: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., expires_in_seconds: _Optional[float] = ..., held: _Optional[_Iterable[_Union[Held, _Mapping]]] = ..., attached: _Optional[int] = ..., cached: _Optional[_Iterable[_Union[Held, _Mapping]]] = ...) -> None: ...
 
 class DaemonStats(_message.Message):
-    __slots__ = ("version", "device", "budget_bytes", "used_bytes", "uptime_seconds", "num_pools", "num_leases", "leases_opened", "leases_closed", "leases_expired", "nixl_agent", "other_leases")
+    __slots__ = ("version", "device", "budget_bytes", "used_bytes", "uptime_seconds", "num_pools", "num_leases", "leases_opened", "leases_closed", "leases_expired", "nixl_agent", "other_leases", "loop_stalls", "loop_stalled_seconds", "loop_longest_stall_seconds")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -574,6 +574,9 @@ class DaemonStats(_message.Message):
     LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     NIXL_AGENT_FIELD_NUMBER: _ClassVar[int]
     OTHER_LEASES_FIELD_NUMBER: _ClassVar[int]
+    LOOP_STALLS_FIELD_NUMBER: _ClassVar[int]
+    LOOP_STALLED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOOP_LONGEST_STALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     version: str
     device: str
     budget_bytes: int
@@ -586,7 +589,10 @@ class DaemonStats(_message.Message):
     leases_expired: int
     nixl_agent: str
     other_leases: int
-    def __init__(self, version: _Optional[str] = ..., device: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., num_pools: _Optional[int] = ..., num_leases: _Optional[int] = ..., leases_opened: _Optional[int] = ..., leases_closed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., nixl_agent: _Optional[str] = ..., other_leases: _Optional[int] = ...) -> None: ...
+    loop_stalls: int
+    loop_stalled_seconds: float
+    loop_longest_stall_seconds: float
+    def __init__(self, version: _Optional[str] = ..., device: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., num_pools: _Optional[int] = ..., num_leases: _Optional[int] = ..., leases_opened: _Optional[int] = ..., leases_closed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., nixl_agent: _Optional[str] = ..., other_leases: _Optional[int] = ..., loop_stalls: _Optional[int] = ..., loop_stalled_seconds: _Optional[float] = ..., loop_longest_stall_seconds: _Optional[float] = ...) -> None: ...
 
 class PeerStats(_message.Message):
     __slots__ = ("peer", "sent", "sent_bytes", "send_failures", "received", "received_bytes", "receive_failures")

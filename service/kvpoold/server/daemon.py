@@ -44,6 +44,7 @@ from kvpoold.server.attachments import MAX_ATTACHMENTS_PER_IDENTITY, AttachmentT
 from kvpoold.server.auth import DAEMON_CALLER, Caller
 from kvpoold.server.leases import MAX_LEASES_PER_IDENTITY, Lease, LeaseTable
 from kvpoold.server.live_pools import LivePool, build_live_pool
+from kvpoold.server.loop_clock import StallClock
 from kvpoold.server.planning import plan_off_loop
 from kvpoold.server.records import ConfigureArgs, LeaseRef
 from kvpoold.server.stats import take_stats
@@ -121,6 +122,8 @@ class Daemon:
         self._clock = clock
         self.started_at = clock()
         self.leases = LeaseTable(lease_clock or clock, max_per_identity=max_leases_per_identity)
+        # Stats and /metrics report its stalls (none without one: a daemon driven by hand).
+        self.stall_clock = lease_clock if isinstance(lease_clock, StallClock) else None
         self.max_attachments_per_identity = max_attachments_per_identity
         # Configures planning at once (each in a worker thread); the rest wait their turn.
         self._planning = asyncio.Semaphore(PLANNING_SLOTS)

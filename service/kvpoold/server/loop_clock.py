@@ -55,6 +55,7 @@ class StallClock:
         self.tolerance_s = tolerance_s
         self.stalled_s = 0.0  # all stalls seen, summed
         self.longest_stall_s = 0.0
+        self.stalls = 0  # stalls seen (ticks later than ``tick_s + tolerance_s``)
         self._last_tick: float | None = None  # None while the ticker is not running
 
     def __call__(self) -> float:
@@ -73,6 +74,7 @@ class StallClock:
         now = self._base()
         stall = self._pending(now)
         if stall:
+            self.stalls += 1
             self.stalled_s += stall
             self.longest_stall_s = max(self.longest_stall_s, stall)
         self._last_tick = now

@@ -10,7 +10,7 @@ its scope covers and its own identity's leases, the others' only counted
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvpool.records import DaemonStats, HeldMap, LeaseStats, PeerStats, PoolStats, Stats
 
@@ -83,12 +83,22 @@ def take_stats(daemon: Daemon, caller: Caller, pool: str = "") -> Stats:
             leases_expired=table.expired,
             nixl_agent=agent.name if (agent := daemon.transfers.agent) is not None else "",
             other_leases=others,
+            **stall_fields(daemon),
         ),
         pools=pools,
         leases=leases,
         peers=[PeerStats(peer=peer, **vars(c)) for peer, c in daemon.transfers.peers.items()]
         if caller.admin else [],
     )
+
+
+def stall_fields(daemon: Daemon) -> dict[str, Any]:
+    """The event-loop stall counters of DaemonStats (zero without a stall clock)."""
+    clock = daemon.stall_clock
+    if clock is None:
+        return {}
+    return {"loop_stalls": clock.stalls, "loop_stalled_seconds": clock.stalled_s,
+            "loop_longest_stall_seconds": clock.longest_stall_s}
 
 
 def cached_of(reports: dict[tuple[str, str], tuple[int, int]], held: HeldMap) -> HeldMap:
