@@ -3,8 +3,9 @@
 Per daemon (``--target``, repeatable) a panel shows a header (version, device, uptime, budget
 used of total, leases opened/closed/expired), one row per pool and space (a usage bar with the
 high-water mark, used/capacity, allocations and frees per second, refused allocations, the
-pool's bytes and attached clients) and the leases holding the most ids (what they hold per pool
-and space, when they expire). Rates are differences of the daemon's own counters between two
+pool's bytes and attached clients), the leases holding the most ids (what they hold per pool
+and space, when they expire), and, for a daemon that moved pages to or from peers, transfers
+per peer each way. Rates are differences of the daemon's own counters between two
 successive snapshots, divided by the difference of its uptime, so network delay does not skew
 them.
 

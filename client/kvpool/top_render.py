@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from rich.console import RenderableType
     from rich.text import Text
 
-    from kvpool.records import LeaseStats, PoolStats, Stats
+    from kvpool.records import LeaseStats, PeerStats, PoolStats, Stats
     from kvpool.top import DaemonView, Rate
 
 DEFAULT_INTERVAL_S = 1.0
@@ -79,6 +79,8 @@ def _daemon_panel(view: DaemonView, now: float, interval_s: float, max_leases: i
         parts.append(Text(f"stale: no snapshot for {_duration(age)}", style="bold yellow"))
     parts.append(_pools_table(stats.pools, view.rates, width - PANEL_MARGIN))
     parts.append(_leases_table(stats.leases, max_leases))
+    if stats.peers:  # PD transfers (docs/pd-transfer.md); admins only see them
+        parts.append(_peers_table(stats.peers))
     return Panel(Group(*parts), title=view.target, title_align="left")
 
 
@@ -181,6 +183,20 @@ def _leases_table(leases: Sequence[LeaseStats], max_leases: int) -> RenderableTy
     if rest > 0:
         return Group(table, Text(f"... and {rest} more leases (kvpool leases lists all)",
                                  style="dim"))
+    return table
+
+
+def _peers_table(peers: Sequence[PeerStats]) -> RenderableType:
+    """KV-page transfers with each peer daemon since start: completed, bytes, failed, each way."""
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False, header_style="bold", show_edge=False)
+    table.add_column("PEER", no_wrap=True, overflow="ellipsis")
+    for name in ("SENT", "SENT BYTES", "SEND FAILED", "RECEIVED", "RECV BYTES", "RECV FAILED"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for p in sorted(peers, key=lambda x: x.peer):
+        table.add_row(p.peer, f"{p.sent:,}", _size(p.sent_bytes), f"{p.send_failures:,}",
+                      f"{p.received:,}", _size(p.received_bytes), f"{p.receive_failures:,}")
     return table
 
 

@@ -359,3 +359,30 @@ def test_header_shows_event_loop_stalls_only_when_there_were_some() -> None:
     stalled = msgspec.structs.replace(calm, daemon=msgspec.structs.replace(
         calm.daemon, loop_stalls=2, loop_stalled_seconds=1.75, loop_longest_stall_seconds=1.5))
     assert "loop stalls 2 (longest 1.50 s)" in header_text(stalled)
+
+
+def test_peers_table_shows_transfers_each_way() -> None:
+    """A daemon that moved pages to and from peers (Stats.peers) gets a PEER table: completed
+    transfers, bytes and failures each way, one row per peer; none without peers."""
+    from rich.console import Console
+
+    from kvpool.records import PeerStats
+    from kvpool.top import DaemonView
+
+    def frame(stats: Stats) -> str:
+        view = DaemonView("unix:///x.sock")
+        view.update(stats, time.monotonic())
+        with open(os.devnull, "w") as sink:
+            console = Console(width=200, force_terminal=False, color_system=None, record=True,
+                              file=sink)
+            console.print(render([view], time.monotonic(), width=200, live=False))
+        return console.export_text()
+
+    calm = snapshot(5.0, {"tiny": (5.0, {"kv": space(2, 0)})})
+    assert "PEER" not in frame(calm)
+    busy = msgspec.structs.replace(calm, peers=[
+        PeerStats(peer="decode-0:7070", sent=3, sent_bytes=3 << 20, send_failures=1),
+        PeerStats(peer="agent-7", received=12_345, received_bytes=5 << 30, receive_failures=2)])
+    rows = {r[0]: r for r in cells(frame(busy)) if r and r[0] in ("decode-0:7070", "agent-7")}
+    assert rows["decode-0:7070"][1:] == ["3", "3.00", "MiB", "1", "0", "0", "B", "0"], rows
+    assert rows["agent-7"][1:] == ["0", "0", "B", "0", "12,345", "5.00", "GiB", "2"], rows
