@@ -307,24 +307,31 @@ def test_rates_are_counter_deltas_over_the_daemons_uptime() -> None:
     assert rates(after, restarted) == {}, "uptime went down: a new daemon"
 
 
+def frame(stats: Stats, width: int = 200) -> str:
+    """One ``--once`` frame of a daemon whose snapshot is ``stats``, as plain text."""
+    from rich.console import Console
+
+    from kvpool.top import DaemonView
+
+    view = DaemonView("unix:///x.sock")
+    view.update(stats, time.monotonic())
+    with open(os.devnull, "w") as sink:
+        console = Console(width=width, force_terminal=False, color_system=None, record=True,
+                          file=sink)
+        console.print(render([view], time.monotonic(), width=width, live=False))
+    return console.export_text()
+
+
 def test_narrow_frames_never_cut_numbers() -> None:
     """Narrower frames lose the usage bar, then ATT, BYTES and FAILED; the numbers that stay
     are never cut, and no line is wider than asked. A 40,000-page pool in 200 columns shows
     everything; in 60, no bar, no ATT/BYTES/FAILED."""
-    from rich.console import Console
-
-    from kvpool.top import POOL_COLUMNS, DaemonView
+    from kvpool.top import POOL_COLUMNS
 
     stats = snapshot(5.0, {"tiny": (5.0, {"kv": space(20_000, 0, 40_000)})})
-    view = DaemonView("unix:///x.sock")
-    view.update(stats, time.monotonic())
     seen = {}
     for width in (200, 120, 100, 80, 70, 60):
-        with open(os.devnull, "w") as sink:
-            console = Console(width=width, force_terminal=False, color_system=None, record=True,
-                              file=sink)
-            console.print(render([view], time.monotonic(), width=width, live=False))
-        text = console.export_text()
+        text = frame(stats, width)
         assert max(len(line) for line in text.splitlines()) <= width
         header = next(r for r in cells(text) if r[:2] == ["POOL", "SPACE"])
         assert [c for c in header if c != "USAGE"] == list(POOL_COLUMNS[:len(header) - (
@@ -341,42 +348,17 @@ def test_narrow_frames_never_cut_numbers() -> None:
 def test_header_shows_event_loop_stalls_only_when_there_were_some() -> None:
     """A daemon whose loop stalled (DaemonStats.loop_stalls) says so in the header; one that
     never stalled shows nothing about it."""
-    from rich.console import Console
-
-    from kvpool.top import DaemonView
-
-    def header_text(stats: Stats) -> str:
-        view = DaemonView("unix:///x.sock")
-        view.update(stats, time.monotonic())
-        with open(os.devnull, "w") as sink:
-            console = Console(width=200, force_terminal=False, color_system=None, record=True,
-                              file=sink)
-            console.print(render([view], time.monotonic(), width=200, live=False))
-        return console.export_text()
-
     calm = snapshot(5.0, {"tiny": (5.0, {"kv": space(2, 0)})})
-    assert "stall" not in header_text(calm)
+    assert "stall" not in frame(calm)
     stalled = msgspec.structs.replace(calm, daemon=msgspec.structs.replace(
         calm.daemon, loop_stalls=2, loop_stalled_seconds=1.75, loop_longest_stall_seconds=1.5))
-    assert "loop stalls 2 (longest 1.50 s)" in header_text(stalled)
+    assert "loop stalls 2 (longest 1.50 s)" in frame(stalled)
 
 
 def test_peers_table_shows_transfers_each_way() -> None:
     """A daemon that moved pages to and from peers (Stats.peers) gets a PEER table: completed
     transfers, bytes and failures each way, one row per peer; none without peers."""
-    from rich.console import Console
-
     from kvpool.records import PeerStats
-    from kvpool.top import DaemonView
-
-    def frame(stats: Stats) -> str:
-        view = DaemonView("unix:///x.sock")
-        view.update(stats, time.monotonic())
-        with open(os.devnull, "w") as sink:
-            console = Console(width=200, force_terminal=False, color_system=None, record=True,
-                              file=sink)
-            console.print(render([view], time.monotonic(), width=200, live=False))
-        return console.export_text()
 
     calm = snapshot(5.0, {"tiny": (5.0, {"kv": space(2, 0)})})
     assert "PEER" not in frame(calm)

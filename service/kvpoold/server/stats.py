@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvpool.records import DaemonStats, HeldMap, LeaseStats, PeerStats, PoolStats, Stats
+from kvpool.records import DaemonStats, HeldMap, LeaseStats, PoolStats, Stats
 
 if TYPE_CHECKING:
     from kvpoold.server.auth import Caller
@@ -87,7 +87,7 @@ def take_stats(daemon: Daemon, caller: Caller, pool: str = "") -> Stats:
         ),
         pools=pools,
         leases=leases,
-        peers=[PeerStats(peer=peer, **vars(c)) for peer, c in daemon.transfers.peers.items()]
+        peers=list(daemon.transfers.peers.values())
         if caller.admin else [],
     )
 

@@ -9,7 +9,7 @@ from kvpoold.transfer.nixl_agent import (
     make_agent,
     nixl_installed,
 )
-from kvpoold.transfer.transfers import Outgoing, PeerCounters, Transfers
+from kvpoold.transfer.transfers import Outgoing, Transfers
 
-__all__ = ["NIXL_MISSING", "NixlAgent", "Outgoing", "PeerCounters", "Transfers", "load_nixl",
+__all__ = ["NIXL_MISSING", "NixlAgent", "Outgoing", "Transfers", "load_nixl",
            "make_agent", "nixl_installed"]

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 
 from kvpool import codec
@@ -43,7 +44,7 @@ from kvpool.errors import (
     NotFound,
 )
 from kvpool.plan import PoolPlan
-from kvpool.records import TransferState, TransferStatus
+from kvpool.records import PeerStats, TransferState, TransferStatus
 from kvpool.targets import channel_target
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpoold.transfer.grants import (
@@ -80,18 +81,6 @@ SPIN_S = 0.5
 MAX_POLL_S = 0.001
 RECEIVER_POLL_S = 0.001
 
-
-@dataclass
-class PeerCounters:
-    """Per peer (the address sent to, or the agent received from): transfers that completed,
-    their bytes, and failures."""
-
-    sent: int = 0
-    sent_bytes: int = 0
-    send_failures: int = 0
-    received: int = 0
-    received_bytes: int = 0
-    receive_failures: int = 0
 
 
 @dataclass(eq=False)
@@ -203,7 +192,8 @@ class Transfers:
         self._clients: OrderedDict[str, AsyncKVPoolClient] = OrderedDict()
         self._peer_agent: dict[str, str] = {}  # peer target -> its agent, as last answered
         self._layouts: dict[tuple[str, str], pb.PageLayout] = {}
-        self.peers: dict[str, PeerCounters] = {}
+        # Per peer (the address sent to, or the agent received from), what Stats shows.
+        self.peers: dict[str, PeerStats] = {}
         self._poller: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -384,12 +374,10 @@ class Transfers:
     def _grant_ended(self, grant: ReceiveGrant) -> None:
         if not grant.receiving:
             return
-        counters = self._counters(grant.peer)
         if grant.state == TransferState.done:
-            counters.received += 1
-            counters.received_bytes += grant.nbytes
+            self._count(grant.peer, received=1, received_bytes=grant.nbytes)
         else:
-            counters.receive_failures += 1
+            self._count(grant.peer, receive_failures=1)
         log.info("receive ended", extra={"fields": {
             "event": "receive_end", "pool": grant.pool, "state": grant.state.value,
             "message": grant.message, "bytes": grant.nbytes, "peer": grant.peer,
@@ -542,12 +530,10 @@ class Transfers:
         self._ended_sends.append(out)
         while len(self._ended_sends) > MAX_ENDED_SENDS:
             self._sends.pop(self._ended_sends.popleft().transfer_id, None)
-        counters = self._counters(out.peer)
         if state == TransferState.done:
-            counters.sent += 1
-            counters.sent_bytes += out.nbytes
+            self._count(out.peer, sent=1, sent_bytes=out.nbytes)
         else:
-            counters.send_failures += 1
+            self._count(out.peer, send_failures=1)
         log.info("send ended", extra={"fields": {
             "event": "send_end", "pool": out.pool, "transfer_id": out.transfer_id,
             "state": state.value, "message": message, "bytes": out.nbytes, "peer": out.peer,
@@ -567,15 +553,14 @@ class Transfers:
             self._clients.move_to_end(target)
         return client
 
-    def _counters(self, peer: str) -> PeerCounters:
-        counters = self.peers.get(peer)
-        if counters is None:
-            if len(self.peers) >= MAX_PEERS:  # keep the label set bounded
-                peer = "other"
-                counters = self.peers.get(peer)
-            if counters is None:
-                counters = self.peers[peer] = PeerCounters()
-        return counters
+    def _count(self, peer: str, **add: int) -> None:
+        """Add to ``peer``'s counters: a new frozen PeerStats (once per transfer, not a hot
+        path); past MAX_PEERS peers, new ones count as ``other`` (a bounded label set)."""
+        if peer not in self.peers and len(self.peers) >= MAX_PEERS:
+            peer = "other"
+        old = self.peers.get(peer) or PeerStats(peer=peer)
+        self.peers[peer] = msgspec.structs.replace(
+            old, **{name: getattr(old, name) + n for name, n in add.items()})
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
