@@ -42,6 +42,7 @@ from kvpool.errors import (
     InvalidArgument,
     KVPoolError,
     NotFound,
+    Unauthenticated,
 )
 from kvpool.plan import PoolPlan
 from kvpool.records import PeerStats, TransferState, TransferStatus
@@ -425,7 +426,11 @@ class Transfers:
                 resp = await self._client(target).call("PeerReceive", req,
                                                        timeout_s=PEER_TIMEOUT_S)
             except KVPoolError as exc:
-                raise type(exc)(f"peer {target} refused the transfer: {exc.message}",
+                hint = ("; a daemon presents its own --token-file secret to its peers, so "
+                        "each peer must accept it (the same --token-file on both, or that "
+                        "secret as a token in the peer's --tokens-file)"
+                        if isinstance(exc, Unauthenticated) else "")
+                raise type(exc)(f"peer {target} refused the transfer: {exc.message}{hint}",
                                 field=exc.field) from None
             if out.state != TransferState.pending:  # the pool or the lease went meanwhile
                 await self._tell_peer(target, token, False, out.message)
