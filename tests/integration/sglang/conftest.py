@@ -28,14 +28,23 @@ def sglang_daemon() -> Iterator[DaemonProcess]:
         yield daemon
 
 
+# What SGLang's processes leave in /dev/shm when they are SIGKILLed (SGLang's own shutdown
+# SIGKILLs its scheduler): named POSIX semaphores of Python's multiprocessing, and the load
+# snapshot files of SGLang's scheduler (managers/load_snapshot.py), 16 KiB each.
+SGLANG_SHM_LEFTOVERS = ("sem.mp-*", "sglang_loads_*")
+
+
 @pytest.fixture(scope="module", autouse=True)
-def sweep_semaphores() -> Iterator[None]:
-    """SGLang's processes make named POSIX semaphores (``/dev/shm/sem.mp-*``, Python's
-    multiprocessing); the ones SIGKILLed here (SGLang's own shutdown SIGKILLs its scheduler)
-    never unlink theirs. Remove those this module's engines left: a process that still has one
-    open keeps it (unlink only drops the name)."""
+def sweep_shm_leftovers() -> Iterator[None]:
+    """Remove the /dev/shm files this module's engines left (SGLANG_SHM_LEFTOVERS); files that
+    were there before stay. A process that still has one open keeps it (unlink only drops the
+    name)."""
     shm = Path("/dev/shm")
-    before = set(shm.glob("sem.mp-*"))
+
+    def leftovers() -> set[Path]:
+        return {p for pattern in SGLANG_SHM_LEFTOVERS for p in shm.glob(pattern)}
+
+    before = leftovers()
     yield
-    for path in set(shm.glob("sem.mp-*")) - before:
+    for path in leftovers() - before:
         path.unlink(missing_ok=True)
