@@ -38,8 +38,39 @@ ENDED_KEEP_S = 60.0
 MAX_ENDED = 4096
 
 
+@dataclass(eq=False, kw_only=True)
+class TransferRecord:
+    """What a send (``Outgoing``) and a receive grant (``ReceiveGrant``) share: a state that
+    ends once, why, when, and an event ``WaitTransfer`` waits on."""
+
+    state: TransferState = TransferState.pending
+    message: str = ""
+    nbytes: int = 0
+    ended_at: float = 0.0
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def finish(self, state: TransferState, message: str, now: float) -> bool:
+        """End the record as ``state``; False (nothing changed) if it had already ended."""
+        if self.state != TransferState.pending:
+            return False
+        self.state = state
+        self.message = message
+        self.ended_at = now
+        self.ended.set()
+        return True
+
+    def status_since(self, started_at: float, peer: str, pages: int, now: float
+                     ) -> TransferStatus:
+        """The record as WaitTransfer answers it; seconds from ``started_at`` (0: not started)
+        to its end, or to ``now`` while pending."""
+        end = self.ended_at if self.state != TransferState.pending else now
+        return TransferStatus(state=self.state, message=self.message, bytes=self.nbytes,
+                              pages=pages, peer=peer,
+                              seconds=max(0.0, end - started_at) if started_at else 0.0)
+
+
 @dataclass(eq=False)
-class ReceiveGrant:
+class ReceiveGrant(TransferRecord):
     """One grant. ``pages`` are kv page ids (int32) of ``pool`` held by ``owner``;
     ``swa_pages`` the SWA page paired with each at grant time (hybrid SWA pools, else None)."""
 
@@ -51,15 +82,10 @@ class ReceiveGrant:
     swa_pages: np.ndarray | None
     created_at: float
     expires_at: float
-    state: TransferState = TransferState.pending
     receiving: bool = False  # a sender was given the addresses; its write may be in flight
-    message: str = ""
     peer: str = ""
-    nbytes: int = 0
     accepted_at: float = 0.0
-    ended_at: float = 0.0
     notification: bytes = b""
-    ended: asyncio.Event = field(default_factory=asyncio.Event)
 
     def ended_text(self) -> str:
         """Why a grant takes no transfer now, for refusals."""
@@ -68,11 +94,7 @@ class ReceiveGrant:
         return f"the receive grant has ended: {self.message}"
 
     def status(self, now: float) -> TransferStatus:
-        end = self.ended_at if self.state != TransferState.pending else now
-        return TransferStatus(
-            state=self.state, message=self.message, bytes=self.nbytes,
-            pages=int(self.pages.shape[0]), peer=self.peer,
-            seconds=max(0.0, end - self.accepted_at) if self.accepted_at else 0.0)
+        return self.status_since(self.accepted_at, self.peer, int(self.pages.shape[0]), now)
 
 
 def check_token(token: bytes, field: str = "token") -> bytes:
@@ -193,12 +215,8 @@ class GrantTable:
 
     def end(self, grant: ReceiveGrant, state: TransferState, message: str) -> None:
         """End a live grant (no-op for one already ended)."""
-        if grant.state != TransferState.pending:
+        if not grant.finish(state, message, self._clock()):
             return
-        grant.state = state
-        grant.message = message
-        grant.ended_at = self._clock()
-        grant.ended.set()
         self.live -= 1
         mine = self._by_owner.get(grant.owner)
         if mine is not None:

@@ -29,7 +29,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -53,6 +53,7 @@ from kvpoold.transfer.grants import (
     MAX_GRANT_PAGES,
     GrantTable,
     ReceiveGrant,
+    TransferRecord,
     check_token,
 )
 from kvpoold.transfer.layout import KV_SPACE, SWA_SPACE, layout_mismatch, page_buffers, page_layout
@@ -85,7 +86,7 @@ RECEIVER_POLL_S = 0.001
 
 
 @dataclass(eq=False)
-class Outgoing:
+class Outgoing(TransferRecord):
     """One send of this daemon."""
 
     transfer_id: int
@@ -94,26 +95,18 @@ class Outgoing:
     owner: int
     pages: np.ndarray
     token: bytes
-    nbytes: int = 0
     descriptors: int = 0
     peer_agent: str = ""
     identity: str = ""  # the caller identity of the sending lease: only it may WaitTransfer
     posted_at: float = 0.0
-    ended_at: float = 0.0
-    state: TransferState = TransferState.pending
-    message: str = ""
     handle: Any = None
-    ended: asyncio.Event = field(default_factory=asyncio.Event)
     # The pool while its write may be reading it: a forced Drop meanwhile must not unmap the
     # memory under NIXL (the views keep the mapping; dropped when the write ends).
     source: Any = None
 
     def status(self, now: float) -> TransferStatus:
-        end = self.ended_at if self.state != TransferState.pending else now
-        return TransferStatus(
-            state=self.state, message=self.message, bytes=self.nbytes,
-            pages=int(self.pages.shape[0]), peer=self.peer_agent or self.peer,
-            seconds=max(0.0, end - self.posted_at) if self.posted_at else 0.0)
+        return self.status_since(self.posted_at, self.peer_agent or self.peer,
+                                 int(self.pages.shape[0]), now)
 
 
 def check_pages(data: bytes, field: str) -> np.ndarray:
@@ -521,12 +514,8 @@ class Transfers:
                 timeout_s=PEER_TIMEOUT_S)
 
     def _end_send(self, out: Outgoing, state: TransferState, message: str) -> None:
-        if out.state != TransferState.pending:
+        if not out.finish(state, message, self._clock()):
             return
-        out.state = state
-        out.message = message
-        out.ended_at = self._clock()
-        out.ended.set()
         busy = self._sending.get(out.owner)
         if busy is not None and out in busy:
             busy.remove(out)
