@@ -326,33 +326,33 @@ def checkpoint(ours: Any, client: Any, pool: str) -> dict[str, Any]:
 # -- scenarios ------------------------------------------------------------------------------
 
 
-def scenario_page_size(pool16: str, **_: Any) -> dict[str, Any]:
-    """An allocator with page_size 4 on a pool of page size 16: refused, naming both."""
+def refusal_with_pool(pool: str | None) -> dict[str, Any]:
+    """Build a PagedAllocator (page size PS, no KV pool binding) with ``KVPOOL_POOL`` set to
+    ``pool`` (None: unset), then restore it: the error it raised, or ``ok`` False."""
     from kvpool.integrations.sglang.allocator import PagedAllocator
 
-    saved = os.environ["KVPOOL_POOL"]
-    os.environ["KVPOOL_POOL"] = pool16
+    saved = os.environ.pop("KVPOOL_POOL", None)
+    if pool is not None:
+        os.environ["KVPOOL_POOL"] = pool
     try:
         PagedAllocator(64, PS, torch.bfloat16, "cpu", None, False)
     except Exception as err:
         return {"ok": True, "type": type(err).__name__, "message": str(err)}
     finally:
-        os.environ["KVPOOL_POOL"] = saved
+        os.environ.pop("KVPOOL_POOL", None)
+        if saved is not None:
+            os.environ["KVPOOL_POOL"] = saved
     return {"ok": False, "message": "no error"}
+
+
+def scenario_page_size(pool16: str, **_: Any) -> dict[str, Any]:
+    """An allocator with page_size 4 on a pool of page size 16: refused, naming both."""
+    return refusal_with_pool(pool16)
 
 
 def scenario_env_missing(**_: Any) -> dict[str, Any]:
     """KVPOOL_POOL unset and a KV pool without a binding: refused, naming KVPOOL_POOL."""
-    from kvpool.integrations.sglang.allocator import PagedAllocator
-
-    saved = os.environ.pop("KVPOOL_POOL")
-    try:
-        PagedAllocator(64, PS, torch.bfloat16, "cpu", None, False)
-    except Exception as err:
-        return {"ok": True, "type": type(err).__name__, "message": str(err)}
-    finally:
-        os.environ["KVPOOL_POOL"] = saved
-    return {"ok": False, "message": "no error"}
+    return refusal_with_pool(None)
 
 
 def scenario_quota_too_big(client: Any, pool: str, **_: Any) -> dict[str, Any]:
