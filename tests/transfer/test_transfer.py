@@ -235,20 +235,45 @@ def test_refusals(pair: Pair) -> None:
 
 
 def test_free_of_a_page_in_flight_is_refused_then_allowed(pair: Pair) -> None:
-    """While a write is in flight its pages cannot be freed; afterwards they can."""
+    """A grant a sender was accepted into is being written: its pages cannot be freed (nor
+    granted again) until the transfer ends. The sender here is this test, speaking the
+    daemon-to-daemon protocol (PeerReceive, then PeerDone) without writing, so the write stays
+    in flight for as long as the test needs."""
+    from kvpool.v1 import kvpool_pb2 as pb
+    from kvpoold.transfer.layout import page_layout
+
     pool = "busy"
     configure(pair, pool, TINY_SPEC)
-    with pair.p.lease("prefill") as pl, pair.d.lease("decode") as dl:
-        src, dst = pl.allocate(pool, "kv", 256), dl.allocate(pool, "kv", 256)
+    plan = pair.d.configure(pool, spec=TINY_SPEC, **DECODE).plan
+    with pair.d.lease("decode") as dl:
+        dst = dl.allocate(pool, "kv", 4)
         grant = dl.grant_receive(pool, dst)
-        handle = pair.p.send(pool, src, peer=pair.decode.target, token=grant.token, lease=pl)
-        try:
-            pl.free(pool, "kv", src[:1])
-        except FailedPrecondition as exc:  # the write had not ended yet
-            assert "in a transfer in flight" in str(exc)
-        handle.wait(30)
-        grant.wait(30)
-        assert dl.free(pool, "kv", dst) == 256
+        with pytest.raises(FailedPrecondition, match="already in a live receive grant"):
+            dl.grant_receive(pool, dst[2:])
+        pair.d.call("PeerReceive", pb.PeerReceiveRequest(
+            token=grant.token, layout=page_layout(plan), pages=4, sender="test-peer"))
+        with pytest.raises(FailedPrecondition, match="in a transfer in flight"):
+            dl.free(pool, "kv", dst[1:2])
+        assert pair.d.stats(pool).leases[0].held[pool]["kv"] == 4  # nothing was freed
+        pair.d.call("PeerDone", pb.PeerDoneRequest(token=grant.token, ok=False,
+                                                   message="test sender gave up"))
+        assert grant.status().state == TransferState.failed
+        assert dl.free(pool, "kv", dst) == 4
+
+
+def test_free_of_a_granted_page_revokes_only_its_grant(pair: Pair) -> None:
+    """Two grants of one lease: freeing a page of the first ends the first, not the second."""
+    pool = "revoke"
+    configure(pair, pool, TINY_SPEC)
+    with pair.d.lease("decode") as dl:
+        a, b = dl.allocate(pool, "kv", 3), dl.allocate(pool, "kv", 3)
+        first, second = dl.grant_receive(pool, a), dl.grant_receive(pool, b)
+        dl.free(pool, "kv", a[1:2])
+        assert first.status().state == TransferState.failed
+        assert "freed" in first.status().message
+        assert second.status().state == TransferState.pending
+        # The freed grant's other pages can be granted again.
+        assert dl.grant_receive(pool, a[::2]).status().state == TransferState.pending
 
 
 BIG_SPEC: dict[str, Any] = {"num_layers": 8, "context_length": 4096,

@@ -128,3 +128,62 @@ def test_bounds() -> None:
             table.add("p", 7, 1, np.array([1], dtype=np.int32), None, 10.0)
     finally:
         grants_mod.MAX_GRANTS_PER_LEASE = old
+
+
+def test_the_sweep_visits_only_due_grants_in_deadline_order() -> None:
+    """Expiry pops a deadline heap: grants that ended early, or are not due, are not ended
+    again or early; many early-ended grants do not pile up in the heap."""
+    table, clock, ended = grant_table()
+    short = table.add("p", 7, 1, np.array([1], dtype=np.int32), None, 1.0)
+    long = table.add("p", 7, 1, np.array([2], dtype=np.int32), None, 5.0)
+    done = table.add("p", 7, 1, np.array([3], dtype=np.int32), None, 0.5)
+    table.end(done, TransferState.done, "")
+    clock.advance(2.0)
+    table.expire()
+    assert (short.state, long.state, done.state) == (
+        TransferState.failed, TransferState.pending, TransferState.done)
+    assert ended == [TransferState.done, TransferState.failed]
+    clock.advance(4.0)
+    table.expire()
+    assert long.state == TransferState.failed and table.live == 0
+    for _ in range(5000):  # made and used at once: the heap is compacted as it grows
+        table.end(table.add("p", 7, 1, np.array([4], dtype=np.int32), None, 3600.0),
+                  TransferState.done, "")
+    assert len(table._deadlines) <= 2 * table.live + 1025
+
+
+def test_page_marks_answer_free_in_the_size_of_the_free() -> None:
+    """PageMarks: the grant covering each page, pages moved by transfers (KV and SWA), one
+    grant per page, and a grant's marks gone when it ends."""
+    from kvpoold.transfer.marks import PageMarks
+
+    table, _clock, _ended = grant_table()
+    marks = PageMarks("p", capacity=16, swa_capacity=8)
+    a = table.add("p", 7, 1, np.array([1, 2, 3], dtype=np.int32), None, 10.0)
+    marks.add_grant(a)
+    with pytest.raises(FailedPrecondition, match=r"pages\[1\]=3 .* already in a live"):
+        marks.check_ungranted(np.array([9, 3], dtype=np.int32), "pages")
+    b = table.add("p", 7, 1, np.array([9], dtype=np.int32), None, 10.0)
+    marks.add_grant(b)
+    ids = np.array([0, 2, 9, 17, 9], dtype=np.int32)
+    assert marks.in_range(ids).tolist() == [2, 9, 9]
+    assert marks.grants_of(marks.in_range(ids)) in ([a, b], [b, a])
+    assert marks.busy_of(marks.in_range(ids)).tolist() == []
+    # b accepted a sender writing page 9 and SWA page 4; a send reads pages 2, 2 (twice) and 5.
+    table.accept(b, "peer", 1)
+    b.swa_written = np.array([4], dtype=np.int32)
+    marks.moving(b.pages, b.swa_written, +1)
+    send_pages = np.array([2, 2, 5], dtype=np.int32)
+    marks.moving(send_pages, None, +1)
+    assert marks.busy_of(np.array([1, 2, 5, 9], dtype=np.int32)).tolist() == [2, 5, 9]
+    assert marks.busy_of(np.array([4, 5], dtype=np.int32), swa=True).tolist() == [4]
+    marks.moving(send_pages, None, -1)
+    marks.end_grant(b)  # was receiving: its pages stop being written
+    table.end(b, TransferState.done, "")
+    assert marks.busy_of(np.arange(1, 17, dtype=np.int32)).tolist() == []
+    assert marks.busy_of(np.arange(1, 9, dtype=np.int32), swa=True).tolist() == []
+    assert marks.grants_of(np.array([9], dtype=np.int32)) == []
+    marks.end_grant(b)  # ending twice changes nothing
+    c = table.add("p", 7, 1, np.array([9], dtype=np.int32), None, 10.0)
+    marks.add_grant(c)  # the slot b had is reused
+    assert c.slot == 2 and marks.grants_of(np.array([9, 1], dtype=np.int32)) in ([a, c], [c, a])

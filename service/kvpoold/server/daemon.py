@@ -51,7 +51,7 @@ from kvpoold.server.stats import take_stats
 from kvpoold.sharing.base import BackingFactory
 from kvpoold.transfer import NIXL_MISSING, NixlAgent, Outgoing, Transfers
 from kvpoold.transfer.grants import ReceiveGrant
-from kvpoold.transfer.layout import TRANSFER_SPACES
+from kvpoold.transfer.layout import KV_SPACE, TRANSFER_SPACES
 
 log = logging.getLogger("kvpoold.daemon")
 
@@ -459,12 +459,14 @@ class Daemon:
         ids = entry.ids
         typed = [(ids.space(name, f"items[{i}].space", allocating=False), arr)
                  for i, (name, arr) in enumerate(items)]
-        moving = [arr for space, arr in typed if space.name in TRANSFER_SPACES]
-        for arr in moving:  # O(1) unless the lease has a transfer in flight
-            self.transfers.before_free(lease.owner, pool, arr)
+        # O(len(ids)); nothing for a pool that never had a receive grant or a send.
+        for space, arr in typed:
+            if space.name in TRANSFER_SPACES:
+                self.transfers.before_free(lease.owner, pool, arr, swa=space.name != KV_SPACE)
         freed = sum(ids.free(lease.owner, typed).values())
-        for arr in moving:  # O(1) unless the lease has receive grants
-            self.transfers.after_free(lease.owner, pool, arr)
+        for space, arr in typed:  # grants cover KV pages; a freed one revokes its grant
+            if space.name == KV_SPACE:
+                self.transfers.after_free(pool, arr)
         self._notify_freed()
         return freed
 

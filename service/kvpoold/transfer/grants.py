@@ -16,6 +16,8 @@ lease, pages per grant. All state is owned by the daemon's event loop (no locks)
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import secrets
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -86,6 +88,8 @@ class ReceiveGrant(TransferRecord):
     peer: str = ""
     accepted_at: float = 0.0
     notification: bytes = b""
+    slot: int = 0  # its mark on the pool's pages (transfer.marks.PageMarks); 0 when ended
+    swa_written: np.ndarray | None = None  # the SWA pages its accepted sender writes
 
     def ended_text(self) -> str:
         """Why a grant takes no transfer now, for refusals."""
@@ -126,6 +130,10 @@ class GrantTable:
         self._by_owner: dict[int, list[ReceiveGrant]] = {}
         self._by_notification: dict[bytes, ReceiveGrant] = {}
         self._ended: deque[ReceiveGrant] = deque()
+        # (expires_at, sequence, grant) of grants made, live or ended since: a sweep pops what
+        # is due (O(due)) instead of scanning every grant.
+        self._deadlines: list[tuple[float, int, ReceiveGrant]] = []
+        self._seq = itertools.count()
         self.live = 0
 
     def __iter__(self) -> Iterator[ReceiveGrant]:
@@ -161,6 +169,10 @@ class GrantTable:
         token = secrets.token_bytes(TOKEN_BYTES)
         grant = ReceiveGrant(token, pool, lease_id, owner, pages, swa_pages, now, now + ttl_s)
         self._by_token[token] = grant
+        heapq.heappush(self._deadlines, (grant.expires_at, next(self._seq), grant))
+        if len(self._deadlines) > 2 * self.live + 1024:  # mostly grants that ended early
+            self._deadlines = [e for e in self._deadlines if e[2].state == TransferState.pending]
+            heapq.heapify(self._deadlines)
         mine.append(grant)
         self.live += 1
         return grant
@@ -248,8 +260,12 @@ class GrantTable:
     def expire(self) -> None:
         """End live grants past their expiry; forget ended ones kept over ENDED_KEEP_S."""
         now = self._clock()
-        for grant in [g for g in self._by_token.values()
-                      if g.state == TransferState.pending and now >= g.expires_at]:
+        due = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            grant = heapq.heappop(self._deadlines)[2]
+            if grant.state == TransferState.pending:
+                due.append(grant)
+        for grant in due:
             what = (f"the write from {grant.peer} did not complete before the grant expired "
                     "(the sender failed or is gone)") if grant.receiving else (
                 "the receive grant expired before any transfer used it")

@@ -57,6 +57,7 @@ from kvpoold.transfer.grants import (
     check_token,
 )
 from kvpoold.transfer.layout import KV_SPACE, SWA_SPACE, layout_mismatch, page_buffers, page_layout
+from kvpoold.transfer.marks import PageMarks
 from kvpoold.transfer.nixl_agent import NIXL_MISSING, NixlAgent, mem_type
 
 if TYPE_CHECKING:
@@ -98,6 +99,7 @@ class Outgoing(TransferRecord):
     descriptors: int = 0
     peer_agent: str = ""
     identity: str = ""  # the caller identity of the sending lease: only it may WaitTransfer
+    swa_pages: np.ndarray | None = None  # the SWA pairs of ``pages`` it sends (hybrid SWA)
     posted_at: float = 0.0
     handle: Any = None
     # The pool while its write may be reading it: a forced Drop meanwhile must not unmap the
@@ -182,6 +184,7 @@ class Transfers:
         self._sends: dict[int, Outgoing] = {}
         self._ended_sends: deque[Outgoing] = deque()
         self._sending: dict[int, list[Outgoing]] = {}  # owner -> its sends in flight
+        self._marks: dict[str, PageMarks] = {}  # pool -> its pages' grants and transfers
         self._ids = itertools.count(1)
         self._clients: OrderedDict[str, AsyncKVPoolClient] = OrderedDict()
         self._peer_agent: dict[str, str] = {}  # peer target -> its agent, as last answered
@@ -214,6 +217,7 @@ class Transfers:
         for out in [o for o in self._sends.values() if o.pool == name]:
             self._end_send(out, TransferState.failed, f"pool {name!r} was dropped")
         self._layouts = {k: v for k, v in self._layouts.items() if k[0] != name}
+        self._marks.pop(name, None)
         if self.agent is not None:
             try:
                 self.agent.deregister(name)
@@ -226,6 +230,16 @@ class Transfers:
         if layout is None:
             layout = self._layouts[key] = page_layout(entry.plan)
         return layout
+
+    def _marks_of(self, entry: LivePool) -> PageMarks:
+        """The pool's page marks, made at its first grant or send."""
+        marks = self._marks.get(entry.name)
+        if marks is None:
+            capacity = entry.ids.space(KV_SPACE, "pool", allocating=False).capacity
+            swa = (entry.ids.space(SWA_SPACE, "pool", allocating=False).capacity
+                   if self._has_swa(entry.plan) else 0)
+            marks = self._marks[entry.name] = PageMarks(entry.name, capacity, swa)
+        return marks
 
     @staticmethod
     def _has_swa(plan: PoolPlan) -> bool:
@@ -259,9 +273,12 @@ class Transfers:
         entry = self._pool(pool)
         lease = self._leases.get(lease_id)
         self._held(entry, lease.owner, lease_id, pages, "pages")
+        marks = self._marks_of(entry)
+        marks.check_ungranted(pages, "pages")
         swa = entry.ids.paired_of(KV_SPACE, pages) if self._has_swa(entry.plan) else None
         grant = self.grants.add(pool, lease_id, lease.owner, pages, swa,
                                 ttl_s or DEFAULT_GRANT_TTL_S)
+        marks.add_grant(grant)
         log.info("receive granted", extra={"fields": {
             "event": "grant", "pool": pool, "lease_id": lease_id, "pages": int(pages.shape[0]),
             "ttl_s": grant.expires_at - grant.created_at}})
@@ -315,6 +332,8 @@ class Transfers:
         nbytes = sum(b.page_bytes * (n if b.id_space == KV_SPACE else int(swa_out.shape[0]))
                      for b in bufs)
         notification = self.grants.accept(grant, req.sender or "?", nbytes)
+        grant.swa_written = swa_out
+        self._marks_of(entry).moving(grant.pages, swa_out, +1)
         self._ensure_poller()
         resp = pb.PeerReceiveResponse(
             agent=agent.name, generation=agent.generation,
@@ -366,6 +385,9 @@ class Transfers:
             await asyncio.sleep(RECEIVER_POLL_S)
 
     def _grant_ended(self, grant: ReceiveGrant) -> None:
+        marks = self._marks.get(grant.pool)  # None once the pool was dropped
+        if marks is not None:
+            marks.end_grant(grant)
         if not grant.receiving:
             return
         if grant.state == TransferState.done:
@@ -405,9 +427,10 @@ class Transfers:
             mask = (paired != 0).astype(np.uint8)
             swa_src = paired[paired != 0]
         out = Outgoing(next(self._ids), target, pool, lease.owner, pages, token,
-                       identity=lease.identity)
+                       identity=lease.identity, swa_pages=swa_src)
         self._sends[out.transfer_id] = out
-        self._sending.setdefault(out.owner, []).append(out)  # busy from here: Free refuses
+        self._sending.setdefault(out.owner, []).append(out)
+        self._marks_of(entry).moving(pages, swa_src, +1)  # busy from here: Free refuses
         try:
             known = self._peer_agent.get(target, "")
             req = pb.PeerReceiveRequest(
@@ -521,6 +544,9 @@ class Transfers:
             busy.remove(out)
             if not busy:
                 del self._sending[out.owner]
+        marks = self._marks.get(out.pool)  # None once the pool was dropped
+        if marks is not None:
+            marks.moving(out.pages, out.swa_pages, -1)
         self._ended_sends.append(out)
         while len(self._ended_sends) > MAX_ENDED_SENDS:
             self._sends.pop(self._ended_sends.popleft().transfer_id, None)
@@ -596,33 +622,39 @@ class Transfers:
 
     # -- hooks from the daemon -----------------------------------------------------------------
 
-    def before_free(self, owner: int, pool: str, ids: np.ndarray) -> None:
-        """Refuse a Free of pages a transfer of this lease is writing or reading (O(1) when
-        the lease has none in flight).
+    def before_free(self, owner: int, pool: str, ids: np.ndarray, swa: bool = False) -> None:
+        """Refuse a Free of pages (KV, or with ``swa`` SWA) a transfer is reading or writing:
+        O(len(ids)), nothing at all for a pool that never had a grant or a send.
 
         Raises:
             FailedPrecondition: naming the first busy page.
         """
-        sends = self._sending.get(owner)
-        grants = [g for g in self.grants.of_owner(owner) if g.receiving and g.pool == pool]
-        busy = [o.pages for o in sends or () if o.pool == pool] + [g.pages for g in grants]
-        if not busy:
+        marks = self._marks.get(pool)
+        if marks is None:
             return
-        hit = np.isin(ids, np.concatenate(busy))
-        if hit.any():
-            pos = int(hit.argmax())
+        busy = marks.busy_of(marks.in_range(ids, swa), swa)
+        if busy.shape[0]:
+            # Only the lease's own pages: another's are refused by the Free itself (not held),
+            # which says nothing about that lease's transfers.
+            space = self._pool(pool).ids.space(SWA_SPACE if swa else KV_SPACE, "items",
+                                               allocating=False)
+            busy = busy[space.owner_of(busy) == owner]
+        if busy.shape[0]:
             raise FailedPrecondition(
-                f"page {int(ids[pos])} of pool {pool!r} is in a transfer in flight; free it "
+                f"{'SWA ' if swa else ''}page {int(busy[0])} of pool {pool!r} is in a "
+                "transfer in flight; free it "
                 "once WaitTransfer says the transfer ended (nothing was freed)",
                 field="items")
 
-    def after_free(self, owner: int, pool: str, ids: np.ndarray) -> None:
-        """Revoke the lease's grants in ``pool`` that cover a freed page."""
-        mine = [g for g in self.grants.of_owner(owner) if g.pool == pool]
-        for grant in mine:
-            if np.isin(grant.pages, ids).any():
-                self.grants.end(grant, TransferState.failed,
-                                "a granted page was freed before any transfer wrote it")
+    def after_free(self, pool: str, ids: np.ndarray) -> None:
+        """Revoke the grants covering a freed kv page (they were the freeing lease's: a grant
+        covers only pages its lease holds). O(len(ids))."""
+        marks = self._marks.get(pool)
+        if marks is None:
+            return
+        for grant in marks.grants_of(marks.in_range(ids)):
+            self.grants.end(grant, TransferState.failed,
+                            "a granted page was freed before any transfer wrote it")
 
     def lease_gone(self, owner: int, why: str) -> None:
         """A lease closed or expired: its grants end and its sends are marked failed (a
