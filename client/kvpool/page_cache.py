@@ -360,6 +360,14 @@ class PageCacheCore:
             raise self.free_error(arr)
         return idx  # what goes back on the stack
 
+    def in_use_of(self, ids: Any) -> np.ndarray:
+        """Per id: handed out by this cache and not freed (False for an id out of range)."""
+        return self.in_use.take(np.asarray(ids).astype(np.intp), mode="clip") != 0
+
+    def handed_out(self) -> np.ndarray:
+        """Every id handed out and not freed, ascending (int32); O(capacity)."""
+        return (np.flatnonzero(self.in_use[1:self.capacity + 1]) + 1).astype(ID_DTYPE)
+
     def free_ids(self, ids: Any) -> tuple[np.ndarray, bool, bool]:
         """The bookkeeping of both caches' ``free``: ``(ids, wake, send)``. While the cache is
         open the ids go back on the stack, and ``wake`` says the worker should run (above
@@ -589,6 +597,16 @@ class CacheState:
         """Raise why the cache cannot hand out ids (closed, or its lease or pool gone)."""
         assert self._core.dead is not None
         raise copy_error(self._core.dead)
+
+    def in_use_of(self, ids: Any) -> np.ndarray:
+        """Per id of ``ids``: whether ``alloc`` handed it out and it was not freed (False for
+        ids out of range). O(len(ids)); call it from the thread that allocates and frees."""
+        return self._core.in_use_of(ids)
+
+    def handed_out(self) -> np.ndarray:
+        """Every id handed out and not freed (int32, ascending). O(capacity): for a reset,
+        not for the hot path."""
+        return self._core.handed_out()
 
     @property
     def pool(self) -> str:

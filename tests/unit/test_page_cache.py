@@ -509,3 +509,20 @@ def test_an_id_listed_65537_times_is_refused() -> None:
     assert info.value.field == "ids[1]"
     assert np.array_equal(core.in_use, before)
     assert core.unmark(ids).tolist() == ids.tolist()  # both still in use: freed at once
+
+
+def test_in_use_of_and_handed_out_read_the_caches_marks(client: KVPoolClient,
+                                                        pool: str) -> None:
+    """What the SGLang adapter asks instead of keeping a bitmap of its own: which ids are
+    handed out and not freed (out-of-range ids are not), and all of them at once."""
+    with client.lease("engine") as lease, lease.page_cache(pool, low=0, high=8,
+                                                           batch=8) as cache:
+        cache.settle(30)
+        ids = cache.alloc(5)
+        cache.free(ids[1:3])
+        probe = np.array([ids[0], ids[1], 0, -3, TINY_PAGES + 1, 1 << 40], dtype=np.int64)
+        assert cache.in_use_of(probe).tolist() == [True, False, False, False, False, False]
+        assert cache.handed_out().tolist() == sorted([ids[0], ids[3], ids[4]])
+        assert cache.handed_out().dtype == np.int32
+        cache.free(cache.handed_out())
+        assert cache.handed_out().size == 0 and cache.in_use == 0

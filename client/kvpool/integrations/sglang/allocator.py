@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 
-from kvpool.errors import InvalidArgument, KVPoolError, ResourceExhausted
+from kvpool.errors import FailedPrecondition, InvalidArgument, KVPoolError, ResourceExhausted
 from kvpool.integrations.sglang.binding import PoolBinding, binding_from_env, binding_of
 from kvpool.page_cache import DEFAULT_HIGH, PageCache, space_capacity
 from kvpool.records import Stats
@@ -127,10 +127,7 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
             if self.owns_binding:
                 self.binding.close()
             raise
-        # Pages handed out and not freed (0 and ids above capacity never are): O(capacity)
-        # bytes once; every call below reads and writes only the entries it names.
-        self._in_use = np.zeros(self.capacity + 1, dtype=bool)
-        self._n_in_use = 0
+        # Pages in use are the page cache's: it marks what it hands out (``in_use_of``).
         self._page_group: list[torch.Tensor] = []
         self._short_warned = False
         # The binding's close returns the cached pages before it ends the lease (which would
@@ -168,13 +165,13 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
     def pages_in_use(self) -> int:
         """Pages handed out by this allocator and not freed (free groups' pending frees
         included)."""
-        return self._n_in_use
+        return self.cache.in_use
 
     def available_size(self) -> int:
         """Tokens the allocator may still hand out: (quota pages - pages in use) * page_size,
         as SGLang counts its free (and staged) pages. Frees pending in a free group are still
         in use."""
-        return (self.num_pages - self._n_in_use) * self.page_size
+        return (self.num_pages - self.pages_in_use) * self.page_size
 
     def get_all_free_pages(self) -> None:
         """None: the allocator has no free list of its own (the free pages of a kvpool pool
@@ -187,11 +184,11 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
 
     def debug_print(self) -> str:
         return (f"kvpool pool={self.pool_name} lease={self.lease.lease_id} "
-                f"in_use={self._n_in_use}/{self.num_pages} pages")
+                f"in_use={self.pages_in_use}/{self.num_pages} pages")
 
     def __repr__(self) -> str:
         return (f"PagedAllocator(pool={self.pool_name!r}, page_size={self.page_size}, "
-                f"quota={self.num_pages} pages, in_use={self._n_in_use}, "
+                f"quota={self.num_pages} pages, in_use={self.pages_in_use}, "
                 f"lease={self.lease.lease_id}, device={self.device})")
 
     # -- allocation ---------------------------------------------------------------------------
@@ -199,7 +196,7 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
     def _take(self, n: int) -> np.ndarray | None:
         """``n`` pages (int64) from the page cache, marked in use; None when the quota or the
         pool cannot give that many (nothing changes)."""
-        if n > self.num_pages - self._n_in_use:
+        if n > self.num_pages - self.pages_in_use:
             return None
         if n == 0:
             return np.empty(0, dtype=_I64)
@@ -216,13 +213,10 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
                 self._short_warned = True
                 log.warning("kvpool pool %r ran short before this allocator's quota "
                             "(%d of %d pages in use, asked %d more): %s; the allocation "
-                            "fails as if out of memory", self.pool_name, self._n_in_use,
+                            "fails as if out of memory", self.pool_name, self.pages_in_use,
                             self.num_pages, n, err)
             return None
-        pages = ids.astype(_I64)
-        self._in_use[pages] = True
-        self._n_in_use += n
-        return pages
+        return ids.astype(_I64)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device)
@@ -326,31 +320,34 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         if pages.size == 0:
             return
         uniq = np.unique(pages)
-        inside = (uniq >= 1) & (uniq <= self.capacity)
-        ok = inside.copy()
-        ok[inside] = self._in_use[uniq[inside]]
-        if uniq.size != pages.size or not ok.all():
-            bad = uniq[~ok]
-            repeated = pages.size - uniq.size
-            parts = []
-            if bad.size:
-                parts.append(f"{bad.size} page(s) not in use {bad[:8].tolist()}"
-                             f"{' ...' if bad.size > 8 else ''}")
-            if repeated:
-                parts.append(f"{repeated} listed more than once")
-            what = " and ".join(parts)
-            if self.debug_mode:
-                raise AssertionError(f"double free in kvpool pool {self.pool_name!r}: {what} "
-                                     f"({DEBUG_ENV} is set)")
-            log.warning("kvpool pool %r: free of %d page(s): %s; skipped, the rest freed "
-                        "(set %s=1 to fail here instead)", self.pool_name, pages.size, what,
-                        DEBUG_ENV)
-            uniq = uniq[ok]
-            if uniq.size == 0:
+        if uniq.size == pages.size:
+            try:  # the page cache checks every page is in use (and changes nothing if not)
+                self.cache.free(uniq.astype(np.int32))
                 return
-        self.cache.free(uniq.astype(np.int32))
-        self._in_use[uniq] = False
-        self._n_in_use -= uniq.size
+            except (FailedPrecondition, InvalidArgument):
+                ok = self.cache.in_use_of(uniq)
+                if ok.all():
+                    raise  # not a page of ours at fault: the daemon refused (cache closed)
+        else:
+            ok = self.cache.in_use_of(uniq)
+        bad = uniq[~ok]
+        repeated = pages.size - uniq.size
+        parts = []
+        if bad.size:
+            parts.append(f"{bad.size} page(s) not in use {bad[:8].tolist()}"
+                         f"{' ...' if bad.size > 8 else ''}")
+        if repeated:
+            parts.append(f"{repeated} listed more than once")
+        what = " and ".join(parts)
+        if self.debug_mode:
+            raise AssertionError(f"double free in kvpool pool {self.pool_name!r}: {what} "
+                                 f"({DEBUG_ENV} is set)")
+        log.warning("kvpool pool %r: free of %d page(s): %s; skipped, the rest freed "
+                    "(set %s=1 to fail here instead)", self.pool_name, pages.size, what,
+                    DEBUG_ENV)
+        uniq = uniq[ok]
+        if uniq.size:
+            self.cache.free(uniq.astype(np.int32))
 
     def free(self, free_index: torch.Tensor) -> None:
         """Free the pages of these token indices (each page once, however many of its tokens
@@ -410,12 +407,10 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
     def clear(self) -> None:
         """Free every page in use (back to the page cache) and drop pending free groups:
         the allocator is empty, its whole quota available."""
-        pages = np.flatnonzero(self._in_use)
+        pages = self.cache.handed_out()
         if pages.size:
             # After the lease ended (closed or expired) the page cache only unmarks them.
-            self.cache.free(pages.astype(np.int32))
-        self._in_use[pages] = False
-        self._n_in_use = 0
+            self.cache.free(pages)
         self.free_group = None
         self._page_group = []
 
