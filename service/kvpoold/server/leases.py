@@ -147,8 +147,7 @@ class LeaseTable:
         self._max_per_identity = max_per_identity
         self._per_identity: dict[str, int] = {}
         self._leases: dict[int, Lease] = {}
-        self._owners: set[int] = set()
-        self._by_owner: dict[int, Lease] = {}
+        self._by_owner: dict[int, Lease] = {}  # the owners in use, and their leases
         self._next_owner = 1
         self._heap: list[tuple[float, int, int]] = []  # (deadline, lease_id, generation)
         self._stale = 0  # heap entries whose lease was renewed or closed since
@@ -294,7 +293,6 @@ class LeaseTable:
 
     def _forget(self, lease: Lease) -> None:
         """Drop a closed or expired lease from the indexes and its identity's count."""
-        self._owners.discard(lease.owner)
         self._by_owner.pop(lease.owner, None)
         for key in lease.reports:
             self._uncache(key, lease)
@@ -389,9 +387,9 @@ class LeaseTable:
 
     def _take_owner(self) -> int:
         # Sequential owners; after 2**31 - 1 leases they wrap and skip the ones still open.
+        # The caller records the new lease under it in ``_by_owner`` at once.
         while True:
             owner = self._next_owner
             self._next_owner = owner % OWNER_MAX + 1
-            if owner not in self._owners:
-                self._owners.add(owner)
+            if owner not in self._by_owner:
                 return owner
