@@ -356,7 +356,8 @@ class Lease:
             bytes are in. Freeing a granted page (or the lease ending) revokes it.
 
         Raises:
-            FailedPrecondition: no NIXL in the daemon, or a page this lease does not hold.
+            FailedPrecondition: no NIXL in the daemon, a page this lease does not hold, or
+                a page already in a live grant (wait for that grant to end first).
             ResourceExhausted: too many live grants.
         """
         from kvpool.transfer import ReceiveGrant
