@@ -23,21 +23,25 @@ length-biased, part-way through their decode; their pages are allocated untimed)
    then prepended to the free list with ``torch.cat``). ``need_sort`` is off (it is on only
    with PD disaggregation), so nothing is ever sorted; with it on, frees are staged and
    merged-and-sorted when an alloc finds the list short.
-3. rpc: a real ``kvpoold serve`` process on a Unix socket, one lease; per step ONE
+3. rpc: a real ``kvpoold serve`` process on a Unix socket, one lease, a pool of its own; per
+   step ONE
    ``lease.allocate_batch(pool, [("kv", n), ...])`` with one item per request that needs pages
    (the daemon returns one id array per item, so nothing is split client-side) and ONE
    ``lease.free_batch(pool, [("kv", ids), ...])`` with one item per finished request. A step
    with nothing to allocate (or free) skips that RPC; a step with neither counts as 0.
-4. page cache: the same daemon and pool, another lease, ``lease.page_cache(pool, "kv",
-   low=1024, high=8192, batch=4096)``; per step one ``cache.free(ids)`` of the finished
+4. page cache: the same daemon, another lease and pool (each daemon-backed variant has a pool
+   of its own, sized as if it ran alone), ``lease.page_cache(pool, "kv", low=1024, high=8192,
+   batch=4096, background=False)``, with ``cache.maintain()`` between steps (untimed; the
+   engine's own refill point, so no refill or return lands inside a timed call; ``--background``
+   uses the worker thread instead); per step one ``cache.free(ids)`` of the finished
    requests' pages and one ``cache.alloc(n)`` of the step's pages, called as the floor is
    (a "per request" row, informational, makes one call per request). Watermarks: an
    arrival takes up to 512
    pages at once and a step's decode about 16, so ``low`` = 1,024 keeps two of the largest
-   prefills on the stack when the worker is asked to refill (an ``alloc`` that finds the stack
-   short waits on an RPC: ``waits``). The pages the running set holds drift by thousands over
+   prefills cached when a refill is due (an ``alloc`` that finds the cache short waits on an
+   RPC: ``waits``). The pages the running set holds drift by thousands over
    a few hundred steps (a completion frees up to 576 pages, an arrival takes 0-512), so
-   ``high`` = 8,192 and ``batch`` = 4,096 let the stack absorb that drift and make each refill
+   ``high`` = 8,192 and ``batch`` = 4,096 let the cache absorb that drift and make each refill
    or return move >= 4,096 ids: about 20 background RPCs in 2,000 steps. A step that overlaps
    one pays for it (the worker's gRPC call competes for the GIL and, on 2 cores, the daemon for
    the CPU), so fewer RPCs is what keeps the p99 down; the price is up to 8,192 pages parked in
@@ -46,16 +50,20 @@ length-biased, part-way through their decode; their pages are allocated untimed)
 
 Timing: per step, only the allocator work (that step's free and alloc calls) between two
 ``time.perf_counter_ns``; the bookkeeping (which ids a request holds, the checks that no id
-is handed out twice) is outside it. Between steps each variant sleeps ``--forward-us`` (100)
-microseconds, outside the timed region and the same for all four: it stands for the forward
-pass, during which a real engine releases the GIL, so the page cache's background thread gets
-to run its refills and returns then (a pure-Python loop that never released the GIL would let
-it run only at the interpreter's 5 ms switch interval, and the worker's RPC would land inside
-the timed calls).
+is handed out twice) is outside it. After every step each variant sleeps ``--forward-us`` (100)
+microseconds, outside the timed region and the same for all: it stands for the forward pass,
+during which a real engine releases the GIL (with ``--background`` the page cache's worker
+thread runs its refills and returns then; a pure-Python loop that never released the GIL would
+let it run only at the interpreter's 5 ms switch interval). Every timed call therefore starts
+cold, as an engine's does after a forward pass.
 
-Rounds: the machine is noisy (a burst of load lasts seconds, a variant's replay about one), so
-every variant runs ``--rounds`` (3) times, round by round, each round running all of them back
-to back; the ratios are computed per round and their median printed with the rounds' range.
+Interleaving: the machine is noisy (a burst of load lasts seconds and can double every time
+measured), so the variants take turns, ``--block`` (50) steps each, until each has run the
+whole trace; a burst lands on all of them alike. Within its turn a variant runs alone (running
+the variants strictly step by step instead would put five other variants' work between two
+steps of one; ``--block 1`` shows that, ``--block 2000`` runs them one after another). Each
+round replays the whole trace this way; ``--rounds`` (3) rounds, the ratios computed per round
+and their median printed with the rounds' range.
 
 Printed: per variant the median over the rounds of its p50, p99 and mean per-step allocator
 time (us) (pages allocated and freed are asserted identical across variants), the target ratios
@@ -69,6 +77,7 @@ minute on 2 cores):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from collections.abc import Callable
@@ -88,7 +97,8 @@ from kvpool.page_cache import PageCache
 PAGE = 16
 PROMPT = (1, 8192)  # prefill tokens, uniform
 DECODE = (64, 1024)  # decode tokens, uniform
-POOL = "engine"
+# One pool per daemon-backed variant: rpc, page cache, page cache per request.
+POOLS = ("engine-rpc", "engine-cache", "engine-cache-req")
 # One layer, one KV head of one element: 4 B per token, so a 160K-page pool is ~10 MiB.
 SPEC = {"num_layers": 1, "attention": {"type": "mha", "num_kv_heads": 1, "head_dim": 1},
         "context_length": 16384}
@@ -211,50 +221,78 @@ class Result:
 
 class Batches(list):  # type: ignore[type-arg]
     """What a step returns when it allocates per batch, not per request: arrays whose
-    concatenation is the step's allocs in order (``replay`` splits it, untimed)."""
+    concatenation is the step's allocs in order (``Replay`` splits it, untimed)."""
 
 
-def replay(name: str, trace: Trace, capacity: int, forward_s: float,
-           setup: Callable[[list[tuple[int, int]]], list[np.ndarray]],
-           step: Callable[[list[Any], list[tuple[int, int]], int], list[Any]],
-           free_arg: Callable[[int, np.ndarray], Any] | None = None,
-           between: Callable[[], Any] | None = None) -> Result:
-    """Run the trace through ``step(frees, allocs, arrivals) -> one id array per alloc`` (or a
-    :class:`Batches`); ``frees`` holds ``free_arg(request, ids)`` per finished request (by
-    default its page ids), built before the timer starts."""
-    check = Checker(capacity)
-    held: dict[int, list[np.ndarray]] = {}
-    for (r, n), ids in zip(trace.setup, setup(trace.setup), strict=True):
-        ids = np.asarray(ids)
-        check.take(ids, n)
-        held[r] = [ids]
-    check.allocated = 0  # count the timed steps only
-    samples: list[int] = []
-    for s in range(len(trace.allocs)):
-        freed = [np.concatenate(held.pop(r)) for r in trace.frees[s]]
-        frees: list[Any] = freed if free_arg is None else [
-            free_arg(r, ids) for r, ids in zip(trace.frees[s], freed, strict=True)]
+class Replay:
+    """One variant's replay of the trace, a step at a time: ``step(frees, allocs, arrivals)
+    -> one id array per alloc`` (or a :class:`Batches`); ``frees`` holds ``free_arg(request,
+    ids)`` per finished request (by default its page ids), built before the timer starts."""
+
+    def __init__(self, name: str, trace: Trace, capacity: int,
+                 setup: Callable[[list[tuple[int, int]]], list[np.ndarray]],
+                 step: Callable[[list[Any], list[tuple[int, int]], int], list[Any]],
+                 free_arg: Callable[[int, np.ndarray], Any] | None = None,
+                 between: Callable[[], Any] | None = None) -> None:
+        self.name = name
+        self.trace = trace
+        self.step_fn = step
+        self.free_arg = free_arg
+        self.between = between
+        self.check = Checker(capacity)
+        self.held: dict[int, list[np.ndarray]] = {}
+        for (r, n), ids in zip(trace.setup, setup(trace.setup), strict=True):
+            ids = np.asarray(ids)
+            self.check.take(ids, n)
+            self.held[r] = [ids]
+        self.check.allocated = 0  # count the timed steps only
+        self.samples: list[int] = []
+
+    def step(self, s: int) -> None:
+        """Step ``s``: only the allocator calls are timed."""
+        trace = self.trace
+        freed = [np.concatenate(self.held.pop(r)) for r in trace.frees[s]]
+        frees: list[Any] = freed if self.free_arg is None else [
+            self.free_arg(r, ids) for r, ids in zip(trace.frees[s], freed, strict=True)]
         allocs = trace.allocs[s]
         if freed or allocs:
             t0 = clock()
-            got = step(frees, allocs, trace.arrivals[s])
-            samples.append(clock() - t0)
+            got = self.step_fn(frees, allocs, trace.arrivals[s])
+            self.samples.append(clock() - t0)
         else:
             got = []
-            samples.append(0)
+            self.samples.append(0)
         if isinstance(got, Batches):
             flat = np.concatenate([np.asarray(b) for b in got]) if got else np.empty(0)
             got = np.split(flat, np.cumsum([n for _, n in allocs])[:-1]) if allocs else []
         for ids in freed:
-            check.give(ids)
+            self.check.give(ids)
         for (r, n), ids in zip(allocs, got, strict=True):
             ids = np.array(ids)  # a copy: a view into a free list could change under it
-            check.take(ids, n)
-            held.setdefault(r, []).append(ids)
-        if between is not None:
-            between()  # the engine's own work between steps (untimed), e.g. cache.maintain()
-        time.sleep(forward_s)  # the forward pass (untimed)
-    return Result(name, samples, check.allocated, check.freed)
+            self.check.take(ids, n)
+            self.held.setdefault(r, []).append(ids)
+        if self.between is not None:
+            self.between()  # the engine's own work between steps (untimed), e.g. maintain()
+
+    def result(self) -> Result:
+        return Result(self.name, self.samples, self.check.allocated, self.check.freed)
+
+
+def interleaved(replays: list[Replay], steps: int, forward_s: float,
+                block: int) -> dict[str, Result]:
+    """The variants take turns, ``block`` steps at a time (the order rotated per block), each
+    step followed by the forward pass (``forward_s`` of sleep, untimed), until every variant
+    has run every step. A burst of machine noise lasts longer than a turn, so it lands on
+    every variant alike and the ratios stay comparable; within its turn a variant runs alone,
+    as an engine's allocator would between forward passes."""
+    k = len(replays)
+    for t, first in enumerate(range(0, steps, block)):
+        for j in range(k):
+            replay = replays[(t + j) % k]
+            for s in range(first, min(first + block, steps)):
+                replay.step(s)
+                time.sleep(forward_s)  # the forward pass (untimed)
+    return {r.name: r.result() for r in replays}
 
 
 class Floor:
@@ -391,18 +429,19 @@ class SGLangVariant:
 
 
 class RPCVariant:
-    def __init__(self, lease: Lease) -> None:
+    def __init__(self, lease: Lease, pool: str) -> None:
         self.lease = lease
+        self.pool = pool
 
     def setup(self, items: list[tuple[int, int]]) -> list[np.ndarray]:
-        return self.lease.allocate_batch(POOL, [("kv", n) for _, n in items])
+        return self.lease.allocate_batch(self.pool, [("kv", n) for _, n in items])
 
     def step(self, freed: list[np.ndarray], allocs: list[tuple[int, int]],
              arrivals: int) -> list[np.ndarray]:
         if freed:
-            self.lease.free_batch(POOL, [("kv", ids) for ids in freed])
+            self.lease.free_batch(self.pool, [("kv", ids) for ids in freed])
         if allocs:
-            return self.lease.allocate_batch(POOL, [("kv", n) for _, n in allocs])
+            return self.lease.allocate_batch(self.pool, [("kv", n) for _, n in allocs])
         return []
 
 
@@ -437,57 +476,52 @@ def stats_us(samples: list[int]) -> tuple[float, float, float]:
     return (float(np.percentile(arr, 50)), float(np.percentile(arr, 99)), float(arr.mean()))
 
 
-def cache_replay(client: KVPoolClient, name: str, trace: Trace, capacity: int,
-                 forward_s: float, marks: tuple[int, int, int], background: bool,
-                 batched: bool) -> tuple[Result, dict[str, int]]:
-    """The trace through a fresh lease's page cache; its counters over the timed steps."""
-    low, high, batch = marks
-    with client.lease(f"engine-{name}", ttl_s=30.0) as lease, \
-            lease.page_cache(POOL, "kv", low=low, high=high, batch=batch,
-                             background=background) as cache:
-        cvar = CacheVariant(cache)
-        before = cache.counters()
-
-        def setup(items: list[tuple[int, int]]) -> list[np.ndarray]:
-            out = cvar.setup(items)
-            cache.settle(10.0)  # the steady state: the worker has caught up
-            nonlocal before
-            before = cache.counters()
-            return out
-
-        result = replay(name, trace, capacity, forward_s, setup,
-                        cvar.step_batched if batched else cvar.step,
-                        between=None if background else cache.maintain)
-        after = cache.counters()
-        counters = {k: getattr(after, k) - getattr(before, k)
-                    for k in ("rpc_calls", "waits", "refills", "returns", "fetched",
-                              "returned")}
-        counters["cached_at_end"] = after.cached
-    return result, counters
-
-
 def one_round(client: KVPoolClient, trace: Trace, pages: int, capacity: int,
               args: argparse.Namespace) -> tuple[dict[str, Result], dict[str, int]]:
-    """Every variant once, back to back, on the same trace."""
+    """Every variant once, interleaved (see :func:`interleaved`), on the same trace; each
+    daemon-backed variant has a pool of its own, as if it ran alone."""
     forward_s = args.forward_us / 1e6
-    marks = (args.low, args.high, args.batch)
-    out: dict[str, Result] = {}
-    floor = Floor(pages)
-    out["floor"] = replay("floor", trace, pages, forward_s, floor.setup, floor.step_batched)
-    sg = SGLangVariant(pages, trace)
-    out["sglang"] = replay("sglang", trace, pages, forward_s, sg.setup, sg.step,
-                           sg.token_indices)
-    with client.lease("engine-rpc", ttl_s=30.0) as lease:
-        var = RPCVariant(lease)
-        out["rpc"] = replay("rpc", trace, capacity, forward_s, var.setup, var.step)
-    out["page cache"], counters = cache_replay(client, "page cache", trace, capacity,
-                                               forward_s, marks, args.background, True)
-    fr = Floor(pages)
-    out["floor, per request"] = replay("floor, per request", trace, pages, forward_s,
-                                       fr.setup, fr.step)
-    out["page cache, per request"], _ = cache_replay(
-        client, "page cache, per request", trace, capacity, forward_s, marks,
-        args.background, False)
+    low, high, batch = args.low, args.high, args.batch
+    background = args.background
+    with contextlib.ExitStack() as stack:
+        floor, fr = Floor(pages), Floor(pages)
+        sg = SGLangVariant(pages, trace)
+        rpc = RPCVariant(stack.enter_context(client.lease("engine-rpc", ttl_s=30.0)), POOLS[0])
+        caches = []
+        for name, pool in (("page cache", POOLS[1]), ("page cache, per request", POOLS[2])):
+            lease = stack.enter_context(client.lease(f"engine-{name}", ttl_s=30.0))
+            caches.append(stack.enter_context(lease.page_cache(
+                pool, "kv", low=low, high=high, batch=batch, background=background)))
+        cvar, cvar_req = (CacheVariant(c) for c in caches)
+
+        def settled(cache: PageCache, setup: Callable[[list[tuple[int, int]]], list[np.ndarray]]
+                    ) -> Callable[[list[tuple[int, int]]], list[np.ndarray]]:
+            def run(items: list[tuple[int, int]]) -> list[np.ndarray]:
+                out = setup(items)
+                cache.settle(10.0)  # the steady state: the refills have caught up
+                return out
+            return run
+
+        def between(cache: PageCache) -> Callable[[], Any] | None:
+            return None if background else cache.maintain
+
+        replays = [
+            Replay("floor", trace, pages, floor.setup, floor.step_batched),
+            Replay("sglang", trace, pages, sg.setup, sg.step, sg.token_indices),
+            Replay("rpc", trace, capacity, rpc.setup, rpc.step),
+            Replay("page cache", trace, capacity, settled(caches[0], cvar.setup),
+                   cvar.step_batched, between=between(caches[0])),
+            Replay("floor, per request", trace, pages, fr.setup, fr.step),
+            Replay("page cache, per request", trace, capacity,
+                   settled(caches[1], cvar_req.setup), cvar_req.step,
+                   between=between(caches[1])),
+        ]
+        before = caches[0].counters()
+        out = interleaved(replays, args.steps, forward_s, args.block)
+        after = caches[0].counters()
+    counters = {k: getattr(after, k) - getattr(before, k)
+                for k in ("rpc_calls", "waits", "refills", "returns", "fetched", "returned")}
+    counters["cached_at_end"] = after.cached
     for r in out.values():
         assert (r.allocated, r.freed) == (trace.pages_allocated, trace.pages_freed), \
             (r.name, r.allocated, r.freed)
@@ -502,7 +536,7 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     torch.set_num_threads(1)
     trace = make_trace(args.steps, args.requests, args.seed)
-    # The trace's peak, the page cache's stack (twice: its returns run late), slack.
+    # The trace's peak, the page cache's cached ids (twice: its returns run late), slack.
     pages = trace.peak_pages + 2 * args.high + 4096
     run_ = trace.running
     print(f"trace: seed {args.seed}, {args.steps:,} steps, page {PAGE}; running requests "
@@ -513,10 +547,12 @@ def run(args: argparse.Namespace) -> int:
           f"{trace.peak_pages:,}; pool {pages:,} pages")
     rounds: list[dict[str, tuple[float, float, float]]] = []
     counters: dict[str, int] = {}
-    with serving_daemon("kvp-engine-") as target, KVPoolClient(target) as client:
-        client.configure(POOL, spec=SPEC, max_total_tokens=pages * PAGE, page_size=PAGE,
-                         max_running_requests=512)
-        capacity = client.stats(POOL).pool(POOL).spaces["kv"].capacity
+    with serving_daemon("kvp-engine-", budget="256MiB") as target, \
+            KVPoolClient(target) as client:
+        for pool in POOLS:
+            client.configure(pool, spec=SPEC, max_total_tokens=pages * PAGE, page_size=PAGE,
+                             max_running_requests=512)
+        capacity = client.stats(POOLS[0]).pool(POOLS[0]).spaces["kv"].capacity
         assert capacity >= trace.peak_pages + args.high, (capacity, trace.peak_pages)
         for k in range(args.rounds):
             results, counters = one_round(client, trace, pages, capacity, args)
@@ -524,13 +560,15 @@ def run(args: argparse.Namespace) -> int:
             print(f"round {k + 1}/{args.rounds}: page cache p50 "
                   f"{rounds[-1]['page cache'][0]:.2f} us, floor p50 "
                   f"{rounds[-1]['floor'][0]:.2f} us", flush=True)
-        client.drop(POOL, force=True)
+        for pool in POOLS:
+            client.drop(pool, force=True)
 
     def med(values: list[float]) -> float:
         return float(np.median(values))
 
-    print(f"\nmedian over {args.rounds} rounds (each round runs every variant once, back to "
-          "back; all ran the same trace, pages allocated and freed asserted equal)")
+    print(f"\nmedian over {args.rounds} rounds (each round runs every variant once, taking "
+          f"turns of {args.block} steps; all ran the same trace, pages allocated and freed "
+          "asserted equal)")
     print(f"{'variant':<32} {'p50 us':>9} {'p99 us':>9} {'mean us':>9}")
     for name in rounds[0]:
         p50, p99, mean = (med([r[name][i] for r in rounds]) for i in range(3))
@@ -574,7 +612,9 @@ def main() -> int:
                         help="let the page cache's worker thread refill and return (default: "
                              "the engine calls cache.maintain() between steps)")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="rounds of every variant, back to back; medians are printed")
+                        help="rounds of every variant, one after another; medians are printed")
+    parser.add_argument("--block", type=int, default=50,
+                        help="steps a variant runs per turn before the next takes over")
     parser.add_argument("--forward-us", type=float, default=100.0,
                         help="untimed sleep between steps standing for the forward pass")
     return run(parser.parse_args())

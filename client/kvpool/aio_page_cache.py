@@ -1,10 +1,10 @@
 """``AsyncPageCache``: the page cache (``kvpool.page_cache``) for asyncio engines.
 
     async with await lease.page_cache("llama") as cache:   # lease: an AsyncLease
-        pages = await cache.alloc(16)      # served from the stack without suspending
+        pages = await cache.alloc(16)      # served from the cache without suspending
         await cache.free(pages)
 
-``alloc`` and ``free`` run to completion without yielding to the event loop when the stack
+``alloc`` and ``free`` run to completion without yielding to the event loop when the cache
 serves them; only a miss awaits an Allocate. The refill and return worker is a task on the same
 loop. Not thread-safe: use a cache from its event loop's thread only (the state is changed only
 between awaits, so no lock is needed).
@@ -39,7 +39,7 @@ log = logging.getLogger("kvpool.page_cache")
 
 
 class AsyncPageCache(CacheState):
-    """Ids of one (lease, pool, id space) served from a local stack; see ``kvpool.page_cache``.
+    """Ids of one (lease, pool, id space) served from a local queue; see ``kvpool.page_cache``.
 
     Made by :meth:`kvpool.aio.AsyncLease.page_cache`; ``async with`` closes it.
     """
@@ -72,7 +72,7 @@ class AsyncPageCache(CacheState):
     # -- the hot path -------------------------------------------------------------------------
 
     async def alloc(self, n: int) -> np.ndarray:
-        """``n`` ids (int32); awaits only when the stack cannot serve them. Raises as
+        """``n`` ids (int32); awaits only when the cache cannot serve them. Raises as
         ``PageCache.alloc``."""
         core = self._core
         if type(n) is not int or n < 0:
@@ -81,7 +81,7 @@ class AsyncPageCache(CacheState):
             self._raise_dead()
         ids = core.take(n)
         if ids is not None:
-            if core.top < core.low and not core.kicked:
+            if core.tail - core.head < core.low and not core.kicked:
                 core.kicked = True
                 self._wake.set()
             return ids
@@ -147,7 +147,7 @@ class AsyncPageCache(CacheState):
     def __repr__(self) -> str:
         c = self._core
         return (f"AsyncPageCache({c.label}, lease={self._lease.lease_id}, low={c.low}, "
-                f"high={c.high}, batch={c.batch}, in_use={c.n_in_use}, cached={c.top})")
+                f"high={c.high}, batch={c.batch}, in_use={c.n_in_use}, cached={c.cached})")
 
     # -- the lease's keep-alive task ----------------------------------------------------------
 

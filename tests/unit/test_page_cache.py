@@ -24,7 +24,7 @@ from kvpool.errors import (
     NotFound,
     ResourceExhausted,
 )
-from kvpool.page_cache import PageCache, PageCacheCore, PageCacheCounters, watermarks
+from kvpool.page_cache import PageCache, PageCacheCounters, watermarks
 from tests.conftest import TINY_OPTIONS, TINY_PAGES, TINY_SPEC, DaemonProcess, run_daemon, temp_dir
 
 SWA_SPEC = {"num_layers": 4, "attention": {"type": "mha", "num_kv_heads": 2, "head_dim": 16},
@@ -62,9 +62,10 @@ def held(client: KVPoolClient, pool: str, lease_id: int, space: str = "kv") -> i
 
 
 def snapshot(cache: PageCache) -> tuple[PageCacheCounters, list[int], np.ndarray]:
-    """Everything a refused call must leave alone: counters, stack, bitmap."""
+    """Everything a refused call must leave alone: counters, the cached ids in the order they
+    are handed out, the ids in use."""
     core = cache._core
-    return cache.counters(), core.stack[:core.top].tolist(), core.in_use.copy()
+    return cache.counters(), core.read(core.head, core.cached).tolist(), cache.handed_out()
 
 
 def assert_unchanged(cache: PageCache, before: tuple) -> None:
@@ -101,7 +102,7 @@ def test_refills_to_high_when_below_low_and_returns_above_high(client: KVPoolCli
         assert held(client, pool, lease.lease_id) == 9
 
 
-def test_ids_are_the_daemons_and_reused_last_freed_first(client: KVPoolClient,
+def test_ids_are_the_daemons_and_reused_in_the_order_freed(client: KVPoolClient,
                                                           pool: str) -> None:
     with client.lease("engine") as lease, lease.page_cache(pool, low=0, high=8,
                                                            batch=8) as cache:
@@ -114,20 +115,22 @@ def test_ids_are_the_daemons_and_reused_last_freed_first(client: KVPoolClient,
             other.free(pool, "kv", ids[:1])
         cache.free(ids[3:4])
         cache.free(ids[5:6])
-        # The two freed last come back first, as the stack holds them (bottom to top).
+        # The cache was empty: the two freed come back in the order they were freed (FIFO).
         assert cache.alloc(2).tolist() == [ids[3], ids[5]]
-        cache.free(ids[6:7])
+        cache.free(ids[6:8])
+        cache.free(ids[0:1])
         assert cache.alloc(1).tolist() == [ids[6]]
+        assert cache.alloc(2).tolist() == [ids[7], ids[0]]
         assert cache.alloc(0).shape == (0,)
 
 
-def test_alloc_larger_than_the_stack_calls_the_daemon_once(client: KVPoolClient,
+def test_alloc_larger_than_the_cache_calls_the_daemon_once(client: KVPoolClient,
                                                            pool: str) -> None:
     with client.lease("engine") as lease, lease.page_cache(pool, low=0, high=16,
                                                            batch=8) as cache:
         cache.settle(30)
         assert (cache.cached, cache.rpc_calls) == (16, 1)
-        ids = cache.alloc(40)  # 16 from the stack, 24 from one Allocate
+        ids = cache.alloc(40)  # 16 cached, 24 from one Allocate
         assert len(set(ids.tolist())) == 40
         assert (cache.cached, cache.in_use, cache.rpc_calls, cache.waits) == (0, 40, 2, 1)
         more = cache.alloc(2)  # a miss asks for batch = 8: 2 handed out, 6 cached
@@ -152,12 +155,12 @@ def test_resource_exhausted_leaves_the_cache_as_it_was(client: KVPoolClient,
         with pytest.raises(ResourceExhausted) as info:
             cache.alloc(21)  # 4 cached, asks for max(17, 8) = 17 of the 16 free: refused
         assert "asked for 17" in str(info.value)
-        counters, stack, bitmap = snapshot(cache)
-        assert stack == before[1] and np.array_equal(bitmap, before[2])
+        counters, cached, in_use = snapshot(cache)
+        assert cached == before[1] and np.array_equal(in_use, before[2])
         assert (counters.in_use, counters.cached) == (4, 4)
         assert (counters.rpc_calls, counters.waits) == (before[0].rpc_calls + 1, 1)
         assert held(client, pool, lease.lease_id) == 8
-        assert len(cache.alloc(4)) == 4  # the stack still serves
+        assert len(cache.alloc(4)) == 4  # the cache still serves
 
 
 def test_refill_on_a_full_pool_takes_what_there_is(client: KVPoolClient, pool: str) -> None:
@@ -181,7 +184,7 @@ def test_double_free_and_foreign_ids_are_refused_and_change_nothing(
         cache.settle(30)
         ids = cache.alloc(4)
         direct = lease.allocate(pool, "kv", 1)  # the lease's, but not from the cache
-        cached_id = int(cache._core.stack[0])  # held, on the stack, never handed out
+        cached_id = int(cache._core.read(cache._core.head, 1)[0])  # held, never handed out
         cache.free(ids[:1])
         cases: list[tuple[object, type[KVPoolError], str]] = [
             ([ids[1], ids[0]], FailedPrecondition, "ids[1]"),  # a double free
@@ -216,7 +219,7 @@ def test_double_free_and_foreign_ids_are_refused_and_change_nothing(
         lease.free(pool, "kv", direct)
 
 
-def test_checks_are_exact_for_every_bitmap_position(client: KVPoolClient, pool: str) -> None:
+def test_checks_are_exact_at_the_range_ends(client: KVPoolClient, pool: str) -> None:
     """Range ends and the sentinels: 0 and capacity + 1 are never in use."""
     with client.lease("engine") as lease, lease.page_cache(pool, low=0, high=TINY_PAGES - 8,
                                                            batch=8) as cache:
@@ -259,7 +262,7 @@ def test_closing_the_lease_ends_the_cache(client: KVPoolClient, pool: str) -> No
     ids = cache.alloc(2)
     assert lease.close().held == {pool: {"kv": 16}}
     with pytest.raises(FailedPrecondition, match=r"lease \d+ is closed"):
-        cache.alloc(1)  # the stack's ids went back with the lease
+        cache.alloc(1)  # the cached ids went back with the lease
     assert isinstance(cache.error, FailedPrecondition) and cache.cached == 0
     assert cache.free(ids) == 2  # bookkeeping only
     assert cache.close() == 0
@@ -268,7 +271,7 @@ def test_closing_the_lease_ends_the_cache(client: KVPoolClient, pool: str) -> No
 
 def test_a_lease_ended_elsewhere_ends_its_cache(client: KVPoolClient, pool: str) -> None:
     """The keep-alive learns that the lease is gone (NotFound) and tells its caches: an alloc
-    the stack could serve raises instead of handing out ids the daemon took back."""
+    the cache could serve raises instead of handing out ids the daemon took back."""
     from kvpool.v1 import kvpool_pb2 as pb
 
     lease = client.lease("engine", ttl_s=0.3)
@@ -407,7 +410,7 @@ async def test_async_watermarks_and_counters(daemon: DaemonProcess, client: KVPo
         c = cache.counters()
         assert (c.cached, c.in_use, c.returns, c.returned, c.rpc_calls, c.waits) == (
             8, 0, 1, 21, 3, 0)
-        big = await cache.alloc(20)  # one Allocate for the 12 the stack lacks
+        big = await cache.alloc(20)  # one Allocate for the 12 the cache lacks
         assert (cache.in_use, cache.waits, cache.rpc_calls) == (20, 1, 4)
         assert len(set(big.tolist())) == 20
         await cache.settle()
@@ -444,18 +447,17 @@ async def test_async_refusals_change_nothing(daemon: DaemonProcess, client: KVPo
         # 16 free: above the pressure line (capacity / 16), so no give-back is asked of us
         await hog.allocate(pool, "kv", TINY_PAGES - 24)
         core = cache._core
-        before = (cache.counters(), core.stack[:core.top].tolist(), core.in_use.copy())
+        before = snapshot(cache)
         with pytest.raises(FailedPrecondition) as info:
             await cache.free([ids[1], ids[0]])
         assert info.value.field == "ids[1]"
         with pytest.raises(InvalidArgument) as info:
             await cache.free([ids[1], ids[1]])
         assert info.value.field == "ids[1]"
-        assert cache.counters() == before[0] and core.stack[:core.top].tolist() == before[1]
-        assert np.array_equal(core.in_use, before[2])
+        assert_unchanged(cache, before)
         with pytest.raises(ResourceExhausted):
             await cache.alloc(22)  # 5 cached, 17 more asked of the 16 free
-        assert core.stack[:core.top].tolist() == before[1]
+        assert core.read(core.head, core.cached).tolist() == before[1]
         assert (cache.in_use, cache.cached, cache.waits) == (3, 5, 1)
         assert (await cache.alloc(5)).shape == (5,)
 
@@ -480,7 +482,7 @@ async def test_async_close_returns_cached(daemon: DaemonProcess, client: KVPoolC
 
 def test_without_a_worker_the_engine_drives_refills_and_returns(client: KVPoolClient,
                                                                 pool: str) -> None:
-    """``background=False``: no thread; the stack is filled to ``high`` when the cache opens,
+    """``background=False``: no thread; the cache is filled to ``high`` when the cache opens,
     and later refills and returns happen only inside ``maintain()``, one RPC each."""
     with client.lease("engine") as lease, lease.page_cache(
             pool, low=4, high=16, batch=8, background=False) as cache:
@@ -495,20 +497,6 @@ def test_without_a_worker_the_engine_drives_refills_and_returns(client: KVPoolCl
         assert cache.maintain() == 1  # down to max(low, high - batch) = 8
         assert cache.cached == 8 and held(client, pool, lease.lease_id) == 8
         assert cache.maintain() == 0
-
-
-def test_an_id_listed_65537_times_is_refused() -> None:
-    """The marks are int16: 1 - 65,537 wraps back to 0, so a call that long checks with a sort."""
-    core = PageCacheCore("p", "kv", capacity=70_000, low=0, high=70_000, batch=1)
-    core.push(np.arange(70_000, 0, -1, dtype=np.int32))
-    ids = core.take(2)
-    assert ids is not None
-    before = core.in_use.copy()
-    with pytest.raises(InvalidArgument) as info:
-        core.unmark(np.full(65_537, ids[0], dtype=np.int32))
-    assert info.value.field == "ids[1]"
-    assert np.array_equal(core.in_use, before)
-    assert core.unmark(ids).tolist() == ids.tolist()  # both still in use: freed at once
 
 
 def test_in_use_of_and_handed_out_read_the_caches_marks(client: KVPoolClient,

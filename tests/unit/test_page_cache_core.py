@@ -1,0 +1,196 @@
+"""``PageCacheCore`` (the page cache's state, no I/O) against a plain-Python model.
+
+The core keeps its cached ids in a ring and tells an id in use from its slot alone (see
+``kvpool.page_cache``). A small capacity makes every program wrap the ring many times. Each
+rule is what the cache does on one path: a refill or return by the worker, an ``alloc``, a
+miss that reserves and then finishes or is refused, a ``free`` (valid, repeated, foreign, out
+of range, a double free), a give-back, and ``close`` followed by frees of ids still in use.
+After every step the model's FIFO queue, in-use set and counters must match the core's.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import pytest
+from hypothesis import Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvpool.errors import FailedPrecondition, InvalidArgument, KVPoolError
+from kvpool.page_cache import GIVE_BACK, RETURN, PageCacheCore
+
+CAP = 11
+SETTINGS = settings(
+    max_examples=120,
+    stateful_step_count=60,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    phases=(Phase.explicit, Phase.reuse, Phase.generate),
+)
+
+
+def i32(ids: list[int]) -> np.ndarray:
+    return np.asarray(ids, dtype=np.int32)
+
+
+class CoreMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        # A window of 4 slot numbers: ``free`` and ``push`` make it again often.
+        self.core = PageCacheCore("p", "kv", CAP, low=2, high=6, batch=2, window=4)
+        self.queue: deque[int] = deque()  # cached, the next handed out first
+        self.in_use: set[int] = set()
+        self.daemon = set(range(1, CAP + 1))  # held by nobody: the daemon's to give
+        self.elsewhere: set[int] = set()  # the lease's, not in the cache (reserved, returning)
+
+    # -- the worker ---------------------------------------------------------------------------
+
+    @precondition(lambda self: self.core.dead is None)
+    @rule(k=st.integers(0, CAP))
+    def refill(self, k: int) -> None:
+        got = sorted(self.daemon)[:k]
+        self.daemon -= set(got)
+        self.core.push(i32(got))
+        self.queue.extend(got)
+
+    @precondition(lambda self: self.core.dead is None and self.core.cached > 0)
+    @rule(k=st.integers(1, CAP), give_back=st.booleans())
+    def worker_returns(self, k: int, give_back: bool) -> None:
+        core = self.core
+        if give_back:
+            core.give_back = k
+        else:
+            # Above high: returned down to max(low, high - batch) = low.
+            core.low = core.high = max(0, core.cached - k)
+            core.batch = 1
+        job = core.pick_job(0.0)
+        assert job is not None
+        kind, ids = job
+        assert kind == (GIVE_BACK if give_back else RETURN)
+        n = ids.shape[0]
+        # The most recently cached go back, in ring order.
+        want = list(self.queue)[len(self.queue) - n:]
+        assert ids.tolist() == want
+        for _ in range(n):
+            self.queue.pop()
+        core.job_done(kind, ids, None)
+        self.daemon |= set(want)
+
+    # -- alloc --------------------------------------------------------------------------------
+
+    @precondition(lambda self: self.core.dead is None)
+    @rule(n=st.integers(0, CAP))
+    def alloc(self, n: int) -> None:
+        ids = self.core.take(n)
+        if n > len(self.queue):
+            assert ids is None
+            return
+        assert ids is not None and ids.dtype == np.int32
+        want = [self.queue.popleft() for _ in range(n)]  # the longest cached first
+        assert ids.tolist() == want
+        self.in_use |= set(want)
+
+    @precondition(lambda self: self.core.dead is None)
+    @rule(n=st.integers(1, CAP), refused=st.booleans())
+    def miss(self, n: int, refused: bool) -> None:
+        core = self.core
+        reserved = core.reserve(n)
+        k = min(n, len(self.queue))
+        want = [self.queue.popleft() for _ in range(k)]
+        assert reserved.tolist() == want
+        self.elsewhere |= set(want)
+        assert not core.in_use_of(reserved).any()
+        if refused or n - k > len(self.daemon):
+            core.unreserve(reserved)  # back at the tail
+            self.queue.extend(want)
+            self.elsewhere -= set(want)
+            return
+        got = sorted(self.daemon)[:n - k + 1]  # one more than needed: it is cached
+        self.daemon -= set(got)
+        ids = core.finish_miss(reserved, i32(got), n)
+        assert ids.tolist() == want + got[:n - k]
+        self.elsewhere -= set(want)
+        self.in_use |= set(ids.tolist())
+        self.queue.extend(got[n - k:])
+
+    # -- free ---------------------------------------------------------------------------------
+
+    @precondition(lambda self: self.in_use)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.in_use)), min_size=1,
+                                 unique=True))
+        arr, _, send = self.core.free_ids(i32(ids))
+        assert arr.tolist() == ids
+        self.in_use -= set(ids)
+        if self.core.dead is None:
+            assert not send
+            self.queue.extend(ids)
+        else:
+            assert send  # the caller Frees them at the daemon
+            self.daemon |= set(ids)
+
+    @rule(data=st.data())
+    def bad_free(self, data: st.DataObject) -> None:
+        """A refused free names the first bad id and changes nothing."""
+        good = sorted(self.in_use)
+        cached = list(self.queue)
+        bad = data.draw(st.sampled_from(["repeat", "cached", "foreign", "range"]))
+        if bad == "repeat" and good:
+            x = data.draw(st.sampled_from(good))
+            ids, cls, where = [x, x, x], InvalidArgument, "ids[1]"
+        elif bad == "cached" and cached:  # held, never handed out, or already freed
+            ids, cls, where = [*good[:1], cached[0]], FailedPrecondition, f"ids[{len(good[:1])}]"
+        elif bad == "foreign" and self.daemon | self.elsewhere:
+            x = sorted(self.daemon | self.elsewhere)[0]
+            ids, cls, where = [*good[:2], x], FailedPrecondition, f"ids[{len(good[:2])}]"
+        else:
+            ids, cls, where = [*good[:1], CAP + 1], InvalidArgument, f"ids[{len(good[:1])}]"
+        before = (self.core.pos.copy(), self.core.head, self.core.tail, self.core.n_in_use)
+        with pytest.raises(KVPoolError) as info:
+            self.core.free_ids(i32(ids))
+        assert type(info.value) is cls and info.value.field == where
+        after = (self.core.pos, self.core.head, self.core.tail, self.core.n_in_use)
+        assert np.array_equal(after[0], before[0]) and after[1:] == before[1:]
+
+    # -- the end ------------------------------------------------------------------------------
+
+    @precondition(lambda self: self.core.dead is None)
+    @rule()
+    def close(self) -> None:
+        self.core.close()
+        drained = self.core.drain()
+        assert drained.tolist() == list(self.queue)
+        self.daemon |= set(self.queue)
+        self.queue.clear()
+
+    @invariant()
+    def agrees_with_model(self) -> None:
+        core = self.core
+        assert core.read(core.head, core.cached).tolist() == list(self.queue)
+        assert core.handed_out().tolist() == sorted(self.in_use)
+        assert core.n_in_use == len(self.in_use)
+        everyone = np.arange(0, CAP + 3)
+        assert core.in_use_of(everyone).tolist() == [i in self.in_use for i in everyone]
+        assert core.counters().cached == len(self.queue)
+
+
+TestCoreMachine = CoreMachine.TestCase
+TestCoreMachine.settings = SETTINGS
+
+
+def test_an_id_listed_65537_times_is_refused() -> None:
+    """However often an id is listed, the slot read back shows it (no counter to wrap)."""
+    core = PageCacheCore("p", "kv", capacity=70_000, low=0, high=70_000, batch=1)
+    core.push(np.arange(70_000, 0, -1, dtype=np.int32))
+    ids = core.take(2)
+    assert ids is not None
+    before = core.pos.copy()
+    with pytest.raises(InvalidArgument) as info:
+        core.unmark(np.full(65_537, ids[0], dtype=np.int32))
+    assert info.value.field == "ids[1]"
+    assert np.array_equal(core.pos, before)
+    assert core.free_ids(ids)[0].tolist() == ids.tolist()  # both still in use: freed at once
