@@ -50,7 +50,8 @@ length-biased, part-way through their decode; their pages are allocated untimed)
 
 Timing: per step, only the allocator work (that step's free and alloc calls) between two
 ``time.perf_counter_ns``; the bookkeeping (which ids a request holds, the checks that no id
-is handed out twice) is outside it. After every step each variant sleeps ``--forward-us`` (100)
+is handed out twice, the page counts of the step's batches, which a scheduler knows before it
+calls its allocator) is outside it. After every step each variant sleeps ``--forward-us`` (100)
 microseconds, outside the timed region and the same for all: it stands for the forward pass,
 during which a real engine releases the GIL (with ``--background`` the page cache's worker
 thread runs its refills and returns then; a pure-Python loop that never released the GIL would
@@ -83,7 +84,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -108,6 +109,16 @@ clock = time.perf_counter_ns
 
 # -- the trace --------------------------------------------------------------------------------
 
+class Sizes(NamedTuple):
+    """A step's batch as the scheduler knows it before calling the allocator (counted when
+    the trace is made, so no variant spends its timed region adding them up)."""
+
+    arrivals: int  # prefills among the step's allocs (the first ones)
+    prefill: int  # their pages: the prefill batch (SGLang's alloc_extend)
+    decode: int  # pages of the decode batch, one per request (SGLang's alloc_decode)
+    total: int  # every page of the step
+
+
 @dataclass
 class Trace:
     """``setup``: (request, pages) allocated untimed before step 0. Per step: ``frees[s]``, the
@@ -121,6 +132,7 @@ class Trace:
     tokens: dict[int, int]  # a request's final length (token indices freed, for sglang)
     peak_pages: int
     running: list[int]
+    sizes: list[Sizes]  # per step, what a scheduler knows before it calls its allocator
 
     @property
     def pages_allocated(self) -> int:
@@ -186,7 +198,9 @@ def make_trace(steps: int, requests: int, seed: int) -> Trace:
         frees.append(done)
         allocs.append(step)
         running.append(len(left))
-    return Trace(setup, frees, allocs, arrivals, final, peak, running)
+    sizes = [Sizes(a, sum(n for _, n in step[:a]), len(step) - a, sum(n for _, n in step))
+             for a, step in zip(arrivals, allocs, strict=True)]
+    return Trace(setup, frees, allocs, arrivals, final, peak, running, sizes)
 
 
 # -- the variants -----------------------------------------------------------------------------
@@ -225,13 +239,13 @@ class Batches(list):  # type: ignore[type-arg]
 
 
 class Replay:
-    """One variant's replay of the trace, a step at a time: ``step(frees, allocs, arrivals)
+    """One variant's replay of the trace, a step at a time: ``step(frees, allocs, sizes)
     -> one id array per alloc`` (or a :class:`Batches`); ``frees`` holds ``free_arg(request,
     ids)`` per finished request (by default its page ids), built before the timer starts."""
 
     def __init__(self, name: str, trace: Trace, capacity: int,
                  setup: Callable[[list[tuple[int, int]]], list[np.ndarray]],
-                 step: Callable[[list[Any], list[tuple[int, int]], int], list[Any]],
+                 step: Callable[[list[Any], list[tuple[int, int]], Sizes], list[Any]],
                  free_arg: Callable[[int, np.ndarray], Any] | None = None,
                  between: Callable[[], Any] | None = None) -> None:
         self.name = name
@@ -257,7 +271,7 @@ class Replay:
         allocs = trace.allocs[s]
         if freed or allocs:
             t0 = clock()
-            got = self.step_fn(frees, allocs, trace.arrivals[s])
+            got = self.step_fn(frees, allocs, trace.sizes[s])
             self.samples.append(clock() - t0)
         else:
             got = []
@@ -318,17 +332,17 @@ class Floor:
         return [self.alloc(n) for _, n in items]
 
     def step(self, freed: list[np.ndarray], allocs: list[tuple[int, int]],
-             arrivals: int) -> list[np.ndarray]:
+             sizes: Sizes) -> list[np.ndarray]:
         for ids in freed:
             self.free(ids)
         return [self.alloc(n) for _, n in allocs]
 
     def step_batched(self, freed: list[np.ndarray], allocs: list[tuple[int, int]],
-                     arrivals: int) -> list[np.ndarray]:
+                     sizes: Sizes) -> list[np.ndarray]:
         """Informational: one put-back and one take per step (the split is bookkeeping)."""
         if freed:
             self.free(freed[0] if len(freed) == 1 else np.concatenate(freed))
-        total = sum(n for _, n in allocs)
+        total = sizes.total
         return Batches([self.alloc(total)] if total else [])
 
 
@@ -407,7 +421,7 @@ class SGLangVariant:
         return (p[:, None] * PAGE + self.offsets).reshape(-1)[:self.tokens[request]]
 
     def step(self, freed: list[torch.Tensor], allocs: list[tuple[int, int]],
-             arrivals: int) -> Batches:
+             sizes: Sizes) -> Batches:
         a = self.alloc
         if freed:
             a.free_group_begin()
@@ -415,10 +429,10 @@ class SGLangVariant:
                 a.free(idx)
             a.free_group_end()
         out = Batches()
-        if arrivals:  # alloc_extend: the prefill batch
-            out.append(self.must(sum(n for _, n in allocs[:arrivals])))
-        if len(allocs) > arrivals:  # alloc_decode: the decode batch
-            out.append(self.must(len(allocs) - arrivals))
+        if sizes.prefill:  # alloc_extend: the prefill batch
+            out.append(self.must(sizes.prefill))
+        if sizes.decode:  # alloc_decode: the decode batch
+            out.append(self.must(sizes.decode))
         return out
 
     def must(self, n: int) -> torch.Tensor:
@@ -437,7 +451,7 @@ class RPCVariant:
         return self.lease.allocate_batch(self.pool, [("kv", n) for _, n in items])
 
     def step(self, freed: list[np.ndarray], allocs: list[tuple[int, int]],
-             arrivals: int) -> list[np.ndarray]:
+             sizes: Sizes) -> list[np.ndarray]:
         if freed:
             self.lease.free_batch(self.pool, [("kv", ids) for ids in freed])
         if allocs:
@@ -453,19 +467,19 @@ class CacheVariant:
         return [self.cache.alloc(n) for _, n in items]
 
     def step(self, freed: list[np.ndarray], allocs: list[tuple[int, int]],
-             arrivals: int) -> list[np.ndarray]:
+             sizes: Sizes) -> list[np.ndarray]:
         cache = self.cache
         for ids in freed:
             cache.free(ids)
         return [cache.alloc(n) for _, n in allocs]
 
     def step_batched(self, freed: list[np.ndarray], allocs: list[tuple[int, int]],
-                     arrivals: int) -> list[np.ndarray]:
+                     sizes: Sizes) -> list[np.ndarray]:
         """One free and one alloc per step, as the engine's batch does."""
         cache = self.cache
         if freed:
             cache.free(freed[0] if len(freed) == 1 else np.concatenate(freed))
-        total = sum(n for _, n in allocs)
+        total = sizes.total
         return Batches([cache.alloc(total)] if total else [])
 
 
