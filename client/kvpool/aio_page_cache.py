@@ -51,6 +51,7 @@ class AsyncPageCache(CacheState):
         self._lease = lease
         self._core = PageCacheCore(pool, space, capacity, lo, hi, ba)
         self._wake = asyncio.Event()
+        self._core.wake = self._wake.set
         self._idle = asyncio.Event()
         self._core.kicked = True  # the first refill, to ``high``
         self._wake.set()
@@ -81,9 +82,6 @@ class AsyncPageCache(CacheState):
             self._raise_dead()
         ids = core.take(n)
         if ids is not None:
-            if core.tail - core.head < core.low and not core.kicked:
-                core.kicked = True
-                self._wake.set()
             return ids
         return await self._miss(n, core.reserve(n))
 
@@ -91,9 +89,7 @@ class AsyncPageCache(CacheState):
         """Give back ids this cache handed out, without awaiting (after ``close``: one Free).
         Raises as ``PageCache.free``."""
         core = self._core
-        arr, wake, send = core.free_ids(ids)
-        if wake:
-            self._wake.set()
+        arr, send = core.free_ids(ids)
         if send:
             try:
                 await self._lease.free(core.pool, core.space, arr)

@@ -55,6 +55,7 @@ import logging
 import operator
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -84,7 +85,11 @@ INTP = np.dtype(np.intp)
 # ``pos`` of an id not in this cache (see PageCacheCore): above any slot ``head`` reaches.
 NOT_HERE = 2**62
 IN_USE = -1  # ``pos`` of an id handed out by a miss (never in the ring): below any ``head``
-SLOT_WINDOW = 1 << 16  # slot numbers kept ready for ``free`` (512 KiB)
+SLOT_WINDOW = 4096  # slot numbers kept ready for ``free`` (32 KiB, shifted every 4,096)
+
+
+def no_worker() -> None:
+    """``PageCacheCore.wake`` until its owner sets its own."""
 
 
 # Defaults, clamped for small spaces (see ``watermarks``).
@@ -268,6 +273,7 @@ class PageCacheCore:
         self.lost: KVPoolError | None = None  # the lease or pool is gone
         self.dead: KVPoolError | None = None  # closed or lost: ``alloc`` raises this
         self.kicked = False  # the worker has been woken and has not gone idle since
+        self.wake: Callable[[], object] = no_worker  # wakes the owner's worker
         self.retry_at = 0.0
         self.retry_s = RETRY_S
         self.refill_cap = high
@@ -305,25 +311,34 @@ class PageCacheCore:
         self.pos[ids] = NOT_HERE
 
     def slots(self, start: int, n: int) -> np.ndarray:
-        """``start, start + 1, ..., start + n - 1`` (int64): a view of a window of slot
-        numbers, made again only when ``start`` passes its end (no allocation per ``free``)."""
+        """``start, start + 1, ..., start + n - 1`` (int64), to use at once: a view of a
+        window of slot numbers, shifted in place when ``start`` leaves it (no allocation, no
+        fresh memory to fault in, per ``free``)."""
+        window = self.window
         i = start - self.window_base
-        if i < 0 or i + n > self.window.shape[0]:  # past its end, or before (returns)
-            self.window_base = start
-            self.window = np.arange(start, start + max(self.window_size, n), dtype=np.int64)
-            i = 0
-        return self.window[i:i + n]
+        if i >= 0 and i + n <= window.shape[0]:
+            return window[i:i + n]
+        if n > window.shape[0]:
+            return np.arange(start, start + n, dtype=np.int64)
+        window += start - self.window_base
+        self.window_base = start
+        return window[:n]
 
     # -- alloc --------------------------------------------------------------------------------
 
     def take(self, n: int) -> np.ndarray | None:
         """``n`` ids from ``head`` (the longest cached first), handed out; None when fewer are
-        cached. Nothing is written per id: moving ``head`` past them marks them in use."""
+        cached. Nothing is written per id: moving ``head`` past them marks them in use. Wakes
+        the worker when fewer than ``low`` are left."""
         head = self.head
-        if self.tail - head < n:
+        left = self.tail - head - n
+        if left < 0:
             return None
         self.head = head + n
         self.n_in_use += n
+        if left < self.low and not self.kicked:
+            self.kicked = True
+            self.wake()
         i = head % self.capacity
         j = i + n
         if j <= self.capacity:
@@ -421,9 +436,9 @@ class PageCacheCore:
         in_use = self.pos[1:self.capacity + 1] < self.head
         return (np.flatnonzero(in_use) + 1).astype(ID_DTYPE)
 
-    def free_ids(self, ids: Any) -> tuple[np.ndarray, bool, bool]:
-        """The bookkeeping of both caches' ``free``: ``(ids, wake, send)``. While the cache is
-        open the ids go into the ring, and ``wake`` says the worker should run (above
+    def free_ids(self, ids: Any) -> tuple[np.ndarray, bool]:
+        """The bookkeeping of both caches' ``free``: ``(ids, send)``. While the cache is open
+        the ids go into the ring at the slots ``unmark`` gave them (the worker is woken above
         ``high``); after ``close`` they are forgotten, and ``send`` says to Free them at the
         daemon now (counted in ``rpc_calls``): not once the lease is gone, which took them.
 
@@ -431,17 +446,25 @@ class PageCacheCore:
             As :meth:`unmark`; nothing changes.
         """
         arr = self.unmark(ids)
+        n = arr.shape[0]
         if self.dead is None:
-            self.release(arr)
-            if self.tail - self.head > self.high and not self.kicked:
+            tail = self.tail
+            i = tail % self.capacity
+            if i + n <= self.capacity:
+                self.ring[i:i + n] = arr
+            else:
+                self.write(tail, arr)
+            self.tail = tail = tail + n
+            self.n_in_use -= n
+            if tail - self.head > self.high and not self.kicked:
                 self.kicked = True
-                return arr, True, False
-            return arr, False, False
+                self.wake()
+            return arr, False
         self.forget(arr)
-        send = self.lost is None and arr.shape[0] > 0
+        send = self.lost is None and n > 0
         if send:
             self.rpc_calls += 1
-        return arr, False, send
+        return arr, send
 
     def free_error(self, arr: np.ndarray) -> KVPoolError:
         """The error for the first bad id of ``arr`` (the refusal path: O(n) in Python)."""
@@ -463,18 +486,6 @@ class PageCacheCore:
                     "already freed: a double free?); nothing was freed", field=where)
             seen[value] = pos
         return InvalidArgument(f"free {self.label}: refused but no bad id found", field="ids")
-
-    def release(self, arr: np.ndarray) -> None:
-        """Ids ``unmark`` took, into the ring at the slots it gave them."""
-        n = arr.shape[0]
-        tail = self.tail
-        i = tail % self.capacity
-        if i + n <= self.capacity:
-            self.ring[i:i + n] = arr
-        else:
-            self.write(tail, arr)
-        self.tail = tail + n
-        self.n_in_use -= n
 
     def forget(self, arr: np.ndarray) -> None:
         """Ids ``unmark`` took, not cached (a free after ``close``)."""
@@ -749,6 +760,7 @@ class PageCache(CacheState):
         self._core = PageCacheCore(pool, space, capacity, lo, hi, ba)
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._core.wake = self._wake.set
         self._idle = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"kvpool-page-cache-{pool}-{space}")
@@ -825,9 +837,6 @@ class PageCache(CacheState):
                 self._raise_dead()
             ids = core.take(n)
             if ids is not None:
-                if core.tail - core.head < core.low and not core.kicked:
-                    core.kicked = True
-                    self._wake.set()
                 return ids
             reserved = core.reserve(n)
         finally:
@@ -849,11 +858,9 @@ class PageCache(CacheState):
         lock = self._lock
         lock.acquire()
         try:
-            arr, wake, send = core.free_ids(ids)
+            arr, send = core.free_ids(ids)
         finally:
             lock.release()
-        if wake:
-            self._wake.set()
         if send:
             try:
                 self._lease.free(core.pool, core.space, arr)

@@ -39,7 +39,7 @@ def i32(ids: list[int]) -> np.ndarray:
 class CoreMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        # A window of 4 slot numbers: ``free`` and ``push`` make it again often.
+        # A window of 4 slot numbers: ``free`` and ``push`` shift it often, or go past it.
         self.core = PageCacheCore("p", "kv", CAP, low=2, high=6, batch=2, window=4)
         self.queue: deque[int] = deque()  # cached, the next handed out first
         self.in_use: set[int] = set()
@@ -123,7 +123,7 @@ class CoreMachine(RuleBasedStateMachine):
     def free(self, data: st.DataObject) -> None:
         ids = data.draw(st.lists(st.sampled_from(sorted(self.in_use)), min_size=1,
                                  unique=True))
-        arr, _, send = self.core.free_ids(i32(ids))
+        arr, send = self.core.free_ids(i32(ids))
         assert arr.tolist() == ids
         self.in_use -= set(ids)
         if self.core.dead is None:
