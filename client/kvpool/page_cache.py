@@ -383,49 +383,25 @@ class PageCacheCore:
 
     # -- free ---------------------------------------------------------------------------------
 
-    def unmark(self, ids: Any) -> np.ndarray:
-        """``ids`` as an array, each given the next slot at ``tail`` (not yet written: see
-        ``release`` and ``forget``), if every one is in use and listed once; O(len(ids)). On a
-        refusal nothing changes.
+    def unmark_few(self, arr: np.ndarray) -> np.ndarray:
+        """``free_ids`` of anything but a 1-D integer array of 2 or more ids: 0 or 1 id (the
+        one given the next slot), or a refusal.
 
         Raises:
-            InvalidArgument: not a 1-D integer array, or the first id out of range or repeated.
-            FailedPrecondition: the first id not handed out by this cache (or already freed).
+            InvalidArgument: not a 1-D integer array, or the id out of range.
+            FailedPrecondition: the id not handed out by this cache (or already freed).
         """
-        arr = ids if type(ids) is np.ndarray else np.asarray(ids)
         if arr.ndim != 1 or arr.dtype.kind not in "iu":
             if arr.ndim == 1 and arr.size == 0:
                 return arr.astype(ID_DTYPE)
             raise InvalidArgument(f"ids must be a 1-D array of integer ids, got {arr.dtype} "
                                   f"{arr.shape}", field="ids")
-        n = arr.shape[0]
-        pos = self.pos
-        if n == 1:
+        if arr.shape[0] == 1:
             value = arr[0]
-            if not (0 < value <= self.capacity and pos[value] < self.head):
+            if not (0 < value <= self.capacity and self.pos[value] < self.head):
                 raise self.free_error(arr)
-            pos[value] = self.tail
-            return arr
-        if n == 0:
-            return arr
-        # One conversion for the three fancy ops (an int32 index costs ~0.5 us more in each);
-        # a uint64 id past 2**63 becomes negative: clipped to the sentinel 0 below.
-        idx = arr if arr.dtype is INTP else arr.astype(np.intp)
-        tail = self.tail
-        was = pos.take(idx, mode="clip")  # out of range: a sentinel, NOT_HERE
-        # Every numpy call costs microseconds on a cold path (after the engine's forward
-        # pass), so each check is as few calls as it can be: the largest slot is behind
-        # ``head`` (every id in use; ``argmax`` is a plain C loop, ~1 us less than ``max``)...
-        if n > self.capacity or was[was.argmax()] >= self.head:
-            raise self.free_error(arr)
-        # ... and each id reads back the slot it was given (an id listed twice reads back
-        # the same slot at both places, so one of them differs).
-        slots = self.slots(tail, n)
-        pos[idx] = slots
-        if count_nonzero(pos[idx] != slots):
-            pos[idx] = was  # back as it was
-            raise self.free_error(arr)
-        return arr  # what goes into the ring
+            self.pos[value] = self.tail
+        return arr
 
     def in_use_of(self, ids: Any) -> np.ndarray:
         """Per id: handed out by this cache and not freed (False for an id out of range)."""
@@ -437,15 +413,44 @@ class PageCacheCore:
         return (np.flatnonzero(in_use) + 1).astype(ID_DTYPE)
 
     def free_ids(self, ids: Any) -> tuple[np.ndarray, bool]:
-        """The bookkeeping of both caches' ``free``: ``(ids, send)``. While the cache is open
-        the ids go into the ring at the slots ``unmark`` gave them (the worker is woken above
-        ``high``); after ``close`` they are forgotten, and ``send`` says to Free them at the
-        daemon now (counted in ``rpc_calls``): not once the lease is gone, which took them.
+        """The whole of both caches' ``free`` but the lock and the RPC: ``(ids, send)``, in
+        O(len(ids)). Every id must be in use and listed once; on a refusal nothing changes.
+        While the cache is open the ids go into the ring at ``tail`` (the worker is woken
+        above ``high``); after ``close`` they are forgotten, and ``send`` says to Free them at
+        the daemon now (counted in ``rpc_calls``): not once the lease is gone, which took them.
 
         Raises:
-            As :meth:`unmark`; nothing changes.
+            InvalidArgument: not a 1-D integer array, or the first id out of range or repeated.
+            FailedPrecondition: the first id not handed out by this cache (or already freed).
         """
-        arr = self.unmark(ids)
+        # One function, few numpy calls: each costs microseconds on a cold path (after the
+        # engine's forward pass), and so does each Python call.
+        arr = ids if type(ids) is np.ndarray else np.asarray(ids)
+        if arr.ndim != 1 or arr.dtype.kind not in "iu" or arr.shape[0] < 2:
+            arr = self.unmark_few(arr)
+        else:
+            n = arr.shape[0]
+            # One conversion for the three fancy ops (an int32 index costs ~0.5 us more in
+            # each); a uint64 id past 2**63 becomes negative: clipped to the sentinel 0.
+            idx = arr if arr.dtype is INTP else arr.astype(np.intp)
+            pos = self.pos
+            tail = self.tail
+            was = pos.take(idx, mode="clip")  # out of range: a sentinel, NOT_HERE
+            # Every id in use: the largest slot is behind ``head`` (``argmax`` is a plain C
+            # loop, ~1 us less than ``max``).
+            if n > self.capacity or was[was.argmax()] >= self.head:
+                raise self.free_error(arr)
+            i = tail - self.window_base
+            if i >= 0 and i + n <= self.window.shape[0]:
+                slots = self.window[i:i + n]
+            else:
+                slots = self.slots(tail, n)
+            # Each id listed once: each reads back the slot it was given (an id listed twice
+            # reads back the same slot at both places, so one of them differs).
+            pos[idx] = slots
+            if count_nonzero(pos[idx] != slots):
+                pos[idx] = was  # back as it was
+                raise self.free_error(arr)
         n = arr.shape[0]
         if self.dead is None:
             tail = self.tail
@@ -488,12 +493,12 @@ class PageCacheCore:
         return InvalidArgument(f"free {self.label}: refused but no bad id found", field="ids")
 
     def forget(self, arr: np.ndarray) -> None:
-        """Ids ``unmark`` took, not cached (a free after ``close``)."""
+        """Ids ``free_ids`` took, not cached (a free after ``close``)."""
         self.uncache(arr)
         self.n_in_use -= arr.shape[0]
 
     def unforget(self, arr: np.ndarray) -> None:
-        """Undo ``unmark`` and ``forget``: the Free after ``close`` was refused."""
+        """Undo ``free_ids`` after ``close``: the Free was refused."""
         self.pos[arr] = IN_USE
         self.n_in_use += arr.shape[0]
 

@@ -190,7 +190,7 @@ def test_an_id_listed_65537_times_is_refused() -> None:
     assert ids is not None
     before = core.pos.copy()
     with pytest.raises(InvalidArgument) as info:
-        core.unmark(np.full(65_537, ids[0], dtype=np.int32))
+        core.free_ids(np.full(65_537, ids[0], dtype=np.int32))
     assert info.value.field == "ids[1]"
     assert np.array_equal(core.pos, before)
     assert core.free_ids(ids)[0].tolist() == ids.tolist()  # both still in use: freed at once

@@ -204,8 +204,8 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
             try:
                 ids = self.cache.alloc(n)
             except ResourceExhausted:
-                # The page cache's own refill or return may be in flight (ids neither on its
-                # stack nor free in the pool): let the worker finish, then ask once more.
+                # The page cache's own refill or return may be in flight (ids neither in its
+                # cache nor free in the pool): let the worker finish, then ask once more.
                 self.cache.settle(SETTLE_S)
                 ids = self.cache.alloc(n)
         except ResourceExhausted as err:
