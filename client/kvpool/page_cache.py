@@ -28,7 +28,7 @@ Checks: ``free`` refuses, naming the first bad id and its position (``ids[3]``) 
 nothing, an id out of the space's range or repeated in the call (``InvalidArgument``) and an id
 this cache has not handed out or that was already freed (``FailedPrecondition``), the daemon's
 classes for the same faults. O(count): per id of the space the cache keeps the slot it was last
-queued at (8 bytes), and an id is in use exactly when that slot is behind the queue's head.
+queued at (4 bytes), and an id is in use exactly when that slot is behind the queue's head.
 
 Order: ``alloc`` hands out the ids cached longest first (FIFO): it takes a slice from the head
 of a ring and writes nothing per id, so it costs what an in-process free list costs;
@@ -83,8 +83,9 @@ except ImportError:  # pragma: no cover - another numpy layout
     count_nonzero = np.count_nonzero
 INTP = np.dtype(np.intp)
 # ``pos`` of an id not in this cache (see PageCacheCore): above any slot ``head`` reaches.
-NOT_HERE = 2**62
-IN_USE = -1  # ``pos`` of an id handed out by a miss (never in the ring): below any ``head``
+# ``pos`` holds int32 slot numbers relative to ``base`` (int64 for a space of more than 2**28
+# ids): half the memory the checks of a ``free`` touch per id.
+SMALL_SPACE = 1 << 28
 SLOT_WINDOW = 4096  # slot numbers kept ready for ``free`` (32 KiB, shifted every 4,096)
 
 
@@ -233,14 +234,17 @@ class PageCacheCore:
     Layout: the cached ids sit in a ring, at absolute slots ``head..tail - 1`` (slot ``s`` is
     ``ring[s % capacity]``); ``alloc`` takes from ``head``, ``free`` and refills append at
     ``tail``, returns take back from ``tail``. ``pos[id]`` is the slot an id was last cached
-    at, so an id is in use exactly when ``pos[id] < head``: ``alloc`` hands ids out by moving
-    ``head`` past them and writes nothing per id (its cost is the floor's: one slice copied).
-    Ids not held here (never fetched, returned, reserved, out of range) have ``pos`` =
-    ``NOT_HERE``, which is never below ``head``; ids handed out by a miss have ``pos`` = -1.
+    at, less ``base``, so an id is in use exactly when ``pos[id] < head - base``: ``alloc``
+    hands ids out by moving ``head`` past them and writes nothing per id (its cost is the
+    floor's: one slice copied). Ids not held here (never fetched, returned, reserved, out of
+    range) have ``pos`` = ``not_here`` (the dtype's largest value), never below; ids handed out
+    by a miss have ``in_use`` (its smallest). Before relative slots outgrow the dtype,
+    ``rebase`` moves ``base`` up to ``head`` (O(capacity), once per 2**30 slots: a billion ids
+    cached).
     """
 
     def __init__(self, pool: str, space: str, capacity: int, low: int, high: int,
-                 batch: int, window: int = SLOT_WINDOW) -> None:
+                 batch: int, window: int = SLOT_WINDOW, rebase_at: int | None = None) -> None:
         self.pool = pool
         self.space = space
         self.label = f"{pool}/{space}"
@@ -251,12 +255,18 @@ class PageCacheCore:
         self.ring = np.empty(capacity, dtype=ID_DTYPE)  # 4 B per id: handed out as is
         self.head = 0
         self.tail = 0
-        # 8 B per id: ids 1..capacity; 0 and capacity + 1 are sentinels, always NOT_HERE, so
+        dtype = np.dtype(np.int32 if capacity <= SMALL_SPACE else np.int64)
+        info = np.iinfo(dtype)
+        self.not_here = int(info.max)
+        self.in_use = int(info.min)
+        self.rebase_at = int(info.max) // 2 if rebase_at is None else rebase_at
+        self.base = 0
+        # 4 B per id: ids 1..capacity; 0 and capacity + 1 are sentinels, always not_here, so
         # ``take(ids, mode="clip")`` checks range and state in one pass.
-        self.pos = np.full(capacity + 2, NOT_HERE, dtype=np.int64)
-        self.window_size = window
-        self.window_base = 0
-        self.window = np.arange(0, window, dtype=np.int64)
+        self.pos = np.full(capacity + 2, self.not_here, dtype=dtype)
+        self.ramp = np.arange(window, dtype=dtype)
+        self.window_base = 0  # absolute slot of window[0]
+        self.window = self.ramp.copy()
         self.n_in_use = 0
         self.reserved = 0
         self.returning = 0
@@ -308,21 +318,34 @@ class PageCacheCore:
 
     def uncache(self, ids: np.ndarray) -> None:
         """Ids taken out of the ring other than by ``alloc``: not here any more."""
-        self.pos[ids] = NOT_HERE
+        self.pos[ids] = self.not_here
 
     def slots(self, start: int, n: int) -> np.ndarray:
-        """``start, start + 1, ..., start + n - 1`` (int64), to use at once: a view of a
-        window of slot numbers, shifted in place when ``start`` leaves it (no allocation, no
-        fresh memory to fault in, per ``free``)."""
+        """Slots ``start .. start + n - 1`` as stored in ``pos`` (less ``base``), to use at
+        once: a view of a window of them, refilled in place when ``start`` leaves it (no
+        allocation, no fresh memory to fault in, per ``free``)."""
+        if start + n - self.base > self.rebase_at:
+            self.rebase()
         window = self.window
         i = start - self.window_base
         if i >= 0 and i + n <= window.shape[0]:
             return window[i:i + n]
+        first = start - self.base
         if n > window.shape[0]:
-            return np.arange(start, start + n, dtype=np.int64)
-        window += start - self.window_base
+            return np.arange(first, first + n, dtype=self.pos.dtype)
+        np.add(self.ramp, first, out=window)
         self.window_base = start
         return window[:n]
+
+    def rebase(self) -> None:
+        """Move ``base`` up to ``head``: cached ids keep their slots (relative to the new
+        base), ids in use become ``in_use``; O(capacity)."""
+        shift = self.head - self.base
+        pos = self.pos
+        kept = np.where(pos == self.not_here, self.not_here, pos - shift)
+        pos[:] = np.where(pos < shift, self.in_use, kept)
+        self.base = self.head
+        self.window_base = -(self.window.shape[0] + 1)  # refilled at the next ``slots``
 
     # -- alloc --------------------------------------------------------------------------------
 
@@ -367,7 +390,7 @@ class PageCacheCore:
         ids = np.concatenate((reserved, got[:need])).astype(ID_DTYPE, copy=False)
         self.push(got[need:])
         self.reserved -= reserved.shape[0]
-        self.pos[ids] = IN_USE
+        self.pos[ids] = self.in_use
         self.n_in_use += n
         self.refills += 1
         self.fetched += got.shape[0]
@@ -398,18 +421,19 @@ class PageCacheCore:
                                   f"{arr.shape}", field="ids")
         if arr.shape[0] == 1:
             value = arr[0]
-            if not (0 < value <= self.capacity and self.pos[value] < self.head):
+            if not (0 < value <= self.capacity and self.pos[value] < self.head - self.base):
                 raise self.free_error(arr)
-            self.pos[value] = self.tail
+            self.pos[value] = self.slots(self.tail, 1)[0]
         return arr
 
     def in_use_of(self, ids: Any) -> np.ndarray:
         """Per id: handed out by this cache and not freed (False for an id out of range)."""
-        return self.pos.take(np.asarray(ids).astype(np.intp), mode="clip") < self.head
+        ids = np.asarray(ids).astype(np.intp)
+        return self.pos.take(ids, mode="clip") < self.head - self.base
 
     def handed_out(self) -> np.ndarray:
         """Every id handed out and not freed, ascending (int32); O(capacity)."""
-        in_use = self.pos[1:self.capacity + 1] < self.head
+        in_use = self.pos[1:self.capacity + 1] < self.head - self.base
         return (np.flatnonzero(in_use) + 1).astype(ID_DTYPE)
 
     def free_ids(self, ids: Any) -> tuple[np.ndarray, bool]:
@@ -430,15 +454,17 @@ class PageCacheCore:
             arr = self.unmark_few(arr)
         else:
             n = arr.shape[0]
+            if self.tail + n - self.base > self.rebase_at:
+                self.rebase()  # first: ``was`` below must be relative to the base it uses
             # One conversion for the three fancy ops (an int32 index costs ~0.5 us more in
             # each); a uint64 id past 2**63 becomes negative: clipped to the sentinel 0.
             idx = arr if arr.dtype is INTP else arr.astype(np.intp)
             pos = self.pos
             tail = self.tail
-            was = pos.take(idx, mode="clip")  # out of range: a sentinel, NOT_HERE
+            was = pos.take(idx, mode="clip")  # out of range: a sentinel, not_here
             # Every id in use: the largest slot is behind ``head`` (``argmax`` is a plain C
             # loop, ~1 us less than ``max``).
-            if n > self.capacity or was[was.argmax()] >= self.head:
+            if n > self.capacity or was[was.argmax()] >= self.head - self.base:
                 raise self.free_error(arr)
             i = tail - self.window_base
             if i >= 0 and i + n <= self.window.shape[0]:
@@ -485,7 +511,7 @@ class PageCacheCore:
                 return InvalidArgument(
                     f"{head}: repeated (also at ids[{seen[value]}]); list each id once; "
                     "nothing was freed", field=where)
-            if not self.pos[value] < self.head:
+            if not self.pos[value] < self.head - self.base:
                 return FailedPrecondition(
                     f"{head}: not in use in this page cache (never handed out by it, or "
                     "already freed: a double free?); nothing was freed", field=where)
@@ -499,7 +525,7 @@ class PageCacheCore:
 
     def unforget(self, arr: np.ndarray) -> None:
         """Undo ``free_ids`` after ``close``: the Free was refused."""
-        self.pos[arr] = IN_USE
+        self.pos[arr] = self.in_use
         self.n_in_use += arr.shape[0]
 
     # -- the worker ---------------------------------------------------------------------------

@@ -39,8 +39,10 @@ def i32(ids: list[int]) -> np.ndarray:
 class CoreMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        # A window of 4 slot numbers: ``free`` and ``push`` shift it often, or go past it.
-        self.core = PageCacheCore("p", "kv", CAP, low=2, high=6, batch=2, window=4)
+        # A window of 4 slot numbers (``free`` and ``push`` refill it often, or go past it),
+        # and a rebase every few dozen slots.
+        self.core = PageCacheCore("p", "kv", CAP, low=2, high=6, batch=2, window=4,
+                                  rebase_at=3 * CAP)
         self.queue: deque[int] = deque()  # cached, the next handed out first
         self.in_use: set[int] = set()
         self.daemon = set(range(1, CAP + 1))  # held by nobody: the daemon's to give
@@ -149,12 +151,17 @@ class CoreMachine(RuleBasedStateMachine):
             ids, cls, where = [*good[:2], x], FailedPrecondition, f"ids[{len(good[:2])}]"
         else:
             ids, cls, where = [*good[:1], CAP + 1], InvalidArgument, f"ids[{len(good[:1])}]"
-        before = (self.core.pos.copy(), self.core.head, self.core.tail, self.core.n_in_use)
+        before = self.state()
         with pytest.raises(KVPoolError) as info:
             self.core.free_ids(i32(ids))
         assert type(info.value) is cls and info.value.field == where
-        after = (self.core.pos, self.core.head, self.core.tail, self.core.n_in_use)
-        assert np.array_equal(after[0], before[0]) and after[1:] == before[1:]
+        assert self.state() == before
+
+    def state(self) -> tuple[list[int], list[int], int, int]:
+        """What a refused free must leave alone (a rebase may re-encode the slots)."""
+        core = self.core
+        return (core.read(core.head, core.cached).tolist(), core.handed_out().tolist(),
+                core.head, core.tail)
 
     # -- the end ------------------------------------------------------------------------------
 
@@ -194,3 +201,23 @@ def test_an_id_listed_65537_times_is_refused() -> None:
     assert info.value.field == "ids[1]"
     assert np.array_equal(core.pos, before)
     assert core.free_ids(ids)[0].tolist() == ids.tolist()  # both still in use: freed at once
+
+
+@pytest.mark.parametrize("bad", ["repeat", "cached"])
+def test_a_refused_free_that_crosses_a_rebase_changes_nothing(bad: str) -> None:
+    """The free that would move ``base`` is refused after its checks read the slots: what it
+    read must still be valid when it puts them back."""
+    core = PageCacheCore("p", "kv", capacity=8, low=0, high=8, batch=1, window=2,
+                         rebase_at=12)
+    core.push(np.arange(1, 9, dtype=np.int32))
+    ids = core.take(6)
+    assert ids is not None
+    core.free_ids(ids[:2])  # tail 10: a free of 3 more crosses 12
+    handed, cached = core.handed_out().tolist(), core.read(core.head, core.cached).tolist()
+    bad_ids = [ids[2], ids[3], ids[2]] if bad == "repeat" else [ids[2], ids[3], ids[0]]
+    with pytest.raises(KVPoolError):
+        core.free_ids(np.asarray(bad_ids, dtype=np.int32))
+    assert core.handed_out().tolist() == handed
+    assert core.read(core.head, core.cached).tolist() == cached
+    assert core.free_ids(ids[2:6])[0].tolist() == ids[2:6].tolist()  # still in use, all four
+    assert core.handed_out().tolist() == []
