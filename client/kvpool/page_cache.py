@@ -86,6 +86,7 @@ INTP = np.dtype(np.intp)
 # ``pos`` holds int32 slot numbers relative to ``base`` (int64 for a space of more than 2**28
 # ids): half the memory the checks of a ``free`` touch per id.
 SMALL_SPACE = 1 << 28
+REBASE_CHUNK = 1 << 20
 SLOT_WINDOW = 4096  # slot numbers kept ready for ``free`` (32 KiB, shifted every 4,096)
 
 
@@ -342,8 +343,11 @@ class PageCacheCore:
         base), ids in use become ``in_use``; O(capacity)."""
         shift = self.head - self.base
         pos = self.pos
-        kept = np.where(pos == self.not_here, self.not_here, pos - shift)
-        pos[:] = np.where(pos < shift, self.in_use, kept)
+        for lo in range(0, pos.shape[0], REBASE_CHUNK):  # bounded temporaries
+            part = pos[lo:lo + REBASE_CHUNK]
+            in_use = part < shift
+            np.subtract(part, shift, out=part, where=part != self.not_here)
+            part[in_use] = self.in_use
         self.base = self.head
         self.window_base = -(self.window.shape[0] + 1)  # refilled at the next ``slots``
 

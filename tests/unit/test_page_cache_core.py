@@ -18,6 +18,7 @@ from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvpool import page_cache
 from kvpool.errors import FailedPrecondition, InvalidArgument, KVPoolError
 from kvpool.page_cache import GIVE_BACK, RETURN, PageCacheCore
 
@@ -221,3 +222,21 @@ def test_a_refused_free_that_crosses_a_rebase_changes_nothing(bad: str) -> None:
     assert core.read(core.head, core.cached).tolist() == cached
     assert core.free_ids(ids[2:6])[0].tolist() == ids[2:6].tolist()  # still in use, all four
     assert core.handed_out().tolist() == []
+
+
+def test_a_rebase_in_chunks_keeps_every_id_where_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rebase walks ``pos`` a chunk at a time (bounded temporaries); ids in use, cached and
+    not here keep their meaning across chunk borders, and the queue its order."""
+    monkeypatch.setattr(page_cache, "REBASE_CHUNK", 4)
+    core = PageCacheCore("p", "kv", capacity=30, low=0, high=30, batch=1)
+    core.push(np.arange(30, 5, -1, dtype=np.int32))  # ids 1..5 are not here
+    ids = core.take(12)
+    assert ids is not None
+    core.free_ids(ids[::3])
+    handed, cached = core.handed_out().tolist(), core.read(core.head, core.cached).tolist()
+    core.rebase()
+    assert core.base == core.head
+    assert core.handed_out().tolist() == handed
+    assert core.read(core.head, core.cached).tolist() == cached
+    assert not core.in_use_of(np.arange(0, 7)).any()
+    assert core.take(len(cached)).tolist() == cached  # served in the same order
