@@ -63,16 +63,16 @@ measured), so the variants take turns, ``--block`` (50) steps each, until each h
 whole trace; a burst lands on all of them alike. Within its turn a variant runs alone (running
 the variants strictly step by step instead would put five other variants' work between two
 steps of one; ``--block 1`` shows that, ``--block 2000`` runs them one after another). Each
-round replays the whole trace this way; ``--rounds`` (3) rounds, the ratios computed per round
+round replays the whole trace this way; ``--rounds`` (5) rounds, the ratios computed per round
 and their median printed with the rounds' range.
 
 Printed: per variant the median over the rounds of its p50, p99 and mean per-step allocator
 time (us) (pages allocated and freed are asserted identical across variants), the target ratios
-with "met"/"MISSED", and the page cache's counters. Run from the repository root (about half a
+with "met"/"MISSED", and the page cache's counters. Run from the repository root (about a
 minute on 2 cores):
 
     PYTHONPATH=client:service python bench/engine_step.py [--steps 2000] [--seed 0]
-        [--requests 256] [--rounds 3]
+        [--requests 256] [--rounds 5] [--block 50] [--background]
 """
 
 from __future__ import annotations
@@ -625,7 +625,7 @@ def main() -> int:
     parser.add_argument("--background", action="store_true",
                         help="let the page cache's worker thread refill and return (default: "
                              "the engine calls cache.maintain() between steps)")
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--rounds", type=int, default=5,
                         help="rounds of every variant, one after another; medians are printed")
     parser.add_argument("--block", type=int, default=50,
                         help="steps a variant runs per turn before the next takes over")
