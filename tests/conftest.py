@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import Phase, settings
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHONPATH = os.pathsep.join(str(REPO / p) for p in ("client", "service"))
@@ -36,6 +37,16 @@ TINY_PAGES = 256
 
 
 @pytest.fixture
+def stateful_settings(examples: int, steps: int) -> settings:
+    """Settings for the model-based (hypothesis stateful) tests: derandomized, so every run
+    explores the same programs. No shrinking: minimizing a failing program of dozens of steps
+    takes hypothesis minutes; a failure is reported in seconds, and adding Phase.shrink locally
+    minimizes it."""
+    return settings(max_examples=examples, stateful_step_count=steps, derandomize=True,
+                    database=None, deadline=None,
+                    phases=(Phase.explicit, Phase.reuse, Phase.generate))
+
+
 def tiny_spec() -> dict[str, Any]:
     return dict(TINY_SPEC)
 

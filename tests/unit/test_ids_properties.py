@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -21,19 +20,10 @@ from kvpool.errors import FailedPrecondition, InvalidArgument, KVPoolError, Reso
 from kvpool.plan import FULL_TO_SWA, IdSpaceSpec
 from kvpoold.ids import IdSpace, MappingBuffer, PoolIds
 from kvpoold.ids.faults import Reason
+from tests.conftest import stateful_settings
 
 OWNERS = st.integers(min_value=1, max_value=3)
-# Derandomized, so every run explores the same programs. No shrinking: minimizing a failing
-# 40-step program takes hypothesis minutes; a failure is reported in seconds, and adding
-# Phase.shrink locally minimizes it.
-SETTINGS = settings(
-    max_examples=80,
-    stateful_step_count=40,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    phases=(Phase.explicit, Phase.reuse, Phase.generate),
-)
+SETTINGS = stateful_settings(examples=80, steps=40)
 REASONS = {
     "range": (InvalidArgument, Reason.OUT_OF_RANGE),
     "repeated": (InvalidArgument, Reason.REPEATED),

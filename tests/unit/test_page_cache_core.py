@@ -14,23 +14,16 @@ from collections import deque
 
 import numpy as np
 import pytest
-from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpool import page_cache
 from kvpool.errors import FailedPrecondition, InvalidArgument, KVPoolError
 from kvpool.page_cache import GIVE_BACK, RETURN, PageCacheCore
+from tests.conftest import stateful_settings
 
 CAP = 11
-SETTINGS = settings(
-    max_examples=120,
-    stateful_step_count=60,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    phases=(Phase.explicit, Phase.reuse, Phase.generate),
-)
+SETTINGS = stateful_settings(examples=120, steps=60)
 
 
 def i32(ids: list[int]) -> np.ndarray:
