@@ -36,7 +36,6 @@ TINY_OPTIONS: dict[str, Any] = {"budget_bytes": 1 << 20, "page_size": 16,
 TINY_PAGES = 256
 
 
-@pytest.fixture
 def stateful_settings(examples: int, steps: int) -> settings:
     """Settings for the model-based (hypothesis stateful) tests: derandomized, so every run
     explores the same programs. No shrinking: minimizing a failing program of dozens of steps
@@ -47,6 +46,7 @@ def stateful_settings(examples: int, steps: int) -> settings:
                     phases=(Phase.explicit, Phase.reuse, Phase.generate))
 
 
+@pytest.fixture
 def tiny_spec() -> dict[str, Any]:
     return dict(TINY_SPEC)
 
