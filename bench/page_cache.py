@@ -5,13 +5,13 @@ From this process (the client) against ``kvpoold serve`` in another process on a
 
 1. ``lease.allocate(pool, "kv", 1)`` then ``lease.free(pool, "kv", ids)``: two gRPC calls.
 2. ``cache.alloc(1)`` then ``cache.free(ids)`` on a ``PageCache`` (low 64, high 512): served
-   from the local stack; the RPC count during the run is printed (0 in steady state). Once
+   locally; the RPC count during the run is printed (0 in steady state). Once
    interleaved with series 1 (each right after an RPC pair: gRPC's threads still hold the GIL
    then, which is what an engine mixing RPCs and cache calls sees) and once alone (what an
    engine that allocates only through the cache sees).
 3. The same through ``AsyncPageCache`` (``await``; no suspension on a hit), on its own loop.
 4. Engine-shaped churn through the sync cache: 600 allocs of 1 page, then 600 frees, with a
-   0.2 ms pause that releases the GIL (a forward pass, untimed) every 16 calls, so the stack
+   0.2 ms pause that releases the GIL (a forward pass, untimed) every 16 calls, so the cache
    crosses both watermarks and the worker refills and returns in the background; p50/p99 of
    each alloc and free, and how many allocs waited. (Without pauses a pure-Python loop holds
    the GIL and the worker thread runs only at the interpreter's 5 ms switch interval.)
