@@ -229,7 +229,7 @@ class PageCacheCore:
 
     The sync :class:`PageCache` calls it under its lock, the asyncio ``AsyncPageCache`` from
     its event loop. Ids move between four places: cached (in the ring), handed out
-    (``in_use``), taken by an ``alloc`` waiting on the daemon (``reserved``), and being
+    (``n_in_use``), taken by an ``alloc`` waiting on the daemon (``reserved``), and being
     returned by the worker (``returning``); all of them are held by the lease.
 
     Layout: the cached ids sit in a ring, at absolute slots ``head..tail - 1`` (slot ``s`` is
@@ -239,9 +239,9 @@ class PageCacheCore:
     hands ids out by moving ``head`` past them and writes nothing per id (its cost is the
     floor's: one slice copied). Ids not held here (never fetched, returned, reserved, out of
     range) have ``pos`` = ``not_here`` (the dtype's largest value), never below; ids handed out
-    by a miss have ``in_use`` (its smallest). Before relative slots outgrow the dtype,
-    ``rebase`` moves ``base`` up to ``head`` (O(capacity), once per 2**30 slots: a billion ids
-    cached).
+    by a miss, or in use when ``base`` moved, have ``by_miss`` (its smallest). Before relative
+    slots outgrow the dtype, ``rebase`` moves ``base`` up to ``head`` (O(capacity), once per
+    2**30 slots: a billion ids cached).
     """
 
     def __init__(self, pool: str, space: str, capacity: int, low: int, high: int,
@@ -259,7 +259,7 @@ class PageCacheCore:
         dtype = np.dtype(np.int32 if capacity <= SMALL_SPACE else np.int64)
         info = np.iinfo(dtype)
         self.not_here = int(info.max)
-        self.in_use = int(info.min)
+        self.by_miss = int(info.min)
         self.rebase_at = int(info.max) // 2 if rebase_at is None else rebase_at
         self.base = 0
         # 4 B per id: ids 1..capacity; 0 and capacity + 1 are sentinels, always not_here, so
@@ -340,14 +340,14 @@ class PageCacheCore:
 
     def rebase(self) -> None:
         """Move ``base`` up to ``head``: cached ids keep their slots (relative to the new
-        base), ids in use become ``in_use``; O(capacity)."""
+        base), ids in use become ``by_miss``; O(capacity)."""
         shift = self.head - self.base
         pos = self.pos
         for lo in range(0, pos.shape[0], REBASE_CHUNK):  # bounded temporaries
             part = pos[lo:lo + REBASE_CHUNK]
             in_use = part < shift
             np.subtract(part, shift, out=part, where=part != self.not_here)
-            part[in_use] = self.in_use
+            part[in_use] = self.by_miss
         self.base = self.head
         self.window_base = -(self.window.shape[0] + 1)  # refilled at the next ``slots``
 
@@ -394,7 +394,7 @@ class PageCacheCore:
         ids = np.concatenate((reserved, got[:need])).astype(ID_DTYPE, copy=False)
         self.push(got[need:])
         self.reserved -= reserved.shape[0]
-        self.pos[ids] = self.in_use
+        self.pos[ids] = self.by_miss
         self.n_in_use += n
         self.refills += 1
         self.fetched += got.shape[0]
@@ -529,7 +529,7 @@ class PageCacheCore:
 
     def unforget(self, arr: np.ndarray) -> None:
         """Undo ``free_ids`` after ``close``: the Free was refused."""
-        self.pos[arr] = self.in_use
+        self.pos[arr] = self.by_miss
         self.n_in_use += arr.shape[0]
 
     # -- the worker ---------------------------------------------------------------------------
