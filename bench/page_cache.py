@@ -29,7 +29,7 @@ import sys
 import time
 
 import numpy as np
-from rpc import SPEC, percentiles, serving_daemon, wait_ready
+from rpc import SPEC, percentiles, serving_daemon
 
 from kvpool.aio import AsyncKVPoolClient
 from kvpool.client import KVPoolClient
@@ -134,7 +134,7 @@ async def async_series(target: str, calls: int) -> dict[str, list[int]]:
 
 def run(target: str, calls: int) -> None:
     with KVPoolClient(target) as client:
-        wait_ready(client)
+        client.wait_serving()
         plan = client.configure(POOL, spec=SPEC, budget_bytes=4 << 20, page_size=1,
                                 max_running_requests=8).plan
         print(f"pool {POOL}: {plan.num_pages:,} slots; {calls:,} calls per series")

@@ -61,24 +61,12 @@ def serving_daemon(prefix: str = "kvp-bench-", budget: str = "64MiB") -> Iterato
     target = f"unix://{tmp / 'kvpool.sock'}"
     try:
         with KVPoolClient(target) as client:
-            wait_ready(client)
+            client.wait_serving()
         yield target
     finally:
         daemon.terminate()
         daemon.wait(30)
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def wait_ready(client: KVPoolClient, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if client.health() == "SERVING":
-                return
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-        time.sleep(0.1)
 
 
 def percentiles(samples_ns: list[int]) -> tuple[float, float]:
@@ -123,7 +111,7 @@ def throughput(lease: Lease, pages: int, seconds: float) -> tuple[float, float]:
 
 def run(target: str, calls: int, seconds: float) -> None:
     with KVPoolClient(target) as client:
-        wait_ready(client)
+        client.wait_serving()
         plan = client.configure(POOL, spec=SPEC, budget_bytes=4 << 20, page_size=1,
                                 max_running_requests=8).plan
         print(f"pool {POOL}: {plan.num_pages:,} slots; {calls:,} interleaved calls each, "

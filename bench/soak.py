@@ -189,16 +189,8 @@ class Daemon:
             [sys.executable, "-m", "kvpoold.cli", "serve", "--listen", self.target,
              "--budget", self.budget, "--shm-dir", str(self.shm_dir), "--log-level", "warning"],
             env=child_env(), cwd=REPO)
-        deadline = time.monotonic() + 60
         with KVPoolClient(self.target, timeout_s=2.0) as client:
-            while True:
-                try:
-                    if client.health() == "SERVING":
-                        break
-                except KVPoolError:
-                    if time.monotonic() > deadline or self.proc.poll() is not None:
-                        raise
-                time.sleep(0.1)
+            client.wait_serving(60.0)
             client.configure(POOL, spec=SPEC, **POOL_OPTIONS)
 
     def rss_mib(self) -> float:

@@ -40,18 +40,6 @@ def start(sock: Path) -> subprocess.Popen[bytes]:
                             env=dict(os.environ), stderr=subprocess.DEVNULL)
 
 
-def wait_serving(client: KVPoolClient, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if client.health() == "SERVING":
-                return
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-        time.sleep(0.1)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pages", type=int, default=64, help="pages of the request's KV")
@@ -63,8 +51,8 @@ def main() -> int:
         try:
             with KVPoolClient(f"unix://{prefill_sock}") as prefill, \
                     KVPoolClient(decode_target) as decode:
-                wait_serving(prefill)
-                wait_serving(decode)
+                prefill.wait_serving()
+                decode.wait_serving()
                 opts = {"page_size": 16, "max_running_requests": 8}
                 prefill.configure(POOL, spec=MODEL, budget_bytes=32 << 20, **opts)
                 decode.configure(POOL, spec=MODEL, budget_bytes=64 << 20, **opts)

@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -27,7 +28,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpool import codec, wire
-from kvpool.errors import KVPoolError, NotFound
+from kvpool.errors import KVPoolError, NotFound, Unavailable
 from kvpool.limits import MESSAGE_SIZE_OPTIONS
 from kvpool.page_cache import closed_error
 from kvpool.records import AttachInfo, ConfigureResult, Released, Stats
@@ -155,6 +156,28 @@ class KVPoolClient:
         except grpc.RpcError as exc:
             raise wire.error_from_rpc(exc, self.target) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def wait_serving(self, timeout_s: float = 60.0) -> None:
+        """Poll the health service until the daemon answers ``SERVING`` (a daemon just
+        started imports torch first: a second or two).
+
+        Raises:
+            Unavailable: not serving after ``timeout_s``, with the last answer or error. Other
+                errors (a refused token) are raised at once: waiting would not mend them.
+        """
+        deadline = time.monotonic() + timeout_s
+        last = "no answer"
+        while True:
+            try:
+                last = self.health()
+                if last == "SERVING":
+                    return
+            except Unavailable as exc:  # not listening yet
+                last = str(exc)
+            if time.monotonic() >= deadline:
+                raise Unavailable(f"kvpoold at {self.target} is not serving after "
+                                  f"{timeout_s:g} s: {last}")
+            time.sleep(0.05)
 
     def configure(self, pool: str, *, hf_config: Any = None, spec: Any = None,
                   dry_run: bool = False, timeout_s: float | None = None,

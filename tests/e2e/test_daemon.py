@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.client import KVPoolClient
+from kvpool.errors import Unavailable
 from tests.conftest import (
     REPO,
     TINY_OPTIONS,
@@ -222,3 +223,25 @@ def test_kvpool_target_is_the_default_target(shared_daemon: DaemonProcess) -> No
     out = subprocess.run([sys.executable, "-m", "kvpool.cli", "stats", "--json"], cwd=REPO,
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "/nonexistent/kvpool.sock" in out.stderr
+
+
+def test_wait_serving_waits_for_a_daemon_that_is_starting() -> None:
+    """``client.wait_serving`` right after the daemon process is spawned (the socket does not
+    exist yet, and the daemon still imports torch) returns once it answers SERVING; with no
+    daemon at all it raises Unavailable naming the target after its timeout."""
+    with temp_dir() as tmp:
+        sock = tmp / "kvpool.sock"
+        target = f"unix://{sock}"
+        with KVPoolClient(target, timeout_s=1.0) as client:
+            with pytest.raises(Unavailable, match=r"not serving after 0\.3 s"):
+                client.wait_serving(0.3)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kvpoold.cli", "serve", "--listen", target,
+                 "--log-level", "warning"], cwd=REPO, env=subprocess_env())
+            try:
+                assert not sock.exists()  # asked before the daemon listens
+                client.wait_serving(60.0)
+                assert client.health() == "SERVING"
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(30) == 0
