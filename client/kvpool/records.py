@@ -25,7 +25,9 @@ class SpaceStats(msgspec.Struct, frozen=True, kw_only=True):
 
     ``allocs`` / ``frees`` count ids (not calls) since the pool was built, reclaim included, so
     ``used == allocs - frees``; ``failed_allocs`` counts refused Allocate calls; ``high_water``
-    is the largest ``used`` seen.
+    is the largest ``used`` seen. ``pinned`` ids are being moved by a transfer between daemons
+    (they cannot be freed); ``quarantined`` ids (counted in ``used``) belong to no lease: their
+    lease ended while a transfer moved them, and they come back free when it ends.
     """
 
     capacity: int
@@ -38,6 +40,8 @@ class SpaceStats(msgspec.Struct, frozen=True, kw_only=True):
     unit: str = "ids"
     bytes_per_unit: int = 0
     follows: str = ""
+    pinned: int = 0
+    quarantined: int = 0
 
 
 class PoolStats(msgspec.Struct, frozen=True, kw_only=True):

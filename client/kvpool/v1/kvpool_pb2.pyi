@@ -487,7 +487,7 @@ class WatchStatsRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., interval_seconds: _Optional[float] = ...) -> None: ...
 
 class SpaceStats(_message.Message):
-    __slots__ = ("kind", "capacity", "used", "free", "high_water", "allocs", "frees", "failed_allocs", "space", "unit", "bytes_per_unit", "follows")
+    __slots__ = ("kind", "capacity", "used", "free", "high_water", "allocs", "frees", "failed_allocs", "space", "unit", "bytes_per_unit", "follows", "pinned", "quarantined")
     KIND_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     USED_FIELD_NUMBER: _ClassVar[int]
@@ -500,6 +500,8 @@ class SpaceStats(_message.Message):
     UNIT_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_UNIT_FIELD_NUMBER: _ClassVar[int]
     FOLLOWS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     kind: Kind
     capacity: int
     used: int
@@ -512,7 +514,9 @@ class SpaceStats(_message.Message):
     unit: str
     bytes_per_unit: int
     follows: str
-    def __init__(self, kind: _Optional[_Union[Kind, str]] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., free: _Optional[int] = ..., high_water: _Optional[int] = ..., allocs: _Optional[int] = ..., frees: _Optional[int] = ..., failed_allocs: _Optional[int] = ..., space: _Optional[str] = ..., unit: _Optional[str] = ..., bytes_per_unit: _Optional[int] = ..., follows: _Optional[str] = ...) -> None: ...
+    pinned: int
+    quarantined: int
+    def __init__(self, kind: _Optional[_Union[Kind, str]] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., free: _Optional[int] = ..., high_water: _Optional[int] = ..., allocs: _Optional[int] = ..., frees: _Optional[int] = ..., failed_allocs: _Optional[int] = ..., space: _Optional[str] = ..., unit: _Optional[str] = ..., bytes_per_unit: _Optional[int] = ..., follows: _Optional[str] = ..., pinned: _Optional[int] = ..., quarantined: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
     __slots__ = ("name", "fingerprint", "architecture", "kv_cache_dtype", "page_size", "max_total_num_tokens", "max_running_requests", "backing_bytes", "spaces", "attached", "age_seconds", "handle_kind")

@@ -12,7 +12,10 @@ from kvpool.errors import FailedPrecondition, InvalidArgument, KVPoolError
 
 # Owners and ids live in int32 arrays (ids also travel as little-endian int32 on the wire).
 INT32_MAX = (1 << 31) - 1
-OWNER_MAX = INT32_MAX
+OWNER_MAX = INT32_MAX - 1
+# The owner of ids whose lease ended while a transfer was moving them (``IdSpace.reclaim``):
+# they are neither free nor any lease's until the last transfer unpins them.
+QUARANTINE = INT32_MAX
 # The largest space: ids 1..N plus the two sentinel slots 0 and N + 1 must stay int32-indexable.
 CAPACITY_MAX = INT32_MAX - 1
 
@@ -25,6 +28,7 @@ class Reason(enum.Enum):
     NOT_ALLOCATED = "not allocated"
     OTHER_OWNER = "held by another lease"
     RELEASED = "already released"
+    PINNED = "in a transfer in flight"
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +136,14 @@ def fault_error(
                 "not allocated (already free: a double free?); free only ids this lease was "
                 "given and still holds"
             )
+        case Reason.OTHER_OWNER if fault.holder == QUARANTINE:
+            cls = FailedPrecondition
+            why = ("quarantined: its lease ended while a transfer was moving it, and it comes "
+                   "back free when that transfer ends")
+        case Reason.PINNED:
+            cls = FailedPrecondition
+            why = ("pinned by a transfer in flight (a receive grant or a send of this lease); "
+                   "free it once WaitTransfer says the transfer ended")
         case Reason.OTHER_OWNER:
             cls = FailedPrecondition
             # Owners are internal numbers: messages name no owner (the caller knows its own

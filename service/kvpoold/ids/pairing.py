@@ -160,6 +160,11 @@ class Pairing:
         """
         # The leader's one-pass free checks every id; once it passed, each id was the owner's,
         # so its link (if any) is a follower id the owner holds.
+        pinned = self._follower_pinned(ids)
+        if pinned >= 0:
+            raise self.error(Fault(pinned, Reason.PINNED), owner, ids,
+                             action=action or f"free {self.leader.label}", field=field,
+                             done=done)
         count = self.leader.free(owner, ids, action=action, field=field, done=done)
         if count:
             self._unlink_and_free(owner, ids.astype(np.intp))
@@ -212,16 +217,28 @@ class Pairing:
             The first fault in position order, or None.
         """
         fault = self.leader.check(owner, idx)
-        if release is False:
-            return fault
         # Positions before the first ownership fault are in range and held: their link is valid.
         end = idx.shape[0] if fault is None else fault.pos
+        pinned = self._follower_pinned(idx[:end])
+        if pinned >= 0:
+            return Fault(pinned, Reason.PINNED)
+        if release is False:
+            return fault
         gone = self._link[idx[:end]] == 0
         if isinstance(release, np.ndarray):
             gone &= release[:end]
         if gone.any():
             return Fault(int(gone.argmax()), Reason.RELEASED)
         return fault
+
+    def _follower_pinned(self, ids: np.ndarray) -> int:
+        """The first position of leader ``ids`` whose linked follower id a transfer moves
+        (a release or free of it is refused), or -1; nothing at all before any pin."""
+        if not self.follower.pinned:
+            return -1
+        linked = self._link.take(ids.astype(np.intp), mode="clip").astype(np.intp)
+        pinned = self.follower.pinned_of(linked) & (linked != 0)
+        return int(pinned.argmax()) if pinned.any() else -1
 
     def commit_free(self, owner: int, idx: np.ndarray) -> int:
         """Free leader ids ``idx`` (intp) and their links, checked with :meth:`check` (as frees)
@@ -320,9 +337,10 @@ class Pairing:
         Raises:
             Internal: a held set disagrees with its owner array (see ``IdSpace.reclaim``).
         """
+        held = self.leader.held_ids(owner)  # freed or quarantined below: unlinked either way
         lead = self.leader.reclaim(owner)
-        if lead.shape[0]:
-            self._write(lead.astype(np.intp), 0)
+        if held.shape[0]:
+            self._write(held.astype(np.intp), 0)
         return lead, self.follower.reclaim(owner)
 
     def paired_of(self, ids: np.ndarray) -> np.ndarray:
@@ -358,7 +376,8 @@ class Pairing:
             (self._link[0] == 0, "entry 0 linked"),
             (bool((lead_owner > 0).all()), f"a free {self.leader.name} id is linked"),
             (distinct(follow), "a follower id linked twice"),
-            (linked.shape[0] == self.follower.used, "linked count != follower used"),
+            (linked.shape[0] == self.follower.used - self.follower.quarantined,
+             "linked count != follower ids held by leases"),
         ]
         if linked.shape[0] and all(ok for ok, _ in checks):
             same = self.follower.owner_of(follow) == lead_owner

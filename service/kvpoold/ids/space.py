@@ -12,6 +12,17 @@ grow by doubling and, past ``SHRINK_ABOVE`` entries, shrink once three quarters 
 - ``_slot`` (int32, N + 2): each held id's position in its owner's held set.
 - per owner a ``_Held``: the ids it holds, exactly, as a sparse set (``ids[:n]``; a free moves
   the set's last ids into the holes it leaves), so reclaim reads O(held), never O(N).
+- ``_pins`` (int32, N + 2; made at the space's first pin, so only pools that move pages between
+  daemons pay its 4 bytes per id): how many transfers are moving each id now.
+
+Each id has one owner and one state, and this ledger is the only place that says which:
+
+- **free**: on the stack, owner 0;
+- **held**: by one lease (owner = its number), which may free it;
+- **pinned** (held, or quarantined, with ``_pins > 0``): a transfer is reading or writing it.
+  A free of it is refused; its lease's end does not free it;
+- **quarantined**: its lease ended while it was pinned. It is held by the reserved owner
+  :data:`QUARANTINE`, so no lease can free or be handed it, and the last unpin frees it.
 
 Every call is O(count) (O(held) for reclaim): a space of 16M ids costs per call what one of 1K
 ids does. Callers below the daemon's edge pass trusted arguments: owners in ``1..OWNER_MAX``,
@@ -32,7 +43,9 @@ from kvpool.plan import IdSpaceSpec
 from kvpool.records import SpaceStats
 from kvpoold.ids.faults import (
     CAPACITY_MAX,
+    QUARANTINE,
     Fault,
+    Reason,
     Space,
     fault_error,
     first_fault,
@@ -109,6 +122,8 @@ class IdSpace:
         self._high_water = 0
         self._frees = 0
         self._failed_allocs = 0
+        self._pins: np.ndarray | None = None  # made by the first pin
+        self._pinned = 0  # ids with a pin now
 
     # -- take -------------------------------------------------------------------------------
 
@@ -250,7 +265,7 @@ class IdSpace:
                     return 1
             elif count:
                 idx = ids.astype(np.intp)
-                if self._mark(owner, idx):
+                if self._mark(owner, idx) and self._unpinned(owner, idx):
                     self._remove(owner, held, idx)
                     self._frees += count
                     return count
@@ -264,6 +279,8 @@ class IdSpace:
         """Free id ``i`` if ``owner`` holds it (scalar reads and writes); False changes nothing."""
         owners = self._owner
         if not 1 <= i <= self.capacity or owners[i] != owner:
+            return False
+        if self._pins is not None and self._pins[i]:
             return False
         slots, held_ids = self._slot, held.ids
         last = held.n - 1
@@ -302,11 +319,27 @@ class IdSpace:
         held = self._held.get(owner)
         if held is not None and count <= held.n and self._mark(owner, idx):
             self._owner[idx] = owner  # undo the pending marks
-            return None
+            pinned = self._first_pinned(idx)
+            return None if pinned < 0 else Fault(pinned, Reason.PINNED)
         fault = first_fault(self._owner, owner, idx)
         if fault is None:
             raise Internal(f"free {self.label}: refused by the fast check but no fault found")
         return fault
+
+    def _unpinned(self, owner: int, idx: np.ndarray) -> bool:
+        """After a successful :meth:`_mark`: True when no id of ``idx`` is pinned; else undo
+        the marks and return False."""
+        if self._pins is None or not self._pins.take(idx).any():
+            return True
+        self._owner[idx] = owner
+        return False
+
+    def _first_pinned(self, idx: np.ndarray) -> int:
+        """The first position of ``idx`` (ids in range) that is pinned, or -1."""
+        if self._pins is None:
+            return -1
+        pinned = self._pins.take(idx, mode="clip") != 0
+        return int(pinned.argmax()) if pinned.any() else -1
 
     def commit(self, owner: int, idx: np.ndarray) -> int:
         """Free ids already checked with :meth:`check`, with no call changing this space between.
@@ -363,8 +396,9 @@ class IdSpace:
             return False
         return True
 
-    def _remove(self, owner: int, held: _Held, idx: np.ndarray) -> None:
-        """Free checked ids ``idx`` (intp, distinct, the owner's; maybe marked pending)."""
+    def _remove(self, owner: int, held: _Held, idx: np.ndarray, push: bool = True) -> None:
+        """Free checked ids ``idx`` (intp, distinct, the owner's; maybe marked pending); with
+        ``push`` False they only leave the owner's set (owner 0, not on the free stack)."""
         owners, slots = self._owner, self._slot
         count = idx.shape[0]
         n = held.n
@@ -381,9 +415,10 @@ class IdSpace:
                 stay = tail[left != 0]
                 held.ids[holes] = stay
                 slots[stay] = holes
-        head = self._head - count
-        self._stack[head : self._head] = idx
-        self._head = head
+        if push:
+            head = self._head - count
+            self._stack[head : self._head] = idx
+            self._head = head
         held.n = keep
         if not keep:
             self._drop(owner, held)
@@ -423,7 +458,10 @@ class IdSpace:
         action = action or f"free {self.label}"
         fault = first_fault(self._owner, owner, ids)
         if fault is None:
-            return Internal(f"{action}: refused by the fast check but no fault found")
+            pinned = self._first_pinned(ids.astype(np.intp))
+            if pinned < 0:
+                return Internal(f"{action}: refused by the fast check but no fault found")
+            fault = Fault(pinned, Reason.PINNED)
         return fault_error(
             fault,
             action=action,
@@ -458,6 +496,14 @@ class IdSpace:
                 f"reclaim {self.label}: owner {owner}'s held set ({held.n} ids) disagrees "
                 "with the owner array; nothing was freed"
             )
+        if self._pins is not None:
+            pinned = self._pins[idx] != 0
+            if pinned.any():  # a transfer still moves these: quarantine them, free the rest
+                self._quarantine(ids[pinned])
+                ids, idx = ids[~pinned], idx[~pinned]
+                if not ids.shape[0]:
+                    return ids
+                held = self._held[owner]  # the set without the quarantined ids
         count = held.n
         self._owner[idx] = 0
         head = self._head - count
@@ -467,6 +513,88 @@ class IdSpace:
         self._drop(owner, held)
         self._frees += count
         return ids
+
+    def _quarantine(self, ids: np.ndarray) -> None:
+        """Move held, pinned ``ids`` (int32, one owner's, distinct) to :data:`QUARANTINE`."""
+        idx = ids.astype(np.intp)
+        owner = int(self._owner[idx[0]])
+        self._remove(owner, self._held[owner], idx, push=False)
+        into = self._held_of(QUARANTINE)
+        n = into.n
+        stop = n + ids.shape[0]
+        if stop > into.ids.shape[0]:
+            room = into.ids.shape[0]
+            while room < stop:
+                room *= 2
+            into.resize(room)
+        into.ids[n:stop] = ids
+        self._owner[idx] = QUARANTINE
+        self._slot[idx] = np.arange(n, stop, dtype=np.int32)
+        into.n = stop
+
+    # -- pins (transfers in flight) ---------------------------------------------------------
+
+    def pin(self, idx: np.ndarray) -> None:
+        """One more transfer moves each id of ``idx`` (intp, distinct, held): it cannot be
+        freed, and its lease's end quarantines it, until as many :meth:`unpin` calls.
+
+        Raises:
+            Internal: an id is free (the caller checks holdings first).
+        """
+        if not idx.shape[0]:
+            return
+        owners = self._owner.take(idx, mode="clip")
+        if not (owners > 0).all():
+            raise Internal(f"pin {self.label}: an id to pin is free or out of range")
+        if self._pins is None:
+            self._pins = np.zeros(self.capacity + 2, dtype=np.int32)
+        pins = self._pins
+        before = pins[idx]
+        self._pinned += int((before == 0).sum())
+        pins[idx] = before + 1
+
+    def unpin(self, idx: np.ndarray) -> int:
+        """One transfer fewer moves each id of ``idx`` (intp, distinct, pinned); a quarantined
+        id whose last pin this was is freed.
+
+        Returns:
+            How many quarantined ids were freed.
+
+        Raises:
+            Internal: an id is not pinned (unbalanced pins: a caller bug).
+        """
+        if not idx.shape[0]:
+            return 0
+        pins = self._pins
+        if pins is None or not pins.take(idx, mode="clip").all():
+            raise Internal(f"unpin {self.label}: an id to unpin is not pinned")
+        after = pins[idx] - 1
+        pins[idx] = after
+        done = idx[after == 0]
+        self._pinned -= done.shape[0]
+        if not done.shape[0]:
+            return 0
+        lost = done[self._owner[done] == QUARANTINE]
+        if lost.shape[0]:
+            self._remove(QUARANTINE, self._held[QUARANTINE], lost)
+            self._frees += lost.shape[0]
+        return int(lost.shape[0])
+
+    def pinned_of(self, idx: np.ndarray) -> np.ndarray:
+        """Which of ``idx`` (intp, in range) a transfer moves now (bool per id)."""
+        if self._pins is None:
+            return np.zeros(idx.shape[0], dtype=bool)
+        return self._pins[idx] != 0
+
+    @property
+    def pinned(self) -> int:
+        """Ids a transfer moves now (held or quarantined)."""
+        return self._pinned
+
+    @property
+    def quarantined(self) -> int:
+        """Ids whose lease ended while a transfer moved them, waiting for it to end."""
+        return self.held(QUARANTINE)
 
     @property
     def num_free(self) -> int:
@@ -490,13 +618,18 @@ class IdSpace:
         held = self._held.get(owner)
         return 0 if held is None else held.n
 
+    def held_ids(self, owner: int) -> np.ndarray:
+        """The ids ``owner`` holds (a new int32 array, in no particular order); O(held)."""
+        held = self._held.get(owner)
+        return np.zeros(0, dtype=np.int32) if held is None else held.ids[: held.n].copy()
+
     def holders(self) -> dict[int, int]:
         """``{owner: ids held}`` for every owner holding at least one id.
 
         Returns:
             A new dict.
         """
-        return {owner: held.n for owner, held in self._held.items()}
+        return {owner: held.n for owner, held in self._held.items() if owner != QUARANTINE}
 
     def owner_of(self, ids: np.ndarray) -> np.ndarray:
         """The owner of each id (0 when free).
@@ -547,6 +680,8 @@ class IdSpace:
             unit=self.spec.unit,
             bytes_per_unit=self.spec.bytes_per_unit,
             follows=self.spec.follows or "",
+            pinned=self._pinned,
+            quarantined=self.quarantined,
         )
 
     def audit(self) -> None:
@@ -573,7 +708,25 @@ class IdSpace:
             ]
             values, counts = np.unique(owners[held], return_counts=True)
             in_array = dict(zip(values.tolist(), counts.tolist(), strict=True))
-            checks.append((in_array == self.holders(), "held counts differ from the owner array"))
+            sets = {owner: h.n for owner, h in self._held.items()}
+            checks.append((in_array == sets, "held counts differ from the owner array"))
+            pins = self._pins
+            if pins is None:
+                checks.append((self._pinned == 0, f"{self._pinned} pinned without pins"))
+            else:
+                mine = pins[1 : cap + 1]
+                checks += [
+                    (pins[0] == 0 and pins[cap + 1] == 0, "a sentinel is pinned"),
+                    (bool((mine >= 0).all()), "a pin count is negative"),
+                    (int((mine > 0).sum()) == self._pinned,
+                     f"{int((mine > 0).sum())} ids pinned but pinned == {self._pinned}"),
+                    (not bool(((mine > 0) & ~held).any()), "a free id is pinned"),
+                    (not bool(((owners == QUARANTINE) & (mine == 0)).any()),
+                     "a quarantined id has no pin"),
+                ]
+            if pins is None:
+                checks.append((not bool((owners == QUARANTINE).any()),
+                               "an id is quarantined without pins"))
         for owner, holding in self._held.items():
             mine = holding.ids[: holding.n].astype(np.intp)
             ok_range = bool(((mine >= 1) & (mine <= cap)).all())
