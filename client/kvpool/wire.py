@@ -40,7 +40,9 @@ def error_from_rpc(exc: grpc.RpcError, target: str = "") -> KVPoolError:
     for key, value in metadata or ():
         if key == FIELD_METADATA_KEY:
             field = value if isinstance(value, str) else value.decode()
-    if code == grpc.StatusCode.UNAVAILABLE and target:
+    # The daemon's own UNAVAILABLE answers name their field (a peer it could not reach); only
+    # a call that never reached a daemon is about the target.
+    if code == grpc.StatusCode.UNAVAILABLE and target and field is None:
         details = f"cannot reach kvpoold at {target} ({details}); is `kvpoold serve` running?"
     return error_from_code(code.name if code is not None else "UNKNOWN", details, field)
 

@@ -118,8 +118,15 @@ class ServeConfig(Base):
     )] = None
     tokens_file: Annotated[str | None, _setting(
         "a TOML file of named, scoped tokens: [tokens.NAME] with secret_file = \"PATH\" (a "
-        "0600 file) and admin = true or pools = [\"llama\", \"llama-tp*\"]; a caller's "
-        "identity is its token's name (docs/security.md)",
+        "0600 file) and admin = true, pools = [\"llama\", \"llama-tp*\"] or peer = true (a "
+        "peer daemon: transfers only); a caller's identity is its token's name "
+        "(docs/security.md)",
+        metavar="PATH",
+    )] = None
+    peer_token_file: Annotated[str | None, _setting(
+        "a file (mode 0600) with the secret this daemon presents to peer daemons when it sends "
+        "them pages (default: the --token-file secret); a peer accepts it as an admin or "
+        "peer = true token",
         metavar="PATH",
     )] = None
     unix_auth: Annotated[UnixAuth, _setting(
@@ -171,6 +178,7 @@ class ServeSettings(ServeConfig, kw_only=True):
     budget_bytes: int  # ``budget`` in bytes (a cuda fraction resolved against free memory)
     token: str | None  # ``--token``, or the contents of ``token_file`` (the admin token)
     tokens: tuple[NamedToken, ...] = ()  # ``tokens_file``, read
+    peer_token: str | None = None  # ``peer_token_file`` read, else ``token``: sent to peers
 
 
 DEFAULT_BUDGET_BYTES = parse_size(str(ServeConfig().budget), field="budget")
@@ -261,7 +269,10 @@ def resolve(flags: Mapping[str, Any], config: ServeConfig | None,
         raise InvalidArgument("unix_auth token needs tokens: give --tokens-file or --token-file",
                               field="unix_auth")
     return ServeSettings(**msgspec.structs.asdict(cfg), listeners=listeners,
-                         budget_bytes=budget_bytes, token=token or None, tokens=tokens)
+                         budget_bytes=budget_bytes, token=token or None, tokens=tokens,
+                         peer_token=(_read_token(Path(cfg.peer_token_file),
+                                                 field="peer_token_file")
+                                     if cfg.peer_token_file else token or None))
 
 
 class TokenEntry(Base):
@@ -270,6 +281,7 @@ class TokenEntry(Base):
     secret_file: str
     admin: bool = False
     pools: tuple[str, ...] = ()
+    peer: bool = False
 
 
 class TokensFile(Base):
@@ -278,8 +290,8 @@ class TokensFile(Base):
 
 def load_tokens(path: Path) -> tuple[NamedToken, ...]:
     """Read a ``--tokens-file``: each ``[tokens.NAME]`` has ``secret_file`` (mode 0600, as
-    ``--token-file``) and either ``admin = true`` or ``pools`` (pool names, ``*``/``?``
-    patterns).
+    ``--token-file``) and one of ``admin = true``, ``pools`` (pool names, ``*``/``?``
+    patterns) or ``peer = true`` (a peer daemon: PeerReceive and PeerDone only).
 
     Raises:
         InvalidArgument: unreadable or malformed, a bad name or pattern, a token both admin
@@ -296,12 +308,13 @@ def load_tokens(path: Path) -> tuple[NamedToken, ...]:
     for name, entry in decoded.tokens.items():
         where = f"tokens file {path}, [tokens.{name}]"
         check_token_name(name)
-        if entry.admin == bool(entry.pools):
-            raise InvalidArgument(f"{where}: give admin = true or pools = [...], one of them",
-                                  field="tokens_file")
+        if entry.admin + bool(entry.pools) + entry.peer != 1:
+            raise InvalidArgument(f"{where}: give admin = true, pools = [...] or peer = true, "
+                                  "one of them", field="tokens_file")
         secret = _read_token(Path(entry.secret_file), field="tokens_file")
         out.append(NamedToken(name, secret, Scope(entry.admin,
-                                                  check_pool_patterns(entry.pools, where))))
+                                                  check_pool_patterns(entry.pools, where),
+                                                  entry.peer)))
     if not out:
         raise InvalidArgument(f"tokens file {path} has no [tokens.NAME] table",
                               field="tokens_file")

@@ -199,7 +199,11 @@ def test_refusals(pair: Pair) -> None:
             pair.p.send(pool, src, peer=peer, token=grant.token, lease=pl)
         # Sending pages the sender's lease does not hold.
         with pytest.raises(FailedPrecondition, match="not held by lease"):
-            pair.p.send(pool, src[:4] * 0 + 200, peer=peer, token=grant.token, lease=pl)
+            pair.p.send(pool, np.arange(200, 204, dtype=np.int32), peer=peer,
+                        token=grant.token, lease=pl)
+        # A page listed twice.
+        with pytest.raises(InvalidArgument, match="twice"):
+            pair.p.send(pool, src[:1].repeat(4), peer=peer, token=grant.token, lease=pl)
         # A token the decode daemon never made.
         with pytest.raises(NotFound, match="no receive grant"):
             pair.p.send(pool, src[:4], peer=peer, token=b"\x00" * 16, lease=pl)
@@ -216,21 +220,24 @@ def test_refusals(pair: Pair) -> None:
         with pytest.raises(Aborted, match="expired"):
             short.wait(5)
 
-        # A grant whose pages were freed.
-        freed = dl.grant_receive(pool, dst[4:])
-        dl.free(pool, "kv", dst[6:])
-        with pytest.raises(FailedPrecondition, match="freed"):
-            pair.p.send(pool, src[4:], peer=peer, token=freed.token, lease=pl)
-        assert freed.status().state == TransferState.failed
+        # A granted page cannot be freed: the grant pins it until the grant ends.
+        pinned = dl.grant_receive(pool, dst[4:], ttl_s=0.3)
+        with pytest.raises(FailedPrecondition, match="pinned by a transfer"):
+            dl.free(pool, "kv", dst[6:])
+        with pytest.raises(Aborted, match="expired"):
+            pinned.wait(5)
 
         # An unreachable peer.
         grant2 = dl.grant_receive(pool, dst[4:6])
-        with pytest.raises(Unavailable):
+        with pytest.raises(Unavailable) as dead:
             pair.p.send(pool, src[4:6], peer="unix:///nonexistent/kvpool.sock",
                         token=grant2.token, lease=pl)
+        # The answer names the peer, not the caller's own daemon or socket.
+        assert "peer daemon unix:///nonexistent/kvpool.sock cannot be reached" in str(dead.value)
+        assert pair.prefill.target not in str(dead.value)
         # Nothing changed hands: each lease holds what it allocated.
         held = {x.name: x.held.get(pool, {}).get("kv", 0) for x in pair.d.stats(pool).leases}
-        assert held == {"decode": 6, "other": 2}
+        assert held == {"decode": 8, "other": 2}
         assert pair.p.stats(pool).leases[0].held[pool]["kv"] == 8
 
 
@@ -248,11 +255,11 @@ def test_free_of_a_page_in_flight_is_refused_then_allowed(pair: Pair) -> None:
     with pair.d.lease("decode") as dl:
         dst = dl.allocate(pool, "kv", 4)
         grant = dl.grant_receive(pool, dst)
-        with pytest.raises(FailedPrecondition, match="already in a live receive grant"):
+        with pytest.raises(FailedPrecondition, match="pinned by a transfer"):
             dl.grant_receive(pool, dst[2:])
         pair.d.call("PeerReceive", pb.PeerReceiveRequest(
             token=grant.token, layout=page_layout(plan), pages=4, sender="test-peer"))
-        with pytest.raises(FailedPrecondition, match="in a transfer in flight"):
+        with pytest.raises(FailedPrecondition, match="pinned by a transfer"):
             dl.free(pool, "kv", dst[1:2])
         assert pair.d.stats(pool).leases[0].held[pool]["kv"] == 4  # nothing was freed
         pair.d.call("PeerDone", pb.PeerDoneRequest(token=grant.token, ok=False,
@@ -261,18 +268,23 @@ def test_free_of_a_page_in_flight_is_refused_then_allowed(pair: Pair) -> None:
         assert dl.free(pool, "kv", dst) == 4
 
 
-def test_free_of_a_granted_page_revokes_only_its_grant(pair: Pair) -> None:
-    """Two grants of one lease: freeing a page of the first ends the first, not the second."""
+def test_a_granted_page_is_pinned_until_its_grant_ends(pair: Pair) -> None:
+    """Two grants of one lease: the first's pages cannot be freed nor granted again while it
+    lives; when it expires unused its pages come back to the lease (not freed), the second
+    grant is untouched."""
     pool = "revoke"
     configure(pair, pool, TINY_SPEC)
     with pair.d.lease("decode") as dl:
         a, b = dl.allocate(pool, "kv", 3), dl.allocate(pool, "kv", 3)
-        first, second = dl.grant_receive(pool, a), dl.grant_receive(pool, b)
-        dl.free(pool, "kv", a[1:2])
-        assert first.status().state == TransferState.failed
-        assert "freed" in first.status().message
+        first, second = dl.grant_receive(pool, a, ttl_s=0.3), dl.grant_receive(pool, b)
+        with pytest.raises(FailedPrecondition, match="pinned by a transfer"):
+            dl.free(pool, "kv", a[1:2])
+        assert pair.d.stats(pool).pools[0].spaces["kv"].pinned == 6
+        with pytest.raises(Aborted, match="expired"):
+            first.wait(5)
         assert second.status().state == TransferState.pending
-        # The freed grant's other pages can be granted again.
+        assert pair.d.stats(pool).pools[0].spaces["kv"].pinned == 3
+        assert dl.free(pool, "kv", a[1:2]) == 1  # unpinned, still the lease's
         assert dl.grant_receive(pool, a[::2]).status().state == TransferState.pending
 
 

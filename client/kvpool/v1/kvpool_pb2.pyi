@@ -823,25 +823,25 @@ class PageLayout(_message.Message):
     def __init__(self, architecture: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., tp_size: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[PageBuffer, _Mapping]]] = ...) -> None: ...
 
 class PeerReceiveRequest(_message.Message):
-    __slots__ = ("token", "layout", "pages", "swa_mask", "known_agent", "known_generation", "sender")
+    __slots__ = ("token", "layout", "pages", "swa_mask", "known_agent", "sender", "known_generations")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     SWA_MASK_FIELD_NUMBER: _ClassVar[int]
     KNOWN_AGENT_FIELD_NUMBER: _ClassVar[int]
-    KNOWN_GENERATION_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     token: bytes
     layout: PageLayout
     pages: int
     swa_mask: bytes
     known_agent: str
-    known_generation: int
     sender: str
-    def __init__(self, token: _Optional[bytes] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., pages: _Optional[int] = ..., swa_mask: _Optional[bytes] = ..., known_agent: _Optional[str] = ..., known_generation: _Optional[int] = ..., sender: _Optional[str] = ...) -> None: ...
+    known_generations: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token: _Optional[bytes] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., pages: _Optional[int] = ..., swa_mask: _Optional[bytes] = ..., known_agent: _Optional[str] = ..., sender: _Optional[str] = ..., known_generations: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PeerReceiveResponse(_message.Message):
-    __slots__ = ("agent", "generation", "agent_metadata", "buffer_addresses", "pages", "swa_pages", "notification", "memory", "device")
+    __slots__ = ("agent", "generation", "agent_metadata", "buffer_addresses", "pages", "swa_pages", "notification", "memory", "device", "write_deadline_seconds")
     AGENT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -851,6 +851,7 @@ class PeerReceiveResponse(_message.Message):
     NOTIFICATION_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    WRITE_DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     agent: str
     generation: int
     agent_metadata: bytes
@@ -860,7 +861,8 @@ class PeerReceiveResponse(_message.Message):
     notification: bytes
     memory: str
     device: int
-    def __init__(self, agent: _Optional[str] = ..., generation: _Optional[int] = ..., agent_metadata: _Optional[bytes] = ..., buffer_addresses: _Optional[_Iterable[int]] = ..., pages: _Optional[bytes] = ..., swa_pages: _Optional[bytes] = ..., notification: _Optional[bytes] = ..., memory: _Optional[str] = ..., device: _Optional[int] = ...) -> None: ...
+    write_deadline_seconds: float
+    def __init__(self, agent: _Optional[str] = ..., generation: _Optional[int] = ..., agent_metadata: _Optional[bytes] = ..., buffer_addresses: _Optional[_Iterable[int]] = ..., pages: _Optional[bytes] = ..., swa_pages: _Optional[bytes] = ..., notification: _Optional[bytes] = ..., memory: _Optional[str] = ..., device: _Optional[int] = ..., write_deadline_seconds: _Optional[float] = ...) -> None: ...
 
 class PeerDoneRequest(_message.Message):
     __slots__ = ("token", "ok", "message")

@@ -9,8 +9,10 @@ The model (docs/security.md):
   (``context.peer()`` is ``"unix:"`` and the auth context says only ``insecure``), so there is
   no per-user identity on the socket. A TCP listener served without any token (loopback, or
   ``--allow-insecure-tcp``) calls its callers :data:`INSECURE_TCP_IDENTITY`.
-- A **scope** is what an identity may use: ``admin`` (every pool, every lease in Stats), or a
-  list of pool-name patterns (``llama``, ``llama-tp*``). The local identity and the single
+- A **scope** is what an identity may use: ``admin`` (every pool, every lease in Stats), a
+  list of pool-name patterns (``llama``, ``llama-tp*``), or ``peer``: another daemon, which may
+  call only the daemon-to-daemon methods (PeerReceive, PeerDone) and no pool. Those two methods
+  answer only admin and peer callers, never a tenant. The local identity and the single
   ``--token`` are admin.
 - Leases belong to the identity that opened them and are proven by their secret
   (``kvpoold.server.leases.LeaseTable.prove``); Stats shows a non-admin caller only its own.
@@ -54,6 +56,7 @@ class Scope:
 
     admin: bool = False
     pools: tuple[str, ...] = ()
+    peer: bool = False  # a peer daemon: PeerReceive and PeerDone only
 
     def covers(self, pool: str) -> bool:
         return self.admin or any(fnmatch.fnmatchcase(pool, p) for p in self.pools)
@@ -61,6 +64,8 @@ class Scope:
     def describe(self) -> str:
         if self.admin:
             return "admin"
+        if self.peer:
+            return "the daemon-to-daemon methods only (a peer token)"
         return "pools " + (", ".join(self.pools) if self.pools else "(none)")
 
 
@@ -77,6 +82,19 @@ class Caller:
     @property
     def admin(self) -> bool:
         return self.scope.admin
+
+    def check_peer(self, method: str) -> None:
+        """Raise unless the caller is a peer daemon (an admin or peer token, or the local
+        identity): tenants never reach the daemon-to-daemon methods.
+
+        Raises:
+            PermissionDenied: a tenant (a pool-scoped token).
+        """
+        if not (self.scope.admin or self.scope.peer):
+            raise PermissionDenied(
+                f"identity {self.identity!r} may use {self.scope.describe()}; {method} answers "
+                "only peer daemons (an admin token, or a token with peer = true in "
+                "--tokens-file)", field="authorization")
 
     def sees(self, pool: str) -> bool:
         """Whether the scope covers ``pool`` (Stats lists only those)."""

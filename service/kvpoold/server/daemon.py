@@ -51,7 +51,6 @@ from kvpoold.server.stats import take_stats
 from kvpoold.sharing.base import BackingFactory
 from kvpoold.transfer import NIXL_MISSING, NixlAgent, Outgoing, Transfers
 from kvpoold.transfer.grants import ReceiveGrant
-from kvpoold.transfer.layout import KV_SPACE, TRANSFER_SPACES
 
 log = logging.getLogger("kvpoold.daemon")
 
@@ -135,13 +134,17 @@ class Daemon:
         # while nobody waits, so Free costs nothing extra then.
         self._freed: asyncio.Event | None = None
         self.transfers = Transfers(self.pool, self.leases, clock, nixl_agent, nixl_off,
-                                   peer_token)
+                                   peer_token, on_freed=self._notify_freed)
+        # Dropped pools whose memory waits for transfers still moving bytes in it: their
+        # bytes stay charged to the budget until it is released.
+        self._draining_bytes: dict[str, int] = {}
 
     # -- budget ----------------------------------------------------------------------------
 
     @property
     def used_bytes(self) -> int:
-        return sum(e.plan.backing_bytes for e in self.pools.values())
+        return (sum(e.plan.backing_bytes for e in self.pools.values())
+                + sum(self._draining_bytes.values()))
 
     def available_bytes(self) -> int:
         return max(0, self.budget_bytes - self.used_bytes - self._reserved_bytes)
@@ -167,6 +170,11 @@ class Daemon:
         new_plan, fingerprint = planned.plan, planned.fingerprint
         while name in self._building:  # the same name is being built: wait, then look again
             await self._building[name].wait()
+        if name in self._draining_bytes:
+            raise FailedPrecondition(
+                f"pool {name!r} was dropped while transfers were moving its pages; its memory "
+                "is released when they end (at the latest their write deadline plus the fence "
+                "margin); Configure it again then, or use another name", field="pool")
         existing = self.pools.get(name)
         if existing is not None:
             if existing.fingerprint != fingerprint:
@@ -459,14 +467,8 @@ class Daemon:
         ids = entry.ids
         typed = [(ids.space(name, f"items[{i}].space", allocating=False), arr)
                  for i, (name, arr) in enumerate(items)]
-        # O(len(ids)); nothing for a pool that never had a receive grant or a send.
-        for space, arr in typed:
-            if space.name in TRANSFER_SPACES:
-                self.transfers.before_free(lease.owner, pool, arr, swa=space.name != KV_SPACE)
+        # The ledger refuses pinned ids itself (a transfer in flight moves them).
         freed = sum(ids.free(lease.owner, typed).values())
-        for space, arr in typed:  # grants cover KV pages; a freed one revokes its grant
-            if space.name == KV_SPACE:
-                self.transfers.after_free(pool, arr)
         self._notify_freed()
         return freed
 
@@ -524,14 +526,20 @@ class Daemon:
         held = {name: {s: n for s, n in reclaimed.items() if n}} if holders else {}
         detached = self.attachments.remove_pool(name)
         del self.pools[name]
-        self.transfers.pool_gone(name)
-        entry.close()
+        # The memory goes now, or once no transfer can move bytes in it any more (its bytes
+        # stay charged until then).
+        self._draining_bytes[name] = entry.plan.backing_bytes
+        self.transfers.pool_gone(name, lambda: self._release_dropped(name, entry))
         self._notify_freed()  # Allocates waiting on give-backs in it: NOT_FOUND now
         log.info("pool dropped", extra={"fields": {
             "event": "drop", "pool": name, "force": force, "reclaimed": sum(reclaimed.values()),
             "detached": detached, "released_bytes": entry.plan.backing_bytes,
         }})
         return Released(held, detached, entry.plan.backing_bytes)
+
+    def _release_dropped(self, name: str, entry: LivePool) -> None:
+        entry.close()
+        self._draining_bytes.pop(name, None)
 
     def _shown_to(self, caller: Caller, owner: int) -> bool:
         """Whether the caller may see the lease ``owner`` by name and id (admin, or its own)."""
@@ -645,9 +653,9 @@ class Daemon:
     def close(self) -> None:
         """Release every pool and the factory (shutdown). Idempotent."""
         for name, entry in self.pools.items():
-            self.transfers.pool_gone(name)
-            entry.close()
+            self.transfers.pool_gone(name, entry.close)
         self.pools.clear()
+        self.transfers.release_draining()  # shutdown: nothing waits for late writes now
         self.attachments.clear()
         self._factory.close()
 

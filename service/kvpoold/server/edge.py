@@ -23,9 +23,11 @@ from kvpool.options import PlanOptions
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpoold.ids import Grant
 from kvpoold.server.leases import Lease
-from kvpoold.server.records import ConfigureArgs, LeaseRef
+from kvpoold.server.records import ConfigureArgs, LeaseRef, PeerDoneArgs, PeerReceiveArgs
 from kvpoold.transfer import Outgoing
-from kvpoold.transfer.grants import ReceiveGrant
+from kvpoold.transfer.grants import MAX_GRANT_PAGES, ReceiveGrant, check_token
+from kvpoold.transfer.nixl_agent import MAX_KNOWN_GENERATIONS
+from kvpoold.transfer.transfers import MAX_MESSAGE_CHARS, MAX_PEER_CHARS, Acceptance
 
 # The PlanOptions fields a ConfigureRequest carries, by the same name; unset ones are left to
 # the plan's defaults (optional numbers by presence, strings when empty, bools when false).
@@ -238,3 +240,72 @@ def send_response(out: Outgoing) -> pb.SendResponse:
 
 def peer_done_response() -> pb.PeerDoneResponse:
     return pb.PeerDoneResponse()
+
+
+def _bounded(text: str, limit: int, field: str, what: str) -> str:
+    """A string of a request, at most ``limit`` characters (refused, never logged, beyond)."""
+    if len(text) > limit:
+        raise InvalidArgument(f"{field} has {len(text):,} characters, at most {limit:,} "
+                              f"({what})", field=field)
+    return text
+
+
+def peer_receive_args(req: pb.PeerReceiveRequest) -> PeerReceiveArgs:
+    """A PeerReceive request as typed, bounded values.
+
+    Raises:
+        InvalidArgument: a token, sender, page count, mask or known registrations over their
+            bounds.
+    """
+    if not 1 <= req.pages <= MAX_GRANT_PAGES:
+        raise InvalidArgument(f"pages is {req.pages}; a transfer moves 1..{MAX_GRANT_PAGES}",
+                              field="pages")
+    if len(req.swa_mask) > MAX_GRANT_PAGES:
+        raise InvalidArgument(f"swa_mask has {len(req.swa_mask):,} bytes, at most "
+                              f"{MAX_GRANT_PAGES:,} (one per page)", field="swa_mask")
+    if len(req.known_generations) > MAX_KNOWN_GENERATIONS:
+        raise InvalidArgument(f"known_generations has {len(req.known_generations)} entries, at "
+                              f"most {MAX_KNOWN_GENERATIONS}", field="known_generations")
+    _check_layout(req.layout)
+    return PeerReceiveArgs(
+        token=check_token(req.token), layout=req.layout, pages=req.pages,
+        swa_mask=req.swa_mask,
+        known_agent=_bounded(req.known_agent, MAX_PEER_CHARS, "known_agent", "a NIXL agent name"),
+        known_generations=frozenset(req.known_generations),
+        sender=_bounded(req.sender, MAX_PEER_CHARS, "sender", "a NIXL agent name") or "?")
+
+
+# A page layout's bounds: its names are echoed in refusals, so each is short.
+MAX_LAYOUT_BUFFERS = 4096
+MAX_LAYOUT_CHARS = 128
+
+
+def _check_layout(layout: pb.PageLayout) -> None:
+    if len(layout.buffers) > MAX_LAYOUT_BUFFERS:
+        raise InvalidArgument(f"layout has {len(layout.buffers):,} buffers, at most "
+                              f"{MAX_LAYOUT_BUFFERS:,}", field="layout.buffers")
+    for name in ("architecture", "kv_cache_dtype"):
+        _bounded(getattr(layout, name), MAX_LAYOUT_CHARS, f"layout.{name}", "a plan's value")
+    for i, b in enumerate(layout.buffers):
+        for name in ("name", "dtype", "kind", "id_space"):
+            _bounded(getattr(b, name), MAX_LAYOUT_CHARS, f"layout.buffers[{i}].{name}",
+                     "a plan's value")
+
+
+def peer_receive_response(acc: Acceptance) -> pb.PeerReceiveResponse:
+    return pb.PeerReceiveResponse(
+        agent=acc.agent, generation=acc.generation, agent_metadata=acc.metadata,
+        buffer_addresses=acc.buffer_addresses, pages=codec.ids_to_bytes(acc.pages),
+        swa_pages=codec.ids_to_bytes(acc.swa_pages), notification=acc.notification,
+        memory=acc.memory, device=acc.device, write_deadline_seconds=acc.write_deadline_s)
+
+
+def peer_done_args(req: pb.PeerDoneRequest) -> PeerDoneArgs:
+    """A PeerDone request as typed, bounded values.
+
+    Raises:
+        InvalidArgument: a token or message over its bound.
+    """
+    return PeerDoneArgs(token=check_token(req.token), ok=req.ok,
+                        message=_bounded(req.message, MAX_MESSAGE_CHARS, "message",
+                                         "why the write failed"))

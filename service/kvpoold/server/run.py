@@ -218,7 +218,7 @@ async def run(
     # Lease deadlines run on a clock that stands still while the loop is stalled (loop_clock).
     lease_clock = StallClock()
     daemon = Daemon(settings.device, settings.budget_bytes, factory, nixl_agent=agent,
-                    nixl_off=nixl_off, peer_token=settings.token, lease_clock=lease_clock,
+                    nixl_off=nixl_off, peer_token=settings.peer_token, lease_clock=lease_clock,
                     max_leases_per_identity=settings.max_leases_per_identity,
                     max_attachments_per_identity=settings.max_attachments_per_identity)
     stop = stop or asyncio.Event()

@@ -236,11 +236,14 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
     @rpc_errors
     async def PeerReceive(self, request: pb.PeerReceiveRequest, context: Ctx
                           ) -> pb.PeerReceiveResponse:
-        self._caller(context)  # a peer daemon, authenticated; the grant token is the capability
-        return self._daemon.transfers.peer_receive(request)
+        # Peer daemons only, never a tenant; the grant's token is then the capability.
+        self._caller(context).check_peer("PeerReceive")
+        acceptance = self._daemon.transfers.peer_receive(edge.peer_receive_args(request))
+        return edge.peer_receive_response(acceptance)
 
     @rpc_errors
     async def PeerDone(self, request: pb.PeerDoneRequest, context: Ctx) -> pb.PeerDoneResponse:
-        self._caller(context)
-        self._daemon.transfers.peer_done(request.token, request.ok, request.message)
+        self._caller(context).check_peer("PeerDone")
+        args = edge.peer_done_args(request)
+        self._daemon.transfers.peer_done(args.token, args.ok, args.message)
         return edge.peer_done_response()

@@ -2,11 +2,17 @@
 
 A grant is made by the lease holding the pages (GrantReceive) and named by an opaque token of
 :data:`TOKEN_BYTES` random bytes (``secrets.token_bytes``): whoever holds the token may have
-one transfer written into those pages, and nothing else. A grant ends as
+one transfer written into those pages, and nothing else. The grant **pins** its pages in the
+ledger from the start (``IdSpace.pin``: no Free, no second grant, and its lease's end
+quarantines them) until its *write window* closes:
 
-- ``done``: the sender's write completed (its NIXL notification arrived);
-- ``failed``: it expired, its pages were freed or its lease ended (revoked), or the sender
-  reported a failed write.
+- before a sender is accepted, the window closes when the grant ends: it expired, or its lease
+  ended or its pool was dropped (revoked);
+- once a sender is accepted (PeerReceive), only the write itself closes it: its NIXL
+  notification (``done``), the sender's PeerDone with ``ok = false`` (it cancelled its write),
+  or the **fence**: the write deadline given to the sender plus :data:`FENCE_MARGIN_S`. A
+  revoke then ends the record (``failed``) but the pages stay pinned (quarantined) until the
+  window closes, so a late write can only land in pages no lease holds.
 
 Ended grants are kept :data:`ENDED_KEEP_S` (at most :data:`MAX_ENDED` of them) so the decode
 side can still read how they ended. Every count is bounded: live grants per daemon and per
@@ -16,8 +22,6 @@ lease, pages per grant. All state is owned by the daemon's event loop (no locks)
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 import secrets
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -27,6 +31,7 @@ import numpy as np
 
 from kvpool.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvpool.records import TransferState, TransferStatus
+from kvpoold.deadlines import DeadlineHeap
 
 TOKEN_BYTES = 16
 MAX_TOKEN_BYTES = 64
@@ -38,6 +43,12 @@ MIN_GRANT_TTL_S = 0.1
 MAX_GRANT_TTL_S = 3600.0
 ENDED_KEEP_S = 60.0
 MAX_ENDED = 4096
+# An accepted sender must finish its write within the grant's TTL (at least MIN_WRITE_S, at
+# most MAX_WRITE_S) from its PeerReceive request, or cancel it; the pages come back this much
+# after that deadline (what a cancelled write may still have in flight).
+MIN_WRITE_S = 1.0
+MAX_WRITE_S = 300.0
+FENCE_MARGIN_S = 2.0
 
 
 @dataclass(eq=False, kw_only=True)
@@ -88,8 +99,10 @@ class ReceiveGrant(TransferRecord):
     peer: str = ""
     accepted_at: float = 0.0
     notification: bytes = b""
-    slot: int = 0  # its mark on the pool's pages (transfer.marks.PageMarks); 0 when ended
-    swa_written: np.ndarray | None = None  # the SWA pages its accepted sender writes
+    write_s: float = 0.0  # the accepted sender's write deadline, from its request
+    fence_at: float = 0.0  # when the pages come back if the write never reports its end
+    # Gives the pages' pins back (exactly once); None once the window closed.
+    unpin: Callable[[], None] | None = field(default=None, repr=False)
 
     def ended_text(self) -> str:
         """Why a grant takes no transfer now, for refusals."""
@@ -128,12 +141,12 @@ class GrantTable:
         self._on_end = on_end
         self._by_token: dict[bytes, ReceiveGrant] = {}
         self._by_owner: dict[int, list[ReceiveGrant]] = {}
+        # Accepted grants whose write window is open, by the notification their write carries.
         self._by_notification: dict[bytes, ReceiveGrant] = {}
         self._ended: deque[ReceiveGrant] = deque()
-        # (expires_at, sequence, grant) of grants made, live or ended since: a sweep pops what
-        # is due (O(due)) instead of scanning every grant.
-        self._deadlines: list[tuple[float, int, ReceiveGrant]] = []
-        self._seq = itertools.count()
+        # (when, sequence, grant): each grant's expiry, and its fence once accepted. A sweep
+        # pops what is due (O(due)) instead of scanning every grant.
+        self._deadlines = DeadlineHeap[ReceiveGrant]()
         self.live = 0
 
     def __iter__(self) -> Iterator[ReceiveGrant]:
@@ -141,11 +154,14 @@ class GrantTable:
 
     @property
     def receiving(self) -> int:
+        """Accepted grants whose write window is still open."""
         return len(self._by_notification)
 
     def add(self, pool: str, lease_id: int, owner: int, pages: np.ndarray,
-            swa_pages: np.ndarray | None, ttl_s: float) -> ReceiveGrant:
-        """A new grant (pages already checked as held by ``owner``).
+            swa_pages: np.ndarray | None, ttl_s: float,
+            pin: Callable[[], Callable[[], None]]) -> ReceiveGrant:
+        """A new grant (pages already checked as held by ``owner`` and unpinned); ``pin``
+        pins them once every check passed and returns what unpins them.
 
         Raises:
             InvalidArgument: a TTL outside MIN..MAX_GRANT_TTL_S.
@@ -168,11 +184,11 @@ class GrantTable:
         now = self._clock()
         token = secrets.token_bytes(TOKEN_BYTES)
         grant = ReceiveGrant(token, pool, lease_id, owner, pages, swa_pages, now, now + ttl_s)
+        grant.unpin = pin()
         self._by_token[token] = grant
-        heapq.heappush(self._deadlines, (grant.expires_at, next(self._seq), grant))
-        if len(self._deadlines) > 2 * self.live + 1024:  # mostly grants that ended early
-            self._deadlines = [e for e in self._deadlines if e[2].state == TransferState.pending]
-            heapq.heapify(self._deadlines)
+        self._deadlines.push(grant.expires_at, grant)
+        if len(self._deadlines) > 2 * (self.live + self.receiving) + 1024:
+            self._deadlines.keep(lambda g: g.unpin is not None)  # mostly ended early
         mine.append(grant)
         self.live += 1
         return grant
@@ -196,8 +212,8 @@ class GrantTable:
         return self._by_owner.get(owner, [])
 
     def accept(self, grant: ReceiveGrant, peer: str, nbytes: int) -> bytes:
-        """Mark a pending grant as receiving from ``peer``; returns the notification its
-        write must carry.
+        """Mark a pending grant as receiving from ``peer``, with its write deadline
+        (``grant.write_s``) and fence; returns the notification its write must carry.
 
         Raises:
             FailedPrecondition: it ended, or a sender was already accepted.
@@ -218,15 +234,22 @@ class GrantTable:
         grant.peer = peer
         grant.nbytes = nbytes
         grant.accepted_at = now
+        grant.write_s = min(MAX_WRITE_S, max(MIN_WRITE_S, grant.expires_at - grant.created_at))
+        grant.fence_at = now + grant.write_s + FENCE_MARGIN_S
         grant.notification = b"kvpool1:" + secrets.token_hex(8).encode()
         self._by_notification[grant.notification] = grant
+        self._deadlines.push(grant.fence_at, grant)
         return grant.notification
 
     def by_notification(self, message: bytes) -> ReceiveGrant | None:
         return self._by_notification.get(message)
 
     def end(self, grant: ReceiveGrant, state: TransferState, message: str) -> None:
-        """End a live grant (no-op for one already ended)."""
+        """End a live grant's record (no-op for one already ended). Its pages come back now
+        unless a sender was accepted: then only when its write window closes
+        (:meth:`close_window`)."""
+        if not grant.receiving:
+            self._unpin(grant)
         if not grant.finish(state, message, self._clock()):
             return
         self.live -= 1
@@ -235,13 +258,25 @@ class GrantTable:
             mine.remove(grant)
             if not mine:
                 del self._by_owner[grant.owner]
-        if grant.notification:
-            self._by_notification.pop(grant.notification, None)
         self._ended.append(grant)
         while len(self._ended) > MAX_ENDED:
             self._by_token.pop(self._ended.popleft().token, None)
         if self._on_end is not None:
             self._on_end(grant)
+
+    def close_window(self, grant: ReceiveGrant, state: TransferState, message: str) -> None:
+        """The accepted write is over (its notification came, the sender cancelled it, or the
+        fence passed): end the record as ``state`` if it is still pending, give the pages
+        back."""
+        self.end(grant, state, message)
+        self._unpin(grant)
+
+    def _unpin(self, grant: ReceiveGrant) -> None:
+        unpin, grant.unpin = grant.unpin, None
+        if grant.notification:
+            self._by_notification.pop(grant.notification, None)
+        if unpin is not None:
+            unpin()
 
     def revoke_owner(self, owner: int, why: str, pool: str | None = None) -> int:
         """End every live grant of ``owner`` (in ``pool``, or all); returns how many."""
@@ -258,17 +293,17 @@ class GrantTable:
         return len(ended)
 
     def expire(self) -> None:
-        """End live grants past their expiry; forget ended ones kept over ENDED_KEEP_S."""
+        """End grants no sender took before their expiry, close the write windows whose fence
+        passed; forget ended grants kept over ENDED_KEEP_S."""
         now = self._clock()
-        due = []
-        while self._deadlines and self._deadlines[0][0] <= now:
-            grant = heapq.heappop(self._deadlines)[2]
-            if grant.state == TransferState.pending:
-                due.append(grant)
-        for grant in due:
-            what = (f"the write from {grant.peer} did not complete before the grant expired "
-                    "(the sender failed or is gone)") if grant.receiving else (
-                "the receive grant expired before any transfer used it")
-            self.end(grant, TransferState.failed, what)
+        for grant in self._deadlines.pop_due(now):
+            if not grant.receiving:
+                self.end(grant, TransferState.failed,
+                         "the receive grant expired before any transfer used it")
+            elif grant.unpin is not None and now >= grant.fence_at:
+                self.close_window(grant, TransferState.failed, (
+                    f"the write from {grant.peer} did not complete within its "
+                    f"{grant.write_s:g} s deadline (the sender failed, is stopped or gone); "
+                    f"the pages came back at the fence, {FENCE_MARGIN_S:g} s later"))
         while self._ended and now - self._ended[0].ended_at > ENDED_KEEP_S:
             self._by_token.pop(self._ended.popleft().token, None)

@@ -6,15 +6,24 @@ The flow (docs/pd-transfer.md):
    token to the prefill engine.
 2. The prefill engine asks its daemon to send pages its lease holds (:meth:`Transfers.send`):
    this daemon calls the peer's ``PeerReceive`` with the token and its page layout; the peer
-   checks the grant and the layout and answers the granted pages' addresses (and its NIXL
-   agent metadata when this daemon's copy is stale: once per peer and registration change).
+   checks the grant and the layout and answers the granted pages' addresses, a write deadline,
+   and the NIXL metadata of the granted pool's registration when this daemon has not loaded it
+   (once per peer and registration; never the metadata of another pool).
 3. This daemon posts one NIXL WRITE of every page of every buffer, carrying the notification
-   the peer asked for, and watches it; the peer's daemon watches for the notification.
+   the peer asked for, and watches it until it ends or its deadline passes (then it is
+   cancelled); the peer's daemon watches for the notification.
 4. Both sides end their record: ``done``, or ``failed`` with the reason (a failed write is
    also told to the peer with ``PeerDone``). Engines wait with WaitTransfer.
 
-Pages stay owned as they were whatever happens: a transfer never frees or allocates. While
-a write is in flight its pages are busy on both sides: a Free of them is refused.
+Pages stay owned as they were whatever happens: a transfer never frees or allocates. Every
+page a transfer moves is **pinned in the ledger** (``IdSpace.pin``) on both sides for as long
+as bytes may move: the grant's pages from GrantReceive until its write window closes (see
+``grants``), a send's pages from Send until its write's handle is released. A Free of a pinned
+page is refused, and a lease's end quarantines its pinned pages (no other lease can be handed
+them) until the last unpin frees them. Nothing outside the ledger is consulted by Free.
+
+Only peer daemons call PeerReceive and PeerDone (the servicer checks the caller); a self-send is
+refused before anything is posted.
 
 All state is owned by the daemon's event loop; NIXL calls are made on it too (microseconds
 each; registration of a new pool runs in Configure's worker thread).
@@ -42,12 +51,16 @@ from kvpool.errors import (
     InvalidArgument,
     KVPoolError,
     NotFound,
+    PermissionDenied,
     Unauthenticated,
+    Unavailable,
 )
 from kvpool.plan import PoolPlan
 from kvpool.records import PeerStats, TransferState, TransferStatus
 from kvpool.targets import channel_target
 from kvpool.v1 import kvpool_pb2 as pb
+from kvpoold.ids import IdSpace
+from kvpoold.ids.space import distinct
 from kvpoold.transfer.grants import (
     DEFAULT_GRANT_TTL_S,
     MAX_GRANT_PAGES,
@@ -57,21 +70,20 @@ from kvpoold.transfer.grants import (
     check_token,
 )
 from kvpoold.transfer.layout import KV_SPACE, SWA_SPACE, layout_mismatch, page_buffers, page_layout
-from kvpoold.transfer.marks import PageMarks
 from kvpoold.transfer.nixl_agent import NIXL_MISSING, NixlAgent, mem_type
 
 if TYPE_CHECKING:
     from kvpool.aio import AsyncKVPoolClient
     from kvpoold.server.leases import LeaseTable
     from kvpoold.server.live_pools import LivePool
+    from kvpoold.server.records import PeerReceiveArgs
 
 log = logging.getLogger("kvpoold.transfer")
 
 MAX_PEER_CHARS = 512
+MAX_MESSAGE_CHARS = 1024
 MAX_PEERS = 256
 PEER_TIMEOUT_S = 10.0
-# A posted write still in progress after this long is cancelled and reported failed.
-MAX_WRITE_S = 300.0
 MAX_WAIT_S = 3600.0
 MAX_ENDED_SENDS = 4096
 # Completion polling. The agent has no progress thread (see nixl_agent), so a write moves
@@ -84,6 +96,22 @@ SPIN_S = 0.5
 MAX_POLL_S = 0.001
 RECEIVER_POLL_S = 0.001
 
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """What PeerReceive answers an accepted sender (``edge.peer_receive_response``)."""
+
+    agent: str
+    generation: int
+    metadata: bytes  # the granted pool's registration only; empty when the sender has it
+    buffer_addresses: list[int]
+    pages: np.ndarray
+    swa_pages: np.ndarray
+    notification: bytes
+    memory: str
+    device: int
+    write_deadline_s: float
 
 
 @dataclass(eq=False)
@@ -101,7 +129,11 @@ class Outgoing(TransferRecord):
     identity: str = ""  # the caller identity of the sending lease: only it may WaitTransfer
     swa_pages: np.ndarray | None = None  # the SWA pairs of ``pages`` it sends (hybrid SWA)
     posted_at: float = 0.0
+    deadline: float = 0.0  # time.monotonic() by which the write must end (from the peer)
     handle: Any = None
+    # Gives the pages' pins back (exactly once): when nothing was posted, or once the posted
+    # write's handle is released. None after.
+    unpin: Any = None
     # The pool while its write may be reading it: a forced Drop meanwhile must not unmap the
     # memory under NIXL (the views keep the mapping; dropped when the write ends).
     source: Any = None
@@ -112,7 +144,7 @@ class Outgoing(TransferRecord):
 
 
 def check_pages(data: bytes, field: str) -> np.ndarray:
-    """Page ids as sent: whole little-endian int32, 1..MAX_GRANT_PAGES of them.
+    """Page ids as sent: whole little-endian int32, 1..MAX_GRANT_PAGES of them, each once.
 
     Raises:
         InvalidArgument: otherwise.
@@ -124,14 +156,17 @@ def check_pages(data: bytes, field: str) -> np.ndarray:
     if not 1 <= n <= MAX_GRANT_PAGES:
         raise InvalidArgument(f"{field} has {n} page ids; a transfer moves 1..{MAX_GRANT_PAGES}",
                               field=field)
-    return codec.ids_from_bytes(data)
+    pages = codec.ids_from_bytes(data)
+    if not distinct(pages):
+        raise InvalidArgument(f"{field} lists a page twice; list each page once", field=field)
+    return pages
 
 
 def check_peer(peer: str) -> str:
     """A peer daemon's address as a gRPC target.
 
     Raises:
-        InvalidArgument: empty or over MAX_PEER_CHARS.
+        InvalidArgument: empty or over MAX_PEER_CHARS, or not an address.
     """
     if not peer or len(peer) > MAX_PEER_CHARS:
         raise InvalidArgument(
@@ -169,22 +204,28 @@ class Transfers:
         agent: the NIXL agent, or None (every transfer RPC then fails with ``why_off``).
         why_off: what to tell callers when ``agent`` is None.
         peer_token: the bearer token sent to peers (their TCP listeners need it).
+        on_freed: called when unpinning freed quarantined ids (Allocates waiting for ids).
     """
 
     def __init__(self, pool: Callable[[str], LivePool], leases: LeaseTable,
                  clock: Callable[[], float], agent: NixlAgent | None = None,
-                 why_off: str = NIXL_MISSING, peer_token: str | None = None) -> None:
+                 why_off: str = NIXL_MISSING, peer_token: str | None = None,
+                 on_freed: Callable[[], None] | None = None) -> None:
         self._pool = pool
         self._leases = leases
         self._clock = clock
         self.agent = agent
         self._why_off = why_off
         self._peer_token = peer_token
+        self._on_freed = on_freed
         self.grants = GrantTable(clock, self._grant_ended)
         self._sends: dict[int, Outgoing] = {}
         self._ended_sends: deque[Outgoing] = deque()
         self._sending: dict[int, list[Outgoing]] = {}  # owner -> its sends in flight
-        self._marks: dict[str, PageMarks] = {}  # pool -> its pages' grants and transfers
+        # Per pool: how many grants and sends hold pins in it now, and, for a pool dropped
+        # meanwhile, what closes its memory once the last of them is gone.
+        self._pinning: dict[str, int] = {}
+        self._draining: dict[str, Callable[[], None]] = {}
         self._ids = itertools.count(1)
         self._clients: OrderedDict[str, AsyncKVPoolClient] = OrderedDict()
         self._peer_agent: dict[str, str] = {}  # peer target -> its agent, as last answered
@@ -211,18 +252,87 @@ class Transfers:
         if self.agent is not None:
             self.agent.register(entry.name, entry.backing.tensor)
 
-    def pool_gone(self, name: str) -> None:
-        """A pool is being dropped: its grants end, its sends fail, NIXL forgets its region."""
-        self.grants.revoke_pool(name, f"pool {name!r} was dropped")
+    def pool_gone(self, name: str, close: Callable[[], None]) -> bool:
+        """A pool is being dropped: its grants end, its sends fail. Its memory and NIXL
+        registration go (``close``, then deregistration) now, or, while a write may still move
+        bytes in it (an accepted grant's window, a posted send), once the last one ends: a late
+        write then lands in memory that is still the dropped pool's, never in a new one.
+
+        Returns:
+            True when the memory was released now.
+        """
+        why = f"pool {name!r} was dropped"
+        self.grants.revoke_pool(name, why)
         for out in [o for o in self._sends.values() if o.pool == name]:
-            self._end_send(out, TransferState.failed, f"pool {name!r} was dropped")
+            self._end_send(out, TransferState.failed, why)
         self._layouts = {k: v for k, v in self._layouts.items() if k[0] != name}
-        self._marks.pop(name, None)
-        if self.agent is not None:
-            try:
-                self.agent.deregister(name)
-            except Exception:
-                log.exception("NIXL deregistration of pool %s failed", name)
+        if self._pinning.get(name):
+            self._draining[name] = close
+            log.warning("pool dropped with transfers in flight: its memory goes when they end",
+                        extra={"fields": {"event": "drop_draining", "pool": name,
+                                          "transfers": self._pinning[name]}})
+            return False
+        self._release_pool(name, close)
+        return True
+
+    def _release_pool(self, name: str, close: Callable[[], None]) -> None:
+        try:
+            close()
+        finally:
+            if self.agent is not None:
+                try:
+                    self.agent.deregister(name)
+                except Exception:
+                    log.exception("NIXL deregistration of pool %s failed", name)
+
+    def release_draining(self) -> None:
+        """Release every dropped pool still waiting for its transfers (shutdown)."""
+        for name, close in list(self._draining.items()):
+            del self._draining[name]
+            self._release_pool(name, close)
+
+    @property
+    def draining(self) -> tuple[str, ...]:
+        """Dropped pools whose memory waits for their transfers to end."""
+        return tuple(self._draining)
+
+    def _pin(self, entry: LivePool, pages: np.ndarray, swa: np.ndarray | None
+             ) -> Callable[[], None]:
+        """Pin ``pages`` (kv) and ``swa`` pages of ``entry`` in its ledger; returns what
+        unpins them, once (it frees pages quarantined meanwhile, and closes a pool dropped
+        meanwhile once nothing pins it)."""
+        name = entry.name
+        kv = entry.ids.space(KV_SPACE, "pages", allocating=False)
+        swa_space = (entry.ids.space(SWA_SPACE, "pages", allocating=False)
+                     if swa is not None and swa.shape[0] else None)
+        kv_idx = pages.astype(np.intp)
+        swa_idx = None if swa_space is None or swa is None else swa.astype(np.intp)
+        kv.pin(kv_idx)
+        if swa_space is not None and swa_idx is not None:
+            swa_space.pin(swa_idx)
+        self._pinning[name] = self._pinning.get(name, 0) + 1
+        done = False
+
+        def unpin() -> None:
+            nonlocal done
+            if done:
+                return
+            done = True
+            freed = kv.unpin(kv_idx)
+            if swa_space is not None and swa_idx is not None:
+                freed += swa_space.unpin(swa_idx)
+            left = self._pinning[name] = self._pinning[name] - 1
+            if not left:
+                del self._pinning[name]
+                close = self._draining.pop(name, None)
+                if close is not None:
+                    self._release_pool(name, close)
+                    log.info("dropped pool released after its transfers ended",
+                             extra={"fields": {"event": "drop_drained", "pool": name}})
+            if freed and self._on_freed is not None:
+                self._on_freed()
+
+        return unpin
 
     def _layout(self, entry: LivePool) -> pb.PageLayout:
         key = (entry.name, entry.fingerprint)
@@ -231,33 +341,27 @@ class Transfers:
             layout = self._layouts[key] = page_layout(entry.plan)
         return layout
 
-    def _marks_of(self, entry: LivePool) -> PageMarks:
-        """The pool's page marks, made at its first grant or send."""
-        marks = self._marks.get(entry.name)
-        if marks is None:
-            capacity = entry.ids.space(KV_SPACE, "pool", allocating=False).capacity
-            swa = (entry.ids.space(SWA_SPACE, "pool", allocating=False).capacity
-                   if self._has_swa(entry.plan) else 0)
-            marks = self._marks[entry.name] = PageMarks(entry.name, capacity, swa)
-        return marks
-
     @staticmethod
     def _has_swa(plan: PoolPlan) -> bool:
         return any(s.name == SWA_SPACE and s.follows == KV_SPACE for s in plan.id_spaces)
 
     @staticmethod
     def _held(entry: LivePool, owner: int, lease_id: int, pages: np.ndarray,
-              field: str) -> None:
-        """Raises FailedPrecondition unless ``owner`` holds every page (InvalidArgument for an
-        id out of range)."""
-        owners = entry.ids.space(KV_SPACE, field, allocating=False).owner_of(pages)
-        bad = owners != owner
+              field: str) -> IdSpace:
+        """The kv space, after checking ``owner`` holds every page.
+
+        Raises:
+            FailedPrecondition: a page it does not hold. InvalidArgument: one out of range.
+        """
+        space = entry.ids.space(KV_SPACE, field, allocating=False)
+        bad = space.owner_of(pages) != owner
         if bad.any():
             pos = int(bad.argmax())
             raise FailedPrecondition(
                 f"{field}[{pos}]={int(pages[pos])} of pool {entry.name!r} is not held by lease "
                 f"{lease_id} ({int(bad.sum())} of {pages.shape[0]} pages are not); allocate "
                 "the pages with this lease first", field=f"{field}[{pos}]")
+        return space
 
     # -- decode side: grants -----------------------------------------------------------------
 
@@ -272,57 +376,68 @@ class Transfers:
         self._need_agent()
         entry = self._pool(pool)
         lease = self._leases.get(lease_id)
-        self._held(entry, lease.owner, lease_id, pages, "pages")
-        marks = self._marks_of(entry)
-        marks.check_ungranted(pages, "pages")
+        kv = self._held(entry, lease.owner, lease_id, pages, "pages")
+        busy = kv.pinned_of(pages.astype(np.intp))
+        if busy.any():
+            pos = int(busy.argmax())
+            raise FailedPrecondition(
+                f"pages[{pos}]={int(pages[pos])} of pool {pool!r} is pinned by a transfer (a "
+                "live receive grant or a send); a page takes one transfer at a time (wait for "
+                "it to end, or grant other pages)", field=f"pages[{pos}]")
         swa = entry.ids.paired_of(KV_SPACE, pages) if self._has_swa(entry.plan) else None
+        linked = None if swa is None else swa[swa != 0]
         grant = self.grants.add(pool, lease_id, lease.owner, pages, swa,
-                                ttl_s or DEFAULT_GRANT_TTL_S)
-        marks.add_grant(grant)
+                                ttl_s or DEFAULT_GRANT_TTL_S,
+                                lambda: self._pin(entry, pages, linked))
         log.info("receive granted", extra={"fields": {
             "event": "grant", "pool": pool, "lease_id": lease_id, "pages": int(pages.shape[0]),
             "ttl_s": grant.expires_at - grant.created_at}})
         return grant
 
-    def peer_receive(self, req: pb.PeerReceiveRequest) -> pb.PeerReceiveResponse:
-        """A sender asks where to write: check the grant, the layout and the pages, accept.
+    def peer_receive(self, args: PeerReceiveArgs) -> Acceptance:
+        """A peer daemon asks where to write: check the grant, the layout and the pages,
+        accept it, and answer what its write needs (``edge.peer_receive_response``).
 
         Raises:
-            NotFound: no grant for the token. FailedPrecondition: no NIXL, the grant ended or
-            is used, the layouts differ, or a page is no longer held. InvalidArgument: a page
-            count or mask that does not match the grant.
+            NotFound: no grant for the token. FailedPrecondition: no NIXL, a sender that is
+            this daemon itself, the grant ended or is used, the layouts differ, or the lease
+            that granted the pages has ended. InvalidArgument: a page count or mask that does
+            not match the grant.
         """
-        check_token(req.token)
         agent = self._need_agent()
-        grant = self.grants.find(req.token)
+        if args.sender == agent.name:
+            raise FailedPrecondition(
+                "the sender is this daemon itself: a daemon cannot send pages to its own pools "
+                "over NIXL; send to another daemon's address, or copy the pages in the engine",
+                field="peer")
+        grant = self.grants.find(args.token)
         if grant.state != TransferState.pending:
             raise FailedPrecondition(grant.ended_text(), field="token")
         entry = self._pool(grant.pool)
-        mine = self._layout(entry)
-        why = layout_mismatch(mine, req.layout)
+        why = layout_mismatch(self._layout(entry), args.layout)
         if why is not None:
             raise FailedPrecondition(f"pool {grant.pool!r} cannot take these pages: {why}",
                                      field="layout")
         n = int(grant.pages.shape[0])
-        if req.pages != n:
-            raise InvalidArgument(f"the sender sends {req.pages} pages, the grant covers {n}; "
+        if args.pages != n:
+            raise InvalidArgument(f"the sender sends {args.pages} pages, the grant covers {n}; "
                                   "send exactly the granted count", field="pages")
+        # Pinned since the grant: still held by its lease unless the lease ended (quarantined).
         self._held(entry, grant.owner, grant.lease_id, grant.pages, "pages")
         swa_out = np.empty(0, dtype=np.int32)
         if grant.swa_pages is not None:
-            if len(req.swa_mask) != n:
-                raise InvalidArgument(f"swa_mask has {len(req.swa_mask)} bytes, the grant "
+            if len(args.swa_mask) != n:
+                raise InvalidArgument(f"swa_mask has {len(args.swa_mask)} bytes, the grant "
                                       f"{n} pages", field="swa_mask")
-            mask = np.frombuffer(req.swa_mask, dtype=np.uint8) != 0
-            now = entry.ids.paired_of(KV_SPACE, grant.pages)
-            lost = mask & ((now == 0) | (now != grant.swa_pages))
+            mask = np.frombuffer(args.swa_mask, dtype=np.uint8) != 0
+            lost = mask & (grant.swa_pages == 0)
             if lost.any():
                 pos = int(lost.argmax())
                 raise FailedPrecondition(
-                    f"page {int(grant.pages[pos])} no longer has the SWA page it had when "
-                    "granted (released since); the sender has one for it", field="swa_mask")
+                    f"page {int(grant.pages[pos])} had no SWA page when granted; the sender "
+                    "has one for it", field="swa_mask")
             swa_out = grant.swa_pages[mask]
-        elif req.swa_mask:
+        elif args.swa_mask:
             raise InvalidArgument("swa_mask given for a pool without SWA pages",
                                   field="swa_mask")
         backing = entry.backing.tensor
@@ -331,44 +446,40 @@ class Transfers:
         bufs = page_buffers(entry.plan)
         nbytes = sum(b.page_bytes * (n if b.id_space == KV_SPACE else int(swa_out.shape[0]))
                      for b in bufs)
-        notification = self.grants.accept(grant, req.sender or "?", nbytes)
-        grant.swa_written = swa_out
-        self._marks_of(entry).moving(grant.pages, swa_out, +1)
+        notification = self.grants.accept(grant, args.sender, nbytes)
         self._ensure_poller()
-        resp = pb.PeerReceiveResponse(
-            agent=agent.name, generation=agent.generation,
-            buffer_addresses=[base + b.offset_bytes for b in bufs],
-            pages=codec.ids_to_bytes(grant.pages), swa_pages=codec.ids_to_bytes(swa_out),
-            notification=notification, memory=memory, device=device)
-        if req.known_agent != agent.name or req.known_generation != agent.generation:
-            resp.agent_metadata = agent.metadata()
+        generation = agent.generation(grant.pool)
+        stale = args.known_agent != agent.name or generation not in args.known_generations
         log.info("receive accepted", extra={"fields": {
             "event": "receive", "pool": grant.pool, "lease_id": grant.lease_id,
-            "pages": n, "bytes": nbytes, "peer": grant.peer}})
-        return resp
+            "pages": n, "bytes": nbytes, "peer": grant.peer, "write_s": grant.write_s}})
+        return Acceptance(
+            agent=agent.name, generation=generation,
+            metadata=agent.pool_metadata(grant.pool) if stale else b"",
+            buffer_addresses=[base + b.offset_bytes for b in bufs], pages=grant.pages,
+            swa_pages=swa_out, notification=notification, memory=memory, device=device,
+            write_deadline_s=grant.write_s)
 
     def peer_done(self, token: bytes, ok: bool, message: str) -> None:
-        """The sender says how its write ended (a failure, or success as a fallback to the
-        notification). No-op for a grant already ended.
+        """The sender's word on its write: ``ok = False`` (it cancelled or lost it) ends the
+        grant as failed and gives its pages back; ``ok = True`` ends nothing (only the write's
+        own notification makes a grant done). No-op for a grant no sender was accepted into.
 
         Raises:
             NotFound: no grant for the token.
         """
         grant = self.grants.find(token)
-        if grant.state != TransferState.pending or not grant.receiving:
+        if not grant.receiving or ok:
             return
-        if ok:
-            self.grants.end(grant, TransferState.done, "")
-        else:
-            self.grants.end(grant, TransferState.failed,
-                            f"the sender's write failed: {message[:1000]}")
+        self.grants.close_window(grant, TransferState.failed,
+                                 f"the sender's write failed: {message}")
 
     def _ensure_poller(self) -> None:
         if self._poller is None or self._poller.done():
             self._poller = asyncio.get_running_loop().create_task(self._poll_notifications())
 
     async def _poll_notifications(self) -> None:
-        """Read completion notifications while a grant is receiving."""
+        """Read completion notifications while an accepted grant's write window is open."""
         agent = self.agent
         assert agent is not None
         while self.grants.receiving:
@@ -381,13 +492,10 @@ class Transfers:
                 for message in messages:
                     grant = self.grants.by_notification(bytes(message))
                     if grant is not None:
-                        self.grants.end(grant, TransferState.done, "")
+                        self.grants.close_window(grant, TransferState.done, "")
             await asyncio.sleep(RECEIVER_POLL_S)
 
     def _grant_ended(self, grant: ReceiveGrant) -> None:
-        marks = self._marks.get(grant.pool)  # None once the pool was dropped
-        if marks is not None:
-            marks.end_grant(grant)
         if not grant.receiving:
             return
         if grant.state == TransferState.done:
@@ -428,42 +536,56 @@ class Transfers:
             swa_src = paired[paired != 0]
         out = Outgoing(next(self._ids), target, pool, lease.owner, pages, token,
                        identity=lease.identity, swa_pages=swa_src)
+        # Pinned from here until nothing can read them any more: a Free is refused, and the
+        # lease's end quarantines them, so no other lease's bytes are ever shipped.
+        out.unpin = self._pin(entry, pages, swa_src)
         self._sends[out.transfer_id] = out
         self._sending.setdefault(out.owner, []).append(out)
-        self._marks_of(entry).moving(pages, swa_src, +1)  # busy from here: Free refuses
         try:
             known = self._peer_agent.get(target, "")
             req = pb.PeerReceiveRequest(
                 token=token, layout=self._layout(entry), pages=int(pages.shape[0]),
                 swa_mask=mask.tobytes(), known_agent=known,
-                known_generation=agent.peer_generation(known) if known else 0,
+                known_generations=agent.known_generations(known) if known else [],
                 sender=agent.name)
+            asked_at = time.monotonic()  # the write deadline counts from here
             try:
                 resp = await self._client(target).call("PeerReceive", req,
                                                        timeout_s=PEER_TIMEOUT_S)
+            except Unavailable as exc:
+                raise Unavailable(
+                    f"peer daemon {target} cannot be reached (check the peer address given to "
+                    f"Send): {exc.message}", field="peer") from None
             except KVPoolError as exc:
-                hint = ("; a daemon presents its own --token-file secret to its peers, so "
-                        "each peer must accept it (the same --token-file on both, or that "
-                        "secret as a token in the peer's --tokens-file)"
-                        if isinstance(exc, Unauthenticated) else "")
+                hint = ("; a daemon presents its --peer-token-file (else --token-file) secret "
+                        "to its peers, so each peer must accept it as an admin or peer token "
+                        "(the same --token-file on both, or that secret as a `peer = true` "
+                        "token in the peer's --tokens-file)"
+                        if isinstance(exc, Unauthenticated | PermissionDenied) else "")
                 raise type(exc)(f"peer {target} refused the transfer: {exc.message}{hint}",
                                 field=exc.field) from None
             if out.state != TransferState.pending:  # the pool or the lease went meanwhile
                 await self._tell_peer(target, token, False, out.message)
                 raise FailedPrecondition(f"transfer {out.transfer_id}: {out.message}",
                                          field="pages")
-            self._post(agent, entry, out, resp, swa_src)
+            if resp.agent == agent.name:
+                raise FailedPrecondition(
+                    f"peer {target} is this daemon itself: a daemon cannot send pages to its "
+                    "own pools over NIXL", field="peer")
+            self._post(agent, entry, out, resp, swa_src, asked_at)
         except BaseException as exc:
             msg = exc.message if isinstance(exc, KVPoolError) else f"{type(exc).__name__}: {exc}"
             out.source = None  # nothing was posted
             self._end_send(out, TransferState.failed, msg)
+            self._unpin_send(out)
             raise
         self._spawn(self._watch(agent, out))
         return out
 
     def _post(self, agent: NixlAgent, entry: LivePool, out: Outgoing,
-              resp: pb.PeerReceiveResponse, swa_src: np.ndarray) -> None:
-        """Load the peer's metadata if it came, build both descriptor lists, post the WRITE."""
+              resp: pb.PeerReceiveResponse, swa_src: np.ndarray, asked_at: float) -> None:
+        """Load the peer's metadata if it came, build both descriptor lists, post the WRITE
+        with the deadline the peer gave (from ``asked_at``)."""
         bufs = page_buffers(entry.plan)
         dst_pages = codec.ids_from_bytes(resp.pages)
         dst_swa = codec.ids_from_bytes(resp.swa_pages)
@@ -476,10 +598,13 @@ class Transfers:
                 "pages")
         if resp.memory not in ("", "DRAM", "VRAM"):
             raise Internal(f"peer {out.peer} answered memory type {resp.memory!r}")
+        if not 0 < resp.write_deadline_seconds <= MAX_WAIT_S:
+            raise Internal(f"peer {out.peer} answered a write deadline of "
+                           f"{resp.write_deadline_seconds} s")
         if resp.agent_metadata:
             agent.add_peer(resp.agent_metadata, resp.generation)
-        elif agent.peer_generation(resp.agent) != resp.generation:
-            raise Internal(f"peer {out.peer}: agent {resp.agent} generation "
+        elif resp.generation not in agent.known_generations(resp.agent):
+            raise Internal(f"peer {out.peer}: agent {resp.agent} registration "
                            f"{resp.generation} sent without its metadata")
         self._peer_agent[out.peer] = resp.agent
         out.peer_agent = resp.agent
@@ -496,47 +621,57 @@ class Transfers:
         out.nbytes = int(local[:, 1].sum())
         out.descriptors = int(local.shape[0])
         out.posted_at = self._clock()
+        out.deadline = asked_at + resp.write_deadline_seconds
         out.source = entry.buffers
         out.handle, state = agent.post_write(local, kind, remote, resp.memory or "DRAM",
-                                             resp.agent, resp.notification)
+                                             resp.agent, resp.notification, out.deadline)
         if state == "ERR":
             handle, out.handle = out.handle, None
-            agent.release(handle)
+            if not agent.release(handle):
+                out.handle = handle  # still NIXL's: the watcher waits until it lets go
+                self._spawn(self._watch(agent, out))
             raise Internal(f"NIXL could not post the write to {out.peer} ({resp.agent})")
 
     async def _watch(self, agent: NixlAgent, out: Outgoing) -> None:
-        """Poll the posted write until it ends; tell the peer about a failure."""
+        """Poll the posted write until it ends (the agent cancels it at its deadline); release
+        its handle, then its pins; tell the peer about a failure."""
         state = "PROC"
         start = time.monotonic()
-        while out.state == TransferState.pending:
+        while out.handle is not None:
             state = agent.state(out.handle)
             if state != "PROC":
-                break
+                if agent.release(out.handle):
+                    out.handle = None
+                    break
+                state = "ERR"  # NIXL could not let go of it yet: keep it pinned, retry
             waited = time.monotonic() - start
-            if waited > MAX_WRITE_S:
-                state = "TIMEOUT"
-                break
-            await asyncio.sleep(0.0 if waited < SPIN_S else MAX_POLL_S)
-        handle, out.handle = out.handle, None
-        if handle is not None:
-            agent.release(handle)
+            await asyncio.sleep(0.0 if waited < SPIN_S and state == "PROC" else MAX_POLL_S)
         out.source = None
+        self._unpin_send(out)
         if state == "DONE":
             self._end_send(out, TransferState.done, "")
             return
-        why = (f"the write was still in progress after {MAX_WRITE_S:g} s" if state == "TIMEOUT"
+        why = (f"the write did not complete within its {out.deadline - start:.3g} s deadline "
+               "and was cancelled" if state == "TIMEOUT"
                else out.message or f"NIXL reported an error writing to {out.peer_agent} at "
                f"{out.peer} (the peer daemon died or its memory went away)")
         self._end_send(out, TransferState.failed, why)
         await self._tell_peer(out.peer, out.token, False, why)
 
+    def _unpin_send(self, out: Outgoing) -> None:
+        unpin, out.unpin = out.unpin, None
+        if unpin is not None:
+            unpin()
+
     async def _tell_peer(self, target: str, token: bytes, ok: bool, message: str) -> None:
         with contextlib.suppress(KVPoolError):
             await self._client(target).call(
-                "PeerDone", pb.PeerDoneRequest(token=token, ok=ok, message=message),
+                "PeerDone", pb.PeerDoneRequest(token=token, ok=ok,
+                                               message=message[:MAX_MESSAGE_CHARS]),
                 timeout_s=PEER_TIMEOUT_S)
 
     def _end_send(self, out: Outgoing, state: TransferState, message: str) -> None:
+        """End a send's record (its pins go with its handle, :meth:`_unpin_send`)."""
         if not out.finish(state, message, self._clock()):
             return
         busy = self._sending.get(out.owner)
@@ -544,9 +679,6 @@ class Transfers:
             busy.remove(out)
             if not busy:
                 del self._sending[out.owner]
-        marks = self._marks.get(out.pool)  # None once the pool was dropped
-        if marks is not None:
-            marks.moving(out.pages, out.swa_pages, -1)
         self._ended_sends.append(out)
         while len(self._ended_sends) > MAX_ENDED_SENDS:
             self._sends.pop(self._ended_sends.popleft().transfer_id, None)
@@ -622,43 +754,11 @@ class Transfers:
 
     # -- hooks from the daemon -----------------------------------------------------------------
 
-    def before_free(self, owner: int, pool: str, ids: np.ndarray, swa: bool = False) -> None:
-        """Refuse a Free of pages (KV, or with ``swa`` SWA) a transfer is reading or writing:
-        O(len(ids)), nothing at all for a pool that never had a grant or a send.
-
-        Raises:
-            FailedPrecondition: naming the first busy page.
-        """
-        marks = self._marks.get(pool)
-        if marks is None:
-            return
-        busy = marks.busy_of(marks.in_range(ids, swa), swa)
-        if busy.shape[0]:
-            # Only the lease's own pages: another's are refused by the Free itself (not held),
-            # which says nothing about that lease's transfers.
-            space = self._pool(pool).ids.space(SWA_SPACE if swa else KV_SPACE, "items",
-                                               allocating=False)
-            busy = busy[space.owner_of(busy) == owner]
-        if busy.shape[0]:
-            raise FailedPrecondition(
-                f"{'SWA ' if swa else ''}page {int(busy[0])} of pool {pool!r} is in a "
-                "transfer in flight; free it "
-                "once WaitTransfer says the transfer ended (nothing was freed)",
-                field="items")
-
-    def after_free(self, pool: str, ids: np.ndarray) -> None:
-        """Revoke the grants covering a freed kv page (they were the freeing lease's: a grant
-        covers only pages its lease holds). O(len(ids))."""
-        marks = self._marks.get(pool)
-        if marks is None:
-            return
-        for grant in marks.grants_of(marks.in_range(ids)):
-            self.grants.end(grant, TransferState.failed,
-                            "a granted page was freed before any transfer wrote it")
-
     def lease_gone(self, owner: int, why: str) -> None:
-        """A lease closed or expired: its grants end and its sends are marked failed (a
-        posted write still runs to its end; the record does not wait for it)."""
+        """A lease closed or expired: its grants end and its sends are marked failed. A write
+        in flight keeps its pages pinned (the lease's reclaim quarantines them) until it ends:
+        a posted send until its handle is released, an accepted grant until its window
+        closes."""
         self.grants.revoke_owner(owner, why)
         for out in list(self._sending.get(owner, ())):
             if out.handle is None:  # not posted yet: send() sees it and stops
