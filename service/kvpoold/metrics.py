@@ -16,6 +16,8 @@ Exported (labels in braces; ``space`` is a pool's id space: ``kv``, ``swa``, ``r
     kvpool_pool_used{device,pool,space}                gauge      ids held by leases
     kvpool_pool_free{device,pool,space}                gauge      capacity - used
     kvpool_pool_high_water{device,pool,space}          gauge      most ids used at once
+    kvpool_pool_pinned{device,pool,space}              gauge      ids a transfer is moving
+    kvpool_pool_quarantined{device,pool,space}         gauge      ids whose lease ended mid-transfer
     kvpool_pool_bytes{device,pool}                    gauge      backing region bytes
     kvpool_attached_clients{device,pool}              gauge      Attach without Detach
     kvpool_allocations_total{device,pool,space}        counter    ids handed out
@@ -126,7 +128,7 @@ class DaemonCollector(Collector):
         fams = self._families()
         (capacity, used, free, high_water, pool_bytes, attached, allocs, frees, failures,
          budget, dev_used, leases_open, expiries, lease_cached, transfers, transfer_bytes,
-         transfer_failures, stalls, stalled, longest_stall) = fams
+         transfer_failures, stalls, stalled, longest_stall, pinned, quarantined) = fams
         dev = self._device
         cached: dict[tuple[str, str], int] = {}
         for lease in snap.leases:
@@ -142,6 +144,8 @@ class DaemonCollector(Collector):
                 used.add_metric(labels, k.used)
                 free.add_metric(labels, k.free)
                 high_water.add_metric(labels, k.high_water)
+                pinned.add_metric(labels, k.pinned)
+                quarantined.add_metric(labels, k.quarantined)
                 allocs.add_metric(labels, k.allocs)
                 frees.add_metric(labels, k.frees)
                 failures.add_metric(labels, k.failed_allocs)
@@ -231,6 +235,13 @@ class DaemonCollector(Collector):
             GaugeMetricFamily("kvpool_loop_longest_stall_seconds",
                               "The longest stall of the daemon's event loop since start.",
                               labels=device),
+            GaugeMetricFamily("kvpool_pool_pinned",
+                              "Ids of this id space a transfer between daemons is moving now "
+                              "(they cannot be freed).", labels=spaces),
+            GaugeMetricFamily("kvpool_pool_quarantined",
+                              "Ids of this id space whose lease ended while a transfer moved "
+                              "them: held by no lease until the transfer ends (in used).",
+                              labels=spaces),
         )
 
 

@@ -281,7 +281,7 @@ CASES: list[tuple[str, Call, grpc.StatusCode, str | None]] = [
     ("peerreceive no token", lambda c: c.stub.PeerReceive(pb.PeerReceiveRequest()),
      C.INVALID_ARGUMENT, "token"),
     ("peerreceive without nixl",
-     lambda c: c.stub.PeerReceive(pb.PeerReceiveRequest(token=b"x" * 16)),
+     lambda c: c.stub.PeerReceive(pb.PeerReceiveRequest(token=b"x" * 16, pages=1)),
      C.FAILED_PRECONDITION, None),
     ("peerdone unknown grant",
      lambda c: c.stub.PeerDone(pb.PeerDoneRequest(token=b"x" * 16)), C.NOT_FOUND, "token"),

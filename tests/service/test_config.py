@@ -184,8 +184,9 @@ pools = ["llama", "llama-tp*"]
 
 
 @pytest.mark.parametrize(("body", "match"), [
-    ('[tokens.x]\nsecret_file = "{ok}"\n', "admin = true or pools"),
-    ('[tokens.x]\nsecret_file = "{ok}"\nadmin = true\npools = ["a"]\n', "admin = true or pools"),
+    ('[tokens.x]\nsecret_file = "{ok}"\n', "one of them"),
+    ('[tokens.x]\nsecret_file = "{ok}"\nadmin = true\npools = ["a"]\n', "one of them"),
+    ('[tokens.x]\nsecret_file = "{ok}"\nadmin = true\npeer = true\n', "peer = true, one of"),
     ('[tokens.x]\nsecret_file = "{open}"\nadmin = true\n', "chmod 600"),
     ('[tokens.local]\nsecret_file = "{ok}"\nadmin = true\n', "reserved"),
     ('[tokens."a b"]\nsecret_file = "{ok}"\nadmin = true\n', "must match"),

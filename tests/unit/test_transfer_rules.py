@@ -3,13 +3,15 @@ grants' bounds, expiry and revocation (no NIXL needed)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
 from kvpool.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvpool.records import TransferState
 from kvpoold.transfer import grants as grants_mod
-from kvpoold.transfer.grants import GrantTable
+from kvpoold.transfer.grants import GrantTable, ReceiveGrant
 from kvpoold.transfer.layout import layout_mismatch, page_buffers, page_layout
 from tests.factories import GiB, deepseek_v3, deepseek_v32, llama_8b, plan_for
 from tests.service.conftest import ManualClock
@@ -56,55 +58,112 @@ def test_other_models_and_stages_are_refused() -> None:
     assert "pp_rank" in (layout_mismatch(stage0, stage1) or "")
 
 
+class Pins:
+    """The pin a grant takes of its pages: counts live pins; each unpin runs once."""
+
+    def __init__(self) -> None:
+        self.live = 0
+
+    def __call__(self) -> Callable[[], None]:
+        self.live += 1
+
+        def unpin() -> None:
+            self.live -= 1
+
+        return unpin
+
+
+PINS = Pins()
+
+
 def grant_table() -> tuple[GrantTable, ManualClock, list[TransferState]]:
     clock = ManualClock()
     ended: list[TransferState] = []
     return GrantTable(clock, lambda g: ended.append(g.state)), clock, ended
 
 
+def add(table: GrantTable, pages: list[int], ttl_s: float = 10.0, pool: str = "p",
+        lease: int = 7, owner: int = 1, pins: Pins = PINS) -> ReceiveGrant:
+    return table.add(pool, lease, owner, np.array(pages, dtype=np.int32), None, ttl_s, pins)
+
+
 def test_a_grant_is_found_by_its_token_accepted_once_and_ends_done() -> None:
     table, _clock, ended = grant_table()
-    pages = np.array([3, 4, 5], dtype=np.int32)
-    grant = table.add("p", 7, 1, pages, None, 10.0)
+    grant = add(table, [3, 4, 5])
     assert len(grant.token) == 16 and table.find(grant.token) is grant
-    assert table.add("p", 7, 1, pages, None, 10.0).token != grant.token
+    assert add(table, [3, 4, 5]).token != grant.token
     note = table.accept(grant, "peer-agent", 1234)
     assert table.by_notification(note) is grant and table.receiving == 1
     with pytest.raises(FailedPrecondition, match="already used"):
         table.accept(grant, "other", 1)
-    table.end(grant, TransferState.done, "")
+    table.close_window(grant, TransferState.done, "")
     assert ended == [TransferState.done] and table.receiving == 0
     with pytest.raises(FailedPrecondition, match="was used"):
         table.accept(grant, "other", 1)
     assert grant.status(0).bytes == 1234
 
 
-def test_grants_expire_and_are_forgotten_later() -> None:
+def test_grants_expire_and_accepted_ones_end_at_their_fence() -> None:
     table, clock, _ended = grant_table()
-    idle = table.add("p", 7, 1, np.array([1], dtype=np.int32), None, 1.0)
-    busy = table.add("p", 7, 1, np.array([2], dtype=np.int32), None, 1.0)
+    idle = add(table, [1], ttl_s=1.0)
+    busy = add(table, [2], ttl_s=1.0)
     table.accept(busy, "agent-x", 10)
+    assert busy.write_s == grants_mod.MIN_WRITE_S
     clock.advance(1.5)
     table.expire()
     assert "expired before any transfer used it" in idle.message
-    assert "did not complete before the grant expired" in busy.message
-    assert table.live == 0
+    assert busy.state == TransferState.pending  # accepted: only the write or the fence ends it
+    clock.advance(busy.write_s + grants_mod.FENCE_MARGIN_S)
+    table.expire()
+    assert f"did not complete within its {grants_mod.MIN_WRITE_S:g} s deadline" in busy.message
+    assert table.live == 0 and table.receiving == 0
     clock.advance(grants_mod.ENDED_KEEP_S + 1)
     table.expire()
     with pytest.raises(NotFound):
         table.find(idle.token)
     # An expired grant is refused at accept time too (the sweep may not have run yet).
-    late = table.add("p", 7, 1, np.array([3], dtype=np.int32), None, 1.0)
+    late = add(table, [3], ttl_s=1.0)
     clock.advance(2.0)
     with pytest.raises(FailedPrecondition, match="expired"):
         table.accept(late, "agent-x", 10)
 
 
+def test_pins_go_when_no_byte_can_move_any_more() -> None:
+    """A grant pins its pages from the start. Without a sender its end unpins; with one, a
+    revoke (the lease ended) ends the record but the pins stay until the write's notification
+    or the fence; the sender's failure report unpins at once."""
+    table, clock, _ended = grant_table()
+    pins = Pins()
+    unused = add(table, [1], pins=pins)
+    revoked = add(table, [2], ttl_s=5.0, pins=pins)
+    reported = add(table, [3], pins=pins)
+    fenced = add(table, [4], ttl_s=5.0, pins=pins)
+    assert pins.live == 4
+    table.end(unused, TransferState.failed, "lease ended")
+    assert pins.live == 3
+    note = table.accept(revoked, "agent", 1)
+    table.accept(reported, "agent", 1)
+    table.accept(fenced, "agent", 1)
+    table.end(revoked, TransferState.failed, "lease ended")
+    assert revoked.state == TransferState.failed and pins.live == 3
+    table.close_window(table.by_notification(note) or revoked, TransferState.done, "")
+    assert revoked.state == TransferState.failed and pins.live == 2  # landed in quarantine
+    table.close_window(reported, TransferState.failed, "the sender's write failed")
+    assert pins.live == 1
+    clock.advance(fenced.write_s + grants_mod.FENCE_MARGIN_S - 0.1)
+    table.expire()
+    assert pins.live == 1 and fenced.state == TransferState.pending
+    clock.advance(0.2)
+    table.expire()
+    assert pins.live == 0 and fenced.state == TransferState.failed
+    assert table.receiving == 0
+
+
 def test_revocation_by_owner_and_pool() -> None:
     table, _clock, _ended = grant_table()
-    a = table.add("p", 7, 1, np.array([1], dtype=np.int32), None, 10.0)
-    b = table.add("q", 7, 1, np.array([1], dtype=np.int32), None, 10.0)
-    c = table.add("p", 8, 2, np.array([2], dtype=np.int32), None, 10.0)
+    a = add(table, [1])
+    b = add(table, [1], pool="q")
+    c = add(table, [2], lease=8, owner=2)
     assert table.revoke_owner(1, "lease ended", pool="p") == 1
     assert a.state == TransferState.failed and b.state == TransferState.pending
     assert table.revoke_pool("p", "dropped") == 1 and c.message == "dropped"
@@ -114,7 +173,7 @@ def test_revocation_by_owner_and_pool() -> None:
 def test_bounds() -> None:
     table, _clock, _ended = grant_table()
     with pytest.raises(InvalidArgument, match="ttl_seconds"):
-        table.add("p", 7, 1, np.array([1], dtype=np.int32), None, 0.01)
+        add(table, [1], ttl_s=0.01)
     with pytest.raises(InvalidArgument, match="token"):
         table.find(b"")
     with pytest.raises(InvalidArgument, match="token"):
@@ -123,9 +182,9 @@ def test_bounds() -> None:
     grants_mod.MAX_GRANTS_PER_LEASE = 2
     try:
         for _ in range(2):
-            table.add("p", 7, 1, np.array([1], dtype=np.int32), None, 10.0)
+            add(table, [1])
         with pytest.raises(ResourceExhausted, match="at most 2"):
-            table.add("p", 7, 1, np.array([1], dtype=np.int32), None, 10.0)
+            add(table, [1])
     finally:
         grants_mod.MAX_GRANTS_PER_LEASE = old
 
@@ -134,9 +193,9 @@ def test_the_sweep_visits_only_due_grants_in_deadline_order() -> None:
     """Expiry pops a deadline heap: grants that ended early, or are not due, are not ended
     again or early; many early-ended grants do not pile up in the heap."""
     table, clock, ended = grant_table()
-    short = table.add("p", 7, 1, np.array([1], dtype=np.int32), None, 1.0)
-    long = table.add("p", 7, 1, np.array([2], dtype=np.int32), None, 5.0)
-    done = table.add("p", 7, 1, np.array([3], dtype=np.int32), None, 0.5)
+    short = add(table, [1], ttl_s=1.0)
+    long = add(table, [2], ttl_s=5.0)
+    done = add(table, [3], ttl_s=0.5)
     table.end(done, TransferState.done, "")
     clock.advance(2.0)
     table.expire()
@@ -147,43 +206,5 @@ def test_the_sweep_visits_only_due_grants_in_deadline_order() -> None:
     table.expire()
     assert long.state == TransferState.failed and table.live == 0
     for _ in range(5000):  # made and used at once: the heap is compacted as it grows
-        table.end(table.add("p", 7, 1, np.array([4], dtype=np.int32), None, 3600.0),
-                  TransferState.done, "")
+        table.end(add(table, [4], ttl_s=3600.0), TransferState.done, "")
     assert len(table._deadlines) <= 2 * table.live + 1025
-
-
-def test_page_marks_answer_free_in_the_size_of_the_free() -> None:
-    """PageMarks: the grant covering each page, pages moved by transfers (KV and SWA), one
-    grant per page, and a grant's marks gone when it ends."""
-    from kvpoold.transfer.marks import PageMarks
-
-    table, _clock, _ended = grant_table()
-    marks = PageMarks("p", capacity=16, swa_capacity=8)
-    a = table.add("p", 7, 1, np.array([1, 2, 3], dtype=np.int32), None, 10.0)
-    marks.add_grant(a)
-    with pytest.raises(FailedPrecondition, match=r"pages\[1\]=3 .* already in a live"):
-        marks.check_ungranted(np.array([9, 3], dtype=np.int32), "pages")
-    b = table.add("p", 7, 1, np.array([9], dtype=np.int32), None, 10.0)
-    marks.add_grant(b)
-    ids = np.array([0, 2, 9, 17, 9], dtype=np.int32)
-    assert marks.in_range(ids).tolist() == [2, 9, 9]
-    assert marks.grants_of(marks.in_range(ids)) in ([a, b], [b, a])
-    assert marks.busy_of(marks.in_range(ids)).tolist() == []
-    # b accepted a sender writing page 9 and SWA page 4; a send reads pages 2, 2 (twice) and 5.
-    table.accept(b, "peer", 1)
-    b.swa_written = np.array([4], dtype=np.int32)
-    marks.moving(b.pages, b.swa_written, +1)
-    send_pages = np.array([2, 2, 5], dtype=np.int32)
-    marks.moving(send_pages, None, +1)
-    assert marks.busy_of(np.array([1, 2, 5, 9], dtype=np.int32)).tolist() == [2, 5, 9]
-    assert marks.busy_of(np.array([4, 5], dtype=np.int32), swa=True).tolist() == [4]
-    marks.moving(send_pages, None, -1)
-    marks.end_grant(b)  # was receiving: its pages stop being written
-    table.end(b, TransferState.done, "")
-    assert marks.busy_of(np.arange(1, 17, dtype=np.int32)).tolist() == []
-    assert marks.busy_of(np.arange(1, 9, dtype=np.int32), swa=True).tolist() == []
-    assert marks.grants_of(np.array([9], dtype=np.int32)) == []
-    marks.end_grant(b)  # ending twice changes nothing
-    c = table.add("p", 7, 1, np.array([9], dtype=np.int32), None, 10.0)
-    marks.add_grant(c)  # the slot b had is reused
-    assert c.slot == 2 and marks.grants_of(np.array([9, 1], dtype=np.int32)) in ([a, c], [c, a])

@@ -257,6 +257,7 @@ def peer_receive_args(req: pb.PeerReceiveRequest) -> PeerReceiveArgs:
         InvalidArgument: a token, sender, page count, mask or known registrations over their
             bounds.
     """
+    token = check_token(req.token)
     if not 1 <= req.pages <= MAX_GRANT_PAGES:
         raise InvalidArgument(f"pages is {req.pages}; a transfer moves 1..{MAX_GRANT_PAGES}",
                               field="pages")
@@ -268,7 +269,7 @@ def peer_receive_args(req: pb.PeerReceiveRequest) -> PeerReceiveArgs:
                               f"most {MAX_KNOWN_GENERATIONS}", field="known_generations")
     _check_layout(req.layout)
     return PeerReceiveArgs(
-        token=check_token(req.token), layout=req.layout, pages=req.pages,
+        token=token, layout=req.layout, pages=req.pages,
         swa_mask=req.swa_mask,
         known_agent=_bounded(req.known_agent, MAX_PEER_CHARS, "known_agent", "a NIXL agent name"),
         known_generations=frozenset(req.known_generations),
