@@ -1,9 +1,10 @@
 """``kvpool.errors`` classes as gRPC status codes, applied by one decorator.
 
-Every servicer method is wrapped by :func:`rpc_errors` (unary) or :func:`rpc_stream_errors`
-(server-streaming): a :class:`KVPoolError` becomes its status with the message as details and the
-field at fault in the trailing metadata ``kvpool-field``; anything else is ``INTERNAL`` with the
-traceback logged. The mapping is derived from ``kvpool.errors.ERRORS_BY_CODE`` (the one table;
+Every servicer method, unary or streaming, is wrapped by :func:`rpc_errors`: its request passes
+the intake check first (``kvpoold.server.intake.accept``: a message refused before parsing is
+INVALID_ARGUMENT), then a :class:`KVPoolError` becomes its status with the message as details and
+the field at fault in the trailing metadata ``kvpool-field``; anything else is ``INTERNAL`` with
+the traceback logged. The mapping is derived from ``kvpool.errors.ERRORS_BY_CODE`` (the one table;
 the client maps codes back with ``kvpool.errors.error_from_code``).
 
 The same decorator reports each call to the servicer's ``rpc_observer`` (``RpcMetrics`` when
@@ -14,11 +15,12 @@ every call that fails, so no method carries its own instrumentation.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import grpc
 from grpc import aio
@@ -147,56 +149,64 @@ def release_frames(exc: BaseException) -> None:
 
 UnaryMethod = Callable[[S, Req, aio.ServicerContext], Awaitable[Resp]]
 StreamMethod = Callable[[S, Req, aio.ServicerContext], AsyncIterator[Resp]]
+M = TypeVar("M", bound=Callable[..., object])
 
 
-def rpc_errors(method: UnaryMethod[S, Req, Resp]) -> UnaryMethod[S, Req, Resp]:
-    """Decorate a unary (or stream-request) servicer coroutine with the error table; the call's
-    time and any failure's code go to the servicer's ``rpc_observer``."""
+async def _fail(servicer: object, context: aio.ServicerContext, exc: Exception,
+                method: str) -> None:
+    """End a failed call: its code to the observer, the status to the client (always raises
+    ``grpc.aio.AbortError``), the error's frames released."""
+    observer = _observer(servicer)
+    if observer is not None:
+        observer.failed(method, _code_name(exc))
+    try:
+        await abort_with(context, exc, method)
+    finally:
+        release_frames(exc)
+
+
+def rpc_errors(method: M) -> M:
+    """Decorate a servicer method with the intake check and the error table: a coroutine
+    (unary reply) or an async generator (streamed reply, WatchStats and KeepAlive), the same
+    way.
+
+    The request goes through :func:`kvpoold.server.intake.accept` first (a message refused at
+    intake is answered with its INVALID_ARGUMENT; a stream of requests, KeepAlive, accepts each
+    message itself); a failure is answered by :func:`abort_with` and its code reported to the
+    servicer's ``rpc_observer``, which is also told the time of every unary call (a stream's
+    lifetime is not a latency, so it is not timed).
+    """
     name = method.__name__
+    if inspect.isasyncgenfunction(method):
+        stream = cast("StreamMethod[Any, Any, Any]", method)
+
+        @functools.wraps(method)
+        async def streamed(self: Any, request: Any,
+                           context: aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                async for item in stream(self, accept(request, name), context):
+                    yield item
+            except aio.AbortError:
+                raise
+            except Exception as exc:
+                await _fail(self, context, exc, name)
+
+        return cast("M", streamed)
+    unary = cast("UnaryMethod[Any, Any, Any]", method)
 
     @functools.wraps(method)
-    async def wrapper(self: S, request: Req, context: aio.ServicerContext) -> Resp:
+    async def answered(self: Any, request: Any, context: aio.ServicerContext) -> Any:
         observer = _observer(self)
         start = time.perf_counter()
         try:
-            return await method(self, accept(request, name), context)
+            return await unary(self, accept(request, name), context)
         except aio.AbortError:
             raise
         except Exception as exc:
-            if observer is not None:
-                observer.failed(name, _code_name(exc))
-            try:
-                await abort_with(context, exc, name)
-            finally:
-                release_frames(exc)
+            await _fail(self, context, exc, name)
             raise  # unreachable: abort raises
         finally:
             if observer is not None:
                 observer.observe(name, time.perf_counter() - start)
 
-    return wrapper
-
-
-def rpc_stream_errors(method: StreamMethod[S, Req, Resp]) -> StreamMethod[S, Req, Resp]:
-    """Decorate a server-streaming servicer async generator with the error table; a failure's
-    code goes to the servicer's ``rpc_observer`` (a stream's lifetime is not a latency, so it
-    is not timed)."""
-    name = method.__name__
-
-    @functools.wraps(method)
-    async def wrapper(self: S, request: Req, context: aio.ServicerContext) -> AsyncIterator[Resp]:
-        try:
-            async for item in method(self, request, context):
-                yield item
-        except aio.AbortError:
-            raise
-        except Exception as exc:
-            observer = _observer(self)
-            if observer is not None:
-                observer.failed(name, _code_name(exc))
-            try:
-                await abort_with(context, exc, name)
-            finally:
-                release_frames(exc)
-
-    return wrapper
+    return cast("M", answered)
