@@ -29,6 +29,9 @@ MAX_LAYERS = 1024
 MAX_ITEMS_PER_CALL = 4096
 # Ids of one Free (all items together), and ids of one transfer call: 16M int32 = 64 MiB.
 MAX_IDS_PER_CALL = 1 << 24
+# Characters of a name a request gives that the daemon keeps or logs: a lease's name, a model's
+# architecture (``ModelSpec.architecture``, a HF config's class name).
+MAX_NAME_CHARS = 128
 # Characters of ``hf_config_json`` (real config.json files are < 100 KB).
 MAX_CONFIG_CHARS = 1 << 20
 # Bytes of one request message, per method, checked before the message is parsed. Every method

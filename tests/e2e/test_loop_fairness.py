@@ -128,3 +128,26 @@ def test_refused_60mb_frees_beside_a_probe(daemon: DaemonProcess) -> None:
         assert stats.pool(POOL).spaces["kv"].used == 1  # the probe closed its lease
         held = {x.name: x.held for x in stats.leases}
         assert held["one"] == {POOL: {"kv": 1}} and held["empty"] == {}
+
+
+def test_oversized_strings_cost_no_log_and_no_memory(daemon: DaemonProcess) -> None:
+    """Finding 8: twelve PeerReceive calls with a 6 MiB sender (and PeerDone with a 6 MiB
+    message, Send with a 6 MiB peer) are refused by their request bounds before parsing: the
+    daemon's log grows by a few lines, not by what they carried, and admin Stats still
+    answers."""
+    channel, raw = stub(daemon)
+    big = "x" * (6 << 20)
+    log_before = len(daemon.log_text())
+    with channel:
+        calls = [lambda: raw.PeerReceive(pb.PeerReceiveRequest(token=b"t", sender=big)),
+                 lambda: raw.PeerDone(pb.PeerDoneRequest(token=b"t", message=big)),
+                 lambda: raw.Send(pb.SendRequest(pool=POOL, peer=big, token=b"t"))]
+        for call in calls:
+            for _ in range(12):
+                with pytest.raises(grpc.RpcError) as info:
+                    call()
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "B, at most" in info.value.details()
+        with KVPoolClient(daemon.target) as client:
+            assert client.stats().pool(POOL).name == POOL
+    assert len(daemon.log_text()) - log_before < 4096

@@ -39,8 +39,10 @@ REFUSAL_EVENTS = {"Configure": "configure_refused", "Drop": "drop_refused"}
 # type), refusals per (method, code).
 _INTERNAL_LOG = LogLimiter(burst=3, every_s=60.0)
 _REFUSAL_LOG = LogLimiter(burst=20, every_s=1.0)
-# The longest status message sent (see bounded()).
+# The longest status message sent, and the longest reason a refusal's log line quotes (see
+# bounded()).
 MAX_DETAILS_CHARS = 2048
+MAX_LOGGED_CHARS = 512
 
 # Derived from the one table in ``kvpool.errors`` (each class's ``code`` names its status).
 STATUS_BY_ERROR: dict[type[KVPoolError], grpc.StatusCode] = {
@@ -102,13 +104,16 @@ async def abort_with(context: aio.ServicerContext, exc: BaseException, method: s
 
 
 def bounded(text: str, limit: int = MAX_DETAILS_CHARS) -> str:
-    """``text`` cut to ``limit`` characters (with an ellipsis and its length): status details
-    travel in a trailer whose size gRPC limits (8 KiB by default), and a message quoting a
-    client's input must not outgrow it. Messages quote input through ``kvpool.errors.echo``
-    already; this is the net under them."""
+    """``text`` cut to about ``limit`` characters, in the middle (an ellipsis and the length in
+    its place): status details travel in a trailer whose size gRPC limits (8 KiB by default),
+    and a message quoting a client's input must not outgrow it, nor a log line quoting one.
+    The end stays: it says where the input was bad (msgspec's ``- at `$.dtype```) and which
+    knob to turn. Messages quote input through ``kvpool.errors.echo`` already; this is the net
+    under them (a msgspec error quotes the bad value whole)."""
     if len(text) <= limit:
         return text
-    return f"{text[:limit]}\u2026 ({len(text):,} chars)"
+    tail = limit // 4
+    return f"{text[:limit - tail]}\u2026 ({len(text):,} chars) \u2026{text[-tail:]}"
 
 
 def log_refusal(method: str, exc: KVPoolError) -> None:
@@ -120,8 +125,8 @@ def log_refusal(method: str, exc: KVPoolError) -> None:
     ok, suppressed = _REFUSAL_LOG.allow((method, code))
     if ok:
         log.warning("%s refused", method, extra={"fields": {
-            "event": event, "code": code, "field": exc.field, "reason": exc.message,
-            "suppressed": suppressed}})
+            "event": event, "code": code, "field": exc.field,
+            "reason": bounded(exc.message, MAX_LOGGED_CHARS), "suppressed": suppressed}})
 
 
 def release_frames(exc: BaseException) -> None:
