@@ -29,21 +29,37 @@ MAX_LAYERS = 1024
 MAX_ITEMS_PER_CALL = 4096
 # Ids of one Free (all items together), and ids of one transfer call: 16M int32 = 64 MiB.
 MAX_IDS_PER_CALL = 1 << 24
+# Characters of a name a request gives that the daemon keeps or logs: a lease's name, a model's
+# architecture (``ModelSpec.architecture``, a HF config's class name).
+MAX_NAME_CHARS = 128
 # Characters of ``hf_config_json`` (real config.json files are < 100 KB).
 MAX_CONFIG_CHARS = 1 << 20
-# Bytes of one request message, per method, checked before the message is parsed; methods not
-# listed take MAX_MESSAGE_BYTES. Sized for the bounds above with room to spare.
+# Bytes of one request message, per method, checked before the message is parsed. Every method
+# has its bound, sized for the bounds above with room to spare; only Free (16M ids) takes the
+# whole MAX_MESSAGE_BYTES.
 MAX_REQUEST_BYTES: dict[str, int] = {
     "Configure": MAX_CONFIG_CHARS + (64 << 10),
     "OpenLease": 4 << 10,
     "KeepAlive": 256 << 10,
     "CloseLease": 1 << 10,
     "Allocate": 128 << 10,  # 4,096 items of a short space name and a count
+    "Free": MAX_MESSAGE_BYTES,
     "Stats": 1 << 10,
     "WatchStats": 1 << 10,
     "Drop": 1 << 10,
     "Attach": 4 << 10,
     "Detach": 1 << 10,
+    # A transfer's pages: at most 65,536 int32 ids (256 KiB); with a pool name, a peer address
+    # (512 characters) and a token (64 bytes) besides.
+    "GrantReceive": (256 + 8) << 10,
+    "Send": (256 + 8) << 10,
+    "WaitTransfer": 1 << 10,
+    # A page layout lists every buffer of the kv and swa spaces: up to 4 per layer (K, V and
+    # their fp4 scales) of MAX_LAYERS layers and as many draft layers, 33 B each on the wire
+    # (284 KB for 2,048 fp4 layers); a SWA mask of one byte per page (64 KiB) besides.
+    "PeerReceive": 1 << 20,
+    # A token and a failure's text (a status message: 2,048 characters, 8 KiB of UTF-8 at most).
+    "PeerDone": 16 << 10,
 }
 # Characters of user input an error message quotes (the rest is elided, with its length).
 MAX_ECHO_CHARS = 80

@@ -16,7 +16,7 @@ import msgspec
 from msgspec import Meta
 
 from kvpool.errors import InvalidArgument
-from kvpool.limits import MAX_LAYERS
+from kvpool.limits import MAX_LAYERS, MAX_NAME_CHARS
 
 PositiveInt = Annotated[int, Meta(ge=1, le=1 << 40)]
 NonNegInt = Annotated[int, Meta(ge=0, le=1 << 40)]
@@ -116,7 +116,8 @@ class ModelSpec(Base):
     attention: MHAAttention | MLAAttention
     context_length: PositiveInt
     dtype: ModelDType = ModelDType.bfloat16
-    architecture: str = ""  # the HF class name, informational
+    # The HF class name, informational (kept in the plan: bounded).
+    architecture: Annotated[str, Meta(max_length=MAX_NAME_CHARS)] = ""
     sliding_window: SlidingWindow | None = None
     indexer: DSAIndexer | None = None
     linear: LinearAttention | None = None

@@ -212,7 +212,7 @@ def _layer_types(r: _Reader, n: int, accepted: tuple[str, ...]) -> list[str] | N
     raw = raw[:n]  # Step-3.5 lists its MTP layers after the model's
     bad = [t for t in raw if t not in accepted]
     if bad:
-        raise r.fail(f"layer_types has {bad[0]!r} (accepted: {', '.join(accepted)})")
+        raise r.fail(f"layer_types has {echo(bad[0])} (accepted: {', '.join(accepted)})")
     return raw
 
 
@@ -454,7 +454,7 @@ def _fallback(config: Config, name: str, r: _Reader) -> SpecFields:
     if config.get("head_dim") is None and config.get("hidden_size") is None:
         missing.append("hidden_size (or head_dim)")
     if missing:
-        what = f"architecture {name!r} has no loader" if name else "no architectures listed"
+        what = f"architecture {echo(name)} has no loader" if name else "no architectures listed"
         raise r.fail(
             f"{what} and the MHA fallback needs {', '.join(missing)} "
             f"(supported architectures: {', '.join(sorted(LOADERS))})"

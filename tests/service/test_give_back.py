@@ -221,3 +221,76 @@ async def test_sync_client_gives_back(live: tuple[Daemon, str]) -> None:
     assert out["held"] == in_use + cached and out["cached"] == cached
     assert out["used"] == out["held"] + 100
     assert out["freed"] == 20
+
+
+async def report(stub: kvpool_pb2_grpc.KVPoolStub, lease: object, cached: int,
+                 pool: str = "tiny", space: str = "kv") -> aio.StreamStreamCall:
+    """A KeepAlive stream of ``lease`` that has reported ``cached`` ids (and been answered)."""
+    stream = stub.KeepAlive()
+    await stream.write(pb.KeepAliveRequest(**proof(lease), seq=1, caches=[  # type: ignore
+        pb.CacheReport(pool=pool, space=space, cached=cached)]))
+    assert (await stream.read()).seq == 1
+    return stream
+
+
+async def test_a_report_no_holding_backs_steers_nothing(live: tuple[Daemon, str]) -> None:
+    """Issue 20, finding 6: a lease reporting 2**63 cached ids while holding nothing. An
+    Allocate that cannot be satisfied is refused at once: no give-back is asked of anyone (the
+    liar's stream gets none, nor does an honest cache that could not cover it alone), and Stats
+    shows the report capped at what the lease holds."""
+    daemon = live[0]
+    async with aio.insecure_channel(live[1]) as channel:
+        stub = kvpool_pb2_grpc.KVPoolStub(channel)
+        liar, honest, taker = [await open_raw(stub, n) for n in ("liar", "honest", "taker")]
+        await stub.Allocate(allocate_request("tiny", honest, [("kv", 10)]))
+        await stub.Allocate(allocate_request("tiny", taker, [("kv", CAPACITY - 10)]))
+        lying = await report(stub, liar, 2**63)
+        honest_stream = await report(stub, honest, 10)
+        for count in (1, 11):  # one the honest cache could cover, one nobody could
+            with pytest.raises(grpc.RpcError) as info:
+                await stub.Allocate(allocate_request("tiny", taker, [("kv", count)]),
+                                    timeout=30)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            if count == 11:
+                assert "give back" not in info.value.details()
+        lease_of = daemon.leases.find
+        assert lease_of(liar.lease_id).give_back == {}  # type: ignore[union-attr]
+        assert lease_of(liar.lease_id).cached("tiny", "kv") == 0  # type: ignore[union-attr]
+        stats = await stub.Stats(pb.StatsRequest(pool="tiny"))
+        (mine,) = [x for x in stats.leases if x.lease_id == liar.lease_id]
+        assert list(mine.cached) == []
+        # The honest cache was asked for the 1 it could give (the first Allocate), never for
+        # the 11 it could not.
+        ask = await honest_stream.read()
+        assert [(g.space, g.count) for g in ask.give_back] == [("kv", 1)]
+        for stream in (lying, honest_stream):
+            await stream.done_writing()
+        # The liar's stream got nothing but the answer to its own report.
+        assert await lying.read() == aio.EOF
+
+
+async def test_a_report_is_capped_at_what_the_lease_holds(live: tuple[Daemon, str]) -> None:
+    """A lease holding 3 pages that reports 2**63 cached counts as 3: an Allocate 4 short is
+    refused at once, one 3 short asks it for 3; a report of a pool or space that does not exist
+    is not kept."""
+    daemon = live[0]
+    async with aio.insecure_channel(live[1]) as channel:
+        stub = kvpool_pb2_grpc.KVPoolStub(channel)
+        holder, taker = await open_raw(stub, "holder"), await open_raw(stub, "taker")
+        await stub.Allocate(allocate_request("tiny", holder, [("kv", 3)]))
+        await stub.Allocate(allocate_request("tiny", taker, [("kv", CAPACITY - 3)]))
+        stream = await report(stub, holder, 2**63)
+        assert daemon.leases.find(holder.lease_id).cached("tiny", "kv") == 3  # type: ignore
+        with pytest.raises(grpc.RpcError) as info:
+            await stub.Allocate(allocate_request("tiny", taker, [("kv", 4)]), timeout=30)
+        assert "give back" not in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            await stub.Allocate(allocate_request("tiny", taker, [("kv", 3)]), timeout=0.5)
+        assert "give back 3 cached ids, 0 came back" in info.value.details()
+        assert [(g.count) for g in (await stream.read()).give_back] == [3]
+        await stream.write(pb.KeepAliveRequest(**proof(holder), seq=2, caches=[
+            pb.CacheReport(pool="nope", space="kv", cached=5),
+            pb.CacheReport(pool="tiny", space="nope", cached=5)]))
+        assert (await stream.read()).seq == 2
+        assert daemon.leases.find(holder.lease_id).reports == {}  # type: ignore[union-attr]
+        await stream.done_writing()

@@ -301,7 +301,7 @@ class IdSpace:
     def check(self, owner: int, idx: np.ndarray) -> Fault | None:
         """The first id of ``idx`` that ``owner`` may not free, or None; changes nothing.
 
-        O(count) when every id may be freed; the diagnosis of a refusal is O(k log k).
+        O(count) when every id may be freed; a refusal's diagnosis is O(position of the bad id).
 
         Args:
             owner: the lease.

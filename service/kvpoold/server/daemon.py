@@ -39,7 +39,7 @@ from kvpool.limits import MAX_ECHO_CHARS
 from kvpool.plan import PoolPlan
 from kvpool.records import AttachInfo, ConfigureResult, HeldMap, Released, Stats
 from kvpoold import __version__
-from kvpoold.ids import Grant
+from kvpoold.ids import Grant, IdSpace
 from kvpoold.server.attachments import MAX_ATTACHMENTS_PER_IDENTITY, AttachmentTable
 from kvpoold.server.auth import DAEMON_CALLER, Caller
 from kvpoold.server.leases import MAX_LEASES_PER_IDENTITY, Lease, LeaseTable
@@ -265,15 +265,31 @@ class Daemon:
     def renew_lease(self, caller: Caller, ref: LeaseRef,
                     reports: dict[tuple[str, str], tuple[int, int]] | None = None) -> Lease:
         """Renew a lease and keep its page caches' report (``(pool, space) -> (cached,
-        in_use)``; it replaces the last one).
+        in_use)``; it replaces the last one), as far as the lease's holdings back it
+        (:meth:`_backed`).
 
         Raises:
             NotFound: unknown, closed or expired lease, or not proven.
         """
         lease = self.leases.renew(self.lease(caller, ref).lease_id)
         if reports is not None:
-            self.leases.set_reports(lease, reports)
+            self.leases.set_reports(lease, self._backed(lease, reports))
         return lease
+
+    def _backed(self, lease: Lease, reports: dict[tuple[str, str], tuple[int, int]]
+                ) -> dict[tuple[str, str], tuple[int, int]]:
+        """The part of a cache report the lease's holdings back: a cache holds only ids its
+        lease holds, so each count is capped at what the lease holds in that pool and space
+        now, and a report of a pool or space that does not exist is not kept (what a lease may
+        store stays O(pools x spaces)). O(reports)."""
+        out: dict[tuple[str, str], tuple[int, int]] = {}
+        for (pool, name), (cached, in_use) in reports.items():
+            entry = self.pools.get(pool)
+            if entry is None or name not in entry.ids.names:
+                continue
+            held = entry.ids.space(name, "caches", allocating=False).held(lease.owner)
+            out[(pool, name)] = (min(cached, held), min(in_use, held))
+        return out
 
     def close_lease(self, caller: Caller, ref: LeaseRef) -> Released:
         """End a lease; everything it holds comes back and its attachments end.
@@ -346,7 +362,7 @@ class Daemon:
             low = max(1, space.capacity // PRESSURE_FRACTION)
             room = ids.room(space)
             if room < low:
-                self._ask_give_back(pool, space.name, low - room, lease.owner, cover=False)
+                self._ask_give_back(pool, space, low - room, lease.owner, cover=False)
         return [(name, grant) for (name, _), grant in zip(items, grants, strict=True)]
 
     async def allocate_waiting(self, caller: Caller, pool: str, ref: LeaseRef,
@@ -370,19 +386,20 @@ class Daemon:
         for name, count in items:
             shortfall[name] = shortfall.get(name, 0) + count
         free_before = {}
+        spaces = {}
         for name in list(shortfall):
-            space = entry.ids.space(name, "items", allocating=True)
+            space = spaces[name] = entry.ids.space(name, "items", allocating=True)
             free_before[name] = space.num_free
             short = shortfall[name] - entry.ids.room(space)
             if short <= 0:
                 del shortfall[name]
                 continue
             shortfall[name] = short
-            if self._cached_elsewhere(pool, name, lease.owner) < short:
+            if self._cached_elsewhere(pool, space, lease.owner) < short:
                 raise first  # even every cached id would not do: refuse at once
         if not shortfall or wait_s <= 0:
             raise first
-        asked = sum(self._ask_give_back(pool, name, short, lease.owner, cover=True)
+        asked = sum(self._ask_give_back(pool, spaces[name], short, lease.owner, cover=True)
                     for name, short in shortfall.items())
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
@@ -406,21 +423,29 @@ class Daemon:
             f"{first.message}; asked other leases' page caches to give back {asked} cached "
             f"ids, {came} came back within {wait_s:.2f} s", field=first.field)
 
-    def _cached_elsewhere(self, pool: str, space: str, owner: int) -> int:
-        return sum(x.cached(pool, space) for x in self.leases.cachers(pool, space)
+    def _cached_of(self, lease: Lease, pool: str, space: IdSpace) -> int:
+        """What ``lease``'s caches reported cached in ``pool``/``space``, capped at what it
+        holds there now (O(1)): only ids a lease really holds can come back, so a report it
+        does not back (stale, or a lie) never makes an Allocate wait nor another cache be
+        asked in vain."""
+        return min(lease.cached(pool, space.name), space.held(lease.owner))
+
+    def _cached_elsewhere(self, pool: str, space: IdSpace, owner: int) -> int:
+        return sum(self._cached_of(x, pool, space) for x in self.leases.cachers(pool, space.name)
                    if x.owner != owner)
 
-    def _ask_give_back(self, pool: str, space: str, count: int, owner: int, *,
+    def _ask_give_back(self, pool: str, space: IdSpace, count: int, owner: int, *,
                        cover: bool) -> int:
-        """Ask the leases other than ``owner`` whose caches report cached ids of
-        ``pool``/``space`` to give back ``count`` in all (at most what they report): shares
-        proportional to what each reported, at least 1 each. Returns the ids asked.
+        """Ask the leases other than ``owner`` whose caches hold cached ids of ``pool``/``space``
+        (:meth:`_cached_of`) to give back ``count`` in all (at most what they hold cached):
+        shares proportional to what each holds cached, at least 1 each. Returns the ids asked.
 
         ``cover=False`` (pressure after a successful Allocate) skips leases already asked.
         """
-        holders = [(x, x.cached(pool, space)) for x in self.leases.cachers(pool, space)
-                   if x.owner != owner and x.cached(pool, space) > 0
-                   and (cover or (pool, space) not in x.give_back)]
+        name = space.name
+        holders = [(x, c) for x in self.leases.cachers(pool, name)
+                   if x.owner != owner and (cover or (pool, name) not in x.give_back)
+                   and (c := self._cached_of(x, pool, space)) > 0]
         total = sum(c for _, c in holders)
         if not total:
             return 0
@@ -434,9 +459,9 @@ class Daemon:
             shares[i] += more
             rest -= more
         for (x, _), n in zip(holders, shares, strict=True):
-            x.ask_give_back(pool, space, n)
+            x.ask_give_back(pool, name, n)
         log.info("give-back asked", extra={"fields": {
-            "event": "give_back", "pool": pool, "space": space, "asked": sum(shares),
+            "event": "give_back", "pool": pool, "space": name, "asked": sum(shares),
             "leases": len(holders), "waiting": cover,
         }})
         return sum(shares)

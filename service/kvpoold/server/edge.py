@@ -148,20 +148,22 @@ def free_items(req: pb.FreeRequest) -> list[tuple[str, np.ndarray]]:
             without a space, or ids that are not whole int32 values.
     """
     check_items(len(req.items), "free")
-    total = sum(len(item.ids) for item in req.items) // 4
+    # Each read of a bytes field is a copy (60 MB for 15M ids): read each item's once.
+    data = [item.ids for item in req.items]
+    total = sum(len(d) for d in data) // 4
     if total > MAX_IDS_PER_CALL:
         raise InvalidArgument(f"free has {total:,} ids, at most {MAX_IDS_PER_CALL:,} per call; "
                               "split it", field="items")
     out = []
-    for i, item in enumerate(req.items):
+    for i, (item, ids) in enumerate(zip(req.items, data, strict=True)):
         space = _space(item.space, item.kind, f"items[{i}].space")
-        if len(item.ids) % 4:
+        if len(ids) % 4:
             raise InvalidArgument(
-                f"items[{i}].ids has {len(item.ids)} bytes, not a whole number of little-endian "
+                f"items[{i}].ids has {len(ids)} bytes, not a whole number of little-endian "
                 "int32 ids (4 bytes each)",
                 field=f"items[{i}].ids",
             )
-        out.append((space, codec.ids_from_bytes(item.ids)))
+        out.append((space, codec.ids_from_bytes(ids)))
     return out
 
 

@@ -27,11 +27,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvpool.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvpool.limits import MAX_NAME_CHARS
 from kvpoold.ids.faults import OWNER_MAX
 
 MIN_TTL_S = 0.1
 MAX_TTL_S = 86_400.0
-MAX_NAME_CHARS = 128
 MAX_LEASES = 65_536
 # The leases one identity may hold open (``--max-leases-per-identity``), by default.
 MAX_LEASES_PER_IDENTITY = 1024

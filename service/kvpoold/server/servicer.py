@@ -20,7 +20,7 @@ from kvpoold.server import edge
 from kvpoold.server.auth import Authority, Caller, Transport
 from kvpoold.server.daemon import GIVE_BACK_WAIT_S, Daemon
 from kvpoold.server.intake import accept
-from kvpoold.server.status import RpcObserver, rpc_errors, rpc_stream_errors
+from kvpoold.server.status import RpcObserver, rpc_errors
 
 if TYPE_CHECKING:  # message types for annotations only; edge.py and kvpool.codec build them
     from kvpool.records import Stats
@@ -96,7 +96,7 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
                                         request.ttl_seconds)
         return edge.open_lease_response(lease)
 
-    @rpc_stream_errors
+    @rpc_errors
     async def KeepAlive(self, request_iterator: AsyncIterator[pb.KeepAliveRequest], context: Ctx
                         ) -> AsyncIterator[pb.KeepAliveResponse]:
         """Answer each request (renew, keep its page-cache report); in between, send the
@@ -168,7 +168,7 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
     async def Stats(self, request: pb.StatsRequest, context: Ctx) -> pb.StatsResponse:
         return await stats_response(self._daemon.stats(self._caller(context), request.pool))
 
-    @rpc_stream_errors
+    @rpc_errors
     async def WatchStats(self, request: pb.WatchStatsRequest, context: Ctx
                          ) -> AsyncIterator[pb.StatsResponse]:
         caller = self._caller(context)

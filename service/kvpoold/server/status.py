@@ -1,9 +1,10 @@
 """``kvpool.errors`` classes as gRPC status codes, applied by one decorator.
 
-Every servicer method is wrapped by :func:`rpc_errors` (unary) or :func:`rpc_stream_errors`
-(server-streaming): a :class:`KVPoolError` becomes its status with the message as details and the
-field at fault in the trailing metadata ``kvpool-field``; anything else is ``INTERNAL`` with the
-traceback logged. The mapping is derived from ``kvpool.errors.ERRORS_BY_CODE`` (the one table;
+Every servicer method, unary or streaming, is wrapped by :func:`rpc_errors`: its request passes
+the intake check first (``kvpoold.server.intake.accept``: a message refused before parsing is
+INVALID_ARGUMENT), then a :class:`KVPoolError` becomes its status with the message as details and
+the field at fault in the trailing metadata ``kvpool-field``; anything else is ``INTERNAL`` with
+the traceback logged. The mapping is derived from ``kvpool.errors.ERRORS_BY_CODE`` (the one table;
 the client maps codes back with ``kvpool.errors.error_from_code``).
 
 The same decorator reports each call to the servicer's ``rpc_observer`` (``RpcMetrics`` when
@@ -14,11 +15,12 @@ every call that fails, so no method carries its own instrumentation.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import grpc
 from grpc import aio
@@ -37,8 +39,10 @@ REFUSAL_EVENTS = {"Configure": "configure_refused", "Drop": "drop_refused"}
 # type), refusals per (method, code).
 _INTERNAL_LOG = LogLimiter(burst=3, every_s=60.0)
 _REFUSAL_LOG = LogLimiter(burst=20, every_s=1.0)
-# The longest status message sent (see bounded()).
+# The longest status message sent, and the longest reason a refusal's log line quotes (see
+# bounded()).
 MAX_DETAILS_CHARS = 2048
+MAX_LOGGED_CHARS = 512
 
 # Derived from the one table in ``kvpool.errors`` (each class's ``code`` names its status).
 STATUS_BY_ERROR: dict[type[KVPoolError], grpc.StatusCode] = {
@@ -100,13 +104,16 @@ async def abort_with(context: aio.ServicerContext, exc: BaseException, method: s
 
 
 def bounded(text: str, limit: int = MAX_DETAILS_CHARS) -> str:
-    """``text`` cut to ``limit`` characters (with an ellipsis and its length): status details
-    travel in a trailer whose size gRPC limits (8 KiB by default), and a message quoting a
-    client's input must not outgrow it. Messages quote input through ``kvpool.errors.echo``
-    already; this is the net under them."""
+    """``text`` cut to about ``limit`` characters, in the middle (an ellipsis and the length in
+    its place): status details travel in a trailer whose size gRPC limits (8 KiB by default),
+    and a message quoting a client's input must not outgrow it, nor a log line quoting one.
+    The end stays: it says where the input was bad (msgspec's ``- at `$.dtype```) and which
+    knob to turn. Messages quote input through ``kvpool.errors.echo`` already; this is the net
+    under them (a msgspec error quotes the bad value whole)."""
     if len(text) <= limit:
         return text
-    return f"{text[:limit]}\u2026 ({len(text):,} chars)"
+    tail = limit // 4
+    return f"{text[:limit - tail]}\u2026 ({len(text):,} chars) \u2026{text[-tail:]}"
 
 
 def log_refusal(method: str, exc: KVPoolError) -> None:
@@ -118,8 +125,8 @@ def log_refusal(method: str, exc: KVPoolError) -> None:
     ok, suppressed = _REFUSAL_LOG.allow((method, code))
     if ok:
         log.warning("%s refused", method, extra={"fields": {
-            "event": event, "code": code, "field": exc.field, "reason": exc.message,
-            "suppressed": suppressed}})
+            "event": event, "code": code, "field": exc.field,
+            "reason": bounded(exc.message, MAX_LOGGED_CHARS), "suppressed": suppressed}})
 
 
 def release_frames(exc: BaseException) -> None:
@@ -147,56 +154,64 @@ def release_frames(exc: BaseException) -> None:
 
 UnaryMethod = Callable[[S, Req, aio.ServicerContext], Awaitable[Resp]]
 StreamMethod = Callable[[S, Req, aio.ServicerContext], AsyncIterator[Resp]]
+M = TypeVar("M", bound=Callable[..., object])
 
 
-def rpc_errors(method: UnaryMethod[S, Req, Resp]) -> UnaryMethod[S, Req, Resp]:
-    """Decorate a unary (or stream-request) servicer coroutine with the error table; the call's
-    time and any failure's code go to the servicer's ``rpc_observer``."""
+async def _fail(servicer: object, context: aio.ServicerContext, exc: Exception,
+                method: str) -> None:
+    """End a failed call: its code to the observer, the status to the client (always raises
+    ``grpc.aio.AbortError``), the error's frames released."""
+    observer = _observer(servicer)
+    if observer is not None:
+        observer.failed(method, _code_name(exc))
+    try:
+        await abort_with(context, exc, method)
+    finally:
+        release_frames(exc)
+
+
+def rpc_errors(method: M) -> M:
+    """Decorate a servicer method with the intake check and the error table: a coroutine
+    (unary reply) or an async generator (streamed reply, WatchStats and KeepAlive), the same
+    way.
+
+    The request goes through :func:`kvpoold.server.intake.accept` first (a message refused at
+    intake is answered with its INVALID_ARGUMENT; a stream of requests, KeepAlive, accepts each
+    message itself); a failure is answered by :func:`abort_with` and its code reported to the
+    servicer's ``rpc_observer``, which is also told the time of every unary call (a stream's
+    lifetime is not a latency, so it is not timed).
+    """
     name = method.__name__
+    if inspect.isasyncgenfunction(method):
+        stream = cast("StreamMethod[Any, Any, Any]", method)
+
+        @functools.wraps(method)
+        async def streamed(self: Any, request: Any,
+                           context: aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                async for item in stream(self, accept(request, name), context):
+                    yield item
+            except aio.AbortError:
+                raise
+            except Exception as exc:
+                await _fail(self, context, exc, name)
+
+        return cast("M", streamed)
+    unary = cast("UnaryMethod[Any, Any, Any]", method)
 
     @functools.wraps(method)
-    async def wrapper(self: S, request: Req, context: aio.ServicerContext) -> Resp:
+    async def answered(self: Any, request: Any, context: aio.ServicerContext) -> Any:
         observer = _observer(self)
         start = time.perf_counter()
         try:
-            return await method(self, accept(request, name), context)
+            return await unary(self, accept(request, name), context)
         except aio.AbortError:
             raise
         except Exception as exc:
-            if observer is not None:
-                observer.failed(name, _code_name(exc))
-            try:
-                await abort_with(context, exc, name)
-            finally:
-                release_frames(exc)
+            await _fail(self, context, exc, name)
             raise  # unreachable: abort raises
         finally:
             if observer is not None:
                 observer.observe(name, time.perf_counter() - start)
 
-    return wrapper
-
-
-def rpc_stream_errors(method: StreamMethod[S, Req, Resp]) -> StreamMethod[S, Req, Resp]:
-    """Decorate a server-streaming servicer async generator with the error table; a failure's
-    code goes to the servicer's ``rpc_observer`` (a stream's lifetime is not a latency, so it
-    is not timed)."""
-    name = method.__name__
-
-    @functools.wraps(method)
-    async def wrapper(self: S, request: Req, context: aio.ServicerContext) -> AsyncIterator[Resp]:
-        try:
-            async for item in method(self, request, context):
-                yield item
-        except aio.AbortError:
-            raise
-        except Exception as exc:
-            observer = _observer(self)
-            if observer is not None:
-                observer.failed(name, _code_name(exc))
-            try:
-                await abort_with(context, exc, name)
-            finally:
-                release_frames(exc)
-
-    return wrapper
+    return cast("M", answered)
