@@ -53,8 +53,7 @@ class AsyncPageCache(CacheState):
         self._wake = asyncio.Event()
         self._core.wake = self._wake.set
         self._idle = asyncio.Event()
-        self._core.kicked = True  # the first refill, to ``high``
-        self._wake.set()
+        self._core.kick()  # the first refill, to ``high``
         self._task = asyncio.create_task(self._run(), name=f"kvpool-page-cache-{pool}-{space}")
         lease._register_cache(self)  # see PageCache.__init__
         lost = lease_lost(lease)
@@ -105,12 +104,15 @@ class AsyncPageCache(CacheState):
         return self._core.counters()
 
     async def settle(self) -> None:
-        """Wait until the worker has done what the watermarks ask (or cannot now)."""
-        if self._core.dead is not None or self._task.done():
+        """Wait until no refill, return or give-back is due or in flight, as
+        ``PageCache.settle`` (what the worker holds back it tries at once; a refill or return
+        the daemon refused since this call began counts as done until its retry)."""
+        core = self._core
+        if core.dead is not None or self._task.done():
             return
         self._idle.clear()
-        self._core.kicked = True
-        self._wake.set()
+        core.begin_settle()
+        core.kick()
         await self._idle.wait()
 
     async def close(self) -> int:
@@ -159,8 +161,7 @@ class AsyncPageCache(CacheState):
         """See ``PageCache._give_back``."""
         k = self._core.ask_give_back(n)
         if k:
-            self._core.kicked = True
-            self._wake.set()
+            self._core.kick()
         return k
 
     # -- the slow paths -----------------------------------------------------------------------
@@ -187,9 +188,8 @@ class AsyncPageCache(CacheState):
             raise
         core.waits += 1
         ids = core.finish_miss(reserved, got, n)
-        if core.wants_work() and not core.kicked:
-            core.kicked = True
-            self._wake.set()
+        if core.wants_work():
+            core.kick()
         self._report_soon()
         return ids
 
@@ -207,7 +207,8 @@ class AsyncPageCache(CacheState):
                 job = core.next_job(now, self._lease)
                 if job is None:
                     stop, sleep = core.idle(now)
-                    self._idle.set()
+                    if stop or core.settled():
+                        self._idle.set()
                     if stop:
                         return
                     break

@@ -99,8 +99,9 @@ DEFAULT_LOW = 64
 DEFAULT_HIGH = 512
 DEFAULT_BATCH = 128
 # After a refill or return the daemon refused (other than ResourceExhausted with room to ask
-# for less), the worker waits RETRY_S before trying again, twice that after a second refusal in
-# a row, and so on up to RETRY_MAX_S; a success resets it.
+# for less), the worker waits RETRY_S before trying that again, twice that after a second
+# refusal in a row, and so on up to RETRY_MAX_S; a success resets it. Refills and returns back
+# off apart: a pool with no room to refill from never holds a return back.
 RETRY_S = 0.1
 RETRY_MAX_S = 1.6
 # How often an idle worker looks whether its lease was closed (it then ends).
@@ -114,6 +115,33 @@ GIVE_BACK_HOLD_S = 0.5
 REFILL = "refill"
 RETURN = "return"
 GIVE_BACK = "give_back"
+
+
+class Backoff:
+    """When the worker may next try one kind of job (refills, or returns) after the daemon
+    refused it, and in which ``settle`` round it was last refused."""
+
+    __slots__ = ("at", "refused_in", "wait_s")
+
+    def __init__(self) -> None:
+        self.at = 0.0  # no attempt before this (time.monotonic)
+        self.wait_s = RETRY_S
+        self.refused_in = -1  # ``PageCacheCore.settle_round`` of the last refusal; -1: none
+
+    def refused(self, settle_round: int) -> None:
+        """A refusal the worker retries at once (a refill asking for less)."""
+        self.refused_in = settle_round
+
+    def wait(self, now: float, settle_round: int) -> None:
+        """A refusal the worker retries after ``wait_s`` (doubled for the next one)."""
+        self.refused_in = settle_round
+        self.at = now + self.wait_s
+        self.wait_s = min(RETRY_MAX_S, self.wait_s * 2)
+
+    def succeeded(self) -> None:
+        self.at = 0.0
+        self.wait_s = RETRY_S
+        self.refused_in = -1
 
 
 @dataclass(frozen=True)
@@ -283,10 +311,15 @@ class PageCacheCore:
         self.closed = False
         self.lost: KVPoolError | None = None  # the lease or pool is gone
         self.dead: KVPoolError | None = None  # closed or lost: ``alloc`` raises this
-        self.kicked = False  # the worker has been woken and has not gone idle since
+        # Whether ``take`` (below ``low``) and ``free`` (above ``high``) need not wake the
+        # worker: it has been woken and has not gone idle since, or it sleeps until it may
+        # retry that kind of job by itself.
+        self.kicked = False
+        self.kicked_return = False
         self.wake: Callable[[], object] = no_worker  # wakes the owner's worker
-        self.retry_at = 0.0
-        self.retry_s = RETRY_S
+        self.refill_retry = Backoff()
+        self.return_retry = Backoff()
+        self.settle_round = 0  # ``begin_settle`` calls
         self.refill_cap = high
         self.prefill = True  # the first refill fills to ``high`` even when ``low`` is 0
         self.last_error: KVPoolError | None = None
@@ -491,8 +524,8 @@ class PageCacheCore:
                 self.write(tail, arr)
             self.tail = tail = tail + n
             self.n_in_use -= n
-            if tail - self.head > self.high and not self.kicked:
-                self.kicked = True
+            if tail - self.head > self.high and not self.kicked_return:
+                self.kicked_return = True
                 self.wake()
             return arr, False
         self.forget(arr)
@@ -538,6 +571,15 @@ class PageCacheCore:
         cached = self.tail - self.head
         return cached < self.low or cached > self.high or self.give_back > 0
 
+    def refill_due(self, cached: int) -> bool:
+        """Whether the watermarks ask for a refill (below ``low``, or the first fill)."""
+        return cached < self.low or (self.prefill and cached < self.high)
+
+    def kick(self) -> None:
+        """Wake the worker (it then looks at everything there is to do)."""
+        self.kicked = self.kicked_return = True
+        self.wake()
+
     def ask_give_back(self, n: int) -> int:
         """The daemon asks for ``n`` cached ids: the worker returns up to that many from the
         cache (never ids in use). Returns how many it will return."""
@@ -578,30 +620,28 @@ class PageCacheCore:
                 self.uncache(ids)
                 self.returning += k
                 return GIVE_BACK, ids
-        if now < self.retry_at:
-            return None
         cached = self.tail - self.head
-        if cached > self.high:
+        if cached > self.high and now >= self.return_retry.at:
             keep = max(self.low, self.high - self.batch)
             self.tail -= cached - keep
             ids = self.read(self.tail, cached - keep)
             self.uncache(ids)
             self.returning += ids.shape[0]
             return RETURN, ids
-        if (cached < self.low or (self.prefill and cached < self.high)) and (
-                now >= self.hold_until):
+        if self.refill_due(cached) and now >= max(self.refill_retry.at, self.hold_until):
             return REFILL, min(self.high - cached, self.refill_cap)
         return None
 
     def job_done(self, kind: str, arg: Any, result: Any) -> None:
-        self.retry_s = RETRY_S
         if kind == REFILL:
+            self.refill_retry.succeeded()
             self.push(result)
             self.refills += 1
             self.fetched += result.shape[0]
             self.refill_cap = self.high
             self.prefill = False
         else:
+            self.return_retry.succeeded()
             k = arg.shape[0]
             self.returning -= k
             self.returns += 1
@@ -612,6 +652,7 @@ class PageCacheCore:
 
     def job_failed(self, kind: str, arg: Any, err: KVPoolError, now: float) -> None:
         self.last_error = err
+        retry = self.refill_retry if kind == REFILL else self.return_retry
         if kind != REFILL:
             self.returning -= arg.shape[0]
             self.push(arg)  # still the lease's
@@ -619,24 +660,58 @@ class PageCacheCore:
             self.lose(err)
         elif kind == REFILL and isinstance(err, ResourceExhausted) and arg > 1:
             self.refill_cap = max(1, arg // 2)  # ask for half at once
+            retry.refused(self.settle_round)
         else:
             if not isinstance(err, ResourceExhausted):
                 log.warning("page cache %s: %s failed, retrying in %.1f s: %s", self.label,
-                            kind, self.retry_s, err)
-            self.retry_at = now + self.retry_s
-            self.retry_s = min(RETRY_MAX_S, self.retry_s * 2)
-            self.refill_cap = self.high
-            self.prefill = False
+                            kind, retry.wait_s, err)
+            retry.wait(now, self.settle_round)
+            if kind == REFILL:
+                self.refill_cap = self.high
+                self.prefill = False
+
+    def deferred(self, now: float) -> tuple[float, float]:
+        """When the worker may next make a refill, and a return, that the watermarks ask for
+        but that it holds back now (a refusal's backoff, the hold after a give-back); ``inf``
+        for one it does not hold back (none due, or due now)."""
+        cached = self.cached
+        refill = max(self.refill_retry.at, self.hold_until)
+        ret = self.return_retry.at
+        inf = float("inf")
+        return (refill if self.refill_due(cached) and refill > now else inf,
+                ret if cached > self.high and ret > now else inf)
 
     def idle(self, now: float) -> tuple[bool, float]:
-        """The worker found nothing to do: ``(stop, how long to sleep)``; sets ``kicked``."""
+        """The worker found nothing to do: ``(stop, how long to sleep)``; sets ``kicked`` and
+        ``kicked_return`` for what it will retry by itself when it wakes."""
         if self.dead is not None:
-            self.kicked = False
+            self.kicked = self.kicked_return = False
             return True, 0.0
-        until = max(self.retry_at, self.hold_until if self.cached < self.low else 0.0)
-        waiting = self.wants_work() and now < until
-        self.kicked = waiting  # while waiting to retry, alloc and free need not wake it
-        return False, (min(LEASE_POLL_S, until - now) if waiting else LEASE_POLL_S)
+        refill_at, return_at = self.deferred(now)
+        # While it waits to retry, ``alloc`` (refills) or ``free`` (returns) need not wake it.
+        self.kicked = refill_at != float("inf")
+        self.kicked_return = return_at != float("inf")
+        return False, min(LEASE_POLL_S, min(refill_at, return_at) - now)
+
+    def begin_settle(self) -> None:
+        """``settle`` starts: what the worker was holding back (a refusal's backoff, the hold
+        after a give-back) it may try now, and refusals count from here on."""
+        self.settle_round += 1
+        self.refill_retry.at = self.return_retry.at = self.hold_until = 0.0
+
+    def settled(self) -> bool:
+        """Whether the worker, idle now, has done what ``settle`` waits for: no give-back, and
+        no return or refill the watermarks ask for, is due or in flight, except one the daemon
+        refused since ``begin_settle`` (the worker retries it after its backoff)."""
+        if self.dead is not None:
+            return True
+        if self.returning or (self.give_back and self.cached):
+            return False
+        cached = self.cached
+        rnd = self.settle_round
+        if cached > self.high and self.return_retry.refused_in < rnd:
+            return False
+        return not (self.refill_due(cached) and self.refill_retry.refused_in < rnd)
 
     # -- end ----------------------------------------------------------------------------------
 
@@ -799,8 +874,7 @@ class PageCache(CacheState):
         self._idle = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"kvpool-page-cache-{pool}-{space}")
-        self._core.kicked = True  # the first refill, to ``high``
-        self._wake.set()
+        self._core.kick()  # the first refill, to ``high``
         # background=False: no worker thread; the engine calls ``maintain`` (between steps,
         # while its forward pass runs), so no refill or return ever lands inside its calls.
         self.background = background
@@ -914,21 +988,44 @@ class PageCache(CacheState):
             return self._core.counters()
 
     def settle(self, timeout_s: float | None = None) -> bool:
-        """Wait until the worker has done what the watermarks ask (or cannot now: the daemon
-        refused and it waits to retry). For tests and shutdown; never needed for correctness.
+        """Wait until no refill, return or give-back is due or in flight. For tests and
+        shutdown; never needed for correctness.
+
+        What the worker holds back it tries at once (a refill or return waiting out a refusal's
+        backoff, a refill held off after a give-back). Settled means: no give-back asked and not
+        done, at most ``high`` cached, and at least ``low`` (``high`` before the first refill),
+        each unless the daemon refused that refill or return since this call began (it is
+        retried after its backoff: the daemon has no room, or cannot be reached). Frees and
+        allocs made meanwhile, and give-backs the daemon asks later, may make new work.
 
         Returns:
-            False if ``timeout_s`` passed first.
+            True when settled (or the cache is closed or lost); False if ``timeout_s`` passed
+            first.
         """
+        core = self._core
         if not self.background:
-            self.maintain()
-            return True
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            with self._lock:
+                core.begin_settle()
+            while True:
+                self.maintain()
+                with self._lock:
+                    if core.settled():
+                        return True
+                    now = time.monotonic()
+                    wake_at = min(core.deferred(now))  # a give-back's hold, at most
+                until = min(wake_at, now + LEASE_POLL_S)
+                if deadline is not None:
+                    if now >= deadline:
+                        return False
+                    until = min(until, deadline)
+                time.sleep(max(0.0, until - now))
         with self._lock:
-            if self._core.dead is not None or not self._thread.is_alive():
+            if core.dead is not None or not self._thread.is_alive():
                 return True
             self._idle.clear()
-            self._core.kicked = True
-            self._wake.set()
+            core.begin_settle()
+            core.kick()
         return self._idle.wait(timeout_s)
 
     def close(self) -> int:
@@ -989,8 +1086,7 @@ class PageCache(CacheState):
         with self._lock:
             k = self._core.ask_give_back(n)
             if k:
-                self._core.kicked = True
-                self._wake.set()
+                self._core.kick()
         return k
 
     # -- the slow paths -----------------------------------------------------------------------
@@ -1018,9 +1114,8 @@ class PageCache(CacheState):
         with self._lock:
             core.waits += 1
             ids = core.finish_miss(reserved, got, n)
-            if core.wants_work() and not core.kicked:
-                core.kicked = True
-                self._wake.set()
+            if core.wants_work():
+                core.kick()
         self._report_soon()
         return ids
 
@@ -1063,7 +1158,8 @@ class PageCache(CacheState):
                     job = core.next_job(now, self._lease)
                     if job is None:
                         stop, sleep = core.idle(now)
-                        self._idle.set()
+                        if stop or core.settled():
+                            self._idle.set()
                         if stop:
                             return
                         break

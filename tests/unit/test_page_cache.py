@@ -175,6 +175,50 @@ def test_refill_on_a_full_pool_takes_what_there_is(client: KVPoolClient, pool: s
             assert held(client, pool, lease.lease_id) == 5
 
 
+# -- settle ---------------------------------------------------------------------------------
+
+def test_a_refused_refill_does_not_hold_a_return_back(client: KVPoolClient,
+                                                      pool: str) -> None:
+    """Issue 28: the worker was waiting out the backoff of a refill the full pool refused
+    when frees left the cache above ``high``. The return is due at once (refills and returns
+    back off apart), and ``settle()`` returns only once it is done: the lease then holds
+    exactly what the cache says, as a report tells the daemon."""
+    with client.lease("hog") as hog, client.lease("engine") as lease:
+        hogged = hog.allocate(pool, "kv", TINY_PAGES - 16)
+        with lease.page_cache(pool, low=8, high=16, batch=4) as cache:
+            assert cache.settle(30) and cache.cached == 16
+            ids = cache.alloc(12)  # 4 left: refills of 12, 6, 3, 1 refused, then it waits
+            assert cache.settle(30) and cache.cached == 4
+            assert isinstance(cache._core.last_error, ResourceExhausted)
+            hog.free(pool, "kv", hogged)
+            more = cache.alloc(100)  # a miss: the 4 cached and 96 from the daemon
+            cache.free(ids)
+            cache.free(more)  # 112 cached, far above high
+            assert cache.settle(30)
+            assert cache.cached <= cache.high and cache.returns == 1
+            assert lease.report_now()
+            mine = next(x for x in client.stats(pool).leases if x.lease_id == lease.lease_id)
+            assert mine.held[pool]["kv"] == cache.in_use + cache.cached == cache.cached
+            assert mine.cached[pool]["kv"] == cache.cached
+
+
+def test_settle_retries_a_refill_waiting_out_a_refusal(client: KVPoolClient,
+                                                       pool: str) -> None:
+    """A refill the full pool refused before ``settle()`` was called is tried again by it
+    rather than after the backoff: once the hog has freed, ``settle()`` returns with the cache
+    filled to ``high``."""
+    with client.lease("hog") as hog, client.lease("engine") as lease:
+        hogged = hog.allocate(pool, "kv", TINY_PAGES - 16)
+        with lease.page_cache(pool, low=8, high=16, batch=4) as cache:
+            assert cache.settle(30)
+            cache.alloc(12)
+            assert cache.settle(30) and cache.cached == 4  # refused: it settles, below low
+            hog.free(pool, "kv", hogged)
+            assert cache.settle(30)
+            assert cache.cached == 16
+            assert held(client, pool, lease.lease_id) == 12 + 16
+
+
 # -- local checks ---------------------------------------------------------------------------
 
 def test_double_free_and_foreign_ids_are_refused_and_change_nothing(
@@ -478,6 +522,26 @@ async def test_async_close_returns_cached(daemon: DaemonProcess, client: KVPoolC
         assert held(client, pool, lease.lease_id) == 0
         with pytest.raises(InvalidArgument, match="no id space 'state'"):
             await lease.page_cache(pool, "state")
+
+
+async def test_async_a_refused_refill_does_not_hold_a_return_back(
+        daemon: DaemonProcess, client: KVPoolClient, pool: str) -> None:
+    """Issue 28 for ``AsyncPageCache``: see the sync test of the same name."""
+    async with AsyncKVPoolClient(daemon.target) as aclient, \
+            await aclient.lease("hog") as hog, await aclient.lease("engine") as lease:
+        hogged = await hog.allocate(pool, "kv", TINY_PAGES - 16)
+        async with await lease.page_cache(pool, low=8, high=16, batch=4) as cache:
+            await cache.settle()
+            ids = await cache.alloc(12)
+            await cache.settle()
+            assert cache.cached == 4
+            await hog.free(pool, "kv", hogged)
+            more = await cache.alloc(100)
+            await cache.free(ids)
+            await cache.free(more)
+            await cache.settle()
+            assert cache.cached <= cache.high and cache.returns == 1
+            assert held(client, pool, lease.lease_id) == cache.cached
 
 
 def test_without_a_worker_the_engine_drives_refills_and_returns(client: KVPoolClient,

@@ -18,8 +18,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpool import page_cache
-from kvpool.errors import FailedPrecondition, InvalidArgument, KVPoolError
-from kvpool.page_cache import GIVE_BACK, RETURN, PageCacheCore
+from kvpool.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    KVPoolError,
+    ResourceExhausted,
+    Unavailable,
+)
+from kvpool.page_cache import GIVE_BACK, REFILL, RETURN, PageCacheCore
 from tests.conftest import stateful_settings
 
 CAP = 11
@@ -233,3 +239,65 @@ def test_a_rebase_in_chunks_keeps_every_id_where_it_was(monkeypatch: pytest.Monk
     assert core.read(core.head, core.cached).tolist() == cached
     assert not core.in_use_of(np.arange(0, 7)).any()
     assert core.take(len(cached)).tolist() == cached  # served in the same order
+
+
+# -- the worker's backoffs and settle (issue 28) ----------------------------------------------
+
+def refuse_all(core: PageCacheCore, now: float, err: KVPoolError) -> None:
+    """Refuse every job the worker would make at ``now`` (a refill halves down to 1 id)."""
+    while (job := core.pick_job(now)) is not None:
+        core.job_failed(job[0], job[1], err, now)
+
+
+def test_a_refills_backoff_does_not_defer_a_return() -> None:
+    """The pool had no room for a refill, so the worker waits out a backoff; frees then take
+    the cache above high. That return is due now, not when the refill may be retried."""
+    core = PageCacheCore("p", "kv", capacity=32, low=4, high=8, batch=2)
+    core.push(i32([1, 2, 3]))  # below low
+    refuse_all(core, 10.0, ResourceExhausted("full"))
+    assert core.refill_retry.at > 10.0 and core.pick_job(10.0) is None
+    core.push(i32(list(range(4, 14))))  # 13 cached: above high
+    job = core.pick_job(10.0)
+    assert job is not None and job[0] == RETURN and job[1].shape == (13 - 6,)
+    core.job_done(RETURN, job[1], None)
+    assert core.pick_job(10.0) is None and core.cached == 6
+
+
+def test_settled_waits_for_what_was_refused_before_settle_began() -> None:
+    """A refusal from before ``begin_settle`` does not count as settled: ``begin_settle`` lifts
+    the backoff so the worker tries again, and only a refusal from then on (or success) does."""
+    core = PageCacheCore("p", "kv", capacity=32, low=4, high=8, batch=2)
+    core.push(i32([1, 2, 3]))
+    refuse_all(core, 10.0, ResourceExhausted("full"))
+    assert core.pick_job(10.0) is None  # waiting out the backoff
+    core.begin_settle()
+    assert not core.settled()  # refused before: the retry is due
+    job = core.pick_job(10.0)  # at once
+    assert job is not None and job[0] == REFILL
+    core.job_failed(REFILL, job[1], ResourceExhausted("full"), 10.0)
+    refuse_all(core, 10.0, ResourceExhausted("full"))
+    assert core.settled()  # refused since settle began: it cannot now
+    # a return refused (the daemon unreachable) before the next settle, then done
+    core.push(i32(list(range(4, 14))))
+    refuse_all(core, 11.0, Unavailable("down"))
+    assert core.cached == 13
+    core.begin_settle()
+    assert not core.settled()
+    job = core.pick_job(11.0)
+    assert job is not None and job[0] == RETURN
+    core.job_done(RETURN, job[1], None)
+    assert core.settled() and core.cached == 6
+
+
+def test_settle_lifts_the_hold_after_a_give_back() -> None:
+    """After a give-back the worker holds refills back for a while; ``settle`` waits for none
+    of that: the refill is due at once."""
+    core = PageCacheCore("p", "kv", capacity=32, low=4, high=8, batch=2)
+    core.push(i32(list(range(1, 9))))
+    core.ask_give_back(6)
+    job = core.pick_job(0.0)
+    assert job is not None and job[0] == GIVE_BACK
+    core.job_done(GIVE_BACK, job[1], None)
+    assert core.cached == 2 and core.pick_job(0.0) is None  # held back
+    core.begin_settle()
+    assert not core.settled() and core.pick_job(0.0) == (REFILL, 6)
