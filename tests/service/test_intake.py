@@ -95,8 +95,8 @@ def test_the_largest_legitimate_requests_fit_their_bounds() -> None:
                                                timeout_seconds=3600.0),
         "PeerReceive": pb.PeerReceiveRequest(
             token=token, layout=largest_layout(), pages=MAX_GRANT_PAGES,
-            swa_mask=b"\x01" * MAX_GRANT_PAGES, known_agent="a" * 256,
-            known_generation=2**64 - 1, sender="s" * 256),
+            swa_mask=b"\x01" * MAX_GRANT_PAGES, known_agent="\u4e00" * 512,
+            known_generations=[2**64 - 1] * 64, sender="\u4e00" * 512),
         "PeerDone": pb.PeerDoneRequest(token=token, ok=False, message="\U0001f600" * 2048),
     }
     for method, request in largest.items():
