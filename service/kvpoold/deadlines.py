@@ -29,17 +29,6 @@ class DeadlineHeap(Generic[T]):
         """Add ``item``, due at ``when``; O(log n)."""
         heapq.heappush(self._heap, (when, next(self._seq), item))
 
-    def first(self) -> tuple[float, T] | None:
-        """The earliest entry, ``(when, item)``, without popping it; None when empty."""
-        if not self._heap:
-            return None
-        when, _, item = self._heap[0]
-        return when, item
-
-    def pop_first(self) -> T:
-        """Pop the earliest entry's item (the heap must not be empty)."""
-        return heapq.heappop(self._heap)[2]
-
     def pop_due(self, now: float) -> list[T]:
         """Pop every item due at or before ``now``, earliest first."""
         heap = self._heap

@@ -291,11 +291,6 @@ class Transfers:
             del self._draining[name]
             self._release_pool(name, close)
 
-    @property
-    def draining(self) -> tuple[str, ...]:
-        """Dropped pools whose memory waits for their transfers to end."""
-        return tuple(self._draining)
-
     def _pin(self, entry: LivePool, pages: np.ndarray, swa: np.ndarray | None
              ) -> Callable[[], None]:
         """Pin ``pages`` (kv) and ``swa`` pages of ``entry`` in its ledger; returns what
