@@ -77,7 +77,7 @@ def child_shm(conn: Connection) -> None:
     while (msg := conn.recv()) is not None:
         path, size = msg
         rss0 = rss_bytes()
-        region = map_region(SharedHandle(kind="shm", size=size, path=path),
+        region = map_region(SharedHandle(sharing="shm", size=size, path=path),
                             [BufferLayout("b", "uint8", (size,), 0, size)])
         t_have = time.monotonic_ns()
         rss1 = rss_bytes()

@@ -20,7 +20,7 @@ from kvpool.errors import (
     Unknown,
 )
 
-__version__ = "0.1.0"
+__version__ = "1.0.0"
 
 __all__ = [
     "Aborted",

@@ -193,8 +193,8 @@ class AsyncLease:
                         tb: TracebackType | None) -> None:
         await self.close()
 
-    async def allocate(self, pool: str, kind: str, count: int) -> np.ndarray:
-        return (await self.allocate_batch(pool, [(kind, count)]))[0]
+    async def allocate(self, pool: str, space: str, count: int) -> np.ndarray:
+        return (await self.allocate_batch(pool, [(space, count)]))[0]
 
     async def allocate_batch(self, pool: str, items: Sequence[tuple[str, int]]
                              ) -> list[np.ndarray]:
@@ -202,8 +202,8 @@ class AsyncLease:
         resp = await self.client.call("Allocate", req)
         return [codec.ids_from_bytes(item.ids) for item in resp.items]
 
-    async def free(self, pool: str, kind: str, ids: Any) -> int:
-        return await self.free_batch(pool, [(kind, ids)])
+    async def free(self, pool: str, space: str, ids: Any) -> int:
+        return await self.free_batch(pool, [(space, ids)])
 
     async def free_batch(self, pool: str, items: Sequence[tuple[str, Any]]) -> int:
         req = wire.free_request(pool, self, items)

@@ -154,7 +154,7 @@ def run_stats(args: argparse.Namespace) -> int:
              f"{d.loop_longest_stall_seconds:.2f} s" if d.loop_stalls else ""))
     for p in stats.pools:
         print(f"pool {p.name}: {p.architecture} {p.kv_cache_dtype} page {p.page_size}, "
-              f"{_human(p.backing_bytes)}, attached {p.attached}, sharing {p.handle_kind}, "
+              f"{_human(p.backing_bytes)}, attached {p.attached}, sharing {p.sharing}, "
               f"fingerprint {p.fingerprint}")
         for space, k in p.spaces.items():
             share = 100.0 * k.used / k.capacity if k.capacity else 0.0

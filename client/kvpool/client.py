@@ -347,12 +347,13 @@ class Lease:
                  tb: TracebackType | None) -> None:
         self.close()
 
-    def allocate(self, pool: str, kind: str, count: int) -> np.ndarray:
-        """``count`` ids of ``kind`` (``kv``, ``req``, ``state``) as int32, all or none."""
-        return self.allocate_batch(pool, [(kind, count)])[0]
+    def allocate(self, pool: str, space: str, count: int) -> np.ndarray:
+        """``count`` ids of id space ``space`` (``kv``, ``req``, ``state``, ...) as int32, all
+        or none."""
+        return self.allocate_batch(pool, [(space, count)])[0]
 
     def allocate_batch(self, pool: str, items: Sequence[tuple[str, int]]) -> list[np.ndarray]:
-        """Several ``(kind, count)`` in one all-or-nothing call; one int32 array per item."""
+        """Several ``(space, count)`` in one all-or-nothing call; one int32 array per item."""
         resp = self.client.call("Allocate", wire.allocate_request(pool, self, items))
         return [codec.ids_from_bytes(item.ids) for item in resp.items]
 
@@ -362,12 +363,13 @@ class Lease:
         item = resp.items[0]
         return codec.ids_from_bytes(item.ids), codec.ids_from_bytes(item.paired_ids)
 
-    def free(self, pool: str, kind: str, ids: Any) -> int:
-        """Return ``ids`` of ``kind`` (``swa``: only the SWA side of kv pages); all or none."""
-        return self.free_batch(pool, [(kind, ids)])
+    def free(self, pool: str, space: str, ids: Any) -> int:
+        """Return ``ids`` of id space ``space`` (``swa``: only the SWA side of kv pages); all
+        or none."""
+        return self.free_batch(pool, [(space, ids)])
 
     def free_batch(self, pool: str, items: Sequence[tuple[str, Any]]) -> int:
-        """Several ``(kind, ids)`` in one validated call; returns the ids freed."""
+        """Several ``(space, ids)`` in one validated call; returns the ids freed."""
         return self.client.call("Free", wire.free_request(pool, self, items)).freed
 
     def grant_receive(self, pool: str, pages: Any, ttl_s: float | None = None) -> ReceiveGrant:

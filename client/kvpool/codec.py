@@ -8,11 +8,12 @@ little-endian int32 bytes; ``ids_from_bytes`` reads them without a copy.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
+import msgspec
 import numpy as np
 
-from kvpool.handles import HandleKind, SharedHandle
+from kvpool.handles import SHARINGS, SharedHandle, Sharing
 from kvpool.limits import ID_DTYPE
 from kvpool.plan import PoolPlan
 from kvpool.records import (
@@ -31,20 +32,6 @@ from kvpool.records import (
 )
 from kvpool.v1 import kvpool_pb2 as pb
 
-# The first form of the API named four id spaces by enum; requests may still use it.
-SPACE_OF_KIND: dict[int, str] = {
-    pb.KIND_KV: "kv",
-    pb.KIND_REQ: "req",
-    pb.KIND_STATE: "state",
-    pb.KIND_SWA: "swa",
-}
-KIND_OF_SPACE: dict[str, int] = {name: kind for kind, name in SPACE_OF_KIND.items()}
-HANDLE_KIND_TO_PB: dict[HandleKind, int] = {
-    "none": pb.HANDLE_KIND_NONE,
-    "shm": pb.HANDLE_KIND_SHM,
-    "cuda_ipc": pb.HANDLE_KIND_CUDA_IPC,
-}
-HANDLE_KIND_FROM_PB: dict[int, HandleKind] = {v: k for k, v in HANDLE_KIND_TO_PB.items()}
 TRANSFER_STATE_TO_PB: dict[TransferState, int] = {
     TransferState.pending: pb.TRANSFER_STATE_PENDING,
     TransferState.done: pb.TRANSFER_STATE_DONE,
@@ -53,11 +40,8 @@ TRANSFER_STATE_TO_PB: dict[TransferState, int] = {
 TRANSFER_STATE_FROM_PB: dict[int, TransferState] = {
     v: k for k, v in TRANSFER_STATE_TO_PB.items()}
 
-_PLAN_SCALARS = tuple(
-    f.name for f in pb.Plan.DESCRIPTOR.fields if f.name not in ("notes", "buffers", "id_spaces")
-)
-_HANDLE_FIELDS = tuple(f.name for f in pb.SharedHandle.DESCRIPTOR.fields if f.name != "kind")
-_COUNTERS = tuple(f for f in SpaceStats.__struct_fields__ if f != "follows")
+_HANDLE_FIELDS = tuple(f.name for f in pb.SharedHandle.DESCRIPTOR.fields if f.name != "sharing")
+_SPACE_FIELDS = SpaceStats.__struct_fields__
 _POOL_SCALARS = tuple(f for f in PoolStats.__struct_fields__ if f != "spaces")
 _LEASE_SCALARS = tuple(f for f in LeaseStats.__struct_fields__ if f not in ("held", "cached"))
 
@@ -76,51 +60,45 @@ def ids_from_bytes(data: bytes) -> np.ndarray:
 
 # -- plan ---------------------------------------------------------------------------------------
 
-def plan_to_pb(plan: PoolPlan) -> pb.Plan:
-    """The plan as a proto message (None fields left unset)."""
-    msg = pb.Plan(notes=plan.notes)
-    for name in _PLAN_SCALARS:
-        value = getattr(plan, name)
-        if value is not None:
-            setattr(msg, name, value)
-    msg.buffers.extend(
-        pb.Buffer(name=b.name, dtype=b.dtype.value, shape=b.shape, offset_bytes=b.offset_bytes,
-                  nbytes=b.nbytes, kind=b.kind.value, page_bytes=b.page_bytes,
-                  in_budget=b.in_budget, id_space=b.id_space)
-        for b in plan.buffers
-    )
-    msg.id_spaces.extend(
-        pb.IdSpace(name=s.name, capacity=s.capacity, unit=s.unit,
-                   bytes_per_unit=s.bytes_per_unit, knob=s.knob, follows=s.follows or "",
-                   mapping=s.mapping or "")
-        for s in plan.id_spaces
-    )
-    return msg
+def plan_to_json(plan: PoolPlan) -> str:
+    """The plan's one form on the wire (``plan_json`` of Configure and Attach), exactly what
+    ``kvpoold plan --json`` prints: the PoolPlan record as indented JSON."""
+    return msgspec.json.format(plan.to_json(), indent=2).decode() + "\n"
 
 
 def plan_from_json(plan_json: str) -> PoolPlan:
-    """The plan from ``plan_json``, the exact ``kvpoold plan --json`` text every reply carries."""
+    """The plan from ``plan_json`` (:func:`plan_to_json`'s text), validated field by field.
+
+    Raises:
+        msgspec.ValidationError: a field missing, or of the wrong type.
+    """
     return PoolPlan.from_json(plan_json)
 
 
 # -- handles, Configure, Attach -----------------------------------------------------------------
 
 def handle_to_pb(handle: SharedHandle) -> pb.SharedHandle:
-    return pb.SharedHandle(kind=HANDLE_KIND_TO_PB[handle.kind],
+    return pb.SharedHandle(sharing=handle.sharing,
                            **{f: getattr(handle, f) for f in _HANDLE_FIELDS})
 
 
 def handle_from_pb(msg: pb.SharedHandle) -> SharedHandle:
-    """The proto handle as the one handle record (an unset kind reads as ``none``)."""
-    return SharedHandle(kind=HANDLE_KIND_FROM_PB.get(msg.kind, "none"),
+    """The proto handle as the one handle record.
+
+    Raises:
+        ValueError: ``sharing`` names no way of sharing this client knows.
+    """
+    if msg.sharing not in SHARINGS:
+        raise ValueError(f"the daemon's handle shares by {msg.sharing!r}; this client knows "
+                         f"{', '.join(SHARINGS)}")
+    return SharedHandle(sharing=cast(Sharing, msg.sharing),
                         **{f: getattr(msg, f) for f in _HANDLE_FIELDS})
 
 
 def configure_to_pb(result: ConfigureResult) -> pb.ConfigureResponse:
     return pb.ConfigureResponse(
-        plan=plan_to_pb(result.plan), plan_json=result.plan_json,
-        fingerprint=result.fingerprint, created=result.created, dry_run=result.dry_run,
-        budget_available_bytes=result.budget_available_bytes,
+        plan_json=result.plan_json, fingerprint=result.fingerprint, created=result.created,
+        dry_run=result.dry_run, budget_available_bytes=result.budget_available_bytes,
     )
 
 
@@ -131,7 +109,7 @@ def configure_from_pb(msg: pb.ConfigureResponse) -> ConfigureResult:
 
 def attach_to_pb(info: AttachInfo) -> pb.AttachResponse:
     return pb.AttachResponse(
-        fingerprint=info.fingerprint, plan=plan_to_pb(info.plan), plan_json=info.plan_json,
+        fingerprint=info.fingerprint, plan_json=info.plan_json,
         handle=handle_to_pb(info.handle), attach_id=info.attach_id, device=info.device,
     )
 
@@ -160,7 +138,7 @@ def transfer_status_from_pb(msg: pb.TransferStatus) -> TransferStatus:
 
 def held_to_pb(held: Mapping[str, Mapping[str, int]]) -> list[pb.Held]:
     return [
-        pb.Held(pool=pool, space=space, kind=KIND_OF_SPACE.get(space, 0), count=count)
+        pb.Held(pool=pool, space=space, count=count)
         for pool, spaces in held.items()
         for space, count in spaces.items()
     ]
@@ -169,7 +147,7 @@ def held_to_pb(held: Mapping[str, Mapping[str, int]]) -> list[pb.Held]:
 def held_from_pb(held: Iterable[pb.Held]) -> HeldMap:
     out: HeldMap = {}
     for h in held:
-        out.setdefault(h.pool, {})[_space_name(h.space, h.kind)] = h.count
+        out.setdefault(h.pool, {})[h.space] = h.count
     return out
 
 
@@ -197,8 +175,7 @@ def stats_to_pb(stats: Stats) -> pb.StatsResponse:
             pb.PoolStats(
                 **msgspec_fields(p, _POOL_SCALARS),
                 spaces=[
-                    pb.SpaceStats(space=name, kind=KIND_OF_SPACE.get(name, 0),
-                                  follows=s.follows, **msgspec_fields(s, _COUNTERS))
+                    pb.SpaceStats(space=name, **msgspec_fields(s, _SPACE_FIELDS))
                     for name, s in p.spaces.items()
                 ],
             )
@@ -221,9 +198,7 @@ def stats_from_pb(msg: pb.StatsResponse) -> Stats:
             PoolStats(
                 **msgspec_fields(p, _POOL_SCALARS),
                 spaces={
-                    _space_name(s.space, s.kind): SpaceStats(
-                        follows=s.follows, **msgspec_fields(s, _COUNTERS)
-                    )
+                    s.space: SpaceStats(**msgspec_fields(s, _SPACE_FIELDS))
                     for s in p.spaces
                 },
             )
@@ -240,7 +215,3 @@ def msgspec_fields(obj: Any, names: Iterable[str]) -> dict[str, Any]:
     """``{name: obj.name}`` for ``names`` (a Struct's or a message's fields)."""
     return {n: getattr(obj, n) for n in names}
 
-
-def _space_name(space: str, kind: int) -> str:
-    """A reply's space: the string, or for a daemon of the first form its enum."""
-    return space or SPACE_OF_KIND.get(kind, str(kind))

@@ -86,7 +86,7 @@ def stats_tables(stats: Stats, pool: str) -> list[Any]:
     daemon.add_row(format_size(d.budget_bytes), format_size(d.used_bytes), str(d.num_pools),
                    str(d.num_leases), f"{d.uptime_seconds:.1f}s")
     p = stats.pool(pool)
-    spaces = Table(title=f"pool {p.name}: {format_size(p.backing_bytes)} {p.handle_kind}, "
+    spaces = Table(title=f"pool {p.name}: {format_size(p.backing_bytes)} {p.sharing}, "
                         f"attached {p.attached}", title_justify="left")
     for col in ("space", "capacity", "used", "free", "high water", "allocs", "frees"):
         spaces.add_column(col, justify="left" if col == "space" else "right")
@@ -176,7 +176,7 @@ def _run(args: argparse.Namespace, say: Any, console: Any) -> None:
         wrote = workers["writer"].recv()
         say(f"writer (pid {workers['writer'].proc.pid}): lease {wrote['lease_id']}, pages "
             f"{wrote['pages']}, wrote {wrote['bytes']:,} B into {wrote['buffers']} K/V buffers "
-            f"({wrote['kind']} {wrote['path'] or ''})")
+            f"({wrote['sharing']} {wrote['path'] or ''})")
         workers["reader"].send({**go, "pages": wrote["pages"]})
         read = workers["reader"].recv()
         say(f"reader (pid {workers['reader'].proc.pid}): verified {read['verified']:,} B "
@@ -205,7 +205,7 @@ def _run(args: argparse.Namespace, say: Any, console: Any) -> None:
             dropped = client.drop(pool)
             undropped.clear()
             say(f"dropped pool {pool}: released {format_size(dropped.released_bytes)}")
-            if wrote["kind"] == "shm" and os.path.exists(wrote["path"]):
+            if wrote["sharing"] == "shm" and os.path.exists(wrote["path"]):
                 raise DemoFailed(f"{wrote['path']} still exists after the pool was dropped")
         for w in workers.values():
             if (code := w.finish()) != 0:

@@ -111,7 +111,7 @@ def _write(go: dict[str, Any]) -> None:
 
                 torch.cuda.synchronize(region.device)
             _send({"pages": pages, "buffers": len(names), "bytes": written,
-                   "path": region.path, "kind": region.kind, "lease_id": lease.lease_id})
+                   "path": region.path, "sharing": region.sharing, "lease_id": lease.lease_id})
             _recv()  # "done": the reader has checked, Stats are printed
         freed = lease.free(pool, "kv", pages)
     _send({"freed": freed})

@@ -11,24 +11,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-HandleKind = Literal["shm", "cuda_ipc", "none"]
-HANDLE_KINDS: tuple[HandleKind, ...] = ("shm", "cuda_ipc", "none")
+# How a pool's memory reaches other processes (``kvpoold serve --sharing``).
+Sharing = Literal["shm", "cuda_ipc", "none"]
+SHARINGS: tuple[Sharing, ...] = ("shm", "cuda_ipc", "none")
 
 
 @dataclass(frozen=True)
 class SharedHandle:
     """Everything an importer needs to map a pool's backing region.
 
-    kind ``shm``: ``path`` of the shared-memory file and ``size`` bytes (the importer maps the
-    whole file). kind ``cuda_ipc``: ``ipc_handle`` (torch's shareable handle of the cudaMalloc
-    allocation that holds the region), ``storage_offset`` bytes into that allocation,
+    ``sharing`` says how. ``shm``: ``path`` of the shared-memory file and ``size`` bytes (the
+    importer maps the whole file). ``cuda_ipc``: ``ipc_handle`` (torch's shareable handle of
+    the cudaMalloc allocation that holds the region), ``storage_offset`` bytes into that allocation,
     ``storage_size`` bytes of it, ``size`` bytes of region, and the device ``device_uuid``
     (importers may see other ``CUDA_VISIBLE_DEVICES``), plus the ref-counter and event fields
-    torch's IPC import needs. kind ``none``: the region cannot be shared (``--sharing none``);
+    torch's IPC import needs. ``none``: the region cannot be shared (``--sharing none``);
     only ``size`` is meaningful.
     """
 
-    kind: HandleKind
+    sharing: Sharing
     size: int
     path: str = ""
     device_uuid: str = ""

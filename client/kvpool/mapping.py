@@ -6,8 +6,8 @@ unpickled and nothing is copied: every view is a window on the daemon's memory. 
 checked before it is mapped (regular file, owned by us, mode 0600, exactly ``size`` bytes) and
 mapped through the checked descriptor, so what is mapped is what was checked.
 
-The importers are one module per handle kind (:mod:`kvpool.mapping_shm`,
-:mod:`kvpool.mapping_cuda`); this module checks the layout, dispatches on the kind and carves
+The importers are one module per way of sharing (:mod:`kvpool.mapping_shm`,
+:mod:`kvpool.mapping_cuda`); this module checks the layout, dispatches on ``sharing`` and carves
 the views. torch is imported inside the functions that need it; ``import kvpool`` stays light.
 """
 
@@ -40,7 +40,6 @@ __all__ = [
     "BufferLayout",
     "BufferLike",
     "MappedRegion",
-    "RegionHandle",
     "carve_views",
     "check_layout",
     "map_cuda_ipc",
@@ -68,10 +67,6 @@ class BufferLike(Protocol):
     shape: Sequence[int]
     offset_bytes: int
     nbytes: int
-
-
-# The earlier name of the one handle type; kept so existing callers keep working.
-RegionHandle = SharedHandle
 
 
 @dataclass(frozen=True)
@@ -162,7 +157,7 @@ class MappedRegion(Mapping[str, "torch.Tensor"]):
 
     def __init__(
         self,
-        kind: str,
+        sharing: str,
         device: torch.device,
         base: torch.Tensor,
         views: dict[str, torch.Tensor],
@@ -173,7 +168,7 @@ class MappedRegion(Mapping[str, "torch.Tensor"]):
         fingerprint: str = "",
         attach_id: int = 0,
     ) -> None:
-        self.kind = kind
+        self.sharing = sharing
         self.device = device
         self.path = path
         self.size = base.numel()
@@ -301,30 +296,30 @@ def map_region(handle: SharedHandle, buffers: Sequence[BufferLike], *, plan: Any
         InvalidArgument: malformed handle or layout.
         NotFound: the shm file is gone.
         PermissionDenied: the shm file is not a 0600 regular file owned by this user.
-        FailedPrecondition: size mismatch, kind ``none``, CUDA device not visible here, or
+        FailedPrecondition: size mismatch, sharing ``none``, CUDA device not visible here, or
             the IPC handle cannot be opened.
     """
-    kind = str(handle.kind)
-    if kind == "none":
+    sharing = str(handle.sharing)
+    if sharing == "none":
         raise FailedPrecondition(
             "this pool's memory is not shareable (the daemon runs with --sharing none)",
-            field="kind",
+            field="sharing",
         )
-    mapper = _MAPPERS.get(kind)
+    mapper = _MAPPERS.get(sharing)
     if mapper is None:
-        raise InvalidArgument(f"unknown handle kind {kind!r} (known: shm, cuda_ipc, none)",
-                              field="kind")
+        raise InvalidArgument(f"unknown sharing {sharing!r} (known: shm, cuda_ipc, none)",
+                              field="sharing")
     size = int(handle.size)
     try:
         if size < 1:
             raise InvalidArgument(f"handle size must be >= 1 byte, got {size}", field="size")
         layout = check_layout(size, buffers)
     except InvalidArgument:
-        if kind == "cuda_ipc":
+        if sharing == "cuda_ipc":
             release_export(handle)
         raise
     device, base = mapper(handle)
-    return MappedRegion(kind, device, base, carve_views(base, layout), path=str(handle.path),
+    return MappedRegion(sharing, device, base, carve_views(base, layout), path=str(handle.path),
                         layout=layout, plan=plan, fingerprint=fingerprint, attach_id=attach_id)
 
 

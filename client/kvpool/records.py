@@ -21,20 +21,19 @@ HeldMap = dict[str, dict[str, int]]
 
 
 class SpaceStats(msgspec.Struct, frozen=True, kw_only=True):
-    """One id space of a pool, counted now.
+    """One id space of a pool, counted now (what the wire carries; :attr:`free` and
+    :attr:`allocs` follow from it).
 
-    ``allocs`` / ``frees`` count ids (not calls) since the pool was built, reclaim included, so
-    ``used == allocs - frees``; ``failed_allocs`` counts refused Allocate calls; ``high_water``
-    is the largest ``used`` seen. ``pinned`` ids are being moved by a transfer between daemons
-    (they cannot be freed); ``quarantined`` ids (counted in ``used``) belong to no lease: their
-    lease ended while a transfer moved them, and they come back free when it ends.
+    ``frees`` counts ids (not calls) returned since the pool was built, reclaim included;
+    ``failed_allocs`` counts refused Allocate calls; ``high_water`` is the largest ``used``
+    seen. ``pinned`` ids are being moved by a transfer between daemons (they cannot be freed);
+    ``quarantined`` ids (counted in ``used``) belong to no lease: their lease ended while a
+    transfer moved them, and they come back free when it ends.
     """
 
     capacity: int
     used: int
-    free: int
     high_water: int
-    allocs: int
     frees: int
     failed_allocs: int
     unit: str = "ids"
@@ -42,6 +41,16 @@ class SpaceStats(msgspec.Struct, frozen=True, kw_only=True):
     follows: str = ""
     pinned: int = 0
     quarantined: int = 0
+
+    @property
+    def free(self) -> int:
+        """Ids an Allocate may take now."""
+        return self.capacity - self.used
+
+    @property
+    def allocs(self) -> int:
+        """Ids handed out since the pool was built (``used == allocs - frees``)."""
+        return self.frees + self.used
 
 
 class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -56,7 +65,7 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     spaces: dict[str, SpaceStats]  # in the plan's order
     attached: int
     age_seconds: float
-    handle_kind: str
+    sharing: str
 
 
 class LeaseStats(msgspec.Struct, frozen=True, kw_only=True):

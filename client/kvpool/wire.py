@@ -17,7 +17,6 @@ import msgspec
 import numpy as np
 from google.protobuf import json_format
 
-from kvpool.codec import SPACE_OF_KIND
 from kvpool.errors import InvalidArgument, KVPoolError, error_from_code
 from kvpool.limits import FIELD_METADATA_KEY, ID_DTYPE
 from kvpool.spec import decode_spec
@@ -84,24 +83,19 @@ def lease_key(lease: LeaseLike | None, field: str = "lease") -> tuple[int, bytes
     return int(lease.lease_id), bytes(lease.secret)
 
 
-# -- ids and kinds ------------------------------------------------------------------------------
+# -- ids and spaces -----------------------------------------------------------------------------
 
-def space_name(space: str | int, field: str = "space") -> str:
+def space_name(space: str, field: str = "space") -> str:
     """An id space's name as sent (``"kv"``, ``"req"``, ``"state"``, ``"swa"``, ``"c4_state"``
-    ...); a ``Kind`` enum value of the first API form is turned into its name.
+    ...: the plan's ``id_spaces``).
 
     Raises:
-        InvalidArgument: an empty name or an unknown enum value.
+        InvalidArgument: not a string, or empty.
     """
-    if isinstance(space, str):
-        if not space:
-            raise InvalidArgument("an id space name is needed (kv, req, state, ...)", field=field)
-        return space.lower()
-    name = SPACE_OF_KIND.get(int(space))
-    if name is None:
-        raise InvalidArgument(f"unknown Kind value {space!r}; name the id space instead",
-                              field=field)
-    return name
+    if not isinstance(space, str) or not space:
+        raise InvalidArgument(f"an id space is named by a non-empty string (kv, req, state, "
+                              f"...: the plan's id_spaces), got {space!r}", field=field)
+    return space.lower()
 
 
 def ids_bytes(ids: Any, field: str = "ids") -> bytes:

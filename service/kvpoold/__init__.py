@@ -1,3 +1,3 @@
 """kvpoold: the kvpool daemon (configurator, pools, allocators, sharing, gRPC service)."""
 
-__version__ = "0.1.0"
+__version__ = "1.0.0"

@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
+from kvpool.codec import plan_to_json
 from kvpool.errors import InvalidArgument
 from kvpool.option_flags import add_option_flags, flag_of, option_values
 from kvpool.plan import BufferSpec
@@ -63,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     spec, source = load_model(args.model_config)
     result = plan(spec, options, source=source)
     if args.json:
-        sys.stdout.write(msgspec.json.format(result.to_json(), indent=2).decode() + "\n")
+        sys.stdout.write(plan_to_json(result))
     else:
         _print_table(result)
     return 0

@@ -74,7 +74,7 @@ def look(region):
 
 with client.attach(msg["pool"], expected_fingerprint=msg["fingerprint"]) as region:
     send({"verified": look(region), "sha256": hashlib.sha256(region.base.numpy()).hexdigest(),
-          "device": str(region.device), "kind": region.kind})
+          "device": str(region.device), "sharing": region.sharing})
     while recv() == "check":
         send({"verified": look(region)})
 send("bye")
@@ -141,7 +141,7 @@ def test_reader_sees_exactly_the_writers_bytes(daemon: tuple[DaemonProcess, Path
     d, shm_dir = daemon
     with KVPoolClient(d.target) as client:
         result = configure(client, "rw")
-        assert client.stats("rw").pool("rw").handle_kind == "shm"
+        assert client.stats("rw").pool("rw").sharing == "shm"
         go = {"target": d.target, "pool": "rw", "fingerprint": result.fingerprint, "pages": 5}
         with client_child(WRITER, go) as writer, client_child(READER) as reader:
             wrote = writer.recv()
@@ -149,7 +149,7 @@ def test_reader_sees_exactly_the_writers_bytes(daemon: tuple[DaemonProcess, Path
             assert Path(wrote["path"]).name.startswith("kvpool-")
             reader.send({**go, "pages": wrote["pages"]})
             assert reader.recv() == {"verified": 4 * 5 * 16 * 64, "sha256": wrote["sha256"],
-                                     "device": "cpu", "kind": "shm"}
+                                     "device": "cpu", "sharing": "shm"}
             assert attached(client, "rw") == 2
             for child in (reader, writer):
                 child.send("stop")

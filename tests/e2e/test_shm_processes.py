@@ -26,19 +26,19 @@ MiB = 1 << 20
 PRELUDE = r"""
 import hashlib, time
 import torch
-from kvpool.mapping import BufferLayout, RegionHandle, map_region, page_view
+from kvpool.mapping import BufferLayout, SharedHandle, map_region, page_view
 
 def region_of(msg):
     layout = [BufferLayout(b["name"], b["dtype"], tuple(b["shape"]), b["offset_bytes"],
                            b["nbytes"]) for b in msg["buffers"]]
-    return map_region(RegionHandle(**msg["handle"]), layout)
+    return map_region(SharedHandle(**msg["handle"]), layout)
 """
 
 
 def plain(handle: Any, layout: list[BufferLayout]) -> dict[str, Any]:
     """The handle and layout as JSON-able plain values (what Attach will carry)."""
     return {
-        "handle": {"kind": handle.kind, "path": handle.path, "size": handle.size},
+        "handle": {"sharing": handle.sharing, "path": handle.path, "size": handle.size},
         "buffers": [
             {"name": b.name, "dtype": b.dtype, "shape": list(b.shape),
              "offset_bytes": b.offset_bytes, "nbytes": b.nbytes}

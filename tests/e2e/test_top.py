@@ -272,8 +272,8 @@ def test_live_view_retries_shows_rates_survives_the_daemon_and_ctrl_c(
 
 def space(allocs: int, frees: int, capacity: int = 100) -> SpaceStats:
     used = allocs - frees
-    return SpaceStats(capacity=capacity, used=used, free=capacity - used, high_water=used,
-                     allocs=allocs, frees=frees, failed_allocs=0)
+    return SpaceStats(capacity=capacity, used=used, high_water=used, frees=frees,
+                      failed_allocs=0)
 
 
 def snapshot(uptime: float, pools: dict[str, tuple[float, dict[str, SpaceStats]]]) -> Stats:
@@ -285,7 +285,7 @@ def snapshot(uptime: float, pools: dict[str, tuple[float, dict[str, SpaceStats]]
         pools=[PoolStats(name=name, fingerprint="f", architecture="mha", kv_cache_dtype="bf16",
                          page_size=16, max_total_num_tokens=0, max_running_requests=8,
                          backing_bytes=1 << 20, spaces=spaces_, attached=0, age_seconds=age,
-                         handle_kind="none")
+                         sharing="none")
                for name, (age, spaces_) in pools.items()],
         leases=[LeaseStats(lease_id=1, name="x", ttl_seconds=10.0, expires_in_seconds=5.0,
                            held={}, attached=0)],

@@ -103,7 +103,7 @@ def test_export_import_write_read_both_ways(factory):
     t = backing.tensor
     t[:HALF] = pattern(HALF, t.device)
     h = backing.handle()
-    assert h.kind == "cuda_ipc" and h.size == SIZE and h.storage_size >= SIZE
+    assert h.sharing == "cuda_ipc" and h.size == SIZE and h.storage_size >= SIZE
     assert h.device_uuid == visible_cuda_uuids()[0]
     with importer(IMPORTER) as child:
         child.send(plain(h))

@@ -43,7 +43,7 @@ with KVPoolClient(msg["target"]) as client:
             ok = bool((region.page("k.0", 2) == 1.25).all())
             region.page("v.1", 3).fill_(-2.0)
             torch.cuda.synchronize()
-            send({"ok": ok, "kind": region.kind, "device": str(region.device)})
+            send({"ok": ok, "sharing": region.sharing, "device": str(region.device)})
             sys.stdin.readline()
     except KVPoolError as exc:
         send({"error": type(exc).__name__, "message": str(exc)})
@@ -73,10 +73,10 @@ def test_engines_share_gpu_memory_through_the_daemon(cuda_daemon: DaemonProcess)
     with KVPoolClient(d.target) as client:
         result = client.configure("gpu", spec=TINY_SPEC, **OPTIONS)
         stats = client.stats("gpu")
-        assert stats.daemon.device == "cuda:0" and stats.pool("gpu").handle_kind == "cuda_ipc"
+        assert stats.daemon.device == "cuda:0" and stats.pool("gpu").sharing == "cuda_ipc"
         with engine() as eng:
             with client.attach("gpu", expected_fingerprint=result.fingerprint) as region:
-                assert region.kind == "cuda_ipc" and region.device.type == "cuda"
+                assert region.sharing == "cuda_ipc" and region.device.type == "cuda"
                 region.page("k.0", 2).fill_(1.25)
                 torch.cuda.synchronize()
                 eng.send({"target": d.target, "pool": "gpu", "fingerprint": result.fingerprint})

@@ -6,16 +6,16 @@ import grpc
 import numpy as np
 import pytest
 
-from kvpool.codec import ids_from_bytes
+from kvpool.codec import ids_from_bytes, stats_from_pb
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.wire import allocate_request, free_request
 from tests.conftest import TINY_PAGES
 from tests.service.conftest import Served, proof
 
 
-async def kinds_used(served: Served) -> dict[int, int]:
+async def kinds_used(served: Served) -> dict[str, int]:
     stats = await served.stub.Stats(pb.StatsRequest(pool="tiny"))
-    return {k.kind: k.used for k in stats.pools[0].spaces}
+    return {k.space: k.used for k in stats.pools[0].spaces}
 
 
 async def test_allocate_returns_little_endian_int32_ids(served: Served) -> None:
@@ -23,14 +23,14 @@ async def test_allocate_returns_little_endian_int32_ids(served: Served) -> None:
     await served.configure()
     lease = await served.lease()
     resp = await served.stub.Allocate(allocate_request("tiny", lease, [("kv", 3), ("req", 2)]))
-    assert [item.kind for item in resp.items] == [pb.KIND_KV, pb.KIND_REQ]
+    assert [item.space for item in resp.items] == ["kv", "req"]
     assert len(resp.items[0].ids) == 3 * 4
     pages, rows = (ids_from_bytes(item.ids) for item in resp.items)
     assert pages.dtype == np.dtype("<i4")
     assert sorted(pages.tolist()) == [1, 2, 3]
     assert sorted(rows.tolist()) == [1, 2]
     assert resp.items[0].paired_ids == b""
-    assert await kinds_used(served) == {pb.KIND_KV: 3, pb.KIND_REQ: 2}
+    assert await kinds_used(served) == {"kv": 3, "req": 2}
 
 
 async def test_free_returns_ids_and_they_come_back(served: Served) -> None:
@@ -40,7 +40,7 @@ async def test_free_returns_ids_and_they_come_back(served: Served) -> None:
     pages = ids_from_bytes(resp.items[0].ids)
     freed = await served.stub.Free(free_request("tiny", lease, [("kv", pages[:2])]))
     assert freed.freed == 2
-    assert await kinds_used(served) == {pb.KIND_KV: 3, pb.KIND_REQ: 0}
+    assert await kinds_used(served) == {"kv": 3, "req": 0}
     again = await served.stub.Allocate(allocate_request("tiny", lease, [("kv", 2)]))
     assert set(ids_from_bytes(again.items[0].ids).tolist()) == set(pages[:2].tolist())
 
@@ -54,7 +54,7 @@ async def test_allocate_is_all_or_nothing(served: Served) -> None:
         await served.stub.Allocate(allocate_request("tiny", lease, [("kv", 10), ("req", 9)]))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert ("kvpool-field", "items[1].count") in tuple(info.value.trailing_metadata())
-    assert await kinds_used(served) == {pb.KIND_KV: 0, pb.KIND_REQ: 0}
+    assert await kinds_used(served) == {"kv": 0, "req": 0}
     resp = await served.stub.Allocate(
         allocate_request("tiny", lease, [("kv", TINY_PAGES), ("req", 8)])
     )
@@ -77,7 +77,7 @@ async def test_free_of_another_lease_ids_is_refused_and_changes_nothing(served: 
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "held by another lease" in info.value.details()
     assert ("kvpool-field", "items[1].ids[0]") in tuple(info.value.trailing_metadata())
-    assert await kinds_used(served) == {pb.KIND_KV: 4, pb.KIND_REQ: 0}
+    assert await kinds_used(served) == {"kv": 4, "req": 0}
 
 
 async def test_close_lease_returns_everything_it_holds(served: Served) -> None:
@@ -87,9 +87,9 @@ async def test_close_lease_returns_everything_it_holds(served: Served) -> None:
     await served.stub.Allocate(allocate_request("tiny", lease, [("kv", 4), ("req", 1)]))
     await served.stub.Allocate(allocate_request("other", lease, [("kv", 2)]))
     resp = await served.stub.CloseLease(pb.CloseLeaseRequest(**proof(lease)))
-    got = sorted((h.pool, h.kind, h.count) for h in resp.released)
-    assert got == [("other", pb.KIND_KV, 2), ("tiny", pb.KIND_KV, 4), ("tiny", pb.KIND_REQ, 1)]
-    assert await kinds_used(served) == {pb.KIND_KV: 0, pb.KIND_REQ: 0}
+    got = sorted((h.pool, h.space, h.count) for h in resp.released)
+    assert got == [("other", "kv", 2), ("tiny", "kv", 4), ("tiny", "req", 1)]
+    assert await kinds_used(served) == {"kv": 0, "req": 0}
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await served.stub.Allocate(allocate_request("tiny", lease, [("kv", 1)]))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
@@ -104,7 +104,9 @@ async def test_stats_shows_what_each_lease_holds(served: Served) -> None:
     (entry,) = stats.leases
     assert (entry.lease_id, entry.name, entry.ttl_seconds) == (lease.lease_id, "engine-0", 7.0)
     assert entry.expires_in_seconds == pytest.approx(5.0)
-    assert sorted((h.pool, h.kind, h.count) for h in entry.held) == [
-        ("tiny", pb.KIND_KV, 6), ("tiny", pb.KIND_REQ, 1)]
+    assert sorted((h.pool, h.space, h.count) for h in entry.held) == [
+        ("tiny", "kv", 6), ("tiny", "req", 1)]
     kv = stats.pools[0].spaces[0]
-    assert (kv.capacity, kv.used, kv.free, kv.high_water, kv.allocs) == (256, 6, 250, 6, 6)
+    assert (kv.space, kv.capacity, kv.used, kv.high_water, kv.frees) == ("kv", 256, 6, 6, 0)
+    record = stats_from_pb(stats).pool("tiny").spaces["kv"]
+    assert (record.free, record.allocs) == (250, 6)

@@ -87,10 +87,10 @@ def allocate_raw(*items: pb.AllocateItem) -> Call:
                                                         items=items))
 
 
-def free(ids: Callable[[Ctx], Any], kind: str = "kv", pool: str = "tiny",
+def free(ids: Callable[[Ctx], Any], space: str = "kv", pool: str = "tiny",
          lease: LeaseArg = "mine") -> Call:
     def call(c: Ctx) -> Awaitable[Any]:
-        return c.stub.Free(free_request(pool, key(c, lease), [(kind, ids(c))]))
+        return c.stub.Free(free_request(pool, key(c, lease), [(space, ids(c))]))
     return call
 
 
@@ -110,7 +110,7 @@ def send(peer: str = "unix:///nonexistent.sock", token: bytes = b"x" * 16,
 
 def free_bytes(data: bytes) -> Call:
     return lambda c: c.stub.Free(pb.FreeRequest(pool="tiny", **proof(c.mine), items=[
-        pb.IdList(kind=pb.KIND_KV, ids=data)]))
+        pb.IdList(space="kv", ids=data)]))
 
 
 def close(lease: LeaseArg) -> Call:
@@ -194,10 +194,10 @@ CASES: list[tuple[str, Call, grpc.StatusCode, str | None]] = [
     ("allocate under another's lease", allocate([("kv", 1)], lease=others_id), C.NOT_FOUND,
      "lease_id"),
     ("allocate no items", allocate([]), C.INVALID_ARGUMENT, "items"),
-    ("allocate kind unset", allocate_raw(pb.AllocateItem(count=1)), C.INVALID_ARGUMENT,
+    ("allocate space unset", allocate_raw(pb.AllocateItem(count=1)), C.INVALID_ARGUMENT,
      "items[0].space"),
-    ("allocate kind 99", allocate_raw(pb.AllocateItem(kind=99, count=1)), C.INVALID_ARGUMENT,
-     "items[0].space"),
+    ("allocate unknown space", allocate_raw(pb.AllocateItem(space="pages", count=1)),
+     C.INVALID_ARGUMENT, "items[0].space"),
     ("allocate swa", allocate([("kv", 1), ("swa", 1)]), C.INVALID_ARGUMENT, "items[1].space"),
     ("allocate state without state space", allocate([("state", 1)]), C.INVALID_ARGUMENT,
      "items[0].space"),
@@ -215,7 +215,7 @@ CASES: list[tuple[str, Call, grpc.StatusCode, str | None]] = [
     ("free id not allocated", free(lambda c: [200]), C.FAILED_PRECONDITION, "items[0].ids[0]"),
     ("free id of another lease", free(lambda c: [c.my_pages[0], c.their_pages[0]]),
      C.FAILED_PRECONDITION, "items[0].ids[1]"),
-    ("free swa on a non-hybrid pool", free(lambda c: c.my_pages, kind="swa"),
+    ("free swa on a non-hybrid pool", free(lambda c: c.my_pages, space="swa"),
      C.INVALID_ARGUMENT, "items[0].space"),
     ("free unknown pool", free(lambda c: c.my_pages, pool="nope"), C.NOT_FOUND, "pool"),
     ("free unknown lease", free(lambda c: c.my_pages, lease=NO_SUCH), C.NOT_FOUND, "lease_id"),
@@ -295,8 +295,8 @@ def comparable(stats: pb.StatsResponse) -> pb.StatsResponse:
     out.daemon.uptime_seconds = 0
     for pool in out.pools:
         pool.age_seconds = 0
-        for kind in pool.spaces:
-            kind.failed_allocs = 0
+        for space in pool.spaces:
+            space.failed_allocs = 0
     for lease in out.leases:
         lease.expires_in_seconds = 0
     return out

@@ -163,7 +163,7 @@ async def test_async_client_session(live: tuple[Daemon, str]) -> None:
                 break
         assert [w.daemon.num_pools for w in watched] == [1, 1, 1]
         info = await client.attach_raw("tiny", result.fingerprint)
-        assert info.plan == result.plan and info.handle.kind == "none"
+        assert info.plan == result.plan and info.handle.sharing == "none"
         assert (await client.stats()).pool("tiny").attached == 1
         await client.detach(info.attach_id)
         dropped = await client.drop("tiny")

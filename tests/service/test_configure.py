@@ -30,19 +30,20 @@ async def test_configure_builds_the_planned_pool(served: Served) -> None:
     resp = await served.configure()
     assert resp.created and not resp.dry_run
     assert resp.fingerprint == expected.fingerprint()
-    assert PoolPlan.from_json(resp.plan_json) == expected
-    assert resp.plan.num_pages == TINY_PAGES == expected.num_pages
-    assert resp.plan.backing_bytes == 1_062_032 == expected.backing_bytes
-    assert not resp.plan.HasField("swa_num_pages")
-    assert [b.name for b in resp.plan.buffers] == [b.name for b in expected.buffers]
-    k0 = resp.plan.buffers[0]
+    got = PoolPlan.from_json(resp.plan_json)
+    assert got == expected
+    assert got.num_pages == TINY_PAGES == expected.num_pages
+    assert got.backing_bytes == 1_062_032 == expected.backing_bytes
+    assert got.swa_num_pages is None
+    assert [b.name for b in got.buffers] == [b.name for b in expected.buffers]
+    k0 = got.buffers[0]
     assert (k0.dtype, list(k0.shape), k0.page_bytes, k0.in_budget) == (
         "bfloat16", [4112, 2, 16], 16 * 2 * 16 * 2, True)
     assert resp.budget_available_bytes == BUDGET_BYTES - 1_062_032
     stats = await served.stub.Stats(pb.StatsRequest())
     assert stats.daemon.used_bytes == 1_062_032
-    assert [(k.kind, k.capacity) for k in stats.pools[0].spaces] == [
-        (pb.KIND_KV, TINY_PAGES), (pb.KIND_REQ, 8)]
+    assert [(k.space, k.capacity) for k in stats.pools[0].spaces] == [
+        ("kv", TINY_PAGES), ("req", 8)]
 
 
 async def test_same_layout_returns_the_existing_pool(served: Served) -> None:
@@ -50,7 +51,7 @@ async def test_same_layout_returns_the_existing_pool(served: Served) -> None:
     again = await served.configure()
     assert (again.created, again.fingerprint) == (False, first.fingerprint)
     assert len(served.daemon.pools) == 1
-    assert served.daemon.used_bytes == first.plan.backing_bytes
+    assert served.daemon.used_bytes == PoolPlan.from_json(first.plan_json).backing_bytes
 
 
 async def test_other_layout_with_the_same_name_is_already_exists(served: Served) -> None:
@@ -119,7 +120,7 @@ async def test_concurrent_configure_of_one_name_builds_once(served: Served) -> N
     replies = await asyncio.gather(*(served.configure() for _ in range(4)))
     assert sorted(r.created for r in replies) == [False, False, False, True]
     assert len({r.fingerprint for r in replies}) == 1
-    assert served.daemon.used_bytes == replies[0].plan.backing_bytes
+    assert served.daemon.used_bytes == PoolPlan.from_json(replies[0].plan_json).backing_bytes
 
 
 def test_a_spec_is_checked_before_it_is_sent() -> None:

@@ -35,7 +35,7 @@ async def test_drop_is_refused_while_a_lease_holds_pages_unless_forced(served: S
     assert f"engine-0 (lease {lease.lease_id}, 4 ids)" in info.value.details()
     assert "owner" not in info.value.details()
     resp = await served.stub.Drop(pb.DropRequest(pool="tiny", force=True))
-    assert [(h.pool, h.kind, h.count) for h in resp.reclaimed] == [("tiny", pb.KIND_KV, 4)]
+    assert [(h.pool, h.space, h.count) for h in resp.reclaimed] == [("tiny", "kv", 4)]
     # the lease lives on, holding nothing
     stats = await served.stub.Stats(pb.StatsRequest())
     assert [list(x.held) for x in stats.leases] == [[]]
@@ -48,9 +48,8 @@ async def test_attach_hands_out_layout_and_handle(served: Served) -> None:
     )
     assert resp.fingerprint == configured.fingerprint
     assert PoolPlan.from_json(resp.plan_json).fingerprint() == configured.fingerprint
-    assert resp.plan == configured.plan
     # PlainBackingFactory: not shareable, the size is the whole region
-    assert (resp.handle.kind, resp.handle.size) == (pb.HANDLE_KIND_NONE, 1_062_032)
+    assert (resp.handle.sharing, resp.handle.size) == ("none", 1_062_032)
     assert resp.device == "cpu" and resp.attach_id != 0
     assert await attached(served) == 1
     await served.stub.Detach(pb.DetachRequest(attach_id=resp.attach_id))

@@ -10,12 +10,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvpool.codec import plan_to_pb
 from kvpool.errors import InvalidArgument
 from kvpool.spec import ModelSpec, decode_spec
 from kvpool.wire import configure_request, hf_config_text, ids_bytes, spec_message
 from kvpoold.server.edge import configure_args, message_to_builtins
-from kvpoold.sizing import make_options, plan
 from tests.factories import deepseek_v32, llama_8b
 
 SPECS: dict[str, dict[str, Any]] = {
@@ -55,24 +53,6 @@ def test_unset_options_are_left_to_the_daemon() -> None:
     assert args.options == {"budget_bytes": 1 << 20, "kv_cache_dtype": "fp8_e4m3",
                             "tp_size": 2}
     assert args.hf_config_json is None and args.spec is not None and not args.dry_run
-
-
-def test_plan_message_has_every_plan_field() -> None:
-    """Scalars equal, None fields unset, buffers in order with their names and shapes."""
-    p = plan(llama_8b(), make_options(budget_bytes=1 << 30, page_size=16))
-    msg = plan_to_pb(p)
-    for name in msgspec.structs.asdict(p):
-        if name in ("buffers", "notes", "id_spaces"):
-            continue
-        value = getattr(p, name)
-        if value is None:
-            assert not msg.HasField(name), name
-        else:
-            assert getattr(msg, name) == value, name
-    assert [(b.name, tuple(b.shape), b.offset_bytes, b.id_space) for b in msg.buffers] == [
-        (b.name, b.shape, b.offset_bytes, b.id_space) for b in p.buffers]
-    assert [(s.name, s.capacity, s.unit, s.bytes_per_unit, s.follows) for s in msg.id_spaces] == [
-        (s.name, s.capacity, s.unit, s.bytes_per_unit, s.follows or "") for s in p.id_spaces]
 
 
 def test_ids_bytes() -> None:

@@ -148,7 +148,7 @@ async def test_give_back_is_sent_at_once_and_allocate_waits_for_the_free(
         more = await stream.read()
         assert more.seq == 0 and more.give_back[0].count == PRESSURE - 1
         kv = (await stub.Stats(pb.StatsRequest(pool="tiny"))).pools[0].spaces[0]
-        assert (kv.used, kv.free) == (CAPACITY - 1, 1)
+        assert (kv.used, kv.capacity) == (CAPACITY - 1, CAPACITY)
         await stream.done_writing()
 
 

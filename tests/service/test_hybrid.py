@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kvpool.codec import ids_from_bytes
+from kvpool.plan import PoolPlan
 from kvpool.spec import decode_spec
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.wire import allocate_request, configure_request, free_request
@@ -23,8 +24,8 @@ LINEAR_SPEC = {**BASE, "linear": {"full_attention_layers": [3], "conv_kernel": 4
 OPTIONS = {"budget_bytes": 1 << 20, "page_size": 16, "max_running_requests": 8}
 
 
-def kinds(stats: pb.StatsResponse) -> dict[int, tuple[int, int]]:
-    return {k.kind: (k.capacity, k.used) for k in stats.pools[0].spaces}
+def kinds(stats: pb.StatsResponse) -> dict[str, tuple[int, int]]:
+    return {k.space: (k.capacity, k.used) for k in stats.pools[0].spaces}
 
 
 async def test_swa_pairs(served: Served) -> None:
@@ -32,9 +33,10 @@ async def test_swa_pairs(served: Served) -> None:
     spaces; each kv page comes with a swa page, also written into full_to_swa."""
     expected = plan(decode_spec(SWA_SPEC), make_options(**OPTIONS))
     resp = await served.stub.Configure(configure_request("swa", spec=SWA_SPEC, **OPTIONS))
-    assert resp.plan.architecture == "hybrid_swa"
-    assert (resp.plan.num_pages, resp.plan.swa_num_pages) == (expected.num_pages,
-                                                             expected.swa_num_pages)
+    got_plan = PoolPlan.from_json(resp.plan_json)
+    assert got_plan.architecture == "hybrid_swa"
+    assert (got_plan.num_pages, got_plan.swa_num_pages) == (expected.num_pages,
+                                                           expected.swa_num_pages)
     lease = await served.lease()
     got = await served.stub.Allocate(allocate_request("swa", lease, [("kv", 4)]))
     full, swa = ids_from_bytes(got.items[0].ids), ids_from_bytes(got.items[0].paired_ids)
@@ -43,41 +45,41 @@ async def test_swa_pairs(served: Served) -> None:
     assert np.array_equal(mapping[full], swa)
     stats = await served.stub.Stats(pb.StatsRequest(pool="swa"))
     n_full, n_swa = expected.num_pages, expected.swa_num_pages
-    assert kinds(stats) == {pb.KIND_KV: (n_full, 4), pb.KIND_SWA: (n_swa, 4),
-                            pb.KIND_REQ: (8, 0)}
+    assert kinds(stats) == {"kv": (n_full, 4), "swa": (n_swa, 4),
+                            "req": (8, 0)}
     # the window slid past two pages: release their swa side only
     freed = await served.stub.Free(free_request("swa", lease, [("swa", full[:2])]))
     assert freed.freed == 2
     assert mapping[full[:2]].tolist() == [0, 0]
     stats = await served.stub.Stats(pb.StatsRequest(pool="swa"))
-    assert kinds(stats)[pb.KIND_KV] == (n_full, 4) and kinds(stats)[pb.KIND_SWA] == (n_swa, 2)
+    assert kinds(stats)["kv"] == (n_full, 4) and kinds(stats)["swa"] == (n_swa, 2)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await served.stub.Free(free_request("swa", lease, [("swa", full[:1])]))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     # freeing kv returns both sides of the rest
     await served.stub.Free(free_request("swa", lease, [("kv", full)]))
     stats = await served.stub.Stats(pb.StatsRequest(pool="swa"))
-    assert kinds(stats)[pb.KIND_KV][1] == kinds(stats)[pb.KIND_SWA][1] == 0
+    assert kinds(stats)["kv"][1] == kinds(stats)["swa"][1] == 0
 
 
 async def test_state_slots(served: Served) -> None:
     """The hybrid linear plan's mamba_cache_size (62 slots here) is the state space."""
     expected = plan(decode_spec(LINEAR_SPEC), make_options(**OPTIONS))
     resp = await served.stub.Configure(configure_request("lin", spec=LINEAR_SPEC, **OPTIONS))
-    assert resp.plan.mamba_cache_size == expected.mamba_cache_size
+    assert PoolPlan.from_json(resp.plan_json).mamba_cache_size == expected.mamba_cache_size
     lease = await served.lease()
     got = await served.stub.Allocate(
         allocate_request("lin", lease, [("req", 1), ("state", 3), ("kv", 2)]))
     assert [len(item.ids) // 4 for item in got.items] == [1, 3, 2]
     stats = await served.stub.Stats(pb.StatsRequest(pool="lin"))
-    assert kinds(stats)[pb.KIND_STATE] == (expected.mamba_cache_size, 3)
+    assert kinds(stats)["state"] == (expected.mamba_cache_size, 3)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await served.stub.Allocate(
             allocate_request("lin", lease, [("state", expected.mamba_cache_size)]))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     closed = await served.stub.CloseLease(pb.CloseLeaseRequest(**proof(lease)))
-    assert sorted((h.kind, h.count) for h in closed.released) == [
-        (pb.KIND_KV, 2), (pb.KIND_REQ, 1), (pb.KIND_STATE, 3)]
+    assert sorted((h.space, h.count) for h in closed.released) == [
+        ("kv", 2), ("req", 1), ("state", 3)]
 
 
 async def test_speculative_states_over_grpc(served: Served) -> None:
@@ -87,7 +89,8 @@ async def test_speculative_states_over_grpc(served: Served) -> None:
     expected = plan(decode_spec(LINEAR_SPEC), make_options(**opts))
     resp = await served.stub.Configure(configure_request("spec", spec=LINEAR_SPEC, **opts))
     assert resp.fingerprint == expected.fingerprint()
-    spec_buffers = {b.name: tuple(b.shape) for b in resp.plan.buffers if b.kind == "spec_state"}
+    spec_buffers = {b.name: tuple(b.shape) for b in PoolPlan.from_json(resp.plan_json).buffers
+                    if b.kind == "spec_state"}
     rows = expected.max_running_requests + 1
     assert spec_buffers["spec_conv.0"][:2] == spec_buffers["spec_ssm.2"][:2] == (rows, 3)
     views = served.daemon.pools["spec"].buffers.views

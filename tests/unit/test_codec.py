@@ -1,9 +1,11 @@
-"""kvpool.codec: every record survives record -> proto -> record, and replies of the first API
-form (Kind enums, no space strings) still decode."""
+"""kvpool.codec: every record survives record -> wire bytes -> record, and the wire carries one
+form per concept (space strings, the plan as JSON only, no derived counters)."""
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
+import pytest
 
 from kvpool import codec
 from kvpool.handles import SharedHandle
@@ -18,19 +20,18 @@ from kvpool.records import (
     Stats,
 )
 from kvpool.v1 import kvpool_pb2 as pb
-from kvpoold.server.live_pools import plan_json_text
 from kvpoold.sizing import make_options, plan
 from tests.factories import llama_8b
 
 
 def space(capacity: int, used: int, **extra: object) -> SpaceStats:
-    return SpaceStats(capacity=capacity, used=used, free=capacity - used, high_water=used + 1,
-                      allocs=used + 5, frees=5, failed_allocs=2, **extra)  # type: ignore[arg-type]
+    return SpaceStats(capacity=capacity, used=used, high_water=used + 1, frees=5,
+                      failed_allocs=2, **extra)  # type: ignore[arg-type]
 
 
 def sample_stats() -> Stats:
     return Stats(
-        daemon=DaemonStats(version="0.1.0", device="cpu", budget_bytes=1 << 30,
+        daemon=DaemonStats(version="1.0.0", device="cpu", budget_bytes=1 << 30,
                            used_bytes=123, uptime_seconds=1.5, num_pools=1, num_leases=1,
                            leases_opened=3, leases_closed=1, leases_expired=1),
         pools=[PoolStats(name="v4", fingerprint="f" * 32, architecture="dsv4",
@@ -41,7 +42,7 @@ def sample_stats() -> Stats:
                                  "swa": space(8, 3, unit="pages", follows="kv"),
                                  "req": space(8, 1, unit="rows"),
                                  "c4_state": space(32, 2, unit="slots")},
-                         attached=2, age_seconds=0.5, handle_kind="shm")],
+                         attached=2, age_seconds=0.5, sharing="shm")],
         leases=[LeaseStats(lease_id=(1 << 62) + 5, name="engine-0", ttl_seconds=10.0,
                            expires_in_seconds=7.5,
                            held={"v4": {"kv": 3, "swa": 3, "req": 1, "c4_state": 2}},
@@ -57,21 +58,24 @@ def test_stats_round_trip_in_the_plan_order() -> None:
     lease = codec.stats_from_pb(msg).leases[0]
     assert lease.cached == {"v4": {"c4_state": 1}} and lease.in_use("v4", "c4_state") == 1
     assert lease.held_text() == "v4: kv=3 swa=3 req=1 c4_state=2 (1 cached)"
-    # the first form's enum is filled where one exists, left unset beyond the four
-    assert [(s.space, s.kind) for s in msg.pools[0].spaces] == [
-        ("kv", pb.KIND_KV), ("swa", pb.KIND_SWA), ("req", pb.KIND_REQ), ("c4_state", 0)]
 
 
-def test_replies_of_the_first_form_decode_by_kind() -> None:
-    """A daemon of the first form sends only Kind enums: they read as the space names."""
-    msg = pb.StatsResponse(
-        daemon=pb.DaemonStats(version="0.0.9"),
-        pools=[pb.PoolStats(name="p", spaces=[pb.SpaceStats(kind=pb.KIND_KV, capacity=4)])],
-        leases=[pb.LeaseStats(lease_id=1, held=[pb.Held(pool="p", kind=pb.KIND_STATE,
-                                                        count=2)])])
-    stats = codec.stats_from_pb(msg)
-    assert stats.pools[0].spaces["kv"].capacity == 4
-    assert stats.leases[0].held == {"p": {"state": 2}}
+def test_derived_counters_do_not_travel_and_the_record_computes_them() -> None:
+    """free and allocs follow from capacity, used and frees: the wire has neither, and the
+    record's properties give them (16 - 3 = 13 free, 5 + 3 = 8 handed out)."""
+    wire_fields = {f.name for f in pb.SpaceStats.DESCRIPTOR.fields}
+    assert not wire_fields & {"free", "allocs", "kind"}
+    assert wire_fields == {"space", *SpaceStats.__struct_fields__}
+    kv = codec.stats_from_pb(codec.stats_to_pb(sample_stats())).pools[0].spaces["kv"]
+    assert (kv.free, kv.allocs, kv.allocs - kv.frees) == (13, 8, kv.used)
+
+
+def test_no_enum_names_a_space_or_a_sharing() -> None:
+    """Spaces and sharings are strings everywhere on the wire: the only enum left is the
+    transfer state."""
+    assert list(pb.DESCRIPTOR.enum_types_by_name) == ["TransferState"]
+    assert pb.SharedHandle.DESCRIPTOR.fields_by_name["sharing"].type == 9  # TYPE_STRING
+    assert pb.PoolStats.DESCRIPTOR.fields_by_name["sharing"].type == 9
 
 
 def test_released_round_trips_as_close_and_drop_replies() -> None:
@@ -84,13 +88,30 @@ def test_released_round_trips_as_close_and_drop_replies() -> None:
 
 def test_configure_and_attach_round_trip() -> None:
     p = plan(llama_8b(), make_options(budget_bytes=1 << 30, page_size=16))
-    text = plan_json_text(p)
+    text = codec.plan_to_json(p)
     result = ConfigureResult(p, text, p.fingerprint(), True, False, 5 << 20)
-    assert codec.configure_from_pb(codec.configure_to_pb(result)) == result
-    handle = SharedHandle(kind="shm", size=4096, path="/dev/shm/kvpool-x")
+    wire = codec.configure_to_pb(result).SerializeToString()
+    assert codec.configure_from_pb(pb.ConfigureResponse.FromString(wire)) == result
+    handle = SharedHandle(sharing="shm", size=4096, path="/dev/shm/kvpool-x")
     info = AttachInfo(p.fingerprint(), p, text, handle, 7, "cpu")
-    assert codec.attach_from_pb(codec.attach_to_pb(info)) == info
-    assert codec.plan_to_pb(p).id_spaces[0].name == "kv"
+    wire = codec.attach_to_pb(info).SerializeToString()
+    assert codec.attach_from_pb(pb.AttachResponse.FromString(wire)) == info
+
+
+def test_the_plan_travels_as_json_only_with_every_field() -> None:
+    """One form: the replies carry plan_json and no typed plan; the JSON names every field of
+    the record (None ones as null), so decoding loses nothing."""
+    assert "plan" not in pb.ConfigureResponse.DESCRIPTOR.fields_by_name
+    assert "plan" not in pb.AttachResponse.DESCRIPTOR.fields_by_name
+    p = plan(llama_8b(), make_options(budget_bytes=1 << 30, page_size=16))
+    text = codec.plan_to_json(p)
+    assert set(msgspec.json.decode(text)) == set(type(p).__struct_fields__)
+    assert codec.plan_from_json(text) == p
+
+
+def test_a_handle_of_an_unknown_sharing_is_refused() -> None:
+    with pytest.raises(ValueError, match="shares by 'rdma'"):
+        codec.handle_from_pb(pb.SharedHandle(sharing="rdma", size=1))
 
 
 def test_ids_cross_as_little_endian_int32_without_a_copy() -> None:

@@ -41,7 +41,7 @@ def test_there_is_one_handle_type_and_it_needs_no_torch() -> None:
 
     assert kvpoold.sharing.SharedHandle is SharedHandle
     assert kvpoold.sharing.base.SharedHandle is SharedHandle
-    assert kvpool.mapping.RegionHandle is SharedHandle
+    assert not hasattr(kvpool.mapping, "RegionHandle")
     assert kvpool.records.AttachInfo.__annotations__["handle"] == "SharedHandle"
     assert not hasattr(kvpool.wire, "RemoteHandle")
     out = subprocess.run(
@@ -56,11 +56,11 @@ def test_a_proto_handle_converts_both_ways() -> None:
     from kvpool.codec import handle_from_pb as shared_handle
     from kvpool.codec import handle_to_pb as handle_message
 
-    h = SharedHandle(kind="cuda_ipc", size=4096, device_uuid="abc", ipc_handle=b"\x01c",
+    h = SharedHandle(sharing="cuda_ipc", size=4096, device_uuid="abc", ipc_handle=b"\x01c",
                      storage_offset=512, storage_size=8192, ref_counter_handle=b"/rc",
                      ref_counter_offset=3, event_handle=b"ev", event_sync_required=True)
     assert shared_handle(handle_message(h)) == h
-    shm = SharedHandle(kind="shm", size=10, path="/dev/shm/kvpool-a-p-00")
+    shm = SharedHandle(sharing="shm", size=10, path="/dev/shm/kvpool-a-p-00")
     assert shared_handle(handle_message(shm)) == shm
 
 
@@ -212,7 +212,7 @@ async def test_attach_exports_a_fresh_handle_each_time_and_build_exports_none() 
     assert factory.exports == []
     a, b = daemon.attach(LOCAL_ADMIN, "tiny"), daemon.attach(LOCAL_ADMIN, "tiny")
     assert len(factory.exports) == 2 and a.attach_id != b.attach_id
-    assert daemon.stats(LOCAL_ADMIN).pools[0].handle_kind == "none"
+    assert daemon.stats(LOCAL_ADMIN).pools[0].sharing == "none"
     daemon.close()
 
 
@@ -238,7 +238,7 @@ async def test_attach_views_are_the_daemons_memory(served_shm: tuple[Daemon, str
     async with AsyncKVPoolClient(target) as client:
         result = await client.configure("tiny", spec=TINY_SPEC, **TINY_OPTIONS)
         async with client.attach("tiny", result.fingerprint) as region:
-            assert region.kind == "shm" and region.device == torch.device("cpu")
+            assert region.sharing == "shm" and region.device == torch.device("cpu")
             assert region.plan == result.plan and region.attach_id
             region.page("v.1", 2).fill_(-4.0)
             assert daemon.attachments.count_pool("tiny") == 1
@@ -271,7 +271,7 @@ async def test_an_unshareable_pool_is_refused_and_not_left_attached(socket_dir: 
             with pytest.raises(FailedPrecondition, match="--sharing none") as info:
                 async with client.attach("tiny"):
                     pass
-            assert info.value.field == "kind"
+            assert info.value.field == "sharing"
             assert daemon.attachments.count_pool("tiny") == 0
     finally:
         await server.shutdown(0)

@@ -8,7 +8,7 @@ import torch
 from kvpool.errors import FailedPrecondition, InvalidArgument
 from kvpool.mapping import (
     BufferLayout,
-    RegionHandle,
+    SharedHandle,
     map_region,
     normalize_uuid,
     ordinal_for_uuid,
@@ -104,7 +104,7 @@ def test_a_device_uuid_mismatch_lists_the_visible_devices():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 def test_mapping_a_cuda_handle_without_cuda_is_refused():
-    h = RegionHandle(kind="cuda_ipc", size=4096, device_uuid=A, storage_size=4096)
+    h = SharedHandle(sharing="cuda_ipc", size=4096, device_uuid=A, storage_size=4096)
     with pytest.raises(FailedPrecondition, match="CUDA is not available"):
         map_region(h, [])
 
@@ -113,7 +113,7 @@ def test_mapping_a_cuda_handle_without_cuda_is_refused():
 def test_a_failed_import_gives_the_export_back_without_masking_the_error():
     """Giving back the ref-counter slot is best effort: on a CPU build it cannot, and the
     caller still gets the real reason (no CUDA; a bad layout)."""
-    h = RegionHandle(kind="cuda_ipc", size=4096, device_uuid=A, storage_size=4096,
+    h = SharedHandle(sharing="cuda_ipc", size=4096, device_uuid=A, storage_size=4096,
                      ref_counter_handle=b"/torch_0_0_0", ref_counter_offset=3)
     with pytest.raises(FailedPrecondition, match="CUDA is not available"):
         map_region(h, [])

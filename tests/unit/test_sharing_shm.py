@@ -19,7 +19,7 @@ from kvpool.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
-from kvpool.mapping import BufferLayout, RegionHandle, map_region, page_rows, page_view
+from kvpool.mapping import BufferLayout, SharedHandle, map_region, page_rows, page_view
 from kvpoold.pools import build_pool
 from kvpoold.sharing import InstanceLock, ShmBackingFactory, check_pool_name, sweep_orphans
 from kvpoold.sharing.shm import free_bytes
@@ -93,7 +93,7 @@ def test_preallocate_backs_every_page(shm_dir):
 def test_handle_is_path_and_size(factory):
     backing = factory.create(12288, "p")
     h = backing.handle()
-    assert (h.kind, h.path, h.size) == ("shm", str(backing.path), 12288)
+    assert (h.sharing, h.path, h.size) == ("shm", str(backing.path), 12288)
     assert h.ipc_handle == b"" and h.device_uuid == ""
 
 
@@ -328,14 +328,14 @@ def test_map_refuses_a_file_others_can_read(factory):
 
 def test_map_refuses_a_size_mismatch(factory):
     backing = factory.create(4096, "p")
-    h = RegionHandle(kind="shm", path=str(backing.path), size=8192)
+    h = SharedHandle(sharing="shm", path=str(backing.path), size=8192)
     with pytest.raises(FailedPrecondition, match="4,096 B, the handle says 8,192 B"):
         map_region(h, _one_buffer(8192))
 
 
 def test_map_refuses_a_missing_file(shm_dir):
     with pytest.raises(NotFound):
-        map_region(RegionHandle("shm", 4096, str(shm_dir / "kvpool-x-p-0")), _one_buffer(4096))
+        map_region(SharedHandle("shm", 4096, str(shm_dir / "kvpool-x-p-0")), _one_buffer(4096))
 
 
 def test_map_refuses_symlinks_directories_and_relative_paths(factory, shm_dir):
@@ -343,11 +343,11 @@ def test_map_refuses_symlinks_directories_and_relative_paths(factory, shm_dir):
     link = shm_dir / "link"
     link.symlink_to(backing.path)
     with pytest.raises(PermissionDenied):
-        map_region(RegionHandle("shm", 4096, str(link)), _one_buffer(4096))
+        map_region(SharedHandle("shm", 4096, str(link)), _one_buffer(4096))
     with pytest.raises(PermissionDenied):
-        map_region(RegionHandle("shm", 4096, str(shm_dir)), _one_buffer(4096))
+        map_region(SharedHandle("shm", 4096, str(shm_dir)), _one_buffer(4096))
     with pytest.raises(InvalidArgument):
-        map_region(RegionHandle("shm", 4096, "kvpool-x"), _one_buffer(4096))
+        map_region(SharedHandle("shm", 4096, "kvpool-x"), _one_buffer(4096))
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
@@ -358,11 +358,11 @@ def test_map_refuses_another_users_file(factory):
         map_region(backing.handle(), _one_buffer(4096))
 
 
-def test_map_refuses_kind_none_and_unknown_kinds(factory):
+def test_map_refuses_sharing_none_and_unknown_sharings(factory):
     with pytest.raises(FailedPrecondition, match="not shareable"):
-        map_region(RegionHandle("none", 4096), _one_buffer(4096))
-    with pytest.raises(InvalidArgument, match="unknown handle kind"):
-        map_region(RegionHandle("nfs", 4096, "/x"), _one_buffer(4096))
+        map_region(SharedHandle("none", 4096), _one_buffer(4096))
+    with pytest.raises(InvalidArgument, match="unknown sharing"):
+        map_region(SharedHandle("nfs", 4096, "/x"), _one_buffer(4096))
 
 
 @pytest.mark.parametrize(

@@ -7,36 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    KIND_UNSPECIFIED: _ClassVar[Kind]
-    KIND_KV: _ClassVar[Kind]
-    KIND_REQ: _ClassVar[Kind]
-    KIND_STATE: _ClassVar[Kind]
-    KIND_SWA: _ClassVar[Kind]
-
-class HandleKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    HANDLE_KIND_UNSPECIFIED: _ClassVar[HandleKind]
-    HANDLE_KIND_NONE: _ClassVar[HandleKind]
-    HANDLE_KIND_SHM: _ClassVar[HandleKind]
-    HANDLE_KIND_CUDA_IPC: _ClassVar[HandleKind]
-
 class TransferState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TRANSFER_STATE_UNSPECIFIED: _ClassVar[TransferState]
     TRANSFER_STATE_PENDING: _ClassVar[TransferState]
     TRANSFER_STATE_DONE: _ClassVar[TransferState]
     TRANSFER_STATE_FAILED: _ClassVar[TransferState]
-KIND_UNSPECIFIED: Kind
-KIND_KV: Kind
-KIND_REQ: Kind
-KIND_STATE: Kind
-KIND_SWA: Kind
-HANDLE_KIND_UNSPECIFIED: HandleKind
-HANDLE_KIND_NONE: HandleKind
-HANDLE_KIND_SHM: HandleKind
-HANDLE_KIND_CUDA_IPC: HandleKind
 TRANSFER_STATE_UNSPECIFIED: TransferState
 TRANSFER_STATE_PENDING: TransferState
 TRANSFER_STATE_DONE: TransferState
@@ -144,114 +120,6 @@ class ModelSpec(_message.Message):
     kv_cache_quant_fp8: bool
     def __init__(self, num_layers: _Optional[int] = ..., mha: _Optional[_Union[MHAAttention, _Mapping]] = ..., mla: _Optional[_Union[MLAAttention, _Mapping]] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., architecture: _Optional[str] = ..., sliding_window: _Optional[_Union[SlidingWindow, _Mapping]] = ..., indexer: _Optional[_Union[DSAIndexer, _Mapping]] = ..., linear: _Optional[_Union[LinearAttention, _Mapping]] = ..., dsv4: _Optional[_Union[DSV4Compression, _Mapping]] = ..., num_nextn_predict_layers: _Optional[int] = ..., kv_cache_quant_fp8: _Optional[bool] = ...) -> None: ...
 
-class Buffer(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "offset_bytes", "nbytes", "kind", "page_bytes", "in_budget", "id_space")
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    DTYPE_FIELD_NUMBER: _ClassVar[int]
-    SHAPE_FIELD_NUMBER: _ClassVar[int]
-    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
-    NBYTES_FIELD_NUMBER: _ClassVar[int]
-    KIND_FIELD_NUMBER: _ClassVar[int]
-    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    IN_BUDGET_FIELD_NUMBER: _ClassVar[int]
-    ID_SPACE_FIELD_NUMBER: _ClassVar[int]
-    name: str
-    dtype: str
-    shape: _containers.RepeatedScalarFieldContainer[int]
-    offset_bytes: int
-    nbytes: int
-    kind: str
-    page_bytes: int
-    in_budget: bool
-    id_space: str
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset_bytes: _Optional[int] = ..., nbytes: _Optional[int] = ..., kind: _Optional[str] = ..., page_bytes: _Optional[int] = ..., in_budget: _Optional[bool] = ..., id_space: _Optional[str] = ...) -> None: ...
-
-class IdSpace(_message.Message):
-    __slots__ = ("name", "capacity", "unit", "bytes_per_unit", "knob", "follows", "mapping")
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    CAPACITY_FIELD_NUMBER: _ClassVar[int]
-    UNIT_FIELD_NUMBER: _ClassVar[int]
-    BYTES_PER_UNIT_FIELD_NUMBER: _ClassVar[int]
-    KNOB_FIELD_NUMBER: _ClassVar[int]
-    FOLLOWS_FIELD_NUMBER: _ClassVar[int]
-    MAPPING_FIELD_NUMBER: _ClassVar[int]
-    name: str
-    capacity: int
-    unit: str
-    bytes_per_unit: int
-    knob: str
-    follows: str
-    mapping: str
-    def __init__(self, name: _Optional[str] = ..., capacity: _Optional[int] = ..., unit: _Optional[str] = ..., bytes_per_unit: _Optional[int] = ..., knob: _Optional[str] = ..., follows: _Optional[str] = ..., mapping: _Optional[str] = ...) -> None: ...
-
-class Plan(_message.Message):
-    __slots__ = ("architecture", "architecture_source", "model_architecture", "kv_cache_dtype", "page_size", "context_length", "cell_size_bytes", "max_total_num_tokens", "max_running_requests", "full_max_total_num_tokens", "swa_max_total_num_tokens", "mamba_cache_size", "c4_max_total_num_tokens", "c128_max_total_num_tokens", "c4_state_pool_size", "c128_state_pool_size", "total_bytes", "aux_bytes", "backing_bytes", "budget_bytes", "num_pages", "swa_num_pages", "tp_size", "pp_size", "pp_rank", "layer_start", "layer_end", "num_draft_layers", "req_to_token_columns", "notes", "buffers", "id_spaces")
-    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
-    ARCHITECTURE_SOURCE_FIELD_NUMBER: _ClassVar[int]
-    MODEL_ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
-    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
-    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
-    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
-    CELL_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    MAX_TOTAL_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
-    FULL_MAX_TOTAL_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    SWA_MAX_TOTAL_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    MAMBA_CACHE_SIZE_FIELD_NUMBER: _ClassVar[int]
-    C4_MAX_TOTAL_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    C128_MAX_TOTAL_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    C4_STATE_POOL_SIZE_FIELD_NUMBER: _ClassVar[int]
-    C128_STATE_POOL_SIZE_FIELD_NUMBER: _ClassVar[int]
-    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
-    AUX_BYTES_FIELD_NUMBER: _ClassVar[int]
-    BACKING_BYTES_FIELD_NUMBER: _ClassVar[int]
-    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
-    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
-    SWA_NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
-    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
-    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
-    PP_RANK_FIELD_NUMBER: _ClassVar[int]
-    LAYER_START_FIELD_NUMBER: _ClassVar[int]
-    LAYER_END_FIELD_NUMBER: _ClassVar[int]
-    NUM_DRAFT_LAYERS_FIELD_NUMBER: _ClassVar[int]
-    REQ_TO_TOKEN_COLUMNS_FIELD_NUMBER: _ClassVar[int]
-    NOTES_FIELD_NUMBER: _ClassVar[int]
-    BUFFERS_FIELD_NUMBER: _ClassVar[int]
-    ID_SPACES_FIELD_NUMBER: _ClassVar[int]
-    architecture: str
-    architecture_source: str
-    model_architecture: str
-    kv_cache_dtype: str
-    page_size: int
-    context_length: int
-    cell_size_bytes: int
-    max_total_num_tokens: int
-    max_running_requests: int
-    full_max_total_num_tokens: int
-    swa_max_total_num_tokens: int
-    mamba_cache_size: int
-    c4_max_total_num_tokens: int
-    c128_max_total_num_tokens: int
-    c4_state_pool_size: int
-    c128_state_pool_size: int
-    total_bytes: int
-    aux_bytes: int
-    backing_bytes: int
-    budget_bytes: int
-    num_pages: int
-    swa_num_pages: int
-    tp_size: int
-    pp_size: int
-    pp_rank: int
-    layer_start: int
-    layer_end: int
-    num_draft_layers: int
-    req_to_token_columns: int
-    notes: _containers.RepeatedScalarFieldContainer[str]
-    buffers: _containers.RepeatedCompositeFieldContainer[Buffer]
-    id_spaces: _containers.RepeatedCompositeFieldContainer[IdSpace]
-    def __init__(self, architecture: _Optional[str] = ..., architecture_source: _Optional[str] = ..., model_architecture: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., context_length: _Optional[int] = ..., cell_size_bytes: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., full_max_total_num_tokens: _Optional[int] = ..., swa_max_total_num_tokens: _Optional[int] = ..., mamba_cache_size: _Optional[int] = ..., c4_max_total_num_tokens: _Optional[int] = ..., c128_max_total_num_tokens: _Optional[int] = ..., c4_state_pool_size: _Optional[int] = ..., c128_state_pool_size: _Optional[int] = ..., total_bytes: _Optional[int] = ..., aux_bytes: _Optional[int] = ..., backing_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., num_pages: _Optional[int] = ..., swa_num_pages: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_draft_layers: _Optional[int] = ..., req_to_token_columns: _Optional[int] = ..., notes: _Optional[_Iterable[str]] = ..., buffers: _Optional[_Iterable[_Union[Buffer, _Mapping]]] = ..., id_spaces: _Optional[_Iterable[_Union[IdSpace, _Mapping]]] = ...) -> None: ...
-
 class ConfigureRequest(_message.Message):
     __slots__ = ("pool", "hf_config_json", "spec", "budget_bytes", "max_total_tokens", "page_size", "kv_cache_dtype", "tp_size", "pp_size", "pp_rank", "context_length", "max_running_requests", "speculative_algorithm", "speculative_num_draft_layers", "swa_full_tokens_ratio", "mamba_full_memory_ratio", "disable_radix_cache", "dry_run", "speculative_num_draft_tokens", "allow_longer_context", "mamba_radix_cache_strategy", "chunked_prefill_size", "disable_overlap_schedule")
     POOL_FIELD_NUMBER: _ClassVar[int]
@@ -303,20 +171,18 @@ class ConfigureRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., hf_config_json: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., budget_bytes: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., context_length: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., speculative_algorithm: _Optional[str] = ..., speculative_num_draft_layers: _Optional[int] = ..., swa_full_tokens_ratio: _Optional[float] = ..., mamba_full_memory_ratio: _Optional[float] = ..., disable_radix_cache: _Optional[bool] = ..., dry_run: _Optional[bool] = ..., speculative_num_draft_tokens: _Optional[int] = ..., allow_longer_context: _Optional[bool] = ..., mamba_radix_cache_strategy: _Optional[str] = ..., chunked_prefill_size: _Optional[int] = ..., disable_overlap_schedule: _Optional[bool] = ...) -> None: ...
 
 class ConfigureResponse(_message.Message):
-    __slots__ = ("plan", "plan_json", "fingerprint", "created", "dry_run", "budget_available_bytes")
-    PLAN_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("plan_json", "fingerprint", "created", "dry_run", "budget_available_bytes")
     PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     BUDGET_AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    plan: Plan
     plan_json: str
     fingerprint: str
     created: bool
     dry_run: bool
     budget_available_bytes: int
-    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., plan_json: _Optional[str] = ..., fingerprint: _Optional[str] = ..., created: _Optional[bool] = ..., dry_run: _Optional[bool] = ..., budget_available_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, plan_json: _Optional[str] = ..., fingerprint: _Optional[str] = ..., created: _Optional[bool] = ..., dry_run: _Optional[bool] = ..., budget_available_bytes: _Optional[int] = ...) -> None: ...
 
 class OpenLeaseRequest(_message.Message):
     __slots__ = ("name", "ttl_seconds")
@@ -393,16 +259,14 @@ class CloseLeaseRequest(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., lease_secret: _Optional[bytes] = ...) -> None: ...
 
 class Held(_message.Message):
-    __slots__ = ("pool", "kind", "count", "space")
+    __slots__ = ("pool", "count", "space")
     POOL_FIELD_NUMBER: _ClassVar[int]
-    KIND_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     SPACE_FIELD_NUMBER: _ClassVar[int]
     pool: str
-    kind: Kind
     count: int
     space: str
-    def __init__(self, pool: _Optional[str] = ..., kind: _Optional[_Union[Kind, str]] = ..., count: _Optional[int] = ..., space: _Optional[str] = ...) -> None: ...
+    def __init__(self, pool: _Optional[str] = ..., count: _Optional[int] = ..., space: _Optional[str] = ...) -> None: ...
 
 class CloseLeaseResponse(_message.Message):
     __slots__ = ("released", "detached")
@@ -413,14 +277,12 @@ class CloseLeaseResponse(_message.Message):
     def __init__(self, released: _Optional[_Iterable[_Union[Held, _Mapping]]] = ..., detached: _Optional[int] = ...) -> None: ...
 
 class AllocateItem(_message.Message):
-    __slots__ = ("kind", "count", "space")
-    KIND_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("count", "space")
     COUNT_FIELD_NUMBER: _ClassVar[int]
     SPACE_FIELD_NUMBER: _ClassVar[int]
-    kind: Kind
     count: int
     space: str
-    def __init__(self, kind: _Optional[_Union[Kind, str]] = ..., count: _Optional[int] = ..., space: _Optional[str] = ...) -> None: ...
+    def __init__(self, count: _Optional[int] = ..., space: _Optional[str] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("pool", "lease_id", "items", "lease_secret")
@@ -435,18 +297,16 @@ class AllocateRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., lease_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[AllocateItem, _Mapping]]] = ..., lease_secret: _Optional[bytes] = ...) -> None: ...
 
 class IdList(_message.Message):
-    __slots__ = ("kind", "ids", "paired_ids", "space", "paired_space")
-    KIND_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("ids", "paired_ids", "space", "paired_space")
     IDS_FIELD_NUMBER: _ClassVar[int]
     PAIRED_IDS_FIELD_NUMBER: _ClassVar[int]
     SPACE_FIELD_NUMBER: _ClassVar[int]
     PAIRED_SPACE_FIELD_NUMBER: _ClassVar[int]
-    kind: Kind
     ids: bytes
     paired_ids: bytes
     space: str
     paired_space: str
-    def __init__(self, kind: _Optional[_Union[Kind, str]] = ..., ids: _Optional[bytes] = ..., paired_ids: _Optional[bytes] = ..., space: _Optional[str] = ..., paired_space: _Optional[str] = ...) -> None: ...
+    def __init__(self, ids: _Optional[bytes] = ..., paired_ids: _Optional[bytes] = ..., space: _Optional[str] = ..., paired_space: _Optional[str] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
     __slots__ = ("items",)
@@ -487,13 +347,10 @@ class WatchStatsRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., interval_seconds: _Optional[float] = ...) -> None: ...
 
 class SpaceStats(_message.Message):
-    __slots__ = ("kind", "capacity", "used", "free", "high_water", "allocs", "frees", "failed_allocs", "space", "unit", "bytes_per_unit", "follows", "pinned", "quarantined")
-    KIND_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("capacity", "used", "high_water", "frees", "failed_allocs", "space", "unit", "bytes_per_unit", "follows", "pinned", "quarantined")
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     USED_FIELD_NUMBER: _ClassVar[int]
-    FREE_FIELD_NUMBER: _ClassVar[int]
     HIGH_WATER_FIELD_NUMBER: _ClassVar[int]
-    ALLOCS_FIELD_NUMBER: _ClassVar[int]
     FREES_FIELD_NUMBER: _ClassVar[int]
     FAILED_ALLOCS_FIELD_NUMBER: _ClassVar[int]
     SPACE_FIELD_NUMBER: _ClassVar[int]
@@ -502,12 +359,9 @@ class SpaceStats(_message.Message):
     FOLLOWS_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
-    kind: Kind
     capacity: int
     used: int
-    free: int
     high_water: int
-    allocs: int
     frees: int
     failed_allocs: int
     space: str
@@ -516,10 +370,10 @@ class SpaceStats(_message.Message):
     follows: str
     pinned: int
     quarantined: int
-    def __init__(self, kind: _Optional[_Union[Kind, str]] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., free: _Optional[int] = ..., high_water: _Optional[int] = ..., allocs: _Optional[int] = ..., frees: _Optional[int] = ..., failed_allocs: _Optional[int] = ..., space: _Optional[str] = ..., unit: _Optional[str] = ..., bytes_per_unit: _Optional[int] = ..., follows: _Optional[str] = ..., pinned: _Optional[int] = ..., quarantined: _Optional[int] = ...) -> None: ...
+    def __init__(self, capacity: _Optional[int] = ..., used: _Optional[int] = ..., high_water: _Optional[int] = ..., frees: _Optional[int] = ..., failed_allocs: _Optional[int] = ..., space: _Optional[str] = ..., unit: _Optional[str] = ..., bytes_per_unit: _Optional[int] = ..., follows: _Optional[str] = ..., pinned: _Optional[int] = ..., quarantined: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("name", "fingerprint", "architecture", "kv_cache_dtype", "page_size", "max_total_num_tokens", "max_running_requests", "backing_bytes", "spaces", "attached", "age_seconds", "handle_kind")
+    __slots__ = ("name", "fingerprint", "architecture", "kv_cache_dtype", "page_size", "max_total_num_tokens", "max_running_requests", "backing_bytes", "spaces", "attached", "age_seconds", "sharing")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -531,7 +385,7 @@ class PoolStats(_message.Message):
     SPACES_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
     AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    HANDLE_KIND_FIELD_NUMBER: _ClassVar[int]
+    SHARING_FIELD_NUMBER: _ClassVar[int]
     name: str
     fingerprint: str
     architecture: str
@@ -543,8 +397,8 @@ class PoolStats(_message.Message):
     spaces: _containers.RepeatedCompositeFieldContainer[SpaceStats]
     attached: int
     age_seconds: float
-    handle_kind: str
-    def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., backing_bytes: _Optional[int] = ..., spaces: _Optional[_Iterable[_Union[SpaceStats, _Mapping]]] = ..., attached: _Optional[int] = ..., age_seconds: _Optional[float] = ..., handle_kind: _Optional[str] = ...) -> None: ...
+    sharing: str
+    def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., backing_bytes: _Optional[int] = ..., spaces: _Optional[_Iterable[_Union[SpaceStats, _Mapping]]] = ..., attached: _Optional[int] = ..., age_seconds: _Optional[float] = ..., sharing: _Optional[str] = ...) -> None: ...
 
 class LeaseStats(_message.Message):
     __slots__ = ("lease_id", "name", "ttl_seconds", "expires_in_seconds", "held", "attached", "cached")
@@ -647,8 +501,8 @@ class DropResponse(_message.Message):
     def __init__(self, reclaimed: _Optional[_Iterable[_Union[Held, _Mapping]]] = ..., detached: _Optional[int] = ..., released_bytes: _Optional[int] = ...) -> None: ...
 
 class SharedHandle(_message.Message):
-    __slots__ = ("kind", "size", "path", "device_uuid", "ipc_handle", "storage_offset", "storage_size", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
-    KIND_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("sharing", "size", "path", "device_uuid", "ipc_handle", "storage_offset", "storage_size", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    SHARING_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
@@ -659,7 +513,7 @@ class SharedHandle(_message.Message):
     REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
     EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
     EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
-    kind: HandleKind
+    sharing: str
     size: int
     path: str
     device_uuid: str
@@ -670,7 +524,7 @@ class SharedHandle(_message.Message):
     ref_counter_offset: int
     event_handle: bytes
     event_sync_required: bool
-    def __init__(self, kind: _Optional[_Union[HandleKind, str]] = ..., size: _Optional[int] = ..., path: _Optional[str] = ..., device_uuid: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., storage_offset: _Optional[int] = ..., storage_size: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+    def __init__(self, sharing: _Optional[str] = ..., size: _Optional[int] = ..., path: _Optional[str] = ..., device_uuid: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., storage_offset: _Optional[int] = ..., storage_size: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("pool", "expected_fingerprint", "lease_id", "lease_secret")
@@ -685,20 +539,18 @@ class AttachRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., expected_fingerprint: _Optional[str] = ..., lease_id: _Optional[int] = ..., lease_secret: _Optional[bytes] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("fingerprint", "plan", "plan_json", "handle", "attach_id", "device")
+    __slots__ = ("fingerprint", "plan_json", "handle", "attach_id", "device")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
-    PLAN_FIELD_NUMBER: _ClassVar[int]
     PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     ATTACH_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
-    plan: Plan
     plan_json: str
     handle: SharedHandle
     attach_id: int
     device: str
-    def __init__(self, fingerprint: _Optional[str] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., plan_json: _Optional[str] = ..., handle: _Optional[_Union[SharedHandle, _Mapping]] = ..., attach_id: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    def __init__(self, fingerprint: _Optional[str] = ..., plan_json: _Optional[str] = ..., handle: _Optional[_Union[SharedHandle, _Mapping]] = ..., attach_id: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class DetachRequest(_message.Message):
     __slots__ = ("attach_id",)

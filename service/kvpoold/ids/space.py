@@ -665,16 +665,13 @@ class IdSpace:
         """This space in Stats, taken now: the counters and what the plan says of the space.
 
         Returns:
-            The record Stats carries (``allocs`` / ``frees`` count ids, reclaim included, so
-            ``used == allocs - frees``; ``failed_allocs`` counts refused takes).
+            The record Stats carries (``frees`` counts ids, reclaim included;
+            ``failed_allocs`` counts refused takes).
         """
-        used = self._head
         return SpaceStats(
             capacity=self.capacity,
-            used=used,
-            free=self.capacity - used,
+            used=self._head,
             high_water=self._high_water,
-            allocs=self._frees + used,
             frees=self._frees,
             failed_allocs=self._failed_allocs,
             unit=self.spec.unit,

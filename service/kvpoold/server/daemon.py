@@ -617,7 +617,7 @@ class Daemon:
         att = self.attachments.add(pool, lease_id, caller.identity)
         log.info("attached", extra={"fields": {
             "event": "attach", "pool": pool, "attach_id": att.attach_id, "lease_id": lease_id,
-            "handle_kind": handle.kind, "attached": self.attachments.count_pool(pool),
+            "sharing": handle.sharing, "attached": self.attachments.count_pool(pool),
         }})
         return AttachInfo(entry.fingerprint, entry.plan, entry.plan_json, handle,
                           att.attach_id, self.device)

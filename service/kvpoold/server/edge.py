@@ -16,7 +16,6 @@ import numpy as np
 from google.protobuf.message import Message
 
 from kvpool import codec
-from kvpool.codec import KIND_OF_SPACE, SPACE_OF_KIND
 from kvpool.errors import InvalidArgument
 from kvpool.limits import MAX_IDS_PER_CALL, MAX_ITEMS_PER_CALL
 from kvpool.options import PlanOptions
@@ -38,19 +37,12 @@ _OPTION_FIELDS = tuple(
 )
 
 
-def _space(space: str, kind: int, field: str) -> str:
-    """The id space an item names: ``space``, else the first API form's ``kind`` enum."""
-    if space:
-        return space
-    name = SPACE_OF_KIND.get(kind)
-    if name is None:
-        shown = pb.Kind.Name(kind) if kind in pb.Kind.values() else kind
-        raise InvalidArgument(
-            f"{field} is not set (kind is {shown}); name an id space of the pool in space "
-            "(kv, req, state, ...)",
-            field=field,
-        )
-    return name
+def _space(space: str, field: str) -> str:
+    """The id space an item names (its pool says which exist)."""
+    if not space:
+        raise InvalidArgument(f"{field} is not set; name an id space of the pool (kv, req, "
+                              "state, ...: the plan's id_spaces)", field=field)
+    return space
 
 
 # -- requests -----------------------------------------------------------------------------------
@@ -135,7 +127,7 @@ def allocate_items(req: pb.AllocateRequest) -> list[tuple[str, int]]:
         InvalidArgument: more than MAX_ITEMS_PER_CALL items, or an item without a space.
     """
     check_items(len(req.items), "allocate")
-    return [(_space(item.space, item.kind, f"items[{i}].space"), item.count)
+    return [(_space(item.space, f"items[{i}].space"), item.count)
             for i, item in enumerate(req.items)]
 
 
@@ -156,7 +148,7 @@ def free_items(req: pb.FreeRequest) -> list[tuple[str, np.ndarray]]:
                               "split it", field="items")
     out = []
     for i, (item, ids) in enumerate(zip(req.items, data, strict=True)):
-        space = _space(item.space, item.kind, f"items[{i}].space")
+        space = _space(item.space, f"items[{i}].space")
         if len(ids) % 4:
             raise InvalidArgument(
                 f"items[{i}].ids has {len(ids)} bytes, not a whole number of little-endian "
@@ -211,7 +203,6 @@ def allocate_response(items: Sequence[tuple[str, Grant]]) -> pb.AllocateResponse
     return pb.AllocateResponse(items=[
         pb.IdList(
             space=space,
-            kind=KIND_OF_SPACE.get(space, 0),
             ids=codec.ids_to_bytes(grant.ids),
             paired_ids=b"" if grant.paired is None else codec.ids_to_bytes(grant.paired),
             paired_space=grant.paired_space or "",

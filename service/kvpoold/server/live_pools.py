@@ -9,20 +9,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import msgspec
 import numpy as np
 import torch
 
+from kvpool.codec import plan_to_json
 from kvpool.errors import Internal
 from kvpool.plan import PoolPlan
 from kvpoold.ids import MappingBuffer, PoolIds
 from kvpoold.pools import PoolBuffers, build_pool
 from kvpoold.sharing.base import Backing, BackingFactory
-
-
-def plan_json_text(plan: PoolPlan) -> str:
-    """The plan exactly as ``kvpoold plan --json`` prints it."""
-    return msgspec.json.format(plan.to_json(), indent=2).decode() + "\n"
 
 
 @dataclass
@@ -39,9 +34,9 @@ class LivePool:
     created_at: float
 
     @property
-    def handle_kind(self) -> str:
+    def sharing(self) -> str:
         """shm, cuda_ipc or none; Attach exports a fresh handle each time (backing.handle())."""
-        return self.backing.handle_kind
+        return self.backing.sharing
 
     def close(self) -> None:
         """Release the backing region (idempotent)."""
@@ -117,7 +112,7 @@ def build_live_pool(
         name=name,
         plan=plan,
         fingerprint=plan.fingerprint(),
-        plan_json=plan_json_text(plan),
+        plan_json=plan_to_json(plan),
         backing=backing,
         buffers=buffers,
         ids=ids,

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import msgspec
 
+from kvpool.codec import plan_to_json
 from kvpool.errors import InvalidArgument
 from kvpool.limits import MAX_CONFIG_CHARS
 from kvpool.plan import PoolPlan
 from kvpool.spec import decode_spec
-from kvpoold.server.live_pools import plan_json_text
 from kvpoold.server.records import ConfigureArgs
 from kvpoold.sizing import make_options, plan
 
@@ -80,7 +80,7 @@ class Planned:
 def plan_fully(args: ConfigureArgs, available_bytes: int) -> Planned:
     """:func:`plan_from_args`, its fingerprint and its JSON text (blocking: a worker thread)."""
     new_plan = plan_from_args(args, available_bytes)
-    return Planned(new_plan, new_plan.fingerprint(), plan_json_text(new_plan))
+    return Planned(new_plan, new_plan.fingerprint(), plan_to_json(new_plan))
 
 
 async def plan_off_loop(args: ConfigureArgs, available_bytes: int,

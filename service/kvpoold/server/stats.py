@@ -49,7 +49,7 @@ def take_stats(daemon: Daemon, caller: Caller, pool: str = "") -> Stats:
             spaces=entry.ids.counters(),
             attached=daemon.attachments.count_pool(entry.name),
             age_seconds=now - entry.created_at,
-            handle_kind=entry.handle_kind,
+            sharing=entry.sharing,
         ))
     leases = []
     lease_now = daemon.leases.now()  # lease deadlines are on the lease clock

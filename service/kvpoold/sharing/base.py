@@ -14,18 +14,25 @@ from typing import Protocol
 import torch
 
 # The handle is the client's type (torch-free, shared by both sides); re-exported here.
-from kvpool.handles import HandleKind, SharedHandle
+from kvpool.handles import SharedHandle, Sharing
 
-__all__ = ["Backing", "BackingFactory", "HandleKind", "PlainBacking", "PlainBackingFactory",
-           "SharedHandle"]
+__all__ = [
+    "Backing",
+    "BackingFactory",
+    "PlainBacking",
+    "PlainBackingFactory",
+    "SharedHandle",
+    "Sharing",
+]
 
 
 class Backing(Protocol):
     """One pool's region, owned by the daemon."""
 
     @property
-    def handle_kind(self) -> HandleKind:
-        """The kind of handle :meth:`handle` returns, known without exporting anything."""
+    def sharing(self) -> Sharing:
+        """How the region is shared (the ``sharing`` of :meth:`handle`), known without exporting
+        anything."""
         ...
 
     @property
@@ -72,7 +79,7 @@ class PlainBacking:
     _tensor: torch.Tensor
 
     @property
-    def handle_kind(self) -> HandleKind:
+    def sharing(self) -> Sharing:
         return "none"
 
     @property
@@ -80,7 +87,7 @@ class PlainBacking:
         return self._tensor
 
     def handle(self) -> SharedHandle:
-        return SharedHandle(kind="none", size=self._tensor.numel())
+        return SharedHandle(sharing="none", size=self._tensor.numel())
 
     def close(self) -> None:
         self._tensor = torch.empty(0, dtype=torch.uint8)

@@ -28,7 +28,7 @@ import torch
 
 from kvpool.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvpool.mapping_cuda import normalize_uuid
-from kvpoold.sharing.base import HandleKind, SharedHandle
+from kvpoold.sharing.base import SharedHandle, Sharing
 from kvpoold.sharing.cleanup import check_pool_name
 
 ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
@@ -114,7 +114,7 @@ class CudaIpcBacking:
         self._on_close = on_close
 
     @property
-    def handle_kind(self) -> HandleKind:
+    def sharing(self) -> Sharing:
         return "cuda_ipc"
 
     @property

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from kvpool.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
-from kvpoold.sharing.base import HandleKind, SharedHandle
+from kvpoold.sharing.base import SharedHandle, Sharing
 from kvpoold.sharing.cleanup import (
     FILE_MODE,
     InstanceLock,
@@ -67,7 +67,7 @@ class ShmBacking:
         self._on_close = on_close
 
     @property
-    def handle_kind(self) -> HandleKind:
+    def sharing(self) -> Sharing:
         return "shm"
 
     @property
@@ -86,14 +86,14 @@ class ShmBacking:
         return self._tensor is None
 
     def handle(self) -> SharedHandle:
-        """``SharedHandle(kind="shm", path, size)`` for a client to map the file.
+        """``SharedHandle(sharing="shm", path, size)`` for a client to map the file.
 
         Raises:
             FailedPrecondition: after :meth:`close`.
         """
         if self._tensor is None:
             raise FailedPrecondition(f"shared-memory region {self.path.name} is closed")
-        return SharedHandle(kind="shm", size=self.nbytes, path=str(self.path))
+        return SharedHandle(sharing="shm", size=self.nbytes, path=str(self.path))
 
     def unbacked_bytes(self) -> int:
         """Bytes of the file not yet backed by pages (0 after close): what it may still take."""
