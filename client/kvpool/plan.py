@@ -29,6 +29,16 @@ class BufferKind(enum.StrEnum):
     map = "map"  # full -> swa slot mapping (aux, outside the budget)
 
 
+class BufferFill(enum.StrEnum):
+    """What a buffer holds before anything is written into it (the pool builder writes it over
+    the zero-filled backing; a client's fresh pool reads the same)."""
+
+    zeros = "zeros"
+    # Rows of [kv | score], two equal halves of the last dim: the score half is -inf, so a row
+    # nobody has written weighs nothing in a softmax over scores (DSV4 compress states).
+    kv_score = "kv_score"
+
+
 class BufferSpec(Base):
     """One named, typed view carved out of the pool's single backing region.
 
@@ -36,7 +46,8 @@ class BufferSpec(Base):
     rows; a state slot: one row), what a transfer engine registers as the item length.
     ``in_budget`` is False for the aux buffers that live outside ``budget_bytes``.
     ``id_space`` names the plan's id space whose id ``u`` addresses unit ``u`` of dim 0 (rows
-    ``u * page_bytes / row_bytes`` onward); "" when no allocatable id does.
+    ``u * page_bytes / row_bytes`` onward); "" when no allocatable id does. ``fill`` is what
+    the buffer holds when the pool is built.
     """
 
     name: str
@@ -48,6 +59,7 @@ class BufferSpec(Base):
     page_bytes: int
     in_budget: bool = True
     id_space: str = ""
+    fill: BufferFill = BufferFill.zeros
 
 
 # The aux full->SWA page map of hybrid SWA and DSV4 pools: int64, indexed by full page id.

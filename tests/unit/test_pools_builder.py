@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvpool.errors import InvalidArgument
-from kvpoold.pools import BUILDERS, build_pool, carve
-from kvpoold.sizing.registry import KNOWN_ARCHITECTURES
+from kvpool.plan import BufferFill
+from kvpoold.pools import FILLS, build_pool, carve
 from tests.factories import MiB, deepseek_v3, deepseek_v32, llama_8b, plan_for
 
 CASES = {
@@ -79,5 +79,9 @@ def test_carve_refuses_a_short_backing():
         carve(plan, torch.zeros(plan.backing_bytes - 1, dtype=torch.uint8))
 
 
-def test_every_architecture_has_a_builder():
-    assert set(KNOWN_ARCHITECTURES) <= set(BUILDERS)
+def test_every_fill_a_plan_may_name_has_a_writer():
+    """The builder knows no architecture: every BufferFill has one writer, and the only
+    buffers a plan does not leave zeroed are the DSV4 compress states (their score half)."""
+    assert set(FILLS) == set(BufferFill)
+    for make, opts in CASES.values():
+        assert all(b.fill == BufferFill.zeros for b in small(make, **opts).buffers)

@@ -30,10 +30,9 @@ from hypothesis import strategies as st
 
 from kvpool.errors import InvalidArgument
 from kvpool.options import make_options
-from kvpool.plan import BufferKind, PoolPlan
+from kvpool.plan import BufferFill, BufferKind, PoolPlan
 from kvpool.spec import DSV4Compression, MLAAttention, ModelSpec, SlidingWindow, decode_spec
-from kvpoold.pools.builder import allocate_zeros
-from kvpoold.pools.dsv4 import build_dsv4
+from kvpoold.pools import build_pool
 from kvpoold.sizing import dsv4
 from kvpoold.sizing.layout import ALIGN_BYTES
 from kvpoold.sizing.planner import make_context, plan
@@ -375,8 +374,8 @@ def test_tiny_plan_numbers() -> None:
 
 def test_build_small_pool_on_cpu() -> None:
     p = tiny_plan()
-    backing = allocate_zeros(p.backing_bytes, torch.device("cpu"))
-    views = build_dsv4(p, backing)
+    pool = build_pool(p, "cpu")
+    backing, views = pool.backing, pool.views
     assert set(views) == {b.name for b in p.buffers}
     expect = {
         "swa_kv.0": ((4, 74_880), torch.uint8),
@@ -396,7 +395,10 @@ def test_build_small_pool_on_cpu() -> None:
     base = backing.data_ptr()
     for b in p.buffers:
         assert views[b.name].data_ptr() == base + b.offset_bytes  # views, not copies
+    filled = {b.name for b in p.buffers if b.fill == BufferFill.kv_score}
+    assert filled == {b.name for b in p.buffers if b.kind == BufferKind.state}
     for name in ("c4_state.1", "c4_index_state.3", "c128_state.2"):
+        assert name in filled
         state = views[name]
         half = state.shape[-1] // 2
         assert torch.all(state[:, :half] == 0)

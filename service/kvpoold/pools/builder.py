@@ -1,8 +1,9 @@
-"""Build a pool from a plan: one backing region, named typed views carved from it.
+"""Build a pool from a plan: one backing region, named typed views carved from it, each buffer
+filled as the plan's buffer list says.
 
-Only this package (and ``sharing/``) touches torch memory. A builder per architecture is
-registered in :data:`BUILDERS`; most carve the plan's buffers and leave them zeroed, the ones with
-special initial contents (DSV4 compress-state score rows) add their own step.
+Only this package (and ``sharing/``) touches torch memory. Nothing here knows an architecture:
+the plan's ``buffers`` say where each view lies and what it holds before anyone writes it
+(``BufferSpec.fill``), and :data:`FILLS` writes each fill over the zero-filled backing.
 """
 
 from __future__ import annotations
@@ -14,11 +15,10 @@ import torch
 
 from kvpool.dtypes import torch_dtype
 from kvpool.errors import InvalidArgument
-from kvpool.plan import BufferSpec, PoolPlan
+from kvpool.plan import BufferFill, BufferSpec, PoolPlan
 
 # (nbytes, device) -> a zero-filled, 1-D uint8 tensor of exactly nbytes on that device.
 AllocateFn = Callable[[int, torch.device], torch.Tensor]
-BuilderFn = Callable[[PoolPlan, torch.Tensor], dict[str, torch.Tensor]]
 
 
 def allocate_zeros(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -27,7 +27,7 @@ def allocate_zeros(nbytes: int, device: torch.device) -> torch.Tensor:
 
 
 def carve(plan: PoolPlan, backing: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Views of every buffer of ``plan`` over ``backing`` (no copies).
+    """Views of every buffer of ``plan`` over ``backing`` (no copies, nothing written).
 
     Raises:
         InvalidArgument: when the backing is smaller than the plan's region or not flat uint8.
@@ -48,21 +48,24 @@ def view_of(backing: torch.Tensor, spec: BufferSpec) -> torch.Tensor:
     return raw.view(torch_dtype(spec.dtype)).view(spec.shape)
 
 
-def _build_dsv4(plan: PoolPlan, backing: torch.Tensor) -> dict[str, torch.Tensor]:
-    from kvpoold.pools.dsv4 import build_dsv4  # its own module; imports this one for carve
+def _kv_score(view: torch.Tensor) -> None:
+    # SGLang clears only the sentinel row of a DSV4 compress state (the last one, which
+    # position -1 reads) and leaves the rest uninitialized; writing every score keeps a
+    # never-written slot harmless too.
+    view[..., view.shape[-1] // 2 :].fill_(float("-inf"))
 
-    return build_dsv4(plan, backing)
 
-
-BUILDERS: dict[str, BuilderFn] = {
-    "mha": carve,
-    "mla": carve,
-    "dsa": carve,
-    "hybrid_swa": carve,
-    "all_swa": carve,
-    "hybrid_linear": carve,
-    "dsv4": _build_dsv4,
+# What each fill writes over a zero-filled view (zeros: nothing).
+FILLS: dict[BufferFill, Callable[[torch.Tensor], None]] = {
+    BufferFill.zeros: lambda view: None,
+    BufferFill.kv_score: _kv_score,
 }
+
+
+def fill(plan: PoolPlan, views: dict[str, torch.Tensor]) -> None:
+    """Write every buffer's initial contents (``BufferSpec.fill``) into its zero-filled view."""
+    for spec in plan.buffers:
+        FILLS[spec.fill](views[spec.name])
 
 
 @dataclass
@@ -84,23 +87,20 @@ def build_pool(
     device: str | torch.device = "cpu",
     allocate: AllocateFn = allocate_zeros,
 ) -> PoolBuffers:
-    """Allocate one region of ``plan.backing_bytes`` on ``device`` and carve the views.
+    """Allocate one region of ``plan.backing_bytes`` on ``device``, carve the plan's views and
+    fill them.
 
     Args:
         plan: from :func:`kvpool.plan`.
         device: ``cpu`` or ``cuda:N``; the same code serves both.
-        allocate: where the region comes from (plain memory, shared memory, CUDA IPC-able).
+        allocate: where the region comes from (plain memory, shared memory, CUDA IPC-able);
+            it must come zero-filled.
 
     Raises:
-        InvalidArgument: for an architecture with no registered builder (lists the known ones).
+        InvalidArgument: a backing that does not hold the plan's region.
     """
-    builder = BUILDERS.get(plan.architecture)
-    if builder is None:
-        raise InvalidArgument(
-            f"no builder for architecture {plan.architecture!r} "
-            f"(known: {', '.join(sorted(BUILDERS))})",
-            field="architecture",
-        )
     dev = torch.device(device)
     backing = allocate(plan.backing_bytes, dev)
-    return PoolBuffers(plan=plan, device=dev, backing=backing, views=builder(plan, backing))
+    views = carve(plan, backing)
+    fill(plan, views)
+    return PoolBuffers(plan=plan, device=dev, backing=backing, views=views)

@@ -52,7 +52,7 @@ from fractions import Fraction
 
 from kvpool.dtypes import DType
 from kvpool.errors import InvalidArgument
-from kvpool.plan import FULL_TO_SWA, BufferKind, BufferSpec
+from kvpool.plan import FULL_TO_SWA, BufferFill, BufferKind, BufferSpec
 from kvpool.spec import DSV4Compression, ModelSpec
 from kvpoold.sizing.common import (
     Sizing,
@@ -405,9 +405,11 @@ def layout(ctx: SizingContext, sizing: Sizing) -> list[BufferSpec]:
                 buffer(f"c4_index_k.{layer}", u8, (full_pages + 1, geo.index_page_bytes),
                        BufferKind.index),
                 buffer(f"c4_state.{layer}", state, (c4_rows, 4 * geo.attn_dim),
-                       BufferKind.state, rows_per_page=geo.ring4, space=C4_STATE),
+                       BufferKind.state, rows_per_page=geo.ring4, space=C4_STATE,
+                       fill=BufferFill.kv_score),
                 buffer(f"c4_index_state.{layer}", state, (c4_rows, 4 * geo.index_dim),
-                       BufferKind.state, rows_per_page=geo.ring4, space=C4_STATE),
+                       BufferKind.state, rows_per_page=geo.ring4, space=C4_STATE,
+                       fill=BufferFill.kv_score),
             ]
         elif layer in c128_ids:
             out += [
@@ -415,7 +417,8 @@ def layout(ctx: SizingContext, sizing: Sizing) -> list[BufferSpec]:
                        BufferKind.compressed),
                 buffer(f"c128_state.{layer}", state,
                        (geo.c128_state_rows(slots), 2 * geo.attn_dim),
-                       BufferKind.state, rows_per_page=geo.ring128, space=C128_STATE),
+                       BufferKind.state, rows_per_page=geo.ring128, space=C128_STATE,
+                       fill=BufferFill.kv_score),
             ]
     for i in range(geo.num_draft_layers):
         out.append(buffer(f"draft_swa_kv.{i}", u8, (swa_pages + 1, geo.swa_page_bytes),

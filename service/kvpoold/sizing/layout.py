@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import msgspec
 
 from kvpool.dtypes import DType
-from kvpool.plan import BufferKind, BufferSpec
+from kvpool.plan import BufferFill, BufferKind, BufferSpec
 
 ALIGN_BYTES = 256
 # The id space that addresses a buffer of each kind unless its module says otherwise: compressed
@@ -38,6 +38,7 @@ def buffer(
     rows_per_page: int = 1,
     in_budget: bool = True,
     space: str | None = None,
+    fill: BufferFill = BufferFill.zeros,
 ) -> BufferSpec:
     """Declare one buffer; ``rows_per_page`` rows of dim 0 make one allocation unit, addressed
     by an id of ``space`` (default: :data:`DEFAULT_SPACE` of ``kind``)."""
@@ -53,6 +54,7 @@ def buffer(
         page_bytes=row_bytes * rows_per_page,
         in_budget=in_budget,
         id_space=DEFAULT_SPACE[kind] if space is None else space,
+        fill=fill,
     )
 
 
