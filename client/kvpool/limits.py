@@ -5,7 +5,11 @@ One place for each; the daemon's listeners and the clients' channels read the sa
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
+
+from kvpool.errors import InvalidArgument, echo
 
 # The largest gRPC message either side sends or accepts (a Free of 16M ids is 64 MiB of int32).
 MAX_MESSAGE_BYTES = 64 << 20
@@ -63,3 +67,26 @@ MAX_REQUEST_BYTES: dict[str, int] = {
 }
 # Characters of user input an error message quotes (the rest is elided, with its length).
 MAX_ECHO_CHARS = 80
+
+# -- names --------------------------------------------------------------------------------------
+
+# A pool's name: it becomes part of shared-memory file names and metric labels, so no "/", no
+# capitals, at most 63 characters. The one rule: the daemon's edge and its backings both call
+# check_pool_name.
+POOL_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
+
+
+def check_pool_name(name: object, field: str = "pool") -> str:
+    """``name`` if it is a pool name (``[a-z0-9][a-z0-9._-]{0,62}``).
+
+    Raises:
+        InvalidArgument: anything else (the message quotes at most MAX_ECHO_CHARS of it).
+    """
+    if (not isinstance(name, str) or len(name) > MAX_ECHO_CHARS
+            or not POOL_NAME.fullmatch(name)):
+        raise InvalidArgument(
+            f"pool name {echo(name, MAX_ECHO_CHARS)} must match [a-z0-9][a-z0-9._-]{{0,62}} "
+            "(lower case, digits, '.', '_', '-'; 1 to 63 characters)",
+            field=field,
+        )
+    return name

@@ -19,9 +19,10 @@ from kvpool.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
+from kvpool.limits import check_pool_name
 from kvpool.mapping import BufferLayout, SharedHandle, map_region, page_rows, page_view
 from kvpoold.pools import build_pool
-from kvpoold.sharing import InstanceLock, ShmBackingFactory, check_pool_name, sweep_orphans
+from kvpoold.sharing import InstanceLock, ShmBackingFactory, sweep_orphans
 from kvpoold.sharing.shm import free_bytes
 from tests.factories import MiB, llama_8b, plan_for
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from collections.abc import Callable, Sequence
 
@@ -35,7 +34,7 @@ from kvpool.errors import (
     ResourceExhausted,
     echo,
 )
-from kvpool.limits import MAX_ECHO_CHARS
+from kvpool.limits import check_pool_name
 from kvpool.plan import PoolPlan
 from kvpool.records import AttachInfo, ConfigureResult, HeldMap, Released, Stats
 from kvpoold import __version__
@@ -54,7 +53,6 @@ from kvpoold.transfer.grants import ReceiveGrant
 
 log = logging.getLogger("kvpoold.daemon")
 
-POOL_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 # An Allocate short of free ids, while other leases' page caches report enough cached ones,
 # asks them to give back and waits this long at most (less under a shorter gRPC deadline).
 GIVE_BACK_WAIT_S = 1.0
@@ -63,21 +61,6 @@ GIVE_BACK_WAIT_S = 1.0
 PRESSURE_FRACTION = 16
 # Configure plans in worker threads, this many at once.
 PLANNING_SLOTS = 2
-
-
-def check_pool_name(name: str, field: str = "pool") -> str:
-    """A pool name: ``[a-z0-9][a-z0-9._-]{0,62}``.
-
-    Raises:
-        InvalidArgument: anything else.
-    """
-    if len(name) > MAX_ECHO_CHARS or not POOL_NAME.fullmatch(name):
-        raise InvalidArgument(
-            f"pool name {echo(name, MAX_ECHO_CHARS)} must match [a-z0-9][a-z0-9._-]{{0,62}} "
-            "(lower case, digits, '.', '_', '-'; 1 to 63 characters)",
-            field=field,
-        )
-    return name
 
 
 class Daemon:

@@ -7,7 +7,7 @@ from kvpoold.sharing.base import (
     PlainBackingFactory,
     SharedHandle,
 )
-from kvpoold.sharing.cleanup import InstanceLock, check_pool_name, sweep_orphans
+from kvpoold.sharing.cleanup import InstanceLock, sweep_orphans
 from kvpoold.sharing.cuda_ipc import (
     CudaIpcBacking,
     CudaIpcBackingFactory,
@@ -27,6 +27,5 @@ __all__ = [
     "ShmBacking",
     "ShmBackingFactory",
     "check_allocator_conf",
-    "check_pool_name",
     "sweep_orphans",
 ]

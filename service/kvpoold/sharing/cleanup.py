@@ -29,28 +29,12 @@ log = logging.getLogger(__name__)
 
 PREFIX = "kvpool-"
 LOCK_SUFFIX = ".lock"
-POOL_NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 # No "-": the instance part of a region name ends at the first "-" after the prefix.
 INSTANCE_RE = re.compile(r"[a-z0-9]{1,32}")
 FILE_MODE = 0o600
 
 _LOCK_ATTEMPTS = 50
 _LOCK_RETRY_S = 0.01
-
-
-def check_pool_name(name: str) -> str:
-    """Return ``name`` if it is a valid pool name: ``[a-z0-9][a-z0-9._-]{0,62}``.
-
-    Raises:
-        InvalidArgument: otherwise (the name goes into a file name, so no ``/``, no caps).
-    """
-    if not isinstance(name, str) or POOL_NAME_RE.fullmatch(name) is None:
-        raise InvalidArgument(
-            f"pool name {name!r} is not valid: use 1-63 characters of a-z, 0-9, '.', '_', '-', "
-            "starting with a letter or digit",
-            field="pool",
-        )
-    return name
 
 
 def check_instance(instance: str) -> str:

@@ -27,9 +27,9 @@ from collections.abc import Callable, Mapping
 import torch
 
 from kvpool.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvpool.limits import check_pool_name
 from kvpool.mapping_cuda import normalize_uuid
 from kvpoold.sharing.base import SharedHandle, Sharing
-from kvpoold.sharing.cleanup import check_pool_name
 
 ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 _EXPANDABLE_ON = re.compile(r"(?:^|,)\s*expandable_segments\s*:\s*true\s*(?:,|$)", re.IGNORECASE)

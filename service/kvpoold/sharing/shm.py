@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 
 from kvpool.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
+from kvpool.limits import check_pool_name
 from kvpoold.sharing.base import SharedHandle, Sharing
 from kvpoold.sharing.cleanup import (
     FILE_MODE,
     InstanceLock,
     check_instance,
-    check_pool_name,
     region_prefix,
     sweep_orphans,
 )
