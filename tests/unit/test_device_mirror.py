@@ -29,7 +29,7 @@ def test_every_mapping_write_reaches_the_device_buffer() -> None:
     # Building the pairing zeroes entries 1..32 and mirrors them; index 0 is left alone.
     assert host[1:].tolist() == [0] * 32 and device_buf[1:].tolist() == [0] * 32
     assert device_buf[0].item() == -7
-    kv, swa = ids.space("kv", "f", allocating=True), ids.space("swa", "f", allocating=False)
+    kv, swa = ids.space("kv", "f"), ids.space("swa", "f")
     grant = ids.allocate(1, [(kv, 5)])[0]
     idx = grant.ids.astype(np.int64)
     assert grant.paired is not None and grant.paired_space == "swa"

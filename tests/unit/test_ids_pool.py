@@ -69,7 +69,7 @@ def alloc(pool: PoolIds, owner: int, items: Sequence[tuple[str, int]]) -> list[G
     """Resolve names as the edge does, then allocate."""
     return pool.allocate(
         owner,
-        [(pool.space(name, f"items[{i}].kind", allocating=True), n)
+        [(pool.space(name, f"items[{i}].space"), n)
          for i, (name, n) in enumerate(items)],
     )
 
@@ -77,7 +77,7 @@ def alloc(pool: PoolIds, owner: int, items: Sequence[tuple[str, int]]) -> list[G
 def free(pool: PoolIds, owner: int, items: Sequence[tuple[str, Sequence[int]]]) -> dict[str, int]:
     return pool.free(
         owner,
-        [(pool.space(name, f"items[{i}].kind", allocating=False), ids(*values))
+        [(pool.space(name, f"items[{i}].space"), ids(*values))
          for i, (name, values) in enumerate(items)],
     )
 
@@ -184,10 +184,10 @@ def test_free_frees_every_space_and_releases() -> None:
     freed = pool.free(
         3,
         [
-            (pool.space("swa", "items[0].kind", allocating=False), kv[:2]),
-            (pool.space("kv", "items[1].kind", allocating=False), kv[2:3]),
-            (pool.space("req", "items[2].kind", allocating=False), req),
-            (pool.space("state", "items[3].kind", allocating=False), state),
+            (pool.space("swa", "items[0].space"), kv[:2]),
+            (pool.space("kv", "items[1].space"), kv[2:3]),
+            (pool.space("req", "items[2].space"), req),
+            (pool.space("state", "items[3].space"), state),
         ],
     )
     assert freed == {"swa": 2, "kv": 1, "req": 2, "state": 1}
@@ -231,9 +231,9 @@ def test_free_of_wire_bytes_needs_no_copy() -> None:
         return np.frombuffer(arr.astype("<i4").tobytes(), dtype=np.int32)
 
     space = pool.space
-    assert pool.free(1, [(space("swa", "k", allocating=False), wire(kv[:1]))]) == {"swa": 1}
-    assert pool.free(1, [(space("kv", "k", allocating=False), wire(kv)),
-                         (space("req", "k", allocating=False), wire(req))]) == {"kv": 3, "req": 1}
+    assert pool.free(1, [(space("swa", "k"), wire(kv[:1]))]) == {"swa": 1}
+    assert pool.free(1, [(space("kv", "k"), wire(kv)),
+                         (space("req", "k"), wire(req))]) == {"kv": 3, "req": 1}
     assert pool.held_by_owner() == {}
     pool.audit()
 
@@ -284,10 +284,10 @@ def test_audit_finds_a_corrupted_space() -> None:
     pool, mapping = make_pool()
     alloc(pool, 1, [("kv", 2), ("req", 1)])
     pool.audit()
-    pool.space("req", "k", allocating=False)._owner[2] = 1
+    pool.space("req", "k")._owner[2] = 1
     with pytest.raises(Internal, match="IdSpace m/req ledger broken"):
         pool.audit()
-    pool.space("req", "k", allocating=False)._owner[2] = 0
+    pool.space("req", "k")._owner[2] = 0
     mapping[1] = 5
     with pytest.raises(Internal, match="Pairing m/kv->swa broken: shared != private"):
         pool.audit()
@@ -367,17 +367,17 @@ def test_bad_construction(
 def test_unknown_space_names_the_spaces_the_pool_has() -> None:
     pool, _ = make_pool(swa=0, state=0)
     with pytest.raises(InvalidArgument) as err:
-        pool.space("state", "items[0].kind", allocating=True)
+        pool.space("state", "items[0].space")
     assert err.value.message == (
-        "items[0].kind=state: pool m has no state space (it has: kv, req); Configure it with one"
+        "items[0].space=state: pool m has no state space (it has: kv, req); Configure it with one"
     )
-    assert err.value.field == "items[0].kind"
-    with pytest.raises(InvalidArgument, match=r"^items\[2\]\.kind=swa: pool m has no swa space"):
-        pool.space("swa", "items[2].kind", allocating=False)
-    with pytest.raises(InvalidArgument, match=r"items\[1\]\.kind='k v': pool m has no 'k v' space"):
-        pool.space("k v", "items[1].kind", allocating=False)
-    with pytest.raises(InvalidArgument, match=r"items\[1\]\.kind=3: pool m has no 3 space"):
-        pool.space(3, "items[1].kind", allocating=False)  # type: ignore[arg-type]
+    assert err.value.field == "items[0].space"
+    with pytest.raises(InvalidArgument, match=r"^items\[2\]\.space=swa: pool m has no swa space"):
+        pool.space("swa", "items[2].space")
+    with pytest.raises(InvalidArgument, match=r"items\[1\]\.space='k v': pool m has no 'k v' space"):
+        pool.space("k v", "items[1].space")
+    with pytest.raises(InvalidArgument, match=r"items\[1\]\.space=3: pool m has no 3 space"):
+        pool.space(3, "items[1].space")  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument, match="pool m has no swa space"):
         pool.paired_of("swa", ids(1))
     with pytest.raises(InvalidArgument, match="space kv is not paired with another"):
@@ -387,18 +387,19 @@ def test_unknown_space_names_the_spaces_the_pool_has() -> None:
 
 
 def test_a_following_space_cannot_be_allocated() -> None:
+    """Resolving swa is fine (Free takes it); allocate is the one place that refuses it."""
     pool, mapping = make_pool()
+    swa = pool.space("swa", "items[0].space")
+    kv = pool.space("kv", "items[0].space")
+    before = state_of(pool, mapping)
     with pytest.raises(InvalidArgument) as err:
-        pool.space("swa", "items[0].kind", allocating=True)
+        pool.allocate(1, [(swa, 1)])
     assert err.value.message == (
-        "items[0].kind=swa cannot be allocated on its own: allocate kv, which brings a swa page "
+        "items[0].space=swa cannot be allocated on its own: allocate kv, which brings a swa page "
         "per kv page"
     )
-    assert err.value.field == "items[0].kind"
-    swa = pool.space("swa", "items[0].kind", allocating=False)
-    kv = pool.space("kv", "items[0].kind", allocating=True)
-    before = state_of(pool, mapping)
-    with pytest.raises(InvalidArgument, match=r"^items\[1\]\.kind=swa cannot be allocated"):
+    assert err.value.field == "items[0].space"
+    with pytest.raises(InvalidArgument, match=r"^items\[1\]\.space=swa cannot be allocated"):
         pool.allocate(1, [(kv, 1), (swa, 1)])
     assert state_of(pool, mapping) == before
 
@@ -406,14 +407,14 @@ def test_a_following_space_cannot_be_allocated() -> None:
 def test_a_space_of_another_pool_is_refused() -> None:
     pool, _ = make_pool()
     other, _ = make_pool()
-    kv = other.space("kv", "k", allocating=True)
+    kv = other.space("kv", "k")
     with pytest.raises(Internal, match=r"allocate m: items\[0\] is a space of another pool"):
         pool.allocate(1, [(kv, 1)])
     other.allocate(1, [(kv, 1)])
     with pytest.raises(Internal, match=r"free m: items\[0\] is a space of another pool"):
         pool.free(1, [(kv, ids(1))])
     with pytest.raises(Internal, match=r"free m: items\[1\] is a space of another pool"):
-        pool.free(1, [(pool.space("req", "k", allocating=False), ids()), (kv, ids(1))])
+        pool.free(1, [(pool.space("req", "k"), ids()), (kv, ids(1))])
     assert isinstance(kv, IdSpace) and kv.held(1) == 1
 
 

@@ -295,7 +295,7 @@ class PoolIdsMachine(RuleBasedStateMachine):
         before = self.snapshot()
         try:
             resolved = [
-                (self.pool.space(name, f"items[{i}].kind", allocating=True), count)
+                (self.pool.space(name, f"items[{i}].space"), count)
                 for i, (name, count) in enumerate(items)
             ]
             grants = self.pool.allocate(owner, resolved)
@@ -335,7 +335,7 @@ class PoolIdsMachine(RuleBasedStateMachine):
         expected = self.model_free_fault(owner, items)
         before = self.snapshot()
         resolved = [
-            (self.pool.space(name, f"items[{i}].kind", allocating=False), as_ids(values))
+            (self.pool.space(name, f"items[{i}].space"), as_ids(values))
             for i, (name, values) in enumerate(items)
         ]
         if expected is not None:
@@ -391,7 +391,7 @@ class PoolIdsMachine(RuleBasedStateMachine):
     @invariant()
     def agrees_with_model(self) -> None:
         for name in self.CAPS:
-            check_space(self.pool.space(name, "space", allocating=False), self.held[name])
+            check_space(self.pool.space(name, "space"), self.held[name])
         cap = self.CAPS["kv"]
         want = [self.links.get(f, 0) for f in range(1, cap + 1)]
         assert self.mapping[1 : cap + 1].tolist() == want

@@ -142,22 +142,21 @@ class PoolIds:
         Raises:
             InvalidArgument: the pool has no such space.
         """
-        return self.space(name, "space", allocating=False).spec
+        return self.space(name, "space").spec
 
-    def space(self, name: str, field: str, *, allocating: bool) -> IdSpace:
-        """Resolve a space name from a request, once, at the edge.
+    def space(self, name: str, field: str) -> IdSpace:
+        """Resolve a space name from a request, once, at the edge (whether it may be allocated
+        on its own is :meth:`allocate`'s one check).
 
         Args:
             name: the name as sent (``"kv"``).
-            field: its input field, for messages (``"items[1].kind"``).
-            allocating: True for an allocate item (a following space is refused).
+            field: its input field, for messages (``"items[1].space"``).
 
         Returns:
             The space, to pass to :meth:`allocate` / :meth:`free`.
 
         Raises:
-            InvalidArgument: the pool has no such space, or ``allocating`` names a following
-                space.
+            InvalidArgument: the pool has no such space.
         """
         space = self._spaces.get(name) if type(name) is str else None
         if space is None:
@@ -168,17 +167,7 @@ class PoolIds:
                 f"{self._listed}); Configure it with one",
                 field=field,
             )
-        if allocating and space in self._pair_of_follower:
-            raise InvalidArgument(self._follower_message(space, field), field=field)
         return space
-
-    def _follower_message(self, space: IdSpace, field: str) -> str:
-        leader = self._pair_of_follower[space].leader
-        return (
-            f"{field}={space.name} cannot be allocated on its own: allocate {leader.name}, which "
-            f"brings a {space.name} {singular(space.unit)} per {leader.name} "
-            f"{singular(leader.unit)}"
-        )
 
     # -- allocate ---------------------------------------------------------------------------
 
@@ -191,7 +180,7 @@ class PoolIds:
 
         Args:
             owner: the lease, ``1..OWNER_MAX``.
-            items: spaces from :meth:`space` (``allocating=True``) and counts ``>= 0``; a space
+            items: spaces from :meth:`space` and counts ``>= 0``; a space
                 may appear more than once.
 
         Returns:
@@ -220,9 +209,14 @@ class PoolIds:
     def _check_allocatable(self, space: IdSpace, i: int) -> None:
         if self._spaces.get(space.name) is not space:
             raise Internal(f"allocate {self.pool}: items[{i}] is a space of another pool")
-        if space in self._pair_of_follower:
-            field = f"items[{i}].kind"
-            raise InvalidArgument(self._follower_message(space, field), field=field)
+        pair = self._pair_of_follower.get(space)
+        if pair is not None:  # the one "a following space cannot be allocated" check
+            field = f"items[{i}].space"
+            leader = pair.leader
+            raise InvalidArgument(
+                f"{field}={space.name} cannot be allocated on its own: allocate {leader.name}, "
+                f"which brings a {space.name} {singular(space.unit)} per {leader.name} "
+                f"{singular(leader.unit)}", field=field)
 
     def room(self, space: IdSpace) -> int:
         """Ids of ``space`` an Allocate could take now (a leader: with its follower's)."""
@@ -428,7 +422,7 @@ class PoolIds:
         Raises:
             InvalidArgument: no such space, a space without a pairing, or an id out of range.
         """
-        space = self.space(space_name, "space", allocating=False)
+        space = self.space(space_name, "space")
         pair = self._pair_of_leader.get(space) or self._pair_of_follower.get(space)
         if pair is None:
             raise InvalidArgument(

@@ -270,7 +270,7 @@ class Daemon:
             entry = self.pools.get(pool)
             if entry is None or name not in entry.ids.names:
                 continue
-            held = entry.ids.space(name, "caches", allocating=False).held(lease.owner)
+            held = entry.ids.space(name, "caches").held(lease.owner)
             out[(pool, name)] = (min(cached, held), min(in_use, held))
         return out
 
@@ -337,7 +337,7 @@ class Daemon:
             raise InvalidArgument("allocate needs at least one (space, count) item",
                                   field="items")
         ids = entry.ids
-        spaces = [ids.space(name, f"items[{i}].space", allocating=True)
+        spaces = [ids.space(name, f"items[{i}].space")
                   for i, (name, _) in enumerate(items)]
         grants = ids.allocate(lease.owner, [(s, n) for s, (_, n) in zip(spaces, items,
                                                                         strict=True)])
@@ -371,7 +371,7 @@ class Daemon:
         free_before = {}
         spaces = {}
         for name in list(shortfall):
-            space = spaces[name] = entry.ids.space(name, "items", allocating=True)
+            space = spaces[name] = entry.ids.space(name, "items")
             free_before[name] = space.num_free
             short = shortfall[name] - entry.ids.room(space)
             if short <= 0:
@@ -400,7 +400,7 @@ class Daemon:
             except ResourceExhausted as err:
                 first = err.with_traceback(None)  # no cycle: err -> traceback -> frame -> err
         entry = self.pool(pool, caller)
-        came = sum(max(0, entry.ids.space(name, "items", allocating=True).num_free - before)
+        came = sum(max(0, entry.ids.space(name, "items").num_free - before)
                    for name, before in free_before.items())
         raise ResourceExhausted(
             f"{first.message}; asked other leases' page caches to give back {asked} cached "
@@ -473,7 +473,7 @@ class Daemon:
         if not items:
             raise InvalidArgument("free needs at least one (space, ids) item", field="items")
         ids = entry.ids
-        typed = [(ids.space(name, f"items[{i}].space", allocating=False), arr)
+        typed = [(ids.space(name, f"items[{i}].space"), arr)
                  for i, (name, arr) in enumerate(items)]
         # The ledger refuses pinned ids itself (a transfer in flight moves them).
         freed = sum(ids.free(lease.owner, typed).values())

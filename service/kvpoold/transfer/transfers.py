@@ -297,8 +297,8 @@ class Transfers:
         unpins them, once (it frees pages quarantined meanwhile, and closes a pool dropped
         meanwhile once nothing pins it)."""
         name = entry.name
-        kv = entry.ids.space(KV_SPACE, "pages", allocating=False)
-        swa_space = (entry.ids.space(SWA_SPACE, "pages", allocating=False)
+        kv = entry.ids.space(KV_SPACE, "pages")
+        swa_space = (entry.ids.space(SWA_SPACE, "pages")
                      if swa is not None and swa.shape[0] else None)
         kv_idx = pages.astype(np.intp)
         swa_idx = None if swa_space is None or swa is None else swa.astype(np.intp)
@@ -348,7 +348,7 @@ class Transfers:
         Raises:
             FailedPrecondition: a page it does not hold. InvalidArgument: one out of range.
         """
-        space = entry.ids.space(KV_SPACE, field, allocating=False)
+        space = entry.ids.space(KV_SPACE, field)
         bad = space.owner_of(pages) != owner
         if bad.any():
             pos = int(bad.argmax())
