@@ -9,10 +9,11 @@ they take owners in ``1..2**31-1``). Renewing moves the
 deadline to ``now + ttl``; :meth:`LeaseTable.pop_expired` hands back the leases whose deadline
 has passed so the daemon can reclaim what they hold.
 
-Deadlines are kept in a heap of ``(deadline, lease_id, generation)``: a sweep pops only what
-has expired (O(expired log n)), not every lease. Renewing pushes a new entry and closing leaves
-the old one behind; such stale entries (their generation is no longer the lease's) are skipped
-when they surface, and the heap is rebuilt from the open leases when they outnumber them 2:1.
+Deadlines are kept in a :class:`~kvpoold.deadlines.DeadlineHeap` of ``(lease_id,
+generation)``: a sweep pops only what has expired (O(expired log n)), not every lease.
+Renewing pushes a new entry and closing leaves the old one behind; such stale entries (their
+generation is no longer the lease's) are skipped when they surface, and the heap drops them
+all when they outnumber the open leases 2:1.
 
 Not thread-safe: the daemon calls it from its event loop only.
 """
@@ -20,7 +21,6 @@ Not thread-safe: the daemon calls it from its event loop only.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import hmac
 import secrets
 from collections.abc import Callable, Iterator
@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from kvpool.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvpool.limits import MAX_NAME_CHARS
+from kvpoold.deadlines import DeadlineHeap
 from kvpoold.ids.faults import OWNER_MAX
 
 MIN_TTL_S = 0.1
@@ -37,7 +38,7 @@ MAX_LEASES = 65_536
 MAX_LEASES_PER_IDENTITY = 1024
 SECRET_BYTES = 16
 _NO_SECRET = bytes(SECRET_BYTES)  # compared against when the id is unknown (same work)
-# Rebuild the deadline heap when stale entries exceed this many per open lease.
+# Compact the deadline heap when stale entries exceed this many per open lease.
 STALE_PER_LEASE = 2
 
 
@@ -149,7 +150,9 @@ class LeaseTable:
         self._leases: dict[int, Lease] = {}
         self._by_owner: dict[int, Lease] = {}  # the owners in use, and their leases
         self._next_owner = 1
-        self._heap: list[tuple[float, int, int]] = []  # (deadline, lease_id, generation)
+        # (lease_id, generation) due at the lease's deadline; an entry is stale once its lease
+        # was renewed (a newer generation) or closed.
+        self._deadlines = DeadlineHeap[tuple[int, int]]()
         self._stale = 0  # heap entries whose lease was renewed or closed since
         self._generation = 0
         # (pool, space) -> {lease_id: lease} of the leases whose caches last reported cached
@@ -329,9 +332,7 @@ class LeaseTable:
         """
         now = self._clock() if now is None else now
         gone = []
-        heap = self._heap
-        while heap and heap[0][0] <= now:
-            _deadline, lease_id, generation = heapq.heappop(heap)
+        for lease_id, generation in self._deadlines.pop_due(now):
             self.examined += 1
             lease = self._leases.get(lease_id)
             if lease is None or lease.generation != generation:
@@ -351,38 +352,39 @@ class LeaseTable:
         Returns:
             A time on the table's clock; stale entries on top of the heap are dropped.
         """
-        heap = self._heap
-        while heap:
-            deadline, lease_id, generation = heap[0]
-            lease = self._leases.get(lease_id)
-            if lease is not None and lease.generation == generation:
+        while (first := self._deadlines.first()) is not None:
+            deadline, (lease_id, generation) = first
+            if self._live(lease_id, generation):
                 return deadline
-            heapq.heappop(heap)
+            self._deadlines.pop_first()
             self._stale -= 1
         return None
 
     @property
     def heap_size(self) -> int:
         """Entries in the deadline heap: one per open lease plus the stale ones."""
-        return len(self._heap)
+        return len(self._deadlines)
+
+    def _live(self, lease_id: int, generation: int) -> bool:
+        lease = self._leases.get(lease_id)
+        return lease is not None and lease.generation == generation
 
     def _push(self, lease: Lease) -> None:
         self._generation += 1
         lease.generation = self._generation
-        heapq.heappush(self._heap, (lease.deadline, lease.lease_id, lease.generation))
+        self._deadlines.push(lease.deadline, (lease.lease_id, lease.generation))
 
     def _went_stale(self) -> None:
         self._stale += 1
         self._compact_if_stale()
 
     def _compact_if_stale(self) -> None:
-        """Rebuild the heap from the open leases once stale entries outnumber them 2:1.
+        """Drop the stale heap entries once they outnumber the open leases 2:1.
 
-        Amortized O(1): a rebuild costs O(open leases) and drops more stale entries than that.
+        Amortized O(1): a compaction costs O(entries), under 3x the stale entries it drops.
         """
         if self._stale > STALE_PER_LEASE * len(self._leases):
-            self._heap = [(x.deadline, x.lease_id, x.generation) for x in self._leases.values()]
-            heapq.heapify(self._heap)
+            self._deadlines.keep(lambda entry: self._live(*entry))
             self._stale = 0
 
     def _take_owner(self) -> int:
