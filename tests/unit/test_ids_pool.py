@@ -374,7 +374,8 @@ def test_unknown_space_names_the_spaces_the_pool_has() -> None:
     assert err.value.field == "items[0].space"
     with pytest.raises(InvalidArgument, match=r"^items\[2\]\.space=swa: pool m has no swa space"):
         pool.space("swa", "items[2].space")
-    with pytest.raises(InvalidArgument, match=r"items\[1\]\.space='k v': pool m has no 'k v' space"):
+    with pytest.raises(InvalidArgument,
+                       match=r"items\[1\]\.space='k v': pool m has no 'k v' space"):
         pool.space("k v", "items[1].space")
     with pytest.raises(InvalidArgument, match=r"items\[1\]\.space=3: pool m has no 3 space"):
         pool.space(3, "items[1].space")  # type: ignore[arg-type]
