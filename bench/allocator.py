@@ -36,12 +36,12 @@ from grpc_health.v1 import health_pb2
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rpc import serving_daemon
 
-from kvpool.client import KVPoolClient
-from kvpool.sizes import format_size, parse_size
+from kvpool.clients.client import KVPoolClient
+from kvpool.contract.sizes import format_size, parse_size
 from kvpool.v1 import kvpool_pb2 as pb
+from kvpoold.server.args import ConfigureArgs, LeaseRef
 from kvpoold.server.auth import LOCAL_ADMIN
 from kvpoold.server.daemon import Daemon
-from kvpoold.server.records import ConfigureArgs, LeaseRef
 from kvpoold.server.servicer import KVPoolServicer
 from kvpoold.sharing.base import PlainBackingFactory
 

@@ -9,7 +9,7 @@ What it measures, for regions of 64 MiB and 1 GiB (median of ``--reps``, after a
   ``with client.attach(pool) as region`` from the call to having every view: the Attach RPC
   over the Unix socket, the plan's decode, the checks of the file and the map; then Detach.
 * **kvpool shm map**: the mapping alone: the parent sends the plain handle (path, size, one
-  buffer layout) over a pipe and the child maps it with ``kvpool.mapping.map_region``. Time
+  buffer layout) over a pipe and the child maps it with ``kvpool.mapping.regions.map_region``. Time
   from send to the child holding the views.
 * **torch.mp fresh**: the same bytes in an ordinary tensor, ``put`` on a
   ``torch.multiprocessing`` spawn-context Queue with the default ``file_descriptor`` strategy;
@@ -48,9 +48,9 @@ from typing import Any
 import torch
 import torch.multiprocessing as tmp
 
-from kvpool.client import KVPoolClient
-from kvpool.handles import SharedHandle
-from kvpool.mapping import BufferLayout, map_region
+from kvpool.clients.client import KVPoolClient
+from kvpool.contract.shared_handle import SharedHandle
+from kvpool.mapping.regions import BufferLayout, map_region
 from kvpoold.sharing import ShmBackingFactory
 
 MiB = 1 << 20
@@ -168,7 +168,7 @@ def start_daemon(budget: int) -> Daemon:
     sock = Path(tempfile.mkdtemp(prefix="kvpb-", dir="/tmp")) / "k.sock"
     env = dict(os.environ, PYTHONPATH=f"{REPO / 'client'}:{REPO / 'service'}")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvpoold.cli", "serve", "--listen", f"unix://{sock}",
+        [sys.executable, "-m", "kvpoold.main", "serve", "--listen", f"unix://{sock}",
          "--budget", str(budget), "--shm-dir", str(work), "--log-level", "warning"],
         env=env, cwd=REPO,
     )

@@ -92,8 +92,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rpc import serving_daemon
 
-from kvpool.client import KVPoolClient, Lease
-from kvpool.page_cache import PageCache
+from kvpool.cache.page_cache import PageCache
+from kvpool.clients.client import KVPoolClient, Lease
 
 PAGE = 16
 PROMPT = (1, 8192)  # prefill tokens, uniform

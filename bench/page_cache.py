@@ -31,8 +31,8 @@ import time
 import numpy as np
 from rpc import SPEC, percentiles, serving_daemon
 
-from kvpool.aio import AsyncKVPoolClient
-from kvpool.client import KVPoolClient
+from kvpool.clients.aio import AsyncKVPoolClient
+from kvpool.clients.client import KVPoolClient
 
 POOL = "pcbench"
 clock = time.perf_counter_ns

@@ -2,7 +2,7 @@
 
 What it measures, in one process on CPU:
 
-1. Plan time: the median of ``--runs`` calls of :func:`kvpool.plan` (spec already
+1. Plan time: the median of ``--runs`` calls of :func:`kvpool.contract.plan` (spec already
    loaded, options already built) for one model per sizing module: mha (Llama-3.1-8B, page 16),
    mla (DeepSeek-V3), dsa (DeepSeek-V3.2, page 64), hybrid_swa (gpt-oss-20b, page 16),
    hybrid_linear (Qwen3-Next-80B-A3B), fp4 (Llama-3.1-8B, fp4_e2m1, page 16) and dsv4 (a
@@ -58,7 +58,7 @@ def _hf(name: str) -> Callable[[], Any]:
 
 def _dsv4_spec() -> Any:
     """61 layers: ratios 0, 0, then 4 / 128 alternating (30 c4 layers, 29 c128 layers)."""
-    from kvpool.spec import decode_spec
+    from kvpool.contract.spec import decode_spec
 
     ratios = [0, 0] + [4 if i % 2 == 0 else 128 for i in range(59)]
     return decode_spec({

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 from grpc_health.v1 import health_pb2
 
-from kvpool.client import KVPoolClient, Lease
+from kvpool.clients.client import KVPoolClient, Lease
 
 REPO = Path(__file__).resolve().parents[1]
 # A 2-layer model with 2 KV heads of 16: 256 B per token. page_size 1 and a 4 MiB budget give
@@ -46,7 +46,7 @@ POOL = "bench"
 def start_daemon(sock: Path, budget: str = "64MiB") -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONPATH=f"{REPO / 'client'}:{REPO / 'service'}")
     return subprocess.Popen(
-        [sys.executable, "-m", "kvpoold.cli", "serve", "--listen", f"unix://{sock}",
+        [sys.executable, "-m", "kvpoold.main", "serve", "--listen", f"unix://{sock}",
          "--budget", budget, "--log-level", "warning"],
         env=env, cwd=REPO,
     )

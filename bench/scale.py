@@ -33,14 +33,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from allocator import SPEC, EntryPoint, per_call_us
 
-from kvpool import codec
-from kvpool.sizes import format_size
-from kvpool.spec import decode_spec
+from kvpool.contract import codec
+from kvpool.contract.sizes import format_size
+from kvpool.contract.spec import decode_spec
 from kvpoold.ids import PoolIds
+from kvpoold.server.args import ConfigureArgs, LeaseRef
 from kvpoold.server.auth import LOCAL_ADMIN
 from kvpoold.server.daemon import Daemon
 from kvpoold.server.leases import MAX_LEASES
-from kvpoold.server.records import ConfigureArgs, LeaseRef
 from kvpoold.sharing.base import PlainBackingFactory
 from kvpoold.sizing import make_options, plan
 

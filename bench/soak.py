@@ -45,8 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.client import KVPoolClient
-from kvpool.errors import KVPoolError, NotFound, ResourceExhausted, Unavailable
+from kvpool.clients.client import KVPoolClient
+from kvpool.contract.errors import KVPoolError, NotFound, ResourceExhausted, Unavailable
 
 REPO = Path(__file__).resolve().parents[1]
 POOL = "soak"
@@ -186,7 +186,7 @@ class Daemon:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpoold.cli", "serve", "--listen", self.target,
+            [sys.executable, "-m", "kvpoold.main", "serve", "--listen", self.target,
              "--budget", self.budget, "--shm-dir", str(self.shm_dir), "--log-level", "warning"],
             env=child_env(), cwd=REPO)
         with KVPoolClient(self.target, timeout_s=2.0) as client:

@@ -37,7 +37,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rpc import serving_daemon
 
-from kvpool.client import KVPoolClient
+from kvpool.clients.client import KVPoolClient
 
 SPEC = {"num_layers": 8, "attention": {"type": "mha", "num_kv_heads": 8, "head_dim": 128},
         "context_length": 4096}

@@ -35,7 +35,7 @@ POOL = "llama-ish"
 
 
 def start(sock: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "kvpoold.cli", "serve", "--listen",
+    return subprocess.Popen([sys.executable, "-m", "kvpoold.main", "serve", "--listen",
                              f"unix://{sock}", "--budget", "256MiB", "--log-level", "warning"],
                             env=dict(os.environ), stderr=subprocess.DEVNULL)
 

@@ -182,7 +182,7 @@ def run_daemon(socket_dir: Path, *args: str, budget: str = "64MiB",
     and always stop it (SIGTERM, then SIGKILL)."""
     sock = socket_dir / "kvpool.sock"
     log = socket_dir / "kvpoold.log"
-    cmd = [sys.executable, "-m", "kvpoold.cli", "serve", "--listen", f"unix://{sock}",
+    cmd = [sys.executable, "-m", "kvpoold.main", "serve", "--listen", f"unix://{sock}",
            "--budget", budget, *(a for x in extra_listen for a in ("--listen", x)), *args]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpool.spec import ModelSpec, decode_spec
+from kvpool.contract.spec import ModelSpec, decode_spec
 from kvpoold.sizing import PoolPlan, make_options, plan
 
 GiB = 1 << 30

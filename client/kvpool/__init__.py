@@ -1,6 +1,6 @@
 """kvpool: client library and CLI for the kvpoold KV-cache pool daemon."""
 
-from kvpool.errors import (
+from kvpool.contract.errors import (
     Aborted,
     AlreadyExists,
     Cancelled,
@@ -47,14 +47,14 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    # The clients import grpc and numpy: load them on first use so `import kvpool.errors`
+    # The clients import grpc and numpy: load them on first use so `import kvpool.contract.errors`
     # (used by the daemon's pure modules) stays light.
     if name == "KVPoolClient":
-        from kvpool.client import KVPoolClient
+        from kvpool.clients.client import KVPoolClient
 
         return KVPoolClient
     if name == "AsyncKVPoolClient":
-        from kvpool.aio import AsyncKVPoolClient
+        from kvpool.clients.aio import AsyncKVPoolClient
 
         return AsyncKVPoolClient
     raise AttributeError(f"module 'kvpool' has no attribute {name!r}")

@@ -41,10 +41,10 @@ from typing import Any
 
 import msgspec
 
-from kvpool.errors import InvalidArgument, echo
-from kvpool.limits import MAX_LAYERS
-from kvpool.plan import ArchitectureSource
-from kvpool.spec import ModelDType, ModelSpec, decode_spec, load_spec_file
+from kvpool.contract.errors import InvalidArgument, echo
+from kvpool.contract.limits import MAX_LAYERS
+from kvpool.contract.plan import ArchitectureSource
+from kvpool.contract.spec import ModelDType, ModelSpec, decode_spec, load_spec_file
 
 FIELD = "model_config"
 SLIDING = "sliding_attention"

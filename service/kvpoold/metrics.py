@@ -55,10 +55,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
-from kvpool.errors import FailedPrecondition, Internal
+from kvpool.contract.errors import FailedPrecondition, Internal
 
 if TYPE_CHECKING:
-    from kvpool.records import Stats
+    from kvpool.contract.records import Stats
 
 log = logging.getLogger("kvpoold.metrics")
 

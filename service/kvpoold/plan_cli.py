@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvpool.codec import plan_to_json
-from kvpool.errors import InvalidArgument
-from kvpool.option_flags import add_option_flags, flag_of, option_values
-from kvpool.plan import BufferSpec
-from kvpool.sizes import format_size
+from kvpool.contract.codec import plan_to_json
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.option_flags import add_option_flags, flag_of, option_values
+from kvpool.contract.plan import BufferSpec
+from kvpool.contract.sizes import format_size
 from kvpoold.hf import load_model
 from kvpoold.sizing import PlanOptions, PoolPlan, make_options, plan
 

@@ -24,10 +24,10 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from kvpool.errors import InvalidArgument
-from kvpool.sizes import parse_size
-from kvpool.spec import Base
-from kvpool.targets import default_socket_path
+from kvpool.clients.targets import default_socket_path
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.sizes import parse_size
+from kvpool.contract.spec import Base
 from kvpoold.server.attachments import MAX_ATTACHMENTS_PER_IDENTITY
 from kvpoold.server.auth import (
     SINGLE_TOKEN_IDENTITY,

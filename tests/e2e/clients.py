@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from kvpool.client import KVPoolClient
-from kvpool.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvpool.clients.client import KVPoolClient
+from kvpool.contract.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
 
 def send(obj: object) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.client import KVPoolClient
+from kvpool.clients.client import KVPoolClient
 from tests.conftest import REPO, TINY_OPTIONS, TINY_SPEC, DaemonProcess, run_daemon, temp_dir
 
 POOL = "notorch"
@@ -124,7 +124,7 @@ def test_the_client_venv_has_no_torch_and_its_own_kvpool(client_venv: ClientVenv
     assert no_torch.returncode != 0
     assert "No module named 'torch'" in no_torch.stderr
     where = client_venv.run(client_venv.python, "-c",
-                            "import kvpool, kvpool.cli, kvpool.client, sys; "
+                            "import kvpool, kvpool.tools.cli, kvpool.clients.client, sys; "
                             "print(kvpool.__file__); "
                             "print(sorted(m for m in ('torch', 'prometheus_client', 'kvpoold') "
                             "if m in sys.modules))")

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.client import KVPoolClient
-from kvpool.errors import Unavailable
+from kvpool.clients.client import KVPoolClient
+from kvpool.contract.errors import Unavailable
 from tests.conftest import (
     REPO,
     TINY_OPTIONS,
@@ -49,7 +49,7 @@ def read_json(proc: subprocess.Popen[str], timeout_s: float = 60.0) -> dict:
 
 
 def kvpool_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvpool.cli", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "kvpool.tools.cli", *args], cwd=REPO,
                           env=subprocess_env(), capture_output=True, text=True, timeout=60)
 
 
@@ -154,13 +154,13 @@ def test_cli_configure_stats_leases_drop(shared_daemon: DaemonProcess, tmp_path:
 
 
 @pytest.mark.parametrize(("argv", "code"), [
-    (("-c", "import kvpool.cli"), 0),
-    (("-m", "kvpool.cli", "stats", "--help"), 0),
-    (("-m", "kvpool.cli", "leases", "--help"), 0),
-    (("-m", "kvpool.cli", "top", "--help"), 0),
-    (("-m", "kvpoold.cli", "serve", "--budget", "12XB"), 2),
-    (("-m", "kvpoold.cli", "serve", "--grace-seconds", "-1"), 2),
-    (("-m", "kvpoold.cli", "serve", "--socket-group", "no-such-group-kvp"), 2),
+    (("-c", "import kvpool.tools.cli"), 0),
+    (("-m", "kvpool.tools.cli", "stats", "--help"), 0),
+    (("-m", "kvpool.tools.cli", "leases", "--help"), 0),
+    (("-m", "kvpool.tools.cli", "top", "--help"), 0),
+    (("-m", "kvpoold.main", "serve", "--budget", "12XB"), 2),
+    (("-m", "kvpoold.main", "serve", "--grace-seconds", "-1"), 2),
+    (("-m", "kvpoold.main", "serve", "--socket-group", "no-such-group-kvp"), 2),
 ])
 def test_cli_does_not_import_torch(argv: tuple[str, ...], code: int) -> None:
     """The client CLI never needs torch; ``kvpoold serve`` refuses a bad setting before it
@@ -194,7 +194,7 @@ def test_sigterm_shuts_down_cleanly(socket_dir: Path) -> None:
 
 def test_second_daemon_on_the_same_socket_is_refused(shared_daemon: DaemonProcess) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "kvpoold.cli", "serve", "--listen", shared_daemon.target],
+        [sys.executable, "-m", "kvpoold.main", "serve", "--listen", shared_daemon.target],
         cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 1
@@ -207,7 +207,7 @@ def test_kvpool_target_is_the_default_target(shared_daemon: DaemonProcess) -> No
     """``KVPOOL_TARGET`` names the daemon for the CLI and for clients built without a
     target; ``--target`` still wins."""
     env = {**subprocess_env(), "KVPOOL_TARGET": shared_daemon.target}
-    out = subprocess.run([sys.executable, "-m", "kvpool.cli", "stats", "--json"], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "kvpool.tools.cli", "stats", "--json"], cwd=REPO,
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["daemon"]["device"] == "cpu"
@@ -218,11 +218,11 @@ def test_kvpool_target_is_the_default_target(shared_daemon: DaemonProcess) -> No
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[0].endswith(shared_daemon.target.removeprefix("unix://"))
     env["KVPOOL_TARGET"] = "unix:///nonexistent/kvpool.sock"
-    out = subprocess.run([sys.executable, "-m", "kvpool.cli", "stats", "--json", "--target",
+    out = subprocess.run([sys.executable, "-m", "kvpool.tools.cli", "stats", "--json", "--target",
                           shared_daemon.target], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    out = subprocess.run([sys.executable, "-m", "kvpool.cli", "stats", "--json"], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "kvpool.tools.cli", "stats", "--json"], cwd=REPO,
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "/nonexistent/kvpool.sock" in out.stderr
 
@@ -238,7 +238,7 @@ def test_wait_serving_waits_for_a_daemon_that_is_starting() -> None:
             with pytest.raises(Unavailable, match=r"not serving after 0\.3 s"):
                 client.wait_serving(0.3)
             proc = subprocess.Popen(
-                [sys.executable, "-m", "kvpoold.cli", "serve", "--listen", target,
+                [sys.executable, "-m", "kvpoold.main", "serve", "--listen", target,
                  "--log-level", "warning"], cwd=REPO, env=subprocess_env())
             try:
                 assert not sock.exists()  # asked before the daemon listens

@@ -10,7 +10,7 @@ from tests.conftest import REPO, subprocess_env
 
 
 def kvpool(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvpool.cli", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "kvpool.tools.cli", *args], cwd=REPO,
                           env=subprocess_env(), capture_output=True, text=True,
                           timeout=timeout_s)
 

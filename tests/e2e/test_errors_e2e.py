@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from kvpool import DeadlineExceeded, KVPoolError, Unavailable
-from kvpool.aio import AsyncKVPoolClient
-from kvpool.client import KVPoolClient
+from kvpool.clients.aio import AsyncKVPoolClient
+from kvpool.clients.client import KVPoolClient
 from kvpool.v1 import kvpool_pb2 as pb
 from tests.conftest import (
     REPO,
@@ -69,7 +69,7 @@ async def test_async_client_to_a_daemon_that_never_started(nothing_listening: st
 
 
 def test_cli_says_the_daemon_is_not_running(nothing_listening: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "kvpool.cli", "stats", "--target",
+    done = subprocess.run([sys.executable, "-m", "kvpool.tools.cli", "stats", "--target",
                            nothing_listening], cwd=REPO, env=subprocess_env(),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1, done.stderr

@@ -28,10 +28,10 @@ from kvpool import (
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
-    wire,
 )
-from kvpool.client import KVPoolClient
-from kvpool.limits import MAX_ITEMS_PER_CALL, MAX_LAYERS, MAX_REQUEST_BYTES
+from kvpool.clients.client import KVPoolClient
+from kvpool.contract import wire
+from kvpool.contract.limits import MAX_ITEMS_PER_CALL, MAX_LAYERS, MAX_REQUEST_BYTES
 from kvpool.v1 import kvpool_pb2 as pb
 from tests.conftest import TINY_OPTIONS, TINY_SPEC, DaemonProcess, run_daemon, temp_dir
 from tests.e2e.test_metrics import metrics_url

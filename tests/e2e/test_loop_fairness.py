@@ -18,8 +18,8 @@ import grpc
 import numpy as np
 import pytest
 
-from kvpool.client import KVPoolClient
-from kvpool.limits import MESSAGE_SIZE_OPTIONS
+from kvpool.clients.client import KVPoolClient
+from kvpool.contract.limits import MESSAGE_SIZE_OPTIONS
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
 from tests.conftest import DaemonProcess, run_daemon, temp_dir
@@ -34,7 +34,7 @@ OPTIONS = {"max_total_tokens": 4096 * 16, "page_size": 16, "max_running_requests
 # The probe: its own lease, Allocate(kv, 1) + Free until told to stop, then its figures.
 PROBE = r"""
 import threading, time
-from kvpool.client import KVPoolClient
+from kvpool.clients.client import KVPoolClient
 first = recv()
 stop = threading.Event()
 threading.Thread(target=lambda: (recv(), stop.set()), daemon=True).start()

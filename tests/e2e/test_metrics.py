@@ -23,10 +23,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from kvpool import wire
-from kvpool.client import KVPoolClient
-from kvpool.errors import FailedPrecondition, KVPoolError, ResourceExhausted
-from kvpool.records import Stats
+from kvpool.clients.client import KVPoolClient
+from kvpool.contract import wire
+from kvpool.contract.errors import FailedPrecondition, KVPoolError, ResourceExhausted
+from kvpool.contract.records import Stats
 from kvpool.v1 import kvpool_pb2 as pb
 from tests.conftest import REPO, TINY_OPTIONS, TINY_PAGES, TINY_SPEC, run_daemon, temp_dir
 
@@ -303,7 +303,7 @@ def test_port_in_use_fails_start_and_leaves_nothing_behind(socket_dir: Path) -> 
 def test_bad_metrics_flags_are_refused() -> None:
     """Out-of-range or malformed values: InvalidArgument naming the setting (``kvpoold`` exits
     2 with it); the host defaults to loopback."""
-    from kvpool.errors import InvalidArgument
+    from kvpool.contract.errors import InvalidArgument
     from kvpoold.settings import resolve
 
     settings = resolve({"metrics_port": "9400", "metrics_host": "0.0.0.0"}, None)
@@ -330,9 +330,9 @@ def test_two_daemons_in_one_process_have_their_own_registries() -> None:
     from prometheus_client import generate_latest
 
     from kvpoold.metrics import DaemonMetrics, loop_snapshot
+    from kvpoold.server.args import ConfigureArgs
     from kvpoold.server.auth import LOCAL_ADMIN
     from kvpoold.server.daemon import Daemon
-    from kvpoold.server.records import ConfigureArgs
     from kvpoold.sharing.base import PlainBackingFactory
 
     async def main() -> tuple[str, str]:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpool.client import KVPoolClient
+from kvpool.clients.client import KVPoolClient
 from tests.conftest import TINY_OPTIONS, TINY_SPEC, DaemonProcess, run_daemon, temp_dir
 from tests.procs import Child
 
@@ -19,7 +19,7 @@ TTL_S = 1.0
 # to be killed.
 SYNC_ENGINE = r"""
 import time
-from kvpool.client import KVPoolClient
+from kvpool.clients.client import KVPoolClient
 
 first = recv()
 client = KVPoolClient(first["target"])
@@ -36,7 +36,7 @@ while True:
 
 ASYNC_ENGINE = r"""
 import asyncio
-from kvpool.aio import AsyncKVPoolClient
+from kvpool.clients.aio import AsyncKVPoolClient
 
 async def main():
     first = recv()

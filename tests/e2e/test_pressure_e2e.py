@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.client import KVPoolClient
+from kvpool.clients.client import KVPoolClient
 from tests.conftest import TINY_OPTIONS, TINY_PAGES, TINY_SPEC, run_daemon, temp_dir
 from tests.procs import Child
 
 # Open a cache holding 200 of the pool's ids (20 in use), report them, then on "check" say
 # what the cache has now and check its in-use ids are still its own (a free of each works).
 ENGINE = r"""
-from kvpool.client import KVPoolClient
+from kvpool.clients.client import KVPoolClient
 
 msg = recv()
 with KVPoolClient(msg["target"]) as client, client.lease("engine", ttl_s=10.0) as lease:

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch
 
-from kvpool.client import KVPoolClient
-from kvpool.demo_worker import pattern
-from kvpool.errors import FailedPrecondition, NotFound
+from kvpool.clients.client import KVPoolClient
+from kvpool.contract.errors import FailedPrecondition, NotFound
+from kvpool.tools.demo_worker import pattern
 from tests.conftest import REPO, TINY_SPEC, DaemonProcess, run_daemon, subprocess_env, temp_dir
 from tests.procs import Child
 
@@ -35,8 +35,8 @@ SMALL = {"budget_bytes": 1 * MiB, "page_size": 16, "max_running_requests": 8}
 PRELUDE = r"""
 import hashlib, time
 import torch
-from kvpool.client import KVPoolClient
-from kvpool.demo_worker import check_zero_outside, kv_buffers, page_bytes_of, pattern
+from kvpool.clients.client import KVPoolClient
+from kvpool.tools.demo_worker import check_zero_outside, kv_buffers, page_bytes_of, pattern
 
 msg = recv()
 client = KVPoolClient(msg["target"])
@@ -257,7 +257,7 @@ def test_a_sigkilled_clients_lease_takes_its_attachment_along(
 
 async def test_the_async_client_attaches_too(daemon: tuple[DaemonProcess, Path]) -> None:
     """``async with client.attach(...)``: writes through it are seen by a sync attachment."""
-    from kvpool.aio import AsyncKVPoolClient
+    from kvpool.clients.aio import AsyncKVPoolClient
 
     d, _ = daemon
     async with AsyncKVPoolClient(d.target) as client:
@@ -321,7 +321,7 @@ def test_cuda_with_expandable_segments_refuses_to_start(tmp_path: Path) -> None:
     var = "PYTORCH_CUDA_ALLOC_CONF"
     env = subprocess_env(**{var: "expandable_segments:True", "PYTORCH_ALLOC_CONF": ""})
     out = subprocess.run(
-        [sys.executable, "-m", "kvpoold.cli", "serve", "--device", "cuda:0",
+        [sys.executable, "-m", "kvpoold.main", "serve", "--device", "cuda:0",
          "--listen", f"unix://{tmp_path}/k.sock"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
     )

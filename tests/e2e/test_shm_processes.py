@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvpool.mapping import BufferLayout
+from kvpool.mapping.regions import BufferLayout
 from kvpoold.sharing import ShmBackingFactory
 from tests.procs import Child
 
@@ -26,7 +26,7 @@ MiB = 1 << 20
 PRELUDE = r"""
 import hashlib, time
 import torch
-from kvpool.mapping import BufferLayout, SharedHandle, map_region, page_view
+from kvpool.mapping.regions import BufferLayout, SharedHandle, map_region, page_view
 
 def region_of(msg):
     layout = [BufferLayout(b["name"], b["dtype"], tuple(b["shape"]), b["offset_bytes"],

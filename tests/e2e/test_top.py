@@ -23,9 +23,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvpool.client import KVPoolClient
-from kvpool.records import DaemonStats, LeaseStats, PoolStats, SpaceStats, Stats
-from kvpool.top import Rate, rates, render
+from kvpool.clients.client import KVPoolClient
+from kvpool.contract.records import DaemonStats, LeaseStats, PoolStats, SpaceStats, Stats
+from kvpool.tools.top import Rate, rates, render
 from tests.conftest import (
     REPO,
     TINY_OPTIONS,
@@ -41,7 +41,7 @@ _ANSI = re.compile(r"\x1b(\[[0-9;?]*[A-Za-z]|\][^\x07]*\x07|[()][0-9A-B]|[=>78])
 
 
 def kvpool_top(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvpool.cli", "top", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "kvpool.tools.cli", "top", *args], cwd=REPO,
                           env=subprocess_env(), capture_output=True, text=True, timeout=60)
 
 
@@ -234,7 +234,7 @@ def test_live_view_retries_shows_rates_survives_the_daemon_and_ctrl_c(
     "unreachable" again, and top keeps running. Ctrl-C: exit 0, the alternate screen left and
     the cursor shown again."""
     target = f"unix://{socket_dir / 'kvpool.sock'}"
-    term = Terminal([sys.executable, "-m", "kvpool.cli", "top", "--target", target,
+    term = Terminal([sys.executable, "-m", "kvpool.tools.cli", "top", "--target", target,
                      "--interval", "0.2"])
     try:
         term.wait_for("unreachable", lambda t: "unreachable" in t and "retrying every 1 s" in t)
@@ -311,7 +311,7 @@ def frame(stats: Stats, width: int = 200) -> str:
     """One ``--once`` frame of a daemon whose snapshot is ``stats``, as plain text."""
     from rich.console import Console
 
-    from kvpool.top import DaemonView
+    from kvpool.tools.top import DaemonView
 
     view = DaemonView("unix:///x.sock")
     view.update(stats, time.monotonic())
@@ -326,7 +326,7 @@ def test_narrow_frames_never_cut_numbers() -> None:
     """Narrower frames lose the usage bar, then ATT, BYTES and FAILED; the numbers that stay
     are never cut, and no line is wider than asked. A 40,000-page pool in 200 columns shows
     everything; in 60, no bar, no ATT/BYTES/FAILED."""
-    from kvpool.top import POOL_COLUMNS
+    from kvpool.tools.top import POOL_COLUMNS
 
     stats = snapshot(5.0, {"tiny": (5.0, {"kv": space(20_000, 0, 40_000)})})
     seen = {}
@@ -358,7 +358,7 @@ def test_header_shows_event_loop_stalls_only_when_there_were_some() -> None:
 def test_peers_table_shows_transfers_each_way() -> None:
     """A daemon that moved pages to and from peers (Stats.peers) gets a PEER table: completed
     transfers, bytes and failures each way, one row per peer; none without peers."""
-    from kvpool.records import PeerStats
+    from kvpool.contract.records import PeerStats
 
     calm = snapshot(5.0, {"tiny": (5.0, {"kv": space(2, 0)})})
     assert "PEER" not in frame(calm)

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpool.client import KVPoolClient
+from kvpool.clients.client import KVPoolClient
 from tests.conftest import TINY_OPTIONS, TINY_SPEC, DaemonProcess, run_daemon, temp_dir
 from tests.procs import Child
 
@@ -20,8 +20,8 @@ MAX_IN_USE = 150  # pages per engine: alone it fits the 256 of the tiny pool, tw
 
 ENGINE = r"""
 import random
-from kvpool.client import KVPoolClient
-from kvpool.errors import ResourceExhausted
+from kvpool.clients.client import KVPoolClient
+from kvpool.contract.errors import ResourceExhausted
 
 first = recv()
 rng = random.Random(first["seed"])

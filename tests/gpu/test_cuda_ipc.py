@@ -1,7 +1,7 @@
 """CUDA IPC across processes: export in this process, import by UUID in a child (needs a GPU).
 
 The child gets the handle as plain JSON (bytes as hex) on stdin, never a pickled tensor, and
-maps it with ``kvpool.mapping.map_region``, as an engine will after Attach. Skipped without
+maps it with ``kvpool.mapping.regions.map_region``, as an engine will after Attach. Skipped without
 CUDA; see tests/gpu/README.md for how to run it.
 """
 
@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvpool.errors import FailedPrecondition
-from kvpool.mapping import BufferLayout, map_region, visible_cuda_uuids
+from kvpool.contract.errors import FailedPrecondition
+from kvpool.mapping.regions import BufferLayout, map_region, visible_cuda_uuids
 from kvpoold.sharing import CudaIpcBackingFactory, SharedHandle
 from tests.procs import Child
 
@@ -29,8 +29,8 @@ BYTE_FIELDS = ("ipc_handle", "ref_counter_handle", "event_handle")
 # Every child's own prelude (after tests.procs.PRELUDE): map the one-buffer region it is sent.
 PRELUDE = r"""
 import torch
-from kvpool.handles import SharedHandle
-from kvpool.mapping import BufferLayout, map_region
+from kvpool.contract.shared_handle import SharedHandle
+from kvpool.mapping.regions import BufferLayout, map_region
 
 def region_of(msg):
     h = dict(msg["handle"])
@@ -186,7 +186,7 @@ def test_an_importer_with_other_visible_devices_finds_the_gpu_by_uuid(factory):
 
 
 REFUSE_ENV = r"""
-from kvpool.errors import FailedPrecondition
+from kvpool.contract.errors import FailedPrecondition
 from kvpoold.sharing import CudaIpcBackingFactory
 try:
     CudaIpcBackingFactory("cuda:0")
@@ -197,7 +197,7 @@ else:
 """
 
 REFUSE_RUNTIME = r"""
-from kvpool.errors import FailedPrecondition
+from kvpool.contract.errors import FailedPrecondition
 from kvpoold.sharing import CudaIpcBackingFactory
 factory = CudaIpcBackingFactory("cuda:0")
 torch.cuda.memory._set_allocator_settings("expandable_segments:True")

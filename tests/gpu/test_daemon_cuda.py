@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpool.client import KVPoolClient
-from kvpool.errors import FailedPrecondition
-from kvpool.mapping import visible_cuda_uuids
+from kvpool.clients.client import KVPoolClient
+from kvpool.contract.errors import FailedPrecondition
+from kvpool.mapping.regions import visible_cuda_uuids
 from tests.conftest import REPO, TINY_SPEC, DaemonProcess, run_daemon, subprocess_env, temp_dir
 from tests.procs import Child
 
@@ -33,8 +33,8 @@ CLEAN_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_ALLOC_CONF": ""}
 # Attach, check what the test wrote in page 2 of k.0, write page 3 of v.1, hold until told.
 ENGINE = r"""
 import torch
-from kvpool.client import KVPoolClient
-from kvpool.errors import KVPoolError
+from kvpool.clients.client import KVPoolClient
+from kvpool.contract.errors import KVPoolError
 
 msg = recv()
 with KVPoolClient(msg["target"]) as client:
@@ -123,7 +123,7 @@ def test_expandable_segments_stop_the_daemon_at_start(tmp_path: Path) -> None:
     kept here so tests/gpu/run_on_device.sh checks it where CUDA is real."""
     env = subprocess_env(PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
                          PYTORCH_ALLOC_CONF="")
-    out = subprocess.run([sys.executable, "-m", "kvpoold.cli", "serve", "--device", "cuda:0",
+    out = subprocess.run([sys.executable, "-m", "kvpoold.main", "serve", "--device", "cuda:0",
                           "--listen", f"unix://{tmp_path}/k.sock"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "pytorch#165685" in out.stderr, out.stderr
@@ -132,7 +132,7 @@ def test_expandable_segments_stop_the_daemon_at_start(tmp_path: Path) -> None:
 # Attach a hybrid pool, then for each list of kv pages sent, read their full_to_swa entries
 # from GPU memory at once (no waiting, no synchronize before the read) and send them back.
 MAPPING_READER = r"""
-from kvpool.client import KVPoolClient
+from kvpool.clients.client import KVPoolClient
 
 msg = recv()
 with KVPoolClient(msg["target"]) as client:

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from kvpoold import cli as kvpoold_cli
+from kvpoold import main as kvpoold_cli
 from tests.conftest import REPO
 from tests.integration.side_venv import SGLANG_DIR, sglang_env, sglang_python_or_skip
 

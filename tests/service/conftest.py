@@ -12,9 +12,9 @@ import torch
 from grpc import aio
 from grpc_health.v1 import health_pb2_grpc
 
+from kvpool.contract.wire import LeaseKey
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
-from kvpool.wire import LeaseKey
 from kvpoold.server.daemon import Daemon
 from kvpoold.server.run import KVPoolServer, create_server
 from kvpoold.settings import Listener
@@ -47,7 +47,7 @@ class Served:
 
     async def configure(self, pool: str = "tiny", **options: Any) -> pb.ConfigureResponse:
         """Configure the tiny model (conftest.TINY_SPEC) with TINY_OPTIONS plus ``options``."""
-        from kvpool.wire import configure_request
+        from kvpool.contract.wire import configure_request
 
         return await self.stub.Configure(
             configure_request(pool, spec=TINY_SPEC, **{**TINY_OPTIONS, **options})

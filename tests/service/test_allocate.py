@@ -6,9 +6,9 @@ import grpc
 import numpy as np
 import pytest
 
-from kvpool.codec import ids_from_bytes, stats_from_pb
+from kvpool.contract.codec import ids_from_bytes, stats_from_pb
+from kvpool.contract.wire import allocate_request, free_request
 from kvpool.v1 import kvpool_pb2 as pb
-from kvpool.wire import allocate_request, free_request
 from tests.conftest import TINY_PAGES
 from tests.service.conftest import Served, proof
 

@@ -16,7 +16,7 @@ import torch
 from grpc import aio
 
 from kvpool import AsyncKVPoolClient
-from kvpool.errors import (
+from kvpool.contract.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -24,9 +24,9 @@ from kvpool.errors import (
     ResourceExhausted,
     Unauthenticated,
 )
+from kvpool.contract.wire import LeaseKey
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
-from kvpool.wire import LeaseKey
 from kvpoold.server.auth import ADMIN, NamedToken, Scope
 from kvpoold.server.daemon import Daemon
 from kvpoold.server.run import KVPoolServer, create_server

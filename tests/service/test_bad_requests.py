@@ -12,10 +12,10 @@ import grpc
 import numpy as np
 import pytest
 
-from kvpool.codec import ids_from_bytes
+from kvpool.contract.codec import ids_from_bytes
+from kvpool.contract.wire import LeaseKey, allocate_request, configure_request, free_request
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
-from kvpool.wire import LeaseKey, allocate_request, configure_request, free_request
 from tests.conftest import TINY_OPTIONS, TINY_SPEC
 from tests.service.conftest import Served, proof
 

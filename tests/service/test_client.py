@@ -1,5 +1,5 @@
 """The client library against an in-process daemon on the real clock: typed results, leases
-kept alive in the background, errors as ``kvpool.errors`` classes with their field."""
+kept alive in the background, errors as ``kvpool.contract.errors`` classes with their field."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvpool import AsyncKVPoolClient, KVPoolClient
-from kvpool.errors import (
+from kvpool.contract.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
@@ -21,7 +21,7 @@ from kvpool.errors import (
     NotFound,
     ResourceExhausted,
 )
-from kvpool.plan import PoolPlan
+from kvpool.contract.plan import PoolPlan
 from kvpoold.server.daemon import Daemon
 from kvpoold.server.run import create_server, sweep_leases
 from kvpoold.settings import Listener

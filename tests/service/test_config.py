@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.errors import InvalidArgument
-from kvpool.targets import channel_target, default_socket_path, token_from
+from kvpool.clients.targets import channel_target, default_socket_path, token_from
+from kvpool.contract.errors import InvalidArgument
 from kvpoold.server import serve_cli
 from kvpoold.settings import (
     DEFAULT_BUDGET_BYTES,
@@ -304,8 +304,8 @@ def test_the_daemon_logs_the_warning_at_start() -> None:
         assert daemon.proc.poll() is None
         log = daemon.log.read_text()
         assert "every local user can read it in /proc/<pid>/cmdline" in log
-        out = subprocess.run([sys.executable, "-m", "kvpool.cli", "stats", "--json", "--target",
-                              daemon.target, "--token", "s3"], env=subprocess_env(),
+        out = subprocess.run([sys.executable, "-m", "kvpool.tools.cli", "stats", "--json",
+                              "--target", daemon.target, "--token", "s3"], env=subprocess_env(),
                              capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "kvpool: warning: --token shows the secret" in out.stderr

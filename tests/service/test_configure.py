@@ -7,11 +7,11 @@ import json
 import grpc
 import pytest
 
-from kvpool.errors import InvalidArgument
-from kvpool.plan import PoolPlan
-from kvpool.spec import decode_spec
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.plan import PoolPlan
+from kvpool.contract.spec import decode_spec
+from kvpool.contract.wire import configure_request
 from kvpool.v1 import kvpool_pb2 as pb
-from kvpool.wire import configure_request
 from kvpoold.sizing import make_options, plan
 from tests.conftest import REPO, TINY_OPTIONS, TINY_PAGES, TINY_SPEC
 from tests.service.conftest import BUDGET_BYTES, Served
@@ -22,7 +22,7 @@ def tiny_plan(**options: object) -> PoolPlan:
 
 
 async def test_configure_builds_the_planned_pool(served: Served) -> None:
-    """The reply carries the same plan as ``kvpool.plan``: 256 pages (1 MiB / 4 KiB
+    """The reply carries the same plan as ``kvpool.contract.plan``: 256 pages (1 MiB / 4 KiB
     per 16-token page), 8 request rows; the daemon charges backing_bytes = 257 pages (the
     padding page on top) * 4 KiB = 1,052,672 B of KV + (8 + 1) rows * (256 + 4) columns * 4 B
     = 9,360 B of req_to_token = 1,062,032 B against its 16 MiB budget."""

@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvpool.plan import PoolPlan
+from kvpool.contract.plan import PoolPlan
+from kvpool.contract.wire import allocate_request
 from kvpool.v1 import kvpool_pb2 as pb
-from kvpool.wire import allocate_request
 from tests.service.conftest import BUDGET_BYTES, Served, proof
 
 

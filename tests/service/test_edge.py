@@ -10,9 +10,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvpool.errors import InvalidArgument
-from kvpool.spec import ModelSpec, decode_spec
-from kvpool.wire import configure_request, hf_config_text, ids_bytes, spec_message
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.spec import ModelSpec, decode_spec
+from kvpool.contract.wire import configure_request, hf_config_text, ids_bytes, spec_message
 from kvpoold.server.edge import configure_args, message_to_builtins
 from tests.factories import deepseek_v32, llama_8b
 
@@ -82,7 +82,7 @@ def test_an_unreadable_hf_config_path_names_the_file(tmp_path: Path) -> None:
 
 def test_every_plan_option_crosses_the_wire() -> None:
     """Configure carries each PlanOptions field by name; set ones arrive, unset ones don't."""
-    from kvpool.options import PlanOptions
+    from kvpool.contract.options import PlanOptions
     from kvpool.v1 import kvpool_pb2 as pb
 
     assert set(PlanOptions.__struct_fields__) <= set(pb.ConfigureRequest.DESCRIPTOR.fields_by_name)

@@ -16,10 +16,10 @@ import torch
 from grpc import aio
 
 from kvpool import AsyncKVPoolClient, KVPoolClient
-from kvpool.errors import ResourceExhausted
+from kvpool.contract.errors import ResourceExhausted
+from kvpool.contract.wire import allocate_request, free_request
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
-from kvpool.wire import allocate_request, free_request
 from kvpoold.server.daemon import Daemon
 from kvpoold.server.run import create_server, sweep_leases
 from kvpoold.settings import Listener

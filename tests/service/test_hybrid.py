@@ -7,11 +7,11 @@ import grpc
 import numpy as np
 import pytest
 
-from kvpool.codec import ids_from_bytes
-from kvpool.plan import PoolPlan
-from kvpool.spec import decode_spec
+from kvpool.contract.codec import ids_from_bytes
+from kvpool.contract.plan import PoolPlan
+from kvpool.contract.spec import decode_spec
+from kvpool.contract.wire import allocate_request, configure_request, free_request
 from kvpool.v1 import kvpool_pb2 as pb
-from kvpool.wire import allocate_request, configure_request, free_request
 from kvpoold.sizing import make_options, plan
 from tests.service.conftest import Served, proof
 

@@ -12,7 +12,7 @@ import pytest
 from google.protobuf.descriptor import MethodDescriptor
 from google.protobuf.message import DecodeError
 
-from kvpool.limits import MAX_LAYERS, MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES
+from kvpool.contract.limits import MAX_LAYERS, MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES
 from kvpool.v1 import kvpool_pb2 as pb
 from tests.service.conftest import Served
 
@@ -62,9 +62,9 @@ def test_every_method_has_a_request_bound() -> None:
 def largest_layout() -> pb.PageLayout:
     """The page layout with the most buffers a plan can have: MAX_LAYERS MHA layers and as many
     draft layers, fp4 KV (K, V and a scale for each), a sliding window (its own buffers)."""
-    from kvpool.spec import decode_spec
+    from kvpool.contract.spec import decode_spec
     from kvpoold.sizing import make_options, plan
-    from kvpoold.transfer.layout import page_layout
+    from kvpoold.transfer.page_layout import page_layout
 
     spec = decode_spec({
         "num_layers": MAX_LAYERS, "context_length": 1 << 16,

@@ -9,8 +9,8 @@ import logging
 import grpc
 import pytest
 
+from kvpool.contract.wire import allocate_request
 from kvpool.v1 import kvpool_pb2 as pb
-from kvpool.wire import allocate_request
 from kvpoold.server.leases import LeaseTable
 from kvpoold.server.run import sweep_leases
 from tests.service.conftest import ManualClock, Served, proof

@@ -12,8 +12,8 @@ import grpc
 import pytest
 import torch
 
-from kvpool.client import KVPoolClient
-from kvpool.wire import configure_request
+from kvpool.clients.client import KVPoolClient
+from kvpool.contract.wire import configure_request
 from kvpoold.server.daemon import Daemon
 from kvpoold.server.loop_clock import StallClock
 from kvpoold.server.run import create_server, sweep_leases

@@ -18,9 +18,9 @@ import torch
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvpool.contract.wire import configure_request
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
-from kvpool.wire import configure_request
 from kvpoold.server.daemon import Daemon
 from kvpoold.server.logs import configure_logging
 from kvpoold.server.run import create_server

@@ -12,9 +12,9 @@ import logging
 import grpc
 import pytest
 
-from kvpool.limits import MAX_NAME_CHARS, MAX_REQUEST_BYTES
+from kvpool.contract.limits import MAX_NAME_CHARS, MAX_REQUEST_BYTES
+from kvpool.contract.wire import configure_request
 from kvpool.v1 import kvpool_pb2 as pb
-from kvpool.wire import configure_request
 from kvpoold.server.status import MAX_DETAILS_CHARS, MAX_LOGGED_CHARS, bounded
 from tests.conftest import TINY_OPTIONS, TINY_SPEC
 from tests.service.conftest import Served, proof

@@ -7,7 +7,7 @@ import pytest
 from grpc import aio
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvpool.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvpool.contract.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvpoold.server.attachments import AttachmentTable
 from kvpoold.server.leases import OWNER_MAX, LeaseTable
 from tests.service.conftest import ManualClock, Served

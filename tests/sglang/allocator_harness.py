@@ -608,7 +608,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     t0 = time.monotonic()
     result: dict[str, Any] = resolve_platform()
-    from kvpool.client import KVPoolClient
+    from kvpool.clients.client import KVPoolClient
 
     pool = os.environ["KVPOOL_POOL"]
     client = KVPoolClient(os.environ["KVPOOL_TARGET"])

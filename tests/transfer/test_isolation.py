@@ -26,11 +26,11 @@ from kvpool import (
     PermissionDenied,
     ResourceExhausted,
 )
-from kvpool.errors import KVPoolError
-from kvpool.records import TransferState
+from kvpool.contract.errors import KVPoolError
+from kvpool.contract.records import TransferState
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpoold.transfer.grants import FENCE_MARGIN_S, MIN_WRITE_S
-from kvpoold.transfer.layout import page_layout
+from kvpoold.transfer.page_layout import page_layout
 from tests.conftest import REPO, TINY_OPTIONS, TINY_SPEC, run_daemon, subprocess_env, temp_dir
 from tests.transfer.test_tokens import POOL, client, secret, secret_file, tokened_daemon_args
 from tests.transfer.test_transfer import big_pair, fill, kv_names, page_bytes

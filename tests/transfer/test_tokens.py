@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvpool import KVPoolClient, NotFound, PermissionDenied, Unauthenticated
-from kvpool.records import TransferState
+from kvpool.contract.records import TransferState
 from kvpool.v1 import kvpool_pb2 as pb
 from tests.conftest import TINY_OPTIONS, TINY_SPEC, DaemonProcess, run_daemon, temp_dir
 

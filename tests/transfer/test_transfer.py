@@ -26,7 +26,7 @@ from kvpool import (
     NotFound,
     Unavailable,
 )
-from kvpool.records import TransferState
+from kvpool.contract.records import TransferState
 from tests.conftest import TINY_OPTIONS, TINY_SPEC, DaemonProcess, run_daemon, temp_dir
 from tests.e2e.test_metrics import metrics_url, scrape
 
@@ -247,7 +247,7 @@ def test_free_of_a_page_in_flight_is_refused_then_allowed(pair: Pair) -> None:
     daemon-to-daemon protocol (PeerReceive, then PeerDone) without writing, so the write stays
     in flight for as long as the test needs."""
     from kvpool.v1 import kvpool_pb2 as pb
-    from kvpoold.transfer.layout import page_layout
+    from kvpoold.transfer.page_layout import page_layout
 
     pool = "busy"
     configure(pair, pool, TINY_SPEC)

@@ -1,5 +1,5 @@
-"""kvpool.codec: every record survives record -> wire bytes -> record, and the wire carries one
-form per concept (space strings, the plan as JSON only, no derived counters)."""
+"""kvpool.contract.codec: every record survives record -> wire bytes -> record, and the wire
+carries one form per concept (space strings, the plan as JSON only, no derived counters)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvpool import codec
-from kvpool.handles import SharedHandle
-from kvpool.records import (
+from kvpool.contract import codec
+from kvpool.contract.records import (
     AttachInfo,
     ConfigureResult,
     DaemonStats,
@@ -19,6 +18,7 @@ from kvpool.records import (
     SpaceStats,
     Stats,
 )
+from kvpool.contract.shared_handle import SharedHandle
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpoold.sizing import make_options, plan
 from tests.factories import llama_8b

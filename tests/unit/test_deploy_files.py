@@ -250,7 +250,7 @@ def shell_commands(markdown: str, prefix: str) -> list[list[str]]:
 
 def kvpoold_help(*argv: str) -> str:
     """``kvpoold <argv> --help`` from a separate process (the real parser, nothing mocked)."""
-    proc = subprocess.run([sys.executable, "-m", "kvpoold.cli", *argv, "--help"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "kvpoold.main", *argv, "--help"], cwd=ROOT,
                           env=ENV, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
@@ -519,7 +519,7 @@ def test_healthcheck_probe_against_a_real_kvpoold() -> None:
     values = flag_values(args)
     args = [a.replace(values["--listen"][0], f"unix://{socket_path}") for a in args]
     args[args.index("--socket-group") + 1] = grp.getgrgid(os.getgid()).gr_name
-    proc = subprocess.Popen([sys.executable, "-m", "kvpoold.cli", "serve", *args,
+    proc = subprocess.Popen([sys.executable, "-m", "kvpoold.main", "serve", *args,
                              "--shm-dir", workdir], cwd=ROOT, env=ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -611,7 +611,7 @@ def test_compose_bind_mounts_exist_and_socket_is_shared() -> None:
 
 def test_compose_shm_holds_the_budget_and_grace_covers_the_drain() -> None:
     """CPU pools are /dev/shm files: shm_size must exceed the budget (3 GiB > 2 GiB)."""
-    from kvpool.sizes import parse_size
+    from kvpool.contract.sizes import parse_size
     from kvpoold.settings import resolve
 
     kvpoold = compose()["services"]["kvpoold"]
@@ -631,7 +631,7 @@ def test_compose_shm_holds_the_budget_and_grace_covers_the_drain() -> None:
 
 def test_compose_cli_flags_exist() -> None:
     """The `kvpool` tools service runs `kvpool stats --target ...`; check against its help."""
-    proc = subprocess.run([sys.executable, "-m", "kvpool.cli", "stats", "--help"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "kvpool.tools.cli", "stats", "--help"], cwd=ROOT,
                           env=ENV, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     service = compose()["services"]["kvpool"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvpool.plan import FULL_TO_SWA, IdSpaceSpec
+from kvpool.contract.plan import FULL_TO_SWA, IdSpaceSpec
 from kvpoold.ids import MappingBuffer, PoolIds
 from kvpoold.server.live_pools import device_mirror
 

@@ -1,4 +1,5 @@
-"""The one error table (``kvpool.errors``): a class for every gRPC status code, the daemon's
+"""The one error table (``kvpool.contract.errors``): a class for every gRPC status code, the
+daemon's
 status mapping derived from it, the client's conversion of a failed call, and the CLI's exit
 codes."""
 
@@ -12,10 +13,10 @@ import grpc
 import pytest
 
 import kvpool
-from kvpool import errors, wire
-from kvpool.cli_run import run_subcommand
-from kvpool.errors import ERRORS_BY_CODE, KVPoolError, error_from_code
-from kvpool.limits import FIELD_METADATA_KEY
+from kvpool.contract import errors, wire
+from kvpool.contract.errors import ERRORS_BY_CODE, KVPoolError, error_from_code
+from kvpool.contract.limits import FIELD_METADATA_KEY
+from kvpool.tools.cli_run import run_subcommand
 from kvpoold.server.status import STATUS_BY_ERROR, status_of
 
 CODES = [code for code in grpc.StatusCode if code is not grpc.StatusCode.OK]

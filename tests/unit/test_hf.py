@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from kvpool.errors import InvalidArgument
-from kvpool.spec import MHAAttention, MLAAttention, ModelDType
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.spec import MHAAttention, MLAAttention, ModelDType
 from kvpoold.hf import HYBRID_SWA, LOADERS, load_model, load_model_config, spec_from_hf
 
 MODELS = Path(__file__).resolve().parents[1] / "data" / "models"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpool.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
-from kvpool.plan import IdSpaceSpec
+from kvpool.contract.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
+from kvpool.contract.plan import IdSpaceSpec
 from kvpoold.ids import IdSpace, Pairing
 from kvpoold.ids.faults import Reason
 

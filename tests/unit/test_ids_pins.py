@@ -14,8 +14,8 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvpool.errors import FailedPrecondition, InvalidArgument
-from kvpool.plan import IdSpaceSpec
+from kvpool.contract.errors import FailedPrecondition, InvalidArgument
+from kvpool.contract.plan import IdSpaceSpec
 from kvpoold.ids.faults import QUARANTINE
 from kvpoold.ids.pairing import Pairing
 from kvpoold.ids.space import IdSpace

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from kvpool.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
-from kvpool.plan import FULL_TO_SWA, IdSpaceSpec
-from kvpool.records import SpaceStats
+from kvpool.contract.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
+from kvpool.contract.plan import FULL_TO_SWA, IdSpaceSpec
+from kvpool.contract.records import SpaceStats
 from kvpoold.ids import Grant, IdSpace, MappingBuffer, PoolIds
 
 

@@ -16,8 +16,13 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvpool.errors import FailedPrecondition, InvalidArgument, KVPoolError, ResourceExhausted
-from kvpool.plan import FULL_TO_SWA, IdSpaceSpec
+from kvpool.contract.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    KVPoolError,
+    ResourceExhausted,
+)
+from kvpool.contract.plan import FULL_TO_SWA, IdSpaceSpec
 from kvpoold.ids import IdSpace, MappingBuffer, PoolIds
 from kvpoold.ids.faults import Reason
 from tests.conftest import stateful_settings
@@ -281,7 +286,7 @@ class PoolIdsMachine(RuleBasedStateMachine):
         # refused whatever the room of earlier items.
         followers = [i for i, (name, _) in enumerate(items) if name == "swa"]
         if followers:
-            expected = (InvalidArgument, f"items[{followers[0]}].kind")
+            expected = (InvalidArgument, f"items[{followers[0]}].space")
         for i, (name, count) in enumerate(items):
             if expected is not None:
                 break

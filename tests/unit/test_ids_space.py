@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpool.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
-from kvpool.plan import IdSpaceSpec
-from kvpool.records import SpaceStats
+from kvpool.contract.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
+from kvpool.contract.plan import IdSpaceSpec
+from kvpool.contract.records import SpaceStats
 from kvpoold.ids import IdSpace
 from kvpoold.ids.faults import Reason
 from kvpoold.ids.space import MIN_ROOM, SHRINK_ABOVE

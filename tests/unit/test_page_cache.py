@@ -1,5 +1,5 @@
-"""The client page cache (``kvpool.page_cache``, ``kvpool.aio_page_cache``) against a real
-``kvpoold serve`` process: watermarks, misses, refusals that change nothing, close, counters.
+"""The client page cache (``kvpool.cache.page_cache``, ``kvpool.cache.aio_page_cache``) against a
+real ``kvpoold serve`` process: watermarks, misses, refusals that change nothing, close, counters.
 
 Every case waits for the background worker with ``settle()`` (no sleeps, no timed asserts)
 and checks what the daemon's Stats say the lease holds: every id in the cache (in use or
@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 
 from kvpool import AsyncKVPoolClient, KVPoolClient
-from kvpool.errors import (
+from kvpool.cache.page_cache import PageCache, PageCacheCounters, watermarks
+from kvpool.contract.errors import (
     FailedPrecondition,
     InvalidArgument,
     KVPoolError,
     NotFound,
     ResourceExhausted,
 )
-from kvpool.page_cache import PageCache, PageCacheCounters, watermarks
 from tests.conftest import TINY_OPTIONS, TINY_PAGES, TINY_SPEC, DaemonProcess, run_daemon, temp_dir
 
 SWA_SPEC = {"num_layers": 4, "attention": {"type": "mha", "num_kv_heads": 2, "head_dim": 16},

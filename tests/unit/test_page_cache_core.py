@@ -1,7 +1,7 @@
 """``PageCacheCore`` (the page cache's state, no I/O) against a plain-Python model.
 
 The core keeps its cached ids in a ring and tells an id in use from its slot alone (see
-``kvpool.page_cache``). A small capacity makes every program wrap the ring many times. Each
+``kvpool.cache.page_cache``). A small capacity makes every program wrap the ring many times. Each
 rule is what the cache does on one path: a refill or return by the worker, an ``alloc``, a
 miss that reserves and then finishes or is refused, a ``free`` (valid, repeated, foreign, out
 of range, a double free), a give-back, and ``close`` followed by frees of ids still in use.
@@ -17,15 +17,15 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvpool import page_cache
-from kvpool.errors import (
+from kvpool.cache import page_cache
+from kvpool.cache.page_cache import GIVE_BACK, REFILL, RETURN, PageCacheCore
+from kvpool.contract.errors import (
     FailedPrecondition,
     InvalidArgument,
     KVPoolError,
     ResourceExhausted,
     Unavailable,
 )
-from kvpool.page_cache import GIVE_BACK, REFILL, RETURN, PageCacheCore
 from tests.conftest import stateful_settings
 
 CAP = 11

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from kvpool.errors import InvalidArgument
-from kvpool.sizes import format_size, parse_size
-from kvpoold import cli
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.sizes import format_size, parse_size
+from kvpoold import main as cli
 from kvpoold.hf import load_model
 from kvpoold.sizing import PoolPlan, make_options, plan
 
@@ -47,7 +47,7 @@ def plan_json(capsys: pytest.CaptureFixture[str], model: Path, *args: str) -> di
 def run_subprocess(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "client"),
                                                         str(ROOT / "service")])}
-    return subprocess.run([sys.executable, "-m", "kvpoold.cli", "plan", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "kvpoold.main", "plan", *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=60, check=False)
 
 
@@ -452,10 +452,10 @@ def test_plan_and_configure_take_the_same_option_flags() -> None:
     every field is a flag in both, with the same choices, and nothing else differs."""
     import argparse
 
-    from kvpool import cli as client_cli
-    from kvpool.option_flags import flag_of
-    from kvpool.options import KVCacheDType, PlanOptions
-    from kvpoold import cli as daemon_cli
+    from kvpool.contract.option_flags import flag_of
+    from kvpool.contract.options import KVCacheDType, PlanOptions
+    from kvpool.tools import cli as client_cli
+    from kvpoold import main as daemon_cli
 
     def option_actions(parser: argparse.ArgumentParser, command: str) -> dict[str, object]:
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -496,7 +496,7 @@ def test_an_unknown_flag_shows_the_subcommands_usage(capsys: pytest.CaptureFixtu
 def test_a_reader_that_stops_early_ends_the_output_quietly():
     """``kvpoold plan --json | head -c 1``: the reader is gone before the plan is printed."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvpoold.cli", "plan", "--model-config", str(LLAMA), "--budget",
+        [sys.executable, "-m", "kvpoold.main", "plan", "--model-config", str(LLAMA), "--budget",
          "1GiB", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": f"{ROOT / 'client'}{os.pathsep}{ROOT / 'service'}"})
     assert proc.stdout is not None and proc.stderr is not None

@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from kvpool.errors import InvalidArgument
-from kvpool.plan import BufferFill
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.plan import BufferFill
 from kvpoold.pools import FILLS, build_pool, carve
 from tests.factories import MiB, deepseek_v3, deepseek_v32, llama_8b, plan_for
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvpool import KVPoolClient
-from kvpool.errors import FailedPrecondition, InvalidArgument
+from kvpool.contract.errors import FailedPrecondition, InvalidArgument
 from kvpool.integrations.sglang.binding import (
     DEFAULT_TTL_S,
     binding_from_env,

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpool.aio import AsyncKVPoolClient
-from kvpool.errors import FailedPrecondition, InvalidArgument
-from kvpool.handles import SharedHandle
-from kvpool.mapping import BufferLayout, map_region
+from kvpool.clients.aio import AsyncKVPoolClient
+from kvpool.contract.errors import FailedPrecondition, InvalidArgument
+from kvpool.contract.shared_handle import SharedHandle
+from kvpool.mapping.regions import BufferLayout, map_region
+from kvpoold.server.args import ConfigureArgs
 from kvpoold.server.auth import LOCAL_ADMIN
 from kvpoold.server.daemon import Daemon
 from kvpoold.server.planning import plan_from_args
-from kvpoold.server.records import ConfigureArgs
 from kvpoold.server.run import create_server
 from kvpoold.settings import Listener, load_config, resolve
 from kvpoold.sharing import PlainBacking, PlainBackingFactory, ShmBackingFactory
@@ -33,28 +33,28 @@ MiB = 1 << 20
 # -- one handle type ----------------------------------------------------------------------------
 
 def test_there_is_one_handle_type_and_it_needs_no_torch() -> None:
-    import kvpool.mapping
-    import kvpool.records
-    import kvpool.wire
+    import kvpool.contract.records
+    import kvpool.contract.wire
+    import kvpool.mapping.regions
     import kvpoold.sharing
     import kvpoold.sharing.base
 
     assert kvpoold.sharing.SharedHandle is SharedHandle
     assert kvpoold.sharing.base.SharedHandle is SharedHandle
-    assert not hasattr(kvpool.mapping, "RegionHandle")
-    assert kvpool.records.AttachInfo.__annotations__["handle"] == "SharedHandle"
-    assert not hasattr(kvpool.wire, "RemoteHandle")
+    assert not hasattr(kvpool.mapping.regions, "RegionHandle")
+    assert kvpool.contract.records.AttachInfo.__annotations__["handle"] == "SharedHandle"
+    assert not hasattr(kvpool.contract.wire, "RemoteHandle")
     out = subprocess.run(
-        [sys.executable, "-c", "import sys, kvpool.handles, kvpool.wire, kvpool.client; "
-                               "print('torch' in sys.modules)"],
+        [sys.executable, "-c", "import sys, kvpool.contract.shared_handle, kvpool.contract.wire, "
+                               "kvpool.clients.client; print('torch' in sys.modules)"],
         cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=60,
     )
     assert out.stdout.strip() == "False", out.stderr
 
 
 def test_a_proto_handle_converts_both_ways() -> None:
-    from kvpool.codec import handle_from_pb as shared_handle
-    from kvpool.codec import handle_to_pb as handle_message
+    from kvpool.contract.codec import handle_from_pb as shared_handle
+    from kvpool.contract.codec import handle_to_pb as handle_message
 
     h = SharedHandle(sharing="cuda_ipc", size=4096, device_uuid="abc", ipc_handle=b"\x01c",
                      storage_offset=512, storage_size=8192, ref_counter_handle=b"/rc",

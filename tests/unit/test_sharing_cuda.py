@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpool.errors import FailedPrecondition, InvalidArgument
-from kvpool.mapping import (
+from kvpool.contract.errors import FailedPrecondition, InvalidArgument
+from kvpool.mapping.regions import (
     BufferLayout,
     SharedHandle,
     map_region,

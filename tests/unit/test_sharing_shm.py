@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpool.dtypes import DTYPE_NAMES, ITEMSIZE, DType, itemsize, torch_dtype
-from kvpool.errors import (
+from kvpool.contract.dtypes import DTYPE_NAMES, ITEMSIZE, DType, itemsize, torch_dtype
+from kvpool.contract.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     PermissionDenied,
     ResourceExhausted,
 )
-from kvpool.limits import check_pool_name
-from kvpool.mapping import BufferLayout, SharedHandle, map_region, page_rows, page_view
+from kvpool.contract.limits import check_pool_name
+from kvpool.mapping.regions import BufferLayout, SharedHandle, map_region, page_rows, page_view
 from kvpoold.pools import build_pool
 from kvpoold.sharing import InstanceLock, ShmBackingFactory, sweep_orphans
 from kvpoold.sharing.shm import free_bytes

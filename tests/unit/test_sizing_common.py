@@ -5,10 +5,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvpool.dtypes import DType
-from kvpool.errors import InvalidArgument
-from kvpool.plan import BufferKind
-from kvpool.spec import decode_spec
+from kvpool.contract.dtypes import DType
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.plan import BufferKind
+from kvpool.contract.spec import decode_spec
 from kvpoold.sizing import PoolPlan, make_options
 from kvpoold.sizing.common import (
     draft_scaled_cell,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.errors import InvalidArgument
+from kvpool.contract.errors import InvalidArgument
 from tests.factories import GiB, deepseek_v32, plan_for
 
 BUDGET = 40 * GiB

@@ -28,10 +28,16 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kvpool.errors import InvalidArgument
-from kvpool.options import make_options
-from kvpool.plan import BufferFill, BufferKind, PoolPlan
-from kvpool.spec import DSV4Compression, MLAAttention, ModelSpec, SlidingWindow, decode_spec
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.options import make_options
+from kvpool.contract.plan import BufferFill, BufferKind, PoolPlan
+from kvpool.contract.spec import (
+    DSV4Compression,
+    MLAAttention,
+    ModelSpec,
+    SlidingWindow,
+    decode_spec,
+)
 from kvpoold.pools import build_pool
 from kvpoold.sizing import dsv4
 from kvpoold.sizing.layout import ALIGN_BYTES

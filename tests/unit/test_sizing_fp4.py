@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.errors import InvalidArgument
+from kvpool.contract.errors import InvalidArgument
 from kvpoold.sizing import fp4
 from tests.factories import GiB, deepseek_v3, llama_8b, plan_for
 

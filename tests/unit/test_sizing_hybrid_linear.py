@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from kvpool.errors import InvalidArgument
-from kvpool.plan import BufferKind, PoolPlan
-from kvpool.spec import (
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.plan import BufferKind, PoolPlan
+from kvpool.contract.spec import (
     DSAIndexer,
     LinearAttention,
     MHAAttention,

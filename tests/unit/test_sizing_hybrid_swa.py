@@ -23,10 +23,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.errors import InvalidArgument
-from kvpool.options import make_options
-from kvpool.plan import BufferKind, PoolPlan
-from kvpool.spec import (
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.options import make_options
+from kvpool.contract.plan import BufferKind, PoolPlan
+from kvpool.contract.spec import (
     DSV4Compression,
     MHAAttention,
     MLAAttention,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.errors import InvalidArgument
+from kvpool.contract.errors import InvalidArgument
 from tests.factories import GiB, llama_8b, plan_for
 
 BUDGET = 40 * GiB  # 42,949,672,960 B

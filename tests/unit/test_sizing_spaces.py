@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.plan import FULL_TO_SWA, PoolPlan
+from kvpool.contract.plan import FULL_TO_SWA, PoolPlan
 from tests.factories import GiB, llama_8b, plan_for
 from tests.unit.test_sizing_dsv4 import BUDGET, v4_spec
 from tests.unit.test_sizing_hybrid_swa import all_swa_spec, gpt_oss

@@ -8,11 +8,11 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from kvpool.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from kvpool.records import TransferState
+from kvpool.contract.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvpool.contract.records import TransferState
 from kvpoold.transfer import grants as grants_mod
 from kvpoold.transfer.grants import GrantTable, ReceiveGrant
-from kvpoold.transfer.layout import layout_mismatch, page_buffers, page_layout
+from kvpoold.transfer.page_layout import layout_mismatch, page_buffers, page_layout
 from tests.factories import GiB, deepseek_v3, deepseek_v32, llama_8b, plan_for
 from tests.service.conftest import ManualClock
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpool.errors import FailedPrecondition, InvalidArgument, KVPoolError
+from kvpool.contract.errors import FailedPrecondition, InvalidArgument, KVPoolError
 
 # Owners and ids live in int32 arrays (ids also travel as little-endian int32 on the wire).
 INT32_MAX = (1 << 31) - 1

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvpool.errors import Internal, InvalidArgument, KVPoolError
+from kvpool.contract.errors import Internal, InvalidArgument, KVPoolError
 from kvpoold.ids.faults import Fault, Reason, fault_error, position_label
 from kvpoold.ids.space import IdSpace, distinct
 

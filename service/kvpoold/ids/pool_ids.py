@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpool.errors import Internal, InvalidArgument, KVPoolError, echo
-from kvpool.plan import IdSpaceSpec
-from kvpool.records import SpaceStats
+from kvpool.contract.errors import Internal, InvalidArgument, KVPoolError, echo
+from kvpool.contract.plan import IdSpaceSpec
+from kvpool.contract.records import SpaceStats
 from kvpoold.ids.faults import Fault, fault_error, singular
 from kvpoold.ids.pairing import Pairing
 from kvpoold.ids.space import IdSpace
@@ -197,9 +197,10 @@ class PoolIds:
             if count > self._room(space):
                 self._refuse(space, count, count, 0)
             return [self._take(owner, space, count)]
+        for i, (space, _count) in enumerate(items):  # a malformed item before any room check
+            self._check_allocatable(space, i)
         totals: dict[IdSpace, int] = {}
         for i, (space, count) in enumerate(items):
-            self._check_allocatable(space, i)
             if count:
                 total = totals[space] = totals.get(space, 0) + count
                 if total > self._room(space):

@@ -38,9 +38,9 @@ import sys
 
 import numpy as np
 
-from kvpool.errors import Internal, InvalidArgument, KVPoolError, ResourceExhausted
-from kvpool.plan import IdSpaceSpec
-from kvpool.records import SpaceStats
+from kvpool.contract.errors import Internal, InvalidArgument, KVPoolError, ResourceExhausted
+from kvpool.contract.plan import IdSpaceSpec
+from kvpool.contract.records import SpaceStats
 from kvpoold.ids.faults import (
     CAPACITY_MAX,
     QUARANTINE,

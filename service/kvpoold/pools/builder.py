@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpool.dtypes import torch_dtype
-from kvpool.errors import InvalidArgument
-from kvpool.plan import BufferFill, BufferSpec, PoolPlan
+from kvpool.contract.dtypes import torch_dtype
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.plan import BufferFill, BufferSpec, PoolPlan
 
 # (nbytes, device) -> a zero-filled, 1-D uint8 tensor of exactly nbytes on that device.
 AllocateFn = Callable[[int, torch.device], torch.Tensor]
@@ -91,7 +91,7 @@ def build_pool(
     fill them.
 
     Args:
-        plan: from :func:`kvpool.plan`.
+        plan: from :func:`kvpool.contract.plan`.
         device: ``cpu`` or ``cuda:N``; the same code serves both.
         allocate: where the region comes from (plain memory, shared memory, CUDA IPC-able);
             it must come zero-filled.

@@ -34,7 +34,7 @@ from typing import Any, Literal
 import grpc
 from grpc import aio
 
-from kvpool.errors import InvalidArgument, PermissionDenied, Unauthenticated, echo
+from kvpool.contract.errors import InvalidArgument, PermissionDenied, Unauthenticated, echo
 
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 AUTH_METADATA_KEY = "authorization"

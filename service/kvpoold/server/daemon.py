@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvpool.errors import (
+from kvpool.contract.errors import (
     AlreadyExists,
     FailedPrecondition,
     Internal,
@@ -34,18 +34,18 @@ from kvpool.errors import (
     ResourceExhausted,
     echo,
 )
-from kvpool.limits import check_pool_name
-from kvpool.plan import PoolPlan
-from kvpool.records import AttachInfo, ConfigureResult, HeldMap, Released, Stats
+from kvpool.contract.limits import check_pool_name
+from kvpool.contract.plan import PoolPlan
+from kvpool.contract.records import AttachInfo, ConfigureResult, HeldMap, Released, Stats
 from kvpoold import __version__
 from kvpoold.ids import Grant, IdSpace
+from kvpoold.server.args import ConfigureArgs, LeaseRef
 from kvpoold.server.attachments import MAX_ATTACHMENTS_PER_IDENTITY, AttachmentTable
 from kvpoold.server.auth import DAEMON_CALLER, Caller
 from kvpoold.server.leases import MAX_LEASES_PER_IDENTITY, Lease, LeaseTable
 from kvpoold.server.live_pools import LivePool, build_live_pool
 from kvpoold.server.loop_clock import StallClock
 from kvpoold.server.planning import plan_off_loop
-from kvpoold.server.records import ConfigureArgs, LeaseRef
 from kvpoold.server.stats import take_stats
 from kvpoold.sharing.base import BackingFactory
 from kvpoold.transfer import NIXL_MISSING, NixlAgent, Outgoing, Transfers

@@ -1,10 +1,11 @@
-"""The daemon's edge: request messages -> typed values, once; replies through ``kvpool.codec``.
+"""The daemon's edge: request messages -> typed values, once; replies through
+``kvpool.contract.codec``.
 
 Malformed wire input (an item naming no id space, an id list that is not a whole number of
 int32) is refused here as ``InvalidArgument`` naming the field; what a value means for a pool
 (its spaces, ranges, owners) is checked by the daemon and the id spaces, which take only the
-typed values this module makes. Replies are the shared records encoded by ``kvpool.codec``, so
-the client decodes exactly the shape the daemon built.
+typed values this module makes. Replies are the shared records encoded by
+``kvpool.contract.codec``, so the client decodes exactly the shape the daemon built.
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ from typing import Any
 import numpy as np
 from google.protobuf.message import Message
 
-from kvpool import codec
-from kvpool.errors import InvalidArgument
-from kvpool.limits import MAX_IDS_PER_CALL, MAX_ITEMS_PER_CALL
-from kvpool.options import PlanOptions
+from kvpool.contract import codec
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.limits import MAX_IDS_PER_CALL, MAX_ITEMS_PER_CALL
+from kvpool.contract.options import PlanOptions
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpoold.ids import Grant
+from kvpoold.server.args import ConfigureArgs, LeaseRef, PeerDoneArgs, PeerReceiveArgs
 from kvpoold.server.leases import Lease
-from kvpoold.server.records import ConfigureArgs, LeaseRef, PeerDoneArgs, PeerReceiveArgs
 from kvpoold.transfer import Outgoing
 from kvpoold.transfer.grants import MAX_GRANT_PAGES, ReceiveGrant, check_token
 from kvpoold.transfer.nixl_agent import MAX_KNOWN_GENERATIONS

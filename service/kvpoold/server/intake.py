@@ -4,8 +4,8 @@ is parsed, and a message that does not parse is refused as INVALID_ARGUMENT.
 gRPC parses a request with the method's ``request_deserializer`` before the servicer runs, on
 the event loop; a failure there would answer UNKNOWN/INTERNAL and log a traceback per message.
 :class:`IntakeInterceptor` wraps each method's deserializer so that it never raises: a message
-over ``kvpool.limits.MAX_REQUEST_BYTES[method]`` (the global ``MAX_MESSAGE_BYTES`` for methods
-not listed) or one that is not valid protobuf becomes a :class:`Refused` value carrying the
+over ``kvpool.contract.limits.MAX_REQUEST_BYTES[method]`` (the global ``MAX_MESSAGE_BYTES`` for
+methods not listed) or one that is not valid protobuf becomes a :class:`Refused` value carrying the
 ``InvalidArgument`` to answer. The error decorators (``kvpoold.server.status``) raise it for
 unary methods; stream-request methods (KeepAlive) raise it with :func:`accept`. Either way the
 refusal costs O(1) (size) or one parse, and its log line is rate-limited there.
@@ -21,8 +21,8 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc import aio
 
-from kvpool.errors import InvalidArgument
-from kvpool.limits import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.limits import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES
 from kvpoold.server.logs import LogLimiter
 
 log = logging.getLogger("kvpoold.rpc")

@@ -26,8 +26,8 @@ import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from kvpool.errors import InvalidArgument, NotFound, ResourceExhausted
-from kvpool.limits import MAX_NAME_CHARS
+from kvpool.contract.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvpool.contract.limits import MAX_NAME_CHARS
 from kvpoold.deadlines import DeadlineHeap
 from kvpoold.ids.faults import OWNER_MAX
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Literal
 
 import grpc
 
-from kvpool.errors import FailedPrecondition, InvalidArgument
+from kvpool.contract.errors import FailedPrecondition, InvalidArgument
 from kvpoold.server.auth import Authority, TokenAuthInterceptor, Transport
 
 if TYPE_CHECKING:

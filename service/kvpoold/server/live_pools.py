@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvpool.codec import plan_to_json
-from kvpool.errors import Internal
-from kvpool.plan import PoolPlan
+from kvpool.contract.codec import plan_to_json
+from kvpool.contract.errors import Internal
+from kvpool.contract.plan import PoolPlan
 from kvpoold.ids import MappingBuffer, PoolIds
 from kvpoold.pools import PoolBuffers, build_pool
 from kvpoold.sharing.base import Backing, BackingFactory

@@ -1,7 +1,7 @@
 """Configure's pure part: resolve the model (HF config text or spec) and options, then plan.
 
-Planning is O(layers) of Python (bounded by ``kvpool.limits.MAX_LAYERS``) and decoding the config
-O(its characters) (bounded by ``MAX_CONFIG_CHARS``); :func:`plan_off_loop` runs both in a
+Planning is O(layers) of Python (bounded by ``kvpool.contract.limits.MAX_LAYERS``) and decoding the
+config O(its characters) (bounded by ``MAX_CONFIG_CHARS``); :func:`plan_off_loop` runs both in a
 worker thread, so even the largest allowed request leaves the event loop free.
 """
 
@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvpool.codec import plan_to_json
-from kvpool.errors import InvalidArgument
-from kvpool.limits import MAX_CONFIG_CHARS
-from kvpool.plan import PoolPlan
-from kvpool.spec import decode_spec
-from kvpoold.server.records import ConfigureArgs
+from kvpool.contract.codec import plan_to_json
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.limits import MAX_CONFIG_CHARS
+from kvpool.contract.plan import PoolPlan
+from kvpool.contract.spec import decode_spec
+from kvpoold.server.args import ConfigureArgs
 from kvpoold.sizing import make_options, plan
 
 

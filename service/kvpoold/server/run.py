@@ -24,8 +24,8 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvpool.errors import InvalidArgument
-from kvpool.limits import MESSAGE_SIZE_OPTIONS
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.limits import MESSAGE_SIZE_OPTIONS
 from kvpool.v1 import kvpool_pb2_grpc
 from kvpoold.metrics import DaemonMetrics, MetricsServer, loop_snapshot, start_metrics_server
 from kvpoold.server.auth import Authority, NamedToken, UnixAuth, all_tokens

@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from kvpool.errors import FailedPrecondition
-from kvpool.targets import default_socket_path
+from kvpool.clients.targets import default_socket_path
+from kvpool.contract.errors import FailedPrecondition
 from kvpoold.server.logs import configure_logging
 from kvpoold.settings import (
     ServeConfig,

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 from grpc import aio
 
-from kvpool import codec
-from kvpool.errors import InvalidArgument
+from kvpool.contract import codec
+from kvpool.contract.errors import InvalidArgument
 from kvpool.v1 import kvpool_pb2_grpc
 from kvpoold.server import edge
 from kvpoold.server.auth import Authority, Caller, Transport
@@ -22,8 +22,9 @@ from kvpoold.server.daemon import GIVE_BACK_WAIT_S, Daemon
 from kvpoold.server.intake import accept
 from kvpoold.server.status import RpcObserver, rpc_errors
 
-if TYPE_CHECKING:  # message types for annotations only; edge.py and kvpool.codec build them
-    from kvpool.records import Stats
+# Message types for annotations only; edge.py and kvpool.contract.codec build them.
+if TYPE_CHECKING:
+    from kvpool.contract.records import Stats
     from kvpool.v1 import kvpool_pb2 as pb
 
 Ctx = aio.ServicerContext

@@ -1,7 +1,8 @@
 """Stats: one consistent picture of the daemon, its pools and its leases, taken on the loop.
 
-Built once, in the shape clients decode (``kvpool.records.Stats``): the servicer encodes it with
-``kvpool.codec`` and ``/metrics`` reads the same record (as the daemon's own, admin, view).
+Built once, in the shape clients decode (``kvpool.contract.records.Stats``): the servicer encodes
+it with
+``kvpool.contract.codec`` and ``/metrics`` reads the same record (as the daemon's own, admin, view).
 
 What a caller sees (docs/security.md): an admin sees everything; any other caller sees the pools
 its scope covers and its own identity's leases, the others' only counted
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvpool.records import DaemonStats, HeldMap, LeaseStats, PoolStats, Stats
+from kvpool.contract.records import DaemonStats, HeldMap, LeaseStats, PoolStats, Stats
 
 if TYPE_CHECKING:
     from kvpoold.server.auth import Caller

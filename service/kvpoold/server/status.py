@@ -1,11 +1,11 @@
-"""``kvpool.errors`` classes as gRPC status codes, applied by one decorator.
+"""``kvpool.contract.errors`` classes as gRPC status codes, applied by one decorator.
 
 Every servicer method, unary or streaming, is wrapped by :func:`rpc_errors`: its request passes
 the intake check first (``kvpoold.server.intake.accept``: a message refused before parsing is
 INVALID_ARGUMENT), then a :class:`KVPoolError` becomes its status with the message as details and
 the field at fault in the trailing metadata ``kvpool-field``; anything else is ``INTERNAL`` with
-the traceback logged. The mapping is derived from ``kvpool.errors.ERRORS_BY_CODE`` (the one table;
-the client maps codes back with ``kvpool.errors.error_from_code``).
+the traceback logged. The mapping is derived from ``kvpool.contract.errors.ERRORS_BY_CODE`` (the
+one table; the client maps codes back with ``kvpool.contract.errors.error_from_code``).
 
 The same decorator reports each call to the servicer's ``rpc_observer`` (``RpcMetrics`` when
 ``--metrics-port`` is given, else None): the time of every unary call, and the status code of
@@ -25,8 +25,8 @@ from typing import Any, Protocol, TypeVar, cast
 import grpc
 from grpc import aio
 
-from kvpool.errors import ERRORS_BY_CODE, KVPoolError
-from kvpool.limits import FIELD_METADATA_KEY
+from kvpool.contract.errors import ERRORS_BY_CODE, KVPoolError
+from kvpool.contract.limits import FIELD_METADATA_KEY
 from kvpoold.server.intake import accept
 from kvpoold.server.logs import LogLimiter
 
@@ -44,7 +44,7 @@ _REFUSAL_LOG = LogLimiter(burst=20, every_s=1.0)
 MAX_DETAILS_CHARS = 2048
 MAX_LOGGED_CHARS = 512
 
-# Derived from the one table in ``kvpool.errors`` (each class's ``code`` names its status).
+# Derived from the one table in ``kvpool.contract.errors`` (each class's ``code`` names its status).
 STATUS_BY_ERROR: dict[type[KVPoolError], grpc.StatusCode] = {
     cls: grpc.StatusCode[cls.code] for cls in ERRORS_BY_CODE.values()
 }
@@ -108,8 +108,8 @@ def bounded(text: str, limit: int = MAX_DETAILS_CHARS) -> str:
     its place): status details travel in a trailer whose size gRPC limits (8 KiB by default),
     and a message quoting a client's input must not outgrow it, nor a log line quoting one.
     The end stays: it says where the input was bad (msgspec's ``- at `$.dtype```) and which
-    knob to turn. Messages quote input through ``kvpool.errors.echo`` already; this is the net
-    under them (a msgspec error quotes the bad value whole)."""
+    knob to turn. Messages quote input through ``kvpool.contract.errors.echo`` already; this is the
+    net under them (a msgspec error quotes the bad value whole)."""
     if len(text) <= limit:
         return text
     tail = limit // 4

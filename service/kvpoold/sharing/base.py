@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 # The handle is the client's type (torch-free, shared by both sides); re-exported here.
-from kvpool.handles import SharedHandle, Sharing
+from kvpool.contract.shared_handle import SharedHandle, Sharing
 
 __all__ = [
     "Backing",

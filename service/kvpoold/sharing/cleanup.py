@@ -23,7 +23,7 @@ import stat
 import time
 from pathlib import Path
 
-from kvpool.errors import FailedPrecondition, InvalidArgument
+from kvpool.contract.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,8 @@ tuple into a :class:`SharedHandle` of plain values: the allocation's IPC handle 
 storage's offset and size in that allocation, the ref-counter file name and slot torch's
 importer decrements when it lets go, and the event the importer waits on so it never reads
 before the daemon's writes land. The device is named by UUID because an engine may run under
-a different ``CUDA_VISIBLE_DEVICES``; the importer (``kvpool.mapping_cuda``) finds its own ordinal.
+a different ``CUDA_VISIBLE_DEVICES``; the importer (``kvpool.mapping.cuda_mapper``) finds its own
+ordinal.
 
 Why each export is fresh: torch gives every ``_share_cuda_`` call its own ref-counter slot set
 to 1, and one importer decrements it once. Handing one cached handle to many clients would
@@ -26,9 +27,9 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from kvpool.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from kvpool.limits import check_pool_name
-from kvpool.mapping_cuda import normalize_uuid
+from kvpool.contract.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvpool.contract.limits import check_pool_name
+from kvpool.mapping.cuda_mapper import normalize_uuid
 from kvpoold.sharing.base import SharedHandle, Sharing
 
 ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from kvpool.errors import FailedPrecondition, InvalidArgument
+from kvpool.contract.errors import FailedPrecondition, InvalidArgument
 from kvpoold.settings import ServeSettings, check_shm_dir
 from kvpoold.sharing.base import BackingFactory, PlainBackingFactory
 from kvpoold.sharing.cuda_ipc import CudaIpcBackingFactory, check_allocator_conf

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from kvpool.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
-from kvpool.limits import check_pool_name
+from kvpool.contract.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
+from kvpool.contract.limits import check_pool_name
 from kvpoold.sharing.base import SharedHandle, Sharing
 from kvpoold.sharing.cleanup import (
     FILE_MODE,

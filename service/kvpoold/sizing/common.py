@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpool.dtypes import DType
-from kvpool.errors import InvalidArgument
-from kvpool.options import KVCacheDType, PlanOptions
-from kvpool.spec import ModelDType, ModelSpec
+from kvpool.contract.dtypes import DType
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.options import KVCacheDType, PlanOptions
+from kvpool.contract.spec import ModelDType, ModelSpec
 
 # Extra req_to_token columns beyond the context length (SGLang: 4 + draft tokens).
 REQ_TO_TOKEN_EXTRA_COLUMNS = 4

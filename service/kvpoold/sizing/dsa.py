@@ -15,10 +15,10 @@ Buffers: ``kv.<l>`` ``(rows, 1, kv_dim)`` (uint8 ``(rows, 1, 656)`` with fp8_e4m
 
 from __future__ import annotations
 
-from kvpool.dtypes import DType
-from kvpool.errors import InvalidArgument
-from kvpool.plan import BufferKind, BufferSpec
-from kvpool.spec import MLAAttention, ModelSpec
+from kvpool.contract.dtypes import DType
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.plan import BufferKind, BufferSpec
+from kvpool.contract.spec import MLAAttention, ModelSpec
 from kvpoold.sizing import mla
 from kvpoold.sizing.common import (
     Sizing,

@@ -50,10 +50,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from kvpool.dtypes import DType
-from kvpool.errors import InvalidArgument
-from kvpool.plan import FULL_TO_SWA, BufferFill, BufferKind, BufferSpec
-from kvpool.spec import DSV4Compression, ModelSpec
+from kvpool.contract.dtypes import DType
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.plan import FULL_TO_SWA, BufferFill, BufferKind, BufferSpec
+from kvpool.contract.spec import DSV4Compression, ModelSpec
 from kvpoold.sizing.common import (
     Sizing,
     SizingContext,

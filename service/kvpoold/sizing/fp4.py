@@ -16,9 +16,9 @@ and ``kv_scale.<l>`` ``(rows, d/16)`` for MLA; all uint8.
 
 from __future__ import annotations
 
-from kvpool.dtypes import DType
-from kvpool.errors import InvalidArgument
-from kvpool.plan import BufferKind, BufferSpec
+from kvpool.contract.dtypes import DType
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.plan import BufferKind, BufferSpec
 from kvpoold.sizing.layout import buffer
 
 SCALE_BLOCK = 16

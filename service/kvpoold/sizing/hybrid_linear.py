@@ -90,10 +90,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from kvpool.dtypes import DType
-from kvpool.errors import InvalidArgument
-from kvpool.plan import BufferKind, BufferSpec
-from kvpool.spec import LinearAttention, MHAAttention, ModelSpec
+from kvpool.contract.dtypes import DType
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.plan import BufferKind, BufferSpec
+from kvpool.contract.spec import LinearAttention, MHAAttention, ModelSpec
 from kvpoold.sizing import mha, mla
 from kvpoold.sizing.common import (
     Sizing,

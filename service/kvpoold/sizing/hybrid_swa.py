@@ -68,10 +68,10 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvpool.dtypes import DType
-from kvpool.errors import InvalidArgument
-from kvpool.plan import FULL_TO_SWA, BufferKind, BufferSpec
-from kvpool.spec import MHAAttention, ModelSpec
+from kvpool.contract.dtypes import DType
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.plan import FULL_TO_SWA, BufferKind, BufferSpec
+from kvpool.contract.spec import MHAAttention, ModelSpec
 from kvpoold.sizing import mha
 from kvpoold.sizing.common import (
     Sizing,

@@ -11,8 +11,8 @@ from collections.abc import Iterable
 
 import msgspec
 
-from kvpool.dtypes import DType
-from kvpool.plan import BufferFill, BufferKind, BufferSpec
+from kvpool.contract.dtypes import DType
+from kvpool.contract.plan import BufferFill, BufferKind, BufferSpec
 
 ALIGN_BYTES = 256
 # The id space that addresses a buffer of each kind unless its module says otherwise: compressed

@@ -16,8 +16,8 @@ page); draft layers add ``draft_k.<i>`` / ``draft_v.<i>``.
 
 from __future__ import annotations
 
-from kvpool.plan import BufferKind, BufferSpec
-from kvpool.spec import MHAAttention, ModelSpec
+from kvpool.contract.plan import BufferKind, BufferSpec
+from kvpool.contract.spec import MHAAttention, ModelSpec
 from kvpoold.sizing import fp4
 from kvpoold.sizing.common import (
     KVFormat,

@@ -12,8 +12,8 @@ buffer.
 
 from __future__ import annotations
 
-from kvpool.plan import BufferKind, BufferSpec
-from kvpool.spec import MLAAttention, ModelSpec
+from kvpool.contract.plan import BufferKind, BufferSpec
+from kvpool.contract.spec import MLAAttention, ModelSpec
 from kvpoold.sizing import fp4
 from kvpoold.sizing.common import (
     KVFormat,

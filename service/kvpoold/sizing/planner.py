@@ -11,11 +11,11 @@ import dataclasses
 
 import msgspec
 
-from kvpool.dtypes import DType
-from kvpool.errors import InvalidArgument
-from kvpool.options import PlanOptions
-from kvpool.plan import ArchitectureSource, BufferKind, PoolPlan
-from kvpool.spec import ModelSpec
+from kvpool.contract.dtypes import DType
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.options import PlanOptions
+from kvpool.contract.plan import ArchitectureSource, BufferKind, PoolPlan
+from kvpool.contract.spec import ModelSpec
 from kvpoold.sizing.common import (
     REQ_TO_TOKEN_EXTRA_COLUMNS,
     Sizing,

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvpool.errors import InvalidArgument
-from kvpool.plan import BufferSpec
-from kvpool.spec import ModelSpec
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.plan import BufferSpec
+from kvpool.contract.spec import ModelSpec
 from kvpoold.sizing import dsa, dsv4, hybrid_linear, hybrid_swa, mha, mla
 from kvpoold.sizing.common import Sizing, SizingContext
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvpool.plan import FULL_TO_SWA, BufferSpec, IdSpaceSpec
+from kvpool.contract.plan import FULL_TO_SWA, BufferSpec, IdSpaceSpec
 from kvpoold.sizing.common import Sizing
 
 # name -> (what one id is, the option that makes the space larger); a space not listed here

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvpool.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from kvpool.records import TransferState, TransferStatus
+from kvpool.contract.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvpool.contract.records import TransferState, TransferStatus
 from kvpoold.deadlines import DeadlineHeap
 
 TOKEN_BYTES = 16

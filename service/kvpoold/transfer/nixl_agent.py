@@ -36,7 +36,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from kvpool.errors import Internal
+from kvpool.contract.errors import Internal
 
 log = logging.getLogger("kvpoold.transfer")
 

@@ -44,8 +44,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from kvpool import codec
-from kvpool.errors import (
+from kvpool.clients.targets import channel_target
+from kvpool.contract import codec
+from kvpool.contract.errors import (
     FailedPrecondition,
     Internal,
     InvalidArgument,
@@ -55,9 +56,8 @@ from kvpool.errors import (
     Unauthenticated,
     Unavailable,
 )
-from kvpool.plan import PoolPlan
-from kvpool.records import PeerStats, TransferState, TransferStatus
-from kvpool.targets import channel_target
+from kvpool.contract.plan import PoolPlan
+from kvpool.contract.records import PeerStats, TransferState, TransferStatus
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpoold.ids import IdSpace
 from kvpoold.ids.space import distinct
@@ -69,14 +69,20 @@ from kvpoold.transfer.grants import (
     TransferRecord,
     check_token,
 )
-from kvpoold.transfer.layout import KV_SPACE, SWA_SPACE, layout_mismatch, page_buffers, page_layout
 from kvpoold.transfer.nixl_agent import NIXL_MISSING, NixlAgent, mem_type
+from kvpoold.transfer.page_layout import (
+    KV_SPACE,
+    SWA_SPACE,
+    layout_mismatch,
+    page_buffers,
+    page_layout,
+)
 
 if TYPE_CHECKING:
-    from kvpool.aio import AsyncKVPoolClient
+    from kvpool.clients.aio import AsyncKVPoolClient
+    from kvpoold.server.args import PeerReceiveArgs
     from kvpoold.server.leases import LeaseTable
     from kvpoold.server.live_pools import LivePool
-    from kvpoold.server.records import PeerReceiveArgs
 
 log = logging.getLogger("kvpoold.transfer")
 
@@ -689,7 +695,7 @@ class Transfers:
     def _client(self, target: str) -> AsyncKVPoolClient:
         client = self._clients.get(target)
         if client is None:
-            from kvpool.aio import AsyncKVPoolClient
+            from kvpool.clients.aio import AsyncKVPoolClient
 
             client = AsyncKVPoolClient(target, token=self._peer_token, timeout_s=PEER_TIMEOUT_S)
             self._clients[target] = client

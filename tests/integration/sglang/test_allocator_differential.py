@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from kvpool.client import KVPoolClient
+from kvpool.clients.client import KVPoolClient
 from tests.conftest import REPO, TINY_SPEC, DaemonProcess
 from tests.integration.side_venv import sglang_env
 

@@ -46,8 +46,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvpool.client import KVPoolClient
-from kvpool.records import Stats
+from kvpool.clients.client import KVPoolClient
+from kvpool.contract.records import Stats
 from tests.conftest import REPO, DaemonProcess, temp_dir
 from tests.integration.side_venv import SGLANG_DIR, sglang_env
 

@@ -7,7 +7,7 @@ SGLang's scheduler and radix caches ask their ``token_to_kv_pool_allocator`` for
 the same results as SGLang's allocator (which calls succeed, ``available_size`` after each),
 but it owns no free list: the pages are ids of the pool's ``kv`` space, held by the
 scheduler's lease in the kvpool daemon and served from a client page cache
-(``kvpool.page_cache``), so several engines can share one pool and a crashed scheduler's pages
+(``kvpool.cache.page_cache``), so several engines can share one pool and a crashed scheduler's pages
 go back to the pool when its lease expires.
 
 - Page ``p`` (an id of the pool's ``kv`` space, ``1..capacity``; 0 is never handed out, as in
@@ -52,10 +52,15 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 
-from kvpool.errors import FailedPrecondition, InvalidArgument, KVPoolError, ResourceExhausted
+from kvpool.cache.page_cache import DEFAULT_HIGH, PageCache, space_capacity
+from kvpool.contract.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    KVPoolError,
+    ResourceExhausted,
+)
+from kvpool.contract.records import Stats
 from kvpool.integrations.sglang.binding import PoolBinding, binding_from_env, binding_of
-from kvpool.page_cache import DEFAULT_HIGH, PageCache, space_capacity
-from kvpool.records import Stats
 
 log = logging.getLogger("kvpool.integrations.sglang.allocator")
 

@@ -9,7 +9,8 @@ makes one from the environment.
 
 Environment (read once, here):
 
-- ``KVPOOL_TARGET``: the daemon (``kvpool.targets.default_target``; default the per-user socket).
+- ``KVPOOL_TARGET``: the daemon (``kvpool.clients.targets.default_target``; default the per-user
+socket).
   ``{gpu}`` in it becomes the scheduler's CUDA device index (one daemon per GPU:
   ``unix:///run/kvpool/gpu{gpu}.sock``); on CPU it becomes 0.
 - ``KVPOOL_TOKEN_FILE``: a file holding the daemon's bearer token (TCP listeners).
@@ -28,9 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpool.client import KVPoolClient, Lease
-from kvpool.errors import FailedPrecondition, InvalidArgument
-from kvpool.targets import TARGET_ENV, default_target, token_from
+from kvpool.clients.client import KVPoolClient, Lease
+from kvpool.clients.targets import TARGET_ENV, default_target, token_from
+from kvpool.contract.errors import FailedPrecondition, InvalidArgument
 
 POOL_ENV = "KVPOOL_POOL"
 TOKEN_FILE_ENV = "KVPOOL_TOKEN_FILE"

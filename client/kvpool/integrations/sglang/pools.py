@@ -45,11 +45,11 @@ from sglang.srt.mem_cache.memory_pool import (
     MLATokenToKVPool,
 )
 
-from kvpool.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from kvpool.contract.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from kvpool.contract.options import KVCacheDType
+from kvpool.contract.records import ConfigureResult
 from kvpool.integrations.sglang.binding import POOL_ENV, PoolBinding, binding_from_env
-from kvpool.mapping import MappedRegion
-from kvpool.options import KVCacheDType
-from kvpool.records import ConfigureResult
+from kvpool.mapping.regions import MappedRegion
 
 log = logging.getLogger("kvpool.sglang")
 

@@ -1,0 +1,170 @@
+"""The plan record: pool sizes plus the buffer layout, a frozen Struct that round-trips JSON.
+
+This is kvpool's answer to SGLang's ``_PoolSizes``: plain values only (dtypes by name), so it can
+be printed by ``kvpoold plan --json``, returned by ``Configure`` and hashed into a fingerprint.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from typing import Annotated, Literal
+
+import msgspec
+
+from kvpool.contract.dtypes import DType
+from kvpool.contract.spec import Base
+
+
+class BufferKind(enum.StrEnum):
+    """What a buffer's rows are indexed by, which tells a transfer engine how to move it."""
+
+    kv = "kv"  # token-major KV rows of the full (or only) token space: row r = token slot r
+    swa_kv = "swa_kv"  # token-major rows of the SWA token space (hybrid SWA)
+    index = "index"  # DSA indexer, page-major rows of the full token space
+    state = "state"  # per request-state slot (mamba conv/ssm, DSV4 compress state)
+    spec_state = "spec_state"  # per request row: speculative intermediate conv/ssm states
+    compressed = "compressed"  # DSV4 compressed KV token spaces (c4 / c128)
+    req_to_token = "req_to_token"  # request row -> token slots (aux, outside the budget)
+    map = "map"  # full -> swa slot mapping (aux, outside the budget)
+
+
+class BufferFill(enum.StrEnum):
+    """What a buffer holds before anything is written into it (the pool builder writes it over
+    the zero-filled backing; a client's fresh pool reads the same)."""
+
+    zeros = "zeros"
+    # Rows of [kv | score], two equal halves of the last dim: the score half is -inf, so a row
+    # nobody has written weighs nothing in a softmax over scores (DSV4 compress states).
+    kv_score = "kv_score"
+
+
+class BufferSpec(Base):
+    """One named, typed view carved out of the pool's single backing region.
+
+    ``page_bytes`` is the size of one allocation unit of this buffer (a KV page: page_size
+    rows; a state slot: one row), what a transfer engine registers as the item length.
+    ``in_budget`` is False for the aux buffers that live outside ``budget_bytes``.
+    ``id_space`` names the plan's id space whose id ``u`` addresses unit ``u`` of dim 0 (rows
+    ``u * page_bytes / row_bytes`` onward); "" when no allocatable id does. ``fill`` is what
+    the buffer holds when the pool is built.
+    """
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    offset_bytes: int
+    nbytes: int
+    kind: BufferKind
+    page_bytes: int
+    in_budget: bool = True
+    id_space: str = ""
+    fill: BufferFill = BufferFill.zeros
+
+
+# The aux full->SWA page map of hybrid SWA and DSV4 pools: int64, indexed by full page id.
+FULL_TO_SWA = "full_to_swa"
+
+SpaceName = Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
+
+
+class IdSpaceSpec(Base):
+    """One allocatable id space of a pool: ids ``1..capacity`` (0 is the padding unit, never
+    handed out), each standing for ``bytes_per_unit`` bytes over the buffers it indexes.
+
+    ``follows`` names the space this one is paired with: every id handed out in that space
+    brings one id of this space, written into the ``mapping`` buffer at the leader's index
+    (full -> SWA pages of a hybrid sliding-window pool). A following space is never allocated
+    on its own; freeing in it takes leader ids and returns only their paired ids.
+    """
+
+    name: SpaceName  # kv, swa, req, state, c4_state, c128_state
+    capacity: Annotated[int, msgspec.Meta(ge=1, le=(1 << 31) - 2)]
+    unit: str  # pages, rows, slots: what one id is, for messages
+    bytes_per_unit: int
+    knob: str  # the option that makes the space larger, for "not enough free" messages
+    follows: SpaceName | None = None
+    mapping: str | None = None
+
+ArchitectureSource = Literal["hf_config", "fallback", "spec"]
+
+
+class PoolPlan(Base):
+    """Sizes and layout of one pool; ``None`` where a field does not apply to the architecture.
+
+    ``total_bytes`` is what the budget pays for (KV + state buffers); ``aux_bytes`` the
+    request->token table and SWA mapping; ``backing_bytes`` the one region actually allocated
+    (total + aux + alignment padding, < 256 B per buffer).
+    """
+
+    architecture: str
+    architecture_source: ArchitectureSource
+    model_architecture: str
+    kv_cache_dtype: str
+    page_size: int
+    context_length: int
+    cell_size_bytes: int
+    max_total_num_tokens: int
+    max_running_requests: int
+    full_max_total_num_tokens: int | None
+    swa_max_total_num_tokens: int | None
+    mamba_cache_size: int | None
+    c4_max_total_num_tokens: int | None
+    c128_max_total_num_tokens: int | None
+    c4_state_pool_size: int | None
+    c128_state_pool_size: int | None
+    total_bytes: int
+    aux_bytes: int
+    backing_bytes: int
+    budget_bytes: int | None
+    num_pages: int
+    swa_num_pages: int | None
+    tp_size: int
+    pp_size: int
+    pp_rank: int
+    layer_start: int
+    layer_end: int
+    num_draft_layers: int
+    req_to_token_columns: int
+    notes: tuple[str, ...]
+    buffers: tuple[BufferSpec, ...]
+    # What Allocate/Free hand out, in this order; Stats, metrics and `kvpool top` follow it.
+    id_spaces: tuple[IdSpaceSpec, ...] = ()
+
+    def id_space(self, name: str) -> IdSpaceSpec:
+        """The id space called ``name``; KeyError lists the plan's spaces."""
+        for s in self.id_spaces:
+            if s.name == name:
+                return s
+        known = ", ".join(s.name for s in self.id_spaces) or "none"
+        raise KeyError(f"no id space {name!r} in this plan (id spaces: {known})")
+
+    def buffer(self, name: str) -> BufferSpec:
+        """The buffer called ``name``; KeyError lists a few known names."""
+        for b in self.buffers:
+            if b.name == name:
+                return b
+        known = ", ".join(b.name for b in self.buffers[:6])
+        raise KeyError(f"no buffer {name!r} in this plan (buffers: {known}, ...)")
+
+    def to_json(self) -> bytes:
+        return msgspec.json.encode(self)
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> PoolPlan:
+        return msgspec.json.decode(data, type=cls)
+
+    def fingerprint(self) -> str:
+        """Hash of everything that decides the memory layout (the buffers and the id spaces)."""
+        layout = (
+            self.architecture,
+            self.page_size,
+            self.num_pages,
+            self.swa_num_pages,
+            self.max_running_requests,
+            self.mamba_cache_size,
+            self.backing_bytes,
+            self.buffers,
+            self.id_spaces,
+        )
+        return hashlib.sha256(msgspec.json.encode(layout)).hexdigest()[:32]

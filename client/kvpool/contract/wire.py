@@ -1,0 +1,235 @@
+"""Client requests, shared by the sync and asyncio clients: Python values -> request messages.
+
+Replies are decoded by ``kvpool.contract.codec`` into ``kvpool.contract.records``; a failed call
+becomes the
+``kvpool.contract.errors`` class of its status code (field from the ``kvpool-field`` metadata).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+import msgspec
+import numpy as np
+from google.protobuf import json_format
+
+from kvpool.contract.errors import InvalidArgument, KVPoolError, error_from_code
+from kvpool.contract.limits import FIELD_METADATA_KEY, ID_DTYPE
+from kvpool.contract.spec import decode_spec
+from kvpool.v1 import kvpool_pb2 as pb
+
+# -- errors -------------------------------------------------------------------------------------
+
+def error_from_rpc(exc: grpc.RpcError, target: str = "") -> KVPoolError:
+    """The ``kvpool.contract.errors`` exception for a failed call, keeping its code, message and
+    field.
+
+    Every status code has its class (``kvpool.contract.errors.ERRORS_BY_CODE``): a daemon that is
+    not running is ``Unavailable``, a passed deadline ``DeadlineExceeded``; an error carrying no
+    status at all is ``Unknown``.
+    """
+    # A bare grpc.RpcError (raised by an interceptor, say) has no code(), details() or metadata.
+    code = exc.code() if hasattr(exc, "code") else None
+    details = (exc.details() or "") if hasattr(exc, "details") else str(exc)
+    field = None
+    metadata = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    for key, value in metadata or ():
+        if key == FIELD_METADATA_KEY:
+            field = value if isinstance(value, str) else value.decode()
+    # The daemon's own UNAVAILABLE answers name their field (a peer it could not reach); only
+    # a call that never reached a daemon is about the target.
+    if code == grpc.StatusCode.UNAVAILABLE and target and field is None:
+        details = f"cannot reach kvpoold at {target} ({details}); is `kvpoold serve` running?"
+    return error_from_code(code.name if code is not None else "UNKNOWN", details, field)
+
+
+# -- leases -------------------------------------------------------------------------------------
+
+class LeaseLike(Protocol):
+    """A lease as requests name it: ``Lease``, ``AsyncLease`` or :class:`LeaseKey`."""
+
+    @property
+    def lease_id(self) -> int: ...
+
+    @property
+    def secret(self) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class LeaseKey:
+    """A lease's id and secret (OpenLease's answer), for code that holds no ``Lease`` object:
+    another process the lease was handed to, a raw-stub test. The secret is not in its repr."""
+
+    lease_id: int
+    secret: bytes = field(repr=False)
+
+
+def lease_key(lease: LeaseLike | None, field: str = "lease") -> tuple[int, bytes]:
+    """``(lease_id, lease_secret)`` of a lease, or ``(0, b"")`` for none.
+
+    Raises:
+        InvalidArgument: a bare lease id: a request acting on a lease needs its secret too,
+            which only the ``Lease`` object (or a :class:`LeaseKey`) holds.
+    """
+    if lease is None:
+        return 0, b""
+    if isinstance(lease, int):
+        raise InvalidArgument(f"{field} must be the Lease object, not its id {lease}: the "
+                              "daemon needs the lease's secret too, which the Lease holds "
+                              "(docs/security.md)", field=field)
+    return int(lease.lease_id), bytes(lease.secret)
+
+
+# -- ids and spaces -----------------------------------------------------------------------------
+
+def space_name(space: str, field: str = "space") -> str:
+    """An id space's name as sent (``"kv"``, ``"req"``, ``"state"``, ``"swa"``, ``"c4_state"``
+    ...: the plan's ``id_spaces``).
+
+    Raises:
+        InvalidArgument: not a string, or empty.
+    """
+    if not isinstance(space, str) or not space:
+        raise InvalidArgument(f"an id space is named by a non-empty string (kv, req, state, "
+                              f"...: the plan's id_spaces), got {space!r}", field=field)
+    return space.lower()
+
+
+def ids_bytes(ids: Any, field: str = "ids") -> bytes:
+    """Ids (ndarray or sequence of ints) as little-endian int32 bytes.
+
+    Raises:
+        InvalidArgument: not 1-D integers, or a value outside int32.
+    """
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidArgument(f"{field} must be a 1-D array of integer ids, got {arr.dtype} "
+                              f"{arr.shape}", field=field)
+    if arr.dtype != ID_DTYPE:
+        if arr.size and (arr.min() < -(1 << 31) or arr.max() >= 1 << 31):
+            raise InvalidArgument(f"{field} has an id outside int32", field=field)
+        arr = arr.astype(ID_DTYPE)
+    return arr.tobytes()
+
+
+# -- Configure ----------------------------------------------------------------------------------
+
+# Keys of a Hugging Face config.json that no model spec has: such a mapping was meant as
+# ``hf_config``.
+HF_CONFIG_KEYS = ("architectures", "model_type", "num_hidden_layers", "hidden_size")
+
+
+def spec_message(spec: Any) -> pb.ModelSpec:
+    """A model spec (a mapping in kvpoold's ModelSpec JSON shape, or a ModelSpec Struct).
+
+    Raises:
+        InvalidArgument: the mapping is a Hugging Face config (pass it as ``hf_config``) or not a
+            valid spec (msgspec's path of the first bad field).
+    """
+    if not hasattr(spec, "__struct_fields__"):
+        if not isinstance(spec, Mapping):
+            raise InvalidArgument(f"a model spec is a mapping or a ModelSpec, got "
+                                  f"{type(spec).__name__}", field="spec")
+        hf_keys = [k for k in HF_CONFIG_KEYS if k in spec]
+        if hf_keys:
+            raise InvalidArgument(
+                f"the spec looks like a Hugging Face config.json (it has {hf_keys[0]!r}); give "
+                "it as hf_config (kvpool configure --hf-config PATH); a spec is kvpool's own "
+                "model description (docs/api.md, \"Model spec\")", field="spec")
+        spec = decode_spec(dict(spec), source="spec", field="spec")
+    data = msgspec.to_builtins(spec)
+    attention = data.get("attention")
+    if isinstance(attention, Mapping) and "type" in attention:
+        rest = {k: v for k, v in attention.items() if k != "type"}
+        data = {k: v for k, v in data.items() if k != "attention"}
+        data[str(attention["type"])] = rest
+    data = {k: v for k, v in data.items() if v is not None}
+    for key in ("sliding_window", "linear", "dsv4", "indexer"):
+        if isinstance(data.get(key), Mapping):
+            data[key] = {k: v for k, v in data[key].items() if v is not None}
+    try:
+        return json_format.ParseDict(data, pb.ModelSpec())
+    except json_format.ParseError as exc:
+        raise InvalidArgument(f"invalid model spec: {exc}", field="spec") from exc
+
+
+def hf_config_text(hf_config: str | Path | Mapping[str, Any]) -> str:
+    """A HF config.json as text: JSON text, a parsed mapping, or a path (file or model dir)."""
+    if isinstance(hf_config, Mapping):
+        return json.dumps(hf_config)
+    if isinstance(hf_config, Path) or not hf_config.lstrip().startswith("{"):
+        path = Path(hf_config)
+        path = path / "config.json" if path.is_dir() else path
+        try:
+            return path.read_text()
+        except OSError as exc:
+            raise InvalidArgument(f"cannot read HF config {path}: {exc.strerror or exc}",
+                                  field="hf_config") from exc
+    return hf_config
+
+
+def configure_request(pool: str, *, hf_config: Any = None, spec: Any = None,
+                      dry_run: bool = False, **options: Any) -> pb.ConfigureRequest:
+    """A ConfigureRequest; ``options`` are PlanOptions fields (None = the daemon's default).
+
+    Raises:
+        InvalidArgument: both or neither of hf_config / spec, or an unknown option.
+    """
+    if (hf_config is None) == (spec is None):
+        raise InvalidArgument("give the model as hf_config or spec (one of them)", field="model")
+    known = set(pb.ConfigureRequest.DESCRIPTOR.fields_by_name) - {"pool", "dry_run", "spec",
+                                                                  "hf_config_json"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise InvalidArgument(f"unknown Configure option {unknown[0]!r} (known: "
+                              f"{', '.join(sorted(known))})", field=unknown[0])
+    req = pb.ConfigureRequest(pool=pool, dry_run=dry_run,
+                              **{k: v for k, v in options.items() if v is not None})
+    if spec is not None:
+        req.spec.CopyFrom(spec_message(spec))
+    else:
+        req.hf_config_json = hf_config_text(hf_config)
+    return req
+
+
+# -- Allocate / Free ----------------------------------------------------------------------------
+
+def allocate_request(pool: str, lease: LeaseLike,
+                     items: Sequence[tuple[str | int, int]]) -> pb.AllocateRequest:
+    return pb.AllocateRequest(pool=pool, lease_id=lease.lease_id, lease_secret=lease.secret,
+                              items=[
+        pb.AllocateItem(space=space_name(space, f"items[{i}].space"), count=count)
+        for i, (space, count) in enumerate(items)
+    ])
+
+
+def free_request(pool: str, lease: LeaseLike,
+                 items: Sequence[tuple[str | int, Any]]) -> pb.FreeRequest:
+    return pb.FreeRequest(pool=pool, lease_id=lease.lease_id, lease_secret=lease.secret, items=[
+        pb.IdList(space=space_name(space, f"items[{i}].space"),
+                  ids=ids_bytes(ids, f"items[{i}].ids"))
+        for i, (space, ids) in enumerate(items)
+    ])
+
+
+# -- transfers between daemons ------------------------------------------------------------------
+
+def grant_receive_request(pool: str, lease: LeaseLike, pages: Any,
+                          ttl_s: float | None = None) -> pb.GrantReceiveRequest:
+    return pb.GrantReceiveRequest(pool=pool, lease_id=lease.lease_id, lease_secret=lease.secret,
+                                  pages=ids_bytes(pages, "pages"), ttl_seconds=ttl_s or 0.0)
+
+
+def send_request(pool: str, lease: LeaseLike, pages: Any, peer: str,
+                 token: bytes) -> pb.SendRequest:
+    if not isinstance(token, bytes | bytearray):
+        raise InvalidArgument(f"token must be the bytes GrantReceive returned, got "
+                              f"{type(token).__name__}", field="token")
+    lease_id, secret = lease_key(lease)
+    return pb.SendRequest(pool=pool, lease_id=lease_id, lease_secret=secret,
+                          pages=ids_bytes(pages, "pages"), peer=peer, token=bytes(token))

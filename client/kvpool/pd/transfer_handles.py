@@ -1,0 +1,182 @@
+"""Handles for transfers between daemons (disaggregated prefill/decode; docs/pd-transfer.md).
+
+Decode side::
+
+    grant = lease.grant_receive("llama", pages)       # a ReceiveGrant
+    send_to_prefill(grant.token, decode_address)      # your own channel between engines
+    grant.wait(timeout_s=30)                          # the pages hold the prefill's KV
+
+Prefill side::
+
+    handle = client.send("llama", pages, peer=decode_address, token=token, lease=lease)
+    handle.wait(timeout_s=30)
+
+``wait`` returns the :class:`kvpool.contract.records.TransferStatus` once the transfer is done,
+raises
+``Aborted`` (with the daemon's reason) when it failed, and ``DeadlineExceeded`` when it has not
+ended within ``timeout_s``. ``status()`` answers at once without raising. The asyncio forms
+(``AsyncReceiveGrant``, ``AsyncSendHandle``) have the same methods as coroutines.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvpool.contract import codec
+from kvpool.contract.errors import Aborted, DeadlineExceeded
+from kvpool.contract.records import TransferState, TransferStatus
+from kvpool.v1 import kvpool_pb2 as pb
+
+if TYPE_CHECKING:
+    from kvpool.clients.aio import AsyncKVPoolClient
+    from kvpool.clients.client import KVPoolClient
+
+# One WaitTransfer call waits at most this long; wait() makes as many as its timeout needs.
+WAIT_SLICE_S = 10.0
+_CALL_MARGIN_S = 5.0
+
+
+def _checked(status: TransferStatus, what: str, timeout_s: float | None) -> TransferStatus:
+    if status.state == TransferState.done:
+        return status
+    if status.state == TransferState.failed:
+        raise Aborted(f"{what} failed: {status.message}")
+    raise DeadlineExceeded(f"{what} has not ended after {timeout_s} s (still pending)")
+
+
+class _Waitable:
+    """What every handle shares: the WaitTransfer request that names it."""
+
+    what = "transfer"
+
+    def _request(self, timeout_s: float) -> pb.WaitTransferRequest:
+        raise NotImplementedError
+
+
+class _Grant(_Waitable):
+    """The fields of a receive grant (sync and asyncio handles alike).
+
+    Attributes:
+        token: the opaque grant token (bytes): whoever holds it may write the pages once.
+        pages: the granted kv page ids (int32).
+        swa_pages: for a hybrid SWA pool, the SWA page paired with each (0: none), else None.
+        expires_in_s: seconds the grant had left when made.
+    """
+
+    what = "the transfer into the granted pages"
+
+    def __init__(self, client: Any, pages: np.ndarray, resp: pb.GrantReceiveResponse) -> None:
+        self._client = client
+        self.token = resp.token
+        self.pages = pages
+        self.swa_pages = codec.ids_from_bytes(resp.swa_pages) if resp.swa_pages else None
+        self.expires_in_s = resp.expires_in_seconds
+
+    def _request(self, timeout_s: float) -> pb.WaitTransferRequest:
+        return pb.WaitTransferRequest(token=self.token, timeout_seconds=timeout_s)
+
+
+class _Send(_Waitable):
+    """The fields of a send (sync and asyncio handles alike).
+
+    Attributes:
+        transfer_id: the id on the sending daemon.
+        bytes: bytes the write moves. descriptors: NIXL descriptors posted.
+        peer_agent: the receiving daemon's NIXL agent.
+    """
+
+    def __init__(self, client: Any, resp: pb.SendResponse) -> None:
+        self._client = client
+        self.transfer_id = resp.transfer_id
+        self.bytes = resp.bytes
+        self.descriptors = resp.descriptors
+        self.peer_agent = resp.peer_agent
+        self.what = f"transfer {resp.transfer_id} to {resp.peer_agent}"
+
+    def _request(self, timeout_s: float) -> pb.WaitTransferRequest:
+        return pb.WaitTransferRequest(transfer_id=self.transfer_id, timeout_seconds=timeout_s)
+
+
+class ReceiveGrant(_Grant):
+    """A receive grant of the decode side: hand ``token`` (and this daemon's address) to the
+    prefill side; ``wait`` until its write completed."""
+
+    _client: KVPoolClient
+
+    def status(self) -> TransferStatus:
+        """Where the transfer stands now (no waiting, no raising)."""
+        return _wait_once(self._client, self._request(0.0))
+
+    def wait(self, timeout_s: float | None = 60.0) -> TransferStatus:
+        """Wait for the write into the granted pages to end (None: as long as it takes)."""
+        return _checked(_wait(self._client, self, timeout_s), self.what, timeout_s)
+
+
+class SendHandle(_Send):
+    """A send of the prefill side."""
+
+    _client: KVPoolClient
+
+    def status(self) -> TransferStatus:
+        return _wait_once(self._client, self._request(0.0))
+
+    def wait(self, timeout_s: float | None = 60.0) -> TransferStatus:
+        """Wait for the write to end on this side (None: as long as it takes)."""
+        return _checked(_wait(self._client, self, timeout_s), self.what, timeout_s)
+
+
+def _wait_once(client: Any, req: pb.WaitTransferRequest) -> TransferStatus:
+    resp = client.call("WaitTransfer", req,
+                       timeout_s=req.timeout_seconds + _CALL_MARGIN_S)
+    return codec.transfer_status_from_pb(resp)
+
+
+def _wait(client: Any, handle: _Waitable, timeout_s: float | None) -> TransferStatus:
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        left = WAIT_SLICE_S if deadline is None else max(0.0, deadline - time.monotonic())
+        status = _wait_once(client, handle._request(min(WAIT_SLICE_S, left)))
+        if status.ended or (deadline is not None and time.monotonic() >= deadline):
+            return status
+
+
+class AsyncReceiveGrant(_Grant):
+    """:class:`ReceiveGrant` for asyncio code."""
+
+    _client: AsyncKVPoolClient
+
+    async def status(self) -> TransferStatus:
+        return await _await_once(self._client, self._request(0.0))
+
+    async def wait(self, timeout_s: float | None = 60.0) -> TransferStatus:
+        return _checked(await _await(self._client, self, timeout_s), self.what, timeout_s)
+
+
+class AsyncSendHandle(_Send):
+    """:class:`SendHandle` for asyncio code."""
+
+    _client: AsyncKVPoolClient
+
+    async def status(self) -> TransferStatus:
+        return await _await_once(self._client, self._request(0.0))
+
+    async def wait(self, timeout_s: float | None = 60.0) -> TransferStatus:
+        return _checked(await _await(self._client, self, timeout_s), self.what, timeout_s)
+
+
+async def _await_once(client: Any, req: pb.WaitTransferRequest) -> TransferStatus:
+    resp = await client.call("WaitTransfer", req,
+                             timeout_s=req.timeout_seconds + _CALL_MARGIN_S)
+    return codec.transfer_status_from_pb(resp)
+
+
+async def _await(client: Any, handle: _Waitable, timeout_s: float | None) -> TransferStatus:
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        left = WAIT_SLICE_S if deadline is None else max(0.0, deadline - time.monotonic())
+        status = await _await_once(client, handle._request(min(WAIT_SLICE_S, left)))
+        if status.ended or (deadline is not None and time.monotonic() >= deadline):
+            return status

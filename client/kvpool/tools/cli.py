@@ -1,0 +1,242 @@
+"""``kvpool``: the client command line (``configure``, ``stats``, ``leases``, ``drop``, ...).
+
+The parser is built from :data:`SUBCOMMANDS`, one ``add_<name>(subparsers, common)`` function
+per subcommand that registers its parser and sets ``func``; a new subcommand (``demo``, ``top``)
+is one more function in that table. torch is never imported here: ``kvpool stats`` starts in
+the time it takes to import grpc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from kvpool.clients.targets import default_target, token_from
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.option_flags import add_option_flags, option_values
+from kvpool.tools.cli_run import parse_command_line, run_subcommand
+from kvpool.tools.demo import add_demo
+from kvpool.tools.top import add_top
+
+AddParser = Callable[[Any, argparse.ArgumentParser], argparse.ArgumentParser]
+
+
+def common_options(target_help: str | None = None) -> argparse.ArgumentParser:
+    """Options every subcommand takes: where the daemon is and how to authenticate.
+
+    Args:
+        target_help: ``--target``'s help when its default is not the per-user socket.
+
+    Returns:
+        A parser to pass as ``parents=[...]``.
+    """
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--target", default=None, metavar="ADDR",
+                        help=target_help or
+                        f"unix:///path.sock or host:port (default {default_target()})")
+    token = common.add_mutually_exclusive_group()
+    token.add_argument("--token", metavar="SECRET",
+                       help="bearer token for a TCP listener (visible in ps: prefer --token-file)")
+    token.add_argument("--token-file", type=Path, metavar="PATH", help="read the token here")
+    common.add_argument("--timeout", type=float, default=30.0, metavar="S",
+                        help="deadline per call in seconds (default 30)")
+    return common
+
+
+def client_from(args: argparse.Namespace) -> Any:
+    """A ``KVPoolClient`` for the common options."""
+    from kvpool.clients.client import KVPoolClient
+
+    if args.token:
+        print("kvpool: warning: --token "
+              "shows the secret to every local user (ps, /proc/<pid>/cmdline); use --token-file",
+              file=sys.stderr)
+    token = token_from(args.token, args.token_file)
+    return KVPoolClient(args.target, token=token, timeout_s=args.timeout)
+
+
+def _human(nbytes: int) -> str:
+    from kvpool.contract.sizes import format_size
+
+    return format_size(nbytes)
+
+
+def _print_json(value: Any) -> None:
+    sys.stdout.write(msgspec.json.format(msgspec.json.encode(value), indent=2).decode() + "\n")
+
+
+# -- configure ----------------------------------------------------------------------------------
+
+def add_configure(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = sub.add_parser("configure", parents=[common], help="plan and build a pool",
+                       description="Plan a pool for a model and build it in the daemon (or only "
+                                   "plan it with --dry-run). Idempotent for the same layout.")
+    p.add_argument("pool", help="pool name: [a-z0-9][a-z0-9._-]{0,62}")
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--hf-config", type=Path, metavar="PATH",
+                       help="a Hugging Face config.json (or its model directory)")
+    model.add_argument("--spec", type=Path, metavar="PATH",
+                       help="a hand-written kvpool model spec (.json or .toml)")
+    add_option_flags(p)  # the same knobs as `kvpoold plan`, from PlanOptions
+    p.add_argument("--dry-run", action="store_true", help="plan and check; allocate nothing")
+    p.add_argument("--json", action="store_true", help="print the plan and result as JSON")
+    p.set_defaults(func=run_configure)
+    return p
+
+
+def load_spec_mapping(path: Path) -> dict[str, Any]:
+    """A spec file as a mapping (``.toml`` or JSON)."""
+    try:
+        raw = path.read_bytes()
+        return msgspec.toml.decode(raw) if path.suffix == ".toml" else msgspec.json.decode(raw)
+    except (OSError, msgspec.DecodeError) as exc:
+        raise InvalidArgument(f"cannot read spec {path}: {exc}", field="spec") from exc
+
+
+def run_configure(args: argparse.Namespace) -> int:
+    options = option_values(args)
+    model: dict[str, Any] = (
+        {"hf_config": args.hf_config} if args.hf_config else
+        {"spec": load_spec_mapping(args.spec)}
+    )
+    with client_from(args) as client:
+        result = client.configure(args.pool, dry_run=args.dry_run, **model, **options)
+    if args.json:
+        _print_json({"pool": args.pool, "created": result.created, "dry_run": result.dry_run,
+                     "fingerprint": result.fingerprint,
+                     "budget_available_bytes": result.budget_available_bytes,
+                     "plan": msgspec.json.decode(result.plan_json)})
+        return 0
+    plan = result.plan
+    state = "planned (dry run)" if result.dry_run else "created" if result.created else "exists"
+    print(f"pool {args.pool}: {state}, fingerprint {result.fingerprint}")
+    print(f"  {plan.architecture}, {plan.kv_cache_dtype}, page {plan.page_size}: "
+          f"{plan.num_pages:,} pages ({plan.max_total_num_tokens:,} tokens), "
+          f"{plan.max_running_requests:,} requests")
+    print(f"  backing {_human(plan.backing_bytes)} (KV+state {_human(plan.total_bytes)}, aux "
+          f"{_human(plan.aux_bytes)}); daemon budget left {_human(result.budget_available_bytes)}")
+    for note in plan.notes:
+        print(f"  note: {note}")
+    return 0
+
+
+# -- stats / leases -----------------------------------------------------------------------------
+
+def add_stats(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = sub.add_parser("stats", parents=[common], help="the daemon, its pools and leases",
+                       description="Print the daemon's budget, each pool's per-space counters and "
+                                   "each lease's holdings.")
+    p.add_argument("--pool", default="", help="only this pool")
+    p.add_argument("--json", action="store_true",
+                   help='print {"daemon": {...}, "pools": [...], "leases": [...]}')
+    p.set_defaults(func=run_stats)
+    return p
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    with client_from(args) as client:
+        stats = client.stats(args.pool)
+    if args.json:
+        _print_json(stats)
+        return 0
+    d = stats.daemon
+    hidden = f" ({d.other_leases} of other identities, not shown)" if d.other_leases else ""
+    print(f"kvpoold {d.version} on {d.device}: {_human(d.used_bytes)} of "
+          f"{_human(d.budget_bytes)} used, {d.num_pools} pools, {d.num_leases} leases{hidden}, up "
+          f"{d.uptime_seconds:.0f}s (leases opened {d.leases_opened}, closed "
+          f"{d.leases_closed}, expired {d.leases_expired})"
+          + (f"; event loop stalled {d.loop_stalls} times, longest "
+             f"{d.loop_longest_stall_seconds:.2f} s" if d.loop_stalls else ""))
+    for p in stats.pools:
+        print(f"pool {p.name}: {p.architecture} {p.kv_cache_dtype} page {p.page_size}, "
+              f"{_human(p.backing_bytes)}, attached {p.attached}, sharing {p.sharing}, "
+              f"fingerprint {p.fingerprint}")
+        for space, k in p.spaces.items():
+            share = 100.0 * k.used / k.capacity if k.capacity else 0.0
+            print(f"  {space:<10} used {k.used:>10,} / {k.capacity:<10,} ({share:5.1f}%)  "
+                  f"high {k.high_water:,}  allocs {k.allocs:,}  frees {k.frees:,}  "
+                  f"failed {k.failed_allocs:,}")
+    if stats.leases:
+        print_leases(stats.leases)
+    return 0
+
+
+def add_leases(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = sub.add_parser("leases", parents=[common], help="who holds what",
+                       description="List open leases: name, time to expiry, ids held per pool "
+                                   "and space (with how many of them its page caches hold "
+                                   "unused, as reported).")
+    p.add_argument("--json", action="store_true", help="print the leases as a JSON list")
+    p.set_defaults(func=run_leases)
+    return p
+
+
+def print_leases(leases: Sequence[Any]) -> None:
+    print(f"{'LEASE':<20} {'NAME':<24} {'EXPIRES':>8} {'ATT':>4}  HELD")
+    for x in leases:
+        held = x.held_text()
+        print(f"{x.lease_id:<20} {x.name:<24.24} {x.expires_in_seconds:>7.1f}s {x.attached:>4}"
+              f"  {held}")
+
+
+def run_leases(args: argparse.Namespace) -> int:
+    with client_from(args) as client:
+        leases = client.stats().leases
+    if args.json:
+        _print_json(leases)
+    elif leases:
+        print_leases(leases)
+    else:
+        print("no open leases")
+    return 0
+
+
+# -- drop ---------------------------------------------------------------------------------------
+
+def add_drop(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = sub.add_parser("drop", parents=[common], help="release a pool",
+                       description="Release a pool's memory. Refused while a lease holds ids in "
+                                   "it or a client is attached, unless --force.")
+    p.add_argument("pool")
+    p.add_argument("--force", action="store_true",
+                   help="reclaim every id and end every attachment (engines using it break)")
+    p.set_defaults(func=run_drop)
+    return p
+
+
+def run_drop(args: argparse.Namespace) -> int:
+    with client_from(args) as client:
+        released = client.drop(args.pool, force=args.force)
+    print(f"dropped {args.pool}: released {_human(released.released_bytes)}, reclaimed "
+          f"{released.total:,} ids, detached {released.detached}")
+    return 0
+
+
+SUBCOMMANDS: tuple[AddParser, ...] = (add_configure, add_stats, add_leases, add_drop, add_top,
+                                      add_demo)
+
+
+def build_parser(subcommands: Sequence[AddParser] = SUBCOMMANDS) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpool",
+                                     description="Client of kvpoold, the KV-cache pool daemon.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = common_options()
+    for add in subcommands:
+        add(sub, common)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand; exit 2 for bad input, 1 for other daemon errors."""
+    parser = build_parser()
+    args = parse_command_line(parser, argv)
+    return run_subcommand("kvpool", args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

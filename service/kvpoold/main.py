@@ -1,0 +1,37 @@
+"""``kvpoold``: the daemon's command line (``plan``, ``serve``).
+
+Each subcommand lives in its own module and registers itself with :func:`main`'s parser.
+Bad input exits with status 2 and one line naming the field and the accepted values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kvpool.tools.cli_run import parse_command_line, run_subcommand
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvpoold import plan_cli
+    from kvpoold.server import serve_cli
+
+    parser = argparse.ArgumentParser(
+        prog="kvpoold",
+        description="kvpool daemon: plans and owns the KV-cache pools of one device.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    plan_cli.add_parser(sub)
+    serve_cli.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parse_command_line(parser, argv)
+    return run_subcommand("kvpoold", args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
