@@ -25,7 +25,8 @@ import pytest
 
 from kvpool.clients.client import KVPoolClient
 from kvpool.contract.records import DaemonStats, LeaseStats, PoolStats, SpaceStats, Stats
-from kvpool.tools.top import Rate, rates, render
+from kvpool.tools.top import render
+from kvpool.tools.top_model import Rate, rates
 from tests.conftest import (
     REPO,
     TINY_OPTIONS,
@@ -311,7 +312,7 @@ def frame(stats: Stats, width: int = 200) -> str:
     """One ``--once`` frame of a daemon whose snapshot is ``stats``, as plain text."""
     from rich.console import Console
 
-    from kvpool.tools.top import DaemonView
+    from kvpool.tools.top_model import DaemonView
 
     view = DaemonView("unix:///x.sock")
     view.update(stats, time.monotonic())

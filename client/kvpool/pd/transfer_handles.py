@@ -21,7 +21,8 @@ ended within ``timeout_s``. ``status()`` answers at once without raising. The as
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Generator
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -30,9 +31,18 @@ from kvpool.contract.errors import Aborted, DeadlineExceeded
 from kvpool.contract.records import TransferState, TransferStatus
 from kvpool.v1 import kvpool_pb2 as pb
 
-if TYPE_CHECKING:
-    from kvpool.clients.aio import AsyncKVPoolClient
-    from kvpool.clients.client import KVPoolClient
+
+class Caller(Protocol):
+    """What a handle needs of the client that made it (``KVPoolClient``): one RPC."""
+
+    def call(self, method: str, request: Any, *, timeout_s: float | None = ...) -> Any: ...
+
+
+class AsyncCaller(Protocol):
+    """What an asyncio handle needs of its client (``AsyncKVPoolClient``)."""
+
+    async def call(self, method: str, request: Any, *, timeout_s: float | None = ...) -> Any: ...
+
 
 # One WaitTransfer call waits at most this long; wait() makes as many as its timeout needs.
 WAIT_SLICE_S = 10.0
@@ -104,7 +114,7 @@ class ReceiveGrant(_Grant):
     """A receive grant of the decode side: hand ``token`` (and this daemon's address) to the
     prefill side; ``wait`` until its write completed."""
 
-    _client: KVPoolClient
+    _client: Caller
 
     def status(self) -> TransferStatus:
         """Where the transfer stands now (no waiting, no raising)."""
@@ -118,7 +128,7 @@ class ReceiveGrant(_Grant):
 class SendHandle(_Send):
     """A send of the prefill side."""
 
-    _client: KVPoolClient
+    _client: Caller
 
     def status(self) -> TransferStatus:
         return _wait_once(self._client, self._request(0.0))
@@ -128,25 +138,42 @@ class SendHandle(_Send):
         return _checked(_wait(self._client, self, timeout_s), self.what, timeout_s)
 
 
-def _wait_once(client: Any, req: pb.WaitTransferRequest) -> TransferStatus:
+# Waiting is one sans-IO loop (:func:`_waits`) driven by a sync and an asyncio shell, so the
+# two cannot drift: the loop yields each WaitTransfer request and is sent its status.
+Waits = Generator[pb.WaitTransferRequest, TransferStatus, TransferStatus]
+
+
+def _waits(handle: _Waitable, timeout_s: float | None) -> Waits:
+    """WaitTransfer requests of at most WAIT_SLICE_S each until the transfer ends or
+    ``timeout_s`` passes (None: no limit); returns the last status."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        left = WAIT_SLICE_S if deadline is None else max(0.0, deadline - time.monotonic())
+        status = yield handle._request(min(WAIT_SLICE_S, left))
+        if status.ended or (deadline is not None and time.monotonic() >= deadline):
+            return status
+
+
+def _wait_once(client: Caller, req: pb.WaitTransferRequest) -> TransferStatus:
     resp = client.call("WaitTransfer", req,
                        timeout_s=req.timeout_seconds + _CALL_MARGIN_S)
     return codec.transfer_status_from_pb(resp)
 
 
-def _wait(client: Any, handle: _Waitable, timeout_s: float | None) -> TransferStatus:
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+def _wait(client: Caller, handle: _Waitable, timeout_s: float | None) -> TransferStatus:
+    steps = _waits(handle, timeout_s)
+    req = next(steps)
     while True:
-        left = WAIT_SLICE_S if deadline is None else max(0.0, deadline - time.monotonic())
-        status = _wait_once(client, handle._request(min(WAIT_SLICE_S, left)))
-        if status.ended or (deadline is not None and time.monotonic() >= deadline):
-            return status
+        try:
+            req = steps.send(_wait_once(client, req))
+        except StopIteration as end:
+            return end.value
 
 
 class AsyncReceiveGrant(_Grant):
     """:class:`ReceiveGrant` for asyncio code."""
 
-    _client: AsyncKVPoolClient
+    _client: AsyncCaller
 
     async def status(self) -> TransferStatus:
         return await _await_once(self._client, self._request(0.0))
@@ -158,7 +185,7 @@ class AsyncReceiveGrant(_Grant):
 class AsyncSendHandle(_Send):
     """:class:`SendHandle` for asyncio code."""
 
-    _client: AsyncKVPoolClient
+    _client: AsyncCaller
 
     async def status(self) -> TransferStatus:
         return await _await_once(self._client, self._request(0.0))
@@ -167,16 +194,18 @@ class AsyncSendHandle(_Send):
         return _checked(await _await(self._client, self, timeout_s), self.what, timeout_s)
 
 
-async def _await_once(client: Any, req: pb.WaitTransferRequest) -> TransferStatus:
+async def _await_once(client: AsyncCaller, req: pb.WaitTransferRequest) -> TransferStatus:
     resp = await client.call("WaitTransfer", req,
                              timeout_s=req.timeout_seconds + _CALL_MARGIN_S)
     return codec.transfer_status_from_pb(resp)
 
 
-async def _await(client: Any, handle: _Waitable, timeout_s: float | None) -> TransferStatus:
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+async def _await(client: AsyncCaller, handle: _Waitable, timeout_s: float | None
+                 ) -> TransferStatus:
+    steps = _waits(handle, timeout_s)
+    req = next(steps)
     while True:
-        left = WAIT_SLICE_S if deadline is None else max(0.0, deadline - time.monotonic())
-        status = await _await_once(client, handle._request(min(WAIT_SLICE_S, left)))
-        if status.ended or (deadline is not None and time.monotonic() >= deadline):
-            return status
+        try:
+            req = steps.send(await _await_once(client, req))
+        except StopIteration as end:
+            return end.value

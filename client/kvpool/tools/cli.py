@@ -16,48 +16,13 @@ from typing import Any
 
 import msgspec
 
-from kvpool.clients.targets import default_target, token_from
-from kvpool.contract.errors import InvalidArgument
 from kvpool.contract.option_flags import add_option_flags, option_values
+from kvpool.tools.cli_common import client_from, common_options, load_spec_mapping
 from kvpool.tools.cli_run import parse_command_line, run_subcommand
 from kvpool.tools.demo import add_demo
 from kvpool.tools.top import add_top
 
 AddParser = Callable[[Any, argparse.ArgumentParser], argparse.ArgumentParser]
-
-
-def common_options(target_help: str | None = None) -> argparse.ArgumentParser:
-    """Options every subcommand takes: where the daemon is and how to authenticate.
-
-    Args:
-        target_help: ``--target``'s help when its default is not the per-user socket.
-
-    Returns:
-        A parser to pass as ``parents=[...]``.
-    """
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--target", default=None, metavar="ADDR",
-                        help=target_help or
-                        f"unix:///path.sock or host:port (default {default_target()})")
-    token = common.add_mutually_exclusive_group()
-    token.add_argument("--token", metavar="SECRET",
-                       help="bearer token for a TCP listener (visible in ps: prefer --token-file)")
-    token.add_argument("--token-file", type=Path, metavar="PATH", help="read the token here")
-    common.add_argument("--timeout", type=float, default=30.0, metavar="S",
-                        help="deadline per call in seconds (default 30)")
-    return common
-
-
-def client_from(args: argparse.Namespace) -> Any:
-    """A ``KVPoolClient`` for the common options."""
-    from kvpool.clients.client import KVPoolClient
-
-    if args.token:
-        print("kvpool: warning: --token "
-              "shows the secret to every local user (ps, /proc/<pid>/cmdline); use --token-file",
-              file=sys.stderr)
-    token = token_from(args.token, args.token_file)
-    return KVPoolClient(args.target, token=token, timeout_s=args.timeout)
 
 
 def _human(nbytes: int) -> str:
@@ -87,15 +52,6 @@ def add_configure(sub: Any, common: argparse.ArgumentParser) -> argparse.Argumen
     p.add_argument("--json", action="store_true", help="print the plan and result as JSON")
     p.set_defaults(func=run_configure)
     return p
-
-
-def load_spec_mapping(path: Path) -> dict[str, Any]:
-    """A spec file as a mapping (``.toml`` or JSON)."""
-    try:
-        raw = path.read_bytes()
-        return msgspec.toml.decode(raw) if path.suffix == ".toml" else msgspec.json.decode(raw)
-    except (OSError, msgspec.DecodeError) as exc:
-        raise InvalidArgument(f"cannot read spec {path}: {exc}", field="spec") from exc
 
 
 def run_configure(args: argparse.Namespace) -> int:

@@ -63,7 +63,7 @@ def model_arg(path: Path | None) -> dict[str, Any]:
     if not path.exists():
         raise InvalidArgument(f"model config {path} does not exist", field="model_config")
     if path.suffix == ".toml":
-        from kvpool.tools.cli import load_spec_mapping
+        from kvpool.tools.cli_common import load_spec_mapping
 
         return {"spec": load_spec_mapping(path)}
     if path.is_file():
@@ -126,7 +126,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, say: Any, console: Any) -> None:
     from kvpool.contract.sizes import format_size
-    from kvpool.tools.cli import client_from
+    from kvpool.tools.cli_common import client_from
 
     if args.pages < 1:
         raise InvalidArgument(f"--pages must be >= 1, got {args.pages}", field="pages")
@@ -261,7 +261,7 @@ def add_demo(sub: Any, _common: argparse.ArgumentParser) -> argparse.ArgumentPar
     Its options are the common ones but for ``--target``: without it the demo starts its own
     daemon rather than using the per-user socket.
     """
-    from kvpool.tools.cli import common_options  # kvpool.tools.cli imports this module
+    from kvpool.tools.cli_common import common_options
 
     common = common_options(target_help="a running daemon to use, unix:///path.sock or "
                                         "host:port (default: start kvpoold on a temporary "

@@ -1,7 +1,7 @@
 """Rendering of ``kvpool top``: one rich frame of panels, pool and lease tables, usage bars.
 
-Pure presentation of :class:`kvpool.tools.top.DaemonView` values: no I/O, no gRPC. rich is imported
-inside the functions, so importing this module stays light.
+Pure presentation of :class:`kvpool.tools.top_model.DaemonView` values: no I/O, no gRPC. rich
+is imported inside the functions, so importing this module stays light.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from rich.text import Text
 
     from kvpool.contract.records import LeaseStats, PeerStats, PoolStats, Stats
-    from kvpool.tools.top import DaemonView, Rate
+    from kvpool.tools.top_model import DaemonView, Rate
 
 DEFAULT_INTERVAL_S = 1.0
 DEFAULT_WIDTH = 120

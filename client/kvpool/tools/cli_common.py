@@ -1,0 +1,59 @@
+"""What every ``kvpool`` subcommand shares: the common options (where the daemon is, how to
+authenticate, the deadline), the client they make, and reading a spec file. The subcommand
+modules (``cli``, ``demo``, ``top``) import this; it imports none of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from kvpool.clients.targets import default_target, token_from
+from kvpool.contract.errors import InvalidArgument
+
+
+def common_options(target_help: str | None = None) -> argparse.ArgumentParser:
+    """Options every subcommand takes: where the daemon is and how to authenticate.
+
+    Args:
+        target_help: ``--target``'s help when its default is not the per-user socket.
+
+    Returns:
+        A parser to pass as ``parents=[...]``.
+    """
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--target", default=None, metavar="ADDR",
+                        help=target_help or
+                        f"unix:///path.sock or host:port (default {default_target()})")
+    token = common.add_mutually_exclusive_group()
+    token.add_argument("--token", metavar="SECRET",
+                       help="bearer token for a TCP listener (visible in ps: prefer --token-file)")
+    token.add_argument("--token-file", type=Path, metavar="PATH", help="read the token here")
+    common.add_argument("--timeout", type=float, default=30.0, metavar="S",
+                        help="deadline per call in seconds (default 30)")
+    return common
+
+
+def client_from(args: argparse.Namespace) -> Any:
+    """A ``KVPoolClient`` for the common options."""
+    from kvpool.clients.client import KVPoolClient
+
+    if args.token:
+        print("kvpool: warning: --token "
+              "shows the secret to every local user (ps, /proc/<pid>/cmdline); use --token-file",
+              file=sys.stderr)
+    token = token_from(args.token, args.token_file)
+    return KVPoolClient(args.target, token=token, timeout_s=args.timeout)
+
+
+def load_spec_mapping(path: Path) -> dict[str, Any]:
+    """A spec file as a mapping (``.toml`` or JSON)."""
+    try:
+        raw = path.read_bytes()
+        return msgspec.toml.decode(raw) if path.suffix == ".toml" else msgspec.json.decode(raw)
+    except (OSError, msgspec.DecodeError) as exc:
+        raise InvalidArgument(f"cannot read spec {path}: {exc}", field="spec") from exc
