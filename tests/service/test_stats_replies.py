@@ -15,16 +15,17 @@ import pytest
 import torch
 
 from kvpool import AsyncKVPoolClient, codec
-from kvpool.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from kvpool.errors import Internal, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from kvpool.records import Stats
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.wire import configure_request
+from kvpoold.metrics import loop_snapshot
 from kvpoold.server import edge
 from kvpoold.server.auth import DAEMON_CALLER, Caller, Scope
 from kvpoold.server.daemon import Daemon
 from kvpoold.server.leases import Lease
 from kvpoold.server.records import LeaseRef
-from kvpoold.server.stats import DEFAULT_WATCH_INTERVAL_S, MAX_WATCH_INTERVAL_S
+from kvpoold.server.stats import DEFAULT_WATCH_INTERVAL_S, MAX_WATCH_INTERVAL_S, gather_stats
 from kvpoold.server.stats_replies import StatsReplies
 from kvpoold.sharing.base import PlainBackingFactory
 from tests.conftest import TINY_OPTIONS, TINY_SPEC
@@ -130,6 +131,23 @@ async def test_a_lease_closed_during_a_build_is_left_out() -> None:
         got = decoded(await task)
         assert len(got.leases) == 29 and last.lease_id not in {x.lease_id for x in got.leases}
         assert got.daemon.num_leases == 30
+    finally:
+        daemon.close()
+
+
+async def test_the_metrics_snapshot_is_read_in_slices_too() -> None:
+    """``/metrics`` reads ``Daemon.snapshot``: the admin picture, its leases read in slices; the
+    same as taken at once. Scraped from a thread it hops to the loop and runs there as a task;
+    on the loop itself it cannot be waited for, and says so."""
+    daemon = await daemon_with({DAEMON_CALLER: 7, TENANT: 3})
+    try:
+        whole = daemon.stats(DAEMON_CALLER)
+        assert await gather_stats(daemon, DAEMON_CALLER, slice_leases=2) == whole
+        assert await daemon.snapshot() == whole
+        scrape = loop_snapshot(daemon.snapshot, asyncio.get_running_loop())
+        assert await asyncio.to_thread(scrape) == whole
+        with pytest.raises(Internal, match="another thread"):
+            scrape()
     finally:
         daemon.close()
 

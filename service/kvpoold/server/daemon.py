@@ -51,6 +51,7 @@ from kvpoold.server.records import ConfigureArgs, LeaseRef
 from kvpoold.server.stats import (
     MAX_WATCH_STREAMS_PER_IDENTITY,
     WATCH_MIN_INTERVAL_S,
+    gather_stats,
     take_stats,
     watch_interval,
 )
@@ -708,9 +709,11 @@ class Daemon:
         """WatchStats streams ``identity`` holds open."""
         return self._watch_streams.get(identity, 0)
 
-    def snapshot(self) -> Stats:
-        """Stats of everything, as the daemon itself sees them (``/metrics``)."""
-        return take_stats(self, DAEMON_CALLER)
+    async def snapshot(self) -> Stats:
+        """Stats of everything, as the daemon itself sees them (``/metrics``), the lease
+        entries read in slices (``stats.gather_stats``): a scrape never holds the loop for
+        O(leases) at once."""
+        return await gather_stats(self, DAEMON_CALLER)
 
     # -- transfers (kvpoold.transfer): the lease and pool checked here ----------------------
 

@@ -5,11 +5,12 @@ Issue 20 item 7: an admin's reply lists every lease (~15 us each to read and enc
 once paid (and imposed) it again. Here:
 
 - **Slices.** A reply is the view's counters (``kvpoold.server.stats.take_view``, O(pools))
-  and then its lease entries, :data:`SLICE_LEASES` at a time with an ``await asyncio.sleep(0)``
-  between slices, so the loop serves the calls that are ready between two slices: one slice is
-  well under a millisecond. Each slice is read when it is built (a lease closed meanwhile is
-  left out); the counters are those of the reply's start. Entries are encoded by
-  ``kvpool.codec`` (the one owner of the wire shape) slice by slice.
+  and then its lease entries, ``stats.SLICE_LEASES`` at a time with an ``await
+  asyncio.sleep(0)`` between slices (``stats.lease_slices``), so the loop serves the calls
+  that are ready between two slices: one slice is well under a millisecond. Each slice is read
+  when it is built (a lease closed meanwhile is left out); the counters are those of the
+  reply's start. Entries are encoded by ``kvpool.codec`` (the one owner of the wire shape)
+  slice by slice.
 - **Shared builds.** Callers asking for the same view (``stats.view_key``: every admin one view
   per pool, anyone else its identity's) share one build: a call joins the next build to start
   (never one already under way, which might have read the state before the caller's own last
@@ -29,15 +30,12 @@ from typing import TYPE_CHECKING
 
 from kvpool import codec
 from kvpool.records import Stats
-from kvpoold.server.stats import lease_stats, take_view, view_key
+from kvpoold.server.stats import SLICE_LEASES, lease_slices, take_view, view_key
 
 if TYPE_CHECKING:
     from kvpool.v1 import kvpool_pb2 as pb
     from kvpoold.server.auth import Caller
     from kvpoold.server.daemon import Daemon
-
-# Lease entries read and encoded per slice: ~15 us each, so a slice holds the loop ~0.5 ms.
-SLICE_LEASES = 32
 
 
 async def build_reply(daemon: Daemon, caller: Caller, pool: str = "",
@@ -50,16 +48,9 @@ async def build_reply(daemon: Daemon, caller: Caller, pool: str = "",
     """
     view = take_view(daemon, caller, pool)
     reply = codec.stats_to_pb(view.stats)
-    table = daemon.leases
     head = view.stats.daemon
-    for start in range(0, len(view.leases), slice_leases):
-        if start:
-            await asyncio.sleep(0)
-        now = table.now()
-        part = [lease_stats(daemon, view, x, now) for x in view.leases[start:start + slice_leases]
-                if table.find(x.lease_id) is x]  # closed meanwhile: left out
-        if part:
-            reply.leases.extend(codec.stats_to_pb(Stats(daemon=head, pools=[], leases=part)).leases)
+    async for part in lease_slices(daemon, view, slice_leases):
+        reply.leases.extend(codec.stats_to_pb(Stats(daemon=head, pools=[], leases=part)).leases)
     return reply
 
 
@@ -76,7 +67,7 @@ class StatsReplies:
 
     Args:
         daemon: whose state the replies show.
-        slice_leases: lease entries per slice (:data:`SLICE_LEASES`).
+        slice_leases: lease entries per slice (``stats.SLICE_LEASES``).
     """
 
     def __init__(self, daemon: Daemon, slice_leases: int = SLICE_LEASES) -> None:
