@@ -38,7 +38,6 @@ def give_back_wait(context: Ctx) -> float:
     return max(0.0, min(GIVE_BACK_WAIT_S, remaining - DEADLINE_MARGIN_S))
 
 
-
 class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
     """gRPC face of a :class:`Daemon`.
 
