@@ -112,6 +112,8 @@ async def test_callers_at_once_share_builds_and_see_their_own_writes() -> None:
         assert [x.name for x in decoded(await tenant).leases] == ["tenant-0", "tenant-1"]
         with pytest.raises(asyncio.CancelledError):
             await gone
+        workers = [s.worker for s in replies._slots.values()]
+        await asyncio.gather(*workers)  # each pauses as long as its last build took, then ends
         assert replies._slots == {}  # nothing kept once nobody waits
     finally:
         daemon.close()

@@ -16,6 +16,9 @@ once paid (and imposed) it again. Here:
   (never one already under way, which might have read the state before the caller's own last
   call), so N callers at once cost at most two builds, and at most one build per view runs at
   a time. A caller that goes away does not cancel a build others wait for.
+- **Paced.** A view's next build starts once as long as its last one took has passed since
+  it ended (at most :data:`MAX_PAUSE_S`): callers asking for it in a loop, however many, have
+  the daemon for half the time at most, and a caller asking now and then never waits.
 
 A caller that is not admin lists only its own leases (``LeaseTable.of_identity``): its reply
 costs O(its own leases), whatever the others hold.
@@ -36,6 +39,9 @@ if TYPE_CHECKING:
     from kvpool.v1 import kvpool_pb2 as pb
     from kvpoold.server.auth import Caller
     from kvpoold.server.daemon import Daemon
+
+# The longest pause between two builds of one view (see "Paced" above).
+MAX_PAUSE_S = 1.0
 
 
 async def build_reply(daemon: Daemon, caller: Caller, pool: str = "",
@@ -96,13 +102,15 @@ class StatsReplies:
         return await asyncio.shield(slot.queued)
 
     async def _work(self, key: Hashable, slot: _Slot, caller: Caller, pool: str) -> None:
-        """Run the view's builds while callers queue for one; each caller of a view sees the
-        same picture, so the first one's ``caller`` builds for all."""
+        """Run the view's builds, paced, while callers queue for one; each caller of a view
+        sees the same picture, so the first one's ``caller`` builds for all."""
         future: asyncio.Future[pb.StatsResponse] | None = None
         try:
+            loop = asyncio.get_running_loop()
             while slot.queued is not None:
                 future, slot.queued = slot.queued, None  # later callers queue for the next
                 self.builds += 1
+                started = loop.time()
                 try:
                     reply = await build_reply(self._daemon, caller, pool, self._slice)
                 except Exception as exc:
@@ -111,6 +119,8 @@ class StatsReplies:
                 else:
                     future.set_result(reply)
                 future = None
+                # Paced: the next build of this view no sooner than this one took again.
+                await asyncio.sleep(min(MAX_PAUSE_S, loop.time() - started))
         finally:
             del self._slots[key]
             for left in (future, slot.queued):  # cancelled (the loop is closing)
