@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 import logging
 import socket
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -245,12 +246,14 @@ class DaemonCollector(Collector):
         )
 
 
-def loop_snapshot(take: Callable[[], Stats], loop: asyncio.AbstractEventLoop,
+def loop_snapshot(take: Callable[[], Stats | Awaitable[Stats]], loop: asyncio.AbstractEventLoop,
                   timeout_s: float = SNAPSHOT_TIMEOUT_S) -> Callable[[], Stats]:
     """Wrap ``take`` so that calling it from another thread runs it on ``loop``.
 
     The daemon's state belongs to its event loop (no locks); the metrics HTTP server answers in
-    its own threads, so each scrape hands the snapshot to the loop and waits for it.
+    its own threads, so each scrape hands the snapshot to the loop and waits for it. ``take``
+    may be a coroutine function (``Daemon.snapshot``, which reads the leases in slices between
+    which the loop serves other calls): it then runs as a task on the loop.
 
     Args:
         take: the snapshot function (``Daemon.snapshot``).
@@ -259,21 +262,40 @@ def loop_snapshot(take: Callable[[], Stats], loop: asyncio.AbstractEventLoop,
 
     Returns:
         A function that returns the snapshot; it raises ``Internal`` when the loop does not
-        answer within ``timeout_s`` (stopped, or blocked), which the scrape sees as HTTP 500.
+        answer within ``timeout_s`` (stopped, or blocked), which the scrape sees as HTTP 500,
+        or when called on the loop itself with a coroutine function (it cannot wait there).
     """
 
     def call() -> Stats:
         try:
-            if asyncio.get_running_loop() is loop:  # already on the loop: no hop
-                return take()
+            on_loop = asyncio.get_running_loop() is loop
         except RuntimeError:
-            pass  # no loop in this thread: the normal case, a scrape thread
+            on_loop = False  # no loop in this thread: the normal case, a scrape thread
+        if on_loop:  # already on the loop: no hop
+            got = take()
+            if inspect.isawaitable(got):
+                asyncio.ensure_future(got).cancel()  # never run: no "never awaited" warning
+                raise Internal("a snapshot taken in slices cannot be waited for on the "
+                               "daemon's own event loop; scrape from another thread")
+            return got
         future: concurrent.futures.Future[Stats] = concurrent.futures.Future()
+
+        def settle(task: asyncio.Future[Stats]) -> None:
+            if task.cancelled():  # the loop is closing
+                future.set_exception(Internal("the daemon's snapshot was cancelled"))
+            elif (exc := task.exception()) is not None:
+                future.set_exception(exc)
+            else:
+                future.set_result(task.result())
 
         def run() -> None:
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(take())
+                    got = take()
+                    if not inspect.isawaitable(got):
+                        future.set_result(got)
+                        return
+                    asyncio.ensure_future(got).add_done_callback(settle)
                 except BaseException as exc:
                     future.set_exception(exc)
 

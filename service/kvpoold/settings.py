@@ -50,6 +50,7 @@ from kvpoold.server.listeners import (
     read_tls,
 )
 from kvpoold.server.logs import LogFormat
+from kvpoold.server.stats import MAX_WATCH_STREAMS_PER_IDENTITY, WATCH_MIN_INTERVAL_S
 
 __all__ = [
     "DEFAULT_BUDGET_BYTES",
@@ -69,6 +70,9 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 # auto: shared memory on cpu, CUDA IPC on cuda. none: plain unshared memory (tests, benchmarks).
 SharingMode = Literal["auto", "none"]
 MAX_GRACE_SECONDS = 600.0
+MAX_WATCH_STREAMS = 1024
+MIN_WATCH_INTERVAL_FLOOR_S = 0.05
+MAX_WATCH_MIN_INTERVAL_S = 60.0
 MAX_PORT = 65535
 
 
@@ -138,6 +142,14 @@ class ServeConfig(Base):
     max_attachments_per_identity: Annotated[int, _setting(
         "the most attachments (Attach without Detach) one caller identity may hold at once",
         metavar="N", ge=1, le=MAX_LEASES)] = MAX_ATTACHMENTS_PER_IDENTITY
+    max_watch_streams_per_identity: Annotated[int, _setting(
+        "the most WatchStats streams one caller identity may hold open at once",
+        metavar="N", ge=1, le=MAX_WATCH_STREAMS)] = MAX_WATCH_STREAMS_PER_IDENTITY
+    watch_min_interval: Annotated[float, _setting(
+        "the shortest interval a WatchStats stream is served at, in seconds (a stream asking "
+        "for less gets this)",
+        metavar="S", ge=MIN_WATCH_INTERVAL_FLOOR_S, le=MAX_WATCH_MIN_INTERVAL_S,
+    )] = WATCH_MIN_INTERVAL_S
     allow_insecure_tcp: Annotated[bool, _setting(
         "serve TCP on a non-loopback address without a token (refused otherwise: anyone who "
         "reaches it could allocate and map pools)")] = False

@@ -22,6 +22,7 @@ SCRIPTS = {
     "scale.py": ["--seconds", "0.05"],
     "soak.py": ["--minutes", "0.15", "--workers", "2", "--kill-every-s", "4", "--sample-s", "2",
                 "--baseline-s", "1", "--ttl-s", "1"],
+    "stats_under_load.py": ["--leases", "200", "--seconds", "0.3"],
     "transfer.py": ["--rounds", "1", "--sizes", "1,4", "--control-calls", "2"],
 }
 

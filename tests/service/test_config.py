@@ -105,6 +105,8 @@ def test_budget_forms() -> None:
     (("--device", "cuda"), "device"),
     (("--tls-cert", "/x.pem"), "tls_cert"),
     (("--token-file", "/nonexistent/token"), "token_file"),
+    (("--watch-min-interval", "0.01"), "watch_min_interval"),
+    (("--max-watch-streams-per-identity", "0"), "max_watch_streams_per_identity"),
 ])
 def test_bad_flags_name_the_field(argv: tuple[str, ...], field: str) -> None:
     with pytest.raises(InvalidArgument) as info:
@@ -172,15 +174,18 @@ pools = ["llama", "llama-tp*"]
     single = secret_file(tmp_path, "single", "s-single")
     s = serve_cli.settings_from_args(serve_args(
         "--tokens-file", str(tokens), "--token-file", str(single), "--unix-auth", "token",
-        "--max-leases-per-identity", "8", "--max-attachments-per-identity", "2"))
+        "--max-leases-per-identity", "8", "--max-attachments-per-identity", "2",
+        "--max-watch-streams-per-identity", "3", "--watch-min-interval", "1.5"))
     assert [(t.name, t.secret, t.scope.admin, t.scope.pools) for t in s.tokens] == [
         ("ops", "s-ops", True, ()), ("engine-a", "s-a", False, ("llama", "llama-tp*"))]
     assert s.token == "s-single" and s.unix_auth == "token"
     assert (s.max_leases_per_identity, s.max_attachments_per_identity) == (8, 2)
+    assert (s.max_watch_streams_per_identity, s.watch_min_interval) == (3, 1.5)
     assert "s-ops" not in repr(s.tokens)
     defaults = resolve(vars(serve_args()), None)
     assert (defaults.tokens, defaults.unix_auth, defaults.max_leases_per_identity,
-            defaults.max_attachments_per_identity) == ((), "trust", 1024, 256)
+            defaults.max_attachments_per_identity, defaults.max_watch_streams_per_identity,
+            defaults.watch_min_interval) == ((), "trust", 1024, 256, 4, 0.5)
 
 
 @pytest.mark.parametrize(("body", "match"), [

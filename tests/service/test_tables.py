@@ -49,6 +49,26 @@ def test_lease_limit_and_bad_values() -> None:
             LeaseTable(ManualClock()).open(name, ttl)
 
 
+def test_leases_by_identity_follow_open_close_and_expiry() -> None:
+    """``of_identity`` lists an identity's open leases in opening order (what a tenant's Stats
+    lists) and ``count_identity`` counts them, through closes and expiries."""
+    clock = ManualClock()
+    table = LeaseTable(clock)
+    a1, b1 = table.open("a1", 1.0, "a"), table.open("b1", 5.0, "b")
+    a2, a3 = table.open("a2", 5.0, "a"), table.open("a3", 5.0, "a")
+    assert [x.name for x in table.of_identity("a")] == ["a1", "a2", "a3"]
+    assert [x.name for x in table.of_identity("b")] == ["b1"]
+    assert table.of_identity("c") == [] and table.count_identity("c") == 0
+    table.close(a2.lease_id)
+    clock.advance(1.0)
+    assert table.pop_expired() == [a1]
+    assert table.of_identity("a") == [a3] and table.count_identity("a") == 1
+    table.close(a3.lease_id)
+    table.close(b1.lease_id)
+    assert (table.of_identity("a"), table.of_identity("b")) == ([], [])
+    assert table._by_identity == {}  # identities without leases are not kept
+
+
 def test_attachment_indexes() -> None:
     table = AttachmentTable()
     a = table.add("p", 7)

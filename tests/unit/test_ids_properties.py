@@ -3,9 +3,11 @@
 Two hypothesis state machines: one ``IdSpace`` (take, one-pass free, check + commit, reclaim)
 and a ``PoolIds`` with kv, swa following kv, and req (batch allocate, batch free with releases,
 reclaim). After every step: every id's owner equals the model's, counters add up, the free stack
-is exactly the model's LIFO order (IdSpace), the shared mapping equals the model's links, and
-``audit()`` passes. Bad calls (foreign ids, repeats, out-of-range ids, double releases, too
-large counts) must raise the class and field of the model's first bad id and change nothing.
+is exactly the model's LIFO order (IdSpace), the shared mapping equals the model's links,
+each owner's held counts (``PoolIds.held_of``, what Stats reads per lease) equal a recount of
+the owner arrays, and ``audit()`` passes. Bad calls (foreign ids, repeats, out-of-range ids,
+double releases, too large counts) must raise the class and field of the model's first bad id
+and change nothing.
 """
 
 from __future__ import annotations
@@ -406,6 +408,14 @@ class PoolIdsMachine(RuleBasedStateMachine):
         kv = owner_map(self.held["kv"])
         assert all(swa[s] == kv[f] for f, s in self.links.items())
         assert len(swa) == len(self.links)
+        for owner in (0, 1, 2, 3, 4):  # OWNERS, and owners that never hold anything
+            recount = {}
+            for name, space_cap in self.CAPS.items():
+                space = self.pool.space(name, "space")
+                n = int((space.owner_of(np.arange(1, space_cap + 1)) == owner).sum())
+                if n and owner:
+                    recount[name] = n
+            assert self.pool.held_of(owner) == recount  # kept as ids come and go: O(spaces)
         self.pool.audit()
 
 

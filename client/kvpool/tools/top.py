@@ -68,7 +68,8 @@ __all__ = [
     "watch",
 ]
 
-# The daemon's WatchStats accepts 0.05 s .. 1 h.
+# What top asks for; the daemon's WatchStats serves up to 1 h, and anything under its
+# --watch-min-interval (0.5 s by default) at that minimum.
 MIN_INTERVAL_S = 0.05
 MAX_INTERVAL_S = 3600.0
 DEFAULT_TIMEOUT_S = 5.0

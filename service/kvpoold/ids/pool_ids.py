@@ -398,6 +398,18 @@ class PoolIds:
         """
         return {name: space.counters() for name, space in self._spaces.items()}
 
+    def held_of(self, owner: int) -> dict[str, int]:
+        """``{space: ids held}`` of one owner, in table order (zeros left out); O(spaces):
+        each space keeps every owner's count as ids come and go (``IdSpace.held``).
+
+        Args:
+            owner: the lease.
+
+        Returns:
+            A new dict (empty when it holds nothing here).
+        """
+        return {name: n for name, space in self._spaces.items() if (n := space.held(owner))}
+
     def held_by_owner(self) -> dict[int, dict[str, int]]:
         """``{owner: {space: ids held}}`` for every owner holding something (zeros left out).
 

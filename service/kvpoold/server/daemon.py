@@ -12,7 +12,8 @@ loop; nothing here awaits while it holds state half-changed). The only work off 
 :func:`build_live_pool` in a worker thread, on objects nobody else sees until it returns; a
 name being built is in ``_building`` so a second Configure of it waits instead of racing.
 Device writes other processes read (a CUDA pool's ``full_to_swa``) are complete before a
-method returns (``live_pools.device_mirror``).
+method returns (``live_pools.device_mirror``). Stats replies are read in slices with the loop
+serving other calls between them (``kvpoold.server.stats_replies``); they only read.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -46,7 +47,13 @@ from kvpoold.server.leases import MAX_LEASES_PER_IDENTITY, Lease, LeaseTable
 from kvpoold.server.live_pools import LivePool, build_live_pool
 from kvpoold.server.loop_clock import StallClock
 from kvpoold.server.planning import plan_off_loop
-from kvpoold.server.stats import take_stats
+from kvpoold.server.stats import (
+    MAX_WATCH_STREAMS_PER_IDENTITY,
+    WATCH_MIN_INTERVAL_S,
+    gather_stats,
+    take_stats,
+    watch_interval,
+)
 from kvpoold.sharing.base import BackingFactory
 from kvpoold.transfer import NIXL_MISSING, NixlAgent, Outgoing, Transfers
 from kvpoold.transfer.grants import ReceiveGrant
@@ -81,6 +88,8 @@ class Daemon:
         peer_token: the bearer token this daemon sends to peer daemons.
         max_leases_per_identity: leases one caller identity may hold open at once.
         max_attachments_per_identity: attachments one caller identity may hold at once.
+        max_watch_streams_per_identity: WatchStats streams one caller identity may hold open.
+        watch_min_interval_s: the shortest interval a WatchStats stream is served at.
     """
 
     def __init__(
@@ -96,6 +105,8 @@ class Daemon:
         peer_token: str | None = None,
         max_leases_per_identity: int = MAX_LEASES_PER_IDENTITY,
         max_attachments_per_identity: int = MAX_ATTACHMENTS_PER_IDENTITY,
+        max_watch_streams_per_identity: int = MAX_WATCH_STREAMS_PER_IDENTITY,
+        watch_min_interval_s: float = WATCH_MIN_INTERVAL_S,
     ) -> None:
         self.device = device
         self.budget_bytes = budget_bytes
@@ -107,6 +118,9 @@ class Daemon:
         # Stats and /metrics report its stalls (none without one: a daemon driven by hand).
         self.stall_clock = lease_clock if isinstance(lease_clock, StallClock) else None
         self.max_attachments_per_identity = max_attachments_per_identity
+        self.max_watch_streams_per_identity = max_watch_streams_per_identity
+        self.watch_min_interval_s = watch_min_interval_s
+        self._watch_streams: dict[str, int] = {}  # identity -> WatchStats streams open
         # Configures planning at once (each in a worker thread); the rest wait their turn.
         self._planning = asyncio.Semaphore(PLANNING_SLOTS)
         self.pools: dict[str, LivePool] = {}
@@ -628,8 +642,10 @@ class Daemon:
     # -- Stats and shutdown ------------------------------------------------------------------
 
     def stats(self, caller: Caller, pool: str = "") -> Stats:
-        """Stats of the daemon, its pools (or one) and its leases, taken now, as the caller may
-        see them (``kvpoold.server.stats.take_stats``).
+        """Stats of the daemon, its pools (or one) and its leases, taken now in one go, as the
+        caller may see them (``kvpoold.server.stats.take_stats``: O(the leases it lists)). The
+        servicer answers Stats and WatchStats in slices instead
+        (``kvpoold.server.stats_replies``).
 
         Raises:
             NotFound: ``pool`` given and unknown.
@@ -639,9 +655,48 @@ class Daemon:
             self.pool(pool, caller)
         return take_stats(self, caller, pool)
 
-    def snapshot(self) -> Stats:
-        """Stats of everything, as the daemon itself sees them (``/metrics``)."""
-        return take_stats(self, DAEMON_CALLER)
+    @contextlib.contextmanager
+    def watching(self, caller: Caller, pool: str, interval_s: float) -> Iterator[float]:
+        """Admit a WatchStats stream of the caller for as long as the block runs; yields the
+        interval it is served at (``stats.watch_interval``: 0 is the default, and anything
+        shorter than ``watch_min_interval_s`` is served at it). O(1).
+
+        Raises:
+            InvalidArgument: a malformed pool name; an interval negative, NaN or over an hour.
+            PermissionDenied: ``pool`` outside the caller's scope.
+            NotFound: ``pool`` given and unknown.
+            ResourceExhausted: the caller's identity holds its cap of streams.
+        """
+        if pool:
+            self.pool(pool, caller)
+        interval = watch_interval(interval_s, self.watch_min_interval_s)
+        identity = caller.identity
+        mine = self._watch_streams.get(identity, 0)
+        if mine >= self.max_watch_streams_per_identity:
+            raise ResourceExhausted(
+                f"identity {identity!r} asks for a WatchStats stream and has {mine} open, the cap "
+                f"per identity is {self.max_watch_streams_per_identity} "
+                "(max_watch_streams_per_identity, --max-watch-streams-per-identity); end a "
+                "stream it no longer reads (kvpool top holds one per daemon), or call Stats")
+        self._watch_streams[identity] = mine + 1
+        try:
+            yield interval
+        finally:
+            left = self._watch_streams[identity] - 1
+            if left:
+                self._watch_streams[identity] = left
+            else:
+                del self._watch_streams[identity]
+
+    def count_watch_streams(self, identity: str) -> int:
+        """WatchStats streams ``identity`` holds open."""
+        return self._watch_streams.get(identity, 0)
+
+    async def snapshot(self) -> Stats:
+        """Stats of everything, as the daemon itself sees them (``/metrics``), the lease
+        entries read in slices (``stats.gather_stats``): a scrape never holds the loop for
+        O(leases) at once."""
+        return await gather_stats(self, DAEMON_CALLER)
 
     # -- transfers (kvpoold.transfer): the lease and pool checked here ----------------------
 

@@ -146,8 +146,10 @@ class LeaseTable:
         self._clock = clock
         self._max = max_leases
         self._max_per_identity = max_per_identity
-        self._per_identity: dict[str, int] = {}
         self._leases: dict[int, Lease] = {}
+        # identity -> {lease_id: lease}, in opening order: its cap counts these, and a Stats of
+        # a caller that is not admin lists these (O(its own leases), not O(leases)).
+        self._by_identity: dict[str, dict[int, Lease]] = {}
         self._by_owner: dict[int, Lease] = {}  # the owners in use, and their leases
         self._next_owner = 1
         # (lease_id, generation) due at the lease's deadline; an entry is stale once its lease
@@ -183,7 +185,7 @@ class LeaseTable:
         """
         name = check_lease_name(name)
         ttl_s = check_ttl(ttl_s)
-        mine = self._per_identity.get(identity, 0)
+        mine = self.count_identity(identity)
         if self._max_per_identity is not None and mine >= self._max_per_identity:
             raise ResourceExhausted(
                 f"identity {identity!r} has {mine} leases open, the cap per identity is "
@@ -202,7 +204,7 @@ class LeaseTable:
         lease = Lease(lease_id, owner, name, ttl_s, now + ttl_s, now, identity,
                       secrets.token_bytes(SECRET_BYTES))
         self._leases[lease_id] = lease
-        self._per_identity[identity] = mine + 1
+        self._by_identity.setdefault(identity, {})[lease_id] = lease
         self._by_owner[owner] = lease
         self._push(lease)
         self.opened += 1
@@ -246,8 +248,13 @@ class LeaseTable:
         return lease
 
     def count_identity(self, identity: str) -> int:
-        """Open leases of ``identity``."""
-        return self._per_identity.get(identity, 0)
+        """Open leases of ``identity``; O(1)."""
+        return len(self._by_identity.get(identity, ()))
+
+    def of_identity(self, identity: str) -> list[Lease]:
+        """The open leases of ``identity``, in the order they were opened (a new list);
+        O(its leases)."""
+        return list(self._by_identity.get(identity, {}).values())
 
     def find(self, lease_id: int) -> Lease | None:
         """The open lease ``lease_id``, or None."""
@@ -295,15 +302,14 @@ class LeaseTable:
                 del self._cachers[key]
 
     def _forget(self, lease: Lease) -> None:
-        """Drop a closed or expired lease from the indexes and its identity's count."""
+        """Drop a closed or expired lease from the indexes (by owner, identity, cache)."""
         self._by_owner.pop(lease.owner, None)
         for key in lease.reports:
             self._uncache(key, lease)
-        left = self._per_identity[lease.identity] - 1
-        if left:
-            self._per_identity[lease.identity] = left
-        else:
-            del self._per_identity[lease.identity]
+        mine = self._by_identity[lease.identity]
+        del mine[lease.lease_id]
+        if not mine:
+            del self._by_identity[lease.identity]
 
     def close(self, lease_id: int) -> Lease:
         """Remove ``lease_id``; the caller returns what it held.

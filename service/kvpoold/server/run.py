@@ -43,6 +43,7 @@ from kvpoold.server.listeners import (
 )
 from kvpoold.server.loop_clock import StallClock
 from kvpoold.server.servicer import KVPoolServicer
+from kvpoold.server.stats_replies import StatsReplies
 from kvpoold.server.status import RpcObserver
 from kvpoold.settings import ServeSettings
 from kvpoold.sharing.base import BackingFactory
@@ -129,19 +130,20 @@ def create_server(
     closing = asyncio.Event()
     authority = Authority(all_tokens(token, tokens), unix_auth)
     built = KVPoolServer([], health.aio.HealthServicer(), closing, socket_gid=gid)
+    replies = StatsReplies(daemon)  # one for both servicers: their Stats callers share builds
     unix = [x for x in listeners if x.kind == "unix"]
     tcp = [x for x in listeners if x.kind == "tcp"]
     try:
         if unix:
             servicer = KVPoolServicer(daemon, closing, rpc_observer, authority=authority,
-                                      transport="unix")
+                                      transport="unix", replies=replies)
             server = _new_server(servicer, built.health, auth_interceptors(authority, "unix"))
             built.sockets += bind_unix(server, unix, gid)
             built.addresses += [x.grpc_address for x in unix]
             built.servers.append(server)
         if tcp:
             servicer = KVPoolServicer(daemon, closing, rpc_observer, authority=authority,
-                                      transport="tcp")
+                                      transport="tcp", replies=replies)
             server = _new_server(servicer, built.health, auth_interceptors(authority, "tcp"))
             built.addresses += bind_tcp(server, tcp, tls)
             built.servers.append(server)
@@ -220,7 +222,9 @@ async def run(
     daemon = Daemon(settings.device, settings.budget_bytes, factory, nixl_agent=agent,
                     nixl_off=nixl_off, peer_token=settings.peer_token, lease_clock=lease_clock,
                     max_leases_per_identity=settings.max_leases_per_identity,
-                    max_attachments_per_identity=settings.max_attachments_per_identity)
+                    max_attachments_per_identity=settings.max_attachments_per_identity,
+                    max_watch_streams_per_identity=settings.max_watch_streams_per_identity,
+                    watch_min_interval_s=settings.watch_min_interval)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     server: KVPoolServer | None = None

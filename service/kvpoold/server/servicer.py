@@ -14,23 +14,19 @@ from typing import TYPE_CHECKING
 from grpc import aio
 
 from kvpool.contract import codec
-from kvpool.contract.errors import InvalidArgument
 from kvpool.v1 import kvpool_pb2_grpc
 from kvpoold.server import edge
 from kvpoold.server.auth import Authority, Caller, Transport
 from kvpoold.server.daemon import GIVE_BACK_WAIT_S, Daemon
 from kvpoold.server.intake import accept
+from kvpoold.server.stats_replies import StatsReplies
 from kvpoold.server.status import RpcObserver, rpc_errors
 
 # Message types for annotations only; edge.py and kvpool.contract.codec build them.
 if TYPE_CHECKING:
-    from kvpool.contract.records import Stats
     from kvpool.v1 import kvpool_pb2 as pb
 
 Ctx = aio.ServicerContext
-MIN_WATCH_INTERVAL_S = 0.05
-MAX_WATCH_INTERVAL_S = 3600.0
-DEFAULT_WATCH_INTERVAL_S = 1.0
 DEADLINE_MARGIN_S = 0.05
 
 
@@ -41,20 +37,6 @@ def give_back_wait(context: Ctx) -> float:
     if remaining is None:
         return GIVE_BACK_WAIT_S
     return max(0.0, min(GIVE_BACK_WAIT_S, remaining - DEADLINE_MARGIN_S))
-
-
-# Stats with more leases than this are encoded in a worker thread.
-STATS_ENCODE_OFF_LOOP = 256
-
-
-async def stats_response(stats: Stats) -> pb.StatsResponse:
-    """The Stats reply of a snapshot taken on the loop (``take_stats``: one consistent
-    picture, ~1.5 us per lease). Encoding it costs ~12 us per lease (0.8 s for 65k leases), so
-    a large one is encoded in a worker thread: the snapshot is immutable records, nobody else
-    touches it."""
-    if len(stats.leases) <= STATS_ENCODE_OFF_LOOP:
-        return codec.stats_to_pb(stats)
-    return await asyncio.to_thread(codec.stats_to_pb, stats)
 
 
 class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
@@ -68,12 +50,16 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
             (``kvpoold.metrics.RpcMetrics``); None records nothing.
         authority: the daemon's tokens (default: none; Unix callers are the local admin).
         transport: the listeners this servicer serves (one servicer per server).
+        replies: the daemon's Stats replies, shared by its servicers so that callers of both
+            share builds (``kvpoold.server.stats_replies``; default: this servicer's own).
     """
 
     def __init__(self, daemon: Daemon, closing: asyncio.Event | None = None,
                  rpc_observer: RpcObserver | None = None, *,
-                 authority: Authority | None = None, transport: Transport = "unix") -> None:
+                 authority: Authority | None = None, transport: Transport = "unix",
+                 replies: StatsReplies | None = None) -> None:
         self._daemon = daemon
+        self._replies = replies or StatsReplies(daemon)
         self._closing = closing or asyncio.Event()
         self.rpc_observer = rpc_observer
         self._authority = authority or Authority()
@@ -167,25 +153,21 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
 
     @rpc_errors
     async def Stats(self, request: pb.StatsRequest, context: Ctx) -> pb.StatsResponse:
-        return await stats_response(self._daemon.stats(self._caller(context), request.pool))
+        return await self._replies.reply(self._caller(context), request.pool)
 
     @rpc_errors
     async def WatchStats(self, request: pb.WatchStatsRequest, context: Ctx
                          ) -> AsyncIterator[pb.StatsResponse]:
+        """Stats every interval (at least the daemon's ``--watch-min-interval``), on a stream
+        counted against the identity's ``--max-watch-streams-per-identity`` while it is open."""
         caller = self._caller(context)
-        interval = request.interval_seconds or DEFAULT_WATCH_INTERVAL_S
-        if not MIN_WATCH_INTERVAL_S <= interval <= MAX_WATCH_INTERVAL_S:
-            raise InvalidArgument(
-                f"interval_seconds {interval} is outside "
-                f"{MIN_WATCH_INTERVAL_S}..{MAX_WATCH_INTERVAL_S:g}",
-                field="interval_seconds",
-            )
-        while not self._closing.is_set():
-            yield await stats_response(self._daemon.stats(caller, request.pool))
-            try:
-                await asyncio.wait_for(self._closing.wait(), interval)
-            except TimeoutError:
-                pass
+        with self._daemon.watching(caller, request.pool, request.interval_seconds) as interval:
+            while not self._closing.is_set():
+                yield await self._replies.reply(caller, request.pool)
+                try:
+                    await asyncio.wait_for(self._closing.wait(), interval)
+                except TimeoutError:
+                    pass
 
     @rpc_errors
     async def Drop(self, request: pb.DropRequest, context: Ctx) -> pb.DropResponse:
