@@ -285,7 +285,8 @@ def test_tcp_off_loopback_needs_a_token(listen: str) -> None:
 
 @pytest.mark.parametrize("listen", ["tcp://127.0.0.1:0", "tcp://localhost:5", "tcp://[::1]:5"])
 def test_tcp_on_loopback_needs_no_token(listen: str) -> None:
-    assert serve_cli.settings_from_args(serve_args("--listen", listen)).listeners[0].kind == "tcp"
+    settings = serve_cli.settings_from_args(serve_args("--listen", listen))
+    assert settings.listeners[0].transport == "tcp"
 
 
 def test_insecure_token_settings_are_warned(tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ def spec(
 
 
 def table(kv: int = 8, swa: int = 5, req: int = 3, state: int = 2) -> list[IdSpaceSpec]:
-    """The spaces of a hybrid pool, as ``sizing.spaces.declare_spaces`` makes them."""
+    """The spaces of a hybrid pool, as ``sizing.space_table.declare_spaces`` makes them."""
     out = [spec("kv", kv, knob="budget_bytes or max_total_tokens")]
     if swa:
         out.append(

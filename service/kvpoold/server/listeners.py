@@ -20,7 +20,7 @@ import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -39,13 +39,13 @@ LISTEN_FORMS = "unix:///abs/path.sock or tcp://host:port"
 class Listener:
     """One address to serve on: a Unix socket path or a TCP ``host:port``."""
 
-    kind: Literal["unix", "tcp"]
+    transport: Transport
     address: str  # the socket path, or host:port
 
     @property
     def grpc_address(self) -> str:
         """The address as gRPC takes it: ``unix:///abs/path.sock`` or ``host:port``."""
-        return f"unix://{self.address}" if self.kind == "unix" else self.address
+        return f"unix://{self.address}" if self.transport == "unix" else self.address
 
 
 def parse_listen(text: str) -> Listener:
@@ -78,7 +78,7 @@ def parse_listen(text: str) -> Listener:
 
 def is_loopback(listener: Listener) -> bool:
     """A Unix socket, or TCP on localhost / a loopback address."""
-    if listener.kind != "tcp":
+    if listener.transport != "tcp":
         return True
     host = listener.address.rpartition(":")[0].strip("[]")
     if host == "localhost":

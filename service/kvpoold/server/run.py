@@ -131,8 +131,8 @@ def create_server(
     authority = Authority(all_tokens(token, tokens), unix_auth)
     built = KVPoolServer([], health.aio.HealthServicer(), closing, socket_gid=gid)
     replies = StatsReplies(daemon)  # one for both servicers: their Stats callers share builds
-    unix = [x for x in listeners if x.kind == "unix"]
-    tcp = [x for x in listeners if x.kind == "tcp"]
+    unix = [x for x in listeners if x.transport == "unix"]
+    tcp = [x for x in listeners if x.transport == "tcp"]
     try:
         if unix:
             servicer = KVPoolServicer(daemon, closing, rpc_observer, authority=authority,

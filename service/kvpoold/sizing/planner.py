@@ -25,7 +25,7 @@ from kvpoold.sizing.common import (
 )
 from kvpoold.sizing.layout import buffer, place
 from kvpoold.sizing.registry import Architecture, select_architecture
-from kvpoold.sizing.spaces import declare_spaces
+from kvpoold.sizing.space_table import declare_spaces
 
 # SGLang's max_running_requests when speculative decoding is on and the user gave none.
 SPECULATIVE_MAX_RUNNING_REQUESTS = 48

@@ -1,4 +1,4 @@
-"""The plan's table of allocatable id spaces (kvpoold.sizing.spaces), per architecture.
+"""The plan's table of allocatable id spaces (kvpoold.sizing.space_table), per architecture.
 
 Numbers worked out by hand:
 
