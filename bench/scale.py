@@ -132,7 +132,7 @@ def memory_curve() -> None:
         gc.collect()
         before = rss_bytes()
         ids = PoolIds("p", p.id_spaces, {})
-        ids.space("kv", "f", allocating=True).take(1, pages // 2)  # a lease holds half
+        ids.space("kv", "f").take(1, pages // 2)  # a lease holds half
         grown_at[pages] = grown = rss_bytes() - before
         print(f"{pages:>12,} {format_size(grown):>12} {grown / pages:11.1f}")
         del ids
