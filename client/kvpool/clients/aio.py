@@ -13,7 +13,7 @@ import logging
 import weakref
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import numpy as np
@@ -33,7 +33,7 @@ from kvpool.clients.client import (
     open_channel,
 )
 from kvpool.clients.targets import channel_target, default_target
-from kvpool.contract import codec, wire
+from kvpool.contract import codec, rpcs, wire
 from kvpool.contract.errors import NotFound
 from kvpool.contract.records import AttachInfo, ConfigureResult, Released, Stats
 from kvpool.v1 import kvpool_pb2 as pb
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from kvpool.mapping.regions import MappedRegion
     from kvpool.pd.transfer_handles import AsyncReceiveGrant, AsyncSendHandle
 
+R = TypeVar("R")
 log = logging.getLogger("kvpool.clients.aio")
 
 
@@ -71,6 +72,10 @@ class AsyncKVPoolClient:
         except grpc.RpcError as exc:
             raise wire.error_from_rpc(exc, self.target) from None
 
+    async def run(self, call: rpcs.Call[R], *, timeout_s: float | None = -1.0) -> R:
+        """Send one call of the RPC table (:mod:`kvpool.contract.rpcs`) and decode its reply."""
+        return call.decode(await self.call(call.method, call.request, timeout_s=timeout_s))
+
     async def close(self) -> None:
         await self._channel.close()
 
@@ -92,18 +97,17 @@ class AsyncKVPoolClient:
                         dry_run: bool = False, timeout_s: float | None = None,
                         **options: Any) -> ConfigureResult:
         """See ``KVPoolClient.configure``."""
-        req = wire.configure_request(pool, hf_config=hf_config, spec=spec, dry_run=dry_run,
-                                        **options)
-        return codec.configure_from_pb(await self.call("Configure", req, timeout_s=timeout_s))
+        return await self.run(rpcs.configure(pool, hf_config=hf_config, spec=spec,
+                                             dry_run=dry_run, **options), timeout_s=timeout_s)
 
     async def lease(self, name: str | None = None, ttl_s: float = DEFAULT_TTL_S) -> AsyncLease:
         """Open a lease renewed by a background task; ``async with`` closes it."""
         name = name or default_lease_name()
-        resp = await self.call("OpenLease", pb.OpenLeaseRequest(name=name, ttl_seconds=ttl_s))
+        resp = await self.run(rpcs.open_lease(name, ttl_s))
         return AsyncLease(self, resp.lease_id, name, resp.ttl_seconds, resp.lease_secret)
 
     async def stats(self, pool: str = "") -> Stats:
-        return codec.stats_from_pb(await self.call("Stats", pb.StatsRequest(pool=pool)))
+        return await self.run(rpcs.stats(pool))
 
     async def watch_stats(self, pool: str = "", interval_s: float = 1.0
                           ) -> AsyncIterator[Stats]:
@@ -119,18 +123,14 @@ class AsyncKVPoolClient:
             stream.cancel()
 
     async def drop(self, pool: str, force: bool = False) -> Released:
-        resp = await self.call("Drop", pb.DropRequest(pool=pool, force=force))
-        return codec.released_from_pb(resp)
+        return await self.run(rpcs.drop(pool, force))
 
     async def attach_raw(self, pool: str, expected_fingerprint: str = "",
                          lease: LeaseArg = None) -> AttachInfo:
-        lease_id, secret = wire.lease_key(lease)
-        req = pb.AttachRequest(pool=pool, expected_fingerprint=expected_fingerprint,
-                               lease_id=lease_id, lease_secret=secret)
-        return codec.attach_from_pb(await self.call("Attach", req))
+        return await self.run(rpcs.attach(pool, expected_fingerprint, lease))
 
     async def detach(self, attach_id: int) -> None:
-        await self.call("Detach", pb.DetachRequest(attach_id=attach_id))
+        await self.run(rpcs.detach(attach_id))
 
     def attach(self, pool: str, expected_fingerprint: str | None = None,
                lease: LeaseArg = None) -> contextlib.AbstractAsyncContextManager[MappedRegion]:
@@ -148,7 +148,7 @@ class AsyncKVPoolClient:
         """:meth:`KVPoolClient.send` for asyncio code."""
         from kvpool.pd.transfer_handles import AsyncSendHandle
 
-        resp = await self.call("Send", wire.send_request(pool, lease, pages, peer, token))
+        resp = await self.run(rpcs.send(pool, lease, pages, peer, token))
         return AsyncSendHandle(self, resp)
 
     def keep_alive_stream(self) -> Any:
@@ -199,25 +199,21 @@ class AsyncLease:
 
     async def allocate_batch(self, pool: str, items: Sequence[tuple[str, int]]
                              ) -> list[np.ndarray]:
-        req = wire.allocate_request(pool, self, items)
-        resp = await self.client.call("Allocate", req)
-        return [codec.ids_from_bytes(item.ids) for item in resp.items]
+        return await self.client.run(rpcs.allocate(pool, self, items))
 
     async def free(self, pool: str, space: str, ids: Any) -> int:
         return await self.free_batch(pool, [(space, ids)])
 
     async def free_batch(self, pool: str, items: Sequence[tuple[str, Any]]) -> int:
-        req = wire.free_request(pool, self, items)
-        return (await self.client.call("Free", req)).freed
+        return await self.client.run(rpcs.free(pool, self, items))
 
     async def grant_receive(self, pool: str, pages: Any, ttl_s: float | None = None
                             ) -> AsyncReceiveGrant:
         """:meth:`kvpool.clients.client.Lease.grant_receive` for asyncio code."""
         from kvpool.pd.transfer_handles import AsyncReceiveGrant
 
-        req = wire.grant_receive_request(pool, self, pages, ttl_s)
-        resp = await self.client.call("GrantReceive", req)
-        return AsyncReceiveGrant(self.client, codec.ids_from_bytes(req.pages), resp)
+        granted, resp = await self.client.run(rpcs.grant_receive(pool, self, pages, ttl_s))
+        return AsyncReceiveGrant(self.client, granted, resp)
 
     @property
     def closed(self) -> bool:
@@ -241,9 +237,7 @@ class AsyncLease:
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
-        resp = await self.client.call("CloseLease", pb.CloseLeaseRequest(
-            lease_id=self.lease_id, lease_secret=self._secret))
-        return codec.released_from_pb(resp)
+        return await self.client.run(rpcs.close_lease(self))
 
     async def report_now(self, timeout_s: float = 10.0) -> bool:
         """See ``Lease.report_now``."""

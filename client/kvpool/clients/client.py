@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import numpy as np
@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpool.cache.page_cache import closed_error
 from kvpool.clients.targets import channel_target, default_target
-from kvpool.contract import codec, wire
+from kvpool.contract import codec, rpcs, wire
 from kvpool.contract.errors import KVPoolError, NotFound, Unavailable
 from kvpool.contract.limits import MESSAGE_SIZE_OPTIONS
 from kvpool.contract.records import AttachInfo, ConfigureResult, Released, Stats
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from kvpool.mapping.regions import MappedRegion
     from kvpool.pd.transfer_handles import ReceiveGrant, SendHandle
 
+R = TypeVar("R")
 log = logging.getLogger("kvpool.clients.client")
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -137,6 +138,10 @@ class KVPoolClient:
         except grpc.RpcError as exc:
             raise wire.error_from_rpc(exc, self.target) from None
 
+    def run(self, call: rpcs.Call[R], *, timeout_s: float | None = -1.0) -> R:
+        """Send one call of the RPC table (:mod:`kvpool.contract.rpcs`) and decode its reply."""
+        return call.decode(self.call(call.method, call.request, timeout_s=timeout_s))
+
     def close(self) -> None:
         self._channel.close()
 
@@ -200,19 +205,17 @@ class KVPoolClient:
         Raises:
             InvalidArgument, AlreadyExists, ResourceExhausted: see docs/api.md.
         """
-        req = wire.configure_request(pool, hf_config=hf_config, spec=spec, dry_run=dry_run,
-                                        **options)
-        return codec.configure_from_pb(self.call("Configure", req, timeout_s=timeout_s))
+        return self.run(rpcs.configure(pool, hf_config=hf_config, spec=spec, dry_run=dry_run,
+                                       **options), timeout_s=timeout_s)
 
     def lease(self, name: str | None = None, ttl_s: float = DEFAULT_TTL_S) -> Lease:
         """Open a lease kept alive in a background thread; use it as a context manager."""
-        resp = self.call("OpenLease", pb.OpenLeaseRequest(name=name or default_lease_name(),
-                                                          ttl_seconds=ttl_s))
-        return Lease(self, resp.lease_id, name or default_lease_name(), resp.ttl_seconds,
-                     resp.lease_secret)
+        name = name or default_lease_name()
+        resp = self.run(rpcs.open_lease(name, ttl_s))
+        return Lease(self, resp.lease_id, name, resp.ttl_seconds, resp.lease_secret)
 
     def stats(self, pool: str = "") -> Stats:
-        return codec.stats_from_pb(self.call("Stats", pb.StatsRequest(pool=pool)))
+        return self.run(rpcs.stats(pool))
 
     def watch_stats(self, pool: str = "", interval_s: float = 1.0) -> Iterator[Stats]:
         """Stats every ``interval_s`` until the caller stops iterating."""
@@ -229,20 +232,16 @@ class KVPoolClient:
             stream.cancel()
 
     def drop(self, pool: str, force: bool = False) -> Released:
-        resp = self.call("Drop", pb.DropRequest(pool=pool, force=force))
-        return codec.released_from_pb(resp)
+        return self.run(rpcs.drop(pool, force))
 
     def attach_raw(self, pool: str, expected_fingerprint: str = "",
                    lease: LeaseArg = None) -> AttachInfo:
         """The pool's layout and shared handle; counts as attached until :meth:`detach`
         (or until ``lease``, a ``Lease``, ends)."""
-        lease_id, secret = wire.lease_key(lease)
-        req = pb.AttachRequest(pool=pool, expected_fingerprint=expected_fingerprint,
-                               lease_id=lease_id, lease_secret=secret)
-        return codec.attach_from_pb(self.call("Attach", req))
+        return self.run(rpcs.attach(pool, expected_fingerprint, lease))
 
     def detach(self, attach_id: int) -> None:
-        self.call("Detach", pb.DetachRequest(attach_id=attach_id))
+        self.run(rpcs.detach(attach_id))
 
     def attach(self, pool: str, expected_fingerprint: str | None = None,
                lease: LeaseArg = None) -> AbstractContextManager[MappedRegion]:
@@ -288,7 +287,7 @@ class KVPoolClient:
         """
         from kvpool.pd.transfer_handles import SendHandle
 
-        resp = self.call("Send", wire.send_request(pool, lease, pages, peer, token))
+        resp = self.run(rpcs.send(pool, lease, pages, peer, token))
         return SendHandle(self, resp)
 
     def keep_alive_stream(self, requests: Iterator[pb.KeepAliveRequest]) -> Any:
@@ -354,14 +353,11 @@ class Lease:
 
     def allocate_batch(self, pool: str, items: Sequence[tuple[str, int]]) -> list[np.ndarray]:
         """Several ``(space, count)`` in one all-or-nothing call; one int32 array per item."""
-        resp = self.client.call("Allocate", wire.allocate_request(pool, self, items))
-        return [codec.ids_from_bytes(item.ids) for item in resp.items]
+        return self.client.run(rpcs.allocate(pool, self, items))
 
     def allocate_swa_pairs(self, pool: str, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Hybrid SWA pools: ``count`` full pages and the SWA page paired with each."""
-        resp = self.client.call("Allocate", wire.allocate_request(pool, self, [("kv", count)]))
-        item = resp.items[0]
-        return codec.ids_from_bytes(item.ids), codec.ids_from_bytes(item.paired_ids)
+        return self.client.run(rpcs.allocate_pairs(pool, self, count))
 
     def free(self, pool: str, space: str, ids: Any) -> int:
         """Return ``ids`` of id space ``space`` (``swa``: only the SWA side of kv pages); all
@@ -370,7 +366,7 @@ class Lease:
 
     def free_batch(self, pool: str, items: Sequence[tuple[str, Any]]) -> int:
         """Several ``(space, ids)`` in one validated call; returns the ids freed."""
-        return self.client.call("Free", wire.free_request(pool, self, items)).freed
+        return self.client.run(rpcs.free(pool, self, items))
 
     def grant_receive(self, pool: str, pages: Any, ttl_s: float | None = None) -> ReceiveGrant:
         """Let one transfer from a peer daemon write into ``pages`` (kv pages this lease
@@ -387,9 +383,8 @@ class Lease:
         """
         from kvpool.pd.transfer_handles import ReceiveGrant
 
-        req = wire.grant_receive_request(pool, self, pages, ttl_s)
-        resp = self.client.call("GrantReceive", req)
-        return ReceiveGrant(self.client, codec.ids_from_bytes(req.pages), resp)
+        granted, resp = self.client.run(rpcs.grant_receive(pool, self, pages, ttl_s))
+        return ReceiveGrant(self.client, granted, resp)
 
     @property
     def closed(self) -> bool:
@@ -424,9 +419,7 @@ class Lease:
         # Before CloseLease takes back every id: the caches' allocs stop handing them out.
         lease_gone(caches, closed_error(self.lease_id))
         self._thread.join(timeout=5.0)
-        resp = self.client.call("CloseLease", pb.CloseLeaseRequest(lease_id=self.lease_id,
-                                                                   lease_secret=self._secret))
-        return codec.released_from_pb(resp)
+        return self.client.run(rpcs.close_lease(self))
 
     def report_now(self, timeout_s: float = 10.0) -> bool:
         """Renew now with the page caches' current counts, and wait until the daemon has the

@@ -22,27 +22,30 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from kvpool.contract import codec
+from kvpool.contract import codec, rpcs
 from kvpool.contract.errors import Aborted, DeadlineExceeded
 from kvpool.contract.records import TransferState, TransferStatus
 from kvpool.v1 import kvpool_pb2 as pb
 
 
 class Caller(Protocol):
-    """What a handle needs of the client that made it (``KVPoolClient``): one RPC."""
+    """What a handle needs of the client that made it (``KVPoolClient``): to run a call of
+    the RPC table."""
 
-    def call(self, method: str, request: Any, *, timeout_s: float | None = ...) -> Any: ...
+    def run(self, call: rpcs.Call[R], *, timeout_s: float | None = ...) -> R: ...
 
 
 class AsyncCaller(Protocol):
     """What an asyncio handle needs of its client (``AsyncKVPoolClient``)."""
 
-    async def call(self, method: str, request: Any, *, timeout_s: float | None = ...) -> Any: ...
+    async def run(self, call: rpcs.Call[R], *, timeout_s: float | None = ...) -> R: ...
 
+
+R = TypeVar("R")
 
 # One WaitTransfer call waits at most this long; wait() makes as many as its timeout needs.
 WAIT_SLICE_S = 10.0
@@ -62,7 +65,7 @@ class _Waitable:
 
     what = "transfer"
 
-    def _request(self, timeout_s: float) -> pb.WaitTransferRequest:
+    def _request(self, timeout_s: float) -> rpcs.Call[TransferStatus]:
         raise NotImplementedError
 
 
@@ -85,8 +88,8 @@ class _Grant(_Waitable):
         self.swa_pages = codec.ids_from_bytes(resp.swa_pages) if resp.swa_pages else None
         self.expires_in_s = resp.expires_in_seconds
 
-    def _request(self, timeout_s: float) -> pb.WaitTransferRequest:
-        return pb.WaitTransferRequest(token=self.token, timeout_seconds=timeout_s)
+    def _request(self, timeout_s: float) -> rpcs.Call[TransferStatus]:
+        return rpcs.wait_transfer(token=self.token, timeout_s=timeout_s)
 
 
 class _Send(_Waitable):
@@ -106,8 +109,8 @@ class _Send(_Waitable):
         self.peer_agent = resp.peer_agent
         self.what = f"transfer {resp.transfer_id} to {resp.peer_agent}"
 
-    def _request(self, timeout_s: float) -> pb.WaitTransferRequest:
-        return pb.WaitTransferRequest(transfer_id=self.transfer_id, timeout_seconds=timeout_s)
+    def _request(self, timeout_s: float) -> rpcs.Call[TransferStatus]:
+        return rpcs.wait_transfer(transfer_id=self.transfer_id, timeout_s=timeout_s)
 
 
 class ReceiveGrant(_Grant):
@@ -140,7 +143,7 @@ class SendHandle(_Send):
 
 # Waiting is one sans-IO loop (:func:`_waits`) driven by a sync and an asyncio shell, so the
 # two cannot drift: the loop yields each WaitTransfer request and is sent its status.
-Waits = Generator[pb.WaitTransferRequest, TransferStatus, TransferStatus]
+Waits = Generator[rpcs.Call[TransferStatus], TransferStatus, TransferStatus]
 
 
 def _waits(handle: _Waitable, timeout_s: float | None) -> Waits:
@@ -154,10 +157,8 @@ def _waits(handle: _Waitable, timeout_s: float | None) -> Waits:
             return status
 
 
-def _wait_once(client: Caller, req: pb.WaitTransferRequest) -> TransferStatus:
-    resp = client.call("WaitTransfer", req,
-                       timeout_s=req.timeout_seconds + _CALL_MARGIN_S)
-    return codec.transfer_status_from_pb(resp)
+def _wait_once(client: Caller, call: rpcs.Call[TransferStatus]) -> TransferStatus:
+    return client.run(call, timeout_s=call.request.timeout_seconds + _CALL_MARGIN_S)
 
 
 def _wait(client: Caller, handle: _Waitable, timeout_s: float | None) -> TransferStatus:
@@ -194,10 +195,8 @@ class AsyncSendHandle(_Send):
         return _checked(await _await(self._client, self, timeout_s), self.what, timeout_s)
 
 
-async def _await_once(client: AsyncCaller, req: pb.WaitTransferRequest) -> TransferStatus:
-    resp = await client.call("WaitTransfer", req,
-                             timeout_s=req.timeout_seconds + _CALL_MARGIN_S)
-    return codec.transfer_status_from_pb(resp)
+async def _await_once(client: AsyncCaller, call: rpcs.Call[TransferStatus]) -> TransferStatus:
+    return await client.run(call, timeout_s=call.request.timeout_seconds + _CALL_MARGIN_S)
 
 
 async def _await(client: AsyncCaller, handle: _Waitable, timeout_s: float | None
