@@ -3,6 +3,7 @@ crash reclaim by lease expiry, eight concurrent clients, clean shutdown."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.clients.aio import AsyncKVPoolClient
 from kvpool.clients.client import KVPoolClient
 from kvpool.contract.errors import Unavailable
 from tests.conftest import (
@@ -244,6 +246,13 @@ def test_wait_serving_waits_for_a_daemon_that_is_starting() -> None:
                 assert not sock.exists()  # asked before the daemon listens
                 client.wait_serving(60.0)
                 assert client.health() == "SERVING"
+
+                async def wait_async() -> str:  # the asyncio client runs the same polls
+                    async with AsyncKVPoolClient(target, timeout_s=1.0) as aclient:
+                        await aclient.wait_serving(5.0)
+                        return await aclient.health()
+
+                assert asyncio.run(wait_async()) == "SERVING"
             finally:
                 proc.send_signal(signal.SIGTERM)
                 assert proc.wait(30) == 0

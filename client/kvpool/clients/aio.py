@@ -25,16 +25,14 @@ from kvpool.clients.client import (
     DEFAULT_TIMEOUT_S,
     DEFAULT_TTL_S,
     auth_metadata,
-    cache_reports,
     default_lease_name,
-    give_back,
-    keepalive_interval,
-    lease_gone,
     open_channel,
+    serving_polls,
 )
+from kvpool.clients.session import KeepAliveSession
 from kvpool.clients.targets import channel_target, default_target
 from kvpool.contract import codec, rpcs, wire
-from kvpool.contract.errors import NotFound
+from kvpool.contract.errors import Unavailable
 from kvpool.contract.records import AttachInfo, ConfigureResult, Released, Stats
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
@@ -93,6 +91,17 @@ class AsyncKVPoolClient:
             raise wire.error_from_rpc(exc, self.target) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
+    async def wait_serving(self, timeout_s: float = 60.0) -> None:
+        """See ``KVPoolClient.wait_serving``."""
+        polls = serving_polls(self.target, timeout_s)
+        answer: str | Unavailable | None = None
+        while (pause := polls.send(answer)) is not None:
+            await asyncio.sleep(pause)
+            try:
+                answer = await self.health()
+            except Unavailable as exc:  # not listening yet
+                answer = exc
+
     async def configure(self, pool: str, *, hf_config: Any = None, spec: Any = None,
                         dry_run: bool = False, timeout_s: float | None = None,
                         **options: Any) -> ConfigureResult:
@@ -118,7 +127,8 @@ class AsyncKVPoolClient:
             async for resp in stream:
                 yield codec.stats_from_pb(resp)
         except grpc.RpcError as exc:
-            raise wire.error_from_rpc(exc, self.target) from None
+            if exc.code() != grpc.StatusCode.CANCELLED:  # as KVPoolClient.watch_stats
+                raise wire.error_from_rpc(exc, self.target) from None
         finally:
             stream.cancel()
 
@@ -166,13 +176,10 @@ class AsyncLease:
         self.name = name
         self.ttl_s = ttl_s
         self._secret = secret
-        self.error: BaseException | None = None
         self._closed = False
         self._kick = asyncio.Event()  # send a renewal (with the caches' report) now
         self._acked = asyncio.Event()  # set at every answered renewal
-        self._caches: list[AsyncPageCache] = []
-        self._seq = 0
-        self._acked_seq = 0
+        self._session = KeepAliveSession(lease_id, secret, ttl_s)
         # The task holds the lease weakly: one dropped without close() stops being renewed
         # (its ids come back by expiry), as a dropped Lease does.
         self._task = asyncio.create_task(
@@ -183,6 +190,11 @@ class AsyncLease:
     def secret(self) -> bytes:
         """The lease's secret, which every request acting on it carries (see ``Lease``)."""
         return self._secret
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the keep-alive stream last failed (None: it has not)."""
+        return self._session.error
 
     def __repr__(self) -> str:
         return f"AsyncLease(lease_id={self.lease_id}, name={self.name!r}, ttl_s={self.ttl_s})"
@@ -233,7 +245,7 @@ class AsyncLease:
         if self._closed:
             return Released({}, 0)
         self._closed = True
-        lease_gone(self._caches, closed_error(self.lease_id))  # see Lease.close
+        self._session.end(closed_error(self.lease_id))  # see Lease.close
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
@@ -241,34 +253,29 @@ class AsyncLease:
 
     async def report_now(self, timeout_s: float = 10.0) -> bool:
         """See ``Lease.report_now``."""
-        target = self._seq + 1
+        session = self._session
+        target = session.seq + 1
         self._kick.set()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while self._acked_seq < target and not self._closed and not self._task.done():
+        while not session.acked(target) and not self._closed and not self._task.done():
             self._acked.clear()
             try:
                 await asyncio.wait_for(self._acked.wait(), max(0.0, deadline - loop.time()))
             except TimeoutError:
                 return False
-        return self._acked_seq >= target
+        return session.acked(target)
 
     def _register_cache(self, cache: AsyncPageCache) -> None:
-        self._caches.append(cache)
+        self._session.add_cache(cache)
         self._kick.set()
 
     def _unregister_cache(self, cache: AsyncPageCache) -> None:
-        if cache in self._caches:
-            self._caches.remove(cache)
+        self._session.remove_cache(cache)
         self._kick.set()
 
     def _report_soon(self) -> None:
         self._kick.set()
-
-    def _request(self) -> pb.KeepAliveRequest:
-        self._seq += 1
-        return pb.KeepAliveRequest(lease_id=self.lease_id, lease_secret=self._secret,
-                                   seq=self._seq, caches=cache_reports(self._caches))
 
 
 async def _read(ref: weakref.ref[AsyncLease], stream: Any) -> None:
@@ -278,10 +285,9 @@ async def _read(ref: weakref.ref[AsyncLease], stream: Any) -> None:
         lease = ref()
         if resp is aio.EOF or lease is None:
             return
-        if give_back(lease._caches, resp):
+        if lease._session.on_response(resp):
             lease._kick.set()
         if resp.seq:
-            lease._acked_seq = max(lease._acked_seq, resp.seq)
             lease._acked.set()
         del lease  # not held across the next read
 
@@ -290,7 +296,6 @@ async def _keep_alive(ref: weakref.ref[AsyncLease], client: AsyncKVPoolClient, l
                       ttl_s: float) -> None:
     """Renew the lease ``ref`` names until it closes, is lost, or is garbage (a reference held
     only between awaits: the task never keeps the lease alive)."""
-    interval = keepalive_interval(ttl_s)
     while True:
         stream = client.keep_alive_stream()
         reader = asyncio.ensure_future(_read(ref, stream))
@@ -303,7 +308,8 @@ async def _keep_alive(ref: weakref.ref[AsyncLease], client: AsyncKVPoolClient, l
                                 lease_id, ttl_s)
                     return
                 lease._kick.clear()
-                request, kick_event = lease._request(), lease._kick
+                request, kick_event = lease._session.next_request(), lease._kick
+                interval = lease._session.interval
                 del lease
                 await stream.write(request)
                 kick = asyncio.ensure_future(kick_event.wait())
@@ -324,13 +330,10 @@ async def _keep_alive(ref: weakref.ref[AsyncLease], client: AsyncKVPoolClient, l
             lease = ref()
             if lease is None:
                 return
-            lease.error = err
-            if isinstance(err, NotFound):  # the lease expired or was closed
-                log.error("lease %d lost: %s", lease_id, err)
-                lease_gone(lease._caches, err)
-                return
+            retry, interval = lease._session.on_failure(err), lease._session.interval
             del lease
-            log.warning("keep-alive of lease %d failed, retrying: %s", lease_id, err)
+            if not retry:
+                return
             await asyncio.sleep(interval / 2)
         finally:
             if reader.done() and not reader.cancelled():

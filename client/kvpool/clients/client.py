@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -28,9 +28,10 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpool.cache.page_cache import closed_error
+from kvpool.clients.session import KeepAliveSession, keepalive_interval
 from kvpool.clients.targets import channel_target, default_target
 from kvpool.contract import codec, rpcs, wire
-from kvpool.contract.errors import KVPoolError, NotFound, Unavailable
+from kvpool.contract.errors import KVPoolError, Unavailable
 from kvpool.contract.limits import MESSAGE_SIZE_OPTIONS
 from kvpool.contract.records import AttachInfo, ConfigureResult, Released, Stats
 from kvpool.v1 import kvpool_pb2 as pb
@@ -67,41 +68,23 @@ def default_lease_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def keepalive_interval(ttl_s: float) -> float:
-    """Renew three times per TTL: one lost renewal does not expire the lease."""
-    return max(0.03, ttl_s / 3)
+def serving_polls(target: str, timeout_s: float
+                  ) -> Generator[float | None, str | Unavailable | None, None]:
+    """``wait_serving`` without I/O: sent each health answer (a status name, or the
+    Unavailable of a daemon not listening yet; None first), yields how long to pause before
+    the next check, or None once it is SERVING.
 
-
-def cache_reports(caches: Sequence[Any]) -> list[pb.CacheReport]:
-    """The KeepAlive report of a lease's page caches: ``(cached, in_use)`` summed per (pool,
-    space)."""
-    sums: dict[tuple[str, str], list[int]] = {}
-    for cache in caches:
-        cached, in_use = cache._report()
-        counts = sums.setdefault((cache.pool, cache.space), [0, 0])
-        counts[0] += cached
-        counts[1] += in_use
-    return [pb.CacheReport(pool=pool, space=space, cached=c, in_use=u)
-            for (pool, space), (c, u) in sums.items()]
-
-
-def give_back(caches: Sequence[Any], resp: pb.KeepAliveResponse) -> bool:
-    """Route a response's give-backs to the caches of their pool and space (each returns cached
-    ids only, up to what is asked of it). Returns whether any was asked."""
-    for item in resp.give_back:
-        left = item.count
-        for cache in caches:
-            if left <= 0:
-                break
-            if cache.pool == item.pool and cache.space == item.space:
-                left -= cache._give_back(left)
-    return bool(resp.give_back)
-
-
-def lease_gone(caches: Sequence[Any], err: KVPoolError) -> None:
-    """The lease is closing or expired: its page caches stop handing out ids (``err``)."""
-    for cache in caches:
-        cache.lease_gone(err)
+    Raises:
+        Unavailable: not serving after ``timeout_s``, with the last answer.
+    """
+    deadline = time.monotonic() + timeout_s
+    answer = yield 0.0
+    while answer != "SERVING":
+        if time.monotonic() >= deadline:
+            raise Unavailable(f"kvpoold at {target} is not serving after {timeout_s:g} s: "
+                              f"{answer if answer is not None else 'no answer'}")
+        answer = yield 0.05
+    yield None
 
 
 class KVPoolClient:
@@ -170,19 +153,14 @@ class KVPoolClient:
             Unavailable: not serving after ``timeout_s``, with the last answer or error. Other
                 errors (a refused token) are raised at once: waiting would not mend them.
         """
-        deadline = time.monotonic() + timeout_s
-        last = "no answer"
-        while True:
+        polls = serving_polls(self.target, timeout_s)
+        answer: str | Unavailable | None = None
+        while (pause := polls.send(answer)) is not None:
+            time.sleep(pause)
             try:
-                last = self.health()
-                if last == "SERVING":
-                    return
+                answer = self.health()
             except Unavailable as exc:  # not listening yet
-                last = str(exc)
-            if time.monotonic() >= deadline:
-                raise Unavailable(f"kvpoold at {self.target} is not serving after "
-                                  f"{timeout_s:g} s: {last}")
-            time.sleep(0.05)
+                answer = exc
 
     def configure(self, pool: str, *, hf_config: Any = None, spec: Any = None,
                   dry_run: bool = False, timeout_s: float | None = None,
@@ -317,13 +295,10 @@ class Lease:
         self.name = name
         self.ttl_s = ttl_s
         self._secret = secret
-        self.error: BaseException | None = None  # why keep-alive stopped, if it failed
         self._stop = threading.Event()
         self._kick = threading.Event()  # send a renewal (with the caches' report) now
-        self._caches: list[PageCache] = []
-        self._acked = threading.Condition()  # guards _seq, _acked_seq and _caches
-        self._seq = 0
-        self._acked_seq = 0
+        self._session = KeepAliveSession(lease_id, secret, ttl_s)
+        self._acked = threading.Condition()  # guards _session
         self._thread = threading.Thread(
             target=_keep_alive, args=(weakref.ref(self), client, lease_id, ttl_s, self._stop,
                                       self._kick),
@@ -335,6 +310,11 @@ class Lease:
     def secret(self) -> bytes:
         """The lease's secret, which every request acting on it carries."""
         return self._secret
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the keep-alive stream last failed (None: it has not)."""
+        return self._session.error
 
     def __repr__(self) -> str:
         return f"Lease(lease_id={self.lease_id}, name={self.name!r}, ttl_s={self.ttl_s})"
@@ -415,9 +395,9 @@ class Lease:
         self._kick.set()
         with self._acked:
             self._acked.notify_all()
-            caches = list(self._caches)
-        # Before CloseLease takes back every id: the caches' allocs stop handing them out.
-        lease_gone(caches, closed_error(self.lease_id))
+        # Before CloseLease takes back every id: the caches' allocs stop handing them out
+        # (outside the lock: a cache takes its own lock, and may then take this one).
+        self._session.end(closed_error(self.lease_id))
         self._thread.join(timeout=5.0)
         return self.client.run(rpcs.close_lease(self))
 
@@ -428,56 +408,45 @@ class Lease:
         Returns:
             False if ``timeout_s`` passed first or the lease stopped.
         """
+        session = self._session
         with self._acked:
-            target = self._seq + 1
+            target = session.seq + 1
         self._kick.set()
         with self._acked:
             return self._acked.wait_for(
-                lambda: self._acked_seq >= target or self._stop.is_set(),
-                timeout_s) and self._acked_seq >= target
+                lambda: session.acked(target) or self._stop.is_set(),
+                timeout_s) and session.acked(target)
 
     def _register_cache(self, cache: PageCache) -> None:
         with self._acked:
-            self._caches.append(cache)
+            self._session.add_cache(cache)
         self._kick.set()
 
     def _unregister_cache(self, cache: PageCache) -> None:
         with self._acked:
-            if cache in self._caches:
-                self._caches.remove(cache)
+            self._session.remove_cache(cache)
         self._kick.set()
 
     def _report_soon(self) -> None:
         self._kick.set()
 
+    # The thread's side of the session (a shell: each takes the lock and asks the session).
+
     def _request(self) -> pb.KeepAliveRequest:
         with self._acked:
-            self._seq += 1
-            seq = self._seq
-            caches = list(self._caches)
-        return pb.KeepAliveRequest(lease_id=self.lease_id, lease_secret=self._secret, seq=seq,
-                                   caches=cache_reports(caches))
+            return self._session.next_request()
 
     def _on_response(self, resp: pb.KeepAliveResponse) -> None:
         with self._acked:
-            caches = list(self._caches)
-        if give_back(caches, resp):
+            again = self._session.on_response(resp)
+            self._acked.notify_all()
+        if again:
             self._kick.set()  # the new counts go out now; again once the Free is done
-        if resp.seq:
-            with self._acked:
-                self._acked_seq = max(self._acked_seq, resp.seq)
-                self._acked.notify_all()
 
-    def _failed(self, err: KVPoolError) -> None:
-        """The keep-alive stream failed with ``err`` (the thread retries unless NotFound)."""
-        self.error = err
-        if isinstance(err, NotFound):  # the lease expired or was closed
-            log.error("lease %d lost: %s", self.lease_id, err)
-            with self._acked:
-                caches = list(self._caches)
-            lease_gone(caches, err)
-        else:
-            log.warning("keep-alive of lease %d failed, retrying: %s", self.lease_id, err)
+    def _failed(self, err: KVPoolError) -> bool:
+        """The keep-alive stream failed with ``err``; returns whether to retry. Outside the
+        lock, as ``close``'s ``end``."""
+        return self._session.on_failure(err)
 
 
 # -- the keep-alive thread: it reaches its Lease through a weak reference only -------------------
@@ -519,9 +488,9 @@ def _keep_alive(ref: weakref.ref[Lease], client: KVPoolClient, lease_id: int, tt
             lease = ref()
             if lease is None:
                 return
-            lease._failed(err)
+            retry = lease._failed(err)
             del lease
-            if isinstance(err, NotFound):
+            if not retry:
                 return
             stop.wait(interval / 2)
         finally:

@@ -1,0 +1,118 @@
+"""The keep-alive session of one lease, without I/O: what to send next on its KeepAlive stream,
+what an answer means, what a failure means.
+
+A lease renews itself over one bidirectional KeepAlive stream: every ``ttl / 3`` (or at once
+when kicked) it sends a request carrying its page caches' counts, and the daemon answers each
+one (echoing its ``seq``) and may, unasked, ask the caches to give ids back. The rules of that
+exchange live here, once; the blocking ``Lease`` drives a session from a thread, the asyncio
+``AsyncLease`` from a task, and each only moves messages (the h11 shape: a protocol core with
+thin sync and async shells).
+
+A session is not thread-safe: the blocking shell calls it under its lock, except
+:meth:`~KeepAliveSession.on_failure` and :meth:`~KeepAliveSession.end`, which only set
+``error`` and tell a copy of the cache list that the lease is gone (each cache takes its own
+lock for that, and may take the lease's).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvpool.contract.errors import KVPoolError, NotFound
+from kvpool.v1 import kvpool_pb2 as pb
+
+log = logging.getLogger("kvpool.clients.session")
+
+
+def keepalive_interval(ttl_s: float) -> float:
+    """Renew three times per TTL: one lost renewal does not expire the lease."""
+    return max(0.03, ttl_s / 3)
+
+
+class KeepAliveSession:
+    """The protocol state of one lease's renewals.
+
+    Args:
+        lease_id: the lease.
+        secret: its secret (every request carries it).
+        ttl_s: its TTL; requests go out every :attr:`interval` seconds.
+    """
+
+    def __init__(self, lease_id: int, secret: bytes, ttl_s: float) -> None:
+        self.lease_id = lease_id
+        self._secret = secret
+        self.interval = keepalive_interval(ttl_s)
+        self.caches: list[Any] = []  # the lease's open page caches (sync or asyncio)
+        self.seq = 0  # of the last request made
+        self.acked_seq = 0  # the highest seq the daemon answered
+        self.error: KVPoolError | None = None  # why the stream last failed
+
+    def add_cache(self, cache: Any) -> None:
+        self.caches.append(cache)
+
+    def remove_cache(self, cache: Any) -> None:
+        if cache in self.caches:
+            self.caches.remove(cache)
+
+    def next_request(self) -> pb.KeepAliveRequest:
+        """The next renewal: a new ``seq`` and the caches' counts, summed per (pool, space)."""
+        self.seq += 1
+        return pb.KeepAliveRequest(lease_id=self.lease_id, lease_secret=self._secret,
+                                   seq=self.seq, caches=cache_reports(self.caches))
+
+    def on_response(self, resp: pb.KeepAliveResponse) -> bool:
+        """Take one answer: route its give-backs to the caches of their pool and space (each
+        returns cached ids only, up to what is asked of it), note the seq it answers.
+
+        Returns:
+            Whether to send a renewal at once (a give-back changed the counts).
+        """
+        for item in resp.give_back:
+            left = item.count
+            for cache in self.caches:
+                if left <= 0:
+                    break
+                if cache.pool == item.pool and cache.space == item.space:
+                    left -= cache._give_back(left)
+        if resp.seq:
+            self.acked_seq = max(self.acked_seq, resp.seq)
+        return bool(resp.give_back)
+
+    def acked(self, seq: int) -> bool:
+        """Whether the daemon has answered request ``seq`` (or a later one)."""
+        return self.acked_seq >= seq
+
+    def on_failure(self, err: KVPoolError) -> bool:
+        """The stream failed with ``err``.
+
+        Returns:
+            Whether to retry (after half an interval): not when the daemon says the lease is
+            gone (NotFound: it expired or was closed), and then the caches stop handing out
+            ids at once.
+        """
+        self.error = err
+        if isinstance(err, NotFound):
+            log.error("lease %d lost: %s", self.lease_id, err)
+            self.end(err)
+            return False
+        log.warning("keep-alive of lease %d failed, retrying: %s", self.lease_id, err)
+        return True
+
+    def end(self, err: KVPoolError) -> None:
+        """The lease is closing or lost: its page caches stop handing out ids (``err``)."""
+        for cache in list(self.caches):
+            cache.lease_gone(err)
+
+
+def cache_reports(caches: list[Any]) -> list[pb.CacheReport]:
+    """The KeepAlive report of a lease's page caches: ``(cached, in_use)`` summed per (pool,
+    space)."""
+    sums: dict[tuple[str, str], list[int]] = {}
+    for cache in caches:
+        cached, in_use = cache._report()
+        counts = sums.setdefault((cache.pool, cache.space), [0, 0])
+        counts[0] += cached
+        counts[1] += in_use
+    return [pb.CacheReport(pool=pool, space=space, cached=c, in_use=u)
+            for (pool, space), (c, u) in sums.items()]
