@@ -18,24 +18,21 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 import numpy as np
 from grpc import aio
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from kvpool.cache.page_cache import closed_error
 from kvpool.clients.client import (
     DEFAULT_TIMEOUT_S,
     DEFAULT_TTL_S,
-    auth_metadata,
+    Connection,
     default_lease_name,
-    open_channel,
     serving_polls,
 )
 from kvpool.clients.session import KeepAliveSession
-from kvpool.clients.targets import channel_target, default_target
 from kvpool.contract import codec, rpcs, wire
 from kvpool.contract.errors import Unavailable
 from kvpool.contract.records import AttachInfo, ConfigureResult, Released, Stats
 from kvpool.v1 import kvpool_pb2 as pb
-from kvpool.v1 import kvpool_pb2_grpc
 
 if TYPE_CHECKING:
     from kvpool.cache.aio_page_cache import AsyncPageCache
@@ -47,18 +44,13 @@ R = TypeVar("R")
 log = logging.getLogger("kvpool.clients.aio")
 
 
-class AsyncKVPoolClient:
+class AsyncKVPoolClient(Connection):
     """A connection to one kvpoold for asyncio code; arguments as ``KVPoolClient``."""
 
     def __init__(self, target: str | None = None, *, token: str | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S,
                  root_certificates: bytes | None = None) -> None:
-        self.target = channel_target(target or default_target())
-        self._channel = open_channel(aio, self.target, root_certificates)
-        self._stub = kvpool_pb2_grpc.KVPoolStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._metadata = auth_metadata(token)
-        self.timeout_s = timeout_s
+        super().__init__(aio, target, token, timeout_s, root_certificates)
 
     async def call(self, method: str, request: Any, *, timeout_s: float | None = -1.0) -> Any:
         """Call ``method``; a gRPC error becomes a ``KVPoolError``."""

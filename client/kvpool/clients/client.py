@@ -87,7 +87,21 @@ def serving_polls(target: str, timeout_s: float
     yield None
 
 
-class KVPoolClient:
+class Connection:
+    """What both clients hold: the channel to one daemon, its stubs, the token's metadata and
+    the default deadline (``grpc_module``: ``grpc`` or ``grpc.aio``, same signatures)."""
+
+    def __init__(self, grpc_module: Any, target: str | None, token: str | None,
+                 timeout_s: float, root_certificates: bytes | None) -> None:
+        self.target = channel_target(target or default_target())
+        self._channel = open_channel(grpc_module, self.target, root_certificates)
+        self._stub = kvpool_pb2_grpc.KVPoolStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._metadata = auth_metadata(token)
+        self.timeout_s = timeout_s
+
+
+class KVPoolClient(Connection):
     """A connection to one kvpoold.
 
     Args:
@@ -102,12 +116,7 @@ class KVPoolClient:
     def __init__(self, target: str | None = None, *, token: str | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S,
                  root_certificates: bytes | None = None) -> None:
-        self.target = channel_target(target or default_target())
-        self._channel = open_channel(grpc, self.target, root_certificates)
-        self._stub = kvpool_pb2_grpc.KVPoolStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._metadata = auth_metadata(token)
-        self.timeout_s = timeout_s
+        super().__init__(grpc, target, token, timeout_s, root_certificates)
 
     # -- plumbing ----------------------------------------------------------------------------
 
