@@ -998,6 +998,12 @@ class PageCache(CacheState):
         retried after its backoff: the daemon has no room, or cannot be reached). Frees and
         allocs made meanwhile, and give-backs the daemon asks later, may make new work.
 
+        A give-back reaches the cache on the lease's KeepAlive stream: one the daemon asked
+        that is still on its way is not waited for. To include every give-back asked so far,
+        call ``lease.report_now()`` first (its answer comes after them), then ``settle()``.
+        Another lease's Allocate can ask for more at any time, so the counts of two caches on
+        one pool are still only once neither lease makes an RPC (tests/e2e/test_two_engines.py).
+
         Returns:
             True when settled (or the cache is closed or lost); False if ``timeout_s`` passed
             first.
