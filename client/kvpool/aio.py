@@ -209,6 +209,24 @@ class AsyncLease:
         req = wire.free_request(pool, self, items)
         return (await self.client.call("Free", req)).freed
 
+    # -- for page caches: see ``Lease._allocate_held`` and the two after it -----------------
+
+    async def _allocate_held(self, pool: str, space: str, count: int
+                             ) -> tuple[np.ndarray, int | None]:
+        req = wire.allocate_request(pool, self, [(space, count)])
+        resp = await self.client.call("Allocate", req)
+        return codec.ids_from_bytes(resp.items[0].ids), wire.held_of(resp)
+
+    async def _free_held(self, pool: str, space: str, ids: Any) -> tuple[int, int | None]:
+        resp = await self.client.call("Free", wire.free_request(pool, self, [(space, ids)]))
+        return resp.freed, wire.held_of(resp)
+
+    async def _check_held(self, pool: str, space: str, ids: Any
+                          ) -> tuple[np.ndarray, int | None]:
+        req = wire.free_request(pool, self, [(space, ids)], check=True)
+        resp = await self.client.call("Free", req)
+        return codec.ids_from_bytes(resp.not_held[0].ids), wire.held_of(resp)
+
     async def grant_receive(self, pool: str, pages: Any, ttl_s: float | None = None
                             ) -> AsyncReceiveGrant:
         """:meth:`kvpool.client.Lease.grant_receive` for asyncio code."""

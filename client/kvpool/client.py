@@ -370,6 +370,23 @@ class Lease:
         """Several ``(kind, ids)`` in one validated call; returns the ids freed."""
         return self.client.call("Free", wire.free_request(pool, self, items)).freed
 
+    # -- for page caches: one space, and what the lease holds of it after the call --------------
+
+    def _allocate_held(self, pool: str, space: str, count: int) -> tuple[np.ndarray, int | None]:
+        resp = self.client.call("Allocate", wire.allocate_request(pool, self, [(space, count)]))
+        return codec.ids_from_bytes(resp.items[0].ids), wire.held_of(resp)
+
+    def _free_held(self, pool: str, space: str, ids: Any) -> tuple[int, int | None]:
+        resp = self.client.call("Free", wire.free_request(pool, self, [(space, ids)]))
+        return resp.freed, wire.held_of(resp)
+
+    def _check_held(self, pool: str, space: str, ids: Any) -> tuple[np.ndarray, int | None]:
+        """The ids of ``ids`` this lease does not hold now, in order (frees nothing); only for
+        a daemon that answered ``held`` before (see ``wire.free_request``)."""
+        resp = self.client.call("Free", wire.free_request(pool, self, [(space, ids)],
+                                                          check=True))
+        return codec.ids_from_bytes(resp.not_held[0].ids), wire.held_of(resp)
+
     def grant_receive(self, pool: str, pages: Any, ttl_s: float | None = None) -> ReceiveGrant:
         """Let one transfer from a peer daemon write into ``pages`` (kv pages this lease
         holds, and their SWA pages in a hybrid SWA pool) within ``ttl_s`` (default 60 s).
