@@ -23,6 +23,7 @@ import numpy as np
 
 from kvpool.errors import FailedPrecondition, KVPoolError, NotFound, ResourceExhausted
 from kvpool.page_cache import (
+    CHECK,
     REFILL,
     CacheState,
     PageCacheCore,
@@ -173,13 +174,11 @@ class AsyncPageCache(CacheState):
         ask = max(need, core.batch)
         try:
             try:
-                core.rpc_calls += 1
-                got = await self._lease.allocate(core.pool, core.space, ask)
+                got, token, held = await self._allocate(ask)
             except ResourceExhausted:
                 if ask == need:
                     raise
-                core.rpc_calls += 1
-                got = await self._lease.allocate(core.pool, core.space, need)
+                got, token, held = await self._allocate(need)
         except BaseException as err:  # cancelled too: the reserved ids go back
             core.waits += 1
             core.unreserve(reserved)
@@ -188,10 +187,23 @@ class AsyncPageCache(CacheState):
             raise
         core.waits += 1
         ids = core.finish_miss(reserved, got, n)
+        core.rpc_end(token, held)
         if core.wants_work():
             core.kick()
         self._report_soon()
         return ids
+
+    async def _allocate(self, count: int) -> tuple[np.ndarray, tuple[int, bool], int | None]:
+        """See ``PageCache._allocate``."""
+        core = self._core
+        core.rpc_calls += 1
+        token = core.rpc_begin()
+        try:
+            got, held = await self._lease._allocate_held(core.pool, core.space, count)
+        except BaseException:
+            core.rpc_end(token, None)
+            raise
+        return got, token, held
 
     async def _run(self) -> None:
         """The worker task: refill below ``low``, return above ``high``; one RPC at a time."""
@@ -213,11 +225,16 @@ class AsyncPageCache(CacheState):
                         return
                     break
                 kind, arg = job
+                token = core.rpc_begin()
+                held = None
                 try:
                     if kind == REFILL:
-                        result = await self._lease.allocate(core.pool, core.space, arg)
+                        result, held = await self._lease._allocate_held(core.pool, core.space,
+                                                                        arg)
+                    elif kind == CHECK:
+                        result, held = await self._lease._check_held(core.pool, core.space, arg)
                     else:
-                        result = await self._lease.free(core.pool, core.space, arg)
+                        result, held = await self._lease._free_held(core.pool, core.space, arg)
                 except KVPoolError as err:
                     core.job_failed(kind, arg, err, time.monotonic())
                 except asyncio.CancelledError:
@@ -229,3 +246,5 @@ class AsyncPageCache(CacheState):
                 else:
                     core.job_done(kind, arg, result)
                     self._report_soon()
+                finally:
+                    core.rpc_end(token, held)
