@@ -18,6 +18,7 @@ import pytest
 
 from kvpool import AsyncKVPoolClient, KVPoolClient
 from kvpool.cache.page_cache import PageCache, PageCacheCounters, watermarks
+from kvpool.contract import codec, wire
 from kvpool.contract.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -217,6 +218,142 @@ def test_settle_retries_a_refill_waiting_out_a_refusal(client: KVPoolClient,
             assert cache.settle(30)
             assert cache.cached == 16
             assert held(client, pool, lease.lease_id) == 12 + 16
+
+
+# -- ids freed behind the cache's back (issue 20, item 10) ----------------------------------
+
+def cached_ids(cache: PageCache) -> list[int]:
+    """The cached ids, in the order ``alloc`` hands them out."""
+    return snapshot(cache)[1]
+
+
+def test_ids_freed_behind_its_back_are_dropped_at_the_next_refill(client: KVPoolClient,
+                                                                  pool: str) -> None:
+    """``lease.free`` of a cache's ids (misuse) and another lease takes them: the cache's next
+    refill says the lease holds fewer ids than the cache counts, so the cache checks which it
+    still holds and drops the others (``dropped_unheld``): cached ones at once, ones in use
+    when they are freed. It never hands out an id the other lease holds."""
+    with client.lease("engine") as lease, client.lease("other") as other, \
+            lease.page_cache(pool, low=4, high=16, batch=8) as cache:
+        assert cache.settle(30) and cache.cached == 16
+        in_use = cache.alloc(8)
+        ring = cached_ids(cache)
+        stale = ring[-3:] + in_use[:2].tolist()  # 3 cached (handed out last), 2 in use
+        lease.free(pool, "kv", stale)  # behind the cache's back
+        taken = other.allocate(pool, "kv", len(stale))
+        assert sorted(taken.tolist()) == sorted(stale)  # the daemon hands out the last freed
+        assert cache.checks == 0 and cache.dropped_unheld == 0
+        more = cache.alloc(5)  # the 5 held ones cached longest: 3 left, below low: a refill
+        assert not set(more.tolist()) & set(stale)
+        assert cache.settle(30)
+        assert (cache.checks, cache.dropped_unheld) == (1, 5)
+        assert not set(cached_ids(cache)) & set(stale)
+        assert cache.cached == 13 and cache.in_use == 13  # 2 of them no longer the lease's
+        assert held(client, pool, lease.lease_id) == 11 + 13
+        cache.free(in_use)  # the 2 stale ones are dropped, not cached
+        assert cache.in_use == 5 and cache.cached == 13 + 6
+        assert cache.settle(30)
+        assert held(client, pool, lease.lease_id) == cache.in_use + cache.cached
+        assert cache.checks == 1  # the counts agree again: no more checks
+        ids = cache.alloc(cache.cached + 20)  # all it has, and a miss
+        assert not set(ids.tolist()) & set(taken.tolist())
+        assert cache.settle(30)  # the refill after the miss
+        assert lease.report_now()
+        mine = next(x for x in client.stats(pool).leases if x.lease_id == lease.lease_id)
+        assert mine.held[pool]["kv"] == cache.in_use + cache.cached
+        assert mine.in_use(pool) == cache.in_use
+        other.free(pool, "kv", taken)
+
+
+def test_ids_freed_behind_its_back_are_dropped_at_the_next_return(client: KVPoolClient,
+                                                                  pool: str) -> None:
+    """The same found by a return: frees leave the cache above ``high``, the worker returns
+    the newest ids, and the Free's answer says the lease holds fewer than the cache counts."""
+    with client.lease("engine") as lease, client.lease("other") as other, \
+            lease.page_cache(pool, low=1, high=8, batch=2) as cache:
+        assert cache.settle(30)
+        a = cache.alloc(20)  # a miss: the 8 cached and 12 more; then a refill to 8
+        assert cache.settle(30) and (cache.cached, cache.in_use) == (8, 20)
+        stale = cached_ids(cache)[:2] + a[:1].tolist()  # the 2 cached longest, 1 in use
+        lease.free(pool, "kv", stale)
+        taken = other.allocate(pool, "kv", len(stale))
+        assert sorted(taken.tolist()) == sorted(stale)
+        cache.free(a[1:])  # 27 cached: the worker returns 21 (the newest), down to 6
+        assert cache.settle(30)
+        assert cache.returns == 1 and (cache.checks, cache.dropped_unheld) == (1, 3)
+        assert (cache.cached, cache.in_use) == (4, 1)
+        assert held(client, pool, lease.lease_id) == 4
+        cache.free(a[:1])  # no longer the lease's: dropped
+        assert (cache.cached, cache.in_use) == (4, 0)
+        assert not set(cache.alloc(4).tolist()) & set(stale)
+        other.free(pool, "kv", taken)
+
+
+async def test_async_ids_freed_behind_its_back_are_dropped(daemon: DaemonProcess,
+                                                           client: KVPoolClient,
+                                                           pool: str) -> None:
+    """``AsyncPageCache``: as the sync test of the refill."""
+    async with AsyncKVPoolClient(daemon.target) as aclient, \
+            await aclient.lease("engine") as lease, await aclient.lease("other") as other, \
+            await lease.page_cache(pool, low=4, high=16, batch=8) as cache:
+        await cache.settle()
+        in_use = await cache.alloc(8)
+        core = cache._core
+        stale = core.read(core.head, core.cached)[-3:].tolist() + in_use[:2].tolist()
+        await lease.free(pool, "kv", stale)
+        taken = await other.allocate(pool, "kv", len(stale))
+        assert sorted(taken.tolist()) == sorted(stale)
+        assert not set((await cache.alloc(5)).tolist()) & set(stale)
+        await cache.settle()
+        assert (cache.checks, cache.dropped_unheld) == (1, 5)
+        await cache.free(in_use)
+        await cache.settle()
+        assert held(client, pool, lease.lease_id) == cache.in_use + cache.cached
+        ids = await cache.alloc(cache.cached + 20)
+        assert not set(ids.tolist()) & set(stale)
+        await other.free(pool, "kv", taken)
+
+
+def test_allocate_and_free_answer_held_and_free_with_check_frees_nothing(
+        client: KVPoolClient, pool: str) -> None:
+    """The wire the check uses: Allocate and Free answer, per item, what the lease holds of
+    the item's space after the call; a Free with ``check`` frees nothing and answers which ids
+    the lease does not hold (free ones, another lease's), in order."""
+    with client.lease("engine") as lease, client.lease("other") as other:
+        resp = client.call("Allocate", wire.allocate_request(pool, lease, [("kv", 6),
+                                                                           ("req", 2)]))
+        assert list(resp.held) == [6, 2]
+        mine = codec.ids_from_bytes(resp.items[0].ids)
+        theirs = other.allocate(pool, "kv", 2)
+        free = [i for i in range(1, TINY_PAGES + 1) if i not in set(mine) | set(theirs)][:1]
+        asked = [int(mine[0]), int(theirs[0]), free[0], int(mine[1]), int(theirs[1])]
+        resp = client.call("Free", wire.free_request(pool, lease, [("kv", asked)], check=True))
+        assert resp.freed == 0 and list(resp.held) == [6]
+        assert codec.ids_from_bytes(resp.not_held[0].ids).tolist() == asked[1:3] + asked[4:]
+        assert held(client, pool, lease.lease_id) == 6
+        with pytest.raises(InvalidArgument) as info:
+            client.call("Free", wire.free_request(pool, lease, [("kv", [1, TINY_PAGES + 1])],
+                                                  check=True))
+        assert info.value.field == "items[0].ids[1]"
+        resp = client.call("Free", wire.free_request(pool, lease, [("kv", mine[:4])]))
+        assert resp.freed == 4 and list(resp.held) == [2]
+
+
+def test_a_lease_holding_more_than_its_cache_is_no_fault(client: KVPoolClient,
+                                                         pool: str) -> None:
+    """Ids the lease allocated itself, beside its cache, make it hold more than the cache
+    counts: no check is made."""
+    with client.lease("engine") as lease, lease.page_cache(pool, low=4, high=16,
+                                                           batch=8) as cache:
+        direct = lease.allocate(pool, "kv", 10)
+        assert cache.settle(30)
+        ids = cache.alloc(14)  # below low: a refill
+        assert cache.settle(30)
+        cache.free(ids)  # above high: a return
+        assert cache.settle(30)
+        assert cache.refills == 2 and cache.returns == 1 and cache.checks == 0
+        lease.free(pool, "kv", direct)
+        assert cache.settle(30) and cache.checks == 0
 
 
 # -- local checks ---------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpool.cache import page_cache
-from kvpool.cache.page_cache import GIVE_BACK, REFILL, RETURN, PageCacheCore
+from kvpool.cache.page_cache import CHECK, GIVE_BACK, REFILL, RETURN, PageCacheCore
 from kvpool.contract.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -301,3 +301,53 @@ def test_settle_lifts_the_hold_after_a_give_back() -> None:
     assert core.cached == 2 and core.pick_job(0.0) is None  # held back
     core.begin_settle()
     assert not core.settled() and core.pick_job(0.0) == (REFILL, 6)
+
+
+# -- ids the lease no longer holds (issue 20, item 10) ----------------------------------------
+
+def test_a_short_count_makes_one_check_and_its_answer_drops_what_is_not_held() -> None:
+    """A reply saying the lease holds fewer ids than the cache counts makes a check of every
+    id it counts, first of all jobs; its answer drops the cached ones (the queue keeps its
+    order) and marks the ones in use, which a later free drops (alone or among others), also
+    across a rebase. Replies of RPCs that overlapped, or that hold as many, check nothing."""
+    core = PageCacheCore("p", "kv", capacity=16, low=0, high=16, batch=1)
+    core.push(np.arange(1, 11, dtype=np.int32))
+    ids = core.take(4)  # 1..4 in use, 5..10 cached
+    assert ids is not None
+    first, second = core.rpc_begin(), core.rpc_begin()
+    core.rpc_end(second, 3)  # another RPC ran meanwhile: no conclusion
+    core.rpc_end(first, 3)
+    core.rpc_end(core.rpc_begin(), 12)  # the lease holds more than the cache: no fault
+    assert not core.check_due
+    core.give_back = 2
+    core.rpc_end(core.rpc_begin(), 7)  # 10 counted, 7 held
+    assert core.check_due and not core.settled()
+    job = core.pick_job(0.0)
+    assert job is not None and job[0] == CHECK
+    assert sorted(job[1].tolist()) == list(range(1, 11))
+    core.job_done(CHECK, job[1], i32([6, 9, 2]))
+    assert (core.checks, core.dropped_unheld, core.unheld_in_use) == (1, 3, 1)
+    assert core.read(core.head, core.cached).tolist() == [5, 7, 8, 10]
+    assert core.report() == (4, 3)
+    assert core.handed_out().tolist() == [1, 2, 3, 4]  # 2 stays in use until it is freed
+    core.rebase()
+    assert core.free_ids(i32([2]))[0].tolist() == [2]  # dropped, not cached
+    assert core.read(core.head, core.cached).tolist() == [5, 7, 8, 10]
+    assert core.unheld_in_use == 0 and core.n_in_use == 3
+    core.rpc_end(core.rpc_begin(), 7)  # 3 in use + 4 cached: held as counted
+    assert not core.check_due
+
+
+def test_a_marked_id_freed_among_others_is_dropped_and_after_close_not_sent() -> None:
+    core = PageCacheCore("p", "kv", capacity=16, low=0, high=16, batch=1)
+    core.push(np.arange(1, 9, dtype=np.int32))
+    ids = core.take(6)
+    assert ids is not None
+    core.drop_unheld(i32([2, 5]))  # both in use
+    arr, send = core.free_ids(i32([1, 2, 3]))
+    assert arr.tolist() == [1, 2, 3] and not send
+    assert core.read(core.head, core.cached).tolist() == [7, 8, 1, 3]
+    core.close()
+    core.drain()
+    arr, send = core.free_ids(i32([4, 5, 6]))  # after close: only the lease's go to the daemon
+    assert arr.tolist() == [4, 6] and send and core.n_in_use == 0

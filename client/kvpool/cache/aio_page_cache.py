@@ -17,11 +17,12 @@ import contextlib
 import logging
 import time
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from kvpool.cache.page_cache import (
+    CHECK,
     REFILL,
     CacheState,
     PageCacheCore,
@@ -32,8 +33,33 @@ from kvpool.cache.page_cache import (
 )
 from kvpool.contract.errors import FailedPrecondition, KVPoolError, NotFound, ResourceExhausted
 
-if TYPE_CHECKING:
-    from kvpool.clients.aio import AsyncLease
+
+class AsyncLease(Protocol):
+    """What an asyncio page cache needs of its lease (``kvpool.clients.aio.AsyncLease`` is
+    one); see ``kvpool.cache.page_cache.Lease``."""
+
+    lease_id: int
+    client: Any  # its ``await stats(pool)`` sizes the cache
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def error(self) -> BaseException | None: ...
+
+    async def free(self, pool: str, space: str, ids: Any) -> int: ...
+
+    async def _allocate_held(self, pool: str, space: str, count: int
+                             ) -> tuple[np.ndarray, int | None]: ...
+
+    async def _free_held(self, pool: str, space: str, ids: Any) -> tuple[int, int | None]: ...
+
+    async def _check_held(self, pool: str, space: str, ids: Any
+                          ) -> tuple[np.ndarray, int | None]: ...
+
+    def _register_cache(self, cache: Any) -> None: ...
+
+    def _unregister_cache(self, cache: Any) -> None: ...
 
 log = logging.getLogger("kvpool.cache.page_cache")
 
@@ -174,13 +200,11 @@ class AsyncPageCache(CacheState):
         ask = max(need, core.batch)
         try:
             try:
-                core.rpc_calls += 1
-                got = await self._lease.allocate(core.pool, core.space, ask)
+                got, token, held = await self._allocate(ask)
             except ResourceExhausted:
                 if ask == need:
                     raise
-                core.rpc_calls += 1
-                got = await self._lease.allocate(core.pool, core.space, need)
+                got, token, held = await self._allocate(need)
         except BaseException as err:  # cancelled too: the reserved ids go back
             core.waits += 1
             core.unreserve(reserved)
@@ -189,10 +213,23 @@ class AsyncPageCache(CacheState):
             raise
         core.waits += 1
         ids = core.finish_miss(reserved, got, n)
+        core.rpc_end(token, held)
         if core.wants_work():
             core.kick()
         self._report_soon()
         return ids
+
+    async def _allocate(self, count: int) -> tuple[np.ndarray, tuple[int, bool], int | None]:
+        """See ``PageCache._allocate``."""
+        core = self._core
+        core.rpc_calls += 1
+        token = core.rpc_begin()
+        try:
+            got, held = await self._lease._allocate_held(core.pool, core.space, count)
+        except BaseException:
+            core.rpc_end(token, None)
+            raise
+        return got, token, held
 
     async def _run(self) -> None:
         """The worker task: refill below ``low``, return above ``high``; one RPC at a time."""
@@ -214,11 +251,16 @@ class AsyncPageCache(CacheState):
                         return
                     break
                 kind, arg = job
+                token = core.rpc_begin()
+                held = None
                 try:
                     if kind == REFILL:
-                        result = await self._lease.allocate(core.pool, core.space, arg)
+                        result, held = await self._lease._allocate_held(core.pool, core.space,
+                                                                        arg)
+                    elif kind == CHECK:
+                        result, held = await self._lease._check_held(core.pool, core.space, arg)
                     else:
-                        result = await self._lease.free(core.pool, core.space, arg)
+                        result, held = await self._lease._free_held(core.pool, core.space, arg)
                 except KVPoolError as err:
                     core.job_failed(kind, arg, err, time.monotonic())
                 except asyncio.CancelledError:
@@ -230,3 +272,5 @@ class AsyncPageCache(CacheState):
                 else:
                     core.job_done(kind, arg, result)
                     self._report_soon()
+                finally:
+                    core.rpc_end(token, held)

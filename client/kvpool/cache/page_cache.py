@@ -30,6 +30,12 @@ this cache has not handed out or that was already freed (``FailedPrecondition``)
 classes for the same faults. O(count): per id of the space the cache keeps the slot it was last
 queued at (4 bytes), and an id is in use exactly when that slot is behind the queue's head.
 
+Ids freed behind its back (``lease.free`` of its ids, misuse): every Allocate and Free the
+cache makes answers what the lease holds of the space; fewer than the cache counts, with no
+other RPC of the cache in flight, and the worker checks which of its ids the lease still holds
+(one Free with ``check``) and drops the others (``dropped_unheld``): cached ones at once, ones
+in use when they are freed. See docs/api.md, "Page cache".
+
 Order: ``alloc`` hands out the ids cached longest first (FIFO): it takes a slice from the head
 of a ring and writes nothing per id, so it costs what an in-process free list costs;
 ``free`` and refills append at the tail, returns to the daemon take the newest from the tail.
@@ -58,7 +64,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -69,12 +75,43 @@ from kvpool.contract.errors import (
     NotFound,
     ResourceExhausted,
     error_from_code,
+    lease_closed,
 )
 from kvpool.contract.limits import ID_DTYPE
 
 if TYPE_CHECKING:
-    from kvpool.clients.client import Lease
     from kvpool.contract.records import Stats
+
+
+class Lease(Protocol):
+    """What a page cache needs of its lease (``kvpool.clients.client.Lease`` is one): the
+    cache depends on this, not on the clients, which depend on the cache."""
+
+    lease_id: int
+    client: Any  # its ``stats(pool)`` sizes the cache
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def error(self) -> BaseException | None: ...
+
+    def free(self, pool: str, space: str, ids: Any) -> int: ...
+
+    def allocate_swa_pairs(self, pool: str, count: int) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def report_now(self, timeout_s: float = ...) -> bool: ...
+
+    def _allocate_held(self, pool: str, space: str, count: int
+                       ) -> tuple[np.ndarray, int | None]: ...
+
+    def _free_held(self, pool: str, space: str, ids: Any) -> tuple[int, int | None]: ...
+
+    def _check_held(self, pool: str, space: str, ids: Any) -> tuple[np.ndarray, int | None]: ...
+
+    def _register_cache(self, cache: Any) -> None: ...
+
+    def _unregister_cache(self, cache: Any) -> None: ...
 
 log = logging.getLogger("kvpool.cache.page_cache")
 try:  # numpy's C function itself: ``np.count_nonzero`` wraps it in Python (~0.2 us a call)
@@ -115,6 +152,7 @@ GIVE_BACK_HOLD_S = 0.5
 REFILL = "refill"
 RETURN = "return"
 GIVE_BACK = "give_back"
+CHECK = "check"  # which of the cache's ids its lease still holds (a Free with ``check``)
 
 
 class Backoff:
@@ -160,6 +198,12 @@ class PageCacheCounters:
         returned: ids given back to the daemon by the worker, in all (not by ``close``).
         gave_back: of ``returned``, ids given back because the daemon asked (another lease's
             Allocate ran short; see docs/api.md, "Page cache", pressure).
+        checks: checks made of which of its ids the lease still holds (each one Free with
+            ``check``, in ``rpc_calls``): after a reply said the lease holds fewer ids than the
+            cache counts.
+        dropped_unheld: ids a check found the lease no longer held (freed behind the cache's
+            back, with ``lease.free``): dropped from the cache, never handed out again (one in
+            use is dropped when it is freed).
     """
 
     in_use: int
@@ -171,6 +215,8 @@ class PageCacheCounters:
     fetched: int
     returned: int
     gave_back: int = 0
+    checks: int = 0
+    dropped_unheld: int = 0
 
 
 def space_capacity(stats: Stats, pool: str, space: str) -> int:
@@ -306,6 +352,17 @@ class PageCacheCore:
         self.fetched = 0
         self.returned = 0
         self.gave_back = 0
+        self.checks = 0
+        self.dropped_unheld = 0
+        # ``pos`` of an id in use that a check found the lease no longer holds: still in use
+        # (below any head), dropped instead of cached when it is freed.
+        self.unheld_mark = self.by_miss + 1
+        self.unheld_in_use = 0  # ids in use with that mark
+        self.check_due = False  # a reply said the lease holds fewer ids than the cache counts
+        # RPCs of this cache in flight, and started in all: a reply's ``held`` is compared only
+        # when no other RPC of the cache ran at the same time (``rpc_begin``/``rpc_end``).
+        self.active = 0
+        self.starts = 0
         self.give_back = 0  # ids the daemon asked back, not yet taken out of the ring
         self.hold_until = 0.0  # no background refill before (after a give-back)
         self.closed = False
@@ -379,8 +436,10 @@ class PageCacheCore:
         for lo in range(0, pos.shape[0], REBASE_CHUNK):  # bounded temporaries
             part = pos[lo:lo + REBASE_CHUNK]
             in_use = part < shift
+            unheld = part == self.unheld_mark
             np.subtract(part, shift, out=part, where=part != self.not_here)
             part[in_use] = self.by_miss
+            part[unheld] = self.unheld_mark
         self.base = self.head
         self.window_base = -(self.window.shape[0] + 1)  # refilled at the next ``slots``
 
@@ -486,6 +545,8 @@ class PageCacheCore:
         """
         # One function, few numpy calls: each costs microseconds on a cold path (after the
         # engine's forward pass), and so does each Python call.
+        if self.unheld_in_use:
+            return self.free_with_unheld(ids)
         arr = ids if type(ids) is np.ndarray else np.asarray(ids)
         if arr.ndim != 1 or arr.dtype.kind not in "iu" or arr.shape[0] < 2:
             arr = self.unmark_few(arr)
@@ -534,6 +595,34 @@ class PageCacheCore:
             self.rpc_calls += 1
         return arr, send
 
+    def free_with_unheld(self, ids: Any) -> tuple[np.ndarray, bool]:
+        """``free_ids`` while some ids in use are marked unheld (a check found the lease no
+        longer holds them): those are dropped rather than cached (or sent after ``close``)."""
+        arr = np.asarray(ids)
+        marked = np.zeros(0, dtype=ID_DTYPE)
+        if arr.ndim == 1 and arr.dtype.kind in "iu" and arr.shape[0]:
+            idx = np.clip(arr.astype(np.intp), 0, self.capacity + 1)
+            marked = arr[self.pos[idx] == self.unheld_mark].astype(ID_DTYPE)
+        count, self.unheld_in_use = self.unheld_in_use, 0  # the plain path for a moment
+        try:
+            arr, send = self.free_ids(arr)
+        finally:
+            self.unheld_in_use = count
+        if not marked.shape[0]:
+            return arr, send
+        self.unheld_in_use -= marked.shape[0]
+        if self.dead is None:  # just cached at the tail: take them out again
+            n = arr.shape[0]
+            self.tail -= n
+            tail = self.read(self.tail, n)
+            self.uncache(marked)
+            self.push(tail[self.pos[tail] != self.not_here])
+            return arr, False
+        keep = arr[~np.isin(arr, marked)]
+        if send and not keep.shape[0]:
+            self.rpc_calls -= 1
+        return keep, send and keep.shape[0] > 0
+
     def free_error(self, arr: np.ndarray) -> KVPoolError:
         """The error for the first bad id of ``arr`` (the refusal path: O(n) in Python)."""
         seen: dict[int, int] = {}
@@ -569,7 +658,8 @@ class PageCacheCore:
 
     def wants_work(self) -> bool:
         cached = self.tail - self.head
-        return cached < self.low or cached > self.high or self.give_back > 0
+        return (cached < self.low or cached > self.high or self.give_back > 0
+                or self.check_due)
 
     def refill_due(self, cached: int) -> bool:
         """Whether the watermarks ask for a refill (below ``low``, or the first fill)."""
@@ -593,7 +683,64 @@ class PageCacheCore:
     def report(self) -> tuple[int, int]:
         """``(cached, in_use)`` for the lease's KeepAlive report (ids an ``alloc`` waiting on
         the daemon took out of the ring count as in use)."""
-        return self.cached, self.n_in_use + self.reserved
+        return self.cached, self.n_in_use - self.unheld_in_use + self.reserved
+
+    # -- is what the cache counts still held by its lease? -------------------------------------
+
+    def rpc_begin(self) -> tuple[int, bool]:
+        """An RPC of this cache starts (under the lock): the token ``rpc_end`` takes."""
+        alone = self.active == 0
+        self.active += 1
+        self.starts += 1
+        return self.starts, alone
+
+    def rpc_end(self, token: tuple[int, bool], held: int | None) -> None:
+        """The RPC of ``token`` is done and its effect on the cache made; ``held``: what the
+        daemon said the lease holds of the space once the call was done (None: refused, or a
+        daemon that does not say). If no other RPC of the cache ran meanwhile, the lease holds
+        at least every id the cache counts; fewer means ids were freed behind the cache's back
+        (``lease.free`` of its ids): a check is due (O(1) here)."""
+        self.active -= 1
+        start, alone = token
+        if held is None or not alone or self.starts != start or self.dead is not None:
+            return
+        mine = (self.n_in_use - self.unheld_in_use + self.cached + self.reserved
+                + self.returning)
+        if held < mine and not self.check_due:
+            log.warning("page cache %s: its lease holds %d ids of the space, the cache counts "
+                        "%d: ids were freed behind its back (lease.free of its ids?); checking "
+                        "which it still holds", self.label, held, mine)
+            self.check_due = True
+            self.kick()
+
+    def check_ids(self) -> np.ndarray:
+        """Every id the cache counts as its lease's: cached, then in use (O(capacity))."""
+        in_use = self.pos[1:self.capacity + 1]
+        handed = np.flatnonzero((in_use < self.head - self.base)
+                                & (in_use != self.unheld_mark)) + 1
+        return np.concatenate((self.read(self.head, self.cached), handed.astype(ID_DTYPE)))
+
+    def drop_unheld(self, ids: np.ndarray) -> None:
+        """A check found the lease no longer holds ``ids``: those cached leave the ring (never
+        handed out again), those in use are marked (dropped when freed). Ids neither cached nor
+        in use now (reserved by a miss since) are left: the next reply's count tells again."""
+        p = self.pos[ids]
+        rel = self.head - self.base
+        cached = ids[(p >= rel) & (p != self.not_here)]
+        in_use = ids[(p < rel) & (p != self.unheld_mark)]
+        if cached.shape[0]:
+            ring = self.read(self.head, self.cached)
+            self.uncache(cached)
+            self.tail = self.head
+            self.push(ring[self.pos[ring] != self.not_here])
+        self.pos[in_use] = self.unheld_mark
+        self.unheld_in_use += in_use.shape[0]
+        k = cached.shape[0] + in_use.shape[0]
+        self.dropped_unheld += k
+        if k:
+            log.warning("page cache %s: dropped %d ids its lease no longer holds (%d cached, "
+                        "%d in use: dropped when freed)", self.label, k, cached.shape[0],
+                        in_use.shape[0])
 
     def next_job(self, now: float, lease: Any) -> tuple[str, Any] | None:
         """The RPC the worker (or ``maintain``) should make now, counted in ``rpc_calls``:
@@ -611,6 +758,11 @@ class PageCacheCore:
     def pick_job(self, now: float) -> tuple[str, Any] | None:
         if self.dead is not None:
             return None
+        if self.check_due:  # first: a cached id the lease does not hold must not go out
+            self.check_due = False
+            ids = self.check_ids()
+            if ids.shape[0]:
+                return CHECK, ids
         if self.give_back > 0:
             k = min(self.give_back, self.cached)
             self.give_back = 0
@@ -633,6 +785,10 @@ class PageCacheCore:
         return None
 
     def job_done(self, kind: str, arg: Any, result: Any) -> None:
+        if kind == CHECK:
+            self.checks += 1
+            self.drop_unheld(result)
+            return
         if kind == REFILL:
             self.refill_retry.succeeded()
             self.push(result)
@@ -652,6 +808,12 @@ class PageCacheCore:
 
     def job_failed(self, kind: str, arg: Any, err: KVPoolError, now: float) -> None:
         self.last_error = err
+        if kind == CHECK:  # the next reply's count tells again whether one is due
+            if isinstance(err, NotFound):
+                self.lose(err)
+            else:
+                log.warning("page cache %s: checking its ids failed: %s", self.label, err)
+            return
         retry = self.refill_retry if kind == REFILL else self.return_retry
         if kind != REFILL:
             self.returning -= arg.shape[0]
@@ -705,7 +867,7 @@ class PageCacheCore:
         refused since ``begin_settle`` (the worker retries it after its backoff)."""
         if self.dead is not None:
             return True
-        if self.returning or (self.give_back and self.cached):
+        if self.returning or (self.give_back and self.cached) or self.check_due:
             return False
         cached = self.cached
         rnd = self.settle_round
@@ -726,6 +888,7 @@ class PageCacheCore:
         if self.lost is None:
             self.lost = err
             self.dead = err
+            self.check_due = False
             self.drain()
             log.error("page cache %s lost its ids: %s", self.label, err)
 
@@ -739,17 +902,13 @@ class PageCacheCore:
     def counters(self) -> PageCacheCounters:
         return PageCacheCounters(self.n_in_use, self.cached, self.refills, self.returns,
                                  self.rpc_calls, self.waits, self.fetched, self.returned,
-                                 self.gave_back)
+                                 self.gave_back, self.checks, self.dropped_unheld)
 
     def check_count(self, n: Any) -> int:
         n = as_int(n, "count")
         if n < 0:
             raise InvalidArgument(f"count={n}: must be >= 0", field="count")
         return n
-
-
-def closed_error(lease_id: int) -> FailedPrecondition:
-    return FailedPrecondition(f"lease {lease_id} is closed", field="lease")
 
 
 def lease_lost(lease: Any) -> KVPoolError | None:
@@ -759,7 +918,7 @@ def lease_lost(lease: Any) -> KVPoolError | None:
     if isinstance(err, NotFound):
         return err
     if lease.closed:
-        return closed_error(lease.lease_id)
+        return lease_closed(lease.lease_id)
     return None
 
 
@@ -844,6 +1003,14 @@ class CacheState:
     @property
     def gave_back(self) -> int:
         return self._core.gave_back
+
+    @property
+    def checks(self) -> int:
+        return self._core.checks
+
+    @property
+    def dropped_unheld(self) -> int:
+        return self._core.dropped_unheld
 
     @property
     def closed(self) -> bool:
@@ -998,6 +1165,12 @@ class PageCache(CacheState):
         retried after its backoff: the daemon has no room, or cannot be reached). Frees and
         allocs made meanwhile, and give-backs the daemon asks later, may make new work.
 
+        A give-back reaches the cache on the lease's KeepAlive stream: one the daemon asked
+        that is still on its way is not waited for. To include every give-back asked so far,
+        call ``lease.report_now()`` first (its answer comes after them), then ``settle()``.
+        Another lease's Allocate can ask for more at any time, so the counts of two caches on
+        one pool are still only once neither lease makes an RPC (tests/e2e/test_two_engines.py).
+
         Returns:
             True when settled (or the cache is closed or lost); False if ``timeout_s`` passed
             first.
@@ -1099,11 +1272,11 @@ class PageCache(CacheState):
         ask = max(need, core.batch)
         try:
             try:
-                got = self._allocate(ask)
+                got, token, held = self._allocate(ask)
             except ResourceExhausted:
                 if ask == need:
                     raise
-                got = self._allocate(need)
+                got, token, held = self._allocate(need)
         except KVPoolError as err:
             with self._lock:
                 core.waits += 1
@@ -1114,35 +1287,54 @@ class PageCache(CacheState):
         with self._lock:
             core.waits += 1
             ids = core.finish_miss(reserved, got, n)
+            core.rpc_end(token, held)
             if core.wants_work():
                 core.kick()
         self._report_soon()
         return ids
 
-    def _allocate(self, count: int) -> np.ndarray:
+    def _allocate(self, count: int) -> tuple[np.ndarray, tuple[int, bool], int | None]:
+        """One Allocate of ``count`` (unlocked): the ids, the RPC's token and the lease's
+        holding, for the ``rpc_end`` the caller makes once the ids are in the cache."""
+        core = self._core
         with self._lock:
-            self._core.rpc_calls += 1
-        return self._lease.allocate(self._core.pool, self._core.space, count)
+            core.rpc_calls += 1
+            token = core.rpc_begin()
+        try:
+            got, held = self._lease._allocate_held(core.pool, core.space, count)
+        except BaseException:
+            with self._lock:
+                core.rpc_end(token, None)
+            raise
+        return got, token, held
 
     def _do_job(self, job: tuple[str, Any]) -> None:
-        """One refill or return RPC for the worker or ``maintain`` (called unlocked)."""
+        """One refill, return or check RPC for the worker or ``maintain`` (called unlocked)."""
         core = self._core
         kind, arg = job
+        with self._lock:
+            token = core.rpc_begin()
+        held = None
         try:
             if kind == REFILL:
-                result = self._lease.allocate(core.pool, core.space, arg)
+                result, held = self._lease._allocate_held(core.pool, core.space, arg)
+            elif kind == CHECK:
+                result, held = self._lease._check_held(core.pool, core.space, arg)
             else:
-                result = self._lease.free(core.pool, core.space, arg)
+                result, held = self._lease._free_held(core.pool, core.space, arg)
         except KVPoolError as err:
             with self._lock:
                 core.job_failed(kind, arg, err, time.monotonic())
+                core.rpc_end(token, None)
         except Exception as err:  # never let the worker die silently
             log.exception("page cache %s: %s failed", core.label, kind)
             with self._lock:
                 core.job_failed(kind, arg, FailedPrecondition(str(err)), time.monotonic())
+                core.rpc_end(token, None)
         else:
             with self._lock:
                 core.job_done(kind, arg, result)
+                core.rpc_end(token, held)
             self._report_soon()
 
     def _run(self) -> None:

@@ -20,7 +20,6 @@ import numpy as np
 from grpc import aio
 from grpc_health.v1 import health_pb2
 
-from kvpool.cache.page_cache import closed_error
 from kvpool.clients.client import (
     DEFAULT_TIMEOUT_S,
     DEFAULT_TTL_S,
@@ -30,7 +29,7 @@ from kvpool.clients.client import (
 )
 from kvpool.clients.session import KeepAliveSession
 from kvpool.contract import codec, rpcs, wire
-from kvpool.contract.errors import Unavailable
+from kvpool.contract.errors import Unavailable, lease_closed
 from kvpool.contract.records import AttachInfo, ConfigureResult, Released, Stats
 from kvpool.v1 import kvpool_pb2 as pb
 
@@ -211,6 +210,19 @@ class AsyncLease:
     async def free_batch(self, pool: str, items: Sequence[tuple[str, Any]]) -> int:
         return await self.client.run(rpcs.free(pool, self, items))
 
+    # -- for page caches: see ``Lease._allocate_held`` and the two after it -----------------
+
+    async def _allocate_held(self, pool: str, space: str, count: int
+                             ) -> tuple[np.ndarray, int | None]:
+        return await self.client.run(rpcs.allocate_held(pool, self, space, count))
+
+    async def _free_held(self, pool: str, space: str, ids: Any) -> tuple[int, int | None]:
+        return await self.client.run(rpcs.free_held(pool, self, space, ids))
+
+    async def _check_held(self, pool: str, space: str, ids: Any
+                          ) -> tuple[np.ndarray, int | None]:
+        return await self.client.run(rpcs.check_held(pool, self, space, ids))
+
     async def grant_receive(self, pool: str, pages: Any, ttl_s: float | None = None
                             ) -> AsyncReceiveGrant:
         """:meth:`kvpool.clients.client.Lease.grant_receive` for asyncio code."""
@@ -237,7 +249,7 @@ class AsyncLease:
         if self._closed:
             return Released({}, 0)
         self._closed = True
-        self._session.end(closed_error(self.lease_id))  # see Lease.close
+        self._session.end(lease_closed(self.lease_id))  # see Lease.close
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task

@@ -27,11 +27,10 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvpool.cache.page_cache import closed_error
 from kvpool.clients.session import KeepAliveSession, keepalive_interval
 from kvpool.clients.targets import channel_target, default_target
 from kvpool.contract import codec, rpcs, wire
-from kvpool.contract.errors import KVPoolError, Unavailable
+from kvpool.contract.errors import KVPoolError, Unavailable, lease_closed
 from kvpool.contract.limits import MESSAGE_SIZE_OPTIONS
 from kvpool.contract.records import AttachInfo, ConfigureResult, Released, Stats
 from kvpool.v1 import kvpool_pb2 as pb
@@ -357,6 +356,18 @@ class Lease:
         """Several ``(space, ids)`` in one validated call; returns the ids freed."""
         return self.client.run(rpcs.free(pool, self, items))
 
+    # -- for page caches: one space, and what the lease holds of it after the call --------------
+
+    def _allocate_held(self, pool: str, space: str, count: int) -> tuple[np.ndarray, int | None]:
+        return self.client.run(rpcs.allocate_held(pool, self, space, count))
+
+    def _free_held(self, pool: str, space: str, ids: Any) -> tuple[int, int | None]:
+        return self.client.run(rpcs.free_held(pool, self, space, ids))
+
+    def _check_held(self, pool: str, space: str, ids: Any) -> tuple[np.ndarray, int | None]:
+        """See :func:`kvpool.contract.rpcs.check_held`."""
+        return self.client.run(rpcs.check_held(pool, self, space, ids))
+
     def grant_receive(self, pool: str, pages: Any, ttl_s: float | None = None) -> ReceiveGrant:
         """Let one transfer from a peer daemon write into ``pages`` (kv pages this lease
         holds, and their SWA pages in a hybrid SWA pool) within ``ttl_s`` (default 60 s).
@@ -406,7 +417,7 @@ class Lease:
             self._acked.notify_all()
         # Before CloseLease takes back every id: the caches' allocs stop handing them out
         # (outside the lock: a cache takes its own lock, and may then take this one).
-        self._session.end(closed_error(self.lease_id))
+        self._session.end(lease_closed(self.lease_id))
         self._thread.join(timeout=5.0)
         return self.client.run(rpcs.close_lease(self))
 

@@ -176,6 +176,11 @@ def echo(value: object, limit: int = 80) -> str:
     return f"{shown[:-1]}\u2026{shown[-1]} ({len(text):,} chars)"
 
 
+def lease_closed(lease_id: int) -> FailedPrecondition:
+    """What a closed lease answers (its page caches' allocs, a second close's callers)."""
+    return FailedPrecondition(f"lease {lease_id} is closed", field="lease")
+
+
 def error_from_code(code_name: str, message: str, field: str | None = None) -> KVPoolError:
     """Build the exception class registered for a gRPC status code name (``"NOT_FOUND"``).
 

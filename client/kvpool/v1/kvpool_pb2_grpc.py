@@ -156,7 +156,8 @@ class KVPoolServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Free(self, request, context):
-        """Validated all-or-nothing across items: a refused free changes nothing.
+        """Validated all-or-nothing across items: a refused free changes nothing. With `check`, frees
+        nothing and answers which of the ids the lease does not hold.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

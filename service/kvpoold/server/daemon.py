@@ -494,6 +494,43 @@ class Daemon:
         self._notify_freed()
         return freed
 
+    def held_counts(self, caller: Caller, pool: str, ref: LeaseRef,
+                    spaces: Sequence[str]) -> list[int]:
+        """What the lease holds now of each of ``spaces`` of ``pool`` (O(1) each): an Allocate
+        or Free answers it per item, so a page cache can tell ids freed behind its back.
+
+        Raises:
+            As :meth:`free` for the pool, the lease and the spaces.
+        """
+        entry = self.pool(pool, caller)
+        owner = self.lease(caller, ref).owner
+        return [entry.ids.space(name, f"items[{i}].space").held(owner)
+                for i, name in enumerate(spaces)]
+
+    def not_held(self, caller: Caller, pool: str, ref: LeaseRef,
+                 items: Sequence[tuple[str, np.ndarray]]) -> list[np.ndarray]:
+        """Per ``(space, ids)`` item, its ids the lease does not hold (free, or another
+        lease's), in order; frees nothing (a Free with ``check``). O(ids).
+
+        Raises:
+            InvalidArgument: an unknown space, or an id out of its range.
+            NotFound / PermissionDenied: as :meth:`free`.
+        """
+        entry = self.pool(pool, caller)
+        owner = self.lease(caller, ref).owner
+        out = []
+        for i, (name, arr) in enumerate(items):
+            space = entry.ids.space(name, f"items[{i}].space")
+            idx = np.asarray(arr, dtype=np.intp)
+            bad = (idx < 1) | (idx > space.capacity)
+            if bad.any():
+                pos = int(bad.argmax())
+                raise InvalidArgument(
+                    f"check {space.label} items[{i}].ids[{pos}]={idx[pos]}: out of range "
+                    f"1..{space.capacity}", field=f"items[{i}].ids[{pos}]")
+            out.append(np.ascontiguousarray(arr[space.owner_of(idx) != owner], dtype=np.int32))
+        return out
+
     # -- pools -------------------------------------------------------------------------------
 
     def pool(self, name: str, caller: Caller | None = None) -> LivePool:
