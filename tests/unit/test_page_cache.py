@@ -164,6 +164,33 @@ def test_resource_exhausted_leaves_the_cache_as_it_was(client: KVPoolClient,
         assert len(cache.alloc(4)) == 4  # the cache still serves
 
 
+def test_a_miss_that_fails_in_any_way_puts_its_reserved_ids_back(client: KVPoolClient,
+                                                                 pool: str) -> None:
+    """An interrupt (or any error that is not the daemon's) during a miss's Allocate leaves
+    the cache as it was, as a refusal does: the sync and asyncio caches alike (the sync one
+    once kept only KVPoolError from stranding the ids it had reserved for the alloc)."""
+    with client.lease("engine") as lease, lease.page_cache(pool, low=0, high=8,
+                                                           batch=8) as cache:
+        cache.settle(30)
+        cache.alloc(4)
+        before = snapshot(cache)
+        real = lease._allocate_held
+
+        def interrupted(*args: object) -> object:
+            raise KeyboardInterrupt
+
+        lease._allocate_held = interrupted  # type: ignore[method-assign]
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                cache.alloc(21)  # 4 cached: a miss, which reserves them first
+        finally:
+            lease._allocate_held = real  # type: ignore[method-assign]
+        counters, cached, in_use = snapshot(cache)
+        assert cached == before[1] and np.array_equal(in_use, before[2])
+        assert (counters.in_use, counters.cached) == (4, 4)
+        assert len(cache.alloc(8)) == 8  # the reserved ids were put back, and serve
+
+
 def test_refill_on_a_full_pool_takes_what_there_is(client: KVPoolClient, pool: str) -> None:
     """The worker halves a refused refill until the daemon can give it."""
     with client.lease("hog") as hog, client.lease("engine") as lease:

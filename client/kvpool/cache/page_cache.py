@@ -1277,7 +1277,7 @@ class PageCache(CacheState):
                 if ask == need:
                     raise
                 got, token, held = self._allocate(need)
-        except KVPoolError as err:
+        except BaseException as err:  # any failure (an interrupt too): the reserved ids go back
             with self._lock:
                 core.waits += 1
                 core.unreserve(reserved)
