@@ -5,7 +5,8 @@ keeps being served.
 Each test runs a latency probe in its own process (a lease doing Allocate(kv, 1) + Free in a
 loop) beside the hostile calls. No timed asserts: the outcomes are asserted (the refusals are
 the right ones, every probe call succeeded, the daemon changed nothing); the probe's figures are
-printed (``pytest -s``) and measured at scale by ``bench/hostile.py``.
+printed (``pytest -s``). The Stats and WatchStats loads are measured at scale, against a
+baseline of the same run, by ``bench/stats_under_load.py``.
 """
 
 from __future__ import annotations
