@@ -419,7 +419,7 @@ def test_serve_arguments_resolve_to_valid_settings() -> None:
         if "--metrics-port" in values:
             assert (settings.metrics_host, settings.metrics_port) == ("0.0.0.0", 9400), where
         assert settings.socket_group == "kvpool", where
-        assert [x.kind for x in settings.listeners] == ["unix"], where
+        assert [x.transport for x in settings.listeners] == ["unix"], where
 
 
 def test_operations_doc_commands_use_real_flags(serve_help: str) -> None:
