@@ -922,6 +922,11 @@ def lease_lost(lease: Any) -> KVPoolError | None:
     return None
 
 
+def _from_core(attr: str, doc: str = "") -> Any:
+    """A read-only property of a cache that reads its core's ``attr``."""
+    return property(lambda self: getattr(self._core, attr), doc=doc or None)
+
+
 class CacheState:
     """The read-only state both page caches expose (``self._core`` is their
     :class:`PageCacheCore`)."""
@@ -952,74 +957,26 @@ class CacheState:
         not for the hot path."""
         return self._core.handed_out()
 
-    @property
-    def pool(self) -> str:
-        return self._core.pool
-
-    @property
-    def space(self) -> str:
-        return self._core.space
-
-    @property
-    def capacity(self) -> int:
-        return self._core.capacity
-
-    @property
-    def low(self) -> int:
-        return self._core.low
-
-    @property
-    def high(self) -> int:
-        return self._core.high
-
-    @property
-    def batch(self) -> int:
-        return self._core.batch
-
-    @property
-    def in_use(self) -> int:
-        return self._core.n_in_use
-
-    @property
-    def cached(self) -> int:
-        return self._core.cached
-
-    @property
-    def refills(self) -> int:
-        return self._core.refills
-
-    @property
-    def returns(self) -> int:
-        return self._core.returns
-
-    @property
-    def rpc_calls(self) -> int:
-        return self._core.rpc_calls
-
-    @property
-    def waits(self) -> int:
-        return self._core.waits
-
-    @property
-    def gave_back(self) -> int:
-        return self._core.gave_back
-
-    @property
-    def checks(self) -> int:
-        return self._core.checks
-
-    @property
-    def dropped_unheld(self) -> int:
-        return self._core.dropped_unheld
-
-    @property
-    def closed(self) -> bool:
-        return self._core.closed
-
-    @property
-    def error(self) -> KVPoolError | None:
-        """Why the cache lost its ids (lease expired or closed, pool dropped), else None."""
-        return self._core.lost
+    # What the cache is and counts, read from its core (the counters' meanings: see
+    # PageCacheCounters).
+    pool = _from_core("pool")
+    space = _from_core("space")
+    capacity = _from_core("capacity")
+    low = _from_core("low")
+    high = _from_core("high")
+    batch = _from_core("batch")
+    in_use = _from_core("n_in_use")
+    cached = _from_core("cached")
+    refills = _from_core("refills")
+    returns = _from_core("returns")
+    rpc_calls = _from_core("rpc_calls")
+    waits = _from_core("waits")
+    gave_back = _from_core("gave_back")
+    checks = _from_core("checks")
+    dropped_unheld = _from_core("dropped_unheld")
+    closed = _from_core("closed")
+    # Why the cache lost its ids (lease expired or closed, pool dropped), else None.
+    error = _from_core("lost", "Why the cache lost its ids (KVPoolError), else None.")
 
 
 class PageCache(CacheState):
