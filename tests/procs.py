@@ -94,3 +94,31 @@ class Child:
         for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             if stream is not None:
                 stream.close()
+
+
+# A latency probe beside a load: its own lease doing Allocate(kv, 1) + Free in a loop until a
+# second message says stop, then its figures (calls, errors, p50/p99/max in ms). First message:
+# ``{"target", "pool"}`` and, for a TCP or token-checked listener, ``"token"``.
+LATENCY_PROBE = r"""
+import threading, time
+from kvpool.clients.client import KVPoolClient
+first = recv()
+stop = threading.Event()
+threading.Thread(target=lambda: (recv(), stop.set()), daemon=True).start()
+samples, errors = [], []
+with KVPoolClient(first["target"], token=first.get("token"), timeout_s=60) as client:
+    lease = client.lease("probe", ttl_s=30)
+    send({"ready": True})
+    while not stop.is_set():
+        t = time.perf_counter()
+        try:
+            lease.free(first["pool"], "kv", lease.allocate(first["pool"], "kv", 1))
+        except Exception as exc:
+            errors.append(repr(exc)[:200])
+        samples.append(time.perf_counter() - t)
+    lease.close()
+samples.sort()
+pick = lambda q: round(1e3 * samples[min(len(samples) - 1, int(q * len(samples)))], 2)
+send({"calls": len(samples), "errors": errors, "p50_ms": pick(0.5), "p99_ms": pick(0.99),
+      "max_ms": pick(1.0)})
+"""

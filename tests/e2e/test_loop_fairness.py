@@ -24,39 +24,13 @@ from kvpool.contract.limits import MESSAGE_SIZE_OPTIONS
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
 from tests.conftest import DaemonProcess, run_daemon, temp_dir
-from tests.procs import Child
+from tests.procs import LATENCY_PROBE, Child
 
 POOL = "fair"
 SPEC = {"num_layers": 2, "attention": {"type": "mha", "num_kv_heads": 2, "head_dim": 16},
         "context_length": 1024}
 # 1 KiB pages: 4,096 of them.
 OPTIONS = {"max_total_tokens": 4096 * 16, "page_size": 16, "max_running_requests": 64}
-
-# The probe: its own lease, Allocate(kv, 1) + Free until told to stop, then its figures.
-PROBE = r"""
-import threading, time
-from kvpool.clients.client import KVPoolClient
-first = recv()
-stop = threading.Event()
-threading.Thread(target=lambda: (recv(), stop.set()), daemon=True).start()
-samples, errors = [], []
-with KVPoolClient(first["target"], timeout_s=60) as client:
-    lease = client.lease("probe", ttl_s=30)
-    send({"ready": True})
-    while not stop.is_set():
-        t = time.perf_counter()
-        try:
-            lease.free(first["pool"], "kv", lease.allocate(first["pool"], "kv", 1))
-        except Exception as exc:
-            errors.append(repr(exc)[:200])
-        samples.append(time.perf_counter() - t)
-    lease.close()
-samples.sort()
-pick = lambda q: round(1e3 * samples[min(len(samples) - 1, int(q * len(samples)))], 2)
-send({"calls": len(samples), "errors": errors, "p50_ms": pick(0.5), "p99_ms": pick(0.99),
-      "max_ms": pick(1.0)})
-"""
-
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[DaemonProcess]:
@@ -71,7 +45,7 @@ class Probe:
     """The probe process, started (its lease open) on entry, its figures read on stop()."""
 
     def __init__(self, target: str) -> None:
-        self.child = Child(PROBE, first={"target": target, "pool": POOL}, timeout_s=60)
+        self.child = Child(LATENCY_PROBE, first={"target": target, "pool": POOL}, timeout_s=60)
         assert self.child.recv() == {"ready": True}
 
     def stop(self) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from kvpool.contract.limits import MESSAGE_SIZE_OPTIONS
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
 from tests.conftest import DaemonProcess, run_daemon, temp_dir
-from tests.procs import Child
+from tests.procs import LATENCY_PROBE, Child
 
 POOL = "busy"
 LEASES = 10_000
@@ -43,31 +43,6 @@ SECRETS = {"ops": "ops-secret-0123456789abcdef", "tenant": "tenant-secret-012345
            "probe": "probe-secret-0123456789abcdef"}
 LOAD_S = 4.0
 STREAM_CAP = 4  # --max-watch-streams-per-identity, the default
-
-PROBE = r"""
-import threading, time
-from kvpool.clients.client import KVPoolClient
-first = recv()
-stop = threading.Event()
-threading.Thread(target=lambda: (recv(), stop.set()), daemon=True).start()
-samples, errors = [], []
-with KVPoolClient(first["target"], token=first["token"], timeout_s=60) as client:
-    lease = client.lease("probe", ttl_s=30)
-    send({"ready": True})
-    while not stop.is_set():
-        t = time.perf_counter()
-        try:
-            lease.free(first["pool"], "kv", lease.allocate(first["pool"], "kv", 1))
-        except Exception as exc:
-            errors.append(repr(exc)[:200])
-        samples.append(time.perf_counter() - t)
-    lease.close()
-samples.sort()
-pick = lambda q: round(1e3 * samples[min(len(samples) - 1, int(q * len(samples)))], 2)
-send({"calls": len(samples), "errors": errors, "p50_ms": pick(0.5), "p99_ms": pick(0.99),
-      "max_ms": pick(1.0)})
-"""
-
 
 def metadata(who: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {SECRETS[who]}"),)
@@ -188,7 +163,7 @@ class Load:
 def test_stats_loops_and_watch_streams_beside_a_probe(daemon: DaemonProcess) -> None:
     with KVPoolClient(daemon.target, token=SECRETS["tenant"]) as tenant, \
             KVPoolClient(daemon.target, token=SECRETS["ops"]) as ops, \
-            Child(PROBE, first={"target": daemon.target, "pool": POOL,
+            Child(LATENCY_PROBE, first={"target": daemon.target, "pool": POOL,
                                 "token": SECRETS["probe"]}, timeout_s=60) as probe:
         assert probe.recv() == {"ready": True}
         mine = [tenant.lease(f"tenant-{i}", ttl_s=60) for i in range(3)]
