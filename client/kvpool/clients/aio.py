@@ -24,6 +24,7 @@ from kvpool.clients.client import (
     DEFAULT_TIMEOUT_S,
     DEFAULT_TTL_S,
     Connection,
+    LeaseView,
     default_lease_name,
     serving_polls,
 )
@@ -156,7 +157,7 @@ class AsyncKVPoolClient(Connection):
         return self._stub.KeepAlive(metadata=self._metadata)
 
 
-class AsyncLease:
+class AsyncLease(LeaseView):
     """An open lease renewed by a task over the KeepAlive stream (see
     ``kvpool.clients.client.Lease``)."""
 
@@ -177,18 +178,6 @@ class AsyncLease:
             _keep_alive(weakref.ref(self), client, lease_id, ttl_s),
             name=f"kvpool-lease-{lease_id}")
 
-    @property
-    def secret(self) -> bytes:
-        """The lease's secret, which every request acting on it carries (see ``Lease``)."""
-        return self._secret
-
-    @property
-    def error(self) -> BaseException | None:
-        """Why the keep-alive stream last failed (None: it has not)."""
-        return self._session.error
-
-    def __repr__(self) -> str:
-        return f"AsyncLease(lease_id={self.lease_id}, name={self.name!r}, ttl_s={self.ttl_s})"
 
     async def __aenter__(self) -> AsyncLease:
         return self

@@ -280,7 +280,32 @@ class KVPoolClient(Connection):
         return self._stub.KeepAlive(requests, metadata=self._metadata)
 
 
-class Lease:
+class LeaseView:
+    """What both leases show (``Lease``, ``AsyncLease``): the secret, why keep-alive last
+    failed, and a ``repr`` that never shows the secret."""
+
+    lease_id: int
+    name: str
+    ttl_s: float
+    _secret: bytes
+    _session: KeepAliveSession
+
+    @property
+    def secret(self) -> bytes:
+        """The lease's secret, which every request acting on it carries."""
+        return self._secret
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the keep-alive stream last failed (None: it has not)."""
+        return self._session.error
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(lease_id={self.lease_id}, name={self.name!r}, "
+                f"ttl_s={self.ttl_s})")
+
+
+class Lease(LeaseView):
     """An open lease: the ids it allocates are its own until freed or the lease ends.
 
     A background thread renews it over the KeepAlive stream every ``ttl_s / 3``; ``close`` (or
@@ -314,18 +339,6 @@ class Lease:
         weakref.finalize(self, _dropped, lease_id, ttl_s, self._stop, self._kick)
         self._thread.start()
 
-    @property
-    def secret(self) -> bytes:
-        """The lease's secret, which every request acting on it carries."""
-        return self._secret
-
-    @property
-    def error(self) -> BaseException | None:
-        """Why the keep-alive stream last failed (None: it has not)."""
-        return self._session.error
-
-    def __repr__(self) -> str:
-        return f"Lease(lease_id={self.lease_id}, name={self.name!r}, ttl_s={self.ttl_s})"
 
     def __enter__(self) -> Lease:
         return self
