@@ -22,8 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvpool.cache.page_cache import (
-    CHECK,
-    REFILL,
+    JOB_CALLS,
     CacheState,
     PageCacheCore,
     PageCacheCounters,
@@ -254,21 +253,13 @@ class AsyncPageCache(CacheState):
                 token = core.rpc_begin()
                 held = None
                 try:
-                    if kind == REFILL:
-                        result, held = await self._lease._allocate_held(core.pool, core.space,
-                                                                        arg)
-                    elif kind == CHECK:
-                        result, held = await self._lease._check_held(core.pool, core.space, arg)
-                    else:
-                        result, held = await self._lease._free_held(core.pool, core.space, arg)
-                except KVPoolError as err:
-                    core.job_failed(kind, arg, err, time.monotonic())
+                    call = getattr(self._lease, JOB_CALLS[kind])
+                    result, held = await call(core.pool, core.space, arg)
                 except asyncio.CancelledError:
                     core.job_failed(kind, arg, FailedPrecondition("cancelled"), time.monotonic())
                     raise
-                except Exception as err:
-                    log.exception("page cache %s: %s failed", core.label, kind)
-                    core.job_failed(kind, arg, FailedPrecondition(str(err)), time.monotonic())
+                except Exception as err:  # never let the worker die silently
+                    core.job_failed(kind, arg, core.job_error(kind, err), time.monotonic())
                 else:
                     core.job_done(kind, arg, result)
                     self._report_soon()

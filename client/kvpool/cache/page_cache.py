@@ -153,6 +153,10 @@ REFILL = "refill"
 RETURN = "return"
 GIVE_BACK = "give_back"
 CHECK = "check"  # which of the cache's ids its lease still holds (a Free with ``check``)
+# The lease's call that does each job, ``(pool, space, arg)`` its arguments; both caches'
+# workers dispatch through this one table.
+JOB_CALLS = {REFILL: "_allocate_held", CHECK: "_check_held", RETURN: "_free_held",
+             GIVE_BACK: "_free_held"}
 
 
 class Backoff:
@@ -806,6 +810,15 @@ class PageCacheCore:
                 self.gave_back += k
                 self.hold_until = time.monotonic() + GIVE_BACK_HOLD_S
 
+    def job_error(self, kind: str, err: Exception) -> KVPoolError:
+        """What a failed job's RPC means to the cache: the daemon's error as it is; anything
+        else (a bug, a broken channel) logged with its traceback, as FailedPrecondition. Call
+        it inside the ``except`` block."""
+        if isinstance(err, KVPoolError):
+            return err
+        log.exception("page cache %s: %s failed", self.label, kind)
+        return FailedPrecondition(str(err))
+
     def job_failed(self, kind: str, arg: Any, err: KVPoolError, now: float) -> None:
         self.last_error = err
         if kind == CHECK:  # the next reply's count tells again whether one is due
@@ -1271,22 +1284,11 @@ class PageCache(CacheState):
         kind, arg = job
         with self._lock:
             token = core.rpc_begin()
-        held = None
         try:
-            if kind == REFILL:
-                result, held = self._lease._allocate_held(core.pool, core.space, arg)
-            elif kind == CHECK:
-                result, held = self._lease._check_held(core.pool, core.space, arg)
-            else:
-                result, held = self._lease._free_held(core.pool, core.space, arg)
-        except KVPoolError as err:
-            with self._lock:
-                core.job_failed(kind, arg, err, time.monotonic())
-                core.rpc_end(token, None)
+            result, held = getattr(self._lease, JOB_CALLS[kind])(core.pool, core.space, arg)
         except Exception as err:  # never let the worker die silently
-            log.exception("page cache %s: %s failed", core.label, kind)
             with self._lock:
-                core.job_failed(kind, arg, FailedPrecondition(str(err)), time.monotonic())
+                core.job_failed(kind, arg, core.job_error(kind, err), time.monotonic())
                 core.rpc_end(token, None)
         else:
             with self._lock:
