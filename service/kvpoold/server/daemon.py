@@ -23,6 +23,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -69,6 +70,14 @@ PRESSURE_FRACTION = 16
 # Configure plans in worker threads, this many at once.
 PLANNING_SLOTS = 2
 
+
+
+class Allocated(NamedTuple):
+    """What an Allocate got: ``(space, grant)`` per item, and per item what the lease holds of
+    that space after the call."""
+
+    grants: list[tuple[str, Grant]]
+    held: list[int]
 
 class Daemon:
     """Pools, budget, leases and attachments of one device.
@@ -332,11 +341,12 @@ class Daemon:
     # -- Allocate / Free ---------------------------------------------------------------------
 
     def allocate(self, caller: Caller, pool: str, ref: LeaseRef,
-                 items: Sequence[tuple[str, int]]) -> list[tuple[str, Grant]]:
+                 items: Sequence[tuple[str, int]]) -> Allocated:
         """Allocate every ``(space, count)`` item for the lease, all or none.
 
         Returns:
-            ``(space, grant)`` per item, in order.
+            ``(space, grant)`` per item, in order, and per item what the lease holds of its
+            space after the call (O(1) each: a page cache compares it with its counts).
 
         Raises:
             InvalidArgument: bad pool name, no items, an unknown space or one that follows
@@ -360,11 +370,12 @@ class Daemon:
             room = ids.room(space)
             if room < low:
                 self._ask_give_back(pool, space, low - room, lease.owner, cover=False)
-        return [(name, grant) for (name, _), grant in zip(items, grants, strict=True)]
+        return Allocated([(name, grant) for (name, _), grant in zip(items, grants, strict=True)],
+                         [space.held(lease.owner) for space in spaces])
 
     async def allocate_waiting(self, caller: Caller, pool: str, ref: LeaseRef,
                                items: Sequence[tuple[str, int]],
-                               wait_s: float = GIVE_BACK_WAIT_S) -> list[tuple[str, Grant]]:
+                               wait_s: float = GIVE_BACK_WAIT_S) -> Allocated:
         """:meth:`allocate`; when short of free ids while other leases' page caches report
         enough cached ids to cover every shortfall, ask them to give back (on their KeepAlive
         streams, now) and retry as ids come back, for ``wait_s`` at most.
@@ -469,11 +480,12 @@ class Daemon:
             self._freed = None
 
     def free(self, caller: Caller, pool: str, ref: LeaseRef,
-             items: Sequence[tuple[str, np.ndarray]]) -> int:
+             items: Sequence[tuple[str, np.ndarray]]) -> tuple[int, list[int]]:
         """Free every ``(space, ids)`` item of the lease; validated first, all or none.
 
         Returns:
-            Ids returned over all items.
+            Ids returned over all items, and per item what the lease holds of its space after
+            the call (O(1) each).
 
         Raises:
             InvalidArgument: bad pool name, no items, an unknown space, an id out of range or
@@ -492,25 +504,14 @@ class Daemon:
         # The ledger refuses pinned ids itself (a transfer in flight moves them).
         freed = sum(ids.free(lease.owner, typed).values())
         self._notify_freed()
-        return freed
-
-    def held_counts(self, caller: Caller, pool: str, ref: LeaseRef,
-                    spaces: Sequence[str]) -> list[int]:
-        """What the lease holds now of each of ``spaces`` of ``pool`` (O(1) each): an Allocate
-        or Free answers it per item, so a page cache can tell ids freed behind its back.
-
-        Raises:
-            As :meth:`free` for the pool, the lease and the spaces.
-        """
-        entry = self.pool(pool, caller)
-        owner = self.lease(caller, ref).owner
-        return [entry.ids.space(name, f"items[{i}].space").held(owner)
-                for i, name in enumerate(spaces)]
+        return freed, [space.held(lease.owner) for space, _ in typed]
 
     def not_held(self, caller: Caller, pool: str, ref: LeaseRef,
-                 items: Sequence[tuple[str, np.ndarray]]) -> list[np.ndarray]:
+                 items: Sequence[tuple[str, np.ndarray]]
+                 ) -> tuple[list[np.ndarray], list[int]]:
         """Per ``(space, ids)`` item, its ids the lease does not hold (free, or another
-        lease's), in order; frees nothing (a Free with ``check``). O(ids).
+        lease's), in order, and what the lease holds of the space; frees nothing (a Free with
+        ``check``). O(ids).
 
         Raises:
             InvalidArgument: an unknown space, or an id out of its range.
@@ -518,7 +519,7 @@ class Daemon:
         """
         entry = self.pool(pool, caller)
         owner = self.lease(caller, ref).owner
-        out = []
+        out, held = [], []
         for i, (name, arr) in enumerate(items):
             space = entry.ids.space(name, f"items[{i}].space")
             idx = np.asarray(arr, dtype=np.intp)
@@ -529,7 +530,8 @@ class Daemon:
                     f"check {space.label} items[{i}].ids[{pos}]={idx[pos]}: out of range "
                     f"1..{space.capacity}", field=f"items[{i}].ids[{pos}]")
             out.append(np.ascontiguousarray(arr[space.owner_of(idx) != owner], dtype=np.int32))
-        return out
+            held.append(space.held(owner))
+        return out, held
 
     # -- pools -------------------------------------------------------------------------------
 

@@ -141,25 +141,21 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
         caller = self._caller(context)
         ref = edge.lease_ref(request.lease_id, request.lease_secret)
         items = edge.allocate_items(request)
-        grants = await self._daemon.allocate_waiting(caller, request.pool, ref, items,
-                                                     give_back_wait(context))
-        held = self._daemon.held_counts(caller, request.pool, ref, [s for s, _ in items])
-        return edge.allocate_response(grants, held)
+        got = await self._daemon.allocate_waiting(caller, request.pool, ref, items,
+                                                  give_back_wait(context))
+        return edge.allocate_response(got.grants, got.held)
 
     @rpc_errors
     async def Free(self, request: pb.FreeRequest, context: Ctx) -> pb.FreeResponse:
         caller = self._caller(context)
         ref = edge.lease_ref(request.lease_id, request.lease_secret)
         items = edge.free_items(request)
-        spaces = [s for s, _ in items]
         if request.check:  # frees nothing: which ids the lease does not hold (a page cache's)
-            not_held = self._daemon.not_held(caller, request.pool, ref, items)
+            not_held, held = self._daemon.not_held(caller, request.pool, ref, items)
             return edge.check_response(
-                list(zip(spaces, not_held, strict=True)),
-                self._daemon.held_counts(caller, request.pool, ref, spaces))
-        freed = self._daemon.free(caller, request.pool, ref, items)
-        return edge.free_response(freed,
-                                  self._daemon.held_counts(caller, request.pool, ref, spaces))
+                list(zip([s for s, _ in items], not_held, strict=True)), held)
+        freed, held = self._daemon.free(caller, request.pool, ref, items)
+        return edge.free_response(freed, held)
 
     @rpc_errors
     async def Stats(self, request: pb.StatsRequest, context: Ctx) -> pb.StatsResponse:
