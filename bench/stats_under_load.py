@@ -68,14 +68,15 @@ SCENARIOS = (
 )
 
 
-def write_tokens(directory: Path) -> Path:
-    """Secret files (0600) and the tokens file naming them."""
+def write_tokens(directory: Path, tokens: dict[str, str] = TOKENS, pool: str = POOL) -> Path:
+    """Secret files (0600) and the tokens file naming them: ``ops`` is admin, the others are
+    scoped to ``pool``. (``tests/e2e/test_stats_under_load.py`` uses it too.)"""
     lines = []
-    for name, secret in TOKENS.items():
+    for name, secret in tokens.items():
         path = directory / f"{name}.token"
         path.write_text(secret + "\n")
         os.chmod(path, 0o600)
-        scope = "admin = true" if name == "ops" else f'pools = ["{POOL}"]'
+        scope = "admin = true" if name == "ops" else f'pools = ["{pool}"]'
         lines += [f"[tokens.{name}]", f'secret_file = "{path}"', scope, ""]
     tokens = directory / "tokens.toml"
     tokens.write_text("\n".join(lines))
@@ -107,13 +108,14 @@ def serving_daemon(leases: int) -> Iterator[str]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-async def open_leases(target: str, count: int) -> None:
-    """``count`` leases of ``ops`` holding one page each, opened on a raw channel (no KeepAlive:
-    their TTL outlasts the run), 64 calls in flight."""
+async def open_leases(target: str, count: int, pool: str = POOL,
+                      token: str = TOKENS["ops"]) -> None:
+    """``count`` leases of ``token``'s identity holding one page of ``pool`` each, opened on
+    a raw channel (no KeepAlive: their TTL outlasts the run), 64 calls in flight."""
     from kvpool.v1 import kvpool_pb2 as pb
     from kvpool.v1 import kvpool_pb2_grpc
 
-    metadata = (("authorization", f"Bearer {TOKENS['ops']}"),)
+    metadata = (("authorization", f"Bearer {token}"),)
     async with aio.insecure_channel(target, options=list(MESSAGE_SIZE_OPTIONS)) as channel:
         stub = kvpool_pb2_grpc.KVPoolStub(channel)
 
@@ -122,7 +124,7 @@ async def open_leases(target: str, count: int) -> None:
                                                              ttl_seconds=3600.0),
                                          metadata=metadata)
             await stub.Allocate(pb.AllocateRequest(
-                pool=POOL, lease_id=lease.lease_id, lease_secret=lease.lease_secret,
+                pool=pool, lease_id=lease.lease_id, lease_secret=lease.lease_secret,
                 items=[pb.AllocateItem(space="kv", count=1)]), metadata=metadata)
 
         for start in range(0, count, 64):

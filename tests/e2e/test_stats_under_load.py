@@ -13,22 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from grpc import aio
 
+# The bench's token-file writer and lease opener, so the two cannot drift.
+from bench.stats_under_load import open_leases, write_tokens
 from kvpool.clients.client import KVPoolClient
 from kvpool.contract.limits import MESSAGE_SIZE_OPTIONS
 from kvpool.v1 import kvpool_pb2 as pb
-from kvpool.v1 import kvpool_pb2_grpc
 from tests.conftest import DaemonProcess, run_daemon, temp_dir
 from tests.procs import LATENCY_PROBE, Child
 
@@ -48,47 +46,17 @@ def metadata(who: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {SECRETS[who]}"),)
 
 
-def tokens_args(directory: Path) -> list[str]:
-    lines = []
-    for name, secret in SECRETS.items():
-        path = directory / f"{name}.token"
-        path.write_text(secret + "\n")
-        os.chmod(path, 0o600)
-        scope = "admin = true" if name == "ops" else f'pools = ["{POOL}"]'
-        lines += [f"[tokens.{name}]", f'secret_file = "{path}"', scope, ""]
-    tokens = directory / "tokens.toml"
-    tokens.write_text("\n".join(lines))
-    os.chmod(tokens, 0o600)
-    return ["--unix-auth", "token", "--tokens-file", str(tokens)]
-
-
-async def open_leases(target: str, count: int) -> None:
-    """``count`` leases of ops holding a page each, on a raw channel (no KeepAlive: their TTL
-    outlasts the test), 64 calls in flight."""
-    async with aio.insecure_channel(target, options=list(MESSAGE_SIZE_OPTIONS)) as channel:
-        stub = kvpool_pb2_grpc.KVPoolStub(channel)
-
-        async def one(i: int) -> None:
-            lease = await stub.OpenLease(pb.OpenLeaseRequest(name=f"engine-{i}",
-                                                             ttl_seconds=3600.0),
-                                         metadata=metadata("ops"))
-            await stub.Allocate(pb.AllocateRequest(
-                pool=POOL, lease_id=lease.lease_id, lease_secret=lease.lease_secret,
-                items=[pb.AllocateItem(space="kv", count=1)]), metadata=metadata("ops"))
-
-        for start in range(0, count, 64):
-            await asyncio.gather(*(one(i) for i in range(start, min(count, start + 64))))
-
-
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[DaemonProcess]:
     with temp_dir() as path, run_daemon(path, "--sharing", "none", "--log-format", "json",
                                         "--max-leases-per-identity", str(LEASES + 16),
-                                        *tokens_args(path), budget="256MiB") as d:
+                                        "--unix-auth", "token", "--tokens-file",
+                                        str(write_tokens(path, SECRETS, POOL)),
+                                        budget="256MiB") as d:
         with KVPoolClient(d.target, token=SECRETS["ops"]) as client:
             client.configure(POOL, spec=SPEC, **OPTIONS)
         started = time.perf_counter()
-        asyncio.run(open_leases(d.target, LEASES))
+        asyncio.run(open_leases(d.target, LEASES, POOL, SECRETS["ops"]))
         print(f"{LEASES:,} leases opened in {time.perf_counter() - started:.1f} s")
         yield d
 
