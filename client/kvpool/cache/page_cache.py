@@ -77,6 +77,7 @@ from kvpool.contract.errors import (
     error_from_code,
     lease_closed,
 )
+from kvpool.contract.id_checks import Why, first_bad_id
 from kvpool.contract.limits import ID_DTYPE
 
 if TYPE_CHECKING:
@@ -628,25 +629,25 @@ class PageCacheCore:
         return keep, send and keep.shape[0] > 0
 
     def free_error(self, arr: np.ndarray) -> KVPoolError:
-        """The error for the first bad id of ``arr`` (the refusal path: O(n) in Python)."""
-        seen: dict[int, int] = {}
-        for pos, value in enumerate(arr.tolist()):
-            where = f"ids[{pos}]"
-            head = f"free {self.label} {where}={value}"
-            if not 1 <= value <= self.capacity:
-                return InvalidArgument(
-                    f"{head}: out of range: {self.label} ids are 1..{self.capacity}; nothing "
-                    "was freed", field=where)
-            if value in seen:
-                return InvalidArgument(
-                    f"{head}: repeated (also at ids[{seen[value]}]); list each id once; "
-                    "nothing was freed", field=where)
-            if not self.pos[value] < self.head - self.base:
-                return FailedPrecondition(
-                    f"{head}: not in use in this page cache (never handed out by it, or "
-                    "already freed: a double free?); nothing was freed", field=where)
-            seen[value] = pos
-        return InvalidArgument(f"free {self.label}: refused but no bad id found", field="ids")
+        """The error for the first bad id of ``arr`` (the refusal path; the daemon's rules and
+        steps, ``first_bad_id``: O(position of the bad id))."""
+        rel = self.head - self.base
+        pos = self.pos
+        bad = first_bad_id(arr, self.capacity, lambda ids: pos[ids] < rel)
+        if bad is None:
+            return InvalidArgument(f"free {self.label}: refused but no bad id found",
+                                   field="ids")
+        where = f"ids[{bad.pos}]"
+        head = f"free {self.label} {where}={int(arr[bad.pos])}"
+        if bad.why is Why.OUT_OF_RANGE:
+            return InvalidArgument(f"{head}: out of range: {self.label} ids are "
+                                   f"1..{self.capacity}; nothing was freed", field=where)
+        if bad.why is Why.REPEATED:
+            return InvalidArgument(f"{head}: repeated (also at ids[{bad.first}]); list each id "
+                                   "once; nothing was freed", field=where)
+        return FailedPrecondition(f"{head}: not in use in this page cache (never handed out by "
+                                  "it, or already freed: a double free?); nothing was freed",
+                                  field=where)
 
     def forget(self, arr: np.ndarray) -> None:
         """Ids ``free_ids`` took, not cached (a free after ``close``)."""

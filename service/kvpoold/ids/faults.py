@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpool.contract.errors import FailedPrecondition, InvalidArgument, KVPoolError
+from kvpool.contract.id_checks import FIRST_STEP, MAX_STEP, Why, first_bad_id
 
 # Owners and ids live in int32 arrays (ids also travel as little-endian int32 on the wire).
 INT32_MAX = (1 << 31) - 1
@@ -54,92 +55,39 @@ class Space:
     unit: str
 
 
-# A diagnosis looks at the request in steps, growing from FIRST_STEP to MAX_STEP positions, and
-# stops at the first step holding a fault: a refusal whose bad id comes early costs O(step),
-# one whose bad id comes late O(its position) (the ids before it are ids the lease holds), and
-# no temporary outgrows a few steps' worth.
-FIRST_STEP = 1 << 12
-MAX_STEP = 1 << 20
-
-
 def first_fault(owners: np.ndarray, owner: int, idx: np.ndarray, *,
                 first_step: int = FIRST_STEP, max_step: int = MAX_STEP) -> Fault | None:
     """The first id of a free request that ``owner`` may not free, or None when all may be.
 
     Each position in order must be in range, not a repeat of an earlier position, allocated,
     and held by ``owner``; the first position failing any of these is reported with the first
-    rule it fails.
-
-    O(p) in the position p of the fault (O(k) when there is none), in steps of at most
-    MAX_STEP positions: every position before the fault holds an id of ``owner``, so a caller
-    pays at most for ids it holds, and a request whose first id is bad costs one small step
-    whatever its length. Repeats are found by marking, in ``owners`` itself, each id of
-    ``owner`` seen so far with a tag naming its first position (``np.minimum.at``: the earliest
-    wins); the ids marked are all ``owner``'s, and ``owner`` is written back to them before
-    this returns, so the ledger is as it was (the daemon's event loop runs this to the end
-    without yielding: nobody sees the marks).
+    rule it fails. The rules and the steps are the contract's (``first_bad_id``, which the
+    client's page cache calls too): O(position of the fault), nothing of the space's size, and
+    ``owners`` is only read.
 
     Args:
         owners: an ``IdSpace`` owner array: ids ``1..N`` at ``1..N`` (0: free; the sentinel
             slots 0 and N + 1 hold a negative value no owner has), N + 2 long.
         owner: the lease asking (positive).
-        idx: the requested ids (any integer dtype), fewer than ``2**31 - 3``.
+        idx: the requested ids (any integer dtype).
         first_step: positions looked at first (then twice as many each step).
-        max_step: the most positions one step looks at.
+        max_step: the most positions one step adds.
 
     Returns:
         The first fault, or None.
     """
-    count = idx.shape[0]
-    capacity = owners.shape[0] - 2
-    # The tag of position p: -(count + 2) + p, in -(count + 2)..-3: below every owner, free (0)
-    # and the sentinel (-1); an earlier position's tag is the smaller one.
-    base = -(count + 2)
-    marked = 0  # idx[:marked] are marked: distinct ids of owner (repeats map to one mark)
-    done, step = 0, first_step
-    try:
-        while done < count:
-            end = min(count, done + step)
-            ids = idx[done:end].astype(np.intp)
-            seen = owners.take(ids, mode="clip")  # out of range: a sentinel, not owner
-            fresh = seen == owner
-            stop = int(fresh.argmin()) if not fresh.all() else end - done
-            # The fresh run before the first other position: mark its ids; a position whose id
-            # reads back an earlier position's tag repeats that position.
-            run = ids[:stop]
-            np.minimum.at(owners, run, np.arange(base + done, base + done + stop,
-                                                 dtype=owners.dtype))
-            marked = done + stop
-            first = owners[run].astype(np.intp) - base
-            again = first < np.arange(done, done + stop)
-            if again.any():
-                at = int(again.argmax())
-                return Fault(done + at, Reason.REPEATED, first=int(first[at]))
-            if stop < end - done:
-                return _fault_at(idx, done + stop, int(seen[stop]), owner, base, marked,
-                                 capacity)
-            done, step = end, min(2 * step, max_step)
+    bad = first_bad_id(idx, owners.shape[0] - 2, lambda ids: owners[ids] == owner,
+                       first_step=first_step, max_step=max_step)
+    if bad is None:
         return None
-    finally:
-        if marked:
-            owners[idx[:marked]] = owner
-
-
-def _fault_at(idx: np.ndarray, pos: int, value: int, owner: int, base: int, marked: int,
-              capacity: int) -> Fault:
-    """The fault of position ``pos``, the first whose owner entry (``value``) is not ``owner``,
-    all positions before it being distinct ids of ``owner`` (marked, ``idx[:marked]``)."""
-    i = int(idx[pos])
-    if not 1 <= i <= capacity:
-        return Fault(pos, Reason.OUT_OF_RANGE)
-    first = value - base
-    # A mark of an earlier position with this very id (any other negative entry is no mark of
-    # ours: its decoded position is not one marked, or holds another id).
-    if 0 <= first < marked and int(idx[first]) == i:
-        return Fault(pos, Reason.REPEATED, first=first)
-    if value <= 0:
-        return Fault(pos, Reason.NOT_ALLOCATED)
-    return Fault(pos, Reason.OTHER_OWNER, holder=value)
+    if bad.why is Why.OUT_OF_RANGE:
+        return Fault(bad.pos, Reason.OUT_OF_RANGE)
+    if bad.why is Why.REPEATED:
+        return Fault(bad.pos, Reason.REPEATED, first=bad.first)
+    holder = int(owners[int(idx[bad.pos])])
+    if holder <= 0:
+        return Fault(bad.pos, Reason.NOT_ALLOCATED)
+    return Fault(bad.pos, Reason.OTHER_OWNER, holder=holder)
 
 
 def fault_error(
