@@ -141,9 +141,9 @@ class AsyncKVPoolClient(Connection):
         Mapping happens on the event loop: an mmap for shm (microseconds), but the first
         mapping in a process imports torch.
         """
-        from kvpool.mapping.attach import attach_async
+        from kvpool.mapping.attach import attachment
 
-        return attach_async(self.attach_raw, self.detach, pool, expected_fingerprint, lease)
+        return attachment(self.attach_raw, self.detach, pool, expected_fingerprint, lease)
 
     async def send(self, pool: str, pages: Any, *, peer: str, token: bytes,
                    lease: AsyncLease) -> AsyncSendHandle:

@@ -255,9 +255,9 @@ class KVPoolClient(Connection):
             pool that cannot be shared (``--sharing none``), or a GPU this process cannot
             see. PermissionDenied: the shm file belongs to another user.
         """
-        from kvpool.mapping.attach import attach_sync  # imports torch when the region is mapped
+        from kvpool.mapping.attach import attachment  # imports torch when the region is mapped
 
-        return attach_sync(self.attach_raw, self.detach, pool, expected_fingerprint, lease)
+        return attachment(self.attach_raw, self.detach, pool, expected_fingerprint, lease)
 
     def send(self, pool: str, pages: Any, *, peer: str, token: bytes,
              lease: Lease) -> SendHandle:

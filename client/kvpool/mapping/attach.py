@@ -4,7 +4,8 @@
         k0 = region["k.0"]                     # zero-copy view, on the pool's device
         region.page("k.0", page_id)[:] = keys  # rows of one KV page
 
-Used by ``KVPoolClient.attach`` and ``AsyncKVPoolClient.attach``. On exit the region is closed
+Used by ``KVPoolClient.attach`` and ``AsyncKVPoolClient.attach`` (one :class:`Attachment`: a
+``with`` block for the first, ``async with`` for the second). On exit the region is closed
 first, then the attachment ended. A Detach that fails never hides the body's own exception: it is
 logged and added to that exception as a note; an attachment that is already gone (a forced Drop,
 its lease ended, the daemon restarted) is not an error at exit.
@@ -14,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
+from types import TracebackType
 
 from kvpool.contract.errors import NotFound
 from kvpool.contract.records import AttachInfo
@@ -55,45 +57,84 @@ def _detach_failed(exc: Exception, attach_id: int, body: BaseException | None) -
     body.add_note(f"kvpool: detach of attachment {attach_id} also failed: {exc}")
 
 
-@contextlib.contextmanager
-def attach_sync(attach_raw: Callable[[str, str, LeaseArg], AttachInfo],
-                detach: Callable[[int], None], pool: str, expected_fingerprint: str | None,
-                lease: LeaseArg) -> Iterator[MappedRegion]:
-    """The body of ``KVPoolClient.attach`` (see there)."""
-    info = attach_raw(pool, expected_fingerprint or "", lease)
-    body: BaseException | None = None
-    try:
-        with region_of(info) as region:
-            yield region
-    except BaseException as exc:
-        body = exc
-        raise
-    finally:
+class Attachment(contextlib.AbstractContextManager[MappedRegion],
+                 contextlib.AbstractAsyncContextManager[MappedRegion]):
+    """One ``with`` (sync client) or ``async with`` (asyncio client) block over an attached
+    region: Attach and map on entry; on exit unmap, then Detach.
+
+    The two protocols share every step but the two calls, which the sync one makes and the
+    asyncio one awaits.
+    """
+
+    def __init__(self, attach: Callable[[], AttachInfo | Awaitable[AttachInfo]],
+                 detach: Callable[[int], Awaitable[None] | None]) -> None:
+        self._attach = attach
+        self._detach = detach
+        self._info: AttachInfo | None = None
+        self._region: MappedRegion | None = None
+
+    def _map(self, info: AttachInfo) -> MappedRegion:
+        self._info = info
+        self._region = region_of(info)
+        return self._region
+
+    def _unmap(self, exc: BaseException | None) -> tuple[int, BaseException | None]:
+        """Close the region (if it was mapped): the attachment to end, and the exception the
+        block ends with (its own, or the unmap's)."""
+        assert self._info is not None
         try:
-            detach(info.attach_id)
-        except Exception as exc:
-            _detach_failed(exc, info.attach_id, body)
+            if self._region is not None:
+                self._region.close()
+        except BaseException as err:  # raised after the Detach
+            exc = err
+        return self._info.attach_id, exc
 
+    @staticmethod
+    def _reraise(body: BaseException | None, exc: BaseException | None) -> None:
+        if body is not None and body is not exc:
+            raise body
 
-@contextlib.asynccontextmanager
-async def attach_async(attach_raw: Callable[[str, str, LeaseArg], Awaitable[AttachInfo]],
-                       detach: Callable[[int], Awaitable[None]], pool: str,
-                       expected_fingerprint: str | None,
-                       lease: LeaseArg) -> AsyncIterator[MappedRegion]:
-    """The body of ``AsyncKVPoolClient.attach`` (see ``KVPoolClient.attach``)."""
-    info = await attach_raw(pool, expected_fingerprint or "", lease)
-    body: BaseException | None = None
-    try:
-        with region_of(info) as region:
-            yield region
-    except BaseException as exc:
-        body = exc
-        raise
-    finally:
+    def __enter__(self) -> MappedRegion:
+        info = self._attach()
         try:
-            await detach(info.attach_id)
-        except Exception as exc:
-            _detach_failed(exc, info.attach_id, body)
+            return self._map(info)  # type: ignore[arg-type]
+        except BaseException as exc:  # not mapped: still attached, so detach
+            self.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+
+    def __exit__(self, et: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        attach_id, body = self._unmap(exc)
+        try:
+            self._detach(attach_id)
+        except Exception as err:
+            _detach_failed(err, attach_id, body)
+        self._reraise(body, exc)
+
+    async def __aenter__(self) -> MappedRegion:
+        info = await self._attach()  # type: ignore[misc]
+        try:
+            return self._map(info)
+        except BaseException as exc:  # see __enter__
+            await self.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+
+    async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        attach_id, body = self._unmap(exc)
+        try:
+            await self._detach(attach_id)  # type: ignore[misc]
+        except Exception as err:
+            _detach_failed(err, attach_id, body)
+        self._reraise(body, exc)
 
 
-__all__ = ["LeaseArg", "attach_async", "attach_sync", "region_of"]
+def attachment(attach_raw: Callable[[str, str, LeaseArg], AttachInfo | Awaitable[AttachInfo]],
+               detach: Callable[[int], Awaitable[None] | None], pool: str,
+               expected_fingerprint: str | None, lease: LeaseArg) -> Attachment:
+    """The body of ``KVPoolClient.attach`` and ``AsyncKVPoolClient.attach`` (see the first):
+    a ``with`` block over the sync client's calls, an ``async with`` over the asyncio one's."""
+    return Attachment(lambda: attach_raw(pool, expected_fingerprint or "", lease), detach)
+
+
+__all__ = ["Attachment", "LeaseArg", "attachment", "region_of"]
