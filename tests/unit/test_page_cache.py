@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from kvpool import AsyncKVPoolClient, KVPoolClient
-from kvpool.cache.page_cache import PageCache, PageCacheCounters, watermarks
+from kvpool.cache.page_cache import PageCache
+from kvpool.cache.policy import PageCacheCounters, watermarks
 from kvpool.contract import codec, wire
 from kvpool.contract.errors import (
     FailedPrecondition,

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvpool.cache import page_cache
-from kvpool.cache.page_cache import CHECK, GIVE_BACK, REFILL, RETURN, PageCacheCore
+from kvpool.cache import ring
+from kvpool.cache.policy import CHECK, GIVE_BACK, REFILL, RETURN, PageCacheCore
 from kvpool.contract.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -112,7 +112,7 @@ class CoreMachine(RuleBasedStateMachine):
             return
         got = sorted(self.daemon)[:n - k + 1]  # one more than needed: it is cached
         self.daemon -= set(got)
-        ids = core.finish_miss(reserved, i32(got), n)
+        ids = core.hand_out(reserved, i32(got), n)
         assert ids.tolist() == want + got[:n - k]
         self.elsewhere -= set(want)
         self.in_use |= set(ids.tolist())
@@ -125,14 +125,14 @@ class CoreMachine(RuleBasedStateMachine):
     def free(self, data: st.DataObject) -> None:
         ids = data.draw(st.lists(st.sampled_from(sorted(self.in_use)), min_size=1,
                                  unique=True))
-        arr, send = self.core.free_ids(i32(ids))
+        arr, cached = self.core.free_ids(i32(ids))
         assert arr.tolist() == ids
         self.in_use -= set(ids)
         if self.core.dead is None:
-            assert not send
+            assert cached
             self.queue.extend(ids)
         else:
-            assert send  # the caller Frees them at the daemon
+            assert not cached and self.core.send_freed(arr)  # the caller Frees them
             self.daemon |= set(ids)
 
     @rule(data=st.data())
@@ -226,7 +226,7 @@ def test_a_refused_free_that_crosses_a_rebase_changes_nothing(bad: str) -> None:
 def test_a_rebase_in_chunks_keeps_every_id_where_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
     """The rebase walks ``pos`` a chunk at a time (bounded temporaries); ids in use, cached and
     not here keep their meaning across chunk borders, and the queue its order."""
-    monkeypatch.setattr(page_cache, "REBASE_CHUNK", 4)
+    monkeypatch.setattr(ring, "REBASE_CHUNK", 4)
     core = PageCacheCore("p", "kv", capacity=30, low=0, high=30, batch=1)
     core.push(np.arange(30, 5, -1, dtype=np.int32))  # ids 1..5 are not here
     ids = core.take(12)
@@ -344,10 +344,13 @@ def test_a_marked_id_freed_among_others_is_dropped_and_after_close_not_sent() ->
     ids = core.take(6)
     assert ids is not None
     core.drop_unheld(i32([2, 5]))  # both in use
-    arr, send = core.free_ids(i32([1, 2, 3]))
-    assert arr.tolist() == [1, 2, 3] and not send
+    arr, cached = core.free_ids(i32([1, 2, 3]))
+    assert arr.tolist() == [1, 2, 3] and cached
     assert core.read(core.head, core.cached).tolist() == [7, 8, 1, 3]
     core.close()
     core.drain()
-    arr, send = core.free_ids(i32([4, 5, 6]))  # after close: only the lease's go to the daemon
-    assert arr.tolist() == [4, 6] and send and core.n_in_use == 0
+    arr, cached = core.free_ids(i32([4, 5, 6]))  # after close: only the lease's go to the daemon
+    assert arr.tolist() == [4, 6] and not cached and core.n_in_use == 0
+    calls = core.rpc_calls
+    assert core.send_freed(arr) and core.rpc_calls == calls + 1
+    assert not core.send_freed(arr[:0]) and core.rpc_calls == calls + 1  # nothing to send

@@ -21,9 +21,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvpool.cache.page_cache import (
+from kvpool.cache.page_cache import CacheState
+from kvpool.cache.policy import (
     JOB_CALLS,
-    CacheState,
     PageCacheCore,
     PageCacheCounters,
     lease_lost,
@@ -79,6 +79,7 @@ class AsyncPageCache(CacheState):
         self._wake = asyncio.Event()
         self._core.wake = self._wake.set
         self._idle = asyncio.Event()
+        self._core.on_settled = self._idle.set
         self._core.kick()  # the first refill, to ``high``
         self._task = asyncio.create_task(self._run(), name=f"kvpool-page-cache-{pool}-{space}")
         lease._register_cache(self)  # see PageCache.__init__
@@ -114,7 +115,8 @@ class AsyncPageCache(CacheState):
         """Give back ids this cache handed out, without awaiting (after ``close``: one Free).
         Raises as ``PageCache.free``."""
         core = self._core
-        arr, send = core.free_ids(ids)
+        arr, cached = core.free_ids(ids)
+        send = not cached and core.send_freed(arr)
         if send:
             try:
                 await self._lease.free(core.pool, core.space, arr)
@@ -205,24 +207,16 @@ class AsyncPageCache(CacheState):
                     raise
                 got, token, held = await self._allocate(need)
         except BaseException as err:  # cancelled too: the reserved ids go back
-            core.waits += 1
-            core.unreserve(reserved)
-            if isinstance(err, NotFound):
-                core.lose(err)
+            core.miss_failed(reserved, err)
             raise
-        core.waits += 1
-        ids = core.finish_miss(reserved, got, n)
-        core.rpc_end(token, held)
-        if core.wants_work():
-            core.kick()
+        ids = core.miss_done(reserved, got, n, token, held)
         self._report_soon()
         return ids
 
     async def _allocate(self, count: int) -> tuple[np.ndarray, tuple[int, bool], int | None]:
         """See ``PageCache._allocate``."""
         core = self._core
-        core.rpc_calls += 1
-        token = core.rpc_begin()
+        token = core.miss_begin()
         try:
             got, held = await self._lease._allocate_held(core.pool, core.space, count)
         except BaseException:
@@ -233,35 +227,33 @@ class AsyncPageCache(CacheState):
     async def _run(self) -> None:
         """The worker task: refill below ``low``, return above ``high``; one RPC at a time."""
         core = self._core
-        sleep = 0.0
         while True:
-            if sleep:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), sleep)
-            self._wake.clear()
-            while True:
-                now = time.monotonic()
-                job = core.next_job(now, self._lease)
-                if job is None:
-                    stop, sleep = core.idle(now)
-                    if stop or core.settled():
-                        self._idle.set()
-                    if stop:
-                        return
-                    break
-                kind, arg = job
-                token = core.rpc_begin()
-                held = None
-                try:
-                    call = getattr(self._lease, JOB_CALLS[kind])
-                    result, held = await call(core.pool, core.space, arg)
-                except asyncio.CancelledError:
-                    core.job_failed(kind, arg, FailedPrecondition("cancelled"), time.monotonic())
-                    raise
-                except Exception as err:  # never let the worker die silently
-                    core.job_failed(kind, arg, core.job_error(kind, err), time.monotonic())
-                else:
-                    core.job_done(kind, arg, result)
-                    self._report_soon()
-                finally:
-                    core.rpc_end(token, held)
+            step = core.work(self._lease)
+            if step is None:
+                return
+            if type(step) is tuple:
+                await self._do_job(step)
+            else:
+                if step > 0:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), step)
+                self._wake.clear()
+
+    async def _do_job(self, job: tuple[str, Any]) -> None:
+        """One refill, return or check RPC of the worker; see ``PageCache._do_job``."""
+        core = self._core
+        kind, arg = job
+        token = core.rpc_begin()
+        held = None
+        try:
+            result, held = await getattr(self._lease, JOB_CALLS[kind])(core.pool, core.space, arg)
+        except asyncio.CancelledError:
+            core.job_failed(kind, arg, FailedPrecondition("cancelled"), time.monotonic())
+            raise
+        except Exception as err:  # never let the worker die silently
+            core.job_failed(kind, arg, core.job_error(kind, err), time.monotonic())
+        else:
+            core.job_done(kind, arg, result)
+            self._report_soon()
+        finally:
+            core.rpc_end(token, held)

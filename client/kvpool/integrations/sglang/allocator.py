@@ -52,7 +52,8 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 
-from kvpool.cache.page_cache import DEFAULT_HIGH, PageCache, space_capacity
+from kvpool.cache.page_cache import PageCache
+from kvpool.cache.policy import DEFAULT_HIGH, space_capacity
 from kvpool.contract.errors import (
     FailedPrecondition,
     InvalidArgument,
