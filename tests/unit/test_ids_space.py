@@ -9,7 +9,7 @@ from kvpool.contract.errors import FailedPrecondition, Internal, InvalidArgument
 from kvpool.contract.plan import IdSpaceSpec
 from kvpool.contract.records import SpaceStats
 from kvpoold.ids import IdSpace
-from kvpoold.ids.faults import Reason
+from kvpoold.ids.faults import Asked, Reason
 from kvpoold.ids.space import MIN_ROOM, SHRINK_ABOVE
 
 
@@ -444,7 +444,7 @@ def test_free_of_more_ids_than_held_names_the_bad_one() -> None:
 def test_free_names_the_caller_field_and_action() -> None:
     space, _, _ = _held_space()
     with pytest.raises(InvalidArgument) as err:
-        space.free(5, ids(1, 1), action="free m (kv)", field="items[3].ids", done="nope")
+        space.free(5, ids(1, 1), Asked("free m (kv)", "items[3].ids", "nope"))
     assert err.value.message == (
         "free m (kv) items[3].ids[1]=1: repeated (also at items[3].ids[0]); list each id once; "
         "nope"

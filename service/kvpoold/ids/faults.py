@@ -47,6 +47,28 @@ class Fault:
 
 
 @dataclass(frozen=True, slots=True)
+class Asked:
+    """What a call asked, for the text of its refusals.
+
+    ``action`` names the call (``"free llama (kv)"``; empty: the space's own default, such as
+    ``"free <label>"``), ``field`` the input field of its ids (``"items[2].ids"``), and ``done``
+    what a refused call changed.
+    """
+
+    action: str = ""
+    field: str = "ids"
+    done: str = "nothing was freed"
+
+    def action_or(self, default: str) -> str:
+        """The action, or ``default`` when none was given."""
+        return self.action or default
+
+
+FREE = Asked()
+RELEASE = Asked(done="nothing was released")
+
+
+@dataclass(frozen=True, slots=True)
 class Space:
     """What an error message says about an id space: its label (``"llama/kv"``), size, unit."""
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvpool.contract.errors import Internal, InvalidArgument, KVPoolError
-from kvpoold.ids.faults import Fault, Reason, fault_error, position_label
+from kvpoold.ids.faults import FREE, RELEASE, Asked, Fault, Reason, fault_error, position_label
 from kvpoold.ids.space import IdSpace, distinct
 
 
@@ -133,23 +133,13 @@ class Pairing:
 
     # -- free and release -------------------------------------------------------------------
 
-    def free(
-        self,
-        owner: int,
-        ids: np.ndarray,
-        *,
-        action: str = "",
-        field: str = "ids",
-        done: str = "nothing was freed",
-    ) -> int:
+    def free(self, owner: int, ids: np.ndarray, asked: Asked = FREE) -> int:
         """Free leader ids and the follower ids still linked to them, all or nothing.
 
         Args:
             owner: the lease.
             ids: 1-D native int32 leader ids.
-            action: what was asked, for messages (default ``"free <leader label>"``).
-            field: the input field of ``ids``.
-            done: what a refused call changed.
+            asked: the call, for messages (default action ``"free <leader label>"``).
 
         Returns:
             How many leader ids were freed.
@@ -163,44 +153,22 @@ class Pairing:
         pinned = self._follower_pinned(ids)
         if pinned >= 0:
             raise self.error(Fault(pinned, Reason.PINNED), owner, ids,
-                             action=action or f"free {self.leader.label}", field=field,
-                             done=done)
-        count = self.leader.free(owner, ids, action=action, field=field, done=done)
+                             asked.action_or(f"free {self.leader.label}"), asked)
+        count = self.leader.free(owner, ids, asked)
         if count:
             self._unlink_and_free(owner, ids.astype(np.intp))
         return count
 
-    def release(
-        self,
-        owner: int,
-        ids: np.ndarray,
-        *,
-        action: str = "",
-        field: str = "ids",
-        done: str = "nothing was released",
-    ) -> int:
-        """Free only the follower side of held leader ids (the window slid past them).
-
-        Args:
-            owner: the lease.
-            ids: 1-D native int32 leader ids.
-            action: what was asked, for messages (default ``"release <follower label>"``).
-            field: the input field of ``ids``.
-            done: what a refused call changed.
-
-        Returns:
-            How many follower ids were released.
-
-        Raises:
-            InvalidArgument: an id out of range or repeated (nothing changed).
-            FailedPrecondition: a leader id not held by ``owner``, or its follower id already
-                released (nothing changed).
-        """
+    def release(self, owner: int, ids: np.ndarray, asked: Asked = RELEASE) -> int:
+        """Free only the follower side of held leader ids (the window slid past them); the
+        arguments and refusals are :meth:`free`'s (default action ``"release <follower
+        label>"``), and a leader id whose follower id is already released is refused too
+        (FailedPrecondition, nothing changed). Returns how many follower ids were released."""
         idx = ids.astype(np.intp)
         fault = self.check(owner, idx, True)
         if fault is not None:
-            action = action or f"release {self.follower.label}"
-            raise self.error(fault, owner, ids, action=action, field=field, done=done)
+            raise self.error(fault, owner, ids,
+                             asked.action_or(f"release {self.follower.label}"), asked)
         return self.commit_release(owner, idx)
 
     def check(self, owner: int, idx: np.ndarray, release: np.ndarray | bool) -> Fault | None:
@@ -290,14 +258,7 @@ class Pairing:
         self.follower.commit(owner, linked)
 
     def error(
-        self,
-        fault: Fault,
-        owner: int,
-        ids: np.ndarray,
-        *,
-        action: str,
-        field: str = "ids",
-        done: str = "nothing was freed",
+        self, fault: Fault, owner: int, ids: np.ndarray, action: str, asked: Asked = FREE
     ) -> KVPoolError:
         """The exception for ``fault`` found in ``ids`` (see ``faults.fault_error``).
 
@@ -305,9 +266,8 @@ class Pairing:
             fault: from :meth:`check`.
             owner: the lease.
             ids: the leader ids as sent.
-            action: what was asked.
-            field: the input field of ``ids``.
-            done: what the refused call changed.
+            action: what was asked, its default filled in.
+            asked: the input field of ``ids`` and what the refused call changed.
 
         Returns:
             The error to raise.
@@ -318,8 +278,8 @@ class Pairing:
             space=self.leader.space,
             owner=owner,
             value=int(ids[fault.pos]),
-            label=position_label(field),
-            done=done,
+            label=position_label(asked.field),
+            done=asked.done,
             follower=self.follower.space,
         )
 

@@ -19,7 +19,7 @@ import numpy as np
 from kvpool.contract.errors import Internal, InvalidArgument, KVPoolError, echo
 from kvpool.contract.plan import IdSpaceSpec
 from kvpool.contract.records import SpaceStats
-from kvpoold.ids.faults import Fault, fault_error, singular
+from kvpoold.ids.faults import Asked, Fault, fault_error, singular
 from kvpoold.ids.pairing import Pairing
 from kvpoold.ids.space import IdSpace
 
@@ -318,17 +318,14 @@ class PoolIds:
         """One item: a single pass through the space (or its pairing)."""
         if self._spaces.get(space.name) is not space:
             raise Internal(f"free {self.pool}: items[0] is a space of another pool")
-        action = f"free {self.pool} ({space.name})"
-        field = "items[0].ids"
+        asked = Asked(f"free {self.pool} ({space.name})", "items[0].ids", _BATCH_DONE)
         pair = self._pair_of_leader.get(space)
         if pair is not None:
-            n = pair.free(owner, ids, action=action, field=field, done=_BATCH_DONE)
-            return {space.name: n}
+            return {space.name: pair.free(owner, ids, asked)}
         pair = self._pair_of_follower.get(space)
         if pair is not None:
-            n = pair.release(owner, ids, action=action, field=field, done=_BATCH_DONE)
-            return {space.name: n}
-        return {space.name: space.free(owner, ids, action=action, field=field, done=_BATCH_DONE)}
+            return {space.name: pair.release(owner, ids, asked)}
+        return {space.name: space.free(owner, ids, asked)}
 
     def _batch_error(
         self,

@@ -43,7 +43,9 @@ from kvpool.contract.plan import IdSpaceSpec
 from kvpool.contract.records import SpaceStats
 from kvpoold.ids.faults import (
     CAPACITY_MAX,
+    FREE,
     QUARANTINE,
+    Asked,
     Fault,
     Reason,
     Space,
@@ -232,23 +234,13 @@ class IdSpace:
 
     # -- free -------------------------------------------------------------------------------
 
-    def free(
-        self,
-        owner: int,
-        ids: np.ndarray,
-        *,
-        action: str = "",
-        field: str = "ids",
-        done: str = "nothing was freed",
-    ) -> int:
+    def free(self, owner: int, ids: np.ndarray, asked: Asked = FREE) -> int:
         """Return ``ids`` from ``owner``, checked and committed in one pass, all or nothing.
 
         Args:
             owner: the lease that holds the ids.
             ids: 1-D C-contiguous native int32 ids (a read-only view of wire bytes is fine).
-            action: what was asked, for messages (default ``"free <label>"``).
-            field: the input field of ``ids`` (``"items[2].ids"``), for messages.
-            done: what a refused call changed, for messages.
+            asked: the call, for messages (default action ``"free <label>"``).
 
         Returns:
             How many ids were freed (``len(ids)``).
@@ -273,7 +265,7 @@ class IdSpace:
                 return 0
         elif count == 0:
             return 0
-        raise self.free_error(owner, ids, action=action, field=field, done=done)
+        raise self.free_error(owner, ids, asked)
 
     def _free_one(self, owner: int, i: int, held: _Held) -> bool:
         """Free id ``i`` if ``owner`` holds it (scalar reads and writes); False changes nothing."""
@@ -434,28 +426,18 @@ class IdSpace:
         if held.ids.shape[0] == MIN_ROOM:
             self._spare = held
 
-    def free_error(
-        self,
-        owner: int,
-        ids: np.ndarray,
-        *,
-        action: str = "",
-        field: str = "ids",
-        done: str = "nothing was freed",
-    ) -> KVPoolError:
+    def free_error(self, owner: int, ids: np.ndarray, asked: Asked = FREE) -> KVPoolError:
         """The error for a refused free of ``ids`` by ``owner`` (nothing was changed).
 
         Args:
             owner: the lease.
             ids: the ids as sent.
-            action: what was asked (default ``"free <label>"``).
-            field: the input field of ``ids``.
-            done: what the refused call changed.
+            asked: the call (default action ``"free <label>"``).
 
         Returns:
             The error to raise (Internal when no fault is found: a corrupted ledger).
         """
-        action = action or f"free {self.label}"
+        action = asked.action_or(f"free {self.label}")
         fault = first_fault(self._owner, owner, ids)
         if fault is None:
             pinned = self._first_pinned(ids.astype(np.intp))
@@ -468,8 +450,8 @@ class IdSpace:
             space=self.space,
             owner=owner,
             value=int(ids[fault.pos]),
-            label=position_label(field),
-            done=done,
+            label=position_label(asked.field),
+            done=asked.done,
         )
 
     # -- reclaim and queries ----------------------------------------------------------------

@@ -13,6 +13,8 @@ from typing import Protocol
 
 import torch
 
+from kvpool.contract.errors import FailedPrecondition
+
 # The handle is the client's type (torch-free, shared by both sides); re-exported here.
 from kvpool.contract.shared_handle import SharedHandle, Sharing
 
@@ -21,6 +23,7 @@ __all__ = [
     "BackingFactory",
     "PlainBacking",
     "PlainBackingFactory",
+    "Region",
     "SharedHandle",
     "Sharing",
 ]
@@ -70,6 +73,36 @@ class BackingFactory(Protocol):
     def close(self) -> None:
         """Release everything this factory created and its instance lock. Idempotent."""
         ...
+
+
+class Region:
+    """What a shared backing holds: ``nbytes`` of region as a flat tensor until it is closed.
+
+    Subclasses say how the region is named in messages (:meth:`describe`) and how it is shared.
+    """
+
+    def __init__(self, tensor: torch.Tensor, nbytes: int) -> None:
+        self._tensor: torch.Tensor | None = tensor
+        self.nbytes = nbytes
+
+    def describe(self) -> str:
+        """The region in messages (``"shared-memory region kvpool-x"``)."""
+        return "region"
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The region as a flat, zero-filled uint8 tensor of exactly ``nbytes``.
+
+        Raises:
+            FailedPrecondition: after close.
+        """
+        if self._tensor is None:
+            raise FailedPrecondition(f"{self.describe()} is closed")
+        return self._tensor
+
+    @property
+    def closed(self) -> bool:
+        return self._tensor is None
 
 
 @dataclass

@@ -30,7 +30,7 @@ import torch
 from kvpool.contract.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvpool.contract.limits import check_pool_name
 from kvpool.mapping.cuda_mapper import normalize_uuid
-from kvpoold.sharing.base import SharedHandle, Sharing
+from kvpoold.sharing.base import Region, SharedHandle, Sharing
 
 ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 _EXPANDABLE_ON = re.compile(r"(?:^|,)\s*expandable_segments\s*:\s*true\s*(?:,|$)", re.IGNORECASE)
@@ -99,7 +99,7 @@ def _resolve_index(device: int | str | torch.device) -> int:
     return index
 
 
-class CudaIpcBacking:
+class CudaIpcBacking(Region):
     """One pool's region in device memory, exportable by CUDA IPC.
 
     Made by :meth:`CudaIpcBackingFactory.create`. The tensor is kept until :meth:`close`;
@@ -109,29 +109,16 @@ class CudaIpcBacking:
     def __init__(
         self, tensor: torch.Tensor, device_uuid: str, on_close: Callable[[CudaIpcBacking], None]
     ) -> None:
-        self._tensor: torch.Tensor | None = tensor
-        self.nbytes = tensor.numel()
+        super().__init__(tensor, tensor.numel())
         self.device_uuid = device_uuid
         self._on_close = on_close
+
+    def describe(self) -> str:
+        return "CUDA IPC region"
 
     @property
     def sharing(self) -> Sharing:
         return "cuda_ipc"
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        """The region as a flat, zero-filled uint8 tensor on the device.
-
-        Raises:
-            FailedPrecondition: after :meth:`close`.
-        """
-        if self._tensor is None:
-            raise FailedPrecondition("CUDA IPC region is closed")
-        return self._tensor
-
-    @property
-    def closed(self) -> bool:
-        return self._tensor is None
 
     def handle(self) -> SharedHandle:
         """Export the region for one importer (a fresh export each call; see module doc).
@@ -153,7 +140,7 @@ class CudaIpcBacking:
         ) = tensor.untyped_storage()._share_cuda_()
         check_ipc_handle_kind(ipc_handle)
         return SharedHandle(
-            kind="cuda_ipc",
+            sharing="cuda_ipc",
             size=self.nbytes,
             device_uuid=self.device_uuid,
             ipc_handle=bytes(ipc_handle),

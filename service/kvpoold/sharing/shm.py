@@ -23,7 +23,7 @@ import torch
 
 from kvpool.contract.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
 from kvpool.contract.limits import check_pool_name
-from kvpoold.sharing.base import SharedHandle, Sharing
+from kvpoold.sharing.base import Region, SharedHandle, Sharing
 from kvpoold.sharing.cleanup import (
     FILE_MODE,
     InstanceLock,
@@ -52,7 +52,7 @@ def _exhausted(nbytes: int, pool: str, shm_dir: Path, free: int) -> ResourceExha
     )
 
 
-class ShmBacking:
+class ShmBacking(Region):
     """One pool's region: a shared-memory file mapped into a flat uint8 tensor.
 
     Made by :meth:`ShmBackingFactory.create`; not constructed directly.
@@ -61,29 +61,16 @@ class ShmBacking:
     def __init__(
         self, path: Path, nbytes: int, tensor: torch.Tensor, on_close: Callable[[Path], None]
     ) -> None:
+        super().__init__(tensor, nbytes)
         self.path = path
-        self.nbytes = nbytes
-        self._tensor: torch.Tensor | None = tensor
         self._on_close = on_close
+
+    def describe(self) -> str:
+        return f"shared-memory region {self.path.name}"
 
     @property
     def sharing(self) -> Sharing:
         return "shm"
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        """The region as a flat, zero-filled uint8 tensor of exactly ``nbytes``.
-
-        Raises:
-            FailedPrecondition: after :meth:`close`.
-        """
-        if self._tensor is None:
-            raise FailedPrecondition(f"shared-memory region {self.path.name} is closed")
-        return self._tensor
-
-    @property
-    def closed(self) -> bool:
-        return self._tensor is None
 
     def handle(self) -> SharedHandle:
         """``SharedHandle(sharing="shm", path, size)`` for a client to map the file.
@@ -91,9 +78,8 @@ class ShmBacking:
         Raises:
             FailedPrecondition: after :meth:`close`.
         """
-        if self._tensor is None:
-            raise FailedPrecondition(f"shared-memory region {self.path.name} is closed")
-        return SharedHandle(sharing="shm", size=self.nbytes, path=str(self.path))
+        # the tensor property refuses after close
+        return SharedHandle(sharing="shm", size=self.tensor.numel(), path=str(self.path))
 
     def unbacked_bytes(self) -> int:
         """Bytes of the file not yet backed by pages (0 after close): what it may still take."""
