@@ -113,9 +113,8 @@ class _Send(_Waitable):
         return rpcs.wait_transfer(transfer_id=self.transfer_id, timeout_s=timeout_s)
 
 
-class ReceiveGrant(_Grant):
-    """A receive grant of the decode side: hand ``token`` (and this daemon's address) to the
-    prefill side; ``wait`` until its write completed."""
+class _Waits(_Waitable):
+    """``status`` and ``wait`` of the sync handles."""
 
     _client: Caller
 
@@ -124,21 +123,32 @@ class ReceiveGrant(_Grant):
         return _wait_once(self._client, self._request(0.0))
 
     def wait(self, timeout_s: float | None = 60.0) -> TransferStatus:
-        """Wait for the write into the granted pages to end (None: as long as it takes)."""
+        """Wait for the transfer to end (None: as long as it takes); raise if it failed or
+        did not end in time."""
         return _checked(_wait(self._client, self, timeout_s), self.what, timeout_s)
 
 
-class SendHandle(_Send):
-    """A send of the prefill side."""
+class _AsyncWaits(_Waitable):
+    """``status`` and ``wait`` of the asyncio handles."""
 
-    _client: Caller
+    _client: AsyncCaller
 
-    def status(self) -> TransferStatus:
-        return _wait_once(self._client, self._request(0.0))
+    async def status(self) -> TransferStatus:
+        """Where the transfer stands now (no waiting, no raising)."""
+        return await _await_once(self._client, self._request(0.0))
 
-    def wait(self, timeout_s: float | None = 60.0) -> TransferStatus:
-        """Wait for the write to end on this side (None: as long as it takes)."""
-        return _checked(_wait(self._client, self, timeout_s), self.what, timeout_s)
+    async def wait(self, timeout_s: float | None = 60.0) -> TransferStatus:
+        """As the sync ``wait``."""
+        return _checked(await _await(self._client, self, timeout_s), self.what, timeout_s)
+
+
+class ReceiveGrant(_Grant, _Waits):
+    """A receive grant of the decode side: hand ``token`` (and this daemon's address) to the
+    prefill side; ``wait`` until its write into the granted pages completed."""
+
+
+class SendHandle(_Send, _Waits):
+    """A send of the prefill side: ``wait`` until its write ended on this side."""
 
 
 # Waiting is one sans-IO loop (:func:`_waits`) driven by a sync and an asyncio shell, so the
@@ -171,28 +181,12 @@ def _wait(client: Caller, handle: _Waitable, timeout_s: float | None) -> Transfe
             return end.value
 
 
-class AsyncReceiveGrant(_Grant):
+class AsyncReceiveGrant(_Grant, _AsyncWaits):
     """:class:`ReceiveGrant` for asyncio code."""
 
-    _client: AsyncCaller
 
-    async def status(self) -> TransferStatus:
-        return await _await_once(self._client, self._request(0.0))
-
-    async def wait(self, timeout_s: float | None = 60.0) -> TransferStatus:
-        return _checked(await _await(self._client, self, timeout_s), self.what, timeout_s)
-
-
-class AsyncSendHandle(_Send):
+class AsyncSendHandle(_Send, _AsyncWaits):
     """:class:`SendHandle` for asyncio code."""
-
-    _client: AsyncCaller
-
-    async def status(self) -> TransferStatus:
-        return await _await_once(self._client, self._request(0.0))
-
-    async def wait(self, timeout_s: float | None = 60.0) -> TransferStatus:
-        return _checked(await _await(self._client, self, timeout_s), self.what, timeout_s)
 
 
 async def _await_once(client: AsyncCaller, call: rpcs.Call[TransferStatus]) -> TransferStatus:

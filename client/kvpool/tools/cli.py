@@ -35,12 +35,22 @@ def _print_json(value: Any) -> None:
     sys.stdout.write(msgspec.json.format(msgspec.json.encode(value), indent=2).decode() + "\n")
 
 
+def _command(sub: Any, common: argparse.ArgumentParser, name: str,
+             func: Callable[[argparse.Namespace], int], help: str, description: str,
+             ) -> argparse.ArgumentParser:
+    """A subcommand with the common flags that runs ``func``."""
+    p: argparse.ArgumentParser = sub.add_parser(name, parents=[common], help=help,
+                                                description=description)
+    p.set_defaults(func=func)
+    return p
+
+
 # -- configure ----------------------------------------------------------------------------------
 
 def add_configure(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p = sub.add_parser("configure", parents=[common], help="plan and build a pool",
-                       description="Plan a pool for a model and build it in the daemon (or only "
-                                   "plan it with --dry-run). Idempotent for the same layout.")
+    p = _command(sub, common, "configure", run_configure, "plan and build a pool",
+                 "Plan a pool for a model and build it in the daemon (or only plan it with "
+                 "--dry-run). Idempotent for the same layout.")
     p.add_argument("pool", help="pool name: [a-z0-9][a-z0-9._-]{0,62}")
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--hf-config", type=Path, metavar="PATH",
@@ -50,7 +60,6 @@ def add_configure(sub: Any, common: argparse.ArgumentParser) -> argparse.Argumen
     add_option_flags(p)  # the same knobs as `kvpoold plan`, from PlanOptions
     p.add_argument("--dry-run", action="store_true", help="plan and check; allocate nothing")
     p.add_argument("--json", action="store_true", help="print the plan and result as JSON")
-    p.set_defaults(func=run_configure)
     return p
 
 
@@ -84,13 +93,12 @@ def run_configure(args: argparse.Namespace) -> int:
 # -- stats / leases -----------------------------------------------------------------------------
 
 def add_stats(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p = sub.add_parser("stats", parents=[common], help="the daemon, its pools and leases",
-                       description="Print the daemon's budget, each pool's per-space counters and "
-                                   "each lease's holdings.")
+    p = _command(sub, common, "stats", run_stats, "the daemon, its pools and leases",
+                 "Print the daemon's budget, each pool's per-space counters and each lease's "
+                 "holdings.")
     p.add_argument("--pool", default="", help="only this pool")
     p.add_argument("--json", action="store_true",
                    help='print {"daemon": {...}, "pools": [...], "leases": [...]}')
-    p.set_defaults(func=run_stats)
     return p
 
 
@@ -123,12 +131,10 @@ def run_stats(args: argparse.Namespace) -> int:
 
 
 def add_leases(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p = sub.add_parser("leases", parents=[common], help="who holds what",
-                       description="List open leases: name, time to expiry, ids held per pool "
-                                   "and space (with how many of them its page caches hold "
-                                   "unused, as reported).")
+    p = _command(sub, common, "leases", run_leases, "who holds what",
+                 "List open leases: name, time to expiry, ids held per pool and space (with how "
+                 "many of them its page caches hold unused, as reported).")
     p.add_argument("--json", action="store_true", help="print the leases as a JSON list")
-    p.set_defaults(func=run_leases)
     return p
 
 
@@ -155,13 +161,12 @@ def run_leases(args: argparse.Namespace) -> int:
 # -- drop ---------------------------------------------------------------------------------------
 
 def add_drop(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p = sub.add_parser("drop", parents=[common], help="release a pool",
-                       description="Release a pool's memory. Refused while a lease holds ids in "
-                                   "it or a client is attached, unless --force.")
+    p = _command(sub, common, "drop", run_drop, "release a pool",
+                 "Release a pool's memory. Refused while a lease holds ids in it or a client is "
+                 "attached, unless --force.")
     p.add_argument("pool")
     p.add_argument("--force", action="store_true",
                    help="reclaim every id and end every attachment (engines using it break)")
-    p.set_defaults(func=run_drop)
     return p
 
 

@@ -23,7 +23,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -60,6 +60,7 @@ from kvpoold.transfer import NIXL_MISSING, NixlAgent, Outgoing, Transfers
 from kvpoold.transfer.grants import ReceiveGrant
 
 log = logging.getLogger("kvpoold.daemon")
+_T = TypeVar("_T")
 
 # An Allocate short of free ids, while other leases' page caches report enough cached ones,
 # asks them to give back and waits this long at most (less under a shorter gRPC deadline).
@@ -355,16 +356,10 @@ class Daemon:
             PermissionDenied: the caller's scope does not cover the pool.
             ResourceExhausted: not enough free ids for an item (nothing allocated).
         """
-        entry = self.pool(pool, caller)
-        lease = self.lease(caller, ref)
-        if not items:
-            raise InvalidArgument("allocate needs at least one (space, count) item",
-                                  field="items")
+        entry, lease, typed = self._items(caller, pool, ref, items, "allocate", "count")
         ids = entry.ids
-        spaces = [ids.space(name, f"items[{i}].space")
-                  for i, (name, _) in enumerate(items)]
-        grants = ids.allocate(lease.owner, [(s, n) for s, (_, n) in zip(spaces, items,
-                                                                        strict=True)])
+        spaces = [space for space, _ in typed]
+        grants = ids.allocate(lease.owner, typed)
         for space in spaces:  # O(items): a comparison each unless the space runs low
             low = max(1, space.capacity // PRESSURE_FRACTION)
             room = ids.room(space)
@@ -372,6 +367,24 @@ class Daemon:
                 self._ask_give_back(pool, space, low - room, lease.owner, cover=False)
         return Allocated([(name, grant) for (name, _), grant in zip(items, grants, strict=True)],
                          [space.held(lease.owner) for space in spaces])
+
+    def _items(self, caller: Caller, pool: str, ref: LeaseRef,
+               items: Sequence[tuple[str, _T]], verb: str, what: str,
+               ) -> tuple[LivePool, Lease, list[tuple[IdSpace, _T]]]:
+        """The pool, the lease and each item's id space for ``verb`` on ``items`` (``what``:
+        the item's other half, named when the list is empty).
+
+        Raises:
+            InvalidArgument: bad pool name, no items, an unknown space.
+            NotFound / PermissionDenied: as :meth:`pool` and :meth:`lease`.
+        """
+        entry = self.pool(pool, caller)
+        lease = self.lease(caller, ref)
+        if not items:
+            raise InvalidArgument(f"{verb} needs at least one (space, {what}) item",
+                                  field="items")
+        return entry, lease, [(entry.ids.space(name, f"items[{i}].space"), x)
+                              for i, (name, x) in enumerate(items)]
 
     async def allocate_waiting(self, caller: Caller, pool: str, ref: LeaseRef,
                                items: Sequence[tuple[str, int]],
@@ -494,13 +507,8 @@ class Daemon:
             PermissionDenied: the caller's scope does not cover the pool.
             FailedPrecondition: an id not held by this lease (nothing freed).
         """
-        entry = self.pool(pool, caller)
-        lease = self.lease(caller, ref)
-        if not items:
-            raise InvalidArgument("free needs at least one (space, ids) item", field="items")
+        entry, lease, typed = self._items(caller, pool, ref, items, "free", "ids")
         ids = entry.ids
-        typed = [(ids.space(name, f"items[{i}].space"), arr)
-                 for i, (name, arr) in enumerate(items)]
         # The ledger refuses pinned ids itself (a transfer in flight moves them).
         freed = sum(ids.free(lease.owner, typed).values())
         self._notify_freed()
