@@ -13,27 +13,25 @@ MiB = 1 << 20
 
 def llama_8b(**over: Any) -> ModelSpec:
     """Llama-3.1-8B: 32 layers, 8 KV heads, head_dim 128 (4096 / 32), bf16, 131,072 context."""
-    fields: dict[str, Any] = {
+    return decode_spec({
         "architecture": "LlamaForCausalLM",
         "num_layers": 32,
         "attention": {"type": "mha", "num_kv_heads": 8, "head_dim": 128},
         "context_length": 131072,
-    }
-    fields.update(over)
-    return decode_spec(fields)
+        **over,
+    })
 
 
 def deepseek_v3(**over: Any) -> ModelSpec:
     """DeepSeek-V3: 61 layers, MLA latent 512 + rope 64, 1 MTP layer, 163,840 context."""
-    fields: dict[str, Any] = {
+    return decode_spec({
         "architecture": "DeepseekV3ForCausalLM",
         "num_layers": 61,
         "attention": {"type": "mla", "kv_lora_rank": 512, "qk_rope_head_dim": 64},
         "context_length": 163840,
         "num_nextn_predict_layers": 1,
-    }
-    fields.update(over)
-    return decode_spec(fields)
+        **over,
+    })
 
 
 def deepseek_v32(**over: Any) -> ModelSpec:

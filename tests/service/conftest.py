@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from kvpool.contract.wire import LeaseKey
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
 from kvpoold.server.daemon import Daemon
-from kvpoold.server.run import KVPoolServer, create_server
+from kvpoold.server.run import KVPoolServer, create_server, sweep_leases
 from kvpoold.settings import Listener
 from kvpoold.sharing.base import PlainBackingFactory
 from tests.conftest import TINY_OPTIONS, TINY_SPEC
@@ -87,6 +88,23 @@ async def served(socket_dir: Path) -> AsyncIterator[Served]:
                      health_pb2_grpc.HealthStub(channel), clock, f"unix://{path}")
     finally:
         await channel.close()
+        await server.shutdown(0)
+        server.remove_sockets()
+        daemon.close()
+
+
+@pytest.fixture
+async def live(socket_dir: Path) -> AsyncIterator[tuple[Daemon, str]]:
+    """A daemon on the real clock with its lease sweeper (every 0.05 s): ``(daemon, target)``."""
+    daemon = Daemon("cpu", BUDGET_BYTES, PlainBackingFactory(torch.device("cpu")))
+    sock = socket_dir / "k.sock"
+    server = create_server(daemon, [Listener("unix", str(sock))])
+    await server.start()
+    sweeper = asyncio.create_task(sweep_leases(daemon, 0.05))
+    try:
+        yield daemon, f"unix://{sock}"
+    finally:
+        sweeper.cancel()
         await server.shutdown(0)
         server.remove_sockets()
         daemon.close()

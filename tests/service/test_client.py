@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from kvpool import AsyncKVPoolClient, KVPoolClient
 from kvpool.contract.errors import (
@@ -23,27 +21,7 @@ from kvpool.contract.errors import (
 )
 from kvpool.contract.plan import PoolPlan
 from kvpoold.server.daemon import Daemon
-from kvpoold.server.run import create_server, sweep_leases
-from kvpoold.settings import Listener
-from kvpoold.sharing.base import PlainBackingFactory
 from tests.conftest import TINY_OPTIONS, TINY_PAGES, TINY_SPEC
-
-
-@pytest.fixture
-async def live(socket_dir: Path) -> AsyncIterator[tuple[Daemon, str]]:
-    """A daemon on the real clock with its lease sweeper (every 0.05 s)."""
-    daemon = Daemon("cpu", 16 << 20, PlainBackingFactory(torch.device("cpu")))
-    sock = socket_dir / "k.sock"
-    server = create_server(daemon, [Listener("unix", str(sock))])
-    await server.start()
-    sweeper = asyncio.create_task(sweep_leases(daemon, 0.05))
-    try:
-        yield daemon, f"unix://{sock}"
-    finally:
-        sweeper.cancel()
-        await server.shutdown(0)
-        server.remove_sockets()
-        daemon.close()
 
 
 def sync_session(target: str) -> dict[str, object]:

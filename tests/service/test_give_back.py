@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
-import torch
 from grpc import aio
 
 from kvpool import AsyncKVPoolClient, KVPoolClient
@@ -21,9 +19,6 @@ from kvpool.contract.wire import allocate_request, free_request
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
 from kvpoold.server.daemon import Daemon
-from kvpoold.server.run import create_server, sweep_leases
-from kvpoold.settings import Listener
-from kvpoold.sharing.base import PlainBackingFactory
 from tests.conftest import TINY_OPTIONS, TINY_SPEC
 from tests.service.conftest import open_raw, proof
 
@@ -32,23 +27,21 @@ PRESSURE = CAPACITY // 16
 
 
 @pytest.fixture
-async def live(socket_dir: Path) -> AsyncIterator[tuple[Daemon, str]]:
-    """A daemon on the real clock with its lease sweeper, and the tiny pool."""
-    daemon = Daemon("cpu", 16 << 20, PlainBackingFactory(torch.device("cpu")))
-    sock = socket_dir / "k.sock"
-    server = create_server(daemon, [Listener("unix", str(sock))])
-    await server.start()
-    sweeper = asyncio.create_task(sweep_leases(daemon, 0.05))
-    target = f"unix://{sock}"
-    async with AsyncKVPoolClient(target) as client:
+async def live(live: tuple[Daemon, str]) -> tuple[Daemon, str]:
+    """The service conftest's live daemon with the tiny pool."""
+    async with AsyncKVPoolClient(live[1]) as client:
         await client.configure("tiny", spec=TINY_SPEC, **TINY_OPTIONS)
-    try:
-        yield daemon, target
-    finally:
-        sweeper.cancel()
-        await server.shutdown(0)
-        server.remove_sockets()
-        daemon.close()
+    return live
+
+
+async def holding_20(holder: Any) -> tuple[Any, np.ndarray]:
+    """A page cache of ``holder`` (high 200) settled with 20 ids in use and 180 cached."""
+    cache = await holder.page_cache("tiny", low=0, high=200, batch=50)
+    await cache.settle()
+    in_use = await cache.alloc(20)
+    await cache.settle()
+    assert (cache.in_use, cache.cached) == (20, 180)
+    return cache, in_use
 
 
 def lease_stats(stats: object, lease_id: int) -> object:
@@ -59,11 +52,7 @@ async def test_allocate_gets_ids_back_from_another_leases_cache(
         live: tuple[Daemon, str]) -> None:
     async with AsyncKVPoolClient(live[1]) as client, await client.lease("holder") as holder, \
                 await client.lease("taker") as taker:
-        cache = await holder.page_cache("tiny", low=0, high=200, batch=50)
-        await cache.settle()
-        in_use = await cache.alloc(20)
-        await cache.settle()
-        assert (cache.in_use, cache.cached) == (20, 180)
+        cache, in_use = await holding_20(holder)
         assert await holder.report_now()
         mine = lease_stats(await client.stats("tiny"), holder.lease_id)
         assert mine.held == {"tiny": {"kv": 200}} and mine.cached == {"tiny": {"kv": 180}}
@@ -97,9 +86,7 @@ async def test_allocate_that_all_cached_ids_cannot_cover_fails_without_asking(
         live: tuple[Daemon, str]) -> None:
     async with AsyncKVPoolClient(live[1]) as client, await client.lease("holder") as holder, \
                 await client.lease("taker") as taker:
-        cache = await holder.page_cache("tiny", low=0, high=200, batch=50)
-        await cache.settle()
-        await cache.alloc(20)
+        cache, _ = await holding_20(holder)
         assert await holder.report_now()
         # 56 free + 180 cached < 250: refused at once, nobody is asked anything
         with pytest.raises(ResourceExhausted) as info:

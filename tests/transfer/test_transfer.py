@@ -306,49 +306,39 @@ def big_pair() -> Iterator[Pair]:
         yield Pair(prefill, decode, p, d)
 
 
-def test_sender_sigkilled_mid_transfer() -> None:
-    """SIGKILL the prefill daemon right after its send is posted (the write may or may not
-    have landed): the decode grant ends (done, or failed at its expiry) and the decode pages
-    stay held by their lease until it frees them."""
+@pytest.mark.parametrize("killed", ["sender", "receiver"])
+def test_daemon_sigkilled_mid_transfer(killed: str) -> None:
+    """SIGKILL one daemon right after the send is posted (the write may or may not have
+    landed). The survivor's side ends (done, or failed: the sender's NIXL reports an error, the
+    receiver's grant expires) and its pages stay held by their lease until it frees them; a
+    new send to a dead receiver is refused."""
     with big_pair() as pair:
         pl = pair.p.lease("prefill", ttl_s=30)
-        with pair.d.lease("decode", ttl_s=30) as dl:
-            src, dst = pl.allocate("big", "kv", 256), dl.allocate("big", "kv", 256)
-            grant = dl.grant_receive("big", dst, ttl_s=3)
-            pair.p.send("big", src, peer=pair.decode.target, token=grant.token, lease=pl)
-            pair.prefill.stop(signal.SIGKILL)
-            try:
-                assert grant.wait(30).state == TransferState.done  # it had landed
-            except Aborted as exc:
-                assert "did not complete before the grant expired" in str(exc)
-            assert pair.d.stats("big").leases[0].held["big"]["kv"] == 256
-            assert dl.free("big", "kv", dst) == 256
-        with contextlib.suppress(Unavailable):  # its daemon is gone
-            pl.close()
-
-
-def test_receiver_sigkilled_mid_transfer() -> None:
-    """SIGKILL the decode daemon under a send: the prefill side reports the outcome (done or
-    a NIXL error), its pages stay its lease's, and a new send to the dead peer is refused."""
-    with big_pair() as pair:
         dl = pair.d.lease("decode", ttl_s=30)
-        with pair.p.lease("prefill", ttl_s=30) as pl:
-            src, dst = pl.allocate("big", "kv", 256), dl.allocate("big", "kv", 256)
-            grant = dl.grant_receive("big", dst)
-            handle = pair.p.send("big", src, peer=pair.decode.target, token=grant.token,
-                                 lease=pl)
+        src, dst = pl.allocate("big", "kv", 256), dl.allocate("big", "kv", 256)
+        grant = dl.grant_receive("big", dst, ttl_s=3 if killed == "sender" else 30)
+        handle = pair.p.send("big", src, peer=pair.decode.target, token=grant.token, lease=pl)
+        if killed == "sender":
+            pair.prefill.stop(signal.SIGKILL)
+            live, lease, pages, ended = pair.d, dl, dst, grant
+            failure = "did not complete before the grant expired"
+        else:
             pair.decode.stop(signal.SIGKILL)
-            try:
-                assert handle.wait(30).state == TransferState.done  # it had landed
-            except Aborted as exc:
-                assert "NIXL reported an error" in str(exc)
-            assert pair.p.stats("big").leases[0].held["big"]["kv"] == 256
-            assert pl.free("big", "kv", src) == 256
+            live, lease, pages, ended = pair.p, pl, src, handle
+            failure = "NIXL reported an error"
+        try:
+            assert ended.wait(30).state == TransferState.done  # it had landed
+        except Aborted as exc:
+            assert failure in str(exc)
+        assert live.stats("big").leases[0].held["big"]["kv"] == 256
+        assert lease.free("big", "kv", pages) == 256
+        if killed == "receiver":
             with pytest.raises(Unavailable):
                 pair.p.send("big", pl.allocate("big", "kv", 1), peer=pair.decode.target,
                             token=grant.token, lease=pl)
-        with contextlib.suppress(Unavailable):
-            dl.close()
+        lease.close()
+        with contextlib.suppress(Unavailable):  # its daemon is gone
+            (dl if killed == "sender" else pl).close()
 
 
 async def test_asyncio_forms(pair: Pair) -> None:

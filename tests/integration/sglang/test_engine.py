@@ -479,6 +479,15 @@ def test_mla_dsa_pools(sglang_python: Path, sglang_daemon: DaemonProcess, tiny_m
     mla = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "layer_num": 61, "start_layer": 0,
            "end_layer": 61}
     settings = {"context_length": 4096}
+
+    def tiny_mha(case: str, pool: str, settings: dict[str, Any] | None = None,
+                 **args: int) -> dict[str, Any]:
+        """An MHA pool case of the tiny Llama (2 layers, 2 KV heads of 16, page 4)."""
+        return {"id": case, "kind": "mha", "pool": pool, "model": str(tiny_model),
+                "dtype": "float32", **({"settings": settings} if settings else {}),
+                "args": {"size": 64, "page_size": 4, "head_num": 2, "head_dim": 16,
+                         "layer_num": 2, "start_layer": 0, "end_layer": 2, **args}}
+
     cases = [
         {"id": "mla", "kind": "mla", "pool": "sgl-mla", "model": str(v3), "dtype": "bfloat16",
          "args": {"size": 128, "page_size": 64, **mla}, "settings": settings},
@@ -491,25 +500,14 @@ def test_mla_dsa_pools(sglang_python: Path, sglang_daemon: DaemonProcess, tiny_m
          "args": {"size": 128, "page_size": 64, "index_head_dim": 128, "kv_cache_dim": 656,
                   **mla}},
         # PP stage 1 of 2 of the tiny Llama: layer 1 only.
-        {"id": "mha-pp", "kind": "mha", "pool": "sgl-mha-pp", "model": str(tiny_model),
-         "dtype": "float32", "settings": {"pp_size": 2, "pp_rank": 1},
-         "args": {"size": 64, "page_size": 4, "head_num": 2, "head_dim": 16, "layer_num": 1,
-                  "start_layer": 1, "end_layer": 2}},
+        tiny_mha("mha-pp", "sgl-mha-pp", settings={"pp_size": 2, "pp_rank": 1}, layer_num=1,
+                 start_layer=1),
         # SGLang expecting 3 KV heads of the tiny Llama's 2: refused, naming both shapes.
-        {"id": "mha-heads", "kind": "mha", "pool": "sgl-mha-bad", "model": str(tiny_model),
-         "dtype": "float32",
-         "args": {"size": 64, "page_size": 4, "head_num": 3, "head_dim": 16, "layer_num": 2,
-                  "start_layer": 0, "end_layer": 2}},
+        tiny_mha("mha-heads", "sgl-mha-bad", head_num=3),
         # The same pool, now planned by SGLang at twice the tokens: the daemon keeps its layout.
-        {"id": "mha-size", "kind": "mha", "pool": "sgl-mha-bad", "model": str(tiny_model),
-         "dtype": "float32",
-         "args": {"size": 128, "page_size": 4, "head_num": 2, "head_dim": 16, "layer_num": 2,
-                  "start_layer": 0, "end_layer": 2}},
+        tiny_mha("mha-size", "sgl-mha-bad", size=128),
         # The plugin selected (SGLANG_PLATFORM=kvpool) but no pool named.
-        {"id": "no-pool", "kind": "mha", "pool": "", "model": str(tiny_model),
-         "dtype": "float32",
-         "args": {"size": 64, "page_size": 4, "head_num": 2, "head_dim": 16, "layer_num": 2,
-                  "start_layer": 0, "end_layer": 2}},
+        tiny_mha("no-pool", ""),
     ]
     env = sglang_env(KVPOOL_TARGET=sglang_daemon.target, KVPOOL_LEASE_TTL_S=str(TTL_S))
     results: dict[str, dict[str, Any]] = {}
