@@ -225,16 +225,9 @@ class Pairing:
         return self.leader.commit(owner, idx)
 
     def commit_release(self, owner: int, idx: np.ndarray) -> int:
-        """Release the follower side of ``idx`` (intp), checked with :meth:`check` (as
-        releases) with nothing changed since.
-
-        Args:
-            owner: the lease.
-            idx: leader ids as ``np.intp``.
-
-        Returns:
-            How many follower ids were released.
-        """
+        """Release the follower side of ``idx`` (leader ids, intp) of ``owner``, checked with
+        :meth:`check` (as releases) with nothing changed since; returns how many follower ids
+        were released."""
         if not idx.shape[0]:
             return 0
         follow = self._link[idx].astype(np.intp)

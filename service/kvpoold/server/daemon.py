@@ -501,11 +501,9 @@ class Daemon:
             the call (O(1) each).
 
         Raises:
-            InvalidArgument: bad pool name, no items, an unknown space, an id out of range or
-                repeated.
-            NotFound: unknown pool or lease.
-            PermissionDenied: the caller's scope does not cover the pool.
-            FailedPrecondition: an id not held by this lease (nothing freed).
+            As :meth:`allocate` for the pool, the lease and the items; InvalidArgument also for
+            an id out of range or repeated, FailedPrecondition for one this lease does not hold
+            (nothing freed).
         """
         entry, lease, typed = self._items(caller, pool, ref, items, "free", "ids")
         ids = entry.ids
