@@ -57,7 +57,8 @@ def main() -> int:
                 prefill.configure(POOL, spec=MODEL, budget_bytes=32 << 20, **opts)
                 decode.configure(POOL, spec=MODEL, budget_bytes=64 << 20, **opts)
                 if not prefill.stats().daemon.nixl_agent:
-                    print("the daemons run without NIXL: pip install 'kvpool[nixl]'")
+                    print("the daemons run without NIXL: from the repository root, "
+                          "pip install -e '.[server,nixl]'")
                     return 1
                 with decode.lease("decode-engine") as d_lease, \
                         prefill.lease("prefill-engine") as p_lease, \

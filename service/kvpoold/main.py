@@ -10,18 +10,15 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvpool.tools.cli_run import parse_command_line, run_subcommand
+from kvpool.tools.cli_run import command_parser, parse_command_line, run_subcommand
 
 
 def build_parser() -> argparse.ArgumentParser:
     from kvpoold import plan_cli
     from kvpoold.server import serve_cli
 
-    parser = argparse.ArgumentParser(
-        prog="kvpoold",
-        description="kvpool daemon: plans and owns the KV-cache pools of one device.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser, sub = command_parser(
+        "kvpoold", "kvpool daemon: plans and owns the KV-cache pools of one device.")
     plan_cli.add_parser(sub)
     serve_cli.add_parser(sub)
     return parser

@@ -183,4 +183,4 @@ def test_kvpoold_serve_without_the_server_extra_says_what_to_install(
                           f"unix://{client_venv.root}/serve.sock", "--shm-dir",
                           str(client_venv.root))
     assert out.returncode == 1, out.stderr
-    assert "kvpool[server]" in out.stderr and "Traceback" not in out.stderr
+    assert "pip install -e '.[server]'" in out.stderr and "Traceback" not in out.stderr

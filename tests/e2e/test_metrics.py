@@ -306,13 +306,13 @@ def test_bad_metrics_flags_are_refused() -> None:
     from kvpool.contract.errors import InvalidArgument
     from kvpoold.settings import resolve
 
-    settings = resolve({"metrics_port": "9400", "metrics_host": "0.0.0.0"}, None)
-    assert (settings.metrics_port, settings.metrics_host) == (9400, "0.0.0.0")
+    settings = resolve({"metrics_port": "9490", "metrics_host": "0.0.0.0"}, None)
+    assert (settings.metrics_port, settings.metrics_host) == (9490, "0.0.0.0")
     assert resolve({}, None).metrics_port is None
     assert resolve({"metrics_port": "0"}, None).metrics_host == "127.0.0.1"
     for flags, field in (({"metrics_port": "70000"}, "metrics_port"),
                          ({"metrics_port": "-1"}, "metrics_port"),
-                         ({"metrics_port": "9400", "metrics_host": "http://0.0.0.0"},
+                         ({"metrics_port": "9490", "metrics_host": "http://0.0.0.0"},
                           "metrics_host")):
         with pytest.raises(InvalidArgument) as exc:
             resolve(flags, None)

@@ -395,7 +395,7 @@ def test_metrics_flags_exist_and_scraped_deployments_bind_every_interface(
         if where.endswith(" CMD"):
             assert "--metrics-port" not in values, where
         else:
-            assert values["--metrics-port"] == ["9400"], where
+            assert values["--metrics-port"] == ["9490"], where
             assert values["--metrics-host"] == ["0.0.0.0"], where
 
 
@@ -417,7 +417,7 @@ def test_serve_arguments_resolve_to_valid_settings() -> None:
         settings = resolve(flags, None, free_bytes=lambda _device: 80 * 1024**3)
         assert settings.budget_bytes == expected_budget[where], where
         if "--metrics-port" in values:
-            assert (settings.metrics_host, settings.metrics_port) == ("0.0.0.0", 9400), where
+            assert (settings.metrics_host, settings.metrics_port) == ("0.0.0.0", 9490), where
         assert settings.socket_group == "kvpool", where
         assert [x.transport for x in settings.listeners] == ["unix"], where
 

@@ -73,12 +73,21 @@ def channel_target(target: str) -> str:
     if "://" in text or ":" not in text:
         raise InvalidArgument(f"cannot read target {target!r}; give {TARGET_FORMS}",
                               field="target")
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise InvalidArgument(
+            f"target {target!r}: the port must be a number 1..65535 after the host "
+            f"(host:port); give {TARGET_FORMS}", field="target")
     return text
 
 
 def is_unix(target: str) -> bool:
     """Whether a channel address (from :func:`channel_target`) is a Unix socket."""
     return target.startswith("unix:")
+
+
+# A file holding the bearer token: the CLI's --token-file default and the SGLang plugin's.
+TOKEN_FILE_ENV = "KVPOOL_TOKEN_FILE"
 
 
 def token_from(token: str | None, token_file: Path | None) -> str | None:
@@ -91,7 +100,7 @@ def token_from(token: str | None, token_file: Path | None) -> str | None:
     Raises:
         InvalidArgument: the file cannot be read or holds only whitespace.
     """
-    if token_file is None:
+    if token is not None or token_file is None:
         return token
     try:
         text = Path(token_file).read_text().strip()

@@ -17,8 +17,8 @@ from typing import Any
 import msgspec
 
 from kvpool.contract.option_flags import add_option_flags, option_values
-from kvpool.tools.cli_common import client_from, common_options, load_spec_mapping
-from kvpool.tools.cli_run import parse_command_line, run_subcommand
+from kvpool.tools.cli_common import client_from, common_options, count, load_spec_mapping
+from kvpool.tools.cli_run import command_parser, parse_command_line, run_subcommand
 from kvpool.tools.demo import add_demo
 from kvpool.tools.top import add_top
 
@@ -109,12 +109,13 @@ def run_stats(args: argparse.Namespace) -> int:
         _print_json(stats)
         return 0
     d = stats.daemon
-    hidden = f" ({d.other_leases} of other identities, not shown)" if d.other_leases else ""
+    hidden = (f" ({count(d.other_leases, 'lease')} of other identities, not shown)"
+              if d.other_leases else "")
     print(f"kvpoold {d.version} on {d.device}: {_human(d.used_bytes)} of "
-          f"{_human(d.budget_bytes)} used, {d.num_pools} pools, {d.num_leases} leases{hidden}, up "
-          f"{d.uptime_seconds:.0f}s (leases opened {d.leases_opened}, closed "
-          f"{d.leases_closed}, expired {d.leases_expired})"
-          + (f"; event loop stalled {d.loop_stalls} times, longest "
+          f"{_human(d.budget_bytes)} used, {count(d.num_pools, 'pool')}, "
+          f"{count(d.num_leases, 'lease')}{hidden}, up {d.uptime_seconds:.0f}s (leases opened "
+          f"{d.leases_opened}, closed {d.leases_closed}, expired {d.leases_expired})"
+          + (f"; event loop stalled {count(d.loop_stalls, 'time')}, longest "
              f"{d.loop_longest_stall_seconds:.2f} s" if d.loop_stalls else ""))
     for p in stats.pools:
         print(f"pool {p.name}: {p.architecture} {p.kv_cache_dtype} page {p.page_size}, "
@@ -122,8 +123,11 @@ def run_stats(args: argparse.Namespace) -> int:
               f"fingerprint {p.fingerprint}")
         for space, k in p.spaces.items():
             share = 100.0 * k.used / k.capacity if k.capacity else 0.0
+            # used counts what leases hold, their page caches' unused ids included
+            cached = sum(x.cached.get(p.name, {}).get(space, 0) for x in stats.leases)
             print(f"  {space:<10} used {k.used:>10,} / {k.capacity:<10,} ({share:5.1f}%)  "
-                  f"high {k.high_water:,}  allocs {k.allocs:,}  frees {k.frees:,}  "
+                  + (f"({cached:,} cached unused)  " if cached else "")
+                  + f"high {k.high_water:,}  allocs {k.allocs:,}  frees {k.frees:,}  "
                   f"failed {k.failed_allocs:,}")
     if stats.leases:
         print_leases(stats.leases)
@@ -174,7 +178,7 @@ def run_drop(args: argparse.Namespace) -> int:
     with client_from(args) as client:
         released = client.drop(args.pool, force=args.force)
     print(f"dropped {args.pool}: released {_human(released.released_bytes)}, reclaimed "
-          f"{released.total:,} ids, detached {released.detached}")
+          f"{count(released.total, 'id')}, detached {released.detached}")
     return 0
 
 
@@ -183,9 +187,7 @@ SUBCOMMANDS: tuple[AddParser, ...] = (add_configure, add_stats, add_leases, add_
 
 
 def build_parser(subcommands: Sequence[AddParser] = SUBCOMMANDS) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpool",
-                                     description="Client of kvpoold, the KV-cache pool daemon.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser, sub = command_parser("kvpool", "Client of kvpoold, the KV-cache pool daemon.")
     common = common_options()
     for add in subcommands:
         add(sub, common)

@@ -6,13 +6,14 @@ modules (``cli``, ``demo``, ``top``) import this; it imports none of them.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from kvpool.clients.targets import default_target, token_from
+from kvpool.clients.targets import TOKEN_FILE_ENV, default_target, token_from
 from kvpool.contract.errors import InvalidArgument
 
 
@@ -32,7 +33,11 @@ def common_options(target_help: str | None = None) -> argparse.ArgumentParser:
     token = common.add_mutually_exclusive_group()
     token.add_argument("--token", metavar="SECRET",
                        help="bearer token for a TCP listener (visible in ps: prefer --token-file)")
-    token.add_argument("--token-file", type=Path, metavar="PATH", help="read the token here")
+    env_file = os.environ.get(TOKEN_FILE_ENV, "").strip()
+    token.add_argument("--token-file", type=Path, metavar="PATH",
+                       default=Path(env_file) if env_file else None,
+                       help=f"read the token here (default ${TOKEN_FILE_ENV}"
+                            + (f", now {env_file})" if env_file else ", unset now)"))
     common.add_argument("--timeout", type=float, default=30.0, metavar="S",
                         help="deadline per call in seconds (default 30)")
     return common
@@ -57,3 +62,9 @@ def load_spec_mapping(path: Path) -> dict[str, Any]:
         return msgspec.toml.decode(raw) if path.suffix == ".toml" else msgspec.json.decode(raw)
     except (OSError, msgspec.DecodeError) as exc:
         raise InvalidArgument(f"cannot read spec {path}: {exc}", field="spec") from exc
+
+
+def count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless one: ``count(1, "pool")`` -> ``"1 pool"``,
+    ``count(1200, "lease")`` -> ``"1,200 leases"``."""
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"

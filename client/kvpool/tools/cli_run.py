@@ -13,16 +13,33 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from kvpool.contract.errors import InvalidArgument, KVPoolError, Unavailable
+from kvpool.contract.errors import InvalidArgument, KVPoolError, Unauthenticated, Unavailable
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 UNAVAILABLE_HINT = "is `kvpoold serve` running?"
+UNAUTHENTICATED_HINT = ("give the daemon's token with --token-file PATH (or set "
+                        "KVPOOL_TOKEN_FILE)")
 
 
 # ``--budget -5GiB``: argparse takes any token that starts with "-" and is not a plain number for
 # an option ("expected one argument"); such a value is joined to its flag so that the flag's own
 # check answers (sizes must be >= 0).
 _NEGATIVE_VALUE = re.compile(r"^-[0-9.]")
+
+
+def command_parser(prog: str, description: str) -> tuple[argparse.ArgumentParser, Any]:
+    """The top-level parser of ``prog`` (with ``--version``) and its subcommand group."""
+    from kvpool import __version__
+
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--version", action="version",
+                        version=f"{prog} {__version__} (wire contract kvpool.v1 1.0)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    return parser, sub
 
 
 def parse_command_line(parser: argparse.ArgumentParser,
@@ -59,10 +76,8 @@ def run_subcommand(prog: str, args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except BrokenPipeError:
-        # The reader went away (``| head``): what it read is all it wanted. Point stdout at
-        # /dev/null so the interpreter's final flush does not raise again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        # The reader went away (``| head``): what it read is all it wanted.
+        _quiet_stdout()
         return 0
     except InvalidArgument as exc:
         print(f"{prog} {args.command}: error: {exc}", file=sys.stderr)
@@ -71,6 +86,28 @@ def run_subcommand(prog: str, args: argparse.Namespace) -> int:
         message = str(exc)
         if isinstance(exc, Unavailable) and UNAVAILABLE_HINT not in message:
             message = f"kvpoold is unavailable ({message}); {UNAVAILABLE_HINT}"
+        elif isinstance(exc, Unauthenticated) and "--token-file" not in message:
+            message = f"{message}; {UNAUTHENTICATED_HINT}"
         code = getattr(exc, "code_name", exc.code)
         print(f"{prog} {args.command}: error ({code}): {message}", file=sys.stderr)
         return 1
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
+def console(**options: Any) -> Console:
+    """A rich ``Console`` for a command's output whose reader may stop early: a closed pipe
+    (``kvpoold plan | head -1``) ends the command with status 0, as it does for the plain
+    output of the other commands (rich itself exits 1)."""
+    from rich.console import Console
+
+    class _PipeConsole(Console):
+        def on_broken_pipe(self) -> None:
+            _quiet_stdout()
+            raise SystemExit(0)
+
+    return _PipeConsole(**options)

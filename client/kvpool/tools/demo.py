@@ -105,9 +105,9 @@ def stats_tables(stats: Stats, pool: str) -> list[Any]:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Entry of ``kvpool demo``: 0 when every check passed, 1 (with the reason) otherwise."""
-    from rich.console import Console
+    from kvpool.tools.cli_run import console as console_for
 
-    console = Console(highlight=False)
+    console = console_for(highlight=False)
     started = time.monotonic()
 
     def say(text: str) -> None:

@@ -221,20 +221,20 @@ def run_top(args: argparse.Namespace) -> int:
     Raises:
         InvalidArgument: bad options (see :func:`check_args`).
     """
-    from rich.console import Console
+    from kvpool.tools.cli_run import console as console_for
 
     targets = check_args(args)
     token = token_from(args.token, args.token_file)
     views = [DaemonView(t) for t in targets]
     if args.once:
         asyncio.run(fetch_once(views, token, args.timeout))
-        console = Console(file=sys.stdout, width=args.width, force_terminal=False,
-                          color_system=None, highlight=False, emoji=False)
+        console = console_for(file=sys.stdout, width=args.width, force_terminal=False,
+                              color_system=None, highlight=False, emoji=False)
         console.print(render(views, time.monotonic(), width=args.width,
                              interval_s=args.interval, max_leases=args.max_leases, live=False))
         return 0 if all(v.error is None for v in views) else 1
     try:
-        asyncio.run(watch(views, Console(), token=token, interval_s=args.interval,
+        asyncio.run(watch(views, console_for(), token=token, interval_s=args.interval,
                           max_leases=args.max_leases))
     except KeyboardInterrupt:
         pass  # Ctrl-C is how top ends; Live has already restored the terminal

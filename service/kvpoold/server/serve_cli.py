@@ -127,8 +127,8 @@ def run(args: argparse.Namespace) -> int:
             raise
         raise FailedPrecondition(
             f"kvpoold serve needs {exc.name}, which is not installed: the daemon comes with the "
-            "server extra, pip install 'kvpool[server]' (plain `pip install kvpool` is the "
-            "client and its CLI only)"
+            "server extra: from the repository root, pip install -e '.[server]' (kvpool is not "
+            "on a package index; a plain `pip install -e .` is the client and its CLI only)"
         ) from None
 
     return asyncio.run(serve(settings))

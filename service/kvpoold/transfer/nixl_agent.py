@@ -41,8 +41,9 @@ from kvpool.contract.errors import Internal
 log = logging.getLogger("kvpoold.transfer")
 
 NIXL_MISSING = (
-    "transfers between daemons need NIXL in kvpoold's environment: pip install "
-    "'kvpool[nixl]' (the nixl-cu12 wheel; it runs on CPU too) and restart kvpoold"
+    "transfers between daemons need NIXL in kvpoold's environment: from the repository "
+    "root, pip install -e '.[server,nixl]' (the nixl-cu12 wheel; it runs on CPU too) and "
+    "restart kvpoold"
 )
 XferState = Literal["DONE", "PROC", "ERR", "TIMEOUT"]
 # Registrations of one peer agent whose metadata this agent keeps track of having loaded.

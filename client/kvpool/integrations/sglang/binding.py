@@ -30,11 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.clients.client import KVPoolClient, Lease
-from kvpool.clients.targets import TARGET_ENV, default_target, token_from
+from kvpool.clients.targets import TARGET_ENV, TOKEN_FILE_ENV, default_target, token_from
 from kvpool.contract.errors import FailedPrecondition, InvalidArgument
 
 POOL_ENV = "KVPOOL_POOL"
-TOKEN_FILE_ENV = "KVPOOL_TOKEN_FILE"
 TTL_ENV = "KVPOOL_LEASE_TTL_S"
 DEFAULT_TTL_S = 10.0
 

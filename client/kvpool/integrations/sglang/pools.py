@@ -227,8 +227,10 @@ class Attachment:
         if tensor.device.type != want.type or (
                 want.index is not None and tensor.device.index != want.index):
             raise PoolMismatch(
-                f"SGLang's KV cache is on {want} but {where} lives on {tensor.device}; point "
-                "KVPOOL_TARGET at the daemon of this device", field="device")
+                f"SGLang's KV cache is on {want} but {where} lives on {tensor.device} (the "
+                f"daemon at {self.binding.client.target} serves {tensor.device.type}): start that "
+                f"daemon with `kvpoold serve --device {want}`, or point KVPOOL_TARGET at the "
+                "daemon of this device", field="device")
         return tensor
 
 
