@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import re
 import threading
 import time
 import urllib.error
@@ -315,3 +316,14 @@ async def test_an_async_lease_dropped_without_close_stops_renewing_and_expires(
             await asyncio.sleep(0.1)
         assert (await client.stats("aorphan")).pools[0].spaces["kv"].used == 0
         await client.drop("aorphan")
+
+
+def test_json_log_holds_json_objects_only(daemon: DaemonProcess) -> None:
+    """With ``--log-format json`` every line the daemon writes (stdout and stderr together,
+    NIXL's own log lines included where NIXL is installed) is one JSON object, stamped in ISO
+    8601 UTC as the text format is."""
+    lines = [line for line in daemon.log_text().splitlines() if line.strip()]
+    assert lines
+    events = [json.loads(line) for line in lines]  # raises on any plain-text line
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", e["ts"]) for e in events)
+    assert any(e.get("event") == "serving" for e in events)

@@ -279,10 +279,17 @@ def prepare_socket_path(path: Path, gid: int | None) -> None:
     """
     parent = path.parent
     if not parent.exists():
-        parent.mkdir(parents=True, mode=0o750 if gid is not None else 0o700)
-        os.chmod(parent, 0o750 if gid is not None else 0o700)  # mkdir's mode obeys the umask
-        if gid is not None:
-            os.chown(parent, -1, gid)
+        try:
+            parent.mkdir(parents=True, mode=0o750 if gid is not None else 0o700)
+            os.chmod(parent, 0o750 if gid is not None else 0o700)  # mkdir obeys the umask
+            if gid is not None:
+                os.chown(parent, -1, gid)
+        except OSError as exc:
+            raise FailedPrecondition(
+                f"cannot create the socket directory {parent} for --listen unix://{path}: "
+                f"{exc.strerror or exc}; create it first (as root: install -d -o $USER "
+                f"-m 0700 {parent}), or listen under a directory you own (the default is "
+                "$XDG_RUNTIME_DIR/kvpool or /tmp/kvpool-$UID)", field="listen") from None
     try:
         mode = path.lstat().st_mode
     except FileNotFoundError:

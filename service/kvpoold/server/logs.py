@@ -23,35 +23,42 @@ def _fields(record: logging.LogRecord) -> dict[str, Any]:
     return fields if isinstance(fields, dict) else {}
 
 
+def _timestamp(record: logging.LogRecord) -> str:
+    """``2025-01-01T12:00:00.123Z``: the record's time in UTC, to the millisecond (both
+    formats)."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+    return f"{stamp}.{int(record.msecs):03d}Z"
+
+
 class TextFormatter(logging.Formatter):
-    """``2025-01-01T12:00:00.123Z INFO kvpoold.daemon lease opened lease_id=... name=...``."""
+    """logfmt: ``ts=2025-01-01T12:00:00.123Z level=info logger=kvpoold.daemon msg="lease
+    opened" lease_id=... name=...``; every part a ``key=value`` pair, values with spaces, quotes
+    or ``=`` quoted."""
 
     def format(self, record: logging.LogRecord) -> str:
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-        parts = [
-            f"{stamp}.{int(record.msecs):03d}Z",
-            record.levelname,
-            record.name,
-            record.getMessage(),
-        ]
-        parts += [f"{k}={_text(v)}" for k, v in _fields(record).items()]
-        line = " ".join(parts)
+        pairs = {"ts": _timestamp(record), "level": record.levelname.lower(),
+                 "logger": record.name, "msg": record.getMessage()}
+        for key, value in _fields(record).items():
+            pairs.setdefault(key, value)
+        line = " ".join(f"{k}={_text(v)}" for k, v in pairs.items())
         if record.exc_info:
-            line += "\n" + self.formatException(record.exc_info)
+            line += f" exc={_text(self.formatException(record.exc_info))}"
         return line
 
 
 def _text(value: object) -> str:
     text = str(value)
-    return json.dumps(text) if (not text or " " in text or "=" in text) else text
+    plain = text and not any(c in text for c in ' ="\\\n\t')
+    return text if plain else json.dumps(text)
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: ``ts``, ``level``, ``logger``, ``msg``, then the fields."""
+    """One JSON object per line: ``ts`` (ISO 8601 UTC, as the text format), ``level``,
+    ``logger``, ``msg``, then the fields."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
-            "ts": round(record.created, 6),
+            "ts": _timestamp(record),
             "level": record.levelname,
             "logger": record.name,
             "msg": record.getMessage(),
@@ -61,6 +68,10 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, default=str)
+
+
+# Loggers kvpoold formats: its own, and NIXL's (whose package would print plain text to stdout).
+DAEMON_LOGGERS = ("kvpoold", "nixl")
 
 
 def configure_logging(level: str = "info", fmt: LogFormat = "text",
@@ -74,9 +85,14 @@ def configure_logging(level: str = "info", fmt: LogFormat = "text",
     """
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
-    logger = logging.getLogger("kvpoold")
-    logger.handlers[:] = [handler]
-    logger.setLevel(level.upper())
+    for name in DAEMON_LOGGERS:
+        adopt(logging.getLogger(name), [handler], level.upper())
+
+
+def adopt(logger: logging.Logger, handlers: list[logging.Handler], level: int | str) -> None:
+    """Make ``logger`` write through ``handlers`` only, at ``level``."""
+    logger.handlers[:] = handlers
+    logger.setLevel(level)
     logger.propagate = False
 
 

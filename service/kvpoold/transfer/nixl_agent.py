@@ -68,8 +68,19 @@ def load_nixl() -> ModuleType | None:
         except ImportError:
             continue
         if hasattr(module, "nixl_agent"):
+            _rehome_nixl_logs()
             return module
     return None
+
+
+def _rehome_nixl_logs() -> None:
+    """NIXL's Python package installs its own handler at import (plain text, on stdout); put
+    its records back through kvpoold's (``--log-format``, ``--log-level``, stderr), so
+    ``--log-format json`` stays one JSON object per line."""
+    from kvpoold.server.logs import adopt
+
+    daemon = logging.getLogger("kvpoold")
+    adopt(logging.getLogger("nixl"), list(daemon.handlers), daemon.level)
 
 
 def mem_type(tensor: torch.Tensor) -> tuple[str, int]:

@@ -1,0 +1,41 @@
+"""The daemon's two log formats: logfmt text and JSON, the same fields and the same time."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import shlex
+
+import pytest
+
+from kvpoold.server.logs import configure_logging
+
+
+@pytest.fixture
+def emit() -> object:
+    def run(fmt: str) -> str:
+        out = io.StringIO()
+        configure_logging("info", fmt, stream=out)  # type: ignore[arg-type]
+        logging.getLogger("kvpoold.daemon").info(
+            "lease opened", extra={"fields": {"event": "lease_opened", "name": 'sg "x" = 1',
+                                              "lease_id": 2**62 + 1}})
+        configure_logging("info", "text")  # back to stderr for the other tests
+        return out.getvalue().strip()
+    return run
+
+
+def test_text_log_is_logfmt(emit: object) -> None:
+    line = emit("text")  # type: ignore[operator]
+    pairs = dict(token.split("=", 1) for token in shlex.split(line))
+    assert list(pairs)[:4] == ["ts", "level", "logger", "msg"]
+    assert (pairs["level"], pairs["msg"], pairs["event"]) == ("info", "lease opened",
+                                                               "lease_opened")
+    assert pairs["name"] == 'sg "x" = 1' and pairs["lease_id"] == str(2**62 + 1)
+
+
+def test_json_log_has_the_same_fields_and_time(emit: object) -> None:
+    entry = json.loads(emit("json"))  # type: ignore[operator]
+    text = dict(token.split("=", 1) for token in shlex.split(emit("text")))  # type: ignore[operator]
+    assert entry["msg"] == text["msg"] and entry["event"] == text["event"]
+    assert entry["ts"][:10] == text["ts"][:10] and entry["ts"].endswith("Z")
