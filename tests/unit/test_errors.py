@@ -14,7 +14,7 @@ import pytest
 
 import kvpool
 from kvpool.contract import errors, wire
-from kvpool.contract.errors import ERRORS_BY_CODE, KVPoolError, error_from_code
+from kvpool.contract.errors import ERRORS_BY_CODE, InvalidArgument, KVPoolError, error_from_code
 from kvpool.contract.limits import FIELD_METADATA_KEY
 from kvpool.tools.cli_run import run_subcommand
 from kvpoold.server.status import STATUS_BY_ERROR, status_of
@@ -161,6 +161,10 @@ def test_cli_exit_codes(code: grpc.StatusCode, capsys: pytest.CaptureFixture[str
         assert rc == 1
         assert err.startswith("kvpool stats: error (UNAVAILABLE): kvpoold is unavailable")
         assert "is `kvpoold serve` running?" in err
+    elif code is grpc.StatusCode.UNAUTHENTICATED:
+        assert (rc, err) == (1, "kvpool stats: error (UNAUTHENTICATED): pool: boom; give the "
+                                "daemon's token with --token-file PATH (or set "
+                                "KVPOOL_TOKEN_FILE)\n")
     else:
         assert (rc, err) == (1, f"kvpool stats: error ({code.name}): pool: boom\n")
 
@@ -177,3 +181,23 @@ def test_cli_unavailable_message_is_not_repeated(capsys: pytest.CaptureFixture[s
 def test_cli_keeps_an_unknown_code_name(capsys: pytest.CaptureFixture[str]) -> None:
     rc, err = run_raising(error_from_code("NOT_A_CODE", "strange"), capsys)
     assert (rc, err) == (1, "kvpool stats: error (NOT_A_CODE): strange\n")
+
+
+@pytest.mark.parametrize(("spec", "needles"), [
+    ({"attention": {"type": "gqa", "num_kv_heads": 2, "head_dim": 16}},
+     ("Invalid value 'gqa'", "values accepted here: mha, mla")),
+    ({"attention": {"type": "mha", "num_kv_heads": 2, "head_dims": 16}},
+     ("unknown field `head_dims`", "did you mean 'head_dim'?")),
+    ({"dtype": "bf16"}, ("'bf16'", "did you mean 'bfloat16'?", "float16, float32")),
+])
+def test_spec_errors_say_what_is_accepted(spec: dict[str, object],
+                                          needles: tuple[str, ...]) -> None:
+    """A refused hand-written spec names the accepted fields or values there, and the nearest."""
+    from kvpool.contract.spec import decode_spec
+
+    fields = {"num_layers": 2, "context_length": 1024,
+              "attention": {"type": "mha", "num_kv_heads": 2, "head_dim": 16}, **spec}
+    with pytest.raises(InvalidArgument) as info:
+        decode_spec(fields)
+    for needle in needles:
+        assert needle in info.value.message

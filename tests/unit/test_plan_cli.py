@@ -354,7 +354,7 @@ def test_unknown_architecture_without_fields(capsys: pytest.CaptureFixture[str],
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"architectures": ["FooForCausalLM"], "num_hidden_layers": 2}))
     expect_error(capsys, "--budget", "40GiB", model=path,
-                 needles=("model_config", "num_attention_heads", "LlamaForCausalLM"))
+                 needles=("--model-config: ", "num_attention_heads", "LlamaForCausalLM"))
 
 
 def test_malformed_known_config(capsys: pytest.CaptureFixture[str], tmp_path: Path):
@@ -363,7 +363,7 @@ def test_malformed_known_config(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     expect_error(capsys, "--budget", "40GiB", model=path,
-                 needles=("model_config", "kv_lora_rank must be an integer"))
+                 needles=("--model-config: ", "kv_lora_rank must be an integer"))
 
 
 @pytest.mark.parametrize(("content", "needle"), [
@@ -379,7 +379,7 @@ def test_non_json_config(capsys: pytest.CaptureFixture[str], tmp_path: Path, con
 
 def test_missing_config_file(capsys: pytest.CaptureFixture[str], tmp_path: Path):
     path = tmp_path / "absent.json"
-    expect_error(capsys, "--budget", "40GiB", model=path, needles=("model_config", str(path)))
+    expect_error(capsys, "--budget", "40GiB", model=path, needles=("--model-config: ", str(path)))
 
 
 # ---- real subprocesses --------------------------------------------------------------------------
@@ -408,7 +408,7 @@ def test_subprocess_error_is_one_line_exit_2():
     assert proc.returncode == 2
     assert proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("kvpoold plan: error: page_size")
+    assert len(lines) == 1 and lines[0].startswith("kvpoold plan: error: --page-size: ")
     assert "--page-size" in lines[0]
 
 

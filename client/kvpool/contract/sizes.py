@@ -21,6 +21,8 @@ UNITS: dict[str, int] = {
     "GB": 10**9,
     "TB": 10**12,
 }
+# Units in any case: "gb" is GB (10**9), "gib" GiB (2**30); the two never collide.
+_UNIT_OF = {name.lower(): name for name in UNITS}
 # digits, an optional fraction, one optional space, an optional unit; nothing else
 _SIZE = re.compile(r"(?P<number>[0-9]+(?:\.[0-9]+)?) ?(?P<unit>[A-Za-z]+)?")
 _ACCEPTED = "an integer number of bytes, or a number with a unit: " + ", ".join(UNITS)
@@ -29,8 +31,9 @@ _ACCEPTED = "an integer number of bytes, or a number with a unit: " + ", ".join(
 def parse_size(text: str, *, field: str = "budget") -> int:
     """Parse a byte count: ``42949672960``, ``40GiB``, ``512MiB``, ``1.5GB``, ``2 TiB``.
 
-    Units are case-sensitive (``GiB`` = 2**30, ``GB`` = 10**9); a fractional number needs a unit
-    above ``B`` and is rounded down to a whole byte.
+    Units are read in any case; ``GiB`` (``gib``) is 2**30 and ``GB`` (``gb``) 10**9, as the
+    plan prints back in bytes. A fractional number needs a unit above ``B`` and is rounded
+    down to a whole byte.
 
     Args:
         text: what the user typed.
@@ -48,10 +51,12 @@ def parse_size(text: str, *, field: str = "budget") -> int:
     match = _SIZE.fullmatch(raw)
     if match is None:
         raise InvalidArgument(f"cannot read size {text!r}; give {_ACCEPTED}", field=field)
-    unit = match["unit"] or "B"
-    if unit not in UNITS:
+    unit = _UNIT_OF.get((match["unit"] or "B").lower())
+    if unit is None:
         raise InvalidArgument(
-            f"unknown unit {unit!r} in {text!r} (accepted: {', '.join(UNITS)})", field=field
+            f"unknown unit {match['unit']!r} in {text!r} (accepted, in any case: "
+            f"{', '.join(UNITS)}; KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB of 1000)",
+            field=field,
         )
     number = Decimal(match["number"])
     if unit == "B" and number != number.to_integral_value():

@@ -17,6 +17,7 @@ from msgspec import Meta
 
 from kvpool.contract.errors import InvalidArgument
 from kvpool.contract.limits import MAX_LAYERS, MAX_NAME_CHARS
+from kvpool.contract.spec_hints import explain
 
 PositiveInt = Annotated[int, Meta(ge=1, le=1 << 40)]
 NonNegInt = Annotated[int, Meta(ge=0, le=1 << 40)]
@@ -162,7 +163,8 @@ def decode_spec(data: bytes | str | dict, *, source: str = "spec",
             return msgspec.convert(data, ModelSpec)
         return msgspec.json.decode(data, type=ModelSpec)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise InvalidArgument(f"invalid model spec in {source}: {exc}", field=field) from exc
+        raise InvalidArgument(f"invalid model spec in {source}: {explain(exc, ModelSpec)}",
+                              field=field) from exc
 
 
 def load_spec_file(path: Path) -> ModelSpec:
@@ -172,5 +174,6 @@ def load_spec_file(path: Path) -> ModelSpec:
         try:
             return msgspec.toml.decode(raw, type=ModelSpec)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise InvalidArgument(f"invalid model spec in {path}: {exc}", field="model") from exc
+            raise InvalidArgument(f"invalid model spec in {path}: {explain(exc, ModelSpec)}",
+                                  field="model") from exc
     return decode_spec(raw, source=str(path))

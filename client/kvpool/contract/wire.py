@@ -166,10 +166,19 @@ def hf_config_text(hf_config: str | Path | Mapping[str, Any]) -> str:
         path = Path(hf_config)
         path = path / "config.json" if path.is_dir() else path
         try:
-            return path.read_text()
+            text = path.read_text()
         except OSError as exc:
             raise InvalidArgument(f"cannot read HF config {path}: {exc.strerror or exc}",
                                   field="hf_config") from exc
+        except UnicodeDecodeError:
+            text = ""
+        if path.suffix == ".toml" or not text.lstrip().startswith("{"):
+            what = "a TOML file" if path.suffix == ".toml" else "not a JSON object"
+            raise InvalidArgument(
+                f"HF config {path} is {what}: --hf-config (hf_config) takes a Hugging Face "
+                "config.json; a hand-written kvpool model spec (.toml or .json) goes in --spec "
+                "(spec)", field="hf_config")
+        return text
     return hf_config
 
 

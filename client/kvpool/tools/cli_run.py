@@ -80,7 +80,7 @@ def run_subcommand(prog: str, args: argparse.Namespace) -> int:
         _quiet_stdout()
         return 0
     except InvalidArgument as exc:
-        print(f"{prog} {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{prog} {args.command}: error: {_as_flags(exc, args)}", file=sys.stderr)
         return 2
     except KVPoolError as exc:
         message = str(exc)
@@ -89,8 +89,32 @@ def run_subcommand(prog: str, args: argparse.Namespace) -> int:
         elif isinstance(exc, Unauthenticated) and "--token-file" not in message:
             message = f"{message}; {UNAUTHENTICATED_HINT}"
         code = getattr(exc, "code_name", exc.code)
+        if message == str(exc):
+            message = _as_flags(exc, args)
         print(f"{prog} {args.command}: error ({code}): {message}", file=sys.stderr)
         return 1
+
+
+def _as_flags(exc: KVPoolError, args: argparse.Namespace) -> str:
+    """The error as the command line knows it: its input field named by the flag that set it
+    (``budget_bytes`` -> ``--budget``), where the command has that flag."""
+    flag = _flag_of(exc.field)
+    if flag is None:
+        return str(exc)
+    known = vars(args)
+    if exc.field not in known and flag.lstrip("-").replace("-", "_") not in known:
+        return str(exc)  # not a flag of this command (an RPC field, a spec field)
+    return f"{flag}: {exc.message}"
+
+
+def _flag_of(field: str) -> str | None:
+    """``budget_bytes`` -> ``--budget``, ``page_size`` -> ``--page-size``; None for a field
+    with a position in it (``items[2].ids``)."""
+    from kvpool.contract.option_flags import flag_of
+
+    if not field or not field.replace("_", "").isalnum():
+        return None
+    return flag_of(field)
 
 
 def _quiet_stdout() -> None:

@@ -60,6 +60,11 @@ from kvpoold.transfer import NIXL_MISSING, NixlAgent, Outgoing, Transfers
 from kvpoold.transfer.grants import ReceiveGrant
 
 log = logging.getLogger("kvpoold.daemon")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
+
 _T = TypeVar("_T")
 
 # An Allocate short of free ids, while other leases' page caches report enough cached ones,
@@ -581,9 +586,10 @@ class Daemon:
                 labels.append(f"and {rest} more" if labels else f"{rest} not yours")
             who = ", ".join(labels)
             raise FailedPrecondition(
-                f"pool {name!r} is in use: {len(holders)} leases hold ids [{who}], "
-                f"{attached} clients attached; free or close them, or Drop with "
-                "force",
+                f"pool {name!r} is in use: {_count(len(holders), 'lease')} "
+                f"{'holds' if len(holders) == 1 else 'hold'} ids [{who}], "
+                f"{_count(attached, 'client')} attached; free or close them, or Drop with "
+                "force (kvpool drop --force)",
                 field="force",
             )
         reclaimed: dict[str, int] = {}
