@@ -1,0 +1,117 @@
+"""kvpool's plans against SGLang 0.5.23's sizing over the whole config corpus (issue 27).
+
+Every real ``config.json`` under ``tests/data/models`` (the top level and ``corpus/``; sources
+in that folder's README) runs on three option sets, chosen so the corpus together covers
+budgets 2/20/60 GiB, pages 1/16/64, TP 1/2/8 and KV dtypes auto/fp8_e4m3:
+
+* ``20GiB-p16``: 20 GiB, page 16, TP 1, auto;
+* ``60GiB-p64-fp8-tpN``: 60 GiB, page 64, ``fp8_e4m3``, TP 8 where the query heads divide by 8
+  (else 2, else 1);
+* ``2GiB-p1-tpN``: 2 GiB, page 1, TP 2 where the query heads are even (else 1), auto.
+
+Each case runs ``kvpoold plan --json`` here and SGLang's launch path in the side venv
+(``tests/sglang/sglang_sizes.py``, every case in one harness run) and goes through the same
+check as ``test_sglang_parity.py`` (``sglang_diff.check_case``): the two agree on family, KV
+dtype, context length and every pool size, or both refuse. A difference known today is listed
+in ``KNOWN_DIFFS`` (one line per cause in ``tests/data/models/DIFFS.md``) and marks its cases
+``xfail(strict=True)``: a fix turns them XPASS, which fails until the entry goes.
+
+Skipped (with the reason) when the side venv is absent; ``.ci/run`` creates it first.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.integration.sglang_diff import MODELS, Case, GiB, check_case, run_sglang
+
+CONFIGS = sorted(str(p.relative_to(MODELS).with_suffix(""))
+                 for p in [*MODELS.glob("*.json"), *MODELS.glob("corpus/*.json")])
+
+
+def _query_heads(model: str) -> int:
+    """The query heads of a config (its text config for multimodal wrappers), 1 when unstated."""
+    config = json.loads((MODELS / f"{model}.json").read_text())  # Python reads Infinity/NaN
+    text = config.get("text_config") or config.get("llm_config") or config
+    return int(text.get("num_attention_heads") or text.get("n_head") or 1)
+
+
+def _option_sets(model: str) -> dict[str, dict[str, Any]]:
+    heads = _query_heads(model)
+    wide = 8 if heads % 8 == 0 else 2 if heads % 2 == 0 else 1
+    narrow = 2 if heads % 2 == 0 else 1
+    return {
+        "20GiB-p16": {"budget_bytes": 20 * GiB, "page_size": 16},
+        f"60GiB-p64-fp8-tp{wide}": {"budget_bytes": 60 * GiB, "page_size": 64,
+                                    "kv_cache_dtype": "fp8_e4m3", "tp_size": wide},
+        f"2GiB-p1-tp{narrow}": {"budget_bytes": 2 * GiB, "page_size": 1, "tp_size": narrow},
+    }
+
+
+CASES = [Case(f"{m}/{name}", m, options) for m in CONFIGS
+         for name, options in _option_sets(m).items()]
+
+# Differences known today, by config (every case of it) or by case id; the reasons, grouped
+# by cause, are in tests/data/models/DIFFS.md.
+KNOWN_DIFFS: dict[str, str] = {}
+
+
+def _params() -> list[Any]:
+    params = []
+    for case in CASES:
+        reason = KNOWN_DIFFS.get(case.id) or KNOWN_DIFFS.get(case.model)
+        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+        params.append(pytest.param(case, id=case.id, marks=marks))
+    return params
+
+
+@pytest.fixture(scope="module")
+def sglang_results() -> dict[str, dict[str, Any]]:
+    """SGLang's results for every corpus case, from one run of the harness in the side venv."""
+    return run_sglang(CASES)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", _params())
+def test_kvpool_plans_what_sglang_sizes(case: Case,
+                                        sglang_results: dict[str, dict[str, Any]]) -> None:
+    check_case(case, sglang_results[case.id])
+
+
+def test_known_diffs_name_real_cases() -> None:
+    """Every KNOWN_DIFFS key is a config or a case of the corpus (a stale key hides nothing)."""
+    names = {c.id for c in CASES} | set(CONFIGS)
+    assert not set(KNOWN_DIFFS) - names, sorted(set(KNOWN_DIFFS) - names)
+
+
+def test_the_corpus_covers_the_families_and_schemes() -> None:
+    """At least 50 real configs, with every attention family and quantization scheme the issue
+    names, budgets 2/20/60 GiB, pages 1/16/64, TP 1/2/8, KV dtypes auto and fp8_e4m3."""
+    assert len(CONFIGS) >= 50, len(CONFIGS)
+    configs = [json.loads((MODELS / f"{m}.json").read_text()) for m in CONFIGS]
+    architectures = {c["architectures"][0] for c in configs}
+    for needed in ("LlamaForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
+                   "MixtralForCausalLM", "ChatGLMModel", "DeepseekV2ForCausalLM",
+                   "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
+                   "GptOssForCausalLM", "Llama4ForConditionalGeneration",
+                   "Gemma4ForConditionalGeneration", "MiMoV2FlashForCausalLM",
+                   "Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration",
+                   "NemotronHForCausalLM", "DeepseekV4ForCausalLM",
+                   "Qwen3VLForConditionalGeneration", "LlavaForConditionalGeneration",
+                   "KimiK25ForConditionalGeneration"):
+        assert needed in architectures, needed
+    quant = [c.get("quantization_config") or c.get("text_config", {}).get("quantization_config")
+             or {} for c in configs]
+    methods = {q.get("quant_method") for q in quant}
+    assert {"fp8", "mxfp4", "modelopt", "compressed-tensors"} <= methods, methods
+    assert any(q.get("kv_cache_scheme") for q in quant)
+    assert any("Infinity" in (MODELS / f"{m}.json").read_text() for m in CONFIGS)
+    seen = {(k, v) for c in CASES for k, v in c.options.items()}
+    for needed in [("budget_bytes", 2 * GiB), ("budget_bytes", 20 * GiB),
+                   ("budget_bytes", 60 * GiB), ("page_size", 1), ("page_size", 16),
+                   ("page_size", 64), ("tp_size", 2), ("tp_size", 8),
+                   ("kv_cache_dtype", "fp8_e4m3")]:
+        assert needed in seen, needed
