@@ -39,6 +39,13 @@ Patched, each only while a case runs (``_stage``), because on a CPU it cannot an
   ``--device cpu``: host RAM per NUMA node; it picks ``chunked_prefill_size``): it
   answers ``gpu_memory_gib``, so results do not depend on the machine.
 
+Stood in for, because a copied ``config.json`` comes without it: a checkpoint's own
+configuration module (``configuration_*.py``, loaded with ``--trust-remote-code``). When
+neither transformers nor SGLang knows the config's ``model_type`` (Baichuan, InternLM2,
+MiniCPM, MiMo, DeepSeek-MoE v1, Orion, DeciLM), a plain ``PretrainedConfig`` subclass is
+registered for it in the case's child (``_remote_config_stand_in``): the config is the file's
+own fields, nothing added.
+
 Opt-in, ``"gpu_gates": true`` lifts three CPU-platform refusals (see ``_gpu_gates``).
 
 Each case runs in a forked child (``--no-fork`` runs them in this process), so the
