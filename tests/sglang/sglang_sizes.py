@@ -42,9 +42,10 @@ Patched, each only while a case runs (``_stage``), because on a CPU it cannot an
 Stood in for, because a copied ``config.json`` comes without it: a checkpoint's own
 configuration module (``configuration_*.py``, loaded with ``--trust-remote-code``). When
 neither transformers nor SGLang knows the config's ``model_type`` (Baichuan, InternLM2,
-MiniCPM, MiMo, DeepSeek-MoE v1, Orion, DeciLM), a plain ``PretrainedConfig`` subclass is
-registered for it in the case's child (``_remote_config_stand_in``): the config is the file's
-own fields, nothing added.
+MiniCPM, MiMo, DeepSeek-MoE v1, Orion, DeciLM, Phi-3-small), a plain ``PretrainedConfig``
+subclass is registered for it in the case's child (``_remote_config_stand_in``): the config
+is the file's own fields, nothing added (lists of dicts read by attribute, as those modules
+make them).
 
 Opt-in, ``"gpu_gates": true`` lifts three CPU-platform refusals (see ``_gpu_gates``).
 
