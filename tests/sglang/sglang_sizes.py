@@ -39,6 +39,14 @@ Patched, each only while a case runs (``_stage``), because on a CPU it cannot an
   ``--device cpu``: host RAM per NUMA node; it picks ``chunked_prefill_size``): it
   answers ``gpu_memory_gib``, so results do not depend on the machine.
 
+Stood in for, because a copied ``config.json`` comes without it: a checkpoint's own
+configuration module (``configuration_*.py``, loaded with ``--trust-remote-code``). When
+neither transformers nor SGLang knows the config's ``model_type`` (Baichuan, InternLM2,
+MiniCPM, MiMo, DeepSeek-MoE v1, Orion, DeciLM, Phi-3-small), a plain ``PretrainedConfig``
+subclass is registered for it in the case's child (``_remote_config_stand_in``): the config
+is the file's own fields, nothing added (lists of dicts read by attribute, as those modules
+make them).
+
 Opt-in, ``"gpu_gates": true`` lifts three CPU-platform refusals (see ``_gpu_gates``).
 
 Each case runs in a forked child (``--no-fork`` runs them in this process), so the
@@ -163,6 +171,58 @@ def _draft_dir(model_dir: str, num_layers: int, workdir: str) -> str:
     with open(os.path.join(target, "config.json"), "w") as f:
         json.dump(hf, f)
     return target
+
+
+class _Fields(dict):
+    """A dict whose keys also read as attributes (and that still serializes as JSON)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _attribute_view(value: Any) -> Any:
+    """Dicts inside a list, recursively, as attribute objects (what a checkpoint's config
+    class makes of per-layer tables such as DeciLM's ``block_configs``)."""
+    if isinstance(value, dict):
+        return _Fields({k: _attribute_view(v) for k, v in value.items()})
+    if isinstance(value, list):
+        return [_attribute_view(v) for v in value]
+    return value
+
+
+def _remote_config_stand_in(model_dir: str) -> str | None:
+    """Stand in for a checkpoint's own configuration module (``configuration_*.py``, loaded
+    with ``--trust-remote-code``), which a copied ``config.json`` does not come with: when
+    neither transformers nor SGLang knows the config's ``model_type``, register a plain
+    ``PretrainedConfig`` subclass for it, so ``AutoConfig`` builds the config from the file's
+    own fields (no defaults added, nothing computed; lists of dicts read as attribute objects,
+    as those classes make them). Returns the registered model type, or None. The registration
+    lives in the case's forked child only."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        model_type = json.load(f).get("model_type")
+    if not model_type:
+        return None
+    from sglang.srt.utils.hf_transformers.common import _CONFIG_REGISTRY
+    from transformers import AutoConfig, PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type in CONFIG_MAPPING or model_type in _CONFIG_REGISTRY:
+        return None
+
+    def __init__(self, **kwargs):
+        lists = {k: _attribute_view(v) for k, v in kwargs.items()
+                 if isinstance(v, list) and any(isinstance(x, dict) for x in v)}
+        PretrainedConfig.__init__(self, **{k: v for k, v in kwargs.items() if k not in lists})
+        for key, value in lists.items():
+            setattr(self, key, value)
+
+    stand_in = type(f"RemoteConfigStandIn_{model_type}", (PretrainedConfig,),
+                    {"model_type": model_type, "__init__": __init__})
+    AutoConfig.register(model_type, stand_in, exist_ok=True)
+    return model_type
 
 
 def _argv(case: dict, model_dir: str, workdir: str) -> list[str]:
@@ -553,9 +613,11 @@ def run_case(case: dict) -> dict:
     env = {str(k): str(v) for k, v in (case.get("env") or {}).items()}
     with tempfile.TemporaryDirectory(prefix="kvpool-sglang-") as workdir, \
             mock.patch.dict(os.environ, env):
-        argv = _argv(case, _model_dir(case["config"], workdir), workdir)
+        model_dir = _model_dir(case["config"], workdir)
+        stand_in = {"remote_config_stand_in": _remote_config_stand_in(model_dir)}
+        argv = _argv(case, model_dir, workdir)
         if pp_size == 1:
-            return _stage(case, argv, pp_rank, _PPAllReduce())
+            return {**_stage(case, argv, pp_rank, _PPAllReduce()), **stand_in}
         # Every stage sizes its own layers; SGLang then MIN-all-reduces the capacity.
         others = []
         for rank in range(pp_size):
@@ -570,7 +632,7 @@ def run_case(case: dict) -> dict:
         result = _stage(case, argv, pp_rank, all_reduce)
         capacities = [*others[:pp_rank], *all_reduce.seen, *others[pp_rank:]]
         result["pp_stage_token_capacities"] = capacities
-        return result
+        return {**result, **stand_in}
 
 
 def _error_result(exc: BaseException) -> dict:

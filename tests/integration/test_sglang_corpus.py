@@ -1,0 +1,160 @@
+"""kvpool's plans against SGLang 0.5.23's sizing over the whole config corpus (issue 27).
+
+Every real ``config.json`` under ``tests/data/models`` (the top level and ``corpus/``; sources
+in that folder's README) runs on three option sets, chosen so the corpus together covers
+budgets 2/20/60 GiB, pages 1/16/64, TP 1/2/8 and KV dtypes auto/fp8_e4m3:
+
+* ``20GiB-p16``: 20 GiB, page 16, TP 1, auto;
+* ``60GiB-p64-fp8-tpN``: 60 GiB, page 64, ``fp8_e4m3``, TP 8 where the query heads divide by 8
+  (else 2, else 1);
+* ``2GiB-p1-tpN``: 2 GiB, page 1, TP 2 where the query heads are even (else 1), auto.
+
+Each case runs ``kvpoold plan --json`` here and SGLang's launch path in the side venv
+(``tests/sglang/sglang_sizes.py``, every case in one harness run) and goes through the same
+check as ``test_sglang_parity.py`` (``sglang_diff.check_case``): the two agree on family, KV
+dtype, context length and every pool size, or both refuse. A difference known today is listed
+in ``KNOWN_DIFFS`` (one line per cause in ``tests/data/models/DIFFS.md``) and marks its cases
+``xfail(strict=True)``: a fix turns them XPASS, which fails until the entry goes.
+
+Skipped (with the reason) when the side venv is absent; ``.ci/run`` creates it first.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.integration.sglang_diff import MODELS, Case, GiB, check_case, run_sglang
+
+CONFIGS = sorted(str(p.relative_to(MODELS).with_suffix(""))
+                 for p in [*MODELS.glob("*.json"), *MODELS.glob("corpus/*.json")])
+
+
+def _query_heads(model: str) -> int:
+    """The query heads of a config (its text config for multimodal wrappers), 1 when unstated."""
+    config = json.loads((MODELS / f"{model}.json").read_text())  # Python reads Infinity/NaN
+    text = config.get("text_config") or config.get("llm_config") or config
+    return int(text.get("num_attention_heads") or text.get("n_head") or 1)
+
+
+def _option_sets(model: str) -> dict[str, dict[str, Any]]:
+    heads = _query_heads(model)
+    wide = 8 if heads % 8 == 0 else 2 if heads % 2 == 0 else 1
+    narrow = 2 if heads % 2 == 0 else 1
+    return {
+        "20GiB-p16": {"budget_bytes": 20 * GiB, "page_size": 16},
+        f"60GiB-p64-fp8-tp{wide}": {"budget_bytes": 60 * GiB, "page_size": 64,
+                                    "kv_cache_dtype": "fp8_e4m3", "tp_size": wide},
+        f"2GiB-p1-tp{narrow}": {"budget_bytes": 2 * GiB, "page_size": 1, "tp_size": narrow},
+    }
+
+
+CASES = [Case(f"{m}/{name}", m, options) for m in CONFIGS
+         for name, options in _option_sets(m).items()]
+
+# Differences known today, by config (every case of it) or by case id; one line per cause in
+# tests/data/models/DIFFS.md.
+_UNKNOWN_ARCH = "kvpool refuses an architecture SGLang serves (no loader, no MHA fallback)"
+_TEXT_DEFAULTS = ("text_config without num_hidden_layers/heads: transformers' defaults for its "
+                  "model_type not applied")
+_INFINITY = "Infinity in the JSON refused (SGLang's json reads it)"
+_DSA_PAGE = "DSA at page_size != 64: SGLang sizes at page 64, kvpool refuses"
+_DSV4 = "DeepseekV4ForCausalLM (DSV4) not recognized: planned as MHA"
+_GLM_DSA = "GlmMoeDsaForCausalLM not recognized as DSA (MLA + indexer): planned as MHA"
+_NEMOTRON_H = "hybrid_override_pattern not read: Nemotron-H planned as all-attention MHA"
+_QWEN35 = "layer_types in text_config not read: Qwen3.5 planned as MHA, no Mamba state"
+_MODELOPT_KV = "ModelOpt kv_cache_scheme fp8 ignored: auto KV dtype stays bf16"
+_GEMMA4 = ("num_global_key_value_heads / global_head_dim / attention_k_eq_v ignored "
+           "(and the multimodal reservation not taken)")
+_MIMO_V2 = "swa_num_key_value_heads / swa_head_dim / v_head_dim of MiMo-V2 ignored"
+_MM_RESERVE = "multimodal reservation (SGLANG_VLM_CACHE_SIZE_MB, 100 MiB) not taken"
+_DECILM = "DeciLM block_configs ignored: num_key_value_heads null planned as MHA 64 heads"
+KNOWN_DIFFS: dict[str, str] = {
+    "corpus/chatglm3-6b": _UNKNOWN_ARCH,
+    "corpus/gpt_bigcode-santacoder": _UNKNOWN_ARCH,
+    "corpus/llava-1.5-7b-hf": _TEXT_DEFAULTS,
+    "corpus/nemotron-3-super-120b-a12b-fp8": _INFINITY,
+    "corpus/nemotron-h-56b-base-8k/20GiB-p16": _INFINITY,
+    "corpus/nemotron-h-56b-base-8k/60GiB-p64-fp8-tp8": _INFINITY,
+    "deepseek-v3.2-exp/20GiB-p16": _DSA_PAGE,
+    "deepseek-v3.2-exp/2GiB-p1-tp2": _DSA_PAGE,
+    "corpus/deepseek-v3.2/20GiB-p16": _DSA_PAGE,
+    "corpus/deepseek-v3.2/2GiB-p1-tp2": _DSA_PAGE,
+    "corpus/deepseek-v4-flash": _DSV4,
+    "corpus/glm-5": _GLM_DSA,
+    "corpus/glm-5.1-nvfp4": _GLM_DSA,
+    "corpus/nemotron-3-nano-30b-a3b-bf16": _NEMOTRON_H,
+    "corpus/qwen3.5-27b": _QWEN35,
+    "corpus/qwen3.5-35b-a3b": _QWEN35,
+    "corpus/qwen3.5-122b-a10b-nvfp4": f"{_QWEN35}; {_MODELOPT_KV}",
+    "corpus/minimax-m2.5-nvfp4/20GiB-p16": _MODELOPT_KV,
+    "corpus/minimax-m2.5-nvfp4/2GiB-p1-tp2": _MODELOPT_KV,
+    "corpus/gemma-4-26b-a4b": _GEMMA4,
+    "corpus/gemma-4-31b-it-nvfp4": f"{_GEMMA4}; {_MODELOPT_KV}",
+    "corpus/mimo-v2-flash": _MIMO_V2,
+    "corpus/kimi-k2.5": _MM_RESERVE,
+    "corpus/ministral-3-3b-instruct-2512": _MM_RESERVE,
+    "corpus/qwen3-vl-8b-instruct": _MM_RESERVE,
+    "corpus/qwen3-vl-30b-a3b-instruct": _MM_RESERVE,
+    "corpus/llama-3.3-nemotron-super-49b-v1": _DECILM,
+}
+
+
+def _params() -> list[Any]:
+    params = []
+    for case in CASES:
+        reason = KNOWN_DIFFS.get(case.id) or KNOWN_DIFFS.get(case.model)
+        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+        params.append(pytest.param(case, id=case.id, marks=marks))
+    return params
+
+
+@pytest.fixture(scope="module")
+def sglang_results() -> dict[str, dict[str, Any]]:
+    """SGLang's results for every corpus case, from one run of the harness in the side venv."""
+    return run_sglang(CASES)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", _params())
+def test_kvpool_plans_what_sglang_sizes(case: Case,
+                                        sglang_results: dict[str, dict[str, Any]]) -> None:
+    check_case(case, sglang_results[case.id])
+
+
+def test_known_diffs_name_real_cases() -> None:
+    """Every KNOWN_DIFFS key is a config or a case of the corpus (a stale key hides nothing)."""
+    names = {c.id for c in CASES} | set(CONFIGS)
+    assert not set(KNOWN_DIFFS) - names, sorted(set(KNOWN_DIFFS) - names)
+
+
+def test_the_corpus_covers_the_families_and_schemes() -> None:
+    """At least 50 real configs, with every attention family and quantization scheme the issue
+    names, budgets 2/20/60 GiB, pages 1/16/64, TP 1/2/8, KV dtypes auto and fp8_e4m3."""
+    assert len(CONFIGS) >= 50, len(CONFIGS)
+    configs = [json.loads((MODELS / f"{m}.json").read_text()) for m in CONFIGS]
+    architectures = {c["architectures"][0] for c in configs}
+    for needed in ("LlamaForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
+                   "MixtralForCausalLM", "ChatGLMModel", "DeepseekV2ForCausalLM",
+                   "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
+                   "GptOssForCausalLM", "Llama4ForConditionalGeneration",
+                   "Gemma4ForConditionalGeneration", "MiMoV2FlashForCausalLM",
+                   "Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration",
+                   "NemotronHForCausalLM", "DeepseekV4ForCausalLM",
+                   "Qwen3VLForConditionalGeneration", "LlavaForConditionalGeneration",
+                   "KimiK25ForConditionalGeneration"):
+        assert needed in architectures, needed
+    quant = [c.get("quantization_config") or c.get("text_config", {}).get("quantization_config")
+             or {} for c in configs]
+    methods = {q.get("quant_method") for q in quant}
+    assert {"fp8", "mxfp4", "modelopt", "compressed-tensors"} <= methods, methods
+    assert any(q.get("kv_cache_scheme") for q in quant)
+    assert any("Infinity" in (MODELS / f"{m}.json").read_text() for m in CONFIGS)
+    seen = {(k, v) for c in CASES for k, v in c.options.items()}
+    for needed in [("budget_bytes", 2 * GiB), ("budget_bytes", 20 * GiB),
+                   ("budget_bytes", 60 * GiB), ("page_size", 1), ("page_size", 16),
+                   ("page_size", 64), ("tp_size", 2), ("tp_size", 8),
+                   ("kv_cache_dtype", "fp8_e4m3")]:
+        assert needed in seen, needed
