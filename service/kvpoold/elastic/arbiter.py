@@ -1,0 +1,278 @@
+"""Who gets the device budget: the arbiter of elastic pools (issue 23), pure and without I/O.
+
+Every elastic pool is a range of **groups** (the same token range in every per-layer view; its
+bytes are the pool's ``group_bytes``). The arbiter holds, per pool, its ``floor`` (groups always
+granted), ``cap`` (groups never exceeded) and ``weight``, and how many groups are granted now; the
+budget is the device's, less what fixed pools take. It decides, it never moves memory: the daemon
+commits a grant, and turns a reclaim into asks to page caches and to attached processes, then
+reports the released groups back (:meth:`Arbiter.released`).
+
+The rules:
+
+1. Configure admits a pool only if every floor fits the budget together (:meth:`admit`), and
+   grants its floor at once.
+2. A grant above the floor comes from free budget first (:meth:`want`).
+3. When the budget is short, groups are taken back from pools above their floor, in this order:
+   groups with no page in use (wholly free now: idle pools first, then the pool furthest above
+   its weighted share), then groups that page caches hold unused (they are asked to give back),
+   and only from a pool whose weighted share stays at least the asker's after the move: a pool
+   can take from a busier one only up to equal weighted shares (``granted_bytes / weight``).
+4. Pages in use are never taken: a reclaim names groups the victim can drain.
+
+Reclaims are pending until released: the groups stay counted against the budget (they still
+hold memory) and are not asked for twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvpool.contract.errors import InvalidArgument, ResourceExhausted
+
+Source = Literal["free", "cached"]
+
+
+@dataclass
+class Share:
+    """One elastic pool as the arbiter sees it.
+
+    Attributes:
+        name: the pool.
+        group_bytes: bytes of one group (all its views' chunks).
+        groups: groups in the pool's virtual range.
+        floor: groups always granted. cap: groups never exceeded. weight: > 0.
+        granted: groups granted now (released ones no longer count).
+        free_groups: granted groups with no page allocated (can be released now).
+        cached_groups: granted groups whose allocated pages are all unused in page caches (can
+            be released once the caches give them back).
+        idle: no allocation since the daemon last looked (taken from before busy pools).
+        reclaiming: groups asked back and not yet released.
+    """
+
+    name: str
+    group_bytes: int
+    groups: int
+    floor: int
+    cap: int
+    weight: float = 1.0
+    granted: int = 0
+    free_groups: int = 0
+    cached_groups: int = 0
+    idle: bool = False
+    reclaiming: int = 0
+
+    @property
+    def granted_bytes(self) -> int:
+        return self.granted * self.group_bytes
+
+    def share(self, granted: int | None = None) -> float:
+        """Weighted share: granted bytes per unit of weight."""
+        return (self.granted if granted is None else granted) * self.group_bytes / self.weight
+
+    def takeable(self, source: Source) -> int:
+        """Groups that may still be asked back from ``source``: above the floor, not asked for
+        yet; ``cached`` counts only what ``free`` does not already offer."""
+        above = max(0, self.granted - self.reclaiming - self.floor)
+        free = max(0, self.free_groups - self.reclaiming)
+        if source == "free":
+            return min(above, free)
+        cached = max(0, self.free_groups + self.cached_groups - self.reclaiming) - free
+        return max(0, min(above - min(above, free), cached))
+
+
+@dataclass(frozen=True)
+class Reclaim:
+    """Ask ``victim`` for ``groups`` groups from ``source`` (its free or cached groups)."""
+
+    victim: str
+    groups: int
+    source: Source
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do for a pool that wants more groups: grant ``grant`` now (budget is free for
+    them) and start ``reclaims`` (their groups come to the asker as they are released)."""
+
+    grant: int
+    reclaims: tuple[Reclaim, ...] = ()
+
+    @property
+    def pending(self) -> int:
+        return sum(r.groups for r in self.reclaims)
+
+
+@dataclass
+class Arbiter:
+    """The budget and the elastic pools' shares of it.
+
+    Args:
+        budget_bytes: the device budget of all pools.
+        fixed_bytes: what fixed pools (and other charges) take of it.
+    """
+
+    budget_bytes: int
+    fixed_bytes: int = 0
+    pools: dict[str, Share] = field(default_factory=dict)
+    # bytes promised to an asker from pending reclaims: asker -> bytes
+    promised: dict[str, int] = field(default_factory=dict)
+
+    def _promised_groups(self, name: str) -> int:
+        return -(-self.promised.get(name, 0) // self.pools[name].group_bytes)
+
+    @property
+    def granted_bytes(self) -> int:
+        return sum(p.granted_bytes for p in self.pools.values())
+
+    @property
+    def free_bytes(self) -> int:
+        return self.budget_bytes - self.fixed_bytes - self.granted_bytes
+
+    # -- configure and drop ----------------------------------------------------------------
+
+    def admit(self, share: Share) -> Decision:
+        """Add a pool and grant its floor: what is free now, the rest by reclaims from pools
+        above their floors.
+
+        Raises:
+            InvalidArgument: floor above cap, cap above the range, a weight that is not > 0,
+                a name already admitted.
+            ResourceExhausted: the floors together do not fit the budget (names the numbers).
+        """
+        if share.name in self.pools:
+            raise InvalidArgument(f"elastic pool {share.name!r} is already admitted",
+                                  field="pool")
+        if not 0 < share.weight < float("inf"):
+            raise InvalidArgument(f"weight {share.weight} must be > 0", field="weight")
+        if not 0 <= share.floor <= share.cap <= share.groups:
+            raise InvalidArgument(
+                f"elastic pool {share.name!r}: need 0 <= floor ({share.floor}) <= cap "
+                f"({share.cap}) <= groups in range ({share.groups})", field="floor")
+        floors = sum(p.floor * p.group_bytes for p in self.pools.values())
+        need = share.floor * share.group_bytes
+        room = self.budget_bytes - self.fixed_bytes - floors
+        if need > room:
+            raise ResourceExhausted(
+                f"elastic pool {share.name!r}: its floor of {share.floor} groups "
+                f"({need:,} B) does not fit beside the other pools' floors ({floors:,} B) and "
+                f"the fixed pools ({self.fixed_bytes:,} B) in the budget "
+                f"({self.budget_bytes:,} B); lower --floor or raise the daemon's --budget",
+                field="floor")
+        # Floors fit, but others may hold more than theirs now: what is not free is reclaimed
+        # for this floor from any pool above its own (a floor is owed), as for any want.
+        self.pools[share.name] = dataclasses.replace(share, granted=0, reclaiming=0)
+        return self.want(share.name, share.floor)
+
+    def drop(self, name: str) -> None:
+        """Remove a pool (all its groups released by the daemon first)."""
+        self.pools.pop(name, None)
+        self.promised.pop(name, None)
+
+    # -- grants ------------------------------------------------------------------------------
+
+    def want(self, name: str, groups: int) -> Decision:
+        """``name`` wants ``groups`` more groups: what it gets now and what is reclaimed for it.
+
+        Never above its cap; free budget first; then reclaims by rule 3. The grant is applied
+        (counted) at once; reclaimed groups are promised and granted on :meth:`released`.
+        """
+        asker = self.pools[name]
+        groups = min(groups, asker.cap - asker.granted - self._promised_groups(name))
+        if groups <= 0:
+            return Decision(0)
+        grant = min(groups, max(0, self.free_bytes) // asker.group_bytes)
+        asker.granted += grant
+        need_bytes = (groups - grant) * asker.group_bytes
+        if not need_bytes:
+            return Decision(grant)
+        reclaims: list[Reclaim] = []
+        promised = self.promised.get(name, 0)
+        below_floor = asker.granted * asker.group_bytes + promised < asker.floor * asker.group_bytes
+        for source in ("free", "cached"):
+            for victim in self._victims(asker, source):
+                if need_bytes <= 0:
+                    break
+                take = self._take(asker, victim, source, need_bytes, promised, below_floor)
+                if take:
+                    victim.reclaiming += take
+                    reclaims.append(Reclaim(victim.name, take, source))
+                    need_bytes -= take * victim.group_bytes
+                    promised += take * victim.group_bytes
+        if reclaims:
+            self.promised[name] = promised
+        return Decision(grant, tuple(reclaims))
+
+    def _victims(self, asker: Share, source: Source) -> list[Share]:
+        """Pools that may give groups from ``source``: idle ones first, then the furthest above
+        their weighted share."""
+        others = [p for p in self.pools.values() if p is not asker and p.takeable(source)]
+        return sorted(others, key=lambda p: (not p.idle, -p.share(p.granted - p.reclaiming)))
+
+    def _take(self, asker: Share, victim: Share, source: Source, need_bytes: int,
+              promised: int, below_floor: bool) -> int:
+        """How many of ``victim``'s groups to ask back for ``need_bytes`` of the asker."""
+        most = min(victim.takeable(source), -(-need_bytes // victim.group_bytes))
+        if below_floor or victim.idle:
+            return most  # a floor is owed; an idle pool gives what it does not use
+        taken = 0
+        mine = (asker.granted * asker.group_bytes + promised) / asker.weight
+        while taken < most:
+            after_victim = victim.share(victim.granted - victim.reclaiming - taken - 1)
+            after_asker = mine + (taken + 1) * victim.group_bytes / asker.weight
+            if after_asker > after_victim:
+                break  # past equal weighted shares: the victim keeps the rest
+            taken += 1
+        return taken
+
+    def released(self, victim: str, groups: int, to: str | None = None) -> int:
+        """``groups`` of ``victim``'s asked-back groups are released (unmapped everywhere,
+        memory gone). With ``to`` (the asker they were promised to), grant what the freed budget
+        covers of its promise; returns the groups granted to it."""
+        v = self.pools[victim]
+        groups = min(groups, v.reclaiming)
+        v.reclaiming -= groups
+        v.granted -= groups
+        v.free_groups = max(0, v.free_groups - groups)
+        v.cached_groups = min(v.cached_groups, v.granted - v.free_groups)
+        if to is None or to not in self.pools:
+            return 0
+        asker = self.pools[to]
+        owed = -(-self.promised.get(to, 0) // asker.group_bytes)
+        grant = min(owed, asker.cap - asker.granted, max(0, self.free_bytes) // asker.group_bytes)
+        asker.granted += grant
+        left = self.promised.get(to, 0) - groups * v.group_bytes
+        if left > 0:
+            self.promised[to] = left
+        else:
+            self.promised.pop(to, None)
+        return grant
+
+    def cancel(self, victim: str, groups: int, to: str | None = None) -> None:
+        """``groups`` asked back from ``victim`` will not come (its pages got used meanwhile):
+        no longer pending, no longer promised to ``to``."""
+        v = self.pools[victim]
+        groups = min(groups, v.reclaiming)
+        v.reclaiming -= groups
+        if to is not None and to in self.pools:
+            left = self.promised.get(to, 0) - groups * v.group_bytes
+            if left > 0:
+                self.promised[to] = left
+            else:
+                self.promised.pop(to, None)
+
+    def observe(self, name: str, *, free_groups: int, cached_groups: int, idle: bool) -> None:
+        """What the daemon sees of a pool now: granted groups with no page allocated, groups
+        whose pages are all unused in page caches, and whether it allocated since last time."""
+        p = self.pools[name]
+        p.free_groups = max(0, min(free_groups, p.granted))
+        p.cached_groups = max(0, min(cached_groups, p.granted - p.free_groups))
+        p.idle = idle
+
+    def give_up(self, name: str, groups: int) -> None:
+        """``name`` released ``groups`` of its own granted groups (a shrink it chose, or its
+        lease's groups beyond the floor at expiry); never below the floor."""
+        p = self.pools[name]
+        p.granted = max(p.floor, p.granted - groups)
+        p.free_groups = min(p.free_groups, p.granted)
