@@ -109,3 +109,37 @@ def test_an_unmapped_chunk_faults_again_and_a_punched_one_reads_zeros_elsewhere(
     punch(fd, 0, CHUNK_BYTES)
     assert ctypes.string_at(r.address, 16) == b"\x00" * 16
     r.close()
+
+
+def test_group_geometry_takes_whole_chunks_of_every_view() -> None:
+    from kvpoold.elastic.groups import group_geometry
+
+    llama = group_geometry((2048,) * 64, page_size=16, capacity_tokens=327_680)
+    assert (llama.tokens, llama.bytes, llama.groups) == (1024, 128 << 20, 320)
+    mla = group_geometry((1152,) * 61, page_size=64, capacity_tokens=100_000)
+    assert mla.tokens == 16_384 and mla.tokens * 1152 % CHUNK_BYTES == 0
+    assert mla.groups == 7
+    odd_page = group_geometry((2048,), page_size=3, capacity_tokens=10)
+    assert odd_page.tokens == 3072  # lcm(page 3, 1024 tokens a chunk)
+    with pytest.raises(InvalidArgument):
+        group_geometry((), page_size=16, capacity_tokens=1)
+
+
+def test_a_group_is_granted_and_released_in_every_view(fd: int) -> None:
+    from kvpoold.elastic.groups import SparseBacking, group_geometry
+
+    geo = group_geometry((2048, 2048, 4096), page_size=16, capacity_tokens=4096)
+    assert geo.tokens == 1024 and geo.groups == 4
+    offsets, at = [], 0
+    for size in geo.view_bytes:
+        offsets.append(at)
+        at += size
+    assert at <= SIZE
+    backing = SparseBacking(fd, geo, tuple(offsets))
+    backing.grant(2)
+    assert backed_bytes(fd) == geo.bytes
+    assert [o for o, _ in backing.ranges(2)] == [2 * 2 << 20, (4 + 2) * 2 << 20,
+                                                 (8 + 2 * 2) * 2 << 20]
+    backing.grant(2)  # idempotent
+    backing.release(2)
+    assert backed_bytes(fd) == 0 and not backing.granted
