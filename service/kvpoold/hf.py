@@ -1,8 +1,13 @@
 """Hugging Face ``config.json`` -> :class:`ModelSpec`, read the way SGLang 0.5.23 reads it.
 
-:data:`LOADERS` maps the HF class name (``LlamaForCausalLM``) to a :class:`Loader`; an unknown
-class with the standard fields is planned as plain MHA (source ``"fallback"``). The rules, each
-SGLang's (``configs/model_config.py``, ``utils/hf_transformers/common.py``):
+The HF class name (``LlamaForCausalLM``) is looked up in SGLang's architecture table
+(:mod:`kvpoold.sizing.architectures`, one row per class of SGLang's model registry); its family
+picks the loader (:data:`FAMILY_LOADERS`; :data:`LOADERS` adds class defaults for a few). A class
+SGLang does not know is refused, naming the nearest known ones, unless ``--assume-architecture
+FAMILY`` says how to read it (source ``"assumed"``). The rules, each SGLang's
+(``configs/model_config.py``, ``utils/hf_transformers/common.py``, ``configs/hybrid_arch.py``):
+
+- **JSON** as Python reads it (``Infinity``/``NaN`` accepted), at most ``MAX_CONFIG_CHARS``.
 
 - **Text config.** A multimodal config is read through its first sub-config present among
   ``thinker_config``, ``llm_config``, ``language_config``, ``text_config``; a sub-config without a
@@ -13,8 +18,11 @@ SGLang's (``configs/model_config.py``, ``utils/hf_transformers/common.py``):
   ``num_attention_heads``.
 - **dtype** (``--dtype auto``): the config's ``dtype``, else ``torch_dtype``; none means
   float32, and float32 is served as float16, or bfloat16 when ``model_type`` starts with
-  ``gemma``; gpt-oss with an ``mxfp4`` ``quantization_config`` runs in bfloat16. A checkpoint's
-  ``kv_cache_quant_algo: FP8`` makes ``auto`` KV fp8_e4m3.
+  ``gemma``; gpt-oss with an ``mxfp4`` ``quantization_config`` runs in bfloat16.
+- **KV dtype implied by quantization** (``--kv-cache-dtype auto``): fp8_e4m3 when the
+  quantization method reports ``kv_cache_quant_algo == "FP8"`` (:func:`kv_quant_fp8`: ModelOpt's
+  float 8-bit ``kv_cache_scheme`` or ``kv_cache_quant_algo``, compressed-tensors' static
+  per-tensor fp8 ``kv_cache_scheme``, fp8's ``kv_cache_quant_algo``).
 - **Context length**: the first present of ``max_sequence_length``, ``seq_length``,
   ``max_seq_len``, ``model_max_length``, ``max_position_embeddings`` (else 2048), times the
   ``rope_scaling`` ``factor`` unless that has ``original_max_position_embeddings`` or
@@ -24,8 +32,15 @@ SGLang's (``configs/model_config.py``, ``utils/hf_transformers/common.py``):
   Gemma-3, Mistral, Qwen2/3, Phi-3 and the like get a plain full-attention pool even with
   ``sliding_window`` or ``layer_types`` (the window is applied in attention only). An
   allowlisted model whose layers all slide gets an SWA-only pool.
-- Qwen3-Next: full attention on ``(i + 1) % full_attention_interval == 0`` (or the
-  ``"full_attention"`` entries of ``layer_types``), linear attention elsewhere.
+- **Per-layer-type geometry** of hybrid SWA: Gemma-4's full layers take
+  ``num_global_key_value_heads`` / ``global_head_dim``; others' SWA layers ``swa_*`` keys.
+- **Gated delta net** (Qwen3-Next, Qwen3.5 through its ``text_config``): full attention on
+  ``(i + 1) % full_attention_interval == 0`` (or the ``"full_attention"`` entries of
+  ``layer_types``), linear attention elsewhere.
+- **Mamba2 hybrids** (Nemotron-H ``hybrid_override_pattern`` / ``layers_block_type``, Granite-4
+  ``layer_types``, Falcon-H1): attention KV in the attention layers, Mamba2 state in the Mamba
+  layers, nothing in MLP/MoE layers.
+- **DSA**: an MLA class of SGLang's DSA list whose config sets ``index_topk``.
 
 Worked example, Llama-3.1-8B: 32 layers, 32 heads, 8 KV heads, hidden 4096 -> head_dim 128,
 context 131,072 (rope_type llama3: no scaling), bfloat16:
@@ -34,6 +49,7 @@ context 131,072 (rope_type llama3: no scaling), bfloat16:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,9 +58,10 @@ from typing import Any
 import msgspec
 
 from kvpool.contract.errors import InvalidArgument, echo
-from kvpool.contract.limits import MAX_LAYERS
+from kvpool.contract.limits import MAX_CONFIG_CHARS, MAX_LAYERS
 from kvpool.contract.plan import ArchitectureSource
 from kvpool.contract.spec import ModelDType, ModelSpec, decode_spec, load_spec_file
+from kvpoold.sizing import architectures
 
 FIELD = "model_config"
 SLIDING = "sliding_attention"
@@ -65,7 +82,8 @@ CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "mode
                        "max_position_embeddings")
 DEFAULT_CONTEXT_LENGTH = 2048
 # Key names of the KV head count, in the order SGLang tries them.
-KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num")
+KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num",
+                "num_attention_groups")
 
 Config = Mapping[str, Any]
 SpecFields = dict[str, Any]
@@ -108,6 +126,12 @@ def _kv_heads(r: _Reader, heads: int) -> int:
     """KV heads: one for multi-query attention, else the first key SGLang reads that is set."""
     if r.config.get("multi_query") is True and not r.config.get("new_decoder_architecture"):
         return 1
+    attn = r.config.get("attn_config")
+    if r.config.get("model_type") in ("dbrx", "mpt") and isinstance(attn, Mapping):
+        value = attn.get("kv_n_heads")  # DBRX / MPT keep it in attn_config
+        if value is not None:
+            return _Reader(attn, r.where, r.field)._check_int("attn_config.kv_n_heads", value)
+        return heads
     for key in KV_HEAD_KEYS:
         value = r.opt_int(key)
         if value is not None:
@@ -177,12 +201,45 @@ def _context_length(r: _Reader) -> int:
     return DEFAULT_CONTEXT_LENGTH
 
 
-def _kv_cache_quant_fp8(r: _Reader) -> bool:
-    quant = r.config.get("quantization_config")
+def _fp8_scheme(scheme: object, *, compressed_tensors: bool = False) -> bool:
+    """An 8-bit float ``kv_cache_scheme``; compressed-tensors loads only static symmetric
+    per-tensor scales, so SGLang takes its fp8 pool only for those."""
+    if not isinstance(scheme, Mapping):
+        return False
+    fp8 = scheme.get("type") == "float" and scheme.get("num_bits") == 8
+    if not compressed_tensors:
+        return fp8
+    return (fp8 and scheme.get("strategy") == "tensor" and scheme.get("symmetric", True) is True
+            and not scheme.get("dynamic", False))
+
+
+def kv_quant_fp8(quant: object) -> bool:
+    """Whether the checkpoint's ``quantization_config`` makes ``--kv-cache-dtype auto`` fp8.
+
+    SGLang takes fp8 KV under ``auto`` when the model's quantization method reports
+    ``kv_cache_quant_algo == "FP8"``: compressed-tensors from a static per-tensor fp8
+    ``kv_cache_scheme``; ModelOpt's flat format (``quant_algo`` at the top) from a float 8-bit
+    ``kv_cache_scheme``, else its ``kv_cache_quant_algo``; ModelOpt's nested format from
+    ``quantization.kv_cache_quant_algo``; fp8 and the others from ``kv_cache_quant_algo``.
+    """
     if not isinstance(quant, Mapping):
         return False
+    method = str(quant.get("quant_method") or "").lower()
+    scheme = quant.get("kv_cache_scheme")
+    if method == "compressed-tensors":
+        return _fp8_scheme(scheme, compressed_tensors=True)
     algo = quant.get("kv_cache_quant_algo")
+    if method.startswith("modelopt") or (method == "" and "quant_algo" in quant):
+        if quant.get("quant_algo") is not None:
+            if isinstance(scheme, Mapping):
+                return _fp8_scheme(scheme)
+        elif isinstance(quant.get("quantization"), Mapping):
+            algo = quant["quantization"].get("kv_cache_quant_algo")
     return isinstance(algo, str) and algo.upper() == "FP8"
+
+
+def _kv_cache_quant_fp8(r: _Reader) -> bool:
+    return kv_quant_fp8(r.config.get("quantization_config"))
 
 
 def _common(r: _Reader, architecture: str) -> SpecFields:
@@ -288,11 +345,21 @@ EXCLUSIVE_WINDOW = frozenset({
 EMBEDDING_GEMMA2_WINDOW = 512  # EmbeddingGemma2Model's fixed window in SGLang
 
 
-def _sliding(r: _Reader, n: int, architecture: str) -> dict[str, Any] | None:
-    """The spec's ``sliding_window`` entry: only for the allowlist or ``is_hybrid_swa: true``."""
+# Gemma-4's family states its shapes sliding-window first: ``head_dim`` / ``num_key_value_heads``
+# are the SWA layers', ``global_head_dim`` / ``num_global_key_value_heads`` the full layers'.
+GEMMA4_MODEL_TYPES = frozenset({
+    "gemma4", "gemma4_text", "gemma4_assistant", "gemma4_unified", "gemma4_unified_assistant",
+    "diffusion_gemma", "embedding_gemma2",
+})
+
+
+def _sliding(r: _Reader, n: int, architecture: str, *, assumed: bool = False,
+             ) -> dict[str, Any] | None:
+    """The spec's ``sliding_window`` entry: only for the allowlist or ``is_hybrid_swa: true``
+    (or ``--assume-architecture hybrid_swa``: ``layer_types``, else ``hybrid_layer_pattern``)."""
     rule = HYBRID_SWA.get(architecture)
-    if rule is None and r.config.get("is_hybrid_swa") is True:
-        rule = _by_pattern
+    if rule is None and (assumed or r.config.get("is_hybrid_swa") is True):
+        rule = _by_layer_types if assumed and r.has("layer_types") else _by_pattern
     if rule is None:
         return None
     layers = rule(r, n)
@@ -309,16 +376,65 @@ def _sliding(r: _Reader, n: int, architecture: str) -> dict[str, Any] | None:
     return {"window": window, "layers": layers}
 
 
+def _per_layer_type_geometry(r: _Reader, attention: dict[str, Any]) -> dict[str, Any]:
+    """Full-attention and SWA KV geometry when the layer types differ (SGLang's rules).
+
+    Gemma-4 family: the full layers take ``num_global_key_value_heads`` / ``global_head_dim``
+    (each defaulting to the base value), the SWA layers the base ``num_key_value_heads`` /
+    ``head_dim``. Others: ``swa_num_key_value_heads`` / ``swa_head_dim`` / ``swa_v_head_dim``
+    when the config states them (Step-3.5: ``attention_other_setting.num_attention_groups``).
+    Updates ``attention`` (the full layers) in place; returns the SWA layers' overrides.
+    """
+    base_heads, base_dim = attention["num_kv_heads"], attention["head_dim"]
+    model_type = r.config.get("model_type")
+    swa: dict[str, Any] = {}
+    if model_type in GEMMA4_MODEL_TYPES and (r.has("num_global_key_value_heads")
+                                             or r.has("global_head_dim")):
+        attention["num_kv_heads"] = r.opt_int("num_global_key_value_heads", base_heads)
+        attention["head_dim"] = r.opt_int("global_head_dim", base_dim)
+        attention.pop("v_head_dim", None)
+        swa = {"num_kv_heads": base_heads, "head_dim": base_dim}
+    else:
+        other = r.config.get("attention_other_setting")
+        heads = r.opt_int("swa_num_key_value_heads")
+        if heads is None and isinstance(other, Mapping) and other.get("num_attention_groups"):
+            heads = _Reader(other, r.where, r.field).get_int("num_attention_groups")
+        dim = r.opt_int("swa_head_dim")
+        v_dim = r.opt_int("swa_v_head_dim")
+        if heads is not None:
+            swa["num_kv_heads"] = heads
+        if dim is not None:
+            swa["head_dim"] = dim
+        if v_dim is not None and v_dim != (dim or base_dim):
+            swa["v_head_dim"] = v_dim
+    full = (attention["num_kv_heads"], attention["head_dim"])
+    if (swa.get("num_kv_heads", full[0]), swa.get("head_dim", full[1])) == full \
+            and "v_head_dim" not in swa:
+        return {}
+    return swa
+
+
 # ---- loaders -----------------------------------------------------------------------------------
 
 
-def _mha(r: _Reader, architecture: str) -> SpecFields:
+def _mha(r: _Reader, architecture: str, *, assumed: bool = False) -> SpecFields:
     """An MHA/GQA model, with an SWA pool when SGLang gives it one (:func:`_sliding`)."""
     fields = _common(r, architecture)
     fields["attention"] = _mha_attention(r)
-    window = _sliding(r, fields["num_layers"], architecture)
+    window = _sliding(r, fields["num_layers"], architecture, assumed=assumed)
     if window is not None:
+        window.update(_per_layer_type_geometry(r, fields["attention"]))
         fields["sliding_window"] = window
+    return fields
+
+
+def _hybrid_swa(r: _Reader, architecture: str) -> SpecFields:
+    """``--assume-architecture hybrid_swa``: sliding layers from ``layer_types`` (or
+    ``hybrid_layer_pattern``), the window from the config."""
+    fields = _mha(r, architecture, assumed=True)
+    if "sliding_window" not in fields:
+        raise r.fail("assumed hybrid_swa, but the config names no sliding layer (layer_types "
+                     "with sliding_attention entries, or hybrid_layer_pattern with 1s)")
     return fields
 
 
@@ -333,6 +449,8 @@ def _mla(r: _Reader, architecture: str) -> SpecFields:
 
 
 def _dsa(r: _Reader, architecture: str) -> SpecFields:
+    """DeepSeek sparse attention: MLA plus the lightning indexer (SGLang's ``is_deepseek_dsa``:
+    an MLA class of its DSA list whose config sets ``index_topk``)."""
     fields = _mla(r, architecture)
     indexer: dict[str, Any] = {}
     if r.has("index_head_dim"):
@@ -342,6 +460,7 @@ def _dsa(r: _Reader, architecture: str) -> SpecFields:
 
 
 def _hybrid_linear(r: _Reader, architecture: str) -> SpecFields:
+    """Gated delta net hybrids (Qwen3-Next, Qwen3.5 in its text_config, Jet-Nemotron ...)."""
     fields = _common(r, architecture)
     n = fields["num_layers"]
     fields["attention"] = _mha_attention(r)
@@ -369,6 +488,84 @@ def _hybrid_linear(r: _Reader, architecture: str) -> SpecFields:
     return fields
 
 
+# Nemotron-H's hybrid_override_pattern letters: M Mamba2, * attention, - MLP, E MoE.
+NEMOTRON_H_PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+# The Mamba2 keys of each config style: (heads, head dim, groups, state size, conv kernel).
+MAMBA2_KEYS = (
+    ("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel"),
+    ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv"),
+)
+
+
+def _mamba_layers(r: _Reader) -> tuple[int, list[int], list[int]]:
+    """(num_layers, attention layers, Mamba2 layers) of a Mamba2 hybrid.
+
+    Nemotron-H: ``layers_block_type`` (mamba / attention / mlp / moe), else the legacy
+    ``hybrid_override_pattern``; its length is the layer count. Granite-4 hybrids:
+    ``layer_types`` (mamba / attention). Falcon-H1 (no layer list): attention and Mamba2 in
+    every layer.
+    """
+    blocks = r.config.get("layers_block_type")
+    pattern = r.config.get("hybrid_override_pattern")
+    if blocks is None and isinstance(pattern, str):
+        bad = sorted(set(pattern) - set(NEMOTRON_H_PATTERN))
+        if bad:
+            raise r.fail(f"hybrid_override_pattern has {echo(bad[0])} (accepted: M mamba, "
+                         "* attention, - mlp, E moe)")
+        blocks = [NEMOTRON_H_PATTERN[c] for c in pattern]
+    if blocks is None and r.has("layer_types"):
+        blocks = r.config.get("layer_types")
+    if blocks is None:
+        n = r.get_int("num_hidden_layers")
+        return n, list(range(n)), list(range(n))
+    accepted = ("mamba", "attention", "mlp", "moe")
+    if not isinstance(blocks, list) or not blocks or len(blocks) > MAX_LAYERS:
+        raise r.fail(f"the layer list must have 1 to {MAX_LAYERS:,} entries of "
+                     f"{', '.join(accepted)}")
+    bad_types = [b for b in blocks if b not in accepted]
+    if bad_types:
+        raise r.fail(f"the layer list has {echo(bad_types[0])} (accepted: {', '.join(accepted)})")
+    return (len(blocks), [i for i, b in enumerate(blocks) if b == "attention"],
+            [i for i, b in enumerate(blocks) if b == "mamba"])
+
+
+def _hybrid_mamba(r: _Reader, architecture: str) -> SpecFields:
+    """Mamba2 hybrids (Nemotron-H, Granite-4 hybrid, Falcon-H1): attention KV plus a Mamba2
+    conv/SSM state per request slot in each Mamba layer, sized by the hybrid_linear module
+    (``n_groups`` as its key heads, ``ssm_state_size`` as the key head dim)."""
+    keys = next((k for k in MAMBA2_KEYS if r.has(k[0])), None)
+    if keys is None:
+        raise r.fail("a Mamba2 hybrid needs its state geometry: "
+                     + " or ".join(f"({', '.join(k)})" for k in MAMBA2_KEYS))
+    heads, head_dim, groups, state, kernel = (r.get_int(k) for k in keys)
+    n, attention, mamba = _mamba_layers(r)
+    # Nemotron-H's layer count is its layer list's length (num_hidden_layers is ignored)
+    r = _Reader({**r.config, "num_hidden_layers": n}, r.where, r.field)
+    fields = _common(r, architecture)
+    hidden = r.opt_int("hidden_size")
+    expand = r.config.get("mamba_expand")
+    intermediate = r.opt_int("mamba_d_ssm") or (
+        hidden * expand if hidden is not None and isinstance(expand, int) else None)
+    if intermediate is not None and intermediate != heads * head_dim:
+        raise r.fail(f"Mamba2 intermediate size {intermediate:,} is not heads x head dim "
+                     f"({heads} x {head_dim}); kvpool's state shape assumes it is")
+    fields["attention"] = _mha_attention(r)
+    linear: dict[str, Any] = {
+        "full_attention_layers": attention,
+        "state_layers": mamba,
+        "conv_kernel": kernel,
+        "num_key_heads": groups,
+        "num_value_heads": heads,
+        "key_head_dim": state,
+        "value_head_dim": head_dim,
+    }
+    ssm = r.config.get("mamba_ssm_dtype")
+    if ssm is not None and architecture != "GraniteMoeHybridForCausalLM":
+        linear["ssm_dtype"] = ssm  # Granite's SGLang config does not pass its config dtype
+    fields["linear"] = linear
+    return fields
+
+
 @dataclass(frozen=True)
 class Loader:
     """How to read one HF architecture class.
@@ -386,27 +583,30 @@ _GEMMA2_DEFAULTS = {
     "max_position_embeddings": 8192,
 }
 _GEMMA3_DEFAULTS = {
-    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
-    "max_position_embeddings": 131072,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "num_hidden_layers": 26, "max_position_embeddings": 131072,
 }
 
+# Classes whose config needs more than their family's rule (class defaults for omitted keys).
 LOADERS: dict[str, Loader] = {
-    "LlamaForCausalLM": Loader(_mha),
-    "MistralForCausalLM": Loader(_mha),
-    "Qwen2ForCausalLM": Loader(_mha),
-    "Qwen3ForCausalLM": Loader(_mha),
-    "Qwen3MoeForCausalLM": Loader(_mha),
-    "Phi3ForCausalLM": Loader(_mha),
     "Gemma2ForCausalLM": Loader(_mha, _GEMMA2_DEFAULTS),
     "Gemma3ForCausalLM": Loader(_mha, _GEMMA3_DEFAULTS),
     "Gemma3ForConditionalGeneration": Loader(_mha, _GEMMA3_DEFAULTS),
-    "DeepseekV2ForCausalLM": Loader(_mla),
-    "DeepseekV3ForCausalLM": Loader(_mla),
-    "DeepseekV32ForCausalLM": Loader(_dsa),
-    "Qwen3NextForCausalLM": Loader(_hybrid_linear),
-    **{name: Loader(_mha) for name in HYBRID_SWA},
 }
 
+# The loader of each family of the architecture table (kvpoold.sizing.architectures).
+FAMILY_LOADERS: dict[str, Callable[[_Reader, str], SpecFields]] = {
+    "mha": _mha,
+    "mla": _mla,
+    "dsa": _dsa,
+    "hybrid_swa": _mha,
+    "hybrid_gdn": _hybrid_linear,
+    "hybrid_mamba": _hybrid_mamba,
+}
+# `--assume-architecture FAMILY`: as the table's, but hybrid_swa reads its layers generically.
+ASSUMED_LOADERS: dict[str, Callable[[_Reader, str], SpecFields]] = {
+    **FAMILY_LOADERS, "hybrid_swa": _hybrid_swa,
+}
 
 
 def _architecture_names(config: Config) -> list[str]:
@@ -449,69 +649,132 @@ def _to_spec(fields: SpecFields, r: _Reader) -> ModelSpec:
         raise r.fail(f"config gives an invalid model spec: {exc}") from exc
 
 
-def _fallback(config: Config, name: str, r: _Reader) -> SpecFields:
-    missing = [k for k in ("num_hidden_layers", "num_attention_heads") if config.get(k) is None]
-    if config.get("head_dim") is None and config.get("hidden_size") is None:
-        missing.append("hidden_size (or head_dim)")
-    if missing:
-        what = f"architecture {echo(name)} has no loader" if name else "no architectures listed"
-        raise r.fail(
-            f"{what} and the MHA fallback needs {', '.join(missing)} "
-            f"(supported architectures: {', '.join(sorted(LOADERS))})"
-        )
-    return _mha(r, name)
+def _family_of(row: architectures.Row, r: _Reader) -> str:
+    """The family SGLang builds for this row and config (the row's ``when`` conditions)."""
+    if row.family == "mla":
+        needs = row.mla_only_with
+        if needs == "kv_lora_rank" and not r.has("kv_lora_rank"):
+            return "mha"
+        if needs == "use_mla" and r.config.get("use_mla", True) is False:
+            return "mha"
+        if row.dsa_with_index_topk and r.has("index_topk"):
+            return "dsa"
+    return row.family
+
+
+def _unknown(names: list[str], config: Config, where: str, field: str) -> InvalidArgument:
+    model_type = config.get("model_type")
+    if names:
+        near = architectures.nearest(names[0])
+        what = (f"architecture {echo(names[0])} is not in SGLang "
+                f"{architectures.SGLANG_VERSION}'s model registry (nearest known: "
+                f"{', '.join(near)})")
+    else:
+        what = ("the config lists no architectures"
+                + (f" (model_type {echo(model_type)})" if isinstance(model_type, str) else ""))
+    return InvalidArgument(
+        f"{where}: {what}; SGLang would run it through its generic Transformers backend, whose "
+        "KV layout kvpool does not guess. "
+        f"Give --assume-architecture FAMILY ({', '.join(architectures.ASSUMABLE)}) to read it "
+        "as one of those, or a hand-written spec file (docs/sizing.md)", field=field)
 
 
 def spec_from_hf(config: Config, *, where: str = "config.json", field: str = FIELD,
-                 ) -> tuple[ModelSpec, ArchitectureSource]:
+                 assume: str | None = None) -> tuple[ModelSpec, ArchitectureSource]:
     """Build the spec of a model from its parsed HF ``config.json``.
+
+    The class (the first of ``architectures``, or of the text sub-config's, that SGLang's
+    registry knows) picks the family from the architecture table
+    (:mod:`kvpoold.sizing.architectures`), the family its loader.
 
     Args:
         config: the parsed JSON object.
         where: how to name the config in errors (the file path).
         field: the input field errors blame (``model_config``; the daemon: its RPC field).
+        assume: a family (``--assume-architecture``) to read an unknown class as; a known class
+            is still read by its own row.
 
     Returns:
-        ``(spec, "hf_config")`` for a class in :data:`LOADERS`, ``(spec, "fallback")`` for an
-        unknown class planned as MHA from the standard fields.
+        ``(spec, "hf_config")`` for a class of the table, ``(spec, "assumed")`` for an unknown
+        class read as ``assume``.
 
     Raises:
-        InvalidArgument: a missing or mistyped field, naming it (and, for an unknown class
-            without the standard fields, the supported architectures).
+        InvalidArgument: an unknown class without ``assume`` (naming the nearest known ones), a
+            family kvpool does not plan from a HF config, or a missing or mistyped field.
     """
+    if assume is not None and assume not in ASSUMED_LOADERS:
+        raise InvalidArgument(f"--assume-architecture {echo(assume)} is not a family kvpool "
+                              f"reads (accepted: {', '.join(architectures.ASSUMABLE)})",
+                              field="assume_architecture")
     names = _architecture_names(config)
-    known = next((n for n in names if n in LOADERS), None)
+    inner = _architecture_names(_text_view(config, {}))
+    known = next((n for n in [*names, *inner] if architectures.row(n) is not None), None)
     if known is None:
-        view = _Reader(_text_view(config, {}), where, field)
-        # a wrapper around a known text model (LLaVA's text_config names LlamaForCausalLM)
-        inner = next((n for n in _architecture_names(view.config) if n in LOADERS), None)
-        if inner is None:
-            model_type = config.get("model_type")
-            name = names[0] if names else (model_type if isinstance(model_type, str) else "")
-            return _to_spec(_fallback(view.config, name, view), view), "fallback"
-        known = inner
-    loader = LOADERS[known]
-    view = _Reader(_text_view(config, loader.defaults), where, field)
-    return _to_spec(loader.load(view, known), view), "hf_config"
+        if assume is None:
+            raise _unknown(names or inner, config, where, field)
+        r = _Reader(_text_view(config, {}), where, field)
+        name = (names or inner or [""])[0]
+        return _to_spec(ASSUMED_LOADERS[assume](r, name), r), "assumed"
+    row = architectures.row(known)
+    assert row is not None
+    loader = LOADERS.get(known)
+    r = _Reader(_text_view(config, loader.defaults if loader else {}), where, field)
+    if loader is not None:
+        return _to_spec(loader.load(r, known), r), "hf_config"
+    family = _family_of(row, r)
+    load = FAMILY_LOADERS.get(family)
+    if load is None:
+        why = architectures.UNSUPPORTED.get(family, "kvpool has no loader for it")
+        raise r.fail(f"SGLang sizes {known} as {family}: {why}")
+    if family == "hybrid_swa" and known not in HYBRID_SWA:
+        raise r.fail(f"SGLang sizes {known} as hybrid_swa, with a layer rule kvpool does not "
+                     "read yet; give a spec file (docs/sizing.md)")
+    if family == "hybrid_gdn" and row.kv == "mla":
+        raise r.fail(f"SGLang sizes {known} as a gated-delta-net hybrid with MLA layers, which "
+                     "kvpool does not plan yet; give a spec file (docs/sizing.md)")
+    return _to_spec(load(r, known), r), "hf_config"
+
+
+def parse_config_json(raw: bytes | str, where: str, field: str = FIELD) -> dict[str, Any]:
+    """Parse a config.json as Hugging Face writes it, bounded.
+
+    Python's JSON reading: ``Infinity``, ``-Infinity`` and ``NaN`` are accepted (transformers
+    writes them, e.g. ``"router_aux_loss_coef": Infinity``); at most
+    :data:`~kvpool.contract.limits.MAX_CONFIG_CHARS` characters, nesting bounded by Python's
+    recursion limit, an object at the top.
+
+    Raises:
+        InvalidArgument: too large, not UTF-8, not JSON, too deep, or not an object.
+    """
+    if len(raw) > MAX_CONFIG_CHARS:
+        raise InvalidArgument(f"{where} has {len(raw):,} characters, at most "
+                              f"{MAX_CONFIG_CHARS:,}: that is not a config.json", field=field)
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        data = json.loads(text)
+    except UnicodeDecodeError as exc:
+        raise InvalidArgument(f"{where} is not UTF-8 text: {exc.reason} at byte {exc.start}",
+                              field=field) from exc
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"{where} is not valid JSON: {exc.msg} at line {exc.lineno} "
+                              f"column {exc.colno}", field=field) from exc
+    except RecursionError:
+        raise InvalidArgument(f"{where} nests too deep to be a config.json", field=field) \
+            from None
+    if not isinstance(data, dict):
+        raise InvalidArgument(
+            f"{where} holds a JSON {type(data).__name__}, expected an object", field=field)
+    return data
 
 
 def _read_json_object(path: Path) -> dict[str, Any]:
     try:
-        raw = path.read_bytes()
+        with path.open("rb") as f:
+            raw = f.read(MAX_CONFIG_CHARS + 1)
     except OSError as exc:
         raise InvalidArgument(f"cannot read model config {path}: {exc.strerror or exc}",
                               field=FIELD) from exc
-    try:
-        data = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise InvalidArgument(f"model config {path} is not valid JSON: {exc}",
-                              field=FIELD) from exc
-    if not isinstance(data, dict):
-        raise InvalidArgument(
-            f"model config {path} holds a JSON {type(data).__name__}, expected an object",
-            field=FIELD,
-        )
-    return data
+    return parse_config_json(raw, f"model config {path}")
 
 
 def _resolve(path: Path) -> Path:
@@ -519,7 +782,8 @@ def _resolve(path: Path) -> Path:
     return path / "config.json" if path.is_dir() else path
 
 
-def load_model_config(path: Path) -> tuple[ModelSpec, ArchitectureSource]:
+def load_model_config(path: Path, *, assume: str | None = None,
+                      ) -> tuple[ModelSpec, ArchitectureSource]:
     """Read a HF ``config.json`` (or a model directory holding one).
 
     Returns:
@@ -529,17 +793,17 @@ def load_model_config(path: Path) -> tuple[ModelSpec, ArchitectureSource]:
         InvalidArgument: missing file, not JSON, not an object, or a bad config; names the path.
     """
     path = _resolve(Path(path))
-    return spec_from_hf(_read_json_object(path), where=str(path))
+    return spec_from_hf(_read_json_object(path), where=str(path), assume=assume)
 
 
-def load_model(path: Path) -> tuple[ModelSpec, ArchitectureSource]:
+def load_model(path: Path, *, assume: str | None = None) -> tuple[ModelSpec, ArchitectureSource]:
     """Read either a HF ``config.json`` or a hand-written spec file.
 
     A ``.toml`` file, or a ``.json`` object with a top-level ``attention`` key, is a
     :class:`ModelSpec` written by hand (source ``"spec"``); anything else is a HF config.
 
     Returns:
-        ``(spec, source)`` with source ``"spec"``, ``"hf_config"`` or ``"fallback"``.
+        ``(spec, source)`` with source ``"spec"``, ``"hf_config"`` or ``"assumed"``.
 
     Raises:
         InvalidArgument: missing file, malformed content, or an invalid spec; names the path.
@@ -552,4 +816,4 @@ def load_model(path: Path) -> tuple[ModelSpec, ArchitectureSource]:
     data = _read_json_object(path)
     if "attention" in data:
         return decode_spec(data, source=str(path)), "spec"
-    return spec_from_hf(data, where=str(path))
+    return spec_from_hf(data, where=str(path), assume=assume)

@@ -144,6 +144,12 @@ def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = 
     if max_total is None:
         max_total = sizing.num_pages * ctx.page_size
     notes = sizing.notes
+    if source == "assumed":
+        notes = (*notes, (
+            f"{spec.architecture or 'this model'} is not in SGLang's model registry: planned "
+            f"as {sizing.architecture} because --assume-architecture said so, not because "
+            "SGLang is known to size it so (SGLang runs an unknown class through its generic "
+            "Transformers backend)"))
     if max_total < ctx.context_length:
         notes = (*notes, (
             f"the pool holds {max_total:,} tokens, less than one request at the context length "
