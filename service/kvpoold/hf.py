@@ -126,6 +126,8 @@ def _kv_heads(r: _Reader, heads: int) -> int:
     """KV heads: one for multi-query attention, else the first key SGLang reads that is set."""
     if r.config.get("multi_query") is True and not r.config.get("new_decoder_architecture"):
         return 1
+    if r.config.get("model_type") == "nemotron-nas":
+        return _nemotron_nas_kv_heads(r, heads)
     attn = r.config.get("attn_config")
     if r.config.get("model_type") in ("dbrx", "mpt") and isinstance(attn, Mapping):
         value = attn.get("kv_n_heads")  # DBRX / MPT keep it in attn_config
@@ -137,6 +139,27 @@ def _kv_heads(r: _Reader, heads: int) -> int:
         if value is not None:
             return value
     return heads
+
+
+def _nemotron_nas_kv_heads(r: _Reader, heads: int) -> int:
+    """Nemotron-NAS (DeciLM): ``heads // n_heads_in_group`` of its attention blocks, which must
+    agree (SGLang refuses variable GQA)."""
+    blocks = r.config.get("block_configs")
+    if not isinstance(blocks, list):
+        raise r.fail("block_configs must list the blocks of a nemotron-nas model")
+    found: set[int] = set()
+    for block in blocks:
+        attn = block.get("attention") if isinstance(block, Mapping) else None
+        if not isinstance(attn, Mapping) or attn.get("no_op"):
+            continue
+        group = _Reader(attn, r.where, r.field).get_int("n_heads_in_group")
+        if group < 1:
+            raise r.fail(f"n_heads_in_group must be >= 1, got {group}")
+        found.add(heads // group)
+    if len(found) != 1:
+        raise r.fail("block_configs give " + ("no attention block" if not found else
+                     f"KV head counts {sorted(found)}: variable GQA, which SGLang refuses"))
+    return found.pop()
 
 
 def _mha_attention(r: _Reader) -> dict[str, Any]:
@@ -154,7 +177,11 @@ def _mha_attention(r: _Reader) -> dict[str, Any]:
                 "give head_dim explicitly"
             )
         head_dim = hidden // heads
-    return {"type": "mha", "num_kv_heads": kv_heads, "head_dim": head_dim}
+    attention: dict[str, Any] = {"type": "mha", "num_kv_heads": kv_heads, "head_dim": head_dim}
+    v_head_dim = r.opt_int("v_head_dim")  # SGLang: unset or 0 means head_dim
+    if v_head_dim and v_head_dim != head_dim:
+        attention["v_head_dim"] = v_head_dim
+    return attention
 
 
 def _model_dtype(r: _Reader, architecture: str) -> ModelDType:
@@ -229,7 +256,8 @@ def kv_quant_fp8(quant: object) -> bool:
     if method == "compressed-tensors":
         return _fp8_scheme(scheme, compressed_tensors=True)
     algo = quant.get("kv_cache_quant_algo")
-    if method.startswith("modelopt") or (method == "" and "quant_algo" in quant):
+    if method.startswith("modelopt") or (method == "" and ("quant_algo" in quant
+                                                           or "quantization" in quant)):
         if quant.get("quant_algo") is not None:
             if isinstance(scheme, Mapping):
                 return _fp8_scheme(scheme)
@@ -633,13 +661,41 @@ def _text_view(config: Config, defaults: Mapping[str, Any]) -> Config:
             continue
         if key == "thinker_config" and isinstance(sub.get("text_config"), Mapping):
             parent, sub = sub, sub["text_config"]
+        model_type = sub.get("model_type")
+        if isinstance(model_type, str) and model_type in MODEL_TYPE_DEFAULTS:
+            defaults = {**MODEL_TYPE_DEFAULTS[model_type], **defaults}
         # a sub-config's own class knows its model_type (gemma3 -> gemma3_text); the parent's
         # has the same family prefix, which is what the dtype rule reads
         inherited = {k: parent[k] for k in ("dtype", "torch_dtype", "quantization_config",
                                             "model_type")
                      if k in parent and sub.get(k) is None}
-        return {**defaults, **inherited, **sub}
-    return {**defaults, **config}
+        return _canonical({**defaults, **inherited, **sub})
+    return _canonical({**defaults, **config})
+
+
+# Config keys under their older names (transformers' attribute_map of GPT-2 / GPTBigCode,
+# ChatGLM, T5-style configs): read as the canonical key when that one is absent.
+KEY_ALIASES = {
+    "num_hidden_layers": ("n_layer", "num_layers", "n_layers"),
+    "num_attention_heads": ("n_head", "n_heads"),
+    "hidden_size": ("n_embd", "d_model"),
+    "max_position_embeddings": ("n_positions",),
+}
+# The defaults of a text sub-config's class for keys checkpoints omit (LLaVA-1.5's text_config
+# is a LlamaConfig that states only what differs from LlamaConfig()).
+MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 4096,
+              "max_position_embeddings": 2048},
+}
+
+
+def _canonical(view: dict[str, Any]) -> dict[str, Any]:
+    for key, aliases in KEY_ALIASES.items():
+        if view.get(key) is None:
+            alias = next((a for a in aliases if view.get(a) is not None), None)
+            if alias is not None:
+                view[key] = view[alias]
+    return view
 
 
 def _to_spec(fields: SpecFields, r: _Reader) -> ModelSpec:

@@ -440,7 +440,7 @@ def test_assumed_without_fields_names_the_missing_one():
 def test_a_known_family_kvpool_does_not_plan_is_refused_with_the_reason():
     with pytest.raises(InvalidArgument, match="SGLang sizes KimiLinearForCausalLM as hybrid_kda"):
         spec_from_hf(with_arch("KimiLinearForCausalLM"))
-    with pytest.raises(InvalidArgument, match="DeepseekV4ForCausalLM as dsv4: .*spec file"):
+    with pytest.raises(InvalidArgument, match=r"DeepseekV4ForCausalLM as dsv4: .*spec file"):
         spec_from_hf(with_arch("DeepseekV4ForCausalLM"))
 
 

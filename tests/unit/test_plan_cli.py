@@ -298,9 +298,11 @@ def test_mamba_flags_reach_the_sizing(capsys: pytest.CaptureFixture[str]):
                  needles=("mamba_radix_cache_strategy", "page_size 1"))
 
 
-def test_dsa_needs_page_64(capsys: pytest.CaptureFixture[str]):
-    expect_error(capsys, "--budget", "40GiB", "--page-size", "16", model=DSV32,
-                 needles=("page_size", "64"))
+def test_dsa_page_size_is_forced_to_64(capsys: pytest.CaptureFixture[str]):
+    """SGLang sets page size 64 for DSA whatever --page-size says; the plan does and notes it."""
+    p = plan_json(capsys, DSV32, "--budget", "40GiB", "--page-size", "16")
+    assert p["page_size"] == 64
+    assert any(n.startswith("page size 64") for n in p["notes"])
 
 
 @pytest.mark.parametrize(("flags", "field"), [

@@ -5,8 +5,9 @@
     index  = index_head_dim + index_head_dim / 128 * 4 = 132 B per layer   (fp8 K + fp32 scale)
     cell   = (main + index) * L, then int(cell * (1 + D / L)) with D draft layers
 
-The page size must be 64 (the indexer kernels' page). Worked example, DeepSeek-V3.2 (61 layers),
-bf16, page 64, 40 GiB: cell = (1152 + 132) * 61 = 78,324 B; one page = 5,012,736 B;
+The page size is 64 (the indexer kernels' page): SGLang sets it whatever ``--page-size`` says, and
+so does the planner (``FORCED_PAGE_SIZE``, with a plan note). Worked example, DeepSeek-V3.2 (61
+layers), bf16, page 64, 40 GiB: cell = (1152 + 132) * 61 = 78,324 B; one page = 5,012,736 B;
 pages = 42,949,672,960 // 5,012,736 = 8,568 (the padding page on top); tokens = 548,352.
 Buffers: ``kv.<l>`` ``(rows, 1, kv_dim)`` (uint8 ``(rows, 1, 656)`` with fp8_e4m3) and
 ``index_k.<l>`` uint8 ``(num_pages + 1, page_size * 132)``, page-major: page ``p`` holds
@@ -31,6 +32,7 @@ from kvpoold.sizing.layout import buffer, token_rows
 
 NAME = "dsa"
 DSA_PAGE_SIZE = 64
+FORCED_PAGE_SIZE = DSA_PAGE_SIZE  # the planner sets it, as SGLang's DSA override does
 SCALE_BYTES_PER_128 = 4
 
 

@@ -115,8 +115,13 @@ def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = 
         InvalidArgument: for any input the architecture cannot plan, naming the field.
     """
     options = engine_defaults(options)
-    ctx = make_context(spec, options)
     arch = select_architecture(spec)
+    forced: tuple[str, ...] = ()
+    if arch.forced_page_size is not None and options.page_size != arch.forced_page_size:
+        forced = (f"page size {arch.forced_page_size} (SGLang sets it for {arch.name} whatever "
+                  f"--page-size says; asked {options.page_size})",)
+        options = msgspec.structs.replace(options, page_size=arch.forced_page_size)
+    ctx = make_context(spec, options)
     sizing = arch.size(ctx)
     if options.pp_size > 1:
         ctx, sizing = _agree_across_stages(spec, options, arch, ctx, sizing)
@@ -143,7 +148,7 @@ def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = 
     max_total = sizing.max_total_num_tokens
     if max_total is None:
         max_total = sizing.num_pages * ctx.page_size
-    notes = sizing.notes
+    notes = (*forced, *sizing.notes)
     if source == "assumed":
         notes = (*notes, (
             f"{spec.architecture or 'this model'} is not in SGLang's model registry: planned "

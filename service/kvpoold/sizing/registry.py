@@ -26,6 +26,8 @@ class Architecture:
     layout: Callable[[SizingContext, Sizing], list[BufferSpec]]
     # architecture names this module can report (hybrid_swa also reports all_swa)
     reports: tuple[str, ...] = ()
+    # the page size SGLang forces on this family whatever --page-size says (DSA: 64)
+    forced_page_size: int | None = None
 
 
 ARCHITECTURES: tuple[Architecture, ...] = tuple(
@@ -35,6 +37,7 @@ ARCHITECTURES: tuple[Architecture, ...] = tuple(
         size=m.size,
         layout=m.layout,
         reports=getattr(m, "REPORTS", (m.NAME,)),
+        forced_page_size=getattr(m, "FORCED_PAGE_SIZE", None),
     )
     for m in (dsv4, hybrid_linear, dsa, hybrid_swa, mla, mha)
 )
