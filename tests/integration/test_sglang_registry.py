@@ -1,28 +1,24 @@
 """kvpool's architecture table against the installed SGLang's model registry.
 
 ``tests/sglang/gen_architectures.py`` runs in the SGLang side venv and renders
-``service/kvpoold/sizing/sglang_architectures.py`` from SGLang's own source; any difference (a
+``service/kvpoold/sizing/sglang_architectures.json`` from SGLang's own source; any difference (a
 new SGLang with new classes, or a class whose family moved) fails here with the rows that
 changed, so an upgrade shows what kvpool must learn. Skipped without the side venv.
 """
 
 from __future__ import annotations
 
-import ast
+import json
 import subprocess
 
-from kvpoold.sizing import sglang_architectures
-from tests.conftest import REPO
+from kvpoold.sizing import architectures
 from tests.integration.side_venv import SGLANG_DIR, sglang_env, sglang_python_or_skip
 
-TABLE = REPO / "service" / "kvpoold" / "sizing" / "sglang_architectures.py"
+TABLE = architectures.DATA
 
 
 def _rows(text: str) -> dict[str, tuple[object, ...]]:
-    for node in ast.parse(text).body:
-        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "ROWS":
-            return ast.literal_eval(node.value)
-    raise AssertionError("no ROWS in the rendered table")
+    return {name: tuple(values) for name, values in json.loads(text)["rows"].items()}
 
 
 def test_table_matches_installed_sglang() -> None:
@@ -33,7 +29,7 @@ def test_table_matches_installed_sglang() -> None:
     )
     assert done.returncode == 0, done.stderr[-4000:]
     fresh = _rows(done.stdout)
-    stored = sglang_architectures.ROWS
+    stored = architectures.ROWS
     added = sorted(set(fresh) - set(stored))
     removed = sorted(set(stored) - set(fresh))
     changed = {n: (stored[n], fresh[n]) for n in sorted(set(fresh) & set(stored))
@@ -48,7 +44,7 @@ def test_table_matches_installed_sglang() -> None:
 
 def test_table_knows_the_families_sglang_builds() -> None:
     """Known rows, read from the data file (no side venv needed)."""
-    rows = sglang_architectures.ROWS
+    rows = architectures.ROWS
     assert rows["LlamaForCausalLM"][0] == "mha"
     assert rows["DeepseekV3ForCausalLM"][:3] == ("mla", "mla", "dsa: index_topk")
     assert rows["Qwen3NextForCausalLM"][0] == "hybrid_gdn"

@@ -1,4 +1,4 @@
-"""Generate ``service/kvpoold/sizing/sglang_architectures.py`` from an installed SGLang.
+"""Generate ``service/kvpoold/sizing/sglang_architectures.json`` from an installed SGLang.
 
 Run with the side venv's python (it only reads SGLang's source, imports nothing of it)::
 
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-TARGET = REPO / "service" / "kvpoold" / "sizing" / "sglang_architectures.py"
+TARGET = REPO / "service" / "kvpoold" / "sizing" / "sglang_architectures.json"
 
 
 @dataclass(frozen=True)
@@ -405,39 +405,29 @@ def build(root: Path) -> dict[str, Row]:
     return {n: classify(n, config_class(n, classes, configs), r, configs) for n in names}
 
 
-HEADER = '''"""SGLang {version}'s model registry, one row per architecture (GENERATED: do not edit).
-
-Regenerate with the SGLang side venv after an SGLang upgrade::
-
-    .venv-sglang/bin/python tests/sglang/gen_architectures.py --write
-
-``tests/integration/test_sglang_registry.py`` regenerates it from the installed SGLang and fails
-on any difference. Columns (``Row`` in :mod:`kvpoold.sizing.architectures`): the pool family
-SGLang builds (mha, mla, hybrid_swa, dsv4, hybrid_gdn, hybrid_mamba, hybrid_kda,
-hybrid_lightning, mamba), what a full-attention layer stores (mha, mla, none), the config keys
-that change the family ("dsa: index_topk": an MLA class that is DSA when the config sets
-``index_topk``; "mla: kv_lora_rank": MLA only with that key; the hybrid_swa and state-pool
-conditions name the keys SGLang tests), the model's config class, and whether it generates.
-"""
-
-SGLANG_VERSION = "{version}"
-
-# name: (family, kv, when, config_class, generation)
-ROWS: dict[str, tuple[str, str, str, str, bool]] = {{
-'''
+COMMENT = [
+    "SGLang's model registry, one row per architecture (GENERATED: do not edit).",
+    "Regenerate after an SGLang upgrade: .venv-sglang/bin/python "
+    "tests/sglang/gen_architectures.py --write",
+    "tests/integration/test_sglang_registry.py regenerates it and fails on any difference.",
+    "family: the pool SGLang builds (mha, mla, hybrid_swa, dsv4, hybrid_gdn, hybrid_mamba, "
+    "hybrid_kda, hybrid_lightning, mamba); kv: what a full-attention layer stores (mha, mla, "
+    "none); when: the config keys that change the family ('dsa: index_topk': DSA when the "
+    "config sets index_topk; 'mla: kv_lora_rank': MLA only with that key; hybrid_swa and "
+    "state-pool conditions name the keys SGLang tests); config_class: SGLang's config class; "
+    "generation: false for embedding / reward / classifier classes.",
+]
+COLUMNS = ["family", "kv", "when", "config_class", "generation"]
 
 
 def render(table: dict[str, Row], version: str) -> str:
-    lines = [HEADER.format(version=version)]
-    for name, row in table.items():
-        values = ", ".join(json.dumps(v) if isinstance(v, str) else repr(v) for v in
-                           (row.family, row.kv, row.when, row.config_class, row.generation))
-        line = f"    {json.dumps(name)}: ({values}),"
-        if len(line) > 100:
-            line = f"    {json.dumps(name)}: (\n        {values}),"
-        lines.append(line + "\n")
-    lines.append("}\n")
-    return "".join(lines)
+    """The data file: JSON, one row per line (a diff shows the classes that changed)."""
+    rows = [f"    {json.dumps(name)}: " + json.dumps(
+        [row.family, row.kv, row.when, row.config_class, row.generation])
+        for name, row in table.items()]
+    head = json.dumps({"comment": COMMENT, "sglang_version": version, "columns": COLUMNS},
+                      indent=2)[:-2]
+    return head + ',\n  "rows": {\n' + ",\n".join(rows) + "\n  }\n}\n"
 
 
 def main(argv: list[str] | None = None) -> int:

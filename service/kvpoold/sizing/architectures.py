@@ -1,18 +1,26 @@
 """SGLang's architecture table, read: which family SGLang builds for a HF class name.
 
-The rows are generated data (:mod:`kvpoold.sizing.sglang_architectures`, from SGLang 0.5.23's
-model registry by ``tests/sglang/gen_architectures.py``); this module gives them a type, names
-the families kvpool plans, and finds the nearest known names for a refusal. ``kvpoold.hf``
-chooses a loader from the row (see docs/sizing.md for the loader rule of each family).
+The rows are generated data (``sglang_architectures.json`` beside this module, from SGLang
+0.5.23's model registry by ``tests/sglang/gen_architectures.py``); this module gives them a
+type, names the families kvpool plans, and finds the nearest known names for a refusal.
+``kvpoold.hf`` chooses a loader from the row (docs/sizing.md: the loader rule of each family).
 """
 
 from __future__ import annotations
 
 import difflib
+import json
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
-from kvpoold.sizing.sglang_architectures import ROWS, SGLANG_VERSION
+DATA = Path(__file__).with_name("sglang_architectures.json")
+_TABLE: dict[str, Any] = json.loads(DATA.read_text(encoding="utf-8"))
+SGLANG_VERSION: str = _TABLE["sglang_version"]
+# name -> (family, kv, when, config_class, generation), as the data file's columns
+ROWS: dict[str, tuple[str, str, str, str, bool]] = {
+    name: tuple(values) for name, values in _TABLE["rows"].items()  # type: ignore[misc]
+}
 
 Family = Literal["mha", "mla", "dsa", "hybrid_swa", "hybrid_gdn", "hybrid_mamba", "hybrid_kda",
                  "hybrid_lightning", "mamba", "dsv4"]
@@ -85,5 +93,5 @@ def counts() -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-__all__ = ["ASSUMABLE", "SGLANG_VERSION", "UNSUPPORTED", "Family", "Row", "counts", "nearest",
-           "row"]
+__all__ = ["ASSUMABLE", "DATA", "ROWS", "SGLANG_VERSION", "UNSUPPORTED", "Family", "Row",
+           "counts", "nearest", "row"]

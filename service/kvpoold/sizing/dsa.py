@@ -21,13 +21,7 @@ from kvpool.contract.errors import InvalidArgument
 from kvpool.contract.plan import BufferKind, BufferSpec
 from kvpool.contract.spec import MLAAttention, ModelSpec
 from kvpoold.sizing import mla
-from kvpoold.sizing.common import (
-    Sizing,
-    SizingContext,
-    draft_scaled_cell,
-    kv_pages,
-    resolve_max_running_requests,
-)
+from kvpoold.sizing.common import Sizing, SizingContext, uniform_sizing
 from kvpoold.sizing.layout import buffer, token_rows
 
 NAME = "dsa"
@@ -72,14 +66,7 @@ def _check(ctx: SizingContext) -> None:
 
 def size(ctx: SizingContext) -> Sizing:
     _check(ctx)
-    num_layers = len(ctx.layers)
-    per_layer = _main_dim_bytes(ctx) + index_bytes(ctx)
-    cell = draft_scaled_cell(per_layer * num_layers, ctx.num_draft_layers, num_layers)
-    notes: list[str] = []
-    pages = kv_pages(cell * ctx.page_size, ctx.options, notes)
-    mrr = resolve_max_running_requests(pages * ctx.page_size, ctx.context_length, ctx.options,
-                                       notes)
-    return Sizing(NAME, cell, pages, mrr, notes=tuple(notes))
+    return uniform_sizing(NAME, ctx, _main_dim_bytes(ctx) + index_bytes(ctx))
 
 
 def _layer(ctx: SizingContext, suffix: str, rows: int, prefix: str) -> list[BufferSpec]:

@@ -27,6 +27,13 @@ from kvpoold.sizing.layout import buffer, place
 from kvpoold.sizing.registry import Architecture, select_architecture
 from kvpoold.sizing.space_table import declare_spaces
 
+# PoolPlan fields copied as they are from the Sizing, and from the options.
+SIZING_FIELDS = (
+    "max_running_requests", "full_max_total_num_tokens", "swa_max_total_num_tokens",
+    "mamba_cache_size", "c4_max_total_num_tokens", "c128_max_total_num_tokens",
+    "c4_state_pool_size", "c128_state_pool_size", "num_pages", "swa_num_pages",
+)
+OPTION_FIELDS = ("budget_bytes", "tp_size", "pp_size", "pp_rank")
 # SGLang's max_running_requests when speculative decoding is on and the user gave none.
 SPECULATIVE_MAX_RUNNING_REQUESTS = 48
 
@@ -169,23 +176,11 @@ def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = 
         context_length=ctx.context_length,
         cell_size_bytes=sizing.cell_size_bytes,
         max_total_num_tokens=max_total,
-        max_running_requests=sizing.max_running_requests,
-        full_max_total_num_tokens=sizing.full_max_total_num_tokens,
-        swa_max_total_num_tokens=sizing.swa_max_total_num_tokens,
-        mamba_cache_size=sizing.mamba_cache_size,
-        c4_max_total_num_tokens=sizing.c4_max_total_num_tokens,
-        c128_max_total_num_tokens=sizing.c128_max_total_num_tokens,
-        c4_state_pool_size=sizing.c4_state_pool_size,
-        c128_state_pool_size=sizing.c128_state_pool_size,
+        **{name: getattr(sizing, name) for name in SIZING_FIELDS},
+        **{name: getattr(options, name) for name in OPTION_FIELDS},
         total_bytes=total,
         aux_bytes=aux,
         backing_bytes=backing_bytes,
-        budget_bytes=options.budget_bytes,
-        num_pages=sizing.num_pages,
-        swa_num_pages=sizing.swa_num_pages,
-        tp_size=options.tp_size,
-        pp_size=options.pp_size,
-        pp_rank=options.pp_rank,
         layer_start=ctx.layers.start,
         layer_end=ctx.layers.stop,
         num_draft_layers=ctx.num_draft_layers,
