@@ -76,33 +76,26 @@ def _strings(node: ast.AST) -> list[str]:
             and isinstance(n.value, str)]
 
 
+def _set_items(node: ast.AST, constants: dict[str, list[str]]) -> list[str]:
+    """The strings of a tuple / set literal, module constants it names (``*SWA_SINK_ARCHS``)
+    expanded."""
+    names: list[str] = []
+    for part in ast.walk(node):
+        if isinstance(part, ast.Constant) and isinstance(part.value, str):
+            names.append(part.value)
+        elif isinstance(part, ast.Name) and part.id in constants:
+            names.extend(constants[part.id])
+    return names
+
+
 def _module_constants(tree: ast.Module) -> dict[str, list[str]]:
     """Module-level tuples / sets / frozensets of strings (``SWA_SINK_ARCHS`` ...)."""
     out: dict[str, list[str]] = {}
     for node in tree.body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(
                 node.targets[0], ast.Name):
-            value = node.value
-            names: list[str] = []
-            for part in ast.walk(value):
-                if isinstance(part, ast.Constant) and isinstance(part.value, str):
-                    names.append(part.value)
-                elif isinstance(part, ast.Starred) and isinstance(part.value, ast.Name):
-                    names.extend(out.get(part.value.id, []))
-                elif isinstance(part, ast.Name) and part.id in out:
-                    names.extend(out[part.id])
-            out[node.targets[0].id] = names
+            out[node.targets[0].id] = _set_items(node.value, out)
     return out
-
-
-def _set_items(node: ast.AST, constants: dict[str, list[str]]) -> list[str]:
-    names: list[str] = []
-    for part in ast.walk(node):
-        if isinstance(part, ast.Constant) and isinstance(part.value, str):
-            names.append(part.value)
-        elif isinstance(part, ast.Starred) and isinstance(part.value, ast.Name):
-            names.extend(constants.get(part.value.id, []))
-    return names
 
 
 # ---- the registry ------------------------------------------------------------------------------
