@@ -258,9 +258,13 @@ def kv_quant_fp8(quant: object) -> bool:
     algo = quant.get("kv_cache_quant_algo")
     if method.startswith("modelopt") or (method == "" and ("quant_algo" in quant
                                                            or "quantization" in quant)):
-        if quant.get("quant_algo") is not None:
+        quant_algo = quant.get("quant_algo")
+        if quant_algo is not None:
             if isinstance(scheme, Mapping):
                 return _fp8_scheme(scheme)
+            if isinstance(scheme, str) and "FP4" in str(quant_algo).upper():
+                # ModelOpt's FP4 config names the scheme too ("FP8", "FLOAT8")
+                return scheme.strip().upper() in ("FP8", "FLOAT8")
         elif isinstance(quant.get("quantization"), Mapping):
             algo = quant["quantization"].get("kv_cache_quant_algo")
     return isinstance(algo, str) and algo.upper() == "FP8"

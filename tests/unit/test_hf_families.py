@@ -71,6 +71,21 @@ def test_dsa_cell_is_latent_plus_132_byte_indexer_and_656_under_fp8():
     assert fp8.cell_size_bytes == (656 + 132) * 4
 
 
+def test_dsa_auto_kv_is_bfloat16_whatever_the_quantization_says():
+    """SGLang's DSA override turns `auto` into bfloat16 before Blackwell, even for a ModelOpt
+    checkpoint whose kv_cache_scheme is fp8 (GLM-5.1 NVFP4); fp8 when asked."""
+    quant = {"quant_method": "modelopt", "quant_algo": "NVFP4",
+             "kv_cache_scheme": {"type": "float", "num_bits": 8}}
+    spec, _ = spec_from_hf(mla_config("GlmMoeDsaForCausalLM", index_topk=2048,
+                                      quantization_config=quant))
+    assert spec.kv_cache_quant_fp8
+    p = plan(spec, make_options(budget_bytes=GiB, page_size=64))
+    assert p.kv_cache_dtype == "bfloat16"
+    assert any(n.startswith("kv cache dtype bfloat16") for n in p.notes)
+    asked = plan(spec, make_options(budget_bytes=GiB, page_size=64, kv_cache_dtype="fp8_e4m3"))
+    assert asked.kv_cache_dtype == "fp8_e4m3"
+
+
 def test_dsa_forces_page_size_64_as_sglang_does():
     spec, _ = spec_from_hf(mla_config("DeepseekV32ForCausalLM", index_topk=2048))
     p = plan(spec, make_options(budget_bytes=GiB))
@@ -244,6 +259,8 @@ def test_swa_keys_give_the_swa_layers_their_geometry_and_v_head_dim_is_read():
       "kv_cache_scheme": {"type": "float", "num_bits": 8, "dynamic": False}}, True),
     ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}, True),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, False),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4", "kv_cache_scheme": "FP8"}, True),
+    ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_scheme": "FP8"}, False),
     ({"quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}, True),
     ({"quant_method": "compressed-tensors",
       "kv_cache_scheme": {"type": "float", "num_bits": 8, "strategy": "tensor",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from kvpool.contract.dtypes import DType
 from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.options import KVCacheDType
 from kvpool.contract.plan import BufferKind, BufferSpec
 from kvpool.contract.spec import MLAAttention, ModelSpec
 from kvpoold.sizing import mla
@@ -27,6 +28,10 @@ from kvpoold.sizing.layout import buffer, token_rows
 NAME = "dsa"
 DSA_PAGE_SIZE = 64
 FORCED_PAGE_SIZE = DSA_PAGE_SIZE  # the planner sets it, as SGLang's DSA override does
+# SGLang's DSA default for `--kv-cache-dtype auto` (``_dsa_kv_cache_dtype_default``): bfloat16
+# before Blackwell (SM < 100, the H100/H200 kvpool assumes), whatever the checkpoint's
+# quantization says; SM100+ takes fp8_e4m3 (give --kv-cache-dtype fp8_e4m3 there).
+AUTO_KV_CACHE_DTYPE = KVCacheDType.bfloat16
 SCALE_BYTES_PER_128 = 4
 
 

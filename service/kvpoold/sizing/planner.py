@@ -13,7 +13,7 @@ import msgspec
 
 from kvpool.contract.dtypes import DType
 from kvpool.contract.errors import InvalidArgument
-from kvpool.contract.options import PlanOptions
+from kvpool.contract.options import KVCacheDType, PlanOptions
 from kvpool.contract.plan import ArchitectureSource, BufferKind, PoolPlan
 from kvpool.contract.spec import ModelSpec
 from kvpoold.sizing.common import (
@@ -128,6 +128,12 @@ def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = 
         forced = (f"page size {arch.forced_page_size} (SGLang sets it for {arch.name} whatever "
                   f"--page-size says; asked {options.page_size})",)
         options = msgspec.structs.replace(options, page_size=arch.forced_page_size)
+    if arch.auto_kv_cache_dtype is not None and options.kv_cache_dtype is KVCacheDType.auto:
+        forced = (*forced, (
+            f"kv cache dtype {arch.auto_kv_cache_dtype.value}: SGLang's default for {arch.name} "
+            "under --kv-cache-dtype auto before Blackwell (SM100+ takes fp8_e4m3: give "
+            "--kv-cache-dtype fp8_e4m3 there)"))
+        options = msgspec.structs.replace(options, kv_cache_dtype=arch.auto_kv_cache_dtype)
     ctx = make_context(spec, options)
     sizing = arch.size(ctx)
     if options.pp_size > 1:

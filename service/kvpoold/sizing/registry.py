@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.options import KVCacheDType
 from kvpool.contract.plan import BufferSpec
 from kvpool.contract.spec import ModelSpec
 from kvpoold.sizing import dsa, dsv4, hybrid_linear, hybrid_swa, mha, mla
@@ -28,6 +29,8 @@ class Architecture:
     reports: tuple[str, ...] = ()
     # the page size SGLang forces on this family whatever --page-size says (DSA: 64)
     forced_page_size: int | None = None
+    # what `--kv-cache-dtype auto` means for this family when SGLang overrides it (DSA: bf16)
+    auto_kv_cache_dtype: KVCacheDType | None = None
 
 
 ARCHITECTURES: tuple[Architecture, ...] = tuple(
@@ -38,6 +41,7 @@ ARCHITECTURES: tuple[Architecture, ...] = tuple(
         layout=m.layout,
         reports=getattr(m, "REPORTS", (m.NAME,)),
         forced_page_size=getattr(m, "FORCED_PAGE_SIZE", None),
+        auto_kv_cache_dtype=getattr(m, "AUTO_KV_CACHE_DTYPE", None),
     )
     for m in (dsv4, hybrid_linear, dsa, hybrid_swa, mla, mha)
 )
