@@ -774,13 +774,17 @@ def spec_from_hf(config: Config, *, where: str = "config.json", field: str = FIE
             raise _unknown(names or inner, config, where, field)
         r = _Reader(_text_view(config, {}), where, field)
         name = (names or inner or [""])[0]
-        return _to_spec(ASSUMED_LOADERS[assume](r, name), r), "assumed"
+        fields = ASSUMED_LOADERS[assume](r, name)
+        fields["multimodal"] = _multimodal(config, name, None)
+        return _to_spec(fields, r), "assumed"
     row = architectures.row(known)
     assert row is not None
     loader = LOADERS.get(known)
     r = _Reader(_text_view(config, loader.defaults if loader else {}), where, field)
     if loader is not None:
-        return _to_spec(loader.load(r, known), r), "hf_config"
+        fields = loader.load(r, known)
+        fields["multimodal"] = _multimodal(config, names[0] if names else known, row)
+        return _to_spec(fields, r), "hf_config"
     family = _family_of(row, r)
     load = FAMILY_LOADERS.get(family)
     if load is None:
@@ -792,7 +796,27 @@ def spec_from_hf(config: Config, *, where: str = "config.json", field: str = FIE
     if family == "hybrid_gdn" and row.kv == "mla":
         raise r.fail(f"SGLang sizes {known} as a gated-delta-net hybrid with MLA layers, which "
                      "kvpool does not plan yet; give a spec file (docs/sizing.md)")
-    return _to_spec(load(r, known), r), "hf_config"
+    fields = load(r, known)
+    fields["multimodal"] = _multimodal(config, names[0] if names else known, row)
+    return _to_spec(fields, r), "hf_config"
+
+
+def _multimodal(config: Config, first: str, row: architectures.Row | None) -> bool:
+    """SGLang's ``ModelConfig.is_multimodal`` with ``--enable-multimodal`` unset: not one of the
+    classes it turns multimodal off for, not ``language_model_only``, and either a multimodal
+    architecture or a config whose text model is a sub-config. MiMo-V2 counts only with both
+    ``vision_config`` and ``audio_config``."""
+    first_row = architectures.row(first)
+    if (first_row is not None and first_row.mm == "disabled") or config.get(
+            "language_model_only") is True:
+        return False
+    if first == "MiMoV2ForCausalLM" and not ("vision_config" in config
+                                              and "audio_config" in config):
+        return False
+    if first.startswith("Llava") and first.endswith("ForCausalLM"):
+        return row is not None and row.mm == "listed"  # SGLang reads these flat
+    return (first_row is not None and first_row.mm == "listed") or any(
+        isinstance(config.get(k), Mapping) for k in TEXT_CONFIG_KEYS)
 
 
 def parse_config_json(raw: bytes | str, where: str, field: str = FIELD) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ class Row:
     when: str  # the config condition that changes the family, "" if none
     config_class: str  # the annotated config class of the model, "" if unknown
     generation: bool  # False: an embedding / reward / classifier class
+    mm: str = ""  # "listed": in multimodal_model_archs; "disabled": multimodal off by default; ""
 
 
 def sglang_root() -> Path:
@@ -246,6 +248,8 @@ class Rules:
     hybrid_swa: set[str]
     swa_conditional: dict[str, str]
     not_generation: set[str]
+    multimodal: set[str]
+    mm_disabled: set[str]
     state_configs: dict[str, tuple[str, str]]  # config class -> (family, condition)
     linear_registered: dict[str, tuple[str, str]]  # arch -> (family, config class)
 
@@ -358,16 +362,28 @@ def rules(root: Path) -> Rules:
     dsa = set(_strings(_func(tree, "is_deepseek_dsa"))) - {"index_topk"}
     gen_func = _func(tree, "is_generation_model")
     not_generation = {s for s in _strings(gen_func) if s[:1].isupper()}
+    mm_disabled: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "mm_disabled_models" for t in node.targets):
+            mm_disabled.update(_set_items(node.value, constants))
     return Rules(
         mla=mla, mha_branch=mha_branch, dsv4=dsv4,
         pure_ssm=set(constants.get("PURE_SSM_ARCHITECTURES", [])),
         dsa=dsa, hybrid_swa=hybrid_swa, swa_conditional=swa_conditional,
-        not_generation=not_generation, state_configs=_state_configs(root),
+        not_generation=not_generation,
+        multimodal=set(constants.get("multimodal_model_archs", [])), mm_disabled=mm_disabled,
+        state_configs=_state_configs(root),
         linear_registered=_linear_registered(root),
     )
 
 
 def classify(name: str, cfg: str, r: Rules, configs: dict[str, list[str]]) -> Row:
+    mm = "disabled" if name in r.mm_disabled else "listed" if name in r.multimodal else ""
+    return dataclasses.replace(_classify(name, cfg, r, configs), mm=mm)
+
+
+def _classify(name: str, cfg: str, r: Rules, configs: dict[str, list[str]]) -> Row:
     generation = name not in r.not_generation
     kv = "mla" if name in r.mla else "mha"
     if name in r.dsv4:
@@ -408,15 +424,16 @@ COMMENT = [
     "none); when: the config keys that change the family ('dsa: index_topk': DSA when the "
     "config sets index_topk; 'mla: kv_lora_rank': MLA only with that key; hybrid_swa and "
     "state-pool conditions name the keys SGLang tests); config_class: SGLang's config class; "
-    "generation: false for embedding / reward / classifier classes.",
+    "generation: false for embedding / reward / classifier classes; mm: 'listed' in SGLang's "
+    "multimodal_model_archs, 'disabled' when SGLang turns multimodal off by default.",
 ]
-COLUMNS = ["family", "kv", "when", "config_class", "generation"]
+COLUMNS = ["family", "kv", "when", "config_class", "generation", "mm"]
 
 
 def render(table: dict[str, Row], version: str) -> str:
     """The data file: JSON, one row per line (a diff shows the classes that changed)."""
     rows = [f"    {json.dumps(name)}: " + json.dumps(
-        [row.family, row.kv, row.when, row.config_class, row.generation])
+        [row.family, row.kv, row.when, row.config_class, row.generation, row.mm])
         for name, row in table.items()]
     head = json.dumps({"comment": COMMENT, "sglang_version": version, "columns": COLUMNS},
                       indent=2)[:-2]

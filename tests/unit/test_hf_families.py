@@ -360,3 +360,44 @@ def test_garbage_is_refused_with_a_clear_message(raw: bytes, needle: str):
         parse_config_json(raw, "model config x.json")
     assert needle in str(err.value)
     assert err.value.field == "model_config"
+
+
+# ---- multimodal reservation --------------------------------------------------------------------
+
+
+def llava(**over: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "architectures": ["LlavaForConditionalGeneration"], "torch_dtype": "float16",
+        "text_config": {"model_type": "llama", "num_hidden_layers": 2,
+                        "max_position_embeddings": 4096}}
+    cfg.update(over)
+    return cfg
+
+
+def test_a_multimodal_model_reserves_sglangs_100_mib_vlm_cache():
+    """SGLang takes SGLANG_VLM_CACHE_SIZE_MB (100 MiB) off the KV budget of a multimodal
+    model: LLaVA with 2 layers of 32 x 128 fp16 = 32 KiB per token."""
+    spec, _ = spec_from_hf(llava())
+    assert spec.multimodal
+    p = plan(spec, make_options(budget_bytes=GiB))
+    assert p.max_total_num_tokens == (GiB - (100 << 20)) // (2 * 2 * 32 * 128 * 2)
+    assert p.budget_bytes == GiB
+    assert any("multimodal cache" in n for n in p.notes)
+
+
+@pytest.mark.parametrize(("cfg", "multimodal"), [
+    ({"language_model_only": True}, False),
+    ({"architectures": ["Gemma3ForConditionalGeneration"]}, False),  # SGLang turns it off
+    ({"architectures": ["Qwen3VLForConditionalGeneration"]}, True),
+])
+def test_multimodal_follows_sglangs_rule(cfg: dict[str, Any], multimodal: bool):
+    spec, _ = spec_from_hf(llava(**cfg))
+    assert spec.multimodal is multimodal
+
+
+def test_a_text_model_reserves_nothing():
+    cfg = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 512,
+           "num_attention_heads": 8, "max_position_embeddings": 4096}
+    spec, _ = spec_from_hf(cfg)
+    assert not spec.multimodal
+    assert not any("multimodal" in n for n in plan(spec, make_options(budget_bytes=GiB)).notes)

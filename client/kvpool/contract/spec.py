@@ -137,6 +137,8 @@ class ModelSpec(Base):
     dsv4: DSV4Compression | None = None
     num_nextn_predict_layers: Annotated[int, Meta(ge=0, le=MAX_LAYERS)] = 0
     kv_cache_quant_fp8: bool = False  # checkpoint says kv_cache_quant_algo=FP8: `auto` -> fp8_e4m3
+    # SGLang serves it as multimodal: it reserves its multimodal cache out of the KV budget
+    multimodal: bool = False
 
     def __post_init__(self) -> None:
         n = self.num_layers

@@ -95,7 +95,7 @@ class DSV4Compression(_message.Message):
     def __init__(self, compress_ratios: _Optional[_Iterable[int]] = ..., window_size: _Optional[int] = ..., nope_head_dim: _Optional[int] = ..., rope_head_dim: _Optional[int] = ..., index_head_dim: _Optional[int] = ..., state_dtype: _Optional[str] = ...) -> None: ...
 
 class ModelSpec(_message.Message):
-    __slots__ = ("num_layers", "mha", "mla", "context_length", "dtype", "architecture", "sliding_window", "indexer", "linear", "dsv4", "num_nextn_predict_layers", "kv_cache_quant_fp8")
+    __slots__ = ("num_layers", "mha", "mla", "context_length", "dtype", "architecture", "sliding_window", "indexer", "linear", "dsv4", "num_nextn_predict_layers", "kv_cache_quant_fp8", "multimodal")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     MHA_FIELD_NUMBER: _ClassVar[int]
     MLA_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class ModelSpec(_message.Message):
     DSV4_FIELD_NUMBER: _ClassVar[int]
     NUM_NEXTN_PREDICT_LAYERS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_QUANT_FP8_FIELD_NUMBER: _ClassVar[int]
+    MULTIMODAL_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     mha: MHAAttention
     mla: MLAAttention
@@ -120,7 +121,8 @@ class ModelSpec(_message.Message):
     dsv4: DSV4Compression
     num_nextn_predict_layers: int
     kv_cache_quant_fp8: bool
-    def __init__(self, num_layers: _Optional[int] = ..., mha: _Optional[_Union[MHAAttention, _Mapping]] = ..., mla: _Optional[_Union[MLAAttention, _Mapping]] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., architecture: _Optional[str] = ..., sliding_window: _Optional[_Union[SlidingWindow, _Mapping]] = ..., indexer: _Optional[_Union[DSAIndexer, _Mapping]] = ..., linear: _Optional[_Union[LinearAttention, _Mapping]] = ..., dsv4: _Optional[_Union[DSV4Compression, _Mapping]] = ..., num_nextn_predict_layers: _Optional[int] = ..., kv_cache_quant_fp8: _Optional[bool] = ...) -> None: ...
+    multimodal: bool
+    def __init__(self, num_layers: _Optional[int] = ..., mha: _Optional[_Union[MHAAttention, _Mapping]] = ..., mla: _Optional[_Union[MLAAttention, _Mapping]] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., architecture: _Optional[str] = ..., sliding_window: _Optional[_Union[SlidingWindow, _Mapping]] = ..., indexer: _Optional[_Union[DSAIndexer, _Mapping]] = ..., linear: _Optional[_Union[LinearAttention, _Mapping]] = ..., dsv4: _Optional[_Union[DSV4Compression, _Mapping]] = ..., num_nextn_predict_layers: _Optional[int] = ..., kv_cache_quant_fp8: _Optional[bool] = ..., multimodal: _Optional[bool] = ...) -> None: ...
 
 class ConfigureRequest(_message.Message):
     __slots__ = ("pool", "hf_config_json", "spec", "budget_bytes", "max_total_tokens", "page_size", "kv_cache_dtype", "tp_size", "pp_size", "pp_rank", "context_length", "max_running_requests", "speculative_algorithm", "speculative_num_draft_layers", "swa_full_tokens_ratio", "mamba_full_memory_ratio", "disable_radix_cache", "dry_run", "speculative_num_draft_tokens", "allow_longer_context", "mamba_radix_cache_strategy", "chunked_prefill_size", "disable_overlap_schedule")

@@ -17,8 +17,8 @@ from typing import Any, Literal
 DATA = Path(__file__).with_name("sglang_architectures.json")
 _TABLE: dict[str, Any] = json.loads(DATA.read_text(encoding="utf-8"))
 SGLANG_VERSION: str = _TABLE["sglang_version"]
-# name -> (family, kv, when, config_class, generation), as the data file's columns
-ROWS: dict[str, tuple[str, str, str, str, bool]] = {
+# name -> (family, kv, when, config_class, generation, mm), as the data file's columns
+ROWS: dict[str, tuple[str, str, str, str, bool, str]] = {
     name: tuple(values) for name, values in _TABLE["rows"].items()  # type: ignore[misc]
 }
 
@@ -46,7 +46,9 @@ class Row:
     ``kv``: what a full-attention layer stores (mha, mla, none); ``when``: the config keys that
     change the family (``"dsa: index_topk"``, ``"mla: kv_lora_rank"``, a hybrid-SWA or
     state-pool condition); ``config_class``: SGLang's config class for it ("" unknown);
-    ``generation``: False for embedding / reward / classifier classes.
+    ``generation``: False for embedding / reward / classifier classes; ``mm``: ``"listed"`` in
+    SGLang's multimodal architectures, ``"disabled"`` where SGLang turns multimodal off unless
+    ``--enable-multimodal``, else "".
     """
 
     name: str
@@ -55,6 +57,7 @@ class Row:
     when: str
     config_class: str
     generation: bool
+    mm: str
 
     @property
     def dsa_with_index_topk(self) -> bool:

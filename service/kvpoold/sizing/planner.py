@@ -34,6 +34,8 @@ SIZING_FIELDS = (
     "c4_state_pool_size", "c128_state_pool_size", "num_pages", "swa_num_pages",
 )
 OPTION_FIELDS = ("budget_bytes", "tp_size", "pp_size", "pp_rank")
+# SGLang's SGLANG_VLM_CACHE_SIZE_MB default: taken off the KV budget of a multimodal model.
+MULTIMODAL_RESERVATION_BYTES = 100 << 20
 # SGLang's max_running_requests when speculative decoding is on and the user gave none.
 SPECULATIVE_MAX_RUNNING_REQUESTS = 48
 
@@ -134,6 +136,14 @@ def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = 
             "under --kv-cache-dtype auto before Blackwell (SM100+ takes fp8_e4m3: give "
             "--kv-cache-dtype fp8_e4m3 there)"))
         options = msgspec.structs.replace(options, kv_cache_dtype=arch.auto_kv_cache_dtype)
+    asked = options
+    if spec.multimodal and options.budget_bytes is not None:
+        reserve = min(options.budget_bytes, MULTIMODAL_RESERVATION_BYTES)
+        forced = (*forced, (
+            f"{reserve:,} B of the budget reserved for SGLang's multimodal cache "
+            "(SGLANG_VLM_CACHE_SIZE_MB, 100 MiB; SGLang drops it for Qwen3-VL on SM90 GPUs "
+            "of 60 GiB and more)"))
+        options = msgspec.structs.replace(options, budget_bytes=options.budget_bytes - reserve)
     ctx = make_context(spec, options)
     sizing = arch.size(ctx)
     if options.pp_size > 1:
@@ -183,7 +193,7 @@ def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = 
         cell_size_bytes=sizing.cell_size_bytes,
         max_total_num_tokens=max_total,
         **{name: getattr(sizing, name) for name in SIZING_FIELDS},
-        **{name: getattr(options, name) for name in OPTION_FIELDS},
+        **{name: getattr(asked, name) for name in OPTION_FIELDS},
         total_bytes=total,
         aux_bytes=aux,
         backing_bytes=backing_bytes,
