@@ -53,4 +53,6 @@ def test_table_knows_the_families_sglang_builds() -> None:
     assert rows["GptOssForCausalLM"][0] == "hybrid_swa"
     assert rows["DeepseekV4ForCausalLM"][0] == "dsv4"
     assert rows["BertModel"][4] is False
+    assert rows["Qwen3VLForConditionalGeneration"][5] == "listed"
+    assert rows["Gemma3ForConditionalGeneration"][5] == "disabled"
     assert len(rows) > 250
