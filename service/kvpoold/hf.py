@@ -41,6 +41,8 @@ FAMILY`` says how to read it (source ``"assumed"``). The rules, each SGLang's
   ``layer_types``, Falcon-H1): attention KV in the attention layers, Mamba2 state in the Mamba
   layers, nothing in MLP/MoE layers.
 - **DSA**: an MLA class of SGLang's DSA list whose config sets ``index_topk``.
+- **DeepSeek-V4**: ``compress_ratios`` per layer, ``sliding_window``, fp8 KV
+  (docs/dsv4-layout.md).
 
 Worked example, Llama-3.1-8B: 32 layers, 32 heads, 8 KV heads, hidden 4096 -> head_dim 128,
 context 131,072 (rope_type llama3: no scaling), bfloat16:
@@ -520,6 +522,31 @@ def _hybrid_linear(r: _Reader, architecture: str) -> SpecFields:
     return fields
 
 
+def _dsv4(r: _Reader, architecture: str) -> SpecFields:
+    """DeepSeek-V4 compressed attention (docs/dsv4-layout.md, "Where each field comes from"):
+    ``compress_ratios`` (its trailing MTP entry dropped), ``sliding_window`` as the window,
+    ``head_dim - qk_rope_head_dim`` / ``qk_rope_head_dim`` as nope / rope, ``index_head_dim``;
+    fp8 KV, SGLang's DSV4 default."""
+    fields = _common(r, architecture)
+    n = fields["num_layers"]
+    ratios = r.config.get("compress_ratios")
+    if not isinstance(ratios, list) or len(ratios) < n:
+        raise r.fail(f"compress_ratios must list (at least) num_hidden_layers = {n} entries "
+                     "of 0, 4 or 128")
+    rope = r.get_int("qk_rope_head_dim")
+    nope = r.get_int("head_dim") - rope
+    fields["attention"] = {"type": "mla", "kv_lora_rank": nope, "qk_rope_head_dim": rope}
+    fields["kv_cache_quant_fp8"] = True
+    fields["dsv4"] = {
+        "compress_ratios": ratios[:n],
+        "window_size": r.opt_int("sliding_window", 128),
+        "nope_head_dim": nope,
+        "rope_head_dim": rope,
+        "index_head_dim": r.opt_int("index_head_dim", 128),
+    }
+    return fields
+
+
 # Nemotron-H's hybrid_override_pattern letters: M Mamba2, * attention, - MLP, E MoE.
 NEMOTRON_H_PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 # The Mamba2 keys of each config style: (heads, head dim, groups, state size, conv kernel).
@@ -634,10 +661,12 @@ FAMILY_LOADERS: dict[str, Callable[[_Reader, str], SpecFields]] = {
     "hybrid_swa": _mha,
     "hybrid_gdn": _hybrid_linear,
     "hybrid_mamba": _hybrid_mamba,
+    "dsv4": _dsv4,
 }
 # `--assume-architecture FAMILY`: as the table's, but hybrid_swa reads its layers generically.
 ASSUMED_LOADERS: dict[str, Callable[[_Reader, str], SpecFields]] = {
-    **FAMILY_LOADERS, "hybrid_swa": _hybrid_swa,
+    **{k: v for k, v in FAMILY_LOADERS.items() if k in architectures.ASSUMABLE},
+    "hybrid_swa": _hybrid_swa,
 }
 
 

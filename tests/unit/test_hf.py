@@ -440,8 +440,8 @@ def test_assumed_without_fields_names_the_missing_one():
 def test_a_known_family_kvpool_does_not_plan_is_refused_with_the_reason():
     with pytest.raises(InvalidArgument, match="SGLang sizes KimiLinearForCausalLM as hybrid_kda"):
         spec_from_hf(with_arch("KimiLinearForCausalLM"))
-    with pytest.raises(InvalidArgument, match=r"DeepseekV4ForCausalLM as dsv4: .*spec file"):
-        spec_from_hf(with_arch("DeepseekV4ForCausalLM"))
+    with pytest.raises(InvalidArgument, match="SGLang sizes MambaForCausalLM as mamba: a pure"):
+        spec_from_hf(with_arch("MambaForCausalLM"))
 
 
 def test_errors_blame_the_given_field():

@@ -93,6 +93,27 @@ def test_dsa_forces_page_size_64_as_sglang_does():
     assert any("page size 64" in n for n in p.notes)
 
 
+# ---- DeepSeek-V4 ----------------------------------------------------------------------------
+
+
+def test_deepseek_v4_reads_compress_ratios_and_its_window():
+    """DeepSeek-V4-Flash's shape, cut to 4 layers: the HF list's trailing MTP ratio is dropped;
+    nope = head_dim 512 - rope 64 = 448; fp8 KV (SGLang's DSV4 default)."""
+    cfg = {"architectures": ["DeepseekV4ForCausalLM"], "num_hidden_layers": 4,
+           "head_dim": 512, "qk_rope_head_dim": 64, "index_head_dim": 128,
+           "sliding_window": 128, "compress_ratios": [0, 4, 128, 4, 0],
+           "num_attention_heads": 64, "num_key_value_heads": 1, "hidden_size": 4096,
+           "max_position_embeddings": 65536, "num_nextn_predict_layers": 1,
+           "torch_dtype": "bfloat16"}
+    spec, _ = spec_from_hf(cfg)
+    assert spec.dsv4 is not None and spec.dsv4.compress_ratios == (0, 4, 128, 4)
+    assert (spec.dsv4.window_size, spec.dsv4.nope_head_dim, spec.dsv4.rope_head_dim) == (
+        128, 448, 64)
+    assert spec.kv_cache_quant_fp8
+    p = plan(spec, make_options(budget_bytes=4 * GiB, page_size=256))
+    assert (p.architecture, p.kv_cache_dtype) == ("dsv4", "fp8_e4m3")
+
+
 # ---- gated delta net through text_config (Qwen3.5) ---------------------------------------------
 
 

@@ -30,8 +30,6 @@ ASSUMABLE: tuple[str, ...] = ("mha", "mla", "dsa", "hybrid_swa", "hybrid_gdn", "
 
 # Families SGLang builds that kvpool cannot read from a HF config, and what to do instead.
 UNSUPPORTED: dict[str, str] = {
-    "dsv4": "DeepSeek-V4 compressed attention is planned from a spec file "
-            "(examples/specs/deepseek-v4*.toml)",
     "hybrid_kda": "Kimi delta attention state pools are not modelled by kvpool yet",
     "hybrid_lightning": "lightning attention state pools are not modelled by kvpool yet",
     "mamba": "a pure state-space model has no KV cache; kvpool does not plan state-only pools",

@@ -6,7 +6,7 @@
     cell   = (main + index) * L, then int(cell * (1 + D / L)) with D draft layers
 
 The page size is 64 (the indexer kernels' page): SGLang sets it whatever ``--page-size`` says, and
-so does the planner (``FORCED_PAGE_SIZE``, with a plan note). Worked example, DeepSeek-V3.2 (61
+so does the planner (:func:`page_size_for`, with a plan note). Worked example, DeepSeek-V3.2 (61
 layers), bf16, page 64, 40 GiB: cell = (1152 + 132) * 61 = 78,324 B; one page = 5,012,736 B;
 pages = 42,949,672,960 // 5,012,736 = 8,568 (the padding page on top); tokens = 548,352.
 Buffers: ``kv.<l>`` ``(rows, 1, kv_dim)`` (uint8 ``(rows, 1, 656)`` with fp8_e4m3) and
@@ -27,12 +27,16 @@ from kvpoold.sizing.layout import buffer, token_rows
 
 NAME = "dsa"
 DSA_PAGE_SIZE = 64
-FORCED_PAGE_SIZE = DSA_PAGE_SIZE  # the planner sets it, as SGLang's DSA override does
 # SGLang's DSA default for `--kv-cache-dtype auto` (``_dsa_kv_cache_dtype_default``): bfloat16
 # before Blackwell (SM < 100, the H100/H200 kvpool assumes), whatever the checkpoint's
 # quantization says; SM100+ takes fp8_e4m3 (give --kv-cache-dtype fp8_e4m3 there).
 AUTO_KV_CACHE_DTYPE = KVCacheDType.bfloat16
 SCALE_BYTES_PER_128 = 4
+
+
+def page_size_for(asked: int) -> int:
+    """SGLang's DSA override sets page size 64 whatever ``--page-size`` says."""
+    return DSA_PAGE_SIZE
 
 
 def matches(spec: ModelSpec) -> bool:

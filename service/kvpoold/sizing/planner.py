@@ -126,10 +126,11 @@ def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = 
     options = engine_defaults(options)
     arch = select_architecture(spec)
     forced: tuple[str, ...] = ()
-    if arch.forced_page_size is not None and options.page_size != arch.forced_page_size:
-        forced = (f"page size {arch.forced_page_size} (SGLang sets it for {arch.name} whatever "
-                  f"--page-size says; asked {options.page_size})",)
-        options = msgspec.structs.replace(options, page_size=arch.forced_page_size)
+    page = arch.page_size_for(options.page_size) if arch.page_size_for else options.page_size
+    if page != options.page_size:
+        forced = (f"page size {page} (SGLang sets it for {arch.name}; asked "
+                  f"{options.page_size})",)
+        options = msgspec.structs.replace(options, page_size=page)
     if arch.auto_kv_cache_dtype is not None and options.kv_cache_dtype is KVCacheDType.auto:
         forced = (*forced, (
             f"kv cache dtype {arch.auto_kv_cache_dtype.value}: SGLang's default for {arch.name} "

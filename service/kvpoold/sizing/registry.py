@@ -27,8 +27,8 @@ class Architecture:
     layout: Callable[[SizingContext, Sizing], list[BufferSpec]]
     # architecture names this module can report (hybrid_swa also reports all_swa)
     reports: tuple[str, ...] = ()
-    # the page size SGLang forces on this family whatever --page-size says (DSA: 64)
-    forced_page_size: int | None = None
+    # the page size SGLang takes for this family given --page-size (DSA: always 64)
+    page_size_for: Callable[[int], int] | None = None
     # what `--kv-cache-dtype auto` means for this family when SGLang overrides it (DSA: bf16)
     auto_kv_cache_dtype: KVCacheDType | None = None
 
@@ -40,7 +40,7 @@ ARCHITECTURES: tuple[Architecture, ...] = tuple(
         size=m.size,
         layout=m.layout,
         reports=getattr(m, "REPORTS", (m.NAME,)),
-        forced_page_size=getattr(m, "FORCED_PAGE_SIZE", None),
+        page_size_for=getattr(m, "page_size_for", None),
         auto_kv_cache_dtype=getattr(m, "AUTO_KV_CACHE_DTYPE", None),
     )
     for m in (dsv4, hybrid_linear, dsa, hybrid_swa, mla, mha)
