@@ -1,8 +1,13 @@
 """Hugging Face ``config.json`` -> :class:`ModelSpec`, read the way SGLang 0.5.23 reads it.
 
-:data:`LOADERS` maps the HF class name (``LlamaForCausalLM``) to a :class:`Loader`; an unknown
-class with the standard fields is planned as plain MHA (source ``"fallback"``). The rules, each
-SGLang's (``configs/model_config.py``, ``utils/hf_transformers/common.py``):
+The HF class name (``LlamaForCausalLM``) is looked up in SGLang's architecture table
+(:mod:`kvpoold.sizing.architectures`, one row per class of SGLang's model registry); its family
+picks the loader (:data:`FAMILY_LOADERS`; :data:`LOADERS` adds class defaults for a few). A class
+SGLang does not know is refused, naming the nearest known ones, unless ``--assume-architecture
+FAMILY`` says how to read it (source ``"assumed"``). The rules, each SGLang's
+(``configs/model_config.py``, ``utils/hf_transformers/common.py``, ``configs/hybrid_arch.py``):
+
+- **JSON** as Python reads it (``Infinity``/``NaN`` accepted), at most ``MAX_CONFIG_CHARS``.
 
 - **Text config.** A multimodal config is read through its first sub-config present among
   ``thinker_config``, ``llm_config``, ``language_config``, ``text_config``; a sub-config without a
@@ -13,8 +18,11 @@ SGLang's (``configs/model_config.py``, ``utils/hf_transformers/common.py``):
   ``num_attention_heads``.
 - **dtype** (``--dtype auto``): the config's ``dtype``, else ``torch_dtype``; none means
   float32, and float32 is served as float16, or bfloat16 when ``model_type`` starts with
-  ``gemma``; gpt-oss with an ``mxfp4`` ``quantization_config`` runs in bfloat16. A checkpoint's
-  ``kv_cache_quant_algo: FP8`` makes ``auto`` KV fp8_e4m3.
+  ``gemma``; gpt-oss with an ``mxfp4`` ``quantization_config`` runs in bfloat16.
+- **KV dtype implied by quantization** (``--kv-cache-dtype auto``): fp8_e4m3 when the
+  quantization method reports ``kv_cache_quant_algo == "FP8"`` (:func:`kv_quant_fp8`: ModelOpt's
+  float 8-bit ``kv_cache_scheme`` or ``kv_cache_quant_algo``, compressed-tensors' static
+  per-tensor fp8 ``kv_cache_scheme``, fp8's ``kv_cache_quant_algo``).
 - **Context length**: the first present of ``max_sequence_length``, ``seq_length``,
   ``max_seq_len``, ``model_max_length``, ``max_position_embeddings`` (else 2048), times the
   ``rope_scaling`` ``factor`` unless that has ``original_max_position_embeddings`` or
@@ -24,8 +32,17 @@ SGLang's (``configs/model_config.py``, ``utils/hf_transformers/common.py``):
   Gemma-3, Mistral, Qwen2/3, Phi-3 and the like get a plain full-attention pool even with
   ``sliding_window`` or ``layer_types`` (the window is applied in attention only). An
   allowlisted model whose layers all slide gets an SWA-only pool.
-- Qwen3-Next: full attention on ``(i + 1) % full_attention_interval == 0`` (or the
-  ``"full_attention"`` entries of ``layer_types``), linear attention elsewhere.
+- **Per-layer-type geometry** of hybrid SWA: Gemma-4's full layers take
+  ``num_global_key_value_heads`` / ``global_head_dim``; others' SWA layers ``swa_*`` keys.
+- **Gated delta net** (Qwen3-Next, Qwen3.5 through its ``text_config``): full attention on
+  ``(i + 1) % full_attention_interval == 0`` (or the ``"full_attention"`` entries of
+  ``layer_types``), linear attention elsewhere.
+- **Mamba2 hybrids** (Nemotron-H ``hybrid_override_pattern`` / ``layers_block_type``, Granite-4
+  ``layer_types``, Falcon-H1): attention KV in the attention layers, Mamba2 state in the Mamba
+  layers, nothing in MLP/MoE layers.
+- **DSA**: an MLA class of SGLang's DSA list whose config sets ``index_topk``.
+- **DeepSeek-V4**: ``compress_ratios`` per layer, ``sliding_window``, fp8 KV
+  (docs/dsv4-layout.md).
 
 Worked example, Llama-3.1-8B: 32 layers, 32 heads, 8 KV heads, hidden 4096 -> head_dim 128,
 context 131,072 (rope_type llama3: no scaling), bfloat16:
@@ -34,6 +51,7 @@ context 131,072 (rope_type llama3: no scaling), bfloat16:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,9 +60,10 @@ from typing import Any
 import msgspec
 
 from kvpool.contract.errors import InvalidArgument, echo
-from kvpool.contract.limits import MAX_LAYERS
+from kvpool.contract.limits import MAX_CONFIG_CHARS, MAX_LAYERS
 from kvpool.contract.plan import ArchitectureSource
 from kvpool.contract.spec import ModelDType, ModelSpec, decode_spec, load_spec_file
+from kvpoold.sizing import architectures
 
 FIELD = "model_config"
 SLIDING = "sliding_attention"
@@ -65,7 +84,8 @@ CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "mode
                        "max_position_embeddings")
 DEFAULT_CONTEXT_LENGTH = 2048
 # Key names of the KV head count, in the order SGLang tries them.
-KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num")
+KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num",
+                "num_attention_groups")
 
 Config = Mapping[str, Any]
 SpecFields = dict[str, Any]
@@ -108,11 +128,40 @@ def _kv_heads(r: _Reader, heads: int) -> int:
     """KV heads: one for multi-query attention, else the first key SGLang reads that is set."""
     if r.config.get("multi_query") is True and not r.config.get("new_decoder_architecture"):
         return 1
+    if r.config.get("model_type") == "nemotron-nas":
+        return _nemotron_nas_kv_heads(r, heads)
+    attn = r.config.get("attn_config")
+    if r.config.get("model_type") in ("dbrx", "mpt") and isinstance(attn, Mapping):
+        value = attn.get("kv_n_heads")  # DBRX / MPT keep it in attn_config
+        if value is not None:
+            return _Reader(attn, r.where, r.field)._check_int("attn_config.kv_n_heads", value)
+        return heads
     for key in KV_HEAD_KEYS:
         value = r.opt_int(key)
         if value is not None:
             return value
     return heads
+
+
+def _nemotron_nas_kv_heads(r: _Reader, heads: int) -> int:
+    """Nemotron-NAS (DeciLM): ``heads // n_heads_in_group`` of its attention blocks, which must
+    agree (SGLang refuses variable GQA)."""
+    blocks = r.config.get("block_configs")
+    if not isinstance(blocks, list):
+        raise r.fail("block_configs must list the blocks of a nemotron-nas model")
+    found: set[int] = set()
+    for block in blocks:
+        attn = block.get("attention") if isinstance(block, Mapping) else None
+        if not isinstance(attn, Mapping) or attn.get("no_op"):
+            continue
+        group = _Reader(attn, r.where, r.field).get_int("n_heads_in_group")
+        if group < 1:
+            raise r.fail(f"n_heads_in_group must be >= 1, got {group}")
+        found.add(heads // group)
+    if len(found) != 1:
+        raise r.fail("block_configs give " + ("no attention block" if not found else
+                     f"KV head counts {sorted(found)}: variable GQA, which SGLang refuses"))
+    return found.pop()
 
 
 def _mha_attention(r: _Reader) -> dict[str, Any]:
@@ -130,7 +179,11 @@ def _mha_attention(r: _Reader) -> dict[str, Any]:
                 "give head_dim explicitly"
             )
         head_dim = hidden // heads
-    return {"type": "mha", "num_kv_heads": kv_heads, "head_dim": head_dim}
+    attention: dict[str, Any] = {"type": "mha", "num_kv_heads": kv_heads, "head_dim": head_dim}
+    v_head_dim = r.opt_int("v_head_dim")  # SGLang: unset or 0 means head_dim
+    if v_head_dim and v_head_dim != head_dim:
+        attention["v_head_dim"] = v_head_dim
+    return attention
 
 
 def _model_dtype(r: _Reader, architecture: str) -> ModelDType:
@@ -177,12 +230,50 @@ def _context_length(r: _Reader) -> int:
     return DEFAULT_CONTEXT_LENGTH
 
 
-def _kv_cache_quant_fp8(r: _Reader) -> bool:
-    quant = r.config.get("quantization_config")
+def _fp8_scheme(scheme: object, *, compressed_tensors: bool = False) -> bool:
+    """An 8-bit float ``kv_cache_scheme``; compressed-tensors loads only static symmetric
+    per-tensor scales, so SGLang takes its fp8 pool only for those."""
+    if not isinstance(scheme, Mapping):
+        return False
+    fp8 = scheme.get("type") == "float" and scheme.get("num_bits") == 8
+    if not compressed_tensors:
+        return fp8
+    return (fp8 and scheme.get("strategy") == "tensor" and scheme.get("symmetric", True) is True
+            and not scheme.get("dynamic", False))
+
+
+def kv_quant_fp8(quant: object) -> bool:
+    """Whether the checkpoint's ``quantization_config`` makes ``--kv-cache-dtype auto`` fp8.
+
+    SGLang takes fp8 KV under ``auto`` when the model's quantization method reports
+    ``kv_cache_quant_algo == "FP8"``: compressed-tensors from a static per-tensor fp8
+    ``kv_cache_scheme``; ModelOpt's flat format (``quant_algo`` at the top) from a float 8-bit
+    ``kv_cache_scheme``, else its ``kv_cache_quant_algo``; ModelOpt's nested format from
+    ``quantization.kv_cache_quant_algo``; fp8 and the others from ``kv_cache_quant_algo``.
+    """
     if not isinstance(quant, Mapping):
         return False
+    method = str(quant.get("quant_method") or "").lower()
+    scheme = quant.get("kv_cache_scheme")
+    if method == "compressed-tensors":
+        return _fp8_scheme(scheme, compressed_tensors=True)
     algo = quant.get("kv_cache_quant_algo")
+    if method.startswith("modelopt") or (method == "" and ("quant_algo" in quant
+                                                           or "quantization" in quant)):
+        quant_algo = quant.get("quant_algo")
+        if quant_algo is not None:
+            if isinstance(scheme, Mapping):
+                return _fp8_scheme(scheme)
+            if isinstance(scheme, str) and "FP4" in str(quant_algo).upper():
+                # ModelOpt's FP4 config names the scheme too ("FP8", "FLOAT8")
+                return scheme.strip().upper() in ("FP8", "FLOAT8")
+        elif isinstance(quant.get("quantization"), Mapping):
+            algo = quant["quantization"].get("kv_cache_quant_algo")
     return isinstance(algo, str) and algo.upper() == "FP8"
+
+
+def _kv_cache_quant_fp8(r: _Reader) -> bool:
+    return kv_quant_fp8(r.config.get("quantization_config"))
 
 
 def _common(r: _Reader, architecture: str) -> SpecFields:
@@ -288,11 +379,21 @@ EXCLUSIVE_WINDOW = frozenset({
 EMBEDDING_GEMMA2_WINDOW = 512  # EmbeddingGemma2Model's fixed window in SGLang
 
 
-def _sliding(r: _Reader, n: int, architecture: str) -> dict[str, Any] | None:
-    """The spec's ``sliding_window`` entry: only for the allowlist or ``is_hybrid_swa: true``."""
+# Gemma-4's family states its shapes sliding-window first: ``head_dim`` / ``num_key_value_heads``
+# are the SWA layers', ``global_head_dim`` / ``num_global_key_value_heads`` the full layers'.
+GEMMA4_MODEL_TYPES = frozenset({
+    "gemma4", "gemma4_text", "gemma4_assistant", "gemma4_unified", "gemma4_unified_assistant",
+    "diffusion_gemma", "embedding_gemma2",
+})
+
+
+def _sliding(r: _Reader, n: int, architecture: str, *, assumed: bool = False,
+             ) -> dict[str, Any] | None:
+    """The spec's ``sliding_window`` entry: only for the allowlist or ``is_hybrid_swa: true``
+    (or ``--assume-architecture hybrid_swa``: ``layer_types``, else ``hybrid_layer_pattern``)."""
     rule = HYBRID_SWA.get(architecture)
-    if rule is None and r.config.get("is_hybrid_swa") is True:
-        rule = _by_pattern
+    if rule is None and (assumed or r.config.get("is_hybrid_swa") is True):
+        rule = _by_layer_types if assumed and r.has("layer_types") else _by_pattern
     if rule is None:
         return None
     layers = rule(r, n)
@@ -309,16 +410,65 @@ def _sliding(r: _Reader, n: int, architecture: str) -> dict[str, Any] | None:
     return {"window": window, "layers": layers}
 
 
+def _per_layer_type_geometry(r: _Reader, attention: dict[str, Any]) -> dict[str, Any]:
+    """Full-attention and SWA KV geometry when the layer types differ (SGLang's rules).
+
+    Gemma-4 family: the full layers take ``num_global_key_value_heads`` / ``global_head_dim``
+    (each defaulting to the base value), the SWA layers the base ``num_key_value_heads`` /
+    ``head_dim``. Others: ``swa_num_key_value_heads`` / ``swa_head_dim`` / ``swa_v_head_dim``
+    when the config states them (Step-3.5: ``attention_other_setting.num_attention_groups``).
+    Updates ``attention`` (the full layers) in place; returns the SWA layers' overrides.
+    """
+    base_heads, base_dim = attention["num_kv_heads"], attention["head_dim"]
+    model_type = r.config.get("model_type")
+    swa: dict[str, Any] = {}
+    if model_type in GEMMA4_MODEL_TYPES and (r.has("num_global_key_value_heads")
+                                             or r.has("global_head_dim")):
+        attention["num_kv_heads"] = r.opt_int("num_global_key_value_heads", base_heads)
+        attention["head_dim"] = r.opt_int("global_head_dim", base_dim)
+        attention.pop("v_head_dim", None)
+        swa = {"num_kv_heads": base_heads, "head_dim": base_dim}
+    else:
+        other = r.config.get("attention_other_setting")
+        heads = r.opt_int("swa_num_key_value_heads")
+        if heads is None and isinstance(other, Mapping) and other.get("num_attention_groups"):
+            heads = _Reader(other, r.where, r.field).get_int("num_attention_groups")
+        dim = r.opt_int("swa_head_dim")
+        v_dim = r.opt_int("swa_v_head_dim")
+        if heads is not None:
+            swa["num_kv_heads"] = heads
+        if dim is not None:
+            swa["head_dim"] = dim
+        if v_dim is not None and v_dim != (dim or base_dim):
+            swa["v_head_dim"] = v_dim
+    full = (attention["num_kv_heads"], attention["head_dim"])
+    if (swa.get("num_kv_heads", full[0]), swa.get("head_dim", full[1])) == full \
+            and "v_head_dim" not in swa:
+        return {}
+    return swa
+
+
 # ---- loaders -----------------------------------------------------------------------------------
 
 
-def _mha(r: _Reader, architecture: str) -> SpecFields:
+def _mha(r: _Reader, architecture: str, *, assumed: bool = False) -> SpecFields:
     """An MHA/GQA model, with an SWA pool when SGLang gives it one (:func:`_sliding`)."""
     fields = _common(r, architecture)
     fields["attention"] = _mha_attention(r)
-    window = _sliding(r, fields["num_layers"], architecture)
+    window = _sliding(r, fields["num_layers"], architecture, assumed=assumed)
     if window is not None:
+        window.update(_per_layer_type_geometry(r, fields["attention"]))
         fields["sliding_window"] = window
+    return fields
+
+
+def _hybrid_swa(r: _Reader, architecture: str) -> SpecFields:
+    """``--assume-architecture hybrid_swa``: sliding layers from ``layer_types`` (or
+    ``hybrid_layer_pattern``), the window from the config."""
+    fields = _mha(r, architecture, assumed=True)
+    if "sliding_window" not in fields:
+        raise r.fail("assumed hybrid_swa, but the config names no sliding layer (layer_types "
+                     "with sliding_attention entries, or hybrid_layer_pattern with 1s)")
     return fields
 
 
@@ -333,6 +483,8 @@ def _mla(r: _Reader, architecture: str) -> SpecFields:
 
 
 def _dsa(r: _Reader, architecture: str) -> SpecFields:
+    """DeepSeek sparse attention: MLA plus the lightning indexer (SGLang's ``is_deepseek_dsa``:
+    an MLA class of its DSA list whose config sets ``index_topk``)."""
     fields = _mla(r, architecture)
     indexer: dict[str, Any] = {}
     if r.has("index_head_dim"):
@@ -342,6 +494,7 @@ def _dsa(r: _Reader, architecture: str) -> SpecFields:
 
 
 def _hybrid_linear(r: _Reader, architecture: str) -> SpecFields:
+    """Gated delta net hybrids (Qwen3-Next, Qwen3.5 in its text_config, Jet-Nemotron ...)."""
     fields = _common(r, architecture)
     n = fields["num_layers"]
     fields["attention"] = _mha_attention(r)
@@ -369,6 +522,109 @@ def _hybrid_linear(r: _Reader, architecture: str) -> SpecFields:
     return fields
 
 
+def _dsv4(r: _Reader, architecture: str) -> SpecFields:
+    """DeepSeek-V4 compressed attention (docs/dsv4-layout.md, "Where each field comes from"):
+    ``compress_ratios`` (its trailing MTP entry dropped), ``sliding_window`` as the window,
+    ``head_dim - qk_rope_head_dim`` / ``qk_rope_head_dim`` as nope / rope, ``index_head_dim``;
+    fp8 KV, SGLang's DSV4 default."""
+    fields = _common(r, architecture)
+    n = fields["num_layers"]
+    ratios = r.config.get("compress_ratios")
+    if not isinstance(ratios, list) or len(ratios) < n:
+        raise r.fail(f"compress_ratios must list (at least) num_hidden_layers = {n} entries "
+                     "of 0, 4 or 128")
+    rope = r.get_int("qk_rope_head_dim")
+    nope = r.get_int("head_dim") - rope
+    fields["attention"] = {"type": "mla", "kv_lora_rank": nope, "qk_rope_head_dim": rope}
+    fields["kv_cache_quant_fp8"] = True
+    fields["dsv4"] = {
+        "compress_ratios": ratios[:n],
+        "window_size": r.opt_int("sliding_window", 128),
+        "nope_head_dim": nope,
+        "rope_head_dim": rope,
+        "index_head_dim": r.opt_int("index_head_dim", 128),
+    }
+    return fields
+
+
+# Nemotron-H's hybrid_override_pattern letters: M Mamba2, * attention, - MLP, E MoE.
+NEMOTRON_H_PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+# The Mamba2 keys of each config style: (heads, head dim, groups, state size, conv kernel).
+MAMBA2_KEYS = (
+    ("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel"),
+    ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv"),
+)
+
+
+def _mamba_layers(r: _Reader) -> tuple[int, list[int], list[int]]:
+    """(num_layers, attention layers, Mamba2 layers) of a Mamba2 hybrid.
+
+    Nemotron-H: ``layers_block_type`` (mamba / attention / mlp / moe), else the legacy
+    ``hybrid_override_pattern``; its length is the layer count. Granite-4 hybrids:
+    ``layer_types`` (mamba / attention). Falcon-H1 (no layer list): attention and Mamba2 in
+    every layer.
+    """
+    blocks = r.config.get("layers_block_type")
+    pattern = r.config.get("hybrid_override_pattern")
+    if blocks is None and isinstance(pattern, str):
+        bad = sorted(set(pattern) - set(NEMOTRON_H_PATTERN))
+        if bad:
+            raise r.fail(f"hybrid_override_pattern has {echo(bad[0])} (accepted: M mamba, "
+                         "* attention, - mlp, E moe)")
+        blocks = [NEMOTRON_H_PATTERN[c] for c in pattern]
+    if blocks is None and r.has("layer_types"):
+        blocks = r.config.get("layer_types")
+    if blocks is None:
+        n = r.get_int("num_hidden_layers")
+        return n, list(range(n)), list(range(n))
+    accepted = ("mamba", "attention", "mlp", "moe")
+    if not isinstance(blocks, list) or not blocks or len(blocks) > MAX_LAYERS:
+        raise r.fail(f"the layer list must have 1 to {MAX_LAYERS:,} entries of "
+                     f"{', '.join(accepted)}")
+    bad_types = [b for b in blocks if b not in accepted]
+    if bad_types:
+        raise r.fail(f"the layer list has {echo(bad_types[0])} (accepted: {', '.join(accepted)})")
+    return (len(blocks), [i for i, b in enumerate(blocks) if b == "attention"],
+            [i for i, b in enumerate(blocks) if b == "mamba"])
+
+
+def _hybrid_mamba(r: _Reader, architecture: str) -> SpecFields:
+    """Mamba2 hybrids (Nemotron-H, Granite-4 hybrid, Falcon-H1): attention KV plus a Mamba2
+    conv/SSM state per request slot in each Mamba layer, sized by the hybrid_linear module
+    (``n_groups`` as its key heads, ``ssm_state_size`` as the key head dim)."""
+    keys = next((k for k in MAMBA2_KEYS if r.has(k[0])), None)
+    if keys is None:
+        raise r.fail("a Mamba2 hybrid needs its state geometry: "
+                     + " or ".join(f"({', '.join(k)})" for k in MAMBA2_KEYS))
+    heads, head_dim, groups, state, kernel = (r.get_int(k) for k in keys)
+    n, attention, mamba = _mamba_layers(r)
+    # Nemotron-H's layer count is its layer list's length (num_hidden_layers is ignored)
+    r = _Reader({**r.config, "num_hidden_layers": n}, r.where, r.field)
+    fields = _common(r, architecture)
+    hidden = r.opt_int("hidden_size")
+    expand = r.config.get("mamba_expand")
+    intermediate = r.opt_int("mamba_d_ssm") or (
+        hidden * expand if hidden is not None and isinstance(expand, int) else None)
+    if intermediate is not None and intermediate != heads * head_dim:
+        raise r.fail(f"Mamba2 intermediate size {intermediate:,} is not heads x head dim "
+                     f"({heads} x {head_dim}); kvpool's state shape assumes it is")
+    fields["attention"] = _mha_attention(r)
+    linear: dict[str, Any] = {
+        "full_attention_layers": attention,
+        "state_layers": mamba,
+        "conv_kernel": kernel,
+        "num_key_heads": groups,
+        "num_value_heads": heads,
+        "key_head_dim": state,
+        "value_head_dim": head_dim,
+    }
+    ssm = r.config.get("mamba_ssm_dtype")
+    if ssm is not None and architecture != "GraniteMoeHybridForCausalLM":
+        linear["ssm_dtype"] = ssm  # Granite's SGLang config does not pass its config dtype
+    fields["linear"] = linear
+    return fields
+
+
 @dataclass(frozen=True)
 class Loader:
     """How to read one HF architecture class.
@@ -386,27 +642,32 @@ _GEMMA2_DEFAULTS = {
     "max_position_embeddings": 8192,
 }
 _GEMMA3_DEFAULTS = {
-    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
-    "max_position_embeddings": 131072,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "num_hidden_layers": 26, "max_position_embeddings": 131072,
 }
 
+# Classes whose config needs more than their family's rule (class defaults for omitted keys).
 LOADERS: dict[str, Loader] = {
-    "LlamaForCausalLM": Loader(_mha),
-    "MistralForCausalLM": Loader(_mha),
-    "Qwen2ForCausalLM": Loader(_mha),
-    "Qwen3ForCausalLM": Loader(_mha),
-    "Qwen3MoeForCausalLM": Loader(_mha),
-    "Phi3ForCausalLM": Loader(_mha),
     "Gemma2ForCausalLM": Loader(_mha, _GEMMA2_DEFAULTS),
     "Gemma3ForCausalLM": Loader(_mha, _GEMMA3_DEFAULTS),
     "Gemma3ForConditionalGeneration": Loader(_mha, _GEMMA3_DEFAULTS),
-    "DeepseekV2ForCausalLM": Loader(_mla),
-    "DeepseekV3ForCausalLM": Loader(_mla),
-    "DeepseekV32ForCausalLM": Loader(_dsa),
-    "Qwen3NextForCausalLM": Loader(_hybrid_linear),
-    **{name: Loader(_mha) for name in HYBRID_SWA},
 }
 
+# The loader of each family of the architecture table (kvpoold.sizing.architectures).
+FAMILY_LOADERS: dict[str, Callable[[_Reader, str], SpecFields]] = {
+    "mha": _mha,
+    "mla": _mla,
+    "dsa": _dsa,
+    "hybrid_swa": _mha,
+    "hybrid_gdn": _hybrid_linear,
+    "hybrid_mamba": _hybrid_mamba,
+    "dsv4": _dsv4,
+}
+# `--assume-architecture FAMILY`: as the table's, but hybrid_swa reads its layers generically.
+ASSUMED_LOADERS: dict[str, Callable[[_Reader, str], SpecFields]] = {
+    **{k: v for k, v in FAMILY_LOADERS.items() if k in architectures.ASSUMABLE},
+    "hybrid_swa": _hybrid_swa,
+}
 
 
 def _architecture_names(config: Config) -> list[str]:
@@ -433,13 +694,41 @@ def _text_view(config: Config, defaults: Mapping[str, Any]) -> Config:
             continue
         if key == "thinker_config" and isinstance(sub.get("text_config"), Mapping):
             parent, sub = sub, sub["text_config"]
+        model_type = sub.get("model_type")
+        if isinstance(model_type, str) and model_type in MODEL_TYPE_DEFAULTS:
+            defaults = {**MODEL_TYPE_DEFAULTS[model_type], **defaults}
         # a sub-config's own class knows its model_type (gemma3 -> gemma3_text); the parent's
         # has the same family prefix, which is what the dtype rule reads
         inherited = {k: parent[k] for k in ("dtype", "torch_dtype", "quantization_config",
                                             "model_type")
                      if k in parent and sub.get(k) is None}
-        return {**defaults, **inherited, **sub}
-    return {**defaults, **config}
+        return _canonical({**defaults, **inherited, **sub})
+    return _canonical({**defaults, **config})
+
+
+# Config keys under their older names (transformers' attribute_map of GPT-2 / GPTBigCode,
+# ChatGLM, T5-style configs): read as the canonical key when that one is absent.
+KEY_ALIASES = {
+    "num_hidden_layers": ("n_layer", "num_layers", "n_layers"),
+    "num_attention_heads": ("n_head", "n_heads"),
+    "hidden_size": ("n_embd", "d_model"),
+    "max_position_embeddings": ("n_positions",),
+}
+# The defaults of a text sub-config's class for keys checkpoints omit (LLaVA-1.5's text_config
+# is a LlamaConfig that states only what differs from LlamaConfig()).
+MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 4096,
+              "max_position_embeddings": 2048},
+}
+
+
+def _canonical(view: dict[str, Any]) -> dict[str, Any]:
+    for key, aliases in KEY_ALIASES.items():
+        if view.get(key) is None:
+            alias = next((a for a in aliases if view.get(a) is not None), None)
+            if alias is not None:
+                view[key] = view[alias]
+    return view
 
 
 def _to_spec(fields: SpecFields, r: _Reader) -> ModelSpec:
@@ -449,69 +738,156 @@ def _to_spec(fields: SpecFields, r: _Reader) -> ModelSpec:
         raise r.fail(f"config gives an invalid model spec: {exc}") from exc
 
 
-def _fallback(config: Config, name: str, r: _Reader) -> SpecFields:
-    missing = [k for k in ("num_hidden_layers", "num_attention_heads") if config.get(k) is None]
-    if config.get("head_dim") is None and config.get("hidden_size") is None:
-        missing.append("hidden_size (or head_dim)")
-    if missing:
-        what = f"architecture {echo(name)} has no loader" if name else "no architectures listed"
-        raise r.fail(
-            f"{what} and the MHA fallback needs {', '.join(missing)} "
-            f"(supported architectures: {', '.join(sorted(LOADERS))})"
-        )
-    return _mha(r, name)
+def _family_of(row: architectures.Row, r: _Reader) -> str:
+    """The family SGLang builds for this row and config (the row's ``when`` conditions)."""
+    if row.family == "mla":
+        needs = row.mla_only_with
+        if needs == "kv_lora_rank" and not r.has("kv_lora_rank"):
+            return "mha"
+        if needs == "use_mla" and r.config.get("use_mla", True) is False:
+            return "mha"
+        if row.dsa_with_index_topk and r.has("index_topk"):
+            return "dsa"
+    return row.family
+
+
+def _unknown(names: list[str], config: Config, where: str, field: str) -> InvalidArgument:
+    model_type = config.get("model_type")
+    if names:
+        near = architectures.nearest(names[0])
+        what = (f"architecture {echo(names[0])} is not in SGLang "
+                f"{architectures.SGLANG_VERSION}'s model registry (nearest known: "
+                f"{', '.join(near)})")
+    else:
+        what = ("the config lists no architectures"
+                + (f" (model_type {echo(model_type)})" if isinstance(model_type, str) else ""))
+    return InvalidArgument(
+        f"{where}: {what}; SGLang would run it through its generic Transformers backend, whose "
+        "KV layout kvpool does not guess. "
+        f"Give --assume-architecture FAMILY ({', '.join(architectures.ASSUMABLE)}) to read it "
+        "as one of those, or a hand-written spec file (docs/sizing.md)", field=field)
 
 
 def spec_from_hf(config: Config, *, where: str = "config.json", field: str = FIELD,
-                 ) -> tuple[ModelSpec, ArchitectureSource]:
+                 assume: str | None = None) -> tuple[ModelSpec, ArchitectureSource]:
     """Build the spec of a model from its parsed HF ``config.json``.
+
+    The class (the first of ``architectures``, or of the text sub-config's, that SGLang's
+    registry knows) picks the family from the architecture table
+    (:mod:`kvpoold.sizing.architectures`), the family its loader.
 
     Args:
         config: the parsed JSON object.
         where: how to name the config in errors (the file path).
         field: the input field errors blame (``model_config``; the daemon: its RPC field).
+        assume: a family (``--assume-architecture``) to read an unknown class as; a known class
+            is still read by its own row.
 
     Returns:
-        ``(spec, "hf_config")`` for a class in :data:`LOADERS`, ``(spec, "fallback")`` for an
-        unknown class planned as MHA from the standard fields.
+        ``(spec, "hf_config")`` for a class of the table, ``(spec, "assumed")`` for an unknown
+        class read as ``assume``.
 
     Raises:
-        InvalidArgument: a missing or mistyped field, naming it (and, for an unknown class
-            without the standard fields, the supported architectures).
+        InvalidArgument: an unknown class without ``assume`` (naming the nearest known ones), a
+            family kvpool does not plan from a HF config, or a missing or mistyped field.
     """
+    if assume is not None and assume not in ASSUMED_LOADERS:
+        raise InvalidArgument(f"--assume-architecture {echo(assume)} is not a family kvpool "
+                              f"reads (accepted: {', '.join(architectures.ASSUMABLE)})",
+                              field="assume_architecture")
     names = _architecture_names(config)
-    known = next((n for n in names if n in LOADERS), None)
+    inner = _architecture_names(_text_view(config, {}))
+    known = next((n for n in [*names, *inner] if architectures.row(n) is not None), None)
     if known is None:
-        view = _Reader(_text_view(config, {}), where, field)
-        # a wrapper around a known text model (LLaVA's text_config names LlamaForCausalLM)
-        inner = next((n for n in _architecture_names(view.config) if n in LOADERS), None)
-        if inner is None:
-            model_type = config.get("model_type")
-            name = names[0] if names else (model_type if isinstance(model_type, str) else "")
-            return _to_spec(_fallback(view.config, name, view), view), "fallback"
-        known = inner
-    loader = LOADERS[known]
-    view = _Reader(_text_view(config, loader.defaults), where, field)
-    return _to_spec(loader.load(view, known), view), "hf_config"
+        if assume is None:
+            raise _unknown(names or inner, config, where, field)
+        r = _Reader(_text_view(config, {}), where, field)
+        name = (names or inner or [""])[0]
+        fields = ASSUMED_LOADERS[assume](r, name)
+        fields["multimodal"] = _multimodal(config, name, None)
+        return _to_spec(fields, r), "assumed"
+    row = architectures.row(known)
+    assert row is not None
+    loader = LOADERS.get(known)
+    r = _Reader(_text_view(config, loader.defaults if loader else {}), where, field)
+    if loader is not None:
+        fields = loader.load(r, known)
+        fields["multimodal"] = _multimodal(config, names[0] if names else known, row)
+        return _to_spec(fields, r), "hf_config"
+    family = _family_of(row, r)
+    load = FAMILY_LOADERS.get(family)
+    if load is None:
+        why = architectures.UNSUPPORTED.get(family, "kvpool has no loader for it")
+        raise r.fail(f"SGLang sizes {known} as {family}: {why}")
+    if family == "hybrid_swa" and known not in HYBRID_SWA:
+        raise r.fail(f"SGLang sizes {known} as hybrid_swa, with a layer rule kvpool does not "
+                     "read yet; give a spec file (docs/sizing.md)")
+    if family == "hybrid_gdn" and row.kv == "mla":
+        raise r.fail(f"SGLang sizes {known} as a gated-delta-net hybrid with MLA layers, which "
+                     "kvpool does not plan yet; give a spec file (docs/sizing.md)")
+    fields = load(r, known)
+    fields["multimodal"] = _multimodal(config, names[0] if names else known, row)
+    return _to_spec(fields, r), "hf_config"
+
+
+def _multimodal(config: Config, first: str, row: architectures.Row | None) -> bool:
+    """SGLang's ``ModelConfig.is_multimodal`` with ``--enable-multimodal`` unset: not one of the
+    classes it turns multimodal off for, not ``language_model_only``, and either a multimodal
+    architecture or a config whose text model is a sub-config. MiMo-V2 counts only with both
+    ``vision_config`` and ``audio_config``."""
+    first_row = architectures.row(first)
+    if (first_row is not None and first_row.mm == "disabled") or config.get(
+            "language_model_only") is True:
+        return False
+    if first == "MiMoV2ForCausalLM" and not ("vision_config" in config
+                                              and "audio_config" in config):
+        return False
+    if first.startswith("Llava") and first.endswith("ForCausalLM"):
+        return row is not None and row.mm == "listed"  # SGLang reads these flat
+    return (first_row is not None and first_row.mm == "listed") or any(
+        isinstance(config.get(k), Mapping) for k in TEXT_CONFIG_KEYS)
+
+
+def parse_config_json(raw: bytes | str, where: str, field: str = FIELD) -> dict[str, Any]:
+    """Parse a config.json as Hugging Face writes it, bounded.
+
+    Python's JSON reading: ``Infinity``, ``-Infinity`` and ``NaN`` are accepted (transformers
+    writes them, e.g. ``"router_aux_loss_coef": Infinity``); at most
+    :data:`~kvpool.contract.limits.MAX_CONFIG_CHARS` characters, nesting bounded by Python's
+    recursion limit, an object at the top.
+
+    Raises:
+        InvalidArgument: too large, not UTF-8, not JSON, too deep, or not an object.
+    """
+    if len(raw) > MAX_CONFIG_CHARS:
+        raise InvalidArgument(f"{where} has {len(raw):,} characters, at most "
+                              f"{MAX_CONFIG_CHARS:,}: that is not a config.json", field=field)
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        data = json.loads(text)
+    except UnicodeDecodeError as exc:
+        raise InvalidArgument(f"{where} is not UTF-8 text: {exc.reason} at byte {exc.start}",
+                              field=field) from exc
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"{where} is not valid JSON: {exc.msg} at line {exc.lineno} "
+                              f"column {exc.colno}", field=field) from exc
+    except RecursionError:
+        raise InvalidArgument(f"{where} nests too deep to be a config.json", field=field) \
+            from None
+    if not isinstance(data, dict):
+        raise InvalidArgument(
+            f"{where} holds a JSON {type(data).__name__}, expected an object", field=field)
+    return data
 
 
 def _read_json_object(path: Path) -> dict[str, Any]:
     try:
-        raw = path.read_bytes()
+        with path.open("rb") as f:
+            raw = f.read(MAX_CONFIG_CHARS + 1)
     except OSError as exc:
         raise InvalidArgument(f"cannot read model config {path}: {exc.strerror or exc}",
                               field=FIELD) from exc
-    try:
-        data = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise InvalidArgument(f"model config {path} is not valid JSON: {exc}",
-                              field=FIELD) from exc
-    if not isinstance(data, dict):
-        raise InvalidArgument(
-            f"model config {path} holds a JSON {type(data).__name__}, expected an object",
-            field=FIELD,
-        )
-    return data
+    return parse_config_json(raw, f"model config {path}")
 
 
 def _resolve(path: Path) -> Path:
@@ -519,7 +895,8 @@ def _resolve(path: Path) -> Path:
     return path / "config.json" if path.is_dir() else path
 
 
-def load_model_config(path: Path) -> tuple[ModelSpec, ArchitectureSource]:
+def load_model_config(path: Path, *, assume: str | None = None,
+                      ) -> tuple[ModelSpec, ArchitectureSource]:
     """Read a HF ``config.json`` (or a model directory holding one).
 
     Returns:
@@ -529,17 +906,17 @@ def load_model_config(path: Path) -> tuple[ModelSpec, ArchitectureSource]:
         InvalidArgument: missing file, not JSON, not an object, or a bad config; names the path.
     """
     path = _resolve(Path(path))
-    return spec_from_hf(_read_json_object(path), where=str(path))
+    return spec_from_hf(_read_json_object(path), where=str(path), assume=assume)
 
 
-def load_model(path: Path) -> tuple[ModelSpec, ArchitectureSource]:
+def load_model(path: Path, *, assume: str | None = None) -> tuple[ModelSpec, ArchitectureSource]:
     """Read either a HF ``config.json`` or a hand-written spec file.
 
     A ``.toml`` file, or a ``.json`` object with a top-level ``attention`` key, is a
     :class:`ModelSpec` written by hand (source ``"spec"``); anything else is a HF config.
 
     Returns:
-        ``(spec, source)`` with source ``"spec"``, ``"hf_config"`` or ``"fallback"``.
+        ``(spec, source)`` with source ``"spec"``, ``"hf_config"`` or ``"assumed"``.
 
     Raises:
         InvalidArgument: missing file, malformed content, or an invalid spec; names the path.
@@ -552,4 +929,4 @@ def load_model(path: Path) -> tuple[ModelSpec, ArchitectureSource]:
     data = _read_json_object(path)
     if "attention" in data:
         return decode_spec(data, source=str(path)), "spec"
-    return spec_from_hf(data, where=str(path))
+    return spec_from_hf(data, where=str(path), assume=assume)

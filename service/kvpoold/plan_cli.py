@@ -14,6 +14,7 @@ from kvpool.contract.plan import BufferSpec
 from kvpool.contract.sizes import format_size
 from kvpoold.hf import load_model
 from kvpoold.sizing import PlanOptions, PoolPlan, make_options, plan
+from kvpoold.sizing.architectures import ASSUMABLE
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -32,6 +33,9 @@ def add_parser(subparsers: argparse._SubParsersAction[Any]) -> argparse.Argument
     )
     p.add_argument("--model-config", type=Path, required=True, metavar="PATH",
                    help="HF config.json (or its model directory), or a spec file (.json/.toml)")
+    p.add_argument("--assume-architecture", metavar="FAMILY", choices=ASSUMABLE,
+                   help="read a config whose class SGLang's registry does not know as this "
+                        f"family ({', '.join(ASSUMABLE)}); the plan says 'assumed'")
     add_option_flags(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
@@ -59,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         InvalidArgument: a bad flag value, an unreadable config, or a plan that cannot fit.
     """
     options = _options(args)
-    spec, source = load_model(args.model_config)
+    spec, source = load_model(args.model_config, assume=args.assume_architecture)
     result = plan(spec, options, source=source)
     if args.json:
         sys.stdout.write(plan_to_json(result))

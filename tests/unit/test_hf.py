@@ -11,7 +11,14 @@ import pytest
 
 from kvpool.contract.errors import InvalidArgument
 from kvpool.contract.spec import MHAAttention, MLAAttention, ModelDType
-from kvpoold.hf import HYBRID_SWA, LOADERS, load_model, load_model_config, spec_from_hf
+from kvpoold.hf import (
+    FAMILY_LOADERS,
+    HYBRID_SWA,
+    load_model,
+    load_model_config,
+    spec_from_hf,
+)
+from kvpoold.sizing import architectures
 
 MODELS = Path(__file__).resolve().parents[1] / "data" / "models"
 
@@ -214,8 +221,8 @@ def test_llama4_slides_on_three_of_every_four_layers_over_its_attention_chunk():
 def test_is_hybrid_swa_opt_in_reads_hybrid_layer_pattern():
     cfg = with_arch("MyHybridForCausalLM", is_hybrid_swa=True, sliding_window=64,
                     hybrid_layer_pattern=[1, 0, 1, 1])
-    spec, source = spec_from_hf(cfg)
-    assert source == "fallback"
+    spec, source = spec_from_hf(cfg, assume="mha")
+    assert source == "assumed"
     assert spec.sliding_window is not None and spec.sliding_window.layers == (0, 2, 3)
 
 
@@ -243,15 +250,15 @@ def test_gemma3_conditional_generation_reads_text_config():
 @pytest.mark.parametrize("key", ["text_config", "llm_config", "language_config"])
 def test_a_nested_text_config_is_read_and_inherits_the_parents_dtype(key: str):
     text = {k: v for k, v in llama().items() if k not in ("architectures", "torch_dtype")}
-    cfg = {"architectures": ["SomeVLForConditionalGeneration"], "torch_dtype": "bfloat16",
+    cfg = {"architectures": ["LlavaForConditionalGeneration"], "torch_dtype": "bfloat16",
            key: {**text, "num_hidden_layers": 6}}
     spec, source = spec_from_hf(cfg)
-    assert (source, spec.num_layers, spec.dtype) == ("fallback", 6, ModelDType.bfloat16)
+    assert (source, spec.num_layers, spec.dtype) == ("hf_config", 6, ModelDType.bfloat16)
 
 
 def test_thinker_config_wins_and_its_text_config_is_the_model():
     text = {k: v for k, v in llama().items() if k not in ("architectures", "torch_dtype")}
-    cfg = {"architectures": ["Qwen2_5OmniModel"],
+    cfg = {"architectures": ["Qwen3OmniMoeForConditionalGeneration"],
            "text_config": {**text, "num_hidden_layers": 2},
            "thinker_config": {"torch_dtype": "float16",
                               "text_config": {**text, "num_hidden_layers": 5}}}
@@ -259,10 +266,18 @@ def test_thinker_config_wins_and_its_text_config_is_the_model():
     assert (spec.num_layers, spec.dtype) == (5, ModelDType.float16)
 
 
-def test_a_wrapper_around_a_known_text_model_uses_its_loader():
-    """LLaVA-style: the top class has no loader, its text_config names LlamaForCausalLM."""
+def test_a_wrapper_is_classified_by_its_own_class_and_read_through_its_text_config():
+    """LLaVA: SGLang's registry has the wrapper (an MHA row); its KV geometry is the
+    text_config's."""
     cfg = {"architectures": ["LlavaForConditionalGeneration"], "torch_dtype": "float16",
            "text_config": llama()}
+    spec, source = spec_from_hf(cfg)
+    assert source == "hf_config" and spec.architecture == "LlavaForConditionalGeneration"
+    assert spec.attention == MHAAttention(num_kv_heads=2, head_dim=64)
+
+
+def test_an_unknown_wrapper_around_a_known_text_class_uses_the_text_class():
+    cfg = {"architectures": ["FooVLForConditionalGeneration"], "text_config": llama()}
     spec, source = spec_from_hf(cfg)
     assert source == "hf_config" and spec.architecture == "LlamaForCausalLM"
 
@@ -362,31 +377,52 @@ def test_deepseek_v2_is_mla():
     assert spec.attention == MLAAttention(kv_lora_rank=512, qk_rope_head_dim=64)
 
 
-def test_loader_table_lists_every_supported_class():
-    assert set(LOADERS) == {
-        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-        "Qwen3MoeForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-        "Gemma3ForConditionalGeneration", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-        "DeepseekV32ForCausalLM", "Qwen3NextForCausalLM", *HYBRID_SWA,
-    }
+def test_every_family_sglang_builds_has_a_loader_or_a_reason():
+    """Each family of the architecture table is read by a loader or refused with a reason."""
+    families = set(architectures.counts())
+    assert families <= set(FAMILY_LOADERS) | set(architectures.UNSUPPORTED)
     assert "GptOssForCausalLM" in HYBRID_SWA
+    swa = {n for n, r in architectures.ROWS.items() if r[0] == "hybrid_swa"}
+    assert set(HYBRID_SWA) <= swa
 
 
-# ---- fallback -----------------------------------------------------------------------------------
+# ---- unknown architectures ---------------------------------------------------------------------
 
 
-def test_unknown_architecture_with_standard_fields_falls_back_to_mha():
-    spec, source = spec_from_hf(with_arch("FooForCausalLM"))
-    assert source == "fallback"
+def test_unknown_architecture_is_refused_with_the_nearest_known_names():
+    with pytest.raises(InvalidArgument) as err:
+        spec_from_hf(with_arch("LlamaForCausalLMX"))
+    msg = str(err.value)
+    assert err.value.field == "model_config"
+    assert "'LlamaForCausalLMX' is not in SGLang 0.5.23's model registry" in msg
+    assert "nearest known: LlamaForCausalLM" in msg
+    assert "--assume-architecture FAMILY (mha, mla, dsa, hybrid_swa" in msg
+
+
+def test_assumed_mha_reads_the_standard_fields():
+    spec, source = spec_from_hf(with_arch("FooForCausalLM"), assume="mha")
+    assert source == "assumed"
     assert spec.architecture == "FooForCausalLM"
     assert spec.attention == MHAAttention(num_kv_heads=2, head_dim=64)
     assert spec.num_layers == 4
 
 
-def test_fallback_with_head_dim_instead_of_hidden_size():
+def test_assumed_with_head_dim_instead_of_hidden_size():
     cfg = with_arch("FooForCausalLM", head_dim=32)
     del cfg["hidden_size"]
-    assert spec_from_hf(cfg)[0].attention == MHAAttention(num_kv_heads=2, head_dim=32)
+    assert spec_from_hf(cfg, assume="mha")[0].attention == MHAAttention(num_kv_heads=2,
+                                                                        head_dim=32)
+
+
+def test_assumption_does_not_override_a_known_class():
+    spec, source = spec_from_hf(llama(), assume="mla")
+    assert source == "hf_config" and spec.attention == MHAAttention(num_kv_heads=2, head_dim=64)
+
+
+def test_assumed_family_must_be_one_kvpool_reads():
+    with pytest.raises(InvalidArgument, match="accepted: mha, mla, dsa") as err:
+        spec_from_hf(with_arch("FooForCausalLM"), assume="dsv4")
+    assert err.value.field == "assume_architecture"
 
 
 def test_first_known_class_of_several_is_used():
@@ -394,13 +430,18 @@ def test_first_known_class_of_several_is_used():
     assert source == "hf_config" and spec.architecture == "LlamaForCausalLM"
 
 
-def test_unknown_architecture_without_fields_lists_missing_and_supported():
-    with pytest.raises(InvalidArgument) as err:
-        spec_from_hf({"architectures": ["FooForCausalLM"], "num_hidden_layers": 2})
-    msg = str(err.value)
+def test_assumed_without_fields_names_the_missing_one():
+    with pytest.raises(InvalidArgument, match="missing num_attention_heads") as err:
+        spec_from_hf({"architectures": ["FooForCausalLM"], "num_hidden_layers": 2},
+                     assume="mha")
     assert err.value.field == "model_config"
-    assert "num_attention_heads" in msg and "hidden_size (or head_dim)" in msg
-    assert "LlamaForCausalLM" in msg and "Qwen3NextForCausalLM" in msg
+
+
+def test_a_known_family_kvpool_does_not_plan_is_refused_with_the_reason():
+    with pytest.raises(InvalidArgument, match="SGLang sizes KimiLinearForCausalLM as hybrid_kda"):
+        spec_from_hf(with_arch("KimiLinearForCausalLM"))
+    with pytest.raises(InvalidArgument, match="SGLang sizes MambaForCausalLM as mamba: a pure"):
+        spec_from_hf(with_arch("MambaForCausalLM"))
 
 
 def test_errors_blame_the_given_field():
@@ -415,7 +456,7 @@ def test_errors_blame_the_given_field():
 
 
 def test_no_architectures_and_no_fields():
-    with pytest.raises(InvalidArgument, match="no architectures listed"):
+    with pytest.raises(InvalidArgument, match="the config lists no architectures"):
         spec_from_hf({})
 
 

@@ -195,16 +195,22 @@ def test_max_total_tokens_alone_and_caps(capsys: pytest.CaptureFixture[str]):
     assert req["shape"] == [9, 4_100]
 
 
-def test_unknown_architecture_is_planned_as_fallback(capsys: pytest.CaptureFixture[str],
-                                                      tmp_path: Path):
-    """Llama's config relabelled FooForCausalLM: same MHA numbers, source 'fallback'."""
+def test_unknown_architecture_is_refused_then_planned_as_assumed(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path):
+    """Llama's config relabelled LlamaForCausalLMv2: refused naming LlamaForCausalLM; with
+    --assume-architecture mha the same MHA numbers, source 'assumed' and a note."""
     cfg = json.loads(LLAMA.read_text())
-    cfg["architectures"] = ["FooForCausalLM"]
+    cfg["architectures"] = ["LlamaForCausalLMv2"]
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    p = plan_json(capsys, path, "--budget", "40GiB", "--page-size", "16")
-    assert p["architecture_source"] == "fallback"
+    expect_error(capsys, "--budget", "40GiB", model=path,
+                 needles=("--model-config: ", "LlamaForCausalLMv2", "nearest known: LlamaForCausalLM",
+                          "--assume-architecture"))
+    p = plan_json(capsys, path, "--budget", "40GiB", "--page-size", "16",
+                  "--assume-architecture", "mha")
+    assert p["architecture_source"] == "assumed"
     assert p["max_total_num_tokens"] == 327_680
+    assert any("--assume-architecture" in n for n in p["notes"])
 
 
 def test_spec_file_source(capsys: pytest.CaptureFixture[str], tmp_path: Path):
@@ -292,9 +298,11 @@ def test_mamba_flags_reach_the_sizing(capsys: pytest.CaptureFixture[str]):
                  needles=("mamba_radix_cache_strategy", "page_size 1"))
 
 
-def test_dsa_needs_page_64(capsys: pytest.CaptureFixture[str]):
-    expect_error(capsys, "--budget", "40GiB", "--page-size", "16", model=DSV32,
-                 needles=("page_size", "64"))
+def test_dsa_page_size_is_forced_to_64(capsys: pytest.CaptureFixture[str]):
+    """SGLang sets page size 64 for DSA whatever --page-size says; the plan does and notes it."""
+    p = plan_json(capsys, DSV32, "--budget", "40GiB", "--page-size", "16")
+    assert p["page_size"] == 64
+    assert any(n.startswith("page size 64") for n in p["notes"])
 
 
 @pytest.mark.parametrize(("flags", "field"), [
@@ -353,8 +361,8 @@ def test_missing_model_config_flag(capsys: pytest.CaptureFixture[str]):
 def test_unknown_architecture_without_fields(capsys: pytest.CaptureFixture[str], tmp_path: Path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"architectures": ["FooForCausalLM"], "num_hidden_layers": 2}))
-    expect_error(capsys, "--budget", "40GiB", model=path,
-                 needles=("--model-config: ", "num_attention_heads", "LlamaForCausalLM"))
+    expect_error(capsys, "--budget", "40GiB", "--assume-architecture", "mha", model=path,
+                 needles=("--model-config: ", "missing num_attention_heads"))
 
 
 def test_malformed_known_config(capsys: pytest.CaptureFixture[str], tmp_path: Path):

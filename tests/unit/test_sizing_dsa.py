@@ -40,11 +40,13 @@ def test_fp8_main_latent_is_656_bytes():
 
 
 @pytest.mark.parametrize("page", [1, 16, 128])
-def test_page_size_must_be_64(page):
-    with pytest.raises(InvalidArgument) as e:
-        plan_for(deepseek_v32(), budget_bytes=BUDGET, page_size=page)
-    assert e.value.field == "page_size"
-    assert "64" in str(e.value)
+def test_page_size_is_forced_to_64(page):
+    """SGLang's DSA override sets page size 64 whatever --page-size says; so does the plan,
+    with a note, and the numbers are page 64's."""
+    p = plan_for(deepseek_v32(), budget_bytes=BUDGET, page_size=page)
+    assert p.page_size == 64
+    assert p.num_pages == 8_568
+    assert any(n.startswith("page size 64") and f"asked {page}" in n for n in p.notes)
 
 
 def test_fp4_rejected():

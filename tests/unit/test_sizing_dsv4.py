@@ -211,12 +211,13 @@ def test_pp2_each_stage_sizes_its_own_layers() -> None:
         assert p.max_total_num_tokens == p.num_pages * 256
 
 
-@pytest.mark.parametrize("page", [64, 200, 320])
-def test_page_size_must_be_a_multiple_of_128(page: int) -> None:
-    with pytest.raises(InvalidArgument) as err:
-        plan(v4_spec(), opts(page_size=page))
-    assert err.value.field == "page_size"
-    assert "multiple of 128" in err.value.message and str(page) in err.value.message
+@pytest.mark.parametrize("page", [1, 64, 200, 320])
+def test_a_page_size_not_a_multiple_of_128_becomes_sglangs_256(page: int) -> None:
+    """SGLang's DSV4 override sets page 256; kvpool takes it, with a note, for any page size
+    it could not plan (a multiple of 128 is kept)."""
+    p = plan(v4_spec(), opts(page_size=page))
+    assert p.page_size == 256
+    assert any(n.startswith("page size 256") and f"asked {page}" in n for n in p.notes)
 
 
 def test_page_size_128_is_accepted_with_a_note() -> None:

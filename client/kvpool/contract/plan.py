@@ -86,7 +86,9 @@ class IdSpaceSpec(Base):
     follows: SpaceName | None = None
     mapping: str | None = None
 
-ArchitectureSource = Literal["hf_config", "fallback", "spec"]
+# hf_config: read by the architecture table's loader; assumed: an unknown class read as the
+# family given with --assume-architecture; spec: a hand-written spec.
+ArchitectureSource = Literal["hf_config", "assumed", "spec"]
 
 
 class PoolPlan(Base):

@@ -81,9 +81,14 @@ class DSAIndexer(Base):
 class LinearAttention(Base):
     """Hybrid linear attention (Qwen3-Next gated delta net / Mamba2-style state).
 
-    ``full_attention_layers`` use the regular KV cache; every other layer keeps a conv state
+    ``full_attention_layers`` use the regular KV cache; the state layers (``state_layers``, by
+    default every layer not in ``full_attention_layers``) keep a conv state
     ``(conv_dim / tp, conv_kernel - 1)`` and an SSM state ``(num_value_heads / tp,
-    value_head_dim, key_head_dim)`` per request slot.
+    value_head_dim, key_head_dim)`` per request slot. Mamba2 hybrids map onto it as
+    ``num_key_heads = n_groups``, ``key_head_dim = ssm_state_size``, ``num_value_heads =
+    mamba heads``, ``value_head_dim = mamba head dim``; their MLP/MoE layers are in neither
+    list (Nemotron-H), and a layer may be in both (Falcon-H1: attention and Mamba2 in every
+    layer).
     """
 
     full_attention_layers: LayerIds
@@ -94,6 +99,14 @@ class LinearAttention(Base):
     value_head_dim: PositiveInt
     conv_dtype: ModelDType = ModelDType.bfloat16
     ssm_dtype: ModelDType = ModelDType.float32
+    state_layers: LayerIds | None = None
+
+    def state_layer_ids(self, num_layers: int) -> tuple[int, ...]:
+        """The layers holding conv/SSM state: ``state_layers``, else the non-full layers."""
+        if self.state_layers is not None:
+            return self.state_layers
+        full = set(self.full_attention_layers)
+        return tuple(i for i in range(num_layers) if i not in full)
 
 
 class DSV4Compression(Base):
@@ -125,6 +138,8 @@ class ModelSpec(Base):
     dsv4: DSV4Compression | None = None
     num_nextn_predict_layers: Annotated[int, Meta(ge=0, le=MAX_LAYERS)] = 0
     kv_cache_quant_fp8: bool = False  # checkpoint says kv_cache_quant_algo=FP8: `auto` -> fp8_e4m3
+    # SGLang serves it as multimodal: it reserves its multimodal cache out of the KV budget
+    multimodal: bool = False
 
     def __post_init__(self) -> None:
         n = self.num_layers
@@ -132,6 +147,8 @@ class ModelSpec(Base):
             ("sliding_window.layers", self.sliding_window.layers if self.sliding_window else ()),
             ("linear.full_attention_layers",
              self.linear.full_attention_layers if self.linear else ()),
+            ("linear.state_layers",
+             (self.linear.state_layers or ()) if self.linear else ()),
         ):
             bad = [i for i in ids if i >= n]
             if bad:

@@ -57,7 +57,7 @@ class DSAIndexer(_message.Message):
     def __init__(self, index_head_dim: _Optional[int] = ...) -> None: ...
 
 class LinearAttention(_message.Message):
-    __slots__ = ("full_attention_layers", "conv_kernel", "num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_dtype", "ssm_dtype")
+    __slots__ = ("full_attention_layers", "conv_kernel", "num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_dtype", "ssm_dtype", "state_layers")
     FULL_ATTENTION_LAYERS_FIELD_NUMBER: _ClassVar[int]
     CONV_KERNEL_FIELD_NUMBER: _ClassVar[int]
     NUM_KEY_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class LinearAttention(_message.Message):
     VALUE_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     CONV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     SSM_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    STATE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     full_attention_layers: _containers.RepeatedScalarFieldContainer[int]
     conv_kernel: int
     num_key_heads: int
@@ -74,7 +75,8 @@ class LinearAttention(_message.Message):
     value_head_dim: int
     conv_dtype: str
     ssm_dtype: str
-    def __init__(self, full_attention_layers: _Optional[_Iterable[int]] = ..., conv_kernel: _Optional[int] = ..., num_key_heads: _Optional[int] = ..., num_value_heads: _Optional[int] = ..., key_head_dim: _Optional[int] = ..., value_head_dim: _Optional[int] = ..., conv_dtype: _Optional[str] = ..., ssm_dtype: _Optional[str] = ...) -> None: ...
+    state_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, full_attention_layers: _Optional[_Iterable[int]] = ..., conv_kernel: _Optional[int] = ..., num_key_heads: _Optional[int] = ..., num_value_heads: _Optional[int] = ..., key_head_dim: _Optional[int] = ..., value_head_dim: _Optional[int] = ..., conv_dtype: _Optional[str] = ..., ssm_dtype: _Optional[str] = ..., state_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DSV4Compression(_message.Message):
     __slots__ = ("compress_ratios", "window_size", "nope_head_dim", "rope_head_dim", "index_head_dim", "state_dtype")
@@ -93,7 +95,7 @@ class DSV4Compression(_message.Message):
     def __init__(self, compress_ratios: _Optional[_Iterable[int]] = ..., window_size: _Optional[int] = ..., nope_head_dim: _Optional[int] = ..., rope_head_dim: _Optional[int] = ..., index_head_dim: _Optional[int] = ..., state_dtype: _Optional[str] = ...) -> None: ...
 
 class ModelSpec(_message.Message):
-    __slots__ = ("num_layers", "mha", "mla", "context_length", "dtype", "architecture", "sliding_window", "indexer", "linear", "dsv4", "num_nextn_predict_layers", "kv_cache_quant_fp8")
+    __slots__ = ("num_layers", "mha", "mla", "context_length", "dtype", "architecture", "sliding_window", "indexer", "linear", "dsv4", "num_nextn_predict_layers", "kv_cache_quant_fp8", "multimodal")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     MHA_FIELD_NUMBER: _ClassVar[int]
     MLA_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +108,7 @@ class ModelSpec(_message.Message):
     DSV4_FIELD_NUMBER: _ClassVar[int]
     NUM_NEXTN_PREDICT_LAYERS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_QUANT_FP8_FIELD_NUMBER: _ClassVar[int]
+    MULTIMODAL_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     mha: MHAAttention
     mla: MLAAttention
@@ -118,7 +121,8 @@ class ModelSpec(_message.Message):
     dsv4: DSV4Compression
     num_nextn_predict_layers: int
     kv_cache_quant_fp8: bool
-    def __init__(self, num_layers: _Optional[int] = ..., mha: _Optional[_Union[MHAAttention, _Mapping]] = ..., mla: _Optional[_Union[MLAAttention, _Mapping]] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., architecture: _Optional[str] = ..., sliding_window: _Optional[_Union[SlidingWindow, _Mapping]] = ..., indexer: _Optional[_Union[DSAIndexer, _Mapping]] = ..., linear: _Optional[_Union[LinearAttention, _Mapping]] = ..., dsv4: _Optional[_Union[DSV4Compression, _Mapping]] = ..., num_nextn_predict_layers: _Optional[int] = ..., kv_cache_quant_fp8: _Optional[bool] = ...) -> None: ...
+    multimodal: bool
+    def __init__(self, num_layers: _Optional[int] = ..., mha: _Optional[_Union[MHAAttention, _Mapping]] = ..., mla: _Optional[_Union[MLAAttention, _Mapping]] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., architecture: _Optional[str] = ..., sliding_window: _Optional[_Union[SlidingWindow, _Mapping]] = ..., indexer: _Optional[_Union[DSAIndexer, _Mapping]] = ..., linear: _Optional[_Union[LinearAttention, _Mapping]] = ..., dsv4: _Optional[_Union[DSV4Compression, _Mapping]] = ..., num_nextn_predict_layers: _Optional[int] = ..., kv_cache_quant_fp8: _Optional[bool] = ..., multimodal: _Optional[bool] = ...) -> None: ...
 
 class ConfigureRequest(_message.Message):
     __slots__ = ("pool", "hf_config_json", "spec", "budget_bytes", "max_total_tokens", "page_size", "kv_cache_dtype", "tp_size", "pp_size", "pp_rank", "context_length", "max_running_requests", "speculative_algorithm", "speculative_num_draft_layers", "swa_full_tokens_ratio", "mamba_full_memory_ratio", "disable_radix_cache", "dry_run", "speculative_num_draft_tokens", "allow_longer_context", "mamba_radix_cache_strategy", "chunked_prefill_size", "disable_overlap_schedule")

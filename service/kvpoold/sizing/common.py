@@ -263,3 +263,16 @@ class Sizing:
     notes: tuple[str, ...] = field(default=())
     # (name, capacity) of allocatable id spaces beyond kv/swa/req/state (DSV4's state rings)
     extra_spaces: tuple[tuple[str, int], ...] = field(default=())
+
+
+def uniform_sizing(name: str, ctx: SizingContext, layer_bytes: int) -> Sizing:
+    """A pool of identical layers (MHA, MLA, DSA): ``cell = layer_bytes * L`` scaled for the
+    draft layers (:func:`draft_scaled_cell`), pages from the budget (:func:`kv_pages`), and
+    ``max_running_requests`` from the tokens."""
+    num_layers = len(ctx.layers)
+    cell = draft_scaled_cell(layer_bytes * num_layers, ctx.num_draft_layers, num_layers)
+    notes: list[str] = []
+    pages = kv_pages(cell * ctx.page_size, ctx.options, notes)
+    mrr = resolve_max_running_requests(pages * ctx.page_size, ctx.context_length, ctx.options,
+                                       notes)
+    return Sizing(name, cell, pages, mrr, notes=tuple(notes))

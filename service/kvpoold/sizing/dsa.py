@@ -5,8 +5,9 @@
     index  = index_head_dim + index_head_dim / 128 * 4 = 132 B per layer   (fp8 K + fp32 scale)
     cell   = (main + index) * L, then int(cell * (1 + D / L)) with D draft layers
 
-The page size must be 64 (the indexer kernels' page). Worked example, DeepSeek-V3.2 (61 layers),
-bf16, page 64, 40 GiB: cell = (1152 + 132) * 61 = 78,324 B; one page = 5,012,736 B;
+The page size is 64 (the indexer kernels' page): SGLang sets it whatever ``--page-size`` says, and
+so does the planner (:func:`page_size_for`, with a plan note). Worked example, DeepSeek-V3.2 (61
+layers), bf16, page 64, 40 GiB: cell = (1152 + 132) * 61 = 78,324 B; one page = 5,012,736 B;
 pages = 42,949,672,960 // 5,012,736 = 8,568 (the padding page on top); tokens = 548,352.
 Buffers: ``kv.<l>`` ``(rows, 1, kv_dim)`` (uint8 ``(rows, 1, 656)`` with fp8_e4m3) and
 ``index_k.<l>`` uint8 ``(num_pages + 1, page_size * 132)``, page-major: page ``p`` holds
@@ -17,21 +18,25 @@ from __future__ import annotations
 
 from kvpool.contract.dtypes import DType
 from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.options import KVCacheDType
 from kvpool.contract.plan import BufferKind, BufferSpec
 from kvpool.contract.spec import MLAAttention, ModelSpec
 from kvpoold.sizing import mla
-from kvpoold.sizing.common import (
-    Sizing,
-    SizingContext,
-    draft_scaled_cell,
-    kv_pages,
-    resolve_max_running_requests,
-)
+from kvpoold.sizing.common import Sizing, SizingContext, uniform_sizing
 from kvpoold.sizing.layout import buffer, token_rows
 
 NAME = "dsa"
 DSA_PAGE_SIZE = 64
+# SGLang's DSA default for `--kv-cache-dtype auto` (``_dsa_kv_cache_dtype_default``): bfloat16
+# before Blackwell (SM < 100, the H100/H200 kvpool assumes), whatever the checkpoint's
+# quantization says; SM100+ takes fp8_e4m3 (give --kv-cache-dtype fp8_e4m3 there).
+AUTO_KV_CACHE_DTYPE = KVCacheDType.bfloat16
 SCALE_BYTES_PER_128 = 4
+
+
+def page_size_for(asked: int) -> int:
+    """SGLang's DSA override sets page size 64 whatever ``--page-size`` says."""
+    return DSA_PAGE_SIZE
 
 
 def matches(spec: ModelSpec) -> bool:
@@ -70,14 +75,7 @@ def _check(ctx: SizingContext) -> None:
 
 def size(ctx: SizingContext) -> Sizing:
     _check(ctx)
-    num_layers = len(ctx.layers)
-    per_layer = _main_dim_bytes(ctx) + index_bytes(ctx)
-    cell = draft_scaled_cell(per_layer * num_layers, ctx.num_draft_layers, num_layers)
-    notes: list[str] = []
-    pages = kv_pages(cell * ctx.page_size, ctx.options, notes)
-    mrr = resolve_max_running_requests(pages * ctx.page_size, ctx.context_length, ctx.options,
-                                       notes)
-    return Sizing(NAME, cell, pages, mrr, notes=tuple(notes))
+    return uniform_sizing(NAME, ctx, _main_dim_bytes(ctx) + index_bytes(ctx))
 
 
 def _layer(ctx: SizingContext, suffix: str, rows: int, prefix: str) -> list[BufferSpec]:

@@ -76,6 +76,12 @@ MAPPING_BUFFER = FULL_TO_SWA
 STATE_DTYPES = {"float32": DType.float32, "bfloat16": DType.bfloat16}
 
 
+def page_size_for(asked: int) -> int:
+    """SGLang's DSV4 override sets page size 256 on CUDA; kvpool keeps any multiple of 128 it is
+    given (docs/dsv4-layout.md) and takes SGLang's 256 for any other page size."""
+    return asked if asked % PAGE_SIZE_MULTIPLE == 0 else SGLANG_CUDA_PAGE_SIZE
+
+
 def matches(spec: ModelSpec) -> bool:
     return spec.dsv4 is not None
 

@@ -182,11 +182,12 @@ def state_shape(linear: LinearAttention, tp_size: int) -> StateShape:
 
 
 def stage_split(ctx: SizingContext) -> tuple[list[int], list[int]]:
-    """(full-attention, linear) global layer ids of this PP stage."""
+    """(full-attention, state) global layer ids of this PP stage."""
     linear = _linear(ctx.spec)
     full = set(linear.full_attention_layers)
+    state = set(linear.state_layer_ids(ctx.spec.num_layers))
     return ([lay for lay in ctx.layers if lay in full],
-            [lay for lay in ctx.layers if lay not in full])
+            [lay for lay in ctx.layers if lay in state])
 
 
 def per_request_state_bytes(ctx: SizingContext) -> int:
@@ -438,12 +439,12 @@ def layout(ctx: SizingContext, sizing: Sizing) -> list[BufferSpec]:
     rows = token_rows(sizing.num_pages, ctx.page_size)
     slots = sizing.mamba_cache_size + 1  # slot 0 is the padding slot
     shape = state_shape(_linear(ctx.spec), ctx.tp_size)
-    full = set(_linear(ctx.spec).full_attention_layers)
+    full, state = (set(ids) for ids in stage_split(ctx))
     out: list[BufferSpec] = []
     for layer in ctx.layers:
         if layer in full:
             out += _kv_layer_buffers(ctx, str(layer), rows, "")
-        else:
+        if layer in state:
             out.append(buffer(f"conv.{layer}", shape.conv_dtype, (slots, *shape.conv),
                               BufferKind.state))
             out.append(buffer(f"ssm.{layer}", shape.ssm_dtype, (slots, *shape.ssm),
@@ -453,7 +454,7 @@ def layout(ctx: SizingContext, sizing: Sizing) -> list[BufferSpec]:
         # Intermediate states of the draft tokens being verified, one row per request row.
         reqs = sizing.max_running_requests + 1
         for layer in ctx.layers:
-            if layer not in full:
+            if layer in state:
                 out.append(buffer(f"spec_conv.{layer}", shape.conv_dtype,
                                   (reqs, draft, *shape.conv), BufferKind.spec_state))
                 out.append(buffer(f"spec_ssm.{layer}", shape.ssm_dtype,

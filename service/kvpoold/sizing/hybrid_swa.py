@@ -253,7 +253,15 @@ def size(ctx: SizingContext) -> Sizing:
         capped = full_tokens < budget_tokens
     swa_tokens = swa_tokens_for(full_tokens, ratio, page)
     _check_window(ctx, full_tokens, swa_tokens, capped)
-    mrr = resolve_max_running_requests(full_tokens, ctx.context_length, options, notes)
+    return _two_space_sizing(ctx, cell, full_tokens, swa_tokens, notes)
+
+
+def _two_space_sizing(ctx: SizingContext, cell: int, full_tokens: int, swa_tokens: int,
+                      notes: list[str]) -> Sizing:
+    """The full and SWA token counts as a Sizing (pages of each, ``max_running_requests``
+    from the full tokens)."""
+    page = ctx.page_size
+    mrr = resolve_max_running_requests(full_tokens, ctx.context_length, ctx.options, notes)
     return Sizing(
         NAME, cell, full_tokens // page, mrr,
         full_max_total_num_tokens=full_tokens,
@@ -322,15 +330,7 @@ def _size_request_cap(ctx: SizingContext, split: StageSplit) -> Sizing:
         # capped by --max-total-tokens, SGLang re-derives the SWA side from that raw count
         swa_tokens = cap if full_tokens == budget_tokens else min(cap, options.max_total_tokens
                                                                   or cap)
-    mrr = resolve_max_running_requests(full_tokens, ctx.context_length, options, notes)
-    return Sizing(
-        NAME, full_token_bytes, full_tokens // page, mrr,
-        full_max_total_num_tokens=full_tokens,
-        swa_max_total_num_tokens=swa_tokens,
-        swa_num_pages=swa_tokens // page,
-        max_total_num_tokens=full_tokens,
-        notes=tuple(notes),
-    )
+    return _two_space_sizing(ctx, full_token_bytes, full_tokens, swa_tokens, notes)
 
 
 def _layer_buffers(ctx: SizingContext, suffix: str, geo: LayerGeometry, rows: int,

@@ -19,15 +19,7 @@ from __future__ import annotations
 from kvpool.contract.plan import BufferKind, BufferSpec
 from kvpool.contract.spec import MHAAttention, ModelSpec
 from kvpoold.sizing import fp4
-from kvpoold.sizing.common import (
-    KVFormat,
-    Sizing,
-    SizingContext,
-    draft_scaled_cell,
-    kv_pages,
-    resolve_max_running_requests,
-    tp_heads,
-)
+from kvpoold.sizing.common import KVFormat, Sizing, SizingContext, tp_heads, uniform_sizing
 from kvpoold.sizing.layout import buffer, token_rows
 
 NAME = "mha"
@@ -67,17 +59,7 @@ def _geometry(ctx: SizingContext) -> tuple[int, int, int]:
 
 
 def size(ctx: SizingContext) -> Sizing:
-    heads, hd, vd = _geometry(ctx)
-    num_layers = len(ctx.layers)
-    cell = draft_scaled_cell(
-        layer_bytes(ctx.kv, heads, hd, vd) * num_layers, ctx.num_draft_layers, num_layers
-    )
-    notes: list[str] = []
-    pages = kv_pages(cell * ctx.page_size, ctx.options, notes)
-    mrr = resolve_max_running_requests(
-        pages * ctx.page_size, ctx.context_length, ctx.options, notes
-    )
-    return Sizing(NAME, cell, pages, mrr, notes=tuple(notes))
+    return uniform_sizing(NAME, ctx, layer_bytes(ctx.kv, *_geometry(ctx)))
 
 
 def layout(ctx: SizingContext, sizing: Sizing) -> list[BufferSpec]:

@@ -15,14 +15,7 @@ from __future__ import annotations
 from kvpool.contract.plan import BufferKind, BufferSpec
 from kvpool.contract.spec import MLAAttention, ModelSpec
 from kvpoold.sizing import fp4
-from kvpoold.sizing.common import (
-    KVFormat,
-    Sizing,
-    SizingContext,
-    draft_scaled_cell,
-    kv_pages,
-    resolve_max_running_requests,
-)
+from kvpoold.sizing.common import KVFormat, Sizing, SizingContext, uniform_sizing
 from kvpoold.sizing.layout import buffer, token_rows
 
 NAME = "mla"
@@ -53,14 +46,7 @@ def layer_buffers(suffix: str, fmt: KVFormat, rows: int, dim: int, page_size: in
 
 
 def size(ctx: SizingContext) -> Sizing:
-    num_layers = len(ctx.layers)
-    cell = draft_scaled_cell(layer_bytes(ctx.kv, kv_dim(ctx.spec)) * num_layers,
-                             ctx.num_draft_layers, num_layers)
-    notes: list[str] = []
-    pages = kv_pages(cell * ctx.page_size, ctx.options, notes)
-    mrr = resolve_max_running_requests(pages * ctx.page_size, ctx.context_length, ctx.options,
-                                       notes)
-    return Sizing(NAME, cell, pages, mrr, notes=tuple(notes))
+    return uniform_sizing(NAME, ctx, layer_bytes(ctx.kv, kv_dim(ctx.spec)))
 
 
 def layout(ctx: SizingContext, sizing: Sizing) -> list[BufferSpec]:

@@ -13,7 +13,7 @@ import msgspec
 
 from kvpool.contract.dtypes import DType
 from kvpool.contract.errors import InvalidArgument
-from kvpool.contract.options import PlanOptions
+from kvpool.contract.options import KVCacheDType, PlanOptions
 from kvpool.contract.plan import ArchitectureSource, BufferKind, PoolPlan
 from kvpool.contract.spec import ModelSpec
 from kvpoold.sizing.common import (
@@ -27,6 +27,15 @@ from kvpoold.sizing.layout import buffer, place
 from kvpoold.sizing.registry import Architecture, select_architecture
 from kvpoold.sizing.space_table import declare_spaces
 
+# PoolPlan fields copied as they are from the Sizing, and from the options.
+SIZING_FIELDS = (
+    "max_running_requests", "full_max_total_num_tokens", "swa_max_total_num_tokens",
+    "mamba_cache_size", "c4_max_total_num_tokens", "c128_max_total_num_tokens",
+    "c4_state_pool_size", "c128_state_pool_size", "num_pages", "swa_num_pages",
+)
+OPTION_FIELDS = ("budget_bytes", "tp_size", "pp_size", "pp_rank")
+# SGLang's SGLANG_VLM_CACHE_SIZE_MB default: taken off the KV budget of a multimodal model.
+MULTIMODAL_RESERVATION_BYTES = 100 << 20
 # SGLang's max_running_requests when speculative decoding is on and the user gave none.
 SPECULATIVE_MAX_RUNNING_REQUESTS = 48
 
@@ -115,8 +124,28 @@ def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = 
         InvalidArgument: for any input the architecture cannot plan, naming the field.
     """
     options = engine_defaults(options)
-    ctx = make_context(spec, options)
     arch = select_architecture(spec)
+    forced: tuple[str, ...] = ()
+    page = arch.page_size_for(options.page_size) if arch.page_size_for else options.page_size
+    if page != options.page_size:
+        forced = (f"page size {page} (SGLang sets it for {arch.name}; asked "
+                  f"{options.page_size})",)
+        options = msgspec.structs.replace(options, page_size=page)
+    if arch.auto_kv_cache_dtype is not None and options.kv_cache_dtype is KVCacheDType.auto:
+        forced = (*forced, (
+            f"kv cache dtype {arch.auto_kv_cache_dtype.value}: SGLang's default for {arch.name} "
+            "under --kv-cache-dtype auto before Blackwell (SM100+ takes fp8_e4m3: give "
+            "--kv-cache-dtype fp8_e4m3 there)"))
+        options = msgspec.structs.replace(options, kv_cache_dtype=arch.auto_kv_cache_dtype)
+    asked = options
+    if spec.multimodal and options.budget_bytes is not None:
+        reserve = min(options.budget_bytes, MULTIMODAL_RESERVATION_BYTES)
+        forced = (*forced, (
+            f"{reserve:,} B of the budget reserved for SGLang's multimodal cache "
+            "(SGLANG_VLM_CACHE_SIZE_MB, 100 MiB; SGLang drops it for Qwen3-VL on SM90 GPUs "
+            "of 60 GiB and more)"))
+        options = msgspec.structs.replace(options, budget_bytes=options.budget_bytes - reserve)
+    ctx = make_context(spec, options)
     sizing = arch.size(ctx)
     if options.pp_size > 1:
         ctx, sizing = _agree_across_stages(spec, options, arch, ctx, sizing)
@@ -143,7 +172,13 @@ def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = 
     max_total = sizing.max_total_num_tokens
     if max_total is None:
         max_total = sizing.num_pages * ctx.page_size
-    notes = sizing.notes
+    notes = (*forced, *sizing.notes)
+    if source == "assumed":
+        notes = (*notes, (
+            f"{spec.architecture or 'this model'} is not in SGLang's model registry: planned "
+            f"as {sizing.architecture} because --assume-architecture said so, not because "
+            "SGLang is known to size it so (SGLang runs an unknown class through its generic "
+            "Transformers backend)"))
     if max_total < ctx.context_length:
         notes = (*notes, (
             f"the pool holds {max_total:,} tokens, less than one request at the context length "
@@ -158,23 +193,11 @@ def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = 
         context_length=ctx.context_length,
         cell_size_bytes=sizing.cell_size_bytes,
         max_total_num_tokens=max_total,
-        max_running_requests=sizing.max_running_requests,
-        full_max_total_num_tokens=sizing.full_max_total_num_tokens,
-        swa_max_total_num_tokens=sizing.swa_max_total_num_tokens,
-        mamba_cache_size=sizing.mamba_cache_size,
-        c4_max_total_num_tokens=sizing.c4_max_total_num_tokens,
-        c128_max_total_num_tokens=sizing.c128_max_total_num_tokens,
-        c4_state_pool_size=sizing.c4_state_pool_size,
-        c128_state_pool_size=sizing.c128_state_pool_size,
+        **{name: getattr(sizing, name) for name in SIZING_FIELDS},
+        **{name: getattr(asked, name) for name in OPTION_FIELDS},
         total_bytes=total,
         aux_bytes=aux,
         backing_bytes=backing_bytes,
-        budget_bytes=options.budget_bytes,
-        num_pages=sizing.num_pages,
-        swa_num_pages=sizing.swa_num_pages,
-        tp_size=options.tp_size,
-        pp_size=options.pp_size,
-        pp_rank=options.pp_rank,
         layer_start=ctx.layers.start,
         layer_end=ctx.layers.stop,
         num_draft_layers=ctx.num_draft_layers,

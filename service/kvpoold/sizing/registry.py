@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.options import KVCacheDType
 from kvpool.contract.plan import BufferSpec
 from kvpool.contract.spec import ModelSpec
 from kvpoold.sizing import dsa, dsv4, hybrid_linear, hybrid_swa, mha, mla
@@ -26,6 +27,10 @@ class Architecture:
     layout: Callable[[SizingContext, Sizing], list[BufferSpec]]
     # architecture names this module can report (hybrid_swa also reports all_swa)
     reports: tuple[str, ...] = ()
+    # the page size SGLang takes for this family given --page-size (DSA: always 64)
+    page_size_for: Callable[[int], int] | None = None
+    # what `--kv-cache-dtype auto` means for this family when SGLang overrides it (DSA: bf16)
+    auto_kv_cache_dtype: KVCacheDType | None = None
 
 
 ARCHITECTURES: tuple[Architecture, ...] = tuple(
@@ -35,6 +40,8 @@ ARCHITECTURES: tuple[Architecture, ...] = tuple(
         size=m.size,
         layout=m.layout,
         reports=getattr(m, "REPORTS", (m.NAME,)),
+        page_size_for=getattr(m, "page_size_for", None),
+        auto_kv_cache_dtype=getattr(m, "AUTO_KV_CACHE_DTYPE", None),
     )
     for m in (dsv4, hybrid_linear, dsa, hybrid_swa, mla, mha)
 )
