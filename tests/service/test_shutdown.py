@@ -137,7 +137,7 @@ def test_json_logs_carry_the_event_fields() -> None:
         logging.getLogger("kvpoold.daemon").warning(
             "lease expired", extra={"fields": {"event": "lease_expired", "name": "a b"}})
         assert stream.getvalue().splitlines()[-1].endswith(
-            'lease expired event=lease_expired name="a b"')
+            'msg="lease expired" event=lease_expired name="a b"')
     finally:
         logger = logging.getLogger("kvpoold")
         logger.handlers.clear()

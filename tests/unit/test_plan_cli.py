@@ -436,12 +436,15 @@ def test_subprocess_error_is_one_line_exit_2():
     ("3KB", 3000),
     ("7B", 7),
     ("1024TiB", 2**50),  # exactly 1 PiB is allowed
+    ("40gb", 40 * 10**9),  # units in any case: gb is GB, gib is GiB
+    ("5 GiB", 5 << 30),
+    ("40gib", 40 << 30),
 ])
 def test_parse_size(text: str, expected: int):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["-1", "-0.5GiB", "abc", "1e9", "1.5", "0.5B", "40gb", "40G",
+@pytest.mark.parametrize("text", ["-1", "-0.5GiB", "abc", "1e9", "1.5", "0.5B", "40G", "40gibs",
                                   "1PiB", "1025TiB", "", " ", "1,000", "\uff11\uff12"])
 def test_parse_size_rejects(text: str):
     with pytest.raises(InvalidArgument) as err:
