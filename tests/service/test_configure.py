@@ -114,6 +114,38 @@ async def test_hf_config_json_is_planned_like_the_cli(served: Served) -> None:
     assert got.total_bytes == 5 * (2 << 20)
 
 
+async def test_hf_config_json_as_hugging_face_writes_it_and_an_assumed_family(
+        served: Served) -> None:
+    """Configure reads hf_config_json as Python's JSON does (Infinity, NaN), refuses a class
+    SGLang's registry does not know, naming the knob, and with assume_architecture plans it
+    as that family, saying so."""
+    config = json.loads((REPO / "tests/data/models/llama-3.1-8b-instruct.json").read_text())
+    text = json.dumps({**config, "architectures": ["ZebraLMForCausalLM"],
+                       "router_aux_loss_coef": float("inf"), "odd": float("nan")})
+    assert "Infinity" in text and "NaN" in text
+    opts = {"max_total_tokens": 64, "page_size": 16, "max_running_requests": 4,
+            "context_length": 1024, "dry_run": True}
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await served.stub.Configure(configure_request("z", hf_config=text, **opts))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "ZebraLMForCausalLM" in info.value.details()
+    assert "--assume-architecture" in info.value.details()
+    resp = await served.stub.Configure(configure_request(
+        "z", hf_config=text, assume_architecture="mha", **opts))
+    got = PoolPlan.from_json(resp.plan_json)
+    assert (got.architecture, got.architecture_source) == ("mha", "assumed")
+    assert any("--assume-architecture said so" in note for note in got.notes)
+    for bad, where in (({"assume_architecture": "gqa"}, "accepted: mha"),
+                       ({"assume_architecture": "mha", "spec": TINY_SPEC}, "hf_config_json model only")):
+        model = {"spec": TINY_SPEC} if "spec" in bad else {"hf_config": text}
+        req = configure_request("z", **model, assume_architecture=bad["assume_architecture"],
+                                **opts)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await served.stub.Configure(req)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert where in info.value.details()
+
+
 async def test_concurrent_configure_of_one_name_builds_once(served: Served) -> None:
     import asyncio
 

@@ -89,6 +89,10 @@ class IdSpaceSpec(Base):
 # hf_config: read by the architecture table's loader; assumed: an unknown class read as the
 # family given with --assume-architecture; spec: a hand-written spec.
 ArchitectureSource = Literal["hf_config", "assumed", "spec"]
+# Families an unknown HF class may be read as (`--assume-architecture`, Configure's
+# assume_architecture): the ones a HF config alone can be read as.
+ASSUMABLE_FAMILIES: tuple[str, ...] = ("mha", "mla", "dsa", "hybrid_swa", "hybrid_gdn",
+                                       "hybrid_mamba")
 
 
 class PoolPlan(Base):

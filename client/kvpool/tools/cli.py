@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from kvpool.contract.option_flags import add_option_flags, option_values
+from kvpool.contract.plan import ASSUMABLE_FAMILIES
 from kvpool.tools.cli_common import client_from, common_options, count, load_spec_mapping
 from kvpool.tools.cli_run import command_parser, parse_command_line, run_subcommand
 from kvpool.tools.demo import add_demo
@@ -58,6 +59,9 @@ def add_configure(sub: Any, common: argparse.ArgumentParser) -> argparse.Argumen
     model.add_argument("--spec", type=Path, metavar="PATH",
                        help="a hand-written kvpool model spec (.json or .toml)")
     add_option_flags(p)  # the same knobs as `kvpoold plan`, from PlanOptions
+    p.add_argument("--assume-architecture", metavar="FAMILY", choices=ASSUMABLE_FAMILIES,
+                   help="with --hf-config: read a class SGLang's registry does not know as this "
+                        f"family ({', '.join(ASSUMABLE_FAMILIES)}); the plan says 'assumed'")
     p.add_argument("--dry-run", action="store_true", help="plan and check; allocate nothing")
     p.add_argument("--json", action="store_true", help="print the plan and result as JSON")
     return p
@@ -69,6 +73,8 @@ def run_configure(args: argparse.Namespace) -> int:
         {"hf_config": args.hf_config} if args.hf_config else
         {"spec": load_spec_mapping(args.spec)}
     )
+    if args.assume_architecture:
+        model["assume_architecture"] = args.assume_architecture
     with client_from(args) as client:
         result = client.configure(args.pool, dry_run=args.dry_run, **model, **options)
     if args.json:

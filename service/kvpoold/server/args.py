@@ -18,6 +18,7 @@ class ConfigureArgs:
     spec: dict[str, Any] | None = None
     options: dict[str, Any] = field(default_factory=dict)
     dry_run: bool = False
+    assume_architecture: str | None = None
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,10 @@ import numpy as np
 from google.protobuf.message import Message
 
 from kvpool.contract import codec
-from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.errors import InvalidArgument, echo
 from kvpool.contract.limits import MAX_IDS_PER_CALL, MAX_ITEMS_PER_CALL
 from kvpool.contract.options import PlanOptions
+from kvpool.contract.plan import ASSUMABLE_FAMILIES
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpoold.ids import Grant
 from kvpoold.server.args import ConfigureArgs, LeaseRef, PeerDoneArgs, PeerReceiveArgs
@@ -86,7 +87,27 @@ def configure_args(req: pb.ConfigureRequest) -> ConfigureArgs:
         spec=message_to_builtins(req.spec) if model == "spec" else None,
         options=options,
         dry_run=req.dry_run,
+        assume_architecture=_assumed(req.assume_architecture, model),
     )
+
+
+def _assumed(family: str, model: str | None) -> str | None:
+    """Configure's ``assume_architecture``: "" is none; else an assumable family, with a HF
+    config.
+
+    Raises:
+        InvalidArgument: another family, or given with a spec.
+    """
+    if not family:
+        return None
+    if family not in ASSUMABLE_FAMILIES:
+        raise InvalidArgument(f"assume_architecture {echo(family)} is not a family kvpool can "
+                              f"read a config as (accepted: {', '.join(ASSUMABLE_FAMILIES)})",
+                              field="assume_architecture")
+    if model != "hf_config_json":
+        raise InvalidArgument("assume_architecture applies to an hf_config_json model only (a "
+                              "spec says its own attention)", field="assume_architecture")
+    return family
 
 
 def lease_ref(lease_id: int, secret: bytes, field: str = "lease_id") -> LeaseRef:

@@ -10,11 +10,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-import msgspec
-
 from kvpool.contract.codec import plan_to_json
 from kvpool.contract.errors import InvalidArgument
-from kvpool.contract.limits import MAX_CONFIG_CHARS
 from kvpool.contract.plan import PoolPlan
 from kvpool.contract.spec import decode_spec
 from kvpoold.server.args import ConfigureArgs
@@ -32,28 +29,13 @@ def plan_from_args(args: ConfigureArgs, available_bytes: int) -> PoolPlan:
         InvalidArgument: a bad model or option, or an unplannable combination; names the field.
     """
     if args.hf_config_json is not None:
-        from kvpoold.hf import spec_from_hf
+        from kvpoold.hf import parse_config_json, spec_from_hf
 
-        text = args.hf_config_json
-        if len(text) > MAX_CONFIG_CHARS:
-            raise InvalidArgument(f"hf_config_json has {len(text):,} characters, at most "
-                                  f"{MAX_CONFIG_CHARS:,}; send the model's config.json only",
-                                  field="hf_config_json")
-        try:
-            config = msgspec.json.decode(text)
-        except msgspec.DecodeError as exc:
-            raise InvalidArgument(f"hf_config_json is not valid JSON: {exc}",
-                                  field="hf_config_json") from exc
-        except RecursionError:  # msgspec stops at Python's recursion limit (~1000 deep)
-            raise InvalidArgument("hf_config_json nests too deep to be a config.json (arrays "
-                                  "or objects past ~1,000 levels)",
-                                  field="hf_config_json") from None
-        if not isinstance(config, dict):
-            raise InvalidArgument(
-                f"hf_config_json holds a JSON {type(config).__name__}, expected an object",
-                field="hf_config_json",
-            )
-        spec, source = spec_from_hf(config, where="hf_config_json")
+        # read as Hugging Face writes it (Infinity, NaN), bounded; the refusals name the field
+        config = parse_config_json(args.hf_config_json, "hf_config_json",
+                                   field="hf_config_json")
+        spec, source = spec_from_hf(config, where="hf_config_json",
+                                    assume=args.assume_architecture)
     elif args.spec is not None:
         spec, source = decode_spec(args.spec, source="spec"), "spec"
     else:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from kvpool.contract.plan import ASSUMABLE_FAMILIES
+
 DATA = Path(__file__).with_name("sglang_architectures.json")
 _TABLE: dict[str, Any] = json.loads(DATA.read_text(encoding="utf-8"))
 SGLANG_VERSION: str = _TABLE["sglang_version"]
@@ -25,8 +27,8 @@ ROWS: dict[str, tuple[str, str, str, str, bool, str]] = {
 Family = Literal["mha", "mla", "dsa", "hybrid_swa", "hybrid_gdn", "hybrid_mamba", "hybrid_kda",
                  "hybrid_lightning", "mamba", "dsv4"]
 
-# Families `--assume-architecture` accepts: the ones a HF config alone can be read as.
-ASSUMABLE: tuple[str, ...] = ("mha", "mla", "dsa", "hybrid_swa", "hybrid_gdn", "hybrid_mamba")
+# Families `--assume-architecture` accepts (one definition, in the contract).
+ASSUMABLE: tuple[str, ...] = ASSUMABLE_FAMILIES
 
 # Families SGLang builds that kvpool cannot read from a HF config, and what to do instead.
 UNSUPPORTED: dict[str, str] = {
