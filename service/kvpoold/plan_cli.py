@@ -88,7 +88,7 @@ def _summary_rows(p: PoolPlan) -> list[tuple[str, str]]:
         ("architecture", f"{p.architecture} (from {p.architecture_source})"),
         ("model", p.model_architecture or "-"),
         ("kv cache dtype", p.kv_cache_dtype),
-        ("page size", f"{p.page_size:,} tokens"),
+        ("page size", f"{p.page_size:,} token" + ("" if p.page_size == 1 else "s")),
         ("context length", f"{p.context_length:,}"),
         ("cell size", f"{p.cell_size_bytes:,} B per token"),
         ("max total tokens", f"{p.max_total_num_tokens:,}"),
@@ -109,8 +109,8 @@ def _summary_rows(p: PoolPlan) -> list[tuple[str, str]]:
     rows += [
         ("budget", "-" if p.budget_bytes is None else _bytes(p.budget_bytes)),
         ("KV + state", _bytes(p.total_bytes)),
-        ("aux (outside budget)", _bytes(p.aux_bytes)),
-        ("backing region", _bytes(p.backing_bytes)),
+        ("aux (not in --budget)", _bytes(p.aux_bytes)),
+        ("backing region", _bytes(p.backing_bytes) + " (the daemon's --budget pays all of it)"),
         ("parallelism", f"TP {p.tp_size}, PP rank {p.pp_rank} of {p.pp_size}, "
                         f"layers {p.layer_start}..{p.layer_end - 1}"),
         ("draft layers", str(p.num_draft_layers)),
@@ -144,8 +144,9 @@ def _names(group: list[BufferSpec]) -> str:
 
 
 def _print_table(p: PoolPlan) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from kvpool.tools.cli_run import console as console_for
 
     summary = Table(title="kvpoold plan", show_header=False, title_justify="left")
     summary.add_column("key", style="bold")
@@ -164,9 +165,9 @@ def _print_table(p: PoolPlan) -> None:
             _names(group), kind, first.dtype.value, str(tuple(first.shape)),
             format_size(first.nbytes), format_size(sum(b.nbytes for b in group)),
         )
-    console = Console()
+    console = console_for()
     if not console.is_terminal:
-        console = Console(width=140)  # pipes and files: do not wrap at 80 columns
+        console = console_for(width=140)  # pipes and files: do not wrap at 80 columns
     items: list[RenderableType] = [summary, buffers]
     for item in items:
         console.print(item)
