@@ -210,13 +210,25 @@ def test_fingerprint_changes_with_layout():
 def test_engine_defaults_speculative_max_running_requests_48(algorithm):
     """SGLang's server sets max_running_requests to 48 under speculative decoding when none is
     given; a given value, or no speculative decoding, is left alone."""
-    opts = engine_defaults(make_options(budget_bytes=GiB, speculative_algorithm=algorithm))
+    spec = llama_8b()
+    opts = engine_defaults(spec, make_options(budget_bytes=GiB, speculative_algorithm=algorithm))
     assert opts.max_running_requests == SPECULATIVE_MAX_RUNNING_REQUESTS == 48
     given = make_options(budget_bytes=GiB, speculative_algorithm=algorithm,
-                         max_running_requests=7)
-    assert engine_defaults(given) is given
-    plain = make_options(budget_bytes=GiB)
-    assert engine_defaults(plain) is plain
+                         max_running_requests=7, swa_full_tokens_ratio=0.5)
+    assert engine_defaults(spec, given) is given
+    plain = engine_defaults(spec, make_options(budget_bytes=GiB))
+    assert plain.max_running_requests is None and plain.swa_full_tokens_ratio == 0.8
+    assert engine_defaults(spec, plain) is plain
+
+
+def test_engine_defaults_of_a_model_class():
+    """DeepSeek-V4: SGLang's overrides set swa_full_tokens_ratio 0.1 and max_running_requests
+    256 where the user gave none; given values stay."""
+    v4 = llama_8b(architecture="DeepseekV4ForCausalLM")  # only the class name matters here
+    opts = engine_defaults(v4, make_options(budget_bytes=GiB))
+    assert (opts.swa_full_tokens_ratio, opts.max_running_requests) == (0.1, 256)
+    given = make_options(budget_bytes=GiB, swa_full_tokens_ratio=0.5, max_running_requests=9)
+    assert engine_defaults(v4, given) is given
 
 
 def test_plan_applies_the_speculative_default():

@@ -69,8 +69,10 @@ def v4_spec(state_dtype: str = "float32", ratios: tuple[int, ...] = RATIOS_61,
 
 
 def opts(**fields: object):
+    # r = 0.8 given: the worked examples were written with it (SGLang's own default for
+    # DeepseekV4ForCausalLM is 0.1; test_engine_defaults_of_a_model_class covers that)
     base: dict[str, object] = {"budget_bytes": BUDGET, "page_size": 256,
-                               "max_running_requests": 256}
+                               "max_running_requests": 256, "swa_full_tokens_ratio": 0.8}
     base.update(fields)
     return make_options(**base)
 
@@ -134,7 +136,9 @@ def test_default_max_running_requests_from_first_pass() -> None:
       total 42,947,915,840, leftover 1,757,120 (< dN + dS: N = 929 adds an SWA page too).
     max_running_requests = min(2,048, 237,568 // 2) = 2,048; c128_state = 2,049 * 128 = 262,272.
     """
-    p = plan(v4_spec(), opts(max_running_requests=None))
+    # a spec naming no class: SGLang's DeepseekV4ForCausalLM default of 256 requests does not
+    # apply, so kvpool's own first pass decides
+    p = plan(v4_spec(architecture=""), opts(max_running_requests=None))
     assert p.num_pages == 928 and p.swa_num_pages == 742
     assert p.total_bytes == 42_947_915_840
     assert p.max_running_requests == 2_048

@@ -72,7 +72,8 @@ def test_hybrid_linear_pool_has_state_slots() -> None:
 
 
 def test_dsv4_compress_state_rings_are_allocatable() -> None:
-    p = plan_for(v4_spec(), budget_bytes=BUDGET, page_size=256, max_running_requests=256)
+    p = plan_for(v4_spec(), budget_bytes=BUDGET, page_size=256, max_running_requests=256,
+                 swa_full_tokens_ratio=0.8)
     assert p.swa_num_pages == 2_462
     c4, c128 = p.id_space("c4_state"), p.id_space("c128_state")
     assert c4.capacity == 2_462 * 256 // 128 == 4_924

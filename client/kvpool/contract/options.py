@@ -76,7 +76,8 @@ class PlanOptions(Base):
         "requests served at once (default: from the token count, 2048 to 4096, at most half "
         "the tokens)", ge=1, le=1 << 24)] | None = None
     swa_full_tokens_ratio: Annotated[float, _doc(
-        "SWA tokens per full-attention token in hybrid SWA pools", gt=0.0, le=1.0)] = 0.8
+        "SWA tokens per full-attention token in hybrid SWA pools (default: 0.8; 0.1 for "
+        "DeepSeek-V4, as SGLang sets it)", gt=0.0, le=1.0)] | None = None
     mamba_full_memory_ratio: Annotated[float, _doc(
         "mamba state memory per KV memory in hybrid linear pools", gt=0.0, le=100.0)] = 0.9
     mamba_radix_cache_strategy: Annotated[MambaRadixCacheStrategy, _doc(

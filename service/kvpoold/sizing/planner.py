@@ -40,13 +40,30 @@ MULTIMODAL_RESERVATION_BYTES = 100 << 20
 SPECULATIVE_MAX_RUNNING_REQUESTS = 48
 
 
-def engine_defaults(options: PlanOptions) -> PlanOptions:
-    """The options as SGLang's server resolves them before sizing: speculative decoding sets
-    ``max_running_requests`` to 48 when it is not given."""
-    if options.speculative_algorithm != "none" and options.max_running_requests is None:
-        return msgspec.structs.replace(options,
-                                       max_running_requests=SPECULATIVE_MAX_RUNNING_REQUESTS)
-    return options
+# SGLang's swa_full_tokens_ratio when neither the user nor the model's overrides set one.
+DEFAULT_SWA_FULL_TOKENS_RATIO = 0.8
+# SGLang's defaults for one model class, where the user gave none (its arg_groups: the
+# model_overrides and hooks that run before sizing). Keyed by the HF class a spec names.
+MODEL_DEFAULTS: dict[str, dict[str, object]] = {
+    # arg_groups/model_overrides/deepseek_v4.py (ratio) and deepseek_v4_hook.py (requests)
+    "DeepseekV4ForCausalLM": {"swa_full_tokens_ratio": 0.1, "max_running_requests": 256},
+}
+
+
+def engine_defaults(spec: ModelSpec, options: PlanOptions) -> PlanOptions:
+    """The options as SGLang's server resolves them before sizing: the model class's own
+    defaults (:data:`MODEL_DEFAULTS`), then speculative decoding's ``max_running_requests`` of
+    48, then ``swa_full_tokens_ratio`` 0.8; only where the option is not given. Idempotent."""
+    changes: dict[str, object] = {}
+    for name, value in MODEL_DEFAULTS.get(spec.architecture, {}).items():
+        if getattr(options, name) is None:
+            changes[name] = value
+    if (options.speculative_algorithm != "none" and options.max_running_requests is None
+            and "max_running_requests" not in changes):
+        changes["max_running_requests"] = SPECULATIVE_MAX_RUNNING_REQUESTS
+    if options.swa_full_tokens_ratio is None and "swa_full_tokens_ratio" not in changes:
+        changes["swa_full_tokens_ratio"] = DEFAULT_SWA_FULL_TOKENS_RATIO
+    return msgspec.structs.replace(options, **changes) if changes else options
 
 
 def make_context(spec: ModelSpec, options: PlanOptions) -> SizingContext:
@@ -56,6 +73,7 @@ def make_context(spec: ModelSpec, options: PlanOptions) -> SizingContext:
         InvalidArgument: for a PP split with more stages than layers, or a context length above
             the model's without ``allow_longer_context``.
     """
+    options = engine_defaults(spec, options)
     if options.speculative_algorithm == "none":
         draft = 0
     elif options.speculative_num_draft_layers is not None:
@@ -123,7 +141,7 @@ def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = 
     Raises:
         InvalidArgument: for any input the architecture cannot plan, naming the field.
     """
-    options = engine_defaults(options)
+    options = engine_defaults(spec, options)
     arch = select_architecture(spec)
     forced: tuple[str, ...] = ()
     page = arch.page_size_for(options.page_size) if arch.page_size_for else options.page_size
