@@ -233,7 +233,7 @@ async def test_drop_in_use_names_only_the_callers_own_leases(tenants: Tenants) -
         with pytest.raises(FailedPrecondition) as err:
             await a.drop("a")
         assert str(lo.lease_id) not in err.value.message and "ops-engine" not in err.value.message
-        assert "1 leases hold ids [1 not yours]" in err.value.message
+        assert "1 lease holds ids [1 not yours]" in err.value.message
         await la.allocate("a", "kv", 1)
         with pytest.raises(FailedPrecondition) as err:
             await a.drop("a")

@@ -65,7 +65,7 @@ async def test_drop_is_refused_while_attached_unless_forced(served: Served) -> N
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await served.stub.Drop(pb.DropRequest(pool="tiny"))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "1 clients attached" in info.value.details()
+    assert "1 client attached" in info.value.details()
     dropped = await served.stub.Drop(pb.DropRequest(pool="tiny", force=True))
     assert dropped.detached == 1
     with pytest.raises(grpc.aio.AioRpcError) as info:
