@@ -89,11 +89,10 @@ async def test_a_long_architecture_is_refused_not_kept(served: Served,
 
 async def test_a_value_quoted_whole_is_cut_in_the_middle(served: Served) -> None:
     """msgspec quotes a bad enum value whole: the status message is cut in the middle, so it
-    still ends with where the value was and what is accepted there."""
+    still ends with where the value was."""
     error = await refused(served.stub.Configure(raw_configure("d", dtype="d" * 500_000)))
     details = error.details()
-    assert len(details) < MAX_DETAILS_CHARS + 40
-    assert details.endswith("- at `$.dtype` (values accepted here: bfloat16, float16, float32)")
+    assert len(details) < MAX_DETAILS_CHARS + 40 and details.endswith("- at `$.dtype`")
     assert bounded("abc", 10) == "abc"
 
 
