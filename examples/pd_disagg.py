@@ -10,9 +10,12 @@ layouts of their *pages* agree, which is what a transfer needs), then plays both
    decode daemon with the grant's token (``client.send``); both sides wait;
 3. decode: reads every byte of every granted page through its own mapping and compares.
 
-Needs ``kvpool[server,nixl]``. Run from the repository root:
+Needs ``kvpool[server,nixl]``. From a fresh clone, at the repository root, in one command
+(docs/pd-transfer.md, "Try it")::
 
-    PYTHONPATH=client:service python examples/pd_disagg.py [--pages 64]
+    python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 && \
+        .venv/bin/pip install -q -c .ci/constraints.txt -e ".[server,nixl]" && \
+        .venv/bin/python examples/pd_disagg.py [--pages 64]
 """
 
 from __future__ import annotations

@@ -21,8 +21,12 @@ from kvpool.contract.errors import (
 )
 
 __version__ = "1.0.0"
+# The wire contract this build speaks (protos/kvpool/v1, its version): ``--version`` prints it
+# and ``kvpool_build_info`` carries it.
+WIRE_CONTRACT = "kvpool.v1 1.0"
 
 __all__ = [
+    "WIRE_CONTRACT",
     "Aborted",
     "AlreadyExists",
     "AsyncKVPoolClient",

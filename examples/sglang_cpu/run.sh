@@ -16,8 +16,9 @@
 # 6. prints `kvpool stats` and `kvpool leases`, stops the server and shows the pages back.
 #
 # Environment: KVPOOL_VENV (the daemon's venv, default <repo>/.venv), KVPOOL_SGLANG_VENV (the
-# side venv, default <repo>/.venv-sglang), PORT (SGLang's
-# HTTP port, default a free one), KEEP=1 (keep the temporary directory and its logs).
+# side venv, default <repo>/.venv-sglang; a finished one made from another checkout is used as
+# it is, with this checkout's plugin), PORT (SGLang's HTTP port, default a free one), KEEP=1
+# (keep the temporary directory and its logs).
 # Exits non-zero, with the last lines of the failing log, when any step fails.
 set -euo pipefail
 
@@ -55,7 +56,14 @@ if [[ ! -x "$main/bin/kvpoold" ]]; then
     "$main/bin/pip" install -q torch==2.13.0
     "$main/bin/pip" install -q -e "$repo[server]"
 fi
-"$harness/setup_venv.sh"
+marker="$venv/.kvpool-sglang-ready"
+if [[ -f "$marker" && "$(cat "$marker")" != *" kvpool-editable:$repo" ]]; then
+    # A finished side venv made from another checkout (CI's, or a shared one): used as it is,
+    # never rebuilt from here; the plugin still comes from this checkout (PYTHONPATH below).
+    echo "using $venv as it is (made from the checkout at $(sed 's/.* kvpool-editable://' "$marker"))"
+else
+    "$harness/setup_venv.sh"
+fi
 
 say "2/6 a tiny random Llama in $work/model"
 PYTHONPATH="$harness/stubs" "$py" "$harness/engine_run.py" make-model "$work/model" \
@@ -80,7 +88,7 @@ say "4/6 SGLang's HTTP server on 127.0.0.1:$port with the kvpool plugin (pool 't
 # a small pool (512 tokens in pages of 4) so it starts in seconds.
 (
     export SGLANG_PLATFORM=kvpool KVPOOL_POOL=tiny KVPOOL_TARGET="$target" \
-        PYTHONPATH="$harness/stubs" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+        PYTHONPATH="$harness/stubs:$repo/client" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
     unset VIRTUAL_ENV
     exec setsid "$py" "$harness/engine_run.py" serve --model-path "$work/model" \
         --host 127.0.0.1 --port "$port" --device cpu --attention-backend torch_native \

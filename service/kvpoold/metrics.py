@@ -10,34 +10,43 @@ Every daemon gets its own :class:`prometheus_client.CollectorRegistry` (not the 
 one), so several daemons can run in one process (tests) without clashing.
 
 Exported (labels in braces; ``space`` is a pool's id space: ``kv``, ``swa``, ``req``, ``state``,
-``c4_state``, ``c128_state``, as its plan declares)::
+``c4_state``, ``c128_state``, as its plan declares; ``unit`` is what one id of that space is,
+``SpaceStats.unit``: ``pages``, ``rows``, ``slots``)::
 
-    kvpool_pool_capacity{device,pool,space}            gauge      ids the pool can hand out
-    kvpool_pool_used{device,pool,space}                gauge      ids held by leases
-    kvpool_pool_free{device,pool,space}                gauge      capacity - used
-    kvpool_pool_high_water{device,pool,space}          gauge      most ids used at once
-    kvpool_pool_pinned{device,pool,space}              gauge      ids a transfer is moving
-    kvpool_pool_quarantined{device,pool,space}         gauge      ids whose lease ended mid-transfer
+    kvpool_pool_capacity{device,pool,space,unit}       gauge      ids the pool can hand out
+    kvpool_pool_used{device,pool,space,unit}           gauge      ids held by leases
+    kvpool_pool_free{device,pool,space,unit}           gauge      capacity - used
+    kvpool_pool_high_water{device,pool,space,unit}     gauge      most ids used at once
+    kvpool_pool_pinned{device,pool,space,unit}         gauge      ids a transfer is moving
+    kvpool_pool_quarantined{device,pool,space,unit}    gauge      ids whose lease ended mid-transfer
     kvpool_pool_bytes{device,pool}                    gauge      backing region bytes
     kvpool_attached_clients{device,pool}              gauge      Attach without Detach
-    kvpool_allocations_total{device,pool,space}        counter    ids handed out
-    kvpool_frees_total{device,pool,space}              counter    ids returned (reclaim included)
-    kvpool_allocation_failures_total{device,pool,space} counter   Allocate items refused: no room
+    kvpool_allocated_ids_total{device,pool,space,unit} counter   ids handed out
+    kvpool_freed_ids_total{device,pool,space,unit}    counter    ids returned (reclaim included)
+    kvpool_allocation_refusals_total{device,pool,space} counter  Allocate calls refused: no room
     kvpool_device_budget_bytes{device}                gauge      the daemon's --budget
     kvpool_device_used_bytes{device}                  gauge      backing bytes of all pools
     kvpool_leases_open{device}                        gauge      open leases
     kvpool_lease_expiries_total{device}               counter    leases expired and reclaimed
-    kvpool_lease_cached_ids{device,pool,space}         gauge      cached in page caches (reports)
+    kvpool_lease_cached_ids{device,pool,space,unit}   gauge      cached in page caches (reports)
     kvpool_rpc_failures_total{device,method,code}     counter    RPCs ended with an error status
     kvpool_rpc_duration_seconds{device,method}        histogram  server time of unary RPCs
+    kvpool_build_info{device,version,contract,python,torch,nixl} gauge  1: what this daemon runs
+
+The id-counting series carry ``unit`` as a label rather than in their names: the spaces are the
+plan's table (one family per quantity whatever the architecture), ``unit`` follows from
+``space`` so it adds no series, and ``sum by (unit) (kvpool_pool_used)`` adds only like ids.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
+import importlib.metadata
 import inspect
 import logging
+import platform
 import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Iterator
@@ -56,6 +65,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
+from kvpool import WIRE_CONTRACT, __version__
 from kvpool.contract.errors import FailedPrecondition, Internal
 
 if TYPE_CHECKING:
@@ -69,6 +79,31 @@ RPC_BUCKETS_S: tuple[float, ...] = (
 )
 # A scrape waits this long for the event loop to take the snapshot before it fails.
 SNAPSHOT_TIMEOUT_S = 5.0
+
+
+BUILD_LABELS = ("version", "contract", "python", "torch", "nixl")
+# The NIXL wheels are published per CUDA major; the first one installed names the version.
+NIXL_DISTRIBUTIONS = ("nixl", "nixl-cu12", "nixl-cu13")
+
+
+@functools.cache
+def build_info() -> dict[str, str]:
+    """The ``kvpool_build_info`` labels (:data:`BUILD_LABELS`, in that order) of this process.
+
+    ``torch`` and ``nixl`` are read from the installed distributions' metadata, without
+    importing them; ``"none"`` for one that is not installed. Read once per process.
+    """
+    def installed(*names: str) -> str:
+        for name in names:
+            try:
+                return importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                continue
+        return "none"
+
+    return {"version": __version__, "contract": WIRE_CONTRACT,
+            "python": platform.python_version(), "torch": installed("torch"),
+            "nixl": installed(*NIXL_DISTRIBUTIONS)}
 
 
 class RpcMetrics:
@@ -129,8 +164,9 @@ class DaemonCollector(Collector):
         fams = self._families()
         (capacity, used, free, high_water, pool_bytes, attached, allocs, frees, failures,
          budget, dev_used, leases_open, expiries, lease_cached, transfers, transfer_bytes,
-         transfer_failures, stalls, stalled, longest_stall, pinned, quarantined) = fams
+         transfer_failures, stalls, stalled, longest_stall, pinned, quarantined, build) = fams
         dev = self._device
+        build.add_metric([dev, *build_info().values()], 1)
         cached: dict[tuple[str, str], int] = {}
         for lease in snap.leases:
             for pool_name, spaces in lease.cached.items():
@@ -140,7 +176,7 @@ class DaemonCollector(Collector):
             pool_bytes.add_metric([dev, pool.name], pool.backing_bytes)
             attached.add_metric([dev, pool.name], pool.attached)
             for space, k in pool.spaces.items():
-                labels = [dev, pool.name, space]
+                labels = [dev, pool.name, space, k.unit]
                 capacity.add_metric(labels, k.capacity)
                 used.add_metric(labels, k.used)
                 free.add_metric(labels, k.free)
@@ -149,7 +185,7 @@ class DaemonCollector(Collector):
                 quarantined.add_metric(labels, k.quarantined)
                 allocs.add_metric(labels, k.allocs)
                 frees.add_metric(labels, k.frees)
-                failures.add_metric(labels, k.failed_allocs)
+                failures.add_metric(labels[:3], k.failed_allocs)
                 lease_cached.add_metric(labels, cached.get((pool.name, space), 0))
         d = snap.daemon
         budget.add_metric([dev], d.budget_bytes)
@@ -171,7 +207,8 @@ class DaemonCollector(Collector):
 
     @staticmethod
     def _families() -> tuple[Metric, ...]:
-        spaces = ("device", "pool", "space")
+        spaces = ("device", "pool", "space", "unit")
+        calls = ("device", "pool", "space")
         pools = ("device", "pool")
         device = ("device",)
         peers = ("device", "peer", "direction")
@@ -194,15 +231,15 @@ class DaemonCollector(Collector):
             GaugeMetricFamily("kvpool_attached_clients",
                               "Clients that mapped the pool's memory (Attach without Detach).",
                               labels=pools),
-            CounterMetricFamily("kvpool_allocations",
+            CounterMetricFamily("kvpool_allocated_ids",
                                 "Ids of this id space handed out since the pool was built.",
                                 labels=spaces),
-            CounterMetricFamily("kvpool_frees",
+            CounterMetricFamily("kvpool_freed_ids",
                                 "Ids of this id space returned since the pool was built, reclaim "
                                 "of closed and expired leases included.", labels=spaces),
-            CounterMetricFamily("kvpool_allocation_failures",
-                                "Allocate calls refused for this id space because too few ids were "
-                                "free.", labels=spaces),
+            CounterMetricFamily("kvpool_allocation_refusals",
+                                "Allocate calls (not ids) refused for this id space because too "
+                                "few ids were free.", labels=calls),
             GaugeMetricFamily("kvpool_device_budget_bytes",
                               "Device bytes all pools together may occupy (kvpoold --budget).",
                               labels=device),
@@ -243,6 +280,11 @@ class DaemonCollector(Collector):
                               "Ids of this id space whose lease ended while a transfer moved "
                               "them: held by no lease until the transfer ends (in used).",
                               labels=spaces),
+            GaugeMetricFamily("kvpool_build_info",
+                              "Always 1; the labels say what this daemon runs: kvpool version, "
+                              "wire contract, Python, torch and NIXL versions (nixl \"none\" "
+                              "when not installed).",
+                              labels=("device", *BUILD_LABELS)),
         )
 
 

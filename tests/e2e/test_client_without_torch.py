@@ -184,3 +184,23 @@ def test_kvpoold_serve_without_the_server_extra_says_what_to_install(
                           str(client_venv.root))
     assert out.returncode == 1, out.stderr
     assert "pip install -e '.[server]'" in out.stderr and "Traceback" not in out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("kvpoold serve: error (FAILED_PRECONDITION): kvpoold serve needs the "
+                           "server extra (not installed: torch, prometheus_client, "
+                           "grpc_reflection): from the repository root, pip install -e "
+                           "'.[server]'"), line
+    assert "whl[server]" in line and "`kvpoold plan` only" in line
+
+
+@pytest.mark.timeout(600)
+def test_kvpoold_plan_works_without_the_server_extra(client_venv: ClientVenv) -> None:
+    """Planning is pure (no torch): the client-only install plans a pool as the daemon would,
+    so the one line ``kvpoold serve`` prints there can say ``kvpoold plan`` works."""
+    # Qwen3-8B: 147,456 B per token; 64 MiB holds 455 tokens -> 28 pages of 16 (448 tokens)
+    out = client_venv.run(client_venv.kvpool.with_name("kvpoold"), "plan", "--model-config",
+                          REPO / "client" / "kvpool" / "data" / "qwen3-8b.json", "--budget",
+                          "64MiB", "--page-size", "16", "--context-length", "256", "--json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert (plan["model_architecture"], plan["cell_size_bytes"]) == ("Qwen3ForCausalLM", 147_456)
+    assert (plan["num_pages"], plan["max_total_num_tokens"]) == (28, 448)

@@ -155,6 +155,35 @@ def test_cli_configure_stats_leases_drop(shared_daemon: DaemonProcess, tmp_path:
     assert out.returncode == 0 and "dropped cli" in out.stdout, out.stderr
 
 
+def test_cli_json_writes_lease_ids_as_exact_strings(shared_daemon: DaemonProcess) -> None:
+    """``kvpool leases --json`` and ``kvpool stats --json``: each lease id is a decimal string
+    that round-trips exactly (a random 63-bit id is almost always over 2**53, where a JSON
+    number loses digits in jq); jq (docs/operations.md's recipe) hands back every digit."""
+    import shutil
+
+    target = ["--target", shared_daemon.target]
+    with KVPoolClient(shared_daemon.target) as client, \
+            client.lease("json-ids", ttl_s=30) as lease:
+        out = kvpool_cli("leases", "--json", *target)
+        assert out.returncode == 0, out.stderr
+        (listed,) = [x for x in json.loads(out.stdout) if x["name"] == "json-ids"]
+        assert isinstance(listed["lease_id"], str) and int(listed["lease_id"]) == lease.lease_id
+        assert str(lease.lease_id) in out.stdout
+        out = kvpool_cli("stats", "--json", *target)
+        assert out.returncode == 0, out.stderr
+        (listed,) = [x for x in json.loads(out.stdout)["leases"] if x["name"] == "json-ids"]
+        assert listed["lease_id"] == str(lease.lease_id)
+        assert isinstance(json.loads(out.stdout)["daemon"]["budget_bytes"], int)  # only ids
+        assert isinstance(client.stats().leases[0].lease_id, int)  # the Python API keeps ints
+        jq = shutil.which("jq")
+        if jq is None:
+            pytest.skip("no jq on PATH")
+        got = subprocess.run([jq, "-r", '.[] | select(.name == "json-ids") | .lease_id'],
+                             input=kvpool_cli("leases", "--json", *target).stdout,
+                             capture_output=True, text=True, timeout=30, check=True)
+        assert int(got.stdout) == lease.lease_id
+
+
 @pytest.mark.parametrize(("argv", "code"), [
     (("-c", "import kvpool.tools.cli"), 0),
     (("-m", "kvpool.tools.cli", "stats", "--help"), 0),

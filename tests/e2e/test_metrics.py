@@ -171,25 +171,27 @@ def test_gauges_and_counters_equal_stats(scenario: Scenario) -> None:
     m, stats = scenario.final, scenario.stats
     (pool,) = stats.pools
     for space, k in pool.spaces.items():
-        labels = {"device": "cpu", "pool": "tiny", "space": space}
+        labels = {"device": "cpu", "pool": "tiny", "space": space, "unit": k.unit}
         assert m.get("kvpool_pool_capacity", **labels) == k.capacity
         assert m.get("kvpool_pool_used", **labels) == k.used
         assert m.get("kvpool_pool_free", **labels) == k.free
         assert m.get("kvpool_pool_high_water", **labels) == k.high_water
-        assert m.get("kvpool_allocations_total", **labels) == k.allocs
-        assert m.get("kvpool_frees_total", **labels) == k.frees
-        assert m.get("kvpool_allocation_failures_total", **labels) == k.failed_allocs
-    kv = {"device": "cpu", "pool": "tiny", "space": "kv"}
+        assert m.get("kvpool_allocated_ids_total", **labels) == k.allocs
+        assert m.get("kvpool_freed_ids_total", **labels) == k.frees
+        calls = {"device": "cpu", "pool": "tiny", "space": space}
+        assert m.get("kvpool_allocation_refusals_total", **calls) == k.failed_allocs
+    kv = {"device": "cpu", "pool": "tiny", "space": "kv", "unit": "pages"}
     assert m.get("kvpool_pool_capacity", **kv) == TINY_PAGES == 256
-    assert m.get("kvpool_allocations_total", **kv) == 177
-    assert m.get("kvpool_frees_total", **kv) == 162
+    assert m.get("kvpool_allocated_ids_total", **kv) == 177
+    assert m.get("kvpool_freed_ids_total", **kv) == 162
     assert m.get("kvpool_pool_used", **kv) == 15
     assert m.get("kvpool_pool_free", **kv) == 241
     assert m.get("kvpool_pool_high_water", **kv) == 27
-    assert m.get("kvpool_allocation_failures_total", **kv) == 1
-    req = {"device": "cpu", "pool": "tiny", "space": "req"}
+    # one refused call, of 1000 pages: refusals count calls, not ids
+    assert m.get("kvpool_allocation_refusals_total", device="cpu", pool="tiny", space="kv") == 1
+    req = {"device": "cpu", "pool": "tiny", "space": "req", "unit": "rows"}
     assert (m.get("kvpool_pool_used", **req), m.get("kvpool_pool_capacity", **req)) == (2, 8)
-    assert m.get("kvpool_allocations_total", **req) == 2
+    assert m.get("kvpool_allocated_ids_total", **req) == 2
 
     assert m.get("kvpool_pool_bytes", device="cpu", pool="tiny") == pool.backing_bytes \
         == 1_062_032
@@ -211,16 +213,63 @@ def test_gauges_and_counters_equal_stats(scenario: Scenario) -> None:
 def test_scrapes_during_allocations_are_consistent(scenario: Scenario) -> None:
     """While churn allocated and freed, each scrape saw one instant of the pool: used + free ==
     capacity and allocations - frees == used, used in 0..3, totals never going back."""
-    kv = {"device": "cpu", "pool": "tiny", "space": "kv"}
+    kv = {"device": "cpu", "pool": "tiny", "space": "kv", "unit": "pages"}
     previous = 0.0
     for m in scenario.during:
         used = m.get("kvpool_pool_used", **kv)
         assert used + m.get("kvpool_pool_free", **kv) == m.get("kvpool_pool_capacity", **kv)
-        allocs = m.get("kvpool_allocations_total", **kv)
-        assert allocs - m.get("kvpool_frees_total", **kv) == used
+        allocs = m.get("kvpool_allocated_ids_total", **kv)
+        assert allocs - m.get("kvpool_freed_ids_total", **kv) == used
         assert 0 <= used <= 3
         assert allocs >= previous
         previous = allocs
+
+
+def test_id_series_carry_their_unit_and_sum_by_unit(scenario: Scenario) -> None:
+    """Every series that counts ids has a ``unit`` label equal to the space's unit in Stats
+    (kv pages, req rows); ``sum by (unit)`` over the scrape gives one sum per unit, matching
+    Stats: used 15 pages and 2 rows, never 17 of nothing."""
+    m, stats = scenario.final, scenario.stats
+    (pool,) = stats.pools
+    units = {space: k.unit for space, k in pool.spaces.items()}
+    assert units == {"kv": "pages", "req": "rows"}
+    for name in ("kvpool_pool_capacity", "kvpool_pool_used", "kvpool_pool_free",
+                 "kvpool_pool_high_water", "kvpool_pool_pinned", "kvpool_pool_quarantined",
+                 "kvpool_lease_cached_ids", "kvpool_allocated_ids_total",
+                 "kvpool_freed_ids_total"):
+        samples = scenario.final.samples(name)
+        assert {s.labels["space"]: s.labels["unit"] for s in samples} == units, name
+    (refusals,) = {frozenset(s.labels) for s in m.samples("kvpool_allocation_refusals_total")}
+    assert refusals == {"device", "pool", "space"}, "refusals count calls: no unit"
+    by_unit: dict[str, float] = {}
+    for s in m.samples("kvpool_pool_used"):
+        by_unit[s.labels["unit"]] = by_unit.get(s.labels["unit"], 0) + s.value
+    assert by_unit == {"pages": 15, "rows": 2}
+
+
+def test_build_info_names_what_the_daemon_runs(scenario: Scenario) -> None:
+    """``kvpool_build_info`` is one gauge of value 1 whose labels are the daemon's version, the
+    wire contract --version prints, and the Python, torch and NIXL versions installed."""
+    import importlib.metadata
+    import platform
+
+    from kvpool import WIRE_CONTRACT, __version__
+
+    (sample,) = scenario.final.samples("kvpool_build_info")
+    assert sample.value == 1
+    labels = dict(sample.labels)
+    nixl = "none"
+    for dist in ("nixl", "nixl-cu12", "nixl-cu13"):
+        try:
+            nixl = importlib.metadata.version(dist)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    assert labels == {"device": "cpu", "version": __version__, "contract": WIRE_CONTRACT,
+                      "python": platform.python_version(),
+                      "torch": importlib.metadata.version("torch"), "nixl": nixl}
+    assert labels["contract"] == "kvpool.v1 1.0" and labels["version"] == "1.0.0"
+    assert scenario.final.families["kvpool_build_info"].type == "gauge"
 
 
 def test_rpc_latency_histogram_and_failures_by_code(scenario: Scenario) -> None:
@@ -355,5 +404,6 @@ def test_two_daemons_in_one_process_have_their_own_registries() -> None:
     assert 'kvpool_device_budget_bytes{device="cpu"} 8.388608e+06' in first
     assert "cuda:7" not in first and 'pool="other"' not in first
     assert 'kvpool_rpc_duration_seconds_count{device="cpu",method="Allocate"} 1.0' in first
-    assert 'kvpool_pool_capacity{device="cuda:7",pool="other",space="kv"} 256.0' in second
+    assert ('kvpool_pool_capacity{device="cuda:7",pool="other",space="kv",unit="pages"} 256.0'
+            in second)
     assert "kvpool_rpc_duration_seconds_count" not in second

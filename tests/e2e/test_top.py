@@ -155,11 +155,12 @@ def test_bad_options_exit_2() -> None:
 
 
 class Terminal:
-    """A child process on a pseudo-terminal (40 x 120) whose output is collected as it comes."""
+    """A child process on a pseudo-terminal (40 x 120 unless told) whose output is collected as
+    it comes."""
 
-    def __init__(self, argv: list[str]) -> None:
+    def __init__(self, argv: list[str], rows: int = 40, cols: int = 120) -> None:
         master, slave = pty.openpty()
-        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
         env = subprocess_env(TERM="xterm-256color")
         env.pop("COLUMNS", None)
         env.pop("LINES", None)
@@ -369,3 +370,142 @@ def test_peers_table_shows_transfers_each_way() -> None:
     rows = {r[0]: r for r in cells(frame(busy)) if r and r[0] in ("decode-0:7070", "agent-7")}
     assert rows["decode-0:7070"][1:] == ["3", "3.00", "MiB", "1", "0", "0", "B", "0"], rows
     assert rows["agent-7"][1:] == ["0", "0", "B", "0", "12,345", "5.00", "GiB", "2"], rows
+
+
+# -- small terminals, several daemons -------------------------------------------------------------
+
+CROWD = 30  # leases on the busy daemon
+
+
+@dataclass
+class Crowd:
+    busy: DaemonProcess
+    quiet: DaemonProcess
+    absent: str
+    busy_ids: list[int]
+    quiet_ids: list[int]
+
+
+@pytest.fixture(scope="module")
+def crowd() -> Iterator[Crowd]:
+    """Three targets: ``busy`` (pools ``tiny`` and ``big``, 30 leases with long names, each
+    holding kv pages of both pools and a req row), ``quiet`` (pool ``tiny``, 2 leases), and an
+    address where nothing listens."""
+    import contextlib
+
+    with temp_dir() as a, temp_dir() as b, run_daemon(a) as busy, run_daemon(b) as quiet, \
+            KVPoolClient(busy.target) as bc, KVPoolClient(quiet.target) as qc, \
+            contextlib.ExitStack() as stack:
+        bc.configure("tiny", spec=TINY_SPEC, **TINY_OPTIONS)
+        bc.configure("big", spec=TINY_SPEC, **{**TINY_OPTIONS, "budget_bytes": 4 << 20})
+        qc.configure("tiny", spec=TINY_SPEC, **TINY_OPTIONS)
+        busy_ids = []
+        for i in range(CROWD):
+            lease = stack.enter_context(bc.lease(f"sglang-scheduler-tp{i:02d}-of-a-long-name",
+                                                 ttl_s=60))
+            lease.allocate_batch("tiny", [("kv", 1 + i % 5), ("req", 1 if i < 8 else 0)][
+                :1 if i >= 8 else 2])
+            lease.allocate("big", "kv", 2 + i)
+            busy_ids.append(lease.lease_id)
+        quiet_ids = []
+        for i in range(2):
+            lease = stack.enter_context(qc.lease(f"quiet-{i}", ttl_s=60))
+            lease.allocate("tiny", "kv", 4 - i)
+            quiet_ids.append(lease.lease_id)
+        yield Crowd(busy, quiet, f"unix:///tmp/kvp-absent-{os.getpid()}.sock", busy_ids,
+                    quiet_ids)
+
+
+def crowd_frame(crowd: Crowd, *flags: str) -> str:
+    out = kvpool_top("--once", "--target", crowd.busy.target, "--target", crowd.quiet.target,
+                     "--target", crowd.absent, *flags)
+    assert out.returncode == 1, out.stderr  # the absent one did not answer
+    assert "Traceback" not in out.stderr
+    return out.stdout
+
+
+def test_80x24_with_three_targets_shows_every_daemon_and_one_line_per_lease(
+        crowd: Crowd) -> None:
+    """``--width 80 --height 24`` (the live view's fit to an 80 x 24 terminal): all three
+    panels are on screen in --target order, the unreachable one too; the busy daemon's 30
+    leases do not push the others off: it lists what its share of the lines holds and says
+    ``+N more leases``; the quiet one lists both of its leases. Every lease is one line (its
+    full id, its HELD text cut with an ellipsis, never wrapped); nothing is wider than 80."""
+    text = crowd_frame(crowd, "--width", "80", "--height", "24")
+    lines = text.rstrip("\n").splitlines()
+    assert len(lines) <= 24, text
+    assert max(len(line) for line in lines) <= 80
+    at = [next(i for i, line in enumerate(lines) if t in line)
+          for t in (crowd.busy.target, crowd.quiet.target, crowd.absent)]
+    assert at == sorted(at), text
+    assert "unreachable: UNAVAILABLE" in text
+
+    busy = "\n".join(lines[at[0]:at[1]])
+    listed = [r for r in cells(busy) if r and r[0].isdigit() and len(r[0]) > 8]
+    assert len(listed) < CROWD, busy
+    for row in listed:
+        assert int(row[0]) in crowd.busy_ids, row  # the whole id
+    (more,) = re.findall(r"\+(\d+) more leases \(kvpool leases lists all\)", busy)
+    assert int(more) == CROWD - len(listed)
+    assert re.search(r"^│ tiny +kv ", busy, flags=re.M) and "pools 2   leases 30 open" in busy
+
+    # the daemon with fewer leases is listed whole first
+    quiet = "\n".join(lines[at[1]:at[2]])
+    assert [int(r[0]) for r in cells(quiet) if r and r[0].isdigit() and len(r[0]) > 8] \
+        == crowd.quiet_ids, text
+    assert "more lease" not in quiet
+
+
+def test_a_frame_too_short_for_every_daemon_names_the_rest(crowd: Crowd) -> None:
+    """In 12 lines the busy daemon's panel (header, 4 pool rows, '+30 more leases') fits and
+    the others do not: the last line says so and names them, the unreachable one as such."""
+    text = crowd_frame(crowd, "--width", "80", "--height", "12")
+    lines = text.rstrip("\n").splitlines()
+    assert len(lines) <= 12, text
+    assert crowd.busy.target in lines[0]
+    assert "+30 more leases" in text
+    assert lines[-1].startswith("+2 more daemons below, not shown in 12 lines: "), lines[-1]
+    assert crowd.quiet.target in lines[-1] or lines[-1].endswith("…")
+
+
+def test_width_40_never_cuts_a_lease_id_or_a_number(crowd: Crowd) -> None:
+    """At 40 columns the lease table drops TTL, ATT and EXPIRES IN and cuts NAME and HELD, but
+    every lease id is whole; the pool table keeps USED, CAPACITY and USE% whole."""
+    text = crowd_frame(crowd, "--width", "40")
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 40
+    ids = [int(r[0]) for r in cells(text) if r and r[0].isdigit() and len(r[0]) > 8]
+    assert set(ids) <= set(crowd.busy_ids) | set(crowd.quiet_ids)  # whole ids, nothing cut
+    busy_shown = [i for i in ids if i in crowd.busy_ids]
+    assert len(busy_shown) == min(CROWD, 20) and len(set(busy_shown)) == len(busy_shown)
+    assert [i for i in ids if i in crowd.quiet_ids] == crowd.quiet_ids
+    lease_lines = [line for line in lines if re.match(r"│ \d{9,} ", line)]
+    assert len(lease_lines) == len(ids) == 22, "a lease took more than one line"
+    assert sum("…" in line for line in lease_lines) >= 20, "HELD is cut, not wrapped"
+    assert "+10 more leases" in text  # --max-leases 20 by default
+    header = next(r for r in cells(text) if r[:2] == ["LEASE", "NAME"])
+    assert header == ["LEASE", "NAME", "HELD"], header
+    pools = next(r for r in cells(text) if r[:2] == ["POOL", "SPACE"])
+    assert pools[:5] == ["POOL", "SPACE", "USED", "CAPACITY", "USE%"], pools
+    tiny = next(r for r in cells(text) if r[:2] == ["tiny", "kv"])
+    assert "…" not in " ".join(tiny)
+
+
+def test_live_view_on_an_80x24_terminal_keeps_every_daemon_on_screen(crowd: Crowd) -> None:
+    """The live view on a 24 x 80 pseudo-terminal with the three targets: one frame shows all
+    three panels (the unreachable one too) and the busy daemon's ``+N more leases``."""
+    term = Terminal([sys.executable, "-m", "kvpool.tools.cli", "top", "--target",
+                     crowd.busy.target, "--target", crowd.quiet.target, "--target", crowd.absent,
+                     "--interval", "0.5"], rows=24, cols=80)
+    try:
+        def whole(text: str) -> bool:  # what one fitted frame holds (a 24-line screen)
+            return all(part in text for part in (
+                crowd.busy.target, crowd.quiet.target, crowd.absent, "unreachable",
+                "+30 more leases", "quiet-0", "quiet-1"))
+
+        term.wait_for("all three daemons", whole)
+        term.proc.send_signal(signal.SIGINT)
+        assert term.wait_exit() == 0
+        assert "Traceback" not in term.text()
+    finally:
+        term.close()

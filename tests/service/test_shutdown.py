@@ -132,7 +132,7 @@ def test_json_logs_carry_the_event_fields() -> None:
             "lease opened", extra={"fields": {"event": "lease_open", "lease_id": 7}})
         line = json.loads(stream.getvalue())
         assert (line["msg"], line["event"], line["lease_id"], line["level"]) == (
-            "lease opened", "lease_open", 7, "INFO")
+            "lease opened", "lease_open", "7", "INFO")
         configure_logging("info", "text", stream)
         logging.getLogger("kvpoold.daemon").warning(
             "lease expired", extra={"fields": {"event": "lease_expired", "name": "a b"}})

@@ -215,6 +215,11 @@ def check_promql(expr: str) -> list[str]:
         labels = {x.strip() for x in group.split(",") if x.strip()}
         if labels - available:
             problems.append(f"by ({group}) names labels none of {sorted(names)} has")
+    if "unit" in available:  # ids of several units: a sum must keep them apart
+        for group in _BY.findall(expr):
+            kept = {x.strip() for x in group.split(",")}
+            if not kept & {"unit", "space"}:
+                problems.append(f"by ({group}) adds ids of different units: keep unit")
     if "histogram_quantile" in expr:
         if not any("le" in {x.strip() for x in g.split(",")} for g in _BY.findall(expr)):
             problems.append(f"histogram_quantile without `by (le, ...)`: {expr!r}")
@@ -701,6 +706,8 @@ def test_check_promql_catches_mistakes() -> None:
     assert check_promql("kvpool_pool_usage")  # no such metric
     assert check_promql('kvpool_pool_bytes{kind="kv"}')  # pool_bytes has no kind
     assert check_promql("sum by (pool) (rate(kvpool_rpc_failures_total[5m]))")  # no pool label
+    assert check_promql("sum by (pool) (kvpool_pool_used)")  # pages + rows
+    assert check_promql("sum by (pool, unit) (kvpool_pool_used)") == []
     assert check_promql(  # quantile without le: one bucket set per method collapses
         "histogram_quantile(0.99, sum by (method) (rate(kvpool_rpc_duration_seconds_bucket[5m])))")
 
@@ -824,7 +831,8 @@ def test_the_metrics_table_parses() -> None:
     """METRICS comes from docs/operations.md's table: a table the regex stopped matching would
     make every PromQL check here pass vacuously."""
     assert len(METRICS) >= 20
-    assert METRICS["kvpool_pool_used"] == {"device", "pool", "space"}
+    assert METRICS["kvpool_pool_used"] == {"device", "pool", "space", "unit"}
+    assert METRICS["kvpool_allocation_refusals_total"] == {"device", "pool", "space"}
     assert METRICS["kvpool_rpc_duration_seconds_bucket"] == {"device", "method", "le"}
     assert METRICS["kvpool_loop_stalls_total"] == {"device"}
 

@@ -6,6 +6,8 @@ import io
 import json
 import logging
 import shlex
+import shutil
+import subprocess
 
 import pytest
 
@@ -39,3 +41,17 @@ def test_json_log_has_the_same_fields_and_time(emit: object) -> None:
     text = dict(token.split("=", 1) for token in shlex.split(emit("text")))  # type: ignore[operator]
     assert entry["msg"] == text["msg"] and entry["event"] == text["event"]
     assert entry["ts"][:10] == text["ts"][:10] and entry["ts"].endswith("Z")
+
+
+def test_json_log_lease_ids_are_exact_strings(emit: object) -> None:
+    """A 63-bit lease id is a decimal string in the JSON log: jq (which reads numbers as
+    doubles) hands back every digit, as docs/operations.md's recipe needs."""
+    line = emit("json")  # type: ignore[operator]
+    entry = json.loads(line)
+    assert entry["lease_id"] == str(2**62 + 1) and int(entry["lease_id"]) == 2**62 + 1
+    jq = shutil.which("jq")
+    if jq is None:
+        pytest.skip("no jq on PATH")
+    out = subprocess.run([jq, "-r", 'select(.event == "lease_opened") | .lease_id'],
+                         input=line, capture_output=True, text=True, timeout=30, check=True)
+    assert int(out.stdout.strip()) == 2**62 + 1

@@ -32,8 +32,24 @@ def _human(nbytes: int) -> str:
     return format_size(nbytes)
 
 
+# Keys whose values are random 63-bit ids: a JSON number above 2**53 loses digits in jq and
+# JavaScript, so the CLI's --json writes these as decimal strings (the Python API keeps ints).
+STRING_IDS = frozenset({"lease_id"})
+
+
+def ids_as_strings(value: Any) -> Any:
+    """``value`` as JSON builtins, with every :data:`STRING_IDS` integer a decimal string."""
+    if isinstance(value, dict):
+        return {k: str(v) if k in STRING_IDS and isinstance(v, int) else ids_as_strings(v)
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [ids_as_strings(v) for v in value]
+    return value
+
+
 def _print_json(value: Any) -> None:
-    sys.stdout.write(msgspec.json.format(msgspec.json.encode(value), indent=2).decode() + "\n")
+    builtins = ids_as_strings(msgspec.to_builtins(value))
+    sys.stdout.write(msgspec.json.format(msgspec.json.encode(builtins), indent=2).decode() + "\n")
 
 
 def _command(sub: Any, common: argparse.ArgumentParser, name: str,

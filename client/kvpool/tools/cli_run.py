@@ -33,11 +33,11 @@ _NEGATIVE_VALUE = re.compile(r"^-[0-9.]")
 
 def command_parser(prog: str, description: str) -> tuple[argparse.ArgumentParser, Any]:
     """The top-level parser of ``prog`` (with ``--version``) and its subcommand group."""
-    from kvpool import __version__
+    from kvpool import WIRE_CONTRACT, __version__
 
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--version", action="version",
-                        version=f"{prog} {__version__} (wire contract kvpool.v1 1.0)")
+                        version=f"{prog} {__version__} (wire contract {WIRE_CONTRACT})")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     return parser, sub
 

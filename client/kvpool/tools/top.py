@@ -53,6 +53,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "DEFAULT_WIDTH",
     "MAX_INTERVAL_S",
+    "MIN_HEIGHT",
     "MIN_INTERVAL_S",
     "POOL_COLUMNS",
     "DaemonView",
@@ -73,6 +74,7 @@ __all__ = [
 MIN_INTERVAL_S = 0.05
 MAX_INTERVAL_S = 3600.0
 DEFAULT_TIMEOUT_S = 5.0
+MIN_HEIGHT = 3
 
 
 # -- fetching -----------------------------------------------------------------------------------
@@ -136,8 +138,11 @@ async def watch(views: Sequence[DaemonView], console: Console, *, token: str | N
     from rich.live import Live
 
     def frame() -> RenderableType:
+        # On a terminal the frame fits its height (every daemon stays on screen); a pipe
+        # gets every frame whole.
         return render(views, time.monotonic(), width=console.width, interval_s=interval_s,
-                      max_leases=max_leases)
+                      max_leases=max_leases,
+                      height=console.height if console.is_terminal else None)
 
     changed = asyncio.Event()
     tasks = [asyncio.create_task(follow(v, token, interval_s, changed)) for v in views]
@@ -187,6 +192,9 @@ def add_top(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParse
                         "a daemon did not answer")
     p.add_argument("--width", type=int, default=DEFAULT_WIDTH, metavar="COLS",
                    help=f"with --once: columns of the frame (default {DEFAULT_WIDTH})")
+    p.add_argument("--height", type=int, default=None, metavar="ROWS",
+                   help="with --once: fit the frame in ROWS lines, as the live view fits the "
+                        "terminal (leases shared out per daemon, '+N more'); default no limit")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
                    help=f"with --once: deadline of each Stats call (default {DEFAULT_TIMEOUT_S:g})")
     p.set_defaults(func=run_top)
@@ -207,6 +215,9 @@ def check_args(args: argparse.Namespace) -> list[str]:
                               f"{MAX_INTERVAL_S:g} s", field="interval")
     if args.width < 40:
         raise InvalidArgument(f"--width {args.width} is under 40 columns", field="width")
+    if args.height is not None and args.height < MIN_HEIGHT:
+        raise InvalidArgument(f"--height {args.height} is under {MIN_HEIGHT} lines",
+                              field="height")
     if args.max_leases < 0:
         raise InvalidArgument(f"--max-leases {args.max_leases} is negative", field="max_leases")
     if args.timeout <= 0:
@@ -231,7 +242,8 @@ def run_top(args: argparse.Namespace) -> int:
         console = console_for(file=sys.stdout, width=args.width, force_terminal=False,
                               color_system=None, highlight=False, emoji=False)
         console.print(render(views, time.monotonic(), width=args.width,
-                             interval_s=args.interval, max_leases=args.max_leases, live=False))
+                             interval_s=args.interval, max_leases=args.max_leases, live=False,
+                             height=args.height))
         return 0 if all(v.error is None for v in views) else 1
     try:
         asyncio.run(watch(views, console_for(), token=token, interval_s=args.interval,

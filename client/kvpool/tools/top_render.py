@@ -24,8 +24,9 @@ MIN_BAR_WIDTH = len("USAGE")  # narrower, the header would widen the column anyw
 PANEL_MARGIN = 4  # a panel's borders and padding
 POOL_COLUMNS = ("POOL", "SPACE", "USED", "CAPACITY", "USE%", "HIGH", "ALLOC/S", "FREE/S",
                 "FAILED", "BYTES", "ATT")
-# When the numbers do not fit, these go first, in this order (after the usage bar).
-OPTIONAL_COLUMNS = ("ATT", "BYTES", "FAILED")
+# When the numbers do not fit, these go first, in this order (after the usage bar); the rates
+# and HIGH only in the narrowest frames (40 columns).
+OPTIONAL_COLUMNS = ("ATT", "BYTES", "FAILED", "FREE/S", "ALLOC/S", "HIGH")
 # A daemon silent for this many intervals is flagged stale (hung, or the network is).
 STALE_INTERVALS = 3.0
 
@@ -37,51 +38,130 @@ def retry_interval(interval_s: float) -> float:
 
 def render(views: Sequence[DaemonView], now: float, *, width: int = DEFAULT_WIDTH,
            interval_s: float = DEFAULT_INTERVAL_S, max_leases: int = DEFAULT_MAX_LEASES,
-           live: bool = True) -> RenderableType:
+           live: bool = True, height: int | None = None) -> RenderableType:
     """One frame: a panel per daemon, in ``--target`` order.
+
+    With a ``height`` the frame fits in that many lines: every daemon gets its header and pool
+    rows first, then the lease rows are shared out one at a time, round robin (the daemons with
+    the fewest leases first), so one daemon's leases never push the others off screen (each
+    says ``+N more leases`` for what it could not show). When even that does not fit, the
+    daemons that do come first and one last line names the others (``+N more daemons
+    below``). Every lease is one line: its HELD text is
+    cut, never wrapped, and its id never cut.
 
     Args:
         views: the daemons.
         now: ``time.monotonic()`` now, for ages.
         width: the columns it will be printed in (the usage bars shrink, then go, below 100).
         interval_s: the refresh interval (for the retry and staleness notes).
-        max_leases: leases listed per daemon, most ids held first.
+        max_leases: leases listed per daemon at most, most ids held first.
         live: part of a live view (retry and staleness notes) rather than ``--once``.
+        height: the lines it must fit in (the terminal's); None: no limit.
 
     Returns:
         A rich renderable to print or hand to ``Live``.
     """
     from rich.console import Group
 
-    return Group(*(_daemon_panel(v, now, interval_s, max_leases, live, width) for v in views))
+    panels = [_DaemonPanel(v, now, interval_s, live, width) for v in views]
+    if height is None:
+        return Group(*(p.build(min(max_leases, p.total)) for p in panels))
+    return Group(*_fit(panels, width, height, max_leases))
 
 
-def _daemon_panel(view: DaemonView, now: float, interval_s: float, max_leases: int,
-                  live: bool, width: int) -> RenderableType:
-    from rich.console import Group
-    from rich.panel import Panel
+def _fit(panels: Sequence[_DaemonPanel], width: int, height: int,
+         max_leases: int) -> list[RenderableType]:
+    """The panels (and, if some do not fit, a last line naming them) in ``height`` lines."""
     from rich.text import Text
 
-    if view.error is not None or view.stats is None:
-        lines = Text()
-        lines.append("unreachable", style="bold red")
-        lines.append(f": {view.error or 'no answer yet'}")
-        notes = [f"retrying every {retry_interval(interval_s):g} s"] if live else []
-        if view.updated_at is not None:
-            notes.append(f"last snapshot {_duration(now - view.updated_at)} ago")
-        if notes:
-            lines.append("\n" + "; ".join(notes), style="dim")
-        return Panel(lines, title=view.target, title_align="left", border_style="red")
-    stats = view.stats
-    parts: list[RenderableType] = [_header(stats, BAR_WIDTH if width >= 100 else 0)]
-    age = now - view.updated_at if view.updated_at is not None else 0.0
-    if live and age > STALE_INTERVALS * max(interval_s, 1.0):
-        parts.append(Text(f"stale: no snapshot for {_duration(age)}", style="bold yellow"))
-    parts.append(_pools_table(stats.pools, view.rates, width - PANEL_MARGIN))
-    parts.append(_leases_table(stats.leases, max_leases))
-    if stats.peers:  # PD transfers (docs/pd-transfer.md); admins only see them
-        parts.append(_peers_table(stats.peers))
-    return Panel(Group(*parts), title=view.target, title_align="left")
+    least = [_lines(p.build(0), width) for p in panels]
+    shown = len(panels)
+    while shown and sum(least[:shown]) + (shown < len(panels)) > height:
+        shown -= 1
+    spare = height - sum(least[:shown]) - (shown < len(panels))
+    counts = [0] * shown
+    wanted = [min(max_leases, p.total) for p in panels[:shown]]
+    # Level by level (one more lease each), the daemons with the fewest leases first: a daemon
+    # shown whole needs no "+N more" line, and a crowded one cannot starve the others.
+    order = sorted(range(shown), key=lambda i: (wanted[i], i))
+    for level in range(1, max(wanted, default=0) + 1):
+        for i in order:
+            goal = min(level, wanted[i])
+            cost = _lease_lines(goal, panels[i].total) - _lease_lines(counts[i],
+                                                                       panels[i].total)
+            if goal > counts[i] and cost <= spare:
+                counts[i] = goal
+                spare -= cost
+    out: list[RenderableType] = [p.build(k) for p, k in zip(panels, counts, strict=False)]
+    hidden = panels[shown:]
+    if hidden:
+        names = ", ".join(p.view.target + (" (unreachable)" if p.unreachable else "")
+                          for p in hidden)
+        out.append(Text(f"+{len(hidden)} more daemon{'s' if len(hidden) != 1 else ''} below, "
+                        f"not shown in {height} lines: {names}", style="bold yellow",
+                        no_wrap=True, overflow="ellipsis"))
+    return out
+
+
+def _lease_lines(shown: int, total: int) -> int:
+    """Lines of a daemon's lease section listing ``shown`` of its ``total`` leases (one line per
+    lease: see :func:`_leases_table`)."""
+    if total == 0 or shown == 0:
+        return 1  # "no open leases" or "+N more leases"
+    return 1 + shown + (shown < total)
+
+
+def _lines(renderable: RenderableType, width: int) -> int:
+    """How many lines ``renderable`` takes printed ``width`` columns wide."""
+    import io
+
+    from rich.console import Console
+
+    console = Console(width=width, file=io.StringIO(), force_terminal=False, color_system=None,
+                      highlight=False, emoji=False)
+    return len(console.render_lines(renderable, console.options.update(width=width),
+                                    pad=False))
+
+
+class _DaemonPanel:
+    """One daemon's panel, buildable with any number of its leases listed."""
+
+    def __init__(self, view: DaemonView, now: float, interval_s: float, live: bool,
+                 width: int) -> None:
+        self.view, self.now, self.interval_s, self.live, self.width = (
+            view, now, interval_s, live, width)
+        self.unreachable = view.error is not None or view.stats is None
+        self.total = 0 if view.stats is None or self.unreachable else len(view.stats.leases)
+
+    def build(self, leases_shown: int) -> RenderableType:
+        from rich.console import Group
+        from rich.panel import Panel
+        from rich.text import Text
+
+        view, now, interval_s = self.view, self.now, self.interval_s
+        if self.unreachable or view.stats is None:
+            lines = [Text.assemble(("unreachable", "bold red"),
+                                   f": {view.error or 'no answer yet'}",
+                                   no_wrap=True, overflow="ellipsis")]
+            notes = [f"retrying every {retry_interval(interval_s):g} s"] if self.live else []
+            if view.updated_at is not None:
+                notes.append(f"last snapshot {_duration(now - view.updated_at)} ago")
+            if notes:
+                lines.append(Text("; ".join(notes), style="dim", no_wrap=True,
+                                  overflow="ellipsis"))
+            return Panel(Group(*lines), title=view.target, title_align="left",
+                         border_style="red")
+        stats = view.stats
+        inner = self.width - PANEL_MARGIN
+        parts: list[RenderableType] = [_header(stats, BAR_WIDTH if self.width >= 100 else 0)]
+        age = now - view.updated_at if view.updated_at is not None else 0.0
+        if self.live and age > STALE_INTERVALS * max(interval_s, 1.0):
+            parts.append(Text(f"stale: no snapshot for {_duration(age)}", style="bold yellow"))
+        parts.append(_pools_table(stats.pools, view.rates, inner))
+        parts.append(_leases_table(stats.leases, leases_shown, inner))
+        if stats.peers:  # PD transfers (docs/pd-transfer.md); admins only see them
+            parts.append(_peers_table(stats.peers))
+        return Panel(Group(*parts), title=view.target, title_align="left")
 
 
 def _header(stats: Stats, bar_width: int) -> Text:
@@ -162,7 +242,15 @@ def _pools_table(pools: Sequence[PoolStats], pool_rates: Mapping[tuple[str, str]
     return table
 
 
-def _leases_table(leases: Sequence[LeaseStats], max_leases: int) -> RenderableType:
+# Lease columns that go, in this order, when a lease's line does not fit; the id never goes
+# and is never cut, NAME and HELD are cut (with an ellipsis) last.
+OPTIONAL_LEASE_COLUMNS = ("TTL", "ATT", "EXPIRES IN")
+LEASE_NAME_WIDTH = 24
+
+
+def _leases_table(leases: Sequence[LeaseStats], shown: int, width: int) -> RenderableType:
+    """The ``shown`` leases holding the most ids, one line each, in ``width`` columns, and a
+    ``+N more leases`` line for the others."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -170,20 +258,41 @@ def _leases_table(leases: Sequence[LeaseStats], max_leases: int) -> RenderableTy
     if not leases:
         return Text("no open leases", style="dim")
     # The biggest holders first: the question top answers is "who holds the memory".
-    ordered = sorted(leases, key=lambda x: (-_held_total(x), x.name, x.lease_id))
-    table = Table(box=None, pad_edge=False, header_style="bold", show_edge=False)
-    for name in ("LEASE", "NAME", "EXPIRES IN", "TTL", "ATT", "HELD"):
+    ordered = sorted(leases, key=lambda x: (-_held_total(x), x.name, x.lease_id))[:shown]
+    rest = len(leases) - len(ordered)
+    more = Text(f"+{rest} more lease{'s' if rest != 1 else ''} (kvpool leases lists all)",
+                style="dim", no_wrap=True, overflow="ellipsis")
+    if not ordered:
+        return more
+    rows = [dict(zip(("LEASE", "NAME", "EXPIRES IN", "TTL", "ATT", "HELD"), (
+        str(x.lease_id), x.name, f"{x.expires_in_seconds:.1f}s", f"{x.ttl_seconds:g}s",
+        str(x.attached), x.held_text()), strict=True)) for x in ordered]
+    natural = {c: max(len(c), *(len(r[c]) for r in rows)) for c in rows[0]}
+    natural["NAME"] = min(natural["NAME"], LEASE_NAME_WIDTH)
+    columns = list(rows[0])
+
+    def room(name_w: int, held_w: int) -> int:  # columns left over; one space between columns
+        fixed = sum(natural[c] for c in columns if c not in ("NAME", "HELD"))
+        return width - fixed - name_w - held_w - (len(columns) - 1)
+
+    for optional in OPTIONAL_LEASE_COLUMNS:
+        if room(min(natural["NAME"], 8), min(natural["HELD"], 12)) >= 0:
+            break
+        columns.remove(optional)
+    left = room(0, 0)  # for NAME and HELD together
+    name_w = max(4, min(natural["NAME"], left // 3))
+    held_w = max(4, min(natural["HELD"], left - name_w))
+
+    table = Table(box=None, pad_edge=False, collapse_padding=True, header_style="bold",
+                  show_edge=False)
+    for name in columns:
+        size = name_w if name == "NAME" else held_w if name == "HELD" else natural[name]
         table.add_column(name, justify="right" if name in ("EXPIRES IN", "TTL", "ATT") else "left",
-                         no_wrap=name != "HELD", overflow="ellipsis" if name != "HELD" else "fold")
-    for lease in ordered[:max_leases]:
-        held = lease.held_text()
-        table.add_row(str(lease.lease_id), lease.name, f"{lease.expires_in_seconds:.1f}s",
-                      f"{lease.ttl_seconds:g}s", str(lease.attached), held)
-    rest = len(ordered) - max_leases
-    if rest > 0:
-        return Group(table, Text(f"... and {rest} more leases (kvpool leases lists all)",
-                                 style="dim"))
-    return table
+                         no_wrap=True, overflow="ellipsis", width=size,
+                         min_width=size if name == "LEASE" else None)
+    for row in rows:
+        table.add_row(*(row[c] for c in columns))
+    return Group(table, more) if rest > 0 else table
 
 
 def _peers_table(peers: Sequence[PeerStats]) -> RenderableType:

@@ -52,9 +52,14 @@ def _text(value: object) -> str:
     return text if plain else json.dumps(text)
 
 
+# Random 63-bit ids: JSON numbers above 2**53 lose digits in jq and JavaScript, so the JSON log
+# writes them as decimal strings (as ``kvpool leases --json`` does).
+STRING_IDS = frozenset({"lease_id"})
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: ``ts`` (ISO 8601 UTC, as the text format), ``level``,
-    ``logger``, ``msg``, then the fields."""
+    ``logger``, ``msg``, then the fields (``lease_id`` as a decimal string)."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
@@ -64,7 +69,8 @@ class JsonFormatter(logging.Formatter):
             "msg": record.getMessage(),
         }
         for key, value in _fields(record).items():
-            entry.setdefault(key, value)
+            entry.setdefault(key, str(value) if key in STRING_IDS and isinstance(value, int)
+                             else value)
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, default=str)

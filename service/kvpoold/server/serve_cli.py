@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import logging
 import typing
 from pathlib import Path
@@ -125,10 +126,15 @@ def run(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as exc:
         if exc.name not in SERVER_EXTRA:
             raise
+        from kvpool import __version__
+
+        missing = [name for name in SERVER_EXTRA if importlib.util.find_spec(name) is None]
         raise FailedPrecondition(
-            f"kvpoold serve needs {exc.name}, which is not installed: the daemon comes with the "
-            "server extra: from the repository root, pip install -e '.[server]' (kvpool is not "
-            "on a package index; a plain `pip install -e .` is the client and its CLI only)"
+            f"kvpoold serve needs the server extra (not installed: "
+            f"{', '.join(missing or [str(exc.name)])}): from the repository root, pip install -e "
+            f"'.[server]' (from a built wheel: pip install "
+            f"'kvpool-{__version__}-py3-none-any.whl[server]'); kvpool is not on a package "
+            "index, and a plain install is the client, its CLI and `kvpoold plan` only"
         ) from None
 
     return asyncio.run(serve(settings))
