@@ -136,7 +136,8 @@ async def test_hf_config_json_as_hugging_face_writes_it_and_an_assumed_family(
     assert (got.architecture, got.architecture_source) == ("mha", "assumed")
     assert any("--assume-architecture said so" in note for note in got.notes)
     for bad, where in (({"assume_architecture": "gqa"}, "accepted: mha"),
-                       ({"assume_architecture": "mha", "spec": TINY_SPEC}, "hf_config_json model only")):
+                       ({"assume_architecture": "mha", "spec": TINY_SPEC},
+                        "hf_config_json model only")):
         model = {"spec": TINY_SPEC} if "spec" in bad else {"hf_config": text}
         req = configure_request("z", **model, assume_architecture=bad["assume_architecture"],
                                 **opts)

@@ -112,7 +112,7 @@ def test_a_cancelled_reclaim_is_neither_pending_nor_promised() -> None:
     arb.want("a", 64)
     arb.observe("a", free_groups=10, cached_groups=0, idle=True)
     arb.admit(share("b"))
-    d = arb.want("b", 10)
+    assert arb.want("b", 10).pending == 10
     arb.cancel("a", 10, to="b")
     assert arb.pools["a"].reclaiming == 0 and "b" not in arb.promised
     assert arb.want("b", 10).pending == 10  # asked again
@@ -175,7 +175,7 @@ class ArbiterMachine(RuleBasedStateMachine):
     @invariant()
     def floors_and_caps(self) -> None:
         for p in self.arb.pools.values():
-            assert 0 <= p.reclaiming
+            assert p.reclaiming >= 0
             assert p.granted <= p.cap
             assert p.granted - p.reclaiming >= min(p.floor, p.granted)  # asks never below
             assert p.free_groups + p.cached_groups <= p.granted

@@ -204,8 +204,8 @@ def test_unknown_architecture_is_refused_then_planned_as_assumed(
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     expect_error(capsys, "--budget", "40GiB", model=path,
-                 needles=("--model-config: ", "LlamaForCausalLMv2", "nearest known: LlamaForCausalLM",
-                          "--assume-architecture"))
+                 needles=("--model-config: ", "LlamaForCausalLMv2",
+                          "nearest known: LlamaForCausalLM", "--assume-architecture"))
     p = plan_json(capsys, path, "--budget", "40GiB", "--page-size", "16",
                   "--assume-architecture", "mha")
     assert p["architecture_source"] == "assumed"

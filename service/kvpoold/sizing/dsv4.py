@@ -34,7 +34,8 @@ unless the next page would also have added an SWA page). Sizes: full = ``N * P``
 ``S * P``, c4 = full // 4, c128 = full // 128, c4_state as above, c128_state = slots * ring128.
 
 Worked example, 61 layers (0, 0, then 4 / 128 alternating: L4 = 30, L128 = 29), page 256, window
-128, fp32 state, r = 0.8 (given: SGLang's default for this class is 0.1), no speculative, max_running_requests 256, 40 GiB = 42,949,672,960 B:
+128, fp32 state, r = 0.8 (given; SGLang's default for the class is 0.1), no speculative,
+max_running_requests 256, 40 GiB = 42,949,672,960 B:
 Bs = 149,760, B4 = 37,440, I4 = 8,448, B128 = 1,728; dN = 30 * 45,888 + 29 * 1,728 = 1,426,752;
 dS = 61 * 149,760 + 30 * (2 * 8 rows) * 10,240 = 14,050,560; cell = int(12,667,200 / 256) = 49,481
 (SGLang's unpadded float estimate: 49,361.5). c128 state = 29 * ceil128(257 * 128 + 129) * 4,096
