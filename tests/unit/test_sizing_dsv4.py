@@ -11,17 +11,19 @@ index 128, window 128. Constants for page 256, worked out by hand:
     I4   = 64 * (128 + 4) = 8,448                                (c4 indexer page)
     c4 state row 4 * 512 * s, c4 indexer state row 4 * 128 * s, c128 state row 2 * 512 * s
     dN = 30 * (37,440 + 8,448) + 29 * 1,728 = 1,426,752 B        (one more full page)
-    dS = (61 + D) * 149,760 + 30 * (256 / 128 * ring4) * (2,560 * s)   (one more SWA page)
+    dS = (61 + D) * 149,760 + 30 * ring4 * (2,560 * s)         (one more SWA page: ring4
+                                                                  c4 state rows each)
 
-fp32 (s = 4), no speculative (ring4 8): dS = 9,135,360 + 30 * 16 * 10,240 = 14,050,560 and
-cell = int((1,426,752 + 0.8 * 14,050,560) / 256) = int(12,667,200 / 256) = 49,481.
+fp32 (s = 4), no speculative (ring4 8): dS = 9,135,360 + 30 * 8 * 10,240 = 11,592,960; SGLang's
+coefficient bpt = (1,426,752 + 0.8 * 11,592,960) / 256 = 41,801.25 B per full token, cell =
+int(bpt) = 41,801. Full tokens = int((budget - c128 state) / bpt), page-aligned (SGLang's DSV4
+rule: the padding pages and the rings' sentinel rows come on top of the budget).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from fractions import Fraction
 
 import pytest
 import torch
@@ -79,46 +81,45 @@ def opts(**fields: object):
 
 def d_swa(state_bytes: int, ring4: int, draft: int) -> int:
     """dS for the 61-layer spec at page 256 (see the module docstring)."""
-    return (61 + draft) * BS + 30 * (2 * ring4) * (4 * 512 + 4 * 128) * state_bytes
+    return (61 + draft) * BS + 30 * ring4 * (4 * 512 + 4 * 128) * state_bytes
 
 
 def test_worked_example_fp32_40gib() -> None:
     """max_running_requests 256 -> 257 slots; fp32 c128 state rows = ceil128(257 * 128 + 128
     + 1) = ceil128(33,025) = 33,152, bytes = 29 * 33,152 * 4,096 = 3,937,927,168.
-    N = 3,078 full pages, S = floor(3,078 * 0.8) = 2,462 SWA pages:
-      SWA        61 * 2,463 * 149,760                  = 22,500,391,680
-      compressed 3,079 * 1,426,752                      =  4,392,969,408
-      c4 states  c4_state = 2,462 * 256 // 128 * 8 = 39,392; rows ceil4(39,401) = 39,404;
-                 30 * 39,404 * 10,240                    = 12,104,908,800
+    Tokens = int((42,949,672,960 - 3,937,927,168) / 41,801.25) = int(933,267.7) -> 933,120
+    aligned = N 3,645 full pages; S = int(933,120 * 0.8) // 256 = 2,916 SWA pages;
+    c4_state = 2,916 * 8 = 23,328 (rows ceil4(23,337) = 23,340). Laid out:
+      SWA        61 * 2,917 * 149,760                  = 26,647,845,120
+      compressed 3,646 * 1,426,752                      =  5,201,937,792
+      c4 states  30 * 23,340 * 10,240                   =  7,170,048,000
       c128 state                                         =  3,937,927,168
-      total                                              = 42,936,197,056   leftover 13,475,904
-    N = 3,079 gives S = 2,463, adding dN + dS = 15,477,312 > the leftover. Note the leftover is
-    above 256 * cell = 12,667,136: the next page would also have added an SWA page.
+      total                                              = 42,957,758,080   8,085,120 over
+    the budget: the padding pages and sentinel rows, as SGLang lays them out too.
     """
     p = plan(v4_spec(), opts())
     assert p.architecture == "dsv4"
     assert p.kv_cache_dtype == "fp8_e4m3"
-    assert p.cell_size_bytes == 49_481
-    assert p.num_pages == 3_078 and p.swa_num_pages == 2_462
-    assert p.max_total_num_tokens == p.full_max_total_num_tokens == 787_968
-    assert p.swa_max_total_num_tokens == 630_272
-    assert p.c4_max_total_num_tokens == 196_992
-    assert p.c128_max_total_num_tokens == 6_156
-    assert p.c4_state_pool_size == 39_392
+    assert p.cell_size_bytes == 41_801
+    assert p.num_pages == 3_645 and p.swa_num_pages == 2_916
+    assert p.max_total_num_tokens == p.full_max_total_num_tokens == 933_120
+    assert p.swa_max_total_num_tokens == 746_496
+    assert p.c4_max_total_num_tokens == 233_280
+    assert p.c128_max_total_num_tokens == 7_290
+    assert p.c4_state_pool_size == 23_328
     assert p.c128_state_pool_size == 32_896
     assert p.max_running_requests == 256
-    assert p.total_bytes == 42_936_197_056
-    assert BUDGET - p.total_bytes == 13_475_904
-    assert p.total_bytes + DN + d_swa(4, 8, 0) > BUDGET
-    assert p.buffer("swa_kv.0").shape == (2_463, BS)
-    assert p.buffer("c4_kv.2").shape == (3_079, B4)
-    assert p.buffer("c4_index_k.2").shape == (3_079, I4)
-    assert p.buffer("c4_state.2").shape == (39_404, 2_048)
-    assert p.buffer("c4_index_state.2").shape == (39_404, 512)
-    assert p.buffer("c128_kv.3").shape == (3_079, B128)
+    assert p.total_bytes == 42_957_758_080
+    assert p.total_bytes - BUDGET == 8_085_120
+    assert p.buffer("swa_kv.0").shape == (2_917, BS)
+    assert p.buffer("c4_kv.2").shape == (3_646, B4)
+    assert p.buffer("c4_index_k.2").shape == (3_646, I4)
+    assert p.buffer("c4_state.2").shape == (23_340, 2_048)
+    assert p.buffer("c4_index_state.2").shape == (23_340, 512)
+    assert p.buffer("c128_kv.3").shape == (3_646, B128)
     assert p.buffer("c128_state.3").shape == (33_152, 1_024)
     assert p.buffer("c128_state.3").dtype == "float32"
-    assert p.buffer("full_to_swa").shape == (3_079,)
+    assert p.buffer("full_to_swa").shape == (3_646,)
     assert not p.buffer("full_to_swa").in_budget
     # 1M context, ~0.8M tokens: the one note says a full-context request does not fit
     assert len(p.notes) == 1
@@ -127,20 +128,17 @@ def test_worked_example_fp32_40gib() -> None:
 
 
 def test_default_max_running_requests_from_first_pass() -> None:
-    """No --max-running-requests: the first pass (no c128 state) holds ~3,390 pages, i.e.
-    ~868k tokens; int(868k / 1,048,576 * 512) = 423 -> clamped to 2,048, and T1 // 2 is larger,
-    so 2,049 slots are charged: 29 * ceil128(2,049 * 128 + 129) * 4,096 = 29 * 262,528 * 4,096
-    = 31,184,125,952 B. Then N = 928, S = 742:
-      SWA 61 * 743 * 149,760 = 6,787,572,480; compressed 929 * 1,426,752 = 1,325,452,608;
-      c4 states 30 * ceil4(742 * 16 + 9) * 10,240 = 30 * 11,884 * 10,240 = 3,650,764,800;
-      total 42,947,915,840, leftover 1,757,120 (< dN + dS: N = 929 adds an SWA page too).
-    max_running_requests = min(2,048, 237,568 // 2) = 2,048; c128_state = 2,049 * 128 = 262,272.
+    """No --max-running-requests: SGLang's first pass, int(budget / 41,801.25) = 1,027,473
+    tokens, no state charged; int(1,027,473 / 1,048,576 * 512) = 501 -> clamped to 2,048, and
+    T1 // 2 is larger, so 2,049 slots are charged: 29 * ceil128(2,049 * 128 + 129) * 4,096 =
+    29 * 262,528 * 4,096 = 31,184,125,952 B. Then int(11,765,547,008 / 41,801.25) = 281,463
+    -> N = 1,099, S = int(281,344 * 0.8) // 256 = 879.
+    max_running_requests = min(2,048, 281,344 // 2) = 2,048; c128_state = 2,049 * 128 = 262,272.
     """
     # a spec naming no class: SGLang's DeepseekV4ForCausalLM default of 256 requests does not
-    # apply, so kvpool's own first pass decides
+    # apply, so the first pass decides
     p = plan(v4_spec(architecture=""), opts(max_running_requests=None))
-    assert p.num_pages == 928 and p.swa_num_pages == 742
-    assert p.total_bytes == 42_947_915_840
+    assert p.num_pages == 1_099 and p.swa_num_pages == 879
     assert p.max_running_requests == 2_048
     assert p.c128_state_pool_size == 262_272
     assert p.buffer("c128_state.3").shape == (262_528, 1_024)
@@ -148,17 +146,14 @@ def test_default_max_running_requests_from_first_pass() -> None:
 
 
 def test_bf16_state_halves_state_rows() -> None:
-    """bf16 (s = 2): dS = 9,135,360 + 30 * 16 * 5,120 = 11,592,960, cell = int((1,426,752 +
-    9,274,368) / 256) = 41,801. c128 state 29 * 33,152 * 2,048 = 1,968,963,584. N = 3,828,
-    S = 3,062: SWA 61 * 3,063 * 149,760 = 27,981,607,680; compressed 3,829 * 1,426,752 =
-    5,463,033,408; c4 states 30 * ceil4(48,992 + 9) * 5,120 = 30 * 49,004 * 5,120 =
-    7,527,014,400; total 42,940,619,072.
+    """bf16 (s = 2): dS = 9,135,360 + 30 * 8 * 5,120 = 10,364,160, bpt = (1,426,752 +
+    8,291,328) / 256 = 37,961.25, cell 37,961. c128 state 29 * 33,152 * 2,048 = 1,968,963,584.
+    int((budget - 1,968,963,584) / 37,961.25) = 1,079,540 -> N = 4,216, S = 3,372.
     """
     fp32 = plan(v4_spec("float32"), opts())
     bf16 = plan(v4_spec("bfloat16"), opts())
-    assert bf16.cell_size_bytes == 41_801
-    assert bf16.num_pages == 3_828 and bf16.swa_num_pages == 3_062
-    assert bf16.total_bytes == 42_940_619_072
+    assert bf16.cell_size_bytes == 37_961
+    assert bf16.num_pages == 4_216 and bf16.swa_num_pages == 3_372
     assert bf16.num_pages > fp32.num_pages
     for name in ("c4_state.2", "c4_index_state.2", "c128_state.3"):
         a, b = fp32.buffer(name), bf16.buffer(name)
@@ -169,21 +164,20 @@ def test_bf16_state_halves_state_rows() -> None:
 
 
 def test_speculative_doubles_rings_and_adds_draft_swa_layer() -> None:
-    """EAGLE with the spec's 1 MTP layer: rings c4 16, c128 256; the draft layer is SWA-only.
-    dS = 62 * 149,760 + 30 * 32 * 10,240 = 19,115,520; cell = int((1,426,752 + 15,292,416) /
-    256) = 65,309. c128 rows ceil128(257 * 256 + 257) = 66,176 -> 29 * 66,176 * 4,096 =
-    7,860,649,984. N = 2,098, S = 1,678: SWA 62 * 1,679 * 149,760 = 15,589,716,480; compressed
-    2,099 * 1,426,752 = 2,994,752,448; c4 states 30 * ceil4(53,696 + 17) * 10,240 =
-    16,501,555,200; total 42,946,674,112.
+    """EAGLE with the spec's 1 MTP layer: rings c4 16, c128 256; the draft layer is SWA-only
+    and laid out, but priced as SGLang prices its draft worker: the target's coefficient
+    times (61 + 1) / 61. dS' = 61 * 149,760 + 30 * 16 * 10,240 = 14,050,560; bpt = (1,426,752 +
+    11,240,448) / 256 * 62 / 61 = 50,292.418, cell 50,292. c128 rows ceil128(257 * 256 + 257) =
+    66,176 -> 29 * 66,176 * 4,096 = 7,860,649,984. int((budget - 7,860,649,984) / bpt) =
+    697,700 -> N = 2,725, S = 2,180.
     """
     p = plan(v4_spec(), opts(speculative_algorithm="eagle"))
     assert p.num_draft_layers == 1
-    assert p.cell_size_bytes == 65_309
-    assert p.num_pages == 2_098 and p.swa_num_pages == 1_678
-    assert p.total_bytes == 42_946_674_112
-    assert p.c4_state_pool_size == 1_678 * 2 * 16
+    assert p.cell_size_bytes == 50_292
+    assert p.num_pages == 2_725 and p.swa_num_pages == 2_180
+    assert p.c4_state_pool_size == 2_180 * 16
     assert p.c128_state_pool_size == 257 * 256
-    assert p.buffer("draft_swa_kv.0").shape == p.buffer("swa_kv.0").shape == (1_679, BS)
+    assert p.buffer("draft_swa_kv.0").shape == p.buffer("swa_kv.0").shape == (2_181, BS)
     assert p.buffer("c4_state.2").page_bytes == 16 * 2_048 * 4  # one ring
     assert p.buffer("c128_state.3").shape == (66_176, 1_024)
     assert p.buffer("c128_state.3").page_bytes == 256 * 1_024 * 4
@@ -192,15 +186,15 @@ def test_speculative_doubles_rings_and_adds_draft_swa_layer() -> None:
 
 def test_pp2_each_stage_sizes_its_own_layers() -> None:
     """61 layers over 2 stages: 30 (0..29) and 31 (30..60). Stage 0: L4 = 14 (2, 4, ..., 28),
-    L128 = 14; dN = 14 * 45,888 + 14 * 1,728 = 666,624; dS = 30 * 149,760 + 14 * 163,840 =
-    6,786,560; cell = int((666,624 + 5,429,248) / 256) = 23,812. Stage 1: L4 = 16 (30, ...,
-    60), L128 = 15; dN = 760,128; dS = 31 * 149,760 + 16 * 163,840 = 7,264,000; cell =
-    int((760,128 + 5,811,200) / 256) = 25,669.
+    L128 = 14; dN = 14 * 45,888 + 14 * 1,728 = 666,624; dS = 30 * 149,760 + 14 * 81,920 =
+    5,639,680; cell = int((666,624 + 4,511,744) / 256) = 20,228. Stage 1: L4 = 16 (30, ...,
+    60), L128 = 15; dN = 760,128; dS = 31 * 149,760 + 16 * 81,920 = 5,953,280; cell =
+    int((760,128 + 4,762,624) / 256) = 21,573.
     """
     s0 = plan(v4_spec(), opts(pp_size=2, pp_rank=0))
     s1 = plan(v4_spec(), opts(pp_size=2, pp_rank=1))
     assert (s0.layer_start, s0.layer_end, s1.layer_start, s1.layer_end) == (0, 30, 30, 61)
-    assert (s0.cell_size_bytes, s1.cell_size_bytes) == (23_812, 25_669)
+    assert (s0.cell_size_bytes, s1.cell_size_bytes) == (20_228, 21_573)
     names0 = {b.name for b in s0.buffers}
     names1 = {b.name for b in s1.buffers}
     assert {"swa_kv.0", "swa_kv.29", "c4_kv.28", "c128_kv.29"} <= names0
@@ -211,7 +205,6 @@ def test_pp2_each_stage_sizes_its_own_layers() -> None:
     assert sum(n.startswith("c4_kv.") for n in names1) == 16
     assert sum(n.startswith("c128_kv.") for n in names1) == 15
     for p in (s0, s1):
-        assert p.total_bytes <= BUDGET
         assert p.max_total_num_tokens == p.num_pages * 256
 
 
@@ -232,7 +225,6 @@ def test_page_size_128_is_accepted_with_a_note() -> None:
     assert p.buffer("c128_kv.3").shape[1] == 1_152
     assert p.buffer("c4_index_k.2").shape[1] == 32 * 132
     assert any("256" in note for note in p.notes)
-    assert p.total_bytes <= BUDGET
 
 
 def test_kv_dtype_must_be_fp8() -> None:
@@ -282,7 +274,7 @@ def test_sliding_window_must_agree_with_the_dsv4_window() -> None:
         plan(mismatched, opts())
     assert err.value.field == "model"
     agreeing = v4_spec(sliding_window=SlidingWindow(window=128, layers=(0,)))
-    assert plan(agreeing, opts()).num_pages == 3_078
+    assert plan(agreeing, opts()).num_pages == 3_645
 
 
 def test_registry_selects_dsv4_and_a_json_spec_plans() -> None:
@@ -313,8 +305,10 @@ def test_registry_selects_dsv4_and_a_json_spec_plans() -> None:
 )
 def test_budget_invariants(budget: int, state: tuple[str, int], speculative: bool, ratio: float,
                            mrr: int) -> None:
-    """total <= budget; one more full page (plus the SWA page it would bring) does not fit;
-    the leftover is under P * cell whenever that next page brings no SWA page."""
+    """SGLang's DSV4 rule: full tokens = int((budget - c128 state) / bpt), page-aligned, with
+    bpt = (dN + r * dS) / 256 as a float; S = int(full * r) // 256 SWA pages; what the budget
+    does not pay (the padding pages and the rings' sentinel rows) stays under one SWA page of
+    every layer, one full page and a ring of c4 state rows."""
     dtype, s = state
     try:
         p = plan(v4_spec(dtype), opts(budget_bytes=budget, max_running_requests=mrr,
@@ -326,21 +320,19 @@ def test_budget_invariants(budget: int, state: tuple[str, int], speculative: boo
         assert exc.field == "budget_bytes"
         assert "window" in str(exc) or "too small" in str(exc)
         assume(False)
-    ring4 = 16 if speculative else 8
-    ds = d_swa(s, ring4, 1 if speculative else 0)
-    r = Fraction(str(ratio))
-    assert p.cell_size_bytes == math.floor((DN + r * ds) / 256)
-    assert p.total_bytes == sum(b.nbytes for b in p.buffers if b.in_budget) <= budget
-    n = p.num_pages
-    assert p.swa_num_pages == math.floor(n * r)
-    next_brings_swa = math.floor((n + 1) * r) > p.swa_num_pages
-    assert p.total_bytes + DN + (ds if next_brings_swa else 0) > budget
-    leftover = budget - p.total_bytes
-    assert leftover < DN + ds
-    if not next_brings_swa:
-        assert leftover < 256 * p.cell_size_bytes
+    ring4, ring128 = (16, 256) if speculative else (8, 128)
+    draft = 1 if speculative else 0
+    bpt = (DN + ratio * d_swa(s, ring4, 0)) / 256 * (62 / 61 if speculative else 1)
+    assert p.cell_size_bytes == int(bpt)
+    c128 = 29 * math.ceil(((mrr + 1) * ring128 + ring128 + 1) / 128) * 128 * 1_024 * s
+    full = int((budget - c128) / bpt) // 256 * 256
+    assert p.max_total_num_tokens == full and p.num_pages == full // 256
+    assert p.swa_num_pages == int(full * ratio) // 256
+    assert p.total_bytes == sum(b.nbytes for b in p.buffers if b.in_budget)
+    unpaid = (61 + draft) * BS + DN + 30 * (ring4 + 4) * 2_560 * s
+    assert p.total_bytes - budget < unpaid
     assert p.max_running_requests <= mrr
-    assert p.c128_state_pool_size == (mrr + 1) * (256 if speculative else 128)
+    assert p.c128_state_pool_size == (mrr + 1) * ring128
 
 
 def test_buffers_are_aligned_and_do_not_overlap() -> None:

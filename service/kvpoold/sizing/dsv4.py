@@ -17,33 +17,32 @@ window ``W``, with ``pad(t) = ceil(t * kv / 576) * 576``:
 where ``idx`` is the index head dim and ``s`` the state element size (4 float32, 2 bfloat16).
 
 With ``N`` full pages, ``S = floor(N * r)`` SWA pages (``r = swa_full_tokens_ratio``, read as the
-decimal it prints as) and ``slots`` request slots for the c128 state, the buffers cost exactly
+decimal it prints as) and ``slots`` request slots for the c128 state, the buffers are
 
     bytes(N) = (L + D) * (S + 1) * Bs + (N + 1) * (L4 * (B4 + I4) + L128 * B128)
              + L4 * ceil4(c4_state + ring4 + 1) * 4 * (A + idx) * s
              + L128 * ceil128(slots * ring128 + ring128 + 1) * 2 * A * s
-    c4_state = S * P // W * ring4          rings: c4 8, c128 128 (16 / 256 with speculative)
+    c4_state = S * ring4                   rings: c4 8, c128 128 (16 / 256 with speculative)
 
-and ``N`` is the largest count with ``bytes(N) <= budget`` (page 0 of every token space and the
-state rings' sentinel rows are charged inside the budget). ``slots = max_running_requests + 1``
-with the user's value, else the estimate ``min(clamp(int(T1 / context * 512), 2048, 4096),
-T1 // 2)`` from a first pass ``T1`` that ignores the c128 state (SGLang's two-pass rule). The
-reported per-token coefficient is ``cell = int((dN + r * dS) / P)``, ``dN`` the bytes one more
-full page adds and ``dS`` one more SWA page; the leftover is under ``dN + dS`` (under ``P * cell``
-unless the next page would also have added an SWA page). Sizes: full = ``N * P``, swa =
-``S * P``, c4 = full // 4, c128 = full // 128, c4_state as above, c128_state = slots * ring128.
+and ``N`` follows SGLang's DSV4 configurator: ``bpt = (dN + r * dS) / P`` as a float (``dN`` the
+bytes one more full page adds, ``dS`` one more SWA page with its ``ring4`` c4 state rows),
+``full = int((budget - c128 state) / bpt)`` aligned down to the page, ``N = full / P``. The
+padding page of every token space and the rings' sentinel rows are not paid by the budget:
+they come on top, as in SGLang (``bytes(N)`` exceeds the budget by less than one SWA page of
+every layer, one full page and a few state rows). ``slots = max_running_requests + 1`` with the
+user's value (SGLang sets 256 for DeepseekV4ForCausalLM), else the estimate
+``min(clamp(int(T1 / context * 512), 2048, 4096), T1 // 2)`` from ``T1 = int(budget / bpt)``
+(SGLang's first pass). ``cell = int(bpt)``. Sizes: full = ``N * P``, swa = ``S * P``, c4 =
+full // 4, c128 = full // 128, c4_state as above, c128_state = slots * ring128.
 
 Worked example, 61 layers (0, 0, then 4 / 128 alternating: L4 = 30, L128 = 29), page 256, window
 128, fp32 state, r = 0.8 (given; SGLang's default for the class is 0.1), no speculative,
 max_running_requests 256, 40 GiB = 42,949,672,960 B:
 Bs = 149,760, B4 = 37,440, I4 = 8,448, B128 = 1,728; dN = 30 * 45,888 + 29 * 1,728 = 1,426,752;
-dS = 61 * 149,760 + 30 * (2 * 8 rows) * 10,240 = 14,050,560; cell = int(12,667,200 / 256) = 49,481
-(SGLang's unpadded float estimate: 49,361.5). c128 state = 29 * ceil128(257 * 128 + 129) * 4,096
-= 29 * 33,152 * 4,096 = 3,937,927,168 B. N = 3,078, S = 2,462: SWA 61 * 2,463 * 149,760 =
-22,500,391,680 + compressed 3,079 * 1,426,752 = 4,392,969,408 + c4 states 30 * 39,404 * 10,240 =
-12,104,908,800 + c128 state = 42,936,197,056 B, leftover 13,475,904 B; N = 3,079 also adds an
-SWA page and needs 42,951,674,368 B. full = 787,968 tokens, swa = 630,272, c4 = 196,992,
-c128 = 6,156, c4_state = 39,392, c128_state = 32,896.
+dS = 61 * 149,760 + 30 * 8 * 10,240 = 11,592,960; bpt = 10,701,120 / 256 = 41,801.25. c128 state =
+29 * ceil128(257 * 128 + 129) * 4,096 = 29 * 33,152 * 4,096 = 3,937,927,168 B. full =
+int(39,011,745,792 / 41,801.25) = 933,267 -> 933,120 (N = 3,645), S = 2,916: swa = 746,496,
+c4 = 233,280, c128 = 7,290, c4_state = 23,328, c128_state = 32,896; laid out 42,957,758,080 B.
 """
 
 from __future__ import annotations
@@ -152,8 +151,9 @@ class Geometry:
         return int(full_pages * self.page_size * self.swa_ratio) // self.page_size
 
     def c4_state_size(self, swa_pages: int) -> int:
-        """Logical c4 state entries: ``swa // window * ring4``."""
-        return swa_pages * self.page_size // self.window * self.ring4
+        """Logical c4 state entries: ``ring4`` per SWA page (SGLang addresses the ring by
+        ``swa_loc // page_size``)."""
+        return swa_pages * self.ring4
 
     def c4_state_rows(self, swa_pages: int) -> int:
         """Rows of one c4 state buffer: entries, one ring of headroom, the sentinel last row,
@@ -177,16 +177,16 @@ class Geometry:
 
     @property
     def swa_page_cost(self) -> Fraction:
-        """``dS``: what every SWA page adds (SWA KV of all layers and drafts, c4 state rows);
-        the state part is an average when the window does not divide the page."""
-        state_rows = Fraction(self.page_size * self.ring4, self.window)
+        """``dS``: what every SWA page adds (SWA KV of all layers and drafts, ``ring4`` c4 state
+        rows)."""
+        state_rows = self.ring4
         state_row_bytes = self.c4_state_row_bytes + self.c4_index_state_row_bytes
         return ((len(self.layers) + self.num_draft_layers) * self.swa_page_bytes
                 + len(self.c4_layers) * state_rows * state_row_bytes)
 
     def cell_size_bytes(self) -> int:
-        """The per-full-token coefficient ``int((dN + r * dS) / P)``."""
-        return int((self.full_page_bytes + self.swa_ratio * self.swa_page_cost) / self.page_size)
+        """The per-full-token coefficient, ``int(bytes_per_full_token)``."""
+        return int(self.bytes_per_full_token())
 
     def pool_bytes(self, full_pages: int, slots: int) -> int:
         """Exact in-budget bytes with ``full_pages`` full pages and ``slots`` c128 slots."""
@@ -197,23 +197,28 @@ class Geometry:
                      * (self.c4_state_row_bytes + self.c4_index_state_row_bytes))
         return swa + compressed + c4_states + self.c128_state_bytes(slots)
 
-    def max_full_pages(self, budget_bytes: int, slots: int) -> int:
-        """The largest ``N >= 1`` with ``pool_bytes(N, slots) <= budget``, or 0 when none.
+    def bytes_per_full_token(self) -> float:
+        """SGLang's coefficient: ``(dN + r * dS') / P`` as a float, ``dS'`` an SWA page of the
+        stage's own layers with its c4 state rows; with draft layers, times ``(L + 1) / L``
+        (SGLang reserves its draft worker so, whatever the draft layer costs)."""
+        target = (len(self.layers) * self.swa_page_bytes
+                  + len(self.c4_layers) * self.ring4
+                  * (self.c4_state_row_bytes + self.c4_index_state_row_bytes))
+        bpt = (self.full_page_bytes + float(self.swa_ratio) * target) / self.page_size
+        if self.num_draft_layers:
+            bpt *= (len(self.layers) + 1) / len(self.layers)
+        return bpt
 
-        ``pool_bytes`` never decreases with ``N``, so a doubling search and a bisection find it.
-        """
-        if self.pool_bytes(1, slots) > budget_bytes:
-            return 0
-        lo, hi = 1, 2
-        while self.pool_bytes(hi, slots) <= budget_bytes:
-            lo, hi = hi, hi * 2
-        while hi - lo > 1:  # pool_bytes(lo) <= budget < pool_bytes(hi)
-            mid = (lo + hi) // 2
-            if self.pool_bytes(mid, slots) <= budget_bytes:
-                lo = mid
-            else:
-                hi = mid
-        return lo
+    def full_tokens(self, budget_bytes: int, slots: int) -> int:
+        """SGLang's DSV4 rule: ``int((budget - c128 state) / bytes_per_full_token)`` tokens,
+        not yet page-aligned. The padding pages and the rings' sentinel rows are not charged
+        (they come on top, as in SGLang's configurator)."""
+        avail = max(budget_bytes - self.c128_state_bytes(slots), 0)
+        return int(avail / self.bytes_per_full_token())
+
+    def max_full_pages(self, budget_bytes: int, slots: int) -> int:
+        """Full pages of :meth:`full_tokens` (0 when not even one fits)."""
+        return self.full_tokens(budget_bytes, slots) // self.page_size
 
 
 def _compression(spec: ModelSpec) -> DSV4Compression:
@@ -296,7 +301,8 @@ def _request_slots(ctx: SizingContext, geo: Geometry) -> int:
         # raises for a cap below one page, naming max_total_tokens
         tokens = cap_tokens(align_down(options.max_total_tokens, ctx.page_size), options, [])
     else:
-        tokens = geo.max_full_pages(options.budget_bytes, 0) * ctx.page_size
+        # SGLang's first pass: the budget over the coefficient, unaligned, no state charged
+        tokens = int(options.budget_bytes / geo.bytes_per_full_token())
         if tokens < ctx.page_size:
             _raise_too_small(ctx, geo, 0)
     return resolve_max_running_requests(tokens, ctx.context_length, options, []) + 1
@@ -305,14 +311,14 @@ def _request_slots(ctx: SizingContext, geo: Geometry) -> int:
 def _raise_too_small(ctx: SizingContext, geo: Geometry, slots: int) -> None:
     budget = ctx.options.budget_bytes
     assert budget is not None
-    need = geo.pool_bytes(1, slots)
     state = geo.c128_state_bytes(slots)
+    need = state + int(geo.bytes_per_full_token() * ctx.page_size) + 1
     detail = (f", of which the c128 compress state for {slots} request slots over "
               f"{len(geo.c128_layers)} layers takes {state:,} B; lower --max-running-requests "
               "or raise --budget") if state else "; raise --budget"
     raise InvalidArgument(
         f"budget {budget:,} B is too small for one DeepSeek-V4 page of {ctx.page_size} tokens: "
-        f"with the padding pages and state rings it needs {need:,} B{detail}",
+        f"it needs about {need:,} B{detail}",
         field="budget_bytes",
     )
 
