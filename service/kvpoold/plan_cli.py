@@ -111,6 +111,7 @@ def _summary_rows(p: PoolPlan) -> list[tuple[str, str]]:
         ("KV + state", _bytes(p.total_bytes)),
         ("aux (not in --budget)", _bytes(p.aux_bytes)),
         ("backing region", _bytes(p.backing_bytes) + " (the daemon's --budget pays all of it)"),
+        ("gpu", p.gpu or "-"),
         ("parallelism", f"TP {p.tp_size}, PP rank {p.pp_rank} of {p.pp_size}, "
                         f"layers {p.layer_start}..{p.layer_end - 1}"),
         ("draft layers", str(p.num_draft_layers)),

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from kvpool.contract.devices import gpu_profile
 from kvpoold import main as kvpoold_cli
 from tests.conftest import REPO
 from tests.integration.side_venv import SGLANG_DIR, sglang_env, sglang_python_or_skip
@@ -67,10 +68,14 @@ class Case:
             "disable_radix_cache": o.get("disable_radix_cache", False), "dtype": "auto",
             "chunked_prefill_size": o.get("chunked_prefill_size"),
             "disable_overlap_schedule": o.get("disable_overlap_schedule", False),
-            # answer SGLang's three CPU-platform questions as CUDA does (see the harness):
+            # answer SGLang's four CPU-platform questions as CUDA does (see the harness):
             # kvpool plans GPU pools, and SGLang's CUDA defaults are what it must match
             "gpu_gates": True,
         }
+        # the device facts of the case's --gpu profile (default h100-80g, as kvpoold plan)
+        gpu = gpu_profile(o.get("gpu"))
+        case["gpu_memory_gib"] = gpu.memory_gib
+        case["cuda_capability"] = [gpu.sm // 10, gpu.sm % 10]
         if algo:  # SGLang's own choice is topk 4, which CPU attention cannot run at page > 1
             case["speculative_eagle_topk"] = 1
             case["speculative_num_steps"] = max(1, (o.get("speculative_num_draft_tokens") or 2)

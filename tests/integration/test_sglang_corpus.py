@@ -53,6 +53,18 @@ def _option_sets(model: str) -> dict[str, dict[str, Any]]:
 
 CASES = [Case(f"{m}/{name}", m, options) for m in CONFIGS
          for name, options in _option_sets(m).items()]
+# The --gpu profiles: each device fact that changes SGLang's sizing, on a config it changes
+# (Qwen3-VL's multimodal cache on Hopper, DSA's auto KV dtype on Blackwell, the prefill chunk a
+# hybrid SWA pool without the radix cache is sized by).
+CASES += [Case(f"{m}/{gpu}{suffix}", m, {"budget_bytes": 20 * GiB, "page_size": 16,
+                                         "gpu": gpu, **extra})
+          for m, suffix, extra in (
+              ("corpus/qwen3-vl-8b-instruct", "", {}),
+              ("corpus/deepseek-v3.2", "", {"page_size": 64}),
+              ("gpt-oss-20b", "-no-radix-mrr64", {"disable_radix_cache": True,
+                                                   "max_running_requests": 64}),
+          )
+          for gpu in ("h200", "b200", "a100-80g")]
 # DeepSeek-V4 beyond the matrix: its own engine defaults (ratio 0.1, 256 requests), speculative
 # decoding (SGLang prices the draft worker as (L + 1) / L), a given ratio and request cap, PP.
 _V4 = "corpus/deepseek-v4-flash"

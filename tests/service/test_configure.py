@@ -25,8 +25,10 @@ async def test_configure_builds_the_planned_pool(served: Served) -> None:
     """The reply carries the same plan as ``kvpool.contract.plan``: 256 pages (1 MiB / 4 KiB
     per 16-token page), 8 request rows; the daemon charges backing_bytes = 257 pages (the
     padding page on top) * 4 KiB = 1,052,672 B of KV + (8 + 1) rows * (256 + 4) columns * 4 B
-    = 9,360 B of req_to_token = 1,062,032 B against its 16 MiB budget."""
-    expected = tiny_plan()
+    = 9,360 B of req_to_token = 1,062,032 B against its 16 MiB budget. A CPU daemon plans for
+    the cpu profile when Configure names no --gpu."""
+    expected = tiny_plan(gpu="cpu")
+    assert expected.gpu == "cpu (unknown memory, no GPU)"
     resp = await served.configure()
     assert resp.created and not resp.dry_run
     assert resp.fingerprint == expected.fingerprint()

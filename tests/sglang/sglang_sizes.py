@@ -38,6 +38,9 @@ Patched, each only while a case runs (``_stage``), because on a CPU it cannot an
 * ``utils.common.get_cpu_memory_capacity`` (what the device-memory probe reads for
   ``--device cpu``: host RAM per NUMA node; it picks ``chunked_prefill_size``): it
   answers ``gpu_memory_gib``, so results do not depend on the machine.
+* ``arg_groups.model_overrides.qwen3_vl.is_sm90_supported`` (a CUDA probe, False on a CPU):
+  it answers ``cuda_capability[0] == 9``, so Qwen3-VL on a large Hopper GPU takes SGLang's
+  Hopper serving path (no multimodal embedding cache).
 
 Stood in for, because a copied ``config.json`` comes without it: a checkpoint's own
 configuration module (``configuration_*.py``, loaded with ``--trust-remote-code``). When
@@ -47,7 +50,7 @@ subclass is registered for it in the case's child (``_remote_config_stand_in``):
 is the file's own fields, nothing added (lists of dicts read by attribute, as those modules
 make them).
 
-Opt-in, ``"gpu_gates": true`` lifts three CPU-platform refusals (see ``_gpu_gates``).
+Opt-in, ``"gpu_gates": true`` lifts four CPU-platform refusals (see ``_gpu_gates``).
 
 Each case runs in a forked child (``--no-fork`` runs them in this process), so the
 process-wide SGLang context of one case cannot leak into the next.
@@ -340,13 +343,26 @@ def _gpu_gates(case: dict) -> list:
     * ``speculative_hook._disable_overlap_schedule_for_cpu``: with ``--device cpu``,
       speculative decoding forces ``disable_overlap_schedule``, which changes the Mamba
       state slots per request and the SWA request cap; it does nothing instead.
+    * ``serving_hook.get_platform``: Qwen3-VL's Hopper path picks
+      ``--mm-feature-transport cuda_ipc``, which the serving hook refuses unless the platform
+      is CUDA; its platform says ``is_cuda`` (every other attribute is the real platform's).
     """
     if not case.get("gpu_gates"):
         return []
-    from sglang.srt.arg_groups import mamba_hook, speculative_hook
+    from sglang.srt.arg_groups import mamba_hook, serving_hook, speculative_hook
     from sglang.srt.mem_cache import kv_cache_dtype
 
+    real_platform = serving_hook.get_platform
+
+    class _CudaView:
+        def __init__(self, platform: object) -> None:
+            self._platform = platform
+
+        def __getattr__(self, name: str) -> object:
+            return True if name == "is_cuda" else getattr(self._platform, name)
+
     return [
+        mock.patch.object(serving_hook, "get_platform", lambda: _CudaView(real_platform())),
         mock.patch.object(mamba_hook, "_platform_supports_mamba_cache_extra_buffer", lambda: True),
         mock.patch.object(
             kv_cache_dtype, "current_platform", types.SimpleNamespace(is_cpu=lambda: False)
@@ -358,6 +374,7 @@ def _gpu_gates(case: dict) -> list:
 def _stage(case: dict, argv: list[str], pp_rank: int, all_reduce: _PPAllReduce) -> dict:
     """Publish the case as PP stage ``pp_rank`` and run SGLang's pool sizing there."""
     import torch
+    from sglang.srt.arg_groups.model_overrides import qwen3_vl as qwen3_vl_overrides
     from sglang.srt.mem_cache import kv_cache_configurator
     from sglang.srt.utils import common
 
@@ -376,6 +393,10 @@ def _stage(case: dict, argv: list[str], pp_rank: int, all_reduce: _PPAllReduce) 
             mock.patch.object(torch.cuda, "get_device_capability", lambda *a, **k: capability),
             # The device-memory probe reads host RAM for --device cpu.
             mock.patch.object(common, "get_cpu_memory_capacity", lambda: gpu_memory_mib),
+            # The SM90 probe of the Qwen3-VL override (no CUDA here): answers from
+            # ``cuda_capability``, so a large-Hopper case takes SGLang's Hopper path.
+            mock.patch.object(qwen3_vl_overrides, "is_sm90_supported",
+                              lambda: capability[0] == 9),
             *_gpu_gates(case),
         ]
         for patch in patches:

@@ -403,7 +403,7 @@ def test_a_multimodal_model_reserves_sglangs_100_mib_vlm_cache():
     p = plan(spec, make_options(budget_bytes=GiB))
     assert p.max_total_num_tokens == (GiB - (100 << 20)) // (2 * 2 * 32 * 128 * 2)
     assert p.budget_bytes == GiB
-    assert any("multimodal cache" in n for n in p.notes)
+    assert any("multimodal embedding cache" in n for n in p.notes)
 
 
 @pytest.mark.parametrize(("cfg", "multimodal"), [

@@ -20,7 +20,7 @@ from kvpoold.sizing.common import (
     tp_heads,
 )
 from kvpoold.sizing.layout import ALIGN_BYTES, buffer, place
-from kvpoold.sizing.planner import SPECULATIVE_MAX_RUNNING_REQUESTS, engine_defaults
+from kvpoold.sizing.planner import SPECULATIVE_MAX_RUNNING_REQUESTS, engine_defaults, plan
 from tests.factories import GiB, deepseek_v3, deepseek_v32, llama_8b, plan_for
 
 
@@ -214,7 +214,8 @@ def test_engine_defaults_speculative_max_running_requests_48(algorithm):
     opts = engine_defaults(spec, make_options(budget_bytes=GiB, speculative_algorithm=algorithm))
     assert opts.max_running_requests == SPECULATIVE_MAX_RUNNING_REQUESTS == 48
     given = make_options(budget_bytes=GiB, speculative_algorithm=algorithm,
-                         max_running_requests=7, swa_full_tokens_ratio=0.5)
+                         max_running_requests=7, swa_full_tokens_ratio=0.5, gpu="h200",
+                         chunked_prefill_size=4096)
     assert engine_defaults(spec, given) is given
     plain = engine_defaults(spec, make_options(budget_bytes=GiB))
     assert plain.max_running_requests is None and plain.swa_full_tokens_ratio == 0.8
@@ -227,8 +228,41 @@ def test_engine_defaults_of_a_model_class():
     v4 = llama_8b(architecture="DeepseekV4ForCausalLM")  # only the class name matters here
     opts = engine_defaults(v4, make_options(budget_bytes=GiB))
     assert (opts.swa_full_tokens_ratio, opts.max_running_requests) == (0.1, 256)
-    given = make_options(budget_bytes=GiB, swa_full_tokens_ratio=0.5, max_running_requests=9)
+    given = make_options(budget_bytes=GiB, swa_full_tokens_ratio=0.5, max_running_requests=9,
+                         gpu="cpu", chunked_prefill_size=0)
     assert engine_defaults(v4, given) is given
+
+
+@pytest.mark.parametrize(("gpu", "chunk"), [("h100-80g", 8192), ("h200", 8192), ("b200", 16384),
+                                            ("a100-80g", 8192), ("cpu", 4096), (None, 8192)])
+def test_the_gpu_profile_sets_the_prefill_chunk(gpu, chunk):
+    """SGLang's chunked_prefill_size default by device memory; no --gpu is kvpoold plan's
+    default, h100-80g."""
+    opts = engine_defaults(llama_8b(), make_options(budget_bytes=GiB, gpu=gpu))
+    assert opts.chunked_prefill_size == chunk and opts.gpu == (gpu or "h100-80g")
+
+
+def test_dsa_auto_kv_and_the_qwen3_vl_reservation_follow_the_gpu():
+    """DSA under auto: bfloat16 before SM100; on a B200 fp8_e4m3 in the raw 576 B layout
+    (SGLang's trtllm DSA backend) instead of the packed 656 B. Qwen3-VL: on SM90 with >= 60
+    GiB SGLang's CUDA IPC feature pool (1 GiB) is reserved instead of the 100 MiB cache."""
+    v32 = deepseek_v32()
+    assert plan(v32, make_options(budget_bytes=8 * GiB, page_size=64)).kv_cache_dtype == "bfloat16"
+    b200 = plan(v32, make_options(budget_bytes=8 * GiB, page_size=64, gpu="b200"))
+    assert b200.kv_cache_dtype == "fp8_e4m3" and b200.gpu == "b200 (180 GiB, SM100)"
+    hopper_fp8 = plan(v32, make_options(budget_bytes=8 * GiB, page_size=64,
+                                        kv_cache_dtype="fp8_e4m3"))
+    assert hopper_fp8.cell_size_bytes == 61 * (656 + 132)
+    assert b200.cell_size_bytes == 61 * (576 + 132)
+    vl = llama_8b(architecture="Qwen3VLForConditionalGeneration", multimodal=True)
+    hopper = plan(vl, make_options(budget_bytes=8 * GiB, gpu="h100-80g"))
+    ampere = plan(vl, make_options(budget_bytes=8 * GiB, gpu="a100-80g"))
+    assert hopper.budget_bytes == ampere.budget_bytes == 8 * GiB
+    cell = hopper.cell_size_bytes
+    assert ((8 * GiB - (1 << 30)) // cell, (8 * GiB - (100 << 20)) // cell) == (
+        hopper.max_total_num_tokens, ampere.max_total_num_tokens)
+    assert any("CUDA IPC feature-transport pool" in n for n in hopper.notes)
+    assert any("multimodal embedding cache" in n for n in ampere.notes)
 
 
 def test_plan_applies_the_speculative_default():

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from kvpool.contract.devices import GpuName
 from kvpool.contract.errors import InvalidArgument
 from kvpool.contract.spec import Base
 
@@ -34,8 +35,6 @@ SpeculativeAlgorithm = Literal["none", "eagle", "standalone"]
 # SGLang's --mamba-radix-cache-strategy: extra_buffer keeps ping-pong state slots per request;
 # auto is what SGLang picks on CUDA (extra_buffer for the hybrid linear models it supports).
 MambaRadixCacheStrategy = Literal["auto", "no_buffer", "extra_buffer"]
-# SGLang's default prefill chunk on 60-160 GiB GPUs (H100, H200, A100-80G).
-DEFAULT_CHUNKED_PREFILL_SIZE = 8192
 
 
 def _doc(text: str, **bounds: int | float) -> Meta:
@@ -85,10 +84,14 @@ class PlanOptions(Base):
         "slots per request, no_buffer none (page size 1 only); auto: extra_buffer, as SGLang "
         "on CUDA")] = "auto"
     chunked_prefill_size: Annotated[int, _doc(
-        "the engine's prefill chunk in tokens (SGLang's default by GPU memory: 2048 below 20 "
-        "GiB, 4096 below 60, 8192 below 160, else 16384; 0: unchunked); sizes the SWA pool of "
-        "a hybrid SWA model served without the radix cache at a fixed max_running_requests",
-        ge=0, le=1 << 24)] = DEFAULT_CHUNKED_PREFILL_SIZE
+        "the engine's prefill chunk in tokens (default: SGLang's for the --gpu profile's "
+        "memory: 2048 below 20 GiB, 4096 below 60, 8192 below 160, else 16384; 0: unchunked); "
+        "sizes the SWA pool of a hybrid SWA model served without the radix cache at a fixed "
+        "max_running_requests", ge=0, le=1 << 24)] | None = None
+    gpu: Annotated[GpuName, _doc(
+        "the device SGLang runs on, as the facts that change its sizing (see docs/sizing.md): "
+        "h100-80g (kvpoold plan's default), h200, b200, a100-80g, cpu; Configure's default is "
+        "the daemon's own device")] | None = None
     disable_radix_cache: Annotated[bool, _doc(
         "no prefix cache: one state slot per request (hybrid linear)")] = False
     disable_overlap_schedule: Annotated[bool, _doc(

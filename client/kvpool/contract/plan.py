@@ -136,6 +136,8 @@ class PoolPlan(Base):
     buffers: tuple[BufferSpec, ...]
     # What Allocate/Free hand out, in this order; Stats, metrics and `kvpool top` follow it.
     id_spaces: tuple[IdSpaceSpec, ...] = ()
+    # The device profile planned for (``--gpu``), as "h100-80g (80 GiB, SM90)".
+    gpu: str = ""
 
     def id_space(self, name: str) -> IdSpaceSpec:
         """The id space called ``name``; KeyError lists the plan's spaces."""

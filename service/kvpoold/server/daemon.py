@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -27,6 +28,7 @@ from typing import NamedTuple, TypeVar
 
 import numpy as np
 
+from kvpool.contract.devices import GpuName, profile_of_device
 from kvpool.contract.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -60,6 +62,18 @@ from kvpoold.transfer import NIXL_MISSING, NixlAgent, Outgoing, Transfers
 from kvpoold.transfer.grants import ReceiveGrant
 
 log = logging.getLogger("kvpoold.daemon")
+
+
+def device_gpu(device: str) -> GpuName:
+    """The ``--gpu`` profile a daemon on ``device`` plans for when Configure names none:
+    ``cpu`` on the CPU, else the profile nearest the CUDA device's memory and capability."""
+    if not device.startswith("cuda"):
+        return "cpu"
+    import torch
+
+    index = int(device.partition(":")[2] or 0)
+    props = torch.cuda.get_device_properties(index)
+    return profile_of_device(props.total_memory, props.major, props.minor)
 
 
 def _count(n: int, noun: str) -> str:
@@ -124,6 +138,7 @@ class Daemon:
         watch_min_interval_s: float = WATCH_MIN_INTERVAL_S,
     ) -> None:
         self.device = device
+        self.gpu: GpuName = device_gpu(device)  # what Configure plans for by default
         self.budget_bytes = budget_bytes
         self.version = __version__
         self._factory = backing_factory
@@ -178,6 +193,8 @@ class Daemon:
         name = caller.check_pool(check_pool_name(args.pool))
         # Off the loop (O(layers) of Python); nothing read before this await is trusted after
         # it: the name, the existing pools and the budget are all looked at below.
+        if "gpu" not in args.options:  # plan for this daemon's own device
+            args = dataclasses.replace(args, options={**args.options, "gpu": self.gpu})
         planned = await plan_off_loop(args, self.available_bytes(), self._planning)
         new_plan, fingerprint = planned.plan, planned.fingerprint
         while name in self._building:  # the same name is being built: wait, then look again

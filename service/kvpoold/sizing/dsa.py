@@ -16,6 +16,7 @@ Buffers: ``kv.<l>`` ``(rows, 1, kv_dim)`` (uint8 ``(rows, 1, 656)`` with fp8_e4m
 
 from __future__ import annotations
 
+from kvpool.contract.devices import gpu_profile
 from kvpool.contract.dtypes import DType
 from kvpool.contract.errors import InvalidArgument
 from kvpool.contract.options import KVCacheDType
@@ -43,11 +44,17 @@ def matches(spec: ModelSpec) -> bool:
     return spec.indexer is not None and isinstance(spec.attention, MLAAttention)
 
 
+def _packed_fp8(ctx: SizingContext) -> bool:
+    """fp8 in the packed DSA layout (its own scales, bf16 rope: 656 B for DeepSeek). On SM100+
+    SGLang's default DSA backend is trtllm, which keeps the raw MLA layout (576 B at fp8)."""
+    return ctx.kv.name == "fp8_e4m3" and not gpu_profile(ctx.options.gpu).blackwell
+
+
 def _main_dim_bytes(ctx: SizingContext) -> int:
-    """Per-layer bytes of the main latent (the fp8 layout packs its own scales)."""
+    """Per-layer bytes of the main latent (the packed fp8 layout holds its own scales)."""
     attn = ctx.spec.attention
     assert isinstance(attn, MLAAttention)
-    if ctx.kv.name == "fp8_e4m3":
+    if _packed_fp8(ctx):
         return attn.kv_lora_rank + attn.kv_lora_rank // 128 * 4 + attn.qk_rope_head_dim * 2
     return mla.kv_dim(ctx.spec) * ctx.kv.itemsize
 
@@ -80,7 +87,7 @@ def size(ctx: SizingContext) -> Sizing:
 
 def _layer(ctx: SizingContext, suffix: str, rows: int, prefix: str) -> list[BufferSpec]:
     page = ctx.page_size
-    if ctx.kv.name == "fp8_e4m3":
+    if _packed_fp8(ctx):
         main = [buffer(f"{prefix}kv.{suffix}", DType.uint8, (rows, 1, _main_dim_bytes(ctx)),
                        BufferKind.kv, rows_per_page=page)]
     else:

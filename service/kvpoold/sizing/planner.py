@@ -11,6 +11,7 @@ import dataclasses
 
 import msgspec
 
+from kvpool.contract.devices import gpu_profile
 from kvpool.contract.dtypes import DType
 from kvpool.contract.errors import InvalidArgument
 from kvpool.contract.options import KVCacheDType, PlanOptions
@@ -40,6 +41,12 @@ MULTIMODAL_RESERVATION_BYTES = 100 << 20
 SPECULATIVE_MAX_RUNNING_REQUESTS = 48
 
 
+# The pool of SGLang's CUDA IPC multimodal feature transport (SGLANG_MM_FEATURE_CACHE_MB).
+MM_FEATURE_CACHE_BYTES = 1 << 30
+# Classes SGLang serves without a multimodal cache on large Hopper GPUs
+# (arg_groups/model_overrides/qwen3_vl.py: model types qwen3_vl and qwen3_vl_moe).
+QWEN3_VL_CLASSES = frozenset({"Qwen3VLForConditionalGeneration",
+                              "Qwen3VLMoeForConditionalGeneration"})
 # SGLang's swa_full_tokens_ratio when neither the user nor the model's overrides set one.
 DEFAULT_SWA_FULL_TOKENS_RATIO = 0.8
 # SGLang's defaults for one model class, where the user gave none (its arg_groups: the
@@ -51,10 +58,17 @@ MODEL_DEFAULTS: dict[str, dict[str, object]] = {
 
 
 def engine_defaults(spec: ModelSpec, options: PlanOptions) -> PlanOptions:
-    """The options as SGLang's server resolves them before sizing: the model class's own
-    defaults (:data:`MODEL_DEFAULTS`), then speculative decoding's ``max_running_requests`` of
-    48, then ``swa_full_tokens_ratio`` 0.8; only where the option is not given. Idempotent."""
+    """The options as SGLang's server resolves them before sizing: the device profile
+    (``gpu``, default :data:`~kvpool.contract.devices.DEFAULT_GPU`) and its
+    ``chunked_prefill_size``, the model class's own defaults (:data:`MODEL_DEFAULTS`), then
+    speculative decoding's ``max_running_requests`` of 48, then ``swa_full_tokens_ratio`` 0.8;
+    only where the option is not given. Idempotent."""
     changes: dict[str, object] = {}
+    gpu = gpu_profile(options.gpu)
+    if options.gpu is None:
+        changes["gpu"] = gpu.name
+    if options.chunked_prefill_size is None:
+        changes["chunked_prefill_size"] = gpu.chunked_prefill_size()
     for name, value in MODEL_DEFAULTS.get(spec.architecture, {}).items():
         if getattr(options, name) is None:
             changes[name] = value
@@ -149,19 +163,27 @@ def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = 
         forced = (f"page size {page} (SGLang sets it for {arch.name}; asked "
                   f"{options.page_size})",)
         options = msgspec.structs.replace(options, page_size=page)
+    gpu = gpu_profile(options.gpu)
     if arch.auto_kv_cache_dtype is not None and options.kv_cache_dtype is KVCacheDType.auto:
+        dtype = KVCacheDType.fp8_e4m3 if gpu.blackwell else arch.auto_kv_cache_dtype
         forced = (*forced, (
-            f"kv cache dtype {arch.auto_kv_cache_dtype.value}: SGLang's default for {arch.name} "
-            "under --kv-cache-dtype auto before Blackwell (SM100+ takes fp8_e4m3: give "
-            "--kv-cache-dtype fp8_e4m3 there)"))
-        options = msgspec.structs.replace(options, kv_cache_dtype=arch.auto_kv_cache_dtype)
+            f"kv cache dtype {dtype.value}: SGLang's default for {arch.name} under "
+            f"--kv-cache-dtype auto on {gpu.describe()} (bfloat16 before SM100, fp8_e4m3 "
+            "from SM100 on)"))
+        options = msgspec.structs.replace(options, kv_cache_dtype=dtype)
     asked = options
     if spec.multimodal and options.budget_bytes is not None:
-        reserve = min(options.budget_bytes, MULTIMODAL_RESERVATION_BYTES)
-        forced = (*forced, (
-            f"{reserve:,} B of the budget reserved for SGLang's multimodal cache "
-            "(SGLANG_VLM_CACHE_SIZE_MB, 100 MiB; SGLang drops it for Qwen3-VL on SM90 GPUs "
-            "of 60 GiB and more)"))
+        if spec.architecture in QWEN3_VL_CLASSES and gpu.large_hopper:
+            # SGLang's Hopper path: no embedding cache, features over CUDA IPC, whose pool
+            # (SGLANG_MM_FEATURE_CACHE_MB, 1 GiB) is reserved instead
+            want, why = (MM_FEATURE_CACHE_BYTES, f"SGLang's CUDA IPC feature-transport pool for "
+                         f"Qwen3-VL on {gpu.describe()} (SGLANG_MM_FEATURE_CACHE_MB, 1 GiB; "
+                         "no embedding cache there)")
+        else:
+            want, why = (MULTIMODAL_RESERVATION_BYTES,
+                         "SGLang's multimodal embedding cache (SGLANG_VLM_CACHE_SIZE_MB, 100 MiB)")
+        reserve = min(options.budget_bytes, want)
+        forced = (*forced, f"{reserve:,} B of the budget reserved for {why}")
         options = msgspec.structs.replace(options, budget_bytes=options.budget_bytes - reserve)
     ctx = make_context(spec, options)
     sizing = arch.size(ctx)
@@ -223,4 +245,5 @@ def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = 
         notes=notes,
         buffers=placed,
         id_spaces=declare_spaces(sizing, placed),
+        gpu=gpu.describe(),
     )
