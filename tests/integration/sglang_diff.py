@@ -133,28 +133,18 @@ def zero_if_none(value: int | None) -> int:
     return value or 0
 
 
+# Counts both sides report under the same key (None and 0 alike: "no such pool").
+COUNTS = ("context_length", "max_total_num_tokens", "max_running_requests",
+          "full_max_total_num_tokens", "swa_max_total_num_tokens", "mamba_cache_size")
+
+
 def sizes(ours: dict[str, Any], theirs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """What decides a pool, from kvpool's plan and from SGLang's result: (kvpool's, SGLang's)."""
-    got = {
-        "family": FAMILY[ours["architecture"]],
-        "kv_cache_dtype": ours["kv_cache_dtype"],
-        "context_length": ours["context_length"],
-        "max_total_num_tokens": ours["max_total_num_tokens"],
-        "max_running_requests": ours["max_running_requests"],
-        "full_max_total_num_tokens": zero_if_none(ours["full_max_total_num_tokens"]),
-        "swa_max_total_num_tokens": zero_if_none(ours["swa_max_total_num_tokens"]),
-        "mamba_cache_size": zero_if_none(ours["mamba_cache_size"]),
-    }
-    want = {
-        "family": sglang_family(theirs),
-        "kv_cache_dtype": KV_DTYPE.get(theirs["kv_cache_dtype"], theirs["kv_cache_dtype"]),
-        "context_length": theirs["context_length"],
-        "max_total_num_tokens": theirs["max_total_num_tokens"],
-        "max_running_requests": theirs["max_running_requests"],
-        "full_max_total_num_tokens": zero_if_none(theirs["full_max_total_num_tokens"]),
-        "swa_max_total_num_tokens": zero_if_none(theirs["swa_max_total_num_tokens"]),
-        "mamba_cache_size": zero_if_none(theirs["mamba_cache_size"]),
-    }
+    got = {"family": FAMILY[ours["architecture"]], "kv_cache_dtype": ours["kv_cache_dtype"],
+           **{k: zero_if_none(ours[k]) for k in COUNTS}}
+    want = {"family": sglang_family(theirs),
+            "kv_cache_dtype": KV_DTYPE.get(theirs["kv_cache_dtype"], theirs["kv_cache_dtype"]),
+            **{k: zero_if_none(theirs[k]) for k in COUNTS}}
     return got, want
 
 
