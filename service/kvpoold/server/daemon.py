@@ -28,7 +28,7 @@ from typing import NamedTuple, TypeVar
 
 import numpy as np
 
-from kvpool.contract.devices import GpuName, profile_of_device
+from kvpool.contract.devices import DEFAULT_GPU, GpuName, profile_of_device
 from kvpool.contract.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -72,7 +72,12 @@ def device_gpu(device: str) -> GpuName:
     import torch
 
     index = int(device.partition(":")[2] or 0)
-    props = torch.cuda.get_device_properties(index)
+    try:
+        props = torch.cuda.get_device_properties(index)
+    except (AssertionError, RuntimeError) as exc:  # no CUDA here (a label only, in tests)
+        log.warning("cannot read %s's properties (%s); Configure without --gpu plans for %s",
+                    device, exc, DEFAULT_GPU)
+        return DEFAULT_GPU
     return profile_of_device(props.total_memory, props.major, props.minor)
 
 
@@ -138,7 +143,7 @@ class Daemon:
         watch_min_interval_s: float = WATCH_MIN_INTERVAL_S,
     ) -> None:
         self.device = device
-        self.gpu: GpuName = device_gpu(device)  # what Configure plans for by default
+        self._gpu: GpuName | None = None  # what Configure plans for by default (lazily)
         self.budget_bytes = budget_bytes
         self.version = __version__
         self._factory = backing_factory
@@ -172,6 +177,14 @@ class Daemon:
     def used_bytes(self) -> int:
         return (sum(e.plan.backing_bytes for e in self.pools.values())
                 + sum(self._draining_bytes.values()))
+
+    @property
+    def gpu(self) -> GpuName:
+        """The ``--gpu`` profile of this daemon's device (read once, at the first Configure
+        that names none)."""
+        if self._gpu is None:
+            self._gpu = device_gpu(self.device)
+        return self._gpu
 
     def available_bytes(self) -> int:
         return max(0, self.budget_bytes - self.used_bytes - self._reserved_bytes)
