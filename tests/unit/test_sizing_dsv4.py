@@ -422,7 +422,7 @@ def test_geometry_formulas_match_the_layout() -> None:
     slots = p.c128_state_pool_size // geo.ring128
     assert geo.pool_bytes(p.num_pages, slots) == p.total_bytes
     assert geo.full_page_bytes == DN
-    assert geo.swa_page_cost == d_swa(4, 16, 1)
+    assert geo.swa_page_cost() == d_swa(4, 16, 1)
     assert dsv4.kv_bytes_per_token(448, 64) == 584
     assert dsv4.index_bytes_per_token(128) == 132
     assert dsv4.packed_page_bytes(256, 448, 64) == BS

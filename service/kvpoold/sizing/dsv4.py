@@ -175,14 +175,12 @@ class Geometry:
         return (len(self.c4_layers) * (self.c4_page_bytes + self.index_page_bytes)
                 + len(self.c128_layers) * self.c128_page_bytes)
 
-    @property
-    def swa_page_cost(self) -> Fraction:
-        """``dS``: what every SWA page adds (SWA KV of all layers and drafts, ``ring4`` c4 state
-        rows)."""
-        state_rows = self.ring4
-        state_row_bytes = self.c4_state_row_bytes + self.c4_index_state_row_bytes
-        return ((len(self.layers) + self.num_draft_layers) * self.swa_page_bytes
-                + len(self.c4_layers) * state_rows * state_row_bytes)
+    def swa_page_cost(self, drafts: bool = True) -> int:
+        """``dS``: what one more SWA page lays out (SWA KV of the stage's layers, and of its
+        draft layers unless ``drafts`` is False, plus ``ring4`` c4 state rows)."""
+        layers = len(self.layers) + (self.num_draft_layers if drafts else 0)
+        return (layers * self.swa_page_bytes + len(self.c4_layers) * self.ring4
+                * (self.c4_state_row_bytes + self.c4_index_state_row_bytes))
 
     def cell_size_bytes(self) -> int:
         """The per-full-token coefficient, ``int(bytes_per_full_token)``."""
@@ -201,9 +199,7 @@ class Geometry:
         """SGLang's coefficient: ``(dN + r * dS') / P`` as a float, ``dS'`` an SWA page of the
         stage's own layers with its c4 state rows; with draft layers, times ``(L + 1) / L``
         (SGLang reserves its draft worker so, whatever the draft layer costs)."""
-        target = (len(self.layers) * self.swa_page_bytes
-                  + len(self.c4_layers) * self.ring4
-                  * (self.c4_state_row_bytes + self.c4_index_state_row_bytes))
+        target = self.swa_page_cost(drafts=False)
         bpt = (self.full_page_bytes + float(self.swa_ratio) * target) / self.page_size
         if self.num_draft_layers:
             bpt *= (len(self.layers) + 1) / len(self.layers)
