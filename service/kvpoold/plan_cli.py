@@ -112,6 +112,20 @@ def _summary_rows(p: PoolPlan) -> list[tuple[str, str]]:
         ("aux (not in --budget)", _bytes(p.aux_bytes)),
         ("backing region", _bytes(p.backing_bytes) + " (the daemon's --budget pays all of it)"),
         ("gpu", p.gpu or "-"),
+    ]
+    e = p.elastic
+    if e is not None:
+        rows[-2] = ("backing region", _bytes(p.backing_bytes) + " virtual; the budget pays "
+                    "the fixed part and the granted groups")
+        rows += [
+            ("elastic groups", f"{e.groups:,} of {e.tokens_per_group:,} tokens "
+                               f"({e.pages_per_group:,} pages), {_bytes(e.group_bytes)} each"),
+            ("elastic fixed part", _bytes(e.fixed_bytes) + " (aux, always backed)"),
+            ("elastic floor / cap", f"{e.floor_groups:,} / {e.cap_groups:,} groups "
+                                    f"({_bytes(p.charged_bytes)} at Configure)"),
+            ("elastic weight", f"{e.weight:g}"),
+        ]
+    rows += [
         ("parallelism", f"TP {p.tp_size}, PP rank {p.pp_rank} of {p.pp_size}, "
                         f"layers {p.layer_start}..{p.layer_end - 1}"),
         ("draft layers", str(p.num_draft_layers)),

@@ -14,12 +14,14 @@ from typing import Any, cast
 import msgspec
 import numpy as np
 
+from kvpool.contract.errors import InvalidArgument
 from kvpool.contract.limits import ID_DTYPE
 from kvpool.contract.plan import PoolPlan
 from kvpool.contract.records import (
     AttachInfo,
     ConfigureResult,
     DaemonStats,
+    ElasticStats,
     HeldMap,
     LeaseStats,
     PeerStats,
@@ -43,7 +45,7 @@ TRANSFER_STATE_FROM_PB: dict[int, TransferState] = {
 
 _HANDLE_FIELDS = tuple(f.name for f in pb.SharedHandle.DESCRIPTOR.fields if f.name != "sharing")
 _SPACE_FIELDS = SpaceStats.__struct_fields__
-_POOL_SCALARS = tuple(f for f in PoolStats.__struct_fields__ if f != "spaces")
+_POOL_SCALARS = tuple(f for f in PoolStats.__struct_fields__ if f not in ("spaces", "elastic"))
 _LEASE_SCALARS = tuple(f for f in LeaseStats.__struct_fields__ if f not in ("held", "cached"))
 
 
@@ -112,12 +114,31 @@ def attach_to_pb(info: AttachInfo) -> pb.AttachResponse:
     return pb.AttachResponse(
         fingerprint=info.fingerprint, plan_json=info.plan_json,
         handle=handle_to_pb(info.handle), attach_id=info.attach_id, device=info.device,
+        elastic_groups=groups_to_bytes(info.elastic_groups),
     )
 
 
 def attach_from_pb(msg: pb.AttachResponse) -> AttachInfo:
     return AttachInfo(msg.fingerprint, plan_from_json(msg.plan_json), msg.plan_json,
-                      handle_from_pb(msg.handle), msg.attach_id, msg.device)
+                      handle_from_pb(msg.handle), msg.attach_id, msg.device,
+                      groups_from_bytes(msg.elastic_groups))
+
+
+def groups_to_bytes(groups: Iterable[int]) -> bytes:
+    """Group numbers of an elastic pool as little-endian uint32 bytes (Attach, Unmap)."""
+    return np.asarray(list(groups), dtype="<u4").tobytes()
+
+
+def groups_from_bytes(data: bytes) -> tuple[int, ...]:
+    """Little-endian uint32 group numbers.
+
+    Raises:
+        InvalidArgument: a length that is not whole uint32s.
+    """
+    if len(data) % 4:
+        raise InvalidArgument(f"group list of {len(data)} B is not whole uint32s",
+                              field="groups")
+    return tuple(np.frombuffer(data, dtype="<u4").tolist())
 
 
 # -- transfers ----------------------------------------------------------------------------------
@@ -179,6 +200,8 @@ def stats_to_pb(stats: Stats) -> pb.StatsResponse:
                     pb.SpaceStats(space=name, **msgspec_fields(s, _SPACE_FIELDS))
                     for name, s in p.spaces.items()
                 ],
+                elastic=None if p.elastic is None else pb.ElasticStats(
+                    **msgspec_fields(p.elastic, ElasticStats.__struct_fields__)),
             )
             for p in stats.pools
         ],
@@ -202,6 +225,8 @@ def stats_from_pb(msg: pb.StatsResponse) -> Stats:
                     s.space: SpaceStats(**msgspec_fields(s, _SPACE_FIELDS))
                     for s in p.spaces
                 },
+                elastic=ElasticStats(**msgspec_fields(p.elastic, ElasticStats.__struct_fields__))
+                if p.HasField("elastic") else None,
             )
             for p in msg.pools
         ],

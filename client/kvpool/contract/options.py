@@ -107,6 +107,21 @@ class PlanOptions(Base):
         "intermediate conv/SSM states per running request (required there, with "
         "--max-running-requests)", ge=1, le=1024)] | None = None
 
+    elastic: Annotated[bool, _doc(
+        "an elastic pool: the same views, sized at the budget's (or --max-total-tokens') "
+        "token count as a virtual range, backed by memory only in the groups the daemon "
+        "grants it from the device budget it shares with other pools (see docs/elastic.md)")
+    ] = False
+    elastic_floor_tokens: Annotated[int, _doc(
+        "elastic pools: tokens always granted (rounded up to whole groups; default one "
+        "request at the context length; at least one group)", ge=0, le=MAX_TOKENS)] | None = None
+    elastic_cap_tokens: Annotated[int, _doc(
+        "elastic pools: tokens never exceeded (rounded up to whole groups; default the "
+        "virtual range)", ge=1, le=MAX_TOKENS)] | None = None
+    elastic_weight: Annotated[float, _doc(
+        "elastic pools: the pool's weight in the fair share of a short budget",
+        gt=0.0, le=1e6)] = 1.0
+
     def __post_init__(self) -> None:
         if self.pp_rank >= self.pp_size:
             raise ValueError(
@@ -114,6 +129,12 @@ class PlanOptions(Base):
             )
         if self.budget_bytes is None and self.max_total_tokens is None:
             raise ValueError("give budget_bytes, max_total_tokens, or both")
+        if not self.elastic:
+            for name in ("elastic_floor_tokens", "elastic_cap_tokens"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} needs elastic (--elastic)")
+            if self.elastic_weight != 1.0:
+                raise ValueError("elastic_weight needs elastic (--elastic)")
         for name in ("speculative_num_draft_layers", "speculative_num_draft_tokens"):
             if self.speculative_algorithm == "none" and getattr(self, name):
                 raise ValueError(f"{name} needs speculative_algorithm eagle or standalone")

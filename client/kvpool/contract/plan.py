@@ -86,6 +86,46 @@ class IdSpaceSpec(Base):
     follows: SpaceName | None = None
     mapping: str | None = None
 
+# The unit of an elastic pool's memory: each view's share of a group is whole chunks (a huge
+# page on CPU, CUDA VMM's allocation granularity on GPU).
+CHUNK_BYTES = 2 << 20
+
+
+def group_ranges(views: list[tuple[int, int]], group: int) -> list[tuple[int, int]]:
+    """Group ``group`` of views given as ``(offset, share)`` (a view's bytes of one group):
+    ``(offset + group * share, share)`` each. The one definition of where a group lies."""
+    return [(offset + group * share, share) for offset, share in views]
+
+
+class ElasticPlan(Base):
+    """The groups of an elastic pool: the unit the daemon grants, backs and takes back.
+
+    A group is the same run of ``pages_per_group`` KV pages (``tokens_per_group`` tokens) in
+    every view named in ``views``; each view's share of a group is whole ``chunk_bytes``
+    chunks, so group ``g`` of view ``v`` is the bytes ``[offset_v + g * share_v, offset_v +
+    (g + 1) * share_v)`` with ``share_v = pages_per_group * page_bytes_v``. Page ``p`` lies in
+    group ``p // pages_per_group``; group 0 holds the padding page 0, so it is always granted.
+    ``fixed_bytes`` (the aux buffers, from ``fixed_offset`` to the end) are backed for the
+    pool's life. Floor, cap and weight are in groups and say how the arbiter treats the pool.
+    """
+
+    tokens_per_group: int
+    pages_per_group: int
+    group_bytes: int
+    groups: int
+    chunk_bytes: int
+    views: tuple[str, ...]
+    fixed_offset: int
+    fixed_bytes: int
+    floor_groups: int
+    cap_groups: int
+    weight: float
+
+    def group_of(self, page: int) -> int:
+        """The group page ``page`` lies in."""
+        return page // self.pages_per_group
+
+
 # hf_config: read by the architecture table's loader; assumed: an unknown class read as the
 # family given with --assume-architecture; spec: a hand-written spec.
 ArchitectureSource = Literal["hf_config", "assumed", "spec"]
@@ -138,6 +178,32 @@ class PoolPlan(Base):
     id_spaces: tuple[IdSpaceSpec, ...] = ()
     # The device profile planned for (``--gpu``), as "h100-80g (80 GiB, SM90)".
     gpu: str = ""
+    # Elastic pools only: their groups (None: a fixed pool, backed whole at Configure).
+    elastic: ElasticPlan | None = None
+
+    @property
+    def charged_bytes(self) -> int:
+        """What the pool takes of the device budget at Configure: the whole region of a fixed
+        pool; the fixed part and the floor of an elastic one (its grants add to it)."""
+        e = self.elastic
+        if e is None:
+            return self.backing_bytes
+        return e.fixed_bytes + e.floor_groups * e.group_bytes
+
+    def group_ranges(self, group: int) -> list[tuple[int, int]]:
+        """``(offset, length)`` of an elastic pool's group ``group`` in each of its views, in
+        the region (whole chunks): what the daemon backs and a client maps.
+
+        Raises:
+            ValueError: a fixed pool, or a group outside the range.
+        """
+        e = self.elastic
+        if e is None or not 0 <= group < e.groups:
+            raise ValueError(f"no group {group} in this plan"
+                             + ("" if e is None else f" (groups 0..{e.groups - 1})"))
+        shares = [(b.offset_bytes, e.pages_per_group * b.page_bytes)
+                  for b in (self.buffer(name) for name in e.views)]
+        return group_ranges(shares, group)
 
     def id_space(self, name: str) -> IdSpaceSpec:
         """The id space called ``name``; KeyError lists the plan's spaces."""
@@ -175,4 +241,6 @@ class PoolPlan(Base):
             self.buffers,
             self.id_spaces,
         )
+        if self.elastic is not None:  # a fixed pool's fingerprint is what it always was
+            layout = (*layout, self.elastic)
         return hashlib.sha256(msgspec.json.encode(layout)).hexdigest()[:32]

@@ -53,6 +53,29 @@ class SpaceStats(msgspec.Struct, frozen=True, kw_only=True):
         return self.frees + self.used
 
 
+class ElasticStats(msgspec.Struct, frozen=True, kw_only=True):
+    """An elastic pool's share of the device budget (docs/elastic.md): its groups granted and
+    being taken back, the bytes the budget pays for it (``granted_bytes``: granted groups plus
+    the fixed part) and the memory the kernel counts behind it (``backed_bytes``), and its
+    counters since Configure."""
+
+    group_bytes: int
+    groups: int
+    granted_groups: int
+    reclaiming_groups: int
+    floor_groups: int
+    cap_groups: int
+    weight: float
+    virtual_bytes: int
+    granted_bytes: int
+    backed_bytes: int
+    grants: int = 0
+    reclaims: int = 0
+    reclaim_seconds_sum: float = 0.0
+    reclaim_seconds_max: float = 0.0
+    revoked_leases: int = 0
+
+
 class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     fingerprint: str
@@ -66,6 +89,7 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     attached: int
     age_seconds: float
     sharing: str
+    elastic: ElasticStats | None = None  # elastic pools only
 
 
 class LeaseStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -192,6 +216,8 @@ class AttachInfo:
     handle: SharedHandle
     attach_id: int
     device: str
+    # Elastic pools: the groups granted when Attach answered (map them before reading).
+    elastic_groups: tuple[int, ...] = ()
 
 
 class TransferState(enum.StrEnum):

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 # How a pool's memory reaches other processes (``kvpoold serve --sharing``).
-Sharing = Literal["shm", "cuda_ipc", "none"]
-SHARINGS: tuple[Sharing, ...] = ("shm", "cuda_ipc", "none")
+Sharing = Literal["shm", "cuda_ipc", "none", "shm_sparse", "cuda_vmm"]
+SHARINGS: tuple[Sharing, ...] = ("shm", "cuda_ipc", "none", "shm_sparse", "cuda_vmm")
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,7 @@ import mmap
 import os
 
 from kvpool.contract.errors import InvalidArgument, ResourceExhausted
-
-CHUNK_BYTES = 2 << 20  # the unit of commit and punch: a huge page, and CUDA VMM's granularity
+from kvpool.contract.plan import CHUNK_BYTES  # the unit of commit, punch and map
 
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02

@@ -125,7 +125,7 @@ class ModelSpec(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., mha: _Optional[_Union[MHAAttention, _Mapping]] = ..., mla: _Optional[_Union[MLAAttention, _Mapping]] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., architecture: _Optional[str] = ..., sliding_window: _Optional[_Union[SlidingWindow, _Mapping]] = ..., indexer: _Optional[_Union[DSAIndexer, _Mapping]] = ..., linear: _Optional[_Union[LinearAttention, _Mapping]] = ..., dsv4: _Optional[_Union[DSV4Compression, _Mapping]] = ..., num_nextn_predict_layers: _Optional[int] = ..., kv_cache_quant_fp8: _Optional[bool] = ..., multimodal: _Optional[bool] = ...) -> None: ...
 
 class ConfigureRequest(_message.Message):
-    __slots__ = ("pool", "hf_config_json", "spec", "budget_bytes", "max_total_tokens", "page_size", "kv_cache_dtype", "tp_size", "pp_size", "pp_rank", "context_length", "max_running_requests", "speculative_algorithm", "speculative_num_draft_layers", "swa_full_tokens_ratio", "mamba_full_memory_ratio", "disable_radix_cache", "dry_run", "speculative_num_draft_tokens", "allow_longer_context", "mamba_radix_cache_strategy", "chunked_prefill_size", "disable_overlap_schedule", "assume_architecture", "gpu")
+    __slots__ = ("pool", "hf_config_json", "spec", "budget_bytes", "max_total_tokens", "page_size", "kv_cache_dtype", "tp_size", "pp_size", "pp_rank", "context_length", "max_running_requests", "speculative_algorithm", "speculative_num_draft_layers", "swa_full_tokens_ratio", "mamba_full_memory_ratio", "disable_radix_cache", "dry_run", "speculative_num_draft_tokens", "allow_longer_context", "mamba_radix_cache_strategy", "chunked_prefill_size", "disable_overlap_schedule", "assume_architecture", "gpu", "elastic", "elastic_floor_tokens", "elastic_cap_tokens", "elastic_weight")
     POOL_FIELD_NUMBER: _ClassVar[int]
     HF_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,10 @@ class ConfigureRequest(_message.Message):
     DISABLE_OVERLAP_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     ASSUME_ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
+    ELASTIC_FIELD_NUMBER: _ClassVar[int]
+    ELASTIC_FLOOR_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ELASTIC_CAP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ELASTIC_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     pool: str
     hf_config_json: str
     spec: ModelSpec
@@ -176,7 +180,11 @@ class ConfigureRequest(_message.Message):
     disable_overlap_schedule: bool
     assume_architecture: str
     gpu: str
-    def __init__(self, pool: _Optional[str] = ..., hf_config_json: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., budget_bytes: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., context_length: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., speculative_algorithm: _Optional[str] = ..., speculative_num_draft_layers: _Optional[int] = ..., swa_full_tokens_ratio: _Optional[float] = ..., mamba_full_memory_ratio: _Optional[float] = ..., disable_radix_cache: _Optional[bool] = ..., dry_run: _Optional[bool] = ..., speculative_num_draft_tokens: _Optional[int] = ..., allow_longer_context: _Optional[bool] = ..., mamba_radix_cache_strategy: _Optional[str] = ..., chunked_prefill_size: _Optional[int] = ..., disable_overlap_schedule: _Optional[bool] = ..., assume_architecture: _Optional[str] = ..., gpu: _Optional[str] = ...) -> None: ...
+    elastic: bool
+    elastic_floor_tokens: int
+    elastic_cap_tokens: int
+    elastic_weight: float
+    def __init__(self, pool: _Optional[str] = ..., hf_config_json: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., budget_bytes: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., context_length: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., speculative_algorithm: _Optional[str] = ..., speculative_num_draft_layers: _Optional[int] = ..., swa_full_tokens_ratio: _Optional[float] = ..., mamba_full_memory_ratio: _Optional[float] = ..., disable_radix_cache: _Optional[bool] = ..., dry_run: _Optional[bool] = ..., speculative_num_draft_tokens: _Optional[int] = ..., allow_longer_context: _Optional[bool] = ..., mamba_radix_cache_strategy: _Optional[str] = ..., chunked_prefill_size: _Optional[int] = ..., disable_overlap_schedule: _Optional[bool] = ..., assume_architecture: _Optional[str] = ..., gpu: _Optional[str] = ..., elastic: _Optional[bool] = ..., elastic_floor_tokens: _Optional[int] = ..., elastic_cap_tokens: _Optional[int] = ..., elastic_weight: _Optional[float] = ...) -> None: ...
 
 class ConfigureResponse(_message.Message):
     __slots__ = ("plan_json", "fingerprint", "created", "dry_run", "budget_available_bytes")
@@ -223,16 +231,18 @@ class CacheReport(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., space: _Optional[str] = ..., cached: _Optional[int] = ..., in_use: _Optional[int] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
-    __slots__ = ("lease_id", "caches", "seq", "lease_secret")
+    __slots__ = ("lease_id", "caches", "seq", "lease_secret", "unmapped")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     CACHES_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
+    UNMAPPED_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     caches: _containers.RepeatedCompositeFieldContainer[CacheReport]
     seq: int
     lease_secret: bytes
-    def __init__(self, lease_id: _Optional[int] = ..., caches: _Optional[_Iterable[_Union[CacheReport, _Mapping]]] = ..., seq: _Optional[int] = ..., lease_secret: _Optional[bytes] = ...) -> None: ...
+    unmapped: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[int] = ..., caches: _Optional[_Iterable[_Union[CacheReport, _Mapping]]] = ..., seq: _Optional[int] = ..., lease_secret: _Optional[bytes] = ..., unmapped: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GiveBack(_message.Message):
     __slots__ = ("pool", "space", "count")
@@ -245,18 +255,32 @@ class GiveBack(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., space: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class KeepAliveResponse(_message.Message):
-    __slots__ = ("lease_id", "ttl_seconds", "expires_in_seconds", "give_back", "seq")
+    __slots__ = ("lease_id", "ttl_seconds", "expires_in_seconds", "give_back", "seq", "unmap")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GIVE_BACK_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    UNMAP_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     ttl_seconds: float
     expires_in_seconds: float
     give_back: _containers.RepeatedCompositeFieldContainer[GiveBack]
     seq: int
-    def __init__(self, lease_id: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., expires_in_seconds: _Optional[float] = ..., give_back: _Optional[_Iterable[_Union[GiveBack, _Mapping]]] = ..., seq: _Optional[int] = ...) -> None: ...
+    unmap: _containers.RepeatedCompositeFieldContainer[Unmap]
+    def __init__(self, lease_id: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., expires_in_seconds: _Optional[float] = ..., give_back: _Optional[_Iterable[_Union[GiveBack, _Mapping]]] = ..., seq: _Optional[int] = ..., unmap: _Optional[_Iterable[_Union[Unmap, _Mapping]]] = ...) -> None: ...
+
+class Unmap(_message.Message):
+    __slots__ = ("pool", "groups", "reclaim", "deadline_seconds")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    groups: bytes
+    reclaim: int
+    deadline_seconds: float
+    def __init__(self, pool: _Optional[str] = ..., groups: _Optional[bytes] = ..., reclaim: _Optional[int] = ..., deadline_seconds: _Optional[float] = ...) -> None: ...
 
 class CloseLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "lease_secret")
@@ -389,7 +413,7 @@ class SpaceStats(_message.Message):
     def __init__(self, capacity: _Optional[int] = ..., used: _Optional[int] = ..., high_water: _Optional[int] = ..., frees: _Optional[int] = ..., failed_allocs: _Optional[int] = ..., space: _Optional[str] = ..., unit: _Optional[str] = ..., bytes_per_unit: _Optional[int] = ..., follows: _Optional[str] = ..., pinned: _Optional[int] = ..., quarantined: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("name", "fingerprint", "architecture", "kv_cache_dtype", "page_size", "max_total_num_tokens", "max_running_requests", "backing_bytes", "spaces", "attached", "age_seconds", "sharing")
+    __slots__ = ("name", "fingerprint", "architecture", "kv_cache_dtype", "page_size", "max_total_num_tokens", "max_running_requests", "backing_bytes", "spaces", "attached", "age_seconds", "sharing", "elastic")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -402,6 +426,7 @@ class PoolStats(_message.Message):
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
     AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SHARING_FIELD_NUMBER: _ClassVar[int]
+    ELASTIC_FIELD_NUMBER: _ClassVar[int]
     name: str
     fingerprint: str
     architecture: str
@@ -414,7 +439,42 @@ class PoolStats(_message.Message):
     attached: int
     age_seconds: float
     sharing: str
-    def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., backing_bytes: _Optional[int] = ..., spaces: _Optional[_Iterable[_Union[SpaceStats, _Mapping]]] = ..., attached: _Optional[int] = ..., age_seconds: _Optional[float] = ..., sharing: _Optional[str] = ...) -> None: ...
+    elastic: ElasticStats
+    def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., backing_bytes: _Optional[int] = ..., spaces: _Optional[_Iterable[_Union[SpaceStats, _Mapping]]] = ..., attached: _Optional[int] = ..., age_seconds: _Optional[float] = ..., sharing: _Optional[str] = ..., elastic: _Optional[_Union[ElasticStats, _Mapping]] = ...) -> None: ...
+
+class ElasticStats(_message.Message):
+    __slots__ = ("group_bytes", "groups", "granted_groups", "reclaiming_groups", "floor_groups", "cap_groups", "weight", "virtual_bytes", "granted_bytes", "backed_bytes", "grants", "reclaims", "reclaim_seconds_sum", "reclaim_seconds_max", "revoked_leases")
+    GROUP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    GRANTED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    RECLAIMING_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    FLOOR_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    CAP_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    VIRTUAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GRANTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BACKED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GRANTS_FIELD_NUMBER: _ClassVar[int]
+    RECLAIMS_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_SECONDS_SUM_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_SECONDS_MAX_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_LEASES_FIELD_NUMBER: _ClassVar[int]
+    group_bytes: int
+    groups: int
+    granted_groups: int
+    reclaiming_groups: int
+    floor_groups: int
+    cap_groups: int
+    weight: float
+    virtual_bytes: int
+    granted_bytes: int
+    backed_bytes: int
+    grants: int
+    reclaims: int
+    reclaim_seconds_sum: float
+    reclaim_seconds_max: float
+    revoked_leases: int
+    def __init__(self, group_bytes: _Optional[int] = ..., groups: _Optional[int] = ..., granted_groups: _Optional[int] = ..., reclaiming_groups: _Optional[int] = ..., floor_groups: _Optional[int] = ..., cap_groups: _Optional[int] = ..., weight: _Optional[float] = ..., virtual_bytes: _Optional[int] = ..., granted_bytes: _Optional[int] = ..., backed_bytes: _Optional[int] = ..., grants: _Optional[int] = ..., reclaims: _Optional[int] = ..., reclaim_seconds_sum: _Optional[float] = ..., reclaim_seconds_max: _Optional[float] = ..., revoked_leases: _Optional[int] = ...) -> None: ...
 
 class LeaseStats(_message.Message):
     __slots__ = ("lease_id", "name", "ttl_seconds", "expires_in_seconds", "held", "attached", "cached")
@@ -555,18 +615,20 @@ class AttachRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., expected_fingerprint: _Optional[str] = ..., lease_id: _Optional[int] = ..., lease_secret: _Optional[bytes] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("fingerprint", "plan_json", "handle", "attach_id", "device")
+    __slots__ = ("fingerprint", "plan_json", "handle", "attach_id", "device", "elastic_groups")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     ATTACH_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ELASTIC_GROUPS_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     plan_json: str
     handle: SharedHandle
     attach_id: int
     device: str
-    def __init__(self, fingerprint: _Optional[str] = ..., plan_json: _Optional[str] = ..., handle: _Optional[_Union[SharedHandle, _Mapping]] = ..., attach_id: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    elastic_groups: bytes
+    def __init__(self, fingerprint: _Optional[str] = ..., plan_json: _Optional[str] = ..., handle: _Optional[_Union[SharedHandle, _Mapping]] = ..., attach_id: _Optional[int] = ..., device: _Optional[str] = ..., elastic_groups: _Optional[bytes] = ...) -> None: ...
 
 class DetachRequest(_message.Message):
     __slots__ = ("attach_id",)

@@ -9,11 +9,12 @@ multiple (16,384 tokens).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.plan import PoolPlan, group_ranges
 from kvpool.mapping.sparse import CHUNK_BYTES, commit, punch
+from kvpoold.sizing.elastic import pages_per_group
 
 
 @dataclass(frozen=True)
@@ -22,29 +23,29 @@ class GroupGeometry:
 
     Attributes:
         tokens: tokens per group (a multiple of the page size).
-        row_bytes: bytes per token of each per-token view, in view order.
+        share_bytes: each view's bytes of one group (whole chunks), in view order.
         groups: groups in the virtual range.
     """
 
     tokens: int
-    row_bytes: tuple[int, ...]
+    share_bytes: tuple[int, ...]
     groups: int
 
     @property
     def bytes(self) -> int:
         """Bytes of one group over all views."""
-        return self.tokens * sum(self.row_bytes)
+        return sum(self.share_bytes)
 
     @property
     def view_bytes(self) -> tuple[int, ...]:
         """Each view's bytes over the whole range (the views' sizes, whole chunks)."""
-        return tuple(self.tokens * r * self.groups for r in self.row_bytes)
+        return tuple(s * self.groups for s in self.share_bytes)
 
 
 def group_geometry(row_bytes: tuple[int, ...], page_size: int,
                    capacity_tokens: int) -> GroupGeometry:
-    """The smallest group of whole chunks in every view, and the groups that cover
-    ``capacity_tokens``.
+    """The smallest group of whole chunks in every token-major view of ``row_bytes`` a token,
+    and the groups that cover ``capacity_tokens``.
 
     Raises:
         InvalidArgument: no views, a row or page size that is not positive.
@@ -53,10 +54,24 @@ def group_geometry(row_bytes: tuple[int, ...], page_size: int,
         raise InvalidArgument(
             f"an elastic pool needs per-token views and positive sizes (rows {row_bytes}, "
             f"page {page_size}, capacity {capacity_tokens})", field="elastic")
-    tokens = page_size
-    for r in row_bytes:
-        tokens = math.lcm(tokens, CHUNK_BYTES // math.gcd(CHUNK_BYTES, r))
-    return GroupGeometry(tokens, tuple(row_bytes), -(-capacity_tokens // tokens))
+    tokens = pages_per_group([r * page_size for r in row_bytes]) * page_size
+    return GroupGeometry(tokens, tuple(tokens * r for r in row_bytes),
+                         -(-capacity_tokens // tokens))
+
+
+def plan_geometry(plan: PoolPlan) -> tuple[GroupGeometry, tuple[int, ...]]:
+    """An elastic plan's groups and each grouped view's offset in the region.
+
+    Raises:
+        InvalidArgument: a fixed plan.
+    """
+    e = plan.elastic
+    if e is None:
+        raise InvalidArgument(f"pool layout {plan.fingerprint()} is not elastic", field="elastic")
+    views = [plan.buffer(name) for name in e.views]
+    geo = GroupGeometry(e.tokens_per_group, tuple(e.pages_per_group * b.page_bytes
+                                                  for b in views), e.groups)
+    return geo, tuple(b.offset_bytes for b in views)
 
 
 class SparseBacking:
@@ -66,11 +81,12 @@ class SparseBacking:
     Args:
         fd: the pool's file (``ftruncate``d to the virtual size).
         geometry: the pool's groups.
-        offsets: each view's byte offset in the file, in :attr:`GroupGeometry.row_bytes` order.
+        offsets: each view's byte offset in the file, in :attr:`GroupGeometry.share_bytes`
+            order.
     """
 
     def __init__(self, fd: int, geometry: GroupGeometry, offsets: tuple[int, ...]) -> None:
-        if len(offsets) != len(geometry.row_bytes) or any(o % CHUNK_BYTES for o in offsets):
+        if len(offsets) != len(geometry.share_bytes) or any(o % CHUNK_BYTES for o in offsets):
             raise InvalidArgument("each view needs a chunk-aligned offset", field="elastic")
         self.fd = fd
         self.geometry = geometry
@@ -82,9 +98,7 @@ class SparseBacking:
         g = self.geometry
         if not 0 <= group < g.groups:
             raise InvalidArgument(f"group {group} is outside 0..{g.groups - 1}", field="group")
-        return [(o + group * g.tokens * r, g.tokens * r) for o, r in zip(self.offsets,
-                                                                          g.row_bytes,
-                                                                          strict=True)]
+        return group_ranges(list(zip(self.offsets, g.share_bytes, strict=True)), group)
 
     def grant(self, group: int) -> None:
         """Back group ``group`` with memory (all views); a failure leaves nothing of it

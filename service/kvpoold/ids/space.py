@@ -150,6 +150,13 @@ class IdSpace:
             if count == 0:
                 return np.zeros(0, dtype=np.int32)
             return self._take_one(owner, head)
+        ids = self._stack[head:end].copy()
+        self._record(owner, ids)
+        return ids
+
+    def _record(self, owner: int, ids: np.ndarray) -> None:
+        """Hand ``ids`` (distinct, free, off the free set now) to ``owner`` in the ledger."""
+        count = ids.shape[0]
         held = self._held_of(owner)
         n = held.n
         stop = n + count
@@ -158,7 +165,6 @@ class IdSpace:
             while room < stop:
                 room *= 2
             held.resize(room)
-        ids = self._stack[head:end].copy()
         idx = ids.astype(np.intp)  # numpy scatters with intp ~3x faster than with int32
         held.ids[n:stop] = ids
         self._owner[idx] = owner
@@ -166,10 +172,9 @@ class IdSpace:
             _POSITIONS[n:stop] if stop <= SHRINK_ABOVE else np.arange(n, stop, dtype=np.int32)
         )
         held.n = stop
-        self._head = end
+        self._head = end = self._head + count
         if end > self._high_water:
             self._high_water = end
-        return ids
 
     def _take_one(self, owner: int, head: int) -> np.ndarray:
         """``take(owner, 1)`` with scalar writes: a fifth of the cost of the array path."""
@@ -214,7 +219,7 @@ class IdSpace:
             ResourceExhausted: naming asked, free and capacity, the holders and the knob to turn.
         """
         used = self._head
-        free = self.capacity - used
+        free = self.num_free
         if count <= free:
             return
         self._failed_allocs += 1
@@ -227,10 +232,31 @@ class IdSpace:
                 field=field,
             )
         raise ResourceExhausted(
-            f"{action}: {asked}, {free:,} of {self.capacity:,} free ({used:,} held by "
-            f"{_leases(len(self._held))}); free some or Configure a larger {self.knob}",
+            f"{action}: {asked}, {free:,} of {self.capacity:,} free{self._room_note()} "
+            f"({used:,} held by {_leases(len(self._held))}); free some or Configure a larger "
+            f"{self.knob}",
             field=field,
         )
+
+    def _room_note(self) -> str:
+        """Said after the free count in a refusal (an elastic space names its groups)."""
+        return ""
+
+    # -- the free set: a stack here; an elastic space keeps one per group -------------------
+
+    def _push(self, ids: np.ndarray) -> None:
+        """Put freed ``ids`` (distinct, owner 0 now) back among the free: next handed out."""
+        head = self._head - ids.shape[0]
+        self._stack[head : self._head] = ids
+        self._head = head
+
+    def _push_one(self, i: int) -> None:
+        self._head = head = self._head - 1
+        self._stack[head] = i
+
+    def _all_free(self) -> np.ndarray:
+        """Every id that is free now, whether it may be handed out or not (audits)."""
+        return self._stack[self._head :]
 
     # -- free -------------------------------------------------------------------------------
 
@@ -282,8 +308,7 @@ class IdSpace:
             held_ids[at] = moved
             slots[moved] = at
         owners[i] = 0
-        self._head = head = self._head - 1
-        self._stack[head] = i
+        self._push_one(i)
         held.n = last
         if not last:
             self._drop(owner, held)
@@ -408,9 +433,7 @@ class IdSpace:
                 held.ids[holes] = stay
                 slots[stay] = holes
         if push:
-            head = self._head - count
-            self._stack[head : self._head] = idx
-            self._head = head
+            self._push(idx)
         held.n = keep
         if not keep:
             self._drop(owner, held)
@@ -488,9 +511,7 @@ class IdSpace:
                 held = self._held[owner]  # the set without the quarantined ids
         count = held.n
         self._owner[idx] = 0
-        head = self._head - count
-        self._stack[head : self._head] = ids
-        self._head = head
+        self._push(ids)
         held.n = 0
         self._drop(owner, held)
         self._frees += count
@@ -670,7 +691,7 @@ class IdSpace:
             Internal: naming the first broken invariant.
         """
         cap, head = self.capacity, self._head
-        free_ids = self._stack[head:].astype(np.intp)
+        free_ids = self._all_free().astype(np.intp)
         owners = self._owner[1 : cap + 1]
         held = owners != 0
         checks: list[tuple[bool, str]] = [

@@ -23,6 +23,7 @@ import torch
 
 from kvpool.contract.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
 from kvpool.contract.limits import check_pool_name
+from kvpool.mapping.sparse import backed_bytes, commit, punch
 from kvpoold.sharing.base import Region, SharedHandle, Sharing
 from kvpoold.sharing.cleanup import (
     FILE_MODE,
@@ -105,6 +106,52 @@ class ShmBacking(Region):
         except FileNotFoundError:
             pass
         self._on_close(self.path)
+
+
+class SparseShmBacking(ShmBacking):
+    """An elastic pool's region: the file sized to the virtual range, memory committed only
+    where the daemon grants it (:meth:`commit`, :meth:`punch` of whole chunks); a client maps
+    granted chunks into a reservation (``kvpool.mapping.sparse``).
+
+    Made by :meth:`ShmBackingFactory.create_sparse`; it keeps its descriptor open.
+    """
+
+    def __init__(self, path: Path, nbytes: int, tensor: torch.Tensor,
+                 on_close: Callable[[Path], None], fd: int) -> None:
+        super().__init__(path, nbytes, tensor, on_close)
+        self.fd = fd
+
+    @property
+    def sharing(self) -> Sharing:
+        return "shm_sparse"
+
+    def handle(self) -> SharedHandle:
+        return SharedHandle(sharing="shm_sparse", size=self.tensor.numel(), path=str(self.path))
+
+    def commit(self, offset: int, length: int) -> None:
+        """Back ``length`` bytes at ``offset`` (whole chunks) with memory now.
+
+        Raises:
+            ResourceExhausted: the file system cannot hold them (nothing changed).
+        """
+        commit(self.fd, offset, length)
+
+    def punch(self, offset: int, length: int) -> None:
+        """Free the memory of ``length`` bytes at ``offset`` (every process unmapped it)."""
+        punch(self.fd, offset, length)
+
+    def backed_bytes(self) -> int:
+        """Memory behind the file now (``st_blocks``)."""
+        return 0 if self._tensor is None else backed_bytes(self.fd)
+
+    def unbacked_bytes(self) -> int:
+        return 0  # it grows only by grants, each inside the daemon's budget
+
+    def close(self) -> None:
+        if self._tensor is None:
+            return
+        super().close()
+        os.close(self.fd)
 
 
 class ShmBackingFactory:
@@ -217,7 +264,40 @@ class ShmBackingFactory:
             self._backings[path] = backing
         return backing
 
-    def _create_file(self, path: Path, nbytes: int, pool_name: str) -> torch.Tensor:
+    def create_sparse(self, nbytes: int, pool_name: str, committed: tuple[int, int]
+                      ) -> SparseShmBacking:
+        """An elastic pool's region: a sparse file of ``nbytes`` (whole chunks) whose range
+        ``committed`` (offset, length: the fixed part) is backed now and the rest only as
+        groups are granted.
+
+        Raises:
+            As :meth:`create`; ResourceExhausted when the fixed part does not fit.
+        """
+        check_pool_name(pool_name)
+        offset, length = committed
+        with self._mutex:
+            if self._lock is None:
+                raise FailedPrecondition("the shared-memory factory is closed; start a new one")
+            free = free_bytes(self.shm_dir) - sum(
+                b.unbacked_bytes() for b in self._backings.values())
+            if length > free:
+                raise _exhausted(length, pool_name, self.shm_dir, max(free, 0))
+            name = f"{region_prefix(self.instance)}{pool_name}-{secrets.token_hex(8)}"
+            path = self.shm_dir / name
+            tensor = self._create_file(path, nbytes, pool_name, sparse=True)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            backing = SparseShmBacking(path, nbytes, tensor, self._forget, fd)
+            self._backings[path] = backing
+        try:
+            if length:
+                backing.commit(offset, length)
+        except BaseException:
+            backing.close()
+            raise
+        return backing
+
+    def _create_file(self, path: Path, nbytes: int, pool_name: str, *,
+                     sparse: bool = False) -> torch.Tensor:
         fd = os.open(
             path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE
         )
@@ -228,7 +308,7 @@ class ShmBackingFactory:
                 raise Internal(f"{path} has mode {st.st_mode & 0o777:o} owner {st.st_uid} "
                                f"after creation; expected 600 owned by {os.geteuid()}")
             try:
-                if self.preallocate:
+                if self.preallocate and not sparse:
                     os.posix_fallocate(fd, 0, nbytes)
                 else:
                     os.ftruncate(fd, nbytes)

@@ -15,7 +15,7 @@ from kvpool.contract.devices import gpu_profile
 from kvpool.contract.dtypes import DType
 from kvpool.contract.errors import InvalidArgument
 from kvpool.contract.options import KVCacheDType, PlanOptions
-from kvpool.contract.plan import ArchitectureSource, BufferKind, PoolPlan
+from kvpool.contract.plan import ArchitectureSource, BufferKind, BufferSpec, ElasticPlan, PoolPlan
 from kvpool.contract.spec import ModelSpec
 from kvpoold.sizing.common import (
     REQ_TO_TOKEN_EXTRA_COLUMNS,
@@ -24,6 +24,7 @@ from kvpoold.sizing.common import (
     resolve_kv_format,
     stage_layers,
 )
+from kvpoold.sizing.elastic import elastic_layout
 from kvpoold.sizing.layout import buffer, place
 from kvpoold.sizing.registry import Architecture, select_architecture
 from kvpoold.sizing.space_table import declare_spaces
@@ -196,17 +197,16 @@ def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = 
     columns = ctx.context_length + REQ_TO_TOKEN_EXTRA_COLUMNS
     if ctx.num_draft_layers:
         columns += ctx.num_draft_layers + 1
-    buffers = arch.layout(ctx, sizing)
-    buffers.append(
-        buffer(
-            "req_to_token",
-            DType.int32,
-            (sizing.max_running_requests + 1, columns),
-            BufferKind.req_to_token,
-            in_budget=False,
-        )
-    )
-    placed, backing_bytes = place(buffers)
+    def aux(sized: Sizing) -> list[BufferSpec]:
+        return [buffer("req_to_token", DType.int32, (sized.max_running_requests + 1, columns),
+                       BufferKind.req_to_token, in_budget=False)]
+
+    elastic: ElasticPlan | None = None
+    if options.elastic:
+        sizing, placed, backing_bytes, elastic = elastic_layout(arch.name, ctx, sizing,
+                                                                arch.layout, aux)
+    else:
+        placed, backing_bytes = place([*arch.layout(ctx, sizing), *aux(sizing)])
     total = sum(b.nbytes for b in placed if b.in_budget)
     aux = sum(b.nbytes for b in placed if not b.in_budget)
     max_total = sizing.max_total_num_tokens
@@ -246,4 +246,5 @@ def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = 
         buffers=placed,
         id_spaces=declare_spaces(sizing, placed),
         gpu=gpu.describe(),
+        elastic=elastic,
     )

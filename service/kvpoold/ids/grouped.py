@@ -1,0 +1,265 @@
+"""The page space of an elastic pool: the ledger of :class:`IdSpace`, with its free ids kept per
+**group** so that only granted groups hand out pages and groups drain whole (issue 23).
+
+Page ``p`` lies in group ``p // P`` (``P`` = pages per group; group 0 has ``P - 1`` pages, the
+padding page 0 being nobody's). Each group is in one state:
+
+- **closed**: not granted (no memory behind it); none of its pages is free or held;
+- **open**: granted; its free pages may be handed out;
+- **draining**: granted, but its free pages are not handed out (it is being taken back: once
+  every page is free and every process has unmapped it, the daemon closes it).
+
+Allocation is address-ordered first fit over open groups: a take hands out pages of the
+lowest-numbered open group that has one, then the next, so held pages pack into the low groups
+and the high ones empty out; a release takes the highest wholly free groups
+(:meth:`GroupedSpace.releasable`). Within a group, freed pages are handed out first (LIFO), as in
+every space. A take or free is O(count + groups it touches x log groups); group state changes
+are O(pages per group); :meth:`releasable` is O(groups), for the arbiter's rare looks.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from kvpool.contract.errors import Internal, InvalidArgument
+from kvpool.contract.plan import IdSpaceSpec
+from kvpoold.ids.space import IdSpace
+
+CLOSED, OPEN, DRAINING = 0, 1, 2
+_STATES = ("closed", "open", "draining")
+
+
+class GroupedSpace(IdSpace):
+    """Ids ``1..capacity`` of a page space cut into groups of ``pages_per_group``.
+
+    Args:
+        spec: the plan's row of the space (capacity ``groups * pages_per_group - 1``).
+        pages_per_group: pages per group.
+        pool: the pool's name, for messages.
+
+    Raises:
+        InvalidArgument: a capacity that is not whole groups less the padding page.
+    """
+
+    def __init__(self, spec: IdSpaceSpec, pages_per_group: int, *, pool: str = "") -> None:
+        super().__init__(spec, pool=pool)
+        per = pages_per_group
+        if per < 1 or (spec.capacity + 1) % per:
+            raise InvalidArgument(
+                f"IdSpace {self.label}: capacity {spec.capacity} + the padding page is not "
+                f"whole groups of {per} pages", field="capacity")
+        self.pages_per_group = per
+        self.groups = (spec.capacity + 1) // per
+        self._stack = np.zeros(0, dtype=np.int32)  # the base's one stack is not used
+        self._gstack = np.zeros((self.groups, per), dtype=np.int32)
+        self._gcount = np.zeros(self.groups, dtype=np.int64)  # free pages of each group
+        self._sizes = np.full(self.groups, per, dtype=np.int64)
+        self._sizes[0] = per - 1
+        self._state = np.zeros(self.groups, dtype=np.int8)
+        self._heap: list[int] = []  # open groups that may have a free page (lazy)
+        self._in_heap = np.zeros(self.groups, dtype=bool)
+        self._nfree = 0  # free pages of open groups: what a take may have
+
+    # -- take and free (the base's ledger does the rest) ------------------------------------
+
+    def take(self, owner: int, count: int) -> np.ndarray:
+        """As :meth:`IdSpace.take`, from open groups only, lowest group first."""
+        if count > self._nfree:
+            self.require_free(count)
+        if count <= 0:
+            return np.zeros(0, dtype=np.int32)
+        ids = self._pop(count)
+        self._record(owner, ids)
+        return ids
+
+    def _pop(self, count: int) -> np.ndarray:
+        heap, gcount, gstack, state = self._heap, self._gcount, self._gstack, self._state
+        parts: list[np.ndarray] = []
+        k = count
+        while k:
+            g = heap[0]
+            c = int(gcount[g])
+            if state[g] != OPEN or not c:
+                heapq.heappop(heap)
+                self._in_heap[g] = False
+                continue
+            n = min(k, c)
+            parts.append(gstack[g, c - n : c])
+            gcount[g] = c - n
+            k -= n
+            if n == c:
+                heapq.heappop(heap)
+                self._in_heap[g] = False
+        self._nfree -= count
+        return parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
+
+    def _push(self, ids: np.ndarray) -> None:
+        count = ids.shape[0]
+        if not count:
+            return
+        self._head -= count
+        groups = ids // self.pages_per_group
+        lo, hi = int(groups.min()), int(groups.max())
+        if lo == hi:
+            self._push_group(lo, ids)
+            return
+        order = np.argsort(groups, kind="stable")
+        ordered, keys = ids[order], groups[order]
+        cuts = np.flatnonzero(keys[1:] != keys[:-1]) + 1
+        start = 0
+        for stop in (*cuts.tolist(), count):
+            self._push_group(int(keys[start]), ordered[start:stop])
+            start = stop
+
+    def _push_group(self, g: int, ids: np.ndarray) -> None:
+        c = int(self._gcount[g])
+        m = ids.shape[0]
+        self._gstack[g, c : c + m] = ids
+        self._gcount[g] = c + m
+        if self._state[g] == OPEN:
+            self._nfree += m
+            if not self._in_heap[g]:
+                heapq.heappush(self._heap, g)
+                self._in_heap[g] = True
+
+    def _push_one(self, i: int) -> None:
+        self._head -= 1
+        g = i // self.pages_per_group
+        c = int(self._gcount[g])
+        self._gstack[g, c] = i
+        self._gcount[g] = c + 1
+        if self._state[g] == OPEN:
+            self._nfree += 1
+            if not self._in_heap[g]:
+                heapq.heappush(self._heap, g)
+                self._in_heap[g] = True
+
+    @property
+    def num_free(self) -> int:
+        """Pages an Allocate may take now: the free pages of open groups."""
+        return self._nfree
+
+    def _room_note(self) -> str:
+        granted = int((self._state != CLOSED).sum())
+        return (f" in the {granted} granted groups of {self.groups} (an elastic pool: "
+                "the daemon grants more groups as the device budget allows)")
+
+    def _all_free(self) -> np.ndarray:
+        granted = np.flatnonzero(self._state != CLOSED)
+        parts = [self._gstack[g, : self._gcount[g]] for g in granted.tolist()]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+
+    def free_ids(self) -> np.ndarray:
+        """The pages a take may hand out, lowest group first (O(N), for tests)."""
+        open_ = np.flatnonzero(self._state == OPEN)
+        parts = [self._gstack[g, : self._gcount[g]][::-1] for g in open_.tolist()]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+
+    # -- groups -----------------------------------------------------------------------------
+
+    def state(self, g: int) -> str:
+        """``closed``, ``open`` or ``draining``."""
+        return _STATES[int(self._state[self._check(g)])]
+
+    def _check(self, g: int) -> int:
+        if not 0 <= g < self.groups:
+            raise InvalidArgument(f"group {g} is outside 0..{self.groups - 1} of {self.label}",
+                                  field="group")
+        return g
+
+    def _expect(self, g: int, want: int, verb: str) -> None:
+        have = int(self._state[self._check(g)])
+        if have != want:
+            raise Internal(f"{verb} group {g} of {self.label}: it is {_STATES[have]}, not "
+                           f"{_STATES[want]}")
+
+    def open_group(self, g: int) -> None:
+        """A granted group's pages become free to hand out (lowest first)."""
+        self._expect(g, CLOSED, "open")
+        per = self.pages_per_group
+        first, last = max(1, g * per), g * per + per - 1
+        n = last - first + 1
+        self._gstack[g, :n] = np.arange(last, first - 1, -1, dtype=np.int32)
+        self._gcount[g] = n
+        self._state[g] = OPEN
+        self._nfree += n
+        if not self._in_heap[g]:
+            heapq.heappush(self._heap, g)
+            self._in_heap[g] = True
+
+    def drain(self, g: int) -> None:
+        """Hand out no more pages of group ``g`` (it is being taken back)."""
+        self._expect(g, OPEN, "drain")
+        self._state[g] = DRAINING
+        self._nfree -= int(self._gcount[g])
+
+    def reopen(self, g: int) -> None:
+        """Group ``g`` is not taken back after all: hand its free pages out again."""
+        self._expect(g, DRAINING, "reopen")
+        self._state[g] = OPEN
+        self._nfree += int(self._gcount[g])
+        if not self._in_heap[g]:
+            heapq.heappush(self._heap, g)
+            self._in_heap[g] = True
+
+    def close_group(self, g: int) -> None:
+        """Group ``g`` is released: every page of it must be free.
+
+        Raises:
+            Internal: it is not draining, or a page of it is held.
+        """
+        self._expect(g, DRAINING, "close")
+        if self._gcount[g] != self._sizes[g]:
+            raise Internal(f"close group {g} of {self.label}: "
+                           f"{int(self._sizes[g] - self._gcount[g])} of its pages are held")
+        self._gcount[g] = 0
+        self._state[g] = CLOSED
+
+    def used_in(self, g: int) -> int:
+        """Pages of group ``g`` held now (0 for a closed group)."""
+        if self._state[self._check(g)] == CLOSED:
+            return 0
+        return int(self._sizes[g] - self._gcount[g])
+
+    def releasable(self) -> np.ndarray:
+        """Open groups with every page free, highest first (what a release takes)."""
+        whole = (self._state == OPEN) & (self._gcount == self._sizes)
+        return np.flatnonzero(whole)[::-1].copy()
+
+    def closed_groups(self) -> np.ndarray:
+        """Groups not granted, lowest first (what a grant opens)."""
+        return np.flatnonzero(self._state == CLOSED)
+
+    def granted(self) -> np.ndarray:
+        """Groups granted now (open or draining), lowest first."""
+        return np.flatnonzero(self._state != CLOSED)
+
+    def count(self, state: str) -> int:
+        """Groups in ``state`` now."""
+        return int((self._state == _STATES.index(state)).sum())
+
+    def audit(self) -> None:
+        """The base's ledger checks, and the groups': closed groups hold nothing, every page
+        of a granted group is free in it or held, the free count is what open groups have."""
+        super().audit()
+        per = self.pages_per_group
+        owners = self._owner[1 : self.capacity + 1]
+        held_per = np.bincount((np.flatnonzero(owners != 0) + 1) // per, minlength=self.groups)
+        checks: list[tuple[bool, str]] = []
+        for g in range(self.groups):
+            c, size, st = int(self._gcount[g]), int(self._sizes[g]), int(self._state[g])
+            free = self._gstack[g, :c]
+            if st == CLOSED:
+                checks.append((c == 0 and held_per[g] == 0, f"closed group {g} holds pages"))
+            else:
+                checks.append((c + held_per[g] == size,
+                               f"group {g}: {c} free + {held_per[g]} held != {size}"))
+                checks.append((bool(((free // per) == g).all()),
+                               f"group {g}'s free stack holds another group's page"))
+        nfree = int(self._gcount[self._state == OPEN].sum())
+        checks.append((nfree == self._nfree, f"free count {self._nfree} != {nfree}"))
+        for ok, what in checks:
+            if not ok:
+                raise Internal(f"IdSpace {self.label} groups broken: {what}")
