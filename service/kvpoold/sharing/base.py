@@ -21,6 +21,7 @@ from kvpool.contract.shared_handle import SharedHandle, Sharing
 __all__ = [
     "Backing",
     "BackingFactory",
+    "GroupBacking",
     "PlainBacking",
     "PlainBackingFactory",
     "Region",
@@ -53,6 +54,28 @@ class Backing(Protocol):
 
     def close(self) -> None:
         """Release the region (unmap, unlink). Idempotent."""
+        ...
+
+
+class GroupBacking(Backing, Protocol):
+    """An elastic pool's region (``plan.elastic``): the whole virtual range addressable, memory
+    only behind the fixed part and the granted groups."""
+
+    def grant(self, group: int) -> None:
+        """Back group ``group`` (every view's chunks of it) with memory; all or nothing.
+        Blocking (milliseconds a group): the daemon calls it off its event loop.
+
+        Raises:
+            ResourceExhausted: the device cannot provide the memory (nothing changed).
+        """
+        ...
+
+    def release(self, group: int) -> None:
+        """Free group ``group``'s memory; every process has unmapped it. Blocking."""
+        ...
+
+    def backed_bytes(self) -> int:
+        """Memory behind the region now, as the kernel or driver counts it."""
         ...
 
 

@@ -23,7 +23,9 @@ import torch
 
 from kvpool.contract.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
 from kvpool.contract.limits import check_pool_name
+from kvpool.contract.plan import PoolPlan
 from kvpool.mapping.sparse import backed_bytes, commit, punch
+from kvpoold.elastic.groups import SparseBacking, plan_geometry
 from kvpoold.sharing.base import Region, SharedHandle, Sharing
 from kvpoold.sharing.cleanup import (
     FILE_MODE,
@@ -120,6 +122,22 @@ class SparseShmBacking(ShmBacking):
                  on_close: Callable[[Path], None], fd: int) -> None:
         super().__init__(path, nbytes, tensor, on_close)
         self.fd = fd
+        self.groups: SparseBacking | None = None  # set by create_elastic
+
+    def grant(self, group: int) -> None:
+        """Back group ``group`` of the pool (every view's chunks of it); all or nothing.
+
+        Raises:
+            ResourceExhausted: the file system cannot hold it.
+        """
+        if self.groups is None:
+            raise FailedPrecondition(f"{self.describe()} has no groups")
+        self.groups.grant(group)
+
+    def release(self, group: int) -> None:
+        """Free group ``group``'s memory (every process unmapped it first)."""
+        if self.groups is not None:
+            self.groups.release(group)
 
     @property
     def sharing(self) -> Sharing:
@@ -294,6 +312,21 @@ class ShmBackingFactory:
         except BaseException:
             backing.close()
             raise
+        return backing
+
+    def create_elastic(self, plan: PoolPlan, pool_name: str) -> SparseShmBacking:
+        """An elastic pool's region (``plan.elastic``): the fixed part backed now, each group
+        backed by :meth:`SparseShmBacking.grant`.
+
+        Raises:
+            As :meth:`create_sparse`; InvalidArgument for a fixed plan.
+        """
+        geometry, offsets = plan_geometry(plan)
+        e = plan.elastic
+        assert e is not None  # plan_geometry refused a fixed plan
+        backing = self.create_sparse(plan.backing_bytes, pool_name,
+                                     (e.fixed_offset, e.fixed_bytes))
+        backing.groups = SparseBacking(backing.fd, geometry, offsets)
         return backing
 
     def _create_file(self, path: Path, nbytes: int, pool_name: str, *,
