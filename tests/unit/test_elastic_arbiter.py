@@ -32,7 +32,8 @@ def test_floor_granted_at_once_and_floors_that_do_not_fit_are_refused() -> None:
     with pytest.raises(ResourceExhausted) as info:
         arb.admit(share("b", floor=30))
     msg = info.value.message
-    assert "floor of 30 groups" in msg and f"{40 * 128 * MiB:,} B" in msg and "--floor" in msg
+    assert "floor of 30 groups" in msg and f"{40 * 128 * MiB:,} B" in msg
+    assert "--elastic-floor-tokens" in msg
     assert "b" not in arb.pools
     assert arb.admit(share("b", floor=24)).grant == 24
     assert arb.free_bytes == 0

@@ -13,10 +13,11 @@ The rules:
    grants its floor at once.
 2. A grant above the floor comes from free budget first (:meth:`want`).
 3. When the budget is short, groups are taken back from pools above their floor, in this order:
-   groups with no page in use (wholly free now: idle pools first, then the pool furthest above
-   its weighted share), then groups that page caches hold unused (they are asked to give back),
-   and only from a pool whose weighted share stays at least the asker's after the move: a pool
-   can take from a busier one only up to equal weighted shares (``granted_bytes / weight``).
+   groups with no page allocated (wholly free now: idle pools first, then the pool furthest
+   above its weighted share; taking them costs the victim nothing), then groups that page
+   caches hold unused (they are asked to give back), and those only from an idle pool or one
+   whose weighted share stays at least the asker's after the move: a pool can take cached
+   pages from a busy one only up to equal weighted shares (``granted_bytes / weight``).
 4. Pages in use are never taken: a reclaim names groups the victim can drain.
 
 Reclaims are pending until released: the groups stay counted against the budget (they still
@@ -141,6 +142,18 @@ class Arbiter:
                 a name already admitted.
             ResourceExhausted: the floors together do not fit the budget (names the numbers).
         """
+        self.check(share)
+        # Floors fit, but others may hold more than theirs now: what is not free is reclaimed
+        # for this floor from any pool above its own (a floor is owed), as for any want.
+        self.pools[share.name] = dataclasses.replace(share, granted=0, reclaiming=0)
+        return self.want(share.name, share.floor)
+
+    def check(self, share: Share) -> None:
+        """What :meth:`admit` checks, changing nothing (Configure asks before it builds).
+
+        Raises:
+            As :meth:`admit`.
+        """
         if share.name in self.pools:
             raise InvalidArgument(f"elastic pool {share.name!r} is already admitted",
                                   field="pool")
@@ -158,12 +171,8 @@ class Arbiter:
                 f"elastic pool {share.name!r}: its floor of {share.floor} groups "
                 f"({need:,} B) does not fit beside the other pools' floors ({floors:,} B) and "
                 f"the fixed pools ({self.fixed_bytes:,} B) in the budget "
-                f"({self.budget_bytes:,} B); lower --floor or raise the daemon's --budget",
-                field="floor")
-        # Floors fit, but others may hold more than theirs now: what is not free is reclaimed
-        # for this floor from any pool above its own (a floor is owed), as for any want.
-        self.pools[share.name] = dataclasses.replace(share, granted=0, reclaiming=0)
-        return self.want(share.name, share.floor)
+                f"({self.budget_bytes:,} B); lower --elastic-floor-tokens or raise the "
+                "daemon's --budget", field="elastic_floor_tokens")
 
     def drop(self, name: str) -> None:
         """Remove a pool (all its groups released by the daemon first)."""
@@ -172,10 +181,11 @@ class Arbiter:
 
     # -- grants ------------------------------------------------------------------------------
 
-    def want(self, name: str, groups: int) -> Decision:
+    def want(self, name: str, groups: int, *, reclaim: bool = True) -> Decision:
         """``name`` wants ``groups`` more groups: what it gets now and what is reclaimed for it.
 
-        Never above its cap; free budget first; then reclaims by rule 3. The grant is applied
+        Never above its cap; free budget first; then (unless ``reclaim`` is False: a pool
+        growing ahead of need takes only what is free) reclaims by rule 3. The grant is applied
         (counted) at once; reclaimed groups are promised and granted on :meth:`released`.
         """
         asker = self.pools[name]
@@ -185,7 +195,7 @@ class Arbiter:
         grant = min(groups, max(0, self.free_bytes) // asker.group_bytes)
         asker.granted += grant
         need_bytes = (groups - grant) * asker.group_bytes
-        if not need_bytes:
+        if not need_bytes or not reclaim:
             return Decision(grant)
         reclaims: list[Reclaim] = []
         promised = self.promised.get(name, 0)
@@ -214,8 +224,10 @@ class Arbiter:
               promised: int, below_floor: bool) -> int:
         """How many of ``victim``'s groups to ask back for ``need_bytes`` of the asker."""
         most = min(victim.takeable(source), -(-need_bytes // victim.group_bytes))
-        if below_floor or victim.idle:
-            return most  # a floor is owed; an idle pool gives what it does not use
+        if below_floor or victim.idle or source == "free":
+            # a floor is owed; an idle pool, and any pool's wholly free groups, give what
+            # nobody uses: no request of the victim loses a page
+            return most
         taken = 0
         mine = (asker.granted * asker.group_bytes + promised) / asker.weight
         while taken < most:
@@ -276,3 +288,20 @@ class Arbiter:
         p = self.pools[name]
         p.granted = max(p.floor, p.granted - groups)
         p.free_groups = min(p.free_groups, p.granted)
+
+    def failed(self, name: str, groups: int) -> None:
+        """``groups`` granted to ``name`` could not be backed (the device is out of memory):
+        they no longer count."""
+        p = self.pools.get(name)
+        if p is not None:
+            p.granted = max(0, p.granted - groups)
+            p.free_groups = min(p.free_groups, p.granted)
+
+    def take_back(self, name: str, groups: int) -> int:
+        r"""Start taking back up to ``groups`` of ``name``'s own groups above its floor (a
+        shrink: a lease ended, nobody asked); returns how many are now pending, to be
+        :meth:`released` (with no asker) or :meth:`cancel`\ led."""
+        p = self.pools[name]
+        n = max(0, min(groups, p.granted - p.reclaiming - p.floor))
+        p.reclaiming += n
+        return n

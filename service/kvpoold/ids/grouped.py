@@ -61,6 +61,7 @@ class GroupedSpace(IdSpace):
         self._heap: list[int] = []  # open groups that may have a free page (lazy)
         self._in_heap = np.zeros(self.groups, dtype=bool)
         self._nfree = 0  # free pages of open groups: what a take may have
+        self._granted = 0  # groups open or draining
 
     # -- take and free (the base's ledger does the rest) ------------------------------------
 
@@ -137,6 +138,11 @@ class GroupedSpace(IdSpace):
                 self._in_heap[g] = True
 
     @property
+    def granted_pages(self) -> int:
+        """Pages in granted groups (O(1)): the space's capacity as memory stands now."""
+        return self._granted * self.pages_per_group - (self._state[0] != CLOSED)
+
+    @property
     def num_free(self) -> int:
         """Pages an Allocate may take now: the free pages of open groups."""
         return self._nfree
@@ -184,6 +190,7 @@ class GroupedSpace(IdSpace):
         self._gstack[g, :n] = np.arange(last, first - 1, -1, dtype=np.int32)
         self._gcount[g] = n
         self._state[g] = OPEN
+        self._granted += 1
         self._nfree += n
         if not self._in_heap[g]:
             heapq.heappush(self._heap, g)
@@ -216,6 +223,7 @@ class GroupedSpace(IdSpace):
                            f"{int(self._sizes[g] - self._gcount[g])} of its pages are held")
         self._gcount[g] = 0
         self._state[g] = CLOSED
+        self._granted -= 1
 
     def used_in(self, g: int) -> int:
         """Pages of group ``g`` held now (0 for a closed group)."""
@@ -258,6 +266,7 @@ class GroupedSpace(IdSpace):
                                f"group {g}: {c} free + {held_per[g]} held != {size}"))
                 checks.append((bool(((free // per) == g).all()),
                                f"group {g}'s free stack holds another group's page"))
+        checks.append((self._granted == int((self._state != CLOSED).sum()), "granted count"))
         nfree = int(self._gcount[self._state == OPEN].sum())
         checks.append((nfree == self._nfree, f"free count {self._nfree} != {nfree}"))
         for ok, what in checks:

@@ -20,6 +20,7 @@ from kvpool.contract.errors import Internal, InvalidArgument, KVPoolError, echo
 from kvpool.contract.plan import IdSpaceSpec
 from kvpool.contract.records import SpaceStats
 from kvpoold.ids.faults import Asked, Fault, fault_error, singular
+from kvpoold.ids.grouped import GroupedSpace
 from kvpoold.ids.pairing import Pairing
 from kvpoold.ids.space import IdSpace
 
@@ -66,6 +67,7 @@ class PoolIds:
         pool: the pool's name, for messages (spaces are called ``pool/name``).
         spaces: the plan's ``id_spaces``, in order (Stats and reclaim follow it).
         mappings: the shared buffers a following space's ``mapping`` names, by name.
+        grouped: spaces of an elastic pool cut into groups: name -> pages per group.
 
     Raises:
         InvalidArgument: no space, a repeated name, a bad capacity, a following space whose
@@ -78,6 +80,7 @@ class PoolIds:
         pool: str,
         spaces: Sequence[IdSpaceSpec],
         mappings: Mapping[str, MappingBuffer],
+        grouped: Mapping[str, int] | None = None,
     ) -> None:
         self.pool = pool
         what = f"PoolIds {pool}"
@@ -90,7 +93,9 @@ class PoolIds:
                 raise InvalidArgument(
                     f"{what}: id space {spec.name} is listed twice", field=f"spaces[{i}].name"
                 )
-            self._spaces[spec.name] = IdSpace(spec, pool=pool)
+            per = (grouped or {}).get(spec.name)
+            self._spaces[spec.name] = (IdSpace(spec, pool=pool) if per is None
+                                       else GroupedSpace(spec, per, pool=pool))
         # Leader space -> its pairing, and follower space -> the same pairing.
         self._pair_of_leader: dict[IdSpace, Pairing] = {}
         self._pair_of_follower: dict[IdSpace, Pairing] = {}

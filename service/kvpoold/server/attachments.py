@@ -71,6 +71,11 @@ class AttachmentTable:
         """End every attachment made under ``lease_id``; returns how many."""
         return sum(self.remove(a) is not None for a in list(self._by_lease.get(lease_id, ())))
 
+    def leases_of_pool(self, pool: str) -> set[int]:
+        """Leases with an attachment of ``pool`` (O(its attachments))."""
+        return {self._by_id[a].lease_id for a in self._by_pool.get(pool, ())
+                if self._by_id[a].lease_id}
+
     def count_pool(self, pool: str) -> int:
         return len(self._by_pool.get(pool, ()))
 

@@ -42,7 +42,9 @@ from kvpool.contract.limits import check_pool_name
 from kvpool.contract.plan import PoolPlan
 from kvpool.contract.records import AttachInfo, ConfigureResult, HeldMap, Released, Stats
 from kvpoold import __version__
+from kvpoold.elastic.manager import RECLAIM_DEADLINE_S, ElasticPools
 from kvpoold.ids import Grant, IdSpace
+from kvpoold.ids.grouped import GroupedSpace
 from kvpoold.server.args import ConfigureArgs, LeaseRef
 from kvpoold.server.attachments import MAX_ATTACHMENTS_PER_IDENTITY, AttachmentTable
 from kvpoold.server.auth import DAEMON_CALLER, Caller
@@ -124,6 +126,8 @@ class Daemon:
         max_attachments_per_identity: attachments one caller identity may hold at once.
         max_watch_streams_per_identity: WatchStats streams one caller identity may hold open.
         watch_min_interval_s: the shortest interval a WatchStats stream is served at.
+        reclaim_deadline_s: how long attached processes have to unmap an elastic pool's group
+            asked back before their lease is ended.
     """
 
     def __init__(
@@ -141,6 +145,7 @@ class Daemon:
         max_attachments_per_identity: int = MAX_ATTACHMENTS_PER_IDENTITY,
         max_watch_streams_per_identity: int = MAX_WATCH_STREAMS_PER_IDENTITY,
         watch_min_interval_s: float = WATCH_MIN_INTERVAL_S,
+        reclaim_deadline_s: float = RECLAIM_DEADLINE_S,
     ) -> None:
         self.device = device
         self._gpu: GpuName | None = None  # what Configure plans for by default (lazily)
@@ -170,12 +175,20 @@ class Daemon:
         # Dropped pools whose memory waits for transfers still moving bytes in it: their
         # bytes stay charged to the budget until it is released.
         self._draining_bytes: dict[str, int] = {}
+        # Elastic pools: their groups, the arbiter and the unmap handshakes.
+        self.elastic = ElasticPools(budget_bytes, _ElasticHooks(self), clock,
+                                    reclaim_deadline_s)
 
     # -- budget ----------------------------------------------------------------------------
 
     @property
     def used_bytes(self) -> int:
-        return (sum(e.plan.backing_bytes for e in self.pools.values())
+        """Budget bytes taken: fixed pools whole, elastic pools' fixed parts and granted
+        groups, dropped pools still draining."""
+        return self._fixed_bytes() + self.elastic.granted_bytes
+
+    def _fixed_bytes(self) -> int:
+        return (sum(fixed_part(e.plan) for e in self.pools.values())
                 + sum(self._draining_bytes.values()))
 
     @property
@@ -208,6 +221,10 @@ class Daemon:
         # it: the name, the existing pools and the budget are all looked at below.
         if "gpu" not in args.options:  # plan for this daemon's own device
             args = dataclasses.replace(args, options={**args.options, "gpu": self.gpu})
+        if args.options.get("elastic") and not {"budget_bytes", "max_total_tokens"} & set(
+                args.options):  # an elastic pool's virtual range: the whole device budget
+            args = dataclasses.replace(
+                args, options={**args.options, "budget_bytes": self.budget_bytes})
         planned = await plan_off_loop(args, self.available_bytes(), self._planning)
         new_plan, fingerprint = planned.plan, planned.fingerprint
         while name in self._building:  # the same name is being built: wait, then look again
@@ -228,7 +245,9 @@ class Daemon:
                 )
             return self._configure_result(existing.plan, existing.plan_json, fingerprint,
                                           created=False, dry_run=args.dry_run)
-        needed, available = new_plan.backing_bytes, self.available_bytes()
+        needed, available = fixed_part(new_plan), self.available_bytes()
+        if new_plan.elastic is not None:
+            self.elastic.check(name, new_plan, self._reserved_bytes + needed)
         if needed > available:
             raise ResourceExhausted(
                 f"pool {name!r} needs {needed:,} B of device memory, the daemon has "
@@ -252,9 +271,16 @@ class Daemon:
     async def _build(self, name: str, new_plan: PoolPlan, done: asyncio.Event) -> LivePool:
         try:
             entry = await asyncio.to_thread(self._build_registered, name, new_plan)
+            if new_plan.elastic is not None:
+                try:
+                    await self.elastic.admit(name, new_plan, entry.backing,  # type: ignore[arg-type]
+                                             entry.space_kv)
+                except BaseException:
+                    entry.close()
+                    raise
             self.pools[name] = entry
         finally:
-            self._reserved_bytes -= new_plan.backing_bytes
+            self._reserved_bytes -= fixed_part(new_plan)
             del self._building[name]
             done.set()
         log.info("pool configured", extra={"fields": {
@@ -267,6 +293,8 @@ class Daemon:
     def _build_registered(self, name: str, new_plan: PoolPlan) -> LivePool:
         """Build the pool and register its backing with NIXL (worker thread)."""
         entry = build_live_pool(name, new_plan, self._factory, self._clock())
+        if new_plan.elastic is not None:  # not moved over NIXL (yet): nothing to register
+            return entry
         try:
             self.transfers.register_pool(entry)
         except BaseException as exc:
@@ -305,10 +333,11 @@ class Daemon:
         return self.leases.prove(ref.lease_id, ref.secret, caller.identity)
 
     def renew_lease(self, caller: Caller, ref: LeaseRef,
-                    reports: dict[tuple[str, str], tuple[int, int]] | None = None) -> Lease:
+                    reports: dict[tuple[str, str], tuple[int, int]] | None = None,
+                    unmapped: Sequence[int] = ()) -> Lease:
         """Renew a lease and keep its page caches' report (``(pool, space) -> (cached,
         in_use)``; it replaces the last one), as far as the lease's holdings back it
-        (:meth:`_backed`).
+        (:meth:`_backed`); ``unmapped``: the elastic reclaims its process carried out.
 
         Raises:
             NotFound: unknown, closed or expired lease, or not proven.
@@ -316,6 +345,8 @@ class Daemon:
         lease = self.leases.renew(self.lease(caller, ref).lease_id)
         if reports is not None:
             self.leases.set_reports(lease, self._backed(lease, reports))
+        if unmapped:
+            self.elastic.unmapped(lease.lease_id, unmapped)
         return lease
 
     def _backed(self, lease: Lease, reports: dict[tuple[str, str], tuple[int, int]]
@@ -350,6 +381,7 @@ class Daemon:
     def expire_leases(self) -> list[tuple[Lease, Released]]:
         """Expire every lease past its deadline and reclaim what it held; logs each."""
         self.transfers.expire()  # receive grants past their expiry end on the same sweep
+        self.elastic.sweep()  # unmap deadlines: leases that did not unmap are ended here
         out = []
         for lease in self.leases.pop_expired():
             result = self._release(lease)
@@ -370,9 +402,11 @@ class Daemon:
             counts = {s: n for s, n in entry.ids.reclaim(lease.owner).items() if n}
             if counts:
                 released[name] = counts
+        detached = self.attachments.remove_lease(lease.lease_id)
         if released:
             self._notify_freed()
-        return Released(released, self.attachments.remove_lease(lease.lease_id))
+        self.elastic.lease_gone(lease.lease_id)
+        return Released(released, detached)
 
     # -- Allocate / Free ---------------------------------------------------------------------
 
@@ -396,12 +430,27 @@ class Daemon:
         spaces = [space for space, _ in typed]
         grants = ids.allocate(lease.owner, typed)
         for space in spaces:  # O(items): a comparison each unless the space runs low
+            if isinstance(space, GroupedSpace):
+                self._elastic_pressure(pool, space, lease.owner)
+                continue
             low = max(1, space.capacity // PRESSURE_FRACTION)
             room = ids.room(space)
             if room < low:
                 self._ask_give_back(pool, space, low - room, lease.owner, cover=False)
         return Allocated([(name, grant) for (name, _), grant in zip(items, grants, strict=True)],
                          [space.held(lease.owner) for space in spaces])
+
+    def _elastic_pressure(self, pool: str, space: GroupedSpace, owner: int) -> None:
+        """After an Allocate in an elastic pool: grow ahead of need (a group from free budget,
+        when less than half a group's pages are left), and ask other leases' caches to give
+        back when under 1/16 of the granted pages are free. O(1) unless it acts."""
+        self.elastic.allocated(pool)
+        room = space.num_free
+        if room < space.pages_per_group // 2:
+            self.elastic.grow(pool, space.pages_per_group, reclaim=False)
+        low = max(1, space.granted_pages // PRESSURE_FRACTION)
+        if room < low:
+            self._ask_give_back(pool, space, low - room, owner, cover=False)
 
     def _items(self, caller: Caller, pool: str, ref: LeaseRef,
                items: Sequence[tuple[str, _T]], verb: str, what: str,
@@ -443,6 +492,7 @@ class Daemon:
             shortfall[name] = shortfall.get(name, 0) + count
         free_before = {}
         spaces = {}
+        growing: set[str] = set()
         for name in list(shortfall):
             space = spaces[name] = entry.ids.space(name, "items")
             free_before[name] = space.num_free
@@ -451,12 +501,14 @@ class Daemon:
                 del shortfall[name]
                 continue
             shortfall[name] = short
-            if self._cached_elsewhere(pool, space, lease.owner) < short:
+            if isinstance(space, GroupedSpace) and self.elastic.grow(pool, short):
+                growing.add(name)  # groups are being granted or taken back for it
+            elif self._cached_elsewhere(pool, space, lease.owner) < short:
                 raise first  # even every cached id would not do: refuse at once
         if not shortfall or wait_s <= 0:
             raise first
         asked = sum(self._ask_give_back(pool, spaces[name], short, lease.owner, cover=True)
-                    for name, short in shortfall.items())
+                    for name, short in shortfall.items() if name not in growing)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         while True:
@@ -475,9 +527,11 @@ class Daemon:
         entry = self.pool(pool, caller)
         came = sum(max(0, entry.ids.space(name, "items").num_free - before)
                    for name, before in free_before.items())
+        grew = (f"; the elastic pool asked the device budget for {', '.join(sorted(growing))} "
+                f"and got too little within {wait_s:.2f} s") if growing else ""
         raise ResourceExhausted(
             f"{first.message}; asked other leases' page caches to give back {asked} cached "
-            f"ids, {came} came back within {wait_s:.2f} s", field=first.field)
+            f"ids, {came} came back within {wait_s:.2f} s{grew}", field=first.field)
 
     def _cached_of(self, lease: Lease, pool: str, space: IdSpace) -> int:
         """What ``lease``'s caches reported cached in ``pool``/``space``, capped at what it
@@ -526,6 +580,8 @@ class Daemon:
         if self._freed is not None:
             self._freed.set()
             self._freed = None
+        if self.elastic.cached_asks:  # give-backs may have emptied groups asked back
+            self.elastic.on_freed()
 
     def free(self, caller: Caller, pool: str, ref: LeaseRef,
              items: Sequence[tuple[str, np.ndarray]]) -> tuple[int, list[int]]:
@@ -630,15 +686,24 @@ class Daemon:
         detached = self.attachments.remove_pool(name)
         del self.pools[name]
         # The memory goes now, or once no transfer can move bytes in it any more (its bytes
-        # stay charged until then).
-        self._draining_bytes[name] = entry.plan.backing_bytes
-        self.transfers.pool_gone(name, lambda: self._release_dropped(name, entry))
+        # stay charged until then); an elastic pool's once no group of it is being backed or
+        # freed in a worker thread.
+        charged = self._charged(entry)
+        self._draining_bytes[name] = charged
+        self.elastic.remove(name, lambda: self.transfers.pool_gone(
+            name, lambda: self._release_dropped(name, entry)))
         self._notify_freed()  # Allocates waiting on give-backs in it: NOT_FOUND now
         log.info("pool dropped", extra={"fields": {
             "event": "drop", "pool": name, "force": force, "reclaimed": sum(reclaimed.values()),
-            "detached": detached, "released_bytes": entry.plan.backing_bytes,
+            "detached": detached, "released_bytes": charged,
         }})
-        return Released(held, detached, entry.plan.backing_bytes)
+        return Released(held, detached, charged)
+
+    def _charged(self, entry: LivePool) -> int:
+        """Budget bytes a pool takes now: a fixed pool's region, an elastic pool's fixed part
+        and granted groups."""
+        stats = self.elastic.stats(entry.name)
+        return entry.plan.backing_bytes if stats is None else stats.granted_bytes
 
     def _release_dropped(self, name: str, entry: LivePool) -> None:
         entry.close()
@@ -685,6 +750,11 @@ class Daemon:
                 field="expected_fingerprint",
             )
         lease_id = 0 if ref is None else self.lease(caller, ref).lease_id
+        if entry.plan.elastic is not None and not lease_id:
+            raise FailedPrecondition(
+                f"pool {pool!r} is elastic: attach to it under a lease (its groups are taken "
+                "back over the lease's KeepAlive stream, and a process that does not unmap "
+                "them in time loses its lease)", field="lease_id")
         mine = self.attachments.count_identity(caller.identity)
         if mine >= self.max_attachments_per_identity:
             raise ResourceExhausted(
@@ -697,8 +767,9 @@ class Daemon:
             "event": "attach", "pool": pool, "attach_id": att.attach_id, "lease_id": lease_id,
             "sharing": handle.sharing, "attached": self.attachments.count_pool(pool),
         }})
+        groups = self.elastic.open_groups(pool) if entry.plan.elastic is not None else ()
         return AttachInfo(entry.fingerprint, entry.plan, entry.plan_json, handle,
-                          att.attach_id, self.device)
+                          att.attach_id, self.device, groups)
 
     def detach(self, caller: Caller, attach_id: int) -> None:
         """End an attachment of the caller's identity.
@@ -709,6 +780,8 @@ class Daemon:
         att = self.attachments.get(check_id(attach_id, "attach_id"))
         if att is not None and att.identity == caller.identity:
             self.attachments.remove(attach_id)
+            if att.lease_id and att.lease_id not in self.attachments.leases_of_pool(att.pool):
+                self.elastic.lease_gone(att.lease_id, att.pool)  # it maps nothing of it now
         else:
             raise NotFound(
                 f"no attachment {attach_id} (never made, detached, or ended with its lease or "
@@ -784,13 +857,13 @@ class Daemon:
     def grant_receive(self, caller: Caller, ref: LeaseRef, pool: str, pages: bytes,
                       ttl_s: float) -> ReceiveGrant:
         """``Transfers.grant`` for a proven lease of the caller, in a pool of its scope."""
-        self.pool(pool, caller)
+        _not_elastic(self.pool(pool, caller))
         return self.transfers.grant(self.lease(caller, ref).lease_id, pool, pages, ttl_s)
 
     async def send(self, caller: Caller, ref: LeaseRef, pool: str, pages: bytes, peer: str,
                    token: bytes) -> Outgoing:
         """``Transfers.send`` for a proven lease of the caller, in a pool of its scope."""
-        self.pool(pool, caller)
+        _not_elastic(self.pool(pool, caller))
         return await self.transfers.send(self.lease(caller, ref).lease_id, pool, pages, peer,
                                          token)
 
@@ -828,3 +901,63 @@ def check_id(value: int, field: str) -> int:
         raise InvalidArgument(f"{field} is not set (0); pass the id OpenLease/Attach returned",
                               field=field)
     return value
+
+
+def fixed_part(p: PoolPlan) -> int:
+    """Budget bytes a pool takes whatever it is granted: a fixed pool's whole region, an
+    elastic pool's fixed part (its groups are counted by the arbiter)."""
+    return p.backing_bytes if p.elastic is None else p.elastic.fixed_bytes
+
+
+def _not_elastic(entry: LivePool) -> None:
+    if entry.plan.elastic is not None:
+        raise FailedPrecondition(
+            f"pool {entry.name!r} is elastic: moving its pages between daemons is not "
+            "supported yet; Configure the pools of a prefill/decode pair without --elastic",
+            field="pool")
+
+
+class _ElasticHooks:
+    """What the elastic pools ask of the daemon (``kvpoold.elastic.manager.Hooks``)."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self._d = daemon
+
+    def attached_leases(self, pool: str) -> set[int]:
+        return self._d.attachments.leases_of_pool(pool)
+
+    def ask_unmap(self, lease_id: int, pool: str, groups: tuple[int, ...], reclaim: int,
+                  deadline_s: float) -> bool:
+        lease = self._d.leases.find(lease_id)
+        if lease is None:
+            return False
+        lease.ask_unmap(pool, groups, reclaim, deadline_s)
+        return True
+
+    def revoke(self, lease_id: int, why: str) -> None:
+        d = self._d
+        if d.leases.find(lease_id) is None:
+            return
+        lease = d.leases.close(lease_id)
+        result = d._release(lease)
+        log.warning("lease ended", extra={"fields": {
+            "event": "lease_revoked", "lease_id": lease.lease_id, "name": lease.name,
+            "why": why, "released": result.total, "detached": result.detached}})
+
+    def notify_freed(self) -> None:
+        self._d._notify_freed()
+
+    def ask_give_back(self, pool: str, count: int) -> int:
+        entry = self._d.pools.get(pool)
+        if entry is None:
+            return 0
+        return self._d._ask_give_back(pool, entry.space_kv, count, 0, cover=True)
+
+    def cached(self, pool: str) -> int:
+        entry = self._d.pools.get(pool)
+        if entry is None:
+            return 0
+        return self._d._cached_elsewhere(pool, entry.space_kv, 0)
+
+    def other_bytes(self) -> int:
+        return self._d._fixed_bytes() + self._d._reserved_bytes

@@ -202,6 +202,18 @@ def cache_reports(request: pb.KeepAliveRequest) -> dict[tuple[str, str], tuple[i
     return out
 
 
+def unmapped(request: pb.KeepAliveRequest) -> list[int]:
+    """The reclaims a KeepAlive says its process unmapped.
+
+    Raises:
+        InvalidArgument: more than MAX_CACHE_REPORTS of them.
+    """
+    if len(request.unmapped) > MAX_CACHE_REPORTS:
+        raise InvalidArgument(f"unmapped has {len(request.unmapped)} reclaims, at most "
+                              f"{MAX_CACHE_REPORTS}", field="unmapped")
+    return list(request.unmapped)
+
+
 # -- responses ----------------------------------------------------------------------------------
 
 def open_lease_response(lease: Lease) -> pb.OpenLeaseResponse:
@@ -210,14 +222,19 @@ def open_lease_response(lease: Lease) -> pb.OpenLeaseResponse:
 
 
 def keep_alive_response(lease: Lease, now: float, seq: int = 0,
-                        give_back: dict[tuple[str, str], int] | None = None
+                        give_back: dict[tuple[str, str], int] | None = None,
+                        unmap: Sequence[tuple[str, tuple[int, ...], int, float]] = (),
                         ) -> pb.KeepAliveResponse:
-    """A renewal's answer (``seq`` of the request), or a give-back sent on its own (0)."""
+    """A renewal's answer (``seq`` of the request), or give-backs and unmap asks sent on
+    their own (0)."""
     return pb.KeepAliveResponse(
         lease_id=lease.lease_id, ttl_seconds=lease.ttl_s,
         expires_in_seconds=lease.expires_in(now), seq=seq,
         give_back=[pb.GiveBack(pool=pool, space=space, count=n)
-                   for (pool, space), n in (give_back or {}).items()])
+                   for (pool, space), n in (give_back or {}).items()],
+        unmap=[pb.Unmap(pool=pool, groups=codec.groups_to_bytes(groups), reclaim=reclaim,
+                        deadline_seconds=deadline)
+               for pool, groups, reclaim, deadline in unmap])
 
 
 def allocate_response(items: Sequence[tuple[str, Grant]],

@@ -64,6 +64,9 @@ class Lease:
     give_back: dict[tuple[str, str], int] = field(default_factory=dict, repr=False,
                                                   compare=False)
     wake: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
+    # Elastic pools' asks to unmap groups, not yet sent: (pool, groups, reclaim, deadline_s).
+    unmap: list[tuple[str, tuple[int, ...], int, float]] = field(
+        default_factory=list, repr=False, compare=False)
 
     def cached(self, pool: str, space: str) -> int:
         """Ids of ``pool``/``space`` its caches last reported holding unused."""
@@ -78,6 +81,22 @@ class Lease:
         cached, in_use = self.reports.get(key, (0, 0))
         self.reports[key] = (max(0, cached - count), in_use)
         self.wake.set()
+
+    def ask_unmap(self, pool: str, groups: tuple[int, ...], reclaim: int,
+                  deadline_s: float) -> None:
+        """Queue an ask to unmap ``groups`` of elastic pool ``pool`` and wake the stream."""
+        self.unmap.append((pool, groups, reclaim, deadline_s))
+        self.wake.set()
+
+    def take_unmap(self) -> list[tuple[str, tuple[int, ...], int, float]]:
+        """The queued unmap asks, now sent."""
+        out, self.unmap = self.unmap, []
+        return out
+
+    @property
+    def pending(self) -> bool:
+        """Whether give-backs or unmap asks wait to be sent."""
+        return bool(self.give_back or self.unmap)
 
     def take_give_back(self) -> dict[tuple[str, str], int]:
         """The queued give-backs, now sent."""

@@ -13,9 +13,10 @@ import numpy as np
 import torch
 
 from kvpool.contract.codec import plan_to_json
-from kvpool.contract.errors import Internal
+from kvpool.contract.errors import FailedPrecondition, Internal
 from kvpool.contract.plan import PoolPlan
 from kvpoold.ids import MappingBuffer, PoolIds
+from kvpoold.ids.grouped import GroupedSpace
 from kvpoold.pools import PoolBuffers, build_pool
 from kvpoold.sharing.base import Backing, BackingFactory
 
@@ -32,6 +33,13 @@ class LivePool:
     buffers: PoolBuffers
     ids: PoolIds
     created_at: float
+
+    @property
+    def space_kv(self) -> GroupedSpace:
+        """An elastic pool's page space (its groups)."""
+        space = self.ids.space("kv", "space")
+        assert isinstance(space, GroupedSpace)
+        return space
 
     @property
     def sharing(self) -> str:
@@ -84,7 +92,8 @@ def make_pool_ids(name: str, plan: PoolPlan, views: dict[str, torch.Tensor]) -> 
             mappings[space.mapping] = MappingBuffer(view.numpy())
         else:
             mappings[space.mapping] = MappingBuffer(*device_mirror(view))
-    return PoolIds(name, plan.id_spaces, mappings)
+    grouped = None if plan.elastic is None else {"kv": plan.elastic.pages_per_group}
+    return PoolIds(name, plan.id_spaces, mappings, grouped)
 
 
 def build_live_pool(
@@ -101,7 +110,17 @@ def build_live_pool(
         ResourceExhausted: the device cannot provide the bytes (from the factory).
         InvalidArgument: an architecture without a builder.
     """
-    backing = factory.create(plan.backing_bytes, name)
+    if plan.elastic is None:
+        backing: Backing = factory.create(plan.backing_bytes, name)
+    else:
+        create_elastic = getattr(factory, "create_elastic", None)
+        if create_elastic is None:
+            raise FailedPrecondition(
+                f"pool {name!r}: this daemon's memory cannot back an elastic pool (its "
+                f"sharing gives {type(factory).__name__}); elastic pools need shared memory "
+                "on CPU (--sharing shm) or CUDA VMM on GPU (pip install kvpool[cuda]); "
+                "Configure without --elastic", field="elastic")
+        backing = create_elastic(plan, name)
     try:
         buffers = build_pool(plan, factory.device, allocate=lambda _n, _d: backing.tensor)
         ids = make_pool_ids(name, plan, buffers.views)

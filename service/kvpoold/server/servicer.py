@@ -114,15 +114,17 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
                     request = accept(request, "KeepAlive")
                     lease = self._daemon.renew_lease(
                         caller, edge.lease_ref(request.lease_id, request.lease_secret),
-                        edge.cache_reports(request))
+                        edge.cache_reports(request), edge.unmapped(request))
                     yield edge.keep_alive_response(lease, self._daemon.leases.now(),
-                                                   request.seq, lease.take_give_back())
-                elif lease is not None and lease.give_back:
+                                                   request.seq, lease.take_give_back(),
+                                                   lease.take_unmap())
+                elif lease is not None and lease.pending:
                     if self._daemon.leases.find(lease.lease_id) is not lease:
                         lease.take_give_back()  # closed or expired meanwhile
+                        lease.take_unmap()
                         continue
                     yield edge.keep_alive_response(lease, self._daemon.leases.now(), 0,
-                                                   lease.take_give_back())
+                                                   lease.take_give_back(), lease.take_unmap())
                 elif lease is not None:
                     lease.wake.clear()
         finally:

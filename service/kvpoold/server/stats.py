@@ -28,6 +28,7 @@ from kvpool.contract.errors import InvalidArgument
 from kvpool.contract.records import DaemonStats, HeldMap, LeaseStats, PoolStats, Stats
 
 if TYPE_CHECKING:
+    from kvpoold.elastic.manager import ElasticPools
     from kvpoold.server.attachments import AttachmentTable
     from kvpoold.server.auth import Caller
     from kvpoold.server.leases import Lease, LeaseTable
@@ -49,6 +50,7 @@ class Daemon(Protocol):
     attachments: AttachmentTable
     transfers: Transfers
     stall_clock: StallClock | None
+    elastic: ElasticPools
 
     @property
     def used_bytes(self) -> int: ...
@@ -134,6 +136,7 @@ def take_view(daemon: Daemon, caller: Caller, pool: str = "") -> StatsView:
         attached=daemon.attachments.count_pool(entry.name),
         age_seconds=now - entry.created_at,
         sharing=entry.sharing,
+        elastic=daemon.elastic.stats(entry.name),
     ) for entry in entries]
     table = daemon.leases
     leases = list(table) if caller.admin else table.of_identity(caller.identity)

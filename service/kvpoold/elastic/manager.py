@@ -1,0 +1,490 @@
+"""The daemon's elastic pools: the arbiter's decisions carried out on real memory (issue 23).
+
+One :class:`ElasticPools` per daemon, on its event loop. It owns, per elastic pool, the region
+(a :class:`~kvpoold.sharing.base.GroupBacking`), the page ledger's groups
+(:class:`~kvpoold.ids.grouped.GroupedSpace`) and the counters Stats shows, and drives:
+
+- **grants**: the arbiter counts the groups at once (the budget is theirs); their memory is
+  committed in a worker thread (milliseconds a group: never on the loop), then their pages
+  open in the ledger and waiting Allocates are woken;
+- **reclaims**: a group to take back is drained in the ledger (no page of it is handed out
+  again), then every lease with an attachment of the pool is asked on its KeepAlive stream to
+  unmap it; when all have acknowledged (or their leases ended), its memory is freed (off the
+  loop) and the freed budget granted to the pool it was promised to. A lease that does not
+  acknowledge within the deadline is ended: it loses its lease, never another pool's data.
+  Groups whose pages page caches hold unused are asked back first (a give-back), then taken
+  as they empty;
+- **shrinks**: when a lease ends, a pool's wholly free groups above its floor are taken back.
+
+Budget: the arbiter's budget is the daemon's; what it may grant is what everything else (fixed
+pools, elastic pools' fixed parts, builds in progress, dropped regions still draining) leaves,
+asked for fresh at every decision (``Hooks.other_bytes``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvpool.contract.errors import KVPoolError
+from kvpool.contract.plan import PoolPlan
+from kvpool.contract.records import ElasticStats
+from kvpoold.elastic.arbiter import Arbiter, Decision, Reclaim, Share
+from kvpoold.ids.grouped import GroupedSpace
+from kvpoold.sharing.base import GroupBacking
+
+log = logging.getLogger("kvpoold.elastic")
+
+# How long attached processes have to unmap a group asked back (``--reclaim-deadline``).
+RECLAIM_DEADLINE_S = 2.0
+# How long page caches have to give back pages of groups asked back from them.
+CACHED_WAIT_S = 1.0
+
+
+class Hooks(Protocol):
+    """What the manager needs of the daemon."""
+
+    def attached_leases(self, pool: str) -> set[int]:
+        """Leases with an attachment of ``pool`` now."""
+        ...
+
+    def ask_unmap(self, lease_id: int, pool: str, groups: tuple[int, ...], reclaim: int,
+                  deadline_s: float) -> bool:
+        """Queue an Unmap on the lease's KeepAlive stream; False when the lease is gone."""
+        ...
+
+    def revoke(self, lease_id: int, why: str) -> None:
+        """End a lease that did not unmap in time (its ids and attachments come back)."""
+        ...
+
+    def notify_freed(self) -> None:
+        """Wake Allocates waiting for ids."""
+        ...
+
+    def ask_give_back(self, pool: str, count: int) -> int:
+        """Ask page caches of ``pool`` to give back ``count`` kv pages; returns those asked."""
+        ...
+
+    def cached(self, pool: str) -> int:
+        """kv pages of ``pool`` page caches report holding unused (backed by holdings)."""
+        ...
+
+    def other_bytes(self) -> int:
+        """Budget bytes taken by everything but the elastic pools' groups."""
+        ...
+
+
+@dataclass
+class ElasticPool:
+    """One elastic pool as the manager keeps it."""
+
+    name: str
+    plan: PoolPlan
+    backing: GroupBacking
+    space: GroupedSpace
+    busy: set[int] = field(default_factory=set)  # groups being committed or freed off the loop
+    allocs: int = 0  # Allocates since the arbiter last looked (0: idle)
+    grants: int = 0
+    reclaims: int = 0
+    reclaim_sum: float = 0.0
+    reclaim_max: float = 0.0
+    revoked: int = 0
+    dropped: bool = False
+    on_idle: Callable[[], None] | None = None  # run once nothing is busy (after a Drop)
+
+    @property
+    def pages_per_group(self) -> int:
+        return self.space.pages_per_group
+
+
+@dataclass
+class Unmapping:
+    """Groups of ``pool`` drained and waiting for ``waiting`` leases to unmap them."""
+
+    reclaim_id: int
+    pool: str
+    groups: tuple[int, ...]
+    waiting: set[int]
+    deadline: float
+    started: float
+    asker: str | None
+
+
+@dataclass
+class CachedAsk:
+    """``groups`` of ``pool`` asked back through its page caches, until ``deadline``."""
+
+    pool: str
+    groups: int
+    asker: str | None
+    deadline: float
+    started: float
+
+
+class ElasticPools:
+    """Every elastic pool of a daemon and the arbiter between them.
+
+    Args:
+        budget_bytes: the daemon's device budget.
+        hooks: the daemon's side (leases, attachments, caches, budget).
+        clock: monotonic seconds (deadlines, latencies).
+        deadline_s: how long attached processes have to unmap a group asked back.
+    """
+
+    def __init__(self, budget_bytes: int, hooks: Hooks,
+                 clock: Callable[[], float] = time.monotonic,
+                 deadline_s: float = RECLAIM_DEADLINE_S) -> None:
+        self.arbiter = Arbiter(budget_bytes)
+        self.pools: dict[str, ElasticPool] = {}
+        self.unmappings: dict[int, Unmapping] = {}
+        self.cached_asks: list[CachedAsk] = []
+        self._hooks = hooks
+        self._clock = clock
+        self.deadline_s = deadline_s
+        self._next_reclaim = 1
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- budget ------------------------------------------------------------------------------
+
+    @property
+    def granted_bytes(self) -> int:
+        """Budget bytes the elastic pools' groups take (granted, being committed or freed)."""
+        return self.arbiter.granted_bytes
+
+    def _sync_budget(self) -> None:
+        self.arbiter.fixed_bytes = self._hooks.other_bytes()
+
+    # -- Configure and Drop ------------------------------------------------------------------
+
+    @staticmethod
+    def share_of(name: str, plan: PoolPlan) -> Share:
+        e = plan.elastic
+        assert e is not None
+        return Share(name, e.group_bytes, e.groups, e.floor_groups, e.cap_groups, e.weight)
+
+    def check(self, name: str, plan: PoolPlan, extra_bytes: int = 0) -> None:
+        """Whether the pool's floor fits beside the others' floors (before it is built, with
+        ``extra_bytes``, its fixed part, not yet counted anywhere).
+
+        Raises:
+            ResourceExhausted: naming the floors and the budget; InvalidArgument: bad numbers.
+        """
+        self._sync_budget()
+        self.arbiter.fixed_bytes += extra_bytes
+        try:
+            self.arbiter.check(self.share_of(name, plan))
+        finally:
+            self._sync_budget()
+
+    async def admit(self, name: str, plan: PoolPlan, backing: GroupBacking,
+                    space: GroupedSpace) -> None:
+        """Add a built pool and back its floor: what the budget has free now before this
+        returns, the rest as other pools give groups back.
+
+        Raises:
+            ResourceExhausted: the floors no longer fit (another Configure won the race), or
+                the device cannot back the floor.
+        """
+        self._sync_budget()
+        decision = self.arbiter.admit(self.share_of(name, plan))
+        ep = self.pools[name] = ElasticPool(name, plan, backing, space)
+        try:
+            await self._grant(ep, decision.grant, raise_errors=True)
+        except BaseException:
+            self.arbiter.drop(name)
+            del self.pools[name]
+            raise
+        self._start_reclaims(decision, name)
+        log.info("elastic pool admitted", extra={"fields": {
+            "event": "elastic_admit", "pool": name, "floor_groups": plan.elastic.floor_groups
+            if plan.elastic else 0, "granted": decision.grant, "reclaiming": decision.pending,
+        }})
+
+    def remove(self, name: str, then: Callable[[], None]) -> None:
+        """Forget a dropped pool; ``then`` (closing its region) runs once no grant or release
+        of it is running in a worker thread."""
+        ep = self.pools.pop(name, None)
+        self.arbiter.drop(name)
+        for rid in [r for r, u in self.unmappings.items() if u.pool == name]:
+            del self.unmappings[rid]
+        self.cached_asks = [a for a in self.cached_asks if a.pool != name]
+        if ep is None or not ep.busy:
+            then()
+            return
+        ep.dropped = True
+        ep.on_idle = then
+
+    # -- grants ------------------------------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("elastic task failed: %r", task.exception(),
+                      extra={"fields": {"event": "elastic_error"}})
+
+    async def _grant(self, ep: ElasticPool, n: int, *, raise_errors: bool = False) -> int:
+        """Back ``n`` closed groups of ``ep`` (lowest first) off the loop, then open them.
+        The arbiter has counted them already; what cannot be backed is handed back."""
+        if n <= 0:
+            return 0
+        picks = [g for g in ep.space.closed_groups().tolist() if g not in ep.busy][:n]
+        if len(picks) < n:
+            self.arbiter.failed(ep.name, n - len(picks))
+        ep.busy.update(picks)
+        done: list[int] = []
+        error: BaseException | None = None
+        try:
+            for g in picks:
+                await asyncio.to_thread(ep.backing.grant, g)
+                done.append(g)
+        except (KVPoolError, OSError) as exc:
+            error = exc
+        finally:
+            ep.busy.difference_update(picks)
+        if ep.dropped:
+            self._idle(ep)
+            return 0
+        for g in done:
+            ep.space.open_group(g)
+        ep.grants += len(done)
+        if len(done) < len(picks):
+            self.arbiter.failed(ep.name, len(picks) - len(done))
+            log.error("elastic grant failed", extra={"fields": {
+                "event": "elastic_grant_failed", "pool": ep.name,
+                "groups": len(picks) - len(done), "error": str(error)}})
+            if raise_errors and error is not None:
+                raise error
+        if done:
+            self._hooks.notify_freed()
+        return len(done)
+
+    def _idle(self, ep: ElasticPool) -> None:
+        if ep.dropped and not ep.busy and ep.on_idle is not None:
+            then, ep.on_idle = ep.on_idle, None
+            then()
+
+    def grow(self, name: str, pages: int, *, reclaim: bool = True) -> bool:
+        """Pool ``name`` is ``pages`` kv pages short: ask the arbiter for the groups that
+        cover them and start what it decides. Returns whether any pages are coming (a grant,
+        a reclaim, or a grant already in flight)."""
+        ep = self.pools.get(name)
+        if ep is None:
+            return False
+        self._observe()
+        self._sync_budget()
+        groups = -(-pages // ep.pages_per_group)
+        decision = self.arbiter.want(name, groups, reclaim=reclaim)
+        if decision.grant:
+            self._spawn(self._grant(ep, decision.grant))
+        self._start_reclaims(decision, name)
+        return bool(decision.grant or decision.reclaims or ep.busy
+                    or self.arbiter.promised.get(name))
+
+    def allocated(self, name: str) -> None:
+        """An Allocate was served in ``name`` (the pool is busy, not idle)."""
+        ep = self.pools.get(name)
+        if ep is not None:
+            ep.allocs += 1
+
+    def _observe(self) -> None:
+        for name, ep in self.pools.items():
+            free = sum(1 for g in ep.space.releasable().tolist() if g not in ep.busy)
+            self.arbiter.observe(name, free_groups=free,
+                                 cached_groups=self._hooks.cached(name) // ep.pages_per_group,
+                                 idle=ep.allocs == 0)
+            ep.allocs = 0
+
+    # -- reclaims ----------------------------------------------------------------------------
+
+    def _start_reclaims(self, decision: Decision, asker: str | None) -> None:
+        for r in decision.reclaims:
+            self._reclaim(r, asker)
+
+    def _reclaim(self, r: Reclaim, asker: str | None) -> None:
+        ep = self.pools.get(r.victim)
+        if ep is None:
+            return
+        now = self._clock()
+        if r.source == "cached":
+            asked = self._hooks.ask_give_back(r.victim, r.groups * ep.pages_per_group)
+            if not asked:
+                self.arbiter.cancel(r.victim, r.groups, asker)
+                return
+            self.cached_asks.append(CachedAsk(r.victim, r.groups, asker, now + CACHED_WAIT_S,
+                                              now))
+            return
+        self._take(ep, r.groups, asker, now)
+
+    def _take(self, ep: ElasticPool, n: int, asker: str | None, started: float) -> int:
+        """Drain up to ``n`` wholly free groups of ``ep`` (highest first) and start their
+        unmap handshake; what cannot be found is cancelled. Returns the groups taken."""
+        picks = tuple(g for g in ep.space.releasable().tolist() if g not in ep.busy)[:n]
+        if len(picks) < n:
+            self.arbiter.cancel(ep.name, n - len(picks), asker)
+        if not picks:
+            return 0
+        for g in picks:
+            ep.space.drain(g)
+        rid = self._next_reclaim
+        self._next_reclaim += 1
+        u = Unmapping(rid, ep.name, picks, set(), started + self.deadline_s, started, asker)
+        for lease_id in self._hooks.attached_leases(ep.name):
+            if self._hooks.ask_unmap(lease_id, ep.name, picks, rid, self.deadline_s):
+                u.waiting.add(lease_id)
+        log.info("elastic reclaim", extra={"fields": {
+            "event": "elastic_reclaim", "pool": ep.name, "groups": len(picks),
+            "reclaim": rid, "for": asker or "", "waiting_leases": len(u.waiting)}})
+        if u.waiting:
+            self.unmappings[rid] = u
+        else:
+            self._spawn(self._finish(u))
+        return len(picks)
+
+    async def _finish(self, u: Unmapping) -> None:
+        """Every process unmapped ``u``'s groups: free their memory, close them, and grant
+        the freed budget to the pool it was promised to."""
+        ep = self.pools.get(u.pool)
+        if ep is None:
+            return
+        ep.busy.update(u.groups)
+        try:
+            for g in u.groups:
+                await asyncio.to_thread(ep.backing.release, g)
+        finally:
+            ep.busy.difference_update(u.groups)
+        if ep.dropped:
+            self._idle(ep)
+            return
+        for g in u.groups:
+            ep.space.close_group(g)
+        took = self._clock() - u.started
+        ep.reclaims += len(u.groups)
+        ep.reclaim_sum += took
+        ep.reclaim_max = max(ep.reclaim_max, took)
+        self._sync_budget()
+        granted = self.arbiter.released(u.pool, len(u.groups), u.asker)
+        log.info("elastic released", extra={"fields": {
+            "event": "elastic_released", "pool": u.pool, "groups": len(u.groups),
+            "reclaim": u.reclaim_id, "seconds": round(took, 6), "for": u.asker or "",
+            "granted": granted}})
+        asker = self.pools.get(u.asker) if u.asker else None
+        if asker is not None and granted:
+            await self._grant(asker, granted)
+        self._hooks.notify_freed()
+
+    def unmapped(self, lease_id: int, reclaims: Iterable[int]) -> None:
+        """The lease's process unmapped these reclaims' groups (its KeepAlive said so)."""
+        for rid in reclaims:
+            u = self.unmappings.get(rid)
+            if u is None or lease_id not in u.waiting:
+                continue
+            u.waiting.discard(lease_id)
+            if not u.waiting:
+                del self.unmappings[rid]
+                self._spawn(self._finish(u))
+
+    def lease_gone(self, lease_id: int, pool: str | None = None) -> None:
+        """A lease ended (or, with ``pool``, detached its last attachment of it): it no
+        longer maps anything, so nothing waits for it; then pools shrink to what they use."""
+        self.unmapped(lease_id, [rid for rid, u in self.unmappings.items()
+                                 if pool is None or u.pool == pool])
+        if pool is None:
+            for name in list(self.pools):
+                self.shrink(name)
+
+    def shrink(self, name: str) -> int:
+        """Take back ``name``'s wholly free groups above its floor; returns how many."""
+        ep = self.pools.get(name)
+        if ep is None:
+            return 0
+        free = [g for g in ep.space.releasable().tolist() if g not in ep.busy]
+        n = self.arbiter.take_back(name, len(free))
+        return self._take(ep, n, None, self._clock()) if n else 0
+
+    def on_freed(self) -> None:
+        """Ids came back: page caches' give-backs may have emptied groups asked back."""
+        if not self.cached_asks:
+            return
+        keep = []
+        for a in self.cached_asks:
+            ep = self.pools.get(a.pool)
+            if ep is None:
+                continue
+            free = sum(1 for g in ep.space.releasable().tolist() if g not in ep.busy)
+            n = min(free, a.groups)
+            if n:
+                self._take(ep, n, a.asker, a.started)
+                a.groups -= n
+            if a.groups:
+                keep.append(a)
+        self.cached_asks = keep
+
+    def sweep(self) -> None:
+        """Deadlines: leases that did not unmap in time are ended; give-backs that did not
+        empty their groups in time are given up."""
+        now = self._clock()
+        self.on_freed()
+        for a in [a for a in self.cached_asks if a.deadline <= now]:
+            self.cached_asks.remove(a)
+            if a.pool in self.pools:
+                self.arbiter.cancel(a.pool, a.groups, a.asker)
+        late = [u for u in self.unmappings.values() if u.deadline <= now]
+        for u in late:
+            del self.unmappings[u.reclaim_id]
+            ep = self.pools.get(u.pool)
+            for lease_id in sorted(u.waiting):
+                if ep is not None:
+                    ep.revoked += 1
+                log.warning("lease did not unmap in time", extra={"fields": {
+                    "event": "elastic_revoke", "pool": u.pool, "reclaim": u.reclaim_id,
+                    "lease_id": lease_id, "deadline_s": self.deadline_s}})
+                with contextlib.suppress(KVPoolError):
+                    self._hooks.revoke(lease_id, (
+                        f"it did not unmap groups {list(u.groups)} of elastic pool {u.pool!r} "
+                        f"within {self.deadline_s:g} s of being asked (reclaim "
+                        f"{u.reclaim_id})"))
+            self._spawn(self._finish(u))
+
+    # -- Attach and Stats ---------------------------------------------------------------------
+
+    def open_groups(self, name: str) -> tuple[int, ...]:
+        """Groups a process attaching now maps: granted and not being taken back."""
+        ep = self.pools[name]
+        return tuple(g for g in ep.space.granted().tolist() if ep.space.state(g) == "open")
+
+    def stats(self, name: str) -> ElasticStats | None:
+        """The pool's :class:`ElasticStats` (None: not an elastic pool)."""
+        ep = self.pools.get(name)
+        share = self.arbiter.pools.get(name)
+        if ep is None or share is None or ep.plan.elastic is None:
+            return None
+        e = ep.plan.elastic
+        try:
+            backed = ep.backing.backed_bytes()
+        except OSError:
+            backed = 0
+        return ElasticStats(
+            group_bytes=e.group_bytes, groups=e.groups, granted_groups=share.granted,
+            reclaiming_groups=share.reclaiming, floor_groups=e.floor_groups,
+            cap_groups=e.cap_groups, weight=e.weight, virtual_bytes=e.groups * e.group_bytes,
+            granted_bytes=e.fixed_bytes + share.granted_bytes, backed_bytes=backed,
+            grants=ep.grants, reclaims=ep.reclaims, reclaim_seconds_sum=ep.reclaim_sum,
+            reclaim_seconds_max=ep.reclaim_max, revoked_leases=ep.revoked)
+
+    async def close(self) -> None:
+        """Stop: cancel what is running (shutdown)."""
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(BaseException):
+                await task

@@ -1,0 +1,249 @@
+"""Elastic pools in a real daemon (issue 23): a daemon on the real clock, real sparse /dev/shm
+regions, real gRPC on a Unix socket. Two pools trade groups under one budget; floors that do not
+fit are refused; a group asked back is released only after the leases that attached the pool
+unmapped it (or lost their lease for not doing so in time)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from grpc import aio
+
+from kvpool.contract import codec
+from kvpool.contract.wire import LeaseKey, allocate_request, configure_request, free_request
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool.v1 import kvpool_pb2_grpc
+from kvpoold.server.daemon import Daemon
+from kvpoold.server.run import create_server, sweep_leases
+from kvpoold.settings import Listener
+from kvpoold.sharing.shm import ShmBackingFactory
+from tests.conftest import TINY_SPEC, temp_dir
+from tests.service.conftest import open_raw, proof
+
+MiB = 1 << 20
+# tiny: 4 views (K, V of 2 layers) of 64 B a token; page 16 -> 1 KiB a page a view: a group is
+# 2,048 pages (32,768 tokens), 8 MiB; the fixed part (req_to_token) one 2 MiB chunk.
+GROUP = 8 * MiB
+FIXED = 2 * MiB
+PAGES = 2048
+ELASTIC = {"elastic": True, "budget_bytes": 4 * GROUP, "page_size": 16,
+           "max_running_requests": 8}
+BUDGET = 2 * FIXED + 3 * GROUP  # two floors of one group, one group free
+
+
+@pytest.fixture
+async def daemon() -> AsyncIterator[tuple[Daemon, kvpool_pb2_grpc.KVPoolStub]]:
+    with temp_dir() as sock_dir, temp_dir("kvp-shm-", "/dev/shm") as shm:
+        factory = ShmBackingFactory(shm)
+        d = Daemon("cpu", BUDGET, factory, reclaim_deadline_s=0.5)
+        sock = sock_dir / "k.sock"
+        server = create_server(d, [Listener("unix", str(sock))])
+        await server.start()
+        sweeper = asyncio.create_task(sweep_leases(d, 0.05))
+        channel = aio.insecure_channel(f"unix://{sock}")
+        try:
+            yield d, kvpool_pb2_grpc.KVPoolStub(channel)
+        finally:
+            sweeper.cancel()
+            await channel.close()
+            await server.shutdown(0)
+            server.remove_sockets()
+            d.close()
+
+
+async def configure(stub: kvpool_pb2_grpc.KVPoolStub, pool: str, **over: Any
+                    ) -> pb.ConfigureResponse:
+    return await stub.Configure(configure_request(pool, spec=TINY_SPEC, **{**ELASTIC, **over}))
+
+
+async def allocate(stub: kvpool_pb2_grpc.KVPoolStub, pool: str, lease: LeaseKey,
+                   count: int) -> np.ndarray:
+    resp = await stub.Allocate(allocate_request(pool, lease, [("kv", count)]))
+    return codec.ids_from_bytes(resp.items[0].ids).copy()
+
+
+async def free(stub: kvpool_pb2_grpc.KVPoolStub, pool: str, lease: LeaseKey,
+               ids: np.ndarray) -> None:
+    await stub.Free(free_request(pool, lease, [("kv", ids)]))
+
+
+def elastic(d: Daemon, pool: str) -> Any:
+    stats = d.elastic.stats(pool)
+    assert stats is not None
+    return stats
+
+
+def backed(d: Daemon) -> int:
+    return sum(e.backing.backed_bytes() for e in d.pools.values())  # type: ignore[attr-defined]
+
+
+async def until(check: Any, timeout_s: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not check():
+        assert loop.time() < end, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_two_pools_trade_groups_under_one_budget(daemon: Any) -> None:
+    d, stub = daemon
+    a = await configure(stub, "a")
+    await configure(stub, "b")
+    plan = codec.plan_from_json(a.plan_json)
+    assert plan.elastic is not None and plan.elastic.group_bytes == GROUP
+    assert (plan.elastic.groups, plan.elastic.pages_per_group, plan.elastic.floor_groups) == (
+        4, PAGES, 1)
+    assert elastic(d, "a").granted_groups == elastic(d, "b").granted_groups == 1
+    assert backed(d) == 2 * (FIXED + GROUP) <= BUDGET
+    la, lb = await open_raw(stub, "a"), await open_raw(stub, "b")
+    # a takes all of group 0 and more: the free group is granted to it
+    ids_a = await allocate(stub, "a", la, PAGES + 10)
+    assert elastic(d, "a").granted_groups == 2
+    assert {int(i) // PAGES for i in ids_a} == {0, 1}
+    assert backed(d) == 2 * FIXED + 3 * GROUP == d.used_bytes <= BUDGET
+    # b wants more while a holds pages in both: nothing free, nothing a can give
+    ids_b = await allocate(stub, "b", lb, PAGES - 1)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await allocate(stub, "b", lb, 5)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "granted groups" in (err.value.details() or "")
+    # a frees its pages of group 1 (first fit put the last 11 there): b gets that group
+    await free(stub, "a", la, ids_a[PAGES - 1:])
+    more = await allocate(stub, "b", lb, 5)
+    assert {int(i) // PAGES for i in more} == {1}
+    sa, sb = elastic(d, "a"), elastic(d, "b")
+    assert (sa.granted_groups, sb.granted_groups) == (1, 2)
+    assert sa.reclaims == 1 and sb.grants == 2
+    assert 0 < sa.reclaim_seconds_max < 5
+    assert backed(d) == 2 * FIXED + 3 * GROUP <= BUDGET
+    for e in d.pools.values():
+        e.ids.audit()
+    del ids_b
+
+
+async def test_floors_that_do_not_fit_are_refused_naming_the_numbers(daemon: Any) -> None:
+    d, stub = daemon
+    await configure(stub, "a", elastic_floor_tokens=2 * PAGES * 16)  # 2 groups
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await configure(stub, "b", elastic_floor_tokens=2 * PAGES * 16)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    text = err.value.details() or ""
+    assert "floor of 2 groups" in text and f"{2 * GROUP:,} B" in text
+    assert f"{BUDGET:,} B" in text and "--elastic-floor-tokens" in text
+    assert "b" not in d.pools and backed(d) == FIXED + 2 * GROUP
+
+
+async def test_fixed_pools_beside_elastic_ones_are_unchanged(daemon: Any) -> None:
+    d, stub = daemon
+    await configure(stub, "a")
+    fixed = await stub.Configure(configure_request(
+        "f", spec=TINY_SPEC, budget_bytes=1 * MiB, page_size=16, max_running_requests=8))
+    plan = codec.plan_from_json(fixed.plan_json)
+    assert plan.elastic is None and d.pools["f"].sharing == "shm"
+    assert d.used_bytes == FIXED + GROUP + plan.backing_bytes
+    stats = await stub.Stats(pb.StatsRequest())
+    by_name = {p.name: p for p in stats.pools}
+    assert by_name["a"].HasField("elastic") and not by_name["f"].HasField("elastic")
+    assert by_name["a"].elastic.granted_bytes == FIXED + GROUP
+
+
+async def keep_alive(stub: kvpool_pb2_grpc.KVPoolStub, lease: LeaseKey,
+                     requests: asyncio.Queue[pb.KeepAliveRequest | None]) -> Any:
+    async def gen() -> AsyncIterator[pb.KeepAliveRequest]:
+        while (r := await requests.get()) is not None:
+            yield r
+    return stub.KeepAlive(gen())
+
+
+async def test_a_group_is_released_only_after_the_attached_lease_unmaps_it(
+        daemon: Any) -> None:
+    d, stub = daemon
+    await configure(stub, "a")
+    await configure(stub, "b")
+    la, lb = await open_raw(stub, "a"), await open_raw(stub, "b")
+    att = await stub.Attach(pb.AttachRequest(pool="a", **proof(la)))
+    assert att.handle.sharing == "shm_sparse"
+    assert codec.groups_from_bytes(att.elastic_groups) == (0,)
+    queue: asyncio.Queue[pb.KeepAliveRequest | None] = asyncio.Queue()
+    stream = await keep_alive(stub, la, queue)
+    await queue.put(pb.KeepAliveRequest(seq=1, **proof(la)))
+    first = await stream.read()
+    assert first.seq == 1 and not first.unmap
+    ids = await allocate(stub, "a", la, PAGES + 1)  # a: 2 groups, the budget's last one
+    await free(stub, "a", la, ids)
+    taker = asyncio.create_task(allocate(stub, "b", lb, PAGES))  # b needs a's group 1
+    ask = await asyncio.wait_for(stream.read(), 5)
+    assert ask.seq == 0 and len(ask.unmap) == 1
+    unmap = ask.unmap[0]
+    assert unmap.pool == "a" and codec.groups_from_bytes(unmap.groups) == (1,)
+    assert 0 < unmap.deadline_seconds <= 0.5
+    await asyncio.sleep(0.1)
+    assert not taker.done() and elastic(d, "a").reclaiming_groups == 1
+    assert backed(d) == 2 * FIXED + 3 * GROUP  # still a's memory: nobody else's yet
+    await queue.put(pb.KeepAliveRequest(seq=2, unmapped=[unmap.reclaim], **proof(la)))
+    got = await asyncio.wait_for(taker, 5)
+    assert {int(i) // PAGES for i in got} == {0, 1}
+    assert elastic(d, "a").granted_groups == 1 and elastic(d, "b").granted_groups == 2
+    assert d.leases.find(la.lease_id) is not None  # it acknowledged: it keeps its lease
+    await queue.put(None)
+    stream.cancel()
+
+
+async def test_a_lease_that_never_unmaps_loses_it_and_the_others_keep_theirs(
+        daemon: Any) -> None:
+    d, stub = daemon
+    await configure(stub, "a")
+    await configure(stub, "b")
+    la, lb, other = (await open_raw(stub, "a"), await open_raw(stub, "b"),
+                     await open_raw(stub, "other"))
+    await stub.Attach(pb.AttachRequest(pool="a", **proof(la)))
+    ids = await allocate(stub, "a", la, PAGES + 1)
+    await free(stub, "a", la, ids)
+    # b waits (1 s at most) while a's lease has 0.5 s to unmap; it never does: it loses its
+    # lease at the deadline, the group is freed and granted to b, whose Allocate then succeeds
+    got = await allocate(stub, "b", lb, PAGES)
+    assert len(got) == PAGES and {int(i) // PAGES for i in got} == {0, 1}
+    assert d.leases.find(la.lease_id) is None
+    assert elastic(d, "a").revoked_leases == 1 and d.attachments.count_pool("a") == 0
+    assert d.leases.find(lb.lease_id) is not None and d.leases.find(other.lease_id)
+    assert elastic(d, "b").granted_groups == 2 and backed(d) <= BUDGET
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # a's lease is gone for good
+        await allocate(stub, "a", la, 1)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_attach_to_an_elastic_pool_needs_a_lease(daemon: Any) -> None:
+    _, stub = daemon
+    await configure(stub, "a")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Attach(pb.AttachRequest(pool="a"))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "under a lease" in (err.value.details() or "")
+
+
+async def test_lease_end_gives_back_what_the_pool_held_above_its_floor(daemon: Any) -> None:
+    d, stub = daemon
+    await configure(stub, "a")
+    la = await open_raw(stub, "a")
+    await allocate(stub, "a", la, PAGES + 1)
+    assert elastic(d, "a").granted_groups == 2
+    await stub.CloseLease(pb.CloseLeaseRequest(**proof(la)))
+    await until(lambda: elastic(d, "a").granted_groups == 1)
+    assert backed(d) == FIXED + GROUP
+
+
+def test_shm_files_of_elastic_pools_are_0600() -> None:
+    from kvpool.contract.spec import decode_spec
+    from kvpoold.sizing import make_options, plan
+
+    p = plan(decode_spec(TINY_SPEC), make_options(**ELASTIC))
+    with temp_dir("kvp-shm-", "/dev/shm") as shm, ShmBackingFactory(shm) as factory:
+        backing = factory.create_elastic(p, "a")
+        assert os.stat(backing.path).st_mode & 0o777 == 0o600
+        assert backing.backed_bytes() == FIXED
