@@ -159,6 +159,9 @@ class ServeConfig(Base):
     tls_key: Annotated[str | None, _setting(
         "TLS private key (PEM) for TCP listeners; give both TLS files or neither",
         metavar="PEM")] = None
+    reclaim_deadline: Annotated[float, _setting(
+        "elastic pools: seconds an attached process has to unmap a group the daemon takes "
+        "back before its lease is ended", metavar="S", ge=0.05, le=600.0)] = 2.0
     shm_dir: Annotated[str, _setting(
         "where cpu pools' shared-memory files and the instance lock live; it must exist",
         metavar="DIR")] = "/dev/shm"

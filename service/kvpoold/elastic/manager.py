@@ -369,7 +369,7 @@ class ElasticPools:
             ep.space.close_group(g)
         took = self._clock() - u.started
         ep.reclaims += len(u.groups)
-        ep.reclaim_sum += took
+        ep.reclaim_sum += took * len(u.groups)  # per group, as reclaims counts them
         ep.reclaim_max = max(ep.reclaim_max, took)
         self._sync_budget()
         granted = self.arbiter.released(u.pool, len(u.groups), u.asker)

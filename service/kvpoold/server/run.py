@@ -224,7 +224,8 @@ async def run(
                     max_leases_per_identity=settings.max_leases_per_identity,
                     max_attachments_per_identity=settings.max_attachments_per_identity,
                     max_watch_streams_per_identity=settings.max_watch_streams_per_identity,
-                    watch_min_interval_s=settings.watch_min_interval)
+                    watch_min_interval_s=settings.watch_min_interval,
+                    reclaim_deadline_s=settings.reclaim_deadline)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     server: KVPoolServer | None = None
