@@ -665,6 +665,13 @@ def test_dashboard_metrics_and_labels_are_the_exporters() -> None:
             "kvpool_lease_expiries_total", "kvpool_rpc_duration_seconds_bucket",
             "kvpool_rpc_failures_total", "kvpool_device_budget_bytes",
             "kvpool_device_used_bytes"} <= used
+    # elastic pools: granted vs backed vs virtual, groups by state, grants and reclaims, reclaim
+    # latency from the summary's sum and count, revoked leases
+    assert {"kvpool_elastic_granted_bytes", "kvpool_elastic_backed_bytes",
+            "kvpool_elastic_virtual_bytes", "kvpool_elastic_groups",
+            "kvpool_elastic_grants_total", "kvpool_elastic_reclaims_total",
+            "kvpool_elastic_reclaim_seconds_sum", "kvpool_elastic_reclaim_seconds_count",
+            "kvpool_elastic_revoked_leases_total"} <= used
     quantiles = {q for e in exprs for q in re.findall(r"histogram_quantile\(([0-9.]+)", e)}
     assert {"0.5", "0.99"} <= quantiles
 
