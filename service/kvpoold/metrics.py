@@ -33,9 +33,27 @@ Exported (labels in braces; ``space`` is a pool's id space: ``kv``, ``swa``, ``r
     kvpool_rpc_duration_seconds{device,method}        histogram  server time of unary RPCs
     kvpool_build_info{device,version,contract,python,torch,nixl} gauge  1: what this daemon runs
 
+Elastic pools only (``PoolStats.elastic``, :mod:`kvpoold.elastic.metric_families`; a fixed pool
+has none of these series)::
+
+    kvpool_elastic_virtual_bytes{device,pool}         gauge      the views' whole virtual range
+    kvpool_elastic_granted_bytes{device,pool}         gauge      granted groups + fixed part
+    kvpool_elastic_backed_bytes{device,pool}          gauge      memory the kernel counts behind it
+    kvpool_elastic_groups{device,pool,state,unit}     gauge      granted, reclaiming, range
+    kvpool_elastic_floor_groups{device,pool,unit}     gauge      groups the pool always keeps
+    kvpool_elastic_cap_groups{device,pool,unit}       gauge      groups it is never granted past
+    kvpool_elastic_weight{device,pool}                gauge      its share of a short budget
+    kvpool_elastic_grants_total{device,pool,unit}     counter    groups granted
+    kvpool_elastic_reclaims_total{device,pool,unit}   counter    groups taken back
+    kvpool_elastic_reclaim_seconds{device,pool}       summary    asking a group back -> it is free
+    kvpool_elastic_reclaim_seconds_max{device,pool}   gauge      the longest of those
+    kvpool_elastic_revoked_leases_total{device,pool}  counter    leases ended for not unmapping
+
 The id-counting series carry ``unit`` as a label rather than in their names: the spaces are the
 plan's table (one family per quantity whatever the architecture), ``unit`` follows from
 ``space`` so it adds no series, and ``sum by (unit) (kvpool_pool_used)`` adds only like ids.
+The elastic series that count groups carry ``unit="groups"`` for the same reason: a
+dashboard's ``sum by (unit)`` over pools and spaces never adds groups to pages.
 """
 
 from __future__ import annotations
@@ -67,6 +85,7 @@ from prometheus_client.registry import Collector
 
 from kvpool import WIRE_CONTRACT, __version__
 from kvpool.contract.errors import FailedPrecondition, Internal
+from kvpoold.elastic.metric_families import ElasticFamilies
 
 if TYPE_CHECKING:
     from kvpool.contract.records import Stats
@@ -158,6 +177,7 @@ class DaemonCollector(Collector):
     def describe(self) -> Iterator[Metric]:
         # The names, for the registry's duplicate check, without taking a snapshot.
         yield from self._families()
+        yield from ElasticFamilies().families()
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
@@ -172,7 +192,10 @@ class DaemonCollector(Collector):
             for pool_name, spaces in lease.cached.items():
                 for space, n in spaces.items():
                     cached[(pool_name, space)] = cached.get((pool_name, space), 0) + n
+        elastic = ElasticFamilies()
         for pool in snap.pools:
+            if pool.elastic is not None:
+                elastic.add(dev, pool.name, pool.elastic)
             pool_bytes.add_metric([dev, pool.name], pool.backing_bytes)
             attached.add_metric([dev, pool.name], pool.attached)
             for space, k in pool.spaces.items():
@@ -204,6 +227,7 @@ class DaemonCollector(Collector):
                 transfer_bytes.add_metric(labels, nbytes)
                 transfer_failures.add_metric(labels, failed)
         yield from fams
+        yield from elastic.families()
 
     @staticmethod
     def _families() -> tuple[Metric, ...]:

@@ -48,7 +48,8 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "client"), str(RO
 def exported_metrics() -> dict[str, frozenset[str]]:
     """What the exporter serves: metric -> its labels (Prometheus adds instance and job), read
     from the metrics table of docs/operations.md, which tests/e2e/test_metrics.py checks against
-    a real daemon's /metrics (names, types, labels). A histogram is its three series."""
+    a real daemon's /metrics (names, types, labels). A histogram is its three series, a summary
+    its two (``_sum``, ``_count``)."""
     rows = re.findall(r"^\| `(kvpool_[a-z0-9_]+)` \| (\w+) \| ([a-z, ]+) \|",
                       OPERATIONS.read_text(), flags=re.M)
     out: dict[str, frozenset[str]] = {}
@@ -56,6 +57,8 @@ def exported_metrics() -> dict[str, frozenset[str]]:
         names = frozenset(x.strip() for x in labels.split(","))
         if kind == "histogram":
             out[f"{name}_bucket"] = names | {"le"}
+            out[f"{name}_sum"] = out[f"{name}_count"] = names
+        elif kind == "summary":
             out[f"{name}_sum"] = out[f"{name}_count"] = names
         else:
             out[name] = names
@@ -662,6 +665,13 @@ def test_dashboard_metrics_and_labels_are_the_exporters() -> None:
             "kvpool_lease_expiries_total", "kvpool_rpc_duration_seconds_bucket",
             "kvpool_rpc_failures_total", "kvpool_device_budget_bytes",
             "kvpool_device_used_bytes"} <= used
+    # elastic pools: granted vs backed vs virtual, groups by state, grants and reclaims, reclaim
+    # latency from the summary's sum and count, revoked leases
+    assert {"kvpool_elastic_granted_bytes", "kvpool_elastic_backed_bytes",
+            "kvpool_elastic_virtual_bytes", "kvpool_elastic_groups",
+            "kvpool_elastic_grants_total", "kvpool_elastic_reclaims_total",
+            "kvpool_elastic_reclaim_seconds_sum", "kvpool_elastic_reclaim_seconds_count",
+            "kvpool_elastic_revoked_leases_total"} <= used
     quantiles = {q for e in exprs for q in re.findall(r"histogram_quantile\(([0-9.]+)", e)}
     assert {"0.5", "0.99"} <= quantiles
 
@@ -818,6 +828,8 @@ def test_operations_alert_rules_parse_and_use_real_metrics() -> None:
     rules = [r for g in groups for r in g["rules"]]
     alerts = {r["alert"] for r in rules}
     assert {"KVPoolAlmostFull", "KVPoolLeaseExpiries", "KVPoolSlowRPCs"} <= alerts
+    assert {"KVPoolElasticBackedOverGranted", "KVPoolElasticSlowReclaims",
+            "KVPoolElasticLeasesRevoked"} <= alerts
     for rule in rules:
         problems = check_promql(rule["expr"])
         assert not problems, f"{rule['alert']}: {problems}"
@@ -835,4 +847,8 @@ def test_the_metrics_table_parses() -> None:
     assert METRICS["kvpool_allocation_refusals_total"] == {"device", "pool", "space"}
     assert METRICS["kvpool_rpc_duration_seconds_bucket"] == {"device", "method", "le"}
     assert METRICS["kvpool_loop_stalls_total"] == {"device"}
+    # a summary is its _sum and _count
+    assert METRICS["kvpool_elastic_reclaim_seconds_count"] == {"device", "pool"}
+    assert "kvpool_elastic_reclaim_seconds" not in METRICS
+    assert METRICS["kvpool_elastic_groups"] == {"device", "pool", "state", "unit"}
 

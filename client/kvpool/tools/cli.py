@@ -18,6 +18,7 @@ import msgspec
 
 from kvpool.contract.option_flags import add_option_flags, option_values
 from kvpool.contract.plan import ASSUMABLE_FAMILIES
+from kvpool.contract.records import ElasticStats, Stats
 from kvpool.tools.cli_common import client_from, common_options, count, load_spec_mapping
 from kvpool.tools.cli_run import command_parser, parse_command_line, run_subcommand
 from kvpool.tools.demo import add_demo
@@ -127,33 +128,66 @@ def add_stats(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentPar
 def run_stats(args: argparse.Namespace) -> int:
     with client_from(args) as client:
         stats = client.stats(args.pool)
-    if args.json:
+    print_stats(stats, as_json=args.json)
+    return 0
+
+
+def print_stats(stats: Stats, *, as_json: bool = False) -> None:
+    """Print ``stats`` as ``kvpool stats`` does: text (:func:`stats_lines`, then the leases), or
+    with ``as_json`` the record as JSON (an elastic pool's ``elastic`` object, ``null`` for a
+    fixed pool; lease ids as decimal strings)."""
+    if as_json:
         _print_json(stats)
-        return 0
+        return
+    for line in stats_lines(stats):
+        print(line)
+    if stats.leases:
+        print_leases(stats.leases)
+
+
+def stats_lines(stats: Stats) -> list[str]:
+    """``kvpool stats``'s text, leases aside: the daemon's line, then per pool its line, its
+    elastic lines (an elastic pool only, :func:`elastic_lines`) and a line per id space."""
     d = stats.daemon
     hidden = (f" ({count(d.other_leases, 'lease')} of other identities, not shown)"
               if d.other_leases else "")
-    print(f"kvpoold {d.version} on {d.device}: {_human(d.used_bytes)} of "
-          f"{_human(d.budget_bytes)} used, {count(d.num_pools, 'pool')}, "
-          f"{count(d.num_leases, 'lease')}{hidden}, up {d.uptime_seconds:.0f}s (leases opened "
-          f"{d.leases_opened}, closed {d.leases_closed}, expired {d.leases_expired})"
-          + (f"; event loop stalled {count(d.loop_stalls, 'time')}, longest "
-             f"{d.loop_longest_stall_seconds:.2f} s" if d.loop_stalls else ""))
+    lines = [f"kvpoold {d.version} on {d.device}: {_human(d.used_bytes)} of "
+             f"{_human(d.budget_bytes)} used, {count(d.num_pools, 'pool')}, "
+             f"{count(d.num_leases, 'lease')}{hidden}, up {d.uptime_seconds:.0f}s (leases opened "
+             f"{d.leases_opened}, closed {d.leases_closed}, expired {d.leases_expired})"
+             + (f"; event loop stalled {count(d.loop_stalls, 'time')}, longest "
+                f"{d.loop_longest_stall_seconds:.2f} s" if d.loop_stalls else "")]
     for p in stats.pools:
-        print(f"pool {p.name}: {p.architecture} {p.kv_cache_dtype} page {p.page_size}, "
-              f"{_human(p.backing_bytes)}, attached {p.attached}, sharing {p.sharing}, "
-              f"fingerprint {p.fingerprint}")
+        lines.append(f"pool {p.name}: {p.architecture} {p.kv_cache_dtype} page {p.page_size}, "
+                     f"{_human(p.backing_bytes)}, attached {p.attached}, sharing {p.sharing}, "
+                     f"fingerprint {p.fingerprint}")
+        if p.elastic is not None:
+            lines += elastic_lines(p.elastic)
         for space, k in p.spaces.items():
             share = 100.0 * k.used / k.capacity if k.capacity else 0.0
             # used counts what leases hold, their page caches' unused ids included
             cached = sum(x.cached.get(p.name, {}).get(space, 0) for x in stats.leases)
-            print(f"  {space:<10} used {k.used:>10,} / {k.capacity:<10,} ({share:5.1f}%)  "
-                  + (f"({cached:,} cached unused)  " if cached else "")
-                  + f"high {k.high_water:,}  allocs {k.allocs:,}  frees {k.frees:,}  "
-                  f"failed {k.failed_allocs:,}")
-    if stats.leases:
-        print_leases(stats.leases)
-    return 0
+            lines.append(f"  {space:<10} used {k.used:>10,} / {k.capacity:<10,} ({share:5.1f}%)  "
+                         + (f"({cached:,} cached unused)  " if cached else "")
+                         + f"high {k.high_water:,}  allocs {k.allocs:,}  frees {k.frees:,}  "
+                         f"failed {k.failed_allocs:,}")
+    return lines
+
+
+def elastic_lines(e: ElasticStats) -> list[str]:
+    """Two lines on an elastic pool: its groups (granted of all, reclaiming, floor, cap,
+    weight), then its bytes (granted of virtual, backed) and counters (grants, reclaims with
+    their mean and longest seconds, revoked leases)."""
+    mean = f"{e.reclaim_seconds_sum / e.reclaims:.3f} s" if e.reclaims else "-"
+    return [
+        f"  {'elastic':<10} granted {e.granted_groups:,} / {e.groups:,} groups of "
+        f"{_human(e.group_bytes)} ({e.reclaiming_groups:,} reclaiming), floor "
+        f"{e.floor_groups:,}, cap {e.cap_groups:,}, weight {e.weight:g}",
+        f"  {'':<10} granted {_human(e.granted_bytes)} of {_human(e.virtual_bytes)} "
+        f"virtual, backed {_human(e.backed_bytes)}; grants {e.grants:,}, reclaims "
+        f"{e.reclaims:,} (mean {mean}, max {e.reclaim_seconds_max:.3f} s), revoked leases "
+        f"{e.revoked_leases:,}",
+    ]
 
 
 def add_leases(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from rich.console import RenderableType
     from rich.text import Text
 
-    from kvpool.contract.records import LeaseStats, PeerStats, PoolStats, Stats
+    from kvpool.contract.records import ElasticStats, LeaseStats, PeerStats, PoolStats, Stats
     from kvpool.tools.top_model import DaemonView, Rate
 
 DEFAULT_INTERVAL_S = 1.0
@@ -158,6 +158,8 @@ class _DaemonPanel:
         if self.live and age > STALE_INTERVALS * max(interval_s, 1.0):
             parts.append(Text(f"stale: no snapshot for {_duration(age)}", style="bold yellow"))
         parts.append(_pools_table(stats.pools, view.rates, inner))
+        parts.extend(_elastic_line(p.name, p.elastic, inner) for p in stats.pools
+                     if p.elastic is not None)
         parts.append(_leases_table(stats.leases, leases_shown, inner))
         if stats.peers:  # PD transfers (docs/pd-transfer.md); admins only see them
             parts.append(_peers_table(stats.peers))
@@ -240,6 +242,57 @@ def _pools_table(pools: Sequence[PoolStats], pool_rates: Mapping[tuple[str, str]
             values.insert(2, _bar(used, capacity, high_water, bar_width))
         table.add_row(*values)
     return table
+
+
+def _elastic_line(name: str, e: ElasticStats, width: int) -> Text:
+    """One line under the pools table for an elastic pool, in ``width`` columns:
+    ``chat: 12/64 groups, 1.5 of 8.0 GiB, reclaiming 2, floor 4, cap 64, weight 2, backed
+    1.5 GiB`` (granted of all groups; the bytes the budget pays of the virtual range). When it
+    does not fit, the last parts go first (backed, weight, cap, floor, revoked, reclaiming, the
+    bytes); the numbers that stay are never cut, a long pool name is (to keep the bytes and
+    reclaiming)."""
+    from rich.text import Text
+
+    core = f": {e.granted_groups:,}/{e.groups:,} groups"
+    parts: list[tuple[str, str]] = [
+        (_size_of(e.granted_bytes, e.virtual_bytes), ""),
+        (f"reclaiming {e.reclaiming_groups:,}", "yellow" if e.reclaiming_groups else "")]
+    if e.revoked_leases:  # a client did not unmap in time: the daemon ended its lease
+        parts.append((f"revoked {e.revoked_leases:,} lease"
+                      + ("s" if e.revoked_leases != 1 else ""), "bold red"))
+    parts += [(f"floor {e.floor_groups:,}", ""), (f"cap {e.cap_groups:,}", ""),
+              (f"weight {e.weight:g}", ""), (f"backed {_size_of(e.backed_bytes)}", "dim")]
+    sep = ", "
+    name_w = max(4, width - len(core) - sum(len(sep) + len(x) for x, _ in parts[:2]))
+    shown = name if len(name) <= name_w else name[:name_w - 1] + "…"
+    used = len(shown) + len(core)
+    text = Text(no_wrap=True, overflow="ellipsis")
+    text.append(shown, style="bold")
+    text.append(core)
+    for part, style in parts:
+        if used + len(sep) + len(part) > width:
+            break
+        text.append(sep)
+        text.append(part, style=style)
+        used += len(sep) + len(part)
+    return text
+
+
+def _size_of(part: int, whole: int | None = None) -> str:
+    """``part`` with one decimal, in the unit of ``whole`` when given (``1.5 of 8.0 GiB``)."""
+    scale = abs(whole if whole is not None else part)
+    unit, step = "B", 1
+    for name in ("KiB", "MiB", "GiB", "TiB"):
+        if scale < step * 1024:
+            break
+        unit, step = name, step * 1024
+
+    def one(n: int) -> str:
+        return f"{n:,}" if step == 1 else f"{n / step:,.1f}"
+
+    if whole is None:
+        return f"{one(part)} {unit}"
+    return f"{one(part)} of {one(whole)} {unit}"
 
 
 # Lease columns that go, in this order, when a lease's line does not fit; the id never goes

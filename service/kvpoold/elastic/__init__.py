@@ -1,1 +1,2 @@
-"""Elastic pools (issue 23): the arbiter of the device budget, and the sparse backing."""
+"""Elastic pools (issue 23): the arbiter of the device budget, the sparse backing, and their
+Prometheus families."""
