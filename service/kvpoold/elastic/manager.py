@@ -278,10 +278,15 @@ class ElasticPools:
         cover them and start what it decides. Returns whether any pages are coming (a grant,
         a reclaim, or a grant already in flight)."""
         ep = self.pools.get(name)
-        if ep is None:
+        share = self.arbiter.pools.get(name)
+        if ep is None or share is None:
             return False
-        self._observe()
         self._sync_budget()
+        if not reclaim and (ep.busy or share.granted >= share.cap
+                            or self.arbiter.free_bytes < share.group_bytes):
+            return False  # growing ahead: only into free budget, one grant at a time (O(1))
+        if reclaim:
+            self._observe()
         groups = -(-pages // ep.pages_per_group)
         decision = self.arbiter.want(name, groups, reclaim=reclaim)
         if decision.grant:
