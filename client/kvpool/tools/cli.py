@@ -108,6 +108,12 @@ def run_configure(args: argparse.Namespace) -> int:
           f"{plan.max_running_requests:,} requests")
     print(f"  backing {_human(plan.backing_bytes)} (KV+state {_human(plan.total_bytes)}, aux "
           f"{_human(plan.aux_bytes)}); daemon budget left {_human(result.budget_available_bytes)}")
+    e = plan.elastic
+    if e is not None:
+        print(f"  elastic: {e.groups:,} groups of {e.tokens_per_group:,} tokens "
+              f"({_human(e.group_bytes)} each; {_human(plan.backing_bytes)} virtual), floor "
+              f"{e.floor_groups:,}, cap {e.cap_groups:,}, weight {e.weight:g}; the budget pays "
+              f"{_human(e.fixed_bytes)} fixed + the granted groups")
     for note in plan.notes:
         print(f"  note: {note}")
     return 0
