@@ -481,7 +481,7 @@ class ElasticPools:
         return ElasticStats(
             group_bytes=e.group_bytes, groups=e.groups, granted_groups=share.granted,
             reclaiming_groups=share.reclaiming, floor_groups=e.floor_groups,
-            cap_groups=e.cap_groups, weight=e.weight, virtual_bytes=e.groups * e.group_bytes,
+            cap_groups=e.cap_groups, weight=e.weight, virtual_bytes=ep.plan.backing_bytes,
             granted_bytes=e.fixed_bytes + share.granted_bytes, backed_bytes=backed,
             grants=ep.grants, reclaims=ep.reclaims, reclaim_seconds_sum=ep.reclaim_sum,
             reclaim_seconds_max=ep.reclaim_max, revoked_leases=ep.revoked)
