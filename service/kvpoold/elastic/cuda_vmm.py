@@ -200,6 +200,7 @@ class CudaVmmBacking(Region):
             FailedPrecondition: a group asked for is not granted (or the region is closed,
                 or it has no fixed part and ``fixed`` was asked).
         """
+        groups = tuple(groups)
         with self._mutex:
             self._check_open()
             parts: list[Allocation] = []
