@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvpool.contract.codec import handle_from_pb, handle_to_pb
 from kvpool.contract.errors import (
     FailedPrecondition,
     Internal,
@@ -422,3 +423,15 @@ def test_a_client_region_asks_in_batches_that_fit_one_answer() -> None:
     assert client.mapped_groups == set(range(7))
     client.close()
     backing.close()
+
+
+def test_the_handle_crosses_the_wire_with_its_socket_and_device() -> None:
+    vmm = HostVmm()
+    r = region(vmm)
+    handle = r.handle()
+    assert handle_from_pb(handle_to_pb(handle)) == handle
+    assert (handle.sharing, handle.path, handle.device_uuid) == ("cuda_vmm", "/run/k.sock.fd",
+                                                                 "ab-cd")
+    r.close()
+    with pytest.raises(FailedPrecondition, match="closed"):
+        r.handle()
