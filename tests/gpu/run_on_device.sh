@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Run the CUDA IPC tests (tests/gpu) on a GPU machine, from the repository root or anywhere.
+# Run the GPU tests (tests/gpu: CUDA IPC, and CUDA VMM for elastic pools) on a GPU machine, from
+# the repository root or anywhere.
 #
 # Needs a CUDA build of torch already installed: it cannot be downloaded here (device machines
 # are offline, and torch's CUDA wheels come from their own index). The other dependencies
 # (grpcio, msgspec, numpy, protobuf, rich, pytest...) are installed if missing: from
 # $KVPOOL_WHEELS (a directory of wheels, --no-index) when set, else from pip's default index.
 # When something cannot be had, it prints "SKIPPED: <why>" and exits 0 without running.
+# cuda-bindings (the elastic pools' VMM tests) is installed the same way when missing, in the
+# major version of torch's CUDA; when it cannot be had, only those tests are skipped (a
+# "SKIPPED: test_elastic_vmm.py ..." line, and pytest reports them skipped).
 #
 # Output: the pytest -v log on stdout, and in $OUT/gpu-tests.txt when $OUT is set.
 # Exit status: pytest's (0 all passed, 1 failures), or 0 after a SKIPPED line.
@@ -59,6 +63,23 @@ if ! have_deps; then
     "$PYTHON" -m pip install -q "${DEPS[@]}"
   fi
   have_deps || skip "cannot install ${DEPS[*]} (offline? set KVPOOL_WHEELS to a wheel directory)"
+fi
+
+have_cuda_bindings() {
+  "$PYTHON" -c "from cuda.bindings import driver" 2>/dev/null
+}
+if ! have_cuda_bindings; then
+  CUDA_MAJOR=$("$PYTHON" -c "import torch; print(torch.version.cuda.split('.')[0])")
+  if [ "$CUDA_MAJOR" = "12" ]; then BINDINGS="cuda-bindings>=12.8,<13"
+  else BINDINGS="cuda-bindings>=13,<14"; fi
+  echo "installing $BINDINGS for the CUDA VMM tests"
+  if [ -n "${KVPOOL_WHEELS:-}" ]; then
+    "$PYTHON" -m pip install -q --no-index --find-links "$KVPOOL_WHEELS" "$BINDINGS"
+  else
+    "$PYTHON" -m pip install -q "$BINDINGS"
+  fi
+  have_cuda_bindings \
+    || echo "SKIPPED: test_elastic_vmm.py (cannot install $BINDINGS; offline? set KVPOOL_WHEELS)"
 fi
 
 LOG=/dev/null

@@ -13,12 +13,20 @@ import textwrap
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from kvpool.contract.errors import NotFound, PermissionDenied
-from kvpool.contract.fd_channel import FdAsk
+from kvpool.contract.fd_channel import (
+    MAX_ASK_BYTES,
+    MAX_FDS_PER_ANSWER,
+    MAX_GROUPS_PER_ASK,
+    FdAnswer,
+    FdAsk,
+    groups_per_ask,
+)
 from kvpool.mapping.sparse import CHUNK_BYTES, commit
-from kvpoold.elastic.fd_server import FdServer
+from kvpoold.elastic.fd_server import FdGrant, FdServer
 from tests.conftest import REPO
 
 SECRET = "ab" * 16
@@ -136,3 +144,122 @@ async def test_a_uid_not_served_is_refused(socket_dir: Path, memfd: int) -> None
     finally:
         await srv.close()
     assert not srv.path.exists()
+
+
+def parts_authorize(made: list[int]):  # type: ignore[no-untyped-def]
+    """Answer an ask of parts with one fresh memfd per range (fixed part: chunk 0; group g:
+    chunks 1 + 2g and 2 + 2g, like two views), each holding its own offset as text."""
+    def authorize(ask: FdAsk, uid: int) -> FdGrant:
+        if ask.lease_id != 7 or ask.secret != SECRET:
+            raise PermissionDenied("lease 7's secret does not match", field="secret")
+        if any(g >= 200 for g in ask.groups):
+            raise NotFound(f"groups {ask.groups} are not all granted", field="groups")
+        ranges = [(0, CHUNK_BYTES)] if ask.fixed else []
+        for g in ask.groups:
+            ranges += [((1 + 2 * g) * CHUNK_BYTES, CHUNK_BYTES),
+                       ((2 + 2 * g) * CHUNK_BYTES, CHUNK_BYTES)]
+        fds = []
+        for offset, length in ranges:
+            fd = os.memfd_create("kvpool-test-part", os.MFD_CLOEXEC)
+            os.ftruncate(fd, length)
+            os.pwrite(fd, f"at {offset}".encode(), 0)
+            fds.append(fd)
+        made.extend(fds)
+        return FdGrant(tuple(fds), tuple(ranges), 401 * CHUNK_BYTES, "memfd")
+    return authorize
+
+
+async def parts_client(path: Path, groups: tuple[int, ...], fixed: bool
+                       ) -> subprocess.CompletedProcess[str]:
+    """A child that asks for parts and prints, per descriptor, its range and its first
+    bytes."""
+    code = textwrap.dedent(f"""
+        import os
+        from kvpool.contract.errors import KVPoolError
+        from kvpool.contract.fd_channel import FdAsk
+        from kvpool.mapping.fd_client import fetch_fds
+        try:
+            fds, answer = fetch_fds({str(path)!r}, FdAsk(pool="tiny", lease_id=7,
+                secret={SECRET!r}, groups={groups!r}, fixed={fixed!r}))
+        except KVPoolError as exc:
+            print("refused", exc.code, exc.message)
+            raise SystemExit(0)
+        print(len(fds), answer.size)
+        for fd, (offset, length) in zip(fds, answer.ranges, strict=True):
+            print(offset, length, os.pread(fd, 32, 0).rstrip(b"\\0").decode())
+            os.close(fd)
+    """)
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'client'}"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, env=env, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    return subprocess.CompletedProcess([], proc.returncode or 0, out.decode(), err.decode())
+
+
+def open_fds() -> set[int]:
+    return {int(n) for n in os.listdir("/proc/self/fd")}
+
+
+async def test_an_ask_of_parts_gets_many_descriptors_in_order(socket_dir: Path) -> None:
+    """The fixed part, then groups 5 and 2 (as asked), each group's two views: 5 descriptors,
+    each mapping to the range the answer names; the server closed every one it made."""
+    made: list[int] = []
+    srv = FdServer(socket_dir / "p.sock.fd", parts_authorize(made))
+    await srv.start()
+    try:
+        out = await parts_client(srv.path, (5, 2), True)
+    finally:
+        await srv.close()
+    assert out.returncode == 0, out.stderr
+    c = CHUNK_BYTES
+    expected = [(0, c), (11 * c, c), (12 * c, c), (5 * c, c), (6 * c, c)]
+    assert out.stdout.splitlines() == [f"5 {401 * c}"] + [
+        f"{o} {n} at {o}" for o, n in expected]
+    assert not set(made) & open_fds()
+    assert (srv.answered, srv.refused) == (1, 0)
+
+
+async def test_a_full_answer_carries_max_fds_and_one_more_is_refused(socket_dir: Path) -> None:
+    """groups_per_ask(2, fixed=True) groups fill one answer (2 * 126 + 1 = 253 descriptors,
+    Linux's SCM_MAX_FD); one group more is refused with no descriptor, and the server closed
+    all it made either way."""
+    per_ask = groups_per_ask(2, fixed=True)
+    assert 2 * per_ask + 1 <= MAX_FDS_PER_ANSWER < 2 * (per_ask + 1) + 1
+    made: list[int] = []
+    srv = FdServer(socket_dir / "m.sock.fd", parts_authorize(made))
+    await srv.start()
+    try:
+        full = await parts_client(srv.path, tuple(range(per_ask)), True)
+        over = await parts_client(srv.path, tuple(range(per_ask + 1)), True)
+        refused = await parts_client(srv.path, (1, 250), False)
+    finally:
+        await srv.close()
+    assert full.returncode == 0, full.stderr
+    lines = full.stdout.splitlines()
+    assert lines[0] == f"{2 * per_ask + 1} {401 * CHUNK_BYTES}"
+    assert all(line.endswith(f"at {line.split()[0]}") for line in lines[1:])
+    assert over.stdout.startswith("refused INTERNAL") and "fewer groups" in over.stdout
+    assert refused.stdout.startswith("refused NOT_FOUND")
+    assert not set(made) & open_fds()
+    assert (srv.answered, srv.refused) == (1, 2)
+
+
+def test_asks_and_answers_stay_compatible_with_the_one_file_form() -> None:
+    """An ask without parts encodes as before (no new keys needed to decode it); an ask's
+    groups are bounded and non-negative."""
+    old = msgspec.json.encode({"pool": "tiny", "lease_id": 7, "secret": SECRET})
+    ask = msgspec.json.decode(old, type=FdAsk)
+    assert (ask.groups, ask.fixed, ask.parts) == ((), False, False)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(b'{"pool":"p","lease_id":1,"secret":"","groups":[-1]}', type=FdAsk)
+    too_many = msgspec.json.encode({"pool": "p", "lease_id": 1, "secret": "",
+                                    "groups": list(range(MAX_GROUPS_PER_ASK + 1))})
+    assert len(too_many) < MAX_ASK_BYTES
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(too_many, type=FdAsk)
+    answer = msgspec.json.decode(b'{"code":"OK","size":4,"kind":"memfd"}', type=FdAnswer)
+    assert answer.ranges == ()
+    with pytest.raises(ValueError, match="more descriptors"):
+        groups_per_ask(MAX_FDS_PER_ANSWER + 1)
+    assert groups_per_ask(64) == 3 and groups_per_ask(1) == MAX_GROUPS_PER_ASK

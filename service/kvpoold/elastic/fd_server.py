@@ -2,8 +2,12 @@
 
 Runs on the daemon's event loop: accept, read one bounded ask (with a deadline, so a client
 that connects and says nothing holds nothing), check the peer's uid and the lease through the
-daemon's ``authorize`` callback, answer with the descriptor attached. The socket is 0600 (0660
-with a group), like the gRPC socket it sits beside, and removed on close.
+daemon's ``authorize`` callback, answer with the descriptors attached. The socket is 0600
+(0660 with a group), like the gRPC socket it sits beside, and removed on close.
+
+``authorize`` returns either ``(fd, size, kind)`` (one descriptor the daemon keeps open: a
+pool's sparse file) or an :class:`FdGrant` (several descriptors, each with its range; when
+``owned``, fresh exports the server closes once sent, whatever happens).
 """
 
 from __future__ import annotations
@@ -15,17 +19,43 @@ import os
 import socket
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
-from kvpool.contract.errors import InvalidArgument, KVPoolError, PermissionDenied
-from kvpool.contract.fd_channel import MAX_ASK_BYTES, FdAnswer, FdAsk
+from kvpool.contract.errors import Internal, InvalidArgument, KVPoolError, PermissionDenied
+from kvpool.contract.fd_channel import MAX_ASK_BYTES, MAX_FDS_PER_ANSWER, FdAnswer, FdAsk
 
 log = logging.getLogger("kvpoold.elastic")
 
-# (ask, peer uid) -> (descriptor, size, kind); raises a KVPoolError to refuse.
-Authorize = Callable[[FdAsk, int], tuple[int, int, str]]
+
+@dataclass(frozen=True)
+class FdGrant:
+    """What to send for an ask of parts: ``fds[i]`` backs ``ranges[i]`` (offset, length) of
+    a region of ``size`` bytes, in the order of :mod:`kvpool.contract.fd_channel`.
+
+    Attributes:
+        owned: the descriptors are fresh exports for this answer; the server closes them
+            after sending (or failing to).
+    """
+
+    fds: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]
+    size: int
+    kind: str
+    owned: bool = True
+
+    def close(self) -> None:
+        """Close the descriptors if owned. Idempotent only in effect: call once."""
+        if self.owned:
+            for fd in self.fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+# (ask, peer uid) -> (descriptor, size, kind) or FdGrant; raises a KVPoolError to refuse.
+Authorize = Callable[[FdAsk, int], "tuple[int, int, str] | FdGrant"]
 ASK_TIMEOUT_S = 5.0
 DRAIN_BYTES = 1 << 16
 
@@ -95,7 +125,15 @@ class FdServer:
                     ask = msgspec.json.decode(raw, type=FdAsk)
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     raise InvalidArgument(f"undecodable ask: {exc}", field="ask") from None
-                fd, size, kind = self._authorize(ask, uid)
+                grant = self._authorize(ask, uid)
+                if not isinstance(grant, FdGrant):
+                    fd, size, kind = grant
+                    grant = FdGrant((fd,), (), size, kind, owned=False)
+                try:
+                    self._check(grant)
+                except BaseException:
+                    grant.close()
+                    raise
             except TimeoutError:
                 self.refused += 1
                 return  # said nothing in time: nothing to answer
@@ -106,8 +144,21 @@ class FdServer:
             except OSError:
                 self.refused += 1
                 return
+            try:
+                self._send(conn, FdAnswer(code="OK", size=grant.size, kind=grant.kind,
+                                          ranges=grant.ranges), grant.fds)
+            finally:
+                grant.close()
             self.answered += 1
-            self._send(conn, FdAnswer(code="OK", size=size, kind=kind), fd)
+
+    @staticmethod
+    def _check(grant: FdGrant) -> None:
+        if not grant.fds or len(grant.fds) > MAX_FDS_PER_ANSWER:
+            raise Internal(f"an answer carries 1..{MAX_FDS_PER_ANSWER} descriptors, the pool "
+                           f"gave {len(grant.fds)}; ask for fewer groups at once "
+                           "(kvpool.contract.fd_channel.groups_per_ask)")
+        if grant.ranges and len(grant.ranges) != len(grant.fds):
+            raise Internal(f"{len(grant.fds)} descriptors but {len(grant.ranges)} ranges")
 
     @staticmethod
     async def _read_ask(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> bytes:
@@ -129,13 +180,14 @@ class FdServer:
         return data
 
     @staticmethod
-    def _send(conn: socket.socket, answer: FdAnswer, fd: int | None) -> None:
+    def _send(conn: socket.socket, answer: FdAnswer, fds: tuple[int, ...] | None) -> None:
         payload = msgspec.json.encode(answer)
         with contextlib.suppress(OSError):  # the client went away: nothing to do
-            if fd is None:
+            if not fds:
                 conn.send(payload)
             else:
-                socket.send_fds(conn, [payload], [fd])
+                # the socket is non-blocking: a payload this small goes out in one message
+                socket.send_fds(conn, [payload], list(fds))
 
     async def close(self) -> None:
         if self._task is not None:

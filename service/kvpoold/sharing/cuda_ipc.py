@@ -24,13 +24,19 @@ import os
 import re
 import threading
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvpool.contract.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvpool.contract.limits import check_pool_name
+from kvpool.contract.plan import PoolPlan
+from kvpool.mapping.cuda_driver import CudaDriver
 from kvpool.mapping.cuda_mapper import normalize_uuid
 from kvpoold.sharing.base import Region, SharedHandle, Sharing
+
+if TYPE_CHECKING:
+    from kvpoold.elastic.cuda_vmm import CudaVmmBacking
 
 ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 _EXPANDABLE_ON = re.compile(r"(?:^|,)\s*expandable_segments\s*:\s*true\s*(?:,|$)", re.IGNORECASE)
@@ -168,9 +174,14 @@ class CudaIpcBacking(Region):
 class CudaIpcBackingFactory:
     """Creates :class:`CudaIpcBacking` regions on one CUDA device.
 
+    Elastic pools (:meth:`create_elastic`) are CUDA VMM regions instead
+    (:mod:`kvpoold.elastic.cuda_vmm`), made through cuda-bindings, loaded at the first one.
+
     Args:
         device: ``cuda:N``, ``N`` or a ``torch.device``.
         env: the environment whose allocator settings are checked (``os.environ``).
+        fd_socket: the descriptor side socket elastic pools' handles name (empty: clients
+            derive it from their gRPC socket).
 
     Raises:
         FailedPrecondition: expandable segments or cudaMallocAsync configured (checked
@@ -179,7 +190,8 @@ class CudaIpcBackingFactory:
     """
 
     def __init__(
-        self, device: int | str | torch.device = "cuda", env: Mapping[str, str] | None = None
+        self, device: int | str | torch.device = "cuda", env: Mapping[str, str] | None = None,
+        *, fd_socket: str = "",
     ) -> None:
         check_allocator_conf(os.environ if env is None else env)
         if not torch.cuda.is_available():
@@ -192,9 +204,12 @@ class CudaIpcBackingFactory:
         index = _resolve_index(device)
         self._device = torch.device("cuda", index)
         self.device_uuid = normalize_uuid(str(torch.cuda.get_device_properties(index).uuid))
-        self._backings: list[CudaIpcBacking] = []
+        self.fd_socket = fd_socket
+        self._backings: list[CudaIpcBacking | CudaVmmBacking] = []
+        self._driver: CudaDriver | None = None
         self._closed = False
-        # Pools are built in worker threads: guards _backings and _closed (a leaf lock).
+        # Pools are built in worker threads: guards _backings, _driver and _closed (a leaf
+        # lock).
         self._mutex = threading.Lock()
 
     @property
@@ -202,7 +217,7 @@ class CudaIpcBackingFactory:
         return self._device
 
     @property
-    def backings(self) -> tuple[CudaIpcBacking, ...]:
+    def backings(self) -> tuple[CudaIpcBacking | CudaVmmBacking, ...]:
         with self._mutex:
             return tuple(self._backings)
 
@@ -245,7 +260,42 @@ class CudaIpcBackingFactory:
             raise FailedPrecondition("the CUDA IPC factory is closed; start a new one")
         return backing
 
-    def _forget(self, backing: CudaIpcBacking) -> None:
+    def create_elastic(self, plan: PoolPlan, pool_name: str) -> CudaVmmBacking:
+        """An elastic pool's region (``plan.elastic``) in CUDA virtual memory: the whole range
+        reserved, the fixed part backed now, each group backed by
+        :meth:`~kvpoold.elastic.cuda_vmm.CudaVmmBacking.grant`.
+
+        Raises:
+            FailedPrecondition: cuda-bindings is not installed (``pip install
+                'kvpool[cuda]'``), the device's VMM granularity does not divide 2 MiB, or
+                the factory is closed.
+            InvalidArgument: a fixed plan or a bad pool name.
+            ResourceExhausted: the device cannot hold the fixed part.
+        """
+        # imported here: kvpoold.elastic.cuda_vmm imports kvpoold.sharing.base, whose package
+        # imports this module
+        from kvpoold.elastic.cuda_vmm import create_vmm_region
+
+        with self._mutex:
+            if self._closed:
+                raise FailedPrecondition("the CUDA IPC factory is closed; start a new one")
+            if self._driver is None:
+                index = self._device.index
+                assert index is not None
+                self._driver = CudaDriver(index)
+            driver = self._driver
+        backing = create_vmm_region(driver, plan, pool_name, device_uuid=self.device_uuid,
+                                    fd_socket=self.fd_socket, on_close=self._forget)
+        with self._mutex:
+            closed = self._closed
+            if not closed:
+                self._backings.append(backing)
+        if closed:
+            backing.close()
+            raise FailedPrecondition("the CUDA IPC factory is closed; start a new one")
+        return backing
+
+    def _forget(self, backing: CudaIpcBacking | CudaVmmBacking) -> None:
         with self._mutex:
             if backing in self._backings:
                 self._backings.remove(backing)
@@ -255,5 +305,8 @@ class CudaIpcBackingFactory:
         with self._mutex:
             self._closed = True
             backings = list(self._backings)
+            driver, self._driver = self._driver, None
         for backing in backings:
             backing.close()
+        if driver is not None:
+            driver.close()
