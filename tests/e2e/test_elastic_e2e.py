@@ -1,5 +1,6 @@
-"""Elastic pools end to end (issue 23): a real ``kvpoold serve`` with sparse /dev/shm regions, engine
-processes with leases, attachments and page caches on two elastic pools of different layouts.
+"""Elastic pools end to end (issue 23): a real ``kvpoold serve`` with sparse /dev/shm regions,
+engine processes with leases, attachments and page caches on two elastic pools of different
+layouts.
 
 - The pools trade groups under pressure: the memory behind their regions (``st_blocks``) is
   never above the daemon's budget, every page's bytes stay its writer's, every page is

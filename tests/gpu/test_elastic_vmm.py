@@ -21,8 +21,8 @@ import torch
 from kvpool.contract.errors import ResourceExhausted
 from kvpool.contract.fd_channel import FdAsk
 from kvpool.contract.plan import CHUNK_BYTES, PoolPlan
-from kvpoold.elastic.cuda_vmm import CudaVmmBacking
 from kvpoold.elastic.fd_server import FdGrant, FdServer
+from kvpoold.elastic.vmm_backing import CudaVmmBacking
 from kvpoold.sharing import CudaIpcBackingFactory
 from tests.factories import GiB, llama_8b, plan_for
 from tests.procs import Child
