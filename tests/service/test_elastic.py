@@ -247,3 +247,22 @@ def test_shm_files_of_elastic_pools_are_0600() -> None:
         backing = factory.create_elastic(p, "a")
         assert os.stat(backing.path).st_mode & 0o777 == 0o600
         assert backing.backed_bytes() == FIXED
+
+
+async def test_the_descriptor_socket_hands_out_nothing_unproven(daemon: Any) -> None:
+    """Daemon.fd_grant, the side socket's check: a proven lease with an attachment of the pool,
+    and a pool whose memory goes out as descriptors (CUDA VMM; a CPU pool is mapped by path)."""
+    from kvpool.contract.errors import FailedPrecondition, NotFound
+    from kvpool.contract.fd_channel import FdAsk
+
+    d, stub = daemon
+    await configure(stub, "a")
+    la = await open_raw(stub, "a")
+    with pytest.raises(NotFound):
+        d.fd_grant(FdAsk(pool="a", lease_id=la.lease_id, secret="00" * 16), os.getuid())
+    ask = FdAsk(pool="a", lease_id=la.lease_id, secret=la.secret.hex(), groups=(0,))
+    with pytest.raises(FailedPrecondition, match="no attachment"):
+        d.fd_grant(ask, os.getuid())
+    await stub.Attach(pb.AttachRequest(pool="a", **proof(la)))
+    with pytest.raises(FailedPrecondition, match="map it from its Attach handle"):
+        d.fd_grant(ask, os.getuid())

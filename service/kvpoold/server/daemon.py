@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -38,10 +39,12 @@ from kvpool.contract.errors import (
     ResourceExhausted,
     echo,
 )
+from kvpool.contract.fd_channel import FdAsk
 from kvpool.contract.limits import check_pool_name
 from kvpool.contract.plan import PoolPlan
 from kvpool.contract.records import AttachInfo, ConfigureResult, HeldMap, Released, Stats
 from kvpoold import __version__
+from kvpoold.elastic.fd_server import FdGrant
 from kvpoold.elastic.manager import RECLAIM_DEADLINE_S, ElasticPools
 from kvpoold.ids import Grant, IdSpace
 from kvpoold.ids.grouped import GroupedSpace
@@ -770,6 +773,44 @@ class Daemon:
         groups = self.elastic.open_groups(pool) if entry.plan.elastic is not None else ()
         return AttachInfo(entry.fingerprint, entry.plan, entry.plan_json, handle,
                           att.attach_id, self.device, groups)
+
+    def fd_grant(self, ask: FdAsk, uid: int) -> FdGrant:
+        """The descriptors of an elastic pool's memory a client asks for on the side socket
+        (``kvpoold.elastic.fd_server``; the socket already checked the peer's uid): the lease
+        is proven by its secret and must hold an attachment of the pool; only groups granted
+        and not being taken back are handed out.
+
+        Raises:
+            NotFound: no such pool, or the lease is not proven.
+            FailedPrecondition: the lease has no attachment of the pool, the pool's memory is
+                not handed out as descriptors, or a group asked for is not granted now.
+        """
+        entry = self.pool(ask.pool)
+        try:
+            secret = bytes.fromhex(ask.secret)
+        except ValueError:
+            secret = b""
+        lease = self.leases.find(ask.lease_id)
+        if lease is None or not hmac.compare_digest(lease.secret, secret):
+            raise NotFound(f"no open lease {ask.lease_id} with this secret", field="lease_id")
+        if ask.lease_id not in self.attachments.leases_of_pool(ask.pool):
+            raise FailedPrecondition(
+                f"lease {ask.lease_id} has no attachment of pool {ask.pool!r}: Attach under "
+                "the lease first", field="pool")
+        export = getattr(entry.backing, "export", None)
+        if export is None or entry.plan.elastic is None:
+            raise FailedPrecondition(
+                f"pool {ask.pool!r} is not handed out as descriptors (sharing "
+                f"{entry.sharing}): map it from its Attach handle", field="pool")
+        granted = set(self.elastic.open_groups(ask.pool))
+        missing = [g for g in ask.groups if g not in granted]
+        if missing:
+            raise FailedPrecondition(
+                f"groups {missing} of pool {ask.pool!r} are not granted now (granted: "
+                f"{sorted(granted)}); map only the groups Attach or an Allocate gave",
+                field="groups")
+        grant: FdGrant = export(ask.groups, ask.fixed)
+        return grant
 
     def detach(self, caller: Caller, attach_id: int) -> None:
         """End an attachment of the caller's identity.

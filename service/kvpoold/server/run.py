@@ -25,8 +25,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.fd_channel import fd_socket_path
 from kvpool.contract.limits import MESSAGE_SIZE_OPTIONS
 from kvpool.v1 import kvpool_pb2_grpc
+from kvpoold.elastic.fd_server import FdServer
 from kvpoold.metrics import DaemonMetrics, MetricsServer, loop_snapshot, start_metrics_server
 from kvpoold.server.auth import Authority, NamedToken, UnixAuth, all_tokens
 from kvpoold.server.daemon import Daemon
@@ -188,6 +190,25 @@ async def sweep_leases(daemon: Daemon, interval_s: float = SWEEP_INTERVAL_S) -> 
             await asyncio.sleep(interval_s)  # a past deadline must not make a failing sweep spin
 
 
+async def start_fd_server(daemon: Daemon, factory: BackingFactory,
+                          settings: ServeSettings) -> FdServer | None:
+    """The descriptor side socket (``<first Unix socket>.fd``) of a factory that hands elastic
+    pools out as descriptors (CUDA VMM); None for the others, or with no Unix listener."""
+    if not hasattr(factory, "fd_socket"):
+        return None
+    unix = [x.address for x in settings.listeners if x.transport == "unix"]
+    if not unix:
+        log.warning("elastic CUDA pools need a Unix listener for their descriptor socket",
+                    extra={"fields": {"event": "fd_socket_off"}})
+        return None
+    path = fd_socket_path(unix[0])
+    factory.fd_socket = path  # type: ignore[attr-defined]
+    server = FdServer(Path(path), daemon.fd_grant)
+    await server.start()
+    log.info("descriptor socket", extra={"fields": {"event": "fd_socket", "path": path}})
+    return server
+
+
 async def run(
     settings: ServeSettings,
     *,
@@ -234,6 +255,7 @@ async def run(
     metrics = None if settings.metrics_port is None else DaemonMetrics(
         loop_snapshot(daemon.snapshot, loop), settings.device)
     metrics_server: MetricsServer | None = None
+    fd_server: FdServer | None = None
     try:
         server = create_server(daemon, settings.listeners, token=settings.token,
                                tokens=settings.tokens, unix_auth=settings.unix_auth, tls=tls,
@@ -243,6 +265,7 @@ async def run(
             metrics_server = start_metrics_server(metrics.registry, settings.metrics_host,
                                                   settings.metrics_port)
         await server.start()
+        fd_server = await start_fd_server(daemon, factory, settings)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         sweeper = asyncio.create_task(sweep_leases(daemon))
@@ -267,6 +290,8 @@ async def run(
             if not server.closing.is_set():  # an error before the normal shutdown
                 await server.shutdown(0)
             server.remove_sockets()
+        if fd_server is not None:
+            await fd_server.close()
         if metrics_server is not None:  # before the pools go: a scrape must not see them half
             await asyncio.to_thread(metrics_server.close)
         await daemon.transfers.close()
