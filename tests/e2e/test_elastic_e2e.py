@@ -25,6 +25,7 @@ import pytest
 
 from kvpool.clients.client import KVPoolClient
 from tests.conftest import run_daemon, temp_dir
+from tests.e2e.test_metrics import metrics_url, scrape
 from tests.procs import Child
 
 MiB = 1 << 20
@@ -223,7 +224,8 @@ def test_a_process_touching_a_group_taken_back_faults() -> None:
 @pytest.mark.timeout(120)
 def test_a_killed_engines_groups_come_back_within_its_ttl() -> None:
     with temp_dir() as sock_dir, temp_dir("kvp-shm-", "/dev/shm") as shm, \
-            daemon_in(shm, sock_dir) as daemon, KVPoolClient(daemon.target) as client:
+            daemon_in(shm, sock_dir, "--metrics-port", "0", "--log-format", "json") as daemon, \
+            KVPoolClient(daemon.target) as client:
         configure(client)
         with engine(daemon.target, "a", 1111, ttl=1.0) as ea:
             ea.recv()
@@ -239,6 +241,14 @@ def test_a_killed_engines_groups_come_back_within_its_ttl() -> None:
         assert backed(shm) == 2 * FIXED + GROUP_A + GROUP_B
         with client.lease("b-user", ttl_s=10) as lease:
             assert len(lease.allocate("b", "kv", 3 * PAGES_B - 1)) == 3 * PAGES_B - 1
+        # /metrics says the same as Stats, for elastic pools only
+        got = scrape(metrics_url(daemon.log))
+        labels = {"device": "cpu", "pool": "a"}
+        assert got.get("kvpool_elastic_granted_bytes", **labels) == FIXED + GROUP_A
+        assert got.get("kvpool_elastic_groups", **labels, state="granted", unit="groups") == 1
+        assert got.get("kvpool_elastic_reclaims_total", **labels, unit="groups") == 2
+        assert got.get("kvpool_elastic_backed_bytes", device="cpu", pool="b") == (
+            FIXED + 3 * GROUP_B)
 
 
 @pytest.mark.timeout(120)
