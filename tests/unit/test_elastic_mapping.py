@@ -27,13 +27,14 @@ from kvpool.contract.errors import FailedPrecondition, InvalidArgument
 from kvpool.contract.plan import CHUNK_BYTES, PoolPlan
 from kvpool.contract.records import AttachInfo
 from kvpool.mapping.attach import Attachment, region_of
-from kvpool.mapping.elastic_map import NO_LEASE, ElasticRegion, map_elastic
-from kvpool.mapping.regions import check_layout, map_region
+from kvpool.mapping.elastic_map import NO_LEASE, ElasticRegion
+from kvpool.mapping.regions import map_region
 from kvpool.mapping.sparse import backed_bytes
 from kvpoold.hf import load_model
 from kvpoold.sharing.shm import ShmBackingFactory, SparseShmBacking
 from kvpoold.sizing import make_options, plan
 from tests.conftest import PYTHONPATH, REPO
+from tests.factories import map_elastic_backing
 
 MODEL = REPO / "tests/data/models/llama-3.1-8b-instruct.json"
 GROUP_BYTES = 128 << 20
@@ -63,9 +64,7 @@ def backing(shm_dir: Path, pool_plan: PoolPlan) -> Iterator[SparseShmBacking]:
 
 def mapped(backing: SparseShmBacking, pool_plan: PoolPlan, groups: tuple[int, ...] = (0,)
            ) -> ElasticRegion:
-    return map_elastic(backing.handle(), check_layout(int(backing.handle().size),
-                                                      pool_plan.buffers),
-                       plan=pool_plan, groups=groups, pool="p")
+    return map_elastic_backing(backing, pool_plan, groups)
 
 
 def child(backing: SparseShmBacking, pool_plan: PoolPlan, body: str
