@@ -7,8 +7,9 @@ The region file is checked as for ``shm`` (:func:`kvpool.mapping.shm_mapper.open
 is built over the reservation's address (no copy), so every view spans its whole virtual range
 from the start. Only mapped chunks are reachable: touching a group that is not mapped faults
 (SIGSEGV), it never reads zeros or allocates memory. Group ``g`` is the ranges
-``plan.group_ranges(g)``, one per view; the fixed part (``plan.elastic.fixed_offset`` to the
-end: ``req_to_token`` and other aux buffers) is mapped for the region's life.
+``plan.group_ranges(g)``, one per view; the fixed part (``fixed_bytes`` at
+``plan.elastic.fixed_offset``, up to the end: ``req_to_token`` and other aux buffers, what the
+daemon committed for the pool's life) is mapped for the region's life.
 
 The reservation is released once the region is closed and no view taken from it is alive
 (a ``weakref.finalize`` on the buffer the tensors share): closing first takes every range back
@@ -83,7 +84,8 @@ class ElasticRegion(MappedRegion):
             return frozenset(int(g) for g in np.flatnonzero(self._mapped))
 
     def _check_groups(self, groups: np.ndarray) -> None:
-        if groups.size and (groups.min() < 0 or groups.max() >= self.groups):
+        # One pass: a negative group wraps to a huge unsigned one.
+        if groups.size and int(groups.view(np.uint64).max()) >= self.groups:
             bad = int(groups[(groups < 0) | (groups >= self.groups)][0])
             raise InvalidArgument(
                 f"group {bad} is not in pool {self.pool or '?'} (groups 0..{self.groups - 1})",
@@ -122,8 +124,10 @@ class ElasticRegion(MappedRegion):
         with self._lock:
             if self.closed:
                 raise FailedPrecondition("the mapped region is closed")
-            missing = groups[~self._mapped[groups]]
-            for g in np.unique(missing).tolist():
+            present = self._mapped[groups]
+            if present.all():  # the common case: one gather, no mmap
+                return done
+            for g in np.unique(groups[~present]).tolist():
                 self._map_group(g)
                 done.append(g)
         return done
@@ -222,7 +226,7 @@ def map_elastic(handle: SharedHandle, layout: Sequence[BufferLayout], *, plan: A
         raise
     try:
         if e.fixed_bytes:
-            reservation.map(e.fixed_offset, size - e.fixed_offset)
+            reservation.map(e.fixed_offset, e.fixed_bytes)  # what the daemon committed
         buffer = (ctypes.c_uint8 * size).from_address(reservation.address)
         # The reservation (and the fd its later maps use) goes when the last view does.
         weakref.finalize(buffer, _release, reservation, fd)
