@@ -17,8 +17,10 @@ another pool is given).
 
 A session is not thread-safe: the blocking shell calls it under its lock, except
 :meth:`~KeepAliveSession.on_failure` and :meth:`~KeepAliveSession.end`, which only set
-``error`` and tell a copy of the cache list that the lease is gone (each cache takes its own
-lock for that, and may take the lease's).
+``error``, tell a copy of the cache list that the lease is gone and close a copy of the region
+list (each cache and region takes its own lock for that, and may then take the lease's: a
+region unregisters). The lock order is lease, then region: :meth:`on_response` unmaps under the
+lease's lock, and a region calls back into the lease only after releasing its own.
 """
 
 from __future__ import annotations
