@@ -99,3 +99,22 @@ def stats_of(*pools: PoolStats, budget_bytes: int = 8 * GiB, uptime_s: float = 6
         leases=[LeaseStats(lease_id=7, name="engine", ttl_seconds=10.0, expires_in_seconds=5.0,
                            held={}, attached=0)],
     )
+
+def elastic_llama_plan() -> PoolPlan:
+    """Llama-3.1-8B, elastic, 1 GiB budget, context 2048, 8 requests: 8 groups of 1024 pages
+    (each of the 64 K/V views' share of a group is one 2 MiB chunk, a group 128 MiB), the
+    fixed part (req_to_token) the last chunk, at 1 GiB."""
+    return plan_for(llama_8b(), budget_bytes=GiB, elastic=True, context_length=2048,
+                    max_running_requests=8)
+
+
+def map_elastic_backing(backing: Any, pool_plan: PoolPlan, groups: tuple[int, ...] = (0,),
+                        pool: str = "p") -> Any:
+    """The client's :class:`kvpool.mapping.elastic_map.ElasticRegion` of a daemon's
+    ``SparseShmBacking`` (``ShmBackingFactory.create_elastic``), ``groups`` mapped."""
+    from kvpool.mapping.elastic_map import map_elastic
+    from kvpool.mapping.regions import check_layout
+
+    handle = backing.handle()
+    return map_elastic(handle, check_layout(int(handle.size), pool_plan.buffers),
+                       plan=pool_plan, groups=groups, pool=pool)

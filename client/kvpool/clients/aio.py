@@ -26,6 +26,7 @@ from kvpool.clients.client import (
     Connection,
     LeaseView,
     default_lease_name,
+    map_allocated,
     serving_polls,
 )
 from kvpool.clients.session import KeepAliveSession
@@ -37,6 +38,7 @@ from kvpool.v1 import kvpool_pb2 as pb
 if TYPE_CHECKING:
     from kvpool.cache.aio_page_cache import AsyncPageCache
     from kvpool.mapping.attach import LeaseArg
+    from kvpool.mapping.elastic_map import ElasticRegion
     from kvpool.mapping.regions import MappedRegion
     from kvpool.pd.transfer_handles import AsyncReceiveGrant, AsyncSendHandle
 
@@ -191,7 +193,22 @@ class AsyncLease(LeaseView):
 
     async def allocate_batch(self, pool: str, items: Sequence[tuple[str, int]]
                              ) -> list[np.ndarray]:
-        return await self.client.run(rpcs.allocate(pool, self, items))
+        """See ``Lease.allocate_batch`` (an elastic pool's groups are mapped before it
+        returns)."""
+        arrays = await self.client.run(rpcs.allocate(pool, self, items))
+        regions = self.client._elastic.get(pool)
+        if regions:
+            await self._map_or_free(pool, regions, [space for space, _ in items], arrays)
+        return arrays
+
+    async def _map_or_free(self, pool: str, regions: tuple[Any, ...], spaces: list[str],
+                           arrays: list[np.ndarray]) -> None:
+        """See ``Lease._map_or_free`` (the mmaps run on the loop: microseconds each)."""
+        try:
+            map_allocated(regions, spaces, arrays)
+        except BaseException:
+            await self.free_batch(pool, list(zip(spaces, arrays, strict=True)))
+            raise
 
     async def free(self, pool: str, space: str, ids: Any) -> int:
         return await self.free_batch(pool, [(space, ids)])
@@ -203,7 +220,11 @@ class AsyncLease(LeaseView):
 
     async def _allocate_held(self, pool: str, space: str, count: int
                              ) -> tuple[np.ndarray, int | None]:
-        return await self.client.run(rpcs.allocate_held(pool, self, space, count))
+        ids, held = await self.client.run(rpcs.allocate_held(pool, self, space, count))
+        regions = self.client._elastic.get(pool)
+        if regions:  # a cache hands out only mapped pages
+            await self._map_or_free(pool, regions, [space], [ids])
+        return ids, held
 
     async def _free_held(self, pool: str, space: str, ids: Any) -> tuple[int, int | None]:
         return await self.client.run(rpcs.free_held(pool, self, space, ids))
@@ -266,6 +287,18 @@ class AsyncLease(LeaseView):
     def _unregister_cache(self, cache: AsyncPageCache) -> None:
         self._session.remove_cache(cache)
         self._kick.set()
+
+    def _register_region(self, region: ElasticRegion) -> None:
+        """See ``Lease._register_region``."""
+        if self._closed:
+            raise lease_closed(self.lease_id)
+        self._session.add_region(region)
+        self.client._add_region(region)
+        region.on_close(self._unregister_region)
+
+    def _unregister_region(self, region: ElasticRegion) -> None:
+        self._session.remove_region(region)
+        self.client._remove_region(region)
 
     def _report_soon(self) -> None:
         self._kick.set()

@@ -39,6 +39,7 @@ from kvpool.v1 import kvpool_pb2_grpc
 if TYPE_CHECKING:
     from kvpool.cache.page_cache import PageCache
     from kvpool.mapping.attach import LeaseArg
+    from kvpool.mapping.elastic_map import ElasticRegion
     from kvpool.mapping.regions import MappedRegion
     from kvpool.pd.transfer_handles import ReceiveGrant, SendHandle
 
@@ -98,6 +99,37 @@ class Connection:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._metadata = auth_metadata(token)
         self.timeout_s = timeout_s
+        # Pool -> the elastic regions attached through this client's leases, which map the
+        # groups of every page those leases allocate. Replaced whole under the lock, so the
+        # allocate path reads it with one dict lookup and no lock.
+        self._elastic: dict[str, tuple[Any, ...]] = {}
+        self._elastic_lock = threading.Lock()  # a leaf
+
+    def _add_region(self, region: Any) -> None:
+        with self._elastic_lock:
+            self._elastic[region.pool] = (*self._elastic.get(region.pool, ()), region)
+
+    def _remove_region(self, region: Any) -> None:
+        with self._elastic_lock:
+            left = tuple(r for r in self._elastic.get(region.pool, ()) if r is not region)
+            if left:
+                self._elastic[region.pool] = left
+            else:
+                self._elastic.pop(region.pool, None)
+
+
+def map_allocated(regions: tuple[Any, ...], spaces: Sequence[str],
+                  arrays: Sequence[np.ndarray]) -> None:
+    """Map, in every elastic region of the pool, the groups of the ids just allocated (of the
+    space whose ids lie in groups) before the caller sees them.
+
+    Raises:
+        OSError: an mmap failed (the caller frees the ids and raises it).
+    """
+    for space, ids in zip(spaces, arrays, strict=True):
+        for region in regions:
+            if space == region.space:
+                region.ensure_pages(ids)
 
 
 class KVPoolClient(Connection):
@@ -353,12 +385,33 @@ class Lease(LeaseView):
         return self.allocate_batch(pool, [(space, count)])[0]
 
     def allocate_batch(self, pool: str, items: Sequence[tuple[str, int]]) -> list[np.ndarray]:
-        """Several ``(space, count)`` in one all-or-nothing call; one int32 array per item."""
-        return self.client.run(rpcs.allocate(pool, self, items))
+        """Several ``(space, count)`` in one all-or-nothing call; one int32 array per item.
+
+        In an elastic pool the groups of the ``kv`` pages are mapped in every region of the
+        pool attached through this client before this returns.
+        """
+        arrays = self.client.run(rpcs.allocate(pool, self, items))
+        regions = self.client._elastic.get(pool)
+        if regions:
+            self._map_or_free(pool, regions, [space for space, _ in items], arrays)
+        return arrays
 
     def allocate_swa_pairs(self, pool: str, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Hybrid SWA pools: ``count`` full pages and the SWA page paired with each."""
-        return self.client.run(rpcs.allocate_pairs(pool, self, count))
+        full, swa = self.client.run(rpcs.allocate_pairs(pool, self, count))
+        regions = self.client._elastic.get(pool)
+        if regions:
+            self._map_or_free(pool, regions, ["kv"], [full])  # freeing kv frees its pair
+        return full, swa
+
+    def _map_or_free(self, pool: str, regions: tuple[Any, ...], spaces: list[str],
+                     arrays: list[np.ndarray]) -> None:
+        """:func:`map_allocated`; if it fails, the ids go back before the error is raised."""
+        try:
+            map_allocated(regions, spaces, arrays)
+        except BaseException:
+            self.free_batch(pool, list(zip(spaces, arrays, strict=True)))
+            raise
 
     def free(self, pool: str, space: str, ids: Any) -> int:
         """Return ``ids`` of id space ``space`` (``swa``: only the SWA side of kv pages); all
@@ -372,7 +425,11 @@ class Lease(LeaseView):
     # -- for page caches: one space, and what the lease holds of it after the call --------------
 
     def _allocate_held(self, pool: str, space: str, count: int) -> tuple[np.ndarray, int | None]:
-        return self.client.run(rpcs.allocate_held(pool, self, space, count))
+        ids, held = self.client.run(rpcs.allocate_held(pool, self, space, count))
+        regions = self.client._elastic.get(pool)
+        if regions:  # a cache hands out only mapped pages
+            self._map_or_free(pool, regions, [space], [ids])
+        return ids, held
 
     def _free_held(self, pool: str, space: str, ids: Any) -> tuple[int, int | None]:
         return self.client.run(rpcs.free_held(pool, self, space, ids))
@@ -459,6 +516,22 @@ class Lease(LeaseView):
         with self._acked:
             self._session.remove_cache(cache)
         self._kick.set()
+
+    def _register_region(self, region: ElasticRegion) -> None:
+        """An elastic region attached under this lease: its groups are unmapped when the
+        daemon asks on this lease's stream, and mapped as this client's leases allocate; until
+        it closes (or the lease ends, which closes it)."""
+        if self.closed:
+            raise lease_closed(self.lease_id)
+        with self._acked:
+            self._session.add_region(region)
+        self.client._add_region(region)
+        region.on_close(self._unregister_region)
+
+    def _unregister_region(self, region: ElasticRegion) -> None:
+        with self._acked:
+            self._session.remove_region(region)
+        self.client._remove_region(region)
 
     def _report_soon(self) -> None:
         self._kick.set()

@@ -9,6 +9,11 @@ Used by ``KVPoolClient.attach`` and ``AsyncKVPoolClient.attach`` (one :class:`At
 first, then the attachment ended. A Detach that fails never hides the body's own exception: it is
 logged and added to that exception as a note; an attachment that is already gone (a forced Drop,
 its lease ended, the daemon restarted) is not an error at exit.
+
+An elastic pool (sharing ``shm_sparse``) is attached under a lease only (a ``Lease`` or
+``AsyncLease`` of this process: the daemon takes its groups back over that lease's KeepAlive
+stream); its region registers with the lease, which maps the groups of the pages it allocates
+and unmaps the groups the daemon takes back, until the region closes.
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 
-from kvpool.contract.errors import NotFound
+from kvpool.contract.errors import FailedPrecondition, NotFound
 from kvpool.contract.records import AttachInfo
 from kvpool.contract.wire import LeaseLike
+from kvpool.mapping.elastic_map import NO_LEASE, ElasticRegion
 from kvpool.mapping.regions import MappedRegion, map_region
 
 log = logging.getLogger("kvpool.mapping.attach")
@@ -30,15 +36,17 @@ log = logging.getLogger("kvpool.mapping.attach")
 LeaseArg = LeaseLike | None
 
 
-def region_of(info: AttachInfo) -> MappedRegion:
-    """Map what Attach returned: the handle, carved by the plan's buffers.
+def region_of(info: AttachInfo, pool: str = "") -> MappedRegion:
+    """Map what Attach returned: the handle, carved by the plan's buffers (and of an elastic
+    pool, the groups granted now; ``pool`` names it on the region).
 
     Raises:
         FailedPrecondition, InvalidArgument, NotFound, PermissionDenied: see
             ``kvpool.mapping.regions.map_region``.
     """
     return map_region(info.handle, info.plan.buffers, plan=info.plan,
-                      fingerprint=info.fingerprint, attach_id=info.attach_id)
+                      fingerprint=info.fingerprint, attach_id=info.attach_id,
+                      groups=info.elastic_groups, pool=pool)
 
 
 def _detach_failed(exc: Exception, attach_id: int, body: BaseException | None) -> None:
@@ -67,16 +75,31 @@ class Attachment(contextlib.AbstractContextManager[MappedRegion],
     """
 
     def __init__(self, attach: Callable[[], AttachInfo | Awaitable[AttachInfo]],
-                 detach: Callable[[int], Awaitable[None] | None]) -> None:
+                 detach: Callable[[int], Awaitable[None] | None], *, pool: str = "",
+                 lease: LeaseArg = None) -> None:
         self._attach = attach
         self._detach = detach
+        self._pool = pool
+        self._lease = lease
         self._info: AttachInfo | None = None
         self._region: MappedRegion | None = None
 
     def _map(self, info: AttachInfo) -> MappedRegion:
         self._info = info
-        self._region = region_of(info)
-        return self._region
+        # An elastic region registers with its lease: it maps what the lease allocates and
+        # unmaps what the daemon takes back (a LeaseKey has no stream here to hear that).
+        register = getattr(self._lease, "_register_region", None)
+        if info.plan.elastic is not None and register is None:
+            raise FailedPrecondition(NO_LEASE, field="lease")
+        region = region_of(info, self._pool)
+        if isinstance(region, ElasticRegion):
+            try:
+                register(region)  # type: ignore[misc]
+            except BaseException:
+                region.close()
+                raise
+        self._region = region
+        return region
 
     def _unmap(self, exc: BaseException | None) -> tuple[int, BaseException | None]:
         """Close the region (if it was mapped): the attachment to end, and the exception the
@@ -134,7 +157,8 @@ def attachment(attach_raw: Callable[[str, str, LeaseArg], AttachInfo | Awaitable
                expected_fingerprint: str | None, lease: LeaseArg) -> Attachment:
     """The body of ``KVPoolClient.attach`` and ``AsyncKVPoolClient.attach`` (see the first):
     a ``with`` block over the sync client's calls, an ``async with`` over the asyncio one's."""
-    return Attachment(lambda: attach_raw(pool, expected_fingerprint or "", lease), detach)
+    return Attachment(lambda: attach_raw(pool, expected_fingerprint or "", lease), detach,
+                      pool=pool, lease=lease)
 
 
 __all__ = ["Attachment", "LeaseArg", "attachment", "region_of"]

@@ -7,9 +7,9 @@ checked before it is mapped (regular file, owned by us, mode 0600, exactly ``siz
 mapped through the checked descriptor, so what is mapped is what was checked.
 
 The importers are one module per way of sharing (:mod:`kvpool.mapping.shm_mapper`,
-:mod:`kvpool.mapping.cuda_mapper`); this module checks the layout, dispatches on ``sharing`` and
-carves
-the views. torch is imported inside the functions that need it; ``import kvpool`` stays light.
+:mod:`kvpool.mapping.cuda_mapper`, :mod:`kvpool.mapping.elastic_map` for ``shm_sparse``); this
+module checks the layout, dispatches on ``sharing`` and carves the views. torch is imported
+inside the functions that need it; ``import kvpool`` stays light.
 """
 
 from __future__ import annotations
@@ -280,7 +280,8 @@ def carve_views(base: torch.Tensor, layout: Sequence[BufferLayout]) -> dict[str,
 
 
 def map_region(handle: SharedHandle, buffers: Sequence[BufferLike], *, plan: Any = None,
-               fingerprint: str = "", attach_id: int = 0) -> MappedRegion:
+               fingerprint: str = "", attach_id: int = 0, groups: Sequence[int] = (),
+               pool: str = "") -> MappedRegion:
     """Map a pool's region and return its named zero-copy views.
 
     Args:
@@ -289,9 +290,14 @@ def map_region(handle: SharedHandle, buffers: Sequence[BufferLike], *, plan: Any
         buffers: the pool's buffer layouts (name, dtype name, shape, offset_bytes, nbytes,
             optionally page_bytes): ``plan.buffers`` or :class:`BufferLayout` values.
         plan, fingerprint, attach_id: kept on the region for the caller (Attach's values).
+        groups: for ``shm_sparse`` (an elastic pool), the groups granted now
+            (``AttachInfo.elastic_groups``); ``plan`` is then required.
+        pool: the pool's name, kept on an elastic region (its lease routes unmaps by it).
 
     Returns:
-        A :class:`MappedRegion`; ``region["k.0"]`` is a tensor on the pool's device.
+        A :class:`MappedRegion`; ``region["k.0"]`` is a tensor on the pool's device. For
+        ``shm_sparse`` a :class:`kvpool.mapping.elastic_map.ElasticRegion`, in which only the
+        fixed part and the mapped groups are reachable.
 
     Raises:
         InvalidArgument: malformed handle or layout.
@@ -307,9 +313,10 @@ def map_region(handle: SharedHandle, buffers: Sequence[BufferLike], *, plan: Any
             field="sharing",
         )
     mapper = _MAPPERS.get(sharing)
-    if mapper is None:
-        raise InvalidArgument(f"unknown sharing {sharing!r} (known: shm, cuda_ipc, none)",
-                              field="sharing")
+    if mapper is None and sharing != "shm_sparse":
+        raise InvalidArgument(
+            f"unknown sharing {sharing!r} (known: shm, shm_sparse, cuda_ipc, none)",
+            field="sharing")
     size = int(handle.size)
     try:
         if size < 1:
@@ -319,6 +326,11 @@ def map_region(handle: SharedHandle, buffers: Sequence[BufferLike], *, plan: Any
         if sharing == "cuda_ipc":
             release_export(handle)
         raise
+    if mapper is None:  # shm_sparse: an elastic pool, mapped group by group
+        from kvpool.mapping.elastic_map import map_elastic
+
+        return map_elastic(handle, layout, plan=plan, groups=groups, fingerprint=fingerprint,
+                           attach_id=attach_id, pool=pool)
     device, base = mapper(handle)
     return MappedRegion(sharing, device, base, carve_views(base, layout), path=str(handle.path),
                         layout=layout, plan=plan, fingerprint=fingerprint, attach_id=attach_id)

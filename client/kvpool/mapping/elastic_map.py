@@ -1,0 +1,254 @@
+"""Client-side mapping of an elastic pool (sharing ``shm_sparse``): reserve the whole region with
+no access, map the fixed part and the granted groups into it, map more as pages are allocated,
+unmap groups the daemon takes back.
+
+The region file is checked as for ``shm`` (:func:`kvpool.mapping.shm_mapper.open_shm`), then a
+:class:`~kvpool.mapping.sparse.Reservation` of its whole size is made and the flat uint8 tensor
+is built over the reservation's address (no copy), so every view spans its whole virtual range
+from the start. Only mapped chunks are reachable: touching a group that is not mapped faults
+(SIGSEGV), it never reads zeros or allocates memory. Group ``g`` is the ranges
+``plan.group_ranges(g)``, one per view; the fixed part (``fixed_bytes`` at
+``plan.elastic.fixed_offset``, up to the end: ``req_to_token`` and other aux buffers, what the
+daemon committed for the pool's life) is mapped for the region's life.
+
+The reservation is released once the region is closed and no view taken from it is alive
+(a ``weakref.finalize`` on the buffer the tensors share): closing first takes every range back
+to no access, so a view kept past ``close`` faults instead of reaching whatever the address
+space holds there later.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvpool.contract.errors import FailedPrecondition, InvalidArgument
+from kvpool.contract.plan import group_ranges
+from kvpool.contract.shared_handle import SharedHandle
+from kvpool.mapping.regions import BufferLayout, MappedRegion, carve_views
+from kvpool.mapping.shm_mapper import open_shm
+from kvpool.mapping.sparse import Reservation
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("kvpool.mapping.elastic_map")
+
+# The id space whose ids lie in groups (page p in group p // pages_per_group).
+ELASTIC_SPACE = "kv"
+
+# What an attach under no lease (or a lease with no KeepAlive stream here) is refused with;
+# the daemon refuses it with the same words.
+NO_LEASE = ("attach to an elastic pool under a lease: its groups are taken back over the "
+            "lease's KeepAlive stream")
+
+
+class ElasticRegion(MappedRegion):
+    """A mapped elastic pool: the views of :class:`MappedRegion` over a reservation in which
+    only the fixed part and the mapped groups are reachable.
+
+    Made by :func:`map_elastic`. Thread-safe: allocating threads map groups while the lease's
+    keep-alive thread unmaps others (one leaf lock per region).
+    """
+
+    def __init__(self, device: torch.device, base: torch.Tensor,
+                 views: dict[str, torch.Tensor], path: str, *, reservation: Reservation,
+                 layout: Sequence[BufferLayout], plan: Any, fingerprint: str = "",
+                 attach_id: int = 0, pool: str = "") -> None:
+        super().__init__("shm_sparse", device, base, views, path, layout=layout, plan=plan,
+                         fingerprint=fingerprint, attach_id=attach_id)
+        e = plan.elastic
+        self.pool = pool
+        self.space = ELASTIC_SPACE
+        self.pages_per_group: int = e.pages_per_group
+        self.groups: int = e.groups
+        # (offset, share) of each view: where group g lies (kvpool.contract.plan.group_ranges).
+        self._shares = [(b.offset_bytes, e.pages_per_group * b.page_bytes)
+                        for b in (plan.buffer(name) for name in e.views)]
+        self._reservation = reservation
+        self._mapped = np.zeros(e.groups, dtype=bool)
+        self._lock = threading.Lock()  # a leaf: guards _mapped and the reservation's mappings
+        self._on_close: list[Callable[[ElasticRegion], None]] = []
+
+    @property
+    def mapped_groups(self) -> frozenset[int]:
+        """The groups mapped in this process now."""
+        with self._lock:
+            return frozenset(int(g) for g in np.flatnonzero(self._mapped))
+
+    def _check_groups(self, groups: np.ndarray) -> None:
+        # One pass: a negative group wraps to a huge unsigned one.
+        if groups.size and int(groups.view(np.uint64).max()) >= self.groups:
+            bad = int(groups[(groups < 0) | (groups >= self.groups)][0])
+            raise InvalidArgument(
+                f"group {bad} is not in pool {self.pool or '?'} (groups 0..{self.groups - 1})",
+                field="groups")
+
+    def ensure_groups(self, groups: Iterable[int]) -> list[int]:
+        """Map each of ``groups`` not mapped yet (the daemon must have granted it).
+
+        Returns:
+            The groups this call mapped.
+
+        Raises:
+            InvalidArgument: a group outside the pool.
+            FailedPrecondition: the region is closed.
+            OSError: an mmap failed (that group is left unmapped; the ones before it stay).
+        """
+        return self._ensure(np.fromiter(groups, dtype=np.int64))
+
+    def ensure_pages(self, page_ids: Any) -> list[int]:
+        """Map the groups ``page_ids`` (kv page ids) lie in; O(len(page_ids)), and no mmap at
+        all when they are mapped already. For a process that reads pages another process
+        allocated (its own allocations are mapped before they return).
+
+        Returns:
+            The groups this call mapped.
+
+        Raises:
+            As :meth:`ensure_groups`.
+        """
+        ids = np.asarray(page_ids, dtype=np.int64).reshape(-1)
+        return self._ensure(ids // self.pages_per_group)
+
+    def _ensure(self, groups: np.ndarray) -> list[int]:
+        self._check_groups(groups)
+        done: list[int] = []
+        with self._lock:
+            if self.closed:
+                raise FailedPrecondition("the mapped region is closed")
+            present = self._mapped[groups]
+            if present.all():  # the common case: one gather, no mmap
+                return done
+            for g in np.unique(groups[~present]).tolist():
+                self._map_group(g)
+                done.append(g)
+        return done
+
+    def _map_group(self, group: int) -> None:
+        done: list[tuple[int, int]] = []
+        try:
+            for offset, length in group_ranges(self._shares, group):
+                self._reservation.map(offset, length)
+                done.append((offset, length))
+        except BaseException:
+            for offset, length in done:  # all of the group or none of it
+                self._reservation.unmap(offset, length)
+            raise
+        self._mapped[group] = True
+
+    def unmap_groups(self, groups: Iterable[int]) -> list[int]:
+        """Take ``groups`` back to no access: a touch of them faults from now on. Groups not
+        mapped are skipped.
+
+        Returns:
+            The groups this call unmapped.
+
+        Raises:
+            InvalidArgument: a group outside the pool.
+            OSError: an mmap failed (that group may be partly mapped still: do not tell the
+                daemon it is unmapped).
+        """
+        arr = np.fromiter(groups, dtype=np.int64)
+        self._check_groups(arr)
+        done: list[int] = []
+        with self._lock:
+            if self.closed:
+                return done  # closing took every range back already
+            for g in np.unique(arr[self._mapped[arr]]).tolist():
+                for offset, length in group_ranges(self._shares, g):
+                    self._reservation.unmap(offset, length)
+                self._mapped[g] = False
+                done.append(g)
+        return done
+
+    def on_close(self, callback: Callable[[ElasticRegion], None]) -> None:
+        """Call ``callback(region)`` when the region closes (a lease unregisters it)."""
+        self._on_close.append(callback)
+
+    def close(self) -> None:
+        """Take the whole range back to no access, drop the views, unregister from the lease;
+        the reservation is released once no view taken from the region is alive. Idempotent.
+        """
+        with self._lock:
+            if self.closed:
+                return
+            r = self._reservation
+            if r.address:
+                r.unmap(0, r.size)
+            self._mapped[:] = False
+            super().close()
+        callbacks, self._on_close = self._on_close, []
+        for callback in callbacks:
+            callback(self)
+
+
+def map_elastic(handle: SharedHandle, layout: Sequence[BufferLayout], *, plan: Any,
+                groups: Iterable[int] = (), fingerprint: str = "", attach_id: int = 0,
+                pool: str = "") -> ElasticRegion:
+    """Map a ``shm_sparse`` handle: reserve it whole, map the fixed part and ``groups``.
+
+    Args:
+        handle: the region's handle (path and size of the daemon's sparse 0600 file).
+        layout: the checked buffer layouts (:func:`kvpool.mapping.regions.check_layout`).
+        plan: the pool's plan; ``plan.elastic`` says where the groups and the fixed part lie.
+        groups: the groups granted now (``AttachInfo.elastic_groups``).
+        fingerprint, attach_id, pool: kept on the region for the caller.
+
+    Returns:
+        An :class:`ElasticRegion`.
+
+    Raises:
+        InvalidArgument: no elastic plan, or a group outside it.
+        NotFound, PermissionDenied, FailedPrecondition: see
+            :func:`kvpool.mapping.shm_mapper.open_shm`.
+    """
+    import torch
+
+    e = getattr(plan, "elastic", None)
+    if e is None:
+        raise InvalidArgument("a shm_sparse handle needs the pool's elastic plan (Attach "
+                              "returns it; map with kvpool.mapping.attach.region_of)",
+                              field="plan")
+    size = int(handle.size)
+    fd = open_shm(str(handle.path), size)
+    try:
+        reservation = Reservation(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        if e.fixed_bytes:
+            reservation.map(e.fixed_offset, e.fixed_bytes)  # what the daemon committed
+        buffer = (ctypes.c_uint8 * size).from_address(reservation.address)
+        # The reservation (and the fd its later maps use) goes when the last view does.
+        weakref.finalize(buffer, _release, reservation, fd)
+        base = torch.frombuffer(buffer, dtype=torch.uint8)
+    except BaseException:
+        _release(reservation, fd)
+        raise
+    del buffer
+    region = ElasticRegion(torch.device("cpu"), base, carve_views(base, layout),
+                           str(handle.path), reservation=reservation, layout=layout, plan=plan,
+                           fingerprint=fingerprint, attach_id=attach_id, pool=pool)
+    try:
+        region.ensure_groups(groups)
+    except BaseException:
+        region.close()
+        raise
+    return region
+
+
+def _release(reservation: Reservation, fd: int) -> None:
+    reservation.close()
+    os.close(fd)
+
+
+__all__ = ["ELASTIC_SPACE", "NO_LEASE", "ElasticRegion", "map_elastic"]
