@@ -57,7 +57,8 @@ held = []
 with KVPoolClient(msg["target"]) as client, \
         client.lease(f"engine-{pool}", ttl_s=msg.get("ttl", 10.0)) as lease, \
         client.attach(pool, lease=lease) as region, \
-        lease.page_cache(pool, "kv", low=0, high=msg.get("high", 64), batch=32) as cache:
+        lease.page_cache(pool, "kv", low=0, high=msg.get("high", 64),
+                         batch=min(32, msg.get("high", 64))) as cache:
     views = [name for name in region.plan.elastic.views]
 
     def write(ids):
@@ -166,7 +167,7 @@ def test_two_engines_trade_groups_within_the_budget() -> None:
                 # a grows to three groups (the budget's spare room), writes and checks
                 got = ea.send({"op": "take", "n": 3 * PAGES_A - 200, "per": PAGES_A}) or ea.recv()
                 assert got["took"] == 3 * PAGES_A - 200 and got["groups"] == [0, 1, 2], got
-                assert elastic(client, "a").granted_groups == 3
+                assert elastic(client, "a").granted_groups >= 3  # and one ahead, if free
                 # b needs two more groups: only a can give them, once a lets go of its pages
                 # (freed into its page cache, then given back on the daemon's ask)
                 ea.send({"op": "free", "n": 2 * PAGES_A})
@@ -200,7 +201,7 @@ def test_a_process_touching_a_group_taken_back_faults() -> None:
     with temp_dir() as sock_dir, temp_dir("kvp-shm-", "/dev/shm") as shm, \
             daemon_in(shm, sock_dir) as daemon, KVPoolClient(daemon.target) as client:
         configure(client)
-        with engine(daemon.target, "a", 1111, high=0) as ea, \
+        with engine(daemon.target, "a", 1111, high=1) as ea, \
                 engine(daemon.target, "b", 2222) as eb:
             ea.recv(), eb.recv()
             ea.send({"op": "take", "n": PAGES_A + 10, "per": PAGES_A})
@@ -230,8 +231,8 @@ def test_a_killed_engines_groups_come_back_within_its_ttl() -> None:
         with engine(daemon.target, "a", 1111, ttl=1.0) as ea:
             ea.recv()
             ea.send({"op": "take", "n": 3 * PAGES_A - 1, "per": PAGES_A})
-            assert ea.recv()["groups"] == [0, 1, 2]
-            assert elastic(client, "a").granted_groups == 3
+            assert ea.recv()["groups"][:3] == [0, 1, 2]
+            assert elastic(client, "a").granted_groups >= 3  # its cache's batch may need one more
             ea.proc.kill()
             killed = time.monotonic()
             ea.proc.wait()
@@ -241,14 +242,19 @@ def test_a_killed_engines_groups_come_back_within_its_ttl() -> None:
         assert backed(shm) == 2 * FIXED + GROUP_A + GROUP_B
         with client.lease("b-user", ttl_s=10) as lease:
             assert len(lease.allocate("b", "kv", 3 * PAGES_B - 1)) == 3 * PAGES_B - 1
+        while elastic(client, "b").granted_groups > 1:  # its lease closed: b shrinks too
+            assert time.monotonic() - killed < 20.0, elastic(client, "b")
+            time.sleep(0.02)
         # /metrics says the same as Stats, for elastic pools only
         got = scrape(metrics_url(daemon.log))
         labels = {"device": "cpu", "pool": "a"}
         assert got.get("kvpool_elastic_granted_bytes", **labels) == FIXED + GROUP_A
         assert got.get("kvpool_elastic_groups", **labels, state="granted", unit="groups") == 1
-        assert got.get("kvpool_elastic_reclaims_total", **labels, unit="groups") == 2
-        assert got.get("kvpool_elastic_backed_bytes", device="cpu", pool="b") == (
-            FIXED + 3 * GROUP_B)
+        stats = elastic(client, "a")
+        assert stats.reclaims >= 2
+        assert got.get("kvpool_elastic_reclaims_total", **labels, unit="groups") == stats.reclaims
+        assert got.get("kvpool_elastic_backed_bytes", device="cpu", pool="b") == FIXED + GROUP_B
+        assert elastic(client, "b").reclaims == 2
 
 
 @pytest.mark.timeout(120)
@@ -256,7 +262,7 @@ def test_an_engine_that_never_unmaps_loses_its_lease_and_the_others_keep_theirs(
     with temp_dir() as sock_dir, temp_dir("kvp-shm-", "/dev/shm") as shm, \
             daemon_in(shm, sock_dir) as daemon, KVPoolClient(daemon.target) as client:
         configure(client)
-        with engine(daemon.target, "a", 1111, high=0) as ea, \
+        with engine(daemon.target, "a", 1111, high=1) as ea, \
                 engine(daemon.target, "a", 3333) as other, client.lease("b-user") as lb:
             a_lease = ea.recv()["lease_id"]
             other_lease = other.recv()["lease_id"]

@@ -493,6 +493,7 @@ class Daemon:
         shortfall: dict[str, int] = {}
         for name, count in items:
             shortfall[name] = shortfall.get(name, 0) + count
+        wanted = dict(shortfall)
         free_before = {}
         spaces = {}
         growing: set[str] = set()
@@ -527,6 +528,10 @@ class Daemon:
                 return self.allocate(caller, pool, ref, items)
             except ResourceExhausted as err:
                 first = err.with_traceback(None)  # no cycle: err -> traceback -> frame -> err
+            for name in growing:  # budget may have come free meanwhile (a shrink, a Drop)
+                room = entry.ids.room(spaces[name])
+                if room < wanted[name]:
+                    self.elastic.grow(pool, wanted[name] - room)
         entry = self.pool(pool, caller)
         came = sum(max(0, entry.ids.space(name, "items").num_free - before)
                    for name, before in free_before.items())
