@@ -138,7 +138,7 @@ def reclaim_section(n: int) -> None:
             tempfile.TemporaryDirectory(prefix="kvp-bench-", dir="/dev/shm") as shm:
         sock = f"{tmp}/k.sock"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpoold", "serve", "--listen", f"unix://{sock}",
+            [sys.executable, "-m", "kvpoold.main", "serve", "--listen", f"unix://{sock}",
              "--budget", str(budget), "--shm-dir", shm, "--log-level", "warning"],
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
         try:

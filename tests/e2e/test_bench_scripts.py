@@ -15,7 +15,7 @@ from tests.conftest import REPO
 SCRIPTS = {
     "allocator.py": ["--sizes", "1K", "--rounds", "1", "--seconds", "0.05"],
     "attach.py": ["--sizes-mib", "8", "--reps", "1"],
-    "elastic.py": ["--rounds", "1", "--groups", "2"],
+    "elastic.py": ["--rounds", "1", "--groups", "2", "--reclaims", "3"],
     "engine_step.py": ["--steps", "60", "--rounds", "1", "--requests", "16"],
     "page_cache.py": ["--calls", "200"],
     "plan_build.py": ["--runs", "1", "--build-runs", "1"],
