@@ -124,7 +124,7 @@ def test_ensure_pages_maps_exactly_the_groups_of_the_ids(backing, pool_plan) -> 
         assert region.ensure_pages(ids) == [2, 5]
         assert region.mapped_groups == {0, 2, 5}
         assert region.ensure_pages(ids) == []  # all mapped: no mmap
-        chunks = set(region._reservation.mapped)
+        chunks = set(region._mapper.reservation.mapped)
         want = {o for g in (0, 2, 5) for o, _ in pool_plan.group_ranges(g)}
         want.add(pool_plan.elastic.fixed_offset)
         assert chunks == want
@@ -180,12 +180,12 @@ def test_the_fixed_part_stays_mapped_when_every_group_is_unmapped(backing, pool_
 
 def test_close_releases_the_reservation_once_no_view_is_left(backing, pool_plan) -> None:
     region = mapped(backing, pool_plan)
-    reservation = region._reservation
+    reservation = region._mapper.reservation
     region.close()
     gc.collect()
     assert reservation.address == 0  # no view alive: released at close
     region = mapped(backing, pool_plan)
-    reservation = region._reservation
+    reservation = region._mapper.reservation
     kept = region["k.0"]
     region.close()
     assert reservation.address != 0 and not reservation.mapped  # kept view: no access
@@ -260,3 +260,18 @@ def test_an_attached_elastic_region_registers_until_it_closes(backing, pool_plan
     with region_of(attach_info(backing, pool_plan), "p") as again:
         assert isinstance(again, ElasticRegion) and again.pool == "p"
 
+
+
+def test_a_cuda_vmm_handle_needs_a_lease_and_the_descriptor_socket(pool_plan) -> None:
+    """map_region routes ``cuda_vmm`` (an elastic pool on a GPU) to the VMM mapper, which
+    fetches descriptors for a lease from the side socket the handle names: without either it
+    refuses before touching CUDA."""
+    from kvpool.contract.errors import FailedPrecondition
+    from kvpool.contract.shared_handle import SharedHandle
+    from kvpool.mapping.regions import map_region
+
+    handle = SharedHandle(sharing="cuda_vmm", size=pool_plan.backing_bytes, device_uuid="GPU-x")
+    with pytest.raises(FailedPrecondition, match="under a lease"):
+        map_region(handle, pool_plan.buffers, plan=pool_plan, pool="p")
+    with pytest.raises(FailedPrecondition, match="descriptor socket"):
+        map_region(handle, pool_plan.buffers, plan=pool_plan, pool="p", lease=(1, b"s"))

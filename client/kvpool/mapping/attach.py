@@ -36,7 +36,8 @@ log = logging.getLogger("kvpool.mapping.attach")
 LeaseArg = LeaseLike | None
 
 
-def region_of(info: AttachInfo, pool: str = "") -> MappedRegion:
+def region_of(info: AttachInfo, pool: str = "",
+              lease: tuple[int, bytes] | None = None) -> MappedRegion:
     """Map what Attach returned: the handle, carved by the plan's buffers (and of an elastic
     pool, the groups granted now; ``pool`` names it on the region).
 
@@ -46,7 +47,7 @@ def region_of(info: AttachInfo, pool: str = "") -> MappedRegion:
     """
     return map_region(info.handle, info.plan.buffers, plan=info.plan,
                       fingerprint=info.fingerprint, attach_id=info.attach_id,
-                      groups=info.elastic_groups, pool=pool)
+                      groups=info.elastic_groups, pool=pool, lease=lease)
 
 
 def _detach_failed(exc: Exception, attach_id: int, body: BaseException | None) -> None:
@@ -91,7 +92,11 @@ class Attachment(contextlib.AbstractContextManager[MappedRegion],
         register = getattr(self._lease, "_register_region", None)
         if info.plan.elastic is not None and register is None:
             raise FailedPrecondition(NO_LEASE, field="lease")
-        region = region_of(info, self._pool)
+        # A Lease / AsyncLease of this process proves itself to the descriptor socket (CUDA).
+        lease_id, secret = (getattr(self._lease, "lease_id", None),
+                            getattr(self._lease, "secret", None))
+        proof = None if lease_id is None or secret is None else (int(lease_id), bytes(secret))
+        region = region_of(info, self._pool, proof)
         if isinstance(region, ElasticRegion):
             try:
                 register(region)  # type: ignore[misc]

@@ -25,7 +25,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -50,29 +50,91 @@ NO_LEASE = ("attach to an elastic pool under a lease: its groups are taken back 
             "lease's KeepAlive stream")
 
 
+class GroupMapper(Protocol):
+    """How one process maps the groups of an elastic region: file chunks into a reservation
+    (CPU, :class:`ReservationMapper`), or CUDA VMM allocations into a reserved device range
+    (:class:`VmmMapper`)."""
+
+    def map_group(self, group: int) -> None:
+        """Map every view's range of ``group``: all of it or none."""
+        ...
+
+    def unmap_group(self, group: int) -> None:
+        """Take ``group`` back to no access."""
+        ...
+
+    def close(self) -> None:
+        """Take the whole range back to no access (views kept past it fault)."""
+        ...
+
+
+class ReservationMapper:
+    """CPU: file chunks mapped into a :class:`~kvpool.mapping.sparse.Reservation`."""
+
+    def __init__(self, reservation: Reservation, shares: list[tuple[int, int]]) -> None:
+        self.reservation = reservation
+        self._shares = shares  # (offset, share) of each view (kvpool.contract.plan.group_ranges)
+
+    def map_group(self, group: int) -> None:
+        done: list[tuple[int, int]] = []
+        try:
+            for offset, length in group_ranges(self._shares, group):
+                self.reservation.map(offset, length)
+                done.append((offset, length))
+        except BaseException:
+            for offset, length in done:  # all of the group or none of it
+                self.reservation.unmap(offset, length)
+            raise
+
+    def unmap_group(self, group: int) -> None:
+        for offset, length in group_ranges(self._shares, group):
+            self.reservation.unmap(offset, length)
+
+    def close(self) -> None:
+        r = self.reservation
+        if r.address:
+            r.unmap(0, r.size)
+
+
+class VmmMapper:
+    """CUDA: a :class:`~kvpool.mapping.cuda_vmm.CudaVmmRegion` (descriptors fetched from the
+    daemon's side socket, imported and mapped into a reserved device range)."""
+
+    def __init__(self, region: Any) -> None:
+        self.region = region
+
+    def map_group(self, group: int) -> None:
+        self.region.ensure_groups([group])
+
+    def unmap_group(self, group: int) -> None:
+        self.region.unmap_groups([group])
+
+    def close(self) -> None:
+        self.region.close()
+        self.region.driver.close()
+
+
 class ElasticRegion(MappedRegion):
-    """A mapped elastic pool: the views of :class:`MappedRegion` over a reservation in which
+    """A mapped elastic pool: the views of :class:`MappedRegion` over a reserved range in which
     only the fixed part and the mapped groups are reachable.
 
-    Made by :func:`map_elastic`. Thread-safe: allocating threads map groups while the lease's
-    keep-alive thread unmaps others (one leaf lock per region).
+    Made by :func:`map_elastic` (CPU) or :func:`map_elastic_vmm` (CUDA). Thread-safe:
+    allocating threads map groups while the lease's keep-alive thread unmaps others (one leaf
+    lock per region).
     """
 
     def __init__(self, device: torch.device, base: torch.Tensor,
-                 views: dict[str, torch.Tensor], path: str, *, reservation: Reservation,
+                 views: dict[str, torch.Tensor], path: str, *, mapper: GroupMapper,
                  layout: Sequence[BufferLayout], plan: Any, fingerprint: str = "",
-                 attach_id: int = 0, pool: str = "") -> None:
-        super().__init__("shm_sparse", device, base, views, path, layout=layout, plan=plan,
+                 attach_id: int = 0, pool: str = "", sharing: str = "shm_sparse") -> None:
+        super().__init__(sharing, device, base, views, path, layout=layout, plan=plan,
                          fingerprint=fingerprint, attach_id=attach_id)
         e = plan.elastic
         self.pool = pool
         self.space = ELASTIC_SPACE
         self.pages_per_group: int = e.pages_per_group
         self.groups: int = e.groups
-        # (offset, share) of each view: where group g lies (kvpool.contract.plan.group_ranges).
-        self._shares = [(b.offset_bytes, e.pages_per_group * b.page_bytes)
-                        for b in (plan.buffer(name) for name in e.views)]
-        self._reservation = reservation
+        self._mapper = mapper
         self._mapped = np.zeros(e.groups, dtype=bool)
         self._lock = threading.Lock()  # a leaf: guards _mapped and the reservation's mappings
         self._on_close: list[Callable[[ElasticRegion], None]] = []
@@ -133,15 +195,7 @@ class ElasticRegion(MappedRegion):
         return done
 
     def _map_group(self, group: int) -> None:
-        done: list[tuple[int, int]] = []
-        try:
-            for offset, length in group_ranges(self._shares, group):
-                self._reservation.map(offset, length)
-                done.append((offset, length))
-        except BaseException:
-            for offset, length in done:  # all of the group or none of it
-                self._reservation.unmap(offset, length)
-            raise
+        self._mapper.map_group(group)  # all of the group or none of it
         self._mapped[group] = True
 
     def unmap_groups(self, groups: Iterable[int]) -> list[int]:
@@ -163,8 +217,7 @@ class ElasticRegion(MappedRegion):
             if self.closed:
                 return done  # closing took every range back already
             for g in np.unique(arr[self._mapped[arr]]).tolist():
-                for offset, length in group_ranges(self._shares, g):
-                    self._reservation.unmap(offset, length)
+                self._mapper.unmap_group(g)
                 self._mapped[g] = False
                 done.append(g)
         return done
@@ -180,9 +233,7 @@ class ElasticRegion(MappedRegion):
         with self._lock:
             if self.closed:
                 return
-            r = self._reservation
-            if r.address:
-                r.unmap(0, r.size)
+            self._mapper.close()
             self._mapped[:] = False
             super().close()
         callbacks, self._on_close = self._on_close, []
@@ -235,9 +286,55 @@ def map_elastic(handle: SharedHandle, layout: Sequence[BufferLayout], *, plan: A
         _release(reservation, fd)
         raise
     del buffer
+    shares = [(b.offset_bytes, e.pages_per_group * b.page_bytes)
+              for b in (plan.buffer(name) for name in e.views)]
     region = ElasticRegion(torch.device("cpu"), base, carve_views(base, layout),
-                           str(handle.path), reservation=reservation, layout=layout, plan=plan,
-                           fingerprint=fingerprint, attach_id=attach_id, pool=pool)
+                           str(handle.path), mapper=ReservationMapper(reservation, shares),
+                           layout=layout, plan=plan, fingerprint=fingerprint,
+                           attach_id=attach_id, pool=pool)
+    try:
+        region.ensure_groups(groups)
+    except BaseException:
+        region.close()
+        raise
+    return region
+
+
+def map_elastic_vmm(handle: SharedHandle, layout: Sequence[BufferLayout], *, plan: Any,
+                    lease: tuple[int, bytes] | None, groups: Iterable[int] = (),
+                    fingerprint: str = "", attach_id: int = 0, pool: str = "") -> ElasticRegion:
+    """Map a ``cuda_vmm`` handle: reserve the device range, fetch the fixed part's and
+    ``groups``' descriptors from the daemon's side socket (``handle.path``) for ``lease``,
+    import and map them.
+
+    Raises:
+        FailedPrecondition: no lease, no side socket, cuda-bindings missing, the device not
+            visible here, or the daemon's refusal.
+        InvalidArgument: no elastic plan.
+    """
+    from kvpool.mapping.cuda_vmm import open_vmm_region, socket_asker
+
+    if getattr(plan, "elastic", None) is None:
+        raise InvalidArgument("a cuda_vmm handle needs the pool's elastic plan", field="plan")
+    if lease is None:
+        raise FailedPrecondition(NO_LEASE, field="lease")
+    if not handle.path:
+        raise FailedPrecondition(
+            "the daemon hands this pool's memory out on a descriptor socket beside its Unix "
+            "socket, and serves none: run kvpoold serve with a --listen unix://... address",
+            field="path")
+    lease_id, secret = lease
+    vmm = open_vmm_region(str(handle.device_uuid), plan,
+                          socket_asker(str(handle.path), pool, lease_id, secret.hex()))
+    try:
+        base = vmm.tensor
+        region = ElasticRegion(base.device, base, carve_views(base, layout), str(handle.path),
+                               mapper=VmmMapper(vmm), layout=layout, plan=plan,
+                               fingerprint=fingerprint, attach_id=attach_id, pool=pool,
+                               sharing="cuda_vmm")
+    except BaseException:
+        VmmMapper(vmm).close()
+        raise
     try:
         region.ensure_groups(groups)
     except BaseException:
@@ -251,4 +348,5 @@ def _release(reservation: Reservation, fd: int) -> None:
     os.close(fd)
 
 
-__all__ = ["ELASTIC_SPACE", "NO_LEASE", "ElasticRegion", "map_elastic"]
+__all__ = ["ELASTIC_SPACE", "NO_LEASE", "ElasticRegion", "GroupMapper", "ReservationMapper",
+           "VmmMapper", "map_elastic", "map_elastic_vmm"]

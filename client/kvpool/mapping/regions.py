@@ -281,7 +281,7 @@ def carve_views(base: torch.Tensor, layout: Sequence[BufferLayout]) -> dict[str,
 
 def map_region(handle: SharedHandle, buffers: Sequence[BufferLike], *, plan: Any = None,
                fingerprint: str = "", attach_id: int = 0, groups: Sequence[int] = (),
-               pool: str = "") -> MappedRegion:
+               pool: str = "", lease: tuple[int, bytes] | None = None) -> MappedRegion:
     """Map a pool's region and return its named zero-copy views.
 
     Args:
@@ -293,6 +293,8 @@ def map_region(handle: SharedHandle, buffers: Sequence[BufferLike], *, plan: Any
         groups: for ``shm_sparse`` (an elastic pool), the groups granted now
             (``AttachInfo.elastic_groups``); ``plan`` is then required.
         pool: the pool's name, kept on an elastic region (its lease routes unmaps by it).
+        lease: ``(lease_id, secret)`` an elastic ``cuda_vmm`` region fetches its descriptors
+            with from the daemon's side socket.
 
     Returns:
         A :class:`MappedRegion`; ``region["k.0"]`` is a tensor on the pool's device. For
@@ -313,9 +315,9 @@ def map_region(handle: SharedHandle, buffers: Sequence[BufferLike], *, plan: Any
             field="sharing",
         )
     mapper = _MAPPERS.get(sharing)
-    if mapper is None and sharing != "shm_sparse":
+    if mapper is None and sharing not in ("shm_sparse", "cuda_vmm"):
         raise InvalidArgument(
-            f"unknown sharing {sharing!r} (known: shm, shm_sparse, cuda_ipc, none)",
+            f"unknown sharing {sharing!r} (known: shm, shm_sparse, cuda_ipc, cuda_vmm, none)",
             field="sharing")
     size = int(handle.size)
     try:
@@ -326,9 +328,12 @@ def map_region(handle: SharedHandle, buffers: Sequence[BufferLike], *, plan: Any
         if sharing == "cuda_ipc":
             release_export(handle)
         raise
-    if mapper is None:  # shm_sparse: an elastic pool, mapped group by group
-        from kvpool.mapping.elastic_map import map_elastic
+    if mapper is None:  # an elastic pool, mapped group by group
+        from kvpool.mapping.elastic_map import map_elastic, map_elastic_vmm
 
+        if sharing == "cuda_vmm":
+            return map_elastic_vmm(handle, layout, plan=plan, lease=lease, groups=groups,
+                                   fingerprint=fingerprint, attach_id=attach_id, pool=pool)
         return map_elastic(handle, layout, plan=plan, groups=groups, fingerprint=fingerprint,
                            attach_id=attach_id, pool=pool)
     device, base = mapper(handle)
