@@ -69,6 +69,8 @@ __all__ = [
 LogLevel = Literal["debug", "info", "warning", "error"]
 # auto: shared memory on cpu, CUDA IPC on cuda. none: plain unshared memory (tests, benchmarks).
 SharingMode = Literal["auto", "none"]
+# How elastic pools share the budget (kvpoold.elastic.manager.POLICIES).
+ElasticPolicy = Literal["arbiter", "greedy"]
 MAX_GRACE_SECONDS = 600.0
 MAX_WATCH_STREAMS = 1024
 MIN_WATCH_INTERVAL_FLOOR_S = 0.05
@@ -162,6 +164,11 @@ class ServeConfig(Base):
     reclaim_deadline: Annotated[float, _setting(
         "elastic pools: seconds an attached process has to unmap a group the daemon takes "
         "back before its lease is ended", metavar="S", ge=0.05, le=600.0)] = 2.0
+    elastic_policy: Annotated[ElasticPolicy, _setting(
+        "elastic pools: arbiter (groups taken back from pools that do not use them, weighted "
+        "fair shares; see docs/elastic.md) or greedy (each pool takes what is free, keeps a "
+        "headroom free, never takes from another: kvcached's policy, for comparison)")
+    ] = "arbiter"
     shm_dir: Annotated[str, _setting(
         "where cpu pools' shared-memory files and the instance lock live; it must exist",
         metavar="DIR")] = "/dev/shm"

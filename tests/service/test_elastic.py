@@ -266,3 +266,35 @@ async def test_the_descriptor_socket_hands_out_nothing_unproven(daemon: Any) -> 
     await stub.Attach(pb.AttachRequest(pool="a", **proof(la)))
     with pytest.raises(FailedPrecondition, match="map it from its Attach handle"):
         d.fd_grant(ask, os.getuid())
+
+
+async def test_the_greedy_policy_never_takes_from_another_pool() -> None:
+    """--elastic-policy greedy: a pool takes only what is free and gives back its wholly free
+    groups beyond one spare on the sweep; another pool short of pages waits for that instead
+    of taking groups back."""
+    with temp_dir() as sock_dir, temp_dir("kvp-shm-", "/dev/shm") as shm:
+        d = Daemon("cpu", BUDGET + 2 * GROUP, ShmBackingFactory(shm), elastic_policy="greedy")
+        sock = sock_dir / "k.sock"
+        server = create_server(d, [Listener("unix", str(sock))])
+        await server.start()
+        channel = aio.insecure_channel(f"unix://{sock}")
+        stub = kvpool_pb2_grpc.KVPoolStub(channel)
+        try:
+            await configure(stub, "a")
+            await configure(stub, "b")
+            la, lb = await open_raw(stub, "a"), await open_raw(stub, "b")
+            ids = await allocate(stub, "a", la, 2 * PAGES + 1)  # a: 3 groups, all there is
+            assert elastic(d, "a").granted_groups == 3
+            await free(stub, "a", la, ids)
+            with pytest.raises(grpc.aio.AioRpcError):  # b may not take a's free groups
+                await allocate(stub, "b", lb, PAGES)
+            assert elastic(d, "a").reclaims == 0
+            d.elastic.sweep()  # a gives back what it does not use, beyond one spare group
+            await until(lambda: elastic(d, "a").granted_groups == 2)
+            got = await allocate(stub, "b", lb, PAGES)
+            assert len(got) == PAGES and elastic(d, "b").granted_groups == 2
+        finally:
+            await channel.close()
+            await server.shutdown(0)
+            server.remove_sockets()
+            d.close()

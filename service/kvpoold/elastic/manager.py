@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from kvpool.contract.errors import KVPoolError
 from kvpool.contract.plan import PoolPlan
@@ -44,6 +44,14 @@ log = logging.getLogger("kvpoold.elastic")
 RECLAIM_DEADLINE_S = 2.0
 # How long page caches have to give back pages of groups asked back from them.
 CACHED_WAIT_S = 1.0
+# How the pools share the budget. arbiter: the rules of kvpoold.elastic.arbiter (groups taken
+# back from pools that do not use them, weighted fair shares). greedy: what an engine-side
+# elastic cache does without a daemon (kvcached): each pool takes what is free while the budget
+# keeps GREEDY_HEADROOM of it free, never takes from another, and gives back wholly free groups
+# beyond one spare on the sweep; a pool that comes second waits for the first to free memory.
+Policy = Literal["arbiter", "greedy"]
+POLICIES: tuple[Policy, ...] = ("arbiter", "greedy")
+GREEDY_HEADROOM = 0.05
 
 
 class Hooks(Protocol):
@@ -134,12 +142,14 @@ class ElasticPools:
         hooks: the daemon's side (leases, attachments, caches, budget).
         clock: monotonic seconds (deadlines, latencies).
         deadline_s: how long attached processes have to unmap a group asked back.
+        policy: ``arbiter`` or ``greedy`` (:data:`Policy`).
     """
 
     def __init__(self, budget_bytes: int, hooks: Hooks,
                  clock: Callable[[], float] = time.monotonic,
-                 deadline_s: float = RECLAIM_DEADLINE_S) -> None:
+                 deadline_s: float = RECLAIM_DEADLINE_S, policy: Policy = "arbiter") -> None:
         self.arbiter = Arbiter(budget_bytes)
+        self.policy = policy
         self.pools: dict[str, ElasticPool] = {}
         self.unmappings: dict[int, Unmapping] = {}
         self.cached_asks: list[CachedAsk] = []
@@ -282,6 +292,12 @@ class ElasticPools:
         if ep is None or share is None:
             return False
         self._sync_budget()
+        greedy = self.policy == "greedy"
+        if greedy:  # never from another pool, and never into the headroom
+            reclaim = False
+            if self.arbiter.free_bytes - share.group_bytes < (
+                    GREEDY_HEADROOM * self.arbiter.budget_bytes):
+                return bool(ep.busy)
         if not reclaim and (ep.busy or share.granted >= share.cap
                             or self.arbiter.free_bytes < share.group_bytes):
             return False  # growing ahead: only into free budget, one grant at a time (O(1))
@@ -439,6 +455,15 @@ class ElasticPools:
         empty their groups in time are given up."""
         now = self._clock()
         self.on_freed()
+        if self.policy == "greedy":  # give back what is unused, beyond one spare group
+            for name, ep in self.pools.items():
+                share = self.arbiter.pools[name]
+                above = share.granted - share.reclaiming - share.floor
+                free = sum(1 for g in ep.space.releasable().tolist() if g not in ep.busy)
+                if min(free, above) > 1:  # one spare group above the floor stays
+                    n = self.arbiter.take_back(name, min(free, above) - 1)
+                    if n:
+                        self._take(ep, n, None, now)
         for a in [a for a in self.cached_asks if a.deadline <= now]:
             self.cached_asks.remove(a)
             if a.pool in self.pools:

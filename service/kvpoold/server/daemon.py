@@ -45,7 +45,7 @@ from kvpool.contract.plan import PoolPlan
 from kvpool.contract.records import AttachInfo, ConfigureResult, HeldMap, Released, Stats
 from kvpoold import __version__
 from kvpoold.elastic.fd_server import FdGrant
-from kvpoold.elastic.manager import RECLAIM_DEADLINE_S, ElasticPools
+from kvpoold.elastic.manager import RECLAIM_DEADLINE_S, ElasticPools, Policy
 from kvpoold.ids import Grant, IdSpace
 from kvpoold.ids.grouped import GroupedSpace
 from kvpoold.server.args import ConfigureArgs, LeaseRef
@@ -131,6 +131,7 @@ class Daemon:
         watch_min_interval_s: the shortest interval a WatchStats stream is served at.
         reclaim_deadline_s: how long attached processes have to unmap an elastic pool's group
             asked back before their lease is ended.
+        elastic_policy: how elastic pools share the budget (``kvpoold.elastic.manager``).
     """
 
     def __init__(
@@ -149,6 +150,7 @@ class Daemon:
         max_watch_streams_per_identity: int = MAX_WATCH_STREAMS_PER_IDENTITY,
         watch_min_interval_s: float = WATCH_MIN_INTERVAL_S,
         reclaim_deadline_s: float = RECLAIM_DEADLINE_S,
+        elastic_policy: Policy = "arbiter",
     ) -> None:
         self.device = device
         self._gpu: GpuName | None = None  # what Configure plans for by default (lazily)
@@ -180,7 +182,7 @@ class Daemon:
         self._draining_bytes: dict[str, int] = {}
         # Elastic pools: their groups, the arbiter and the unmap handshakes.
         self.elastic = ElasticPools(budget_bytes, _ElasticHooks(self), clock,
-                                    reclaim_deadline_s)
+                                    reclaim_deadline_s, elastic_policy)
 
     # -- budget ----------------------------------------------------------------------------
 

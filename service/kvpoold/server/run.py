@@ -246,7 +246,8 @@ async def run(
                     max_attachments_per_identity=settings.max_attachments_per_identity,
                     max_watch_streams_per_identity=settings.max_watch_streams_per_identity,
                     watch_min_interval_s=settings.watch_min_interval,
-                    reclaim_deadline_s=settings.reclaim_deadline)
+                    reclaim_deadline_s=settings.reclaim_deadline,
+                    elastic_policy=settings.elastic_policy)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     server: KVPoolServer | None = None
