@@ -54,15 +54,18 @@ def emit(event: str, **fields: Any) -> None:
 
 # -- the tiny model ------------------------------------------------------------------------------
 
-def make_model(directory: Path, seed: int) -> None:
-    """A Llama with hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 256, float32 weights."""
+def make_model(directory: Path, seed: int, layers: int = 2, kv_heads: int = 2,
+               head_dim: int = 16) -> None:
+    """A Llama with 4 heads of ``head_dim`` (hidden 64 by default), 2 layers, 2 KV heads,
+    vocab 256, float32 weights; ``layers``, ``kv_heads``, ``head_dim`` change its layout."""
     hide_stubs()
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=256, max_position_embeddings=256,
+        hidden_size=4 * head_dim, intermediate_size=8 * head_dim, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=kv_heads, vocab_size=256,
+        max_position_embeddings=256,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         torch_dtype="float32",
     )
@@ -303,12 +306,15 @@ def main(argv: list[str] | None = None) -> int:
     model = sub.add_parser("make-model", help="write the tiny random Llama")
     model.add_argument("directory", type=Path)
     model.add_argument("--seed", type=int, default=0)
+    model.add_argument("--layers", type=int, default=2)
+    model.add_argument("--kv-heads", type=int, default=2)
+    model.add_argument("--head-dim", type=int, default=16)
     sub.add_parser("engine", help="run an engine job (JSON on stdin)")
     sub.add_parser("pools", help="build pool classes directly (JSON on stdin)")
     sub.add_parser("serve", help="python -m sglang.launch_server ARGS...")
     args = parser.parse_args(argv)
     if args.cmd == "make-model":
-        make_model(args.directory, args.seed)
+        make_model(args.directory, args.seed, args.layers, args.kv_heads, args.head_dim)
     elif args.cmd == "engine":
         run_engine(json.loads(sys.stdin.readline()))
     else:

@@ -1,0 +1,421 @@
+"""Benchmark: two models on one device (issue 24): two real SGLang 0.5.23 engines on CPU, one
+kvpool daemon whose budget is smaller than the sum of their peaks, a shifting load replayed
+three ways in one run.
+
+- ``static``: two fixed pools, half the budget's tokens each (what operators do today);
+- ``greedy``: elastic pools, ``kvpoold serve --elastic-policy greedy`` (each engine takes what is
+  free down to a headroom, never from the other: kvcached's policy);
+- ``arbiter``: elastic pools under kvpool's arbiter (the default policy).
+
+The models are tiny random Llamas of different layouts (A: 4 layers x 4 KV heads x 32; B: 6
+layers x 2 KV heads x 64; float32), so their pools have different views and groups. The trace,
+per mode: phase ``a``: A bursts (many concurrent requests) while B trickles; phase ``b``: the
+reverse; phase ``both``: both burst. Each engine is a ``python -m sglang.launch_server`` with the
+kvpool plugin (``SGLANG_PLATFORM=kvpool``; ``KVPOOL_ELASTIC=1`` in the elastic modes) on the
+daemon's Unix socket; the load comes over HTTP (``/generate``, streamed for TTFT).
+
+Printed per mode and phase: requests running at once (SGLang's ``num_running_reqs``, peak),
+tokens/s, TTFT p50/p99, retractions and aborts, the KV tokens each engine held (its lease's
+pages, peak), and per mode the reclaim latency and the peak memory behind the pools (never above
+the budget). Then the ratios against ``static`` measured in the same run, the issue's targets,
+and a PNG of KV tokens held per engine over time (``--plot``, drawn with Pillow in the SGLang
+venv). Run from the repository root (the side venv from ``tests/sglang/setup_venv.sh``)::
+
+    PYTHONPATH=client:service .venv/bin/python bench/two_models.py [--quick] [--plot out.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpool import KVPoolClient
+
+REPO = Path(__file__).resolve().parent.parent
+HARNESS = REPO / "tests" / "sglang"
+VENV = Path(os.environ.get("KVPOOL_SGLANG_VENV", REPO / ".venv-sglang"))
+MiB = 1 << 20
+PAGE = 4
+# name -> (layers, kv heads, head dim): float32 K and V of every layer.
+MODELS = {"a": (4, 4, 32), "b": (6, 2, 64)}
+MODES = ("static", "greedy", "arbiter")
+PHASES = ("a", "b", "both")
+
+
+def bytes_per_token(name: str) -> int:
+    layers, heads, dim = MODELS[name]
+    return layers * 2 * heads * dim * 4
+
+
+@dataclass
+class Settings:
+    budget: int  # the daemon's budget
+    burst: int  # concurrent requests of a bursting engine
+    trickle: int  # of the other one
+    prompt: int  # tokens per prompt
+    new: int  # tokens generated per request
+    phase_s: float  # seconds a phase sends requests
+
+
+QUICK = Settings(budget=96 * MiB, burst=24, trickle=1, prompt=120, new=32, phase_s=10.0)
+FULL = Settings(budget=160 * MiB, burst=64, trickle=2, prompt=180, new=64, phase_s=30.0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def side_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": f"{HARNESS / 'stubs'}:{REPO / 'client'}",
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("VIRTUAL_ENV", None)
+    env.update(extra)
+    return env
+
+
+def make_models(work: Path) -> dict[str, Path]:
+    out = {}
+    for name, (layers, heads, dim) in MODELS.items():
+        path = work / f"model-{name}"
+        subprocess.run([str(VENV / "bin" / "python"), str(HARNESS / "engine_run.py"),
+                        "make-model", str(path), "--layers", str(layers), "--kv-heads",
+                        str(heads), "--head-dim", str(dim)], env=side_env(), check=True,
+                       stdout=subprocess.DEVNULL)
+        out[name] = path
+    return out
+
+
+@contextlib.contextmanager
+def daemon(work: Path, budget: int, policy: str) -> Iterator[str]:
+    sock = work / "k.sock"
+    log = open(work / f"kvpoold-{policy}.log", "wb")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvpoold.main", "serve", "--listen", f"unix://{sock}",
+         "--budget", str(budget), "--elastic-policy", policy, "--shm-dir", str(work),
+         "--log-level", "warning"],
+        env={**os.environ, "PYTHONPATH": f"{REPO / 'client'}:{REPO / 'service'}"},
+        stdout=log, stderr=subprocess.STDOUT)
+    target = f"unix://{sock}"
+    try:
+        with KVPoolClient(target) as client:
+            client.wait_serving(60)
+        yield target
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+@contextlib.contextmanager
+def engine(work: Path, name: str, model: Path, target: str, tokens: int, elastic: bool,
+           tag: str) -> Iterator[str]:
+    port = free_port()
+    env = side_env(SGLANG_PLATFORM="kvpool", KVPOOL_POOL=name, KVPOOL_TARGET=target)
+    if elastic:
+        env["KVPOOL_ELASTIC"] = "1"
+    log = open(work / f"sglang-{tag}-{name}.log", "wb")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(
+        [str(VENV / "bin" / "python"), str(HARNESS / "engine_run.py"), "serve",
+         "--model-path", str(model), "--host", "127.0.0.1", "--port", str(port),
+         "--device", "cpu", "--attention-backend", "torch_native", "--skip-tokenizer-init",
+         "--disable-cuda-graph", "--dtype", "float32", "--sampling-backend", "pytorch",
+         "--grammar-backend", "none", "--disable-overlap-schedule", "--page-size", str(PAGE),
+         "--max-total-tokens", str(tokens), "--max-running-requests", "256",
+         "--mem-fraction-static", "0.05", "--random-seed", "0", "--enable-metrics",
+         "--log-level", "warning"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"SGLang {name} exited: see {log.name}")
+            with contextlib.suppress(OSError), \
+                    urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"SGLang {name} did not come up: see {log.name}")
+            time.sleep(1)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+@dataclass
+class Done:
+    engine: str
+    phase: str
+    start: float
+    ttft: float
+    end: float
+    tokens: int
+    aborted: bool
+
+
+def generate(url: str, prompt: list[int], new: int) -> tuple[float, int, bool]:
+    """One streamed /generate: (TTFT s, tokens generated, aborted)."""
+    body = json.dumps({"input_ids": prompt, "stream": True,
+                       "sampling_params": {"temperature": 0, "max_new_tokens": new,
+                                           "ignore_eos": True}}).encode()
+    req = urllib.request.Request(url + "/generate", body, {"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    ttft = None
+    last: dict[str, Any] = {}
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            if ttft is None:
+                ttft = time.monotonic() - t0
+            last = json.loads(line[5:])
+    meta = last.get("meta_info", {})
+    finish = meta.get("finish_reason") or {}
+    aborted = isinstance(finish, dict) and finish.get("type") == "abort"
+    return (ttft if ttft is not None else float("nan"), int(meta.get("completion_tokens", 0)),
+            aborted)
+
+
+def load(url: str, name: str, phase: str, workers: int, until: float, s: Settings,
+         out: list[Done], seed: int) -> list[threading.Thread]:
+    """``workers`` closed-loop clients sending requests to ``url`` until ``until``."""
+    def run(w: int) -> None:
+        k = 0
+        while time.monotonic() < until:
+            prompt = [(seed * 7919 + w * 131 + k * 17 + i) % 250 + 3 for i in range(s.prompt)]
+            t0 = time.monotonic()
+            try:
+                ttft, tokens, aborted = generate(url, prompt, s.new)
+            except OSError:
+                ttft, tokens, aborted = float("nan"), 0, True
+            out.append(Done(name, phase, t0, ttft, time.monotonic(), tokens, aborted))
+            k += 1
+    threads = [threading.Thread(target=run, args=(w,), daemon=True) for w in range(workers)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def scrape(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("sglang:") and " " in line:
+            key, _, value = line.rpartition(" ")
+            out[key.split("{")[0]] = out.get(key.split("{")[0], 0.0) + float(value)
+    return out
+
+
+@dataclass
+class Sample:
+    t: float
+    phase: str
+    held: dict[str, int]  # KV tokens each engine's lease holds
+    running: dict[str, float]
+    backed: int
+
+
+@dataclass
+class ModeRun:
+    mode: str
+    done: list[Done] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+    retracted: dict[str, float] = field(default_factory=dict)
+    reclaim_max: float = 0.0
+    reclaim_mean: float = 0.0
+    reclaims: int = 0
+
+
+def run_mode(mode: str, work: Path, models: dict[str, Path], s: Settings) -> ModeRun:
+    elastic = mode != "static"
+    tokens = {n: (s.budget // 2 if not elastic else s.budget) // bytes_per_token(n) - 8 * PAGE
+              for n in MODELS}
+    result = ModeRun(mode)
+    with daemon(work, s.budget, "greedy" if mode == "greedy" else "arbiter") as target, \
+            KVPoolClient(target) as client, \
+            engine(work, "a", models["a"], target, tokens["a"], elastic, mode) as url_a, \
+            engine(work, "b", models["b"], target, tokens["b"], elastic, mode) as url_b:
+        urls = {"a": url_a, "b": url_b}
+        before = {n: scrape(u) for n, u in urls.items()}
+        stop = threading.Event()
+        phase_now = ["start"]
+
+        def sample() -> None:
+            while not stop.is_set():
+                stats = client.stats()
+                held = {n: 0 for n in MODELS}
+                for lease in stats.leases:
+                    for pool, spaces in lease.held.items():
+                        if pool in held:
+                            held[pool] += spaces.get("kv", 0) * PAGE
+                backed = sum((p.elastic.backed_bytes if p.elastic else p.backing_bytes)
+                             for p in stats.pools)
+                running = {}
+                for n, u in urls.items():
+                    with contextlib.suppress(OSError):
+                        running[n] = scrape(u).get("sglang:num_running_reqs", 0.0)
+                result.samples.append(Sample(time.monotonic(), phase_now[0], held, running,
+                                             backed))
+                time.sleep(0.25)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        for i, phase in enumerate(PHASES):
+            phase_now[0] = phase
+            until = time.monotonic() + s.phase_s
+            threads = []
+            for n in MODELS:
+                workers = s.burst if phase in (n, "both") else s.trickle
+                threads += load(urls[n], n, phase, workers, until, s, result.done, i)
+            for t in threads:
+                t.join()
+        stop.set()
+        sampler.join()
+        for n, u in urls.items():
+            after = scrape(u)
+            result.retracted[n] = (after.get("sglang:num_retracted_requests_total", 0.0)
+                                   - before[n].get("sglang:num_retracted_requests_total", 0.0))
+        for p in client.stats().pools:
+            if p.elastic is not None and p.elastic.reclaims:
+                result.reclaims += p.elastic.reclaims
+                result.reclaim_max = max(result.reclaim_max, p.elastic.reclaim_seconds_max)
+                result.reclaim_mean = max(result.reclaim_mean, p.elastic.reclaim_seconds_sum
+                                          / p.elastic.reclaims)
+    return result
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(x for x in xs if x == x)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def phase_table(r: ModeRun, s: Settings) -> dict[tuple[str, str], dict[str, float]]:
+    out = {}
+    for phase in PHASES:
+        for n in MODELS:
+            done = [d for d in r.done if d.phase == phase and d.engine == n]
+            samples = [x for x in r.samples if x.phase == phase]
+            out[(phase, n)] = {
+                "requests": len(done),
+                "tok_s": sum(d.tokens for d in done) / s.phase_s,
+                "ttft50": pct([d.ttft for d in done], 0.5),
+                "ttft99": pct([d.ttft for d in done], 0.99),
+                "aborted": sum(d.aborted for d in done),
+                "running": max((x.running.get(n, 0.0) for x in samples), default=0.0),
+                "held": max((x.held[n] for x in samples), default=0),
+            }
+    return out
+
+
+def plot(runs: list[ModeRun], path: Path) -> None:
+    """KV tokens held per engine over time, one panel per mode (Pillow, in the SGLang venv)."""
+    series = {r.mode: [(x.t - r.samples[0].t, x.held["a"], x.held["b"]) for x in r.samples]
+              for r in runs if r.samples}
+    script = r'''
+import json, sys
+from PIL import Image, ImageDraw
+series = json.loads(sys.stdin.read())
+W, H, M = 900, 260, 40
+img = Image.new("RGB", (W, H * len(series)), "white")
+d = ImageDraw.Draw(img)
+top = max(max(a, b) for pts in series.values() for _, a, b in pts) or 1
+for i, (mode, pts) in enumerate(series.items()):
+    y0 = i * H
+    t_max = max(t for t, _, _ in pts) or 1
+    d.text((M, y0 + 5), f"{mode}: KV tokens held (red: engine a, blue: engine b)", fill="black")
+    d.rectangle([M, y0 + 20, W - 10, y0 + H - M], outline="gray")
+    for k, color in ((1, "red"), (2, "blue")):
+        xy = [(M + (W - M - 10) * p[0] / t_max, y0 + H - M - (H - M - 20) * p[k] / top)
+              for p in pts]
+        if len(xy) > 1:
+            d.line(xy, fill=color, width=2)
+    d.text((M, y0 + H - M + 5), f"0 .. {t_max:.0f} s; top = {top:,} tokens", fill="black")
+img.save(sys.argv[1])
+'''
+    subprocess.run([str(VENV / "bin" / "python"), "-c", script, str(path)],
+                   input=json.dumps(series), text=True, check=True, env=side_env())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small settings (a test's run)")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
+    ap.add_argument("--plot", type=Path, help="write the KV-tokens-held PNG here")
+    ap.add_argument("--json", type=Path, help="write every figure as JSON here")
+    args = ap.parse_args()
+    if not (VENV / "bin" / "python").exists():
+        print(f"no SGLang side venv at {VENV}: run tests/sglang/setup_venv.sh", file=sys.stderr)
+        return 2
+    s = QUICK if args.quick else FULL
+    modes = [m for m in args.modes.split(",") if m]
+    with tempfile.TemporaryDirectory(prefix="kvp-two-", dir="/dev/shm") as tmp:
+        work = Path(tmp)
+        models = make_models(work)
+        runs = []
+        for mode in modes:
+            print(f"[{mode}] two engines, {s.phase_s:g} s a phase ...", flush=True)
+            runs.append(run_mode(mode, work, models, s))
+    tables = {r.mode: phase_table(r, s) for r in runs}
+    print(f"\nbudget {s.budget / MiB:.0f} MiB; per request {s.prompt} + {s.new} tokens; "
+          f"burst {s.burst}, trickle {s.trickle} concurrent")
+    head = (f"{'mode':<8}{'phase':<6}{'eng':<4}{'reqs':>6}{'tok/s':>8}{'ttft p50':>10}"
+            f"{'p99':>8}{'running':>8}{'held tok':>10}{'aborts':>7}")
+    print(head)
+    for r in runs:
+        for (phase, n), row in tables[r.mode].items():
+            print(f"{r.mode:<8}{phase:<6}{n:<4}{row['requests']:>6.0f}{row['tok_s']:>8.0f}"
+                  f"{row['ttft50']:>10.3f}{row['ttft99']:>8.3f}{row['running']:>8.0f}"
+                  f"{row['held']:>10,.0f}{row['aborted']:>7.0f}")
+        peak = max((x.backed for x in r.samples), default=0)
+        print(f"{r.mode:<8}retractions {r.retracted}, reclaims {r.reclaims} (mean "
+              f"{r.reclaim_mean * 1e3:.1f} ms, max {r.reclaim_max * 1e3:.1f} ms), peak memory "
+              f"{peak / MiB:.1f} of {s.budget / MiB:.0f} MiB"
+              f" {'(within budget)' if peak <= s.budget else '(OVER BUDGET)'}")
+    if "static" in tables:
+        base = tables["static"]
+        total = {m: sum(row["tok_s"] for row in t.values()) for m, t in tables.items()}
+        for m in tables:
+            if m == "static":
+                continue
+            held = [tables[m][(n, n)]["held"] / max(1, base[(n, n)]["held"]) for n in MODELS]
+            ratio = total[m] / total["static"]
+            aborts = sum(row["aborted"] for row in tables[m].values())
+            print(f"{m}: bursting engine holds {min(held):.2f}x / {max(held):.2f}x the KV "
+                  f"tokens of static (target >= 1.8x); throughput {ratio:.2f}x static (target "
+                  f">= 1.3x); aborts {aborts:.0f} (target 0)")
+    if args.plot:
+        plot(runs, args.plot)
+        print(f"plot: {args.plot}")
+    if args.json:
+        args.json.write_text(json.dumps({m: {f"{p}/{n}": row for (p, n), row in t.items()}
+                                         for m, t in tables.items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
