@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -298,3 +299,20 @@ async def test_the_greedy_policy_never_takes_from_another_pool() -> None:
             await server.shutdown(0)
             server.remove_sockets()
             d.close()
+
+
+async def test_drop_of_an_elastic_pool_gives_its_whole_charge_back(daemon: Any) -> None:
+    d, stub = daemon
+    await configure(stub, "a")
+    await configure(stub, "b")
+    la = await open_raw(stub, "a")
+    await allocate(stub, "a", la, PAGES + 1)  # a: two groups
+    assert d.used_bytes == 2 * FIXED + 3 * GROUP
+    files = {f.name for f in Path(d.pools["a"].backing.path).parent.iterdir()}  # type: ignore[attr-defined]
+    resp = await stub.Drop(pb.DropRequest(pool="a", force=True))
+    assert resp.released_bytes == FIXED + 2 * GROUP
+    assert d.used_bytes == FIXED + GROUP and "a" not in d.elastic.pools
+    left = {f.name for f in Path(d.pools["b"].backing.path).parent.iterdir()}  # type: ignore[attr-defined]
+    assert len(files - left) == 1  # a's region file is gone
+    lb = await open_raw(stub, "b")
+    assert len(await allocate(stub, "b", lb, 3 * PAGES - 1)) == 3 * PAGES - 1  # b has it all
