@@ -7,8 +7,10 @@ three ways in one run.
   free down to a headroom, never from the other: kvcached's policy);
 - ``arbiter``: elastic pools under kvpool's arbiter (the default policy).
 
-The models are tiny random Llamas of different layouts (A: 4 layers x 4 KV heads x 32; B: 6
-layers x 2 KV heads x 64; float32), so their pools have different views and groups. The trace,
+The models are tiny random Llamas of different layouts (A: 4 layers x 8 KV heads x 64; B: 6
+layers x 4 KV heads x 64; float32), so their pools have different views and groups. SGLang
+runs with ``--disable-radix-cache``: its radix cache keeps finished requests' KV until an
+allocation runs short, which would fill any pool and measure the cache, not the pools. The trace,
 per mode: phase ``a``: A bursts (many concurrent requests) while B trickles; phase ``b``: the
 reverse; phase ``both``: both burst. Each engine is a ``python -m sglang.launch_server`` with the
 kvpool plugin (``SGLANG_PLATFORM=kvpool``; ``KVPOOL_ELASTIC=1`` in the elastic modes) on the
@@ -51,7 +53,7 @@ VENV = Path(os.environ.get("KVPOOL_SGLANG_VENV", REPO / ".venv-sglang"))
 MiB = 1 << 20
 PAGE = 4
 # name -> (layers, kv heads, head dim): float32 K and V of every layer.
-MODELS = {"a": (4, 4, 32), "b": (6, 2, 64)}
+MODELS = {"a": (4, 8, 64), "b": (6, 4, 64)}
 MODES = ("static", "greedy", "arbiter")
 PHASES = ("a", "b", "both")
 
@@ -71,8 +73,10 @@ class Settings:
     phase_s: float  # seconds a phase sends requests
 
 
-QUICK = Settings(budget=96 * MiB, burst=24, trickle=1, prompt=120, new=32, phase_s=10.0)
-FULL = Settings(budget=160 * MiB, burst=64, trickle=2, prompt=180, new=64, phase_s=30.0)
+# The budget is large against the floors (a group is 1,024 tokens of a, 2,048 of b), and a
+# burst needs more KV than half of it: so the static split is what limits a bursting engine.
+QUICK = Settings(budget=160 * MiB, burst=48, trickle=1, prompt=120, new=32, phase_s=12.0)
+FULL = Settings(budget=320 * MiB, burst=110, trickle=2, prompt=180, new=64, phase_s=30.0)
 
 
 def free_port() -> int:
@@ -137,6 +141,7 @@ def engine(work: Path, name: str, model: Path, target: str, tokens: int, elastic
          "--disable-cuda-graph", "--dtype", "float32", "--sampling-backend", "pytorch",
          "--grammar-backend", "none", "--disable-overlap-schedule", "--page-size", str(PAGE),
          "--max-total-tokens", str(tokens), "--max-running-requests", "256",
+         "--disable-radix-cache",
          "--mem-fraction-static", "0.05", "--random-seed", "0", "--enable-metrics",
          "--log-level", "warning"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -251,10 +256,22 @@ class ModeRun:
     reclaims: int = 0
 
 
-def run_mode(mode: str, work: Path, models: dict[str, Path], s: Settings) -> ModeRun:
+def show_top(target: str, phase: str) -> None:
+    """``kvpool top --once`` of the daemon, mid-phase (the demo's view)."""
+    out = subprocess.run([sys.executable, "-m", "kvpool.tools.cli", "top", "--once",
+                          "--target", target], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO / "client"),
+                              "COLUMNS": "100", "LINES": "30"})
+    print(f"--- kvpool top, phase {phase} ---\n{out.stdout.rstrip()}", flush=True)
+
+
+def run_mode(mode: str, work: Path, models: dict[str, Path], s: Settings,
+             top: bool = False) -> ModeRun:
     elastic = mode != "static"
-    tokens = {n: (s.budget // 2 if not elastic else s.budget) // bytes_per_token(n) - 8 * PAGE
-              for n in MODELS}
+    # static: half the budget each, less room for the request table; elastic: the whole budget
+    # is each one's virtual range
+    share = s.budget if elastic else s.budget // 2 - 2 * MiB
+    tokens = {n: share // bytes_per_token(n) // PAGE * PAGE for n in MODELS}
     result = ModeRun(mode)
     with daemon(work, s.budget, "greedy" if mode == "greedy" else "arbiter") as target, \
             KVPoolClient(target) as client, \
@@ -292,6 +309,9 @@ def run_mode(mode: str, work: Path, models: dict[str, Path], s: Settings) -> Mod
             for n in MODELS:
                 workers = s.burst if phase in (n, "both") else s.trickle
                 threads += load(urls[n], n, phase, workers, until, s, result.done, i)
+            if top:
+                time.sleep(s.phase_s / 2)
+                show_top(target, phase)
             for t in threads:
                 t.join()
         stop.set()
@@ -367,6 +387,8 @@ def main() -> int:
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
     ap.add_argument("--plot", type=Path, help="write the KV-tokens-held PNG here")
     ap.add_argument("--json", type=Path, help="write every figure as JSON here")
+    ap.add_argument("--top", action="store_true",
+                    help="print `kvpool top --once` halfway through every phase")
     args = ap.parse_args()
     if not (VENV / "bin" / "python").exists():
         print(f"no SGLang side venv at {VENV}: run tests/sglang/setup_venv.sh", file=sys.stderr)
@@ -379,7 +401,7 @@ def main() -> int:
         runs = []
         for mode in modes:
             print(f"[{mode}] two engines, {s.phase_s:g} s a phase ...", flush=True)
-            runs.append(run_mode(mode, work, models, s))
+            runs.append(run_mode(mode, work, models, s, args.top))
     tables = {r.mode: phase_table(r, s) for r in runs}
     print(f"\nbudget {s.budget / MiB:.0f} MiB; per request {s.prompt} + {s.new} tokens; "
           f"burst {s.burst}, trickle {s.trickle} concurrent")

@@ -57,14 +57,17 @@ def emit(event: str, **fields: Any) -> None:
 def make_model(directory: Path, seed: int, layers: int = 2, kv_heads: int = 2,
                head_dim: int = 16) -> None:
     """A Llama with 4 heads of ``head_dim`` (hidden 64 by default), 2 layers, 2 KV heads,
-    vocab 256, float32 weights; ``layers``, ``kv_heads``, ``head_dim`` change its layout."""
+    vocab 256, float32 weights; ``layers``, ``kv_heads``, ``head_dim`` change its layout (more
+    KV heads than 4: as many attention heads)."""
     hide_stubs()
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    heads = max(4, kv_heads)
     config = LlamaConfig(
-        hidden_size=4 * head_dim, intermediate_size=8 * head_dim, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=kv_heads, vocab_size=256,
+        hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        vocab_size=256,
         max_position_embeddings=256,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         torch_dtype="float32",
