@@ -201,9 +201,20 @@ class PoolPlan(Base):
         if e is None or not 0 <= group < e.groups:
             raise ValueError(f"no group {group} in this plan"
                              + ("" if e is None else f" (groups 0..{e.groups - 1})"))
-        shares = [(b.offset_bytes, e.pages_per_group * b.page_bytes)
-                  for b in (self.buffer(name) for name in e.views)]
-        return group_ranges(shares, group)
+        return group_ranges(self.group_shares(), group)
+
+    def group_shares(self) -> list[tuple[int, int]]:
+        """``(offset, share)`` of each view an elastic pool's groups cut: where the view starts
+        and its bytes of one group (:func:`group_ranges` places group ``g`` from them).
+
+        Raises:
+            ValueError: a fixed pool.
+        """
+        e = self.elastic
+        if e is None:
+            raise ValueError("a fixed pool has no groups")
+        return [(b.offset_bytes, e.pages_per_group * b.page_bytes)
+                for b in (self.buffer(name) for name in e.views)]
 
     def id_space(self, name: str) -> IdSpaceSpec:
         """The id space called ``name``; KeyError lists the plan's spaces."""

@@ -286,12 +286,16 @@ def map_elastic(handle: SharedHandle, layout: Sequence[BufferLayout], *, plan: A
         _release(reservation, fd)
         raise
     del buffer
-    shares = [(b.offset_bytes, e.pages_per_group * b.page_bytes)
-              for b in (plan.buffer(name) for name in e.views)]
     region = ElasticRegion(torch.device("cpu"), base, carve_views(base, layout),
-                           str(handle.path), mapper=ReservationMapper(reservation, shares),
+                           str(handle.path),
+                           mapper=ReservationMapper(reservation, plan.group_shares()),
                            layout=layout, plan=plan, fingerprint=fingerprint,
                            attach_id=attach_id, pool=pool)
+    return _with_groups(region, groups)
+
+
+def _with_groups(region: ElasticRegion, groups: Iterable[int]) -> ElasticRegion:
+    """``region`` with ``groups`` mapped, or closed and the error raised."""
     try:
         region.ensure_groups(groups)
     except BaseException:
@@ -335,12 +339,7 @@ def map_elastic_vmm(handle: SharedHandle, layout: Sequence[BufferLayout], *, pla
     except BaseException:
         VmmMapper(vmm).close()
         raise
-    try:
-        region.ensure_groups(groups)
-    except BaseException:
-        region.close()
-        raise
-    return region
+    return _with_groups(region, groups)
 
 
 def _release(reservation: Reservation, fd: int) -> None:

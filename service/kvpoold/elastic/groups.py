@@ -68,10 +68,9 @@ def plan_geometry(plan: PoolPlan) -> tuple[GroupGeometry, tuple[int, ...]]:
     e = plan.elastic
     if e is None:
         raise InvalidArgument(f"pool layout {plan.fingerprint()} is not elastic", field="elastic")
-    views = [plan.buffer(name) for name in e.views]
-    geo = GroupGeometry(e.tokens_per_group, tuple(e.pages_per_group * b.page_bytes
-                                                  for b in views), e.groups)
-    return geo, tuple(b.offset_bytes for b in views)
+    shares = plan.group_shares()
+    geo = GroupGeometry(e.tokens_per_group, tuple(share for _, share in shares), e.groups)
+    return geo, tuple(offset for offset, _ in shares)
 
 
 class SparseBacking:
