@@ -75,7 +75,7 @@ class Settings:
 
 # The budget is large against the floors (a group is 1,024 tokens of a, 2,048 of b), and a
 # burst needs more KV than half of it: so the static split is what limits a bursting engine.
-QUICK = Settings(budget=160 * MiB, burst=48, trickle=1, prompt=120, new=32, phase_s=12.0)
+QUICK = Settings(budget=160 * MiB, burst=40, trickle=1, prompt=120, new=16, phase_s=8.0)
 FULL = Settings(budget=320 * MiB, burst=110, trickle=2, prompt=180, new=64, phase_s=30.0)
 
 
@@ -340,9 +340,13 @@ def phase_table(r: ModeRun, s: Settings) -> dict[tuple[str, str], dict[str, floa
         for n in MODELS:
             done = [d for d in r.done if d.phase == phase and d.engine == n]
             samples = [x for x in r.samples if x.phase == phase]
+            # a phase lasts from its first request to its last answer (requests sent before
+            # its end are served to the end)
+            wall = (max(d.end for d in done) - min(d.start for d in done)) if done else 1.0
             out[(phase, n)] = {
                 "requests": len(done),
-                "tok_s": sum(d.tokens for d in done) / s.phase_s,
+                "wall_s": wall,
+                "tok_s": sum(d.tokens for d in done) / max(wall, 1e-9),
                 "ttft50": pct([d.ttft for d in done], 0.5),
                 "ttft99": pct([d.ttft for d in done], 0.99),
                 "aborted": sum(d.aborted for d in done),
@@ -420,7 +424,11 @@ def main() -> int:
               f" {'(within budget)' if peak <= s.budget else '(OVER BUDGET)'}")
     if "static" in tables:
         base = tables["static"]
-        total = {m: sum(row["tok_s"] for row in t.values()) for m, t in tables.items()}
+        # the whole trace: every token over the time the trace took, per engine, summed
+        total = {m: sum(sum(row["tok_s"] * row["wall_s"] for (p, e), row in t.items()
+                            if e == n) / sum(row["wall_s"] for (p, e), row in t.items()
+                                             if e == n) for n in MODELS)
+                 for m, t in tables.items()}
         for m in tables:
             if m == "static":
                 continue
