@@ -356,6 +356,17 @@ def phase_table(r: ModeRun, s: Settings) -> dict[tuple[str, str], dict[str, floa
     return out
 
 
+def trace_throughput(r: ModeRun) -> float:
+    """Tokens generated over the whole trace per second of it (each phase from its first
+    request to its last answer, both engines together)."""
+    wall = 0.0
+    for phase in PHASES:
+        done = [d for d in r.done if d.phase == phase]
+        if done:
+            wall += max(d.end for d in done) - min(d.start for d in done)
+    return sum(d.tokens for d in r.done) / wall if wall else 0.0
+
+
 def plot(runs: list[ModeRun], path: Path) -> None:
     """KV tokens held per engine over time, one panel per mode (Pillow, in the SGLang venv)."""
     series = {r.mode: [(x.t - r.samples[0].t, x.held["a"], x.held["b"]) for x in r.samples]
@@ -424,11 +435,7 @@ def main() -> int:
               f" {'(within budget)' if peak <= s.budget else '(OVER BUDGET)'}")
     if "static" in tables:
         base = tables["static"]
-        # the whole trace: every token over the time the trace took, per engine, summed
-        total = {m: sum(sum(row["tok_s"] * row["wall_s"] for (p, e), row in t.items()
-                            if e == n) / sum(row["wall_s"] for (p, e), row in t.items()
-                                             if e == n) for n in MODELS)
-                 for m, t in tables.items()}
+        total = {r.mode: trace_throughput(r) for r in runs}
         for m in tables:
             if m == "static":
                 continue
