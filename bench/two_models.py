@@ -449,8 +449,12 @@ def main() -> int:
         plot(runs, args.plot)
         print(f"plot: {args.plot}")
     if args.json:
-        args.json.write_text(json.dumps({m: {f"{p}/{n}": row for (p, n), row in t.items()}
-                                         for m, t in tables.items()}, indent=1))
+        args.json.write_text(json.dumps({"budget": s.budget, "modes": {
+            r.mode: {"phases": {f"{p}/{n}": row for (p, n), row in tables[r.mode].items()},
+                     "peak_backed": max((x.backed for x in r.samples), default=0),
+                     "retracted": r.retracted, "reclaims": r.reclaims,
+                     "reclaim_max_s": r.reclaim_max, "throughput": trace_throughput(r)}
+            for r in runs}}, indent=1))
     return 0
 
 
