@@ -2,7 +2,8 @@
 ``tests/integration/sglang/`` (side venv only: ``.venv-sglang/bin/python``, ``stubs/`` on
 ``PYTHONPATH``).
 
-    engine_run.py make-model DIR [--seed 0]   # a tiny random Llama (config.json, safetensors)
+    engine_run.py make-model DIR [--seed 0] [--wide]  # a tiny random Llama (config.json,
+                                              # safetensors); --wide: 8 KV heads of 128
     engine_run.py engine < job.json           # start an engine, generate, report, shut down
     engine_run.py pools < job.json            # build kvpool's pool classes directly (build_pools)
     engine_run.py serve ARGS...               # python -m sglang.launch_server ARGS...
@@ -14,11 +15,14 @@ An engine job (one line of JSON on stdin)::
      "baseline": false,     # true: SGLang's own KV pool and allocator (kvpool's hooks off)
      "sglang_allocator": false,  # true: kvpool's pools with SGLang's allocator (debugging)
      "dump": "PATH",        # the scheduler writes what its radix cache holds there
-     "hold": true}          # wait for a line on stdin before shutting down
+     "hold": true,          # wait for a line on stdin before shutting down
+     "pause": true,         # wait for a line on stdin before each batch after the first
+     "leak_check": "PATH"}  # after the dump: SGLang's idle checks around a leaked page
 
 Progress goes to stdout as lines ``HARNESS {json}`` (events ``started``, ``batch``,
-``generated``, ``dumped``, ``holding``, ``shutdown``; ``pool`` for pool jobs); SGLang's log goes
-to stderr. Generation is greedy with ``ignore_eos``: every request makes ``max_new_tokens``.
+``paused``, ``generated``, ``dumped``, ``leak_checked``, ``holding``, ``shutdown``; ``pool``
+for pool jobs); SGLang's log goes to stderr. Generation is greedy with ``ignore_eos``: every
+request makes ``max_new_tokens``.
 
 The scheduler runs in a process SGLang spawns; multiprocessing imports this file there as
 ``__mp_main__``, which installs two test-only hooks in that process (never in kvpool itself):
@@ -54,17 +58,21 @@ def emit(event: str, **fields: Any) -> None:
 
 # -- the tiny model ------------------------------------------------------------------------------
 
-def make_model(directory: Path, seed: int) -> None:
-    """A Llama with hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 256, float32 weights."""
+def make_model(directory: Path, seed: int, wide: bool = False) -> None:
+    """A Llama with hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 256, float32 weights;
+    ``wide``: 8 heads and 8 KV heads of 128 (4 KiB of K per token and layer, so an elastic
+    pool's 2 MiB chunks hold 512 tokens), 1,024 positions."""
     hide_stubs()
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    heads = {"num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 128,
+             "max_position_embeddings": 1024} if wide else {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
     config = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=256, max_position_embeddings=256,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=256,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        torch_dtype="float32",
+        torch_dtype="float32", **heads,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
@@ -114,6 +122,11 @@ def _dump(scheduler: Any, path: str) -> None:
         "platform_class": type(_platform()).__qualname__,
         "size": int(pool.size), "page_size": int(pool.page_size),
         "available_size": int(allocator.available_size()),
+        "elastic": None if not getattr(allocator, "elastic", False) else {
+            "live_available_size": int(allocator.live_available_size()),
+            "cached": int(allocator.cache.cached), "in_use": int(allocator.pages_in_use),
+            "low_pages": int(allocator.low_pages),
+            "pages_per_group": int(allocator.pages_per_group)},
         "held_locs": held.tolist(), "written_locs": written.tolist(), "layers": layers,
         "max_running_requests": int(scheduler.max_running_requests),
         "kvpool": None if binding is None else {
@@ -126,6 +139,36 @@ def _dump(scheduler: Any, path: str) -> None:
         },
     }
     Path(path).write_text(json.dumps(dump))
+
+
+def _leak_check(scheduler: Any, path: str) -> None:
+    """SGLang's idle checks (its token identity, then the allocator's
+    ``verify_byte_accounting``) at rest, with one page taken and never returned, and after it
+    was returned; the page is returned before this returns, so the scheduler's own idle check
+    finds the pool as it was."""
+    allocator = scheduler.token_to_kv_pool_allocator
+    checker = scheduler.invariant_checker
+
+    def check() -> dict[str, Any]:
+        leak, messages = checker._check_all_pools(
+            scheduler.pool_stats_observer.get_pool_stats())
+        return {"sglang_leak": bool(leak), "sglang": messages,
+                "kvpool": list(allocator.verify_byte_accounting()),
+                "available_size": int(allocator.available_size()),
+        "elastic": None if not getattr(allocator, "elastic", False) else {
+            "live_available_size": int(allocator.live_available_size()),
+            "cached": int(allocator.cache.cached), "in_use": int(allocator.pages_in_use),
+            "low_pages": int(allocator.low_pages),
+            "pages_per_group": int(allocator.pages_per_group)},
+                "live_available_size": int(getattr(allocator, "live_available_size",
+                                                   allocator.available_size)())}
+
+    out = {"at_rest": check()}
+    loc = allocator.alloc(allocator.page_size)  # the leak
+    out["leaked"] = check()
+    allocator.free(loc)
+    out["returned"] = check()
+    Path(path).write_text(json.dumps(out))
 
 
 def _platform() -> Any:
@@ -143,6 +186,11 @@ def _install_hooks() -> None:
         _dump(self, path)
 
     Scheduler.kvpool_harness_dump = kvpool_harness_dump
+
+    def kvpool_harness_leak_check(self: Any, path: str) -> None:
+        _leak_check(self, path)
+
+    Scheduler.kvpool_harness_leak_check = kvpool_harness_leak_check
 
     original = MHATokenToKVPool.set_kv_buffer
 
@@ -200,19 +248,26 @@ def run_engine(job: dict[str, Any]) -> None:
               "ignore_eos": True}
     try:
         outputs = []
-        for batch in job["batches"]:
+        for i, batch in enumerate(job["batches"]):
+            if i and job.get("pause"):
+                emit("paused", batch=i)
+                sys.stdin.readline()
             t0 = time.monotonic()
             results = engine.generate(input_ids=batch, sampling_params=params)
             for prompt, result in zip(batch, results, strict=True):
                 meta = result["meta_info"]
                 outputs.append({"input_ids": prompt, "output_ids": result["output_ids"],
                                 "cached_tokens": meta.get("cached_tokens", 0),
+                                "finish_reason": meta.get("finish_reason"),
                                 "prompt_tokens": meta.get("prompt_tokens")})
             emit("batch", seconds=round(time.monotonic() - t0, 2), size=len(batch))
         emit("generated", outputs=outputs)
         if job.get("dump"):
             engine.collective_rpc("kvpool_harness_dump", path=job["dump"])
             emit("dumped", path=job["dump"])
+        if job.get("leak_check"):
+            engine.collective_rpc("kvpool_harness_leak_check", path=job["leak_check"])
+            emit("leak_checked", path=job["leak_check"])
         if job.get("hold"):
             emit("holding")
             sys.stdin.readline()
@@ -303,12 +358,13 @@ def main(argv: list[str] | None = None) -> int:
     model = sub.add_parser("make-model", help="write the tiny random Llama")
     model.add_argument("directory", type=Path)
     model.add_argument("--seed", type=int, default=0)
+    model.add_argument("--wide", action="store_true")
     sub.add_parser("engine", help="run an engine job (JSON on stdin)")
     sub.add_parser("pools", help="build pool classes directly (JSON on stdin)")
     sub.add_parser("serve", help="python -m sglang.launch_server ARGS...")
     args = parser.parse_args(argv)
     if args.cmd == "make-model":
-        make_model(args.directory, args.seed)
+        make_model(args.directory, args.seed, args.wide)
     elif args.cmd == "engine":
         run_engine(json.loads(sys.stdin.readline()))
     else:
