@@ -7,8 +7,9 @@ engine's pool is 2,044 tokens (4 groups less the padding page), its floor one gr
 - ``fixed_run`` (module fixture): the same engine on a fixed pool of the same size, on the
   module's 512 MiB daemon: the tokens to match, and the generation time to compare.
 - ``test_elastic_engine_under_pressure``: the engine on an elastic pool in a daemon whose
-  budget (48 MiB: the two pools' fixed parts, 6 and 2 MiB, and five groups) is less than the engine's peak plus a
-  second pool's. Three batches of the same 8 distinct prompts (32 new tokens each, greedy):
+  budget (48 MiB: the two pools' fixed parts, 6 and 2 MiB, and five groups) is less than the
+  engine's peak plus a second pool's. Three batches of the same 8 distinct prompts (32 new
+  tokens each, greedy):
 
   1. alone: the engine grows past its floor;
   2. after this test's lease allocated a second elastic pool past its floor (an Allocate that
