@@ -289,7 +289,8 @@ def build_pools(job: dict[str, Any]) -> None:
     Each case: ``kind`` (mha, mla, dsa), ``pool`` (KVPOOL_POOL), ``model`` (a directory with
     config.json), ``dtype`` (a kvpool KV dtype name), ``args`` (the class's keyword arguments
     besides ``dtype``, ``device`` and ``enable_memory_saver``), ``settings`` (EngineSettings
-    fields besides the model path: what an engine would have resolved). A built pool writes
+    fields besides the model path: what an engine would have resolved), ``env`` (environment
+    variables set for this case only, e.g. ``KVPOOL_ELASTIC``). A built pool writes
     ``marker`` into row ``page_size`` (page 1) of its first layer's buffers through the tensors
     SGLang uses, then ends its binding (the pool stays in the daemon).
     """
@@ -303,6 +304,9 @@ def build_pools(job: dict[str, Any]) -> None:
         settings = pools.EngineSettings(model_path=case["model"], **case.get("settings", {}))
         pools.engine_settings = lambda settings=settings: settings  # type: ignore[misc]
         os.environ["KVPOOL_POOL"] = case["pool"]
+        for name in ("KVPOOL_ELASTIC", "KVPOOL_ELASTIC_FLOOR_TOKENS"):
+            os.environ.pop(name, None)
+        os.environ.update(case.get("env", {}))
         cls = pools.pool_class(case["kind"])
         dtype = getattr(torch, DTYPES[case["dtype"]])
         try:
@@ -328,7 +332,8 @@ def build_pools(job: dict[str, Any]) -> None:
             row.fill_(int(marker) if row.dtype == torch.uint8 else marker)
         configured = pool.kvpool_configured
         emit("pool", id=case["id"], ok=True, cls=type(pool).__qualname__,
-             created=configured.created, fingerprint=configured.fingerprint,
+             created=configured.created, elastic=configured.plan.elastic is not None,
+             fingerprint=configured.fingerprint,
              store_dtype=str(pool.store_dtype).removeprefix("torch."), buffers=buffers)
         pool.kvpool_binding.close()
 

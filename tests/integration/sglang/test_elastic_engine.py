@@ -151,7 +151,7 @@ def test_elastic_engine_under_pressure(sglang_python: Path, elastic_daemon: Daem
     with KVPoolClient(elastic_daemon.target) as client, \
             harness(sglang_python, ["engine"], env, work / "elastic.log",
                     job(wide_model, work, "elastic", pause=True, hold=True,
-                        leak_check=str(leak_path), log_level="info")) as h:
+                        leak_check=str(leak_path))) as h:
         h.wait_for("started", ENGINE_START_S)
         configured = client.stats().pool(pool)
         assert configured.elastic is not None and configured.elastic.floor_groups == 1
@@ -230,3 +230,40 @@ def _allocate(lease: Any, pool: str, count: int) -> tuple[Any] | None:
     except ResourceExhausted:
         time.sleep(0.1)
         return None
+
+
+def test_elastic_pool_sizes(sglang_python: Path, sglang_daemon: DaemonProcess,
+                            wide_model: Path, work: Path) -> None:
+    """SGLang's MHA pool class built with SGLang's arguments under ``KVPOOL_ELASTIC=1``: a
+    token count that is not whole groups is refused naming the two that work; a whole-group
+    count maps; a second engine without ``KVPOOL_ELASTIC`` joins the existing elastic pool
+    as elastic."""
+    elastic = {"KVPOOL_ELASTIC": "1", "KVPOOL_ELASTIC_FLOOR_TOKENS": str(TOKENS_PER_GROUP)}
+
+    def case(name: str, pool: str, size: int, env: dict[str, str]) -> dict[str, Any]:
+        return {"id": name, "kind": "mha", "pool": pool, "model": str(wide_model),
+                "dtype": "float32", "env": env, "settings": {"context_length": 1024},
+                "args": {"size": size, "page_size": PAGE_SIZE, "head_num": 8, "head_dim": 128,
+                         "layer_num": 2, "start_layer": 0, "end_layer": 2}}
+
+    cases = [case("odd", "sgl-el-odd", 2000, elastic),
+             case("whole", "sgl-el-whole", MAX_TOTAL_TOKENS, elastic),
+             case("join", "sgl-el-whole", MAX_TOTAL_TOKENS, {})]
+    env = sglang_env(KVPOOL_TARGET=sglang_daemon.target, KVPOOL_LEASE_TTL_S=str(TTL_S))
+    results: dict[str, dict[str, Any]] = {}
+    with harness(sglang_python, ["pools"], env, work / "sizes.log",
+                 json.dumps({"cases": cases})) as h:
+        for _ in cases:
+            event = h.wait_for("pool", 300)
+            results[event["id"]] = event
+        assert h.close() == 0
+    assert not results["odd"]["ok"]
+    assert ("whole groups of 512 tokens, the padding page (4 tokens) included; run SGLang "
+            "with --max-total-tokens 1532 or 2044") in results["odd"]["error"], results["odd"]
+    assert results["whole"]["ok"] and results["whole"]["elastic"], results["whole"]
+    assert results["whole"]["created"] is True
+    assert results["whole"]["buffers"]["k.0"]["shape"] == [MAX_TOTAL_TOKENS + PAGE_SIZE, 8, 128]
+    assert results["join"]["ok"] and results["join"]["elastic"], results["join"]
+    assert results["join"]["created"] is False
+    with KVPoolClient(sglang_daemon.target) as client:
+        assert client.stats().pool("sgl-el-whole").elastic is not None

@@ -43,8 +43,8 @@ thread: its upkeep (the give-backs the daemon asks for) runs only between schedu
 (when SGLang starts an admission or a decode check, after a step's frees, and at idle), never
 between an admission and its allocation. ``available_size()`` is then the live size, the
 pages the cache holds unused (see ``kvpool.integrations.sglang.elastic`` for idle); the cache
-grows ahead of need, by half a group of pages (or what a request lacks), when it holds fewer
-than ``low_pages``.
+grows ahead of need, by half a group of pages, when it holds fewer than ``low_pages`` between
+steps, and by what a request lacks when SGLang's admission or decode check finds it short.
 
 Importing this module imports SGLang (the ``kvpool[sglang]`` extra); ``import kvpool`` never
 does.
@@ -174,8 +174,8 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         self._grow_wait = GROW_RETRY_S
         self._version = 0
         self._checked: tuple[int, int] | None = None
-        self._short_pages = 0  # what the last refused admission lacked
-        self._admitting = -1  # the allocation state when the last admission started
+        self._admission = "none"  # the last admission: none yet, "refused" or "admitted"
+
         self._short_warned = False
         # The binding's close returns the cached pages before it ends the lease (which would
         # otherwise take them from under the open cache, and log that it did).
@@ -246,15 +246,8 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
             self.cache.maintain()
         except KVPoolError as err:
             log.warning("kvpool pool %r: page cache upkeep failed: %s", self.pool_name, err)
-        need = max(self.low_pages - self.cache.cached, self._short_pages)
-        if need > 0:
-            self._short_pages = 0
-            self.grow(need)
-
-    def note_shortfall(self, tokens: int) -> None:
-        """An admission found ``tokens`` short: the next upkeep grows the cache by them."""
-        if self.elastic and tokens > 0:
-            self._short_pages = max(self._short_pages, -(-int(tokens) // self.page_size))
+        if self.cache.cached < self.low_pages:
+            self.grow(self.low_pages - self.cache.cached)
 
     def grow(self, pages: int) -> int:
         """Fetch at least ``pages`` more pages into the cache (one Allocate of at least half a
@@ -273,6 +266,7 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
             return 0
         had = self.cache.cached
         ids = None
+        refused = False
         # Past what the cache holds: one Allocate (at least the cache's batch; what is
         # missing exactly when the daemon refuses that).
         for ask in dict.fromkeys((want, min(want, max(1, int(pages))))):
@@ -280,17 +274,22 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
                 ids = self.cache.alloc(had + ask)
                 break
             except ResourceExhausted as err:
+                refused = True
                 log.debug("kvpool pool %r: growth by %d pages refused: %s", self.pool_name,
                           ask, err)
             except KVPoolError as err:  # the lease or pool is gone: the allocs will say so
                 log.warning("kvpool pool %r: growth failed: %s", self.pool_name, err)
                 break
-        if ids is None:
+        if refused:  # the pool is at its share or the budget is short: not every step
             self._grow_at = now + self._grow_wait
             self._grow_wait = min(GROW_RETRY_MAX_S, self._grow_wait * 2)
+        if ids is None:
             return 0
         self.cache.free(ids)  # into the cache: held by the lease, unused
-        self._grow_wait = GROW_RETRY_S
+        log.debug("kvpool pool %r: grew its cache %d -> %d pages (%d in use)", self.pool_name,
+                  had, self.cache.cached, self.pages_in_use)
+        if not refused:
+            self._grow_wait = GROW_RETRY_S
         return int(self.cache.cached - had)
 
     def create_prefill_budget(self, tree_cache: Any, *, num_mixed_decode_tokens: int = 0
@@ -301,14 +300,18 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
             return super().create_prefill_budget(
                 tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
         self._tree = tree_cache
-        if self._admitting == self._version:
-            # The last admission allocated nothing since: requests wait for memory, however
-            # SGLang's adder found it out. Grow by a batch (the daemon may refuse).
-            self.note_shortfall(self.cache.batch * self.page_size)
+        if self._admission == "refused":
+            # The last admission (SGLang makes one only with requests waiting) admitted none:
+            # whichever of SGLang's checks refused them, grow by a batch (the daemon may say no).
+            self.grow(self.cache.batch)
         self._upkeep()
-        self._admitting = self._version
+        self._admission = "refused"  # until the budget admits a request
         return LivePrefillBudget(self, tree_cache,
                                  num_mixed_decode_tokens=num_mixed_decode_tokens)
+
+    def admitted(self) -> None:
+        """The current admission admitted a request (:class:`LivePrefillBudget` says so)."""
+        self._admission = "admitted"
 
     def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> bool | None:
         """SGLang's eviction before an allocation, against the live free size (elastic)."""

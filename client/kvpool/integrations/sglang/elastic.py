@@ -36,26 +36,35 @@ class LivePrefillBudget(PrefillBudget):
         return int(self.allocator.live_available_size()) + int(self.tree_cache.evictable_size())
 
     def check_prefill(self, **kwargs: Any) -> tuple[bool, int | None]:
-        """SGLang's check; a request that does not fit tells the allocator what it lacks (the
-        next step's upkeep grows the cache by it)."""
+        """SGLang's check; a request that does not fit grows the allocator's cache by what it
+        lacks (only ever adding pages: safe inside an admission) and is checked again."""
         ok, limit = super().check_prefill(**kwargs)
-        if not ok:
-            self.allocator.note_shortfall(int(kwargs["total_tokens"]) - self.remaining_total + 1)
+        if not ok and self._grow(int(kwargs["total_tokens"]) - self.remaining_total + 1):
+            ok, limit = super().check_prefill(**kwargs)
         return ok, limit
 
     def can_allocate_prefill(self, *, paged_input: int, **kwargs: Any) -> bool:
         ok = super().can_allocate_prefill(paged_input=paged_input, **kwargs)
-        if not ok:
-            self.allocator.note_shortfall(
-                paged_input - min(self.remaining_current, self.remaining_total))
+        if not ok and self._grow(paged_input - min(self.remaining_current,
+                                                   self.remaining_total)):
+            ok = super().can_allocate_prefill(paged_input=paged_input, **kwargs)
         return ok
 
     def has_capacity(self) -> bool:
         ok = super().has_capacity()
-        if not ok:
-            self.allocator.note_shortfall(
-                max(-self.remaining_total, -self.remaining_current, 0) + self.page_size)
+        if not ok and self._grow(max(-self.remaining_total, -self.remaining_current, 0)
+                                 + self.page_size):
+            ok = super().has_capacity()
         return ok
+
+    def reserve(self, *args: Any, **kwargs: Any) -> None:
+        """SGLang admits a request: the allocator learns this admission was not in vain."""
+        super().reserve(*args, **kwargs)
+        self.allocator.admitted()
+
+    def _grow(self, tokens: int) -> bool:
+        """Ask the allocator for ``tokens`` more (in whole pages); whether it got any."""
+        return tokens > 0 and self.allocator.grow(-(-tokens // self.page_size)) > 0
 
 
 def tree_tokens(tree: Any) -> int:

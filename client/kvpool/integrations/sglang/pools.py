@@ -11,7 +11,7 @@ kvpool class instead:
    ``max_running_requests``. An existing pool with the same layout is reused (Configure answers
    ``created=False``); one with another layout is refused by the daemon. With
    ``KVPOOL_ELASTIC=1``, or when the pool already exists as an elastic pool, it is configured
-   elastic (:func:`elastic_options`): the same views over a virtual range of SGLang's token
+   elastic (:func:`elastic_settings`): the same views over a virtual range of SGLang's token
    count, backed only where the daemon grants groups;
 3. checks the plan against what SGLang expects (token count, layers, every buffer's shape and
    dtype) and refuses any difference, naming both values;
