@@ -40,11 +40,12 @@ scheduler carries on.
 Elastic pools (``docs/sglang.md``, "Elastic pools"): when the pool is elastic the page cache
 keeps every page it fetched (no high watermark, no return on free) and runs without a worker
 thread: its upkeep (the give-backs the daemon asks for) runs only between scheduler steps
-(when SGLang starts an admission or a decode check, after a step's frees, and at idle), never
-between an admission and its allocation. ``available_size()`` is then the live size, the
-pages the cache holds unused (see ``kvpool.integrations.sglang.elastic`` for idle); the cache
-grows ahead of need, by half a group of pages, when it holds fewer than ``low_pages`` between
-steps, and by what a request lacks when SGLang's admission or decode check finds it short.
+(when SGLang starts an admission or a decode check, and at idle), never between a capacity
+check and its allocation (SGLang also frees inside a step, so frees run no upkeep).
+``available_size()`` is then the live size, the pages the cache holds unused (see
+``kvpool.integrations.sglang.elastic`` for idle); the cache grows ahead of need, by half a
+group of pages when it holds fewer than ``low_pages`` between steps, and by what a request
+lacks when SGLang's admission or decode check finds it short.
 
 Importing this module imports SGLang (the ``kvpool[sglang]`` extra); ``import kvpool`` never
 does.
@@ -604,7 +605,6 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
             parts.append(cpu_int64(torch.cat(page_ids)))
         if parts:
             self._release(np.concatenate(parts))
-        self._upkeep()  # a step's results are processed: between steps
 
     def clear(self) -> None:
         """Free every page in use (back to the page cache) and drop pending free groups:
