@@ -74,8 +74,8 @@ from kvpool.contract.errors import (
 from kvpool.contract.records import Stats
 from kvpool.integrations.sglang.binding import PoolBinding, binding_from_env, binding_of
 from kvpool.integrations.sglang.elastic import (
-    LivePrefillBudget,
     conservation_violations,
+    live_prefill_budget,
     tree_tokens,
 )
 
@@ -307,11 +307,11 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
             self.grow(self.cache.batch)
         self._upkeep()
         self._admission = "refused"  # until the budget admits a request
-        return LivePrefillBudget(self, tree_cache,
+        return live_prefill_budget()(self, tree_cache,
                                  num_mixed_decode_tokens=num_mixed_decode_tokens)
 
     def admitted(self) -> None:
-        """The current admission admitted a request (:class:`LivePrefillBudget` says so)."""
+        """The current admission admitted a request (the live prefill budget says so)."""
         self._admission = "admitted"
 
     def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> bool | None:

@@ -6,7 +6,7 @@ allocator's free size each step. Over an elastic pool the paged allocator
 (``kvpool.integrations.sglang.allocator``) counts as free only the pages its lease holds
 unused in its page cache (:meth:`PagedAllocator.live_available_size`): memory the daemon
 granted and the engine can hand out without asking anyone, so an allocation SGLang admitted
-never fails. :class:`LivePrefillBudget` is SGLang's budget over that number.
+never fails. :func:`live_prefill_budget` makes SGLang's budget over that number.
 
 SGLang's idle check (``SchedulerInvariantChecker``, strict by default through
 ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE``) asserts ``available + evictable + protected ==
@@ -22,49 +22,58 @@ reports the live size, so SGLang's own identity fails too.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
-from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 
 
-class LivePrefillBudget(PrefillBudget):
-    """SGLang's fixed-pool prefill budget, counting the allocator's live free size (granted
-    pages it holds unused) instead of ``available_size()``."""
+@functools.cache
+def live_prefill_budget() -> type:
+    """:class:`LivePrefillBudget`, made on first use: SGLang's ``prefill_budget`` module pulls
+    in its KV pools and kernels, which the allocator's import must not (its differential test
+    imports it bare)."""
+    from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 
-    def _available_and_evictable(self) -> int:
-        return int(self.allocator.live_available_size()) + int(self.tree_cache.evictable_size())
+    class LivePrefillBudget(PrefillBudget):
+        """SGLang's fixed-pool prefill budget, counting the allocator's live free size (granted
+        pages it holds unused) instead of ``available_size()``."""
 
-    def check_prefill(self, **kwargs: Any) -> tuple[bool, int | None]:
-        """SGLang's check; a request that does not fit grows the allocator's cache by what it
-        lacks (only ever adding pages: safe inside an admission) and is checked again."""
-        ok, limit = super().check_prefill(**kwargs)
-        if not ok and self._grow(int(kwargs["total_tokens"]) - self.remaining_total + 1):
+        def _available_and_evictable(self) -> int:
+            return int(self.allocator.live_available_size()) + int(self.tree_cache.evictable_size())
+
+        def check_prefill(self, **kwargs: Any) -> tuple[bool, int | None]:
+            """SGLang's check; a request that does not fit grows the allocator's cache by what it
+            lacks (only ever adding pages: safe inside an admission) and is checked again."""
             ok, limit = super().check_prefill(**kwargs)
-        return ok, limit
+            if not ok and self._grow(int(kwargs["total_tokens"]) - self.remaining_total + 1):
+                ok, limit = super().check_prefill(**kwargs)
+            return ok, limit
 
-    def can_allocate_prefill(self, *, paged_input: int, **kwargs: Any) -> bool:
-        ok = super().can_allocate_prefill(paged_input=paged_input, **kwargs)
-        if not ok and self._grow(paged_input - min(self.remaining_current,
-                                                   self.remaining_total)):
+        def can_allocate_prefill(self, *, paged_input: int, **kwargs: Any) -> bool:
             ok = super().can_allocate_prefill(paged_input=paged_input, **kwargs)
-        return ok
+            if not ok and self._grow(paged_input - min(self.remaining_current,
+                                                       self.remaining_total)):
+                ok = super().can_allocate_prefill(paged_input=paged_input, **kwargs)
+            return ok
 
-    def has_capacity(self) -> bool:
-        ok = super().has_capacity()
-        if not ok and self._grow(max(-self.remaining_total, -self.remaining_current, 0)
-                                 + self.page_size):
+        def has_capacity(self) -> bool:
             ok = super().has_capacity()
-        return ok
+            if not ok and self._grow(max(-self.remaining_total, -self.remaining_current, 0)
+                                     + self.page_size):
+                ok = super().has_capacity()
+            return ok
 
-    def reserve(self, *args: Any, **kwargs: Any) -> None:
-        """SGLang admits a request: the allocator learns this admission was not in vain."""
-        super().reserve(*args, **kwargs)
-        self.allocator.admitted()
+        def reserve(self, *args: Any, **kwargs: Any) -> None:
+            """SGLang admits a request: the allocator learns this admission was not in vain."""
+            super().reserve(*args, **kwargs)
+            self.allocator.admitted()
 
-    def _grow(self, tokens: int) -> bool:
-        """Ask the allocator for ``tokens`` more (in whole pages); whether it got any."""
-        return tokens > 0 and self.allocator.grow(-(-tokens // self.page_size)) > 0
+        def _grow(self, tokens: int) -> bool:
+            """Ask the allocator for ``tokens`` more (in whole pages); whether it got any."""
+            return tokens > 0 and self.allocator.grow(-(-tokens // self.page_size)) > 0
+
+    return LivePrefillBudget
 
 
 def tree_tokens(tree: Any) -> int:
@@ -118,4 +127,4 @@ def conservation_violations(*, pool: str, page_size: int, in_use: np.ndarray, ca
     return out
 
 
-__all__ = ["LivePrefillBudget", "conservation_violations", "tree_pages", "tree_tokens"]
+__all__ = ["conservation_violations", "live_prefill_budget", "tree_pages", "tree_tokens"]
