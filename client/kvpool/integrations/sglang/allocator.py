@@ -124,6 +124,8 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         binding: the scheduler's :class:`PoolBinding`.
         num_pages: the quota in pages (SGLang's name).
         capacity: the pool's ``kv`` capacity in pages.
+        elastic: whether the pool is elastic (then ``pages_per_group``, its group length in
+            pages, and ``low_pages``, what the cache keeps ahead between steps).
 
     Raises:
         FailedPrecondition: no binding on ``kvcache`` and ``KVPOOL_POOL`` not set.
