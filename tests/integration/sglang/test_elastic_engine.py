@@ -76,6 +76,14 @@ def job(model: Path, work: Path, name: str, **extra: Any) -> str:
                        "dump": str(work / f"{name}.dump.json"), **extra})
 
 
+def configure_other(client: KVPoolClient, model: Path, pool: str) -> None:
+    """The second elastic pool (the same layout, a 2 MiB fixed part, a one-group floor)."""
+    client.configure(pool, hf_config=model / "config.json", max_total_tokens=MAX_TOTAL_TOKENS,
+                     page_size=PAGE_SIZE, kv_cache_dtype="float32", context_length=1024,
+                     max_running_requests=8, elastic=True,
+                     elastic_floor_tokens=TOKENS_PER_GROUP)
+
+
 @pytest.fixture(scope="module")
 def work() -> Iterator[Path]:
     with temp_dir("kvp-sgl-elastic-") as d:
@@ -112,7 +120,7 @@ def fixed_run(sglang_python: Path, sglang_daemon: DaemonProcess, wide_model: Pat
     return {"outputs": outputs, "times": times}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def elastic_daemon() -> Iterator[DaemonProcess]:
     with temp_dir("kvp-sgl-el-") as d, run_daemon(d, budget=str(BUDGET_BYTES)) as daemon:
         yield daemon
@@ -165,11 +173,7 @@ def test_elastic_engine_under_pressure(sglang_python: Path, elastic_daemon: Daem
         assert alone.granted_groups > 1, alone  # grew past its floor
 
         # A second elastic pool (same layout) takes memory past its floor: 2 groups' pages.
-        config = wide_model / "config.json"
-        client.configure(other, hf_config=config, max_total_tokens=MAX_TOTAL_TOKENS,
-                         page_size=PAGE_SIZE, kv_cache_dtype="float32", context_length=1024,
-                         max_running_requests=8, elastic=True,
-                         elastic_floor_tokens=TOKENS_PER_GROUP)
+        configure_other(client, wide_model, other)
         with client.lease("pressure", ttl_s=TTL_S) as lease:
             want = 2 * (TOKENS_PER_GROUP // PAGE_SIZE) - 1
             (ids,) = wait_until("the other pool's pages past its floor",
