@@ -8,7 +8,8 @@ three ways in one run.
 - ``arbiter``: elastic pools under kvpool's arbiter (the default policy).
 
 The models are tiny random Llamas of different layouts (A: 4 layers x 8 KV heads x 64; B: 6
-layers x 4 KV heads x 64; float32), so their pools have different views and groups. SGLang
+layers x 4 KV heads x 64; float32, hidden 64 whatever the heads, so the compute stays tiny while
+the KV is a real model's size), so their pools have different views and groups. SGLang
 runs with ``--disable-radix-cache``: its radix cache keeps finished requests' KV until an
 allocation runs short, which would fill any pool and measure the cache, not the pools. The trace,
 per mode: phase ``a``: A bursts (many concurrent requests) while B trickles; phase ``b``: the
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import socket
@@ -61,6 +63,12 @@ PHASES = ("a", "b", "both")
 def bytes_per_token(name: str) -> int:
     layers, heads, dim = MODELS[name]
     return layers * 2 * heads * dim * 4
+
+
+def group_tokens(name: str) -> int:
+    """Tokens of one group of the model's elastic pool: whole 2 MiB chunks of each view."""
+    _, heads, dim = MODELS[name]
+    return math.lcm(PAGE, (2 * MiB) // math.gcd(2 * MiB, heads * dim * 4))
 
 
 @dataclass
@@ -272,6 +280,8 @@ def run_mode(mode: str, work: Path, models: dict[str, Path], s: Settings,
     # is each one's virtual range
     share = s.budget if elastic else s.budget // 2 - 2 * MiB
     tokens = {n: share // bytes_per_token(n) // PAGE * PAGE for n in MODELS}
+    if elastic:  # whole groups less the padding page, as the plugin asks of an elastic pool
+        tokens = {n: t // group_tokens(n) * group_tokens(n) - PAGE for n, t in tokens.items()}
     result = ModeRun(mode)
     with daemon(work, s.budget, "greedy" if mode == "greedy" else "arbiter") as target, \
             KVPoolClient(target) as client, \

@@ -27,10 +27,12 @@ def sglang_python_or_skip() -> Path:
 
 
 def sglang_env(**extra: str) -> dict[str, str]:
-    """The environment of a side-venv child: the GPU-package import stubs on PYTHONPATH, no
-    network for Hugging Face, the main venv's VIRTUAL_ENV removed; ``extra`` on top (e.g.
+    """The environment of a side-venv child: the GPU-package import stubs and this checkout's
+    ``client/`` on PYTHONPATH (the side venv's editable kvpool may point at another checkout),
+    no network for Hugging Face, the main venv's VIRTUAL_ENV removed; ``extra`` on top (e.g.
     ``KVPOOL_TARGET``, ``KVPOOL_POOL``, ``SGLANG_PLATFORM``)."""
-    env = {**os.environ, "PYTHONPATH": str(SGLANG_DIR / "stubs"), "HF_HUB_OFFLINE": "1",
+    path = os.pathsep.join((str(SGLANG_DIR / "stubs"), str(REPO / "client")))
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     env.pop("VIRTUAL_ENV", None)
     env.update(extra)

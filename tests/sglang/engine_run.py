@@ -2,7 +2,8 @@
 ``tests/integration/sglang/`` (side venv only: ``.venv-sglang/bin/python``, ``stubs/`` on
 ``PYTHONPATH``).
 
-    engine_run.py make-model DIR [--seed 0]   # a tiny random Llama (config.json, safetensors)
+    engine_run.py make-model DIR [--seed 0] [--wide]  # a tiny random Llama (config.json,
+        [--layers N --kv-heads N --head-dim N]    # safetensors); --wide: 8 KV heads of 128
     engine_run.py engine < job.json           # start an engine, generate, report, shut down
     engine_run.py pools < job.json            # build kvpool's pool classes directly (build_pools)
     engine_run.py serve ARGS...               # python -m sglang.launch_server ARGS...
@@ -14,11 +15,14 @@ An engine job (one line of JSON on stdin)::
      "baseline": false,     # true: SGLang's own KV pool and allocator (kvpool's hooks off)
      "sglang_allocator": false,  # true: kvpool's pools with SGLang's allocator (debugging)
      "dump": "PATH",        # the scheduler writes what its radix cache holds there
-     "hold": true}          # wait for a line on stdin before shutting down
+     "hold": true,          # wait for a line on stdin before shutting down
+     "pause": true,         # wait for a line on stdin before each batch after the first
+     "leak_check": "PATH"}  # after the dump: SGLang's idle checks around a leaked page
 
 Progress goes to stdout as lines ``HARNESS {json}`` (events ``started``, ``batch``,
-``generated``, ``dumped``, ``holding``, ``shutdown``; ``pool`` for pool jobs); SGLang's log goes
-to stderr. Generation is greedy with ``ignore_eos``: every request makes ``max_new_tokens``.
+``paused``, ``generated``, ``dumped``, ``leak_checked``, ``holding``, ``shutdown``; ``pool``
+for pool jobs); SGLang's log goes to stderr. Generation is greedy with ``ignore_eos``: every
+request makes ``max_new_tokens``.
 
 The scheduler runs in a process SGLang spawns; multiprocessing imports this file there as
 ``__mp_main__``, which installs two test-only hooks in that process (never in kvpool itself):
@@ -55,22 +59,26 @@ def emit(event: str, **fields: Any) -> None:
 # -- the tiny model ------------------------------------------------------------------------------
 
 def make_model(directory: Path, seed: int, layers: int = 2, kv_heads: int = 2,
-               head_dim: int = 16) -> None:
-    """A Llama with 4 heads of ``head_dim`` (hidden 64 by default), 2 layers, 2 KV heads,
-    vocab 256, float32 weights; ``layers``, ``kv_heads``, ``head_dim`` change its layout (more
-    KV heads than 4: as many attention heads)."""
+               head_dim: int | None = None, wide: bool = False) -> None:
+    """A Llama with hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 256, float32 weights;
+    ``layers``, ``kv_heads`` and ``head_dim`` change its KV layout, not its compute (the heads
+    are as many as the KV heads, at least 4; ``head_dim`` is set apart from the hidden size);
+    ``wide``: 8 heads and 8 KV heads of 128 (4 KiB of K per token and layer, so an elastic
+    pool's 2 MiB chunks hold 512 tokens), 1,024 positions."""
     hide_stubs()
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    heads = max(4, kv_heads)
+    if wide:
+        kv_heads, head_dim = 8, 128
+    heads = {"num_attention_heads": max(4, kv_heads), "num_key_value_heads": kv_heads,
+             "max_position_embeddings": 1024 if wide else 256}
+    if head_dim is not None:
+        heads["head_dim"] = head_dim
     config = LlamaConfig(
-        hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        vocab_size=256,
-        max_position_embeddings=256,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=layers, vocab_size=256,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        torch_dtype="float32",
+        torch_dtype="float32", **heads,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
@@ -120,6 +128,11 @@ def _dump(scheduler: Any, path: str) -> None:
         "platform_class": type(_platform()).__qualname__,
         "size": int(pool.size), "page_size": int(pool.page_size),
         "available_size": int(allocator.available_size()),
+        "elastic": None if not getattr(allocator, "elastic", False) else {
+            "live_available_size": int(allocator.live_available_size()),
+            "cached": int(allocator.cache.cached), "in_use": int(allocator.pages_in_use),
+            "low_pages": int(allocator.low_pages),
+            "pages_per_group": int(allocator.pages_per_group)},
         "held_locs": held.tolist(), "written_locs": written.tolist(), "layers": layers,
         "max_running_requests": int(scheduler.max_running_requests),
         "kvpool": None if binding is None else {
@@ -132,6 +145,36 @@ def _dump(scheduler: Any, path: str) -> None:
         },
     }
     Path(path).write_text(json.dumps(dump))
+
+
+def _leak_check(scheduler: Any, path: str) -> None:
+    """SGLang's idle checks (its token identity, then the allocator's
+    ``verify_byte_accounting``) at rest, with one page taken and never returned, and after it
+    was returned; the page is returned before this returns, so the scheduler's own idle check
+    finds the pool as it was."""
+    allocator = scheduler.token_to_kv_pool_allocator
+    checker = scheduler.invariant_checker
+
+    def check() -> dict[str, Any]:
+        leak, messages = checker._check_all_pools(
+            scheduler.pool_stats_observer.get_pool_stats())
+        return {"sglang_leak": bool(leak), "sglang": messages,
+                "kvpool": list(allocator.verify_byte_accounting()),
+                "available_size": int(allocator.available_size()),
+        "elastic": None if not getattr(allocator, "elastic", False) else {
+            "live_available_size": int(allocator.live_available_size()),
+            "cached": int(allocator.cache.cached), "in_use": int(allocator.pages_in_use),
+            "low_pages": int(allocator.low_pages),
+            "pages_per_group": int(allocator.pages_per_group)},
+                "live_available_size": int(getattr(allocator, "live_available_size",
+                                                   allocator.available_size)())}
+
+    out = {"at_rest": check()}
+    loc = allocator.alloc(allocator.page_size)  # the leak
+    out["leaked"] = check()
+    allocator.free(loc)
+    out["returned"] = check()
+    Path(path).write_text(json.dumps(out))
 
 
 def _platform() -> Any:
@@ -149,6 +192,11 @@ def _install_hooks() -> None:
         _dump(self, path)
 
     Scheduler.kvpool_harness_dump = kvpool_harness_dump
+
+    def kvpool_harness_leak_check(self: Any, path: str) -> None:
+        _leak_check(self, path)
+
+    Scheduler.kvpool_harness_leak_check = kvpool_harness_leak_check
 
     original = MHATokenToKVPool.set_kv_buffer
 
@@ -206,19 +254,26 @@ def run_engine(job: dict[str, Any]) -> None:
               "ignore_eos": True}
     try:
         outputs = []
-        for batch in job["batches"]:
+        for i, batch in enumerate(job["batches"]):
+            if i and job.get("pause"):
+                emit("paused", batch=i)
+                sys.stdin.readline()
             t0 = time.monotonic()
             results = engine.generate(input_ids=batch, sampling_params=params)
             for prompt, result in zip(batch, results, strict=True):
                 meta = result["meta_info"]
                 outputs.append({"input_ids": prompt, "output_ids": result["output_ids"],
                                 "cached_tokens": meta.get("cached_tokens", 0),
+                                "finish_reason": meta.get("finish_reason"),
                                 "prompt_tokens": meta.get("prompt_tokens")})
             emit("batch", seconds=round(time.monotonic() - t0, 2), size=len(batch))
         emit("generated", outputs=outputs)
         if job.get("dump"):
             engine.collective_rpc("kvpool_harness_dump", path=job["dump"])
             emit("dumped", path=job["dump"])
+        if job.get("leak_check"):
+            engine.collective_rpc("kvpool_harness_leak_check", path=job["leak_check"])
+            emit("leak_checked", path=job["leak_check"])
         if job.get("hold"):
             emit("holding")
             sys.stdin.readline()
@@ -240,7 +295,8 @@ def build_pools(job: dict[str, Any]) -> None:
     Each case: ``kind`` (mha, mla, dsa), ``pool`` (KVPOOL_POOL), ``model`` (a directory with
     config.json), ``dtype`` (a kvpool KV dtype name), ``args`` (the class's keyword arguments
     besides ``dtype``, ``device`` and ``enable_memory_saver``), ``settings`` (EngineSettings
-    fields besides the model path: what an engine would have resolved). A built pool writes
+    fields besides the model path: what an engine would have resolved), ``env`` (environment
+    variables set for this case only, e.g. ``KVPOOL_ELASTIC``). A built pool writes
     ``marker`` into row ``page_size`` (page 1) of its first layer's buffers through the tensors
     SGLang uses, then ends its binding (the pool stays in the daemon).
     """
@@ -254,6 +310,9 @@ def build_pools(job: dict[str, Any]) -> None:
         settings = pools.EngineSettings(model_path=case["model"], **case.get("settings", {}))
         pools.engine_settings = lambda settings=settings: settings  # type: ignore[misc]
         os.environ["KVPOOL_POOL"] = case["pool"]
+        for name in ("KVPOOL_ELASTIC", "KVPOOL_ELASTIC_FLOOR_TOKENS"):
+            os.environ.pop(name, None)
+        os.environ.update(case.get("env", {}))
         cls = pools.pool_class(case["kind"])
         dtype = getattr(torch, DTYPES[case["dtype"]])
         try:
@@ -279,7 +338,8 @@ def build_pools(job: dict[str, Any]) -> None:
             row.fill_(int(marker) if row.dtype == torch.uint8 else marker)
         configured = pool.kvpool_configured
         emit("pool", id=case["id"], ok=True, cls=type(pool).__qualname__,
-             created=configured.created, fingerprint=configured.fingerprint,
+             created=configured.created, elastic=configured.plan.elastic is not None,
+             fingerprint=configured.fingerprint,
              store_dtype=str(pool.store_dtype).removeprefix("torch."), buffers=buffers)
         pool.kvpool_binding.close()
 
@@ -311,13 +371,15 @@ def main(argv: list[str] | None = None) -> int:
     model.add_argument("--seed", type=int, default=0)
     model.add_argument("--layers", type=int, default=2)
     model.add_argument("--kv-heads", type=int, default=2)
-    model.add_argument("--head-dim", type=int, default=16)
+    model.add_argument("--head-dim", type=int, default=None)
+    model.add_argument("--wide", action="store_true")
     sub.add_parser("engine", help="run an engine job (JSON on stdin)")
     sub.add_parser("pools", help="build pool classes directly (JSON on stdin)")
     sub.add_parser("serve", help="python -m sglang.launch_server ARGS...")
     args = parser.parse_args(argv)
     if args.cmd == "make-model":
-        make_model(args.directory, args.seed, args.layers, args.kv_heads, args.head_dim)
+        make_model(args.directory, args.seed, args.layers, args.kv_heads, args.head_dim,
+                   args.wide)
     elif args.cmd == "engine":
         run_engine(json.loads(sys.stdin.readline()))
     else:

@@ -11,8 +11,10 @@ from kvpool import KVPoolClient
 from kvpool.contract.errors import FailedPrecondition, InvalidArgument
 from kvpool.integrations.sglang.binding import (
     DEFAULT_TTL_S,
+    ElasticSettings,
     binding_from_env,
     binding_of,
+    elastic_from,
     target_for_this_gpu,
     ttl_from,
 )
@@ -26,6 +28,28 @@ def test_ttl_is_read_and_bounded() -> None:
         ttl_from({"KVPOOL_LEASE_TTL_S": "ten"})
     with pytest.raises(InvalidArgument, match=r"between 0\.1 and 3600"):
         ttl_from({"KVPOOL_LEASE_TTL_S": "0"})
+
+
+def test_elastic_settings_from_env() -> None:
+    assert elastic_from({}) is None
+    assert elastic_from({"KVPOOL_ELASTIC": "0", "KVPOOL_ELASTIC_FLOOR_TOKENS": "64"}) is None
+    assert elastic_from({"KVPOOL_ELASTIC": "1"}) == ElasticSettings()
+    assert ElasticSettings().options() == {"elastic": True}
+    got = elastic_from({"KVPOOL_ELASTIC": "true", "KVPOOL_ELASTIC_FLOOR_TOKENS": "512",
+                        "KVPOOL_ELASTIC_CAP_TOKENS": "4096", "KVPOOL_ELASTIC_WEIGHT": "2.5"})
+    assert got == ElasticSettings(floor_tokens=512, cap_tokens=4096, weight=2.5)
+    assert got is not None and got.options() == {
+        "elastic": True, "elastic_floor_tokens": 512, "elastic_cap_tokens": 4096,
+        "elastic_weight": 2.5}
+    with pytest.raises(InvalidArgument, match="KVPOOL_ELASTIC='yes': expected 1 or 0"):
+        elastic_from({"KVPOOL_ELASTIC": "yes"})
+    with pytest.raises(InvalidArgument, match="KVPOOL_ELASTIC_CAP_TOKENS='-1': must be"):
+        elastic_from({"KVPOOL_ELASTIC": "1", "KVPOOL_ELASTIC_CAP_TOKENS": "-1"})
+    with pytest.raises(InvalidArgument, match="KVPOOL_ELASTIC_WEIGHT='heavy': expected"):
+        elastic_from({"KVPOOL_ELASTIC": "1", "KVPOOL_ELASTIC_WEIGHT": "heavy"})
+    with pytest.raises(InvalidArgument, match="FLOOR_TOKENS=900 is above"):
+        elastic_from({"KVPOOL_ELASTIC": "1", "KVPOOL_ELASTIC_FLOOR_TOKENS": "900",
+                      "KVPOOL_ELASTIC_CAP_TOKENS": "512"})
 
 
 def test_gpu_placeholder() -> None:

@@ -180,10 +180,14 @@ class PageCache(CacheState):
 
     def __init__(self, lease: Lease, pool: str, space: str, capacity: int, *,
                  low: int | None = None, high: int | None = None,
-                 batch: int | None = None, background: bool = True) -> None:
+                 batch: int | None = None, background: bool = True,
+                 fill: bool = True) -> None:
         lo, hi, ba = watermarks(capacity, low, high, batch)
         self._lease = lease
         self._core = PageCacheCore(pool, space, capacity, lo, hi, ba)
+        # fill=False: no first fill to ``high`` (an elastic pool's engine grows its cache on
+        # demand instead of asking the daemon for ``high`` pages at once).
+        self._core.prefill = fill
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._core.wake = self._wake.set
@@ -208,14 +212,14 @@ class PageCache(CacheState):
     @classmethod
     def open(cls, lease: Lease, pool: str, space: str = "kv", *, low: int | None = None,
              high: int | None = None, batch: int | None = None,
-             background: bool = True) -> PageCache:
+             background: bool = True, fill: bool = True) -> PageCache:
         """A cache over ``pool``'s ``space`` for ``lease``: one Stats call learns the space's
         capacity (and whether it is paired); the cache is then filled to ``high`` (by the
         worker, or at once without one)."""
         stats = lease.client.stats(pool)
         capacity = space_capacity(stats, pool, space)
         return cls(lease, pool, space, capacity, low=low, high=high, batch=batch,
-                   background=background)
+                   background=background, fill=fill)
 
     def maintain(self) -> int:
         """Do now, in this thread, the refills, returns and give-backs the watermarks ask for

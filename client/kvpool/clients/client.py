@@ -463,19 +463,20 @@ class Lease(LeaseView):
 
     def page_cache(self, pool: str, space: str = "kv", *, low: int | None = None,
                    high: int | None = None, batch: int | None = None,
-                   background: bool = True) -> PageCache:
+                   background: bool = True, fill: bool = True) -> PageCache:
         """A local cache of ``space`` ids held by this lease: ``alloc``/``free`` without gRPC.
 
         Watermarks in ids (defaults 64/512/128, less for small spaces); see
         ``kvpool.cache.page_cache`` and docs/api.md, "Page cache". ``background=False``: no worker
-        thread, the engine calls ``cache.maintain()`` once per step. One Stats call; paired
+        thread, the engine calls ``cache.maintain()`` once per step. ``fill=False``: no first
+        fill to ``high`` (the cache holds only what allocs fetched). One Stats call; paired
         spaces (``kv``
         of hybrid SWA and DeepSeek-V4 pools, ``swa``) are refused (InvalidArgument).
         """
         from kvpool.cache.page_cache import PageCache
 
         return PageCache.open(self, pool, space, low=low, high=high, batch=batch,
-                              background=background)
+                              background=background, fill=fill)
 
     def close(self) -> Released:
         """Stop renewing and end the lease; returns what it held. Idempotent."""

@@ -37,6 +37,16 @@ free list twice (and later hands it to two requests); this one logs a warning, s
 that are not in use and frees the rest, so its state and the page cache's stay right and the
 scheduler carries on.
 
+Elastic pools (``docs/sglang.md``, "Elastic pools"): when the pool is elastic the page cache
+keeps every page it fetched (no high watermark, no return on free) and runs without a worker
+thread: its upkeep (the give-backs the daemon asks for) runs only between scheduler steps
+(when SGLang starts an admission or a decode check, and at idle), never between a capacity
+check and its allocation (SGLang also frees inside a step, so frees run no upkeep).
+``available_size()`` is then the live size, the pages the cache holds unused (see
+``kvpool.integrations.sglang.elastic`` for idle); the cache grows ahead of need, by half a
+group of pages when it holds fewer than ``low_pages`` between steps, and by what a request
+lacks when SGLang's admission or decode check finds it short.
+
 Importing this module imports SGLang (the ``kvpool[sglang]`` extra); ``import kvpool`` never
 does.
 """
@@ -46,6 +56,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -62,6 +73,11 @@ from kvpool.contract.errors import (
 )
 from kvpool.contract.records import Stats
 from kvpool.integrations.sglang.binding import PoolBinding, binding_from_env, binding_of
+from kvpool.integrations.sglang.elastic import (
+    conservation_violations,
+    live_prefill_budget,
+    tree_tokens,
+)
 
 log = logging.getLogger("kvpool.integrations.sglang.allocator")
 
@@ -69,6 +85,10 @@ SPACE = "kv"
 DEBUG_ENV = "SGLANG_DEBUG_MEMORY_POOL"
 # How long a refused allocation waits for the page cache's worker before asking again.
 SETTLE_S = 1.0
+# After the daemon refused to grow an elastic pool's cache, growth is retried after this long
+# (doubling up to GROW_RETRY_MAX_S), so a scheduler short of memory does not ask every step.
+GROW_RETRY_S = 0.05
+GROW_RETRY_MAX_S = 1.0
 _I64 = np.int64
 
 
@@ -104,6 +124,8 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         binding: the scheduler's :class:`PoolBinding`.
         num_pages: the quota in pages (SGLang's name).
         capacity: the pool's ``kv`` capacity in pages.
+        elastic: whether the pool is elastic (then ``pages_per_group``, its group length in
+            pages, and ``low_pages``, what the cache keeps ahead between steps).
 
     Raises:
         FailedPrecondition: no binding on ``kvcache`` and ``KVPOOL_POOL`` not set.
@@ -127,14 +149,36 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
             self._check_page_size(stats)
             self.num_pages = self._quota_pages(size)
             self.lease = self.binding.lease
-            high = max(1, min(DEFAULT_HIGH, self.capacity // 4, self.num_pages))
-            self.cache: PageCache = self.lease.page_cache(self.pool_name, SPACE, high=high)
+            pool_stats = stats.pool(self.pool_name)
+            self.elastic = pool_stats.elastic is not None
+            if self.elastic:
+                e = pool_stats.elastic
+                assert e is not None
+                # Page ids 1..capacity and the padding page 0 fill the groups.
+                self.pages_per_group = (self.capacity + 1) // max(1, e.groups)
+                self.low_pages = min(self.num_pages, max(1, self.pages_per_group // 2))
+                self.cache: PageCache = self.lease.page_cache(
+                    self.pool_name, SPACE, low=0, high=self.capacity,
+                    batch=max(1, min(self.capacity, self.pages_per_group // 2)),
+                    background=False, fill=False)
+            else:
+                high = max(1, min(DEFAULT_HIGH, self.capacity // 4, self.num_pages))
+                self.cache = self.lease.page_cache(self.pool_name, SPACE, high=high)
         except BaseException:
             if self.owns_binding:
                 self.binding.close()
             raise
         # Pages in use are the page cache's: it marks what it hands out (``in_use_of``).
         self._page_group: list[torch.Tensor] = []
+        # Elastic: SGLang's radix tree (it passes it to the capacity hooks), when growth may be
+        # asked again, and the allocation state the last idle check saw.
+        self._tree: Any = None
+        self._grow_at = 0.0
+        self._grow_wait = GROW_RETRY_S
+        self._version = 0
+        self._checked: tuple[int, int] | None = None
+        self._admission = "none"  # the last admission: none yet, "refused" or "admitted"
+
         self._short_warned = False
         # The binding's close returns the cached pages before it ends the lease (which would
         # otherwise take them from under the open cache, and log that it did).
@@ -176,8 +220,160 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
     def available_size(self) -> int:
         """Tokens the allocator may still hand out: (quota pages - pages in use) * page_size,
         as SGLang counts its free (and staged) pages. Frees pending in a free group are still
-        in use."""
+        in use.
+
+        Elastic pools: :meth:`live_available_size`, except at rest (the pages in use are
+        exactly the radix tree's: no request holds any), where it is the quota less the pages
+        in use, the number SGLang's idle identity adds up (``verify_byte_accounting`` checks
+        the pages themselves)."""
+        if self.elastic and self.pages_in_use * self.page_size != tree_tokens(self._tree):
+            return self.live_available_size()
         return (self.num_pages - self.pages_in_use) * self.page_size
+
+    def live_available_size(self) -> int:
+        """Tokens the allocator can hand out now without asking the daemon: for an elastic
+        pool the pages its cache holds unused (granted, this lease's), within the quota; for
+        a fixed pool :meth:`available_size`."""
+        if not self.elastic:
+            return self.available_size()
+        return min(self.cache.cached, self.num_pages - self.pages_in_use) * self.page_size
+
+    # -- elastic pools: SGLang's capacity hooks, growth, upkeep -------------------------------
+
+    def _upkeep(self) -> None:
+        """Between scheduler steps: the page cache's give-backs (the daemon's shrink asks),
+        then growth ahead of need when the cache holds fewer than ``low_pages``."""
+        if not self.elastic or self._closed:
+            return
+        try:
+            self.cache.maintain()
+        except KVPoolError as err:
+            log.warning("kvpool pool %r: page cache upkeep failed: %s", self.pool_name, err)
+        if self.cache.cached < self.low_pages:
+            self.grow(self.low_pages - self.cache.cached)
+
+    def grow(self, pages: int) -> int:
+        """Fetch at least ``pages`` more pages into the cache (one Allocate of at least half a
+        group; the daemon grants groups for it or refuses), within the quota. After a refusal
+        growth waits a little (doubling) before it asks again.
+
+        Returns:
+            The pages fetched (0: refused, held off, or at the quota).
+        """
+        if not self.elastic or self._closed:
+            return 0
+        now = time.monotonic()
+        room = self.num_pages - self.pages_in_use - self.cache.cached
+        want = min(room, max(int(pages), self.cache.batch))
+        if want <= 0 or now < self._grow_at:
+            return 0
+        had = self.cache.cached
+        ids = None
+        refused = False
+        # Past what the cache holds: one Allocate (at least the cache's batch; what is
+        # missing exactly when the daemon refuses that).
+        for ask in dict.fromkeys((want, min(want, max(1, int(pages))))):
+            try:
+                ids = self.cache.alloc(had + ask)
+                break
+            except ResourceExhausted as err:
+                refused = True
+                log.debug("kvpool pool %r: growth by %d pages refused: %s", self.pool_name,
+                          ask, err)
+            except KVPoolError as err:  # the lease or pool is gone: the allocs will say so
+                log.warning("kvpool pool %r: growth failed: %s", self.pool_name, err)
+                break
+        if refused:  # the pool is at its share or the budget is short: not every step
+            self._grow_at = now + self._grow_wait
+            self._grow_wait = min(GROW_RETRY_MAX_S, self._grow_wait * 2)
+        if ids is None:
+            return 0
+        self.cache.free(ids)  # into the cache: held by the lease, unused
+        log.debug("kvpool pool %r: grew its cache %d -> %d pages (%d in use)", self.pool_name,
+                  had, self.cache.cached, self.pages_in_use)
+        if not refused:
+            self._grow_wait = GROW_RETRY_S
+        return int(self.cache.cached - had)
+
+    def create_prefill_budget(self, tree_cache: Any, *, num_mixed_decode_tokens: int = 0
+                              ) -> Any:
+        """SGLang's admission budget; over an elastic pool it counts the live free size (the
+        cache's upkeep runs first: an admission starts a step)."""
+        if not self.elastic:
+            return super().create_prefill_budget(
+                tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
+        self._tree = tree_cache
+        if self._admission == "refused":
+            # The last admission (SGLang makes one only with requests waiting) admitted none:
+            # whichever of SGLang's checks refused them, grow by a batch (the daemon may say no).
+            self.grow(self.cache.batch)
+        self._upkeep()
+        self._admission = "refused"  # until the budget admits a request
+        return live_prefill_budget()(self, tree_cache,
+                                 num_mixed_decode_tokens=num_mixed_decode_tokens)
+
+    def admitted(self) -> None:
+        """The current admission admitted a request (the live prefill budget says so)."""
+        self._admission = "admitted"
+
+    def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> bool | None:
+        """SGLang's eviction before an allocation, against the live free size (elastic)."""
+        if not self.elastic:
+            return super().evict_to_free_tokens(tree_cache, num_tokens)
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        self._tree = tree_cache
+        if tree_cache is None or not tree_cache.supports_prefix_sharing():
+            return None
+        shortfall = int(num_tokens) - self.live_available_size()
+        if shortfall > 0:
+            tree_cache.evict_for_alloc(EvictParams(num_tokens=shortfall))
+        return None
+
+    def check_decode_capacity(self, *, num_tokens: int, tree_cache: Any, requests: Any = None,
+                              spec_algorithm: Any = None) -> bool:
+        """Whether the next decode step's ``num_tokens`` fit (elastic: the upkeep runs, the
+        radix cache is evicted, then the cache grows by what is still missing; False makes
+        SGLang retract, as on a full pool)."""
+        if not self.elastic:
+            return super().check_decode_capacity(num_tokens=num_tokens, tree_cache=tree_cache,
+                                                 requests=requests,
+                                                 spec_algorithm=spec_algorithm)
+        self._tree = tree_cache
+        self._upkeep()
+        self.evict_to_free_tokens(tree_cache, num_tokens)
+        short = int(num_tokens) - self.live_available_size()
+        if short > 0:
+            self.grow(-(-short // self.page_size))
+        return self.live_available_size() >= int(num_tokens)
+
+    def verify_byte_accounting(self) -> list[str]:
+        """SGLang's idle diagnostic. Elastic pools: the upkeep runs (idle is between steps),
+        then kvpool's conservation check (``kvpool.integrations.sglang.elastic``) whenever
+        the allocation state changed since the last one; violations are returned for SGLang
+        to report (it raises under its strict idle check)."""
+        if not self.elastic or self._closed:
+            return []
+        self._upkeep()
+        state = (self._version, tree_tokens(self._tree))
+        if state == self._checked:
+            return []
+        try:
+            held = self.lease.client.stats(self.pool_name)
+            lease = next((x for x in held.leases if x.lease_id == self.lease.lease_id), None)
+            lease_held = None if lease is None else lease.held.get(self.pool_name, {}).get(
+                SPACE, 0)
+        except KVPoolError as err:
+            log.warning("kvpool pool %r: Stats for the idle check failed: %s",
+                        self.pool_name, err)
+            lease_held = None
+        out = conservation_violations(
+            pool=self.pool_name, page_size=self.page_size,
+            in_use=self.cache.handed_out().astype(np.int64), cached=self.cache.cached,
+            tree=self._tree, lease_held=lease_held)
+        if not out:
+            self._checked = state
+        return out
 
     def get_all_free_pages(self) -> None:
         """None: the allocator has no free list of its own (the free pages of a kvpool pool
@@ -204,6 +400,7 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         pool cannot give that many (nothing changes)."""
         if n > self.num_pages - self.pages_in_use:
             return None
+        self._version += 1
         if n == 0:
             return np.empty(0, dtype=_I64)
         try:
@@ -325,6 +522,7 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         warning and only the others are freed."""
         if pages.size == 0:
             return
+        self._version += 1
         uniq = np.unique(pages)
         if uniq.size == pages.size:
             try:  # the page cache checks every page is in use (and changes nothing if not)

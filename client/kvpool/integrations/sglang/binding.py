@@ -17,6 +17,9 @@ socket).
 - ``KVPOOL_POOL``: the pool's name. Required.
 - ``KVPOOL_LEASE_TTL_S``: the scheduler's lease TTL in seconds (default 10): how long after a
   crash the daemon takes its pages back.
+- ``KVPOOL_ELASTIC``: ``1`` configures the pool elastic (docs/elastic.md), with
+  ``KVPOOL_ELASTIC_FLOOR_TOKENS``, ``KVPOOL_ELASTIC_CAP_TOKENS`` (tokens, the daemon's
+  defaults when unset) and ``KVPOOL_ELASTIC_WEIGHT`` (default 1).
 """
 
 from __future__ import annotations
@@ -36,6 +39,30 @@ from kvpool.contract.errors import FailedPrecondition, InvalidArgument
 POOL_ENV = "KVPOOL_POOL"
 TTL_ENV = "KVPOOL_LEASE_TTL_S"
 DEFAULT_TTL_S = 10.0
+ELASTIC_ENV = "KVPOOL_ELASTIC"
+FLOOR_ENV = "KVPOOL_ELASTIC_FLOOR_TOKENS"
+CAP_ENV = "KVPOOL_ELASTIC_CAP_TOKENS"
+WEIGHT_ENV = "KVPOOL_ELASTIC_WEIGHT"
+
+
+@dataclass(frozen=True)
+class ElasticSettings:
+    """How the scheduler's pool is configured elastic: floor and cap in tokens (None: the
+    daemon's defaults) and the arbiter's weight."""
+
+    floor_tokens: int | None = None
+    cap_tokens: int | None = None
+    weight: float | None = None
+
+    def options(self) -> dict[str, Any]:
+        """The Configure options (``elastic=True`` and those set)."""
+        out: dict[str, Any] = {"elastic": True}
+        for key, value in (("elastic_floor_tokens", self.floor_tokens),
+                           ("elastic_cap_tokens", self.cap_tokens),
+                           ("elastic_weight", self.weight)):
+            if value is not None:
+                out[key] = value
+        return out
 
 
 @dataclass
@@ -48,6 +75,8 @@ class PoolBinding:
     pool: str
     ttl_s: float = DEFAULT_TTL_S
     lease_name: str = field(default_factory=lambda: f"sglang@{socket.gethostname()}:{os.getpid()}")
+    # KVPOOL_ELASTIC=1: the pool is configured elastic with these; None: as it exists, else fixed.
+    elastic: ElasticSettings | None = None
     _lease: Lease | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     # What keeps the binding's resources open (the attachment's context manager, caches, ...),
@@ -92,6 +121,44 @@ def ttl_from(env: Mapping[str, str]) -> float:
     return ttl
 
 
+def _positive(env: Mapping[str, str], name: str, kind: type) -> Any:
+    text = env.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = kind(text)
+    except ValueError:
+        raise InvalidArgument(f"{name}={text!r}: expected a {kind.__name__}",
+                              field=name) from None
+    if value <= 0:
+        raise InvalidArgument(f"{name}={text!r}: must be positive", field=name)
+    return value
+
+
+def elastic_from(env: Mapping[str, str]) -> ElasticSettings | None:
+    """``KVPOOL_ELASTIC`` and its floor, cap and weight; None unless ``KVPOOL_ELASTIC`` is
+    ``1`` or ``true``.
+
+    Raises:
+        InvalidArgument: a malformed value (the variable is named), or a floor above the cap.
+    """
+    flag = env.get(ELASTIC_ENV, "").strip().lower()
+    if flag not in ("1", "true"):
+        if flag not in ("", "0", "false"):
+            raise InvalidArgument(f"{ELASTIC_ENV}={flag!r}: expected 1 or 0",
+                                  field=ELASTIC_ENV)
+        return None
+    settings = ElasticSettings(floor_tokens=_positive(env, FLOOR_ENV, int),
+                               cap_tokens=_positive(env, CAP_ENV, int),
+                               weight=_positive(env, WEIGHT_ENV, float))
+    if (settings.floor_tokens is not None and settings.cap_tokens is not None
+            and settings.floor_tokens > settings.cap_tokens):
+        raise InvalidArgument(
+            f"{FLOOR_ENV}={settings.floor_tokens} is above {CAP_ENV}={settings.cap_tokens}",
+            field=FLOOR_ENV)
+    return settings
+
+
 def target_for_this_gpu(target: str, gpu: int | None = None) -> str:
     """``target`` with ``{gpu}`` replaced by ``gpu`` (default: the current CUDA device, 0
     without CUDA); a target without the placeholder is returned as it is."""
@@ -112,8 +179,8 @@ def current_gpu() -> int:
 
 
 def binding_from_env(env: Mapping[str, str] | None = None) -> PoolBinding:
-    """A binding from ``KVPOOL_TARGET``, ``KVPOOL_TOKEN_FILE``, ``KVPOOL_POOL`` and
-    ``KVPOOL_LEASE_TTL_S``.
+    """A binding from ``KVPOOL_TARGET``, ``KVPOOL_TOKEN_FILE``, ``KVPOOL_POOL``,
+    ``KVPOOL_LEASE_TTL_S`` and ``KVPOOL_ELASTIC*``.
 
     Raises:
         FailedPrecondition: ``KVPOOL_POOL`` is not set.
@@ -128,7 +195,8 @@ def binding_from_env(env: Mapping[str, str] | None = None) -> PoolBinding:
     token_file = env.get(TOKEN_FILE_ENV, "").strip()
     token = token_from(None, Path(token_file)) if token_file else None
     client = KVPoolClient(target_for_this_gpu(default_target(env)), token=token)
-    return PoolBinding(client=client, pool=pool, ttl_s=ttl_from(env))
+    return PoolBinding(client=client, pool=pool, ttl_s=ttl_from(env),
+                       elastic=elastic_from(env))
 
 
 def binding_of(kvcache: Any) -> PoolBinding | None:

@@ -9,10 +9,15 @@ kvpool class instead:
    (:func:`plan_request`): the model path's ``config.json``, ``max_total_tokens`` = the pool's
    ``size``, its page size, the KV dtype SGLang passes, TP/PP, context length and
    ``max_running_requests``. An existing pool with the same layout is reused (Configure answers
-   ``created=False``); one with another layout is refused by the daemon;
+   ``created=False``); one with another layout is refused by the daemon. With
+   ``KVPOOL_ELASTIC=1``, or when the pool already exists as an elastic pool, it is configured
+   elastic (:func:`elastic_settings`): the same views over a virtual range of SGLang's token
+   count, backed only where the daemon grants groups;
 3. checks the plan against what SGLang expects (token count, layers, every buffer's shape and
    dtype) and refuses any difference, naming both values;
-4. attaches the pool with the binding's lease and keeps the mapping open for the process
+4. attaches the pool with the binding's lease (an elastic region needs it: the daemon's unmap
+   asks reach it on the lease's KeepAlive stream, and the lease's allocations map their
+   groups) and keeps the mapping open for the process
    lifetime (closed by ``binding.close()``, which runs at exit);
 5. uses the daemon's views as its buffers (same shapes, dtypes, layer ids and padding page), so
    SGLang's own ``set_kv_buffer``, ``get_key_buffer``, ... read and write daemon memory.
@@ -45,10 +50,15 @@ from sglang.srt.mem_cache.memory_pool import (
     MLATokenToKVPool,
 )
 
-from kvpool.contract.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from kvpool.contract.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from kvpool.contract.options import KVCacheDType
 from kvpool.contract.records import ConfigureResult
-from kvpool.integrations.sglang.binding import POOL_ENV, PoolBinding, binding_from_env
+from kvpool.integrations.sglang.binding import (
+    POOL_ENV,
+    ElasticSettings,
+    PoolBinding,
+    binding_from_env,
+)
 from kvpool.mapping.regions import MappedRegion
 
 log = logging.getLogger("kvpool.sglang")
@@ -144,9 +154,11 @@ def model_config_path(model_path: str, revision: str | None = None) -> Path:
 
 
 def plan_request(settings: EngineSettings, *, size: int, page_size: int,
-                 dtype: torch.dtype) -> dict[str, Any]:
-    """The Configure options for a pool of ``size`` tokens (``max_total_tokens``)."""
+                 dtype: torch.dtype, elastic: ElasticSettings | None = None) -> dict[str, Any]:
+    """The Configure options for a pool of ``size`` tokens (``max_total_tokens``); with
+    ``elastic``, an elastic pool whose virtual range is those tokens."""
     return {
+        **({} if elastic is None else elastic.options()),
         "max_total_tokens": size,
         "page_size": page_size,
         "kv_cache_dtype": kv_cache_dtype_name(dtype).value,
@@ -172,6 +184,16 @@ def check_plan(result: ConfigureResult, *, architecture: str, size: int, page_si
     """
     plan = result.plan
     where = f"kvpool pool {pool!r}"
+    if plan.elastic is not None and plan.max_total_num_tokens != size:
+        # The virtual range is whole groups: the views' rows (size + the padding page) must be.
+        e = plan.elastic
+        below = max(1, (size + page_size) // e.tokens_per_group) * e.tokens_per_group
+        raise PoolMismatch(
+            f"SGLang sized its KV pool at {size} tokens but the elastic plan of {where} has "
+            f"max_total_num_tokens {plan.max_total_num_tokens}: an elastic pool's range is "
+            f"whole groups of {e.tokens_per_group} tokens, the padding page ({page_size} "
+            f"tokens) included; run SGLang with --max-total-tokens {below - page_size} or "
+            f"{below + e.tokens_per_group - page_size}", field="max_total_tokens")
     if plan.architecture != architecture:
         raise PoolMismatch(
             f"SGLang builds a {architecture} KV pool but the daemon planned {where} as "
@@ -253,16 +275,18 @@ def attach_pool(pool: Any, *, architecture: str, settings: EngineSettings | None
     binding = binding_from_env() if binding is None else binding
     try:
         settings = engine_settings() if settings is None else settings
+        elastic = elastic_settings(binding)
         options = plan_request(settings, size=pool.size, page_size=pool.page_size,
-                               dtype=pool.dtype)
+                               dtype=pool.dtype, elastic=elastic)
         config = model_config_path(settings.model_path, settings.revision)
         try:
             configured = binding.client.configure(binding.pool, hf_config=config, **options)
         except AlreadyExists as exc:
             raise existing_pool_differs(binding, options, exc) from exc
-        log.info("kvpool pool %r %s for SGLang (%s, %d tokens, page %d, %s): fingerprint %s",
+        log.info("kvpool pool %r %s for SGLang (%s%s, %d tokens, page %d, %s): fingerprint %s",
                  binding.pool, "created" if configured.created else "reused", architecture,
-                 pool.size, pool.page_size, options["kv_cache_dtype"], configured.fingerprint)
+                 ", elastic" if configured.plan.elastic is not None else "", pool.size,
+                 pool.page_size, options["kv_cache_dtype"], configured.fingerprint)
         check_plan(configured, architecture=architecture, size=pool.size,
                    page_size=pool.page_size, start_layer=pool.start_layer,
                    layer_num=pool.layer_num, pool=binding.pool)
@@ -279,6 +303,24 @@ def attach_pool(pool: Any, *, architecture: str, settings: EngineSettings | None
     pool.kvpool_binding = binding
     pool.kvpool_configured = configured
     return Attachment(binding, configured, region)
+
+
+def elastic_settings(binding: PoolBinding) -> ElasticSettings | None:
+    """The elastic options of the scheduler's pool: the binding's (``KVPOOL_ELASTIC=1`` and
+    its floor, cap and weight), else those of an existing elastic pool of that name (its floor,
+    cap and weight from its Stats, so Configure matches it), else None (a fixed pool)."""
+    if binding.elastic is not None:
+        return binding.elastic
+    try:
+        have = binding.client.stats(binding.pool).pool(binding.pool)
+    except (NotFound, KeyError):
+        return None
+    e = have.elastic
+    if e is None:
+        return None
+    tokens = (have.max_total_num_tokens + have.page_size) // max(1, e.groups)
+    return ElasticSettings(floor_tokens=e.floor_groups * tokens,
+                           cap_tokens=e.cap_groups * tokens, weight=e.weight)
 
 
 def existing_pool_differs(binding: PoolBinding, options: dict[str, Any],
