@@ -83,7 +83,7 @@ class Settings:
 
 # The budget is large against the floors (a group is 1,024 tokens of a, 2,048 of b), and a
 # burst needs more KV than half of it: so the static split is what limits a bursting engine.
-QUICK = Settings(budget=160 * MiB, burst=40, trickle=1, prompt=120, new=16, phase_s=8.0)
+QUICK = Settings(budget=160 * MiB, burst=80, trickle=1, prompt=120, new=16, phase_s=8.0)
 FULL = Settings(budget=320 * MiB, burst=110, trickle=2, prompt=180, new=64, phase_s=30.0)
 
 

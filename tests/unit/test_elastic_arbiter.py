@@ -78,17 +78,23 @@ def test_free_groups_are_taken_first_and_idle_pools_before_busy_ones() -> None:
     assert settle(arb, "new", d.reclaims) == 20
 
 
-def test_a_pool_takes_from_a_busy_one_only_up_to_equal_weighted_shares() -> None:
+def test_a_busy_pool_gives_what_it_does_not_use_then_down_to_equal_weighted_shares() -> None:
     arb = Arbiter(BUDGET)
     arb.admit(share("a", weight=1))
     arb.want("a", 64)
-    arb.observe("a", free_groups=0, cached_groups=64, idle=False)
-    arb.admit(share("b", weight=3))
+    arb.observe("a", free_groups=0, cached_groups=24, idle=False)  # it uses 40 groups
+    arb.admit(share("b", weight=1))
+    d = arb.want("b", 64)
+    settle(arb, "b", d.reclaims)
+    # a keeps what it uses and one group of headroom; the last cached group is not b's:
+    # b's share (23) would pass a's (40 - 1) only after equal shares, which it has not reached
+    assert (arb.pools["a"].granted, arb.pools["b"].granted) == (40, 24)
+    # all of a's caches, cached again: with a's pages in use the shares decide
+    arb.observe("a", free_groups=0, cached_groups=40, idle=False)
     for _ in range(10):  # b keeps asking; a's caches keep giving back
-        d = arb.want("b", 64)
-        settle(arb, "b", d.reclaims)
+        settle(arb, "b", arb.want("b", 64).reclaims)
         arb.observe("a", free_groups=0, cached_groups=arb.pools["a"].granted, idle=False)
-    assert (arb.pools["a"].granted, arb.pools["b"].granted) == (16, 48)
+    assert arb.pools["a"].granted == 1 and arb.pools["b"].granted == 63
 
 
 def test_a_floor_is_owed_even_from_a_busy_pool_and_nobody_goes_below_theirs() -> None:
@@ -100,11 +106,14 @@ def test_a_floor_is_owed_even_from_a_busy_pool_and_nobody_goes_below_theirs() ->
     assert d.grant == 0 and d.pending == 40
     settle(arb, "b", d.reclaims)
     assert arb.pools["b"].granted == 40
-    arb.observe("a", free_groups=0, cached_groups=24, idle=False)
-    assert arb.want("b", 64).reclaims == ()  # above its floor, b's weight gives it no more
+    arb.observe("a", free_groups=0, cached_groups=8, idle=False)  # a uses 16 of its 24
+    d = arb.want("b", 64)  # a's unused cache less one group of headroom; not the last group:
+    assert d.pending == 7  # b's tiny weight puts its share far above a's
+    settle(arb, "b", d.reclaims)
+    arb.observe("a", free_groups=0, cached_groups=1, idle=False)
+    assert arb.want("b", 64).reclaims == ()
     arb.pools["b"].weight = 100
-    d = arb.want("b", 64)
-    assert d.pending == 16  # down to a's floor of 8, never below
+    assert arb.want("b", 64).pending == 1  # the headroom, by weight; never a's floor or use
 
 
 def test_a_cancelled_reclaim_is_neither_pending_nor_promised() -> None:

@@ -118,11 +118,14 @@ def two() -> Iterator[TradeMachine]:
 
 
 def test_a_heavier_weight_ends_with_more_of_a_short_budget(two: TradeMachine) -> None:
-    """Both want everything and give back what they cache: b (weight 2) ends with about twice
-    a's bytes, never over the budget, each at least its floor."""
+    """Both want everything and use what they hold but one group of headroom their caches
+    give back: b (weight 2) ends with more of a's bytes, never over the budget, each at least
+    its floor. (A pool whose caches hold everything gives it all up to one group: it uses
+    nothing of it.)"""
     for _ in range(12):
         for name in "ab":
-            two.everything_is_cached(name, idle=False)
+            g = two.arb.pools[name].granted
+            two.arb.observe(name, free_groups=0, cached_groups=min(1, g), idle=False)
             two.want(name, GROUPS)
         while two.pending:
             asker, r = two.pending.pop()

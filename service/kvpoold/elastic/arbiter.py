@@ -15,9 +15,10 @@ The rules:
 3. When the budget is short, groups are taken back from pools above their floor, in this order:
    groups with no page allocated (wholly free now: idle pools first, then the pool furthest
    above its weighted share; taking them costs the victim nothing), then groups that page
-   caches hold unused (they are asked to give back), and those only from an idle pool or one
-   whose weighted share stays at least the asker's after the move: a pool can take cached
-   pages from a busy one only up to equal weighted shares (``granted_bytes / weight``).
+   caches hold unused (they are asked to give back): all of them from an idle pool; from a
+   busy one what it does not use less one group of headroom, and past that only while its
+   weighted share stays at least the asker's after the move (equal weighted shares,
+   ``granted_bytes / weight``).
 4. Pages in use are never taken: a reclaim names groups the victim can drain.
 
 Reclaims are pending until released: the groups stay counted against the budget (they still
@@ -228,7 +229,10 @@ class Arbiter:
             # a floor is owed; an idle pool, and any pool's wholly free groups, give what
             # nobody uses: no request of the victim loses a page
             return most
-        taken = 0
+        # A busy pool's caches: what it does not use, less one group of headroom, goes to the
+        # pool that needs it; past that only down to equal weighted shares.
+        used = victim.granted - victim.free_groups - victim.cached_groups
+        taken = min(most, max(0, victim.granted - victim.reclaiming - used - 1))
         mine = (asker.granted * asker.group_bytes + promised) / asker.weight
         while taken < most:
             after_victim = victim.share(victim.granted - victim.reclaiming - taken - 1)

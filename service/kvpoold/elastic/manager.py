@@ -47,8 +47,9 @@ CACHED_WAIT_S = 1.0
 # How the pools share the budget. arbiter: the rules of kvpoold.elastic.arbiter (groups taken
 # back from pools that do not use them, weighted fair shares). greedy: what an engine-side
 # elastic cache does without a daemon (kvcached): each pool takes what is free while the budget
-# keeps GREEDY_HEADROOM of it free, never takes from another, and gives back wholly free groups
-# beyond one spare on the sweep; a pool that comes second waits for the first to free memory.
+# keeps GREEDY_HEADROOM of it free, never takes from another, and on the sweep asks its page
+# caches to give back what they hold beyond one group and gives back wholly free groups beyond
+# one spare; a pool that comes second waits for the first to free memory.
 Policy = Literal["arbiter", "greedy"]
 POLICIES: tuple[Policy, ...] = ("arbiter", "greedy")
 GREEDY_HEADROOM = 0.05
@@ -457,6 +458,9 @@ class ElasticPools:
         self.on_freed()
         if self.policy == "greedy":  # give back what is unused, beyond one spare group
             for name, ep in self.pools.items():
+                cached = self._hooks.cached(name)  # caches keep one group's worth, as kvcached
+                if cached > 2 * ep.pages_per_group:  # keeps a reserve of free pages
+                    self._hooks.ask_give_back(name, cached - ep.pages_per_group)
                 share = self.arbiter.pools[name]
                 above = share.granted - share.reclaiming - share.floor
                 free = sum(1 for g in ep.space.releasable().tolist() if g not in ep.busy)
