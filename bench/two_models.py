@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -412,6 +413,8 @@ def main() -> int:
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
     ap.add_argument("--plot", type=Path, help="write the KV-tokens-held PNG here")
     ap.add_argument("--json", type=Path, help="write every figure as JSON here")
+    ap.add_argument("--burst", type=int, help="concurrent requests of a bursting engine")
+    ap.add_argument("--phase-s", type=float, help="seconds a phase sends requests")
     ap.add_argument("--top", action="store_true",
                     help="print `kvpool top --once` halfway through every phase")
     args = ap.parse_args()
@@ -419,6 +422,10 @@ def main() -> int:
         print(f"no SGLang side venv at {VENV}: run tests/sglang/setup_venv.sh", file=sys.stderr)
         return 2
     s = QUICK if args.quick else FULL
+    if args.burst is not None:
+        s = dataclasses.replace(s, burst=args.burst)
+    if args.phase_s is not None:
+        s = dataclasses.replace(s, phase_s=args.phase_s)
     modes = [m for m in args.modes.split(",") if m]
     with tempfile.TemporaryDirectory(prefix="kvp-two-", dir="/dev/shm") as tmp:
         work = Path(tmp)

@@ -1,0 +1,36 @@
+"""Two real SGLang engines on one daemon's elastic pools (issue 24): ``bench/two_models.py`` at
+tiny settings, kvpool's arbiter only, outcomes only (never figures): every request is served
+(none aborted), the memory behind both pools never passes the daemon's budget, groups move
+between the pools as the load turns, and a bursting engine holds more than it does while the
+other bursts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, subprocess_env
+
+
+@pytest.mark.timeout(900)
+def test_two_engines_share_one_budget(sglang_python: Path, tmp_path: Path) -> None:
+    out = tmp_path / "two.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "two_models.py"), "--quick", "--modes",
+         "arbiter", "--burst", "48", "--phase-s", "6", "--json", str(out)],
+        cwd=REPO, env=subprocess_env(KVPOOL_SGLANG_VENV=str(sglang_python.parent.parent)),
+        capture_output=True, text=True, timeout=880)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    run = got["modes"]["arbiter"]
+    phases = run["phases"]
+    assert sum(row["aborted"] for row in phases.values()) == 0
+    assert all(row["requests"] > 0 for row in phases.values())
+    assert 0 < run["peak_backed"] <= got["budget"]
+    assert run["reclaims"] > 0  # groups went from one pool to the other
+    assert phases["a/a"]["held"] > phases["a/b"]["held"]
+    assert phases["b/b"]["held"] > phases["a/b"]["held"]
