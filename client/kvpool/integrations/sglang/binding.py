@@ -107,31 +107,31 @@ class PoolBinding:
 
 
 def ttl_from(env: Mapping[str, str]) -> float:
-    text = env.get(TTL_ENV, "").strip()
-    if not text:
-        return DEFAULT_TTL_S
-    try:
-        ttl = float(text)
-    except ValueError:
-        raise InvalidArgument(f"{TTL_ENV}={text!r}: expected seconds, e.g. 10",
-                              field=TTL_ENV) from None
-    if not 0.1 <= ttl <= 3600:
-        raise InvalidArgument(f"{TTL_ENV}={text!r}: must be between 0.1 and 3600 seconds",
-                              field=TTL_ENV)
-    return ttl
+    ttl = _number(env, TTL_ENV, float, lo=0.1, hi=3600.0, example="10")
+    return DEFAULT_TTL_S if ttl is None else ttl
 
 
-def _positive(env: Mapping[str, str], name: str, kind: type) -> Any:
+def _number(env: Mapping[str, str], name: str, kind: type, *, lo: float | None = None,
+            hi: float | None = None, example: str = "") -> Any:
+    """The number variable ``name`` holds (None when unset): positive, or in ``lo..hi``.
+
+    Raises:
+        InvalidArgument: not a number of ``kind``, or out of range (the variable named).
+    """
     text = env.get(name, "").strip()
     if not text:
         return None
     try:
         value = kind(text)
     except ValueError:
-        raise InvalidArgument(f"{name}={text!r}: expected a {kind.__name__}",
-                              field=name) from None
-    if value <= 0:
+        hint = f", e.g. {example}" if example else ""
+        what = "seconds" if example else f"a {kind.__name__}"
+        raise InvalidArgument(f"{name}={text!r}: expected {what}{hint}", field=name) from None
+    if lo is None and value <= 0:
         raise InvalidArgument(f"{name}={text!r}: must be positive", field=name)
+    if lo is not None and hi is not None and not lo <= value <= hi:
+        raise InvalidArgument(f"{name}={text!r}: must be between {lo:g} and {hi:g} seconds",
+                              field=name)
     return value
 
 
@@ -148,9 +148,9 @@ def elastic_from(env: Mapping[str, str]) -> ElasticSettings | None:
             raise InvalidArgument(f"{ELASTIC_ENV}={flag!r}: expected 1 or 0",
                                   field=ELASTIC_ENV)
         return None
-    settings = ElasticSettings(floor_tokens=_positive(env, FLOOR_ENV, int),
-                               cap_tokens=_positive(env, CAP_ENV, int),
-                               weight=_positive(env, WEIGHT_ENV, float))
+    settings = ElasticSettings(floor_tokens=_number(env, FLOOR_ENV, int),
+                               cap_tokens=_number(env, CAP_ENV, int),
+                               weight=_number(env, WEIGHT_ENV, float))
     if (settings.floor_tokens is not None and settings.cap_tokens is not None
             and settings.floor_tokens > settings.cap_tokens):
         raise InvalidArgument(
