@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -797,9 +796,10 @@ class Daemon:
             secret = bytes.fromhex(ask.secret)
         except ValueError:
             secret = b""
-        lease = self.leases.find(ask.lease_id)
-        if lease is None or not hmac.compare_digest(lease.secret, secret):
-            raise NotFound(f"no open lease {ask.lease_id} with this secret", field="lease_id")
+        # The socket's peer is a uid, not a gRPC caller: the lease is proven by its secret, as
+        # of the identity that opened it (LeaseTable.prove: the same NotFound for any failure).
+        opened = self.leases.find(ask.lease_id)
+        self.leases.prove(ask.lease_id, secret, opened.identity if opened else "")
         if ask.lease_id not in self.attachments.leases_of_pool(ask.pool):
             raise FailedPrecondition(
                 f"lease {ask.lease_id} has no attachment of pool {ask.pool!r}: Attach under "
