@@ -7,9 +7,12 @@ three ways in one run.
   free down to a headroom, never from the other: kvcached's policy);
 - ``arbiter``: elastic pools under kvpool's arbiter (the default policy).
 
-The models are tiny random Llamas of different layouts (A: 4 layers x 8 KV heads x 64; B: 6
-layers x 4 KV heads x 64; float32, hidden 64 whatever the heads, so the compute stays tiny while
-the KV is a real model's size), so their pools have different views and groups. SGLang
+The models are tiny random Llamas of different layouts (A: 16 KV heads x 64; B: 8 KV heads x 128;
+one layer each, float32, hidden 64 whatever the heads, so the compute stays tiny while a token's KV
+is a real layer's size), so their pools have different views and groups. One layer keeps a group
+(whole 2 MiB chunks of every view: 4 MiB, 512 tokens here) small against the budget, as it is
+against a GPU's: what an engine must keep (its pages in use plus one group of headroom) is then a
+small part of the budget, and the arbiter can give a bursting engine most of it. SGLang
 runs with ``--disable-radix-cache``: its radix cache keeps finished requests' KV until an
 allocation runs short, which would fill any pool and measure the cache, not the pools. The trace,
 per mode: phase ``a``: A bursts (many concurrent requests) while B trickles; phase ``b``: the
@@ -56,7 +59,7 @@ VENV = Path(os.environ.get("KVPOOL_SGLANG_VENV", REPO / ".venv-sglang"))
 MiB = 1 << 20
 PAGE = 4
 # name -> (layers, kv heads, head dim): float32 K and V of every layer.
-MODELS = {"a": (4, 8, 64), "b": (6, 4, 64)}
+MODELS = {"a": (1, 16, 64), "b": (1, 8, 128)}
 MODES = ("static", "greedy", "arbiter")
 PHASES = ("a", "b", "both")
 
@@ -82,10 +85,11 @@ class Settings:
     phase_s: float  # seconds a phase sends requests
 
 
-# The budget is large against the floors (a group is 1,024 tokens of a, 2,048 of b), and a
-# burst needs more KV than half of it: so the static split is what limits a bursting engine.
-QUICK = Settings(budget=160 * MiB, burst=80, trickle=1, prompt=120, new=16, phase_s=8.0)
-FULL = Settings(budget=320 * MiB, burst=110, trickle=2, prompt=180, new=64, phase_s=30.0)
+# The budget is large against a group (4 MiB, 512 tokens of either model), and a burst needs more
+# KV than the whole budget holds (80 x 208 tokens of 8 KiB: 130 MiB of 128): so the static split
+# is what limits a bursting engine, and an elastic one can use all the other does not.
+QUICK = Settings(budget=128 * MiB, burst=80, trickle=1, prompt=160, new=48, phase_s=10.0)
+FULL = Settings(budget=128 * MiB, burst=96, trickle=2, prompt=160, new=96, phase_s=30.0)
 
 
 def free_port() -> int:
@@ -152,6 +156,9 @@ def engine(work: Path, name: str, model: Path, target: str, tokens: int, elastic
          "--max-total-tokens", str(tokens), "--max-running-requests", "256",
          "--disable-radix-cache",
          "--mem-fraction-static", "0.05", "--random-seed", "0", "--enable-metrics",
+         # the first token at once (TTFT), then every 8: streaming every token of 80
+         # requests costs the 2 CPUs more than the model does
+         "--stream-interval", "8",
          "--log-level", "warning"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -340,6 +347,14 @@ def run_mode(mode: str, work: Path, models: dict[str, Path], s: Settings,
     return result
 
 
+def show_logs(work: Path, lines: int = 30) -> None:
+    """The last lines of every engine's and daemon's log (the work directory goes with the
+    run): why a mode failed."""
+    for log in sorted(work.glob("*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        print(f"--- {log.name} (last {len(tail)} lines) ---", *tail, sep="\n", file=sys.stderr)
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(x for x in xs if x == x)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
@@ -354,6 +369,10 @@ def phase_table(r: ModeRun, s: Settings) -> dict[tuple[str, str], dict[str, floa
             # a phase lasts from its first request to its last answer (requests sent before
             # its end are served to the end)
             wall = (max(d.end for d in done) - min(d.start for d in done)) if done else 1.0
+            peak = max((x.held[n] for x in samples), default=0)
+            # how long the engine took to hold 90% of its phase peak, from the phase's start
+            grow = next((x.t - samples[0].t for x in samples if x.held[n] >= 0.9 * peak),
+                        float("nan"))
             out[(phase, n)] = {
                 "requests": len(done),
                 "wall_s": wall,
@@ -362,7 +381,8 @@ def phase_table(r: ModeRun, s: Settings) -> dict[tuple[str, str], dict[str, floa
                 "ttft99": pct([d.ttft for d in done], 0.99),
                 "aborted": sum(d.aborted for d in done),
                 "running": max((x.running.get(n, 0.0) for x in samples), default=0.0),
-                "held": max((x.held[n] for x in samples), default=0),
+                "held": peak,
+                "grow_s": grow,
             }
     return out
 
@@ -433,18 +453,22 @@ def main() -> int:
         runs = []
         for mode in modes:
             print(f"[{mode}] two engines, {s.phase_s:g} s a phase ...", flush=True)
-            runs.append(run_mode(mode, work, models, s, args.top))
+            try:
+                runs.append(run_mode(mode, work, models, s, args.top))
+            except BaseException:
+                show_logs(work)
+                raise
     tables = {r.mode: phase_table(r, s) for r in runs}
     print(f"\nbudget {s.budget / MiB:.0f} MiB; per request {s.prompt} + {s.new} tokens; "
           f"burst {s.burst}, trickle {s.trickle} concurrent")
     head = (f"{'mode':<8}{'phase':<6}{'eng':<4}{'reqs':>6}{'tok/s':>8}{'ttft p50':>10}"
-            f"{'p99':>8}{'running':>8}{'held tok':>10}{'aborts':>7}")
+            f"{'p99':>8}{'running':>8}{'held tok':>10}{'to 90%':>8}{'aborts':>7}")
     print(head)
     for r in runs:
         for (phase, n), row in tables[r.mode].items():
             print(f"{r.mode:<8}{phase:<6}{n:<4}{row['requests']:>6.0f}{row['tok_s']:>8.0f}"
                   f"{row['ttft50']:>10.3f}{row['ttft99']:>8.3f}{row['running']:>8.0f}"
-                  f"{row['held']:>10,.0f}{row['aborted']:>7.0f}")
+                  f"{row['held']:>10,.0f}{row['grow_s']:>7.1f}s{row['aborted']:>7.0f}")
         peak = max((x.backed for x in r.samples), default=0)
         print(f"{r.mode:<8}retractions {r.retracted}, reclaims {r.reclaims} (mean "
               f"{r.reclaim_mean * 1e3:.1f} ms, max {r.reclaim_max * 1e3:.1f} ms), peak memory "

@@ -11,7 +11,7 @@ import pytest
 
 from kvpool.contract.wire import allocate_request
 from kvpool.v1 import kvpool_pb2 as pb
-from kvpoold.server.leases import LeaseTable
+from kvpoold.server.leases import CacheCounts, LeaseTable
 from kvpoold.server.run import sweep_leases
 from tests.service.conftest import ManualClock, Served, proof
 
@@ -206,17 +206,26 @@ def test_the_cachers_index_follows_reports_closes_and_expiry() -> None:
     clock = ManualClock()
     table = LeaseTable(clock)
     a, b, c = (table.open(name, 1.0) for name in "abc")
-    table.set_reports(a, {("p", "kv"): (5, 1), ("p", "req"): (2, 0)})
-    table.set_reports(b, {("p", "kv"): (0, 9)})  # in use only: nothing to give back
-    table.set_reports(c, {("p", "kv"): (3, 0)})
+    table.set_reports(a, {("p", "kv"): CacheCounts(5, 1), ("p", "req"): CacheCounts(2, 0)})
+    table.set_reports(b, {("p", "kv"): CacheCounts(0, 9)})  # in use only: nothing to give back
+    table.set_reports(c, {("p", "kv"): CacheCounts(3, 0)})
     assert {x.name for x in table.cachers("p", "kv")} == {"a", "c"}
     assert [x.name for x in table.cachers("p", "req")] == ["a"]
-    table.set_reports(a, {("p", "kv"): (0, 6)})  # cached all used; req no longer reported
+    # cached all used; req no longer reported
+    table.set_reports(a, {("p", "kv"): CacheCounts(0, 6)})
     assert [x.name for x in table.cachers("p", "kv")] == ["c"]
     assert table.cachers("p", "req") == [] and table.cachers("q", "kv") == []
     table.close(c.lease_id)
     assert table.cachers("p", "kv") == []
-    table.set_reports(b, {("p", "kv"): (4, 5)})
+    table.set_reports(b, {("p", "kv"): CacheCounts(4, 5)})
+    # in use, but its holder frees some on demand: a give-back may take those (cached first)
+    table.set_reports(a, {("p", "kv"): CacheCounts(0, 6, 4)})
+    assert {x.name for x in table.cachers("p", "kv")} == {"a", "b"}
+    assert a.cached("p", "kv") == 4
+    b.ask_give_back("p", "kv", 6)  # 4 cached, then 2 of ... none: b has no evictable ids
+    assert b.reports[("p", "kv")] == CacheCounts(0, 5, 0)
+    a.ask_give_back("p", "kv", 3)
+    assert a.reports[("p", "kv")] == CacheCounts(0, 6, 1) and a.cached("p", "kv") == 1
     clock.advance(2.0)
     assert {x.name for x in table.pop_expired()} == {"a", "b"}
     assert table.cachers("p", "kv") == []

@@ -743,3 +743,54 @@ def test_in_use_of_and_handed_out_read_the_caches_marks(client: KVPoolClient,
         assert cache.handed_out().dtype == np.int32
         cache.free(cache.handed_out())
         assert cache.handed_out().size == 0 and cache.in_use == 0
+
+
+def test_a_give_back_reaches_ids_the_owner_can_evict(client: KVPoolClient, pool: str) -> None:
+    """An engine's prefix cache keeps ids in use after their requests end; the owner says how
+    many it can free on demand (``set_evictable``) and how (``set_evictor``). Another lease's
+    Allocate short of free ids then gets them: the daemon asks a give-back past what the cache
+    holds unused, the owner's next ``maintain`` evicts that many and the cache gives them back;
+    ids the owner did not offer are never taken."""
+    with client.lease("engine") as lease, lease.page_cache(
+            pool, low=0, high=TINY_PAGES, batch=8, background=False, fill=False) as cache, \
+            client.lease("taker") as taker:
+        tree = list(cache.alloc(TINY_PAGES - 6).tolist())  # a prefix cache holding them all
+        busy = tree[:50]  # ... of which 50 a running request uses
+        del tree[:50]
+
+        def evict(n: int) -> None:  # the oldest entries first, as a radix tree's LRU would
+            gone = [tree.pop() for _ in range(min(n, len(tree)))]
+            cache.free(np.array(gone, dtype=np.int32))
+
+        cache.set_evictor(evict)
+        cache.set_evictable(len(tree))
+        assert lease.report_now()
+        mine = next(x for x in client.stats(pool).leases if x.lease_id == lease.lease_id)
+        assert mine.held[pool]["kv"] == TINY_PAGES - 6
+        got: list[np.ndarray] = []
+        t = threading.Thread(target=lambda: got.append(taker.allocate(pool, "kv", 40)))
+        t.start()
+        deadline = time.monotonic() + 10
+        while t.is_alive() and time.monotonic() < deadline:  # the engine's steps
+            cache.maintain()
+            time.sleep(0.01)
+        t.join(1)
+        assert got and got[0].shape[0] == 40
+        assert not set(got[0].tolist()) & set(busy) and not set(got[0].tolist()) & set(tree)
+        assert cache.in_use == len(busy) + len(tree) and cache.gave_back >= 34
+        assert set(cache.handed_out().tolist()) == set(busy) | set(tree)
+        # more than the owner offers is never asked of it: one id past the free ones is
+        # refused, and the prefix cache keeps every id it still holds
+        cache.set_evictable(0)
+        assert lease.report_now()
+        free = client.stats(pool).pool(pool).spaces["kv"].free
+        with pytest.raises(ResourceExhausted):
+            taker.allocate(pool, "kv", free + 1)
+        cache.maintain()
+        assert set(cache.handed_out().tolist()) == set(busy) | set(tree)
+
+
+def test_an_evictor_needs_a_cache_without_a_worker(client: KVPoolClient, pool: str) -> None:
+    with client.lease("engine") as lease, lease.page_cache(pool, high=8) as cache, \
+            pytest.raises(FailedPrecondition, match="background=False"):
+        cache.set_evictor(lambda n: None)

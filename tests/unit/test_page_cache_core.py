@@ -303,6 +303,32 @@ def test_settle_lifts_the_hold_after_a_give_back() -> None:
     assert not core.settled() and core.pick_job(0.0) == (REFILL, 6)
 
 
+def test_a_give_back_past_the_cache_asks_the_evictor_for_at_most_what_it_offered() -> None:
+    """Cached ids first; past them, up to what the owner said it can evict (not yet asked):
+    those are counted for the evictor, and the report stops offering them."""
+    core = PageCacheCore("p", "kv", capacity=64, low=0, high=64, batch=8)
+    core.push(i32(list(range(1, 21))))
+    held = core.take(16)  # 16 in use (a prefix cache), 4 cached
+    assert held is not None
+    core.can_evict, core.evictable = True, 10
+    assert core.report() == (4, 16, 10)
+    assert core.ask_give_back(9) == 9 and (core.give_back, core.evict_wanted) == (9, 5)
+    assert core.report() == (4, 16, 5)
+    assert core.ask_give_back(100) == 5  # the rest of what it offered, no more
+    assert (core.give_back, core.evict_wanted) == (14, 10) and core.report()[2] == 0
+    assert core.ask_give_back(1) == 0
+    # the cached ones go at once; the evictor's run before the next job (``maintain``)
+    job = core.pick_job(0.0)
+    assert job is not None and job[0] == GIVE_BACK and job[1].shape[0] == 4
+    core.job_done(GIVE_BACK, job[1], None)
+    assert core.give_back == 10  # waits for the evictor's 10
+    core.evict_wanted = 0  # maintain takes the count and runs the evictor:
+    core.free_ids(held[:10])  # the evictor frees them into the cache
+    job = core.pick_job(0.0)
+    assert job is not None and job[0] == GIVE_BACK and job[1].shape[0] == 10
+    assert core.give_back == 0
+
+
 # -- ids the lease no longer holds (issue 20, item 10) ----------------------------------------
 
 def test_a_short_count_makes_one_check_and_its_answer_drops_what_is_not_held() -> None:
@@ -328,7 +354,7 @@ def test_a_short_count_makes_one_check_and_its_answer_drops_what_is_not_held() -
     core.job_done(CHECK, job[1], i32([6, 9, 2]))
     assert (core.checks, core.dropped_unheld, core.unheld_in_use) == (1, 3, 1)
     assert core.read(core.head, core.cached).tolist() == [5, 7, 8, 10]
-    assert core.report() == (4, 3)
+    assert core.report() == (4, 3, 0)
     assert core.handed_out().tolist() == [1, 2, 3, 4]  # 2 stays in use until it is freed
     core.rebase()
     assert core.free_ids(i32([2]))[0].tolist() == [2]  # dropped, not cached

@@ -182,7 +182,7 @@ class AsyncPageCache(CacheState):
         self._core.lose(err)
         self._wake.set()
 
-    def _report(self) -> tuple[int, int]:
+    def _report(self) -> tuple[int, int, int]:
         return self._core.report()
 
     def _give_back(self, n: int) -> int:

@@ -57,8 +57,10 @@ cache", pressure).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -75,6 +77,7 @@ from kvpool.cache.policy import (
     watermarks,
 )
 from kvpool.contract.errors import (
+    FailedPrecondition,
     KVPoolError,
     NotFound,
     ResourceExhausted,
@@ -82,6 +85,8 @@ from kvpool.contract.errors import (
 
 if TYPE_CHECKING:
     pass
+
+log = logging.getLogger(__name__)
 
 
 class Lease(Protocol):
@@ -184,6 +189,7 @@ class PageCache(CacheState):
                  fill: bool = True) -> None:
         lo, hi, ba = watermarks(capacity, low, high, batch)
         self._lease = lease
+        self._evictor: Callable[[int], object] | None = None
         self._core = PageCacheCore(pool, space, capacity, lo, hi, ba)
         # fill=False: no first fill to ``high`` (an elastic pool's engine grows its cache on
         # demand instead of asking the daemon for ``high`` pages at once).
@@ -232,6 +238,16 @@ class PageCache(CacheState):
             The RPCs made.
         """
         done = 0
+        evict = self._evictor
+        if evict is not None and self._core.evict_wanted:
+            with self._lock:
+                want, self._core.evict_wanted = self._core.evict_wanted, 0
+                self._core.evictable = max(0, self._core.evictable - want)
+            try:
+                evict(want)  # frees into this cache: the give-back below takes them
+            except Exception:
+                log.exception("page cache %s: the evictor failed to free %d ids",
+                              self._core.label, want)
         while True:
             with self._lock:
                 step = self._core.work(self._lease)  # the worker's own next step
@@ -239,6 +255,33 @@ class PageCache(CacheState):
                 return done
             self._do_job(step)
             done += 1
+
+    def set_evictor(self, evict: Callable[[int], object] | None) -> None:
+        """Let the daemon's give-backs reach ids in use that the owner can free on demand (an
+        engine's prefix cache): ``evict(n)`` frees up to ``n`` ids into this cache (with
+        ``free``), called from :meth:`maintain` when a give-back asks for more than the cache
+        holds; :meth:`set_evictable` says how many there are. Only for a cache opened with
+        ``background=False`` (the evictor runs in the owner's thread, between its steps).
+
+        Raises:
+            FailedPrecondition: the cache has a worker thread.
+        """
+        if evict is not None and self.background:
+            raise FailedPrecondition(
+                f"the page cache of {self._core.label} has a worker thread: an evictor needs "
+                "a cache opened with background=False (it runs in maintain)", field="evictor")
+        with self._lock:
+            self._evictor = evict
+            self._core.can_evict = evict is not None
+            if evict is None:
+                self._core.evictable = 0
+
+    def set_evictable(self, n: int) -> None:
+        """How many of the ids this cache handed out the owner's evictor can free now (the
+        lease reports it; a give-back may ask for them). Ignored without an evictor."""
+        with self._lock:
+            if self._core.can_evict:
+                self._core.evictable = max(0, int(n))
 
     # -- the hot path -------------------------------------------------------------------------
 
@@ -400,8 +443,8 @@ class PageCache(CacheState):
             self._core.lose(err)
         self._wake.set()
 
-    def _report(self) -> tuple[int, int]:
-        """``(cached, in_use)`` now, for the lease's KeepAlive."""
+    def _report(self) -> tuple[int, int, int]:
+        """``(cached, in_use, evictable)`` now, for the lease's KeepAlive."""
         with self._lock:
             return self._core.report()
 

@@ -235,6 +235,12 @@ class PageCacheCore(IdRing):
         self.active = 0
         self.starts = 0
         self.give_back = 0  # ids the daemon asked back, not yet taken out of the ring
+        # Ids in use that the owner frees on demand (an engine's prefix cache: ``evictable``,
+        # set by the owner; 0 without an evictor), and of the give-backs asked, how many the
+        # owner's evictor must free into the ring first (``PageCache.maintain`` does).
+        self.can_evict = False
+        self.evictable = 0
+        self.evict_wanted = 0
         self.hold_until = 0.0  # no background refill before (after a give-back)
         self.closed = False
         self.lost: KVPoolError | None = None  # the lease or pool is gone
@@ -301,18 +307,24 @@ class PageCacheCore(IdRing):
 
     def ask_give_back(self, n: int) -> int:
         """The daemon asks for ``n`` cached ids: the worker returns up to that many from the
-        cache (never ids in use). Returns how many it will return."""
-        if self.dead is not None:
+        cache (never ids in use), and past what the cache holds, up to what the owner said it
+        can evict (the owner's evictor frees those into the cache first). Returns how many it
+        will return."""
+        if self.dead is not None or n <= 0:
             return 0
-        k = min(n, self.cached - self.give_back)
-        if k > 0:
-            self.give_back += k
-        return max(0, k)
+        from_cache = max(0, min(n, self.cached - self.give_back))
+        from_evict = max(0, min(n - from_cache, self.evictable - self.evict_wanted))
+        self.give_back += from_cache + from_evict
+        self.evict_wanted += from_evict
+        return from_cache + from_evict
 
-    def report(self) -> tuple[int, int]:
-        """``(cached, in_use)`` for the lease's KeepAlive report (ids an ``alloc`` waiting on
-        the daemon took out of the ring count as in use)."""
-        return self.cached, self.n_in_use - self.unheld_in_use + self.reserved
+    def report(self) -> tuple[int, int, int]:
+        """``(cached, in_use, evictable)`` for the lease's KeepAlive report (ids an ``alloc``
+        waiting on the daemon took out of the ring count as in use; evictable ids are in use,
+        and not yet asked for)."""
+        in_use = self.n_in_use - self.unheld_in_use + self.reserved
+        return (self.cached, in_use,
+                max(0, min(self.evictable - self.evict_wanted, in_use)))
 
     # -- is what the cache counts still held by its lease? -------------------------------------
 
@@ -365,7 +377,8 @@ class PageCacheCore(IdRing):
                 return CHECK, ids
         if self.give_back > 0:
             k = min(self.give_back, self.cached)
-            self.give_back = 0
+            # what is left waits only for the owner's evictor (asked after it last ran)
+            self.give_back = min(self.give_back - k, self.evict_wanted)
             if k:
                 self.tail -= k  # the most recently cached
                 ids = self.read(self.tail, k)

@@ -160,13 +160,12 @@ class KeepAliveSession:
 
 
 def cache_reports(caches: list[Any]) -> list[pb.CacheReport]:
-    """The KeepAlive report of a lease's page caches: ``(cached, in_use)`` summed per (pool,
-    space)."""
+    """The KeepAlive report of a lease's page caches: ``(cached, in_use, evictable)`` summed
+    per (pool, space)."""
     sums: dict[tuple[str, str], list[int]] = {}
     for cache in caches:
-        cached, in_use = cache._report()
-        counts = sums.setdefault((cache.pool, cache.space), [0, 0])
-        counts[0] += cached
-        counts[1] += in_use
-    return [pb.CacheReport(pool=pool, space=space, cached=c, in_use=u)
-            for (pool, space), (c, u) in sums.items()]
+        counts = sums.setdefault((cache.pool, cache.space), [0, 0, 0])
+        for i, n in enumerate(cache._report()):
+            counts[i] += n
+    return [pb.CacheReport(pool=pool, space=space, cached=c, in_use=u, evictable=e)
+            for (pool, space), (c, u, e) in sums.items()]

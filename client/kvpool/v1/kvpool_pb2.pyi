@@ -219,16 +219,18 @@ class OpenLeaseResponse(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., lease_secret: _Optional[bytes] = ...) -> None: ...
 
 class CacheReport(_message.Message):
-    __slots__ = ("pool", "space", "cached", "in_use")
+    __slots__ = ("pool", "space", "cached", "in_use", "evictable")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SPACE_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
     IN_USE_FIELD_NUMBER: _ClassVar[int]
+    EVICTABLE_FIELD_NUMBER: _ClassVar[int]
     pool: str
     space: str
     cached: int
     in_use: int
-    def __init__(self, pool: _Optional[str] = ..., space: _Optional[str] = ..., cached: _Optional[int] = ..., in_use: _Optional[int] = ...) -> None: ...
+    evictable: int
+    def __init__(self, pool: _Optional[str] = ..., space: _Optional[str] = ..., cached: _Optional[int] = ..., in_use: _Optional[int] = ..., evictable: _Optional[int] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("lease_id", "caches", "seq", "lease_secret", "unmapped")

@@ -50,7 +50,7 @@ from kvpoold.ids.grouped import GroupedSpace
 from kvpoold.server.args import ConfigureArgs, LeaseRef
 from kvpoold.server.attachments import MAX_ATTACHMENTS_PER_IDENTITY, AttachmentTable
 from kvpoold.server.auth import DAEMON_CALLER, Caller
-from kvpoold.server.leases import MAX_LEASES_PER_IDENTITY, Lease, LeaseTable
+from kvpoold.server.leases import MAX_LEASES_PER_IDENTITY, CacheCounts, Lease, LeaseTable
 from kvpoold.server.live_pools import LivePool, build_live_pool
 from kvpoold.server.loop_clock import StallClock
 from kvpoold.server.planning import plan_off_loop
@@ -337,10 +337,10 @@ class Daemon:
         return self.leases.prove(ref.lease_id, ref.secret, caller.identity)
 
     def renew_lease(self, caller: Caller, ref: LeaseRef,
-                    reports: dict[tuple[str, str], tuple[int, int]] | None = None,
+                    reports: dict[tuple[str, str], CacheCounts] | None = None,
                     unmapped: Sequence[int] = ()) -> Lease:
-        """Renew a lease and keep its page caches' report (``(pool, space) -> (cached,
-        in_use)``; it replaces the last one), as far as the lease's holdings back it
+        """Renew a lease and keep its page caches' report (``(pool, space) -> CacheCounts``;
+        it replaces the last one), as far as the lease's holdings back it
         (:meth:`_backed`); ``unmapped``: the elastic reclaims its process carried out.
 
         Raises:
@@ -353,19 +353,20 @@ class Daemon:
             self.elastic.unmapped(lease.lease_id, unmapped)
         return lease
 
-    def _backed(self, lease: Lease, reports: dict[tuple[str, str], tuple[int, int]]
-                ) -> dict[tuple[str, str], tuple[int, int]]:
+    def _backed(self, lease: Lease, reports: dict[tuple[str, str], CacheCounts]
+                ) -> dict[tuple[str, str], CacheCounts]:
         """The part of a cache report the lease's holdings back: a cache holds only ids its
         lease holds, so each count is capped at what the lease holds in that pool and space
         now, and a report of a pool or space that does not exist is not kept (what a lease may
         store stays O(pools x spaces)). O(reports)."""
-        out: dict[tuple[str, str], tuple[int, int]] = {}
-        for (pool, name), (cached, in_use) in reports.items():
+        out: dict[tuple[str, str], CacheCounts] = {}
+        for (pool, name), (cached, in_use, evictable) in reports.items():
             entry = self.pools.get(pool)
             if entry is None or name not in entry.ids.names:
                 continue
             held = entry.ids.space(name, "caches").held(lease.owner)
-            out[(pool, name)] = (min(cached, held), min(in_use, held))
+            in_use = min(in_use, held)
+            out[(pool, name)] = CacheCounts(min(cached, held), in_use, min(evictable, in_use))
         return out
 
     def close_lease(self, caller: Caller, ref: LeaseRef) -> Released:

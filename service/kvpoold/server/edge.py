@@ -24,7 +24,7 @@ from kvpool.contract.plan import ASSUMABLE_FAMILIES
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpoold.ids import Grant
 from kvpoold.server.args import ConfigureArgs, LeaseRef, PeerDoneArgs, PeerReceiveArgs
-from kvpoold.server.leases import Lease
+from kvpoold.server.leases import CacheCounts, Lease
 from kvpoold.transfer import Outgoing
 from kvpoold.transfer.grants import MAX_GRANT_PAGES, ReceiveGrant, check_token
 from kvpoold.transfer.nixl_agent import MAX_KNOWN_GENERATIONS
@@ -184,8 +184,8 @@ def free_items(req: pb.FreeRequest) -> list[tuple[str, np.ndarray]]:
 MAX_CACHE_REPORTS = 1024
 
 
-def cache_reports(request: pb.KeepAliveRequest) -> dict[tuple[str, str], tuple[int, int]]:
-    """A KeepAlive's page-cache report: ``(pool, space) -> (cached, in_use)``, summed per key.
+def cache_reports(request: pb.KeepAliveRequest) -> dict[tuple[str, str], CacheCounts]:
+    """A KeepAlive's page-cache report: ``(pool, space) -> CacheCounts``, summed per key.
 
     Raises:
         InvalidArgument: more than MAX_CACHE_REPORTS entries, or one without pool or space.
@@ -193,12 +193,13 @@ def cache_reports(request: pb.KeepAliveRequest) -> dict[tuple[str, str], tuple[i
     if len(request.caches) > MAX_CACHE_REPORTS:
         raise InvalidArgument(f"caches has {len(request.caches)} reports, at most "
                               f"{MAX_CACHE_REPORTS}", field="caches")
-    out: dict[tuple[str, str], tuple[int, int]] = {}
+    out: dict[tuple[str, str], CacheCounts] = {}
     for i, r in enumerate(request.caches):
         if not r.pool or not r.space:
             raise InvalidArgument(f"caches[{i}] needs a pool and a space", field=f"caches[{i}]")
-        cached, in_use = out.get((r.pool, r.space), (0, 0))
-        out[(r.pool, r.space)] = (cached + r.cached, in_use + r.in_use)
+        c = out.get((r.pool, r.space), CacheCounts(0, 0))
+        out[(r.pool, r.space)] = CacheCounts(c.cached + r.cached, c.in_use + r.in_use,
+                                             c.evictable + r.evictable)
     return out
 
 

@@ -25,6 +25,7 @@ import hmac
 import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvpool.contract.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvpool.contract.limits import MAX_NAME_CHARS
@@ -42,6 +43,28 @@ _NO_SECRET = bytes(SECRET_BYTES)  # compared against when the id is unknown (sam
 STALE_PER_LEASE = 2
 
 
+class CacheCounts(NamedTuple):
+    """What a lease's page caches of one pool and id space hold, as its KeepAlive reported
+    (``CacheReport``): ``cached`` unused; ``in_use`` handed out; of those, ``evictable`` the
+    holder frees on demand (an engine's prefix cache). A give-back may take cached, then
+    evictable ids."""
+
+    cached: int
+    in_use: int
+    evictable: int = 0
+
+    @property
+    def takeable(self) -> int:
+        """What a give-back may take: cached, then evictable ids."""
+        return self.cached + self.evictable
+
+    def asked(self, count: int) -> CacheCounts:
+        """The counts once a give-back of ``count`` is asked (cached ids first)."""
+        from_cached = min(count, self.cached)
+        return CacheCounts(self.cached - from_cached, self.in_use,
+                           max(0, self.evictable - (count - from_cached)))
+
+
 @dataclass
 class Lease:
     """One lease. ``deadline`` is on the table's clock (the daemon's lease clock: monotonic
@@ -57,8 +80,8 @@ class Lease:
     secret: bytes = field(default=b"", repr=False, compare=False)  # the proof; never shown
     # Which deadline-heap entry is current; older entries of this lease are stale.
     generation: int = field(default=0, repr=False, compare=False)
-    # (pool, space) -> (cached, in_use): its page caches as last reported on KeepAlive.
-    reports: dict[tuple[str, str], tuple[int, int]] = field(
+    # (pool, space) -> its page caches' counts as last reported on KeepAlive.
+    reports: dict[tuple[str, str], CacheCounts] = field(
         default_factory=dict, repr=False, compare=False)
     # (pool, space) -> ids to give back, not yet sent; ``wake`` tells its KeepAlive stream.
     give_back: dict[tuple[str, str], int] = field(default_factory=dict, repr=False,
@@ -69,17 +92,17 @@ class Lease:
         default_factory=list, repr=False, compare=False)
 
     def cached(self, pool: str, space: str) -> int:
-        """Ids of ``pool``/``space`` its caches last reported holding unused."""
+        """Ids of ``pool``/``space`` a give-back may take, as its caches last reported: those
+        they hold unused, then those their holder frees on demand (``CacheCounts.takeable``)."""
         report = self.reports.get((pool, space))
-        return 0 if report is None else report[0]
+        return 0 if report is None else report.takeable
 
     def ask_give_back(self, pool: str, space: str, count: int) -> None:
         """Queue a give-back for its KeepAlive stream and wake the stream. The report is
         lowered at once, so a second Allocate does not ask for the same ids again."""
         key = (pool, space)
         self.give_back[key] = self.give_back.get(key, 0) + count
-        cached, in_use = self.reports.get(key, (0, 0))
-        self.reports[key] = (max(0, cached - count), in_use)
+        self.reports[key] = self.reports.get(key, CacheCounts(0, 0)).asked(count)
         self.wake.set()
 
     def ask_unmap(self, pool: str, groups: tuple[int, ...], reclaim: int,
@@ -296,13 +319,13 @@ class LeaseTable:
         return lease
 
     def set_reports(self, lease: Lease,
-                    reports: dict[tuple[str, str], tuple[int, int]]) -> None:
-        """Keep ``lease``'s page-cache report (``(pool, space) -> (cached, in_use)``, replacing
-        the last one) and the index of who caches what; O(keys of the two reports)."""
+                    reports: dict[tuple[str, str], CacheCounts]) -> None:
+        """Keep ``lease``'s page-cache report (replacing the last one) and the index of who
+        caches what (ids a give-back may take); O(keys of the two reports)."""
         for key in lease.reports.keys() - reports.keys():
             self._uncache(key, lease)
-        for key, (cached, _in_use) in reports.items():
-            if cached > 0:
+        for key, counts in reports.items():
+            if counts.takeable > 0:
                 self._cachers.setdefault(key, {})[lease.lease_id] = lease
             else:
                 self._uncache(key, lease)

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from kvpoold.elastic.manager import ElasticPools
     from kvpoold.server.attachments import AttachmentTable
     from kvpoold.server.auth import Caller
-    from kvpoold.server.leases import Lease, LeaseTable
+    from kvpoold.server.leases import CacheCounts, Lease, LeaseTable
     from kvpoold.server.live_pools import LivePool
     from kvpoold.server.loop_clock import StallClock
     from kvpoold.transfer import Transfers
@@ -242,11 +242,11 @@ def stall_fields(daemon: Daemon) -> dict[str, Any]:
             "loop_longest_stall_seconds": clock.longest_stall_s}
 
 
-def cached_of(reports: dict[tuple[str, str], tuple[int, int]], held: HeldMap) -> HeldMap:
+def cached_of(reports: dict[tuple[str, str], CacheCounts], held: HeldMap) -> HeldMap:
     """The reported cached ids of the pools and spaces the lease holds ids in (never more than
     it holds: a report can be a renewal old)."""
     out: HeldMap = {}
-    for (pool, space), (cached, _in_use) in reports.items():
+    for (pool, space), (cached, _in_use, _evictable) in reports.items():
         n = min(cached, held.get(pool, {}).get(space, 0))
         if n:
             out.setdefault(pool, {})[space] = n

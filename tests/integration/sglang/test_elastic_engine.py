@@ -23,9 +23,12 @@ engine's pool is 2,044 tokens (4 groups less the padding page), its floor one gr
   returned both report it; after it is returned both hold again. After shutdown every page
   is back and the pool is at its floor.
 
-The radix cache is off in both runs: kvpool sees the pages of SGLang's radix cache as in use
-(docs/sglang.md, "Elastic pools", limits), so an idle engine with a full radix tree has
-nothing to give back.
+The test runs twice: with SGLang's radix cache off (as the fixed run), and on (SGLang's
+default). With it on, the engine's pages stay in its radix tree after batch 1, in use to the
+daemon; the plugin reports the tree's unreferenced pages as evictable, so the second pool's
+Allocate makes the daemon ask for them and the engine's tree evicts them between its steps.
+Batches 2 and 3 then hit (or miss) the radix cache: their tokens are checked for length and
+no abort; batch 1's equal the fixed run's.
 """
 
 from __future__ import annotations
@@ -69,10 +72,11 @@ BATCHES = [PROMPTS, PROMPTS, PROMPTS]
 EXTRA = {"disable_radix_cache": True}
 
 
-def job(model: Path, work: Path, name: str, **extra: Any) -> str:
+def job(model: Path, work: Path, name: str, radix: bool = False, **extra: Any) -> str:
     return json.dumps({"model": str(model), "page_size": PAGE_SIZE,
                        "max_total_tokens": MAX_TOTAL_TOKENS, "max_new_tokens": MAX_NEW_TOKENS,
-                       "batches": BATCHES, "extra": EXTRA,
+                       "batches": BATCHES,
+                       "extra": {} if radix else EXTRA,
                        "dump": str(work / f"{name}.dump.json"), **extra})
 
 
@@ -126,18 +130,23 @@ def elastic_daemon() -> Iterator[DaemonProcess]:
         yield daemon
 
 
-def check_outputs(outputs: list[dict[str, Any]], expected: list[dict[str, Any]]) -> None:
+def check_outputs(outputs: list[dict[str, Any]], expected: list[dict[str, Any]],
+                  upto: int | None = None) -> None:
+    """Every request finished with its tokens, none aborted; the first ``upto`` outputs (all:
+    None) equal the fixed run's."""
     assert len(outputs) == len(expected) == len(BATCHES) * len(PROMPTS)
     for got in outputs:
         assert len(got["output_ids"]) == MAX_NEW_TOKENS, got
         reason = got.get("finish_reason") or {}
         assert reason.get("type") != "abort", reason
-    assert [o["output_ids"] for o in outputs] == [e["output_ids"] for e in expected]
+    assert ([o["output_ids"] for o in outputs[:upto]]
+            == [e["output_ids"] for e in expected[:upto]])
 
 
+@pytest.mark.parametrize("radix", [False, True], ids=["no-radix", "radix"])
 def test_elastic_engine_under_pressure(sglang_python: Path, elastic_daemon: DaemonProcess,
                                        wide_model: Path, fixed_run: dict[str, Any],
-                                       work: Path) -> None:
+                                       work: Path, radix: bool) -> None:
     pool, other = "sgl-elastic", "sgl-other"
     env = kvpool_env(elastic_daemon, pool, KVPOOL_ELASTIC="1",
                      KVPOOL_ELASTIC_FLOOR_TOKENS=str(TOKENS_PER_GROUP))
@@ -158,7 +167,7 @@ def test_elastic_engine_under_pressure(sglang_python: Path, elastic_daemon: Daem
     print("\nengine on an elastic pool")
     with KVPoolClient(elastic_daemon.target) as client, \
             harness(sglang_python, ["engine"], env, work / "elastic.log",
-                    job(wide_model, work, "elastic", pause=True, hold=True,
+                    job(wide_model, work, "elastic", radix=radix, pause=True, hold=True,
                         leak_check=str(leak_path))) as h:
         h.wait_for("started", ENGINE_START_S)
         configured = client.stats().pool(pool)
@@ -171,6 +180,9 @@ def test_elastic_engine_under_pressure(sglang_python: Path, elastic_daemon: Daem
         h.wait_for("paused", 60)
         alone = sample(client, "after batch 1, alone")
         assert alone.granted_groups > 1, alone  # grew past its floor
+        if radix:  # batch 1's pages stay in the radix tree: in use, and evictable
+            held_now = lease_of(client.stats(), _engine_lease(client, pool))
+            assert held_now is not None and held_now.in_use(pool) > 0, held_now
 
         # A second elastic pool (same layout) takes memory past its floor: 2 groups' pages.
         configure_other(client, wide_model, other)
@@ -194,7 +206,7 @@ def test_elastic_engine_under_pressure(sglang_python: Path, elastic_daemon: Daem
         sample(client, "after batch 3")
         lease_id = dump["kvpool"]["lease_id"]
 
-        check_outputs(outputs, fixed_run["outputs"])
+        check_outputs(outputs, fixed_run["outputs"], len(PROMPTS) if radix else None)
         assert dump["allocator_class"].endswith("allocator.PagedAllocator")
         assert dump["elastic"]["pages_per_group"] == TOKENS_PER_GROUP // PAGE_SIZE
         # At rest both checks hold; a page taken and never returned fails both; returned,
@@ -222,6 +234,11 @@ def test_elastic_engine_under_pressure(sglang_python: Path, elastic_daemon: Daem
           + "; ".join(f"{when}: {a}, {b}" for when, a, b in granted))
     print(f"  generation seconds per batch: fixed {fixed_run['times']}, elastic {times} "
           "(elastic batch 2 under pressure)")
+
+
+def _engine_lease(client: KVPoolClient, pool: str) -> int:
+    """The lease holding ``pool``'s kv pages (the engine's)."""
+    return next(x.lease_id for x in client.stats().leases if x.held.get(pool))
 
 
 def _allocate(lease: Any, pool: str, count: int) -> tuple[Any] | None:

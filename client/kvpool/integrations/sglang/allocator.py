@@ -161,6 +161,8 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
                     self.pool_name, SPACE, low=0, high=self.capacity,
                     batch=max(1, min(self.capacity, self.pages_per_group // 2)),
                     background=False, fill=False)
+                # The daemon's give-backs reach the radix tree's unreferenced pages too.
+                self.cache.set_evictor(self._evict_tree)
             else:
                 high = max(1, min(DEFAULT_HIGH, self.capacity // 4, self.num_pages))
                 self.cache = self.lease.page_cache(self.pool_name, SPACE, high=high)
@@ -245,12 +247,28 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         then growth ahead of need when the cache holds fewer than ``low_pages``."""
         if not self.elastic or self._closed:
             return
+        tree = self._tree
+        if tree is not None and tree.supports_prefix_sharing():
+            self.cache.set_evictable(int(tree.evictable_size()) // self.page_size)
         try:
             self.cache.maintain()
         except KVPoolError as err:
             log.warning("kvpool pool %r: page cache upkeep failed: %s", self.pool_name, err)
         if self.cache.cached < self.low_pages:
             self.grow(self.low_pages - self.cache.cached)
+
+    def _evict_tree(self, pages: int) -> None:
+        """The page cache's evictor: a give-back asked for ``pages`` more than the cache holds
+        unused, so the radix tree evicts that many pages of its least recently used entries
+        (SGLang frees them through :meth:`free`, into the cache, which gives them back)."""
+        tree = self._tree
+        if tree is None or pages <= 0:
+            return
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        tree.evict(EvictParams(num_tokens=int(pages) * self.page_size))
+        log.info("kvpool pool %r: the radix tree evicted %d pages for the daemon's give-back",
+                 self.pool_name, pages)
 
     def grow(self, pages: int) -> int:
         """Fetch at least ``pages`` more pages into the cache (one Allocate of at least half a
