@@ -25,10 +25,7 @@ tokens, 4 running requests without the radix cache (so 4 state slots: ratio 1).
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,13 +36,14 @@ import torch
 
 from kvpool.clients.client import KVPoolClient
 from tests.conftest import REPO, DaemonProcess, temp_dir
+from tests.integration.sglang.pool_harness import Run, digest, run_to_end
 from tests.integration.side_venv import SGLANG_DIR, sglang_env
 
 pytestmark = pytest.mark.timeout(600)
 
 HARNESS = SGLANG_DIR / "hybrid_linear_run.py"
 MODELS = REPO / "tests" / "data" / "models"
-TTL_S = 2.0
+TTL_S = 30.0  # the harness ends its binding itself; a busy machine must not expire it
 # A tiny Qwen3-Next: SGLang's Qwen3NextConfig and kvpool's hf.py both read it.
 TINY = {"hidden_size": 64, "num_hidden_layers": 4, "full_attention_interval": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -78,60 +76,6 @@ def job(model: Path, **extra: Any) -> dict[str, Any]:
             "mamba_size": SLOTS, "context_length": 256, "settings": settings, **extra}
 
 
-class Run:
-    """One harness process: its ``HARNESS`` events in order; SGLang's log in a file."""
-
-    def __init__(self, python: Path, job: dict[str, Any], env: dict[str, str], log: Path):
-        self.log = log
-        with open(log, "wb") as err:
-            self.proc = subprocess.Popen([str(python), str(HARNESS)], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=err, env=env, cwd=REPO,
-                                         text=True)
-        self.send(json.dumps(job))
-
-    def send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def next_event(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("HARNESS "):
-                return json.loads(line[len("HARNESS "):])
-        tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
-        raise AssertionError(f"the harness exited ({self.proc.wait()}):\n{tail}")
-
-    def finish(self) -> None:
-        """Let it end its binding and exit."""
-        with contextlib.suppress(BrokenPipeError):  # it may have exited (after an error)
-            self.send("")
-        assert self.proc.wait(timeout=60) == 0
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def run_to_end(python: Path, job: dict[str, Any], env: dict[str, str],
-               log: Path) -> list[dict[str, Any]]:
-    run = Run(python, job, env, log)
-    try:
-        events = [run.next_event()]
-        if events[0]["event"] != "error":
-            events.append(run.next_event())
-        run.finish()
-        return events
-    finally:
-        run.kill()
-
-
-def digest(t: torch.Tensor) -> str:
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
-
-
 def kvpool_env(daemon: DaemonProcess, pool: str) -> dict[str, str]:
     return sglang_env(KVPOOL_TARGET=daemon.target, KVPOOL_POOL=pool, SGLANG_PLATFORM="kvpool",
                       KVPOOL_LEASE_TTL_S=str(TTL_S))
@@ -142,13 +86,13 @@ def test_hybrid_linear_pools(sglang_python: Path, sglang_daemon: DaemonProcess,
     baseline_env = sglang_env()
     for name in ("KVPOOL_POOL", "KVPOOL_TARGET", "SGLANG_PLATFORM"):
         baseline_env.pop(name, None)
-    built, written = run_to_end(sglang_python, job(tiny_qwen3_next, baseline=True),
+    built, written = run_to_end(sglang_python, HARNESS, job(tiny_qwen3_next, baseline=True),
                                 baseline_env, work / "baseline.log")
     assert (built["cls"], built["allocator"]) == ("MHATokenToKVPool",
                                                   "PagedTokenToKVPoolAllocator")
 
     pool = "sgl-hybrid-linear"
-    run = Run(sglang_python, job(tiny_qwen3_next), kvpool_env(sglang_daemon, pool),
+    run = Run(sglang_python, HARNESS, job(tiny_qwen3_next), kvpool_env(sglang_daemon, pool),
               work / "kvpool.log")
     try:
         ours = run.next_event()
@@ -194,7 +138,7 @@ def test_hybrid_linear_pools(sglang_python: Path, sglang_daemon: DaemonProcess,
                 assert conv[:, 1].any() and torch.equal(conv[:, 1], conv[:, 3])
 
             # A second scheduler on the same pool cannot take the slots this one holds.
-            events = run_to_end(sglang_python, job(tiny_qwen3_next),
+            events = run_to_end(sglang_python, HARNESS, job(tiny_qwen3_next),
                                 kvpool_env(sglang_daemon, pool), work / "second.log")
             assert events[0]["event"] == "error", events
             assert events[0]["error"].startswith("ResourceExhausted"), events[0]
@@ -219,7 +163,7 @@ def test_hybrid_linear_pools(sglang_python: Path, sglang_daemon: DaemonProcess,
 
 def test_state_slot_mismatch(sglang_python: Path, sglang_daemon: DaemonProcess,
                              tiny_qwen3_next: Path, work: Path) -> None:
-    events = run_to_end(sglang_python, job(tiny_qwen3_next, mamba_size=6),
+    events = run_to_end(sglang_python, HARNESS, job(tiny_qwen3_next, mamba_size=6),
                         kvpool_env(sglang_daemon, "sgl-hybrid-linear-6"), work / "mismatch.log")
     assert events[0]["event"] == "error", events
     error = events[0]["error"]

@@ -26,9 +26,11 @@ The pool carries its binding as ``kvpool_binding`` (the paged allocator takes it
 that lease) and the Configure answer as ``kvpool_configured``.
 
 Supported layouts: the plain per-layer token-major layout (NHD) of unquantized MHA pools, MLA
-and DSA latent pools, DSA indexer keys. Refused with an error: quantized KV methods (FP4, MXFP8),
-post-capture (VMM) backing, HND / vectorized layouts, and pools of other architectures
-(hybrid SWA, hybrid linear, DeepSeek-V4), whose daemon plans this module does not map yet.
+and DSA latent pools, DSA indexer keys, FP4 MHA pools (``quantized.py``), and the full-attention
+layers of a hybrid linear pool (the daemon's ``hybrid_linear`` plan: the pool's dense layer
+``i`` is the plan's ``i``-th KV layer; the mamba state is ``hybrid_linear.py``'s). Refused with
+an error: other quantized KV methods, post-capture (VMM) backing, HND / vectorized layouts, and
+plans of other architectures, whose daemon plans this module does not map.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from kvpool.contract.errors import AlreadyExists, FailedPrecondition, InvalidArg
 from kvpool.contract.options import KVCacheDType
 from kvpool.contract.plan import BufferKind, PoolPlan
 from kvpool.contract.records import ConfigureResult
+from kvpool.integrations.sglang import quantized
 from kvpool.integrations.sglang.binding import (
     POOL_ENV,
     ElasticSettings,
@@ -71,6 +74,9 @@ KV_CACHE_DTYPES: dict[torch.dtype, KVCacheDType] = {
     torch.bfloat16: KVCacheDType.bfloat16,
     torch.float8_e4m3fn: KVCacheDType.fp8_e4m3,
     torch.float8_e5m2: KVCacheDType.fp8_e5m2,
+    # SGLang's storage dtype of both FP4 recipes (fp4_mx_block16, nvfp4): quantized.py.
+    **({torch.float4_e2m1fn_x2: KVCacheDType.fp4_e2m1}
+       if hasattr(torch, "float4_e2m1fn_x2") else {}),
 }
 # SGLang's switch for a --context-length above the model's; the daemon's allow_longer_context.
 LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
@@ -413,9 +419,8 @@ class KVPoolMHATokenToKVPool(MHATokenToKVPool):
     kvpool_attachment: Attachment
 
     def _create_buffers(self) -> None:
-        if self.is_quantized_kv_cache:
-            _refuse(self, f"the quantized KV method {self.quant_method.name!r}",
-                    "choose another --kv-cache-dtype")
+        if self.is_quantized_kv_cache and (why := quantized.unsupported(self)) is not None:
+            _refuse(self, why, "choose another --kv-cache-dtype")
         if self.post_capture_active:
             _refuse(self, "post-capture KV backing", "turn off post-capture KV sizing")
         if self.kv_cache_layout != "nhd":
@@ -432,6 +437,11 @@ class KVPoolMHATokenToKVPool(MHATokenToKVPool):
                          for layer in layers]
         self.v_buffer = [attachment.view(f"v.{layer}", v_shape, self.store_dtype, self.device)
                          for layer in layers]
+
+    def _create_quantized_buffers(self) -> None:
+        # FP4: packed K/V and their scales from the daemon's fp4_e2m1 plan (quantized.py).
+        self.kvpool_attachment = attach_pool(self, architecture="mha")
+        quantized.create_buffers(self, self.kvpool_attachment)
 
 
 class _DaemonLatentBuffers:
