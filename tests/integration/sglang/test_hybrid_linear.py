@@ -21,6 +21,8 @@ tokens, 4 running requests without the radix cache (so 4 state slots: ratio 1).
   slots are held); after the binding ends every page and slot is back.
 - ``test_state_slot_mismatch``: SGLang's mamba pool at 6 slots against the daemon's 4 is
   refused at startup, naming both and the flag.
+- ``test_radix_cache_extra_buffer_slots``: with the radix cache (extra_buffer, no overlap
+  schedule) the plan has SGLang's 4 slots per running request, 16, and the state binds.
 """
 
 from __future__ import annotations
@@ -170,3 +172,20 @@ def test_state_slot_mismatch(sglang_python: Path, sglang_daemon: DaemonProcess,
     assert error.startswith("PoolMismatch"), error
     assert "6 state slots" in error and f"planned {SLOTS}" in error
     assert "--max-mamba-cache-size" in error
+
+
+def test_radix_cache_extra_buffer_slots(sglang_python: Path, sglang_daemon: DaemonProcess,
+                                        tiny_qwen3_next: Path, work: Path) -> None:
+    """With SGLang's radix cache and its extra_buffer strategy (no overlap schedule) a running
+    request holds 3 slots plus 1 tracking slot: the plugin passes those settings to the plan, so
+    the daemon's 4 x 4 = 16 state slots are SGLang's ``mamba_size`` 16."""
+    settings = {"context_length": 256, "max_running_requests": SLOTS,
+                "disable_overlap_schedule": True, "mamba_radix_cache_strategy": "extra_buffer"}
+    built, written = run_to_end(
+        sglang_python, HARNESS,
+        job(tiny_qwen3_next, mamba_size=4 * SLOTS, extra_buffer=True, settings=settings),
+        kvpool_env(sglang_daemon, "sgl-hybrid-linear-radix"), work / "radix.log")
+    assert built["event"] == "built", built
+    assert built["state_slots"] is True
+    assert built["conv"]["shape"] == [2, 4 * SLOTS + 1, 128, 3]
+    assert written["available_slots"] == 4 * SLOTS - 3
