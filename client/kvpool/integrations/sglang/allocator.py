@@ -78,7 +78,6 @@ from kvpool.integrations.sglang.elastic import (
     live_prefill_budget,
     tree_tokens,
 )
-from kvpool.integrations.sglang.hybrid_linear import bind_state
 
 log = logging.getLogger("kvpool.integrations.sglang.allocator")
 
@@ -139,8 +138,12 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         super().__init__(size, page_size, dtype, device, kvcache, need_sort)
         self.debug_mode = debug_memory_pool()
         self.use_triton_kernels = False  # SGLang's flag; the work here is numpy on the host
-        # A hybrid linear model's mamba state: the first hook that reaches it (hybrid_linear.py).
-        bind_state(kvcache)
+        if getattr(kvcache, "mamba_pool", None) is not None:
+            # A hybrid linear model's mamba state: the first hook that reaches it. Imported
+            # here: it needs SGLang's memory_pool, which the allocator alone does not.
+            from kvpool.integrations.sglang.hybrid_linear import bind_state
+
+            bind_state(kvcache)
         binding = binding_of(kvcache)
         self.owns_binding = binding is None
         self.binding: PoolBinding = binding_from_env() if binding is None else binding
