@@ -31,8 +31,10 @@ What stays SGLang's, and why (no hook reaches it in SGLang 0.5.23):
   views replace it, so the engine's peak memory at startup still includes one copy of the state.
 - Page size 1: SGLang's token allocator is built without the hook, so nothing reaches the
   mamba pool; the KV is still the daemon's and the state stays SGLang's.
-- Speculative decoding's intermediate states, ReplaySSM rings, the page-major envelope layout,
-  the int8 checkpoint pool and Qwen4-Exp side states: refused at startup, naming the option.
+- The int8 mamba checkpoint pool (``--enable-int8-mamba-checkpoint``), built beside the mamba
+  pool inside ``HybridReqToTokenPool``: the daemon has no plan for it.
+- Speculative decoding's intermediate states, ReplaySSM rings, the page-major envelope layout
+  and Qwen4-Exp side states: refused at startup, naming the option.
 """
 
 from __future__ import annotations
