@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -673,3 +674,23 @@ def test_build_small_pool_views() -> None:
     raw = pool.backing[spec.offset_bytes + 5 * spec.page_bytes:
                        spec.offset_bytes + 6 * spec.page_bytes]
     assert bool((raw.view(torch.float32) == 2.5).all())
+
+
+def test_state_buffers_are_one_evenly_spaced_stack_per_kind() -> None:
+    """SGLang's mamba pool keeps one ``(layers, slots, ...)`` tensor per kind; the plugin views the
+    daemon's ``conv.<l>`` (then ``ssm.<l>``) buffers as one, so each kind is placed back to
+    back at one stride. Qwen3-Next-80B, 40 GiB, TP 1: 263 slots of conv (8192, 3) bf16 =
+    12,926,976 B and ssm (32, 128, 128) fp32 = 551,550,976 B per layer, both multiples of 256,
+    so the stride is exactly one buffer: contiguous stacks."""
+    p = plan_of(qwen3_next(), budget_bytes=B40)
+    linear = [lay for lay in range(48) if lay not in FULL_LAYERS]
+    for kind, nbytes in (("conv", 263 * 49_152), ("ssm", 263 * 2_097_152)):
+        specs = [next(b for b in p.buffers if b.name == f"{kind}.{lay}") for lay in linear]
+        assert {b.nbytes for b in specs} == {nbytes}
+        offsets = [b.offset_bytes for b in specs]
+        assert {b - a for a, b in itertools.pairwise(offsets)} == {nbytes}
+    # The KV buffers come first, in layer order.
+    kv = [b.name for b in p.buffers if b.kind == BufferKind.kv]
+    assert kv == [f"{n}.{lay}" for lay in FULL_LAYERS for n in ("k", "v")]
+    assert max(b.offset_bytes for b in p.buffers if b.kind == BufferKind.kv) < min(
+        b.offset_bytes for b in p.buffers if b.kind == BufferKind.state)

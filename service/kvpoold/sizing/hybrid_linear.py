@@ -77,9 +77,11 @@ fp32 SSM), TP 1, page 1, 40 GiB = 42,949,672,960 B, m 0.9:
     cell = 2 * (256 + 256) * 12 * 2 = 24,576 B;  tokens = 22,628,466,688 // 24,576 = 920,754
     max_running_requests = min(2048, 460,377, 262 // 5) = 52       (ratio 5: auto, overlap)
 
-Buffers: ``k.<l>``/``v.<l>`` (``kv.<l>`` for MLA) of the full layers, kind kv, global ids;
-``conv.<l>`` ``(state_slots + 1, conv_dim / tp, k - 1)`` and ``ssm.<l>`` ``(state_slots + 1,
-HV / tp, Vd, Kd)`` of the linear layers, kind state, one slot per page; under speculative
+Buffers, in this order: ``k.<l>``/``v.<l>`` (``kv.<l>`` for MLA) of the full layers, kind kv,
+global ids; ``conv.<l>`` ``(state_slots + 1, conv_dim / tp, k - 1)`` of every linear layer, then
+``ssm.<l>`` ``(state_slots + 1, HV / tp, Vd, Kd)`` of every linear layer, kind state, one slot
+per page (grouped so each kind is one strided stack, the ``(layers, slots, ...)`` tensor
+SGLang's mamba pool indexes); under speculative
 decoding ``spec_conv.<l>`` / ``spec_ssm.<l>`` (above); ``draft_k.<i>`` / ``draft_v.<i>``; and
 the aux ``req_to_state`` int32 ``(max_running_requests + 1,)``, kind map, outside the budget
 (request row -> state slot).
@@ -439,26 +441,26 @@ def layout(ctx: SizingContext, sizing: Sizing) -> list[BufferSpec]:
     rows = token_rows(sizing.num_pages, ctx.page_size)
     slots = sizing.mamba_cache_size + 1  # slot 0 is the padding slot
     shape = state_shape(_linear(ctx.spec), ctx.tp_size)
-    full, state = (set(ids) for ids in stage_split(ctx))
+    full, state = stage_split(ctx)
     out: list[BufferSpec] = []
-    for layer in ctx.layers:
-        if layer in full:
-            out += _kv_layer_buffers(ctx, str(layer), rows, "")
-        if layer in state:
-            out.append(buffer(f"conv.{layer}", shape.conv_dtype, (slots, *shape.conv),
-                              BufferKind.state))
-            out.append(buffer(f"ssm.{layer}", shape.ssm_dtype, (slots, *shape.ssm),
-                              BufferKind.state))
+    for layer in full:
+        out += _kv_layer_buffers(ctx, str(layer), rows, "")
+    # Every conv.<l>, then every ssm.<l>, one after the other: equal buffers at one stride, so
+    # SGLang's (layers, slots, ...) state tensors are single views over them (one layer's
+    # buffer a multiple of the 256 B alignment, as real models' are, makes them contiguous).
+    out += [buffer(f"conv.{layer}", shape.conv_dtype, (slots, *shape.conv), BufferKind.state)
+            for layer in state]
+    out += [buffer(f"ssm.{layer}", shape.ssm_dtype, (slots, *shape.ssm), BufferKind.state)
+            for layer in state]
     draft = draft_tokens(ctx)
     if draft:
         # Intermediate states of the draft tokens being verified, one row per request row.
         reqs = sizing.max_running_requests + 1
-        for layer in ctx.layers:
-            if layer in state:
-                out.append(buffer(f"spec_conv.{layer}", shape.conv_dtype,
-                                  (reqs, draft, *shape.conv), BufferKind.spec_state))
-                out.append(buffer(f"spec_ssm.{layer}", shape.ssm_dtype,
-                                  (reqs, draft, *shape.ssm), BufferKind.spec_state))
+        for layer in state:
+            out.append(buffer(f"spec_conv.{layer}", shape.conv_dtype,
+                              (reqs, draft, *shape.conv), BufferKind.spec_state))
+            out.append(buffer(f"spec_ssm.{layer}", shape.ssm_dtype,
+                              (reqs, draft, *shape.ssm), BufferKind.spec_state))
     for i in range(ctx.num_draft_layers):
         out += _kv_layer_buffers(ctx, str(i), rows, "draft_")
     out.append(buffer("req_to_state", DType.int32, (sizing.max_running_requests + 1,),

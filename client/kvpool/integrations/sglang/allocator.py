@@ -138,6 +138,12 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         super().__init__(size, page_size, dtype, device, kvcache, need_sort)
         self.debug_mode = debug_memory_pool()
         self.use_triton_kernels = False  # SGLang's flag; the work here is numpy on the host
+        if getattr(kvcache, "mamba_pool", None) is not None:
+            # A hybrid linear model's mamba state: the first hook that reaches it. Imported
+            # here: it needs SGLang's memory_pool, which the allocator alone does not.
+            from kvpool.integrations.sglang.hybrid_linear import bind_state
+
+            bind_state(kvcache)
         binding = binding_of(kvcache)
         self.owns_binding = binding is None
         self.binding: PoolBinding = binding_from_env() if binding is None else binding

@@ -200,6 +200,10 @@ def binding_from_env(env: Mapping[str, str] | None = None) -> PoolBinding:
 
 
 def binding_of(kvcache: Any) -> PoolBinding | None:
-    """The binding a kvpool KV pool carries (``kvpool_binding``), else None."""
-    binding = getattr(kvcache, "kvpool_binding", None)
-    return binding if isinstance(binding, PoolBinding) else None
+    """The binding a kvpool KV pool carries (``kvpool_binding``; of a composite pool such as
+    SGLang's ``HybridLinearKVPool``, its ``full_kv_pool``'s), else None."""
+    for pool in (kvcache, getattr(kvcache, "full_kv_pool", None)):
+        binding = getattr(pool, "kvpool_binding", None)
+        if isinstance(binding, PoolBinding):
+            return binding
+    return None

@@ -26,9 +26,11 @@ The pool carries its binding as ``kvpool_binding`` (the paged allocator takes it
 that lease) and the Configure answer as ``kvpool_configured``.
 
 Supported layouts: the plain per-layer token-major layout (NHD) of unquantized MHA pools, MLA
-and DSA latent pools, DSA indexer keys. Refused with an error: quantized KV methods (FP4, MXFP8),
-post-capture (VMM) backing, HND / vectorized layouts, and pools of other architectures
-(hybrid SWA, hybrid linear, DeepSeek-V4), whose daemon plans this module does not map yet.
+and DSA latent pools, DSA indexer keys, FP4 MHA pools (``quantized.py``), and the full-attention
+layers of a hybrid linear pool (the daemon's ``hybrid_linear`` plan: the pool's dense layer
+``i`` is the plan's ``i``-th KV layer; the mamba state is ``hybrid_linear.py``'s). Refused with
+an error: other quantized KV methods, post-capture (VMM) backing, HND / vectorized layouts, and
+plans of other architectures, whose daemon plans this module does not map.
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ from sglang.srt.mem_cache.memory_pool import (
 
 from kvpool.contract.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from kvpool.contract.options import KVCacheDType
+from kvpool.contract.plan import BufferKind, PoolPlan
 from kvpool.contract.records import ConfigureResult
+from kvpool.integrations.sglang import quantized
 from kvpool.integrations.sglang.binding import (
     POOL_ENV,
     ElasticSettings,
@@ -70,6 +74,9 @@ KV_CACHE_DTYPES: dict[torch.dtype, KVCacheDType] = {
     torch.bfloat16: KVCacheDType.bfloat16,
     torch.float8_e4m3fn: KVCacheDType.fp8_e4m3,
     torch.float8_e5m2: KVCacheDType.fp8_e5m2,
+    # SGLang's storage dtype of both FP4 recipes (fp4_mx_block16, nvfp4): quantized.py.
+    **({torch.float4_e2m1fn_x2: KVCacheDType.fp4_e2m1}
+       if hasattr(torch, "float4_e2m1fn_x2") else {}),
 }
 # SGLang's switch for a --context-length above the model's; the daemon's allow_longer_context.
 LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
@@ -104,13 +111,23 @@ class EngineSettings:
     context_length: int | None = None
     max_running_requests: int | None = None
     allow_longer_context: bool = False
+    # Decide the state slots of a hybrid linear plan (SGLang's mamba pool: hybrid_linear.py).
+    disable_radix_cache: bool = False
+    disable_overlap_schedule: bool = False
+    mamba_radix_cache_strategy: str = "auto"
 
 
 def engine_settings() -> EngineSettings:
     """The running SGLang scheduler's settings, from its published runtime context."""
-    from sglang.srt.runtime_context import get_model, get_parallel, get_schedule
+    from sglang.srt.runtime_context import (
+        get_exec,
+        get_memory,
+        get_model,
+        get_parallel,
+        get_schedule,
+    )
 
-    model, parallel = get_model(), get_parallel()
+    model, parallel, schedule = get_model(), get_parallel(), get_schedule()
     try:
         # KV heads are split over attention TP (tp_size unless DP attention is on).
         tp_size = int(parallel.attn_tp_size)
@@ -123,8 +140,12 @@ def engine_settings() -> EngineSettings:
         pp_size=int(parallel.pp_size),
         pp_rank=int(parallel.pp_rank),
         context_length=model.context_length,
-        max_running_requests=get_schedule().max_running_requests,
+        max_running_requests=schedule.max_running_requests,
         allow_longer_context=os.environ.get(LONGER_CONTEXT_ENV, "").lower() in ("1", "true"),
+        disable_radix_cache=bool(get_memory().disable_radix_cache),
+        disable_overlap_schedule=bool(schedule.disable_overlap_schedule),
+        mamba_radix_cache_strategy=(
+            "extra_buffer" if get_exec().mamba.enable_mamba_extra_buffer else "no_buffer"),
     )
 
 
@@ -168,11 +189,41 @@ def plan_request(settings: EngineSettings, *, size: int, page_size: int,
         "context_length": settings.context_length,
         "max_running_requests": settings.max_running_requests,
         "allow_longer_context": settings.allow_longer_context,
+        "disable_radix_cache": settings.disable_radix_cache,
+        "disable_overlap_schedule": settings.disable_overlap_schedule,
+        "mamba_radix_cache_strategy": settings.mamba_radix_cache_strategy,
     }
 
 
 class PoolMismatch(FailedPrecondition):
     """The daemon's plan differs from the pool SGLang is building."""
+
+
+# Plans whose full-attention KV buffers are a pool of each kind inside one of SGLang's composite
+# pools (HybridLinearKVPool builds its full layers with the platform's mha / mla class, over
+# those layers only, numbered densely from 0).
+COMPOSITE_PLANS: dict[str, tuple[str, ...]] = {"mha": ("hybrid_linear",),
+                                               "mla": ("hybrid_linear",)}
+# A KV buffer's name: ``<prefix>.<global layer>`` (``k``/``v`` of MHA, ``kv`` of MLA and DSA).
+KV_PREFIXES = ("k", "kv")
+
+
+def kv_layers(plan: PoolPlan) -> tuple[int, ...]:
+    """The global layer ids of the plan's (target) KV buffers, ascending."""
+    layers = set()
+    for b in plan.buffers:
+        prefix, _, layer = b.name.partition(".")
+        if b.kind == BufferKind.kv and prefix in KV_PREFIXES and layer.isdigit():
+            layers.add(int(layer))
+    return tuple(sorted(layers))
+
+
+def pool_layers(plan: PoolPlan, *, start_layer: int, layer_num: int) -> tuple[int, ...]:
+    """The global layer id of each of the pool's ``layer_num`` layers: its own range, or, in a
+    composite plan, the plan's KV layers (the pool's dense layer ``i`` is the ``i``-th)."""
+    if any(plan.architecture in plans for plans in COMPOSITE_PLANS.values()):
+        return kv_layers(plan)
+    return tuple(range(start_layer, start_layer + layer_num))
 
 
 def check_plan(result: ConfigureResult, *, architecture: str, size: int, page_size: int,
@@ -194,10 +245,12 @@ def check_plan(result: ConfigureResult, *, architecture: str, size: int, page_si
             f"whole groups of {e.tokens_per_group} tokens, the padding page ({page_size} "
             f"tokens) included; run SGLang with --max-total-tokens {below - page_size} or "
             f"{below + e.tokens_per_group - page_size}", field="max_total_tokens")
-    if plan.architecture != architecture:
+    composite = plan.architecture in COMPOSITE_PLANS.get(architecture, ())
+    if plan.architecture != architecture and not composite:
         raise PoolMismatch(
             f"SGLang builds a {architecture} KV pool but the daemon planned {where} as "
-            f"{plan.architecture!r}; kvpool's SGLang pools map mha, mla and dsa plans",
+            f"{plan.architecture!r}; kvpool's SGLang pools map mha, mla and dsa plans, and "
+            "hybrid_linear plans through their mha or mla full-attention layers",
             field="architecture")
     if plan.max_total_num_tokens != size:
         raise PoolMismatch(
@@ -209,6 +262,15 @@ def check_plan(result: ConfigureResult, *, architecture: str, size: int, page_si
         raise PoolMismatch(
             f"SGLang's page size is {page_size} but {where} has page_size {plan.page_size}",
             field="page_size")
+    if composite:
+        full = kv_layers(plan)
+        if len(full) != layer_num:
+            raise PoolMismatch(
+                f"SGLang's full-attention KV pool holds {layer_num} layers but {where} "
+                f"({plan.architecture}) has {len(full)} full-attention layers {list(full)} in "
+                f"layers {plan.layer_start}..{plan.layer_end - 1}; check --pp-size / the PP "
+                "rank", field="pp_rank")
+        return
     end_layer = start_layer + layer_num
     if (plan.layer_start, plan.layer_end) != (start_layer, end_layer):
         raise PoolMismatch(
@@ -221,10 +283,12 @@ class Attachment:
     """A pool's attached daemon region, whose views are handed out after checking them."""
 
     def __init__(self, binding: PoolBinding, configured: ConfigureResult,
-                 region: MappedRegion) -> None:
+                 region: MappedRegion, layers: Sequence[int] = ()) -> None:
         self.binding = binding
         self.configured = configured
         self.region = region
+        # The global layer id of each of the SGLang pool's layers (pool_layers).
+        self.layers = tuple(layers)
 
     def view(self, name: str, shape: Sequence[int], dtype: torch.dtype,
              device: str | torch.device) -> torch.Tensor:
@@ -302,7 +366,9 @@ def attach_pool(pool: Any, *, architecture: str, settings: EngineSettings | None
         atexit.register(binding.close)
     pool.kvpool_binding = binding
     pool.kvpool_configured = configured
-    return Attachment(binding, configured, region)
+    layers = pool_layers(configured.plan, start_layer=pool.start_layer,
+                         layer_num=pool.layer_num)
+    return Attachment(binding, configured, region, layers)
 
 
 def elastic_settings(binding: PoolBinding) -> ElasticSettings | None:
@@ -350,11 +416,11 @@ class KVPoolMHATokenToKVPool(MHATokenToKVPool):
 
     kvpool_binding: PoolBinding
     kvpool_configured: ConfigureResult
+    kvpool_attachment: Attachment
 
     def _create_buffers(self) -> None:
-        if self.is_quantized_kv_cache:
-            _refuse(self, f"the quantized KV method {self.quant_method.name!r}",
-                    "choose another --kv-cache-dtype")
+        if self.is_quantized_kv_cache and (why := quantized.unsupported(self)) is not None:
+            _refuse(self, why, "choose another --kv-cache-dtype")
         if self.post_capture_active:
             _refuse(self, "post-capture KV backing", "turn off post-capture KV sizing")
         if self.kv_cache_layout != "nhd":
@@ -364,12 +430,18 @@ class KVPoolMHATokenToKVPool(MHATokenToKVPool):
 
     def _create_buffers_normal(self) -> None:
         attachment = attach_pool(self, architecture="mha")
+        self.kvpool_attachment = attachment
         k_shape, v_shape = self._kv_buffer_shapes()
-        layers = range(self.start_layer, self.start_layer + self.layer_num)
+        layers = attachment.layers
         self.k_buffer = [attachment.view(f"k.{layer}", k_shape, self.store_dtype, self.device)
                          for layer in layers]
         self.v_buffer = [attachment.view(f"v.{layer}", v_shape, self.store_dtype, self.device)
                          for layer in layers]
+
+    def _create_quantized_buffers(self) -> None:
+        # FP4: packed K/V and their scales from the daemon's fp4_e2m1 plan (quantized.py).
+        self.kvpool_attachment = attach_pool(self, architecture="mha")
+        quantized.create_buffers(self, self.kvpool_attachment)
 
 
 class _DaemonLatentBuffers:
@@ -385,10 +457,8 @@ class _DaemonLatentBuffers:
         attachment = attach_pool(pool, architecture=self.kvpool_architecture)
         self.kvpool_attachment = attachment
         shape = (pool.size + pool.page_size, 1, pool.kv_cache_dim)
-        pool.kv_buffer = [
-            attachment.view(f"kv.{layer}", shape, pool.store_dtype, pool.device)
-            for layer in range(pool.start_layer, pool.start_layer + pool.layer_num)
-        ]
+        pool.kv_buffer = [attachment.view(f"kv.{layer}", shape, pool.store_dtype, pool.device)
+                          for layer in attachment.layers]
 
 
 class KVPoolMLATokenToKVPool(_DaemonLatentBuffers, MLATokenToKVPool):
