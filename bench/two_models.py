@@ -13,8 +13,9 @@ is a real layer's size), so their pools have different views and groups. One lay
 (whole 2 MiB chunks of every view: 4 MiB, 512 tokens here) small against the budget, as it is
 against a GPU's: what an engine must keep (its pages in use plus one group of headroom) is then a
 small part of the budget, and the arbiter can give a bursting engine most of it. SGLang
-runs with ``--disable-radix-cache``: its radix cache keeps finished requests' KV until an
-allocation runs short, which would fill any pool and measure the cache, not the pools. The trace,
+runs with ``--disable-radix-cache`` unless ``--radix``: its radix cache keeps finished requests'
+KV until an allocation runs short (or, on an elastic pool, until the daemon asks for it back), so
+every pool fills and "KV tokens held" measures the cache, not the requests. The trace,
 per mode: phase ``a``: A bursts (many concurrent requests) while B trickles; phase ``b``: the
 reverse; phase ``both``: both burst. Each engine is a ``python -m sglang.launch_server`` with the
 kvpool plugin (``SGLANG_PLATFORM=kvpool``; ``KVPOOL_ELASTIC=1`` in the elastic modes) on the
@@ -83,6 +84,7 @@ class Settings:
     prompt: int  # tokens per prompt
     new: int  # tokens generated per request
     phase_s: float  # seconds a phase sends requests
+    radix: bool = False  # SGLang's radix cache on
 
 
 # The budget is large against a group (4 MiB, 512 tokens of either model), and a burst needs more
@@ -141,7 +143,7 @@ def daemon(work: Path, budget: int, policy: str) -> Iterator[str]:
 
 @contextlib.contextmanager
 def engine(work: Path, name: str, model: Path, target: str, tokens: int, elastic: bool,
-           tag: str) -> Iterator[str]:
+           tag: str, radix: bool = False) -> Iterator[str]:
     port = free_port()
     env = side_env(SGLANG_PLATFORM="kvpool", KVPOOL_POOL=name, KVPOOL_TARGET=target)
     if elastic:
@@ -154,7 +156,7 @@ def engine(work: Path, name: str, model: Path, target: str, tokens: int, elastic
          "--disable-cuda-graph", "--dtype", "float32", "--sampling-backend", "pytorch",
          "--grammar-backend", "none", "--disable-overlap-schedule", "--page-size", str(PAGE),
          "--max-total-tokens", str(tokens), "--max-running-requests", "256",
-         "--disable-radix-cache",
+         *([] if radix else ["--disable-radix-cache"]),
          "--mem-fraction-static", "0.05", "--random-seed", "0", "--enable-metrics",
          # the first token at once (TTFT), then every 8: streaming every token of 80
          # requests costs the 2 CPUs more than the model does
@@ -293,8 +295,10 @@ def run_mode(mode: str, work: Path, models: dict[str, Path], s: Settings,
     result = ModeRun(mode)
     with daemon(work, s.budget, "greedy" if mode == "greedy" else "arbiter") as target, \
             KVPoolClient(target) as client, \
-            engine(work, "a", models["a"], target, tokens["a"], elastic, mode) as url_a, \
-            engine(work, "b", models["b"], target, tokens["b"], elastic, mode) as url_b:
+            engine(work, "a", models["a"], target, tokens["a"], elastic, mode,
+                   s.radix) as url_a, \
+            engine(work, "b", models["b"], target, tokens["b"], elastic, mode,
+                   s.radix) as url_b:
         urls = {"a": url_a, "b": url_b}
         before = {n: scrape(u) for n, u in urls.items()}
         stop = threading.Event()
@@ -435,6 +439,8 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="write every figure as JSON here")
     ap.add_argument("--burst", type=int, help="concurrent requests of a bursting engine")
     ap.add_argument("--phase-s", type=float, help="seconds a phase sends requests")
+    ap.add_argument("--radix", action="store_true",
+                    help="run SGLang with its radix cache (its default; off here otherwise)")
     ap.add_argument("--top", action="store_true",
                     help="print `kvpool top --once` halfway through every phase")
     args = ap.parse_args()
@@ -446,6 +452,8 @@ def main() -> int:
         s = dataclasses.replace(s, burst=args.burst)
     if args.phase_s is not None:
         s = dataclasses.replace(s, phase_s=args.phase_s)
+    if args.radix:
+        s = dataclasses.replace(s, radix=True)
     modes = [m for m in args.modes.split(",") if m]
     with tempfile.TemporaryDirectory(prefix="kvp-two-", dir="/dev/shm") as tmp:
         work = Path(tmp)
@@ -460,7 +468,8 @@ def main() -> int:
                 raise
     tables = {r.mode: phase_table(r, s) for r in runs}
     print(f"\nbudget {s.budget / MiB:.0f} MiB; per request {s.prompt} + {s.new} tokens; "
-          f"burst {s.burst}, trickle {s.trickle} concurrent")
+          f"burst {s.burst}, trickle {s.trickle} concurrent; radix cache "
+          f"{'on' if s.radix else 'off'}")
     head = (f"{'mode':<8}{'phase':<6}{'eng':<4}{'reqs':>6}{'tok/s':>8}{'ttft p50':>10}"
             f"{'p99':>8}{'running':>8}{'held tok':>10}{'to 90%':>8}{'aborts':>7}")
     print(head)
