@@ -131,3 +131,13 @@ def test_an_80x24_frame_with_elastic_pools_fits() -> None:
     assert len(lines) <= 24
     assert [x.split(":")[0] for x in elastic_lines(lines)] == ["a", "b"]
     assert any("more leases" in x for x in lines)
+
+
+def test_the_bytes_column_of_an_elastic_pool_is_what_the_budget_pays() -> None:
+    """The pool row's BYTES: a fixed pool's backing, an elastic pool's granted bytes (groups
+    plus the fixed part: 1.50 GiB here), never its virtual range (8.0 GiB)."""
+    lines = frame(stats_of(pool_stats("chat", elastic=CALM), pool_stats("fixed")), 200)
+    rows = {line.split()[0]: line.split() for line in lines
+            if line.split()[:2] in (["chat", "kv"], ["fixed", "kv"])}
+    assert rows["chat"][-3:-1] == ["1.50", "GiB"]
+    assert rows["fixed"][-3:-1] == ["1.00", "MiB"]

@@ -211,7 +211,9 @@ def _pools_table(pools: Sequence[PoolStats], pool_rates: Mapping[tuple[str, str]
                 f"{rate.allocs_per_s:,.1f}" if rate else "-",
                 f"{rate.frees_per_s:,.1f}" if rate else "-",
                 f"{k.failed_allocs:,}",
-                _size(pool.backing_bytes) if first else "",
+                # an elastic pool's virtual range is not memory: what the budget pays for it
+                _size(pool.backing_bytes if pool.elastic is None
+                      else pool.elastic.granted_bytes) if first else "",
                 str(pool.attached) if first else "",
             ), strict=True))
             rows.append((cells, (k.used, k.capacity, k.high_water)))
