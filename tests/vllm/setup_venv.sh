@@ -151,8 +151,9 @@ run_pip --no-deps -e "$repo"
 
 say "smoke test: vLLM sizes a Llama 3.1 8B KV cache through the harness"
 case='[{"id": "smoke", "config": "'"$repo"'/tests/data/models/llama-3.1-8b-instruct.json",
-        "kv_cache_memory_bytes": 1073741824, "block_size": 16}]'
-out="$("$venv/bin/python" "$here/vllm_sizes.py" <<<"$case" 2>"$venv/smoke.log")" || {
+        "kv_cache_memory_bytes": 1073741824, "block_size": 16, "max_model_len": 2048}]'
+out="$(PYTHONPATH="$repo/client" HF_HUB_OFFLINE=1 "$venv/bin/python" "$here/vllm_sizes.py" \
+    <<<"$case" 2>"$venv/smoke.log")" || {
     say "smoke test failed; see $venv/smoke.log" >&2
     exit 1
 }

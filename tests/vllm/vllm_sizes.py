@@ -5,7 +5,7 @@ cases on stdin::
 
     [{"id": "llama-1g", "config": "/path/config.json", "kv_cache_memory_bytes": 1073741824,
       "block_size": 128, "max_model_len": 4096, "tp_size": 1, "pp_size": 1,
-      "cache_dtype": "auto", "num_gpu_blocks_override": null,
+      "kv_cache_dtype": "auto", "num_gpu_blocks_override": null,
       "disable_hybrid_kv_cache_manager": false, "max_num_batched_tokens": 8192,
       "async_scheduling": false}, ...]
 
@@ -14,10 +14,12 @@ For each case it builds the engine's ``VllmConfig`` (``EngineArgs.create_engine_
 every attention layer for its ``KVCacheSpec`` the way the model runner's
 ``get_kv_cache_spec`` does (``customize_attention_spec`` included), resolves the KV-cache
 layout from the layers' backends as the engine core does, then calls
-``get_kv_cache_configs`` with one spec dict per pipeline stage. Tensor parallelism cannot
-instantiate more than one rank in one process: the TP=1 layers are built and their KV heads
-set to ``ModelConfig.get_num_kv_heads(parallel_config)`` (vLLM's own per-rank rule); the
-pipeline stages are the layers ``get_pp_indices`` gives each rank.
+``get_kv_cache_configs`` with one spec dict per pipeline stage. vLLM inspects each model class
+in a child process (to keep CUDA out of the parent); on CPU there is nothing to keep out, so
+the harness inspects in-process, which saves a vLLM import per architecture. Tensor
+parallelism cannot instantiate more than one rank in one process: the TP=1 layers are built
+and their KV heads set to ``ModelConfig.get_num_kv_heads(parallel_config)`` (vLLM's own
+per-rank rule); the pipeline stages are the layers ``get_pp_indices`` gives each rank.
 
 Prints ``{"id", "ok": true, ...the configs...}`` or ``{"id", "ok": false, "error": ...}``.
 """
@@ -51,6 +53,7 @@ from vllm.distributed.utils import get_pp_indices
 from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.model_loader.utils import initialize_model
+from vllm.model_executor.models import registry
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.utils.network_utils import get_open_port
 from vllm.v1.attention.backends.utils import (
@@ -135,7 +138,7 @@ def _engine_config(case: dict[str, Any], model_dir: str) -> Any:
         model=model_dir, skip_tokenizer_init=True, enforce_eager=True, load_format="dummy",
         kv_cache_memory_bytes=case["kv_cache_memory_bytes"],
         block_size=case.get("block_size"),
-        kv_cache_dtype=case.get("cache_dtype", "auto"),
+        kv_cache_dtype=case.get("kv_cache_dtype", "auto"),
         max_model_len=case.get("max_model_len"),
         tensor_parallel_size=case.get("tp_size", 1),
         pipeline_parallel_size=case.get("pp_size", 1),
@@ -235,6 +238,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> int:
+    registry._run_in_subprocess = lambda fn: fn()  # CPU: no CUDA to keep out of this process
     cases = json.load(sys.stdin)
     # vLLM prints to stdout here and there: the results get the real stdout, the rest stderr
     out = os.fdopen(os.dup(1), "w")

@@ -31,7 +31,6 @@ class VllmCacheDType(enum.StrEnum):
     auto = "auto"
     bfloat16 = "bfloat16"
     float16 = "float16"
-    float32 = "float32"
     fp8 = "fp8"
     fp8_e4m3 = "fp8_e4m3"
     fp8_e5m2 = "fp8_e5m2"
@@ -87,7 +86,7 @@ class VllmOptions(Base):
     block_size: Annotated[int, _doc(
         "tokens per block (default: the backend's, 128 on CPU; 16 for MLA on CPU)",
         ge=1, le=1 << 16)] | None = None
-    cache_dtype: Annotated[VllmCacheDType, _doc(
+    kv_cache_dtype: Annotated[VllmCacheDType, _doc(
         "vLLM's --kv-cache-dtype")] = VllmCacheDType.auto
     tp_size: Annotated[int, _doc("tensor-parallel ranks", ge=1, le=4096)] = 1
     pp_size: Annotated[int, _doc("pipeline stages", ge=1, le=4096)] = 1
@@ -106,9 +105,8 @@ class VllmOptions(Base):
         ge=1, le=1 << 24)] = 8192
     async_scheduling: Annotated[bool, _doc(
         "vLLM's async scheduling (two batches in flight)")] = False
-    backend: Annotated[VllmBackend, _doc("the attention backend")] = VllmBackend.cpu
-    layout: Annotated[VllmLayout, _doc(
-        "vLLM's KV-cache layout (default: the backend's; CPU reads only LBHNC)")] | None = None
+    backend: Annotated[VllmBackend, _doc(
+        "the attention backend (its block sizes and KV-cache layout)")] = VllmBackend.cpu
 
     def __post_init__(self) -> None:
         if self.pp_rank >= self.pp_size:

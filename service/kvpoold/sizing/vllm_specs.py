@@ -33,7 +33,6 @@ ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "floa
 CACHE_DTYPES = {
     VllmCacheDType.bfloat16: "bfloat16",
     VllmCacheDType.float16: "float16",
-    VllmCacheDType.float32: "float32",
     VllmCacheDType.fp8: "float8_e4m3fn",
     VllmCacheDType.fp8_e4m3: "float8_e4m3fn",
     VllmCacheDType.fp8_e5m2: "float8_e5m2",
@@ -130,15 +129,15 @@ def resolve_cache_dtype(model: VllmModel, options: VllmOptions) -> str:
         InvalidArgument: a cache dtype the backend does not run.
     """
     facts = BACKENDS[options.backend]
-    if options.cache_dtype not in facts.cache_dtypes:
+    if options.kv_cache_dtype not in facts.cache_dtypes:
         accepted = ", ".join(d.value for d in facts.cache_dtypes)
         raise InvalidArgument(
-            f"kv cache dtype {options.cache_dtype} is not run by vLLM's {options.backend} "
+            f"kv cache dtype {options.kv_cache_dtype} is not run by vLLM's {options.backend} "
             f"attention backend (accepted: {accepted}); change --kv-cache-dtype",
-            field="cache_dtype")
-    if options.cache_dtype is VllmCacheDType.auto:
+            field="kv_cache_dtype")
+    if options.kv_cache_dtype is VllmCacheDType.auto:
         return "float8_e4m3fn" if model.kv_cache_fp8 else model_dtype(model)
-    return CACHE_DTYPES[options.cache_dtype]
+    return CACHE_DTYPES[options.kv_cache_dtype]
 
 
 def _sliding_block_size(facts: BackendFacts, block_size: int) -> int:
