@@ -74,7 +74,9 @@ def _cases() -> list[Case]:
         variant(m, "fp8", kv_cache_dtype="fp8")
     variant("llama-3.1-8b-instruct", "fp8-e5m2", kv_cache_dtype="fp8_e5m2")
     variant("qwen3-8b", "fp8-e4m3", kv_cache_dtype="fp8_e4m3")
-    variant("llama-3.1-8b-instruct", "bf16-refused", kv_cache_dtype="bfloat16")
+    variant("llama-3.1-8b-instruct", "bf16", kv_cache_dtype="bfloat16")
+    variant("llama-3.1-8b-instruct", "fp16", kv_cache_dtype="float16")
+    variant("tinyllama-1.1b-chat-v0.4", "bf16", kv_cache_dtype="bfloat16")
     for m, tp in (("llama-3.1-8b-instruct", 2), ("llama-3.1-8b-instruct", 8),
                   ("qwen2-7b-instruct", 8), ("qwen2-7b-instruct", 4),
                   ("tinyllama-1.1b-chat-v0.4", 8), ("gpt-oss-20b", 4), ("gemma-3-1b-it", 4),

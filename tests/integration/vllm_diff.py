@@ -45,6 +45,8 @@ class Case:
         argv = ["plan", "--engine", "vllm", "--model-config", self.config, "--json"]
         for key, value in {**self.options, "pp_rank": pp_rank}.items():
             flag = "--" + key.replace("_", "-")
+            if key == "kv_cache_dtype" and value == "fp8":
+                value = "fp8_e4m3"  # vLLM's fp8 is fp8_e4m3; the flag names only the latter
             if value is True:
                 argv.append(flag)
             elif value is not None and value is not False:

@@ -12,8 +12,9 @@ cases on stdin::
 For each case it builds the engine's ``VllmConfig`` (``EngineArgs.create_engine_config``, as
 ``LLM(...)`` does), instantiates the model on the meta device (no weights, no memory) and asks
 every attention layer for its ``KVCacheSpec`` the way the model runner's
-``get_kv_cache_spec`` does (``customize_attention_spec`` included), resolves the KV-cache
-layout from the layers' backends as the engine core does, then calls
+``get_kv_cache_spec`` does (``customize_attention_spec`` included; before that, as the
+executor does after loading the model, the platform's ``update_block_size_for_backend``),
+resolves the KV-cache layout from the layers' backends as the engine core does, then calls
 ``get_kv_cache_configs`` with one spec dict per pipeline stage. vLLM inspects each model class
 in a child process (to keep CUDA out of the parent); on CPU there is nothing to keep out, so
 the harness inspects in-process, which saves a vLLM import per architecture. Tensor
@@ -55,6 +56,7 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.model_loader.utils import initialize_model
 from vllm.model_executor.models import registry
 from vllm.model_executor.models.utils import extract_layer_index
+from vllm.platforms import current_platform
 from vllm.utils.network_utils import get_open_port
 from vllm.v1.attention.backends.utils import (
     get_supported_kv_cache_layouts,
@@ -166,6 +168,9 @@ def _layer_specs(vllm_config: Any) -> tuple[dict[str, Any], list[type]]:
         initialize_model_parallel(1, 1)
         with torch.device("meta"):
             initialize_model(vllm_config=vllm_config)
+        # what the executor does after loading the model: hybrid attention + mamba models get
+        # an attention block size whose page holds a mamba state (a no-op for the others)
+        current_platform.update_block_size_for_backend(vllm_config)
     specs: dict[str, Any] = {}
     backends: list[type] = []
     for name, module in get_layers_from_vllm_config(vllm_config, AttentionLayerBase).items():

@@ -27,6 +27,13 @@ DEFAULT_MAX_LEN = 2048
 # RoPE types whose max_position_embeddings is already the scaled length.
 SCALED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn",
                      "deepseek_llama_scaling")
+# The defaults of a text sub-config's class for keys checkpoints omit (transformers'
+# Gemma3TextConfig: Gemma-3-4B's text_config states only what differs).
+CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "max_position_embeddings": 131072, "sliding_window": 4096,
+                    "sliding_window_pattern": 6},
+}
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16",
            "float32": "float32", "float": "float32"}
 
@@ -71,8 +78,9 @@ def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
     sub = config.get("text_config")
     if isinstance(sub, Mapping):
         inherited = {k: config[k] for k in ("torch_dtype", "dtype", "quantization_config")
-                     if k in config and k not in sub}
-        return {**inherited, **sub}
+                     if k in config and sub.get(k) is None}
+        defaults = CLASS_DEFAULTS.get(str(sub.get("model_type")), {})
+        return {**defaults, **inherited, **{k: v for k, v in sub.items() if v is not None}}
     return config
 
 

@@ -28,14 +28,15 @@ from kvpool.contract.vllm_plan import (
 )
 from kvpoold.sizing.vllm_model import LayerKind, VllmModel
 
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
-# --kv-cache-dtype -> the stored element type (vLLM's STR_DTYPE_TO_TORCH_DTYPE)
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "uint8": 1}
+# --kv-cache-dtype -> the stored element type (vLLM's STR_DTYPE_TO_TORCH_DTYPE: every fp8 form
+# is stored as uint8, the kernels reading it as fp8)
 CACHE_DTYPES = {
     VllmCacheDType.bfloat16: "bfloat16",
     VllmCacheDType.float16: "float16",
-    VllmCacheDType.fp8: "float8_e4m3fn",
-    VllmCacheDType.fp8_e4m3: "float8_e4m3fn",
-    VllmCacheDType.fp8_e5m2: "float8_e5m2",
+    VllmCacheDType.fp8: "uint8",
+    VllmCacheDType.fp8_e4m3: "uint8",
+    VllmCacheDType.fp8_e5m2: "uint8",
 }
 
 
@@ -55,8 +56,7 @@ BACKENDS: dict[VllmBackend, BackendFacts] = {
     VllmBackend.cpu: BackendFacts(
         default_block_size=128, kernel_block_multiple=32, layout=VllmLayout.LBHNC,
         mla_block_size=16, mla_layout=VllmLayout.LBNHC,
-        cache_dtypes=(VllmCacheDType.auto, VllmCacheDType.fp8, VllmCacheDType.fp8_e4m3,
-                      VllmCacheDType.fp8_e5m2),
+        cache_dtypes=tuple(VllmCacheDType),
     ),
 }
 
@@ -136,7 +136,7 @@ def resolve_cache_dtype(model: VllmModel, options: VllmOptions) -> str:
             f"attention backend (accepted: {accepted}); change --kv-cache-dtype",
             field="kv_cache_dtype")
     if options.kv_cache_dtype is VllmCacheDType.auto:
-        return "float8_e4m3fn" if model.kv_cache_fp8 else model_dtype(model)
+        return "uint8" if model.kv_cache_fp8 else model_dtype(model)
     return CACHE_DTYPES[options.kv_cache_dtype]
 
 
