@@ -46,9 +46,7 @@ VLLM_ENV_REFUSALS = {
     "deepseek-v3.2-exp": "Sparse Attention is not supported on CPU",
 }
 # vLLM sizes these; the profile refuses them by name (not yet profiled).
-NOT_PROFILED = {
-    "qwen3-next-80b-a3b-instruct": "linear attention",
-}
+NOT_PROFILED: dict[str, str] = {}
 
 
 def _cases() -> list[Case]:
@@ -83,6 +81,7 @@ def _cases() -> list[Case]:
                   ("deepseek-v3", 4), ("llama-3.1-8b-instruct", 3)):
         variant(m, f"tp{tp}", tp_size=tp)
     for m, pp in (("llama-3.1-8b-instruct", 2), ("llama-3.1-8b-instruct", 3),
+                  ("qwen3-next-80b-a3b-instruct", 2),
                   ("gemma-2-2b", 2), ("gemma-3-1b-it", 3), ("gpt-oss-20b", 2),
                   ("deepseek-v3", 2), ("tinyllama-1.1b-chat-v0.4", 4)):
         variant(m, f"pp{pp}", pp_size=pp)
@@ -90,6 +89,13 @@ def _cases() -> list[Case]:
               "phi-3-mini-4k-instruct"):
         variant(m, "no-hybrid", disable_hybrid_kv_cache_manager=True)
     variant("gpt-oss-20b", "batched-256", max_num_batched_tokens=256)
+    # Qwen3-Next's gated delta nets: TP stays 1 (the harness cannot split a mamba state)
+    variant("qwen3-next-80b-a3b-instruct", "no-prefix-caching", no_enable_prefix_caching=True)
+    variant("qwen3-next-80b-a3b-instruct", "block256", block_size=256)
+    variant("qwen3-next-80b-a3b-instruct", "block1024", block_size=1024)
+    variant("qwen3-next-80b-a3b-instruct", "fp8", kv_cache_dtype="fp8")
+    variant("qwen3-next-80b-a3b-instruct", "no-hybrid", disable_hybrid_kv_cache_manager=True)
+    variant("qwen3-next-80b-a3b-instruct", "memory-256MiB", kv_cache_memory_bytes=256 * MiB)
     variant("gemma-3-1b-it", "async", async_scheduling=True)
     variant("llama-3.1-8b-instruct", "override-100", kv_cache_memory_bytes=GiB,
             num_gpu_blocks_override=100)
@@ -160,4 +166,4 @@ def test_the_cases_cover_every_config_and_knob() -> None:
     assert seen >= {"kv_cache_memory_bytes", "block_size", "kv_cache_dtype", "max_model_len",
                     "tp_size", "pp_size", "num_gpu_blocks_override",
                     "disable_hybrid_kv_cache_manager", "max_num_batched_tokens",
-                    "async_scheduling"}
+                    "async_scheduling", "no_enable_prefix_caching"}

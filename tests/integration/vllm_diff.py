@@ -111,6 +111,9 @@ def summary(plan: dict[str, Any], stage: dict[str, Any] | None = None) -> dict[s
 
 
 def layer_specs(layers: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
-    return [(layer_index(s["name"]), s["type"], s["block_size"], s["num_kv_heads"],
+    """Each layer's spec as both sides report it (a mamba state: its block and page)."""
+    return [(layer_index(s["name"]), s["type"], s["block_size"], s["page_size_bytes"])
+            if s["type"] == "mamba" else
+            (layer_index(s["name"]), s["type"], s["block_size"], s["num_kv_heads"],
              s["head_size"], s["head_size_v"], s["dtype"], s["sliding_window"],
              s["page_size_bytes"]) for s in layers]

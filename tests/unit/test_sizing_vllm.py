@@ -170,12 +170,35 @@ def test_override_fixes_the_block_count() -> None:
     assert p.num_blocks == 100 and p.size_bytes == 100 * 16 * MiB
 
 
-@pytest.mark.parametrize(("model", "what"), [
-    ("qwen3-next-80b-a3b-instruct", "linear attention"),
-    ("deepseek-v3.2-exp", "DeepSeek sparse attention")])
-def test_unprofiled_models_are_refused_by_name(model: str, what: str) -> None:
-    with pytest.raises(InvalidArgument, match=what) as info:
-        _plan(model, kv_cache_memory_bytes=GiB)
+def test_qwen3_next_block_holds_a_state() -> None:
+    """A gated-delta-net state: conv (16*128*2 + 32*128) * 3 + SSM 32*128*128, bf16 =
+    1,097,728 B; an attention token 2 * 512 * 2 = 2,048 B; the block grows to
+    128 * ceil(1,097,728 / 262,144) = 640 tokens, a page of 1,310,720 B the states are
+    padded to. 36 state layers in 3 groups of 12 and 12 full layers: 12 pages a block, 4 GiB
+    holds 273 blocks; a 2,048-token request takes 2 blocks per state group (prefix caching
+    keeps the previous state) and 4 in the full group."""
+    p = _plan("qwen3-next-80b-a3b-instruct", kv_cache_memory_bytes=4 * GiB,
+              max_model_len=2048)
+    assert p.block_size == 640
+    states = [s for s in p.layers if s.type is VllmSpecType.mamba]
+    assert len(states) == 36 and {s.page_size_padded for s in states} == {1_310_720}
+    assert states[0].name == "model.layers.0.linear_attn"
+    assert [(g.type, len(g.layer_names)) for g in p.groups] == [
+        (VllmSpecType.mamba, 12)] * 3 + [(VllmSpecType.full_attention, 12)]
+    assert p.num_blocks == 4 * GiB // (12 * 1_310_720) == 273
+    assert p.max_concurrency == 273 / (3 * 2 + 4)
+    one = _plan("qwen3-next-80b-a3b-instruct", kv_cache_memory_bytes=4 * GiB,
+                max_model_len=2048, no_enable_prefix_caching=True)
+    assert one.max_concurrency == 273 / (3 * 1 + 4)
+    with pytest.raises(InvalidArgument) as info:
+        _plan("qwen3-next-80b-a3b-instruct", kv_cache_memory_bytes=4 * GiB,
+              max_model_len=2048, disable_hybrid_kv_cache_manager=True)
+    assert info.value.field == "disable_hybrid_kv_cache_manager"
+
+
+def test_sparse_attention_is_refused_by_name() -> None:
+    with pytest.raises(InvalidArgument, match="DeepSeek sparse attention") as info:
+        _plan("deepseek-v3.2-exp", kv_cache_memory_bytes=GiB)
     assert info.value.field == "model_config"
 
 

@@ -69,6 +69,7 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     FullAttentionSpec,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
@@ -77,6 +78,8 @@ from vllm.v1.worker.utils import customize_attention_spec
 
 
 def _spec_type(spec: Any) -> str:
+    if isinstance(spec, MambaSpec):
+        return "mamba"
     if isinstance(spec, MLAAttentionSpec):
         return "mla"
     if isinstance(spec, SlidingWindowSpec):
@@ -148,6 +151,7 @@ def _engine_config(case: dict[str, Any], model_dir: str) -> Any:
         disable_hybrid_kv_cache_manager=case.get("disable_hybrid_kv_cache_manager", False),
         max_num_batched_tokens=case.get("max_num_batched_tokens", 8192),
         async_scheduling=case.get("async_scheduling", False),
+        enable_prefix_caching=not case.get("no_enable_prefix_caching", False),
         distributed_executor_backend="mp" if case.get("tp_size", 1) * case.get(
             "pp_size", 1) > 1 else None,
     )
@@ -207,6 +211,8 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         finally:
             parallel.tensor_parallel_size, parallel.pipeline_parallel_size = tp, pp
         heads = vllm_config.model_config.get_num_kv_heads(parallel)
+        if tp > 1 and any(isinstance(s, MambaSpec) for s in specs.values()):
+            raise NotImplementedError("the harness cannot give mamba states a TP split")
         specs = {
             name: (dataclasses.replace(s, num_kv_heads=heads)
                    if isinstance(s, AttentionSpec) and not isinstance(s, MLAAttentionSpec)

@@ -64,6 +64,7 @@ class VllmSpecType(enum.StrEnum):
     full_attention = "full_attention"
     sliding_window = "sliding_window"
     mla = "mla"
+    mamba = "mamba"  # a per-request state (gated delta net), one page per block
 
 
 def _doc(text: str, **bounds: int | float) -> Meta:
@@ -105,6 +106,9 @@ class VllmOptions(Base):
         ge=1, le=1 << 24)] = 8192
     async_scheduling: Annotated[bool, _doc(
         "vLLM's async scheduling (two batches in flight)")] = False
+    no_enable_prefix_caching: Annotated[bool, _doc(
+        "vLLM's --no-enable-prefix-caching (hybrid linear models then keep one state block "
+        "per request instead of two)")] = False
     backend: Annotated[VllmBackend, _doc(
         "the attention backend (its block sizes and KV-cache layout)")] = VllmBackend.cpu
 

@@ -72,6 +72,11 @@ def _uniform_type(specs: list[LayerSpec]) -> bool:
     first = specs[0]
     if any(s.block_size != first.block_size for s in specs):
         return False
+    if first.type is VllmSpecType.mamba:
+        return all(s.type is VllmSpecType.mamba and s.page_size_bytes == first.page_size_bytes
+                   for s in specs)
+    if any(s.type is VllmSpecType.mamba for s in specs):
+        return False
     if first.type is VllmSpecType.sliding_window:
         return all(s.type is VllmSpecType.sliding_window
                    and s.sliding_window == first.sliding_window for s in specs)
@@ -89,10 +94,13 @@ def _promote_local(layers: list[NamedSpec]) -> list[NamedSpec]:
     specs = [n.spec for n in layers]
     if _merge(specs) is not None or _uniform_type(specs):
         return layers
-    has_full = any(s.type is not VllmSpecType.sliding_window for s in specs)
+    has_full = any(s.type in (VllmSpecType.full_attention, VllmSpecType.mla) for s in specs)
     has_sliding = any(s.type is VllmSpecType.sliding_window for s in specs)
     if not (has_full and has_sliding):
-        return layers
+        raise InvalidArgument(
+            "vLLM cannot size this model without its hybrid KV-cache manager (its layers' "
+            "specs are of different types); drop --disable-hybrid-kv-cache-manager",
+            field="disable_hybrid_kv_cache_manager")
     full_sizes = {s.block_size for s in specs if s.type is VllmSpecType.full_attention}
     full_block = next(iter(full_sizes)) if len(full_sizes) == 1 else None
     out = []
@@ -128,7 +136,9 @@ def _unify_pages(layers: list[NamedSpec]) -> list[NamedSpec]:
         s = n.spec
         page = s.page_size_bytes
         if page != largest:
-            if largest % page == 0:
+            if s.type is VllmSpecType.mamba:
+                s = replace(s, page_size_padded=largest)
+            elif largest % page == 0:
                 s = s.with_block_size(s.block_size * (largest // page))
             elif s.type is not VllmSpecType.mla:
                 s = replace(s, page_size_padded=largest)

@@ -42,6 +42,27 @@ class LayerKind(enum.StrEnum):
     full = "full"
     sliding = "sliding"
     mla = "mla"
+    linear = "linear"  # gated delta net: a conv + SSM state per request (vLLM's MambaSpec)
+
+
+@dataclass(frozen=True)
+class GatedDeltaNet:
+    """The state geometry of a gated-delta-net layer (Qwen3-Next)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    def state_bytes(self, tp: int, itemsize: int) -> int:
+        """One request's conv state ``(conv_dim / tp, kernel - 1)`` plus its SSM state
+        ``(value_heads / tp, key_dim, value_dim)``, both in the model dtype."""
+        conv_dim = (self.num_key_heads * self.key_head_dim * 2
+                    + self.num_value_heads * self.value_head_dim)
+        conv = conv_dim // tp * (self.conv_kernel - 1)
+        ssm = self.num_value_heads // tp * self.key_head_dim * self.value_head_dim
+        return (conv + ssm) * itemsize
 
 
 @dataclass(frozen=True)
@@ -68,10 +89,15 @@ class VllmModel:
     max_len_key: str | None
     model_max_length: int | None
     kv_cache_fp8: bool  # the checkpoint quantizes its KV cache to fp8
+    gdn: GatedDeltaNet | None = None  # the linear layers' state, when there are any
 
     @property
     def is_mla(self) -> bool:
         return any(layer.kind is LayerKind.mla for layer in self.layers)
+
+    @property
+    def is_hybrid_linear(self) -> bool:
+        return self.gdn is not None
 
 
 def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -136,11 +162,24 @@ def _max_len(text: Mapping[str, Any]) -> tuple[int, str | None]:
 
 
 def _kv_cache_fp8(text: Mapping[str, Any]) -> bool:
+    """Whether ``--kv-cache-dtype auto`` means fp8: vLLM reads a KV-cache scheme only from a
+    ModelOpt config (``quant_method: modelopt*``) or from compressed-tensors' quantization
+    (``kv_cache_scheme`` there); a config without a ``quant_method`` quantizes nothing."""
     quant = text.get("quantization_config")
     if not isinstance(quant, Mapping):
         return False
-    algo = str(quant.get("kv_cache_quant_algo") or "").upper()
-    return algo == "FP8" or bool(quant.get("kv_cache_scheme"))
+    method = str(quant.get("quant_method") or "")
+    if method.startswith("modelopt"):
+        inner = quant.get("quantization") if isinstance(quant.get("quantization"),
+                                                       Mapping) else quant
+        algo = (inner.get("kv_cache_scheme") or quant.get("kv_cache_scheme")
+                or inner.get("kv_cache_quant_algo") or quant.get("kv_cache_quant_algo"))
+        if isinstance(algo, Mapping):
+            return (algo.get("dynamic") is False and algo.get("num_bits") == 8
+                    and algo.get("type") == "float")
+        return isinstance(algo, str) and algo.lower().startswith("fp8")
+    return method == "compressed-tensors" and isinstance(quant.get("kv_cache_scheme"),
+                                                          Mapping)
 
 
 def read_vllm_model(config: Mapping[str, Any], *, where: str = "config.json") -> VllmModel:
@@ -155,14 +194,16 @@ def read_vllm_model(config: Mapping[str, Any], *, where: str = "config.json") ->
     names = config.get("architectures") or []
     architecture = str(names[0]) if isinstance(names, list) and names else ""
     model_type = str(text.get("model_type") or config.get("model_type") or "")
+    linear = model_type == "qwen3_next"
     for key, what in (("linear_conv_kernel_dim", "linear attention"),
                       ("mamba_d_state", "mamba"), ("ssm_state_size", "mamba"),
                       ("index_topk", "DeepSeek sparse attention (indexer)"),
                       ("compress_ratios", "DeepSeek-V4 compressed attention")):
-        if text.get(key) is not None:
+        if text.get(key) is not None and not (linear and key == "linear_conv_kernel_dim"):
             raise InvalidArgument(
                 f"{where}: {architecture or model_type} has {what} ({key}); the vLLM "
-                "profile sizes full, sliding-window and MLA attention only", field=FIELD)
+                "profile sizes full, sliding-window and MLA attention and Qwen3-Next's "
+                "gated delta nets only", field=FIELD)
     n = _int(text, "num_hidden_layers", where)
     heads = _int(text, "num_attention_heads", where)
     kv_heads = text.get("num_key_value_heads") or heads
@@ -180,10 +221,24 @@ def read_vllm_model(config: Mapping[str, Any], *, where: str = "config.json") ->
     types = _layer_types(text, model_type, n)
     if types is not None and any(t == SLIDING for t in types) and window is None:
         types = None
+    gdn = None
+    if linear:
+        gdn = GatedDeltaNet(_int(text, "linear_num_key_heads", where),
+                            _int(text, "linear_num_value_heads", where),
+                            _int(text, "linear_key_head_dim", where),
+                            _int(text, "linear_value_head_dim", where),
+                            _int(text, "linear_conv_kernel_dim", where))
+        interval = _int(text, "full_attention_interval", where)
+        types = text.get("layer_types") or [
+            "linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+        window = None
     out = []
     for i in range(n):
+        if linear and types[i] == "linear_attention":
+            out.append(LayerAttention(i, LayerKind.linear))
+            continue
         sliding = window is not None and (types is None or types[i] == SLIDING)
         out.append(LayerAttention(i, LayerKind.sliding if sliding else LayerKind.full,
                                   window if sliding else None))
     return VllmModel(architecture, model_type, heads, int(kv_heads), int(head_size),
-                     tuple(out), dtype, max_len, key, mml, fp8)
+                     tuple(out), dtype, max_len, key, mml, fp8, gdn)

@@ -41,6 +41,7 @@ from kvpoold.sizing.vllm_model import VllmModel, read_vllm_model
 from kvpoold.sizing.vllm_specs import (
     BACKENDS,
     LayerSpec,
+    align_hybrid_block_size,
     layer_specs,
     resolve_block_size,
     resolve_cache_dtype,
@@ -62,6 +63,9 @@ def bytes_per_block(groups: list[Group]) -> int:
 
 def blocks_per_request(spec: LayerSpec, max_model_len: int, in_flight_tokens: int) -> int:
     """Blocks one request of ``max_model_len`` tokens holds in a group of this spec."""
+    if spec.type is VllmSpecType.mamba:
+        # the running state and, with prefix caching ("align" mode), the one it came from
+        return spec.state_blocks
     if spec.type is VllmSpecType.sliding_window:
         assert spec.sliding_window is not None
         tokens = min(spec.sliding_window - 1 + in_flight_tokens, max_model_len)
@@ -124,7 +128,7 @@ def _strides(spec: LayerSpec, num_blocks: int, num_layers: int,
     """(layer stride, block stride) in bytes of ``spec``'s layers in ``layout``
     (vLLM's ``compute_layout_strides``: the memory order of [L, B, H, N, C], a padded page
     widening the stride of the page grid's inner axis)."""
-    shape = {"L": num_layers, "B": num_blocks, "H": spec.num_kv_heads, "N": spec.block_size,
+    shape = {"L": num_layers, "B": num_blocks, "H": spec.heads, "N": spec.tokens,
              "C": spec.content_bytes}
     order = layout.value
     grid_end = max(order.index("L"), order.index("B"))
@@ -208,11 +212,16 @@ def plan_vllm_model(model: VllmModel, options: VllmOptions) -> VllmPlan:
     block_size = resolve_block_size(model, options, notes)
     dtype = resolve_cache_dtype(model, options)
     max_model_len = _max_model_len(model, options)
+    aligned, _ = align_hybrid_block_size(model, options, block_size, dtype)
+    if aligned != block_size:
+        notes.append(f"block_size {block_size} raised to {aligned}: an attention page holds "
+                     "one linear-attention state")
+        block_size = aligned
     layout = facts.mla_layout if model.is_mla else facts.layout
     hybrid = not options.disable_hybrid_kv_cache_manager
     in_flight = _in_flight_tokens(options)
 
-    layers = layer_specs(model, options, block_size, dtype)
+    layers = layer_specs(model, options, block_size, dtype, max_model_len)
     groups = kv_cache_groups(layers, hybrid=hybrid)
     stages = [project(groups, range(*stage_bounds(len(model.layers), rank, options.pp_size)))
               for rank in range(options.pp_size)]

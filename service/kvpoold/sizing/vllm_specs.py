@@ -74,9 +74,13 @@ class LayerSpec:
     dtype: str
     sliding_window: int | None = None
     page_size_padded: int | None = None
+    state_bytes: int = 0  # mamba: one request's state, the whole page
+    state_blocks: int = 0  # mamba: blocks a request holds (2 with prefix caching, else 1)
 
     @property
     def unpadded_page_size_bytes(self) -> int:
+        if self.type is VllmSpecType.mamba:
+            return self.state_bytes
         return self.num_kv_heads * self.block_size * self.content_bytes
 
     @property
@@ -85,8 +89,20 @@ class LayerSpec:
 
     @property
     def content_bytes(self) -> int:
-        """Bytes of one token of one KV head (vLLM's C axis)."""
+        """Bytes of one token of one KV head (vLLM's C axis; mamba: the whole state)."""
+        if self.type is VllmSpecType.mamba:
+            return self.state_bytes
         return (self.head_size + self.head_size_v) * ITEMSIZE[self.dtype]
+
+    @property
+    def heads(self) -> int:
+        """vLLM's H axis (mamba: 1)."""
+        return 1 if self.type is VllmSpecType.mamba else self.num_kv_heads
+
+    @property
+    def tokens(self) -> int:
+        """vLLM's N axis: tokens per block (mamba: one state)."""
+        return 1 if self.type is VllmSpecType.mamba else self.block_size
 
     def with_block_size(self, block_size: int) -> LayerSpec:
         return replace(self, block_size=block_size)
@@ -99,8 +115,10 @@ class NamedSpec:
     spec: LayerSpec
 
 
-def layer_name(index: int) -> str:
-    """vLLM's name of a decoder layer's attention module (most models)."""
+def layer_name(index: int, kind: LayerKind = LayerKind.full) -> str:
+    """vLLM's name of a decoder layer's KV-cache module (most models)."""
+    if kind is LayerKind.linear:
+        return f"model.layers.{index}.linear_attn"
     return f"model.layers.{index}.self_attn.attn"
 
 
@@ -146,9 +164,36 @@ def _sliding_block_size(facts: BackendFacts, block_size: int) -> int:
     return max(m, block_size // m * m)
 
 
+def align_hybrid_block_size(model: VllmModel, options: VllmOptions, block_size: int,
+                            dtype: str) -> tuple[int, int | None]:
+    """Hybrid linear models: the block size at which an attention page holds one state, and
+    the padded state page (the platform's ``update_block_size_for_backend``).
+
+    The attention block grows to ``align * ceil(state / (align * attention bytes per
+    token))`` with ``align = max(kernel block multiple, block_size)``; the state page is
+    padded to the attention page. Qwen3-Next on CPU (2 KV heads of 256, bf16: 2,048 B per
+    token; a 1,097,728 B state): ``128 * ceil(1,097,728 / 262,144) = 640`` tokens, states
+    padded to 1,310,720 B.
+    """
+    if model.gdn is None:
+        return block_size, None
+    facts = BACKENDS[options.backend]
+    per_token = max(1, model.num_kv_heads // options.tp_size) * 2 * model.head_size \
+        * ITEMSIZE[dtype]
+    state = model.gdn.state_bytes(options.tp_size, ITEMSIZE[model_dtype(model)])
+    align = max(facts.kernel_block_multiple, block_size)
+    aligned = align * -(-state // (align * per_token))
+    m = facts.kernel_block_multiple
+    aligned = m * -(-aligned // m)
+    block_size = max(block_size, aligned)
+    page = block_size * per_token
+    return block_size, (page if page != state else None)
+
+
 def layer_specs(model: VllmModel, options: VllmOptions, block_size: int,
-                dtype: str) -> list[NamedSpec]:
-    """Every layer's spec on one TP rank, in layer order.
+                dtype: str, max_model_len: int) -> list[NamedSpec]:
+    """Every layer's spec on one TP rank, in layer order (``block_size`` already aligned by
+    :func:`align_hybrid_block_size`).
 
     Raises:
         InvalidArgument: attention heads that do not split over ``tp_size``.
@@ -160,9 +205,19 @@ def layer_specs(model: VllmModel, options: VllmOptions, block_size: int,
             f"tp_size {tp}; choose a --tp-size that divides them", field="tp_size")
     facts = BACKENDS[options.backend]
     heads = max(1, model.num_kv_heads // tp)
+    state_padded = align_hybrid_block_size(model, options, block_size, dtype)[1]
+    # prefix caching keeps states at block granularity ("align"); without it one state
+    # covers the whole request
+    state_block = max_model_len if options.no_enable_prefix_caching else block_size
     out = []
     for layer in model.layers:
-        if layer.kind is LayerKind.mla:
+        if layer.kind is LayerKind.linear:
+            assert model.gdn is not None
+            state = model.gdn.state_bytes(tp, ITEMSIZE[model_dtype(model)])
+            spec = LayerSpec(VllmSpecType.mamba, state_block, 0, 0, 0, model_dtype(model),
+                             page_size_padded=state_padded, state_bytes=state,
+                             state_blocks=1 if options.no_enable_prefix_caching else 2)
+        elif layer.kind is LayerKind.mla:
             spec = LayerSpec(VllmSpecType.mla, block_size, 1, model.head_size, 0, dtype)
         elif layer.kind is LayerKind.sliding:
             spec = LayerSpec(VllmSpecType.sliding_window, _sliding_block_size(facts, block_size),
@@ -171,7 +226,7 @@ def layer_specs(model: VllmModel, options: VllmOptions, block_size: int,
         else:
             spec = LayerSpec(VllmSpecType.full_attention, block_size, heads, model.head_size,
                              model.head_size, dtype)
-        out.append(NamedSpec(layer.index, layer_name(layer.index), spec))
+        out.append(NamedSpec(layer.index, layer_name(layer.index, layer.kind), spec))
     return out
 
 
