@@ -909,6 +909,18 @@ def load_model_config(path: Path, *, assume: str | None = None,
     return spec_from_hf(_read_json_object(path), where=str(path), assume=assume)
 
 
+def read_config_json(path: Path) -> tuple[dict[str, Any], Path]:
+    """A HF ``config.json`` (or a model directory holding one) as a mapping, read and parsed
+    as :func:`parse_config_json` does, with the file's path (for engines that read the config
+    their own way: the vLLM profile).
+
+    Raises:
+        InvalidArgument: missing file, not JSON, or not an object; names the path.
+    """
+    path = _resolve(Path(path))
+    return _read_json_object(path), path
+
+
 def load_model(path: Path, *, assume: str | None = None) -> tuple[ModelSpec, ArchitectureSource]:
     """Read either a HF ``config.json`` or a hand-written spec file.
 

@@ -1,4 +1,9 @@
-"""``kvpoold plan``: size a pool from a model config and print the plan; nothing is allocated."""
+"""``kvpoold plan``: size a pool from a model config and print the plan; nothing is allocated.
+
+``--engine sglang`` (the default) plans kvpool's pool for SGLang; ``--engine vllm`` prints vLLM
+0.32's own KV cache for the model (blocks, KV-cache groups and tensors: the vLLM profile,
+:mod:`kvpoold.sizing.vllm_profile`).
+"""
 
 from __future__ import annotations
 
@@ -12,15 +17,22 @@ from kvpool.contract.errors import InvalidArgument
 from kvpool.contract.option_flags import add_option_flags, flag_of, option_values
 from kvpool.contract.plan import BufferSpec
 from kvpool.contract.sizes import format_size
-from kvpoold.hf import load_model
+from kvpool.contract.vllm_plan import VllmOptions, VllmPlan, make_vllm_options, vllm_plan_to_json
+from kvpoold.hf import load_model, read_config_json
 from kvpoold.sizing import PlanOptions, PoolPlan, make_options, plan
 from kvpoold.sizing.architectures import ASSUMABLE
+from kvpoold.sizing.vllm_profile import plan_vllm
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
 # a per-layer group longer than this shows its first names and a count
 SHOWN_NAMES = 3
+ENGINES = ("sglang", "vllm")
+# the flags both engines read (the same meaning in each)
+SHARED_FIELDS = frozenset(PlanOptions.__struct_fields__) & frozenset(VllmOptions.__struct_fields__)
+SGLANG_ONLY = frozenset(PlanOptions.__struct_fields__) - SHARED_FIELDS - {"budget_bytes"}
+VLLM_ONLY = frozenset(VllmOptions.__struct_fields__) - SHARED_FIELDS
 
 
 def add_parser(subparsers: argparse._SubParsersAction[Any]) -> argparse.ArgumentParser:
@@ -32,11 +44,20 @@ def add_parser(subparsers: argparse._SubParsersAction[Any]) -> argparse.Argument
                     "and print the sizes and buffer layout. Nothing is allocated.",
     )
     p.add_argument("--model-config", type=Path, required=True, metavar="PATH",
-                   help="HF config.json (or its model directory), or a spec file (.json/.toml)")
+                   help="HF config.json (or its model directory), or a spec file (.json/.toml; "
+                        "SGLang only)")
+    p.add_argument("--engine", choices=ENGINES, default="sglang",
+                   help="the engine whose KV cache to plan: sglang (kvpool's pool, the "
+                        "default) or vllm (vLLM 0.32's blocks, groups and KV-cache tensors; "
+                        "--budget is then its kv_cache_memory_bytes)")
     p.add_argument("--assume-architecture", metavar="FAMILY", choices=ASSUMABLE,
                    help="read a config whose class SGLang's registry does not know as this "
                         f"family ({', '.join(ASSUMABLE)}); the plan says 'assumed'")
     add_option_flags(p)
+    vllm = p.add_argument_group(
+        "vLLM (--engine vllm)",
+        "vLLM's own knobs; --kv-cache-dtype, --tp-size, --pp-size and --pp-rank apply too")
+    add_option_flags(vllm, VllmOptions, skip=SHARED_FIELDS)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
     return p
@@ -56,12 +77,59 @@ def _options(args: argparse.Namespace) -> PlanOptions:
                               field=exc.field) from exc
 
 
+def _set_flags(args: argparse.Namespace, fields: frozenset[str],
+               options_type: type[Any]) -> list[str]:
+    values = option_values(args, options_type)
+    return sorted(flag_of(f) for f in fields if f in values)
+
+
+def _vllm_options(args: argparse.Namespace) -> VllmOptions:
+    wrong = _set_flags(args, SGLANG_ONLY, PlanOptions)
+    if wrong:
+        raise InvalidArgument(f"{', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} "
+                              "SGLang's; vLLM's knobs are in kvpoold plan --help",
+                              field=wrong[0].removeprefix("--").replace("-", "_"))
+    fields = option_values(args, VllmOptions)
+    budget = option_values(args).get("budget_bytes")
+    if budget is not None and fields.setdefault("kv_cache_memory_bytes", budget) != budget:
+        raise InvalidArgument("give --budget or --kv-cache-memory-bytes, not both",
+                              field="kv_cache_memory_bytes")
+    if "kv_cache_memory_bytes" not in fields:
+        raise InvalidArgument("give --kv-cache-memory-bytes SIZE (or --budget SIZE)",
+                              field="kv_cache_memory_bytes")
+    try:
+        return make_vllm_options(**fields)
+    except InvalidArgument as exc:
+        if exc.field is None:
+            raise
+        raise InvalidArgument(f"{exc.message} (set by {flag_of(exc.field)})",
+                              field=exc.field) from exc
+
+
+def _run_vllm(args: argparse.Namespace) -> int:
+    options = _vllm_options(args)
+    config, path = read_config_json(args.model_config)
+    result = plan_vllm(config, options, where=str(path))
+    if args.json:
+        sys.stdout.write(vllm_plan_to_json(result))
+    else:
+        _print_vllm(result)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Plan and print; every bad input raises :class:`InvalidArgument` (exit 2 in ``main``).
 
     Raises:
         InvalidArgument: a bad flag value, an unreadable config, or a plan that cannot fit.
     """
+    if args.engine == "vllm":
+        return _run_vllm(args)
+    wrong = _set_flags(args, VLLM_ONLY, VllmOptions)
+    if wrong:
+        raise InvalidArgument(f"{', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} "
+                              "vLLM's; add --engine vllm",
+                              field=wrong[0].removeprefix("--").replace("-", "_"))
     options = _options(args)
     spec, source = load_model(args.model_config, assume=args.assume_architecture)
     result = plan(spec, options, source=source)
@@ -185,4 +253,62 @@ def _print_table(p: PoolPlan) -> None:
         console = console_for(width=140)  # pipes and files: do not wrap at 80 columns
     items: list[RenderableType] = [summary, buffers]
     for item in items:
+        console.print(item)
+
+
+def _vllm_rows(p: VllmPlan) -> list[tuple[str, str]]:
+    rows = [
+        ("engine", "vLLM 0.32"),
+        ("model", p.model_architecture or "-"),
+        ("kv cache dtype", p.cache_dtype),
+        ("block size", f"{p.block_size:,} tokens"),
+        ("max model len", f"{p.max_model_len:,}"),
+        ("hybrid kv cache manager", "on" if p.hybrid else "off"),
+        ("layout", p.layout.value),
+        ("kv_cache_memory_bytes", _bytes(p.kv_cache_memory_bytes)),
+        ("bytes per block", _bytes(p.bytes_per_block)),
+        ("blocks", f"{p.num_blocks:,} (block 0 is vLLM's null block)"),
+        ("backing region", _bytes(p.size_bytes) + " (one int8 allocation)"),
+        ("max concurrency", f"{p.max_concurrency:.2f} requests of max model len"),
+        ("parallelism", f"TP {p.tp_size}, PP rank {p.pp_rank} of {p.pp_size}"),
+    ]
+    return rows + [("note", n) for n in p.notes]
+
+
+def _layer_list(names: tuple[str, ...]) -> str:
+    if len(names) <= SHOWN_NAMES + 1:
+        return ", ".join(names)
+    return f"{', '.join(names[:SHOWN_NAMES])}, ... {names[-1]} ({len(names)} layers)"
+
+
+def _print_vllm(p: VllmPlan) -> None:
+    from rich.table import Table
+
+    from kvpool.tools.cli_run import console as console_for
+
+    summary = Table(title="kvpoold plan --engine vllm", show_header=False,
+                    title_justify="left")
+    summary.add_column("key", style="bold")
+    summary.add_column("value")
+    for key, value in _vllm_rows(p):
+        summary.add_row(key, value)
+    groups = Table(title=f"kv cache groups ({len(p.groups)})", title_justify="left")
+    for col in ("#", "type", "block size", "page", "window", "layers"):
+        groups.add_column(col)
+    for i, g in enumerate(p.groups):
+        kind = g.type.value + (" (uniform type)" if g.uniform_type else "")
+        groups.add_row(str(i), kind, str(g.block_size), format_size(g.page_size_bytes),
+                       "-" if g.sliding_window is None else str(g.sliding_window),
+                       _layer_list(g.layer_names))
+    tensors = Table(title=f"kv cache tensors ({len(p.tensors)}, one backing region)",
+                    title_justify="left")
+    for col in ("offset", "layer stride", "block stride", "layers"):
+        tensors.add_column(col)
+    for t in p.tensors:
+        tensors.add_row(f"{t.offset:,}", f"{t.layer_stride:,}", f"{t.block_stride:,}",
+                        _layer_list(t.layers))
+    console = console_for()
+    if not console.is_terminal:
+        console = console_for(width=140)
+    for item in (summary, groups, tensors):
         console.print(item)

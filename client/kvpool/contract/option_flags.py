@@ -1,6 +1,7 @@
 """The plan-option flags of ``kvpoold plan`` and ``kvpool configure``, built once from
-:class:`~kvpool.contract.options.PlanOptions`: names, types, choices, help and defaults all come
-from its fields, so the two commands and Configure cannot drift apart."""
+:class:`~kvpool.contract.options.PlanOptions` (and, for ``kvpoold plan --engine vllm``, from
+:class:`~kvpool.contract.vllm_plan.VllmOptions`): names, types, choices, help and defaults all
+come from its fields, so the commands and Configure cannot drift apart."""
 
 from __future__ import annotations
 
@@ -62,11 +63,16 @@ def _description(annotation: Any) -> str:
     return ""
 
 
-def add_option_flags(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per PlanOptions field; every default is None (unset: the plan's default,
-    which the help text shows)."""
-    hints = typing.get_type_hints(PlanOptions, include_extras=True)
-    for field in msgspec.structs.fields(PlanOptions):
+def add_option_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+                     options_type: type[msgspec.Struct] = PlanOptions, *,
+                     skip: frozenset[str] = frozenset()) -> None:
+    """Add one flag per field of ``options_type`` (PlanOptions by default) except ``skip``;
+    every default is None (unset: the plan's default, which the help text shows). A field
+    named ``*_bytes`` takes a size (``40GiB``)."""
+    hints = typing.get_type_hints(options_type, include_extras=True)
+    for field in msgspec.structs.fields(options_type):
+        if field.name in skip:
+            continue
         annotation = hints[field.name]
         base = _base_type(annotation)
         help_text = _description(annotation)
@@ -83,7 +89,7 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
         elif typing.get_origin(base) is typing.Literal:
             parser.add_argument(flag, choices=typing.get_args(base), default=None,
                                 help=help_text)
-        elif field.name == "budget_bytes":
+        elif field.name.endswith("_bytes"):
             parser.add_argument(flag, type=_size, metavar="SIZE", default=None, help=help_text)
         elif base is float:
             parser.add_argument(flag, type=_finite_float, metavar="R", default=None,
@@ -92,10 +98,12 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, type=int, metavar="N", default=None, help=help_text)
 
 
-def option_values(args: argparse.Namespace) -> dict[str, Any]:
-    """The PlanOptions fields the command line set (the others keep their defaults)."""
+def option_values(args: argparse.Namespace,
+                  options_type: type[msgspec.Struct] = PlanOptions) -> dict[str, Any]:
+    """The fields of ``options_type`` the command line set (the others keep their
+    defaults)."""
     out = {}
-    for field in PlanOptions.__struct_fields__:
+    for field in options_type.__struct_fields__:
         value = getattr(args, FLAG_NAMES.get(field, field), None)
         if value is not None:
             out[field] = value

@@ -1,0 +1,244 @@
+"""A HF ``config.json`` read the way vLLM 0.32 reads it for its KV cache: per layer, full
+attention, sliding window or MLA, with vLLM's head sizes, default ``max_model_len`` and dtype.
+
+This is not :mod:`kvpoold.hf` (SGLang's reading): vLLM takes ``sliding_window`` as is (gpt-oss:
+128, where SGLang keeps 127), slides Gemma-2/3's layers from their ``layer_types`` pattern, and
+treats a model-level ``sliding_window`` without ``layer_types`` (Mistral-7B, Phi-3) as every
+layer sliding. Pure: a mapping in, a frozen :class:`VllmModel` out.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.contract.errors import InvalidArgument
+
+FIELD = "model_config"
+SLIDING = "sliding_attention"
+# vLLM's keys for the model's length, the smallest present wins (``model_max_length`` last).
+MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                "model_max_length", "max_target_positions", "max_sequence_length",
+                "max_seq_length", "seq_len")
+DEFAULT_MAX_LEN = 2048
+# RoPE types whose max_position_embeddings is already the scaled length.
+SCALED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn",
+                     "deepseek_llama_scaling")
+# The defaults of a text sub-config's class for keys checkpoints omit (transformers'
+# Gemma3TextConfig: Gemma-3-4B's text_config states only what differs).
+CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "max_position_embeddings": 131072, "sliding_window": 4096,
+                    "sliding_window_pattern": 6},
+}
+_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16",
+           "float32": "float32", "float": "float32"}
+
+
+class LayerKind(enum.StrEnum):
+    full = "full"
+    sliding = "sliding"
+    mla = "mla"
+    linear = "linear"  # gated delta net: a conv + SSM state per request (vLLM's MambaSpec)
+
+
+@dataclass(frozen=True)
+class GatedDeltaNet:
+    """The state geometry of a gated-delta-net layer (Qwen3-Next)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    def state_bytes(self, tp: int, itemsize: int) -> int:
+        """One request's conv state ``(conv_dim / tp, kernel - 1)`` plus its SSM state
+        ``(value_heads / tp, key_dim, value_dim)``, both in the model dtype."""
+        conv_dim = (self.num_key_heads * self.key_head_dim * 2
+                    + self.num_value_heads * self.value_head_dim)
+        conv = conv_dim // tp * (self.conv_kernel - 1)
+        ssm = self.num_value_heads // tp * self.key_head_dim * self.value_head_dim
+        return (conv + ssm) * itemsize
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """One decoder layer's attention as its KV cache sees it."""
+
+    index: int
+    kind: LayerKind
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True)
+class VllmModel:
+    """What vLLM's KV-cache sizing reads about a model."""
+
+    architecture: str
+    model_type: str
+    num_attention_heads: int
+    num_kv_heads: int  # total, before the TP split
+    head_size: int  # MLA: kv_lora_rank + qk_rope_head_dim
+    layers: tuple[LayerAttention, ...]
+    dtype: str  # the checkpoint's dtype name (bfloat16, float16, float32)
+    derived_max_model_len: int
+    max_len_key: str | None
+    model_max_length: int | None
+    kv_cache_fp8: bool  # the checkpoint quantizes its KV cache to fp8
+    gdn: GatedDeltaNet | None = None  # the linear layers' state, when there are any
+
+    @property
+    def is_mla(self) -> bool:
+        return any(layer.kind is LayerKind.mla for layer in self.layers)
+
+    @property
+    def is_hybrid_linear(self) -> bool:
+        return self.gdn is not None
+
+
+def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    sub = config.get("text_config")
+    if isinstance(sub, Mapping):
+        inherited = {k: config[k] for k in ("torch_dtype", "dtype", "quantization_config")
+                     if k in config and sub.get(k) is None}
+        defaults = CLASS_DEFAULTS.get(str(sub.get("model_type")), {})
+        return {**defaults, **inherited, **{k: v for k, v in sub.items() if v is not None}}
+    return config
+
+
+def _int(config: Mapping[str, Any], key: str, where: str) -> int:
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgument(f"{where}: {key} must be a positive integer, got {value!r}",
+                              field=FIELD)
+    return value
+
+
+def _layer_types(text: Mapping[str, Any], model_type: str, n: int) -> list[str] | None:
+    """The per-layer attention types transformers gives the config (its own ``layer_types``,
+    or the pattern its config class derives), or None when it has none."""
+    explicit = text.get("layer_types")
+    if isinstance(explicit, list) and len(explicit) >= n:
+        return [str(t) for t in explicit[:n]]
+    if model_type == "gemma2":
+        return [SLIDING if (i + 1) % 2 else "full_attention" for i in range(n)]
+    if model_type in ("gemma3", "gemma3_text"):
+        pattern = text.get("sliding_window_pattern") or 6
+        return [SLIDING if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        use = bool(text.get("use_sliding_window", False))
+        first = text.get("max_window_layers") or n
+        return [SLIDING if use and i >= first else "full_attention" for i in range(n)]
+    if model_type == "gpt_oss":
+        return [SLIDING if i % 2 == 0 else "full_attention" for i in range(n)]
+    return None
+
+
+def _max_len(text: Mapping[str, Any]) -> tuple[int, str | None]:
+    derived: float = math.inf
+    key = None
+    for k in MAX_LEN_KEYS:
+        value = text.get(k)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            if value < derived:
+                key = k
+            derived = min(derived, value)
+    if text.get("model_max_length"):
+        derived, key = text["model_max_length"], "model_max_length"
+    if derived == math.inf:
+        return DEFAULT_MAX_LEN, None
+    rope = text.get("rope_parameters") or text.get("rope_scaling")
+    if isinstance(rope, Mapping) and "gemma3" not in str(text.get("model_type", "")):
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        if rope_type == "longrope":
+            return int(text.get("original_max_position_embeddings", derived)), key
+        if rope_type not in SCALED_ROPE_TYPES and rope.get("factor") is not None:
+            derived *= rope["factor"]
+    return int(derived), key
+
+
+def _kv_cache_fp8(text: Mapping[str, Any]) -> bool:
+    """Whether ``--kv-cache-dtype auto`` means fp8: vLLM reads a KV-cache scheme only from a
+    ModelOpt config (``quant_method: modelopt*``) or from compressed-tensors' quantization
+    (``kv_cache_scheme`` there); a config without a ``quant_method`` quantizes nothing."""
+    quant = text.get("quantization_config")
+    if not isinstance(quant, Mapping):
+        return False
+    method = str(quant.get("quant_method") or "")
+    if method.startswith("modelopt"):
+        inner = quant.get("quantization") if isinstance(quant.get("quantization"),
+                                                       Mapping) else quant
+        algo = (inner.get("kv_cache_scheme") or quant.get("kv_cache_scheme")
+                or inner.get("kv_cache_quant_algo") or quant.get("kv_cache_quant_algo"))
+        if isinstance(algo, Mapping):
+            return (algo.get("dynamic") is False and algo.get("num_bits") == 8
+                    and algo.get("type") == "float")
+        return isinstance(algo, str) and algo.lower().startswith("fp8")
+    return method == "compressed-tensors" and isinstance(quant.get("kv_cache_scheme"),
+                                                          Mapping)
+
+
+def read_vllm_model(config: Mapping[str, Any], *, where: str = "config.json") -> VllmModel:
+    """Read a HF config as vLLM does for its KV cache.
+
+    Raises:
+        InvalidArgument: a missing or bad key, or an architecture the vLLM profile does not
+            size yet (mamba / linear attention, DeepSeek sparse attention, DeepSeek-V4),
+            naming it.
+    """
+    text = _text_config(config)
+    names = config.get("architectures") or []
+    architecture = str(names[0]) if isinstance(names, list) and names else ""
+    model_type = str(text.get("model_type") or config.get("model_type") or "")
+    linear = model_type == "qwen3_next"
+    for key, what in (("linear_conv_kernel_dim", "linear attention"),
+                      ("mamba_d_state", "mamba"), ("ssm_state_size", "mamba"),
+                      ("index_topk", "DeepSeek sparse attention (indexer)"),
+                      ("compress_ratios", "DeepSeek-V4 compressed attention")):
+        if text.get(key) is not None and not (linear and key == "linear_conv_kernel_dim"):
+            raise InvalidArgument(
+                f"{where}: {architecture or model_type} has {what} ({key}); the vLLM "
+                "profile sizes full, sliding-window and MLA attention and Qwen3-Next's "
+                "gated delta nets only", field=FIELD)
+    n = _int(text, "num_hidden_layers", where)
+    heads = _int(text, "num_attention_heads", where)
+    kv_heads = text.get("num_key_value_heads") or heads
+    dtype = _DTYPES.get(str(text.get("dtype") or text.get("torch_dtype") or ""), "float32")
+    max_len, key = _max_len(text)
+    fp8 = _kv_cache_fp8(text)
+    mml = text.get("model_max_length")
+    if text.get("kv_lora_rank"):
+        head_size = _int(text, "kv_lora_rank", where) + _int(text, "qk_rope_head_dim", where)
+        layers = tuple(LayerAttention(i, LayerKind.mla) for i in range(n))
+        return VllmModel(architecture, model_type, heads, 1, head_size, layers, dtype,
+                         max_len, key, mml, fp8)
+    head_size = text.get("head_dim") or _int(text, "hidden_size", where) // heads
+    window = text.get("sliding_window") or None  # 0 means none, as in vLLM
+    types = _layer_types(text, model_type, n)
+    if types is not None and any(t == SLIDING for t in types) and window is None:
+        types = None
+    gdn = None
+    if linear:
+        gdn = GatedDeltaNet(_int(text, "linear_num_key_heads", where),
+                            _int(text, "linear_num_value_heads", where),
+                            _int(text, "linear_key_head_dim", where),
+                            _int(text, "linear_value_head_dim", where),
+                            _int(text, "linear_conv_kernel_dim", where))
+        interval = _int(text, "full_attention_interval", where)
+        types = text.get("layer_types") or [
+            "linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+        window = None
+    out = []
+    for i in range(n):
+        if linear and types[i] == "linear_attention":
+            out.append(LayerAttention(i, LayerKind.linear))
+            continue
+        sliding = window is not None and (types is None or types[i] == SLIDING)
+        out.append(LayerAttention(i, LayerKind.sliding if sliding else LayerKind.full,
+                                  window if sliding else None))
+    return VllmModel(architecture, model_type, heads, int(kv_heads), int(head_size),
+                     tuple(out), dtype, max_len, key, mml, fp8, gdn)

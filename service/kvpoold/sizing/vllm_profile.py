@@ -1,0 +1,277 @@
+"""The vLLM profile: a model and vLLM's knobs -> vLLM 0.32's KV cache (``get_kv_cache_configs``)
+for one worker, as a :class:`~kvpool.contract.vllm_plan.VllmPlan`.
+
+Pure: no torch, no environment, no I/O. The sizing equation (layer-major layouts, the ones
+vLLM's CPU backends resolve)::
+
+    bytes_per_block = max over groups of the sum of the group's layers' pages
+    num_blocks      = kv_cache_memory_bytes // bytes_per_block     (or num_gpu_blocks_override)
+    size            = num_blocks * bytes_per_block                 (one int8 backing region)
+
+then every pipeline stage takes the smallest stage's ``num_blocks``. Block 0 is vLLM's null
+block: the capacity check asks that ``kv_cache_memory_bytes - bytes_per_block`` hold one
+request of ``max_model_len`` in every group (full attention: ``ceil(len / block_size)``
+blocks; a sliding window: ``ceil(min(window - 1 + in-flight tokens, len) / block_size) + 1``).
+Each group's layers of one spec are one KV-cache tensor, at byte offset 0 for a group's first
+layer: groups alias each other's bytes (a block id belongs to one group at a time).
+
+Worked example, Llama-3.1-8B on CPU, 1 GiB, block 128, bf16: 32 layers of 524,288 B pages,
+``bytes_per_block`` = 16 MiB, 64 blocks; one tensor of 1 GiB, layer stride 32 MiB (64 pages),
+block stride 512 KiB; a 4,096-token request takes 32 blocks, and 63 usable blocks hold
+``64 / 32 = 2.0`` such requests (vLLM's max concurrency counts all 64).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.vllm_plan import (
+    VllmGroup,
+    VllmLayerSpec,
+    VllmLayout,
+    VllmOptions,
+    VllmPlan,
+    VllmSpecType,
+    VllmTensor,
+)
+from kvpoold.sizing.vllm_groups import Group, kv_cache_groups, project
+from kvpoold.sizing.vllm_model import VllmModel, read_vllm_model
+from kvpoold.sizing.vllm_specs import (
+    BACKENDS,
+    LayerSpec,
+    align_hybrid_block_size,
+    layer_specs,
+    resolve_block_size,
+    resolve_cache_dtype,
+    stage_bounds,
+)
+
+# The strides of vLLM's logical axes [L, B, H, N, C] follow the layout's memory order.
+_AXES = "LBHNC"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def bytes_per_block(groups: list[Group]) -> int:
+    """The widest group's bytes per block (layer-major layouts: each layer's page)."""
+    return max((sum(n.spec.page_size_bytes for n in g.layers) for g in groups), default=0)
+
+
+def blocks_per_request(spec: LayerSpec, max_model_len: int, in_flight_tokens: int) -> int:
+    """Blocks one request of ``max_model_len`` tokens holds in a group of this spec."""
+    if spec.type is VllmSpecType.mamba:
+        # the running state and, with prefix caching ("align" mode), the one it came from
+        return spec.state_blocks
+    if spec.type is VllmSpecType.sliding_window:
+        assert spec.sliding_window is not None
+        tokens = min(spec.sliding_window - 1 + in_flight_tokens, max_model_len)
+        # +1: the window need not start at a block boundary
+        return _cdiv(tokens, spec.block_size) + 1
+    return _cdiv(max_model_len, spec.block_size)
+
+
+def _group_blocks(g: Group, max_model_len: int, in_flight: int) -> int:
+    if g.uniform_type and g.layers:
+        return max(blocks_per_request(n.spec, max_model_len, in_flight) for n in g.layers)
+    return blocks_per_request(g.spec, max_model_len, in_flight)
+
+
+def _needed_bytes(groups: list[Group], max_model_len: int, in_flight: int) -> int:
+    return bytes_per_block(groups) * sum(_group_blocks(g, max_model_len, in_flight)
+                                         for g in groups)
+
+
+def _estimate_max_len(groups: list[Group], available: int, max_model_len: int,
+                      in_flight: int) -> int:
+    """The longest request that fits (vLLM's binary search), 0 when not one token does."""
+    lo, hi, best = 1, max_model_len, 0
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if _needed_bytes(groups, mid, in_flight) <= available:
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def _check_capacity(groups: list[Group], available: int, options: VllmOptions,
+                    max_model_len: int, in_flight: int) -> None:
+    """vLLM's "enough KV cache for one request" check, on the memory less the null block.
+
+    Raises:
+        InvalidArgument: naming the memory needed and given and the longest length that
+            fits.
+    """
+    if available <= 0:
+        raise InvalidArgument(
+            f"kv_cache_memory_bytes {options.kv_cache_memory_bytes:,} B leaves no memory for "
+            f"KV blocks beyond vLLM's null block of {bytes_per_block(groups):,} B; raise "
+            "--kv-cache-memory-bytes", field="kv_cache_memory_bytes")
+    needed = _needed_bytes(groups, max_model_len, in_flight)
+    if needed > available:
+        fits = _estimate_max_len(groups, available, max_model_len, in_flight)
+        raise InvalidArgument(
+            f"one request of max_model_len {max_model_len:,} tokens needs {needed:,} B of KV "
+            f"cache, more than the {available:,} B that kv_cache_memory_bytes "
+            f"{options.kv_cache_memory_bytes:,} B leaves beside the null block"
+            + (f"; at most {fits:,} tokens fit" if fits else "")
+            + "; raise --kv-cache-memory-bytes or lower --max-model-len",
+            field="kv_cache_memory_bytes")
+
+
+def _strides(spec: LayerSpec, num_blocks: int, num_layers: int,
+             layout: VllmLayout) -> tuple[int, int]:
+    """(layer stride, block stride) in bytes of ``spec``'s layers in ``layout``
+    (vLLM's ``compute_layout_strides``: the memory order of [L, B, H, N, C], a padded page
+    widening the stride of the page grid's inner axis)."""
+    shape = {"L": num_layers, "B": num_blocks, "H": spec.heads, "N": spec.tokens,
+             "C": spec.content_bytes}
+    order = layout.value
+    grid_end = max(order.index("L"), order.index("B"))
+    strides: dict[str, int] = {}
+    current = 1
+    for position in range(len(order) - 1, -1, -1):
+        axis = order[position]
+        if spec.page_size_padded is not None and position == grid_end:
+            current = max(current, spec.page_size_padded)
+        strides[axis] = current
+        current *= shape[axis]
+    return strides["L"], strides["B"]
+
+
+def _tensors(groups: list[Group], num_blocks: int, layout: VllmLayout) -> list[VllmTensor]:
+    size = bytes_per_block(groups) * num_blocks
+    out = []
+    for g in groups:
+        by_spec: dict[LayerSpec, list[str]] = {}
+        for n in g.layers:
+            by_spec.setdefault(n.spec if g.uniform_type else g.spec, []).append(n.name)
+        offset = 0
+        for spec, names in by_spec.items():
+            layer_stride, block_stride = _strides(spec, num_blocks, len(names), layout)
+            out.append(VllmTensor(size=size, layers=tuple(names), layer_stride=layer_stride,
+                                  block_stride=block_stride, offset=offset))
+            offset += len(names) * layer_stride
+    return out
+
+
+def _max_model_len(model: VllmModel, options: VllmOptions) -> int:
+    """The user's ``max_model_len``, at most the model's, else the model's.
+
+    Raises:
+        InvalidArgument: a length above the model's.
+    """
+    derived = model.derived_max_model_len
+    asked = options.max_model_len
+    if asked is None:
+        return derived
+    if asked > derived and (model.model_max_length is None or asked > model.model_max_length):
+        raise InvalidArgument(
+            f"max_model_len {asked:,} exceeds the model's {derived:,} "
+            f"({model.max_len_key or 'default'} in its config); lower --max-model-len",
+            field="max_model_len")
+    return asked
+
+
+def _in_flight_tokens(options: VllmOptions) -> int:
+    """vLLM's ``max_in_flight_tokens``: a batch per pipeline stage (two with async
+    scheduling and one stage) of ``max_num_batched_tokens`` each."""
+    batches = options.pp_size
+    if options.async_scheduling and options.pp_size == 1:
+        batches = 2
+    return batches * options.max_num_batched_tokens
+
+
+def _layer_record(name: str, s: LayerSpec) -> VllmLayerSpec:
+    return VllmLayerSpec(name=name, type=s.type, block_size=s.block_size,
+                         num_kv_heads=s.num_kv_heads, head_size=s.head_size,
+                         head_size_v=s.head_size_v, dtype=s.dtype,
+                         sliding_window=s.sliding_window, page_size_padded=s.page_size_padded,
+                         page_size_bytes=s.page_size_bytes)
+
+
+def _group_record(g: Group) -> VllmGroup:
+    return VllmGroup(layer_names=tuple(n.name for n in g.layers), type=g.spec.type,
+                     block_size=g.block_size, page_size_bytes=g.page_size_bytes,
+                     sliding_window=g.spec.sliding_window, uniform_type=g.uniform_type)
+
+
+def plan_vllm_model(model: VllmModel, options: VllmOptions) -> VllmPlan:
+    """vLLM's KV cache for worker ``options.pp_rank`` (every TP rank of a stage is alike).
+
+    Raises:
+        InvalidArgument: a knob vLLM refuses, or memory that does not hold one request of
+            ``max_model_len`` (naming needed and available bytes and the knob to turn).
+    """
+    notes: list[str] = []
+    facts = BACKENDS[options.backend]
+    block_size = resolve_block_size(model, options, notes)
+    dtype = resolve_cache_dtype(model, options)
+    max_model_len = _max_model_len(model, options)
+    aligned, _ = align_hybrid_block_size(model, options, block_size, dtype)
+    if aligned != block_size:
+        notes.append(f"block_size {block_size} raised to {aligned}: an attention page holds "
+                     "one linear-attention state")
+        block_size = aligned
+    layout = facts.mla_layout if model.is_mla else facts.layout
+    hybrid = not options.disable_hybrid_kv_cache_manager
+    in_flight = _in_flight_tokens(options)
+
+    layers = layer_specs(model, options, block_size, dtype, max_model_len)
+    groups = kv_cache_groups(layers, hybrid=hybrid)
+    stages = [project(groups, range(*stage_bounds(len(model.layers), rank, options.pp_size)))
+              for rank in range(options.pp_size)]
+    memory = options.kv_cache_memory_bytes
+    counts = []
+    for stage in stages:
+        per_block = bytes_per_block(stage)
+        available = memory
+        if options.num_gpu_blocks_override is not None:
+            available = options.num_gpu_blocks_override * per_block
+        _check_capacity(stage, available - per_block, options, max_model_len, in_flight)
+        counts.append(options.num_gpu_blocks_override or memory // per_block)
+    num_blocks = min(counts)
+    mine = stages[options.pp_rank]
+    start, end = stage_bounds(len(model.layers), options.pp_rank, options.pp_size)
+    per_block = bytes_per_block(mine)
+    if options.num_gpu_blocks_override is not None:
+        notes.append(f"num_gpu_blocks_override {options.num_gpu_blocks_override} fixes the "
+                     f"block count (the memory holds {memory // per_block})")
+    elif num_blocks < counts[options.pp_rank]:
+        notes.append(f"another pipeline stage holds only {num_blocks} blocks; this one "
+                     f"takes as many")
+    request_blocks = sum(_group_blocks(g, max_model_len, in_flight) for g in mine)
+    return VllmPlan(
+        model_architecture=model.architecture,
+        num_blocks=num_blocks,
+        bytes_per_block=per_block,
+        size_bytes=num_blocks * per_block,
+        kv_cache_memory_bytes=memory,
+        block_size=block_size,
+        cache_dtype=dtype,
+        layout=layout,
+        max_model_len=max_model_len,
+        hybrid=hybrid,
+        tp_size=options.tp_size,
+        pp_size=options.pp_size,
+        pp_rank=options.pp_rank,
+        layers=tuple(_layer_record(n.name, n.spec) for n in layers if start <= n.index < end),
+        groups=tuple(_group_record(g) for g in mine),
+        tensors=tuple(_tensors(mine, num_blocks, layout)),
+        max_concurrency=num_blocks / request_blocks,
+        notes=tuple(notes),
+    )
+
+
+def plan_vllm(config: Mapping[str, Any], options: VllmOptions, *,
+              where: str = "config.json") -> VllmPlan:
+    """Read a HF config as vLLM does and plan its KV cache (:func:`plan_vllm_model`).
+
+    Raises:
+        InvalidArgument: a config the profile cannot read, or a plan vLLM would refuse.
+    """
+    return plan_vllm_model(read_vllm_model(config, where=where), options)

@@ -1,0 +1,248 @@
+"""vLLM 0.32's per-layer KV-cache specs: what each attention layer reports to the model
+runner, and the bytes of one block of it.
+
+One block of one layer holds ``block_size`` tokens of every KV head of this TP rank::
+
+    page_size_bytes = num_kv_heads * block_size * (head_size + head_size_v) * itemsize
+
+(MLA: one latent per token, ``num_kv_heads = 1``, ``head_size_v = 0``), or ``page_size_padded``
+when vLLM pads the page to another layer's. Worked example, Llama-3.1-8B on CPU (block 128,
+bf16, TP 1): 8 * 128 * 256 * 2 = 524,288 B per layer and block, 32 layers: 16 MiB per block.
+
+The backend decides the rest (:data:`BACKENDS`): vLLM's CPU_ATTN runs kernel blocks that are
+multiples of 32 tokens, so a sliding-window layer takes the largest multiple of 32 within
+the primary block (at least 32), and the CPU MLA backend runs only 16-token blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.vllm_plan import (
+    VllmBackend,
+    VllmCacheDType,
+    VllmLayout,
+    VllmOptions,
+    VllmSpecType,
+)
+from kvpoold.sizing.vllm_model import LayerKind, VllmModel
+
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "uint8": 1}
+# --kv-cache-dtype -> the stored element type (vLLM's STR_DTYPE_TO_TORCH_DTYPE: every fp8 form
+# is stored as uint8, the kernels reading it as fp8)
+CACHE_DTYPES = {
+    VllmCacheDType.bfloat16: "bfloat16",
+    VllmCacheDType.float16: "float16",
+    VllmCacheDType.fp8: "uint8",
+    VllmCacheDType.fp8_e4m3: "uint8",
+    VllmCacheDType.fp8_e5m2: "uint8",
+}
+
+
+@dataclass(frozen=True)
+class BackendFacts:
+    """What an attention backend tells vLLM's KV-cache planning."""
+
+    default_block_size: int
+    kernel_block_multiple: int  # kernel blocks are multiples of this many tokens
+    layout: VllmLayout  # the layout the engine core resolves for its layers
+    mla_block_size: int  # MLA layers run only this block size
+    mla_layout: VllmLayout
+    cache_dtypes: tuple[VllmCacheDType, ...]
+
+
+BACKENDS: dict[VllmBackend, BackendFacts] = {
+    VllmBackend.cpu: BackendFacts(
+        default_block_size=128, kernel_block_multiple=32, layout=VllmLayout.LBHNC,
+        mla_block_size=16, mla_layout=VllmLayout.LBNHC,
+        cache_dtypes=tuple(VllmCacheDType),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer's spec; equal specs are the same spec to vLLM's grouping (dataclass
+    equality over every field, as vLLM's frozen ``KVCacheSpec`` dataclasses)."""
+
+    type: VllmSpecType
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    head_size_v: int
+    dtype: str
+    sliding_window: int | None = None
+    page_size_padded: int | None = None
+    state_bytes: int = 0  # mamba: one request's state, the whole page
+    state_blocks: int = 0  # mamba: blocks a request holds (2 with prefix caching, else 1)
+
+    @property
+    def unpadded_page_size_bytes(self) -> int:
+        if self.type is VllmSpecType.mamba:
+            return self.state_bytes
+        return self.num_kv_heads * self.block_size * self.content_bytes
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.page_size_padded or self.unpadded_page_size_bytes
+
+    @property
+    def content_bytes(self) -> int:
+        """Bytes of one token of one KV head (vLLM's C axis; mamba: the whole state)."""
+        if self.type is VllmSpecType.mamba:
+            return self.state_bytes
+        return (self.head_size + self.head_size_v) * ITEMSIZE[self.dtype]
+
+    @property
+    def heads(self) -> int:
+        """vLLM's H axis (mamba: 1)."""
+        return 1 if self.type is VllmSpecType.mamba else self.num_kv_heads
+
+    @property
+    def tokens(self) -> int:
+        """vLLM's N axis: tokens per block (mamba: one state)."""
+        return 1 if self.type is VllmSpecType.mamba else self.block_size
+
+    def with_block_size(self, block_size: int) -> LayerSpec:
+        return replace(self, block_size=block_size)
+
+
+@dataclass(frozen=True)
+class NamedSpec:
+    index: int  # the model's layer index (pipeline stages split by it)
+    name: str
+    spec: LayerSpec
+
+
+def layer_name(index: int, kind: LayerKind = LayerKind.full) -> str:
+    """vLLM's name of a decoder layer's KV-cache module (most models)."""
+    if kind is LayerKind.linear:
+        return f"model.layers.{index}.linear_attn"
+    return f"model.layers.{index}.self_attn.attn"
+
+
+def model_dtype(model: VllmModel) -> str:
+    """vLLM's ``dtype="auto"``: the checkpoint's half dtype; float32 is cast down to
+    bfloat16."""
+    return "bfloat16" if model.dtype == "float32" else model.dtype
+
+
+def resolve_block_size(model: VllmModel, options: VllmOptions, notes: list[str]) -> int:
+    """The engine's ``cache_config.block_size``: the user's, else the backend's; MLA on CPU
+    always runs the MLA kernel's block size."""
+    facts = BACKENDS[options.backend]
+    if model.is_mla:
+        if options.block_size not in (None, facts.mla_block_size):
+            notes.append(f"MLA on the {options.backend} backend runs block_size "
+                         f"{facts.mla_block_size}; --block-size {options.block_size} ignored")
+        return facts.mla_block_size
+    return options.block_size or facts.default_block_size
+
+
+def resolve_cache_dtype(model: VllmModel, options: VllmOptions) -> str:
+    """The stored element type.
+
+    Raises:
+        InvalidArgument: a cache dtype the backend does not run.
+    """
+    facts = BACKENDS[options.backend]
+    if options.kv_cache_dtype not in facts.cache_dtypes:
+        accepted = ", ".join(d.value for d in facts.cache_dtypes)
+        raise InvalidArgument(
+            f"kv cache dtype {options.kv_cache_dtype} is not run by vLLM's {options.backend} "
+            f"attention backend (accepted: {accepted}); change --kv-cache-dtype",
+            field="kv_cache_dtype")
+    if options.kv_cache_dtype is VllmCacheDType.auto:
+        return "uint8" if model.kv_cache_fp8 else model_dtype(model)
+    return CACHE_DTYPES[options.kv_cache_dtype]
+
+
+def _sliding_block_size(facts: BackendFacts, block_size: int) -> int:
+    """The largest kernel block within the primary block, else the smallest kernel block."""
+    m = facts.kernel_block_multiple
+    return max(m, block_size // m * m)
+
+
+def align_hybrid_block_size(model: VllmModel, options: VllmOptions, block_size: int,
+                            dtype: str) -> tuple[int, int | None]:
+    """Hybrid linear models: the block size at which an attention page holds one state, and
+    the padded state page (the platform's ``update_block_size_for_backend``).
+
+    The attention block grows to ``align * ceil(state / (align * attention bytes per
+    token))`` with ``align = max(kernel block multiple, block_size)``; the state page is
+    padded to the attention page. Qwen3-Next on CPU (2 KV heads of 256, bf16: 2,048 B per
+    token; a 1,097,728 B state): ``128 * ceil(1,097,728 / 262,144) = 640`` tokens, states
+    padded to 1,310,720 B.
+    """
+    if model.gdn is None:
+        return block_size, None
+    facts = BACKENDS[options.backend]
+    per_token = max(1, model.num_kv_heads // options.tp_size) * 2 * model.head_size \
+        * ITEMSIZE[dtype]
+    state = model.gdn.state_bytes(options.tp_size, ITEMSIZE[model_dtype(model)])
+    align = max(facts.kernel_block_multiple, block_size)
+    aligned = align * -(-state // (align * per_token))
+    m = facts.kernel_block_multiple
+    aligned = m * -(-aligned // m)
+    block_size = max(block_size, aligned)
+    page = block_size * per_token
+    return block_size, (page if page != state else None)
+
+
+def layer_specs(model: VllmModel, options: VllmOptions, block_size: int,
+                dtype: str, max_model_len: int) -> list[NamedSpec]:
+    """Every layer's spec on one TP rank, in layer order (``block_size`` already aligned by
+    :func:`align_hybrid_block_size`).
+
+    Raises:
+        InvalidArgument: attention heads that do not split over ``tp_size``.
+    """
+    tp = options.tp_size
+    if model.num_attention_heads % tp:
+        raise InvalidArgument(
+            f"the model's {model.num_attention_heads} attention heads do not split over "
+            f"tp_size {tp}; choose a --tp-size that divides them", field="tp_size")
+    facts = BACKENDS[options.backend]
+    heads = max(1, model.num_kv_heads // tp)
+    state_padded = align_hybrid_block_size(model, options, block_size, dtype)[1]
+    # prefix caching keeps states at block granularity ("align"); without it one state
+    # covers the whole request
+    state_block = max_model_len if options.no_enable_prefix_caching else block_size
+    out = []
+    for layer in model.layers:
+        if layer.kind is LayerKind.linear:
+            assert model.gdn is not None
+            state = model.gdn.state_bytes(tp, ITEMSIZE[model_dtype(model)])
+            spec = LayerSpec(VllmSpecType.mamba, state_block, 0, 0, 0, model_dtype(model),
+                             page_size_padded=state_padded, state_bytes=state,
+                             state_blocks=1 if options.no_enable_prefix_caching else 2)
+        elif layer.kind is LayerKind.mla:
+            spec = LayerSpec(VllmSpecType.mla, block_size, 1, model.head_size, 0, dtype)
+        elif layer.kind is LayerKind.sliding:
+            spec = LayerSpec(VllmSpecType.sliding_window, _sliding_block_size(facts, block_size),
+                             heads, model.head_size, model.head_size, dtype,
+                             sliding_window=layer.sliding_window)
+        else:
+            spec = LayerSpec(VllmSpecType.full_attention, block_size, heads, model.head_size,
+                             model.head_size, dtype)
+        out.append(NamedSpec(layer.index, layer_name(layer.index, layer.kind), spec))
+    return out
+
+
+def stage_bounds(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """vLLM's pipeline split (``get_pp_indices``): an even split, the remainder given one each
+    to the stages before the last, from the second-to-last backwards (12 layers over 5
+    stages: 2, 2, 3, 3, 2).
+
+    Raises:
+        InvalidArgument: more stages than layers.
+    """
+    if pp_size > num_layers:
+        raise InvalidArgument(f"pp_size {pp_size} exceeds the model's {num_layers} layers; "
+                              "lower --pp-size", field="pp_size")
+    parts = [num_layers // pp_size] * pp_size
+    for i in range(2, num_layers % pp_size + 2):
+        parts[-i] += 1
+    start = sum(parts[:pp_rank])
+    return start, start + parts[pp_rank]
