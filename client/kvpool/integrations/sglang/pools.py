@@ -26,9 +26,10 @@ The pool carries its binding as ``kvpool_binding`` (the paged allocator takes it
 that lease) and the Configure answer as ``kvpool_configured``.
 
 Supported layouts: the plain per-layer token-major layout (NHD) of unquantized MHA pools, MLA
-and DSA latent pools, DSA indexer keys. Refused with an error: quantized KV methods (FP4, MXFP8),
-post-capture (VMM) backing, HND / vectorized layouts, and pools of other architectures
-(hybrid SWA, hybrid linear, DeepSeek-V4), whose daemon plans this module does not map yet.
+and DSA latent pools, DSA indexer keys, and the two MHA sides of SGLang's hybrid sliding-window
+``SWAKVPool`` (``kvpool.integrations.sglang.swa``). Refused with an error: quantized KV methods
+(FP4, MXFP8), post-capture (VMM) backing, HND / vectorized layouts, and pools of other
+architectures (hybrid linear, DeepSeek-V4), whose daemon plans this module does not map yet.
 """
 
 from __future__ import annotations
@@ -363,6 +364,11 @@ class KVPoolMHATokenToKVPool(MHATokenToKVPool):
         super()._create_buffers()
 
     def _create_buffers_normal(self) -> None:
+        from kvpool.integrations.sglang import swa
+
+        if swa.side_of(self) is not None:  # a side of SGLang's hybrid SWAKVPool
+            swa.create_side_buffers(self)
+            return
         attachment = attach_pool(self, architecture="mha")
         k_shape, v_shape = self._kv_buffer_shapes()
         layers = range(self.start_layer, self.start_layer + self.layer_num)
