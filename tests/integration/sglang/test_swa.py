@@ -16,10 +16,12 @@ one lease).
 - ``test_swa_engine``: SGLang's real ``Engine`` on a tiny random Llama that opts in to SGLang's
   hybrid-SWA memory (``is_hybrid_swa`` with ``hybrid_layer_pattern`` [1, 0, 1, 0], window 16:
   SGLang's ``SWAKVPool``, ``SWATokenToKVPoolAllocator`` and SWA radix cache, the only hybrid
-  SWA path its CPU torch-native backend runs); the same greedy tokens as SGLang's own pools
-  (the radix cache hits); while it holds, the lease holds ``kv`` and ``swa`` pages and the
-  daemon's ``full_to_swa`` and ``req_to_token`` hold what the scheduler wrote; after shutdown
-  the lease ends and every page is back.
+  SWA path its CPU torch-native backend runs), its SWA eviction every 4 tokens
+  (``SGLANG_SWA_EVICTION_INTERVAL``) so a 30-token prompt's decode frees SWA pages behind the
+  window; the same greedy tokens as SGLang's own pools (the radix cache hits); while it holds,
+  the lease holds ``kv`` and ``swa`` pages and the daemon's ``full_to_swa`` and
+  ``req_to_token`` hold what the scheduler wrote; after shutdown the lease ends and every page
+  is back.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import json
 import queue
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -228,8 +231,11 @@ def test_swa_pools(sglang_python: Path, sglang_daemon: DaemonProcess, work: Path
 
 # -- the engine -----------------------------------------------------------------------------------
 
-PROMPTS = [list(range(5, 16)), list(range(20, 25))]
+# A 30-token prompt: with the window 16 and SGLang's SWA eviction every 4 tokens
+# (SGLANG_SWA_EVICTION_INTERVAL), its decode frees SWA pages behind the window (free_swa).
+PROMPTS = [list(range(5, 16)), list(range(20, 25)), list(range(100, 130))]
 BATCHES = [PROMPTS, [PROMPTS[0]]]
+EVICTION_ENV = {"SGLANG_SWA_EVICTION_INTERVAL": "4"}
 
 
 @pytest.fixture(scope="module")
@@ -256,16 +262,16 @@ def test_swa_engine(sglang_python: Path, sglang_daemon: DaemonProcess, swa_llama
                     work: Path) -> None:
     """SGLang's engine with hybrid-SWA memory on kvpool: SGLang's own tokens, both spaces
     held by the lease, the mapping and the request table in the daemon, all back after."""
-    env = {**without_kvpool_env(), "SGLANG_PLATFORM": "kvpool"}
+    env = {**without_kvpool_env(), "SGLANG_PLATFORM": "kvpool", **EVICTION_ENV}
     with harness(sglang_python, ["engine"], env, work / "swa-engine-base.log",
                  engine_job(swa_llama, baseline=True)) as h:
         h.wait_for("started", ENGINE_START_S)
         expected = h.wait_for("generated", 120)["outputs"]
         h.wait_for("shutdown", 120)
-    assert expected[2]["cached_tokens"] > 0  # SGLang's SWA radix cache hit
+    assert expected[3]["cached_tokens"] > 0  # SGLang's SWA radix cache hit
 
     pool = "sgl-swa-engine"
-    with harness(sglang_python, ["engine"], kvpool_env(sglang_daemon, pool),
+    with harness(sglang_python, ["engine"], kvpool_env(sglang_daemon, pool, **EVICTION_ENV),
                  work / "swa-engine.log", engine_job(swa_llama, hold=True)) as h:
         started = h.wait_for("started", ENGINE_START_S)
         outputs = h.wait_for("generated", 120)["outputs"]
@@ -290,6 +296,7 @@ def test_swa_engine(sglang_python: Path, sglang_daemon: DaemonProcess, swa_llama
                 table = region["req_to_token"]
                 # SGLang wrote the first request's slots into row 1 of the daemon's table.
                 assert set(table[:, :11].reshape(-1).tolist()) - {0}, "request table empty"
+        since = time.monotonic()
         h.send("\n")
         h.wait_for("shutdown", 120)
         assert h.close() == 0
@@ -297,4 +304,4 @@ def test_swa_engine(sglang_python: Path, sglang_daemon: DaemonProcess, swa_llama
     assert outputs == expected
     print(f"  engine started in {started['seconds']} s; tokens equal SGLang's own pools")
     with KVPoolClient(sglang_daemon.target) as client:
-        assert_all_back(client, pool, lease_id, 0.0)
+        assert_all_back(client, pool, lease_id, since)

@@ -12,7 +12,9 @@ go back to the pool when its lease expires.
 
 - Page ``p`` (an id of the pool's ``kv`` space, ``1..capacity``; 0 is never handed out, as in
   SGLang, whose page 0 is the padding page) covers token indices ``p * page_size + j``,
-  ``j < page_size``; indices are int64 tensors on ``device``.
+  ``j < page_size``; indices are int64 tensors on ``device``. The inner allocator of the SWA
+  side of a hybrid SWA pool takes ``swa`` pages instead (its KV pool says so:
+  ``kvpool_space``, see ``swa.py``).
 - ``size`` tokens is the allocator's quota in the pool: at most ``size // page_size`` pages in
   use at once. ``available_size()`` is the quota less the pages in use, in tokens, as SGLang
   counts it. The pool may be larger and shared with other leases; when the pool itself runs

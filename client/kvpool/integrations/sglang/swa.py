@@ -29,7 +29,11 @@ What kvpool does with them:
    mapping tensor's storage is set to the daemon's ``full_to_swa`` view (its contents, zeros
    and the trailing -1, copied first), so SGLang's writes and its attention backends' reads
    go to daemon memory. The allocator is found as the caller of that ``clear`` (the nearest
-   frames); an allocator built some other way keeps its own mapping, with a warning.
+   frames); an allocator built some other way keeps its own mapping.
+5. The request table: SGLang gives its SWA allocator the request pool (``req_to_token_pool``);
+   at the same moment its ``req_to_token`` moves into the daemon's ``req_to_token`` the same
+   way, when the shapes agree (else it stays SGLang's, logged). Both belong to one scheduler,
+   so the full side refuses a pool something else has attached.
 
 Not covered: all-SWA models (SGLang's ``PureSWATokenToKVPoolAllocator``, page size 1 only),
 MLA/DSA hybrid SWA pools, quantized KV, SGLang's SWA request cap (``--disable-radix-cache``
