@@ -45,7 +45,6 @@ from tests.integration.sglang.test_engine import (
     ENGINE_START_S,
     HARNESS,
     MODELS,
-    TTL_S,
     Harness,
     assert_all_back,
     harness,
@@ -159,8 +158,10 @@ def test_swa_pools(sglang_python: Path, sglang_daemon: DaemonProcess, work: Path
     all back after."""
     model = tiny_gpt_oss(work)
     pool = "sgl-swa"
+    # The binding closes its lease at the end: a long TTL, so a busy machine never lets the
+    # harness's lease expire between two keep-alives.
     env = sglang_env(KVPOOL_TARGET=sglang_daemon.target, SGLANG_PLATFORM="kvpool",
-                     KVPOOL_LEASE_TTL_S=str(TTL_S))
+                     KVPOOL_LEASE_TTL_S="60")
     base = run_swa_harness(sglang_python, env, work / "swa-base.log",
                            swa_job(model, "", baseline=True))
     assert base["built"]["ok"], base["built"]

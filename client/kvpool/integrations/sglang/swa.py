@@ -124,6 +124,8 @@ class SidePairing:
         return attachment
 
 
+# One per process, by necessity: SGLang builds the two sides inside one SWAKVPool constructor
+# and gives them no common argument; one scheduler process builds one SWAKVPool.
 PAIRING = SidePairing()
 
 
@@ -210,7 +212,9 @@ def attach_full_side(pool: Any, settings: EngineSettings | None = None,
             raise FailedPrecondition(
                 f"kvpool pool {binding.pool!r} is attached {attached} times: a hybrid SWA pool's "
                 f"{FULL_TO_SWA} mapping (and request table) is written by one SGLang scheduler; "
-                "give each scheduler its own pool (KVPOOL_POOL)", field="pool")
+                "give each scheduler its own pool (KVPOOL_POOL), or, after a crash, start "
+                "again once the dead scheduler's lease expired (KVPOOL_LEASE_TTL_S)",
+                field="pool")
     except BaseException:
         if own:
             binding.close()
