@@ -17,7 +17,8 @@ It builds ``SWAKVPool`` (kvpool's MHA class as its ``token_to_kv_pool_class`` un
 and ``SWATokenToKVPoolAllocator`` with the arguments SGLang's configurator passes, then runs
 one fixed sequence of SGLang's allocator calls: a prefill of two requests (11 and 5 tokens),
 six decode steps, a window slide of the first request (``free_swa`` of its first two pages),
-then the second request freed. After each call it writes K/V through SGLang's own
+one of the second (``free_swa_segment`` of its first page in a free group, as the scheduler
+slides windows), then the second request freed. After each call it writes K/V through SGLang's own
 ``set_kv_buffer`` (the value of a token is ``1000 * (layer + 1) + position`` plus ``0.5`` for
 V, for request 0; ``-`` that for request 1) and reports the allocator's sizes (``step``
 events). Events on stdout are ``HARNESS {json}``: ``built`` (classes, the mapping's data
@@ -124,6 +125,12 @@ def run(job: dict[str, Any]) -> None:
     # The window slid past request 0's first two pages: their SWA side goes back.
     alloc.free_swa(torch.tensor(slots[0][:2 * ps], dtype=torch.int64))
     step("free_swa", True)
+    # The scheduler's own window slide (free_swa_out_of_window_slots): a kv-row segment of
+    # request 1, its first page, inside a free group as the scheduler runs it.
+    alloc.free_group_begin()
+    alloc.free_swa_segment(torch.tensor(slots[1][:ps], dtype=torch.int64), start_pos=0)
+    alloc.free_group_end()
+    step("free_swa_segment", True)
     reads: dict[str, list[float]] = {}
     for layer in layers:
         locs = torch.tensor(slots[0] + slots[1], dtype=torch.int64)

@@ -16,9 +16,9 @@ one lease).
 - ``test_swa_engine``: SGLang's real ``Engine`` on a tiny random Llama that opts in to SGLang's
   hybrid-SWA memory (``is_hybrid_swa`` with ``hybrid_layer_pattern`` [1, 0, 1, 0], window 16:
   SGLang's ``SWAKVPool``, ``SWATokenToKVPoolAllocator`` and SWA radix cache, the only hybrid
-  SWA path its CPU torch-native backend runs), its SWA eviction every 4 tokens
-  (``SGLANG_SWA_EVICTION_INTERVAL``) so a 30-token prompt's decode frees SWA pages behind the
-  window; the same greedy tokens as SGLang's own pools (the radix cache hits); while it holds,
+  SWA path its CPU torch-native backend runs; prompts shorter than window + eviction interval,
+  so SGLang evicts nothing); the same greedy tokens as SGLang's own pools (the radix cache
+  hits); while it holds,
   the lease holds ``kv`` and ``swa`` pages and the daemon's ``full_to_swa`` and
   ``req_to_token`` hold what the scheduler wrote; after shutdown the lease ends and every page
   is back.
@@ -186,9 +186,9 @@ def test_swa_pools(sglang_python: Path, sglang_daemon: DaemonProcess, work: Path
             for space, want in holding["held"].items():
                 assert lease.held[pool][space] == want["in_use"] + want["cached"], space
             # Prefill 11 + 5 tokens, 6 decode steps: 17 and 11 tokens, 5 + 3 full pages; the
-            # SWA side the same less the 2 pages the window slid past.
+            # SWA side the same less the 2 + 1 pages the windows slid past.
             assert holding["held"]["kv"]["in_use"] == 8
-            assert holding["held"]["swa"]["in_use"] == 6
+            assert holding["held"]["swa"]["in_use"] == 5
             p = stats.pool(pool)
             assert p.architecture == "hybrid_swa"
             assert p.spaces["swa"].follows == ""
@@ -202,7 +202,7 @@ def test_swa_pools(sglang_python: Path, sglang_daemon: DaemonProcess, work: Path
                         for layer in SWA_LAYERS + FULL_LAYERS:
                             slot = s if layer in SWA_LAYERS else f
                             if slot == 0:  # the window slid past it: SWA side freed
-                                assert layer in SWA_LAYERS and req == 0 and pos < 2 * PAGE
+                                assert layer in SWA_LAYERS and pos < (2 - req) * PAGE
                                 continue
                             k = region[f"k.{layer}"][slot]
                             v = region[f"v.{layer}"][slot]
@@ -232,11 +232,11 @@ def test_swa_pools(sglang_python: Path, sglang_daemon: DaemonProcess, work: Path
 
 # -- the engine -----------------------------------------------------------------------------------
 
-# A 30-token prompt: with the window 16 and SGLang's SWA eviction every 4 tokens
-# (SGLANG_SWA_EVICTION_INTERVAL), its decode frees SWA pages behind the window (free_swa).
-PROMPTS = [list(range(5, 16)), list(range(20, 25)), list(range(100, 130))]
+# Shorter than the window (16) plus SGLang's SWA eviction interval (128): nothing is evicted.
+# The opt-in Llama attends over every position, so once SGLang evicts SWA slots its tokens
+# depend on what the evicted positions read (see docs/sglang.md, status).
+PROMPTS = [list(range(5, 16)), list(range(20, 25))]
 BATCHES = [PROMPTS, [PROMPTS[0]]]
-EVICTION_ENV = {"SGLANG_SWA_EVICTION_INTERVAL": "4"}
 
 
 @pytest.fixture(scope="module")
@@ -263,16 +263,16 @@ def test_swa_engine(sglang_python: Path, sglang_daemon: DaemonProcess, swa_llama
                     work: Path) -> None:
     """SGLang's engine with hybrid-SWA memory on kvpool: SGLang's own tokens, both spaces
     held by the lease, the mapping and the request table in the daemon, all back after."""
-    env = {**without_kvpool_env(), "SGLANG_PLATFORM": "kvpool", **EVICTION_ENV}
+    env = {**without_kvpool_env(), "SGLANG_PLATFORM": "kvpool"}
     with harness(sglang_python, ["engine"], env, work / "swa-engine-base.log",
                  engine_job(swa_llama, baseline=True)) as h:
         h.wait_for("started", ENGINE_START_S)
         expected = h.wait_for("generated", 120)["outputs"]
         h.wait_for("shutdown", 120)
-    assert expected[3]["cached_tokens"] > 0  # SGLang's SWA radix cache hit
+    assert expected[2]["cached_tokens"] > 0  # SGLang's SWA radix cache hit
 
     pool = "sgl-swa-engine"
-    with harness(sglang_python, ["engine"], kvpool_env(sglang_daemon, pool, **EVICTION_ENV),
+    with harness(sglang_python, ["engine"], kvpool_env(sglang_daemon, pool),
                  work / "swa-engine.log", engine_job(swa_llama, hold=True)) as h:
         started = h.wait_for("started", ENGINE_START_S)
         outputs = h.wait_for("generated", 120)["outputs"]
