@@ -62,6 +62,31 @@ async def test_swa_pairs(served: Served) -> None:
     assert kinds(stats)["kv"][1] == kinds(stats)["swa"][1] == 0
 
 
+async def test_swa_paired_by_the_engine(served: Served) -> None:
+    """``swa_pairing="engine"``: kv and swa pages are allocated and freed on their own (the
+    engine pairs them), the daemon never writes ``full_to_swa`` (one int64 per full token slot
+    plus a trailing entry, the engine's), and Configure with the other pairing is a different
+    layout."""
+    opts = {**OPTIONS, "swa_pairing": "engine"}
+    resp = await served.stub.Configure(configure_request("eswa", spec=SWA_SPEC, **opts))
+    got_plan = PoolPlan.from_json(resp.plan_json)
+    lease = await served.lease()
+    got = await served.stub.Allocate(allocate_request("eswa", lease, [("kv", 4), ("swa", 3)]))
+    full, swa = (ids_from_bytes(item.ids) for item in got.items)
+    assert (len(full), len(swa)) == (4, 3) and not got.items[0].paired_ids
+    mapping = served.daemon.pools["eswa"].buffers.views["full_to_swa"].numpy()
+    assert mapping.shape == ((got_plan.num_pages + 1) * 16 + 1,) and not mapping.any()
+    stats = await served.stub.Stats(pb.StatsRequest(pool="eswa"))
+    assert kinds(stats)["kv"][1] == 4 and kinds(stats)["swa"][1] == 3
+    assert {k.space: k.follows for k in stats.pools[0].spaces}["swa"] == ""
+    await served.stub.Free(free_request("eswa", lease, [("swa", swa[:2])]))
+    stats = await served.stub.Stats(pb.StatsRequest(pool="eswa"))
+    assert kinds(stats)["kv"][1] == 4 and kinds(stats)["swa"][1] == 1
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await served.stub.Configure(configure_request("eswa", spec=SWA_SPEC, **OPTIONS))
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+
+
 async def test_state_slots(served: Served) -> None:
     """The hybrid linear plan's mamba_cache_size (62 slots here) is the state space."""
     expected = plan(decode_spec(LINEAR_SPEC), make_options(**OPTIONS))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvpool.contract.errors import InvalidArgument
 from kvpool.contract.plan import FULL_TO_SWA, PoolPlan
 from tests.factories import GiB, llama_8b, plan_for
 from tests.unit.test_sizing_dsv4 import BUDGET, v4_spec
@@ -96,3 +97,28 @@ def test_fingerprint_covers_the_id_spaces(budget: int) -> None:
     other = msgspec.structs.replace(p, id_spaces=p.id_spaces[:1])
     assert other.fingerprint() != p.fingerprint()
     assert PoolPlan.from_json(p.to_json()) == p
+
+
+def test_hybrid_swa_pool_paired_by_the_engine_has_two_spaces_of_their_own() -> None:
+    """``swa_pairing="engine"`` (SGLang's SWA allocator): the same kv and swa pages, neither
+    following the other; ``full_to_swa`` is one int64 per full token slot plus a trailing
+    entry ((num_pages + 1) * 16 + 1), addressed by no space, so a kv page carries no 8 B."""
+    p = plan_for(gpt_oss(), budget_bytes=4 * GiB, page_size=16, swa_pairing="engine")
+    daemon = plan_for(gpt_oss(), budget_bytes=4 * GiB, page_size=16)
+    assert p.swa_num_pages == daemon.swa_num_pages and p.num_pages == daemon.num_pages
+    assert spaces(p) == {
+        "kv": (p.num_pages, 393_216, None),
+        "swa": (p.swa_num_pages, 393_216, None),
+        "req": (p.max_running_requests, 4 * p.req_to_token_columns, None),
+    }
+    assert p.id_space("swa").mapping is None
+    mapping = p.buffer(FULL_TO_SWA)
+    assert mapping.id_space == ""
+    assert mapping.shape == ((p.num_pages + 1) * 16 + 1,)
+    assert p.aux_bytes - daemon.aux_bytes == 8 * ((p.num_pages + 1) * 16 + 1 - (p.num_pages + 1))
+
+
+def test_engine_pairing_is_refused_for_deepseek_v4() -> None:
+    with pytest.raises(InvalidArgument, match="DeepSeek-V4 pools pair") as err:
+        plan_for(v4_spec(), budget_bytes=BUDGET, page_size=256, swa_pairing="engine")
+    assert err.value.field == "swa_pairing"

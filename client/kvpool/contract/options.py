@@ -35,6 +35,10 @@ SpeculativeAlgorithm = Literal["none", "eagle", "standalone"]
 # SGLang's --mamba-radix-cache-strategy: extra_buffer keeps ping-pong state slots per request;
 # auto is what SGLang picks on CUDA (extra_buffer for the hybrid linear models it supports).
 MambaRadixCacheStrategy = Literal["auto", "no_buffer", "extra_buffer"]
+# Who pairs the full and SWA pages of a hybrid sliding-window pool: the daemon (``swa`` follows
+# ``kv``, the daemon writes ``full_to_swa`` per full page) or the engine (``swa`` is its own id
+# space and the engine writes ``full_to_swa`` per token slot, as SGLang's SWA allocator does).
+SwaPairing = Literal["daemon", "engine"]
 
 
 def _doc(text: str, **bounds: int | float) -> Meta:
@@ -77,6 +81,11 @@ class PlanOptions(Base):
     swa_full_tokens_ratio: Annotated[float, _doc(
         "SWA tokens per full-attention token in hybrid SWA pools (default: 0.8; 0.1 for "
         "DeepSeek-V4, as SGLang sets it)", gt=0.0, le=1.0)] | None = None
+    swa_pairing: Annotated[SwaPairing, _doc(
+        "hybrid SWA pools: daemon pairs every kv page with an swa page and writes full_to_swa "
+        "per page; engine makes swa an id space of its own and full_to_swa one int64 per full "
+        "token slot plus a trailing -1, which the engine writes (SGLang's SWA allocator)")
+    ] = "daemon"
     mamba_full_memory_ratio: Annotated[float, _doc(
         "mamba state memory per KV memory in hybrid linear pools", gt=0.0, le=100.0)] = 0.9
     mamba_radix_cache_strategy: Annotated[MambaRadixCacheStrategy, _doc(
@@ -158,6 +167,8 @@ def make_options(**fields: object) -> PlanOptions:
             message += " (accepted: none, eagle, standalone)"
         elif field == "mamba_radix_cache_strategy":
             message += " (accepted: auto, no_buffer, extra_buffer)"
+        elif field == "swa_pairing":
+            message += " (accepted: daemon, engine)"
         raise InvalidArgument(f"invalid plan option: {message}", field=field) from exc
 
 

@@ -339,8 +339,14 @@ def size(ctx: SizingContext) -> Sizing:
     Raises:
         InvalidArgument: see :func:`geometry`; also when the budget holds no page after the
             c128 state, when ``--max-total-tokens`` is below one page, or when the SWA space is
-            not larger than the window plus one page.
+            not larger than the window plus one page, or ``swa_pairing="engine"`` (the DSV4
+            pool's pages are paired by the daemon only).
     """
+    if ctx.options.swa_pairing != "daemon":
+        raise InvalidArgument(
+            f"DeepSeek-V4 pools pair their full and SWA pages in the daemon; swa_pairing "
+            f"{ctx.options.swa_pairing!r} is for hybrid sliding-window pools: leave it unset",
+            field="swa_pairing")
     geo = geometry(ctx)
     options = ctx.options
     page = ctx.page_size

@@ -57,6 +57,12 @@ full layers, all ``(rows, H, head_dim)`` (FP4: packed plus scales, see fp4.py); 
 ``full_to_swa`` int64 ``(fp + 1,)``: full page id (token slot at page 1) -> SWA page id, 0 =
 none. All-SWA: every buffer has ``(sp + 1) * page`` rows and there is no mapping.
 
+``swa_pairing="engine"`` (SGLang's SWA allocator pairs the pages itself): ``full_to_swa`` is
+SGLang's ``full_to_swa_index_mapping``, int64 ``((fp + 1) * page + 1,)``: full token slot -> SWA
+token slot (0 = none) and a trailing entry the engine sets to -1 (a ``last_loc`` of -1 indexes
+it). No id space addresses it, and ``swa`` is an id space of its own (space_table.py). Tiny
+example, page 4, fp = 24: 25 * 4 + 1 = 101 entries, 808 B of aux.
+
 Layer ranges are this stage's half-open ``ctx.layers``. SGLang narrows its SWA/full id lists to
 ``range(start, end + 1)`` (an inclusive end, which looks like an off-by-one); that is not
 reproduced here.
@@ -363,6 +369,10 @@ def layout(ctx: SizingContext, sizing: Sizing) -> list[BufferSpec]:
     if split.all_swa:
         # One token space: its pages are the pool's kv ids (there is no full side to follow).
         return [msgspec.structs.replace(b, id_space="kv") for b in out]
-    out.append(buffer(MAPPING_BUFFER, DType.int64, (sizing.num_pages + 1,), BufferKind.map,
-                      rows_per_page=1, in_budget=False))
+    if ctx.options.swa_pairing == "engine":
+        out.append(buffer(MAPPING_BUFFER, DType.int64, (full_rows + 1,), BufferKind.map,
+                          rows_per_page=page, in_budget=False, space=""))
+    else:
+        out.append(buffer(MAPPING_BUFFER, DType.int64, (sizing.num_pages + 1,), BufferKind.map,
+                          rows_per_page=1, in_budget=False))
     return out

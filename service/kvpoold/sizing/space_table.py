@@ -2,10 +2,11 @@
 
 Every pool has ``kv`` (pages of the full, or only, token space) and ``req`` (request rows of
 ``req_to_token``); a hybrid sliding-window pool adds ``swa``, which follows ``kv`` through the
-``full_to_swa`` buffer; a hybrid linear pool adds ``state`` (mamba slots); DeepSeek-V4 adds its
-compress-state rings (``c4_state``, ``c128_state``) through ``Sizing.extra_spaces``. Below the
-sizing modules nothing branches on architecture: the allocator, Stats, metrics and ``kvpool top``
-iterate this table.
+``full_to_swa`` buffer (or, when the engine pairs the pages, ``swa_pairing="engine"``: a mapping
+that no id space addresses, ``swa`` stands alone); a hybrid linear pool adds ``state`` (mamba
+slots); DeepSeek-V4 adds its compress-state rings (``c4_state``, ``c128_state``) through
+``Sizing.extra_spaces``. Below the sizing modules nothing branches on architecture: the
+allocator, Stats, metrics and ``kvpool top`` iterate this table.
 """
 
 from __future__ import annotations
@@ -36,12 +37,11 @@ def declare_spaces(sizing: Sizing, buffers: Sequence[BufferSpec]) -> tuple[IdSpa
         sizing: the architecture's numbers.
         buffers: the plan's buffers (tagged with ``id_space``).
     """
-    names = {b.name for b in buffers}
-    paired = bool(sizing.swa_num_pages) and FULL_TO_SWA in names
+    mapping = next((b for b in buffers if b.name == FULL_TO_SWA), None)
     sizes: list[tuple[str, int, str | None]] = [("kv", sizing.num_pages, None)]
-    if paired:
-        assert sizing.swa_num_pages is not None
-        sizes.append(("swa", sizing.swa_num_pages, "kv"))
+    if sizing.swa_num_pages and mapping is not None:
+        # A mapping the daemon writes is addressed by kv ids; the engine's by no space.
+        sizes.append(("swa", sizing.swa_num_pages, "kv" if mapping.id_space else None))
     sizes.append(("req", sizing.max_running_requests, None))
     if sizing.mamba_cache_size:
         sizes.append(("state", sizing.mamba_cache_size, None))

@@ -12,7 +12,9 @@ go back to the pool when its lease expires.
 
 - Page ``p`` (an id of the pool's ``kv`` space, ``1..capacity``; 0 is never handed out, as in
   SGLang, whose page 0 is the padding page) covers token indices ``p * page_size + j``,
-  ``j < page_size``; indices are int64 tensors on ``device``.
+  ``j < page_size``; indices are int64 tensors on ``device``. The inner allocator of the SWA
+  side of a hybrid SWA pool takes ``swa`` pages instead (its KV pool says so:
+  ``kvpool_space``, see ``swa.py``).
 - ``size`` tokens is the allocator's quota in the pool: at most ``size // page_size`` pages in
   use at once. ``available_size()`` is the quota less the pages in use, in tokens, as SGLang
   counts it. The pool may be larger and shared with other leases; when the pool itself runs
@@ -151,7 +153,9 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         self._closed = False
         try:
             stats = self.binding.client.stats(self.pool_name)
-            self.capacity = space_capacity(stats, self.pool_name, SPACE)
+            # The side of a hybrid SWA pool names its space (swa.py); else the pool's kv.
+            self.space: str = getattr(kvcache, "kvpool_space", SPACE)
+            self.capacity = space_capacity(stats, self.pool_name, self.space)
             self._check_page_size(stats)
             self.num_pages = self._quota_pages(size)
             self.lease = self.binding.lease
@@ -164,14 +168,14 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
                 self.pages_per_group = (self.capacity + 1) // max(1, e.groups)
                 self.low_pages = min(self.num_pages, max(1, self.pages_per_group // 2))
                 self.cache: PageCache = self.lease.page_cache(
-                    self.pool_name, SPACE, low=0, high=self.capacity,
+                    self.pool_name, self.space, low=0, high=self.capacity,
                     batch=max(1, min(self.capacity, self.pages_per_group // 2)),
                     background=False, fill=False)
                 # The daemon's give-backs reach the radix tree's unreferenced pages too.
                 self.cache.set_evictor(self._evict_tree)
             else:
                 high = max(1, min(DEFAULT_HIGH, self.capacity // 4, self.num_pages))
-                self.cache = self.lease.page_cache(self.pool_name, SPACE, high=high)
+                self.cache = self.lease.page_cache(self.pool_name, self.space, high=high)
         except BaseException:
             if self.owns_binding:
                 self.binding.close()
@@ -211,7 +215,7 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         if pages > self.capacity:
             raise InvalidArgument(
                 f"SGLang asked for {int(size)} tokens ({pages} pages of {self.page_size}) but "
-                f"kvpool pool {self.pool_name!r} holds {self.capacity} kv pages "
+                f"kvpool pool {self.pool_name!r} holds {self.capacity} {self.space} pages "
                 f"({self.capacity * self.page_size} tokens): lower --max-total-tokens, or "
                 "configure the pool with a larger budget_bytes / max_total_tokens",
                 field="max_total_tokens")
@@ -634,7 +638,11 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
 
     def clear(self) -> None:
         """Free every page in use (back to the page cache) and drop pending free groups:
-        the allocator is empty, its whole quota available."""
+        the allocator is empty, its whole quota available. The SWA side of a hybrid SWA pool
+        takes its SWA allocator's mapping into the daemon here (``swa.adopt_mapping``)."""
+        adopt = getattr(self._kvcache, "kvpool_on_allocator_clear", None)
+        if adopt is not None:
+            adopt(self)
         pages = self.cache.handed_out()
         if pages.size:
             # After the lease ended (closed or expired) the page cache only unmarks them.

@@ -26,11 +26,12 @@ The pool carries its binding as ``kvpool_binding`` (the paged allocator takes it
 that lease) and the Configure answer as ``kvpool_configured``.
 
 Supported layouts: the plain per-layer token-major layout (NHD) of unquantized MHA pools, MLA
-and DSA latent pools, DSA indexer keys, FP4 MHA pools (``quantized.py``), and the full-attention
+and DSA latent pools, DSA indexer keys, FP4 MHA pools (``quantized.py``), the full-attention
 layers of a hybrid linear pool (the daemon's ``hybrid_linear`` plan: the pool's dense layer
-``i`` is the plan's ``i``-th KV layer; the mamba state is ``hybrid_linear.py``'s). Refused with
-an error: other quantized KV methods, post-capture (VMM) backing, HND / vectorized layouts, and
-plans of other architectures, whose daemon plans this module does not map.
+``i`` is the plan's ``i``-th KV layer; the mamba state is ``hybrid_linear.py``'s), and the two
+MHA sides of SGLang's hybrid sliding-window ``SWAKVPool`` (``kvpool.integrations.sglang.swa``).
+Refused with an error: other quantized KV methods, post-capture (VMM) backing, HND / vectorized
+layouts, and plans of other architectures, whose daemon plans this module does not map.
 """
 
 from __future__ import annotations
@@ -429,6 +430,11 @@ class KVPoolMHATokenToKVPool(MHATokenToKVPool):
         super()._create_buffers()
 
     def _create_buffers_normal(self) -> None:
+        from kvpool.integrations.sglang import swa
+
+        if swa.side_of(self) is not None:  # a side of SGLang's hybrid SWAKVPool
+            swa.create_side_buffers(self)
+            return
         attachment = attach_pool(self, architecture="mha")
         self.kvpool_attachment = attachment
         k_shape, v_shape = self._kv_buffer_shapes()
