@@ -26,18 +26,24 @@ instead of spinning on a core). One untimed warm-up round each, then ``--rounds`
 order inside a pair alternating (plugin, baseline, baseline, plugin, ...: drift of the machine
 lands on both alike). Each round first flushes the engine's radix cache, so every round starts
 from the same empty cache. Per round: output tokens/s (all output tokens over the time from the
-first arrival to the last completion), TTFT (arrival to first streamed token) p50 and p99.
-Per pair the ratios plugin / baseline (for tokens/s, baseline / plugin: above 1 is a cost of
-the plugin); printed: the median over the pairs and the pairs' range, against the target
-(<= 1.03x for tokens/s and TTFT p50; the p99 is shown, noisier). The greedy tokens of both
+first arrival to the last completion), TTFT (arrival to first streamed token) p50 and p99,
+and the CPU seconds the round cost: the engine's processes (tokenizer manager, scheduler,
+detokenizer), plus, for the plugin, the daemon's (it serves no one else). On a machine shared
+with other work the wall-clock figures move with the others' load (a factor of several between
+rounds was seen); CPU seconds hardly do. Per pair the ratios plugin / baseline (for tokens/s,
+baseline / plugin: above 1 is a cost of the plugin); printed: the median over the pairs and the
+pairs' range, against the target (<= 1.03x for tokens/s, TTFT p50 and CPU seconds; the p99 is
+shown, noisier). The greedy tokens of both
 engines are compared request by request (first round of each).
 
-Run from the repository root with the main venv (the side venv from
-``tests/sglang/setup_venv.sh``, or ``KVPOOL_SGLANG_VENV``); ``--quick`` is about two minutes on
-2 cores, most of it the two engines starting::
+The plugin's lease has a TTL of 10 s (a loaded 2-core machine starved a 2 s lease's keep-alive);
+SGLang's shutdown SIGKILLs its scheduler, so the run ends by waiting for the lease to expire and
+checks that every page is back. Run from the repository root with the main venv (the side venv
+from ``tests/sglang/setup_venv.sh``, or ``KVPOOL_SGLANG_VENV``); ``--quick`` is about three
+minutes on a busy 2-core machine, most of it the two engines starting::
 
     PYTHONPATH=client:service .venv/bin/python bench/sglang_engine.py [--quick] [--rounds 5]
-        [--requests 192] [--rate 64] [--json out.json]
+        [--requests 128] [--rate 64] [--json out.json]
 """
 
 from __future__ import annotations
@@ -66,7 +72,7 @@ PAGE = 16
 POOL = "bench-engine"
 VARIANTS = ("plugin", "baseline")
 BASELINE_ENV = "KVPOOL_BENCH_BASELINE"
-TTL_S = 2.0
+TTL_S = 10.0  # the lease's TTL: a loaded 2-core machine can starve a keep-alive for seconds
 START_S = 300.0  # an engine's start: 23 s warm, 60-75 s cold on a busy 2-core machine
 TARGET = 1.03
 VOCAB = (3, 256)  # token ids drawn from here: 0-2 are pad, bos and eos
@@ -89,7 +95,7 @@ class Settings:
     seed: int
 
 
-FULL = dict(requests=192, rate=64.0, prompt=(32, 160), output=(16, 96), shared=0.5,
+FULL = dict(requests=128, rate=64.0, prompt=(32, 160), output=(16, 96), shared=0.5,
             prefixes=4, prefix_len=96, rounds=8, max_total_tokens=32768, max_running=128)
 QUICK = dict(FULL, requests=64, rounds=3)
 
@@ -191,14 +197,27 @@ def run_engine(job: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         return list(await asyncio.gather(*(_one(engine, t0, r) for r in trace)))
 
+    def cpu_s() -> float:
+        """CPU seconds of this process and its children (scheduler, detokenizer)."""
+        import psutil
+
+        me = psutil.Process()
+        total = 0.0
+        for p in (me, *me.children(recursive=True)):
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                total += t.user + t.system
+        return total
+
     try:
         for line in sys.stdin:
             if not line.strip():
                 break
             trace = json.loads(line)["trace"]
             engine.flush_cache()
+            before = cpu_s()
             results = engine.loop.run_until_complete(replay(trace))
-            emit("round", results=results)
+            emit("round", results=results, cpu_s=cpu_s() - before)
     finally:
         engine.shutdown()
         emit("shutdown")
@@ -330,10 +349,33 @@ def make_model(path: Path) -> None:
                     "make-model", str(path)], env=env, check=True, stdout=subprocess.DEVNULL)
 
 
-def run(s: Settings, json_path: Path | None) -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from rpc import serving_daemon
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` so far, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+
+@contextlib.contextmanager
+def serving_daemon() -> Iterator[tuple[str, int]]:
+    """A ``kvpoold serve`` on a Unix socket in a fresh directory: (target, pid)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from rpc import start_daemon
+
+    from kvpool import KVPoolClient
+
+    with tempfile.TemporaryDirectory(prefix="kvp-sgl-bench-d-", dir="/tmp") as tmp:
+        sock = Path(tmp) / "kvpool.sock"
+        daemon = start_daemon(sock, "512MiB")
+        try:
+            with KVPoolClient(f"unix://{sock}") as client:
+                client.wait_serving()
+            yield f"unix://{sock}", daemon.pid
+        finally:
+            daemon.terminate()
+            daemon.wait(30)
+
+
+def run(s: Settings, json_path: Path | None) -> int:
     if not (VENV / "bin" / "python").exists():
         print(f"no SGLang side venv at {VENV}: run tests/sglang/setup_venv.sh (or set "
               "KVPOOL_SGLANG_VENV)", file=sys.stderr)
@@ -352,7 +394,7 @@ def run(s: Settings, json_path: Path | None) -> int:
     outputs: dict[str, list[list[int]]] = {}
     line = json.dumps({"trace": trace})
     with tempfile.TemporaryDirectory(prefix="kvp-sgl-bench-") as tmp, \
-            serving_daemon("kvp-sgl-bench-", budget="512MiB") as target:
+            serving_daemon() as (target, daemon_pid):
         work = Path(tmp)
         make_model(work / "tiny-llama")
         with engines(work, work / "tiny-llama", target, s) as running:
@@ -363,10 +405,17 @@ def run(s: Settings, json_path: Path | None) -> int:
             for tag in order:
                 k, variant = tag.split(":")
                 e = running[variant]
+                daemon_before = proc_cpu_s(daemon_pid)
                 e.send(line)
-                results = e.wait_for("round", 600)["results"]
+                got = e.wait_for("round", 600)
+                daemon_cpu = proc_cpu_s(daemon_pid) - daemon_before
+                results = got["results"]
                 row = summarize(results, trace)
-                row.update(variant=variant, round=k)
+                # The daemon works for the plugin's engine only (the other's keep-alives are
+                # the idle plugin engine's): its CPU is the plugin's.
+                row.update(variant=variant, round=k, engine_cpu_s=got["cpu_s"],
+                           daemon_cpu_s=daemon_cpu,
+                           cpu_s=got["cpu_s"] + (daemon_cpu if variant == "plugin" else 0.0))
                 if variant == "plugin":
                     row["kvpool"] = lease_pages(target)
                 outputs.setdefault(variant, [r["output_ids"] for r in results])
@@ -376,8 +425,9 @@ def run(s: Settings, json_path: Path | None) -> int:
                 rounds.append(row)
                 print(f"round {int(k) + 1}/{s.rounds} {variant:<8}: {row['tokens_per_s']:8,.0f} "
                       f"tokens/s in {row['seconds']:.2f} s, TTFT p50 {row['ttft_p50_ms']:7.1f} "
-                      f"ms p99 {row['ttft_p99_ms']:7.1f} ms, {row['cached_tokens']:,} prompt "
-                      "tokens from the radix cache", flush=True)
+                      f"ms p99 {row['ttft_p99_ms']:7.1f} ms, CPU {row['engine_cpu_s']:.2f} s "
+                      f"(+ daemon {row['daemon_cpu_s']:.2f} s), {row['cached_tokens']:,} "
+                      "prompt tokens from the radix cache", flush=True)
         after = lease_pages(target)
         deadline = time.monotonic() + TTL_S + 10
         while after["held"] and time.monotonic() < deadline:  # SIGKILLed: the lease expires
@@ -398,23 +448,26 @@ def run(s: Settings, json_path: Path | None) -> int:
 def table(rounds: list[dict[str, Any]], s: Settings) -> dict[str, Any]:
     """Print the medians per variant and the per-pair ratios; return them."""
     by = {v: [r for r in rounds if r["variant"] == v] for v in VARIANTS}
-    cols = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms")
+    cols = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "cpu_s")
     print(f"\nmedian over {s.rounds} rounds per engine (same trace, radix cache flushed "
           "before each round; rounds alternate plugin/baseline, order swapped every pair)")
-    print(f"{'engine':<10} {'tokens/s':>10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}")
+    print(f"{'engine':<10} {'tokens/s':>10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} "
+          f"{'CPU s':>8}")
     medians = {v: {c: statistics.median(r[c] for r in by[v]) for c in cols} for v in VARIANTS}
     for v in VARIANTS:
         m = medians[v]
         print(f"{v:<10} {m['tokens_per_s']:10,.0f} {m['ttft_p50_ms']:12.1f} "
-              f"{m['ttft_p99_ms']:12.1f}")
+              f"{m['ttft_p99_ms']:12.1f} {m['cpu_s']:8.2f}")
     pairs = list(zip(by["plugin"], by["baseline"], strict=True))
     ratios = {
         "tokens_per_s (baseline / plugin)": [b["tokens_per_s"] / p["tokens_per_s"]
                                              for p, b in pairs],
         "TTFT p50 (plugin / baseline)": [p["ttft_p50_ms"] / b["ttft_p50_ms"] for p, b in pairs],
         "TTFT p99 (plugin / baseline)": [p["ttft_p99_ms"] / b["ttft_p99_ms"] for p, b in pairs],
+        "CPU s (plugin + daemon / baseline)": [p["cpu_s"] / b["cpu_s"] for p, b in pairs],
     }
-    print("\nthe plugin's cost: the median of the per-pair ratios [the pairs' min .. max]")
+    print("\nthe plugin's cost: the median of the per-pair ratios [the pairs' min .. max]; CPU "
+          "seconds hardly move with the machine's other load, wall-clock figures do")
     out: dict[str, Any] = {"medians": medians, "ratios": {}}
     for label, values in ratios.items():
         v = statistics.median(values)
