@@ -835,8 +835,8 @@ def run(args: argparse.Namespace) -> int:
               f"{target:<8} {'met' if ok(v) else 'MISSED'}")
     s50 = med(ratios(sglang, "floor", 0))
     s99 = med(ratios(sglang, "floor", 1))
-    print(f"{sglang + ' p50 / floor p50':<30} {s50:9.2f}x  (p99: {s99:.2f}x; info: it also "
-          "computes every running request's next slot)")
+    note = "; info: it also computes every running request's next slot" if real else ""
+    print(f"{sglang + ' p50 / floor p50':<30} {s50:9.2f}x  (p99: {s99:.2f}x{note})")
     mode = "worker thread" if args.background else "maintain() between steps"
     print(f"\npage cache counters over the {args.steps:,} steps of the last round ({mode}; low "
           f"{args.low}, high {args.high}, batch {args.batch}): "
