@@ -15,14 +15,22 @@ length-biased, part-way through their decode; their pages are allocated untimed)
    allocates per batch, as SGLang's ``alloc_extend``/``alloc_decode`` do; the split of the
    step's ids among its requests is bookkeeping, outside the timer). A "per request" row,
    informational, makes one call per request instead.
-2. sglang: SGLang's paged allocator as docs/sglang-sizing-reference.md section 6.3 describes
-   it (reimplemented here; CPU tensors instead of device ones): a torch int64 free list of
-   page ids; one alloc per batch per step (the prefill batch and the decode batch: alloc_extend
-   and alloc_decode each take their pages with one slice from the front); frees inside a free
-   group (one ``torch.cat`` of the finished requests' token indices, ``unique(idx // page)``,
-   then prepended to the free list with ``torch.cat``). ``need_sort`` is off (it is on only
-   with PD disaggregation), so nothing is ever sorted; with it on, frees are staged and
-   merged-and-sorted when an alloc finds the list short.
+2. sglang (its own class): SGLang 0.5.23's ``PagedTokenToKVPoolAllocator`` itself, run in a
+   process of the SGLang side venv (``tests/sglang/setup_venv.sh``, or ``KVPOOL_SGLANG_VENV``)
+   that replays the same trace (see :class:`RealSGLangRound`) on CPU tensors with SGLang's
+   torch paths (no triton here), called as its scheduler calls it: per step one free group
+   with ``free_segment(row, start_pos=0)`` per finished request (``free_kv_row``'s path), one
+   ``alloc_extend`` for the prefill batch and one ``alloc_decode`` for the whole running batch
+   (which computes every running request's next slot, not only the page-crossing ones: part
+   of what SGLang's allocator costs a step). The worker times its own steps and sleeps the
+   same forward pass, and takes its turns like the other variants (one pipe message per turn,
+   outside every timed region). Labelled fallback, when there is no side venv (or with
+   ``--sglang-reimplementation``): "sglang (reimplementation)", SGLang's free-list algorithm
+   as docs/sglang-sizing-reference.md section 6.3 describes it, reimplemented here: a torch
+   int64 free list of page ids; alloc_extend and alloc_decode each take their pages with one
+   slice from the front; frees inside a free group (one ``torch.cat`` of the finished
+   requests' token indices, ``unique(idx // page)``, then prepended to the free list with
+   ``torch.cat``). ``need_sort`` is off in both (it is on only with PD disaggregation).
 3. rpc: a real ``kvpoold serve`` process on a Unix socket, one lease, a pool of its own; per
    step ONE
    ``lease.allocate_batch(pool, [("kv", n), ...])`` with one item per request that needs pages
@@ -72,13 +80,16 @@ with "met"/"MISSED", and the page cache's counters. Run from the repository root
 minute on 2 cores):
 
     PYTHONPATH=client:service python bench/engine_step.py [--steps 2000] [--seed 0]
-        [--requests 256] [--rounds 5] [--block 50] [--background]
+        [--requests 256] [--rounds 5] [--block 50] [--background] [--sglang-reimplementation]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -130,6 +141,7 @@ class Trace:
     allocs: list[list[tuple[int, int]]]
     arrivals: list[int]  # how many of ``allocs[s]`` are prefills (the first ones)
     tokens: dict[int, int]  # a request's final length (token indices freed, for sglang)
+    start: dict[int, int]  # a request's tokens when it first allocates (setup or prefill)
     peak_pages: int
     running: list[int]
     sizes: list[Sizes]  # per step, what a scheduler knows before it calls its allocator
@@ -150,6 +162,7 @@ def make_trace(steps: int, requests: int, seed: int) -> Trace:
     length: dict[int, int] = {}  # request -> tokens now
     left: dict[int, int] = {}  # request -> decode tokens still to come
     final: dict[int, int] = {}
+    start: dict[int, int] = {}
     setup: list[tuple[int, int]] = []
     next_id = 0
     # The steady state: decode lengths length-biased (a running request is more likely a long
@@ -162,6 +175,7 @@ def make_trace(steps: int, requests: int, seed: int) -> Trace:
         length[next_id] = p + k
         left[next_id] = d - k
         final[next_id] = p + d
+        start[next_id] = p + k
         setup.append((next_id, -(-(p + k) // PAGE)))
         next_id += 1
     held = sum(n for _, n in setup)
@@ -183,6 +197,7 @@ def make_trace(steps: int, requests: int, seed: int) -> Trace:
             length[next_id] = p
             left[next_id] = d
             final[next_id] = p + d
+            start[next_id] = p
             next_id += 1
         new = {r for r, _ in step}
         arrivals.append(len(step))
@@ -200,7 +215,7 @@ def make_trace(steps: int, requests: int, seed: int) -> Trace:
         running.append(len(left))
     sizes = [Sizes(a, sum(n for _, n in step[:a]), len(step) - a, sum(n for _, n in step))
              for a, step in zip(arrivals, allocs, strict=True)]
-    return Trace(setup, frees, allocs, arrivals, final, peak, running, sizes)
+    return Trace(setup, frees, allocs, arrivals, final, start, peak, running, sizes)
 
 
 # -- the variants -----------------------------------------------------------------------------
@@ -288,11 +303,17 @@ class Replay:
         if self.between is not None:
             self.between()  # the engine's own work between steps (untimed), e.g. maintain()
 
+    def run_block(self, first: int, last: int, forward_s: float) -> None:
+        """Steps ``first`` to ``last - 1``, each followed by the forward pass (a sleep)."""
+        for s in range(first, last):
+            self.step(s)
+            time.sleep(forward_s)  # the forward pass (untimed)
+
     def result(self) -> Result:
         return Result(self.name, self.samples, self.check.allocated, self.check.freed)
 
 
-def interleaved(replays: list[Replay], steps: int, forward_s: float,
+def interleaved(replays: list[Replay | RealSGLangReplay], steps: int, forward_s: float,
                 block: int) -> dict[str, Result]:
     """The variants take turns, ``block`` steps at a time (the order rotated per block), each
     step followed by the forward pass (``forward_s`` of sleep, untimed), until every variant
@@ -302,10 +323,7 @@ def interleaved(replays: list[Replay], steps: int, forward_s: float,
     k = len(replays)
     for t, first in enumerate(range(0, steps, block)):
         for j in range(k):
-            replay = replays[(t + j) % k]
-            for s in range(first, min(first + block, steps)):
-                replay.step(s)
-                time.sleep(forward_s)  # the forward pass (untimed)
+            replays[(t + j) % k].run_block(first, min(first + block, steps), forward_s)
     return {r.name: r.result() for r in replays}
 
 
@@ -442,6 +460,203 @@ class SGLangVariant:
         return pages
 
 
+# -- SGLang's own allocator class, run in the side venv ----------------------------------------
+
+SIDE_VENV = Path(os.environ.get("KVPOOL_SGLANG_VENV",
+                                Path(__file__).resolve().parent.parent / ".venv-sglang"))
+REAL_NAME = "sglang (its own class)"
+REIMPL_NAME = "sglang (reimplementation)"
+
+
+class RealSGLangWorker:
+    """SGLang 0.5.23's ``PagedTokenToKVPoolAllocator`` replaying the trace in a process of the
+    side venv (this script's ``sglang-worker`` mode): started once, one ``round`` (a fresh
+    allocator and the untimed setup) per round, then one ``block`` command per turn. The
+    worker times its own steps (the pipe is outside every timed region) and sleeps the forward
+    pass after each, as the other variants do."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        bench = Path(__file__).resolve().parent
+        stubs = bench.parent / "tests" / "sglang" / "stubs"
+        env = {**os.environ, "PYTHONPATH": f"{stubs}:{bench.parent / 'client'}:{bench}",
+               "HF_HUB_OFFLINE": "1"}
+        for name in ("VIRTUAL_ENV", "SGLANG_PLATFORM", "KVPOOL_POOL"):
+            env.pop(name, None)  # SGLang's own platform: no triton on CPU, its torch paths
+        self.proc = subprocess.Popen(
+            [str(SIDE_VENV / "bin" / "python"), str(Path(__file__).resolve()), "sglang-worker"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+        self.ask({"cmd": "trace", "steps": args.steps, "requests": args.requests,
+                  "seed": args.seed})
+
+    def ask(self, msg: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the SGLang worker exited ({self.proc.wait()}) on {msg['cmd']}")
+        got = json.loads(line)
+        if "error" in got:
+            raise RuntimeError(f"the SGLang worker failed on {msg['cmd']}: {got['error']}")
+        return got
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class RealSGLangReplay:
+    """One round of :class:`RealSGLangWorker`, with the interface :func:`interleaved` uses."""
+
+    name = REAL_NAME
+
+    def __init__(self, worker: RealSGLangWorker, pages: int) -> None:
+        self.worker = worker
+        worker.ask({"cmd": "round", "pages": pages})
+
+    def run_block(self, first: int, last: int, forward_s: float) -> None:
+        self.worker.ask({"cmd": "block", "first": first, "last": last, "forward_s": forward_s})
+
+    def result(self) -> Result:
+        got = self.worker.ask({"cmd": "result"})
+        return Result(self.name, got["samples"], got["allocated"], got["freed"])
+
+
+class RealSGLangRound:
+    """The worker's side: the trace through SGLang's allocator the way its 0.5.23 scheduler
+    calls it. Per step, timed: the finished requests' kv rows freed in one free group, each by
+    ``free_segment(row, start_pos=0)`` (``free_kv_row``'s path: its page ids, no ``unique``);
+    one ``alloc_extend`` for the step's prefill batch (prefix 0, ``last_loc`` -1); one
+    ``alloc_decode`` for every running request (``seq_lens``, ``last_loc`` of each), of
+    which only those crossing a page boundary take a page. The tensors those calls take
+    (a scheduler has them before it calls) and the checks (every new page free, the page
+    counts those of the trace) are built and run outside the timed region."""
+
+    def __init__(self, trace: Trace, pages: int) -> None:
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+
+        self.trace = trace
+        self.alloc = PagedTokenToKVPoolAllocator(pages * PAGE, PAGE, torch.float16, "cpu",
+                                                 None, False)
+        self.alloc.use_triton_kernels = False  # the CPU: SGLang's torch fallbacks
+        self.in_use = np.zeros(pages + 1, dtype=bool)
+        self.pages: dict[int, list[int]] = {}  # request -> its pages, in order
+        self.length: dict[int, int] = {}  # request -> tokens now
+        self.samples: list[int] = []
+        self.allocated = 0
+        self.freed = 0
+        self.offsets = torch.arange(PAGE, dtype=torch.int64)
+        for r, n in trace.setup:
+            idx = self.alloc.alloc(n * PAGE)
+            assert idx is not None
+            self.take(r, idx[::PAGE].numpy() // PAGE)
+            self.length[r] = trace.start[r]
+        self.allocated = 0  # count the timed steps only
+
+    def take(self, r: int, new: np.ndarray) -> None:
+        assert not self.in_use[new].any(), "a page handed out twice"
+        self.in_use[new] = True
+        self.allocated += new.shape[0]
+        self.pages.setdefault(r, []).extend(new.tolist())
+
+    def row(self, r: int) -> torch.Tensor:
+        p = torch.tensor(self.pages[r], dtype=torch.int64)
+        return (p[:, None] * PAGE + self.offsets).reshape(-1)[:self.length[r]]
+
+    def step(self, s: int) -> None:
+        trace, a = self.trace, self.alloc
+        rows = [self.row(r) for r in trace.frees[s]]
+        for r in trace.frees[s]:
+            pages = np.asarray(self.pages.pop(r))
+            assert self.in_use[pages].all()
+            self.in_use[pages] = False
+            self.freed += pages.shape[0]
+            del self.length[r]
+        new = [r for r, _ in trace.allocs[s][:trace.arrivals[s]]]
+        running = [r for r in self.length if r not in new]
+        ext = None
+        if new:
+            seq = torch.tensor([trace.start[r] for r in new], dtype=torch.int64)
+            zero = torch.zeros(len(new), dtype=torch.int64)
+            ext = (zero, zero.clone(), seq, seq.clone(), torch.full_like(zero, -1),
+                   int(seq.sum()))
+        dec = None
+        if running:
+            lens = torch.tensor([self.length[r] for r in running], dtype=torch.int64)
+            last = torch.tensor([self.pages[r][(n - 1) // PAGE] * PAGE + (n - 1) % PAGE
+                                 for r, n in zip(running, lens.tolist(), strict=True)],
+                                dtype=torch.int64)
+            dec = (lens + 1, lens + 1, last)
+        t0 = clock()
+        if rows:
+            a.free_group_begin()
+            for row in rows:
+                a.free_segment(row, start_pos=0)
+            a.free_group_end()
+        out_ext = a.alloc_extend(*ext) if ext is not None else None
+        out_dec = a.alloc_decode(*dec) if dec is not None else None
+        self.samples.append(clock() - t0 if (rows or trace.allocs[s]) else 0)
+        if ext is not None:
+            assert out_ext is not None, "alloc_extend: out of pages"
+            lo = 0
+            for r in new:
+                n = trace.start[r]
+                self.take(r, out_ext[lo:lo + n:PAGE].numpy() // PAGE)
+                self.length[r] = n
+                lo += n
+        decoded = 0
+        if dec is not None:
+            assert out_dec is not None, "alloc_decode: out of pages"
+            starts = (dec[0] - 1) % PAGE == 0
+            for r, loc, first in zip(running, out_dec.tolist(), starts.tolist(), strict=True):
+                if first:
+                    self.take(r, np.array([loc // PAGE]))
+                    decoded += 1
+                self.length[r] += 1
+        want = trace.sizes[s]
+        prefilled = sum(len(self.pages[r]) for r in new)
+        assert (prefilled, decoded) == (want.prefill, want.decode), (s, prefilled, decoded, want)
+
+
+def sglang_worker() -> int:
+    """The side venv's end of :class:`RealSGLangWorker`: JSON commands on stdin, one answer
+    line each on stdout (SGLang logs to stderr)."""
+    trace: Trace | None = None
+    current: RealSGLangRound | None = None
+    torch.set_num_threads(1)
+    answers, sys.stdout = sys.stdout, sys.stderr  # whatever else prints goes to stderr
+    for line in sys.stdin:
+        msg = json.loads(line)
+        try:
+            if msg["cmd"] == "trace":
+                trace = make_trace(msg["steps"], msg["requests"], msg["seed"])
+                answer: dict[str, Any] = {"ok": True}
+            elif msg["cmd"] == "round":
+                assert trace is not None
+                current = RealSGLangRound(trace, msg["pages"])
+                answer = {"ok": True}
+            elif msg["cmd"] == "block":
+                assert current is not None
+                for s in range(msg["first"], msg["last"]):
+                    current.step(s)
+                    time.sleep(msg["forward_s"])
+                answer = {"ok": True}
+            else:
+                assert current is not None
+                answer = {"samples": current.samples, "allocated": current.allocated,
+                          "freed": current.freed}
+        except Exception as exc:  # reported to the bench, which stops
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(answer), file=answers, flush=True)
+    return 0
+
+
 class RPCVariant:
     def __init__(self, lease: Lease, pool: str) -> None:
         self.lease = lease
@@ -491,9 +706,11 @@ def stats_us(samples: list[int]) -> tuple[float, float, float]:
 
 
 def one_round(client: KVPoolClient, trace: Trace, pages: int, capacity: int,
-              args: argparse.Namespace) -> tuple[dict[str, Result], dict[str, int]]:
+              args: argparse.Namespace, worker: RealSGLangWorker | None
+              ) -> tuple[dict[str, Result], dict[str, int]]:
     """Every variant once, interleaved (see :func:`interleaved`), on the same trace; each
-    daemon-backed variant has a pool of its own, as if it ran alone."""
+    daemon-backed variant has a pool of its own, as if it ran alone. ``worker``: SGLang's own
+    allocator class in the side venv; None: the reimplementation stands in for it."""
     forward_s = args.forward_us / 1e6
     low, high, batch = args.low, args.high, args.batch
     background = args.background
@@ -519,9 +736,10 @@ def one_round(client: KVPoolClient, trace: Trace, pages: int, capacity: int,
         def between(cache: PageCache) -> Callable[[], Any] | None:
             return None if background else cache.maintain
 
-        replays = [
+        replays: list[Replay | RealSGLangReplay] = [
             Replay("floor", trace, pages, floor.setup, floor.step_batched),
-            Replay("sglang", trace, pages, sg.setup, sg.step, sg.token_indices),
+            RealSGLangReplay(worker, pages) if worker is not None else
+            Replay(REIMPL_NAME, trace, pages, sg.setup, sg.step, sg.token_indices),
             Replay("rpc", trace, capacity, rpc.setup, rpc.step),
             Replay("page cache", trace, capacity, settled(caches[0], cvar.setup),
                    cvar.step_batched, between=between(caches[0])),
@@ -561,15 +779,27 @@ def run(args: argparse.Namespace) -> int:
           f"{trace.peak_pages:,}; pool {pages:,} pages")
     rounds: list[dict[str, tuple[float, float, float]]] = []
     counters: dict[str, int] = {}
-    with serving_daemon("kvp-engine-", budget="256MiB") as target, \
-            KVPoolClient(target) as client:
+    real = (SIDE_VENV / "bin" / "python").exists() and not args.sglang_reimplementation
+    sglang = REAL_NAME if real else REIMPL_NAME
+    print(f"{sglang}: " + (
+        f"SGLang's PagedTokenToKVPoolAllocator, run in the side venv {SIDE_VENV} (its torch "
+        "paths on CPU tensors)" if real else
+        "NOT SGLang's class: this script's reimplementation of its free-list algorithm "
+        f"(--sglang-reimplementation, or no side venv at {SIDE_VENV})"))
+    with contextlib.ExitStack() as stack:
+        target = stack.enter_context(serving_daemon("kvp-engine-", budget="256MiB"))
+        client = stack.enter_context(KVPoolClient(target))
+        worker = None
+        if real:
+            worker = RealSGLangWorker(args)
+            stack.callback(worker.close)
         for pool in POOLS:
             client.configure(pool, spec=SPEC, max_total_tokens=pages * PAGE, page_size=PAGE,
                              max_running_requests=512)
         capacity = client.stats(POOLS[0]).pool(POOLS[0]).spaces["kv"].capacity
         assert capacity >= trace.peak_pages + args.high, (capacity, trace.peak_pages)
         for k in range(args.rounds):
-            results, counters = one_round(client, trace, pages, capacity, args)
+            results, counters = one_round(client, trace, pages, capacity, args, worker)
             rounds.append({name: stats_us(r.samples) for name, r in results.items()})
             print(f"round {k + 1}/{args.rounds}: page cache p50 "
                   f"{rounds[-1]['page cache'][0]:.2f} us, floor p50 "
@@ -603,9 +833,10 @@ def run(args: argparse.Namespace) -> int:
         v = med(values)
         print(f"{label:<30} {v:9.2f}x  [{min(values):.2f} .. {max(values):.2f}]  target "
               f"{target:<8} {'met' if ok(v) else 'MISSED'}")
-    s50 = med(ratios("sglang", "floor", 0))
-    s99 = med(ratios("sglang", "floor", 1))
-    print(f"{'sglang p50 / floor p50':<30} {s50:9.2f}x  (p99: {s99:.2f}x)")
+    s50 = med(ratios(sglang, "floor", 0))
+    s99 = med(ratios(sglang, "floor", 1))
+    note = "; info: it also computes every running request's next slot" if real else ""
+    print(f"{sglang + ' p50 / floor p50':<30} {s50:9.2f}x  (p99: {s99:.2f}x{note})")
     mode = "worker thread" if args.background else "maintain() between steps"
     print(f"\npage cache counters over the {args.steps:,} steps of the last round ({mode}; low "
           f"{args.low}, high {args.high}, batch {args.batch}): "
@@ -615,6 +846,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["sglang-worker"]:  # the side venv's end of RealSGLangWorker
+        return sglang_worker()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
@@ -631,6 +864,9 @@ def main() -> int:
                         help="steps a variant runs per turn before the next takes over")
     parser.add_argument("--forward-us", type=float, default=100.0,
                         help="untimed sleep between steps standing for the forward pass")
+    parser.add_argument("--sglang-reimplementation", action="store_true",
+                        help="time this script's reimplementation of SGLang's allocator even "
+                             "when the side venv is there")
     return run(parser.parse_args())
 
 

@@ -9,7 +9,8 @@
 # When something cannot be had, it prints "SKIPPED: <why>" and exits 0 without running.
 # cuda-bindings (the elastic pools' VMM tests) is installed the same way when missing, in the
 # major version of torch's CUDA; when it cannot be had, only those tests are skipped (a
-# "SKIPPED: test_elastic_vmm.py ..." line, and pytest reports them skipped).
+# "SKIPPED: test_elastic_vmm.py ..." line, and pytest reports them skipped). SGLang 0.5.23 (the
+# allocator synchronization test) likewise: the machine's own, or from $KVPOOL_WHEELS.
 #
 # Output: the pytest -v log on stdout, and in $OUT/gpu-tests.txt when $OUT is set.
 # Exit status: pytest's (0 all passed, 1 failures), or 0 after a SKIPPED line.
@@ -81,6 +82,19 @@ if ! have_cuda_bindings; then
   have_cuda_bindings \
     || echo "SKIPPED: test_elastic_vmm.py (cannot install $BINDINGS; offline? set KVPOOL_WHEELS)"
 fi
+
+# SGLang 0.5.23 for test_sglang_sync.py (the two allocators' synchronizations): the machine's
+# own install, else from $KVPOOL_WHEELS (--no-deps: its GPU stack is the machine's); without it
+# only that test is skipped.
+have_sglang() {
+  "$PYTHON" -c "from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator" \
+    2>/dev/null
+}
+if ! have_sglang && [ -n "${KVPOOL_WHEELS:-}" ]; then
+  "$PYTHON" -m pip install -q --no-index --no-deps --find-links "$KVPOOL_WHEELS" sglang==0.5.23
+fi
+have_sglang || echo "SKIPPED: test_sglang_sync.py (SGLang 0.5.23 is not importable; install it, \
+or put its wheel in KVPOOL_WHEELS)"
 
 LOG=/dev/null
 if [ -n "${OUT:-}" ]; then

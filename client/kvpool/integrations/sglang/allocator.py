@@ -39,6 +39,21 @@ free list twice (and later hands it to two requests); this one logs a warning, s
 that are not in use and frees the rest, so its state and the page cache's stay right and the
 scheduler carries on.
 
+Host-device synchronization (CUDA): the page arithmetic runs on the host, so token indices go
+host->device and freed ids device->host. Neither may make the scheduler wait for the GPU where
+SGLang's own allocator does not (its ``alloc``/``alloc_extend``/``alloc_decode``,
+``free_segment`` and ``free_page_ids`` never synchronize; its ``free`` and a free group that
+holds token frees do, in ``torch.unique``). So indices go to the device from pinned memory,
+asynchronously; ``free`` and a free group with token frees copy to the host once (one
+synchronization, as SGLang's); ``free_page_ids`` and ``free_segment`` (the radix cache's
+eviction and a finished request's row) and free groups of page ids alone copy asynchronously
+into pinned memory and are returned to the page cache once the copy is done (a CUDA event,
+polled at the next allocation, never waited for unless the pool itself runs short, and at
+``close``); meanwhile they count as free, as in SGLang. Not for elastic pools
+(their idle checks count the pages themselves) nor with ``SGLANG_DEBUG_MEMORY_POOL`` (whose
+checks synchronize anyway): there those frees copy to the host at once.
+``tests/gpu/test_sglang_sync.py`` counts the synchronizations of both allocators.
+
 Elastic pools (``docs/sglang.md``, "Elastic pools"): when the pool is elastic the page cache
 keeps every page it fetched (no high watermark, no return on free) and runs without a worker
 thread: its upkeep (the give-backs the daemon asks for) runs only between scheduler steps
@@ -56,6 +71,7 @@ does.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import time
@@ -192,6 +208,12 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         self._admission = "none"  # the last admission: none yet, "refused" or "admitted"
 
         self._short_warned = False
+        # Page-id frees whose device->host copy is in flight (CUDA; see the module docstring):
+        # (pinned host ids, the event after the copy), oldest first; their pages count as free.
+        self._cuda = torch.device(device).type == "cuda"
+        self._defer = self._cuda and not self.debug_mode and not self.elastic
+        self._deferred: list[tuple[torch.Tensor, Any]] = []
+        self._deferred_pages = 0
         # The binding's close returns the cached pages before it ends the lease (which would
         # otherwise take them from under the open cache, and log that it did).
         self.binding.on_close(self._close_cache)
@@ -226,8 +248,8 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
     @property
     def pages_in_use(self) -> int:
         """Pages handed out by this allocator and not freed (free groups' pending frees
-        included)."""
-        return self.cache.in_use
+        included; frees whose copy to the host is in flight are freed)."""
+        return self.cache.in_use - self._deferred_pages
 
     def available_size(self) -> int:
         """Tokens the allocator may still hand out: (quota pages - pages in use) * page_size,
@@ -431,12 +453,15 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         self._version += 1
         if n == 0:
             return np.empty(0, dtype=_I64)
+        self._return_deferred(wait=False)
         try:
             try:
                 ids = self.cache.alloc(n)
             except ResourceExhausted:
-                # The page cache's own refill or return may be in flight (ids neither in its
-                # cache nor free in the pool): let the worker finish, then ask once more.
+                # Frees still copying to the host hold pages the pool may need; the page
+                # cache's own refill or return may be in flight (ids neither in its cache nor
+                # free in the pool): let both finish, then ask once more.
+                self._return_deferred(wait=True)
                 self.cache.settle(SETTLE_S)
                 ids = self.cache.alloc(n)
         except ResourceExhausted as err:
@@ -450,7 +475,44 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         return ids.astype(_I64)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device)
+        """``array`` on ``device``. On CUDA from pinned memory, asynchronously: a copy from
+        pageable memory would wait for everything queued on the stream (the forward pass)."""
+        t = torch.from_numpy(array)
+        if self._cuda:
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def _defer_release(self, page_ids: torch.Tensor) -> None:
+        """Start copying ``page_ids`` (each once, on the device) to pinned host memory without
+        waiting; :meth:`_return_deferred` gives them back once the copy is done."""
+        src = page_ids.reshape(-1).to(torch.int64)
+        host = torch.empty(src.shape, dtype=torch.int64, pin_memory=True)
+        host.copy_(src, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()  # on the current stream, after the copy
+        self._deferred.append((host, event))
+        self._deferred_pages += int(host.numel())
+
+    def _return_deferred(self, *, wait: bool) -> None:
+        """Give the page cache the deferred frees whose copies are done (``wait``: all of
+        them, waiting for the copies: a synchronization)."""
+        while self._deferred:
+            host, event = self._deferred[0]
+            if wait:
+                event.synchronize()
+            elif not event.query():
+                return
+            self._deferred.pop(0)
+            self._deferred_pages -= int(host.numel())
+            self._release(host.numpy())
+
+    def _release_page_ids(self, page_ids: torch.Tensor) -> None:
+        """Free exactly these pages (a tensor on any device): deferred on CUDA (see the module
+        docstring), else at once."""
+        if self._defer and page_ids.is_cuda:
+            self._defer_release(page_ids)
+        else:
+            self._release(cpu_int64(page_ids))
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """``need_size // page_size`` whole pages as their token indices (int64, on
@@ -600,7 +662,7 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         if self.free_group is not None:
             self._page_group.append(page_ids.clone())
             return
-        self._release(cpu_int64(page_ids))
+        self._release_page_ids(page_ids)
 
     def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
         """Free ``kv_row[start_pos : start_pos + n]`` of one request: its pages are those of
@@ -610,11 +672,12 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
             return
         ps = self.page_size
         assert start_pos % ps == 0, f"segment start {start_pos} is not page-aligned"
-        pages = cpu_int64(free_index[::ps]) // ps
+        pages = free_index[::ps] // ps  # on free_index's device: no copy yet
         if self.debug_mode:
-            assert np.array_equal(np.sort(pages), np.unique(cpu_int64(free_index) // ps)), (
+            assert np.array_equal(np.sort(cpu_int64(pages)),
+                                  np.unique(cpu_int64(free_index) // ps)), (
                 "free_segment: the segment's tokens are not contiguous within its pages")
-        self.free_page_ids(torch.from_numpy(pages))
+        self.free_page_ids(pages)
 
     def free_group_begin(self) -> None:
         """Start holding frees (SGLang frees a batch's pages together); free groups do not
@@ -625,16 +688,18 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
 
     def free_group_end(self) -> None:
         """Free everything held since ``free_group_begin`` in one page-cache free: the pages of
-        the token indices (each once) and the page ids, which must not overlap."""
+        the token indices (each once) and the page ids, which must not overlap. One copy to
+        the host when there are token indices; page ids alone are deferred on CUDA."""
         tokens, self.free_group = self.free_group, None
         page_ids, self._page_group = self._page_group, []
-        parts = []
-        if tokens:
-            parts.append(np.unique(cpu_int64(torch.cat(tokens)) // self.page_size))
-        if page_ids:
-            parts.append(cpu_int64(torch.cat(page_ids)))
-        if parts:
-            self._release(np.concatenate(parts))
+        if not tokens:
+            if page_ids:
+                self._release_page_ids(torch.cat(page_ids))
+            return
+        token_pages = torch.cat(tokens).to(torch.int64) // self.page_size
+        n_tok = int(token_pages.numel())
+        both = cpu_int64(torch.cat([token_pages, *(p.to(token_pages) for p in page_ids)]))
+        self._release(np.concatenate((np.unique(both[:n_tok]), both[n_tok:])))
 
     def clear(self) -> None:
         """Free every page in use (back to the page cache) and drop pending free groups:
@@ -643,6 +708,10 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         adopt = getattr(self._kvcache, "kvpool_on_allocator_clear", None)
         if adopt is not None:
             adopt(self)
+        # Deferred frees are among the pages handed out: freed with them, their copies dropped
+        # (the pinned blocks stay torch's until the copies are done).
+        self._deferred = []
+        self._deferred_pages = 0
         pages = self.cache.handed_out()
         if pages.size:
             # After the lease ended (closed or expired) the page cache only unmarks them.
@@ -684,6 +753,8 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         afterwards raises the lease's error."""
         if self._closed:
             return
+        with contextlib.suppress(KVPoolError):  # the lease's end takes them anyway
+            self._return_deferred(wait=True)
         self._closed = True
         if not self.owns_binding:
             self._close_cache()
