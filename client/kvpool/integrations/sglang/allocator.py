@@ -316,6 +316,8 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         room = self.num_pages - self.pages_in_use - self.cache.cached
         want = min(room, max(int(pages), self.cache.batch))
         if want <= 0 or now < self._grow_at:
+            log.debug("kvpool pool %r: growth by %d pages not asked (room %d, held off %.2f s)",
+                      self.pool_name, pages, room, max(0.0, self._grow_at - now))
             return 0
         had = self.cache.cached
         ids = None

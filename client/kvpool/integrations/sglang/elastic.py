@@ -23,9 +23,12 @@ reports the live size, so SGLang's own identity fails too.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -48,6 +51,10 @@ def live_prefill_budget() -> type:
             ok, limit = super().check_prefill(**kwargs)
             if not ok and self._grow(int(kwargs["total_tokens"]) - self.remaining_total + 1):
                 ok, limit = super().check_prefill(**kwargs)
+            if not ok:
+                log.debug("kvpool: admission refused a request of %s tokens: %d remaining "
+                          "(live %d)", kwargs["total_tokens"], self.remaining_total,
+                          self.allocator.live_available_size())
             return ok, limit
 
         def can_allocate_prefill(self, *, paged_input: int, **kwargs: Any) -> bool:
@@ -55,6 +62,9 @@ def live_prefill_budget() -> type:
             if not ok and self._grow(paged_input - min(self.remaining_current,
                                                        self.remaining_total)):
                 ok = super().can_allocate_prefill(paged_input=paged_input, **kwargs)
+            if not ok:
+                log.debug("kvpool: admission cannot allocate %d tokens: %d / %d remaining",
+                          paged_input, self.remaining_current, self.remaining_total)
             return ok
 
         def has_capacity(self) -> bool:
@@ -62,7 +72,18 @@ def live_prefill_budget() -> type:
             if not ok and self._grow(max(-self.remaining_total, -self.remaining_current, 0)
                                      + self.page_size):
                 ok = super().has_capacity()
+            if not ok:
+                log.debug("kvpool: admission has no capacity: %d / %d remaining",
+                          self.remaining_current, self.remaining_total)
             return ok
+
+        def available_chunk_tokens(self, chunk_limit: int) -> int | None:
+            """The next chunk of a request prefilled in chunks: SGLang's, after growing by what
+            the live size lacks of a whole chunk (a small live size would cut every chunk
+            short)."""
+            if chunk_limit and self.remaining_total < chunk_limit:
+                self._grow(int(chunk_limit) - int(self.remaining_total))
+            return super().available_chunk_tokens(chunk_limit)
 
         def reserve(self, *args: Any, **kwargs: Any) -> None:
             """SGLang admits a request: the allocator learns this admission was not in vain."""
