@@ -15,15 +15,21 @@ SGLANG_DIR = REPO / "tests" / "sglang"
 VENV = Path(os.environ.get("KVPOOL_SGLANG_VENV", REPO / ".venv-sglang"))
 
 
-def sglang_python_or_skip() -> Path:
-    """The side venv's python, or skip (fail under ``KVPOOL_REQUIRE_SGLANG=1``)."""
-    python = VENV / "bin" / "python"
+def python_or_skip(venv: Path, setup: str, require_env: str) -> Path:
+    """``venv``'s python, or skip naming ``setup`` (the script that makes it); fail instead
+    under ``require_env=1`` (``.ci/run`` sets it: there the side venv must exist)."""
+    python = venv / "bin" / "python"
     if not python.exists():
-        missing = f"no SGLang side venv at {VENV}: run tests/sglang/setup_venv.sh (.ci/run does)"
-        if os.environ.get("KVPOOL_REQUIRE_SGLANG") == "1":
+        missing = f"no side venv at {venv}: run {setup} (.ci/run does)"
+        if os.environ.get(require_env) == "1":
             pytest.fail(missing)
         pytest.skip(missing)
     return python
+
+
+def sglang_python_or_skip() -> Path:
+    """The SGLang side venv's python, or skip (fail under ``KVPOOL_REQUIRE_SGLANG=1``)."""
+    return python_or_skip(VENV, "tests/sglang/setup_venv.sh", "KVPOOL_REQUIRE_SGLANG")
 
 
 def sglang_env(**extra: str) -> dict[str, str]:

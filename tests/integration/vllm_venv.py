@@ -7,23 +7,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-
 from tests.conftest import REPO
+from tests.integration.side_venv import python_or_skip
 
 VLLM_DIR = REPO / "tests" / "vllm"
 VENV = Path(os.environ.get("KVPOOL_VLLM_VENV", REPO / ".venv-vllm"))
 
 
 def vllm_python_or_skip() -> Path:
-    """The side venv's python, or skip (fail under ``KVPOOL_REQUIRE_VLLM=1``)."""
-    python = VENV / "bin" / "python"
-    if not python.exists():
-        missing = f"no vLLM side venv at {VENV}: run tests/vllm/setup_venv.sh (.ci/run does)"
-        if os.environ.get("KVPOOL_REQUIRE_VLLM") == "1":
-            pytest.fail(missing)
-        pytest.skip(missing)
-    return python
+    """The vLLM side venv's python, or skip (fail under ``KVPOOL_REQUIRE_VLLM=1``)."""
+    return python_or_skip(VENV, "tests/vllm/setup_venv.sh", "KVPOOL_REQUIRE_VLLM")
 
 
 def vllm_env(**extra: str) -> dict[str, str]:
