@@ -58,6 +58,16 @@ def live_prefill_budget() -> type:
             return ok, limit
 
         def can_allocate_prefill(self, *, paged_input: int, **kwargs: Any) -> bool:
+            """SGLang's check; the cache first grows to cover the request's input and the
+            tokens it may still decode. SGLang's admission of ``ignore_eos`` requests (without
+            a radix cache) checks right after, against the live size and no hook of ours,
+            that what remains covers every admitted request's decode to its end: growing
+            here by this request's share keeps that check from refusing for want of pages
+            the daemon would grant."""
+            room = min(self.remaining_current, self.remaining_total)
+            want = paged_input + int(kwargs.get("max_new_tokens") or 0) + self.page_size
+            if room < want:
+                self._grow(want - room)
             ok = super().can_allocate_prefill(paged_input=paged_input, **kwargs)
             if not ok and self._grow(paged_input - min(self.remaining_current,
                                                        self.remaining_total)):
