@@ -283,15 +283,21 @@ def show_top(target: str, phase: str) -> None:
     print(f"--- kvpool top, phase {phase} ---\n{out.stdout.rstrip()}", flush=True)
 
 
+def pool_tokens(s: Settings, elastic: bool) -> dict[str, int]:
+    """Each engine's ``--max-total-tokens``: static, half the budget each, less room for the
+    request table; elastic, the whole budget is each one's virtual range, in whole groups less
+    the padding page (as the plugin asks of an elastic pool)."""
+    share = s.budget if elastic else s.budget // 2 - 2 * MiB
+    tokens = {n: share // bytes_per_token(n) // PAGE * PAGE for n in MODELS}
+    if elastic:
+        tokens = {n: t // group_tokens(n) * group_tokens(n) - PAGE for n, t in tokens.items()}
+    return tokens
+
+
 def run_mode(mode: str, work: Path, models: dict[str, Path], s: Settings,
              top: bool = False) -> ModeRun:
     elastic = mode != "static"
-    # static: half the budget each, less room for the request table; elastic: the whole budget
-    # is each one's virtual range
-    share = s.budget if elastic else s.budget // 2 - 2 * MiB
-    tokens = {n: share // bytes_per_token(n) // PAGE * PAGE for n in MODELS}
-    if elastic:  # whole groups less the padding page, as the plugin asks of an elastic pool
-        tokens = {n: t // group_tokens(n) * group_tokens(n) - PAGE for n, t in tokens.items()}
+    tokens = pool_tokens(s, elastic)
     result = ModeRun(mode)
     with daemon(work, s.budget, "greedy" if mode == "greedy" else "arbiter") as target, \
             KVPoolClient(target) as client, \
@@ -499,7 +505,8 @@ def main() -> int:
         plot(runs, args.plot)
         print(f"plot: {args.plot}")
     if args.json:
-        args.json.write_text(json.dumps({"budget": s.budget, "modes": {
+        args.json.write_text(json.dumps({"budget": s.budget,
+                                         "static_tokens": pool_tokens(s, False), "modes": {
             r.mode: {"phases": {f"{p}/{n}": row for (p, n), row in tables[r.mode].items()},
                      "peak_backed": max((x.backed for x in r.samples), default=0),
                      "retracted": r.retracted, "reclaims": r.reclaims,
