@@ -465,6 +465,25 @@ def scheduler_scenario(env: dict[str, str], num_blocks: int) -> dict[str, Any]:
             after = client.stats(pool)
             out["lease_gone"] = all(s.lease_id != lease_id for s in after.leases)
             out["used_after_shutdown"] = after.pool(pool).spaces["kv"].used
+        # The class itself (not its name) as scheduler_cls, and the async flavour.
+        from kvpool.integrations.vllm.scheduler import KVPoolAsyncScheduler
+
+        config.scheduler_config.scheduler_cls = KVPoolAsyncScheduler
+        cls = config.scheduler_config.get_scheduler_cls()
+        asched = build(pool)
+        abp = asched.kv_cache_manager.block_pool
+        areq = Request("q1", prompt, SamplingParams(max_tokens=4), None,
+                       block_hasher=get_request_block_hasher(block_size, sha256))
+        asched.add_request(areq)
+        anew = asched.schedule().scheduled_new_reqs
+        alease = asched.kvpool_binding.lease.lease_id
+        out["async"] = {"cls": cls.__name__, "block_pool": type(abp).__name__,
+                        "block_ids": list(anew[0].block_ids[0]) if anew else []}
+        asched.shutdown()
+        with KVPoolClient(env["KVPOOL_TARGET"]) as client:
+            after = client.stats(pool)
+            out["async"]["lease_gone"] = all(s.lease_id != alease for s in after.leases)
+            out["async"]["used_after_shutdown"] = after.pool(pool).spaces["kv"].used
     except Exception:
         out["error"] = traceback.format_exc()[-4000:]
     finally:

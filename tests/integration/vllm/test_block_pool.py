@@ -143,3 +143,12 @@ def test_kvpool_scheduler_in_vllm(report: dict[str, Any]) -> None:
     assert r["free_after_schedule"] == SCHEDULER_BLOCKS - 1 - len(ids)
     assert r["lease_in_use"] == len(ids) and r["lease_holds_ids"]
     assert r["lease_gone"] and r["used_after_shutdown"] == 0
+
+
+def test_kvpool_async_scheduler_as_a_class(report: dict[str, Any]) -> None:
+    """``scheduler_cls`` given the class itself (vLLM takes a class or a dotted name), the
+    async flavour: the same block pool, a request's blocks from the lease, shutdown ends it."""
+    r = scenario(report, "scheduler")["async"]
+    assert r["cls"] == "KVPoolAsyncScheduler" and r["block_pool"] == "KVPoolBlockPool"
+    assert r["block_ids"] and all(0 < i < SCHEDULER_BLOCKS for i in r["block_ids"]), r
+    assert r["lease_gone"] and r["used_after_shutdown"] == 0

@@ -112,7 +112,9 @@ class _KVPoolBlocks:
     kvpool_block_pool: KVPoolBlockPool
 
     def _install_kvpool(self) -> None:
-        binding = binding_from_env()
+        # {gpu} is the engine's first device, 0: the engine core need not have CUDA (with
+        # TP > 1 its workers are other processes), and asking torch would start a context.
+        binding = binding_from_env(gpu=0)
         try:
             self.kvpool_block_pool = install_block_pool(self, binding)
         except BaseException:
