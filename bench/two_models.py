@@ -39,6 +39,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -127,7 +128,7 @@ def daemon(work: Path, budget: int, policy: str) -> Iterator[str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvpoold.main", "serve", "--listen", f"unix://{sock}",
          "--budget", str(budget), "--elastic-policy", policy, "--shm-dir", str(work),
-         "--log-level", "warning"],
+         "--log-level", os.environ.get("KVPOOL_BENCH_DAEMON_LOG", "warning")],
         env={**os.environ, "PYTHONPATH": f"{REPO / 'client'}:{REPO / 'service'}"},
         stdout=log, stderr=subprocess.STDOUT)
     target = f"unix://{sock}"
@@ -449,6 +450,9 @@ def main() -> int:
                     help="run SGLang with its radix cache (its default; off here otherwise)")
     ap.add_argument("--top", action="store_true",
                     help="print `kvpool top --once` halfway through every phase")
+    ap.add_argument("--keep-logs", type=Path,
+                    help="copy the daemon's and engines' logs into this directory "
+                         "(KVPOOL_BENCH_DAEMON_LOG=info for the daemon's reclaim events)")
     args = ap.parse_args()
     if not (VENV / "bin" / "python").exists():
         print(f"no SGLang side venv at {VENV}: run tests/sglang/setup_venv.sh", file=sys.stderr)
@@ -472,6 +476,11 @@ def main() -> int:
             except BaseException:
                 show_logs(work)
                 raise
+            finally:
+                if args.keep_logs:
+                    args.keep_logs.mkdir(parents=True, exist_ok=True)
+                    for log in work.glob("*.log"):
+                        shutil.copy(log, args.keep_logs / log.name)
     tables = {r.mode: phase_table(r, s) for r in runs}
     print(f"\nbudget {s.budget / MiB:.0f} MiB; per request {s.prompt} + {s.new} tokens; "
           f"burst {s.burst}, trickle {s.trickle} concurrent; radix cache "

@@ -321,6 +321,20 @@ def test_a_give_back_returns_the_highest_cached_ids_and_keeps_the_rest_in_order(
     assert core.cached == 5
 
 
+def test_a_give_back_from_an_id_returns_only_ids_at_or_above_it() -> None:
+    """An elastic pool's drained groups: only cached ids >= ``min_id`` come back, never more
+    than there are, and nothing is asked of the evictor for them."""
+    core = PageCacheCore("p", "kv", capacity=64, low=0, high=64, batch=8)
+    core.push(i32([40, 3, 57, 9, 12, 61, 5, 33]))
+    core.can_evict, core.evictable = True, 10
+    assert core.ask_give_back(5, min_id=40) == 3 and core.evict_wanted == 0
+    assert core.ask_give_back(5, min_id=40) == 0  # already asked for all three
+    job = core.pick_job(0.0)
+    assert job is not None and job[0] == GIVE_BACK and sorted(job[1].tolist()) == [40, 57, 61]
+    core.job_done(GIVE_BACK, job[1], None)
+    assert core.cached == 5 and core.give_back == 0
+
+
 def test_a_give_back_past_the_cache_asks_the_evictor_for_at_most_what_it_offered() -> None:
     """Cached ids first; past them, up to what the owner said it can evict (not yet asked):
     those are counted for the evictor, and the report stops offering them."""

@@ -185,9 +185,9 @@ class AsyncPageCache(CacheState):
     def _report(self) -> tuple[int, int, int]:
         return self._core.report()
 
-    def _give_back(self, n: int) -> int:
+    def _give_back(self, n: int, min_id: int = 0) -> int:
         """See ``PageCache._give_back``."""
-        k = self._core.ask_give_back(n)
+        k = self._core.ask_give_back(n, min_id)
         if k:
             self._core.kick()
         return k

@@ -448,11 +448,12 @@ class PageCache(CacheState):
         with self._lock:
             return self._core.report()
 
-    def _give_back(self, n: int) -> int:
-        """The daemon asked for ``n`` cached ids; the worker returns up to that many (one
-        Free), then the lease reports the new counts. Returns how many it will return."""
+    def _give_back(self, n: int, min_id: int = 0) -> int:
+        """The daemon asked for ``n`` cached ids (only ids >= ``min_id`` when it is > 0); the
+        worker returns up to that many (one Free), then the lease reports the new counts.
+        Returns how many it will return."""
         with self._lock:
-            k = self._core.ask_give_back(n)
+            k = self._core.ask_give_back(n, min_id)
             if k:
                 self._core.kick()
         return k

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvpool.cache.ring import SLOT_WINDOW, IdRing, no_worker
+from kvpool.cache.ring import SLOT_WINDOW, IdRing, count_nonzero, no_worker
 from kvpool.contract.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -305,13 +305,20 @@ class PageCacheCore(IdRing):
         self.kicked = self.kicked_return = True
         self.wake()
 
-    def ask_give_back(self, n: int) -> int:
+    def ask_give_back(self, n: int, min_id: int = 0) -> int:
         """The daemon asks for ``n`` cached ids: the worker returns up to that many from the
-        cache (never ids in use), and past what the cache holds, up to what the owner said it
-        can evict (the owner's evictor frees those into the cache first). Returns how many it
+        cache, the highest first (never ids in use), and past what the cache holds, up to what
+        the owner said it can evict (the owner's evictor frees those into the cache first).
+        With ``min_id`` > 0 only cached ids >= ``min_id`` (an elastic pool's groups being
+        drained; O(cached) to count them), and nothing is evicted for it. Returns how many it
         will return."""
         if self.dead is not None or n <= 0:
             return 0
+        if min_id > 0:
+            above = int(count_nonzero(self.read(self.head, self.cached) >= min_id))
+            k = max(0, min(n, above - self.give_back))
+            self.give_back += k
+            return k
         from_cache = max(0, min(n, self.cached - self.give_back))
         from_evict = max(0, min(n - from_cache, self.evictable - self.evict_wanted))
         self.give_back += from_cache + from_evict

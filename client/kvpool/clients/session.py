@@ -101,7 +101,7 @@ class KeepAliveSession:
                 if left <= 0:
                     break
                 if cache.pool == item.pool and cache.space == item.space:
-                    left -= cache._give_back(left)
+                    left -= cache._give_back(left, item.min_id)
         if resp.seq:
             self.acked_seq = max(self.acked_seq, resp.seq)
             self.unmapped = {r: s for r, s in self.unmapped.items()

@@ -249,14 +249,16 @@ class KeepAliveRequest(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., caches: _Optional[_Iterable[_Union[CacheReport, _Mapping]]] = ..., seq: _Optional[int] = ..., lease_secret: _Optional[bytes] = ..., unmapped: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GiveBack(_message.Message):
-    __slots__ = ("pool", "space", "count")
+    __slots__ = ("pool", "space", "count", "min_id")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SPACE_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
+    MIN_ID_FIELD_NUMBER: _ClassVar[int]
     pool: str
     space: str
     count: int
-    def __init__(self, pool: _Optional[str] = ..., space: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+    min_id: int
+    def __init__(self, pool: _Optional[str] = ..., space: _Optional[str] = ..., count: _Optional[int] = ..., min_id: _Optional[int] = ...) -> None: ...
 
 class KeepAliveResponse(_message.Message):
     __slots__ = ("lease_id", "ttl_seconds", "expires_in_seconds", "give_back", "seq", "unmap")

@@ -82,8 +82,9 @@ class Hooks(Protocol):
         """Wake Allocates waiting for ids."""
         ...
 
-    def ask_give_back(self, pool: str, count: int) -> int:
-        """Ask page caches of ``pool`` to give back ``count`` kv pages; returns those asked."""
+    def ask_give_back(self, pool: str, count: int, min_id: int = 0) -> int:
+        """Ask page caches of ``pool`` to give back ``count`` kv pages (only ids >= ``min_id``
+        when it is > 0); returns those asked."""
         ...
 
     def cached(self, pool: str) -> int:
@@ -388,18 +389,20 @@ class ElasticPools:
         log.info("elastic drain", extra={"fields": {
             "event": "elastic_drain", "pool": ep.name, "groups": len(picks), "for": asker or "",
             "pages_in_use": sum(ep.space.used_in(g) for g in picks)}})
-        self._ask_drained(drain)
+        self._ask_drained(ep.name)
 
-    def _ask_drained(self, drain: BusyDrain) -> None:
-        """Ask the drained pool's caches for what they hold: pages they cache in the drained
-        groups come back to stay free; others they refill from the open groups."""
-        ep = self.pools.get(drain.pool)
-        if ep is None:
+    def _ask_drained(self, pool: str) -> None:
+        """Ask the drained pool's caches for the pages they cache in its drained groups (ids
+        from the lowest drained group's first page up: the groups above it are drained,
+        wholly free or closed), to stay free there; pages requests use come as they free."""
+        ep = self.pools.get(pool)
+        groups = [g for b in self.busy_drains if b.pool == pool for g in b.groups]
+        if ep is None or not groups:
             return
-        held = sum(ep.space.used_in(g) for g in drain.groups)
-        want = min(held, self._hooks.cached(drain.pool))
+        held = sum(ep.space.used_in(g) for g in groups)
+        want = min(held, self._hooks.cached(pool))
         if want > 0:
-            self._hooks.ask_give_back(drain.pool, want)
+            self._hooks.ask_give_back(pool, want, max(1, min(groups) * ep.pages_per_group))
 
     def _check_drains(self, now: float | None = None) -> None:
         """Take the drained groups that emptied; with ``now``, reopen those past their
@@ -425,8 +428,8 @@ class ElasticPools:
                 keep.append(b)
         self.busy_drains = keep
         if now is not None:
-            for b in self.busy_drains:
-                self._ask_drained(b)
+            for pool in {b.pool for b in self.busy_drains}:
+                self._ask_drained(pool)
 
     def _take(self, ep: ElasticPool, n: int, asker: str | None, started: float) -> int:
         """Drain up to ``n`` wholly free groups of ``ep`` (highest first) and start their

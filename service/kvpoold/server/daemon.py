@@ -555,7 +555,7 @@ class Daemon:
                    if x.owner != owner)
 
     def _ask_give_back(self, pool: str, space: IdSpace, count: int, owner: int, *,
-                       cover: bool) -> int:
+                       cover: bool, min_id: int = 0) -> int:
         """Ask the leases other than ``owner`` whose caches hold cached ids of ``pool``/``space``
         (:meth:`_cached_of`) to give back ``count`` in all (at most what they hold cached):
         shares proportional to what each holds cached, at least 1 each. Returns the ids asked.
@@ -579,7 +579,7 @@ class Daemon:
             shares[i] += more
             rest -= more
         for (x, _), n in zip(holders, shares, strict=True):
-            x.ask_give_back(pool, name, n)
+            x.ask_give_back(pool, name, n, min_id)
         log.info("give-back asked", extra={"fields": {
             "event": "give_back", "pool": pool, "space": name, "asked": sum(shares),
             "leases": len(holders), "waiting": cover,
@@ -996,11 +996,12 @@ class _ElasticHooks:
     def notify_freed(self) -> None:
         self._d._notify_freed()
 
-    def ask_give_back(self, pool: str, count: int) -> int:
+    def ask_give_back(self, pool: str, count: int, min_id: int = 0) -> int:
         entry = self._d.pools.get(pool)
         if entry is None:
             return 0
-        return self._d._ask_give_back(pool, entry.space_kv, count, 0, cover=True)
+        return self._d._ask_give_back(pool, entry.space_kv, count, 0, cover=True,
+                                      min_id=min_id)
 
     def cached(self, pool: str) -> int:
         entry = self._d.pools.get(pool)

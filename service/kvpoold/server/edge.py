@@ -223,7 +223,7 @@ def open_lease_response(lease: Lease) -> pb.OpenLeaseResponse:
 
 
 def keep_alive_response(lease: Lease, now: float, seq: int = 0,
-                        give_back: dict[tuple[str, str], int] | None = None,
+                        give_back: dict[tuple[str, str], tuple[int, int]] | None = None,
                         unmap: Sequence[tuple[str, tuple[int, ...], int, float]] = (),
                         ) -> pb.KeepAliveResponse:
     """A renewal's answer (``seq`` of the request), or give-backs and unmap asks sent on
@@ -231,8 +231,8 @@ def keep_alive_response(lease: Lease, now: float, seq: int = 0,
     return pb.KeepAliveResponse(
         lease_id=lease.lease_id, ttl_seconds=lease.ttl_s,
         expires_in_seconds=lease.expires_in(now), seq=seq,
-        give_back=[pb.GiveBack(pool=pool, space=space, count=n)
-                   for (pool, space), n in (give_back or {}).items()],
+        give_back=[pb.GiveBack(pool=pool, space=space, count=n, min_id=min_id)
+                   for (pool, space), (n, min_id) in (give_back or {}).items()],
         unmap=[pb.Unmap(pool=pool, groups=codec.groups_to_bytes(groups), reclaim=reclaim,
                         deadline_seconds=deadline)
                for pool, groups, reclaim, deadline in unmap])

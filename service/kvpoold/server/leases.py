@@ -86,6 +86,9 @@ class Lease:
     # (pool, space) -> ids to give back, not yet sent; ``wake`` tells its KeepAlive stream.
     give_back: dict[tuple[str, str], int] = field(default_factory=dict, repr=False,
                                                   compare=False)
+    # (pool, space) -> the lowest ``min_id`` of the queued give-backs (0: any id).
+    give_back_from: dict[tuple[str, str], int] = field(default_factory=dict, repr=False,
+                                                       compare=False)
     wake: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
     # Elastic pools' asks to unmap groups, not yet sent: (pool, groups, reclaim, deadline_s).
     unmap: list[tuple[str, tuple[int, ...], int, float]] = field(
@@ -97,10 +100,13 @@ class Lease:
         report = self.reports.get((pool, space))
         return 0 if report is None else report.takeable
 
-    def ask_give_back(self, pool: str, space: str, count: int) -> None:
-        """Queue a give-back for its KeepAlive stream and wake the stream. The report is
-        lowered at once, so a second Allocate does not ask for the same ids again."""
+    def ask_give_back(self, pool: str, space: str, count: int, min_id: int = 0) -> None:
+        """Queue a give-back (of ids >= ``min_id`` only, when it is > 0) for its KeepAlive
+        stream and wake the stream. The report is lowered at once, so a second Allocate does
+        not ask for the same ids again."""
         key = (pool, space)
+        self.give_back_from[key] = (min(self.give_back_from[key], min_id)
+                                    if key in self.give_back else min_id)
         self.give_back[key] = self.give_back.get(key, 0) + count
         self.reports[key] = self.reports.get(key, CacheCounts(0, 0)).asked(count)
         self.wake.set()
@@ -121,9 +127,10 @@ class Lease:
         """Whether give-backs or unmap asks wait to be sent."""
         return bool(self.give_back or self.unmap)
 
-    def take_give_back(self) -> dict[tuple[str, str], int]:
-        """The queued give-backs, now sent."""
-        out, self.give_back = self.give_back, {}
+    def take_give_back(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """The queued give-backs, now sent: ``(count, min_id)`` per pool and space."""
+        out = {key: (n, self.give_back_from.get(key, 0)) for key, n in self.give_back.items()}
+        self.give_back, self.give_back_from = {}, {}
         self.wake.clear()
         return out
 
