@@ -316,3 +316,70 @@ async def test_drop_of_an_elastic_pool_gives_its_whole_charge_back(daemon: Any) 
     assert len(files - left) == 1  # a's region file is gone
     lb = await open_raw(stub, "b")
     assert len(await allocate(stub, "b", lb, 3 * PAGES - 1)) == 3 * PAGES - 1  # b has it all
+
+
+@pytest.mark.parametrize("expire", [False, True], ids=["moves", "expires"])
+async def test_a_pool_above_its_share_drains_groups_in_use_for_one_that_waits(
+        expire: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No starvation of the pool that comes second: with every group of the first pool in use,
+    its highest group is drained for the second (its free pages no longer handed out to it)
+    and moves once its last page is freed; never past equal shares. A drain that does not
+    empty in time is undone: the group is a's to use again."""
+    if expire:
+        monkeypatch.setattr("kvpoold.elastic.manager.BUSY_DRAIN_S", 0.3)
+    with temp_dir() as sock_dir, temp_dir("kvp-shm-", "/dev/shm") as shm:
+        d = Daemon("cpu", 2 * FIXED + 4 * GROUP, ShmBackingFactory(shm), reclaim_deadline_s=0.5)
+        sock = sock_dir / "k.sock"
+        server = create_server(d, [Listener("unix", str(sock))])
+        await server.start()
+        sweeper = asyncio.create_task(sweep_leases(d, 0.05))
+        channel = aio.insecure_channel(f"unix://{sock}")
+        stub = kvpool_pb2_grpc.KVPoolStub(channel)
+        try:
+            await configure(stub, "a")
+            await configure(stub, "b")
+            la, lb = await open_raw(stub, "a"), await open_raw(stub, "b")
+            ids_a = await allocate(stub, "a", la, 3 * PAGES - 1)  # groups 0, 1, 2: all in use
+            assert elastic(d, "a").granted_groups == 3
+            await allocate(stub, "b", lb, PAGES - 1)  # b's floor group, full
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # b waits: a's group 2 drains
+                await allocate(stub, "b", lb, 5)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            space = d.pools["a"].ids.space("kv", "kv")
+            assert space.state(2) == "draining" and elastic(d, "a").reclaiming_groups == 1
+            assert [space.state(g) for g in (0, 1)] == ["open", "open"]
+            # a frees half of group 2 and a page of group 0: it gets group 0's page back,
+            # never group 2's, and group 2 stays a's while a page of it is in use
+            in_2 = ids_a[ids_a // PAGES == 2]
+            await free(stub, "a", la, np.concatenate([in_2[: PAGES // 2], ids_a[:1]]))
+            again = await allocate(stub, "a", la, 1)
+            assert int(again[0]) // PAGES == 0
+            with pytest.raises(grpc.aio.AioRpcError):
+                await allocate(stub, "a", la, 1)
+            assert space.state(2) == "draining"
+            if expire:
+                await until(lambda: space.state(2) == "open")
+                assert elastic(d, "a").reclaiming_groups == 0
+                assert int((await allocate(stub, "a", la, 1))[0]) // PAGES == 2
+                return
+            # its last page freed, group 2 goes to b (released, then granted on b's next ask)
+            await free(stub, "a", la, in_2[PAGES // 2:])
+            await until(lambda: elastic(d, "a").granted_groups == 2)
+            more = await allocate(stub, "b", lb, 5)
+            assert {int(i) // PAGES for i in more} == {1}
+            assert (elastic(d, "a").granted_groups, elastic(d, "b").granted_groups) == (2, 2)
+            # equal shares now: b asks again, a's pages in use stay a's
+            await allocate(stub, "b", lb, PAGES - 5)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await allocate(stub, "b", lb, 5)
+            assert elastic(d, "a").reclaiming_groups == 0
+            assert [space.state(g) for g in (0, 1)] == ["open", "open"]
+            assert d.used_bytes <= 2 * FIXED + 4 * GROUP
+            for e in d.pools.values():
+                e.ids.audit()
+        finally:
+            sweeper.cancel()
+            await channel.close()
+            await server.shutdown(0)
+            server.remove_sockets()
+            d.close()

@@ -85,12 +85,17 @@ def test_a_busy_pool_gives_what_it_does_not_use_then_down_to_equal_weighted_shar
     arb.observe("a", free_groups=0, cached_groups=24, idle=False)  # it uses 40 groups
     arb.admit(share("b", weight=1))
     d = arb.want("b", 64)
+    # a's caches give what a does not use (all 24: b's share stays below a's after them);
+    # then groups with pages in use are drained for b, down to equal weighted shares (8
+    # more), never past
+    assert [(r.victim, r.groups, r.source) for r in d.reclaims] == [
+        ("a", 24, "cached"), ("a", 8, "busy")]
     settle(arb, "b", d.reclaims)
-    # a keeps what it uses and one group of headroom; the last cached group is not b's:
-    # b's share (23) would pass a's (40 - 1) only after equal shares, which it has not reached
-    assert (arb.pools["a"].granted, arb.pools["b"].granted) == (40, 24)
+    assert (arb.pools["a"].granted, arb.pools["b"].granted) == (32, 32)
+    arb.observe("a", free_groups=0, cached_groups=0, idle=False)
+    assert arb.want("b", 64).reclaims == ()  # equal shares: a keeps the rest of its pages
     # all of a's caches, cached again: with a's pages in use the shares decide
-    arb.observe("a", free_groups=0, cached_groups=40, idle=False)
+    arb.observe("a", free_groups=0, cached_groups=32, idle=False)
     for _ in range(10):  # b keeps asking; a's caches keep giving back
         settle(arb, "b", arb.want("b", 64).reclaims)
         arb.observe("a", free_groups=0, cached_groups=arb.pools["a"].granted, idle=False)
@@ -113,7 +118,10 @@ def test_a_floor_is_owed_even_from_a_busy_pool_and_nobody_goes_below_theirs() ->
     arb.observe("a", free_groups=0, cached_groups=1, idle=False)
     assert arb.want("b", 64).reclaims == ()
     arb.pools["b"].weight = 100
-    assert arb.want("b", 64).pending == 1  # the headroom, by weight; never a's floor or use
+    # by weight: the headroom, then the groups a's requests use, drained down to its floor
+    d = arb.want("b", 64)
+    assert [(r.groups, r.source) for r in d.reclaims] == [(1, "cached"), (8, "busy")]
+    assert arb.pools["a"].granted - d.pending == arb.pools["a"].floor
 
 
 def test_a_cancelled_reclaim_is_neither_pending_nor_promised() -> None:

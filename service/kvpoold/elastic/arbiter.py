@@ -19,7 +19,12 @@ The rules:
    busy one what it does not use less one group of headroom, and past that only while its
    weighted share stays at least the asker's after the move (equal weighted shares,
    ``granted_bytes / weight``).
-4. Pages in use are never taken: a reclaim names groups the victim can drain.
+4. Pages in use are never taken: a reclaim names groups the victim can drain. When free and
+   cached groups do not cover a busy asker, groups whose pages are in use are asked back
+   (``busy``) from pools above their weighted share, down to equal weighted shares only: the
+   daemon stops handing out their free pages and asks the victim's caches for what they free,
+   so the groups empty as the victim's requests finish (no starvation of the pool that
+   arrived second); they are not taken until every page of them is free.
 
 Reclaims are pending until released: the groups stay counted against the budget (they still
 hold memory) and are not asked for twice.
@@ -33,7 +38,8 @@ from typing import Literal
 
 from kvpool.contract.errors import InvalidArgument, ResourceExhausted
 
-Source = Literal["free", "cached"]
+Source = Literal["free", "cached", "busy"]
+SOURCES: tuple[Source, ...] = ("free", "cached", "busy")
 
 
 @dataclass
@@ -75,13 +81,17 @@ class Share:
 
     def takeable(self, source: Source) -> int:
         """Groups that may still be asked back from ``source``: above the floor, not asked for
-        yet; ``cached`` counts only what ``free`` does not already offer."""
+        yet; ``cached`` counts only what ``free`` does not already offer, ``busy`` (groups with
+        pages in use) what neither does."""
         above = max(0, self.granted - self.reclaiming - self.floor)
         free = max(0, self.free_groups - self.reclaiming)
         if source == "free":
             return min(above, free)
         cached = max(0, self.free_groups + self.cached_groups - self.reclaiming) - free
-        return max(0, min(above - min(above, free), cached))
+        cached_take = max(0, min(above - min(above, free), cached))
+        if source == "cached":
+            return cached_take
+        return max(0, above - min(above, free) - cached_take)
 
 
 @dataclass(frozen=True)
@@ -201,7 +211,7 @@ class Arbiter:
         reclaims: list[Reclaim] = []
         promised = self.promised.get(name, 0)
         below_floor = asker.granted * asker.group_bytes + promised < asker.floor * asker.group_bytes
-        for source in ("free", "cached"):
+        for source in SOURCES:
             for victim in self._victims(asker, source):
                 if need_bytes <= 0:
                     break
@@ -225,14 +235,17 @@ class Arbiter:
               promised: int, below_floor: bool) -> int:
         """How many of ``victim``'s groups to ask back for ``need_bytes`` of the asker."""
         most = min(victim.takeable(source), -(-need_bytes // victim.group_bytes))
-        if below_floor or victim.idle or source == "free":
+        if below_floor or (source != "busy" and (victim.idle or source == "free")):
             # a floor is owed; an idle pool, and any pool's wholly free groups, give what
             # nobody uses: no request of the victim loses a page
             return most
-        # A busy pool's caches: what it does not use, less one group of headroom, goes to the
-        # pool that needs it; past that only down to equal weighted shares.
-        used = victim.granted - victim.free_groups - victim.cached_groups
-        taken = min(most, max(0, victim.granted - victim.reclaiming - used - 1))
+        if source == "busy":  # pages in use: only down to equal weighted shares
+            taken = 0
+        else:
+            # A busy pool's caches: what it does not use, less one group of headroom, goes
+            # to the pool that needs it; past that only down to equal weighted shares.
+            used = victim.granted - victim.free_groups - victim.cached_groups
+            taken = min(most, max(0, victim.granted - victim.reclaiming - used - 1))
         mine = (asker.granted * asker.group_bytes + promised) / asker.weight
         while taken < most:
             after_victim = victim.share(victim.granted - victim.reclaiming - taken - 1)

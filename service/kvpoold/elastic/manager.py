@@ -13,7 +13,11 @@ One :class:`ElasticPools` per daemon, on its event loop. It owns, per elastic po
   loop) and the freed budget granted to the pool it was promised to. A lease that does not
   acknowledge within the deadline is ended: it loses its lease, never another pool's data.
   Groups whose pages page caches hold unused are asked back first (a give-back), then taken
-  as they empty;
+  as they empty; groups whose pages are in use (the arbiter's ``busy`` source: a pool above
+  its weighted share while another waits) are drained at once, so their pages are not handed
+  out again, and their pool's caches are asked on every sweep for what they free there; each
+  is taken as its last page comes back, and reopened if that takes longer than
+  ``BUSY_DRAIN_S``;
 - **shrinks**: when a lease ends, a pool's wholly free groups above its floor are taken back.
 
 Budget: the arbiter's budget is the daemon's; what it may grant is what everything else (fixed
@@ -44,6 +48,9 @@ log = logging.getLogger("kvpoold.elastic")
 RECLAIM_DEADLINE_S = 2.0
 # How long page caches have to give back pages of groups asked back from them.
 CACHED_WAIT_S = 1.0
+# How long groups with pages in use, drained for a pool that waits, may take to empty before
+# they are handed out again (the asker asks anew if it still waits).
+BUSY_DRAIN_S = 30.0
 # How the pools share the budget. arbiter: the rules of kvpoold.elastic.arbiter (groups taken
 # back from pools that do not use them, weighted fair shares). greedy: what an engine-side
 # elastic cache does without a daemon (kvcached): each pool takes what is free while the budget
@@ -135,6 +142,17 @@ class CachedAsk:
     started: float
 
 
+@dataclass
+class BusyDrain:
+    """``groups`` of ``pool`` (pages in use) drained for ``asker``, until ``deadline``."""
+
+    pool: str
+    groups: list[int]
+    asker: str | None
+    deadline: float
+    started: float
+
+
 class ElasticPools:
     """Every elastic pool of a daemon and the arbiter between them.
 
@@ -154,6 +172,7 @@ class ElasticPools:
         self.pools: dict[str, ElasticPool] = {}
         self.unmappings: dict[int, Unmapping] = {}
         self.cached_asks: list[CachedAsk] = []
+        self.busy_drains: list[BusyDrain] = []
         self._hooks = hooks
         self._clock = clock
         self.deadline_s = deadline_s
@@ -224,6 +243,7 @@ class ElasticPools:
         for rid in [r for r, u in self.unmappings.items() if u.pool == name]:
             del self.unmappings[rid]
         self.cached_asks = [a for a in self.cached_asks if a.pool != name]
+        self.busy_drains = [b for b in self.busy_drains if b.pool != name]
         if ep is None or not ep.busy:
             then()
             return
@@ -345,7 +365,68 @@ class ElasticPools:
             self.cached_asks.append(CachedAsk(r.victim, r.groups, asker, now + CACHED_WAIT_S,
                                               now))
             return
+        if r.source == "busy":
+            self._drain_busy(ep, r.groups, asker, now)
+            return
         self._take(ep, r.groups, asker, now)
+
+    def _drain_busy(self, ep: ElasticPool, n: int, asker: str | None, now: float) -> None:
+        """Drain ``n`` of ``ep``'s highest open groups that hold pages (those the victim's
+        first-fit allocation packs least into) and ask its caches for what they hold there."""
+        releasable = set(ep.space.releasable().tolist())
+        picks = [g for g in reversed(ep.space.granted().tolist())
+                 if ep.space.state(g) == "open" and g not in ep.busy
+                 and g not in releasable][:n]
+        if len(picks) < n:
+            self.arbiter.cancel(ep.name, n - len(picks), asker)
+        if not picks:
+            return
+        for g in picks:
+            ep.space.drain(g)
+        drain = BusyDrain(ep.name, picks, asker, now + BUSY_DRAIN_S, now)
+        self.busy_drains.append(drain)
+        log.info("elastic drain", extra={"fields": {
+            "event": "elastic_drain", "pool": ep.name, "groups": len(picks), "for": asker or "",
+            "pages_in_use": sum(ep.space.used_in(g) for g in picks)}})
+        self._ask_drained(drain)
+
+    def _ask_drained(self, drain: BusyDrain) -> None:
+        """Ask the drained pool's caches for what they hold: pages they cache in the drained
+        groups come back to stay free; others they refill from the open groups."""
+        ep = self.pools.get(drain.pool)
+        if ep is None:
+            return
+        held = sum(ep.space.used_in(g) for g in drain.groups)
+        want = min(held, self._hooks.cached(drain.pool))
+        if want > 0:
+            self._hooks.ask_give_back(drain.pool, want)
+
+    def _check_drains(self, now: float | None = None) -> None:
+        """Take the drained groups that emptied; with ``now``, reopen those past their
+        deadline (the asker no longer gets them)."""
+        keep = []
+        for b in self.busy_drains:
+            ep = self.pools.get(b.pool)
+            if ep is None:
+                continue
+            empty = [g for g in b.groups if ep.space.used_in(g) == 0]
+            if empty:
+                b.groups = [g for g in b.groups if g not in empty]
+                self._unmap(ep, tuple(empty), b.asker, b.started)
+            if b.groups and now is not None and b.deadline <= now:
+                for g in b.groups:
+                    ep.space.reopen(g)
+                self.arbiter.cancel(b.pool, len(b.groups), b.asker)
+                log.info("elastic drain expired", extra={"fields": {
+                    "event": "elastic_drain_expired", "pool": b.pool,
+                    "groups": len(b.groups), "for": b.asker or ""}})
+                b.groups = []
+            if b.groups:
+                keep.append(b)
+        self.busy_drains = keep
+        if now is not None:
+            for b in self.busy_drains:
+                self._ask_drained(b)
 
     def _take(self, ep: ElasticPool, n: int, asker: str | None, started: float) -> int:
         """Drain up to ``n`` wholly free groups of ``ep`` (highest first) and start their
@@ -357,6 +438,12 @@ class ElasticPools:
             return 0
         for g in picks:
             ep.space.drain(g)
+        self._unmap(ep, picks, asker, started)
+        return len(picks)
+
+    def _unmap(self, ep: ElasticPool, picks: tuple[int, ...], asker: str | None,
+               started: float) -> None:
+        """Start the unmap handshake of drained, wholly free groups ``picks``."""
         rid = self._next_reclaim
         self._next_reclaim += 1
         u = Unmapping(rid, ep.name, picks, set(), started + self.deadline_s, started, asker)
@@ -370,7 +457,6 @@ class ElasticPools:
             self.unmappings[rid] = u
         else:
             self._spawn(self._finish(u))
-        return len(picks)
 
     async def _finish(self, u: Unmapping) -> None:
         """Every process unmapped ``u``'s groups: free their memory, close them, and grant
@@ -435,6 +521,8 @@ class ElasticPools:
 
     def on_freed(self) -> None:
         """Ids came back: page caches' give-backs may have emptied groups asked back."""
+        if self.busy_drains:
+            self._check_drains()
         if not self.cached_asks:
             return
         keep = []
@@ -456,6 +544,8 @@ class ElasticPools:
         empty their groups in time are given up."""
         now = self._clock()
         self.on_freed()
+        if self.busy_drains:
+            self._check_drains(now)
         if self.policy == "greedy":  # give back what is unused, beyond one spare group
             for name, ep in self.pools.items():
                 cached = self._hooks.cached(name)  # caches keep one group's worth, as kvcached

@@ -590,7 +590,7 @@ class Daemon:
         if self._freed is not None:
             self._freed.set()
             self._freed = None
-        if self.elastic.cached_asks:  # give-backs may have emptied groups asked back
+        if self.elastic.cached_asks or self.elastic.busy_drains:  # groups asked back may be empty
             self.elastic.on_freed()
 
     def free(self, caller: Caller, pool: str, ref: LeaseRef,
