@@ -63,6 +63,7 @@ def vllm_options_of(vllm_config: Any, *, pp_rank: int = 0) -> VllmOptions:
         kv_cache_memory_bytes=memory or 0,
         block_size=cache.block_size,
         kv_cache_dtype=str(cache.cache_dtype),
+        dtype=_dtype_name(vllm_config.model_config.dtype),
         tp_size=parallel.tensor_parallel_size,
         pp_size=parallel.pipeline_parallel_size,
         pp_rank=pp_rank,
@@ -74,6 +75,11 @@ def vllm_options_of(vllm_config: Any, *, pp_rank: int = 0) -> VllmOptions:
         no_enable_prefix_caching=not cache.enable_prefix_caching,
         backend="cpu",
     )
+
+
+def _dtype_name(dtype: Any) -> str:
+    """A ``torch.dtype`` (``torch.float32``) or a name as the profile's dtype name."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _tensor_text(t: Any) -> str:
