@@ -23,8 +23,9 @@ one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): scheduler and worker share i
 Events: ``started`` (seconds), ``generated`` (per prompt: prompt, output token ids, vLLM's
 ``num_cached_tokens``; the block ids each request was given, recorded from the scheduler's
 ``KVCacheManager.allocate_slots``; the pool's name, fingerprint, ``created`` and the worker's
-lease name when kvpool runs; whether vLLM's KV tensors are views of the pool's memory),
-``holding``, ``shutdown``.
+lease name when kvpool runs; whether vLLM's KV tensors are views of the pool's memory;
+the scheduler's class, the blocks vLLM's prefix cache holds and, with kvpool's scheduler, its
+lease), ``holding``, ``shutdown``.
 """
 
 from __future__ import annotations
@@ -88,6 +89,23 @@ def _blocks_of(given: dict[str, list[int]], request_id: str) -> list[int]:
                  if rid == request_id or rid.startswith(request_id + "-")), [])
 
 
+def _scheduler_info(llm: Any) -> dict[str, Any]:
+    """The scheduler's class, the blocks vLLM's prefix cache holds (a hash, not in use:
+    what a request freed with its prefix) and, with kvpool's scheduler, its lease."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    pool = scheduler.kv_cache_manager.block_pool
+    cached = sorted(b.block_id for b in pool.blocks
+                    if b.block_hash is not None and not b.is_null)
+    in_use = sorted(b.block_id for b in pool.blocks if b.ref_cnt > 0 and not b.is_null)
+    out: dict[str, Any] = {"class": f"{type(scheduler).__module__}.{type(scheduler).__name__}",
+                           "block_pool": type(pool).__name__, "prefix_cached": cached,
+                           "in_use": in_use}
+    binding = getattr(scheduler, "kvpool_binding", None)
+    if binding is not None:
+        out.update(lease_name=binding.lease_name, lease_id=binding.lease.lease_id)
+    return out
+
+
 def _kvpool_info(llm: Any) -> dict[str, Any]:
     """The worker's connector: its pool, and whether vLLM's KV tensors are its memory."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -145,7 +163,7 @@ def run_engine(job: dict[str, Any]) -> None:
                      "num_cached_tokens": o.num_cached_tokens or 0,
                      "blocks": _blocks_of(given, o.request_id)} for o in got]
     info = _kvpool_info(llm) if job.get("kvpool") else None
-    emit("generated", outputs=outputs, kvpool=info)
+    emit("generated", outputs=outputs, kvpool=info, scheduler=_scheduler_info(llm))
     if job.get("hold"):
         emit("holding")
         sys.stdin.readline()

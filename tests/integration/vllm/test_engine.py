@@ -9,15 +9,16 @@ point names (``kvpool.integrations.vllm.plugin:register``) itself before vLLM st
 ``test_entry_point_names_the_plugin`` checks that pyproject.toml's entry point is that function.
 
 - ``test_engine_on_kvpool_memory``: one engine with the connector (``kv_transfer_config`` and
-  ``KVPOOL_POOL``): its greedy tokens equal those of vLLM without kvpool on the same weights; the
+  ``KVPOOL_POOL``) and kvpool's scheduler (``scheduler_cls``: its blocks from the engine core's
+  lease): its greedy tokens equal those of vLLM without kvpool on the same weights; the
   repeated prompt hits vLLM's prefix cache; vLLM's KV tensors are views of the pool's memory;
-  while it runs the daemon's Stats show the pool attached by the worker's lease, and this
-  process, attached to the same pool, reads non-zero K/V bytes in exactly the blocks vLLM gave
-  the requests (never in block 0, vLLM's null block); after shutdown the lease ends and every
-  block is back.
-- ``test_engine_killed_and_restarted``: an engine SIGKILLed while it holds the pool: its lease
-  and attachment go within the lease TTL + 1 s; a new engine attaches to the same pool
-  (``created=False``) and generates the same tokens.
+  while it runs the daemon's Stats show the engine's lease holding, in use, the blocks vLLM's
+  prefix cache keeps, and the pool attached by the worker's lease; this process, attached to
+  the same pool, reads non-zero K/V bytes in exactly the blocks vLLM gave the requests (never
+  in block 0, vLLM's null block); after shutdown both leases end and every block is back.
+- ``test_engine_killed_and_restarted``: an engine SIGKILLed while its lease holds blocks: its
+  leases, blocks and attachment go within the lease TTL + 1 s; a new engine attaches to the
+  same pool (``created=False``) and generates the same tokens.
 - ``test_pool_of_other_knobs_stops_the_engine``: a pool that exists with another block count:
   the engine stops at startup, the error naming vLLM's value and the pool's.
 """
@@ -134,10 +135,15 @@ def harness(python: Path, env: dict[str, str], log: Path, job: dict[str, Any]
         h.proc.wait()
 
 
+SCHEDULER = "kvpool.integrations.vllm.scheduler.KVPoolScheduler"
+
+
 def engine_job(model: Path, *, kvpool: bool, **extra: Any) -> dict[str, Any]:
+    """An engine's job: with ``kvpool``, the connector (the memory) and kvpool's scheduler
+    (the blocks, from the engine core's lease); else vLLM's own KV cache and scheduler."""
     return {"model": str(model), "kvpool": kvpool, "kv_cache_memory_bytes": KV_BYTES,
             "block_size": BLOCK_SIZE, "max_model_len": 256, "max_tokens": MAX_TOKENS,
-            "batches": BATCHES, **extra}
+            "batches": BATCHES, **({"scheduler_cls": SCHEDULER} if kvpool else {}), **extra}
 
 
 def engine_env(daemon: DaemonProcess | None = None, pool: str = "") -> dict[str, str]:
@@ -292,19 +298,39 @@ def test_engine_on_kvpool_memory(vllm_python: Path, daemon: DaemonProcess, tiny_
         h.wait_for("holding", 30)
         outputs, info = generated["outputs"], generated["kvpool"]
 
+        scheduler = generated["scheduler"]
         check_outputs(outputs, baseline)
         assert info["pool"] == pool and info["created"] is True
         assert info["connector"] == "KVPoolConnector"
         assert info["kv_tensors"] == 2 and info["kv_tensors_are_pool_views"] is True
+        assert (scheduler["class"], scheduler["block_pool"]) == (SCHEDULER, "KVPoolBlockPool")
+        # every request has finished: vLLM's prefix cache keeps the full block of LONG
+        assert scheduler["in_use"] == [] and len(scheduler["prefix_cached"]) == 1
 
-        # The daemon: the pool vLLM configured, attached by the worker's lease.
-        stats = client.stats()
+        # The daemon: the pool vLLM configured, attached by the worker's lease; the engine
+        # core's lease holds, in use, exactly the blocks vLLM's prefix cache keeps (the rest
+        # of what it holds sits unused in its page cache).
+        def lease_holds_the_cache() -> Any:
+            stats = client.stats()
+            leases = leases_named(stats, scheduler["lease_name"])
+            if len(leases) != 1:
+                return None
+            engine = leases[0]
+            in_use = engine.in_use(pool, "kv")
+            return (stats, engine) if in_use == len(scheduler["prefix_cached"]) else None
+
+        stats, engine = wait_until("the engine's lease holds its prefix cache's blocks",
+                                   lease_holds_the_cache, 10)
+        print(f"  lease {engine.name}: held {engine.held}, cached {engine.cached}; vLLM's "
+              f"prefix cache holds blocks {scheduler['prefix_cached']}")
+        assert engine.lease_id == scheduler["lease_id"]
         p = stats.pool(pool)
         assert (p.architecture, p.page_size, p.fingerprint) == ("vllm", BLOCK_SIZE,
                                                               info["fingerprint"])
+        assert p.spaces["kv"].used == engine.held[pool]["kv"] >= 1
         assert p.attached == 1
         (worker,) = leases_named(stats, info["worker_lease"])
-        assert worker.attached == 1
+        assert worker.attached == 1 and not worker.held
 
         # A second process (this one) attached to the same pool reads what vLLM wrote.
         given = {b for o in outputs for b in o["blocks"]}
@@ -322,7 +348,7 @@ def test_engine_on_kvpool_memory(vllm_python: Path, daemon: DaemonProcess, tiny_
         h.wait_for("shutdown", 120)
         gone = time.monotonic()
         assert h.exited() == 0
-        assert_all_back(client, pool, [info["worker_lease"]], gone)
+        assert_all_back(client, pool, [info["worker_lease"], scheduler["lease_name"]], gone)
 
 
 # -- an engine killed, and a new one on the same pool -------------------------------------------
@@ -341,10 +367,13 @@ def test_engine_killed_and_restarted(vllm_python: Path, daemon: DaemonProcess,
             h.wait_for("holding", 30)
             check_outputs(first["outputs"], baseline)
             assert first["kvpool"]["created"] is True
-            assert client.stats().pool(pool).attached == 1
+            stats = client.stats()
+            assert stats.pool(pool).attached == 1
+            assert stats.pool(pool).spaces["kv"].used >= 1  # the engine's lease holds blocks
             h.kill_group()
             killed = time.monotonic()
-        took = assert_all_back(client, pool, [first["kvpool"]["worker_lease"]], killed)
+        leases = [first["kvpool"]["worker_lease"], first["scheduler"]["lease_name"]]
+        took = assert_all_back(client, pool, leases, killed)
         assert took <= TTL_S + 1.0, f"blocks and attachment back after {took:.2f} s"
 
         print("second engine, same pool")
