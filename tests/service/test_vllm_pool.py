@@ -137,3 +137,15 @@ def test_sglang_pool_fingerprints_are_unchanged() -> None:
 def test_a_vllm_pool_ids_dtype_is_int8() -> None:
     vplan = plan_vllm(json.loads(MODEL.read_text()), make_vllm_options(**KNOBS))
     assert np.dtype(pool_plan_of(vplan).buffers[0].dtype.value) == np.int8
+
+
+async def test_vllm_pool_blocks_do_not_move_between_daemons(served: Served) -> None:
+    await served.stub.Configure(vllm_request())
+    lease = await served.lease()
+    resp = await served.stub.Allocate(pb.AllocateRequest(
+        pool="tl", items=[pb.AllocateItem(space="kv", count=1)], **proof(lease)))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await served.stub.GrantReceive(pb.GrantReceiveRequest(
+            pool="tl", pages=resp.items[0].ids, **proof(lease)))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "vLLM's layout" in info.value.details()
