@@ -174,7 +174,13 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         if plan.vllm is None:
             raise PoolMismatch(f"kvpool pool {binding.pool!r} is not a vLLM-layout pool "
                                f"({plan.architecture})", field="pool")
-        check_kv_cache(plan.vllm, kv_cache, pool=binding.pool, layout=layout)
+        try:
+            check_kv_cache(plan.vllm, kv_cache, pool=binding.pool, layout=layout)
+        except PoolMismatch:
+            if configured.created:  # planned from vLLM's own knobs, yet not vLLM's: unmade
+                with contextlib.suppress(Exception):
+                    binding.client.drop(binding.pool)
+            raise
         region = stack.enter_context(binding.client.attach(
             binding.pool, configured.fingerprint, lease=binding.lease))
         self.configured = configured
