@@ -303,6 +303,24 @@ def test_settle_lifts_the_hold_after_a_give_back() -> None:
     assert not core.settled() and core.pick_job(0.0) == (REFILL, 6)
 
 
+def test_a_give_back_returns_the_highest_cached_ids_and_keeps_the_rest_in_order() -> None:
+    """The daemon takes back an elastic pool's highest groups: a give-back returns the highest
+    ids the cache holds, whatever order they were cached in, and the others stay cached in
+    their order (the next allocs hand them out as before)."""
+    core = PageCacheCore("p", "kv", capacity=64, low=0, high=64, batch=8)
+    core.push(i32([40, 3, 57, 9, 12, 61, 5, 33]))
+    core.ask_give_back(3)
+    job = core.pick_job(0.0)
+    assert job is not None and job[0] == GIVE_BACK
+    assert sorted(job[1].tolist()) == [40, 57, 61]
+    core.job_done(GIVE_BACK, job[1], None)
+    assert core.cached == 5
+    got = core.take(5)
+    assert got is not None and got.tolist() == [3, 9, 12, 5, 33]
+    core.free_ids(got)
+    assert core.cached == 5
+
+
 def test_a_give_back_past_the_cache_asks_the_evictor_for_at_most_what_it_offered() -> None:
     """Cached ids first; past them, up to what the owner said it can evict (not yet asked):
     those are counted for the evictor, and the report stops offering them."""

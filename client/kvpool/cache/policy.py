@@ -380,9 +380,7 @@ class PageCacheCore(IdRing):
             # what is left waits only for the owner's evictor (asked after it last ran)
             self.give_back = min(self.give_back - k, self.evict_wanted)
             if k:
-                self.tail -= k  # the most recently cached
-                ids = self.read(self.tail, k)
-                self.uncache(ids)
+                ids = self.take_highest(k)
                 self.returning += k
                 return GIVE_BACK, ids
         cached = self.tail - self.head

@@ -174,6 +174,28 @@ class IdRing:
             return self.ring[i:j].copy()  # the copy handed out
         return self.read(head, n)
 
+    def take_highest(self, k: int) -> np.ndarray:
+        """Take the ``k`` highest cached ids out of the ring (all of them when fewer are
+        cached), keeping the others in their order; O(cached). What a give-back returns: in an
+        elastic pool the daemon takes back the highest groups (allocation packs low), so the
+        highest ids are the ones whose return can empty a group."""
+        n = self.tail - self.head
+        k = min(k, n)
+        if k <= 0:
+            return np.zeros(0, dtype=ID_DTYPE)
+        ids = self.read(self.head, n)
+        if k == n:
+            out, keep = ids, ids[:0]
+        else:
+            cut = np.partition(ids, n - k)[n - k]  # the k-th highest (ids are distinct)
+            taken = ids >= cut
+            out, keep = ids[taken], ids[~taken]
+        self.uncache(out)
+        self.tail = self.head
+        if keep.shape[0]:
+            self.push(keep)
+        return out
+
     def reserve(self, n: int) -> np.ndarray:
         """An ``alloc`` of ``n`` the ring cannot serve: take what it has (all of it) while the
         rest is asked of the daemon."""
