@@ -97,7 +97,7 @@ def add_configure(sub: Any, common: argparse.ArgumentParser) -> argparse.Argumen
 
 # the flags both layouts read (the same meaning in each), and each one's own
 VLLM_SHARED = frozenset(PlanOptions.__struct_fields__) & frozenset(VllmOptions.__struct_fields__)
-SGLANG_ONLY = frozenset(PlanOptions.__struct_fields__) - VLLM_SHARED - {"budget_bytes", "gpu"}
+SGLANG_ONLY = frozenset(PlanOptions.__struct_fields__) - VLLM_SHARED - {"budget_bytes"}
 VLLM_ONLY = frozenset(VllmOptions.__struct_fields__) - VLLM_SHARED
 ENGINES = ("sglang", "vllm")
 
@@ -130,10 +130,7 @@ def _configure_options(args: argparse.Namespace) -> dict[str, Any]:
     if budget is not None and vllm.setdefault("kv_cache_memory_bytes", budget) != budget:
         raise InvalidArgument("give --budget or --kv-cache-memory-bytes, not both",
                               field="kv_cache_memory_bytes")
-    out: dict[str, Any] = {"engine": "vllm", "vllm": vllm}
-    if "gpu" in sglang:
-        out["gpu"] = sglang["gpu"]
-    return out
+    return {"engine": "vllm", "vllm": vllm}
 
 
 def run_configure(args: argparse.Namespace) -> int:

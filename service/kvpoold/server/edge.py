@@ -134,12 +134,12 @@ def _vllm_args(req: pb.ConfigureRequest, options: dict[str, Any],
             "elastic pools are SGLang-layout only: vLLM's KV-cache tensors are one region "
             "that vLLM's allocate_kv_cache sizes once; Configure engine vllm without elastic",
             field="elastic")
-    sglang = sorted(set(options) - {"gpu"})
+    sglang = sorted(options)
     if sglang:
         raise InvalidArgument(
             f"{sglang[0]} is an SGLang-layout option; a vLLM-layout pool (engine vllm) takes "
             "vLLM's knobs in vllm (kv_cache_memory_bytes, block_size, kv_cache_dtype, "
-            "tp_size, ...)", field=sglang[0])
+            "tp_size, ..., backend for the device)", field=sglang[0])
     if req.assume_architecture:
         raise InvalidArgument("assume_architecture is SGLang's registry; vLLM reads the "
                               "config itself (engine vllm)", field="assume_architecture")

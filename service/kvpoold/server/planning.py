@@ -74,8 +74,7 @@ def _plan_vllm_pool(args: ConfigureArgs) -> PoolPlan:
         raise InvalidArgument(f"{exc.message} (Configure's vllm.{exc.field or '...'})",
                               field=field) from exc
     try:
-        return plan_vllm_pool(config, options, where="hf_config_json",
-                              gpu=str(args.options.get("gpu") or ""))
+        return plan_vllm_pool(config, options, where="hf_config_json")
     except InvalidArgument as exc:
         if exc.field is None or exc.field.startswith(("vllm.", "hf_config_json", "model")):
             raise

@@ -30,8 +30,9 @@ VLLM_KNOB = "vllm.kv_cache_memory_bytes or vllm.num_gpu_blocks_override"
 MAX_PAGES = (1 << 31) - 2
 
 
-def pool_plan_of(vplan: VllmPlan, *, gpu: str = "") -> PoolPlan:
-    """The daemon's plan of a vLLM-layout pool that holds ``vplan``'s KV cache.
+def pool_plan_of(vplan: VllmPlan) -> PoolPlan:
+    """The daemon's plan of a vLLM-layout pool that holds ``vplan``'s KV cache (its ``gpu``
+    is "": vLLM's device facts are ``vplan``'s backend, not an SGLang device profile).
 
     Raises:
         InvalidArgument: a plan of fewer than two blocks (vLLM's null block and one more) or
@@ -92,16 +93,15 @@ def pool_plan_of(vplan: VllmPlan, *, gpu: str = "") -> PoolPlan:
         notes=notes,
         buffers=(backing,),
         id_spaces=(kv,),
-        gpu=gpu,
         vllm=vplan,
     )
 
 
 def plan_vllm_pool(config: Mapping[str, Any], options: VllmOptions, *,
-                   where: str = "config.json", gpu: str = "") -> PoolPlan:
+                   where: str = "config.json") -> PoolPlan:
     """Plan vLLM's KV cache for ``config`` (:func:`plan_vllm`) and the pool that holds it.
 
     Raises:
         InvalidArgument: a config or knob vLLM refuses, or memory that holds no request.
     """
-    return pool_plan_of(plan_vllm(config, options, where=where), gpu=gpu)
+    return pool_plan_of(plan_vllm(config, options, where=where))
