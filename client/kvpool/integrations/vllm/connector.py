@@ -114,6 +114,11 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        kv_role = self._kv_transfer_config.kv_role
+        if kv_role != "kv_both":
+            raise FailedPrecondition(
+                f"KVPoolConnector moves no KV between engines, so it has no {kv_role} side: "
+                "set kv_transfer_config's kv_role to \"kv_both\"", field="kv_role")
         self._binding: VLLMBinding | None = None
         self.configured: ConfigureResult | None = None
         self.allocation: PoolAllocation | None = None
