@@ -19,6 +19,8 @@ point names (``kvpool.integrations.vllm.plugin:register``) itself before vLLM st
 - ``test_engine_killed_and_restarted``: an engine SIGKILLed while its lease holds blocks: its
   leases, blocks and attachment go within the lease TTL + 1 s; a new engine attaches to the
   same pool (``created=False``) and generates the same tokens.
+- ``test_pool_of_other_knobs_with_vllms_kv_cache_is_used``: a pool configured beforehand with
+  other knobs (another fingerprint) into the same KV cache: the engine uses it.
 - ``test_pool_of_other_knobs_stops_the_engine``: a pool that exists with another block count:
   the engine stops at startup, the error naming vLLM's value and the pool's.
 """
@@ -386,6 +388,28 @@ def test_engine_killed_and_restarted(vllm_python: Path, daemon: DaemonProcess,
         check_outputs(second["outputs"], baseline)
         assert second["kvpool"]["created"] is False
         assert second["kvpool"]["fingerprint"] == first["kvpool"]["fingerprint"]
+
+
+def test_pool_of_other_knobs_with_vllms_kv_cache_is_used(
+        vllm_python: Path, daemon: DaemonProcess, tiny_model: Path,
+        baseline: list[dict[str, Any]], work: Path) -> None:
+    """The pool exists planned from num_gpu_blocks_override=32 (another fingerprint than
+    vLLM's kv_cache_memory_bytes of 1 MiB gives), the same 32 blocks: the engine uses it."""
+    pool = "vllm-same"
+    with KVPoolClient(daemon.target) as client:
+        made = client.configure(pool, hf_config=tiny_model, vllm={
+            "num_gpu_blocks_override": 32, "block_size": BLOCK_SIZE, "max_model_len": 256,
+            "dtype": "float32"})
+        with harness(vllm_python, engine_env(daemon, pool), work / "same.log",
+                     engine_job(tiny_model, kvpool=True)) as h:
+            h.wait_for("started", ENGINE_START_S)
+            generated = h.wait_for("generated", 120)
+            h.wait_for("shutdown", 120)
+            assert h.exited() == 0
+        check_outputs(generated["outputs"], baseline)
+        info = generated["kvpool"]
+        assert info["created"] is False and info["fingerprint"] == made.fingerprint
+        assert info["kv_tensors_are_pool_views"] is True
 
 
 def test_pool_of_other_knobs_stops_the_engine(vllm_python: Path, daemon: DaemonProcess,

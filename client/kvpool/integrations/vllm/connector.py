@@ -14,9 +14,9 @@ vLLM's one int8 KV-cache backing is the attached pool's memory. Before that it
 1. plans the pool from vLLM's own config (``memory.vllm_options_of``:
    the model's ``config.json``, ``kv_cache_memory_bytes`` or ``num_gpu_blocks_override``, block
    size, KV dtype, ``max_model_len``, ...) and Configures it (engine ``vllm``): created if
-   absent, reused if present with the same layout; one with another layout is refused, and so
-   is any pool that is not vLLM's ``KVCacheConfig`` (``memory.check_kv_cache``), naming vLLM's
-   value and the pool's, so the engine stops at startup;
+   absent, reused if present with the same layout (or planned with other knobs into the same
+   KV cache); any pool that is not vLLM's ``KVCacheConfig`` (``memory.check_kv_cache``) is
+   refused naming vLLM's value and the pool's, so the engine stops at startup;
 2. attaches the pool under the worker's own lease (``vllm-worker@host:pid``, which ties the
    attachment to this process: a killed worker's attachment ends with its TTL) and keeps the
    mapping for the process lifetime (closed at :meth:`shutdown` and at exit).
@@ -163,18 +163,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             configured = binding.client.configure(binding.pool, hf_config=source, vllm=options)
         except AlreadyExists as exc:
-            # Another layout: say how it differs from vLLM's, with both values.
-            region = stack.enter_context(binding.client.attach(binding.pool,
-                                                               lease=binding.lease))
-            plan: PoolPlan = region.plan
-            if plan.vllm is None:
-                raise PoolMismatch(
-                    f"kvpool pool {binding.pool!r} exists with an SGLang layout "
-                    f"({plan.architecture}), not vLLM's; Drop it or name another "
-                    "(KVPOOL_POOL)", field="pool") from exc
-            check_kv_cache(plan.vllm, kv_cache, pool=binding.pool, layout=layout)
-            raise PoolMismatch(f"{exc.message} (the pool holds vLLM's KV cache, planned with "
-                               "other knobs)", field="pool") from exc
+            return self._attach_existing(binding, stack, exc)
         plan = configured.plan
         if plan.vllm is None:
             raise PoolMismatch(f"kvpool pool {binding.pool!r} is not a vLLM-layout pool "
@@ -195,6 +184,31 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                  configured.fingerprint)
         backing: torch.Tensor = region[plan.buffers[0].name]
         return PoolAllocation([backing], pool=binding.pool)
+
+    def _attach_existing(self, binding: VLLMBinding, stack: contextlib.ExitStack,
+                         refusal: AlreadyExists) -> PoolAllocation:
+        """The pool exists planned with other knobs (another fingerprint): use it if its
+        memory is vLLM's KV cache all the same (block count, tensors, layout), else say how
+        it differs, with both values.
+
+        Raises:
+            PoolMismatch: an SGLang-layout pool, or the first difference.
+        """
+        region = stack.enter_context(binding.client.attach(binding.pool, lease=binding.lease))
+        plan: PoolPlan = region.plan
+        if plan.vllm is None:
+            raise PoolMismatch(
+                f"kvpool pool {binding.pool!r} exists with an SGLang layout "
+                f"({plan.architecture}), not vLLM's; Drop it or name another (KVPOOL_POOL)",
+                field="pool") from refusal
+        check_kv_cache(plan.vllm, self._kv_cache_config, pool=binding.pool,
+                       layout=getattr(self._kv_cache_config, "kv_cache_layout", None))
+        self.configured = ConfigureResult(plan, "", region.fingerprint, created=False,
+                                          dry_run=False, budget_available_bytes=0)
+        log.info("kvpool pool %r reused for vLLM: planned with other knobs, the same KV "
+                 "cache (%d blocks of %d B), fingerprint %s", binding.pool,
+                 plan.vllm.num_blocks, plan.vllm.bytes_per_block, region.fingerprint)
+        return PoolAllocation([region[plan.buffers[0].name]], pool=binding.pool)
 
     def _close(self) -> None:
         binding, self._binding = self._binding, None
