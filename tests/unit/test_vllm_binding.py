@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 
 import pytest
@@ -12,11 +13,18 @@ import pytest
 from kvpool import KVPoolClient
 from kvpool.contract.errors import FailedPrecondition, InvalidArgument
 from kvpool.integrations.vllm.binding import DEFAULT_TTL_S, VLLMBinding, binding_from_env
-from tests.conftest import TINY_OPTIONS, TINY_SPEC, DaemonProcess
+from tests.conftest import REPO, TINY_OPTIONS, TINY_SPEC, DaemonProcess
 
 
-def test_binding_imports_no_vllm() -> None:
-    assert "vllm" not in sys.modules
+def test_binding_imports_neither_vllm_nor_torch() -> None:
+    """``import kvpool.integrations.vllm.binding`` works without vLLM and loads no torch (a
+    fresh interpreter, this checkout's client on its path)."""
+    code = ("import sys, kvpool.integrations.vllm, kvpool.integrations.vllm.binding; "
+            "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "client")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out
 
 
 def test_pool_must_be_named() -> None:

@@ -11,8 +11,9 @@ later. The engine-neutral part is ``kvpool.integrations.binding``.
 Environment (read once, here):
 
 - ``KVPOOL_TARGET``: the daemon (``kvpool.clients.targets.default_target``; default the per-user
-  socket). ``{gpu}`` in it becomes the engine's CUDA device index (one daemon per GPU:
-  ``unix:///run/kvpool/gpu{gpu}.sock``); on CPU it becomes 0.
+  socket). ``{gpu}`` in it becomes the ``gpu`` the caller names; the scheduler names 0, the
+  engine's first (CUDA-visible) device, without asking torch (the engine core has no CUDA
+  context of its own when its workers are other processes).
 - ``KVPOOL_TOKEN_FILE``: a file holding the daemon's bearer token (TCP listeners).
 - ``KVPOOL_POOL``: the pool's name. Required; the pool must exist in the daemon.
 - ``KVPOOL_LEASE_TTL_S``: the engine's lease TTL in seconds (default 10).
