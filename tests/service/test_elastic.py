@@ -6,6 +6,7 @@ unmapped it (or lost their lease for not doing so in time)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -38,24 +39,33 @@ ELASTIC = {"elastic": True, "budget_bytes": 4 * GROUP, "page_size": 16,
 BUDGET = 2 * FIXED + 3 * GROUP  # two floors of one group, one group free
 
 
-@pytest.fixture
-async def daemon() -> AsyncIterator[tuple[Daemon, kvpool_pb2_grpc.KVPoolStub]]:
+@contextlib.asynccontextmanager
+async def served(budget: int, *, sweep: bool = True, **kw: Any
+                 ) -> AsyncIterator[tuple[Daemon, kvpool_pb2_grpc.KVPoolStub]]:
+    """A daemon of ``budget`` bytes on a Unix socket, its lease sweep every 50 ms (unless
+    ``sweep`` is False: the test sweeps), and a stub to it."""
     with temp_dir() as sock_dir, temp_dir("kvp-shm-", "/dev/shm") as shm:
-        factory = ShmBackingFactory(shm)
-        d = Daemon("cpu", BUDGET, factory, reclaim_deadline_s=0.5)
+        d = Daemon("cpu", budget, ShmBackingFactory(shm), **kw)
         sock = sock_dir / "k.sock"
         server = create_server(d, [Listener("unix", str(sock))])
         await server.start()
-        sweeper = asyncio.create_task(sweep_leases(d, 0.05))
+        sweeper = asyncio.create_task(sweep_leases(d, 0.05)) if sweep else None
         channel = aio.insecure_channel(f"unix://{sock}")
         try:
             yield d, kvpool_pb2_grpc.KVPoolStub(channel)
         finally:
-            sweeper.cancel()
+            if sweeper is not None:
+                sweeper.cancel()
             await channel.close()
             await server.shutdown(0)
             server.remove_sockets()
             d.close()
+
+
+@pytest.fixture
+async def daemon() -> AsyncIterator[tuple[Daemon, kvpool_pb2_grpc.KVPoolStub]]:
+    async with served(BUDGET, reclaim_deadline_s=0.5) as out:
+        yield out
 
 
 async def configure(stub: kvpool_pb2_grpc.KVPoolStub, pool: str, **over: Any
@@ -273,32 +283,20 @@ async def test_the_greedy_policy_never_takes_from_another_pool() -> None:
     """--elastic-policy greedy: a pool takes only what is free and gives back its wholly free
     groups beyond one spare on the sweep; another pool short of pages waits for that instead
     of taking groups back."""
-    with temp_dir() as sock_dir, temp_dir("kvp-shm-", "/dev/shm") as shm:
-        d = Daemon("cpu", BUDGET + 2 * GROUP, ShmBackingFactory(shm), elastic_policy="greedy")
-        sock = sock_dir / "k.sock"
-        server = create_server(d, [Listener("unix", str(sock))])
-        await server.start()
-        channel = aio.insecure_channel(f"unix://{sock}")
-        stub = kvpool_pb2_grpc.KVPoolStub(channel)
-        try:
-            await configure(stub, "a")
-            await configure(stub, "b")
-            la, lb = await open_raw(stub, "a"), await open_raw(stub, "b")
-            ids = await allocate(stub, "a", la, 2 * PAGES + 1)  # a: 3 groups, all there is
-            assert elastic(d, "a").granted_groups == 3
-            await free(stub, "a", la, ids)
-            with pytest.raises(grpc.aio.AioRpcError):  # b may not take a's free groups
-                await allocate(stub, "b", lb, PAGES)
-            assert elastic(d, "a").reclaims == 0
-            d.elastic.sweep()  # a gives back what it does not use, beyond one spare group
-            await until(lambda: elastic(d, "a").granted_groups == 2)
-            got = await allocate(stub, "b", lb, PAGES)
-            assert len(got) == PAGES and elastic(d, "b").granted_groups == 2
-        finally:
-            await channel.close()
-            await server.shutdown(0)
-            server.remove_sockets()
-            d.close()
+    async with served(BUDGET + 2 * GROUP, sweep=False, elastic_policy="greedy") as (d, stub):
+        await configure(stub, "a")
+        await configure(stub, "b")
+        la, lb = await open_raw(stub, "a"), await open_raw(stub, "b")
+        ids = await allocate(stub, "a", la, 2 * PAGES + 1)  # a: 3 groups, all there is
+        assert elastic(d, "a").granted_groups == 3
+        await free(stub, "a", la, ids)
+        with pytest.raises(grpc.aio.AioRpcError):  # b may not take a's free groups
+            await allocate(stub, "b", lb, PAGES)
+        assert elastic(d, "a").reclaims == 0
+        d.elastic.sweep()  # a gives back what it does not use, beyond one spare group
+        await until(lambda: elastic(d, "a").granted_groups == 2)
+        got = await allocate(stub, "b", lb, PAGES)
+        assert len(got) == PAGES and elastic(d, "b").granted_groups == 2
 
 
 async def test_drop_of_an_elastic_pool_gives_its_whole_charge_back(daemon: Any) -> None:
@@ -327,59 +325,45 @@ async def test_a_pool_above_its_share_drains_groups_in_use_for_one_that_waits(
     empty in time is undone: the group is a's to use again."""
     if expire:
         monkeypatch.setattr("kvpoold.elastic.manager.BUSY_DRAIN_S", 0.3)
-    with temp_dir() as sock_dir, temp_dir("kvp-shm-", "/dev/shm") as shm:
-        d = Daemon("cpu", 2 * FIXED + 4 * GROUP, ShmBackingFactory(shm), reclaim_deadline_s=0.5)
-        sock = sock_dir / "k.sock"
-        server = create_server(d, [Listener("unix", str(sock))])
-        await server.start()
-        sweeper = asyncio.create_task(sweep_leases(d, 0.05))
-        channel = aio.insecure_channel(f"unix://{sock}")
-        stub = kvpool_pb2_grpc.KVPoolStub(channel)
-        try:
-            await configure(stub, "a")
-            await configure(stub, "b")
-            la, lb = await open_raw(stub, "a"), await open_raw(stub, "b")
-            ids_a = await allocate(stub, "a", la, 3 * PAGES - 1)  # groups 0, 1, 2: all in use
-            assert elastic(d, "a").granted_groups == 3
-            await allocate(stub, "b", lb, PAGES - 1)  # b's floor group, full
-            with pytest.raises(grpc.aio.AioRpcError) as err:  # b waits: a's group 2 drains
-                await allocate(stub, "b", lb, 5)
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            space = d.pools["a"].ids.space("kv", "kv")
-            assert space.state(2) == "draining" and elastic(d, "a").reclaiming_groups == 1
-            assert [space.state(g) for g in (0, 1)] == ["open", "open"]
-            # a frees half of group 2 and a page of group 0: it gets group 0's page back,
-            # never group 2's, and group 2 stays a's while a page of it is in use
-            in_2 = ids_a[ids_a // PAGES == 2]
-            await free(stub, "a", la, np.concatenate([in_2[: PAGES // 2], ids_a[:1]]))
-            again = await allocate(stub, "a", la, 1)
-            assert int(again[0]) // PAGES == 0
-            with pytest.raises(grpc.aio.AioRpcError):
-                await allocate(stub, "a", la, 1)
-            assert space.state(2) == "draining"
-            if expire:
-                await until(lambda: space.state(2) == "open")
-                assert elastic(d, "a").reclaiming_groups == 0
-                assert int((await allocate(stub, "a", la, 1))[0]) // PAGES == 2
-                return
-            # its last page freed, group 2 goes to b (released, then granted on b's next ask)
-            await free(stub, "a", la, in_2[PAGES // 2:])
-            await until(lambda: elastic(d, "a").granted_groups == 2)
-            more = await allocate(stub, "b", lb, 5)
-            assert {int(i) // PAGES for i in more} == {1}
-            assert (elastic(d, "a").granted_groups, elastic(d, "b").granted_groups) == (2, 2)
-            # equal shares now: b asks again, a's pages in use stay a's
-            await allocate(stub, "b", lb, PAGES - 5)
-            with pytest.raises(grpc.aio.AioRpcError):
-                await allocate(stub, "b", lb, 5)
+    async with served(2 * FIXED + 4 * GROUP, reclaim_deadline_s=0.5) as (d, stub):
+        await configure(stub, "a")
+        await configure(stub, "b")
+        la, lb = await open_raw(stub, "a"), await open_raw(stub, "b")
+        ids_a = await allocate(stub, "a", la, 3 * PAGES - 1)  # groups 0, 1, 2: all in use
+        assert elastic(d, "a").granted_groups == 3
+        await allocate(stub, "b", lb, PAGES - 1)  # b's floor group, full
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # b waits: a's group 2 drains
+            await allocate(stub, "b", lb, 5)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        space = d.pools["a"].ids.space("kv", "kv")
+        assert space.state(2) == "draining" and elastic(d, "a").reclaiming_groups == 1
+        assert [space.state(g) for g in (0, 1)] == ["open", "open"]
+        # a frees half of group 2 and a page of group 0: it gets group 0's page back,
+        # never group 2's, and group 2 stays a's while a page of it is in use
+        in_2 = ids_a[ids_a // PAGES == 2]
+        await free(stub, "a", la, np.concatenate([in_2[: PAGES // 2], ids_a[:1]]))
+        again = await allocate(stub, "a", la, 1)
+        assert int(again[0]) // PAGES == 0
+        with pytest.raises(grpc.aio.AioRpcError):
+            await allocate(stub, "a", la, 1)
+        assert space.state(2) == "draining"
+        if expire:
+            await until(lambda: space.state(2) == "open")
             assert elastic(d, "a").reclaiming_groups == 0
-            assert [space.state(g) for g in (0, 1)] == ["open", "open"]
-            assert d.used_bytes <= 2 * FIXED + 4 * GROUP
-            for e in d.pools.values():
-                e.ids.audit()
-        finally:
-            sweeper.cancel()
-            await channel.close()
-            await server.shutdown(0)
-            server.remove_sockets()
-            d.close()
+            assert int((await allocate(stub, "a", la, 1))[0]) // PAGES == 2
+            return
+        # its last page freed, group 2 goes to b (released, then granted on b's next ask)
+        await free(stub, "a", la, in_2[PAGES // 2:])
+        await until(lambda: elastic(d, "a").granted_groups == 2)
+        more = await allocate(stub, "b", lb, 5)
+        assert {int(i) // PAGES for i in more} == {1}
+        assert (elastic(d, "a").granted_groups, elastic(d, "b").granted_groups) == (2, 2)
+        # equal shares now: b asks again, a's pages in use stay a's
+        await allocate(stub, "b", lb, PAGES - 5)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await allocate(stub, "b", lb, 5)
+        assert elastic(d, "a").reclaiming_groups == 0
+        assert [space.state(g) for g in (0, 1)] == ["open", "open"]
+        assert d.used_bytes <= 2 * FIXED + 4 * GROUP
+        for e in d.pools.values():
+            e.ids.audit()

@@ -105,13 +105,14 @@ def install_block_pool(scheduler: Any, binding: VLLMBinding) -> KVPoolBlockPool:
 
 
 class _KVPoolBlocks:
-    """What both schedulers add to vLLM's: the binding, the block pool, the step hook and
-    the shutdown."""
+    """What both schedulers add to vLLM's (a mixin before vLLM's class): the binding, the
+    block pool, the step hook and the shutdown."""
 
     kvpool_binding: VLLMBinding
     kvpool_block_pool: KVPoolBlockPool
 
-    def _install_kvpool(self) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         # {gpu} is the engine's first device, 0: the engine core need not have CUDA (with
         # TP > 1 its workers are other processes), and asking torch would start a context.
         binding = binding_from_env(gpu=0)
@@ -123,46 +124,22 @@ class _KVPoolBlocks:
         self.kvpool_binding = binding
         binding.close_at_exit()
 
-    def _kvpool_step(self) -> None:
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
         self.kvpool_block_pool.new_step()
+        return super().schedule(*args, **kwargs)  # type: ignore[misc]
 
-    def _kvpool_shutdown(self) -> None:
-        binding = getattr(self, "kvpool_binding", None)
-        if binding is not None:
-            binding.close()
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()  # type: ignore[misc]
+        finally:
+            binding = getattr(self, "kvpool_binding", None)
+            if binding is not None:
+                binding.close()
 
 
 class KVPoolScheduler(_KVPoolBlocks, Scheduler):
     """vLLM's ``Scheduler`` with its blocks from a kvpool lease (see the module docstring)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._install_kvpool()
-
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        self._kvpool_step()
-        return super().schedule(*args, **kwargs)
-
-    def shutdown(self) -> None:
-        try:
-            super().shutdown()
-        finally:
-            self._kvpool_shutdown()
-
 
 class KVPoolAsyncScheduler(_KVPoolBlocks, AsyncScheduler):
     """vLLM's ``AsyncScheduler`` with its blocks from a kvpool lease."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._install_kvpool()
-
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        self._kvpool_step()
-        return super().schedule(*args, **kwargs)
-
-    def shutdown(self) -> None:
-        try:
-            super().shutdown()
-        finally:
-            self._kvpool_shutdown()
