@@ -96,6 +96,18 @@ def _cases() -> list[Case]:
     variant("qwen3-next-80b-a3b-instruct", "fp8", kv_cache_dtype="fp8")
     variant("qwen3-next-80b-a3b-instruct", "no-hybrid", disable_hybrid_kv_cache_manager=True)
     variant("qwen3-next-80b-a3b-instruct", "memory-256MiB", kv_cache_memory_bytes=256 * MiB)
+    # the SSM state dtype: vLLM's CPU platform stores an "auto" state in float32 on a CPU with
+    # AVX-512 BF16 (the harness has vLLM see either CPU), a named dtype as named
+    variant("qwen3-next-80b-a3b-instruct", "cpu-avx512-bf16", cpu_avx512_bf16="yes")
+    variant("qwen3-next-80b-a3b-instruct", "cpu-no-avx512-bf16", cpu_avx512_bf16="no")
+    variant("qwen3-next-80b-a3b-instruct", "pp2-cpu-no-avx512-bf16", pp_size=2,
+            cpu_avx512_bf16="no")
+    variant("qwen3-next-80b-a3b-instruct", "ssm-bf16-cpu-avx512-bf16",
+            mamba_ssm_cache_dtype="bfloat16", cpu_avx512_bf16="yes")
+    variant("qwen3-next-80b-a3b-instruct", "ssm-fp16-cpu-avx512-bf16",
+            mamba_ssm_cache_dtype="float16", cpu_avx512_bf16="yes")
+    variant("qwen3-next-80b-a3b-instruct", "ssm-fp32-cpu-no-avx512-bf16",
+            mamba_ssm_cache_dtype="float32", cpu_avx512_bf16="no")
     variant("gemma-3-1b-it", "async", async_scheduling=True)
     variant("llama-3.1-8b-instruct", "override-100", kv_cache_memory_bytes=GiB,
             num_gpu_blocks_override=100)
@@ -166,4 +178,5 @@ def test_the_cases_cover_every_config_and_knob() -> None:
     assert seen >= {"kv_cache_memory_bytes", "block_size", "kv_cache_dtype", "max_model_len",
                     "tp_size", "pp_size", "num_gpu_blocks_override",
                     "disable_hybrid_kv_cache_manager", "max_num_batched_tokens",
-                    "async_scheduling", "no_enable_prefix_caching"}
+                    "async_scheduling", "no_enable_prefix_caching", "mamba_ssm_cache_dtype",
+                    "cpu_avx512_bf16"}

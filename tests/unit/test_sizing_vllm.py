@@ -34,6 +34,7 @@ from kvpool.contract.vllm_plan import (
     make_vllm_options,
     vllm_plan_to_json,
 )
+from kvpoold.sizing.vllm_host import cpuinfo_has_avx512_bf16
 from kvpoold.sizing.vllm_profile import plan_vllm
 from kvpoold.sizing.vllm_specs import stage_bounds
 
@@ -171,14 +172,14 @@ def test_override_fixes_the_block_count() -> None:
 
 
 def test_qwen3_next_block_holds_a_state() -> None:
-    """A gated-delta-net state: conv (16*128*2 + 32*128) * 3 + SSM 32*128*128, bf16 =
-    1,097,728 B; an attention token 2 * 512 * 2 = 2,048 B; the block grows to
-    128 * ceil(1,097,728 / 262,144) = 640 tokens, a page of 1,310,720 B the states are
-    padded to. 36 state layers in 3 groups of 12 and 12 full layers: 12 pages a block, 4 GiB
-    holds 273 blocks; a 2,048-token request takes 2 blocks per state group (prefix caching
-    keeps the previous state) and 4 in the full group."""
+    """A gated-delta-net state on a CPU without AVX-512 BF16: conv (16*128*2 + 32*128) * 3 +
+    SSM 32*128*128, bf16 = 1,097,728 B; an attention token 2 * 512 * 2 = 2,048 B; the block
+    grows to 128 * ceil(1,097,728 / 262,144) = 640 tokens, a page of 1,310,720 B the states
+    are padded to. 36 state layers in 3 groups of 12 and 12 full layers: 12 pages a block,
+    4 GiB holds 273 blocks; a 2,048-token request takes 2 blocks per state group (prefix
+    caching keeps the previous state) and 4 in the full group."""
     p = _plan("qwen3-next-80b-a3b-instruct", kv_cache_memory_bytes=4 * GiB,
-              max_model_len=2048)
+              max_model_len=2048, cpu_avx512_bf16="no")
     assert p.block_size == 640
     states = [s for s in p.layers if s.type is VllmSpecType.mamba]
     assert len(states) == 36 and {s.page_size_padded for s in states} == {1_310_720}
@@ -188,12 +189,46 @@ def test_qwen3_next_block_holds_a_state() -> None:
     assert p.num_blocks == 4 * GiB // (12 * 1_310_720) == 273
     assert p.max_concurrency == 273 / (3 * 2 + 4)
     one = _plan("qwen3-next-80b-a3b-instruct", kv_cache_memory_bytes=4 * GiB,
-                max_model_len=2048, no_enable_prefix_caching=True)
+                max_model_len=2048, no_enable_prefix_caching=True, cpu_avx512_bf16="no")
     assert one.max_concurrency == 273 / (3 * 1 + 4)
     with pytest.raises(InvalidArgument) as info:
         _plan("qwen3-next-80b-a3b-instruct", kv_cache_memory_bytes=4 * GiB,
               max_model_len=2048, disable_hybrid_kv_cache_manager=True)
     assert info.value.field == "disable_hybrid_kv_cache_manager"
+
+
+def test_qwen3_next_ssm_state_is_float32_on_a_cpu_with_avx512_bf16() -> None:
+    """vLLM's CPU platform stores an ``auto`` SSM state in float32 on a CPU with AVX-512
+    BF16: conv 24,576 * 2 + SSM 524,288 * 4 = 2,146,304 B, the block grows to
+    128 * ceil(2,146,304 / 262,144) = 1,152 tokens, a page of 2,359,296 B, 4 GiB holds
+    4 GiB // (12 * 2,359,296) = 151 blocks. A named --mamba-ssm-cache-dtype is kept on
+    either CPU."""
+    p = _plan("qwen3-next-80b-a3b-instruct", kv_cache_memory_bytes=4 * GiB,
+              max_model_len=2048, cpu_avx512_bf16="yes")
+    assert p.block_size == 1152
+    states = [s for s in p.layers if s.type is VllmSpecType.mamba]
+    assert {s.page_size_padded for s in states} == {2_359_296}
+    assert p.num_blocks == 4 * GiB // (12 * 2_359_296) == 151
+    assert any("SSM states are float32" in n for n in p.notes)
+    kept = _plan("qwen3-next-80b-a3b-instruct", kv_cache_memory_bytes=4 * GiB,
+                 max_model_len=2048, cpu_avx512_bf16="yes", mamba_ssm_cache_dtype="bfloat16")
+    assert (kept.block_size, kept.num_blocks) == (640, 273)
+    asked = _plan("qwen3-next-80b-a3b-instruct", kv_cache_memory_bytes=4 * GiB,
+                  max_model_len=2048, cpu_avx512_bf16="no", mamba_ssm_cache_dtype="float32")
+    assert (asked.block_size, asked.num_blocks) == (1152, 151)
+    # a model without linear attention does not change with the CPU
+    for isa in ("yes", "no"):
+        llama = _plan("llama-3.1-8b-instruct", kv_cache_memory_bytes=GiB, max_model_len=2048,
+                      cpu_avx512_bf16=isa)
+        assert (llama.block_size, llama.num_blocks, llama.notes) == (128, 64, ())
+
+
+def test_cpuinfo_flag() -> None:
+    with_flag = "processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 avx512_vnni\n"
+    without = "processor\t: 0\nflags\t\t: fpu avx512f avx512_vnni\nbugs\t\t: avx512_bf16x\n"
+    assert cpuinfo_has_avx512_bf16(with_flag)
+    assert not cpuinfo_has_avx512_bf16(without)
+    assert not cpuinfo_has_avx512_bf16("")
 
 
 def test_sparse_attention_is_refused_by_name() -> None:

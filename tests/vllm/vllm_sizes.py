@@ -7,7 +7,13 @@ cases on stdin::
       "block_size": 128, "max_model_len": 4096, "tp_size": 1, "pp_size": 1,
       "kv_cache_dtype": "auto", "num_gpu_blocks_override": null,
       "disable_hybrid_kv_cache_manager": false, "max_num_batched_tokens": 8192,
-      "async_scheduling": false}, ...]
+      "async_scheduling": false, "mamba_ssm_cache_dtype": "auto",
+      "cpu_avx512_bf16": "auto"}, ...]
+
+``cpu_avx512_bf16`` ``"yes"`` or ``"no"`` has vLLM's CPU platform see a CPU with or without
+AVX-512 BF16 for that case (it answers ``torch.cpu._is_avx512_bf16_supported()`` so while the
+engine config is made, which is where vLLM asks; it decides the SSM state dtype of
+linear-attention layers); ``"auto"`` (the default) leaves this host's answer.
 
 For each case it builds the engine's ``VllmConfig`` (``EngineArgs.create_engine_config``, as
 ``LLM(...)`` does), instantiates the model on the meta device (no weights, no memory) and asks
@@ -152,10 +158,21 @@ def _engine_config(case: dict[str, Any], model_dir: str) -> Any:
         max_num_batched_tokens=case.get("max_num_batched_tokens", 8192),
         async_scheduling=case.get("async_scheduling", False),
         enable_prefix_caching=not case.get("no_enable_prefix_caching", False),
+        mamba_ssm_cache_dtype=case.get("mamba_ssm_cache_dtype", "auto"),
         distributed_executor_backend="mp" if case.get("tp_size", 1) * case.get(
             "pp_size", 1) > 1 else None,
     )
-    return args.create_engine_config()
+    isa = case.get("cpu_avx512_bf16", "auto")
+    if isa == "auto":
+        return args.create_engine_config()
+    if isa not in ("yes", "no"):
+        raise ValueError(f"cpu_avx512_bf16 must be auto, yes or no, got {isa!r}")
+    host = torch.cpu._is_avx512_bf16_supported
+    torch.cpu._is_avx512_bf16_supported = lambda: isa == "yes"
+    try:
+        return args.create_engine_config()
+    finally:
+        torch.cpu._is_avx512_bf16_supported = host
 
 
 def _layer_specs(vllm_config: Any) -> tuple[dict[str, Any], list[type]]:

@@ -46,6 +46,28 @@ class VllmModelDType(enum.StrEnum):
     float32 = "float32"
 
 
+class VllmMambaDType(enum.StrEnum):
+    """vLLM's ``--mamba-ssm-cache-dtype``: the element type of a linear-attention layer's SSM
+    (recurrent) state. ``auto`` is the model dtype, except on vLLM's CPU platform on a CPU
+    with AVX-512 BF16, which stores it in float32 (see :class:`VllmCpuBf16`)."""
+
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class VllmCpuBf16(enum.StrEnum):
+    """Whether the CPU vLLM runs on has AVX-512 BF16 (vLLM's CPU platform asks
+    ``torch.cpu._is_avx512_bf16_supported()``; with it, ``--mamba-ssm-cache-dtype auto``
+    stores SSM states in float32 for its accelerated gated-delta-net kernels). ``auto``: this
+    host's (the ``avx512_bf16`` flag in ``/proc/cpuinfo``)."""
+
+    auto = "auto"
+    yes = "yes"
+    no = "no"
+
+
 class VllmLayout(enum.StrEnum):
     """vLLM's physical KV-cache layouts (``VLLM_KV_CACHE_LAYOUT``): the letters are the memory
     order of the logical axes L (layer), B (block), H (head), N (token in block), C (content).
@@ -122,6 +144,13 @@ class VllmOptions(Base):
     no_enable_prefix_caching: Annotated[bool, _doc(
         "vLLM's --no-enable-prefix-caching (hybrid linear models then keep one state block "
         "per request instead of two)")] = False
+    mamba_ssm_cache_dtype: Annotated[VllmMambaDType, _doc(
+        "vLLM's --mamba-ssm-cache-dtype, the SSM state dtype of linear-attention layers "
+        "(auto: the model dtype; float32 on the CPU backend with AVX-512 BF16)")] = \
+        VllmMambaDType.auto
+    cpu_avx512_bf16: Annotated[VllmCpuBf16, _doc(
+        "whether vLLM's CPU has AVX-512 BF16 (auto: this host's /proc/cpuinfo)")] = \
+        VllmCpuBf16.auto
     backend: Annotated[VllmBackend, _doc(
         "the attention backend (its block sizes and KV-cache layout)")] = VllmBackend.cpu
 

@@ -55,14 +55,15 @@ class GatedDeltaNet:
     value_head_dim: int
     conv_kernel: int
 
-    def state_bytes(self, tp: int, itemsize: int) -> int:
-        """One request's conv state ``(conv_dim / tp, kernel - 1)`` plus its SSM state
-        ``(value_heads / tp, key_dim, value_dim)``, both in the model dtype."""
+    def state_bytes(self, tp: int, conv_itemsize: int, ssm_itemsize: int) -> int:
+        """One request's conv state ``(conv_dim / tp, kernel - 1)`` (in the model dtype)
+        plus its SSM state ``(value_heads / tp, key_dim, value_dim)`` (in vLLM's SSM state
+        dtype)."""
         conv_dim = (self.num_key_heads * self.key_head_dim * 2
                     + self.num_value_heads * self.value_head_dim)
         conv = conv_dim // tp * (self.conv_kernel - 1)
         ssm = self.num_value_heads // tp * self.key_head_dim * self.value_head_dim
-        return (conv + ssm) * itemsize
+        return conv * conv_itemsize + ssm * ssm_itemsize
 
 
 @dataclass(frozen=True)

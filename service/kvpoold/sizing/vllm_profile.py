@@ -1,7 +1,9 @@
 """The vLLM profile: a model and vLLM's knobs -> vLLM 0.32's KV cache (``get_kv_cache_configs``)
 for one worker, as a :class:`~kvpool.contract.vllm_plan.VllmPlan`.
 
-Pure: no torch, no environment, no I/O. The sizing equation (layer-major layouts, the ones
+Pure but for one fact of the host, read only when ``options.cpu_avx512_bf16`` is ``auto`` and
+the model has linear-attention layers (:mod:`kvpoold.sizing.vllm_host`): no torch, no other
+environment or I/O. The sizing equation (layer-major layouts, the ones
 vLLM's CPU backends resolve)::
 
     bytes_per_block = max over groups of the sum of the group's layers' pages
@@ -31,6 +33,7 @@ from kvpool.contract.vllm_plan import (
     VllmGroup,
     VllmLayerSpec,
     VllmLayout,
+    VllmMambaDType,
     VllmOptions,
     VllmPlan,
     VllmSpecType,
@@ -43,8 +46,10 @@ from kvpoold.sizing.vllm_specs import (
     LayerSpec,
     align_hybrid_block_size,
     layer_specs,
+    model_dtype,
     resolve_block_size,
     resolve_cache_dtype,
+    ssm_state_dtype,
     stage_bounds,
 )
 
@@ -212,6 +217,14 @@ def plan_vllm_model(model: VllmModel, options: VllmOptions) -> VllmPlan:
     block_size = resolve_block_size(model, options, notes)
     dtype = resolve_cache_dtype(model, options)
     max_model_len = _max_model_len(model, options)
+    if model.gdn is not None:
+        ssm = ssm_state_dtype(model, options)
+        if ssm != model_dtype(model, options):
+            why = ("vLLM's CPU platform on a CPU with AVX-512 BF16"
+                   if options.mamba_ssm_cache_dtype is VllmMambaDType.auto
+                   else "--mamba-ssm-cache-dtype")
+            notes.append(f"linear-attention SSM states are {ssm} ({why}); conv states "
+                         f"{model_dtype(model, options)}")
     aligned, _ = align_hybrid_block_size(model, options, block_size, dtype)
     if aligned != block_size:
         notes.append(f"block_size {block_size} raised to {aligned}: an attention page holds "

@@ -23,10 +23,12 @@ from kvpool.contract.vllm_plan import (
     VllmBackend,
     VllmCacheDType,
     VllmLayout,
+    VllmMambaDType,
     VllmModelDType,
     VllmOptions,
     VllmSpecType,
 )
+from kvpoold.sizing.vllm_host import has_avx512_bf16
 from kvpoold.sizing.vllm_model import LayerKind, VllmModel
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "uint8": 1}
@@ -131,6 +133,32 @@ def model_dtype(model: VllmModel, options: VllmOptions | None = None) -> str:
     return "bfloat16" if model.dtype == "float32" else model.dtype
 
 
+def ssm_state_dtype(model: VllmModel, options: VllmOptions) -> str:
+    """The element type of a linear-attention layer's SSM state (vLLM's
+    ``mamba_ssm_cache_dtype`` once the platform has updated the config).
+
+    ``--mamba-ssm-cache-dtype auto`` is the model dtype, except on the CPU backend on a CPU
+    with AVX-512 BF16 (:func:`~kvpoold.sizing.vllm_host.has_avx512_bf16`): vLLM's CPU platform
+    then resets it to float32 for its accelerated gated-delta-net kernels. A named dtype is
+    kept (on such a CPU vLLM keeps bfloat16 or float16 only for a gated delta net whose state
+    dtype it is, which every linear layer the profile sizes is).
+    """
+    asked = options.mamba_ssm_cache_dtype
+    if asked is not VllmMambaDType.auto:
+        return asked.value
+    if options.backend is VllmBackend.cpu and has_avx512_bf16(options):
+        return "float32"
+    return model_dtype(model, options)
+
+
+def gdn_state_bytes(model: VllmModel, options: VllmOptions) -> int:
+    """One request's gated-delta-net state on one TP rank: the conv state in the model
+    dtype, the SSM state in :func:`ssm_state_dtype`."""
+    assert model.gdn is not None
+    return model.gdn.state_bytes(options.tp_size, ITEMSIZE[model_dtype(model, options)],
+                                 ITEMSIZE[ssm_state_dtype(model, options)])
+
+
 def resolve_block_size(model: VllmModel, options: VllmOptions, notes: list[str]) -> int:
     """The engine's ``cache_config.block_size``: the user's, else the backend's; MLA on CPU
     always runs the MLA kernel's block size."""
@@ -175,15 +203,17 @@ def align_hybrid_block_size(model: VllmModel, options: VllmOptions, block_size: 
     The attention block grows to ``align * ceil(state / (align * attention bytes per
     token))`` with ``align = max(kernel block multiple, block_size)``; the state page is
     padded to the attention page. Qwen3-Next on CPU (2 KV heads of 256, bf16: 2,048 B per
-    token; a 1,097,728 B state): ``128 * ceil(1,097,728 / 262,144) = 640`` tokens, states
-    padded to 1,310,720 B.
+    token) with a bfloat16 SSM state (a 1,097,728 B state): ``128 * ceil(1,097,728 /
+    262,144) = 640`` tokens, states padded to 1,310,720 B; with the float32 SSM state of a
+    CPU with AVX-512 BF16 (:func:`ssm_state_dtype`; 2,146,304 B): ``128 * 9 = 1,152``
+    tokens, states padded to 2,359,296 B.
     """
     if model.gdn is None:
         return block_size, None
     facts = BACKENDS[options.backend]
     per_token = max(1, model.num_kv_heads // options.tp_size) * 2 * model.head_size \
         * ITEMSIZE[dtype]
-    state = model.gdn.state_bytes(options.tp_size, ITEMSIZE[model_dtype(model, options)])
+    state = gdn_state_bytes(model, options)
     align = max(facts.kernel_block_multiple, block_size)
     aligned = align * -(-state // (align * per_token))
     m = facts.kernel_block_multiple
@@ -215,8 +245,7 @@ def layer_specs(model: VllmModel, options: VllmOptions, block_size: int,
     out = []
     for layer in model.layers:
         if layer.kind is LayerKind.linear:
-            assert model.gdn is not None
-            state = model.gdn.state_bytes(tp, ITEMSIZE[model_dtype(model, options)])
+            state = gdn_state_bytes(model, options)
             spec = LayerSpec(VllmSpecType.mamba, state_block, 0, 0, 0,
                              model_dtype(model, options),
                              page_size_padded=state_padded, state_bytes=state,
