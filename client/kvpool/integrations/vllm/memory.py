@@ -73,6 +73,9 @@ def vllm_options_of(vllm_config: Any, *, pp_rank: int = 0) -> VllmOptions:
         max_num_batched_tokens=scheduler.max_num_batched_tokens,
         async_scheduling=bool(scheduler.async_scheduling),
         no_enable_prefix_caching=not cache.enable_prefix_caching,
+        # as vLLM resolved it (its CPU platform makes "auto" float32 on AVX-512 BF16 hosts):
+        # the daemon's plan then does not depend on the daemon's own host
+        mamba_ssm_cache_dtype=str(getattr(cache, "mamba_ssm_cache_dtype", "auto") or "auto"),
         backend="cpu",
     )
 
