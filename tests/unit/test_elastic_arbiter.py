@@ -201,3 +201,20 @@ class ArbiterMachine(RuleBasedStateMachine):
 
 TestArbiterMachine = ArbiterMachine.TestCase
 TestArbiterMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+def test_asking_again_for_the_same_shortfall_is_not_granted_twice() -> None:
+    """An Allocate that waits retries its grow: what reclaims already promise the asker covers
+    as much of its want (over-asking left groups wholly free for the other pool to take back
+    at once, and two bursting pools traded groups back and forth)."""
+    arb = Arbiter(BUDGET)
+    arb.admit(share("a"))
+    arb.want("a", 64)
+    arb.observe("a", free_groups=10, cached_groups=0, idle=False)
+    arb.admit(share("b"))
+    first = arb.want("b", 4)
+    assert first.pending == 4
+    assert arb.want("b", 4).pending == 0  # the same 4 again: all promised already
+    assert arb.want("b", 6).pending == 2  # 2 more than promised
+    settle(arb, "b", first.reclaims)
+    assert arb.pools["b"].granted == 4 and arb.promised.get("b", 0) == 2 * 128 * MiB

@@ -193,14 +193,18 @@ class Arbiter:
     # -- grants ------------------------------------------------------------------------------
 
     def want(self, name: str, groups: int, *, reclaim: bool = True) -> Decision:
-        """``name`` wants ``groups`` more groups: what it gets now and what is reclaimed for it.
+        """``name`` wants ``groups`` more groups than it has granted: what it gets now and what
+        is reclaimed for it (less what reclaims already promise it).
 
         Never above its cap; free budget first; then (unless ``reclaim`` is False: a pool
         growing ahead of need takes only what is free) reclaims by rule 3. The grant is applied
         (counted) at once; reclaimed groups are promised and granted on :meth:`released`.
         """
         asker = self.pools[name]
-        groups = min(groups, asker.cap - asker.granted - self._promised_groups(name))
+        promised_groups = self._promised_groups(name)
+        # what is already promised to it covers as much of the want: a pool that asks again
+        # for the same shortfall (an Allocate waiting, retried) is not granted it twice
+        groups = min(groups - promised_groups, asker.cap - asker.granted - promised_groups)
         if groups <= 0:
             return Decision(0)
         grant = min(groups, max(0, self.free_bytes) // asker.group_bytes)

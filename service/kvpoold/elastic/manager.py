@@ -325,7 +325,9 @@ class ElasticPools:
             return False  # growing ahead: only into free budget, one grant at a time (O(1))
         if reclaim:
             self._observe()
-        groups = -(-pages // ep.pages_per_group)
+        # groups being committed for it now count: their pages are not open yet
+        coming = sum(1 for g in ep.busy if ep.space.state(g) == "closed")
+        groups = -(-pages // ep.pages_per_group) - coming
         decision = self.arbiter.want(name, groups, reclaim=reclaim)
         if decision.grant:
             self._spawn(self._grant(ep, decision.grant))
