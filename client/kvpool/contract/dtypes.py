@@ -21,6 +21,7 @@ ITEMSIZE: dict[str, int] = {
     "float16": 2,
     "float32": 4,
     "uint8": 1,
+    "int8": 1,
     "int32": 4,
     "int64": 8,
 }
@@ -35,6 +36,7 @@ class DType(enum.StrEnum):
     float16 = "float16"
     float32 = "float32"
     uint8 = "uint8"
+    int8 = "int8"  # vLLM's KV-cache backing (allocate_kv_cache's torch.int8 region)
     int32 = "int32"
     int64 = "int64"
 

@@ -14,6 +14,7 @@ import msgspec
 
 from kvpool.contract.dtypes import DType
 from kvpool.contract.spec import Base
+from kvpool.contract.vllm_plan import VllmPlan
 
 
 class BufferKind(enum.StrEnum):
@@ -27,6 +28,9 @@ class BufferKind(enum.StrEnum):
     compressed = "compressed"  # DSV4 compressed KV token spaces (c4 / c128)
     req_to_token = "req_to_token"  # request row -> token slots (aux, outside the budget)
     map = "map"  # full -> swa slot mapping (aux, outside the budget)
+    # vLLM's KV-cache backing (a vLLM-layout pool): one int8 region that vLLM's KV-cache
+    # tensors view per layer; the plan's ``vllm.tensors`` say where block b of layer l lies
+    vllm_kv = "vllm_kv"
 
 
 class BufferFill(enum.StrEnum):
@@ -180,6 +184,14 @@ class PoolPlan(Base):
     gpu: str = ""
     # Elastic pools only: their groups (None: a fixed pool, backed whole at Configure).
     elastic: ElasticPlan | None = None
+    # vLLM-layout pools only (engine vllm): vLLM's own plan, which the backing follows (its
+    # KV-cache tensors over the one int8 region, its block ids = the ``kv`` page ids).
+    vllm: VllmPlan | None = None
+
+    @property
+    def engine(self) -> str:
+        """The engine whose layout the pool has: ``vllm`` or ``sglang``."""
+        return "sglang" if self.vllm is None else "vllm"
 
     @property
     def charged_bytes(self) -> int:
@@ -254,4 +266,6 @@ class PoolPlan(Base):
         )
         if self.elastic is not None:  # a fixed pool's fingerprint is what it always was
             layout = (*layout, self.elastic)
+        if self.vllm is not None:  # so is an SGLang-layout pool's
+            layout = (*layout, self.vllm)
         return hashlib.sha256(msgspec.json.encode(layout)).hexdigest()[:32]

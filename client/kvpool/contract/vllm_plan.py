@@ -36,6 +36,16 @@ class VllmCacheDType(enum.StrEnum):
     fp8_e5m2 = "fp8_e5m2"
 
 
+class VllmModelDType(enum.StrEnum):
+    """vLLM's ``--dtype`` (the model's compute dtype, which ``--kv-cache-dtype auto`` stores):
+    ``auto`` is the checkpoint's half dtype (float32 checkpoints run in bfloat16)."""
+
+    auto = "auto"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
 class VllmLayout(enum.StrEnum):
     """vLLM's physical KV-cache layouts (``VLLM_KV_CACHE_LAYOUT``): the letters are the memory
     order of the logical axes L (layer), B (block), H (head), N (token in block), C (content).
@@ -89,6 +99,9 @@ class VllmOptions(Base):
         ge=1, le=1 << 16)] | None = None
     kv_cache_dtype: Annotated[VllmCacheDType, _doc(
         "vLLM's --kv-cache-dtype")] = VllmCacheDType.auto
+    dtype: Annotated[VllmModelDType, _doc(
+        "vLLM's --dtype, the model dtype that --kv-cache-dtype auto stores (auto: the "
+        "checkpoint's half dtype)")] = VllmModelDType.auto
     tp_size: Annotated[int, _doc("tensor-parallel ranks", ge=1, le=4096)] = 1
     pp_size: Annotated[int, _doc("pipeline stages", ge=1, le=4096)] = 1
     pp_rank: Annotated[int, _doc("this device's pipeline stage, 0-based", ge=0, le=4095)] = 0

@@ -197,13 +197,34 @@ def configure_request(pool: str, *, hf_config: Any = None, spec: Any = None,
     if unknown:
         raise InvalidArgument(f"unknown Configure option {unknown[0]!r} (known: "
                               f"{', '.join(sorted(known))})", field=unknown[0])
+    vllm = options.pop("vllm", None)
+    if vllm is not None:
+        options.setdefault("engine", "vllm")
     req = pb.ConfigureRequest(pool=pool, dry_run=dry_run,
                               **{k: v for k, v in options.items() if v is not None})
+    if vllm is not None:
+        req.vllm.CopyFrom(vllm_options_message(vllm))
     if spec is not None:
         req.spec.CopyFrom(spec_message(spec))
     else:
         req.hf_config_json = hf_config_text(hf_config)
     return req
+
+
+def vllm_options_message(vllm: Any) -> pb.VllmOptions:
+    """vLLM's knobs of a vLLM-layout pool (a ``VllmOptions`` record or a mapping of its
+    fields; None values left unset) as the wire message.
+
+    Raises:
+        InvalidArgument: a field the message does not have.
+    """
+    fields = msgspec.to_builtins(vllm) if isinstance(vllm, msgspec.Struct) else dict(vllm)
+    known = set(pb.VllmOptions.DESCRIPTOR.fields_by_name)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise InvalidArgument(f"unknown vLLM option {unknown[0]!r} (known: "
+                              f"{', '.join(sorted(known))})", field=f"vllm.{unknown[0]}")
+    return pb.VllmOptions(**{k: v for k, v in fields.items() if v is not None})
 
 
 # -- Allocate / Free ----------------------------------------------------------------------------

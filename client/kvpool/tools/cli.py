@@ -16,9 +16,12 @@ from typing import Any
 
 import msgspec
 
-from kvpool.contract.option_flags import add_option_flags, option_values
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.option_flags import add_option_flags, flag_of, option_values
+from kvpool.contract.options import PlanOptions
 from kvpool.contract.plan import ASSUMABLE_FAMILIES
 from kvpool.contract.records import ElasticStats, Stats
+from kvpool.contract.vllm_plan import VllmOptions
 from kvpool.tools.cli_common import client_from, common_options, count, load_spec_mapping
 from kvpool.tools.cli_run import command_parser, parse_command_line, run_subcommand
 from kvpool.tools.demo import add_demo
@@ -76,6 +79,14 @@ def add_configure(sub: Any, common: argparse.ArgumentParser) -> argparse.Argumen
     model.add_argument("--spec", type=Path, metavar="PATH",
                        help="a hand-written kvpool model spec (.json or .toml)")
     add_option_flags(p)  # the same knobs as `kvpoold plan`, from PlanOptions
+    p.add_argument("--engine", choices=ENGINES, default="sglang",
+                   help="the pool's layout: sglang (the default) or vllm (vLLM 0.32's KV-cache "
+                        "tensors and block ids, planned from --hf-config; --budget is then its "
+                        "kv_cache_memory_bytes)")
+    vllm = p.add_argument_group(
+        "vLLM (--engine vllm)",
+        "vLLM's own knobs; --kv-cache-dtype, --tp-size, --pp-size and --pp-rank apply too")
+    add_option_flags(vllm, VllmOptions, skip=VLLM_SHARED)
     p.add_argument("--assume-architecture", metavar="FAMILY", choices=ASSUMABLE_FAMILIES,
                    help="with --hf-config: read a class SGLang's registry does not know as this "
                         f"family ({', '.join(ASSUMABLE_FAMILIES)}); the plan says 'assumed'")
@@ -84,8 +95,46 @@ def add_configure(sub: Any, common: argparse.ArgumentParser) -> argparse.Argumen
     return p
 
 
+# the flags both layouts read (the same meaning in each), and each one's own
+VLLM_SHARED = frozenset(PlanOptions.__struct_fields__) & frozenset(VllmOptions.__struct_fields__)
+SGLANG_ONLY = frozenset(PlanOptions.__struct_fields__) - VLLM_SHARED - {"budget_bytes"}
+VLLM_ONLY = frozenset(VllmOptions.__struct_fields__) - VLLM_SHARED
+ENGINES = ("sglang", "vllm")
+
+
+def _flags_set(values: dict[str, Any], fields: frozenset[str]) -> list[str]:
+    return sorted(flag_of(f) for f in fields if f in values)
+
+
+def _configure_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Configure's options from the flags: PlanOptions fields, or for ``--engine vllm``
+    ``engine`` and ``vllm`` (the VllmOptions fields set; ``--budget`` is its
+    kv_cache_memory_bytes).
+
+    Raises:
+        InvalidArgument: a flag of the other layout, or a vLLM pool without a KV budget.
+    """
+    sglang, vllm = option_values(args), option_values(args, VllmOptions)
+    if args.engine != "vllm":
+        wrong = _flags_set(vllm, VLLM_ONLY)
+        if wrong:
+            raise InvalidArgument(f"vLLM's knob (set: {', '.join(wrong)}); add --engine vllm",
+                                  field=wrong[0].removeprefix("--").replace("-", "_"))
+        return sglang
+    wrong = _flags_set(sglang, SGLANG_ONLY)
+    if wrong:
+        raise InvalidArgument(f"an SGLang-layout option (set: {', '.join(wrong)}); a pool of "
+                              "--engine vllm takes vLLM's knobs (kvpool configure --help)",
+                              field=wrong[0].removeprefix("--").replace("-", "_"))
+    budget = sglang.get("budget_bytes")
+    if budget is not None and vllm.setdefault("kv_cache_memory_bytes", budget) != budget:
+        raise InvalidArgument("give --budget or --kv-cache-memory-bytes, not both",
+                              field="kv_cache_memory_bytes")
+    return {"engine": "vllm", "vllm": vllm}
+
+
 def run_configure(args: argparse.Namespace) -> int:
-    options = option_values(args)
+    options = _configure_options(args)
     model: dict[str, Any] = (
         {"hf_config": args.hf_config} if args.hf_config else
         {"spec": load_spec_mapping(args.spec)}
@@ -114,6 +163,12 @@ def run_configure(args: argparse.Namespace) -> int:
               f"({_human(e.group_bytes)} each; {_human(plan.backing_bytes)} virtual), floor "
               f"{e.floor_groups:,}, cap {e.cap_groups:,}, weight {e.weight:g}; the budget pays "
               f"{_human(e.fixed_bytes)} fixed + the granted groups")
+    v = plan.vllm
+    if v is not None:
+        print(f"  vllm: {v.num_blocks:,} blocks of {v.block_size} tokens "
+              f"({_human(v.bytes_per_block)} each), {len(v.groups)} group(s), "
+              f"{len(v.tensors)} KV-cache tensor(s), layout {v.layout.value}, max_model_len "
+              f"{v.max_model_len:,}, max concurrency {v.max_concurrency:.2f}")
     for note in plan.notes:
         print(f"  note: {note}")
     return 0

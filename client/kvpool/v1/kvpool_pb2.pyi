@@ -125,7 +125,7 @@ class ModelSpec(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., mha: _Optional[_Union[MHAAttention, _Mapping]] = ..., mla: _Optional[_Union[MLAAttention, _Mapping]] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., architecture: _Optional[str] = ..., sliding_window: _Optional[_Union[SlidingWindow, _Mapping]] = ..., indexer: _Optional[_Union[DSAIndexer, _Mapping]] = ..., linear: _Optional[_Union[LinearAttention, _Mapping]] = ..., dsv4: _Optional[_Union[DSV4Compression, _Mapping]] = ..., num_nextn_predict_layers: _Optional[int] = ..., kv_cache_quant_fp8: _Optional[bool] = ..., multimodal: _Optional[bool] = ...) -> None: ...
 
 class ConfigureRequest(_message.Message):
-    __slots__ = ("pool", "hf_config_json", "spec", "budget_bytes", "max_total_tokens", "page_size", "kv_cache_dtype", "tp_size", "pp_size", "pp_rank", "context_length", "max_running_requests", "speculative_algorithm", "speculative_num_draft_layers", "swa_full_tokens_ratio", "mamba_full_memory_ratio", "disable_radix_cache", "dry_run", "speculative_num_draft_tokens", "allow_longer_context", "mamba_radix_cache_strategy", "chunked_prefill_size", "disable_overlap_schedule", "assume_architecture", "gpu", "elastic", "elastic_floor_tokens", "elastic_cap_tokens", "elastic_weight", "swa_pairing")
+    __slots__ = ("pool", "hf_config_json", "spec", "budget_bytes", "max_total_tokens", "page_size", "kv_cache_dtype", "tp_size", "pp_size", "pp_rank", "context_length", "max_running_requests", "speculative_algorithm", "speculative_num_draft_layers", "swa_full_tokens_ratio", "mamba_full_memory_ratio", "disable_radix_cache", "dry_run", "speculative_num_draft_tokens", "allow_longer_context", "mamba_radix_cache_strategy", "chunked_prefill_size", "disable_overlap_schedule", "assume_architecture", "gpu", "elastic", "elastic_floor_tokens", "elastic_cap_tokens", "elastic_weight", "swa_pairing", "engine", "vllm")
     POOL_FIELD_NUMBER: _ClassVar[int]
     HF_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,8 @@ class ConfigureRequest(_message.Message):
     ELASTIC_CAP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ELASTIC_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     SWA_PAIRING_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    VLLM_FIELD_NUMBER: _ClassVar[int]
     pool: str
     hf_config_json: str
     spec: ModelSpec
@@ -186,7 +188,41 @@ class ConfigureRequest(_message.Message):
     elastic_cap_tokens: int
     elastic_weight: float
     swa_pairing: str
-    def __init__(self, pool: _Optional[str] = ..., hf_config_json: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., budget_bytes: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., context_length: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., speculative_algorithm: _Optional[str] = ..., speculative_num_draft_layers: _Optional[int] = ..., swa_full_tokens_ratio: _Optional[float] = ..., mamba_full_memory_ratio: _Optional[float] = ..., disable_radix_cache: _Optional[bool] = ..., dry_run: _Optional[bool] = ..., speculative_num_draft_tokens: _Optional[int] = ..., allow_longer_context: _Optional[bool] = ..., mamba_radix_cache_strategy: _Optional[str] = ..., chunked_prefill_size: _Optional[int] = ..., disable_overlap_schedule: _Optional[bool] = ..., assume_architecture: _Optional[str] = ..., gpu: _Optional[str] = ..., elastic: _Optional[bool] = ..., elastic_floor_tokens: _Optional[int] = ..., elastic_cap_tokens: _Optional[int] = ..., elastic_weight: _Optional[float] = ..., swa_pairing: _Optional[str] = ...) -> None: ...
+    engine: str
+    vllm: VllmOptions
+    def __init__(self, pool: _Optional[str] = ..., hf_config_json: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., budget_bytes: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., context_length: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., speculative_algorithm: _Optional[str] = ..., speculative_num_draft_layers: _Optional[int] = ..., swa_full_tokens_ratio: _Optional[float] = ..., mamba_full_memory_ratio: _Optional[float] = ..., disable_radix_cache: _Optional[bool] = ..., dry_run: _Optional[bool] = ..., speculative_num_draft_tokens: _Optional[int] = ..., allow_longer_context: _Optional[bool] = ..., mamba_radix_cache_strategy: _Optional[str] = ..., chunked_prefill_size: _Optional[int] = ..., disable_overlap_schedule: _Optional[bool] = ..., assume_architecture: _Optional[str] = ..., gpu: _Optional[str] = ..., elastic: _Optional[bool] = ..., elastic_floor_tokens: _Optional[int] = ..., elastic_cap_tokens: _Optional[int] = ..., elastic_weight: _Optional[float] = ..., swa_pairing: _Optional[str] = ..., engine: _Optional[str] = ..., vllm: _Optional[_Union[VllmOptions, _Mapping]] = ...) -> None: ...
+
+class VllmOptions(_message.Message):
+    __slots__ = ("kv_cache_memory_bytes", "block_size", "kv_cache_dtype", "tp_size", "pp_size", "pp_rank", "max_model_len", "num_gpu_blocks_override", "disable_hybrid_kv_cache_manager", "max_num_batched_tokens", "async_scheduling", "no_enable_prefix_caching", "backend", "dtype")
+    KV_CACHE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_GPU_BLOCKS_OVERRIDE_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_HYBRID_KV_CACHE_MANAGER_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ASYNC_SCHEDULING_FIELD_NUMBER: _ClassVar[int]
+    NO_ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    kv_cache_memory_bytes: int
+    block_size: int
+    kv_cache_dtype: str
+    tp_size: int
+    pp_size: int
+    pp_rank: int
+    max_model_len: int
+    num_gpu_blocks_override: int
+    disable_hybrid_kv_cache_manager: bool
+    max_num_batched_tokens: int
+    async_scheduling: bool
+    no_enable_prefix_caching: bool
+    backend: str
+    dtype: str
+    def __init__(self, kv_cache_memory_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_gpu_blocks_override: _Optional[int] = ..., disable_hybrid_kv_cache_manager: _Optional[bool] = ..., max_num_batched_tokens: _Optional[int] = ..., async_scheduling: _Optional[bool] = ..., no_enable_prefix_caching: _Optional[bool] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ConfigureResponse(_message.Message):
     __slots__ = ("plan_json", "fingerprint", "created", "dry_run", "budget_available_bytes")

@@ -10,7 +10,9 @@ from typing import Any
 class ConfigureArgs:
     """A Configure request: the model as HF config text or a spec mapping, plus plan options.
 
-    ``options`` holds only the fields the caller set (keys of ``PlanOptions``).
+    ``options`` holds only the fields the caller set (keys of ``PlanOptions``). ``engine`` is
+    ``sglang`` or ``vllm``; a vLLM-layout pool's knobs are ``vllm`` (the fields of
+    ``VllmOptions`` the caller set) and it takes no ``options`` but ``gpu``.
     """
 
     pool: str
@@ -19,6 +21,8 @@ class ConfigureArgs:
     options: dict[str, Any] = field(default_factory=dict)
     dry_run: bool = False
     assume_architecture: str | None = None
+    engine: str = "sglang"
+    vllm: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -906,13 +906,13 @@ class Daemon:
     def grant_receive(self, caller: Caller, ref: LeaseRef, pool: str, pages: bytes,
                       ttl_s: float) -> ReceiveGrant:
         """``Transfers.grant`` for a proven lease of the caller, in a pool of its scope."""
-        _not_elastic(self.pool(pool, caller))
+        _movable(self.pool(pool, caller))
         return self.transfers.grant(self.lease(caller, ref).lease_id, pool, pages, ttl_s)
 
     async def send(self, caller: Caller, ref: LeaseRef, pool: str, pages: bytes, peer: str,
                    token: bytes) -> Outgoing:
         """``Transfers.send`` for a proven lease of the caller, in a pool of its scope."""
-        _not_elastic(self.pool(pool, caller))
+        _movable(self.pool(pool, caller))
         return await self.transfers.send(self.lease(caller, ref).lease_id, pool, pages, peer,
                                          token)
 
@@ -956,6 +956,20 @@ def fixed_part(p: PoolPlan) -> int:
     """Budget bytes a pool takes whatever it is granted: a fixed pool's whole region, an
     elastic pool's fixed part (its groups are counted by the arbiter)."""
     return p.backing_bytes if p.elastic is None else p.elastic.fixed_bytes
+
+
+def _movable(entry: LivePool) -> None:
+    """A pool whose pages move between daemons: neither elastic nor vLLM-layout.
+
+    Raises:
+        FailedPrecondition: naming which.
+    """
+    _not_elastic(entry)
+    if entry.plan.vllm is not None:
+        raise FailedPrecondition(
+            f"pool {entry.name!r} has vLLM's layout: moving its blocks between daemons is not "
+            "supported yet (a block's bytes are strided over vLLM's KV-cache tensors)",
+            field="pool")
 
 
 def _not_elastic(entry: LivePool) -> None:

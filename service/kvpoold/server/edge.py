@@ -81,6 +81,13 @@ def configure_args(req: pb.ConfigureRequest) -> ConfigureArgs:
         if req.HasField(fd.name) if fd.has_presence else bool(value):
             options[fd.name] = value
     model = req.WhichOneof("model")
+    engine = _engine(req.engine)
+    vllm = None
+    if engine == "vllm":
+        vllm = _vllm_args(req, options, model)
+    elif req.HasField("vllm"):
+        raise InvalidArgument("vllm (vLLM's knobs) is set but engine is not \"vllm\"; set "
+                              "engine \"vllm\" for a vLLM-layout pool", field="vllm")
     return ConfigureArgs(
         pool=req.pool,
         hf_config_json=req.hf_config_json if model == "hf_config_json" else None,
@@ -88,7 +95,62 @@ def configure_args(req: pb.ConfigureRequest) -> ConfigureArgs:
         options=options,
         dry_run=req.dry_run,
         assume_architecture=_assumed(req.assume_architecture, model),
+        engine=engine,
+        vllm=vllm,
     )
+
+
+ENGINES = ("sglang", "vllm")
+
+
+def _engine(engine: str) -> str:
+    """Configure's ``engine``: "" is sglang.
+
+    Raises:
+        InvalidArgument: another name.
+    """
+    if engine in ("", "sglang"):
+        return "sglang"
+    if engine != "vllm":
+        raise InvalidArgument(f"engine {echo(engine)} is not one kvpool lays pools out for "
+                              f"(accepted: {', '.join(ENGINES)}; \"\" = sglang)", field="engine")
+    return engine
+
+
+def _vllm_args(req: pb.ConfigureRequest, options: dict[str, Any],
+               model: str | None) -> dict[str, Any]:
+    """A vLLM-layout pool's knobs (the VllmOptions fields set in ``req.vllm``), checked
+    against what such a pool does not take.
+
+    Raises:
+        InvalidArgument: a spec model, an SGLang option (elastic among them), or neither
+            kv_cache_memory_bytes nor num_gpu_blocks_override.
+    """
+    if model != "hf_config_json":
+        raise InvalidArgument("a vLLM-layout pool (engine vllm) is planned from the model's "
+                              "HF config.json: give hf_config_json, not spec", field="model")
+    if options.get("elastic"):
+        raise InvalidArgument(
+            "elastic pools are SGLang-layout only: vLLM's KV-cache tensors are one region "
+            "that vLLM's allocate_kv_cache sizes once; Configure engine vllm without elastic",
+            field="elastic")
+    sglang = sorted(options)
+    if sglang:
+        raise InvalidArgument(
+            f"{sglang[0]} is an SGLang-layout option; a vLLM-layout pool (engine vllm) takes "
+            "vLLM's knobs in vllm (kv_cache_memory_bytes, block_size, kv_cache_dtype, "
+            "tp_size, ..., backend for the device)", field=sglang[0])
+    if req.assume_architecture:
+        raise InvalidArgument("assume_architecture is SGLang's registry; vLLM reads the "
+                              "config itself (engine vllm)", field="assume_architecture")
+    knobs = message_to_builtins(req.vllm)
+    if "kv_cache_memory_bytes" not in knobs:
+        if "num_gpu_blocks_override" not in knobs:
+            raise InvalidArgument(
+                "give vllm.kv_cache_memory_bytes (vLLM's KV budget per worker) or "
+                "vllm.num_gpu_blocks_override", field="vllm.kv_cache_memory_bytes")
+        knobs["kv_cache_memory_bytes"] = 0
+    return knobs
 
 
 def _assumed(family: str, model: str | None) -> str | None:

@@ -14,6 +14,7 @@ from kvpool.contract.codec import plan_to_json
 from kvpool.contract.errors import InvalidArgument
 from kvpool.contract.plan import PoolPlan
 from kvpool.contract.spec import decode_spec
+from kvpool.contract.vllm_plan import make_vllm_options
 from kvpoold.server.args import ConfigureArgs
 from kvpoold.sizing import make_options, plan
 
@@ -28,6 +29,8 @@ def plan_from_args(args: ConfigureArgs, available_bytes: int) -> PoolPlan:
     Raises:
         InvalidArgument: a bad model or option, or an unplannable combination; names the field.
     """
+    if args.engine == "vllm":
+        return _plan_vllm_pool(args)
     if args.hf_config_json is not None:
         from kvpoold.hf import parse_config_json, spec_from_hf
 
@@ -48,6 +51,34 @@ def plan_from_args(args: ConfigureArgs, available_bytes: int) -> PoolPlan:
             field="budget_bytes",
         )
     return plan(spec, make_options(**opts), source=source)
+
+
+def _plan_vllm_pool(args: ConfigureArgs) -> PoolPlan:
+    """A vLLM-layout pool's plan (engine vllm): vLLM 0.32's KV cache of the HF config.
+
+    Raises:
+        InvalidArgument: a bad config or knob (the field named ``vllm.<knob>``), or a plan
+            vLLM would refuse.
+    """
+    from kvpoold.hf import parse_config_json
+    from kvpoold.sizing.vllm_pool import plan_vllm_pool
+
+    if args.hf_config_json is None:
+        raise InvalidArgument("give the model's HF config.json (hf_config_json)",
+                              field="hf_config_json")
+    config = parse_config_json(args.hf_config_json, "hf_config_json", field="hf_config_json")
+    try:
+        options = make_vllm_options(**(args.vllm or {}))
+    except InvalidArgument as exc:
+        field = f"vllm.{exc.field}" if exc.field else "vllm"
+        raise InvalidArgument(f"{exc.message} (Configure's vllm.{exc.field or '...'})",
+                              field=field) from exc
+    try:
+        return plan_vllm_pool(config, options, where="hf_config_json")
+    except InvalidArgument as exc:
+        if exc.field is None or exc.field.startswith(("vllm.", "hf_config_json", "model")):
+            raise
+        raise InvalidArgument(exc.message, field=f"vllm.{exc.field}") from exc
 
 
 @dataclass(frozen=True)

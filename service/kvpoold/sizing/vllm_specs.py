@@ -23,6 +23,7 @@ from kvpool.contract.vllm_plan import (
     VllmBackend,
     VllmCacheDType,
     VllmLayout,
+    VllmModelDType,
     VllmOptions,
     VllmSpecType,
 )
@@ -122,9 +123,11 @@ def layer_name(index: int, kind: LayerKind = LayerKind.full) -> str:
     return f"model.layers.{index}.self_attn.attn"
 
 
-def model_dtype(model: VllmModel) -> str:
-    """vLLM's ``dtype="auto"``: the checkpoint's half dtype; float32 is cast down to
-    bfloat16."""
+def model_dtype(model: VllmModel, options: VllmOptions | None = None) -> str:
+    """The model dtype vLLM runs: ``options.dtype`` when set, else vLLM's ``dtype="auto"``:
+    the checkpoint's half dtype (float32 is cast down to bfloat16)."""
+    if options is not None and options.dtype is not VllmModelDType.auto:
+        return options.dtype.value
     return "bfloat16" if model.dtype == "float32" else model.dtype
 
 
@@ -154,7 +157,7 @@ def resolve_cache_dtype(model: VllmModel, options: VllmOptions) -> str:
             f"attention backend (accepted: {accepted}); change --kv-cache-dtype",
             field="kv_cache_dtype")
     if options.kv_cache_dtype is VllmCacheDType.auto:
-        return "uint8" if model.kv_cache_fp8 else model_dtype(model)
+        return "uint8" if model.kv_cache_fp8 else model_dtype(model, options)
     return CACHE_DTYPES[options.kv_cache_dtype]
 
 
@@ -180,7 +183,7 @@ def align_hybrid_block_size(model: VllmModel, options: VllmOptions, block_size: 
     facts = BACKENDS[options.backend]
     per_token = max(1, model.num_kv_heads // options.tp_size) * 2 * model.head_size \
         * ITEMSIZE[dtype]
-    state = model.gdn.state_bytes(options.tp_size, ITEMSIZE[model_dtype(model)])
+    state = model.gdn.state_bytes(options.tp_size, ITEMSIZE[model_dtype(model, options)])
     align = max(facts.kernel_block_multiple, block_size)
     aligned = align * -(-state // (align * per_token))
     m = facts.kernel_block_multiple
@@ -213,8 +216,9 @@ def layer_specs(model: VllmModel, options: VllmOptions, block_size: int,
     for layer in model.layers:
         if layer.kind is LayerKind.linear:
             assert model.gdn is not None
-            state = model.gdn.state_bytes(tp, ITEMSIZE[model_dtype(model)])
-            spec = LayerSpec(VllmSpecType.mamba, state_block, 0, 0, 0, model_dtype(model),
+            state = model.gdn.state_bytes(tp, ITEMSIZE[model_dtype(model, options)])
+            spec = LayerSpec(VllmSpecType.mamba, state_block, 0, 0, 0,
+                             model_dtype(model, options),
                              page_size_padded=state_padded, state_bytes=state,
                              state_blocks=1 if options.no_enable_prefix_caching else 2)
         elif layer.kind is LayerKind.mla:

@@ -1,0 +1,255 @@
+"""``KVPoolConnector``: vLLM 0.32's KV cache in kvpool daemon memory, through vLLM's KV
+connector API.
+
+Selected with ``kv_transfer_config={"kv_connector": "KVPoolConnector", "kv_role": "kv_both"}``
+(registered by the ``vllm.general_plugins`` entry point ``kvpool.integrations.vllm.plugin``)
+and ``KVPOOL_POOL`` / ``KVPOOL_TARGET`` (``kvpool.integrations.vllm.binding``).
+
+It moves no bytes: nothing is sent or loaded (``kv_both`` with no external cache: no matched
+tokens, no loads, no saves, nothing finishing late). What it does is on the worker side:
+``get_mem_pool_context()``, which vLLM's ``Worker.initialize_from_config`` runs vLLM's KV-cache
+allocation in, returns a :class:`~kvpool.integrations.vllm.memory.PoolAllocation`, under which
+vLLM's one int8 KV-cache backing is the attached pool's memory. Before that it
+
+1. plans the pool from vLLM's own config (``memory.vllm_options_of``:
+   the model's ``config.json``, ``kv_cache_memory_bytes`` or ``num_gpu_blocks_override``, block
+   size, KV dtype, ``max_model_len``, ...) and Configures it (engine ``vllm``): created if
+   absent, reused if present with the same layout (or planned with other knobs into the same
+   KV cache); any pool that is not vLLM's ``KVCacheConfig`` (``memory.check_kv_cache``) is
+   refused naming vLLM's value and the pool's, so the engine stops at startup;
+2. attaches the pool under the worker's own lease (``vllm-worker@host:pid``, which ties the
+   attachment to this process: a killed worker's attachment ends with its TTL) and keeps the
+   mapping for the process lifetime (closed at :meth:`shutdown` and at exit).
+
+Which blocks a request uses is the scheduler's (``KVPoolScheduler`` takes them from the engine
+core's lease); the connector needs none of it.
+
+HMA: declared (:class:`SupportsHMA`). The connector transfers nothing, so it has nothing to do
+per KV-cache group, and the pool is vLLM's whole backing region whatever the groups: the pool is
+planned with vLLM's own ``disable_hybrid_kv_cache_manager``, so sliding-window models keep
+vLLM's hybrid manager (without the declaration vLLM turns it off for any connector, sizing
+sliding layers as full attention).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from kvpool.contract.errors import AlreadyExists, FailedPrecondition
+from kvpool.contract.plan import PoolPlan
+from kvpool.contract.records import ConfigureResult
+from kvpool.integrations.binding import lease_name_for
+from kvpool.integrations.vllm.binding import VLLMBinding, binding_from_env
+from kvpool.integrations.vllm.memory import (
+    PoolAllocation,
+    PoolMismatch,
+    check_kv_cache,
+    vllm_options_of,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvpool.integrations.vllm")
+
+
+class KVPoolConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler side sends the workers each step: nothing (no transfers)."""
+
+
+def model_config_source(model_config: Any) -> Path | dict[str, Any]:
+    """The model's HF ``config.json`` as vLLM loaded it: the file in a local model directory,
+    else the one in the local Hugging Face cache, else vLLM's parsed config as a mapping.
+
+    Raises:
+        FailedPrecondition: a local directory without config.json.
+    """
+    local = Path(str(model_config.model)).expanduser()
+    if local.is_dir():
+        config = local / "config.json"
+        if not config.is_file():
+            raise FailedPrecondition(
+                f"the model directory {local} has no config.json; kvpool plans the pool from "
+                "the model's Hugging Face config", field="model")
+        return config
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(str(model_config.model), "config.json",
+                                    revision=model_config.revision))
+    except Exception:  # a model vLLM found some other way: its own parsed config
+        return dict(model_config.hf_config.to_dict())
+
+
+def _pp_rank() -> int:
+    """This worker's pipeline stage (0 outside a pipeline-parallel group)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        return int(get_pp_group().rank_in_group)
+    except (AssertionError, ImportError):
+        return 0
+
+
+class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's KV connector whose worker side puts vLLM's KV cache in a kvpool pool (see the
+    module docstring); a no-op for transfers."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        kv_role = self._kv_transfer_config.kv_role
+        if kv_role != "kv_both":
+            raise FailedPrecondition(
+                f"KVPoolConnector moves no KV between engines, so it has no {kv_role} side: "
+                "set kv_transfer_config's kv_role to \"kv_both\"", field="kv_role")
+        self._binding: VLLMBinding | None = None
+        self.configured: ConfigureResult | None = None
+        self.allocation: PoolAllocation | None = None
+
+    # -- worker side: the memory --------------------------------------------------------------
+
+    def get_mem_pool_context(self) -> PoolAllocation:
+        """Configure (or reuse) and attach the pool, check it is vLLM's KV cache, and return
+        the context vLLM allocates its KV cache in (the pool's memory, zero copy).
+
+        Raises:
+            PoolMismatch: the pool differs from vLLM's KV cache (both values named).
+            FailedPrecondition: ``KVPOOL_POOL`` unset, or vLLM sizing its KV cache by
+                profiling (no ``kv_cache_memory_bytes`` / ``num_gpu_blocks_override``).
+            KVPoolError: the daemon's refusal (its budget, an unplannable model, ...).
+        """
+        if self.allocation is not None:
+            return self.allocation
+        if self._kv_cache_config is None:
+            raise FailedPrecondition("vLLM built the KV connector without its KVCacheConfig; "
+                                     "kvpool needs vLLM 0.32's connector API")
+        binding = binding_from_env()
+        binding = VLLMBinding(client=binding.client, pool=binding.pool, ttl_s=binding.ttl_s,
+                              lease_name=lease_name_for("vllm-worker"))
+        self._binding = binding
+        binding.close_at_exit()
+        try:
+            self.allocation = self._attach(binding)
+        except BaseException:
+            self._close()
+            raise
+        return self.allocation
+
+    def _attach(self, binding: VLLMBinding) -> PoolAllocation:
+        config = self._vllm_config
+        options = vllm_options_of(config, pp_rank=_pp_rank())
+        source = model_config_source(config.model_config)
+        kv_cache = self._kv_cache_config
+        layout = getattr(kv_cache, "kv_cache_layout", None)
+        stack = contextlib.ExitStack()
+        binding.on_close(stack.close)
+        try:
+            configured = binding.client.configure(binding.pool, hf_config=source, vllm=options)
+        except AlreadyExists as exc:
+            return self._attach_existing(binding, stack, exc)
+        plan = configured.plan
+        if plan.vllm is None:
+            raise PoolMismatch(f"kvpool pool {binding.pool!r} is not a vLLM-layout pool "
+                               f"({plan.architecture})", field="pool")
+        try:
+            check_kv_cache(plan.vllm, kv_cache, pool=binding.pool, layout=layout)
+        except PoolMismatch:
+            if configured.created:  # planned from vLLM's own knobs, yet not vLLM's: unmade
+                with contextlib.suppress(Exception):
+                    binding.client.drop(binding.pool)
+            raise
+        region = stack.enter_context(binding.client.attach(
+            binding.pool, configured.fingerprint, lease=binding.lease))
+        self.configured = configured
+        log.info("kvpool pool %r %s for vLLM: %d blocks of %d tokens (%d B each), fingerprint "
+                 "%s", binding.pool, "created" if configured.created else "reused",
+                 plan.vllm.num_blocks, plan.vllm.block_size, plan.vllm.bytes_per_block,
+                 configured.fingerprint)
+        backing: torch.Tensor = region[plan.buffers[0].name]
+        return PoolAllocation([backing], pool=binding.pool)
+
+    def _attach_existing(self, binding: VLLMBinding, stack: contextlib.ExitStack,
+                         refusal: AlreadyExists) -> PoolAllocation:
+        """The pool exists planned with other knobs (another fingerprint): use it if its
+        memory is vLLM's KV cache all the same (block count, tensors, layout), else say how
+        it differs, with both values.
+
+        Raises:
+            PoolMismatch: an SGLang-layout pool, or the first difference.
+        """
+        region = stack.enter_context(binding.client.attach(binding.pool, lease=binding.lease))
+        plan: PoolPlan = region.plan
+        if plan.vllm is None:
+            raise PoolMismatch(
+                f"kvpool pool {binding.pool!r} exists with an SGLang layout "
+                f"({plan.architecture}), not vLLM's; Drop it or name another (KVPOOL_POOL)",
+                field="pool") from refusal
+        check_kv_cache(plan.vllm, self._kv_cache_config, pool=binding.pool,
+                       layout=getattr(self._kv_cache_config, "kv_cache_layout", None))
+        self.configured = ConfigureResult(plan, "", region.fingerprint, created=False,
+                                          dry_run=False, budget_available_bytes=0)
+        log.info("kvpool pool %r reused for vLLM: planned with other knobs, the same KV "
+                 "cache (%d blocks of %d B), fingerprint %s", binding.pool,
+                 plan.vllm.num_blocks, plan.vllm.bytes_per_block, region.fingerprint)
+        return PoolAllocation([region[plan.buffers[0].name]], pool=binding.pool)
+
+    def _close(self) -> None:
+        binding, self._binding = self._binding, None
+        if binding is not None:
+            binding.close()
+
+    def shutdown(self) -> None:
+        """End the worker's attachment and lease (vLLM no longer uses the memory)."""
+        self._close()
+
+    # -- worker side: no transfers ------------------------------------------------------------
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Nothing to load: the KV cache already is the pool's memory."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing is loading."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        """Nothing to save: vLLM's writes land in the pool's memory directly."""
+
+    def wait_for_save(self) -> None:
+        """No save is in flight."""
+
+    # -- scheduler side: no external cache ----------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        """No tokens beyond vLLM's own prefix cache: (0, not async)."""
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        """Nothing to track: no external tokens are ever loaded."""
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """An empty step: nothing for the workers to move."""
+        return KVPoolConnectorMetadata()
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """Nothing holds the blocks past the request: vLLM frees them now."""
+        return False, None
