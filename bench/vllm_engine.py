@@ -14,10 +14,11 @@ engine has ``kv_transfer_config={"kv_connector": "KVPoolConnector", "kv_role": "
 (its KV-cache memory is the daemon's pool, planned and configured by the connector from
 vLLM's config) and ``scheduler_cls=kvpool.integrations.vllm.scheduler.KVPoolScheduler`` (its
 blocks come from the engine core's lease, through a page cache), against a ``kvpoold serve``
-started here (``KVPOOL_POOL``, ``KVPOOL_TARGET``); the ``baseline`` engine is plain vLLM on
-the same weights. The side venv cannot install this checkout, so the engine process calls
-the function kvpool's ``vllm.general_plugins`` entry point names
-(``kvpool.integrations.vllm.plugin:register``) itself before vLLM starts, as
+started here (``KVPOOL_POOL``, ``KVPOOL_TARGET``); ``--kvpool-parts memory`` drops the
+scheduler (kvpool's memory, vLLM's own blocks), to tell the two parts' costs apart. The
+``baseline`` engine is plain vLLM on the same weights. The side venv cannot install this
+checkout, so the engine process calls the function kvpool's ``vllm.general_plugins`` entry
+point names (``kvpool.integrations.vllm.plugin:register``) itself before vLLM starts, as
 ``tests/vllm/connector_run.py`` does, and so does vLLM's engine-core process, which vLLM
 spawns (its CPU platform asks for spawn) and which imports this file as ``__mp_main__``.
 
@@ -59,7 +60,8 @@ with the main venv (the side venv from ``tests/vllm/setup_venv.sh``, or ``KVPOOL
 ``--quick`` is a few minutes on a busy 2-core machine, much of it the two engines starting::
 
     PYTHONPATH=client:service .venv/bin/python bench/vllm_engine.py [--quick] [--rounds 6]
-        [--requests 96] [--rate 24] [--json out.json]
+        [--requests 192] [--rate 96] [--kv-mib 8] [--kvpool-parts both|memory]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -109,16 +111,18 @@ class Settings:
     prefixes: int
     prefix_len: int
     rounds: int  # pairs of rounds (one kvpool, one baseline)
+    parts: str  # kvpool's parts the kvpool engine runs: "both", or "memory" (connector only)
     kv_mib: int  # kv_cache_memory_bytes in MiB (32 blocks of 32 KiB per MiB)
     max_num_seqs: int
     max_num_batched_tokens: int
     seed: int
 
 
-FULL = dict(requests=96, rate=24.0, prompt=(32, 160), output=(16, 64), shared=0.5,
-            prefixes=4, prefix_len=96, rounds=6, kv_mib=8, max_num_seqs=32,
+FULL = dict(requests=192, rate=96.0, prompt=(32, 160), output=(16, 64), shared=0.5,
+            prefixes=4, prefix_len=96, rounds=6, parts="both", kv_mib=8, max_num_seqs=32,
             max_num_batched_tokens=1024)
-QUICK = dict(FULL, requests=48, rounds=3)
+QUICK = dict(FULL, requests=64, rounds=3)
+PARTS = ("both", "memory")
 
 
 def make_trace(s: Settings) -> list[dict[str, Any]]:
@@ -210,9 +214,10 @@ async def _serve(job: dict[str, Any]) -> None:
 
     extra: dict[str, Any] = {}
     if job["kvpool"]:
-        extra = {"kv_transfer_config": {"kv_connector": "KVPoolConnector",
-                                        "kv_role": "kv_both"},
-                 "scheduler_cls": SCHEDULER}
+        extra["kv_transfer_config"] = {"kv_connector": "KVPoolConnector",
+                                       "kv_role": "kv_both"}
+        if job["parts"] == "both":
+            extra["scheduler_cls"] = SCHEDULER
     args = AsyncEngineArgs(
         model=job["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
         max_model_len=MAX_MODEL_LEN, max_num_seqs=job["max_num_seqs"],
@@ -335,6 +340,7 @@ def engines(work: Path, model: Path, target: str, s: Settings) -> Iterator[dict[
     try:
         for name in VARIANTS:
             job = {"model": str(model), "kvpool": name == "kvpool", "kv_mib": s.kv_mib,
+                   "parts": s.parts,
                    "max_num_seqs": s.max_num_seqs,
                    "max_num_batched_tokens": s.max_num_batched_tokens}
             env = side_env() if name == "baseline" else side_env(
@@ -435,7 +441,9 @@ def run(s: Settings, json_path: Path | None) -> int:
           f"{sum(r['prefix'] >= 0 for r in trace)} starting with one of {s.prefixes} shared "
           f"prefixes of {s.prefix_len}; block {BLOCK_SIZE}, KV cache {s.kv_mib} MiB "
           f"({s.kv_mib * 32} blocks), max_num_seqs {s.max_num_seqs}, max_num_batched_tokens "
-          f"{s.max_num_batched_tokens}", flush=True)
+          f"{s.max_num_batched_tokens}; kvpool engine: "
+          + ("KVPoolConnector + KVPoolScheduler" if s.parts == "both" else
+             "KVPoolConnector only (vLLM's own scheduler and block pool)"), flush=True)
     rounds: list[dict[str, Any]] = []
     outputs: dict[str, list[list[list[int]]]] = {v: [] for v in VARIANTS}
     line = json.dumps({"trace": trace})
@@ -542,11 +550,16 @@ def main() -> int:
     parser.add_argument("--requests", type=int)
     parser.add_argument("--rate", type=float, help="arrivals per second")
     parser.add_argument("--shared", type=float, help="share of requests with a shared prefix")
+    parser.add_argument("--kv-mib", type=int, dest="kv_mib",
+                        help="kv_cache_memory_bytes in MiB (32 blocks per MiB)")
+    parser.add_argument("--kvpool-parts", choices=PARTS, dest="parts",
+                        help="both (default): the connector and the scheduler; memory: the "
+                        "connector only (kvpool's memory, vLLM's own blocks)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the figures there")
     args = parser.parse_args()
     base = dict(QUICK if args.quick else FULL)
-    for name in ("rounds", "requests", "rate", "shared"):
+    for name in ("rounds", "requests", "rate", "shared", "kv_mib", "parts"):
         if getattr(args, name) is not None:
             base[name] = getattr(args, name)
     return run(Settings(seed=args.seed, **base), args.json)  # type: ignore[arg-type]
