@@ -47,8 +47,10 @@ page cache), so every round starts from the same empty cache. Per round: output 
 output tokens over the time from the first arrival to the last completion), TTFT p50 and p99,
 and the CPU seconds the round cost: the engine's processes (the frontend and the engine core,
 the engine core's share also shown on its own: kvpool's code runs there), plus, for kvpool, the
-daemon's (it serves no one else). On a machine shared with other work
-the wall-clock figures move with the others' load; CPU seconds hardly do. Per pair the ratios
+daemon's (it serves no one else). On a machine shared with other work the wall-clock figures
+move with the others' load (a factor of two or more between rounds was seen); CPU seconds move
+less, but they move too (an engine that falls behind runs fewer, larger steps, and vLLM's cost
+per step dominates on this tiny model). Per pair the ratios
 kvpool / baseline (for tokens/s, baseline / kvpool: above 1 is a cost of kvpool); printed: the
 median over the pairs and the pairs' range, against the target (<= 1.03x for tokens/s, TTFT
 p50 and CPU seconds; the p99 is shown, noisier). The greedy tokens of both engines are
@@ -534,8 +536,8 @@ def table(rounds: list[dict[str, Any]], s: Settings) -> dict[str, Any]:
         "engine-core CPU s (kvpool / baseline)": [p["core_cpu_s"] / b["core_cpu_s"]
                                                   for p, b in pairs],
     }
-    print("\nkvpool's cost: the median of the per-pair ratios [the pairs' min .. max]; CPU "
-          "seconds hardly move with the machine's other load, wall-clock figures do")
+    print("\nkvpool's cost: the median of the per-pair ratios [the pairs' min .. max]; "
+          "wall-clock figures move with the machine's other load, CPU seconds less")
     out: dict[str, Any] = {"medians": medians, "ratios": {}}
     for label, values in ratios.items():
         v = statistics.median(values)
