@@ -28,6 +28,9 @@ time, whatever the engine is doing), prompt lengths uniform in ``--prompt``, out
 uniform in ``--output``; a share ``--shared`` of the requests start with one of
 ``--prefixes`` fixed prefixes of ``--prefix-len`` tokens (the rest of the prompt random), so
 vLLM's prefix cache serves those prefixes' full blocks after their first use within the round.
+The default rate (400/s) is above what the engine serves on a 2-core machine (a few thousand
+output tokens/s), so the queue builds: tokens/s is the engine's own and TTFT includes the
+queueing; at a rate the engine keeps up with (``--rate 96``) tokens/s is mostly the trace's.
 
 TTFT: vLLM's offline ``LLM`` returns whole requests only, so the engine process drives
 ``AsyncLLM.generate`` (one coroutine per request, ``RequestOutputKind.DELTA``: one
@@ -62,8 +65,8 @@ that the engine's leases end and every block of the pool is back. Run from the r
 with the main venv (the side venv from ``tests/vllm/setup_venv.sh``, or ``KVPOOL_VLLM_VENV``);
 ``--quick`` is a few minutes on a busy 2-core machine, much of it the two engines starting::
 
-    PYTHONPATH=client:service .venv/bin/python bench/vllm_engine.py [--quick] [--rounds 6]
-        [--requests 192] [--rate 96] [--kv-mib 8] [--kvpool-parts both|memory]
+    PYTHONPATH=client:service .venv/bin/python bench/vllm_engine.py [--quick] [--rounds 8]
+        [--requests 384] [--rate 400] [--kv-mib 8] [--kvpool-parts both|memory]
         [--json out.json]
 """
 
@@ -121,8 +124,8 @@ class Settings:
     seed: int
 
 
-FULL = dict(requests=192, rate=96.0, prompt=(32, 160), output=(16, 64), shared=0.5,
-            prefixes=4, prefix_len=96, rounds=6, parts="both", kv_mib=8, max_num_seqs=32,
+FULL = dict(requests=384, rate=400.0, prompt=(32, 160), output=(16, 64), shared=0.5,
+            prefixes=4, prefix_len=96, rounds=8, parts="both", kv_mib=8, max_num_seqs=32,
             max_num_batched_tokens=1024)
 QUICK = dict(FULL, requests=64, rounds=3)
 PARTS = ("both", "memory")
