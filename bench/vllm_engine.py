@@ -28,8 +28,8 @@ time, whatever the engine is doing), prompt lengths uniform in ``--prompt``, out
 uniform in ``--output``; a share ``--shared`` of the requests start with one of
 ``--prefixes`` fixed prefixes of ``--prefix-len`` tokens (the rest of the prompt random), so
 vLLM's prefix cache serves those prefixes' full blocks after their first use within the round.
-The default rate (400/s) is above what the engine serves on a 2-core machine (a few thousand
-output tokens/s), so the queue builds: tokens/s is the engine's own and TTFT includes the
+The default rate (400/s) is above what the engine serves on a 2-core machine (7,000-12,000
+output tokens/s were seen), so the queue builds: tokens/s is the engine's own and TTFT includes the
 queueing; at a rate the engine keeps up with (``--rate 96``) tokens/s is mostly the trace's.
 
 TTFT: vLLM's offline ``LLM`` returns whole requests only, so the engine process drives
@@ -53,17 +53,18 @@ the engine core's share also shown on its own: kvpool's code runs there), plus, 
 daemon's (it serves no one else). On a machine shared with other work the wall-clock figures
 move with the others' load (a factor of two or more between rounds was seen); CPU seconds move
 less, but they move too (an engine that falls behind runs fewer, larger steps, and vLLM's cost
-per step dominates on this tiny model). Per pair the ratios
-kvpool / baseline (for tokens/s, baseline / kvpool: above 1 is a cost of kvpool); printed: the
-median over the pairs and the pairs' range, against the target (<= 1.03x for tokens/s, TTFT
-p50 and CPU seconds; the p99 is shown, noisier). The greedy tokens of both engines are
+per step dominates on this tiny model). Per pair the ratios kvpool / baseline (for tokens/s,
+baseline / kvpool: above 1 is a cost of kvpool); printed: the median over the pairs and the
+pairs' range, against the target (<= 1.03x for tokens/s, TTFT p50 and CPU seconds; the p99 and
+the engine core's CPU alone are shown, not judged). The greedy tokens of both engines are
 compared request by request (every round against the baseline's warm-up).
 
 After each kvpool round the daemon's Stats give the engine core's lease's blocks (held, and
 in use: what the prefix cache keeps); at the end both engines shut down and the run checks
 that the engine's leases end and every block of the pool is back. Run from the repository root
 with the main venv (the side venv from ``tests/vllm/setup_venv.sh``, or ``KVPOOL_VLLM_VENV``);
-``--quick`` is a few minutes on a busy 2-core machine, much of it the two engines starting::
+``--quick`` is under a minute on a quiet 2-core machine (a few on a busy one, much of it the
+two engines starting), the full run one to three::
 
     PYTHONPATH=client:service .venv/bin/python bench/vllm_engine.py [--quick] [--rounds 8]
         [--requests 384] [--rate 400] [--kv-mib 8] [--kvpool-parts both|memory]
