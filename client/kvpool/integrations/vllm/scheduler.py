@@ -79,9 +79,15 @@ def install_block_pool(scheduler: Any, binding: VLLMBinding) -> KVPoolBlockPool:
         raise InvalidArgument("vLLM's block pool is already in use; the kvpool block pool "
                               "replaces it only right after the scheduler is built",
                               field="scheduler")
-    check_capacity(old.num_gpu_blocks, space_capacity(stats, pool, SPACE), pool)
+    capacity = space_capacity(stats, pool, SPACE)
+    check_capacity(old.num_gpu_blocks, capacity, pool)
     # No worker thread: the upkeep runs in the scheduler's thread, between steps (new_step).
-    cache = binding.lease.page_cache(pool, SPACE, background=False)
+    # The engine owns its pool's blocks as vLLM's own pool does: the cache keeps what it
+    # fetched (no high watermark, no returns, no refills: no RPC in a step once warm), takes
+    # an eighth of the blocks a miss, and gives back only what the daemon asks for (another
+    # lease short of blocks).
+    cache = binding.lease.page_cache(pool, SPACE, background=False, fill=False, low=0,
+                                     high=capacity, batch=max(1, capacity // 8))
     try:
         new = KVPoolBlockPool(old.num_gpu_blocks, old.enable_caching, old.hash_block_size,
                               old.enable_kv_cache_events, old.metrics_collector,
