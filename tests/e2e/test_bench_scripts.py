@@ -28,7 +28,7 @@ SCRIPTS = {
 }
 
 
-# Scripts run by a test of their own (they need the SGLang side venv).
+# Scripts run by a test of their own (they need the SGLang or vLLM side venv).
 ELSEWHERE = {"sglang_engine.py": "tests/integration/sglang/test_sglang_engine_bench.py",
              "two_models.py": "tests/integration/sglang/test_two_models.py",
              "vllm_engine.py": "tests/integration/vllm/test_vllm_engine_bench.py"}
