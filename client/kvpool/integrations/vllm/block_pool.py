@@ -30,8 +30,10 @@ space, in the daemon or in the engine's page cache, and other engines may take t
   its check) naming the pool, and until :meth:`KVPoolBlockPool.new_step` the pool counts only
   the pages it holds, so the scheduler's next checks refuse instead. Size the engines'
   pools so that they fit, or give each its own pool.
-- Hot path: the page cache serves ``alloc``/``free`` locally (its worker refills and returns
-  in batches); ``get_num_free_blocks`` reads two counters. No RPC per call or step.
+- Hot path: the page cache serves ``alloc``/``free`` locally; the scheduler opens it with no
+  worker thread and no watermarks (it keeps every block it fetched, an eighth of the pool a
+  miss, and gives back only what the daemon asks for), so once warm no call or step makes an
+  RPC; ``get_num_free_blocks`` reads two counters.
 - Reuse watchers (``unpin_blocks``' ``on_reuse``): vLLM calls one when it hands the block out
   again; here a block that goes back to the page cache may be handed to another engine at any
   time, so its watcher is called when it goes back.
