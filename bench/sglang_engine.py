@@ -52,18 +52,17 @@ import argparse
 import contextlib
 import json
 import os
-import queue
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from benchlib.engine_process import EngineProcess  # bench/ is the script's directory
 
 REPO = Path(__file__).resolve().parent.parent
 HARNESS = REPO / "tests" / "sglang"
@@ -225,64 +224,6 @@ def run_engine(job: dict[str, Any]) -> None:
 
 # -- the run (main venv) ------------------------------------------------------------------------
 
-class Engine:
-    """One engine process (this script's ``engine`` mode in the side venv), in its own process
-    group; events from its stdout, SGLang's log in a file."""
-
-    def __init__(self, name: str, job: dict[str, Any], env: dict[str, str], log: Path) -> None:
-        self.name = name
-        self.log = log
-        self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        with open(log, "wb") as err:
-            self.proc = subprocess.Popen(
-                [str(VENV / "bin" / "python"), str(Path(__file__).resolve()), "engine"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env, cwd=REPO,
-                text=True, start_new_session=True)
-        threading.Thread(target=self._read, daemon=True).start()
-        self.send(json.dumps(job))
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("BENCH "):
-                self.events.put(json.loads(line[len("BENCH "):]))
-        self.events.put(None)
-
-    def send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def wait_for(self, event: str, timeout_s: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                got = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                raise RuntimeError(f"{self.name} engine: no {event!r} in {timeout_s:.0f} s; "
-                                   f"its log:\n{self.tail()}") from None
-            if got is None:
-                raise RuntimeError(f"{self.name} engine exited ({self.proc.wait()}) before "
-                                   f"{event!r}; its log:\n{self.tail()}")
-            if got["event"] == event:
-                return got
-
-    def tail(self, lines: int = 40) -> str:
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            self.send("")
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-
 def side_env(**extra: str) -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": f"{HARNESS / 'stubs'}:{REPO / 'client'}",
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -294,16 +235,18 @@ def side_env(**extra: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def engines(work: Path, model: Path, target: str, s: Settings) -> Iterator[dict[str, Engine]]:
+def engines(work: Path, model: Path, target: str,
+            s: Settings) -> Iterator[dict[str, EngineProcess]]:
     """Both engines, started at once (their starts overlap) and stopped at the end."""
-    started: dict[str, Engine] = {}
+    started: dict[str, EngineProcess] = {}
     try:
         for name in VARIANTS:
             job = {"model": str(model), "baseline": name == "baseline",
                    "max_total_tokens": s.max_total_tokens, "max_running": s.max_running}
             env = side_env() if name == "baseline" else side_env(
                 KVPOOL_POOL=POOL, KVPOOL_TARGET=target, KVPOOL_LEASE_TTL_S=str(TTL_S))
-            started[name] = Engine(name, job, env, work / f"sglang-{name}.log")
+            started[name] = EngineProcess(name, Path(__file__), VENV / "bin" / "python", job,
+                                          env, work / f"sglang-{name}.log", REPO, 60)
         for name, e in started.items():
             print(f"{name} engine started in {e.wait_for('started', START_S)['seconds']} s",
                   flush=True)

@@ -77,18 +77,17 @@ import argparse
 import contextlib
 import json
 import os
-import queue
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from benchlib.engine_process import EngineProcess  # bench/ is the script's directory
 
 REPO = Path(__file__).resolve().parent.parent
 HARNESS = REPO / "tests" / "vllm" / "connector_run.py"
@@ -272,63 +271,6 @@ def run_engine(job: dict[str, Any]) -> None:
 
 # -- the run (main venv) ------------------------------------------------------------------------
 
-class Engine:
-    """One engine process (this script's ``engine`` mode in the side venv), in its own process
-    group; events from its stdout, vLLM's log in a file."""
-
-    def __init__(self, name: str, job: dict[str, Any], env: dict[str, str], log: Path) -> None:
-        self.name = name
-        self.log = log
-        self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        with open(log, "wb") as err:
-            self.proc = subprocess.Popen(
-                [str(VENV / "bin" / "python"), str(Path(__file__).resolve()), "engine"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env, cwd=REPO,
-                text=True, start_new_session=True)
-        threading.Thread(target=self._read, daemon=True).start()
-        self.send(json.dumps(job))
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("BENCH "):
-                self.events.put(json.loads(line[len("BENCH "):]))
-        self.events.put(None)
-
-    def send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def wait_for(self, event: str, timeout_s: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                got = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                raise RuntimeError(f"{self.name} engine: no {event!r} in {timeout_s:.0f} s; "
-                                   f"its log:\n{self.tail()}") from None
-            if got is None:
-                raise RuntimeError(f"{self.name} engine exited ({self.proc.wait()}) before "
-                                   f"{event!r}; its log:\n{self.tail()}")
-            if got["event"] == event:
-                return got
-
-    def tail(self, lines: int = 40) -> str:
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def close(self) -> None:
-        """Shut the engine down (an empty line), then kill what is left of its group."""
-        with contextlib.suppress(OSError, ValueError):
-            self.send("")
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=120)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-
 def side_env(**extra: str) -> dict[str, str]:
     """The side venv's environment: vLLM on its CPU platform, this checkout's ``client/`` on
     PYTHONPATH, one torch thread, vLLM's own CPU KV-cache size unset (it would override
@@ -344,9 +286,10 @@ def side_env(**extra: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def engines(work: Path, model: Path, target: str, s: Settings) -> Iterator[dict[str, Engine]]:
+def engines(work: Path, model: Path, target: str,
+            s: Settings) -> Iterator[dict[str, EngineProcess]]:
     """Both engines, started at once (their starts overlap) and shut down at the end."""
-    started: dict[str, Engine] = {}
+    started: dict[str, EngineProcess] = {}
     try:
         for name in VARIANTS:
             job = {"model": str(model), "kvpool": name == "kvpool", "kv_mib": s.kv_mib,
@@ -355,7 +298,8 @@ def engines(work: Path, model: Path, target: str, s: Settings) -> Iterator[dict[
                    "max_num_batched_tokens": s.max_num_batched_tokens}
             env = side_env() if name == "baseline" else side_env(
                 KVPOOL_POOL=POOL, KVPOOL_TARGET=target, KVPOOL_LEASE_TTL_S=str(TTL_S))
-            started[name] = Engine(name, job, env, work / f"vllm-{name}.log")
+            started[name] = EngineProcess(name, Path(__file__), VENV / "bin" / "python", job,
+                                          env, work / f"vllm-{name}.log", REPO, 120)
         for name, e in started.items():
             print(f"{name} engine started in {e.wait_for('started', START_S)['seconds']} s",
                   flush=True)
