@@ -62,7 +62,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchlib.engine_process import EngineProcess  # bench/ is the script's directory
+from benchlib.engine_bench import (  # bench/ is the script's directory
+    EngineProcess,
+    emit,
+    make_trace,
+    proc_cpu_s,
+    serving_daemon,
+    summarize,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 HARNESS = REPO / "tests" / "sglang"
@@ -99,26 +106,6 @@ FULL = dict(requests=128, rate=64.0, prompt=(32, 160), output=(16, 96), shared=0
 QUICK = dict(FULL, requests=64, rounds=3)
 
 
-def make_trace(s: Settings) -> list[dict[str, Any]]:
-    """The requests in arrival order: ``at`` (seconds from the round's start), ``input_ids``,
-    ``new`` (output tokens), ``prefix`` (the shared prefix it starts with, or -1)."""
-    import numpy as np
-
-    rng = np.random.default_rng(s.seed)
-    prefixes = [rng.integers(*VOCAB, size=s.prefix_len).tolist() for _ in range(s.prefixes)]
-    at = np.cumsum(rng.exponential(1.0 / s.rate, size=s.requests))
-    at -= at[0]
-    out = []
-    for i in range(s.requests):
-        n = int(rng.integers(s.prompt[0], s.prompt[1] + 1))
-        k = int(rng.integers(0, s.prefixes)) if rng.random() < s.shared else -1
-        head = prefixes[k][:n] if k >= 0 else []
-        ids = head + rng.integers(*VOCAB, size=n - len(head)).tolist()
-        out.append({"at": float(at[i]), "input_ids": ids, "prefix": k,
-                    "new": int(rng.integers(s.output[0], s.output[1] + 1))})
-    return out
-
-
 # -- the engine process (side venv) -------------------------------------------------------------
 
 def _switch_hooks_off() -> None:
@@ -139,10 +126,6 @@ if __name__ == "__mp_main__":  # SGLang's scheduler process imports this file un
     hide_stubs()
     if os.environ.get(BASELINE_ENV) == "1":
         _switch_hooks_off()
-
-
-def emit(event: str, **fields: Any) -> None:
-    print("BENCH " + json.dumps({"event": event, **fields}), flush=True)
 
 
 async def _one(engine: Any, t0: float, req: dict[str, Any]) -> dict[str, Any]:
@@ -256,23 +239,6 @@ def engines(work: Path, model: Path, target: str,
             e.close()
 
 
-def pct(values: list[float], q: float) -> float:
-    import numpy as np
-
-    return float(np.percentile(np.asarray(values, dtype=float), q))
-
-
-def summarize(results: list[dict[str, Any]], trace: list[dict[str, Any]]) -> dict[str, Any]:
-    tokens = sum(r["tokens"] for r in results)
-    span = max(r["end_s"] for r in results)  # the first arrival is at 0
-    ttft = [r["ttft_s"] for r in results]
-    return {"tokens": tokens, "seconds": span, "tokens_per_s": tokens / span,
-            "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
-            "cached_tokens": sum(r["cached"] for r in results),
-            "complete": all(r["tokens"] == q["new"] for r, q in zip(results, trace,
-                                                                     strict=True))}
-
-
 def lease_pages(target: str) -> dict[str, int]:
     """The plugin pool's ``kv`` pages held by leases and in use now (from the daemon)."""
     from kvpool import KVPoolClient
@@ -292,39 +258,13 @@ def make_model(path: Path) -> None:
                     "make-model", str(path)], env=env, check=True, stdout=subprocess.DEVNULL)
 
 
-def proc_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of process ``pid`` so far, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-@contextlib.contextmanager
-def serving_daemon() -> Iterator[tuple[str, int]]:
-    """A ``kvpoold serve`` on a Unix socket in a fresh directory: (target, pid)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from rpc import start_daemon
-
-    from kvpool import KVPoolClient
-
-    with tempfile.TemporaryDirectory(prefix="kvp-sgl-bench-d-", dir="/tmp") as tmp:
-        sock = Path(tmp) / "kvpool.sock"
-        daemon = start_daemon(sock, "512MiB")
-        try:
-            with KVPoolClient(f"unix://{sock}") as client:
-                client.wait_serving()
-            yield f"unix://{sock}", daemon.pid
-        finally:
-            daemon.terminate()
-            daemon.wait(30)
-
-
 def run(s: Settings, json_path: Path | None) -> int:
     if not (VENV / "bin" / "python").exists():
         print(f"no SGLang side venv at {VENV}: run tests/sglang/setup_venv.sh (or set "
               "KVPOOL_SGLANG_VENV)", file=sys.stderr)
         return 2
     t_start = time.monotonic()
-    trace = make_trace(s)
+    trace = make_trace(s, VOCAB)
     new = [r["new"] for r in trace]
     print(f"trace: seed {s.seed}, {s.requests} requests at {s.rate:g}/s (Poisson, arrivals over "
           f"{trace[-1]['at']:.2f} s), prompts {s.prompt[0]}-{s.prompt[1]} tokens "
@@ -337,7 +277,7 @@ def run(s: Settings, json_path: Path | None) -> int:
     outputs: dict[str, list[list[int]]] = {}
     line = json.dumps({"trace": trace})
     with tempfile.TemporaryDirectory(prefix="kvp-sgl-bench-") as tmp, \
-            serving_daemon() as (target, daemon_pid):
+            serving_daemon("kvp-sgl-bench-d-") as (target, daemon_pid):
         work = Path(tmp)
         make_model(work / "tiny-llama")
         with engines(work, work / "tiny-llama", target, s) as running:

@@ -1,0 +1,160 @@
+"""What the engine benches (``bench/sglang_engine.py``, ``bench/vllm_engine.py``) share: the
+trace, the engine child (the script itself in ``engine`` mode under a side venv's Python, in
+its own process group, sending events on stdout as ``BENCH {json}`` lines and taking jobs on
+stdin, an empty line to shut down), a daemon to serve it, and the per-round figures.
+
+Imported by the engine children too (side venvs): nothing here imports kvpool or numpy at
+module level."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+class EngineProcess:
+    """One engine process; events from its stdout, the engine's log in ``log``.
+
+    Args:
+        name: for messages. script: the bench script (run as ``script engine``).
+        python: the side venv's interpreter. job: the first line sent (as JSON).
+        env: its environment. log: its stderr. cwd: its working directory.
+        close_timeout_s: how long :meth:`close` waits after the empty line before it kills
+            the process group.
+    """
+
+    def __init__(self, name: str, script: Path, python: Path, job: dict[str, Any],
+                 env: dict[str, str], log: Path, cwd: Path, close_timeout_s: float) -> None:
+        self.name = name
+        self.log = log
+        self.close_timeout_s = close_timeout_s
+        self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        with open(log, "wb") as err:
+            self.proc = subprocess.Popen(
+                [str(python), str(script.resolve()), "engine"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env, cwd=cwd,
+                text=True, start_new_session=True)
+        threading.Thread(target=self._read, daemon=True).start()
+        self.send(json.dumps(job))
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("BENCH "):
+                self.events.put(json.loads(line[len("BENCH "):]))
+        self.events.put(None)
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def wait_for(self, event: str, timeout_s: float) -> dict[str, Any]:
+        """The next ``event`` (others skipped); RuntimeError with the log's tail when it does
+        not come in time or the process exits first."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                got = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"{self.name} engine: no {event!r} in {timeout_s:.0f} s; "
+                                   f"its log:\n{self.tail()}") from None
+            if got is None:
+                raise RuntimeError(f"{self.name} engine exited ({self.proc.wait()}) before "
+                                   f"{event!r}; its log:\n{self.tail()}")
+            if got["event"] == event:
+                return got
+
+    def tail(self, lines: int = 40) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def close(self) -> None:
+        """Shut the engine down (an empty line), then kill what is left of its group."""
+        with contextlib.suppress(OSError, ValueError):
+            self.send("")
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=self.close_timeout_s)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def make_trace(s: Any, vocab: tuple[int, int]) -> list[dict[str, Any]]:
+    """The requests in arrival order: ``at`` (seconds from the round's start), ``input_ids``,
+    ``new`` (output tokens), ``prefix`` (the shared prefix it starts with, or -1); ``s`` has
+    ``seed, requests, rate, prompt, output, shared, prefixes, prefix_len``, token ids are drawn
+    from ``vocab``."""
+    import numpy as np
+
+    rng = np.random.default_rng(s.seed)
+    prefixes = [rng.integers(*vocab, size=s.prefix_len).tolist() for _ in range(s.prefixes)]
+    at = np.cumsum(rng.exponential(1.0 / s.rate, size=s.requests))
+    at -= at[0]
+    out = []
+    for i in range(s.requests):
+        n = int(rng.integers(s.prompt[0], s.prompt[1] + 1))
+        k = int(rng.integers(0, s.prefixes)) if rng.random() < s.shared else -1
+        head = prefixes[k][:n] if k >= 0 else []
+        ids = head + rng.integers(*vocab, size=n - len(head)).tolist()
+        out.append({"at": float(at[i]), "input_ids": ids, "prefix": k,
+                    "new": int(rng.integers(s.output[0], s.output[1] + 1))})
+    return out
+
+
+def emit(event: str, **fields: Any) -> None:
+    print("BENCH " + json.dumps({"event": event, **fields}), flush=True)
+
+
+def pct(values: list[float], q: float) -> float:
+    import numpy as np
+
+    return float(np.percentile(np.asarray(values, dtype=float), q))
+
+
+def summarize(results: list[dict[str, Any]], trace: list[dict[str, Any]]) -> dict[str, Any]:
+    tokens = sum(r["tokens"] for r in results)
+    span = max(r["end_s"] for r in results)  # the first arrival is at 0
+    ttft = [r["ttft_s"] for r in results]
+    return {"tokens": tokens, "seconds": span, "tokens_per_s": tokens / span,
+            "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
+            "cached_tokens": sum(r["cached"] for r in results),
+            "complete": all(r["tokens"] == q["new"] for r, q in zip(results, trace,
+                                                                     strict=True))}
+
+
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` so far, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextlib.contextmanager
+def serving_daemon(prefix: str) -> Iterator[tuple[str, int]]:
+    """A ``kvpoold serve`` on a Unix socket in a fresh directory: (target, pid)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/
+    from rpc import start_daemon
+
+    from kvpool import KVPoolClient
+
+    with tempfile.TemporaryDirectory(prefix=prefix, dir="/tmp") as tmp:
+        sock = Path(tmp) / "kvpool.sock"
+        daemon = start_daemon(sock, "512MiB")
+        try:
+            with KVPoolClient(f"unix://{sock}") as client:
+                client.wait_serving()
+            yield f"unix://{sock}", daemon.pid
+        finally:
+            daemon.terminate()
+            daemon.wait(30)
