@@ -57,6 +57,7 @@ from kvpool.contract.errors import AlreadyExists, FailedPrecondition, InvalidArg
 from kvpool.contract.options import KVCacheDType
 from kvpool.contract.plan import BufferKind, PoolPlan
 from kvpool.contract.records import ConfigureResult
+from kvpool.integrations.hf_config import hf_config_path
 from kvpool.integrations.sglang import quantized
 from kvpool.integrations.sglang.binding import (
     POOL_ENV,
@@ -151,28 +152,14 @@ def engine_settings() -> EngineSettings:
 
 
 def model_config_path(model_path: str, revision: str | None = None) -> Path:
-    """The ``config.json`` of the model SGLang serves: in the model directory, else from the
-    local Hugging Face cache (as SGLang loads it; ``HF_HUB_OFFLINE`` is honoured).
+    """The ``config.json`` of the model SGLang serves (``hf_config_path``).
 
     Raises:
         FailedPrecondition: no config.json could be found (names the path or repo).
     """
-    local = Path(model_path).expanduser()
-    if local.is_dir():
-        config = local / "config.json"
-        if not config.is_file():
-            raise FailedPrecondition(
-                f"the model directory {local} has no config.json; kvpool plans the pool from "
-                "the model's Hugging Face config", field="model_path")
-        return config
-    try:
-        from huggingface_hub import hf_hub_download
-
-        return Path(hf_hub_download(model_path, "config.json", revision=revision))
-    except Exception as exc:
-        raise FailedPrecondition(
-            f"could not find config.json of model {model_path!r} (revision {revision}): "
-            f"{exc}", field="model_path") from exc
+    path = hf_config_path(model_path, revision, field="model_path")
+    assert path is not None
+    return path
 
 
 def plan_request(settings: EngineSettings, *, size: int, page_size: int,

@@ -49,6 +49,7 @@ from kvpool.contract.errors import AlreadyExists, FailedPrecondition
 from kvpool.contract.plan import PoolPlan
 from kvpool.contract.records import ConfigureResult
 from kvpool.integrations.binding import lease_name_for
+from kvpool.integrations.hf_config import hf_config_path
 from kvpool.integrations.vllm.binding import VLLMBinding, binding_from_env
 from kvpool.integrations.vllm.memory import (
     PoolAllocation,
@@ -80,21 +81,10 @@ def model_config_source(model_config: Any) -> Path | dict[str, Any]:
     Raises:
         FailedPrecondition: a local directory without config.json.
     """
-    local = Path(str(model_config.model)).expanduser()
-    if local.is_dir():
-        config = local / "config.json"
-        if not config.is_file():
-            raise FailedPrecondition(
-                f"the model directory {local} has no config.json; kvpool plans the pool from "
-                "the model's Hugging Face config", field="model")
-        return config
-    try:
-        from huggingface_hub import hf_hub_download
-
-        return Path(hf_hub_download(str(model_config.model), "config.json",
-                                    revision=model_config.revision))
-    except Exception:  # a model vLLM found some other way: its own parsed config
-        return dict(model_config.hf_config.to_dict())
+    path = hf_config_path(str(model_config.model), model_config.revision, field="model",
+                          missing_ok=True)
+    # a model vLLM found some other way: its own parsed config
+    return dict(model_config.hf_config.to_dict()) if path is None else path
 
 
 def _pp_rank() -> int:
