@@ -524,10 +524,11 @@ class ElasticPools:
         n = self.arbiter.take_back(name, len(free))
         return self._take(ep, n, None, self._clock()) if n else 0
 
-    def on_freed(self) -> None:
-        """Ids came back: page caches' give-backs may have emptied groups asked back."""
+    def on_freed(self, now: float | None = None) -> None:
+        """Ids came back: page caches' give-backs may have emptied groups asked back (with
+        ``now``, the sweep's: drains past their deadline are undone too)."""
         if self.busy_drains:
-            self._check_drains()
+            self._check_drains(now)
         if not self.cached_asks:
             return
         keep = []
@@ -548,9 +549,7 @@ class ElasticPools:
         """Deadlines: leases that did not unmap in time are ended; give-backs that did not
         empty their groups in time are given up."""
         now = self._clock()
-        self.on_freed()
-        if self.busy_drains:
-            self._check_drains(now)
+        self.on_freed(now)
         if self.policy == "greedy":  # give back what is unused, beyond one spare group
             for name, ep in self.pools.items():
                 cached = self._hooks.cached(name)  # caches keep one group's worth, as kvcached
