@@ -5,7 +5,10 @@ by the parity test and the tests in ``tests/integration/sglang/``."""
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,3 +46,16 @@ def sglang_env(**extra: str) -> dict[str, str]:
     env.pop("VIRTUAL_ENV", None)
     env.update(extra)
     return env
+
+
+def wait_until(what: str, check: Callable[[], Any], timeout_s: float,
+               interval_s: float = 0.05) -> Any:
+    """Poll ``check`` until it returns something truthy; fail with ``what`` after timeout."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval_s)
+    raise AssertionError(f"{what}: not so after {timeout_s} s (last: {last!r})")

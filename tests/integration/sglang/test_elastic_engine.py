@@ -52,9 +52,8 @@ from tests.integration.sglang.test_engine import (
     harness,
     kvpool_env,
     lease_of,
-    wait_until,
 )
-from tests.integration.side_venv import sglang_env
+from tests.integration.side_venv import sglang_env, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -38,7 +38,7 @@ import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,7 @@ import torch
 from kvpool.clients.client import KVPoolClient
 from kvpool.contract.records import Stats
 from tests.conftest import REPO, DaemonProcess, temp_dir
-from tests.integration.side_venv import SGLANG_DIR, sglang_env
+from tests.integration.side_venv import SGLANG_DIR, sglang_env, wait_until
 
 HARNESS = SGLANG_DIR / "engine_run.py"
 MODELS = REPO / "tests" / "data" / "models"
@@ -165,19 +165,6 @@ def without_kvpool_env() -> dict[str, str]:
     for name in ("KVPOOL_POOL", "KVPOOL_TARGET", "SGLANG_PLATFORM", "KVPOOL_LEASE_TTL_S"):
         env.pop(name, None)
     return env
-
-
-def wait_until(what: str, check: Callable[[], Any], timeout_s: float,
-               interval_s: float = 0.05) -> Any:
-    """Poll ``check`` until it returns something truthy; fail with ``what`` after timeout."""
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval_s)
-    raise AssertionError(f"{what}: not so after {timeout_s} s (last: {last!r})")
 
 
 def lease_of(stats: Stats, lease_id: int) -> Any:

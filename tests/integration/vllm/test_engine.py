@@ -39,7 +39,7 @@ import subprocess
 import threading
 import time
 import tomllib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from kvpool.clients.client import KVPoolClient
 from kvpool.contract.plan import PoolPlan
 from kvpool.contract.records import Stats
 from tests.conftest import REPO, DaemonProcess, run_daemon, temp_dir
+from tests.integration.side_venv import wait_until
 from tests.integration.vllm_venv import VLLM_DIR, vllm_env, vllm_python_or_skip
 
 HARNESS = VLLM_DIR / "connector_run.py"
@@ -160,18 +161,6 @@ def engine_env(daemon: DaemonProcess | None = None, pool: str = "") -> dict[str,
         env.update(KVPOOL_TARGET=daemon.target, KVPOOL_POOL=pool,
                    KVPOOL_LEASE_TTL_S=str(TTL_S))
     return env
-
-
-def wait_until(what: str, check: Callable[[], Any], timeout_s: float,
-               interval_s: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval_s)
-    raise AssertionError(f"{what}: not so after {timeout_s} s (last: {last!r})")
 
 
 def leases_named(stats: Stats, name: str) -> list[Any]:
