@@ -52,7 +52,6 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -67,6 +66,7 @@ from benchlib.engine_bench import (  # bench/ is the script's directory
     emit,
     make_trace,
     proc_cpu_s,
+    ratio_table,
     serving_daemon,
     summarize,
 )
@@ -329,38 +329,20 @@ def run(s: Settings, json_path: Path | None) -> int:
 
 
 def table(rounds: list[dict[str, Any]], s: Settings) -> dict[str, Any]:
-    """Print the medians per variant and the per-pair ratios; return them."""
-    by = {v: [r for r in rounds if r["variant"] == v] for v in VARIANTS}
-    cols = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "cpu_s")
-    print(f"\nmedian over {s.rounds} rounds per engine (same trace, radix cache flushed "
-          "before each round; rounds alternate plugin/baseline, order swapped every pair)")
-    print(f"{'engine':<10} {'tokens/s':>10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} "
-          f"{'CPU s':>8}")
-    medians = {v: {c: statistics.median(r[c] for r in by[v]) for c in cols} for v in VARIANTS}
-    for v in VARIANTS:
-        m = medians[v]
-        print(f"{v:<10} {m['tokens_per_s']:10,.0f} {m['ttft_p50_ms']:12.1f} "
-              f"{m['ttft_p99_ms']:12.1f} {m['cpu_s']:8.2f}")
-    pairs = list(zip(by["plugin"], by["baseline"], strict=True))
-    ratios = {
-        "tokens_per_s (baseline / plugin)": [b["tokens_per_s"] / p["tokens_per_s"]
-                                             for p, b in pairs],
-        "TTFT p50 (plugin / baseline)": [p["ttft_p50_ms"] / b["ttft_p50_ms"] for p, b in pairs],
-        "TTFT p99 (plugin / baseline)": [p["ttft_p99_ms"] / b["ttft_p99_ms"] for p, b in pairs],
-        "CPU s (plugin + daemon / baseline)": [p["cpu_s"] / b["cpu_s"] for p, b in pairs],
-    }
-    print("\nthe plugin's cost: the median of the per-pair ratios [the pairs' min .. max]; CPU "
-          "seconds hardly move with the machine's other load, wall-clock figures do")
-    out: dict[str, Any] = {"medians": medians, "ratios": {}}
-    for label, values in ratios.items():
-        v = statistics.median(values)
-        judged = "p99" not in label
-        verdict = ("met" if v <= TARGET else "MISSED") if judged else "(info)"
-        print(f"{label:<34} {v:6.3f}x  [{min(values):.3f} .. {max(values):.3f}]  target "
-              f"<= {TARGET}x {verdict}")
-        out["ratios"][label] = {"median": v, "min": min(values), "max": max(values),
-                                "values": values}
-    return out
+    """Print the medians per engine and the per-pair ratios; return them."""
+    return ratio_table(
+        rounds, subject="plugin", baseline="baseline", target=TARGET,
+        cols={"tokens_per_s": "tokens/s", "ttft_p50_ms": "TTFT p50 ms",
+              "ttft_p99_ms": "TTFT p99 ms", "cpu_s": "CPU s"},
+        ratios={"tokens_per_s (baseline / plugin)": ("tokens_per_s", True, True),
+                "TTFT p50 (plugin / baseline)": ("ttft_p50_ms", False, True),
+                "TTFT p99 (plugin / baseline)": ("ttft_p99_ms", False, False),
+                "CPU s (plugin + daemon / baseline)": ("cpu_s", False, True)},
+        intro=f"\nmedian over {s.rounds} rounds per engine (same trace, radix cache flushed "
+              "before each round; rounds alternate plugin/baseline, order swapped every pair)",
+        ratio_intro="\nthe plugin's cost: the median of the per-pair ratios [the pairs' min "
+                    ".. max]; CPU seconds hardly move with the machine's other load, "
+                    "wall-clock figures do")
 
 
 def main() -> int:

@@ -77,7 +77,6 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -92,6 +91,7 @@ from benchlib.engine_bench import (  # bench/ is the script's directory
     emit,
     make_trace,
     proc_cpu_s,
+    ratio_table,
     serving_daemon,
     summarize,
 )
@@ -402,40 +402,21 @@ def run(s: Settings, json_path: Path | None) -> int:
 
 
 def table(rounds: list[dict[str, Any]], s: Settings) -> dict[str, Any]:
-    """Print the medians per variant and the per-pair ratios; return them."""
-    by = {v: [r for r in rounds if r["variant"] == v] for v in VARIANTS}
-    cols = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "cpu_s", "core_cpu_s")
-    print(f"\nmedian over {s.rounds} rounds per engine (same trace, prefix cache reset before "
-          "each round; rounds alternate kvpool/baseline, order swapped every pair)")
-    print(f"{'engine':<10} {'tokens/s':>10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} "
-          f"{'CPU s':>8} {'of it core':>11}")
-    medians = {v: {c: statistics.median(r[c] for r in by[v]) for c in cols} for v in VARIANTS}
-    for v in VARIANTS:
-        m = medians[v]
-        print(f"{v:<10} {m['tokens_per_s']:10,.0f} {m['ttft_p50_ms']:12.1f} "
-              f"{m['ttft_p99_ms']:12.1f} {m['cpu_s']:8.2f} {m['core_cpu_s']:11.2f}")
-    pairs = list(zip(by["kvpool"], by["baseline"], strict=True))
-    ratios = {
-        "tokens_per_s (baseline / kvpool)": [b["tokens_per_s"] / p["tokens_per_s"]
-                                             for p, b in pairs],
-        "TTFT p50 (kvpool / baseline)": [p["ttft_p50_ms"] / b["ttft_p50_ms"] for p, b in pairs],
-        "TTFT p99 (kvpool / baseline)": [p["ttft_p99_ms"] / b["ttft_p99_ms"] for p, b in pairs],
-        "CPU s (kvpool + daemon / baseline)": [p["cpu_s"] / b["cpu_s"] for p, b in pairs],
-        "engine-core CPU s (kvpool / baseline)": [p["core_cpu_s"] / b["core_cpu_s"]
-                                                  for p, b in pairs],
-    }
-    print("\nkvpool's cost: the median of the per-pair ratios [the pairs' min .. max]; "
-          "wall-clock figures move with the machine's other load, CPU seconds less")
-    out: dict[str, Any] = {"medians": medians, "ratios": {}}
-    for label, values in ratios.items():
-        v = statistics.median(values)
-        judged = "p99" not in label and "core" not in label
-        verdict = ("met" if v <= TARGET else "MISSED") if judged else "(info)"
-        print(f"{label:<37} {v:6.3f}x  [{min(values):.3f} .. {max(values):.3f}]  target "
-              f"<= {TARGET}x {verdict}")
-        out["ratios"][label] = {"median": v, "min": min(values), "max": max(values),
-                                "values": values}
-    return out
+    """Print the medians per engine and the per-pair ratios; return them."""
+    return ratio_table(
+        rounds, subject="kvpool", baseline="baseline", target=TARGET,
+        cols={"tokens_per_s": "tokens/s", "ttft_p50_ms": "TTFT p50 ms",
+              "ttft_p99_ms": "TTFT p99 ms", "cpu_s": "CPU s", "core_cpu_s": "of it core"},
+        ratios={"tokens_per_s (baseline / kvpool)": ("tokens_per_s", True, True),
+                "TTFT p50 (kvpool / baseline)": ("ttft_p50_ms", False, True),
+                "TTFT p99 (kvpool / baseline)": ("ttft_p99_ms", False, False),
+                "CPU s (kvpool + daemon / baseline)": ("cpu_s", False, True),
+                "engine-core CPU s (kvpool / baseline)": ("core_cpu_s", False, False)},
+        intro=f"\nmedian over {s.rounds} rounds per engine (same trace, prefix cache reset "
+              "before each round; rounds alternate kvpool/baseline, order swapped every pair)",
+        ratio_intro="\nkvpool's cost: the median of the per-pair ratios [the pairs' min .. "
+                    "max]; wall-clock figures move with the machine's other load, CPU seconds "
+                    "less")
 
 
 def main() -> int:

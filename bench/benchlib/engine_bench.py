@@ -158,3 +158,37 @@ def serving_daemon(prefix: str) -> Iterator[tuple[str, int]]:
         finally:
             daemon.terminate()
             daemon.wait(30)
+
+
+def ratio_table(rounds: list[dict[str, Any]], *, subject: str, baseline: str, target: float,
+                cols: dict[str, str], ratios: dict[str, tuple[str, bool, bool]], intro: str,
+                ratio_intro: str) -> dict[str, Any]:
+    """Print the medians per engine (``cols``: round field -> column title; the field
+    ``tokens_per_s`` and ``ttft_*_ms`` print as such) and the per-pair ratios; return them.
+
+    ``ratios``: label -> (round field, inverse, judged). Each ratio is subject / baseline per
+    pair of rounds (the i-th round of each), or baseline / subject when ``inverse`` (so that
+    above 1 is always a cost of the subject); judged ones are held against ``target``."""
+    import statistics
+
+    by = {v: [r for r in rounds if r["variant"] == v] for v in (subject, baseline)}
+    print(intro)
+    print(f"{'engine':<10}" + "".join(f" {title:>12}" for title in cols.values()))
+    medians = {v: {c: statistics.median(r[c] for r in by[v]) for c in cols} for v in by}
+    for v, m in medians.items():
+        cells = "".join(f" {m[c]:12,.0f}" if c == "tokens_per_s" else f" {m[c]:12.2f}"
+                        for c in cols)
+        print(f"{v:<10}{cells}")
+    pairs = list(zip(by[subject], by[baseline], strict=True))
+    print(ratio_intro)
+    out: dict[str, Any] = {"medians": medians, "ratios": {}}
+    width = max(len(label) for label in ratios)
+    for label, (field, inverse, judged) in ratios.items():
+        values = [(b[field] / s[field]) if inverse else (s[field] / b[field]) for s, b in pairs]
+        v = statistics.median(values)
+        verdict = ("met" if v <= target else "MISSED") if judged else "(info)"
+        print(f"{label:<{width}} {v:6.3f}x  [{min(values):.3f} .. {max(values):.3f}]  target "
+              f"<= {target}x {verdict}")
+        out["ratios"][label] = {"median": v, "min": min(values), "max": max(values),
+                                "values": values}
+    return out
