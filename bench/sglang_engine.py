@@ -21,29 +21,33 @@ prefixes of ``--prefix-len`` tokens (the rest of the prompt random), so SGLang's
 serves those prefixes from memory after their first use within the round.
 
 The run: both engines start (each in its own side-venv process, ``engine`` mode of this script)
-and stay up, warm, for the whole run (``sleep_on_idle``: the one not measured waits in a poll
+and stay up, warm, for one engine start (``sleep_on_idle``: the one not measured waits in a poll
 instead of spinning on a core). One untimed warm-up round each, then ``--rounds`` pairs, the
 order inside a pair alternating (plugin, baseline, baseline, plugin, ...: drift of the machine
-lands on both alike). Each round first flushes the engine's radix cache, so every round starts
-from the same empty cache. Per round: output tokens/s (all output tokens over the time from the
-first arrival to the last completion), TTFT (arrival to first streamed token) p50 and p99,
-and the CPU seconds the round cost: the engine's processes (tokenizer manager, scheduler,
-detokenizer), plus, for the plugin, the daemon's (it serves no one else). On a machine shared
-with other work the wall-clock figures move with the others' load (a factor of several between
-rounds was seen); CPU seconds hardly do. Per pair the ratios plugin / baseline (for tokens/s,
-baseline / plugin: above 1 is a cost of the plugin); printed: the median over the pairs and the
-pairs' range, against the target (<= 1.03x for tokens/s, TTFT p50 and CPU seconds; the p99 is
-shown, noisier). The greedy tokens of both
-engines are compared request by request (first round of each).
+lands on both alike). Then both engines stop and start again, ``--starts`` times in all (3 by
+default; the next start waits for the killed plugin engine's lease to expire): on this 2-core VM
+a process's speed is drawn when it starts (the same engine configuration, started again, ran a
+round 1.4 or 1.9 CPU seconds, steady within the process), so one pair of processes carries that
+draw; the pairs of several starts average it out, and the median per start is printed beside the
+overall one. Each round first flushes the engine's radix cache, so every round starts from the
+same empty cache. Per round: output tokens/s (all output tokens over the time from the first
+arrival to the last completion), TTFT (arrival to first streamed token) p50 and p99, and the CPU
+seconds the round cost: the engine's processes (tokenizer manager, scheduler, detokenizer),
+plus, for the plugin, the daemon's (it serves no one else). On a machine shared with other work
+the wall-clock figures move with the others' load (a factor of several between rounds was seen);
+CPU seconds hardly do. Per pair the ratios plugin / baseline (for tokens/s, baseline / plugin:
+above 1 is a cost of the plugin); printed: the median over the pairs and the pairs' range,
+against the target (<= 1.03x for tokens/s, TTFT p50 and CPU seconds; the p99 is shown, noisier).
+The greedy tokens of both engines are compared request by request (first round of each).
 
 The plugin's lease has a TTL of 10 s (a loaded 2-core machine starved a 2 s lease's keep-alive);
 SGLang's shutdown SIGKILLs its scheduler, so the run ends by waiting for the lease to expire and
 checks that every page is back. Run from the repository root with the main venv (the side venv
-from ``tests/sglang/setup_venv.sh``, or ``KVPOOL_SGLANG_VENV``); ``--quick`` is about three
-minutes on a busy 2-core machine, most of it the two engines starting::
+from ``tests/sglang/setup_venv.sh``, or ``KVPOOL_SGLANG_VENV``); ``--quick`` (one start) is
+about three minutes on a busy 2-core machine, most of it the two engines starting::
 
-    PYTHONPATH=client:service .venv/bin/python bench/sglang_engine.py [--quick] [--rounds 5]
-        [--requests 128] [--rate 64] [--json out.json]
+    PYTHONPATH=client:service .venv/bin/python bench/sglang_engine.py [--quick] [--rounds 6]
+        [--starts 3] [--requests 128] [--rate 64] [--json out.json]
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ from benchlib.engine_bench import (  # bench/ is the script's directory
     make_trace,
     proc_cpu_s,
     ratio_table,
+    round_order,
     serving_daemon,
     summarize,
 )
@@ -95,15 +100,16 @@ class Settings:
     shared: float  # share of requests that start with a shared prefix
     prefixes: int
     prefix_len: int
-    rounds: int  # pairs of rounds (one plugin, one baseline)
+    rounds: int  # pairs of rounds (one plugin, one baseline) per engine start
+    starts: int  # times both engines are started afresh (see the module docstring)
     max_total_tokens: int
     max_running: int
     seed: int
 
 
 FULL = dict(requests=128, rate=64.0, prompt=(32, 160), output=(16, 96), shared=0.5,
-            prefixes=4, prefix_len=96, rounds=8, max_total_tokens=32768, max_running=128)
-QUICK = dict(FULL, requests=64, rounds=3)
+            prefixes=4, prefix_len=96, rounds=6, starts=3, max_total_tokens=32768, max_running=128)
+QUICK = dict(FULL, requests=64, rounds=3, starts=1)
 
 
 # -- the engine process (side venv) -------------------------------------------------------------
@@ -252,6 +258,17 @@ def lease_pages(target: str) -> dict[str, int]:
             "used": stats.pool(POOL).spaces["kv"].used}
 
 
+def wait_pages_back(target: str) -> dict[str, int]:
+    """Wait (up to the lease TTL + 10 s) until no lease holds the plugin pool's pages: SGLang's
+    shutdown SIGKILLs its scheduler, so its lease expires. Returns the last counts."""
+    after = lease_pages(target)
+    deadline = time.monotonic() + TTL_S + 10
+    while after["held"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+        after = lease_pages(target)
+    return after
+
+
 def make_model(path: Path) -> None:
     env = {**side_env(), "PYTHONPATH": ""}  # transformers only: no stubs needed
     subprocess.run([str(VENV / "bin" / "python"), str(HARNESS / "engine_run.py"),
@@ -280,42 +297,42 @@ def run(s: Settings, json_path: Path | None) -> int:
             serving_daemon("kvp-sgl-bench-d-") as (target, daemon_pid):
         work = Path(tmp)
         make_model(work / "tiny-llama")
-        with engines(work, work / "tiny-llama", target, s) as running:
-            order = ["warmup:plugin", "warmup:baseline"]
-            for k in range(s.rounds):
-                pair = VARIANTS if k % 2 == 0 else VARIANTS[::-1]
-                order += [f"{k}:{v}" for v in pair]
-            for tag in order:
-                k, variant = tag.split(":")
-                e = running[variant]
-                daemon_before = proc_cpu_s(daemon_pid)
-                e.send(line)
-                got = e.wait_for("round", 600)
-                daemon_cpu = proc_cpu_s(daemon_pid) - daemon_before
-                results = got["results"]
-                row = summarize(results, trace)
-                # The daemon works for the plugin's engine only (the other's keep-alives are
-                # the idle plugin engine's): its CPU is the plugin's.
-                row.update(variant=variant, round=k, engine_cpu_s=got["cpu_s"],
-                           daemon_cpu_s=daemon_cpu,
-                           cpu_s=got["cpu_s"] + (daemon_cpu if variant == "plugin" else 0.0))
-                if variant == "plugin":
-                    row["kvpool"] = lease_pages(target)
-                outputs.setdefault(variant, [r["output_ids"] for r in results])
-                if k == "warmup":
-                    print(f"warm-up {variant}: {row['tokens_per_s']:,.0f} tokens/s", flush=True)
-                    continue
-                rounds.append(row)
-                print(f"round {int(k) + 1}/{s.rounds} {variant:<8}: {row['tokens_per_s']:8,.0f} "
-                      f"tokens/s in {row['seconds']:.2f} s, TTFT p50 {row['ttft_p50_ms']:7.1f} "
-                      f"ms p99 {row['ttft_p99_ms']:7.1f} ms, CPU {row['engine_cpu_s']:.2f} s "
-                      f"(+ daemon {row['daemon_cpu_s']:.2f} s), {row['cached_tokens']:,} "
-                      "prompt tokens from the radix cache", flush=True)
-        after = lease_pages(target)
-        deadline = time.monotonic() + TTL_S + 10
-        while after["held"] and time.monotonic() < deadline:  # SIGKILLed: the lease expires
-            time.sleep(0.2)
-            after = lease_pages(target)
+        for start in range(s.starts):
+            if start:  # SGLang's shutdown SIGKILLs its scheduler: its lease expires first
+                wait_pages_back(target)
+            if s.starts > 1:
+                print(f"engine start {start + 1}/{s.starts}", flush=True)
+            with engines(work, work / "tiny-llama", target, s) as running:
+                for tag in round_order(s.rounds, VARIANTS):
+                    k, variant = tag.split(":")
+                    e = running[variant]
+                    daemon_before = proc_cpu_s(daemon_pid)
+                    e.send(line)
+                    got = e.wait_for("round", 600)
+                    daemon_cpu = proc_cpu_s(daemon_pid) - daemon_before
+                    results = got["results"]
+                    row = summarize(results, trace)
+                    # The daemon works for the plugin's engine only (the other's keep-alives
+                    # are the idle plugin engine's): its CPU is the plugin's.
+                    row.update(variant=variant, round=k, start=start,
+                               engine_cpu_s=got["cpu_s"], daemon_cpu_s=daemon_cpu,
+                               cpu_s=got["cpu_s"] + (daemon_cpu if variant == "plugin"
+                                                     else 0.0))
+                    if variant == "plugin":
+                        row["kvpool"] = lease_pages(target)
+                    outputs.setdefault(variant, [r["output_ids"] for r in results])
+                    if k == "warmup":
+                        print(f"warm-up {variant}: {row['tokens_per_s']:,.0f} tokens/s",
+                              flush=True)
+                        continue
+                    rounds.append(row)
+                    print(f"round {int(k) + 1}/{s.rounds} {variant:<8}: "
+                          f"{row['tokens_per_s']:8,.0f} tokens/s in {row['seconds']:.2f} s, "
+                          f"TTFT p50 {row['ttft_p50_ms']:7.1f} ms p99 {row['ttft_p99_ms']:7.1f} "
+                          f"ms, CPU {row['engine_cpu_s']:.2f} s (+ daemon "
+                          f"{row['daemon_cpu_s']:.2f} s), {row['cached_tokens']:,} prompt "
+                          "tokens from the radix cache", flush=True)
+        after = wait_pages_back(target)
     same = sum(a == b for a, b in zip(outputs["plugin"], outputs["baseline"], strict=True))
     report = table(rounds, s)
     report.update(settings=asdict(s), rounds=rounds, same_tokens=same, requests=s.requests,
@@ -338,8 +355,9 @@ def table(rounds: list[dict[str, Any]], s: Settings) -> dict[str, Any]:
                 "TTFT p50 (plugin / baseline)": ("ttft_p50_ms", False, True),
                 "TTFT p99 (plugin / baseline)": ("ttft_p99_ms", False, False),
                 "CPU s (plugin + daemon / baseline)": ("cpu_s", False, True)},
-        intro=f"\nmedian over {s.rounds} rounds per engine (same trace, radix cache flushed "
-              "before each round; rounds alternate plugin/baseline, order swapped every pair)",
+        intro=f"\nmedian over {s.rounds * s.starts} rounds per engine ({s.starts} engine "
+              "starts; same trace, radix cache flushed before each round; rounds alternate "
+              "plugin/baseline, order swapped every pair)",
         ratio_intro="\nthe plugin's cost: the median of the per-pair ratios [the pairs' min "
                     ".. max]; CPU seconds hardly move with the machine's other load, "
                     "wall-clock figures do")
@@ -352,7 +370,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK['requests']} requests, {QUICK['rounds']} pairs of rounds")
-    parser.add_argument("--rounds", type=int, help="pairs of rounds (one each engine)")
+    parser.add_argument("--rounds", type=int,
+                        help="pairs of rounds (one each engine) per engine start")
+    parser.add_argument("--starts", type=int,
+                        help="times both engines start afresh (a process's speed is drawn at "
+                        "its start)")
     parser.add_argument("--requests", type=int)
     parser.add_argument("--rate", type=float, help="arrivals per second")
     parser.add_argument("--shared", type=float, help="share of requests with a shared prefix")
@@ -360,7 +382,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write the figures there")
     args = parser.parse_args()
     base = dict(QUICK if args.quick else FULL)
-    for name in ("rounds", "requests", "rate", "shared"):
+    for name in ("rounds", "starts", "requests", "rate", "shared"):
         if getattr(args, name) is not None:
             base[name] = getattr(args, name)
     return run(Settings(seed=args.seed, **base), args.json)  # type: ignore[arg-type]

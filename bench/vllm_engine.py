@@ -41,33 +41,38 @@ frontend process; TTFT = that time - the scheduled arrival time (so a late submi
 against the engine, as a client would see it). The request's end is its ``finished`` output.
 
 The run: both engines start (each in its own side-venv process, the ``engine`` mode of this
-script, plus vLLM's engine-core process) and stay up, warm, for the whole run (the one not
+script, plus vLLM's engine-core process) and stay up, warm, for one engine start (the one not
 measured waits on its input queue, idle). One untimed warm-up round each, then ``--rounds``
 pairs, the order inside a pair alternating (kvpool, baseline, baseline, kvpool, ...: drift of
-the machine lands on both alike). Each round first resets the engine's prefix cache
-(``AsyncLLM.reset_prefix_cache``; with kvpool this returns the cached blocks to the lease's
-page cache), so every round starts from the same empty cache. Per round: output tokens/s (all
-output tokens over the time from the first arrival to the last completion), TTFT p50 and p99,
-and the CPU seconds the round cost: the engine's processes (the frontend and the engine core,
-the engine core's share also shown on its own: kvpool's code runs there), plus, for kvpool, the
-daemon's (it serves no one else). On a machine shared with other work the wall-clock figures
-move with the others' load (a factor of two or more between rounds was seen); CPU seconds move
-less, but they move too (an engine that falls behind runs fewer, larger steps, and vLLM's cost
-per step dominates on this tiny model). Per pair the ratios kvpool / baseline (for tokens/s,
-baseline / kvpool: above 1 is a cost of kvpool); printed: the median over the pairs and the
-pairs' range, against the target (<= 1.03x for tokens/s, TTFT p50 and CPU seconds; the p99 and
-the engine core's CPU alone are shown, not judged). The greedy tokens of both engines are
-compared request by request (every round against the baseline's warm-up).
+the machine lands on both alike). Then both engines stop and start again, ``--starts`` times in
+all (4 by default), against the same pool: on this 2-core VM a process's speed is drawn when it
+starts (one engine configuration, started five times, ran the same round in 1.4 to 1.9 CPU
+seconds, steady within each process), so the ratio of one pair of processes carries that draw
+(+-6 % between runs of 24 pairs each); the pairs of several starts average it out, and the
+median per start is printed beside the overall one. Each round first resets the engine's prefix
+cache (``AsyncLLM.reset_prefix_cache``; with kvpool this returns the cached blocks to the
+lease's page cache), so every round starts from the same empty cache. Per round: output tokens/s
+(all output tokens over the time from the first arrival to the last completion), TTFT p50 and
+p99, and the CPU seconds the round cost: the engine's processes (the frontend and the engine
+core, the engine core's share also shown on its own: kvpool's code runs there), plus, for
+kvpool, the daemon's (it serves no one else). On a machine shared with other work the wall-clock
+figures move with the others' load (a factor of two or more between rounds was seen); CPU
+seconds move less, but they move too (an engine that falls behind runs fewer, larger steps, and
+vLLM's cost per step dominates on this tiny model). Per pair the ratios kvpool / baseline (for
+tokens/s, baseline / kvpool: above 1 is a cost of kvpool); printed: the median over the pairs
+and the pairs' range, against the target (<= 1.03x for tokens/s, TTFT p50 and CPU seconds; the
+p99 and the engine core's CPU alone are shown, not judged). The greedy tokens of both engines
+are compared request by request (every round against the baseline's warm-up).
 
 After each kvpool round the daemon's Stats give the engine core's lease's blocks (held, and
 in use: what the prefix cache keeps); at the end both engines shut down and the run checks
 that the engine's leases end and every block of the pool is back. Run from the repository root
 with the main venv (the side venv from ``tests/vllm/setup_venv.sh``, or ``KVPOOL_VLLM_VENV``);
-``--quick`` is under a minute on a quiet 2-core machine (a few on a busy one, much of it the
-two engines starting), the full run one to three::
+``--quick`` (one start) is under a minute on a quiet 2-core machine (a few on a busy one, much
+of it the two engines starting), the full run three to five::
 
-    PYTHONPATH=client:service .venv/bin/python bench/vllm_engine.py [--quick] [--rounds 8]
-        [--requests 384] [--rate 400] [--kv-mib 8] [--kvpool-parts both|memory]
+    PYTHONPATH=client:service .venv/bin/python bench/vllm_engine.py [--quick] [--rounds 6]
+        [--starts 4] [--requests 384] [--rate 400] [--kv-mib 8] [--kvpool-parts both|memory]
         [--json out.json]
 """
 
@@ -92,6 +97,7 @@ from benchlib.engine_bench import (  # bench/ is the script's directory
     make_trace,
     proc_cpu_s,
     ratio_table,
+    round_order,
     serving_daemon,
     summarize,
 )
@@ -123,7 +129,8 @@ class Settings:
     shared: float  # share of requests that start with a shared prefix
     prefixes: int
     prefix_len: int
-    rounds: int  # pairs of rounds (one kvpool, one baseline)
+    rounds: int  # pairs of rounds (one kvpool, one baseline) per engine start
+    starts: int  # times both engines are started afresh (see the module docstring)
     parts: str  # kvpool's parts the kvpool engine runs: "both", or "memory" (connector only)
     kv_mib: int  # kv_cache_memory_bytes in MiB (32 blocks of 32 KiB per MiB)
     max_num_seqs: int
@@ -132,9 +139,9 @@ class Settings:
 
 
 FULL = dict(requests=384, rate=400.0, prompt=(32, 160), output=(16, 64), shared=0.5,
-            prefixes=4, prefix_len=96, rounds=8, parts="both", kv_mib=8, max_num_seqs=32,
+            prefixes=4, prefix_len=96, rounds=6, starts=4, parts="both", kv_mib=8, max_num_seqs=32,
             max_num_batched_tokens=1024)
-QUICK = dict(FULL, requests=64, rounds=3)
+QUICK = dict(FULL, requests=64, rounds=3, starts=1)
 PARTS = ("both", "memory")
 
 
@@ -345,40 +352,42 @@ def run(s: Settings, json_path: Path | None) -> int:
             serving_daemon("kvp-vllm-bench-d-") as (target, daemon_pid):
         work = Path(tmp)
         make_model(work / "tiny-llama")
-        with engines(work, work / "tiny-llama", target, s) as running:
-            order = ["warmup:kvpool", "warmup:baseline"]
-            for k in range(s.rounds):
-                pair = VARIANTS if k % 2 == 0 else VARIANTS[::-1]
-                order += [f"{k}:{v}" for v in pair]
-            for tag in order:
-                k, variant = tag.split(":")
-                e = running[variant]
-                daemon_before = proc_cpu_s(daemon_pid)
-                e.send(line)
-                got = e.wait_for("round", ROUND_S)
-                daemon_cpu = proc_cpu_s(daemon_pid) - daemon_before
-                results = got["results"]
-                row = summarize(results, trace)
-                # The daemon works for the kvpool engine only (the keep-alives of its leases
-                # while the baseline runs are the idle kvpool engine's): its CPU is kvpool's.
-                engine_cpu = got["frontend_cpu_s"] + got["core_cpu_s"]
-                row.update(variant=variant, round=k, engine_cpu_s=engine_cpu,
-                           frontend_cpu_s=got["frontend_cpu_s"], core_cpu_s=got["core_cpu_s"],
-                           daemon_cpu_s=daemon_cpu,
-                           cpu_s=engine_cpu + (daemon_cpu if variant == "kvpool" else 0.0))
-                if variant == "kvpool":
-                    row["kvpool"] = pool_blocks(target)
-                outputs[variant].append([r["output_ids"] for r in results])
-                if k == "warmup":
-                    print(f"warm-up {variant}: {row['tokens_per_s']:,.0f} tokens/s", flush=True)
-                    continue
-                rounds.append(row)
-                print(f"round {int(k) + 1}/{s.rounds} {variant:<8}: {row['tokens_per_s']:8,.0f} "
-                      f"tokens/s in {row['seconds']:.2f} s, TTFT p50 {row['ttft_p50_ms']:7.1f} "
-                      f"ms p99 {row['ttft_p99_ms']:7.1f} ms, CPU {row['frontend_cpu_s']:.2f} + "
-                      f"{row['core_cpu_s']:.2f} s (frontend + engine core; daemon "
-                      f"{row['daemon_cpu_s']:.2f} s), {row['cached_tokens']:,} "
-                      "prompt tokens from the prefix cache", flush=True)
+        for start in range(s.starts):
+            if s.starts > 1:
+                print(f"engine start {start + 1}/{s.starts}", flush=True)
+            with engines(work, work / "tiny-llama", target, s) as running:
+                for tag in round_order(s.rounds, VARIANTS):
+                    k, variant = tag.split(":")
+                    e = running[variant]
+                    daemon_before = proc_cpu_s(daemon_pid)
+                    e.send(line)
+                    got = e.wait_for("round", ROUND_S)
+                    daemon_cpu = proc_cpu_s(daemon_pid) - daemon_before
+                    results = got["results"]
+                    row = summarize(results, trace)
+                    # The daemon works for the kvpool engine only (the keep-alives of its
+                    # leases while the baseline runs are the idle kvpool engine's): its CPU is
+                    # kvpool's.
+                    engine_cpu = got["frontend_cpu_s"] + got["core_cpu_s"]
+                    row.update(variant=variant, round=k, start=start, engine_cpu_s=engine_cpu,
+                               frontend_cpu_s=got["frontend_cpu_s"],
+                               core_cpu_s=got["core_cpu_s"], daemon_cpu_s=daemon_cpu,
+                               cpu_s=engine_cpu + (daemon_cpu if variant == "kvpool" else 0.0))
+                    if variant == "kvpool":
+                        row["kvpool"] = pool_blocks(target)
+                    outputs[variant].append([r["output_ids"] for r in results])
+                    if k == "warmup":
+                        print(f"warm-up {variant}: {row['tokens_per_s']:,.0f} tokens/s",
+                              flush=True)
+                        continue
+                    rounds.append(row)
+                    print(f"round {int(k) + 1}/{s.rounds} {variant:<8}: "
+                          f"{row['tokens_per_s']:8,.0f} tokens/s in {row['seconds']:.2f} s, "
+                          f"TTFT p50 {row['ttft_p50_ms']:7.1f} ms p99 {row['ttft_p99_ms']:7.1f} "
+                          f"ms, CPU {row['frontend_cpu_s']:.2f} + {row['core_cpu_s']:.2f} s "
+                          f"(frontend + engine core; daemon {row['daemon_cpu_s']:.2f} s), "
+                          f"{row['cached_tokens']:,} prompt tokens from the prefix cache",
+                          flush=True)
         after = pool_blocks(target)
         deadline = time.monotonic() + TTL_S + 10
         while (after["leases"] or after["used"] or after["attached"]) \
@@ -412,8 +421,9 @@ def table(rounds: list[dict[str, Any]], s: Settings) -> dict[str, Any]:
                 "TTFT p99 (kvpool / baseline)": ("ttft_p99_ms", False, False),
                 "CPU s (kvpool + daemon / baseline)": ("cpu_s", False, True),
                 "engine-core CPU s (kvpool / baseline)": ("core_cpu_s", False, False)},
-        intro=f"\nmedian over {s.rounds} rounds per engine (same trace, prefix cache reset "
-              "before each round; rounds alternate kvpool/baseline, order swapped every pair)",
+        intro=f"\nmedian over {s.rounds * s.starts} rounds per engine ({s.starts} engine "
+              "starts; same trace, prefix cache reset before each round; rounds alternate "
+              "kvpool/baseline, order swapped every pair)",
         ratio_intro="\nkvpool's cost: the median of the per-pair ratios [the pairs' min .. "
                     "max]; wall-clock figures move with the machine's other load, CPU seconds "
                     "less")
@@ -426,7 +436,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK['requests']} requests, {QUICK['rounds']} pairs of rounds")
-    parser.add_argument("--rounds", type=int, help="pairs of rounds (one each engine)")
+    parser.add_argument("--rounds", type=int,
+                        help="pairs of rounds (one each engine) per engine start")
+    parser.add_argument("--starts", type=int,
+                        help="times both engines start afresh (a process's speed is drawn at "
+                        "its start)")
     parser.add_argument("--requests", type=int)
     parser.add_argument("--rate", type=float, help="arrivals per second")
     parser.add_argument("--shared", type=float, help="share of requests with a shared prefix")
@@ -439,7 +453,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write the figures there")
     args = parser.parse_args()
     base = dict(QUICK if args.quick else FULL)
-    for name in ("rounds", "requests", "rate", "shared", "kv_mib", "parts"):
+    for name in ("rounds", "starts", "requests", "rate", "shared", "kv_mib", "parts"):
         if getattr(args, name) is not None:
             base[name] = getattr(args, name)
     return run(Settings(seed=args.seed, **base), args.json)  # type: ignore[arg-type]

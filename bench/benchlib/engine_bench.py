@@ -160,6 +160,17 @@ def serving_daemon(prefix: str) -> Iterator[tuple[str, int]]:
             daemon.wait(30)
 
 
+def round_order(pairs: int, variants: tuple[str, str]) -> list[str]:
+    """The rounds of one engine start, as ``"round:variant"`` tags: a warm-up round of each,
+    then ``pairs`` pairs, the order inside a pair alternating (a, b, b, a, ...), so drift of
+    the machine lands on both alike."""
+    order = [f"warmup:{v}" for v in variants]
+    for k in range(pairs):
+        pair = variants if k % 2 == 0 else variants[::-1]
+        order += [f"{k}:{v}" for v in pair]
+    return order
+
+
 def ratio_table(rounds: list[dict[str, Any]], *, subject: str, baseline: str, target: float,
                 cols: dict[str, str], ratios: dict[str, tuple[str, bool, bool]], intro: str,
                 ratio_intro: str) -> dict[str, Any]:
@@ -191,4 +202,17 @@ def ratio_table(rounds: list[dict[str, Any]], *, subject: str, baseline: str, ta
               f"<= {target}x {verdict}")
         out["ratios"][label] = {"median": v, "min": min(values), "max": max(values),
                                 "values": values}
+    starts = sorted({r.get("start", 0) for r in rounds})
+    if len(starts) > 1:
+        # A process's speed is drawn when it starts (the same engine, started again, ran a
+        # round in 1.4 or 1.9 CPU seconds here): the medians per start show that draw.
+        label, (field, inverse, _) = next(iter(ratios.items()))
+        per_start = []
+        for start in starts:
+            values = [(b[field] / s[field]) if inverse else (s[field] / b[field])
+                      for s, b in pairs if s.get("start", 0) == start]
+            per_start.append(statistics.median(values))
+        print(f"{label}, median per engine start: "
+              + ", ".join(f"{v:.3f}x" for v in per_start))
+        out["per_start"] = {label: per_start}
     return out

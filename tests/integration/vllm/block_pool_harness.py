@@ -465,8 +465,17 @@ def scheduler_scenario(env: dict[str, str], num_blocks: int) -> dict[str, Any]:
             after = client.stats(pool)
             out["lease_gone"] = all(s.lease_id != lease_id for s in after.leases)
             out["used_after_shutdown"] = after.pool(pool).spaces["kv"].used
-        # The class itself (not its name) as scheduler_cls, and the async flavour.
+        # Under async scheduling the dotted KVPoolScheduler makes the async flavour (vLLM's
+        # own choice would be its AsyncScheduler).
         from kvpool.integrations.vllm.scheduler import KVPoolAsyncScheduler
+
+        config.scheduler_config.async_scheduling = True
+        follows = build(pool)
+        out["async_follows"] = {"cls": type(follows).__name__,
+                                "block_pool": type(follows.kv_cache_manager.block_pool).__name__}
+        follows.shutdown()
+        config.scheduler_config.async_scheduling = False
+        # The class itself (not its name) as scheduler_cls, and the async flavour.
 
         config.scheduler_config.scheduler_cls = KVPoolAsyncScheduler
         cls = config.scheduler_config.get_scheduler_cls()

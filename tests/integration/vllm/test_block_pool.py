@@ -147,8 +147,12 @@ def test_kvpool_scheduler_in_vllm(report: dict[str, Any]) -> None:
 
 def test_kvpool_async_scheduler_as_a_class(report: dict[str, Any]) -> None:
     """``scheduler_cls`` given the class itself (vLLM takes a class or a dotted name), the
-    async flavour: the same block pool, a request's blocks from the lease, shutdown ends it."""
+    async flavour: the same block pool, a request's blocks from the lease, shutdown ends it;
+    and the dotted ``KVPoolScheduler`` under async scheduling builds the async flavour."""
     r = scenario(report, "scheduler")["async"]
     assert r["cls"] == "KVPoolAsyncScheduler" and r["block_pool"] == "KVPoolBlockPool"
+    # the dotted KVPoolScheduler under async scheduling: vLLM's choice, the async one
+    assert scenario(report, "scheduler")["async_follows"] == {
+        "cls": "KVPoolAsyncScheduler", "block_pool": "KVPoolBlockPool"}
     assert r["block_ids"] and all(0 < i < SCHEDULER_BLOCKS for i in r["block_ids"]), r
     assert r["lease_gone"] and r["used_after_shutdown"] == 0

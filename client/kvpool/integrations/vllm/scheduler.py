@@ -5,9 +5,16 @@ Select one with vLLM's ``scheduler_cls`` (a class or its dotted name)::
     LLM(model, scheduler_cls="kvpool.integrations.vllm.scheduler.KVPoolScheduler", ...)
     vllm serve MODEL --scheduler-cls kvpool.integrations.vllm.scheduler.KVPoolScheduler
 
-``KVPoolScheduler`` is vLLM's ``Scheduler``; ``KVPoolAsyncScheduler`` its ``AsyncScheduler``
-(what vLLM runs with async scheduling; a custom ``scheduler_cls`` replaces vLLM's choice, so
-pick the one that matches). Each, right after vLLM's own ``__init__``:
+``KVPoolScheduler`` follows vLLM's own choice: vLLM runs its ``AsyncScheduler`` when async
+scheduling is on (``--async-scheduling``, and vLLM's default wherever the executor supports
+it) and its ``Scheduler`` otherwise, but a custom ``scheduler_cls`` replaces that choice. So
+``KVPoolScheduler`` makes a :class:`KVPoolAsyncScheduler` (``AsyncScheduler``'s subclass) when
+the resolved ``scheduler_config.async_scheduling`` is on, and is vLLM's ``Scheduler`` otherwise;
+a synchronous scheduler under async scheduling would make vLLM's engine core wait for every
+step's output before it schedules the next (vLLM warns of "degraded performance" for such a
+class). ``KVPoolAsyncScheduler`` can also be named directly. (vLLM's CPU build resolves async
+scheduling off, so on CPU ``KVPoolScheduler`` is the synchronous one.) Each, right after
+vLLM's own ``__init__``:
 
 1. makes the engine core's binding from the environment (``KVPOOL_POOL``, ``KVPOOL_TARGET``,
    ... see ``kvpool.integrations.vllm.binding``) and opens its lease (``vllm@host:pid``,
@@ -144,7 +151,23 @@ class _KVPoolBlocks:
 
 
 class KVPoolScheduler(_KVPoolBlocks, Scheduler):
-    """vLLM's ``Scheduler`` with its blocks from a kvpool lease (see the module docstring)."""
+    """vLLM's ``Scheduler`` with its blocks from a kvpool lease (see the module docstring);
+    under async scheduling constructing it makes a :class:`KVPoolAsyncScheduler`, as vLLM's
+    own choice would be its ``AsyncScheduler``."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls is KVPoolScheduler and _async_scheduling(args, kwargs):
+            # not an instance of cls: Python does not call __init__ on it again
+            return KVPoolAsyncScheduler(*args, **kwargs)
+        return super().__new__(cls)
+
+
+def _async_scheduling(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the ``vllm_config`` vLLM builds its scheduler with (keyword, or first
+    positional) has async scheduling on."""
+    config = kwargs.get("vllm_config", args[0] if args else None)
+    scheduler_config = getattr(config, "scheduler_config", None)
+    return bool(getattr(scheduler_config, "async_scheduling", False))
 
 
 class KVPoolAsyncScheduler(_KVPoolBlocks, AsyncScheduler):
