@@ -78,7 +78,6 @@ of it the two engines starting), the full run three to five::
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -93,12 +92,15 @@ from typing import Any
 
 from benchlib.engine_bench import (  # bench/ is the script's directory
     EngineProcess,
+    RunSettings,
+    bench_parser,
     emit,
     make_trace,
     proc_cpu_s,
     ratio_table,
     round_order,
     serving_daemon,
+    settings_from,
     summarize,
 )
 
@@ -121,21 +123,11 @@ VOCAB = (3, 256)  # token ids drawn from here: 0-2 are pad, bos and eos
 # -- the trace ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Settings:
-    requests: int
-    rate: float  # arrivals per second (Poisson)
-    prompt: tuple[int, int]  # prompt tokens, uniform, shared prefix included
-    output: tuple[int, int]  # output tokens, uniform
-    shared: float  # share of requests that start with a shared prefix
-    prefixes: int
-    prefix_len: int
-    rounds: int  # pairs of rounds (one kvpool, one baseline) per engine start
-    starts: int  # times both engines are started afresh (see the module docstring)
+class Settings(RunSettings):
     parts: str  # kvpool's parts the kvpool engine runs: "both", or "memory" (connector only)
     kv_mib: int  # kv_cache_memory_bytes in MiB (32 blocks of 32 KiB per MiB)
     max_num_seqs: int
     max_num_batched_tokens: int
-    seed: int
 
 
 FULL = dict(requests=384, rate=400.0, prompt=(32, 160), output=(16, 64), shared=0.5,
@@ -433,30 +425,14 @@ def main() -> int:
     if sys.argv[1:2] == ["engine"]:  # the engine process (side venv), job on stdin
         run_engine(json.loads(sys.stdin.readline()))
         return 0
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help=f"{QUICK['requests']} requests, {QUICK['rounds']} pairs of rounds")
-    parser.add_argument("--rounds", type=int,
-                        help="pairs of rounds (one each engine) per engine start")
-    parser.add_argument("--starts", type=int,
-                        help="times both engines start afresh (a process's speed is drawn at "
-                        "its start)")
-    parser.add_argument("--requests", type=int)
-    parser.add_argument("--rate", type=float, help="arrivals per second")
-    parser.add_argument("--shared", type=float, help="share of requests with a shared prefix")
+    parser = bench_parser(__doc__.splitlines()[0], QUICK)
     parser.add_argument("--kv-mib", type=int, dest="kv_mib",
                         help="kv_cache_memory_bytes in MiB (32 blocks per MiB)")
     parser.add_argument("--kvpool-parts", choices=PARTS, dest="parts",
                         help="both (default): the connector and the scheduler; memory: the "
                         "connector only (kvpool's memory, vLLM's own blocks)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, help="write the figures there")
     args = parser.parse_args()
-    base = dict(QUICK if args.quick else FULL)
-    for name in ("rounds", "starts", "requests", "rate", "shared", "kv_mib", "parts"):
-        if getattr(args, name) is not None:
-            base[name] = getattr(args, name)
-    return run(Settings(seed=args.seed, **base), args.json)  # type: ignore[arg-type]
+    return run(Settings(**settings_from(args, QUICK, FULL)), args.json)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,11 +92,26 @@ class EngineProcess:
         self.proc.wait()
 
 
-def make_trace(s: Any, vocab: tuple[int, int]) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class RunSettings:
+    """The trace and the rounds, in both engine benches (each adds its engine's settings)."""
+
+    requests: int
+    rate: float  # arrivals per second (Poisson)
+    prompt: tuple[int, int]  # prompt tokens, uniform, shared prefix included
+    output: tuple[int, int]  # output tokens, uniform
+    shared: float  # share of requests that start with a shared prefix
+    prefixes: int
+    prefix_len: int
+    rounds: int  # pairs of rounds (one each engine) per engine start
+    starts: int  # times both engines are started afresh
+    seed: int
+
+
+def make_trace(s: RunSettings, vocab: tuple[int, int]) -> list[dict[str, Any]]:
     """The requests in arrival order: ``at`` (seconds from the round's start), ``input_ids``,
-    ``new`` (output tokens), ``prefix`` (the shared prefix it starts with, or -1); ``s`` has
-    ``seed, requests, rate, prompt, output, shared, prefixes, prefix_len``, token ids are drawn
-    from ``vocab``."""
+    ``new`` (output tokens), ``prefix`` (the shared prefix it starts with, or -1); token ids
+    are drawn from ``vocab``."""
     import numpy as np
 
     rng = np.random.default_rng(s.seed)
@@ -216,3 +232,36 @@ def ratio_table(rounds: list[dict[str, Any]], *, subject: str, baseline: str, ta
               + ", ".join(f"{v:.3f}x" for v in per_start))
         out["per_start"] = {label: per_start}
     return out
+
+
+def bench_parser(description: str, quick: dict[str, Any]) -> Any:
+    """The engine benches' shared command line: the trace and the rounds (the settings a flag
+    leaves unset come from ``--quick`` or the full settings: :func:`settings_from`)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{quick['requests']} requests, {quick['rounds']} pairs of rounds, "
+                        f"{quick['starts']} engine start")
+    parser.add_argument("--rounds", type=int,
+                        help="pairs of rounds (one each engine) per engine start")
+    parser.add_argument("--starts", type=int,
+                        help="times both engines start afresh (a process's speed is drawn at "
+                        "its start)")
+    parser.add_argument("--requests", type=int)
+    parser.add_argument("--rate", type=float, help="arrivals per second")
+    parser.add_argument("--shared", type=float, help="share of requests with a shared prefix")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, help="write the figures there")
+    return parser
+
+
+def settings_from(args: Any, quick: dict[str, Any], full: dict[str, Any]) -> dict[str, Any]:
+    """``--quick``'s or the full settings, with every flag given on top (the parser's dests
+    that name a setting), and the seed."""
+    base = dict(quick if args.quick else full)
+    for name in base:
+        if getattr(args, name, None) is not None:
+            base[name] = getattr(args, name)
+    base["seed"] = args.seed
+    return base
