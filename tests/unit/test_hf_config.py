@@ -22,7 +22,8 @@ def test_a_model_directory_gives_its_config_and_one_without_is_refused(tmp_path:
 
 def test_a_repo_not_in_the_cache_is_refused_or_none(monkeypatch: pytest.MonkeyPatch,
                                                    tmp_path: Path) -> None:
-    pytest.importorskip("huggingface_hub")
+    """Refused offline with huggingface_hub (the engines' venvs) and without it (the reason
+    then names the missing module); the cache itself: tests/integration/test_hf_config_cache.py."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     with pytest.raises(FailedPrecondition) as info:
