@@ -70,12 +70,11 @@ from benchlib.engine_bench import (  # bench/ is the script's directory
     bench_parser,
     emit,
     make_trace,
-    proc_cpu_s,
+    measured_rounds,
+    print_round,
     ratio_table,
-    round_order,
     serving_daemon,
     settings_from,
-    summarize,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -284,46 +283,26 @@ def run(s: Settings, json_path: Path | None) -> int:
           f"max_running_requests {s.max_running}", flush=True)
     rounds: list[dict[str, Any]] = []
     outputs: dict[str, list[list[int]]] = {}
-    line = json.dumps({"trace": trace})
     with tempfile.TemporaryDirectory(prefix="kvp-sgl-bench-") as tmp, \
             serving_daemon("kvp-sgl-bench-d-") as (target, daemon_pid):
         work = Path(tmp)
         make_model(work / "tiny-llama")
-        for start in range(s.starts):
-            if start:  # SGLang's shutdown SIGKILLs its scheduler: its lease expires first
-                wait_pages_back(target)
-            if s.starts > 1:
-                print(f"engine start {start + 1}/{s.starts}", flush=True)
-            with engines(work, work / "tiny-llama", target, s) as running:
-                for tag in round_order(s.rounds, VARIANTS):
-                    k, variant = tag.split(":")
-                    e = running[variant]
-                    daemon_before = proc_cpu_s(daemon_pid)
-                    e.send(line)
-                    got = e.wait_for("round", 600)
-                    daemon_cpu = proc_cpu_s(daemon_pid) - daemon_before
-                    results = got["results"]
-                    row = summarize(results, trace)
-                    # The daemon works for the plugin's engine only (the other's keep-alives
-                    # are the idle plugin engine's): its CPU is the plugin's.
-                    row.update(variant=variant, round=k, start=start,
-                               engine_cpu_s=got["cpu_s"], daemon_cpu_s=daemon_cpu,
-                               cpu_s=got["cpu_s"] + (daemon_cpu if variant == "plugin"
-                                                     else 0.0))
-                    if variant == "plugin":
-                        row["kvpool"] = lease_pages(target)
-                    outputs.setdefault(variant, [r["output_ids"] for r in results])
-                    if k == "warmup":
-                        print(f"warm-up {variant}: {row['tokens_per_s']:,.0f} tokens/s",
-                              flush=True)
-                        continue
-                    rounds.append(row)
-                    print(f"round {int(k) + 1}/{s.rounds} {variant:<8}: "
-                          f"{row['tokens_per_s']:8,.0f} tokens/s in {row['seconds']:.2f} s, "
-                          f"TTFT p50 {row['ttft_p50_ms']:7.1f} ms p99 {row['ttft_p99_ms']:7.1f} "
-                          f"ms, CPU {row['engine_cpu_s']:.2f} s (+ daemon "
-                          f"{row['daemon_cpu_s']:.2f} s), {row['cached_tokens']:,} prompt "
-                          "tokens from the radix cache", flush=True)
+        # SGLang's shutdown SIGKILLs its scheduler: the next start waits for its lease to expire
+        for got, row in measured_rounds(
+                s, VARIANTS, lambda: engines(work, work / "tiny-llama", target, s), trace,
+                daemon_pid, 600, between_starts=lambda: wait_pages_back(target)):
+            # The daemon works for the plugin's engine only (the other's keep-alives are the
+            # idle plugin engine's): its CPU is the plugin's.
+            plugin = row["variant"] == "plugin"
+            row.update(engine_cpu_s=got["cpu_s"],
+                       cpu_s=got["cpu_s"] + (row["daemon_cpu_s"] if plugin else 0.0))
+            if plugin:
+                row["kvpool"] = lease_pages(target)
+            outputs.setdefault(row["variant"], [r["output_ids"] for r in got["results"]])
+            print_round(row, s, f"{row['engine_cpu_s']:.2f} s (+ daemon "
+                        f"{row['daemon_cpu_s']:.2f} s)", "radix cache")
+            if row["round"] != "warmup":
+                rounds.append(row)
         after = wait_pages_back(target)
     same = sum(a == b for a, b in zip(outputs["plugin"], outputs["baseline"], strict=True))
     report = table(rounds, s)

@@ -96,12 +96,11 @@ from benchlib.engine_bench import (  # bench/ is the script's directory
     bench_parser,
     emit,
     make_trace,
-    proc_cpu_s,
+    measured_rounds,
+    print_round,
     ratio_table,
-    round_order,
     serving_daemon,
     settings_from,
-    summarize,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -339,47 +338,28 @@ def run(s: Settings, json_path: Path | None) -> int:
              "KVPoolConnector only (vLLM's own scheduler and block pool)"), flush=True)
     rounds: list[dict[str, Any]] = []
     outputs: dict[str, list[list[list[int]]]] = {v: [] for v in VARIANTS}
-    line = json.dumps({"trace": trace})
     with tempfile.TemporaryDirectory(prefix="kvp-vllm-bench-") as tmp, \
             serving_daemon("kvp-vllm-bench-d-") as (target, daemon_pid):
         work = Path(tmp)
         make_model(work / "tiny-llama")
-        for start in range(s.starts):
-            if s.starts > 1:
-                print(f"engine start {start + 1}/{s.starts}", flush=True)
-            with engines(work, work / "tiny-llama", target, s) as running:
-                for tag in round_order(s.rounds, VARIANTS):
-                    k, variant = tag.split(":")
-                    e = running[variant]
-                    daemon_before = proc_cpu_s(daemon_pid)
-                    e.send(line)
-                    got = e.wait_for("round", ROUND_S)
-                    daemon_cpu = proc_cpu_s(daemon_pid) - daemon_before
-                    results = got["results"]
-                    row = summarize(results, trace)
-                    # The daemon works for the kvpool engine only (the keep-alives of its
-                    # leases while the baseline runs are the idle kvpool engine's): its CPU is
-                    # kvpool's.
-                    engine_cpu = got["frontend_cpu_s"] + got["core_cpu_s"]
-                    row.update(variant=variant, round=k, start=start, engine_cpu_s=engine_cpu,
-                               frontend_cpu_s=got["frontend_cpu_s"],
-                               core_cpu_s=got["core_cpu_s"], daemon_cpu_s=daemon_cpu,
-                               cpu_s=engine_cpu + (daemon_cpu if variant == "kvpool" else 0.0))
-                    if variant == "kvpool":
-                        row["kvpool"] = pool_blocks(target)
-                    outputs[variant].append([r["output_ids"] for r in results])
-                    if k == "warmup":
-                        print(f"warm-up {variant}: {row['tokens_per_s']:,.0f} tokens/s",
-                              flush=True)
-                        continue
-                    rounds.append(row)
-                    print(f"round {int(k) + 1}/{s.rounds} {variant:<8}: "
-                          f"{row['tokens_per_s']:8,.0f} tokens/s in {row['seconds']:.2f} s, "
-                          f"TTFT p50 {row['ttft_p50_ms']:7.1f} ms p99 {row['ttft_p99_ms']:7.1f} "
-                          f"ms, CPU {row['frontend_cpu_s']:.2f} + {row['core_cpu_s']:.2f} s "
-                          f"(frontend + engine core; daemon {row['daemon_cpu_s']:.2f} s), "
-                          f"{row['cached_tokens']:,} prompt tokens from the prefix cache",
-                          flush=True)
+        for got, row in measured_rounds(
+                s, VARIANTS, lambda: engines(work, work / "tiny-llama", target, s), trace,
+                daemon_pid, ROUND_S):
+            # The daemon works for the kvpool engine only (the keep-alives of its leases while
+            # the baseline runs are the idle kvpool engine's): its CPU is kvpool's.
+            kvpool = row["variant"] == "kvpool"
+            engine_cpu = got["frontend_cpu_s"] + got["core_cpu_s"]
+            row.update(engine_cpu_s=engine_cpu, frontend_cpu_s=got["frontend_cpu_s"],
+                       core_cpu_s=got["core_cpu_s"],
+                       cpu_s=engine_cpu + (row["daemon_cpu_s"] if kvpool else 0.0))
+            if kvpool:
+                row["kvpool"] = pool_blocks(target)
+            outputs[row["variant"]].append([r["output_ids"] for r in got["results"]])
+            print_round(row, s, f"{row['frontend_cpu_s']:.2f} + {row['core_cpu_s']:.2f} s "
+                        f"(frontend + engine core; daemon {row['daemon_cpu_s']:.2f} s)",
+                        "prefix cache")
+            if row["round"] != "warmup":
+                rounds.append(row)
         after = pool_blocks(target)
         deadline = time.monotonic() + TTL_S + 10
         while (after["leases"] or after["used"] or after["attached"]) \

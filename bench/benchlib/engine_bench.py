@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -185,6 +185,46 @@ def round_order(pairs: int, variants: tuple[str, str]) -> list[str]:
         pair = variants if k % 2 == 0 else variants[::-1]
         order += [f"{k}:{v}" for v in pair]
     return order
+
+
+def measured_rounds(s: RunSettings, variants: tuple[str, str],
+                    engines: Callable[[], Any], trace: list[dict[str, Any]], daemon_pid: int,
+                    timeout_s: float, between_starts: Callable[[], object] | None = None,
+                    ) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """Every round of the run, in order: ``s.starts`` times, ``between_starts()`` (after the
+    first), then both engines started by ``engines()`` (a context manager giving them by
+    variant) and their rounds (:func:`round_order`, warm-ups included). Each round replays
+    ``trace``; yields the engine's ``round`` event and its row: :func:`summarize`'s figures,
+    ``variant``, ``round`` (a pair's index, or ``"warmup"``), ``start`` and the daemon's CPU
+    seconds during it (``daemon_cpu_s``)."""
+    line = json.dumps({"trace": trace})
+    for start in range(s.starts):
+        if start and between_starts is not None:
+            between_starts()
+        if s.starts > 1:
+            print(f"engine start {start + 1}/{s.starts}", flush=True)
+        with engines() as running:
+            for tag in round_order(s.rounds, variants):
+                k, variant = tag.split(":")
+                before = proc_cpu_s(daemon_pid)
+                running[variant].send(line)
+                got = running[variant].wait_for("round", timeout_s)
+                row = summarize(got["results"], trace)
+                row.update(variant=variant, round=k, start=start,
+                           daemon_cpu_s=proc_cpu_s(daemon_pid) - before)
+                yield got, row
+
+
+def print_round(row: dict[str, Any], s: RunSettings, cpu: str, cache: str) -> None:
+    """One round's line (a warm-up's: its tokens/s only); ``cpu``: the engine's CPU seconds as
+    the bench words them, ``cache``: where its prompt tokens came from."""
+    if row["round"] == "warmup":
+        print(f"warm-up {row['variant']}: {row['tokens_per_s']:,.0f} tokens/s", flush=True)
+        return
+    print(f"round {int(row['round']) + 1}/{s.rounds} {row['variant']:<8}: "
+          f"{row['tokens_per_s']:8,.0f} tokens/s in {row['seconds']:.2f} s, "
+          f"TTFT p50 {row['ttft_p50_ms']:7.1f} ms p99 {row['ttft_p99_ms']:7.1f} ms, CPU {cpu}, "
+          f"{row['cached_tokens']:,} prompt tokens from the {cache}", flush=True)
 
 
 def ratio_table(rounds: list[dict[str, Any]], *, subject: str, baseline: str, target: float,
