@@ -132,7 +132,7 @@ def test_a_cancelled_reclaim_is_neither_pending_nor_promised() -> None:
     arb.admit(share("b"))
     assert arb.want("b", 10).pending == 10
     arb.cancel("a", 10, to="b")
-    assert arb.pools["a"].reclaiming == 0 and "b" not in arb.promised
+    assert arb.pools["a"].reclaiming == 0 and not arb.promised_to("b")
     assert arb.want("b", 10).pending == 10  # asked again
 
 
@@ -217,4 +217,4 @@ def test_asking_again_for_the_same_shortfall_is_not_granted_twice() -> None:
     assert arb.want("b", 4).pending == 0  # the same 4 again: all promised already
     assert arb.want("b", 6).pending == 2  # 2 more than promised
     settle(arb, "b", first.reclaims)
-    assert arb.pools["b"].granted == 4 and arb.promised.get("b", 0) == 2 * 128 * MiB
+    assert arb.pools["b"].granted == 4 and arb.promised_to("b") == 2 * 128 * MiB

@@ -128,11 +128,24 @@ class Arbiter:
     budget_bytes: int
     fixed_bytes: int = 0
     pools: dict[str, Share] = field(default_factory=dict)
-    # bytes promised to an asker from pending reclaims: asker -> bytes
-    promised: dict[str, int] = field(default_factory=dict)
+    # bytes promised to an asker from pending reclaims, per victim: (asker, victim) -> bytes.
+    # Keyed by both ends so a Drop of either cancels exactly its promises (:meth:`drop`).
+    promised: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def promised_to(self, name: str) -> int:
+        """Bytes promised to ``name`` from pending reclaims, over every victim."""
+        return sum(b for (asker, _), b in self.promised.items() if asker == name)
 
     def _promised_groups(self, name: str) -> int:
-        return -(-self.promised.get(name, 0) // self.pools[name].group_bytes)
+        return -(-self.promised_to(name) // self.pools[name].group_bytes)
+
+    def _unpromise(self, asker: str, victim: str, nbytes: int) -> None:
+        key = (asker, victim)
+        left = self.promised.get(key, 0) - nbytes
+        if left > 0:
+            self.promised[key] = left
+        else:
+            self.promised.pop(key, None)
 
     @property
     def granted_bytes(self) -> int:
@@ -186,9 +199,14 @@ class Arbiter:
                 "daemon's --budget", field="elastic_floor_tokens")
 
     def drop(self, name: str) -> None:
-        """Remove a pool (all its groups released by the daemon first)."""
+        """Remove a pool, and every promise made to it or by it: a reclaim promised to it
+        goes on (its groups come back to free budget, owed to nobody: the victim's
+        ``reclaiming`` stays until released or cancelled), and a promise of its groups to
+        another pool is void (the asker asks anew, from free budget once the dropped region
+        is closed). O(promises)."""
         self.pools.pop(name, None)
-        self.promised.pop(name, None)
+        for key in [k for k in self.promised if name in k]:
+            del self.promised[key]
 
     # -- grants ------------------------------------------------------------------------------
 
@@ -213,7 +231,7 @@ class Arbiter:
         if not need_bytes or not reclaim:
             return Decision(grant)
         reclaims: list[Reclaim] = []
-        promised = self.promised.get(name, 0)
+        promised = self.promised_to(name)
         below_floor = asker.granted * asker.group_bytes + promised < asker.floor * asker.group_bytes
         for source in SOURCES:
             for victim in self._victims(asker, source):
@@ -225,8 +243,8 @@ class Arbiter:
                     reclaims.append(Reclaim(victim.name, take, source))
                     need_bytes -= take * victim.group_bytes
                     promised += take * victim.group_bytes
-        if reclaims:
-            self.promised[name] = promised
+                    key = (name, victim.name)
+                    self.promised[key] = self.promised.get(key, 0) + take * victim.group_bytes
         return Decision(grant, tuple(reclaims))
 
     def _victims(self, asker: Share, source: Source) -> list[Share]:
@@ -272,14 +290,18 @@ class Arbiter:
         if to is None or to not in self.pools:
             return 0
         asker = self.pools[to]
-        owed = -(-self.promised.get(to, 0) // asker.group_bytes)
+        owed = self._promised_groups(to)
         grant = min(owed, asker.cap - asker.granted, max(0, self.free_bytes) // asker.group_bytes)
         asker.granted += grant
-        left = self.promised.get(to, 0) - groups * v.group_bytes
-        if left > 0:
-            self.promised[to] = left
-        else:
-            self.promised.pop(to, None)
+        self._unpromise(to, victim, groups * v.group_bytes)
+        # granted beyond what this release brought: other victims' promises are kept by it
+        extra = grant * asker.group_bytes - groups * v.group_bytes
+        for key in [k for k in self.promised if k[0] == to]:
+            if extra <= 0:
+                break
+            kept = min(extra, self.promised[key])
+            self._unpromise(*key, kept)
+            extra -= kept
         return grant
 
     def cancel(self, victim: str, groups: int, to: str | None = None) -> None:
@@ -288,12 +310,8 @@ class Arbiter:
         v = self.pools[victim]
         groups = min(groups, v.reclaiming)
         v.reclaiming -= groups
-        if to is not None and to in self.pools:
-            left = self.promised.get(to, 0) - groups * v.group_bytes
-            if left > 0:
-                self.promised[to] = left
-            else:
-                self.promised.pop(to, None)
+        if to is not None:
+            self._unpromise(to, victim, groups * v.group_bytes)
 
     def observe(self, name: str, *, free_groups: int, cached_groups: int, idle: bool) -> None:
         """What the daemon sees of a pool now: granted groups with no page allocated, groups

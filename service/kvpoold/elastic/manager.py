@@ -333,7 +333,7 @@ class ElasticPools:
             self._spawn(self._grant(ep, decision.grant))
         self._start_reclaims(decision, name)
         return bool(decision.grant or decision.reclaims or ep.busy
-                    or self.arbiter.promised.get(name))
+                    or self.arbiter.promised_to(name))
 
     def allocated(self, name: str) -> None:
         """An Allocate was served in ``name`` (the pool is busy, not idle)."""
