@@ -39,7 +39,7 @@ has none of these series)::
     kvpool_elastic_virtual_bytes{device,pool}         gauge      the views' whole virtual range
     kvpool_elastic_granted_bytes{device,pool}         gauge      granted groups + fixed part
     kvpool_elastic_backed_bytes{device,pool}          gauge      memory the kernel counts behind it
-    kvpool_elastic_groups{device,pool,state,unit}     gauge      granted, reclaiming, range
+    kvpool_elastic_groups{device,pool,state,unit}     gauge      granted, reclaiming, failed, range
     kvpool_elastic_floor_groups{device,pool,unit}     gauge      groups the pool always keeps
     kvpool_elastic_cap_groups{device,pool,unit}       gauge      groups it is never granted past
     kvpool_elastic_weight{device,pool}                gauge      its share of a short budget

@@ -178,7 +178,7 @@ async def test_a_reply_checks_its_pool_first() -> None:
         await asyncio.sleep(0)
         queued = [asyncio.create_task(replies.reply(DAEMON_CALLER, "q")) for _ in range(2)]
         await asyncio.sleep(0)
-        daemon.drop(DAEMON_CALLER, "q", force=True)
+        await daemon.drop(DAEMON_CALLER, "q", force=True)
         assert decoded(await running).pools[0].name == "q"  # begun before the Drop
         for task in queued:
             with pytest.raises(NotFound):

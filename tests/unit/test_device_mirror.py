@@ -9,7 +9,7 @@ import torch
 
 from kvpool.contract.plan import FULL_TO_SWA, IdSpaceSpec
 from kvpoold.ids import MappingBuffer, PoolIds
-from kvpoold.server.live_pools import device_mirror
+from kvpoold.pools.pool import device_mirror
 
 
 def hybrid(host: np.ndarray, sync) -> PoolIds:  # type: ignore[no-untyped-def]

@@ -27,9 +27,17 @@ def members(g: int, per: int = PER) -> set[int]:
     return set(range(max(1, g * per), g * per + per))
 
 
+def opened(space: GroupedSpace, g: int) -> None:
+    """Grant group ``g`` as the manager does: commit, then open."""
+    space.commit(g)
+    space.open_group(g)
+
+
 class GroupedMachine(RuleBasedStateMachine):
     """Every page is free in an open group, free in a draining one, held by one owner, or in a
-    closed group; takes come from open groups, lowest first."""
+    closed group; takes come from open groups, lowest first; a group moves only along the state
+    table (closed -> committing -> open -> draining -> unmapping -> releasing -> closed, a failed
+    release retried), any other move refused."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -41,14 +49,22 @@ class GroupedMachine(RuleBasedStateMachine):
         taken = set().union(*self.held.values())
         return members(g) - taken if self.state[g] != "closed" else set()
 
-    @rule(g=st.integers(0, GROUPS - 1))
-    def open_group(self, g: int) -> None:
+    @rule(g=st.integers(0, GROUPS - 1), commits=st.booleans())
+    def grant(self, g: int, commits: bool) -> None:
         if self.state[g] != "closed":
+            with pytest.raises(Internal):
+                self.space.commit(g)
             with pytest.raises(Internal):
                 self.space.open_group(g)
             return
-        self.space.open_group(g)
-        self.state[g] = "open"
+        self.space.commit(g)
+        assert self.space.state(g) == "committing" and self.space.moving(g)
+        assert g not in self.space.granted().tolist() and self.space.used_in(g) == 0
+        if commits:
+            self.space.open_group(g)
+            self.state[g] = "open"
+        else:  # the memory could not be committed: closed again
+            self.space.abort(g)
 
     @rule(owner=st.sampled_from([1, 2, 3]), count=st.integers(0, 3 * PER))
     def take(self, owner: int, count: int) -> None:
@@ -95,17 +111,28 @@ class GroupedMachine(RuleBasedStateMachine):
             self.state[got[0]] = "draining"
 
     @precondition(lambda self: "draining" in self.state)
-    @rule(data=st.data(), close=st.booleans())
-    def close_or_reopen(self, data: st.DataObject, close: bool) -> None:
+    @rule(data=st.data(), close=st.booleans(), failures=st.integers(0, 2))
+    def close_or_reopen(self, data: st.DataObject, close: bool, failures: int) -> None:
         g = data.draw(st.sampled_from([g for g in range(GROUPS)
                                        if self.state[g] == "draining"]))
         whole = self.free_in(g) == members(g)
         if close and whole:
+            with pytest.raises(Internal):  # still draining: not yet unmapped everywhere
+                self.space.close_group(g)
+            self.space.unmap(g)
+            with pytest.raises(Internal):  # no page of an unmapping group is handed out
+                self.space.reopen(g)
+            self.space.release(g)
+            for _ in range(failures):  # freeing its memory failed: retried
+                self.space.fail(g)
+                assert self.space.state(g) == "failed" and self.space.count("failed") == 1
+                self.space.audit()
+                self.space.release(g)
             self.space.close_group(g)
             self.state[g] = "closed"
         elif close:
             with pytest.raises(Internal):
-                self.space.close_group(g)
+                self.space.unmap(g)
         else:
             self.space.reopen(g)
             self.state[g] = "open"
@@ -116,6 +143,8 @@ class GroupedMachine(RuleBasedStateMachine):
         avail = sum(len(self.free_in(g)) for g in range(GROUPS) if self.state[g] == "open")
         assert self.space.num_free == avail
         assert [self.space.state(g) for g in range(GROUPS)] == self.state
+        for name in ("closed", "open", "draining"):
+            assert self.space.count(name) == self.state.count(name)
         for g in range(GROUPS):
             held = sum(1 for ids in self.held.values() for i in ids if i // PER == g)
             assert self.space.used_in(g) == held
@@ -130,7 +159,7 @@ def test_churn_packs_pages_low_so_high_groups_drain_whole() -> None:
     stay in the low groups, and the high groups are wholly free (releasable)."""
     space = make(per=64, groups=16)
     for g in range(16):
-        space.open_group(g)
+        opened(space, g)
     rng = np.random.default_rng(7)
     live: list[np.ndarray] = []
     for _ in range(2000):
@@ -147,6 +176,6 @@ def test_churn_packs_pages_low_so_high_groups_drain_whole() -> None:
 
 def test_refusal_names_the_granted_groups() -> None:
     space = make()
-    space.open_group(0)
+    opened(space, 0)
     with pytest.raises(ResourceExhausted, match="in the 1 granted groups of 6"):
         space.take(1, PER)

@@ -54,8 +54,8 @@ def test_an_elastic_pool_renders_every_family_with_its_values() -> None:
     assert get("kvpool_elastic_granted_bytes", pool) == 1_612_709_888
     assert get("kvpool_elastic_backed_bytes", pool) == 1_610_612_736
     assert {state: get("kvpool_elastic_groups", groups | {("state", state)})
-            for state in ("granted", "reclaiming", "range")} == {
-        "granted": 12, "reclaiming": 2, "range": 64}
+            for state in ("granted", "reclaiming", "failed", "range")} == {
+        "granted": 12, "reclaiming": 2, "failed": 0, "range": 64}
     assert get("kvpool_elastic_floor_groups", groups) == 4
     assert get("kvpool_elastic_cap_groups", groups) == 64
     assert get("kvpool_elastic_weight", pool) == 2.0
@@ -66,7 +66,7 @@ def test_an_elastic_pool_renders_every_family_with_its_values() -> None:
     assert get("kvpool_elastic_reclaim_seconds_max", pool) == 0.2
     assert get("kvpool_elastic_revoked_leases_total", pool) == 1
     elastic = {key for key in v if key[0].startswith("kvpool_elastic_")}
-    assert len(elastic) == 15  # 10 one-series families, groups x 3 states, summary sum + count
+    assert len(elastic) == 16  # 10 one-series families, groups x 4 states, summary sum + count
     assert all(dict(labels)["pool"] == "chat" for _, labels in elastic)
 
 

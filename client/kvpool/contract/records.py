@@ -74,6 +74,8 @@ class ElasticStats(msgspec.Struct, frozen=True, kw_only=True):
     reclaim_seconds_sum: float = 0.0
     reclaim_seconds_max: float = 0.0
     revoked_leases: int = 0
+    failed_groups: int = 0
+    failed_releases: int = 0
 
 
 class PoolStats(msgspec.Struct, frozen=True, kw_only=True):

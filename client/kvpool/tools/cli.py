@@ -247,7 +247,9 @@ def elastic_lines(e: ElasticStats) -> list[str]:
         f"  {'':<10} granted {_human(e.granted_bytes)} of {_human(e.virtual_bytes)} "
         f"virtual, backed {_human(e.backed_bytes)}; grants {e.grants:,}, reclaims "
         f"{e.reclaims:,} (mean {mean}, max {e.reclaim_seconds_max:.3f} s), revoked leases "
-        f"{e.revoked_leases:,}",
+        f"{e.revoked_leases:,}"
+        + (f"; FAILED {e.failed_groups:,} groups (their memory could not be freed: retried "
+           "on every sweep, see the daemon's log)" if e.failed_groups else ""),
     ]
 
 

@@ -259,6 +259,8 @@ def _elastic_line(name: str, e: ElasticStats, width: int) -> Text:
     parts: list[tuple[str, str]] = [
         (_size_of(e.granted_bytes, e.virtual_bytes), ""),
         (f"reclaiming {e.reclaiming_groups:,}", "yellow" if e.reclaiming_groups else "")]
+    if e.failed_groups:  # memory the daemon could not free: charged, retried
+        parts.append((f"failed {e.failed_groups:,}", "bold red"))
     if e.revoked_leases:  # a client did not unmap in time: the daemon ended its lease
         parts.append((f"revoked {e.revoked_leases:,} lease"
                       + ("s" if e.revoked_leases != 1 else ""), "bold red"))

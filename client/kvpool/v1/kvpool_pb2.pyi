@@ -489,7 +489,7 @@ class PoolStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., backing_bytes: _Optional[int] = ..., spaces: _Optional[_Iterable[_Union[SpaceStats, _Mapping]]] = ..., attached: _Optional[int] = ..., age_seconds: _Optional[float] = ..., sharing: _Optional[str] = ..., elastic: _Optional[_Union[ElasticStats, _Mapping]] = ...) -> None: ...
 
 class ElasticStats(_message.Message):
-    __slots__ = ("group_bytes", "groups", "granted_groups", "reclaiming_groups", "floor_groups", "cap_groups", "weight", "virtual_bytes", "granted_bytes", "backed_bytes", "grants", "reclaims", "reclaim_seconds_sum", "reclaim_seconds_max", "revoked_leases")
+    __slots__ = ("group_bytes", "groups", "granted_groups", "reclaiming_groups", "floor_groups", "cap_groups", "weight", "virtual_bytes", "granted_bytes", "backed_bytes", "grants", "reclaims", "reclaim_seconds_sum", "reclaim_seconds_max", "revoked_leases", "failed_groups", "failed_releases")
     GROUP_BYTES_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     GRANTED_GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -505,6 +505,8 @@ class ElasticStats(_message.Message):
     RECLAIM_SECONDS_SUM_FIELD_NUMBER: _ClassVar[int]
     RECLAIM_SECONDS_MAX_FIELD_NUMBER: _ClassVar[int]
     REVOKED_LEASES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_RELEASES_FIELD_NUMBER: _ClassVar[int]
     group_bytes: int
     groups: int
     granted_groups: int
@@ -520,7 +522,9 @@ class ElasticStats(_message.Message):
     reclaim_seconds_sum: float
     reclaim_seconds_max: float
     revoked_leases: int
-    def __init__(self, group_bytes: _Optional[int] = ..., groups: _Optional[int] = ..., granted_groups: _Optional[int] = ..., reclaiming_groups: _Optional[int] = ..., floor_groups: _Optional[int] = ..., cap_groups: _Optional[int] = ..., weight: _Optional[float] = ..., virtual_bytes: _Optional[int] = ..., granted_bytes: _Optional[int] = ..., backed_bytes: _Optional[int] = ..., grants: _Optional[int] = ..., reclaims: _Optional[int] = ..., reclaim_seconds_sum: _Optional[float] = ..., reclaim_seconds_max: _Optional[float] = ..., revoked_leases: _Optional[int] = ...) -> None: ...
+    failed_groups: int
+    failed_releases: int
+    def __init__(self, group_bytes: _Optional[int] = ..., groups: _Optional[int] = ..., granted_groups: _Optional[int] = ..., reclaiming_groups: _Optional[int] = ..., floor_groups: _Optional[int] = ..., cap_groups: _Optional[int] = ..., weight: _Optional[float] = ..., virtual_bytes: _Optional[int] = ..., granted_bytes: _Optional[int] = ..., backed_bytes: _Optional[int] = ..., grants: _Optional[int] = ..., reclaims: _Optional[int] = ..., reclaim_seconds_sum: _Optional[float] = ..., reclaim_seconds_max: _Optional[float] = ..., revoked_leases: _Optional[int] = ..., failed_groups: _Optional[int] = ..., failed_releases: _Optional[int] = ...) -> None: ...
 
 class LeaseStats(_message.Message):
     __slots__ = ("lease_id", "name", "ttl_seconds", "expires_in_seconds", "held", "attached", "cached")

@@ -1,8 +1,12 @@
 """The daemon's elastic pools: the arbiter's decisions carried out on real memory (issue 23).
 
-One :class:`ElasticPools` per daemon, on its event loop. It owns, per elastic pool, the region
-(a :class:`~kvpoold.sharing.base.GroupBacking`), the page ledger's groups
-(:class:`~kvpoold.ids.grouped.GroupedSpace`) and the counters Stats shows, and drives:
+One :class:`ElasticPools` per daemon, on its event loop: an executor. Each group's state lives
+in the pool's ledger (:class:`~kvpoold.ids.grouped.GroupedSpace`: closed, committing, open,
+draining, unmapping, releasing, failed), the pool's lifecycle in the pool aggregate
+(:class:`~kvpoold.pools.pool.Pool`: work in a worker thread holds a use of it, so a Drop closes
+its region only once that work is done), the budget's shares and promises in the pure
+:class:`~kvpoold.elastic.arbiter.Arbiter`. The manager keeps the handshakes in flight (unmaps,
+cache asks, busy drains) and the counters Stats shows, and drives:
 
 - **grants**: the arbiter counts the groups at once (the budget is theirs); their memory is
   committed in a worker thread (milliseconds a group: never on the loop), then their pages
@@ -18,7 +22,9 @@ One :class:`ElasticPools` per daemon, on its event loop. It owns, per elastic po
   out again, and their pool's caches are asked on every sweep for what they free there; each
   is taken as its last page comes back, and reopened if that takes longer than
   ``BUSY_DRAIN_S``;
-- **shrinks**: when a lease ends, a pool's wholly free groups above its floor are taken back.
+- **shrinks**: when a lease ends, a pool's wholly free groups above its floor are taken back;
+- **failures**: a group whose memory could not be freed is ``failed`` (charged, shown in
+  Stats) and retried on every sweep until it is freed; its promise to the asker stands.
 
 Budget: the arbiter's budget is the daemon's; what it may grant is what everything else (fixed
 pools, elastic pools' fixed parts, builds in progress, dropped regions still draining) leaves,
@@ -40,6 +46,7 @@ from kvpool.contract.plan import PoolPlan
 from kvpool.contract.records import ElasticStats
 from kvpoold.elastic.arbiter import Arbiter, Decision, Reclaim, Share
 from kvpoold.ids.grouped import GroupedSpace
+from kvpoold.pools.pool import Pool
 from kvpoold.sharing.base import GroupBacking
 
 log = logging.getLogger("kvpoold.elastic")
@@ -98,25 +105,41 @@ class Hooks(Protocol):
 
 @dataclass
 class ElasticPool:
-    """One elastic pool as the manager keeps it."""
+    """One elastic pool as the manager keeps it: the pool aggregate and the counters."""
 
-    name: str
-    plan: PoolPlan
-    backing: GroupBacking
-    space: GroupedSpace
-    busy: set[int] = field(default_factory=set)  # groups being committed or freed off the loop
+    pool: Pool
     allocs: int = 0  # Allocates since the arbiter last looked (0: idle)
     grants: int = 0
     reclaims: int = 0
     reclaim_sum: float = 0.0
     reclaim_max: float = 0.0
     revoked: int = 0
-    dropped: bool = False
-    on_idle: Callable[[], None] | None = None  # run once nothing is busy (after a Drop)
+    failures: int = 0  # releases that failed (each retried)
+    retry: list[Unmapping] = field(default_factory=list)  # failed groups, retried on sweeps
+
+    @property
+    def name(self) -> str:
+        return self.pool.name
+
+    @property
+    def plan(self) -> PoolPlan:
+        return self.pool.plan
+
+    @property
+    def backing(self) -> GroupBacking:
+        return self.pool.backing  # type: ignore[return-value]
+
+    @property
+    def space(self) -> GroupedSpace:
+        return self.pool.space_kv
 
     @property
     def pages_per_group(self) -> int:
         return self.space.pages_per_group
+
+    def moving(self) -> int:
+        """Groups whose memory a worker thread commits or frees now (O(1))."""
+        return self.space.count("committing") + self.space.count("releasing")
 
 
 @dataclass
@@ -212,8 +235,7 @@ class ElasticPools:
         finally:
             self._sync_budget()
 
-    async def admit(self, name: str, plan: PoolPlan, backing: GroupBacking,
-                    space: GroupedSpace) -> None:
+    async def admit(self, pool: Pool) -> None:
         """Add a built pool and back its floor: what the budget has free now before this
         returns, the rest as other pools give groups back.
 
@@ -221,9 +243,10 @@ class ElasticPools:
             ResourceExhausted: the floors no longer fit (another Configure won the race), or
                 the device cannot back the floor.
         """
+        name, plan = pool.name, pool.plan
         self._sync_budget()
         decision = self.arbiter.admit(self.share_of(name, plan))
-        ep = self.pools[name] = ElasticPool(name, plan, backing, space)
+        ep = self.pools[name] = ElasticPool(pool)
         try:
             await self._grant(ep, decision.grant, raise_errors=True)
         except BaseException:
@@ -236,20 +259,16 @@ class ElasticPools:
             if plan.elastic else 0, "granted": decision.grant, "reclaiming": decision.pending,
         }})
 
-    def remove(self, name: str, then: Callable[[], None]) -> None:
-        """Forget a dropped pool; ``then`` (closing its region) runs once no grant or release
-        of it is running in a worker thread."""
-        ep = self.pools.pop(name, None)
+    def remove(self, name: str) -> None:
+        """Forget a dropped pool: its handshakes end, every promise made to it or by it is
+        cancelled (:meth:`Arbiter.drop`). Its region is closed by the pool aggregate once no
+        grant or release of it runs in a worker thread (they hold a use of it)."""
+        self.pools.pop(name, None)
         self.arbiter.drop(name)
         for rid in [r for r, u in self.unmappings.items() if u.pool == name]:
             del self.unmappings[rid]
         self.cached_asks = [a for a in self.cached_asks if a.pool != name]
         self.busy_drains = [b for b in self.busy_drains if b.pool != name]
-        if ep is None or not ep.busy:
-            then()
-            return
-        ep.dropped = True
-        ep.on_idle = then
 
     # -- grants ------------------------------------------------------------------------------
 
@@ -269,10 +288,13 @@ class ElasticPools:
         The arbiter has counted them already; what cannot be backed is handed back."""
         if n <= 0:
             return 0
-        picks = [g for g in ep.space.closed_groups().tolist() if g not in ep.busy][:n]
+        space, pool = ep.space, ep.pool
+        picks = space.closed_groups().tolist()[:n]
         if len(picks) < n:
             self.arbiter.failed(ep.name, n - len(picks))
-        ep.busy.update(picks)
+        for g in picks:
+            space.commit(g)
+        release = pool.acquire("elastic grant")
         done: list[int] = []
         error: BaseException | None = None
         try:
@@ -282,12 +304,15 @@ class ElasticPools:
         except (KVPoolError, OSError) as exc:
             error = exc
         finally:
-            ep.busy.difference_update(picks)
-        if ep.dropped:
-            self._idle(ep)
+            if pool.live:  # a dropped pool's groups go with its region
+                for g in picks:
+                    if g in done:
+                        space.open_group(g)
+                    else:
+                        space.abort(g)
+            release()
+        if not pool.live:
             return 0
-        for g in done:
-            ep.space.open_group(g)
         ep.grants += len(done)
         if len(done) < len(picks):
             self.arbiter.failed(ep.name, len(picks) - len(done))
@@ -299,11 +324,6 @@ class ElasticPools:
         if done:
             self._hooks.notify_freed()
         return len(done)
-
-    def _idle(self, ep: ElasticPool) -> None:
-        if ep.dropped and not ep.busy and ep.on_idle is not None:
-            then, ep.on_idle = ep.on_idle, None
-            then()
 
     def grow(self, name: str, pages: int, *, reclaim: bool = True) -> bool:
         """Pool ``name`` is ``pages`` kv pages short: ask the arbiter for the groups that
@@ -319,20 +339,20 @@ class ElasticPools:
             reclaim = False
             if self.arbiter.free_bytes - share.group_bytes < (
                     GREEDY_HEADROOM * self.arbiter.budget_bytes):
-                return bool(ep.busy)
-        if not reclaim and (ep.busy or share.granted >= share.cap
+                return bool(ep.moving())
+        if not reclaim and (ep.moving() or share.granted >= share.cap
                             or self.arbiter.free_bytes < share.group_bytes):
             return False  # growing ahead: only into free budget, one grant at a time (O(1))
         if reclaim:
             self._observe()
         # groups being committed for it now count: their pages are not open yet
-        coming = sum(1 for g in ep.busy if ep.space.state(g) == "closed")
+        coming = ep.space.count("committing")
         groups = -(-pages // ep.pages_per_group) - coming
         decision = self.arbiter.want(name, groups, reclaim=reclaim)
         if decision.grant:
             self._spawn(self._grant(ep, decision.grant))
         self._start_reclaims(decision, name)
-        return bool(decision.grant or decision.reclaims or ep.busy
+        return bool(decision.grant or decision.reclaims or ep.moving()
                     or self.arbiter.promised_to(name))
 
     def allocated(self, name: str) -> None:
@@ -343,7 +363,7 @@ class ElasticPools:
 
     def _observe(self) -> None:
         for name, ep in self.pools.items():
-            free = sum(1 for g in ep.space.releasable().tolist() if g not in ep.busy)
+            free = len(ep.space.releasable())
             self.arbiter.observe(name, free_groups=free,
                                  cached_groups=self._hooks.cached(name) // ep.pages_per_group,
                                  idle=ep.allocs == 0)
@@ -376,10 +396,8 @@ class ElasticPools:
     def _drain_busy(self, ep: ElasticPool, n: int, asker: str | None, now: float) -> None:
         """Drain ``n`` of ``ep``'s highest open groups that hold pages (those the victim's
         first-fit allocation packs least into) and ask its caches for what they hold there."""
-        releasable = set(ep.space.releasable().tolist())
-        picks = [g for g in reversed(ep.space.granted().tolist())
-                 if ep.space.state(g) == "open" and g not in ep.busy
-                 and g not in releasable][:n]
+        space = ep.space
+        picks = [g for g in reversed(space.in_state("open").tolist()) if space.used_in(g)][:n]
         if len(picks) < n:
             self.arbiter.cancel(ep.name, n - len(picks), asker)
         if not picks:
@@ -436,7 +454,7 @@ class ElasticPools:
     def _take(self, ep: ElasticPool, n: int, asker: str | None, started: float) -> int:
         """Drain up to ``n`` wholly free groups of ``ep`` (highest first) and start their
         unmap handshake; what cannot be found is cancelled. Returns the groups taken."""
-        picks = tuple(g for g in ep.space.releasable().tolist() if g not in ep.busy)[:n]
+        picks = tuple(ep.space.releasable().tolist()[:n])
         if len(picks) < n:
             self.arbiter.cancel(ep.name, n - len(picks), asker)
         if not picks:
@@ -449,6 +467,8 @@ class ElasticPools:
     def _unmap(self, ep: ElasticPool, picks: tuple[int, ...], asker: str | None,
                started: float) -> None:
         """Start the unmap handshake of drained, wholly free groups ``picks``."""
+        for g in picks:
+            ep.space.unmap(g)
         rid = self._next_reclaim
         self._next_reclaim += 1
         u = Unmapping(rid, ep.name, picks, set(), started + self.deadline_s, started, asker)
@@ -464,30 +484,54 @@ class ElasticPools:
             self._spawn(self._finish(u))
 
     async def _finish(self, u: Unmapping) -> None:
-        """Every process unmapped ``u``'s groups: free their memory, close them, and grant
-        the freed budget to the pool it was promised to."""
+        """Every process unmapped ``u``'s groups (or a failed release is retried): free their
+        memory, close them, and grant the freed budget to the pool it was promised to. A group
+        whose memory cannot be freed is ``failed``: charged, counted, retried by the sweep."""
         ep = self.pools.get(u.pool)
         if ep is None:
             return
-        ep.busy.update(u.groups)
+        space, pool = ep.space, ep.pool
+        for g in u.groups:
+            space.release(g)
+        release = pool.acquire("elastic release")
+        freed: list[int] = []
+        error: BaseException | None = None
         try:
             for g in u.groups:
-                await asyncio.to_thread(ep.backing.release, g)
+                try:
+                    await asyncio.to_thread(ep.backing.release, g)
+                except (KVPoolError, OSError) as exc:
+                    error = exc
+                else:
+                    freed.append(g)
         finally:
-            ep.busy.difference_update(u.groups)
-        if ep.dropped:
-            self._idle(ep)
+            if pool.live:
+                for g in u.groups:
+                    if g in freed:
+                        space.close_group(g)
+                    else:
+                        space.fail(g)
+            release()
+        if not pool.live:
             return
-        for g in u.groups:
-            ep.space.close_group(g)
+        failed = tuple(g for g in u.groups if g not in freed)
+        if failed:
+            ep.failures += len(failed)
+            ep.retry.append(Unmapping(u.reclaim_id, u.pool, failed, set(), u.deadline,
+                                      u.started, u.asker))
+            log.error("elastic release failed: retried on the next sweep", extra={"fields": {
+                "event": "elastic_release_failed", "pool": u.pool, "groups": list(failed),
+                "reclaim": u.reclaim_id, "error": f"{type(error).__name__}: {error}"}})
+        if not freed:
+            return
         took = self._clock() - u.started
-        ep.reclaims += len(u.groups)
-        ep.reclaim_sum += took * len(u.groups)  # per group, as reclaims counts them
+        ep.reclaims += len(freed)
+        ep.reclaim_sum += took * len(freed)  # per group, as reclaims counts them
         ep.reclaim_max = max(ep.reclaim_max, took)
         self._sync_budget()
-        granted = self.arbiter.released(u.pool, len(u.groups), u.asker)
+        granted = self.arbiter.released(u.pool, len(freed), u.asker)
         log.info("elastic released", extra={"fields": {
-            "event": "elastic_released", "pool": u.pool, "groups": len(u.groups),
+            "event": "elastic_released", "pool": u.pool, "groups": len(freed),
             "reclaim": u.reclaim_id, "seconds": round(took, 6), "for": u.asker or "",
             "granted": granted}})
         asker = self.pools.get(u.asker) if u.asker else None
@@ -520,9 +564,14 @@ class ElasticPools:
         ep = self.pools.get(name)
         if ep is None:
             return 0
-        free = [g for g in ep.space.releasable().tolist() if g not in ep.busy]
-        n = self.arbiter.take_back(name, len(free))
+        n = self.arbiter.take_back(name, len(ep.space.releasable()))
         return self._take(ep, n, None, self._clock()) if n else 0
+
+    def ids_freed(self) -> None:
+        """Ids came back somewhere: groups asked back may have emptied (O(1) unless a drain or
+        a cache ask waits)."""
+        if self.cached_asks or self.busy_drains:
+            self.on_freed()
 
     def on_freed(self, now: float | None = None) -> None:
         """Ids came back: page caches' give-backs may have emptied groups asked back (with
@@ -536,8 +585,7 @@ class ElasticPools:
             ep = self.pools.get(a.pool)
             if ep is None:
                 continue
-            free = sum(1 for g in ep.space.releasable().tolist() if g not in ep.busy)
-            n = min(free, a.groups)
+            n = min(len(ep.space.releasable()), a.groups)
             if n:
                 self._take(ep, n, a.asker, a.started)
                 a.groups -= n
@@ -550,6 +598,10 @@ class ElasticPools:
         empty their groups in time are given up."""
         now = self._clock()
         self.on_freed(now)
+        for ep in self.pools.values():  # failed releases: retried (the promise stands)
+            retry, ep.retry = ep.retry, []
+            for u in retry:
+                self._spawn(self._finish(u))
         if self.policy == "greedy":  # give back what is unused, beyond one spare group
             for name, ep in self.pools.items():
                 cached = self._hooks.cached(name)  # caches keep one group's worth, as kvcached
@@ -557,7 +609,7 @@ class ElasticPools:
                     self._hooks.ask_give_back(name, cached - ep.pages_per_group)
                 share = self.arbiter.pools[name]
                 above = share.granted - share.reclaiming - share.floor
-                free = sum(1 for g in ep.space.releasable().tolist() if g not in ep.busy)
+                free = len(ep.space.releasable())
                 if min(free, above) > 1:  # one spare group above the floor stays
                     n = self.arbiter.take_back(name, min(free, above) - 1)
                     if n:
@@ -576,19 +628,16 @@ class ElasticPools:
                 log.warning("lease did not unmap in time", extra={"fields": {
                     "event": "elastic_revoke", "pool": u.pool, "reclaim": u.reclaim_id,
                     "lease_id": lease_id, "deadline_s": self.deadline_s}})
-                with contextlib.suppress(KVPoolError):
-                    self._hooks.revoke(lease_id, (
-                        f"it did not unmap groups {list(u.groups)} of elastic pool {u.pool!r} "
-                        f"within {self.deadline_s:g} s of being asked (reclaim "
-                        f"{u.reclaim_id})"))
+                self._hooks.revoke(lease_id, (
+                    f"it did not unmap groups {list(u.groups)} of elastic pool {u.pool!r} "
+                    f"within {self.deadline_s:g} s of being asked (reclaim {u.reclaim_id})"))
             self._spawn(self._finish(u))
 
     # -- Attach and Stats ---------------------------------------------------------------------
 
     def open_groups(self, name: str) -> tuple[int, ...]:
         """Groups a process attaching now maps: granted and not being taken back."""
-        ep = self.pools[name]
-        return tuple(g for g in ep.space.granted().tolist() if ep.space.state(g) == "open")
+        return tuple(self.pools[name].space.in_state("open").tolist())
 
     def stats(self, name: str) -> ElasticStats | None:
         """The pool's :class:`ElasticStats` (None: not an elastic pool)."""
@@ -607,7 +656,8 @@ class ElasticPools:
             cap_groups=e.cap_groups, weight=e.weight, virtual_bytes=ep.plan.backing_bytes,
             granted_bytes=e.fixed_bytes + share.granted_bytes, backed_bytes=backed,
             grants=ep.grants, reclaims=ep.reclaims, reclaim_seconds_sum=ep.reclaim_sum,
-            reclaim_seconds_max=ep.reclaim_max, revoked_leases=ep.revoked)
+            reclaim_seconds_max=ep.reclaim_max, revoked_leases=ep.revoked,
+            failed_groups=ep.space.count("failed"), failed_releases=ep.failures)
 
     async def close(self) -> None:
         """Stop: cancel what is running (shutdown)."""

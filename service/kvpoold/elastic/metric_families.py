@@ -80,7 +80,7 @@ class ElasticFamilies:
         self.granted_bytes.add_metric(labels, e.granted_bytes)
         self.backed_bytes.add_metric(labels, e.backed_bytes)
         for state, n in (("granted", e.granted_groups), ("reclaiming", e.reclaiming_groups),
-                         ("range", e.groups)):
+                         ("failed", e.failed_groups), ("range", e.groups)):
             self.groups.add_metric([*labels, state, GROUPS_UNIT], n)
         self.floor_groups.add_metric(groups, e.floor_groups)
         self.cap_groups.add_metric(groups, e.cap_groups)

@@ -2,12 +2,24 @@
 **group** so that only granted groups hand out pages and groups drain whole (issue 23).
 
 Page ``p`` lies in group ``p // P`` (``P`` = pages per group; group 0 has ``P - 1`` pages, the
-padding page 0 being nobody's). Each group is in one state:
+padding page 0 being nobody's). This space is the one owner of each group's state; the elastic
+manager only asks it to move a group along (an :class:`~kvpool.contract.errors.Internal` for any
+other move)::
+
+    closed -> committing -> open -> draining -> unmapping -> releasing -> closed
+                  |                    |                        |
+                  +-> closed           +-> open (reopen)        +-> failed -> releasing (retry)
 
 - **closed**: not granted (no memory behind it); none of its pages is free or held;
+- **committing**: granted by the arbiter, its memory being committed off the loop; its pages
+  are not in the ledger yet (a failed commit closes it again);
 - **open**: granted; its free pages may be handed out;
-- **draining**: granted, but its free pages are not handed out (it is being taken back: once
-  every page is free and every process has unmapped it, the daemon closes it).
+- **draining**: granted, but its free pages are not handed out (it is being taken back; pages
+  still held come back as their holders free them);
+- **unmapping**: drained and wholly free; attached processes are asked to unmap it;
+- **releasing**: every process unmapped it; its memory is being freed off the loop;
+- **failed**: freeing its memory failed; the budget still pays for it, Stats show it, and the
+  sweep retries (back to releasing).
 
 Allocation is address-ordered first fit over open groups: a take hands out pages of the
 lowest-numbered open group that has one, then the next, so held pages pack into the low groups
@@ -27,8 +39,12 @@ from kvpool.contract.errors import Internal, InvalidArgument
 from kvpool.contract.plan import IdSpaceSpec
 from kvpoold.ids.space import IdSpace
 
-CLOSED, OPEN, DRAINING = 0, 1, 2
-_STATES = ("closed", "open", "draining")
+CLOSED, COMMITTING, OPEN, DRAINING, UNMAPPING, RELEASING, FAILED = range(7)
+_STATES = ("closed", "committing", "open", "draining", "unmapping", "releasing", "failed")
+# States whose pages are in the ledger (memory is behind them): "granted" groups.
+_GRANTED = frozenset({OPEN, DRAINING, UNMAPPING, RELEASING, FAILED})
+# States in which the group's memory is moved off the loop (a worker thread holds it).
+_MOVING = frozenset({COMMITTING, RELEASING})
 
 
 class GroupedSpace(IdSpace):
@@ -60,6 +76,8 @@ class GroupedSpace(IdSpace):
         self._sizes = [per] * self.groups
         self._sizes[0] = per - 1
         self._state = [CLOSED] * self.groups
+        self._nstate = [0] * len(_STATES)  # groups in each state (O(1) counts)
+        self._nstate[CLOSED] = self.groups
         self._heap: list[int] = []  # open groups that may have a free page (lazy)
         self._in_heap = [False] * self.groups
         self._nfree = 0  # free pages of open groups: what a take may have
@@ -169,7 +187,7 @@ class GroupedSpace(IdSpace):
     # -- groups -----------------------------------------------------------------------------
 
     def state(self, g: int) -> str:
-        """``closed``, ``open`` or ``draining``."""
+        """The group's state (see the module docstring)."""
         return _STATES[self._state[self._check(g)]]
 
     def _check(self, g: int) -> int:
@@ -178,21 +196,36 @@ class GroupedSpace(IdSpace):
                                   field="group")
         return g
 
-    def _expect(self, g: int, want: int, verb: str) -> None:
+    def _move(self, g: int, want: tuple[int, ...], to: int, verb: str) -> None:
         have = self._state[self._check(g)]
-        if have != want:
+        if have not in want:
             raise Internal(f"{verb} group {g} of {self.label}: it is {_STATES[have]}, not "
-                           f"{_STATES[want]}")
+                           f"{' or '.join(_STATES[w] for w in want)}")
+        self._nstate[have] -= 1
+        self._nstate[to] += 1
+        self._state[g] = to
+
+    def _require_whole(self, g: int, verb: str) -> None:
+        if self._gcount[g] != self._sizes[g]:
+            raise Internal(f"{verb} group {g} of {self.label}: "
+                           f"{self._sizes[g] - self._gcount[g]} of its pages are held")
+
+    def commit(self, g: int) -> None:
+        """A closed group is granted: its memory is being committed (no page handed out)."""
+        self._move(g, (CLOSED,), COMMITTING, "commit")
+
+    def abort(self, g: int) -> None:
+        """A commit failed: the group is closed again."""
+        self._move(g, (COMMITTING,), CLOSED, "abort")
 
     def open_group(self, g: int) -> None:
-        """A granted group's pages become free to hand out (lowest first)."""
-        self._expect(g, CLOSED, "open")
+        """A committed group's pages become free to hand out (lowest first)."""
+        self._move(g, (COMMITTING,), OPEN, "open")
         per = self.pages_per_group
         first, last = max(1, g * per), g * per + per - 1
         n = last - first + 1
         self._gstack[g, :n] = np.arange(last, first - 1, -1, dtype=np.int32)
         self._gcount[g] = n
-        self._state[g] = OPEN
         self._granted += 1
         self._granted_pages += n
         self._nfree += n
@@ -202,37 +235,54 @@ class GroupedSpace(IdSpace):
 
     def drain(self, g: int) -> None:
         """Hand out no more pages of group ``g`` (it is being taken back)."""
-        self._expect(g, OPEN, "drain")
-        self._state[g] = DRAINING
+        self._move(g, (OPEN,), DRAINING, "drain")
         self._nfree -= self._gcount[g]
 
     def reopen(self, g: int) -> None:
         """Group ``g`` is not taken back after all: hand its free pages out again."""
-        self._expect(g, DRAINING, "reopen")
-        self._state[g] = OPEN
+        self._move(g, (DRAINING,), OPEN, "reopen")
         self._nfree += self._gcount[g]
         if not self._in_heap[g]:
             heapq.heappush(self._heap, g)
             self._in_heap[g] = True
 
-    def close_group(self, g: int) -> None:
-        """Group ``g`` is released: every page of it must be free.
+    def unmap(self, g: int) -> None:
+        """A drained group is wholly free: processes are asked to unmap it.
 
         Raises:
             Internal: it is not draining, or a page of it is held.
         """
-        self._expect(g, DRAINING, "close")
-        if self._gcount[g] != self._sizes[g]:
-            raise Internal(f"close group {g} of {self.label}: "
-                           f"{self._sizes[g] - self._gcount[g]} of its pages are held")
+        self._require_whole(g, "unmap")
+        self._move(g, (DRAINING,), UNMAPPING, "unmap")
+
+    def release(self, g: int) -> None:
+        """Every process unmapped group ``g`` (or a failed release is retried): its memory is
+        being freed."""
+        self._move(g, (UNMAPPING, FAILED), RELEASING, "release")
+
+    def fail(self, g: int) -> None:
+        """Freeing group ``g``'s memory failed: it stays charged until a retry frees it."""
+        self._move(g, (RELEASING,), FAILED, "fail")
+
+    def close_group(self, g: int) -> None:
+        """Group ``g``'s memory is freed: it is closed.
+
+        Raises:
+            Internal: it is not releasing.
+        """
+        self._require_whole(g, "close")
+        self._move(g, (RELEASING,), CLOSED, "close")
         self._gcount[g] = 0
-        self._state[g] = CLOSED
         self._granted -= 1
         self._granted_pages -= self._sizes[g]
 
+    def moving(self, g: int) -> bool:
+        """Whether a worker thread is committing or freeing group ``g``'s memory now."""
+        return self._state[self._check(g)] in _MOVING
+
     def used_in(self, g: int) -> int:
         """Pages of group ``g`` held now (0 for a closed group)."""
-        if self._state[self._check(g)] == CLOSED:
+        if self._state[self._check(g)] not in _GRANTED:
             return 0
         return self._sizes[g] - self._gcount[g]
 
@@ -247,12 +297,19 @@ class GroupedSpace(IdSpace):
         return np.array([g for g, st in enumerate(self._state) if st == CLOSED], dtype=np.intp)
 
     def granted(self) -> np.ndarray:
-        """Groups granted now (open or draining), lowest first."""
-        return np.array([g for g, st in enumerate(self._state) if st != CLOSED], dtype=np.intp)
+        """Groups whose pages are in the ledger now (open, draining, unmapping, releasing or
+        failed), lowest first."""
+        return np.array([g for g, st in enumerate(self._state) if st in _GRANTED],
+                        dtype=np.intp)
+
+    def in_state(self, state: str) -> np.ndarray:
+        """Groups in ``state`` now, lowest first (O(groups))."""
+        want = _STATES.index(state)
+        return np.array([g for g, st in enumerate(self._state) if st == want], dtype=np.intp)
 
     def count(self, state: str) -> int:
-        """Groups in ``state`` now."""
-        return self._state.count(_STATES.index(state))
+        """Groups in ``state`` now (O(1))."""
+        return self._nstate[_STATES.index(state)]
 
     def audit(self) -> None:
         """The base's ledger checks, and the groups': closed groups hold nothing, every page
@@ -265,15 +322,23 @@ class GroupedSpace(IdSpace):
         for g in range(self.groups):
             c, size, st = self._gcount[g], self._sizes[g], self._state[g]
             free = self._gstack[g, :c]
-            if st == CLOSED:
-                checks.append((c == 0 and held_per[g] == 0, f"closed group {g} holds pages"))
+            if st in (CLOSED, COMMITTING):
+                checks.append((c == 0 and held_per[g] == 0,
+                               f"{_STATES[st]} group {g} holds pages"))
             else:
                 checks.append((c + held_per[g] == size,
                                f"group {g}: {c} free + {held_per[g]} held != {size}"))
                 checks.append((bool(((free // per) == g).all()),
                                f"group {g}'s free stack holds another group's page"))
-        granted = [g for g in range(self.groups) if self._state[g] != CLOSED]
+        granted = [g for g in range(self.groups) if self._state[g] in _GRANTED]
         checks.append((self._granted == len(granted), "granted count"))
+        checks.append((self._nstate == [self._state.count(i) for i in range(len(_STATES))],
+                       "state counts"))
+        for g in range(self.groups):
+            st = self._state[g]
+            if st in (COMMITTING, UNMAPPING, RELEASING, FAILED):
+                checks.append((held_per[g] == 0 and self._gcount[g] in (0, self._sizes[g]),
+                               f"{_STATES[st]} group {g} holds pages"))
         checks.append((self._granted_pages == sum(self._sizes[g] for g in granted),
                        "granted pages"))
         nfree = sum(self._gcount[g] for g in range(self.groups) if self._state[g] == OPEN)

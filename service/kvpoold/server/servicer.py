@@ -17,7 +17,8 @@ from kvpool.contract import codec
 from kvpool.v1 import kvpool_pb2_grpc
 from kvpoold.server import edge
 from kvpoold.server.auth import Authority, Caller, Transport
-from kvpoold.server.daemon import GIVE_BACK_WAIT_S, Daemon
+from kvpoold.server.daemon import Daemon
+from kvpoold.server.give_back import GIVE_BACK_WAIT_S
 from kvpoold.server.intake import accept
 from kvpoold.server.stats_replies import StatsReplies
 from kvpoold.server.status import RpcObserver, rpc_errors
@@ -179,8 +180,8 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
 
     @rpc_errors
     async def Drop(self, request: pb.DropRequest, context: Ctx) -> pb.DropResponse:
-        return codec.drop_to_pb(self._daemon.drop(self._caller(context), request.pool,
-                                                  request.force))
+        return codec.drop_to_pb(await self._daemon.drop(self._caller(context), request.pool,
+                                                        request.force))
 
     @rpc_errors
     async def Attach(self, request: pb.AttachRequest, context: Ctx) -> pb.AttachResponse:

@@ -29,10 +29,10 @@ from kvpool.contract.records import DaemonStats, HeldMap, LeaseStats, PoolStats,
 
 if TYPE_CHECKING:
     from kvpoold.elastic.manager import ElasticPools
+    from kvpoold.pools.pool import Pool
     from kvpoold.server.attachments import AttachmentTable
     from kvpoold.server.auth import Caller
     from kvpoold.server.leases import CacheCounts, Lease, LeaseTable
-    from kvpoold.server.live_pools import LivePool
     from kvpoold.server.loop_clock import StallClock
     from kvpoold.transfer import Transfers
 
@@ -45,7 +45,7 @@ class Daemon(Protocol):
     device: str
     budget_bytes: int
     started_at: float
-    pools: dict[str, LivePool]
+    pools: dict[str, Pool]
     leases: LeaseTable
     attachments: AttachmentTable
     transfers: Transfers
@@ -57,7 +57,7 @@ class Daemon(Protocol):
 
     def now(self) -> float: ...
 
-    def pool(self, name: str, caller: Caller | None = None) -> LivePool: ...
+    def pool(self, name: str, caller: Caller | None = None) -> Pool: ...
 
 # WatchStats: the interval of a request that leaves it 0, the longest one accepted, and by
 # default the shortest one served (``--watch-min-interval``: a shorter one is served at it) and
@@ -99,7 +99,7 @@ class StatsView:
 
     stats: Stats
     leases: list[Lease]
-    entries: list[LivePool]
+    entries: list[Pool]
 
 
 def view_key(caller: Caller, pool: str) -> Hashable:

@@ -80,9 +80,9 @@ from kvpoold.transfer.page_layout import (
 
 if TYPE_CHECKING:
     from kvpool.clients.aio import AsyncKVPoolClient
+    from kvpoold.pools.pool import Pool
     from kvpoold.server.args import PeerReceiveArgs
     from kvpoold.server.leases import LeaseTable
-    from kvpoold.server.live_pools import LivePool
 
 log = logging.getLogger("kvpoold.transfer")
 
@@ -213,7 +213,7 @@ class Transfers:
         on_freed: called when unpinning freed quarantined ids (Allocates waiting for ids).
     """
 
-    def __init__(self, pool: Callable[[str], LivePool], leases: LeaseTable,
+    def __init__(self, pool: Callable[[str], Pool], leases: LeaseTable,
                  clock: Callable[[], float], agent: NixlAgent | None = None,
                  why_off: str = NIXL_MISSING, peer_token: str | None = None,
                  on_freed: Callable[[], None] | None = None) -> None:
@@ -228,10 +228,6 @@ class Transfers:
         self._sends: dict[int, Outgoing] = {}
         self._ended_sends: deque[Outgoing] = deque()
         self._sending: dict[int, list[Outgoing]] = {}  # owner -> its sends in flight
-        # Per pool: how many grants and sends hold pins in it now, and, for a pool dropped
-        # meanwhile, what closes its memory once the last of them is gone.
-        self._pinning: dict[str, int] = {}
-        self._draining: dict[str, Callable[[], None]] = {}
         self._ids = itertools.count(1)
         self._clients: OrderedDict[str, AsyncKVPoolClient] = OrderedDict()
         self._peer_agent: dict[str, str] = {}  # peer target -> its agent, as last answered
@@ -252,57 +248,38 @@ class Transfers:
             raise FailedPrecondition(self._why_off)
         return self.agent
 
-    def register_pool(self, entry: LivePool) -> None:
+    def register_pool(self, entry: Pool) -> None:
         """Register a new pool's backing with NIXL (no-op without an agent). Blocking: called
         from Configure's worker thread."""
         if self.agent is not None:
             self.agent.register(entry.name, entry.backing.tensor)
 
-    def pool_gone(self, name: str, close: Callable[[], None]) -> bool:
-        """A pool is being dropped: its grants end, its sends fail. Its memory and NIXL
-        registration go (``close``, then deregistration) now, or, while a write may still move
-        bytes in it (an accepted grant's window, a posted send), once the last one ends: a late
-        write then lands in memory that is still the dropped pool's, never in a new one.
-
-        Returns:
-            True when the memory was released now.
-        """
+    def pool_gone(self, name: str) -> None:
+        """A pool is being dropped: its grants end, its sends fail. Pins of writes that may
+        still move bytes in it (an accepted grant's window, a posted send) keep holding a use
+        of the pool (:meth:`Pool.acquire`), so its memory is released only when the last one
+        ends: a late write lands in memory that is still the dropped pool's, never in a new
+        one."""
         why = f"pool {name!r} was dropped"
         self.grants.revoke_pool(name, why)
         for out in [o for o in self._sends.values() if o.pool == name]:
             self._end_send(out, TransferState.failed, why)
         self._layouts = {k: v for k, v in self._layouts.items() if k[0] != name}
-        if self._pinning.get(name):
-            self._draining[name] = close
-            log.warning("pool dropped with transfers in flight: its memory goes when they end",
-                        extra={"fields": {"event": "drop_draining", "pool": name,
-                                          "transfers": self._pinning[name]}})
-            return False
-        self._release_pool(name, close)
-        return True
 
-    def _release_pool(self, name: str, close: Callable[[], None]) -> None:
-        try:
-            close()
-        finally:
-            if self.agent is not None:
-                try:
-                    self.agent.deregister(name)
-                except Exception:
-                    log.exception("NIXL deregistration of pool %s failed", name)
+    def deregister(self, name: str) -> None:
+        """A pool's region is released: its NIXL registration goes (no-op without an
+        agent). A failure is logged: the region is gone either way."""
+        if self.agent is not None:
+            try:
+                self.agent.deregister(name)
+            except Exception:
+                log.exception("NIXL deregistration of pool %s failed", name)
 
-    def release_draining(self) -> None:
-        """Release every dropped pool still waiting for its transfers (shutdown)."""
-        for name, close in list(self._draining.items()):
-            del self._draining[name]
-            self._release_pool(name, close)
-
-    def _pin(self, entry: LivePool, pages: np.ndarray, swa: np.ndarray | None
+    def _pin(self, entry: Pool, pages: np.ndarray, swa: np.ndarray | None
              ) -> Callable[[], None]:
-        """Pin ``pages`` (kv) and ``swa`` pages of ``entry`` in its ledger; returns what
-        unpins them, once (it frees pages quarantined meanwhile, and closes a pool dropped
-        meanwhile once nothing pins it)."""
-        name = entry.name
+        """Pin ``pages`` (kv) and ``swa`` pages of ``entry`` in its ledger, holding a use of
+        the pool; returns what unpins them, once (it frees pages quarantined meanwhile, and
+        gives the use back: a pool dropped meanwhile closes with its last use)."""
         kv = entry.ids.space(KV_SPACE, "pages")
         swa_space = (entry.ids.space(SWA_SPACE, "pages")
                      if swa is not None and swa.shape[0] else None)
@@ -311,7 +288,7 @@ class Transfers:
         kv.pin(kv_idx)
         if swa_space is not None and swa_idx is not None:
             swa_space.pin(swa_idx)
-        self._pinning[name] = self._pinning.get(name, 0) + 1
+        release = entry.acquire("transfer")
         done = False
 
         def unpin() -> None:
@@ -319,23 +296,18 @@ class Transfers:
             if done:
                 return
             done = True
-            freed = kv.unpin(kv_idx)
-            if swa_space is not None and swa_idx is not None:
-                freed += swa_space.unpin(swa_idx)
-            left = self._pinning[name] = self._pinning[name] - 1
-            if not left:
-                del self._pinning[name]
-                close = self._draining.pop(name, None)
-                if close is not None:
-                    self._release_pool(name, close)
-                    log.info("dropped pool released after its transfers ended",
-                             extra={"fields": {"event": "drop_drained", "pool": name}})
+            try:
+                freed = kv.unpin(kv_idx)
+                if swa_space is not None and swa_idx is not None:
+                    freed += swa_space.unpin(swa_idx)
+            finally:
+                release()
             if freed and self._on_freed is not None:
                 self._on_freed()
 
         return unpin
 
-    def _layout(self, entry: LivePool) -> pb.PageLayout:
+    def _layout(self, entry: Pool) -> pb.PageLayout:
         key = (entry.name, entry.fingerprint)
         layout = self._layouts.get(key)
         if layout is None:
@@ -347,7 +319,7 @@ class Transfers:
         return any(s.name == SWA_SPACE and s.follows == KV_SPACE for s in plan.id_spaces)
 
     @staticmethod
-    def _held(entry: LivePool, owner: int, lease_id: int, pages: np.ndarray,
+    def _held(entry: Pool, owner: int, lease_id: int, pages: np.ndarray,
               field: str) -> IdSpace:
         """The kv space, after checking ``owner`` holds every page.
 
@@ -583,7 +555,7 @@ class Transfers:
         self._spawn(self._watch(agent, out))
         return out
 
-    def _post(self, agent: NixlAgent, entry: LivePool, out: Outgoing,
+    def _post(self, agent: NixlAgent, entry: Pool, out: Outgoing,
               resp: pb.PeerReceiveResponse, swa_src: np.ndarray, asked_at: float) -> None:
         """Load the peer's metadata if it came, build both descriptor lists, post the WRITE
         with the deadline the peer gave (from ``asked_at``)."""

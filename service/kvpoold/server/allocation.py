@@ -1,0 +1,223 @@
+"""Allocate and Free: ids of a pool's spaces taken and returned for a proven lease.
+
+The pool's ledger decides (all or none, pins refused); this module adds what happens around
+it: pressure on other leases' page caches when a space runs low, an elastic pool growing ahead
+of need, and the wait of an Allocate short of ids while give-backs or grants come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, TypeVar
+
+import numpy as np
+
+from kvpool.contract.errors import InvalidArgument, ResourceExhausted
+from kvpoold.elastic.manager import ElasticPools
+from kvpoold.ids import Grant, IdSpace
+from kvpoold.ids.grouped import GroupedSpace
+from kvpoold.pools.pool import Pool
+from kvpoold.server.args import LeaseRef
+from kvpoold.server.auth import Caller
+from kvpoold.server.give_back import GIVE_BACK_WAIT_S, PRESSURE_FRACTION, CachePressure
+from kvpoold.server.leases import Lease
+
+_T = TypeVar("_T")
+
+
+class Allocated(NamedTuple):
+    """What an Allocate got: ``(space, grant)`` per item, and per item what the lease holds of
+    that space after the call."""
+
+    grants: list[tuple[str, Grant]]
+    held: list[int]
+
+
+class Allocations:
+    """Allocate, Free and the Free check of the daemon.
+
+    Args:
+        pool: the pool lookup, checked against the caller's scope.
+        lease: the lease proof of a caller.
+        pressure: give-backs of page caches, and the wake-ups of waiting Allocates.
+        elastic: the elastic pools (grow-ahead, grows for a waiting Allocate).
+    """
+
+    def __init__(self, pool: Callable[[str, Caller], Pool],
+                 lease: Callable[[Caller, LeaseRef], Lease], pressure: CachePressure,
+                 elastic: ElasticPools) -> None:
+        self._pool = pool
+        self._lease = lease
+        self._pressure = pressure
+        self._elastic = elastic
+
+    def _items(self, caller: Caller, pool: str, ref: LeaseRef,
+               items: Sequence[tuple[str, _T]], verb: str, what: str,
+               ) -> tuple[Pool, Lease, list[tuple[IdSpace, _T]]]:
+        """The pool, the lease and each item's id space for ``verb`` on ``items`` (``what``:
+        the item's other half, named when the list is empty).
+
+        Raises:
+            InvalidArgument: bad pool name, no items, an unknown space.
+            NotFound / PermissionDenied: as the pool lookup and the lease proof.
+        """
+        entry = self._pool(pool, caller)
+        lease = self._lease(caller, ref)
+        if not items:
+            raise InvalidArgument(f"{verb} needs at least one (space, {what}) item",
+                                  field="items")
+        return entry, lease, [(entry.ids.space(name, f"items[{i}].space"), x)
+                              for i, (name, x) in enumerate(items)]
+
+    def allocate(self, caller: Caller, pool: str, ref: LeaseRef,
+                 items: Sequence[tuple[str, int]]) -> Allocated:
+        """Allocate every ``(space, count)`` item for the lease, all or none.
+
+        Returns:
+            ``(space, grant)`` per item, in order, and per item what the lease holds of its
+            space after the call (O(1) each: a page cache compares it with its counts).
+
+        Raises:
+            InvalidArgument: bad pool name, no items, an unknown space or one that follows
+                another.
+            NotFound: unknown pool or lease.
+            PermissionDenied: the caller's scope does not cover the pool.
+            ResourceExhausted: not enough free ids for an item (nothing allocated).
+        """
+        entry, lease, typed = self._items(caller, pool, ref, items, "allocate", "count")
+        ids = entry.ids
+        spaces = [space for space, _ in typed]
+        grants = ids.allocate(lease.owner, typed)
+        for space in spaces:  # O(items): a comparison each unless the space runs low
+            if isinstance(space, GroupedSpace):
+                self._elastic_pressure(pool, space, lease.owner)
+                continue
+            low = max(1, space.capacity // PRESSURE_FRACTION)
+            room = ids.room(space)
+            if room < low:
+                self._pressure.ask(pool, space, low - room, lease.owner, cover=False)
+        return Allocated([(name, grant) for (name, _), grant in zip(items, grants, strict=True)],
+                         [space.held(lease.owner) for space in spaces])
+
+    def _elastic_pressure(self, pool: str, space: GroupedSpace, owner: int) -> None:
+        """After an Allocate in an elastic pool: grow ahead of need (a group from free budget,
+        when less than half a group's pages are left), and ask other leases' caches to give
+        back when under 1/16 of the granted pages are free. O(1) unless it acts."""
+        self._elastic.allocated(pool)
+        room = space.num_free
+        if room < space.pages_per_group // 2:
+            self._elastic.grow(pool, space.pages_per_group, reclaim=False)
+        low = max(1, space.granted_pages // PRESSURE_FRACTION)
+        if room < low:
+            self._pressure.ask(pool, space, low - room, owner, cover=False)
+
+    async def allocate_waiting(self, caller: Caller, pool: str, ref: LeaseRef,
+                               items: Sequence[tuple[str, int]],
+                               wait_s: float = GIVE_BACK_WAIT_S) -> Allocated:
+        """:meth:`allocate`; when short of free ids while other leases' page caches report
+        enough cached ids to cover every shortfall, ask them to give back (on their KeepAlive
+        streams, now) and retry as ids come back, for ``wait_s`` at most.
+
+        Raises:
+            As :meth:`allocate`; ResourceExhausted also after the wait, saying how many ids
+            were asked back and how many came.
+        """
+        try:
+            return self.allocate(caller, pool, ref, items)
+        except ResourceExhausted as err:
+            first = err.with_traceback(None)  # no cycle: err -> traceback -> frame -> err
+        entry = self._pool(pool, caller)
+        lease = self._lease(caller, ref)
+        shortfall: dict[str, int] = {}
+        for name, count in items:
+            shortfall[name] = shortfall.get(name, 0) + count
+        wanted = dict(shortfall)
+        free_before = {}
+        spaces = {}
+        growing: set[str] = set()
+        for name in list(shortfall):
+            space = spaces[name] = entry.ids.space(name, "items")
+            free_before[name] = space.num_free
+            short = shortfall[name] - entry.ids.room(space)
+            if short <= 0:
+                del shortfall[name]
+                continue
+            shortfall[name] = short
+            if isinstance(space, GroupedSpace) and self._elastic.grow(pool, short):
+                growing.add(name)  # groups are being granted or taken back for it
+            elif self._pressure.cached_elsewhere(pool, space, lease.owner) < short:
+                raise first  # even every cached id would not do: refuse at once
+        if not shortfall or wait_s <= 0:
+            raise first
+        asked = sum(self._pressure.ask(pool, spaces[name], short, lease.owner, cover=True)
+                    for name, short in shortfall.items() if name not in growing)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            await self._pressure.wait_freed(remaining)
+            try:
+                return self.allocate(caller, pool, ref, items)
+            except ResourceExhausted as err:
+                first = err.with_traceback(None)  # no cycle: err -> traceback -> frame -> err
+            for name in growing:  # budget may have come free meanwhile (a shrink, a Drop)
+                room = entry.ids.room(spaces[name])
+                if room < wanted[name]:
+                    self._elastic.grow(pool, wanted[name] - room)
+        entry = self._pool(pool, caller)
+        came = sum(max(0, entry.ids.space(name, "items").num_free - before)
+                   for name, before in free_before.items())
+        grew = (f"; the elastic pool asked the device budget for {', '.join(sorted(growing))} "
+                f"and got too little within {wait_s:.2f} s") if growing else ""
+        raise ResourceExhausted(
+            f"{first.message}; asked other leases' page caches to give back {asked} cached "
+            f"ids, {came} came back within {wait_s:.2f} s{grew}", field=first.field)
+
+    def free(self, caller: Caller, pool: str, ref: LeaseRef,
+             items: Sequence[tuple[str, np.ndarray]]) -> tuple[int, list[int]]:
+        """Free every ``(space, ids)`` item of the lease; validated first, all or none.
+
+        Returns:
+            Ids returned over all items, and per item what the lease holds of its space after
+            the call (O(1) each).
+
+        Raises:
+            As :meth:`allocate` for the pool, the lease and the items; InvalidArgument also for
+            an id out of range or repeated, FailedPrecondition for one this lease does not hold
+            (nothing freed).
+        """
+        entry, lease, typed = self._items(caller, pool, ref, items, "free", "ids")
+        # The ledger refuses pinned ids itself (a transfer in flight moves them).
+        freed = sum(entry.ids.free(lease.owner, typed).values())
+        self._pressure.notify_freed()
+        return freed, [space.held(lease.owner) for space, _ in typed]
+
+    def not_held(self, caller: Caller, pool: str, ref: LeaseRef,
+                 items: Sequence[tuple[str, np.ndarray]]
+                 ) -> tuple[list[np.ndarray], list[int]]:
+        """Per ``(space, ids)`` item, its ids the lease does not hold (free, or another
+        lease's), in order, and what the lease holds of the space; frees nothing (a Free with
+        ``check``). O(ids).
+
+        Raises:
+            InvalidArgument: an unknown space, or an id out of its range.
+            NotFound / PermissionDenied: as :meth:`free`.
+        """
+        entry = self._pool(pool, caller)
+        owner = self._lease(caller, ref).owner
+        out, held = [], []
+        for i, (name, arr) in enumerate(items):
+            space = entry.ids.space(name, f"items[{i}].space")
+            idx = np.asarray(arr, dtype=np.intp)
+            bad = (idx < 1) | (idx > space.capacity)
+            if bad.any():
+                pos = int(bad.argmax())
+                raise InvalidArgument(
+                    f"check {space.label} items[{i}].ids[{pos}]={idx[pos]}: out of range "
+                    f"1..{space.capacity}", field=f"items[{i}].ids[{pos}]")
+            out.append(np.ascontiguousarray(arr[space.owner_of(idx) != owner], dtype=np.int32))
+            held.append(space.held(owner))
+        return out, held

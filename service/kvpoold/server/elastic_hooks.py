@@ -1,0 +1,61 @@
+"""What the elastic pools ask of the rest of the daemon (``kvpoold.elastic.manager.Hooks``),
+each answered by the collaborator that owns it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvpoold.pools.registry import PoolRegistry
+from kvpoold.server.attachments import AttachmentTable
+from kvpoold.server.give_back import CachePressure
+from kvpoold.server.leases import LeaseTable
+
+
+class ElasticHooks:
+    """The daemon's side of the elastic pools.
+
+    Args:
+        leases: the lease table (KeepAlive asks to unmap).
+        attachments: who maps each pool.
+        revoke: ends a lease that did not unmap in time.
+        pressure: give-backs of page caches, and the wake-ups of waiting Allocates.
+        registry: the pools (their kv spaces, their fixed charges).
+    """
+
+    def __init__(self, leases: LeaseTable, attachments: AttachmentTable,
+                 revoke: Callable[[int, str], None], pressure: CachePressure,
+                 registry: PoolRegistry) -> None:
+        self._leases = leases
+        self._attachments = attachments
+        self.revoke = revoke
+        self._pressure = pressure
+        self._registry = registry
+
+    def attached_leases(self, pool: str) -> set[int]:
+        return self._attachments.leases_of_pool(pool)
+
+    def ask_unmap(self, lease_id: int, pool: str, groups: tuple[int, ...], reclaim: int,
+                  deadline_s: float) -> bool:
+        lease = self._leases.find(lease_id)
+        if lease is None:
+            return False
+        lease.ask_unmap(pool, groups, reclaim, deadline_s)
+        return True
+
+    def notify_freed(self) -> None:
+        self._pressure.notify_freed()
+
+    def ask_give_back(self, pool: str, count: int, min_id: int = 0) -> int:
+        entry = self._registry.get(pool)
+        if entry is None:
+            return 0
+        return self._pressure.ask(pool, entry.space_kv, count, 0, cover=True, min_id=min_id)
+
+    def cached(self, pool: str) -> int:
+        entry = self._registry.get(pool)
+        if entry is None:
+            return 0
+        return self._pressure.cached_elsewhere(pool, entry.space_kv, 0)
+
+    def other_bytes(self) -> int:
+        return self._registry.fixed_bytes() + self._registry.reserved_bytes

@@ -1,0 +1,154 @@
+"""Leases as callers use them: open, prove, renew (with the page caches' report), close,
+expire and revoke; a lease's end gives back everything it held, in every pool."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from kvpool.contract.records import HeldMap, Released
+from kvpoold.elastic.manager import ElasticPools
+from kvpoold.pools.registry import PoolRegistry
+from kvpoold.server.args import LeaseRef
+from kvpoold.server.attachments import AttachmentTable
+from kvpoold.server.auth import Caller
+from kvpoold.server.give_back import CachePressure
+from kvpoold.server.leases import CacheCounts, Lease, LeaseTable
+from kvpoold.transfer import Transfers
+
+log = logging.getLogger("kvpoold.daemon")
+
+
+class LeaseService:
+    """The daemon's lease calls.
+
+    Args:
+        leases: the lease table.
+        registry: the pools (a lease's end reclaims its ids in each).
+        attachments: the attachments (they end with their lease).
+        transfers: grants and sends (a lease's end ends its own).
+        elastic: the elastic pools (unmaps reported on KeepAlive; shrinks at a lease's end).
+        pressure: woken when a lease's end frees ids.
+    """
+
+    def __init__(self, leases: LeaseTable, registry: PoolRegistry,
+                 attachments: AttachmentTable, transfers: Transfers, elastic: ElasticPools,
+                 pressure: CachePressure) -> None:
+        self.leases = leases
+        self._registry = registry
+        self._attachments = attachments
+        self._transfers = transfers
+        self._elastic = elastic
+        self._pressure = pressure
+
+    def open(self, caller: Caller, name: str, ttl_s: float) -> Lease:
+        """Open a lease of the caller's identity (see :class:`LeaseTable`).
+
+        Raises:
+            InvalidArgument: bad name or TTL.
+            ResourceExhausted: the daemon's lease limit, or the identity's cap.
+        """
+        lease = self.leases.open(name, ttl_s, caller.identity)
+        log.info("lease opened", extra={"fields": {
+            "event": "lease_open", "lease_id": lease.lease_id, "owner": lease.owner,
+            "name": lease.name, "ttl_s": lease.ttl_s, "identity": lease.identity,
+        }})
+        return lease
+
+    def prove(self, caller: Caller, ref: LeaseRef) -> Lease:
+        """The open lease ``ref`` names, proven by its secret, of the caller's identity.
+
+        Raises:
+            NotFound: unknown, closed or expired, or not proven (the same answer).
+        """
+        return self.leases.prove(ref.lease_id, ref.secret, caller.identity)
+
+    def renew(self, caller: Caller, ref: LeaseRef,
+              reports: dict[tuple[str, str], CacheCounts] | None = None,
+              unmapped: Sequence[int] = ()) -> Lease:
+        """Renew a lease and keep its page caches' report (``(pool, space) -> CacheCounts``;
+        it replaces the last one), as far as the lease's holdings back it
+        (:meth:`_backed`); ``unmapped``: the elastic reclaims its process carried out.
+
+        Raises:
+            NotFound: unknown, closed or expired lease, or not proven.
+        """
+        lease = self.leases.renew(self.prove(caller, ref).lease_id)
+        if reports is not None:
+            self.leases.set_reports(lease, self._backed(lease, reports))
+        if unmapped:
+            self._elastic.unmapped(lease.lease_id, unmapped)
+        return lease
+
+    def _backed(self, lease: Lease, reports: dict[tuple[str, str], CacheCounts]
+                ) -> dict[tuple[str, str], CacheCounts]:
+        """The part of a cache report the lease's holdings back: a cache holds only ids its
+        lease holds, so each count is capped at what the lease holds in that pool and space
+        now, and a report of a pool or space that does not exist is not kept (what a lease may
+        store stays O(pools x spaces)). O(reports)."""
+        out: dict[tuple[str, str], CacheCounts] = {}
+        for (pool, name), (cached, in_use, evictable) in reports.items():
+            entry = self._registry.get(pool)
+            if entry is None or name not in entry.ids.names:
+                continue
+            held = entry.ids.space(name, "caches").held(lease.owner)
+            in_use = min(in_use, held)
+            out[(pool, name)] = CacheCounts(min(cached, held), in_use, min(evictable, in_use))
+        return out
+
+    def close(self, caller: Caller, ref: LeaseRef) -> Released:
+        """End a lease; everything it holds comes back and its attachments end.
+
+        Raises:
+            NotFound: unknown, closed or expired lease, or not proven.
+        """
+        lease = self.leases.close(self.prove(caller, ref).lease_id)
+        result = self.release(lease)
+        log.info("lease closed", extra={"fields": {
+            "event": "lease_close", "lease_id": lease.lease_id, "name": lease.name,
+            "released": result.total, "detached": result.detached,
+        }})
+        return result
+
+    def expire(self) -> list[tuple[Lease, Released]]:
+        """Expire every lease past its deadline and reclaim what it held; logs each."""
+        self._transfers.expire()  # receive grants past their expiry end on the same sweep
+        self._elastic.sweep()  # unmap deadlines: leases that did not unmap are ended here
+        out = []
+        for lease in self.leases.pop_expired():
+            result = self.release(lease)
+            out.append((lease, result))
+            log.warning("lease expired", extra={"fields": {
+                "event": "lease_expired", "lease_id": lease.lease_id, "name": lease.name,
+                "ttl_s": lease.ttl_s, "released": result.total,
+                "detached": result.detached,
+                "held": {f"{pool}/{space}": n for pool, spaces in result.held.items()
+                         for space, n in spaces.items()},
+            }})
+        return out
+
+    def release(self, lease: Lease) -> Released:
+        """Give back everything an ended lease held: its ids in every pool, its attachments,
+        its transfers, its elastic handshakes."""
+        self._transfers.lease_gone(lease.owner, f"lease {lease.lease_id} ({lease.name}) ended")
+        released: HeldMap = {}
+        for name, entry in self._registry.pools.items():
+            counts = {s: n for s, n in entry.ids.reclaim(lease.owner).items() if n}
+            if counts:
+                released[name] = counts
+        detached = self._attachments.remove_lease(lease.lease_id)
+        if released:
+            self._pressure.notify_freed()
+        self._elastic.lease_gone(lease.lease_id)
+        return Released(released, detached)
+
+    def revoke(self, lease_id: int, why: str) -> None:
+        """End lease ``lease_id`` for ``why`` (it did not unmap in time); no-op when it ended
+        already."""
+        if self.leases.find(lease_id) is None:
+            return
+        lease = self.leases.close(lease_id)
+        result = self.release(lease)
+        log.warning("lease ended", extra={"fields": {
+            "event": "lease_revoked", "lease_id": lease.lease_id, "name": lease.name,
+            "why": why, "released": result.total, "detached": result.detached}})
