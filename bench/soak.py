@@ -67,24 +67,26 @@ class WorkerState:
     name: str
     ttl_s: float
     lease: Any = None
+    cache_lease: Any = None  # the cache's own: a page cache is its lease's only path to kv
     cache: Any = None
     held: list[np.ndarray] = field(default_factory=list)  # direct Allocates not yet freed
     in_cache: list[np.ndarray] = field(default_factory=list)  # page-cache allocs in use
 
     def reset(self) -> None:
         """Forget a lease the daemon no longer has (restart, expiry): start over."""
-        for closer in (self.cache, self.lease):
+        for closer in (self.cache, self.cache_lease, self.lease):
             if closer is not None:
                 with contextlib.suppress(Exception):
                     closer.close()
-        self.lease = self.cache = None
+        self.lease = self.cache_lease = self.cache = None
         self.held.clear()
         self.in_cache.clear()
 
     def ensure_lease(self) -> None:
         if self.lease is None:
             self.lease = self.client.lease(self.name, ttl_s=self.ttl_s)
-            self.cache = self.lease.page_cache(POOL, low=32, high=256, batch=64)
+            self.cache_lease = self.client.lease(f"{self.name}-cache", ttl_s=self.ttl_s)
+            self.cache = self.cache_lease.page_cache(POOL, low=32, high=256, batch=64)
 
 
 def one_op(state: WorkerState, op: str, rng: random.Random) -> None:

@@ -93,7 +93,7 @@ with KVPoolClient(msg["target"]) as client, \
                 n -= len(ids)
             cache.settle(10.0)
             lease.report_now()
-            send({"held": sum(len(i) for i in held), "cached": cache.cached})
+            send({"held": sum(len(i) for i in held), "cached": cache.core.cached})
         elif op == "touch":
             page = region.page(views[0], cmd["page"])
             send({"value": int(page.view(torch.int16)[0].flatten()[0])})

@@ -29,7 +29,7 @@ cache.settle(30)
 ids = cache.alloc(10)
 cache.free(ids[:2])
 cache.settle(30)
-send({"lease_id": lease.lease_id, "in_use": cache.in_use, "cached": cache.cached})
+send({"lease_id": lease.lease_id, "in_use": cache.core.in_use, "cached": cache.core.cached})
 while True:
     time.sleep(60)
 """
@@ -47,7 +47,7 @@ async def main():
     ids = await cache.alloc(10)
     await cache.free(ids[:2])
     await cache.settle()
-    send({"lease_id": lease.lease_id, "in_use": cache.in_use, "cached": cache.cached})
+    send({"lease_id": lease.lease_id, "in_use": cache.core.in_use, "cached": cache.core.cached})
     await asyncio.Event().wait()
 
 asyncio.run(main())

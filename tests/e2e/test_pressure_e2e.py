@@ -26,11 +26,12 @@ with KVPoolClient(msg["target"]) as client, client.lease("engine", ttl_s=10.0) a
         in_use = cache.alloc(20)
         cache.settle(10.0)
         lease.report_now()
-        send({"lease_id": lease.lease_id, "cached": cache.cached, "in_use": cache.in_use})
+        send({"lease_id": lease.lease_id, "cached": cache.core.cached, "in_use": cache.core.in_use})
         assert recv() == "check"
         cache.settle(10.0)
         lease.report_now()
-        send({"cached": cache.cached, "in_use": cache.in_use, "gave_back": cache.gave_back})
+        core = cache.core
+        send({"cached": core.cached, "in_use": core.in_use, "gave_back": core.gave_back})
         cache.free(in_use)  # still this cache's: the free is accepted
         assert recv() == "done"
 send("closed")

@@ -66,7 +66,7 @@ def settled():
     return {"in_use": c.in_use, "cached": c.cached, "rpc_calls": c.rpc_calls}
 
 send({"lease_id": lease.lease_id, "allocs": allocs, "frees": frees, "exhausted": exhausted,
-      "in_use": in_use, "gave_back": cache.gave_back})
+      "in_use": in_use, "gave_back": cache.core.gave_back})
 while recv() == "settle":
     send(settled())
 cache.close()

@@ -138,7 +138,7 @@ def test_blocking_lease_maps_allocations_and_unmaps_on_the_daemons_ask(scripted)
             assert region.mapped_groups == {0, 2}  # before allocate returned
             region.page("k.0", int(ids[0]))[:] = 1
             daemon.next_ids = [2 * 1024 + 6]
-            lease._allocate_held("p", "kv", 1)  # a page cache's refill: mapped the same way
+            lease._cache_allocate("p", "kv", 1)  # a page cache's refill: mapped the same way
             daemon.push_unmap([2], reclaim=77)
             daemon.request_where(lambda r: 77 in r.unmapped)
             assert region.mapped_groups == {0}

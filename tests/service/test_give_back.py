@@ -40,7 +40,7 @@ async def holding_20(holder: Any) -> tuple[Any, np.ndarray]:
     await cache.settle()
     in_use = await cache.alloc(20)
     await cache.settle()
-    assert (cache.in_use, cache.cached) == (20, 180)
+    assert (cache.core.in_use, cache.core.cached) == (20, 180)
     return cache, in_use
 
 
@@ -64,18 +64,18 @@ async def test_allocate_gets_ids_back_from_another_leases_cache(
         assert len(got) == 100 and not set(got.tolist()) & set(in_use.tolist())
         # That left the pool empty: pressure asks the holder for 16 more (the taker's
         # answer does not wait for those).
-        while cache.gave_back < 44 + PRESSURE:
+        while cache.core.gave_back < 44 + PRESSURE:
             await asyncio.sleep(0.01)
         await cache.settle()
-        assert cache.gave_back == 44 + PRESSURE and cache.in_use == 20
-        assert cache.cached == 180 - cache.gave_back
+        assert cache.core.gave_back == 44 + PRESSURE and cache.core.in_use == 20
+        assert cache.core.cached == 180 - cache.core.gave_back
         assert await holder.report_now()
         stats = await client.stats("tiny")
         kv = stats.pool("tiny").spaces["kv"]
         assert kv.used + kv.free == CAPACITY and kv.used <= CAPACITY
         mine = lease_stats(stats, holder.lease_id)
-        assert mine.held["tiny"]["kv"] == cache.in_use + cache.cached
-        assert mine.cached.get("tiny", {}).get("kv", 0) == cache.cached
+        assert mine.held["tiny"]["kv"] == cache.core.in_use + cache.core.cached
+        assert mine.cached.get("tiny", {}).get("kv", 0) == cache.core.cached
         assert lease_stats(stats, taker.lease_id).held == {"tiny": {"kv": 100}}
         # the ids in use were never given away: they are still the holder's to free
         await cache.close()
@@ -93,7 +93,7 @@ async def test_allocate_that_all_cached_ids_cannot_cover_fails_without_asking(
             await taker.allocate("tiny", "kv", 250)
         assert "give back" not in info.value.message
         await cache.settle()
-        assert cache.gave_back == 0 and (cache.in_use, cache.cached) == (20, 180)
+        assert cache.core.gave_back == 0 and (cache.core.in_use, cache.core.cached) == (20, 180)
         # without caches anywhere, nothing changes either
         await cache.close()
         assert await holder.report_now()
@@ -187,11 +187,11 @@ def sync_give_back(target: str) -> dict[str, object]:
             in_use = cache.alloc(20)
             assert holder.report_now()
             out["taken"] = len(taker.allocate("tiny", "kv", 100))
-            while cache.gave_back < 44 + PRESSURE:  # the give-back, then pressure's
+            while cache.core.gave_back < 44 + PRESSURE:  # the give-back, then pressure's
                 time.sleep(0.01)
             cache.settle(30)
             assert holder.report_now()
-            out["cache"] = (cache.in_use, cache.cached, cache.gave_back)
+            out["cache"] = (cache.core.in_use, cache.core.cached, cache.core.gave_back)
             stats = client.stats("tiny")
             mine = lease_stats(stats, holder.lease_id)
             out["held"], out["cached"] = mine.held["tiny"]["kv"], mine.cached["tiny"]["kv"]

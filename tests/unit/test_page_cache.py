@@ -19,7 +19,6 @@ import pytest
 from kvpool import AsyncKVPoolClient, KVPoolClient
 from kvpool.cache.page_cache import PageCache
 from kvpool.cache.policy import PageCacheCounters, watermarks
-from kvpool.contract import codec, wire
 from kvpool.contract.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -66,8 +65,7 @@ def held(client: KVPoolClient, pool: str, lease_id: int, space: str = "kv") -> i
 def snapshot(cache: PageCache) -> tuple[PageCacheCounters, list[int], np.ndarray]:
     """Everything a refused call must leave alone: counters, the cached ids in the order they
     are handed out, the ids in use."""
-    core = cache._core
-    return cache.counters(), core.read(core.head, core.cached).tolist(), cache.handed_out()
+    return cache.counters(), cache.core.ring.cached_ids().tolist(), cache.core.handed_out()
 
 
 def assert_unchanged(cache: PageCache, before: tuple) -> None:
@@ -83,15 +81,16 @@ def test_refills_to_high_when_below_low_and_returns_above_high(client: KVPoolCli
     with client.lease("engine") as lease, lease.page_cache(pool, low=4, high=16,
                                                            batch=8) as cache:
         assert cache.settle(30)
-        assert (cache.cached, cache.in_use, cache.refills, cache.rpc_calls) == (16, 0, 1, 1)
+        core = cache.core
+        assert (core.cached, core.in_use, core.refills, core.rpc_calls) == (16, 0, 1, 1)
         assert held(client, pool, lease.lease_id) == 16
         a = cache.alloc(12)  # leaves 4: not below low, no refill
         assert cache.settle(30)
-        assert (cache.cached, cache.refills) == (4, 1)
+        assert (cache.core.cached, cache.core.refills) == (4, 1)
         b = cache.alloc(1)  # leaves 3 < low: the worker tops up to high
         assert cache.settle(30)
-        assert (cache.cached, cache.in_use, cache.refills, cache.rpc_calls) == (16, 13, 2, 2)
-        assert cache.waits == 0
+        assert (core.cached, core.in_use, core.refills, core.rpc_calls) == (16, 13, 2, 2)
+        assert cache.core.waits == 0
         assert held(client, pool, lease.lease_id) == 29
         cache.free(a)  # 28 cached > high: the worker returns 20, down to high - batch
         assert cache.settle(30)
@@ -100,7 +99,7 @@ def test_refills_to_high_when_below_low_and_returns_above_high(client: KVPoolCli
         assert held(client, pool, lease.lease_id) == 9
         cache.free(b)  # 9 cached: between the marks, nothing moves
         assert cache.settle(30)
-        assert (cache.cached, cache.in_use, cache.returns, cache.rpc_calls) == (9, 0, 1, 3)
+        assert (core.cached, core.in_use, core.returns, core.rpc_calls) == (9, 0, 1, 3)
         assert held(client, pool, lease.lease_id) == 9
 
 
@@ -131,15 +130,16 @@ def test_alloc_larger_than_the_cache_calls_the_daemon_once(client: KVPoolClient,
     with client.lease("engine") as lease, lease.page_cache(pool, low=0, high=16,
                                                            batch=8) as cache:
         cache.settle(30)
-        assert (cache.cached, cache.rpc_calls) == (16, 1)
+        assert (cache.core.cached, cache.core.rpc_calls) == (16, 1)
         ids = cache.alloc(40)  # 16 cached, 24 from one Allocate
         assert len(set(ids.tolist())) == 40
-        assert (cache.cached, cache.in_use, cache.rpc_calls, cache.waits) == (0, 40, 2, 1)
+        core = cache.core
+        assert (core.cached, core.in_use, core.rpc_calls, core.waits) == (0, 40, 2, 1)
         more = cache.alloc(2)  # a miss asks for batch = 8: 2 handed out, 6 cached
-        assert (cache.cached, cache.in_use, cache.rpc_calls, cache.waits) == (6, 42, 3, 2)
+        assert (core.cached, core.in_use, core.rpc_calls, core.waits) == (6, 42, 3, 2)
         assert not set(more.tolist()) & set(ids.tolist())
         assert cache.settle(30)
-        assert cache.rpc_calls == 3  # low = 0: no background refill
+        assert cache.core.rpc_calls == 3  # low = 0: no background refill
         assert held(client, pool, lease.lease_id) == 48
 
 
@@ -175,17 +175,17 @@ def test_a_miss_that_fails_in_any_way_puts_its_reserved_ids_back(client: KVPoolC
         cache.settle(30)
         cache.alloc(4)
         before = snapshot(cache)
-        real = lease._allocate_held
+        real = lease._cache_allocate
 
         def interrupted(*args: object) -> object:
             raise KeyboardInterrupt
 
-        lease._allocate_held = interrupted  # type: ignore[method-assign]
+        lease._cache_allocate = interrupted  # type: ignore[method-assign]
         try:
             with pytest.raises(KeyboardInterrupt):
                 cache.alloc(21)  # 4 cached: a miss, which reserves them first
         finally:
-            lease._allocate_held = real  # type: ignore[method-assign]
+            lease._cache_allocate = real  # type: ignore[method-assign]
         counters, cached, in_use = snapshot(cache)
         assert cached == before[1] and np.array_equal(in_use, before[2])
         assert (counters.in_use, counters.cached) == (4, 4)
@@ -199,8 +199,8 @@ def test_refill_on_a_full_pool_takes_what_there_is(client: KVPoolClient, pool: s
         with lease.page_cache(pool, low=8, high=16, batch=4) as cache:
             assert cache.settle(30)
             # 16 and 8 refused, 4 given; then 12, 6, 3 refused, 1 given; then it waits
-            assert (cache.cached, cache.refills) == (5, 2)
-            assert cache.rpc_calls >= 11  # 3 + 4 + then 11, 5, 2, 1 refused: it backs off
+            assert (cache.core.cached, cache.core.refills) == (5, 2)
+            assert cache.core.rpc_calls >= 11  # 3 + 4 + then 11, 5, 2, 1 refused: it backs off
             assert held(client, pool, lease.lease_id) == 5
 
 
@@ -215,20 +215,21 @@ def test_a_refused_refill_does_not_hold_a_return_back(client: KVPoolClient,
     with client.lease("hog") as hog, client.lease("engine") as lease:
         hogged = hog.allocate(pool, "kv", TINY_PAGES - 16)
         with lease.page_cache(pool, low=8, high=16, batch=4) as cache:
-            assert cache.settle(30) and cache.cached == 16
+            assert cache.settle(30) and cache.core.cached == 16
             ids = cache.alloc(12)  # 4 left: refills of 12, 6, 3, 1 refused, then it waits
-            assert cache.settle(30) and cache.cached == 4
-            assert isinstance(cache._core.last_error, ResourceExhausted)
+            assert cache.settle(30) and cache.core.cached == 4
+            assert isinstance(cache.core.last_error, ResourceExhausted)
             hog.free(pool, "kv", hogged)
             more = cache.alloc(100)  # a miss: the 4 cached and 96 from the daemon
             cache.free(ids)
             cache.free(more)  # 112 cached, far above high
             assert cache.settle(30)
-            assert cache.cached <= cache.high and cache.returns == 1
+            assert cache.core.cached <= cache.core.high and cache.core.returns == 1
             assert lease.report_now()
             mine = next(x for x in client.stats(pool).leases if x.lease_id == lease.lease_id)
-            assert mine.held[pool]["kv"] == cache.in_use + cache.cached == cache.cached
-            assert mine.cached[pool]["kv"] == cache.cached
+            assert mine.held[pool]["kv"] == cache.core.in_use + cache.core.cached
+            assert cache.core.in_use == 0
+            assert mine.cached[pool]["kv"] == cache.core.cached
 
 
 def test_settle_retries_a_refill_waiting_out_a_refusal(client: KVPoolClient,
@@ -241,147 +242,145 @@ def test_settle_retries_a_refill_waiting_out_a_refusal(client: KVPoolClient,
         with lease.page_cache(pool, low=8, high=16, batch=4) as cache:
             assert cache.settle(30)
             cache.alloc(12)
-            assert cache.settle(30) and cache.cached == 4  # refused: it settles, below low
+            assert cache.settle(30) and cache.core.cached == 4  # refused: it settles, below low
             hog.free(pool, "kv", hogged)
             assert cache.settle(30)
-            assert cache.cached == 16
+            assert cache.core.cached == 16
             assert held(client, pool, lease.lease_id) == 12 + 16
 
 
-# -- ids freed behind the cache's back (issue 20, item 10) ----------------------------------
+# -- the only path to its space (issue 38): held == cached + in use by construction ---------
 
-def cached_ids(cache: PageCache) -> list[int]:
-    """The cached ids, in the order ``alloc`` hands them out."""
-    return snapshot(cache)[1]
-
-
-def test_ids_freed_behind_its_back_are_dropped_at_the_next_refill(client: KVPoolClient,
-                                                                  pool: str) -> None:
-    """``lease.free`` of a cache's ids (misuse) and another lease takes them: the cache's next
-    refill says the lease holds fewer ids than the cache counts, so the cache checks which it
-    still holds and drops the others (``dropped_unheld``): cached ones at once, ones in use
-    when they are freed. It never hands out an id the other lease holds."""
-    with client.lease("engine") as lease, client.lease("other") as other, \
-            lease.page_cache(pool, low=4, high=16, batch=8) as cache:
-        assert cache.settle(30) and cache.cached == 16
-        in_use = cache.alloc(8)
-        ring = cached_ids(cache)
-        stale = ring[-3:] + in_use[:2].tolist()  # 3 cached (handed out last), 2 in use
-        lease.free(pool, "kv", stale)  # behind the cache's back
-        taken = other.allocate(pool, "kv", len(stale))
-        assert sorted(taken.tolist()) == sorted(stale)  # the daemon hands out the last freed
-        assert cache.checks == 0 and cache.dropped_unheld == 0
-        more = cache.alloc(5)  # the 5 held ones cached longest: 3 left, below low: a refill
-        assert not set(more.tolist()) & set(stale)
-        assert cache.settle(30)
-        assert (cache.checks, cache.dropped_unheld) == (1, 5)
-        assert not set(cached_ids(cache)) & set(stale)
-        assert cache.cached == 13 and cache.in_use == 13  # 2 of them no longer the lease's
-        assert held(client, pool, lease.lease_id) == 11 + 13
-        cache.free(in_use)  # the 2 stale ones are dropped, not cached
-        assert cache.in_use == 5 and cache.cached == 13 + 6
-        assert cache.settle(30)
-        assert held(client, pool, lease.lease_id) == cache.in_use + cache.cached
-        assert cache.checks == 1  # the counts agree again: no more checks
-        ids = cache.alloc(cache.cached + 20)  # all it has, and a miss
-        assert not set(ids.tolist()) & set(taken.tolist())
-        assert cache.settle(30)  # the refill after the miss
-        assert lease.report_now()
-        mine = next(x for x in client.stats(pool).leases if x.lease_id == lease.lease_id)
-        assert mine.held[pool]["kv"] == cache.in_use + cache.cached
-        assert mine.in_use(pool) == cache.in_use
-        other.free(pool, "kv", taken)
+def test_the_lease_refuses_its_own_allocate_and_free_of_a_cached_space(client: KVPoolClient,
+                                                                       pool: str) -> None:
+    """While a cache is open the lease's own Allocate and Free of its space are refused,
+    naming the cache (other spaces of the pool are not); nothing reaches the daemon, so what
+    the lease holds of the space is what the cache counts. Once the cache is closed the lease
+    may use the space itself again."""
+    with client.lease("engine") as lease:
+        with lease.page_cache(pool, low=4, high=16, batch=8) as cache:
+            assert cache.settle(30)
+            ids = cache.alloc(5)
+            for call in (lambda: lease.allocate(pool, "kv", 1),
+                         lambda: lease.allocate_batch(pool, [("req", 1), ("kv", 1)]),
+                         lambda: lease.free(pool, "kv", ids[:1]),
+                         lambda: lease.free_batch(pool, [("kv", ids[:1])])):
+                with pytest.raises(FailedPrecondition,
+                                   match=rf"{pool}/kv refused.*PageCache\(") as info:
+                    call()
+                assert info.value.field == "space"
+            assert cache.core.in_use_of(ids).all()
+            rows = lease.allocate(pool, "req", 2)  # another space: the lease's own
+            assert lease.free(pool, "req", rows) == 2
+            assert cache.settle(30)
+            assert held(client, pool, lease.lease_id) == cache.core.in_use + cache.core.cached
+        assert cache.free(ids) == 5  # after close: straight to the daemon, not refused
+        got = lease.allocate(pool, "kv", 3)
+        assert lease.free(pool, "kv", got) == 3
+        assert held(client, pool, lease.lease_id) == 0
 
 
-def test_ids_freed_behind_its_back_are_dropped_at_the_next_return(client: KVPoolClient,
-                                                                  pool: str) -> None:
-    """The same found by a return: frees leave the cache above ``high``, the worker returns
-    the newest ids, and the Free's answer says the lease holds fewer than the cache counts."""
-    with client.lease("engine") as lease, client.lease("other") as other, \
-            lease.page_cache(pool, low=1, high=8, batch=2) as cache:
-        assert cache.settle(30)
-        a = cache.alloc(20)  # a miss: the 8 cached and 12 more; then a refill to 8
-        assert cache.settle(30) and (cache.cached, cache.in_use) == (8, 20)
-        stale = cached_ids(cache)[:2] + a[:1].tolist()  # the 2 cached longest, 1 in use
-        lease.free(pool, "kv", stale)
-        taken = other.allocate(pool, "kv", len(stale))
-        assert sorted(taken.tolist()) == sorted(stale)
-        cache.free(a[1:])  # 27 cached: the worker returns 21 (the newest), down to 6
-        assert cache.settle(30)
-        assert cache.returns == 1 and (cache.checks, cache.dropped_unheld) == (1, 3)
-        assert (cache.cached, cache.in_use) == (4, 1)
-        assert held(client, pool, lease.lease_id) == 4
-        cache.free(a[:1])  # no longer the lease's: dropped
-        assert (cache.cached, cache.in_use) == (4, 0)
-        assert not set(cache.alloc(4).tolist()) & set(stale)
-        other.free(pool, "kv", taken)
+def test_a_cache_opens_only_on_a_space_its_lease_holds_none_of(client: KVPoolClient,
+                                                               pool: str) -> None:
+    """A lease holding ids of the space (its own Allocate, or another open cache of it) gets
+    no cache of it: the cache would not count them."""
+    with client.lease("engine") as lease:
+        own = lease.allocate(pool, "kv", 3)
+        with pytest.raises(FailedPrecondition, match=r"holds 3 ids of .*/kv outside") as info:
+            lease.page_cache(pool)
+        assert info.value.field == "space"
+        lease.free(pool, "kv", own)
+        with lease.page_cache(pool, low=0, high=4, batch=4) as cache:
+            assert cache.settle(30)
+            with pytest.raises(FailedPrecondition, match="another open page cache"):
+                lease.page_cache(pool)
+        with lease.page_cache(pool, low=0, high=4, batch=4):  # closed, nothing in use: fine
+            pass
 
 
-async def test_async_ids_freed_behind_its_back_are_dropped(daemon: DaemonProcess,
-                                                           client: KVPoolClient,
-                                                           pool: str) -> None:
-    """``AsyncPageCache``: as the sync test of the refill."""
+async def test_async_the_lease_refuses_its_own_calls_of_a_cached_space(
+        daemon: DaemonProcess, client: KVPoolClient, pool: str) -> None:
+    """``AsyncLease``: as the sync test."""
     async with AsyncKVPoolClient(daemon.target) as aclient, \
-            await aclient.lease("engine") as lease, await aclient.lease("other") as other, \
-            await lease.page_cache(pool, low=4, high=16, batch=8) as cache:
-        await cache.settle()
-        in_use = await cache.alloc(8)
-        core = cache._core
-        stale = core.read(core.head, core.cached)[-3:].tolist() + in_use[:2].tolist()
-        await lease.free(pool, "kv", stale)
-        taken = await other.allocate(pool, "kv", len(stale))
-        assert sorted(taken.tolist()) == sorted(stale)
-        assert not set((await cache.alloc(5)).tolist()) & set(stale)
-        await cache.settle()
-        assert (cache.checks, cache.dropped_unheld) == (1, 5)
-        await cache.free(in_use)
-        await cache.settle()
-        assert held(client, pool, lease.lease_id) == cache.in_use + cache.cached
-        ids = await cache.alloc(cache.cached + 20)
-        assert not set(ids.tolist()) & set(stale)
-        await other.free(pool, "kv", taken)
+            await aclient.lease("engine") as lease:
+        async with await lease.page_cache(pool, low=0, high=8, batch=8) as cache:
+            ids = await cache.alloc(2)
+            with pytest.raises(FailedPrecondition, match="AsyncPageCache"):
+                await lease.allocate(pool, "kv", 1)
+            with pytest.raises(FailedPrecondition, match="AsyncPageCache"):
+                await lease.free(pool, "kv", ids)
+            assert await cache.settle(30)
+            assert held(client, pool, lease.lease_id) == cache.core.in_use + cache.core.cached
+        await cache.free(ids)
+        assert held(client, pool, lease.lease_id) == 0
 
 
-def test_allocate_and_free_answer_held_and_free_with_check_frees_nothing(
-        client: KVPoolClient, pool: str) -> None:
-    """The wire the check uses: Allocate and Free answer, per item, what the lease holds of
-    the item's space after the call; a Free with ``check`` frees nothing and answers which ids
-    the lease does not hold (free ones, another lease's), in order."""
-    with client.lease("engine") as lease, client.lease("other") as other:
-        resp = client.call("Allocate", wire.allocate_request(pool, lease, [("kv", 6),
-                                                                           ("req", 2)]))
-        assert list(resp.held) == [6, 2]
-        mine = codec.ids_from_bytes(resp.items[0].ids)
-        theirs = other.allocate(pool, "kv", 2)
-        free = [i for i in range(1, TINY_PAGES + 1) if i not in set(mine) | set(theirs)][:1]
-        asked = [int(mine[0]), int(theirs[0]), free[0], int(mine[1]), int(theirs[1])]
-        resp = client.call("Free", wire.free_request(pool, lease, [("kv", asked)], check=True))
-        assert resp.freed == 0 and list(resp.held) == [6]
-        assert codec.ids_from_bytes(resp.not_held[0].ids).tolist() == asked[1:3] + asked[4:]
-        assert held(client, pool, lease.lease_id) == 6
-        with pytest.raises(InvalidArgument) as info:
-            client.call("Free", wire.free_request(pool, lease, [("kv", [1, TINY_PAGES + 1])],
-                                                  check=True))
-        assert info.value.field == "items[0].ids[1]"
-        resp = client.call("Free", wire.free_request(pool, lease, [("kv", mine[:4])]))
-        assert resp.freed == 4 and list(resp.held) == [2]
+# -- try_alloc: "does not fit" is a value ----------------------------------------------------
 
-
-def test_a_lease_holding_more_than_its_cache_is_no_fault(client: KVPoolClient,
-                                                         pool: str) -> None:
-    """Ids the lease allocated itself, beside its cache, make it hold more than the cache
-    counts: no check is made."""
-    with client.lease("engine") as lease, lease.page_cache(pool, low=4, high=16,
-                                                           batch=8) as cache:
-        direct = lease.allocate(pool, "kv", 10)
+def test_try_alloc_returns_none_when_it_does_not_fit(client: KVPoolClient, pool: str) -> None:
+    """The cache and the daemon together short of ``n``: None, the cache as it was (its
+    cached ids not handed out, none held more), and counted in ``refused``; what fits is
+    handed out as ``alloc`` would."""
+    with client.lease("engine") as lease, lease.page_cache(pool, low=0, high=8,
+                                                           batch=8) as cache, \
+            client.lease("hog") as hog:
         assert cache.settle(30)
-        ids = cache.alloc(14)  # below low: a refill
-        assert cache.settle(30)
-        cache.free(ids)  # above high: a return
-        assert cache.settle(30)
-        assert cache.refills == 2 and cache.returns == 1 and cache.checks == 0
-        lease.free(pool, "kv", direct)
-        assert cache.settle(30) and cache.checks == 0
+        cache.alloc(4)
+        hog.allocate(pool, "kv", TINY_PAGES - 24)  # 16 free: no give-back is asked
+        before = snapshot(cache)
+        assert cache.try_alloc(21) is None  # 4 cached + 17 asked of the 16 free
+        counters, cached, in_use = snapshot(cache)
+        assert cached == before[1] and np.array_equal(in_use, before[2])
+        assert (counters.refused, counters.waits) == (1, 1)
+        assert counters.rpc_calls == before[0].rpc_calls + 1  # asked exactly what it lacked
+        assert held(client, pool, lease.lease_id) == 8
+        got = cache.try_alloc(20)  # 4 cached + 16 free: fits exactly
+        assert got is not None and len(set(got.tolist())) == 20
+        assert cache.core.counters().refused == 1
+
+
+async def test_async_try_alloc_returns_none_when_it_does_not_fit(
+        daemon: DaemonProcess, client: KVPoolClient, pool: str) -> None:
+    async with AsyncKVPoolClient(daemon.target) as aclient, \
+            await aclient.lease("engine") as lease, await aclient.lease("hog") as hog, \
+            await lease.page_cache(pool, low=0, high=8, batch=8) as cache:
+        await cache.settle()
+        await hog.allocate(pool, "kv", TINY_PAGES - 24)
+        before = snapshot(cache)
+        assert await cache.try_alloc(30) is None
+        assert snapshot(cache)[1] == before[1] and cache.core.refused == 1
+        assert (await cache.try_alloc(3)).shape == (3,)  # type: ignore[union-attr]
+        with pytest.raises(FailedPrecondition, match="background=False"):
+            cache.set_evictor(lambda n: None)  # a worker task: no evictor
+
+
+async def test_async_without_a_worker_maintain_and_the_evictor(
+        daemon: DaemonProcess, client: KVPoolClient, pool: str) -> None:
+    """``AsyncPageCache(background=False)``: no task; the first fill happens at open, later
+    refills, returns and give-backs only in ``await maintain()``, whose evictor (a coroutine
+    function here) frees what a give-back asks past the cache; ``settle(timeout_s)`` runs
+    ``maintain`` itself."""
+    async with AsyncKVPoolClient(daemon.target) as aclient, \
+            await aclient.lease("engine") as lease, \
+            await lease.page_cache(pool, low=4, high=16, batch=8, background=False) as cache:
+        assert (cache.core.cached, cache.core.rpc_calls) == (16, 1)
+        ids = await cache.alloc(14)
+        assert cache.core.cached == 2 and await cache.maintain() == 1
+        assert cache.core.cached == 16
+        tree = ids.tolist()
+
+        async def evict(n: int) -> None:
+            gone = [tree.pop() for _ in range(min(n, len(tree)))]
+            await cache.free(np.array(gone, dtype=np.int32))
+
+        cache.set_evictor(evict)
+        cache.set_evictable(len(tree))
+        assert cache._give_back(20) == 20  # 16 cached + 4 the evictor frees
+        assert await cache.maintain() == 1 and cache.core.gave_back == 20  # one Free
+        assert cache.core.in_use == 10 and len(tree) == 10
+        assert await cache.settle(30)  # the refill held off after the give-back, now
+        assert cache.core.cached == 16
+        assert held(client, pool, lease.lease_id) == 26
 
 
 # -- local checks ---------------------------------------------------------------------------
@@ -392,8 +391,9 @@ def test_double_free_and_foreign_ids_are_refused_and_change_nothing(
                                                            batch=8) as cache:
         cache.settle(30)
         ids = cache.alloc(4)
-        direct = lease.allocate(pool, "kv", 1)  # the lease's, but not from the cache
-        cached_id = int(cache._core.read(cache._core.head, 1)[0])  # held, never handed out
+        with client.lease("other") as other:
+            direct = other.allocate(pool, "kv", 1)  # another lease's
+        cached_id = int(cache.core.ring.cached_ids()[0])  # held, never handed out
         cache.free(ids[:1])
         cases: list[tuple[object, type[KVPoolError], str]] = [
             ([ids[1], ids[0]], FailedPrecondition, "ids[1]"),  # a double free
@@ -420,12 +420,11 @@ def test_double_free_and_foreign_ids_are_refused_and_change_nothing(
         with pytest.raises(FailedPrecondition, match=rf"ids\[0\]={ids[0]}.*double free"):
             cache.free(ids[:1])
         assert cache.free(ids[1:]) == 3  # all still in use: freed at once
-        assert cache.in_use == 0
+        assert cache.core.in_use == 0
         for count in (-1, 1.5, "2"):
             with pytest.raises(InvalidArgument) as info:
                 cache.alloc(count)
             assert info.value.field == "count"
-        lease.free(pool, "kv", direct)
 
 
 def test_checks_are_exact_at_the_range_ends(client: KVPoolClient, pool: str) -> None:
@@ -433,7 +432,7 @@ def test_checks_are_exact_at_the_range_ends(client: KVPoolClient, pool: str) -> 
     with client.lease("engine") as lease, lease.page_cache(pool, low=0, high=TINY_PAGES - 8,
                                                            batch=8) as cache:
         cache.settle(30)
-        ids = cache.alloc(cache.cached)
+        ids = cache.alloc(cache.core.cached)
         for value in (0, TINY_PAGES + 1, 2**31, -(2**31)):
             with pytest.raises(InvalidArgument, match="out of range"):
                 cache.free(np.array([value], dtype=np.int64))
@@ -450,15 +449,15 @@ def test_close_returns_the_cached_ids_and_keeps_those_in_use(client: KVPoolClien
             cache.settle(30)
             ids = cache.alloc(5)
             cache.settle(30)
-            assert held(client, pool, lease.lease_id) == 5 + cache.cached
-        assert cache.closed and cache.cached == 0 and cache.in_use == 5
+            assert held(client, pool, lease.lease_id) == 5 + cache.core.cached
+        assert cache.core.closed and cache.core.cached == 0 and cache.core.in_use == 5
         assert held(client, pool, lease.lease_id) == 5
         assert cache.close() == 0  # idempotent
         with pytest.raises(FailedPrecondition, match="closed"):
             cache.alloc(1)
-        calls = cache.rpc_calls
+        calls = cache.core.rpc_calls
         assert cache.free(ids[:2]) == 2  # after close: straight to the daemon
-        assert cache.rpc_calls == calls + 1
+        assert cache.core.rpc_calls == calls + 1
         assert held(client, pool, lease.lease_id) == 3
         with pytest.raises(FailedPrecondition):
             cache.free(ids[:1])
@@ -472,7 +471,7 @@ def test_closing_the_lease_ends_the_cache(client: KVPoolClient, pool: str) -> No
     assert lease.close().held == {pool: {"kv": 16}}
     with pytest.raises(FailedPrecondition, match=r"lease \d+ is closed"):
         cache.alloc(1)  # the cached ids went back with the lease
-    assert isinstance(cache.error, FailedPrecondition) and cache.cached == 0
+    assert isinstance(cache.core.error, FailedPrecondition) and cache.core.cached == 0
     assert cache.free(ids) == 2  # bookkeeping only
     assert cache.close() == 0
     assert client.stats(pool).pool(pool).spaces["kv"].used == 0
@@ -485,13 +484,13 @@ def test_a_lease_ended_elsewhere_ends_its_cache(client: KVPoolClient, pool: str)
 
     lease = client.lease("engine", ttl_s=0.3)
     cache = lease.page_cache(pool, low=4, high=16, batch=8, background=False)
-    assert cache.cached == 16
+    assert cache.core.cached == 16
     client.call("CloseLease", pb.CloseLeaseRequest(lease_id=lease.lease_id,
                                                      lease_secret=lease.secret))
     deadline = time.monotonic() + 5.0
-    while cache.error is None and time.monotonic() < deadline:
+    while cache.core.error is None and time.monotonic() < deadline:
         time.sleep(0.02)  # the next renewal (every 0.1 s) is answered NotFound
-    assert isinstance(cache.error, NotFound) and cache.cached == 0
+    assert isinstance(cache.core.error, NotFound) and cache.core.cached == 0
     with pytest.raises(NotFound):
         cache.alloc(1)
     assert cache.maintain() == 0  # nothing to refill for a lost lease
@@ -509,7 +508,7 @@ def test_dropped_pool_is_lost(client: KVPoolClient) -> None:
         client.drop("pcdrop", force=True)
         with pytest.raises(NotFound):
             cache.alloc(1)  # a miss: the daemon says the pool is gone
-        assert isinstance(cache.error, NotFound)
+        assert isinstance(cache.core.error, NotFound)
         with pytest.raises(NotFound):
             cache.alloc(1)
 
@@ -526,7 +525,7 @@ def test_spaces_and_watermarks_are_checked(client: KVPoolClient, pool: str) -> N
             with pytest.raises(InvalidArgument, match="follows 'kv'"):
                 lease.page_cache("pcswa", "swa")
             with lease.page_cache("pcswa", "req", low=1, high=4, batch=2) as rows:
-                assert rows.capacity == TINY_OPTIONS["max_running_requests"]
+                assert rows.core.capacity == TINY_OPTIONS["max_running_requests"]
                 assert len(rows.alloc(3)) == 3
             with pytest.raises(InvalidArgument, match="no id space 'state'"):
                 lease.page_cache(pool, "state")
@@ -596,9 +595,9 @@ def test_threads_share_a_cache(client: KVPoolClient, pool: str) -> None:
             t.join()
         assert not errors, errors
         assert cache.settle(30)
-        assert cache.in_use == len(owners)
-        assert cache.low <= cache.cached <= cache.high
-        assert held(client, pool, lease.lease_id) == cache.in_use + cache.cached
+        assert cache.core.in_use == len(owners)
+        assert cache.core.low <= cache.core.cached <= cache.core.high
+        assert held(client, pool, lease.lease_id) == cache.core.in_use + cache.core.cached
 
 
 # -- asyncio --------------------------------------------------------------------------------
@@ -609,10 +608,10 @@ async def test_async_watermarks_and_counters(daemon: DaemonProcess, client: KVPo
             await aclient.lease("engine") as lease, \
             await lease.page_cache(pool, low=4, high=16, batch=8) as cache:
         await cache.settle()
-        assert (cache.cached, cache.refills, cache.rpc_calls) == (16, 1, 1)
+        assert (cache.core.cached, cache.core.refills, cache.core.rpc_calls) == (16, 1, 1)
         a = await cache.alloc(13)
         await cache.settle()
-        assert (cache.cached, cache.in_use, cache.refills) == (16, 13, 2)
+        assert (cache.core.cached, cache.core.in_use, cache.core.refills) == (16, 13, 2)
         assert (await aclient.stats(pool)).leases[0].held[pool]["kv"] == 29
         await cache.free(a)
         await cache.settle()
@@ -620,10 +619,10 @@ async def test_async_watermarks_and_counters(daemon: DaemonProcess, client: KVPo
         assert (c.cached, c.in_use, c.returns, c.returned, c.rpc_calls, c.waits) == (
             8, 0, 1, 21, 3, 0)
         big = await cache.alloc(20)  # one Allocate for the 12 the cache lacks
-        assert (cache.in_use, cache.waits, cache.rpc_calls) == (20, 1, 4)
+        assert (cache.core.in_use, cache.core.waits, cache.core.rpc_calls) == (20, 1, 4)
         assert len(set(big.tolist())) == 20
         await cache.settle()
-        assert held(client, pool, lease.lease_id) == cache.in_use + cache.cached
+        assert held(client, pool, lease.lease_id) == cache.core.in_use + cache.core.cached
     assert client.stats(pool).pool(pool).spaces["kv"].used == 0
 
 
@@ -637,11 +636,11 @@ async def test_async_hit_does_not_suspend(daemon: DaemonProcess, pool: str) -> N
         with pytest.raises(StopIteration) as stop:
             coro.send(None)
         ids = stop.value.value
-        assert len(ids) == 3 and cache.in_use == 3
+        assert len(ids) == 3 and cache.core.in_use == 3
         coro = cache.free(ids)
         with pytest.raises(StopIteration) as stop:
             coro.send(None)
-        assert stop.value.value == 3 and cache.in_use == 0
+        assert stop.value.value == 3 and cache.core.in_use == 0
 
 
 async def test_async_refusals_change_nothing(daemon: DaemonProcess, client: KVPoolClient,
@@ -655,7 +654,7 @@ async def test_async_refusals_change_nothing(daemon: DaemonProcess, client: KVPo
         await cache.free(ids[:1])
         # 16 free: above the pressure line (capacity / 16), so no give-back is asked of us
         await hog.allocate(pool, "kv", TINY_PAGES - 24)
-        core = cache._core
+        core = cache.core
         before = snapshot(cache)
         with pytest.raises(FailedPrecondition) as info:
             await cache.free([ids[1], ids[0]])
@@ -666,8 +665,8 @@ async def test_async_refusals_change_nothing(daemon: DaemonProcess, client: KVPo
         assert_unchanged(cache, before)
         with pytest.raises(ResourceExhausted):
             await cache.alloc(22)  # 5 cached, 17 more asked of the 16 free
-        assert core.read(core.head, core.cached).tolist() == before[1]
-        assert (cache.in_use, cache.cached, cache.waits) == (3, 5, 1)
+        assert core.ring.cached_ids().tolist() == before[1]
+        assert (cache.core.in_use, cache.core.cached, cache.core.waits) == (3, 5, 1)
         assert (await cache.alloc(5)).shape == (5,)
 
 
@@ -679,7 +678,7 @@ async def test_async_close_returns_cached(daemon: DaemonProcess, client: KVPoolC
             await cache.settle()
             ids = await cache.alloc(6)
             await cache.settle()
-        assert cache.closed and cache.cached == 0
+        assert cache.core.closed and cache.core.cached == 0
         assert held(client, pool, lease.lease_id) == 6
         with pytest.raises(FailedPrecondition, match="closed"):
             await cache.alloc(1)
@@ -699,14 +698,14 @@ async def test_async_a_refused_refill_does_not_hold_a_return_back(
             await cache.settle()
             ids = await cache.alloc(12)
             await cache.settle()
-            assert cache.cached == 4
+            assert cache.core.cached == 4
             await hog.free(pool, "kv", hogged)
             more = await cache.alloc(100)
             await cache.free(ids)
             await cache.free(more)
             await cache.settle()
-            assert cache.cached <= cache.high and cache.returns == 1
-            assert held(client, pool, lease.lease_id) == cache.cached
+            assert cache.core.cached <= cache.core.high and cache.core.returns == 1
+            assert held(client, pool, lease.lease_id) == cache.core.cached
 
 
 def test_without_a_worker_the_engine_drives_refills_and_returns(client: KVPoolClient,
@@ -715,16 +714,16 @@ def test_without_a_worker_the_engine_drives_refills_and_returns(client: KVPoolCl
     and later refills and returns happen only inside ``maintain()``, one RPC each."""
     with client.lease("engine") as lease, lease.page_cache(
             pool, low=4, high=16, batch=8, background=False) as cache:
-        assert (cache.cached, cache.rpc_calls) == (16, 1)
+        assert (cache.core.cached, cache.core.rpc_calls) == (16, 1)
         ids = cache.alloc(14)  # 2 left, below low: nothing happens until maintain
-        assert (cache.cached, cache.rpc_calls) == (2, 1)
+        assert (cache.core.cached, cache.core.rpc_calls) == (2, 1)
         assert held(client, pool, lease.lease_id) == 16
         assert cache.maintain() == 1  # one refill to high
-        assert (cache.cached, cache.refills) == (16, 2)
+        assert (cache.core.cached, cache.core.refills) == (16, 2)
         cache.free(ids)  # 30 cached, above high: returned only by maintain
-        assert cache.cached == 30 and held(client, pool, lease.lease_id) == 30
+        assert cache.core.cached == 30 and held(client, pool, lease.lease_id) == 30
         assert cache.maintain() == 1  # down to max(low, high - batch) = 8
-        assert cache.cached == 8 and held(client, pool, lease.lease_id) == 8
+        assert cache.core.cached == 8 and held(client, pool, lease.lease_id) == 8
         assert cache.maintain() == 0
 
 
@@ -738,11 +737,11 @@ def test_in_use_of_and_handed_out_read_the_caches_marks(client: KVPoolClient,
         ids = cache.alloc(5)
         cache.free(ids[1:3])
         probe = np.array([ids[0], ids[1], 0, -3, TINY_PAGES + 1, 1 << 40], dtype=np.int64)
-        assert cache.in_use_of(probe).tolist() == [True, False, False, False, False, False]
-        assert cache.handed_out().tolist() == sorted([ids[0], ids[3], ids[4]])
-        assert cache.handed_out().dtype == np.int32
-        cache.free(cache.handed_out())
-        assert cache.handed_out().size == 0 and cache.in_use == 0
+        assert cache.core.in_use_of(probe).tolist() == [True, False, False, False, False, False]
+        assert cache.core.handed_out().tolist() == sorted([ids[0], ids[3], ids[4]])
+        assert cache.core.handed_out().dtype == np.int32
+        cache.free(cache.core.handed_out())
+        assert cache.core.handed_out().size == 0 and cache.core.in_use == 0
 
 
 def test_a_give_back_reaches_ids_the_owner_can_evict(client: KVPoolClient, pool: str) -> None:
@@ -777,8 +776,8 @@ def test_a_give_back_reaches_ids_the_owner_can_evict(client: KVPoolClient, pool:
         t.join(1)
         assert got and got[0].shape[0] == 40
         assert not set(got[0].tolist()) & set(busy) and not set(got[0].tolist()) & set(tree)
-        assert cache.in_use == len(busy) + len(tree) and cache.gave_back >= 34
-        assert set(cache.handed_out().tolist()) == set(busy) | set(tree)
+        assert cache.core.in_use == len(busy) + len(tree) and cache.core.gave_back >= 34
+        assert set(cache.core.handed_out().tolist()) == set(busy) | set(tree)
         # more than the owner offers is never asked of it: one id past the free ones is
         # refused, and the prefix cache keeps every id it still holds
         cache.set_evictable(0)
@@ -787,7 +786,7 @@ def test_a_give_back_reaches_ids_the_owner_can_evict(client: KVPoolClient, pool:
         with pytest.raises(ResourceExhausted):
             taker.allocate(pool, "kv", free + 1)
         cache.maintain()
-        assert set(cache.handed_out().tolist()) == set(busy) | set(tree)
+        assert set(cache.core.handed_out().tolist()) == set(busy) | set(tree)
 
 
 def test_an_evictor_needs_a_cache_without_a_worker(client: KVPoolClient, pool: str) -> None:

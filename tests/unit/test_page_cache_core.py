@@ -3,9 +3,11 @@
 The core keeps its cached ids in a ring and tells an id in use from its slot alone (see
 ``kvpool.cache.page_cache``). A small capacity makes every program wrap the ring many times. Each
 rule is what the cache does on one path: a refill or return by the worker, an ``alloc``, a
-miss that reserves and then finishes or is refused, a ``free`` (valid, repeated, foreign, out
-of range, a double free), a give-back, and ``close`` followed by frees of ids still in use.
-After every step the model's FIFO queue, in-use set and counters must match the core's.
+``try_alloc`` past the ring (a miss that asks the daemon and gets its ids, or does not fit:
+None, the cache as it was), a ``free`` (valid, repeated, foreign, out of range, a double free),
+a give-back, and ``close`` followed by frees of ids still in use. After every step the model's
+FIFO queue, in-use set and counters must match the core's, and what the lease holds of the
+space must be exactly what the core counts.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpool.cache import ring
-from kvpool.cache.policy import CHECK, GIVE_BACK, REFILL, RETURN, PageCacheCore
+from kvpool.cache.policy import GIVE_BACK, REFILL, RETURN, PageCacheCore
+from kvpool.cache.ring import IdRing
 from kvpool.contract.errors import (
     FailedPrecondition,
     InvalidArgument,
     KVPoolError,
+    NotFound,
     ResourceExhausted,
     Unavailable,
 )
@@ -47,6 +51,8 @@ class CoreMachine(RuleBasedStateMachine):
         self.in_use: set[int] = set()
         self.daemon = set(range(1, CAP + 1))  # held by nobody: the daemon's to give
         self.elsewhere: set[int] = set()  # the lease's, not in the cache (reserved, returning)
+        self.refused = 0  # try_allocs that did not fit
+        self.waits = 0  # allocs that asked the daemon
 
     # -- the worker ---------------------------------------------------------------------------
 
@@ -55,7 +61,7 @@ class CoreMachine(RuleBasedStateMachine):
     def refill(self, k: int) -> None:
         got = sorted(self.daemon)[:k]
         self.daemon -= set(got)
-        self.core.push(i32(got))
+        self.core.job_done(REFILL, k, i32(got), 0.0)
         self.queue.extend(got)
 
     @precondition(lambda self: self.core.dead is None and self.core.cached > 0)
@@ -73,12 +79,19 @@ class CoreMachine(RuleBasedStateMachine):
         kind, ids = job
         assert kind == (GIVE_BACK if give_back else RETURN)
         n = ids.shape[0]
-        # The most recently cached go back, in ring order.
-        want = list(self.queue)[len(self.queue) - n:]
-        assert ids.tolist() == want
-        for _ in range(n):
-            self.queue.pop()
-        core.job_done(kind, ids, None)
+        if give_back:  # the highest go back; the others stay cached in their order
+            want = sorted(self.queue)[len(self.queue) - n:]
+            assert sorted(ids.tolist()) == want
+            self.queue = deque(i for i in self.queue if i not in set(want))
+        else:  # the most recently cached go back, in ring order
+            want = list(self.queue)[len(self.queue) - n:]
+            assert ids.tolist() == want
+            for _ in range(n):
+                self.queue.pop()
+        self.elsewhere |= set(want)  # still the lease's until the Free is answered
+        self.held_is_counted()
+        core.job_done(kind, ids, None, 0.0)
+        self.elsewhere -= set(want)
         self.daemon |= set(want)
 
     # -- alloc --------------------------------------------------------------------------------
@@ -96,27 +109,39 @@ class CoreMachine(RuleBasedStateMachine):
         self.in_use |= set(want)
 
     @precondition(lambda self: self.core.dead is None)
-    @rule(n=st.integers(1, CAP), refused=st.booleans())
-    def miss(self, n: int, refused: bool) -> None:
+    @rule(n=st.integers(1, CAP), room=st.integers(0, CAP))
+    def try_alloc(self, n: int, room: int) -> None:
+        """What a shell's ``try_alloc`` does past the ring, with a daemon that grants at most
+        ``room`` ids per Allocate: the ids, or None and the cache as it was."""
         core = self.core
+        if n <= len(self.queue):
+            return  # the ring serves it: ``alloc`` above
         reserved = core.reserve(n)
-        k = min(n, len(self.queue))
+        k = len(self.queue)
         want = [self.queue.popleft() for _ in range(k)]
         assert reserved.tolist() == want
         self.elsewhere |= set(want)
         assert not core.in_use_of(reserved).any()
-        if refused or n - k > len(self.daemon):
-            core.unreserve(reserved)  # back at the tail
-            self.queue.extend(want)
-            self.elsewhere -= set(want)
-            return
-        got = sorted(self.daemon)[:n - k + 1]  # one more than needed: it is cached
-        self.daemon -= set(got)
-        ids = core.hand_out(reserved, i32(got), n)
-        assert ids.tolist() == want + got[:n - k]
+        self.held_is_counted()
+        self.waits += 1
+        room = min(room, len(self.daemon))
+        calls = 0
+        for count in core.miss_counts(n, reserved):
+            assert count >= n - k
+            calls += 1
+            if count <= room:
+                got = sorted(self.daemon)[:count]
+                self.daemon -= set(got)
+                ids = core.miss_done(reserved, i32(got), n, calls)
+                assert ids.tolist() == want + got[:n - k]
+                self.elsewhere -= set(want)
+                self.in_use |= set(ids.tolist())
+                self.queue.extend(got[n - k:])  # the surplus is cached
+                return
+        core.miss_failed(reserved, ResourceExhausted("full"), calls)  # does not fit: None
+        self.refused += 1
+        self.queue.extend(want)  # back at the tail
         self.elsewhere -= set(want)
-        self.in_use |= set(ids.tolist())
-        self.queue.extend(got[n - k:])
 
     # -- free ---------------------------------------------------------------------------------
 
@@ -125,14 +150,14 @@ class CoreMachine(RuleBasedStateMachine):
     def free(self, data: st.DataObject) -> None:
         ids = data.draw(st.lists(st.sampled_from(sorted(self.in_use)), min_size=1,
                                  unique=True))
-        arr, cached = self.core.free_ids(i32(ids))
+        arr, send = self.core.free(i32(ids))
         assert arr.tolist() == ids
         self.in_use -= set(ids)
         if self.core.dead is None:
-            assert cached
+            assert not send
             self.queue.extend(ids)
         else:
-            assert not cached and self.core.send_freed(arr)  # the caller Frees them
+            assert send  # the caller Frees them
             self.daemon |= set(ids)
 
     @rule(data=st.data())
@@ -153,36 +178,49 @@ class CoreMachine(RuleBasedStateMachine):
             ids, cls, where = [*good[:1], CAP + 1], InvalidArgument, f"ids[{len(good[:1])}]"
         before = self.state()
         with pytest.raises(KVPoolError) as info:
-            self.core.free_ids(i32(ids))
+            self.core.free(i32(ids))
         assert type(info.value) is cls and info.value.field == where
         assert self.state() == before
 
     def state(self) -> tuple[list[int], list[int], int, int]:
         """What a refused free must leave alone (a rebase may re-encode the slots)."""
-        core = self.core
-        return (core.read(core.head, core.cached).tolist(), core.handed_out().tolist(),
-                core.head, core.tail)
+        ring = self.core.ring
+        return (ring.cached_ids().tolist(), ring.handed_out().tolist(), ring.head, ring.tail)
 
     # -- the end ------------------------------------------------------------------------------
 
     @precondition(lambda self: self.core.dead is None)
     @rule()
     def close(self) -> None:
-        self.core.close()
+        assert self.core.close()
         drained = self.core.drain()
         assert drained.tolist() == list(self.queue)
         self.daemon |= set(self.queue)
         self.queue.clear()
+        with pytest.raises(FailedPrecondition):
+            self.core.take(0)
+
+    def held_is_counted(self) -> None:
+        """What the lease holds of the space (every id not the daemon's) is exactly what the
+        core counts: in use, cached, reserved by a miss, being returned."""
+        core = self.core
+        if core.dead is None:
+            counted = core.in_use + core.cached + core.ring.reserved + core.returning
+            assert counted == CAP - len(self.daemon)
 
     @invariant()
     def agrees_with_model(self) -> None:
         core = self.core
-        assert core.read(core.head, core.cached).tolist() == list(self.queue)
+        assert core.ring.cached_ids().tolist() == list(self.queue)
         assert core.handed_out().tolist() == sorted(self.in_use)
-        assert core.n_in_use == len(self.in_use)
+        assert core.in_use == len(self.in_use)
         everyone = np.arange(0, CAP + 3)
         assert core.in_use_of(everyone).tolist() == [i in self.in_use for i in everyone]
-        assert core.counters().cached == len(self.queue)
+        counters = core.counters()
+        assert counters.cached == len(self.queue)
+        assert (counters.refused, counters.waits) == (self.refused, self.waits)
+        assert not self.elsewhere and core.ring.reserved == 0 and core.returning == 0
+        self.held_is_counted()
 
 
 TestCoreMachine = CoreMachine.TestCase
@@ -191,35 +229,34 @@ TestCoreMachine.settings = SETTINGS
 
 def test_an_id_listed_65537_times_is_refused() -> None:
     """However often an id is listed, the slot read back shows it (no counter to wrap)."""
-    core = PageCacheCore("p", "kv", capacity=70_000, low=0, high=70_000, batch=1)
+    core = IdRing("p/kv", capacity=70_000)
     core.push(np.arange(70_000, 0, -1, dtype=np.int32))
     ids = core.take(2)
     assert ids is not None
     before = core.pos.copy()
     with pytest.raises(InvalidArgument) as info:
-        core.free_ids(np.full(65_537, ids[0], dtype=np.int32))
+        core.free_ids(np.full(65_537, ids[0], dtype=np.int32), True)
     assert info.value.field == "ids[1]"
     assert np.array_equal(core.pos, before)
-    assert core.free_ids(ids)[0].tolist() == ids.tolist()  # both still in use: freed at once
+    assert core.free_ids(ids, True).tolist() == ids.tolist()  # both still in use: freed at once
 
 
 @pytest.mark.parametrize("bad", ["repeat", "cached"])
 def test_a_refused_free_that_crosses_a_rebase_changes_nothing(bad: str) -> None:
     """The free that would move ``base`` is refused after its checks read the slots: what it
     read must still be valid when it puts them back."""
-    core = PageCacheCore("p", "kv", capacity=8, low=0, high=8, batch=1, window=2,
-                         rebase_at=12)
+    core = IdRing("p/kv", capacity=8, window=2, rebase_at=12)
     core.push(np.arange(1, 9, dtype=np.int32))
     ids = core.take(6)
     assert ids is not None
-    core.free_ids(ids[:2])  # tail 10: a free of 3 more crosses 12
-    handed, cached = core.handed_out().tolist(), core.read(core.head, core.cached).tolist()
+    core.free_ids(ids[:2], True)  # tail 10: a free of 3 more crosses 12
+    handed, cached = core.handed_out().tolist(), core.cached_ids().tolist()
     bad_ids = [ids[2], ids[3], ids[2]] if bad == "repeat" else [ids[2], ids[3], ids[0]]
     with pytest.raises(KVPoolError):
-        core.free_ids(np.asarray(bad_ids, dtype=np.int32))
+        core.free_ids(np.asarray(bad_ids, dtype=np.int32), True)
     assert core.handed_out().tolist() == handed
-    assert core.read(core.head, core.cached).tolist() == cached
-    assert core.free_ids(ids[2:6])[0].tolist() == ids[2:6].tolist()  # still in use, all four
+    assert core.cached_ids().tolist() == cached
+    assert core.free_ids(ids[2:6], True).tolist() == ids[2:6].tolist()  # still in use, all four
     assert core.handed_out().tolist() == []
 
 
@@ -227,16 +264,16 @@ def test_a_rebase_in_chunks_keeps_every_id_where_it_was(monkeypatch: pytest.Monk
     """The rebase walks ``pos`` a chunk at a time (bounded temporaries); ids in use, cached and
     not here keep their meaning across chunk borders, and the queue its order."""
     monkeypatch.setattr(ring, "REBASE_CHUNK", 4)
-    core = PageCacheCore("p", "kv", capacity=30, low=0, high=30, batch=1)
+    core = IdRing("p/kv", capacity=30)
     core.push(np.arange(30, 5, -1, dtype=np.int32))  # ids 1..5 are not here
     ids = core.take(12)
     assert ids is not None
-    core.free_ids(ids[::3])
-    handed, cached = core.handed_out().tolist(), core.read(core.head, core.cached).tolist()
+    core.free_ids(ids[::3], True)
+    handed, cached = core.handed_out().tolist(), core.cached_ids().tolist()
     core.rebase()
     assert core.base == core.head
     assert core.handed_out().tolist() == handed
-    assert core.read(core.head, core.cached).tolist() == cached
+    assert core.cached_ids().tolist() == cached
     assert not core.in_use_of(np.arange(0, 7)).any()
     assert core.take(len(cached)).tolist() == cached  # served in the same order
 
@@ -253,13 +290,13 @@ def test_a_refills_backoff_does_not_defer_a_return() -> None:
     """The pool had no room for a refill, so the worker waits out a backoff; frees then take
     the cache above high. That return is due now, not when the refill may be retried."""
     core = PageCacheCore("p", "kv", capacity=32, low=4, high=8, batch=2)
-    core.push(i32([1, 2, 3]))  # below low
+    core.ring.push(i32([1, 2, 3]))  # below low
     refuse_all(core, 10.0, ResourceExhausted("full"))
     assert core.refill_retry.at > 10.0 and core.pick_job(10.0) is None
-    core.push(i32(list(range(4, 14))))  # 13 cached: above high
+    core.ring.push(i32(list(range(4, 14))))  # 13 cached: above high
     job = core.pick_job(10.0)
     assert job is not None and job[0] == RETURN and job[1].shape == (13 - 6,)
-    core.job_done(RETURN, job[1], None)
+    core.job_done(RETURN, job[1], None, 10.0)
     assert core.pick_job(10.0) is None and core.cached == 6
 
 
@@ -267,7 +304,7 @@ def test_settled_waits_for_what_was_refused_before_settle_began() -> None:
     """A refusal from before ``begin_settle`` does not count as settled: ``begin_settle`` lifts
     the backoff so the worker tries again, and only a refusal from then on (or success) does."""
     core = PageCacheCore("p", "kv", capacity=32, low=4, high=8, batch=2)
-    core.push(i32([1, 2, 3]))
+    core.ring.push(i32([1, 2, 3]))
     refuse_all(core, 10.0, ResourceExhausted("full"))
     assert core.pick_job(10.0) is None  # waiting out the backoff
     core.begin_settle()
@@ -278,14 +315,14 @@ def test_settled_waits_for_what_was_refused_before_settle_began() -> None:
     refuse_all(core, 10.0, ResourceExhausted("full"))
     assert core.settled()  # refused since settle began: it cannot now
     # a return refused (the daemon unreachable) before the next settle, then done
-    core.push(i32(list(range(4, 14))))
+    core.ring.push(i32(list(range(4, 14))))
     refuse_all(core, 11.0, Unavailable("down"))
     assert core.cached == 13
     core.begin_settle()
     assert not core.settled()
     job = core.pick_job(11.0)
     assert job is not None and job[0] == RETURN
-    core.job_done(RETURN, job[1], None)
+    core.job_done(RETURN, job[1], None, 10.0)
     assert core.settled() and core.cached == 6
 
 
@@ -293,11 +330,11 @@ def test_settle_lifts_the_hold_after_a_give_back() -> None:
     """After a give-back the worker holds refills back for a while; ``settle`` waits for none
     of that: the refill is due at once."""
     core = PageCacheCore("p", "kv", capacity=32, low=4, high=8, batch=2)
-    core.push(i32(list(range(1, 9))))
+    core.ring.push(i32(list(range(1, 9))))
     core.ask_give_back(6)
     job = core.pick_job(0.0)
     assert job is not None and job[0] == GIVE_BACK
-    core.job_done(GIVE_BACK, job[1], None)
+    core.job_done(GIVE_BACK, job[1], None, 0.0)
     assert core.cached == 2 and core.pick_job(0.0) is None  # held back
     core.begin_settle()
     assert not core.settled() and core.pick_job(0.0) == (REFILL, 6)
@@ -308,16 +345,16 @@ def test_a_give_back_returns_the_highest_cached_ids_and_keeps_the_rest_in_order(
     ids the cache holds, whatever order they were cached in, and the others stay cached in
     their order (the next allocs hand them out as before)."""
     core = PageCacheCore("p", "kv", capacity=64, low=0, high=64, batch=8)
-    core.push(i32([40, 3, 57, 9, 12, 61, 5, 33]))
+    core.ring.push(i32([40, 3, 57, 9, 12, 61, 5, 33]))
     core.ask_give_back(3)
     job = core.pick_job(0.0)
     assert job is not None and job[0] == GIVE_BACK
     assert sorted(job[1].tolist()) == [40, 57, 61]
-    core.job_done(GIVE_BACK, job[1], None)
+    core.job_done(GIVE_BACK, job[1], None, 0.0)
     assert core.cached == 5
     got = core.take(5)
     assert got is not None and got.tolist() == [3, 9, 12, 5, 33]
-    core.free_ids(got)
+    core.free(got)
     assert core.cached == 5
 
 
@@ -325,13 +362,13 @@ def test_a_give_back_from_an_id_returns_only_ids_at_or_above_it() -> None:
     """An elastic pool's drained groups: only cached ids >= ``min_id`` come back, never more
     than there are, and nothing is asked of the evictor for them."""
     core = PageCacheCore("p", "kv", capacity=64, low=0, high=64, batch=8)
-    core.push(i32([40, 3, 57, 9, 12, 61, 5, 33]))
+    core.ring.push(i32([40, 3, 57, 9, 12, 61, 5, 33]))
     core.can_evict, core.evictable = True, 10
     assert core.ask_give_back(5, min_id=40) == 3 and core.evict_wanted == 0
     assert core.ask_give_back(5, min_id=40) == 0  # already asked for all three
     job = core.pick_job(0.0)
     assert job is not None and job[0] == GIVE_BACK and sorted(job[1].tolist()) == [40, 57, 61]
-    core.job_done(GIVE_BACK, job[1], None)
+    core.job_done(GIVE_BACK, job[1], None, 0.0)
     assert core.cached == 5 and core.give_back == 0
 
 
@@ -339,7 +376,7 @@ def test_a_give_back_past_the_cache_asks_the_evictor_for_at_most_what_it_offered
     """Cached ids first; past them, up to what the owner said it can evict (not yet asked):
     those are counted for the evictor, and the report stops offering them."""
     core = PageCacheCore("p", "kv", capacity=64, low=0, high=64, batch=8)
-    core.push(i32(list(range(1, 21))))
+    core.ring.push(i32(list(range(1, 21))))
     held = core.take(16)  # 16 in use (a prefix cache), 4 cached
     assert held is not None
     core.can_evict, core.evictable = True, 10
@@ -352,63 +389,68 @@ def test_a_give_back_past_the_cache_asks_the_evictor_for_at_most_what_it_offered
     # the cached ones go at once; the evictor's run before the next job (``maintain``)
     job = core.pick_job(0.0)
     assert job is not None and job[0] == GIVE_BACK and job[1].shape[0] == 4
-    core.job_done(GIVE_BACK, job[1], None)
+    core.job_done(GIVE_BACK, job[1], None, 0.0)
     assert core.give_back == 10  # waits for the evictor's 10
-    core.evict_wanted = 0  # maintain takes the count and runs the evictor:
-    core.free_ids(held[:10])  # the evictor frees them into the cache
+    assert core.evict_due() == 10  # maintain takes the count and runs the evictor:
+    core.free(held[:10])  # the evictor frees them into the cache
     job = core.pick_job(0.0)
     assert job is not None and job[0] == GIVE_BACK and job[1].shape[0] == 10
     assert core.give_back == 0
 
 
-# -- ids the lease no longer holds (issue 20, item 10) ----------------------------------------
-
-def test_a_short_count_makes_one_check_and_its_answer_drops_what_is_not_held() -> None:
-    """A reply saying the lease holds fewer ids than the cache counts makes a check of every
-    id it counts, first of all jobs; its answer drops the cached ones (the queue keeps its
-    order) and marks the ones in use, which a later free drops (alone or among others), also
-    across a rebase. Replies of RPCs that overlapped, or that hold as many, check nothing."""
-    core = PageCacheCore("p", "kv", capacity=16, low=0, high=16, batch=1)
-    core.push(np.arange(1, 11, dtype=np.int32))
-    ids = core.take(4)  # 1..4 in use, 5..10 cached
-    assert ids is not None
-    first, second = core.rpc_begin(), core.rpc_begin()
-    core.rpc_end(second, 3)  # another RPC ran meanwhile: no conclusion
-    core.rpc_end(first, 3)
-    core.rpc_end(core.rpc_begin(), 12)  # the lease holds more than the cache: no fault
-    assert not core.check_due
-    core.give_back = 2
-    core.rpc_end(core.rpc_begin(), 7)  # 10 counted, 7 held
-    assert core.check_due and not core.settled()
+def test_an_evictor_that_fails_gives_up_the_give_back_it_was_to_serve() -> None:
+    """The owner's evictor raised: the give-back waiting for its ids is given up (the state
+    changes, the error is kept), and the cache goes on."""
+    core = PageCacheCore("p", "kv", capacity=64, low=0, high=64, batch=8)
+    core.ring.push(i32(list(range(1, 11))))
+    held = core.take(8)
+    assert held is not None
+    core.can_evict, core.evictable = True, 8
+    assert core.ask_give_back(6) == 6 and core.evict_wanted == 4
     job = core.pick_job(0.0)
-    assert job is not None and job[0] == CHECK
-    assert sorted(job[1].tolist()) == list(range(1, 11))
-    core.job_done(CHECK, job[1], i32([6, 9, 2]))
-    assert (core.checks, core.dropped_unheld, core.unheld_in_use) == (1, 3, 1)
-    assert core.read(core.head, core.cached).tolist() == [5, 7, 8, 10]
-    assert core.report() == (4, 3, 0)
-    assert core.handed_out().tolist() == [1, 2, 3, 4]  # 2 stays in use until it is freed
-    core.rebase()
-    assert core.free_ids(i32([2]))[0].tolist() == [2]  # dropped, not cached
-    assert core.read(core.head, core.cached).tolist() == [5, 7, 8, 10]
-    assert core.unheld_in_use == 0 and core.n_in_use == 3
-    core.rpc_end(core.rpc_begin(), 7)  # 3 in use + 4 cached: held as counted
-    assert not core.check_due
+    assert job is not None and job[1].shape[0] == 2
+    core.job_done(GIVE_BACK, job[1], None, 0.0)
+    want = core.evict_due()
+    assert want == 4 and core.give_back == 4
+    core.evict_failed(want, RuntimeError("the tree is busy"))
+    assert core.give_back == 0 and isinstance(core.last_error, FailedPrecondition)
+    assert core.pick_job(0.0) is None and core.report() == (0, 8, 4)
 
 
-def test_a_marked_id_freed_among_others_is_dropped_and_after_close_not_sent() -> None:
+# -- the end ----------------------------------------------------------------------------------
+
+def test_after_close_frees_go_to_the_daemon_and_after_a_loss_nowhere() -> None:
+    """Once closed, freed ids are forgotten and the shell Frees them (counted); a refused
+    Free puts them back in use; once the lease is gone, nothing is sent."""
     core = PageCacheCore("p", "kv", capacity=16, low=0, high=16, batch=1)
-    core.push(np.arange(1, 9, dtype=np.int32))
+    core.ring.push(np.arange(1, 9, dtype=np.int32))
     ids = core.take(6)
     assert ids is not None
-    core.drop_unheld(i32([2, 5]))  # both in use
-    arr, cached = core.free_ids(i32([1, 2, 3]))
-    assert arr.tolist() == [1, 2, 3] and cached
-    assert core.read(core.head, core.cached).tolist() == [7, 8, 1, 3]
-    core.close()
-    core.drain()
-    arr, cached = core.free_ids(i32([4, 5, 6]))  # after close: only the lease's go to the daemon
-    assert arr.tolist() == [4, 6] and not cached and core.n_in_use == 0
+    assert core.close() and not core.close()
+    assert core.drain().tolist() == [7, 8]
     calls = core.rpc_calls
-    assert core.send_freed(arr) and core.rpc_calls == calls + 1
-    assert not core.send_freed(arr[:0]) and core.rpc_calls == calls + 1  # nothing to send
+    arr, send = core.free(i32([4, 5, 6]))
+    assert arr.tolist() == [4, 5, 6] and send and core.rpc_calls == calls + 1
+    assert core.in_use == 3 and core.cached == 0
+    core.unfree(arr)  # the daemon refused that Free
+    assert core.in_use_of(arr).all() and core.in_use == 6
+    assert core.free(i32([]))[1] is False  # nothing to send
+    core.lose(NotFound("lease 1 expired"))
+    arr, send = core.free(i32([1, 2]))
+    assert not send and core.rpc_calls == calls + 1 and core.drain().shape == (0,)
+
+
+def test_settle_pause_without_a_worker() -> None:
+    """A cache without a worker settles by running ``maintain`` itself: the pause says done,
+    timed out, or how long until a held-back job may run."""
+    core = PageCacheCore("p", "kv", capacity=32, low=4, high=8, batch=2)
+    core.prefill = False
+    core.ring.push(i32(list(range(1, 7))))
+    assert core.settle_pause(0.0, None) is True
+    core.ask_give_back(4)
+    job = core.pick_job(0.0)
+    assert job is not None
+    core.job_done(GIVE_BACK, job[1], None, 0.0)  # 2 cached: below low, held back 0.5 s
+    pause = core.settle_pause(0.0, None)
+    assert type(pause) is float and 0.0 < pause <= 0.5
+    assert core.settle_pause(1.0, 0.5) is False  # past the deadline

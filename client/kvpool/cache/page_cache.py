@@ -30,11 +30,15 @@ this cache has not handed out or that was already freed (``FailedPrecondition``)
 classes for the same faults. O(count): per id of the space the cache keeps the slot it was last
 queued at (4 bytes), and an id is in use exactly when that slot is behind the queue's head.
 
-Ids freed behind its back (``lease.free`` of its ids, misuse): every Allocate and Free the
-cache makes answers what the lease holds of the space; fewer than the cache counts, with no
-other RPC of the cache in flight, and the worker checks which of its ids the lease still holds
-(one Free with ``check``) and drops the others (``dropped_unheld``): cached ones at once, ones
-in use when they are freed. See docs/api.md, "Page cache".
+The only path: while a cache is open its lease refuses its own Allocate and Free of the
+cache's space (``FailedPrecondition`` naming the cache), and a cache opens only on a space of
+which the lease holds nothing; so what the lease holds of the space is exactly what the cache
+counts (in use, cached, on their way to or from the daemon), and nothing frees an id behind
+the cache's back.
+
+"Does not fit" is a value: ``try_alloc(n)`` returns None when the cache and the daemon
+together have fewer than ``n`` (the cache as it was); ``alloc(n)`` is ``try_alloc`` raising
+the daemon's ``ResourceExhausted`` instead, for callers written against exceptions.
 
 Order: ``alloc`` hands out the ids cached longest first (FIFO): it takes a slice from the head
 of a ring and writes nothing per id, so it costs what an in-process free list costs;
@@ -46,13 +50,18 @@ DSA and hybrid linear pools; ``req``, ``state``, ``c4_state``, ``c128_state``). 
 now: a page's ``swa`` side is released through the daemon as the window slides (``Free`` of
 ``swa``), so a cached pair can go stale; see docs/api.md, "Page cache".
 
-Locking (the sync cache): one lock guards the ring, the slots and the counters; ``alloc`` and
-``free`` hold it for a few numpy operations. No RPC is ever made with it held: the worker and
-a missing ``alloc`` take ids out of the ring under the lock, call the daemon unlocked, and put
-the result back under the lock. The lock is innermost (nothing else is acquired under it but
-the worker's ``threading.Event``); the lease's keep-alive thread takes it briefly, holding
-nothing else, to read the counts it reports and to pass on a give-back (docs/api.md, "Page
-cache", pressure).
+Shape: the behaviour is a sans-IO core (``kvpool.cache.policy.PageCacheCore``, over the ring
+of ``kvpool.cache.ring``); this module and ``kvpool.cache.aio_page_cache`` are its thread and
+asyncio shells: they lock, make the calls the core asks for, and hand it the replies. Read
+the cache's state from its core (``cache.core.cached``, ``cache.core.in_use``, ...).
+
+Locking (the sync cache): one lock guards the core (the ring, the slots, the counters);
+``alloc`` and ``free`` hold it for a few numpy operations. No RPC is ever made with it held:
+the worker and a missing ``alloc`` take ids out of the ring under the lock, call the daemon
+unlocked, and put the result back under the lock. The lock is innermost (nothing else is
+acquired under it but the worker's ``threading.Event``); the lease's keep-alive thread takes
+it briefly, holding nothing else, to read the counts it reports and to pass on a give-back
+(docs/api.md, "Page cache", pressure).
 """
 
 from __future__ import annotations
@@ -62,17 +71,16 @@ import threading
 import time
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from kvpool.cache.policy import (
     JOB_CALLS,
-    LEASE_POLL_S,
     PageCacheCore,
     PageCacheCounters,
-    copy_error,
     lease_lost,
+    refuse_held,
     space_capacity,
     watermarks,
 )
@@ -82,9 +90,6 @@ from kvpool.contract.errors import (
     NotFound,
     ResourceExhausted,
 )
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 
@@ -102,85 +107,25 @@ class Lease(Protocol):
     @property
     def error(self) -> BaseException | None: ...
 
-    def free(self, pool: str, space: str, ids: Any) -> int: ...
-
-    def allocate_swa_pairs(self, pool: str, count: int) -> tuple[np.ndarray, np.ndarray]: ...
-
     def report_now(self, timeout_s: float = ...) -> bool: ...
 
-    def _allocate_held(self, pool: str, space: str, count: int
-                       ) -> tuple[np.ndarray, int | None]: ...
+    def _cache_allocate(self, pool: str, space: str, count: int) -> np.ndarray: ...
 
-    def _free_held(self, pool: str, space: str, ids: Any) -> tuple[int, int | None]: ...
-
-    def _check_held(self, pool: str, space: str, ids: Any) -> tuple[np.ndarray, int | None]: ...
+    def _cache_free(self, pool: str, space: str, ids: Any) -> int: ...
 
     def _register_cache(self, cache: Any) -> None: ...
 
     def _unregister_cache(self, cache: Any) -> None: ...
 
-def _from_core(attr: str, doc: str = "") -> Any:
-    """A read-only property of a cache that reads its core's ``attr``."""
-    return property(lambda self: getattr(self._core, attr), doc=doc or None)
+    def _report_soon(self) -> None: ...
 
 
-class CacheState:
-    """The read-only state both page caches expose (``self._core`` is their
-    :class:`PageCacheCore`)."""
-
-    _core: PageCacheCore
-    _lease: Any
-
-    def _report_soon(self) -> None:
-        """The cached count moved by a batch (a refill, a return, a give-back, a miss): the
-        lease sends its report now rather than at the next renewal, so the daemon knows what
-        it may ask back."""
-        report_soon = getattr(self._lease, "_report_soon", None)
-        if report_soon is not None:
-            report_soon()
-
-    def _raise_dead(self) -> None:
-        """Raise why the cache cannot hand out ids (closed, or its lease or pool gone)."""
-        assert self._core.dead is not None
-        raise copy_error(self._core.dead)
-
-    def in_use_of(self, ids: Any) -> np.ndarray:
-        """Per id of ``ids``: whether ``alloc`` handed it out and it was not freed (False for
-        ids out of range). O(len(ids)); call it from the thread that allocates and frees."""
-        return self._core.in_use_of(ids)
-
-    def handed_out(self) -> np.ndarray:
-        """Every id handed out and not freed (int32, ascending). O(capacity): for a reset,
-        not for the hot path."""
-        return self._core.handed_out()
-
-    # What the cache is and counts, read from its core (the counters' meanings: see
-    # PageCacheCounters).
-    pool = _from_core("pool")
-    space = _from_core("space")
-    capacity = _from_core("capacity")
-    low = _from_core("low")
-    high = _from_core("high")
-    batch = _from_core("batch")
-    in_use = _from_core("n_in_use")
-    cached = _from_core("cached")
-    refills = _from_core("refills")
-    returns = _from_core("returns")
-    rpc_calls = _from_core("rpc_calls")
-    waits = _from_core("waits")
-    gave_back = _from_core("gave_back")
-    checks = _from_core("checks")
-    dropped_unheld = _from_core("dropped_unheld")
-    closed = _from_core("closed")
-    # Why the cache lost its ids (lease expired or closed, pool dropped), else None.
-    error = _from_core("lost", "Why the cache lost its ids (KVPoolError), else None.")
-
-
-class PageCache(CacheState):
+class PageCache:
     """Ids of one (lease, pool, id space) served from a local queue; see the module docstring.
 
     Made by :meth:`kvpool.clients.client.Lease.page_cache`; a context manager (``close`` on exit).
-    Thread-safe: ``alloc``, ``free`` and the counters may be used from any thread.
+    Thread-safe: ``alloc``, ``free`` and the counters may be used from any thread. Its state
+    is its core's (``core``: read it, never change it).
     """
 
     def __init__(self, lease: Lease, pool: str, space: str, capacity: int, *,
@@ -190,40 +135,47 @@ class PageCache(CacheState):
         lo, hi, ba = watermarks(capacity, low, high, batch)
         self._lease = lease
         self._evictor: Callable[[int], object] | None = None
-        self._core = PageCacheCore(pool, space, capacity, lo, hi, ba)
+        self.core = core = PageCacheCore(pool, space, capacity, lo, hi, ba)
         # fill=False: no first fill to ``high`` (an elastic pool's engine grows its cache on
         # demand instead of asking the daemon for ``high`` pages at once).
-        self._core.prefill = fill
+        core.prefill = fill
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._core.wake = self._wake.set
+        core.wake = self._wake.set
         self._idle = threading.Event()
-        self._core.on_settled = self._idle.set
+        core.on_settled = self._idle.set
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"kvpool-page-cache-{pool}-{space}")
-        self._core.kick()  # the first refill, to ``high``
+        core.kick()  # the first refill, to ``high``
         # background=False: no worker thread; the engine calls ``maintain`` (between steps,
         # while its forward pass runs), so no refill or return ever lands inside its calls.
         self.background = background
-        if background:
-            self._thread.start()
-        else:
-            self.maintain()
-        # The lease reports the cache on KeepAlive, routes give-backs, and says when it ends.
+        # The lease reports the cache on KeepAlive, routes give-backs, refuses its own
+        # Allocate and Free of the space, and says when it ends.
         lease._register_cache(self)
         lost = lease_lost(lease)
         if lost is not None:  # closed or lost before the registration
             self.lease_gone(lost)
+        if background:
+            self._thread.start()
+        else:
+            self.maintain()
 
     @classmethod
     def open(cls, lease: Lease, pool: str, space: str = "kv", *, low: int | None = None,
              high: int | None = None, batch: int | None = None,
              background: bool = True, fill: bool = True) -> PageCache:
         """A cache over ``pool``'s ``space`` for ``lease``: one Stats call learns the space's
-        capacity (and whether it is paired); the cache is then filled to ``high`` (by the
-        worker, or at once without one)."""
+        capacity (and whether it is paired) and that the lease holds none of it; the cache is
+        then filled to ``high`` (by the worker, or at once without one).
+
+        Raises:
+            NotFound, InvalidArgument: see ``space_capacity``. FailedPrecondition: the lease
+                holds ids of the space (see ``refuse_held``).
+        """
         stats = lease.client.stats(pool)
         capacity = space_capacity(stats, pool, space)
+        refuse_held(stats, lease.lease_id, pool, space)
         return cls(lease, pool, space, capacity, low=low, high=high, batch=batch,
                    background=background, fill=fill)
 
@@ -236,25 +188,35 @@ class PageCache(CacheState):
 
         Returns:
             The RPCs made.
+
+        Raises:
+            Exception: what the evictor raised (the give-back it was to serve is given up;
+                the cache stays usable, and the next ``maintain`` does the rest).
         """
+        core = self._run_evictor()
         done = 0
-        evict = self._evictor
-        if evict is not None and self._core.evict_wanted:
-            with self._lock:
-                want, self._core.evict_wanted = self._core.evict_wanted, 0
-                self._core.evictable = max(0, self._core.evictable - want)
-            try:
-                evict(want)  # frees into this cache: the give-back below takes them
-            except Exception:
-                log.exception("page cache %s: the evictor failed to free %d ids",
-                              self._core.label, want)
         while True:
             with self._lock:
-                step = self._core.work(self._lease)  # the worker's own next step
+                step = core.work(time.monotonic(), lease_lost(self._lease))
             if type(step) is not tuple:
                 return done
             self._do_job(step)
             done += 1
+
+    def _run_evictor(self) -> PageCacheCore:
+        """Run the evictor for the give-backs waiting on it (``maintain``'s first part)."""
+        core = self.core
+        evict = self._evictor
+        if evict is not None and core.evict_wanted:
+            with self._lock:
+                want = core.evict_due()
+            try:
+                evict(want)  # frees into this cache: the give-back takes them
+            except BaseException as err:
+                with self._lock:
+                    core.evict_failed(want, err)
+                raise
+        return core
 
     def set_evictor(self, evict: Callable[[int], object] | None) -> None:
         """Let the daemon's give-backs reach ids in use that the owner can free on demand (an
@@ -268,43 +230,58 @@ class PageCache(CacheState):
         """
         if evict is not None and self.background:
             raise FailedPrecondition(
-                f"the page cache of {self._core.label} has a worker thread: an evictor needs "
+                f"the page cache of {self.core.label} has a worker thread: an evictor needs "
                 "a cache opened with background=False (it runs in maintain)", field="evictor")
         with self._lock:
             self._evictor = evict
-            self._core.can_evict = evict is not None
+            self.core.can_evict = evict is not None
             if evict is None:
-                self._core.evictable = 0
+                self.core.evictable = 0
 
     def set_evictable(self, n: int) -> None:
         """How many of the ids this cache handed out the owner's evictor can free now (the
         lease reports it; a give-back may ask for them). Ignored without an evictor."""
         with self._lock:
-            if self._core.can_evict:
-                self._core.evictable = max(0, int(n))
+            self.core.set_evictable(n)
 
     # -- the hot path -------------------------------------------------------------------------
 
-    def alloc(self, n: int) -> np.ndarray:
-        """``n`` ids (int32), from the cache when it has them, else with one Allocate.
+    def try_alloc(self, n: int) -> np.ndarray | None:
+        """``n`` ids (int32), from the cache when it has them, else with one Allocate (two
+        when the pool is nearly full); None when the cache and the daemon together have fewer
+        than ``n`` (the cache is left as it was).
 
         Raises:
-            ResourceExhausted: the cache and the daemon together have fewer than ``n`` (the
-                cache is left as it was). FailedPrecondition: the cache is closed.
-            NotFound / FailedPrecondition: the lease expired or was closed, or the pool was
-                dropped (the cache's ids are gone with it).
+            FailedPrecondition: the cache is closed. NotFound / FailedPrecondition: the lease
+                expired or was closed, or the pool was dropped (the cache's ids are gone with
+                it). InvalidArgument: ``n`` not an integer >= 0.
         """
+        got = self._get(n)
+        return got if type(got) is np.ndarray else None
+
+    def alloc(self, n: int) -> np.ndarray:
+        """:meth:`try_alloc`, raising instead of returning None.
+
+        Raises:
+            ResourceExhausted: the daemon's refusal, when the cache and the daemon together
+                have fewer than ``n``. Otherwise as :meth:`try_alloc`.
+        """
+        got = self._get(n)
+        if type(got) is not np.ndarray:
+            raise got
+        return got
+
+    def _get(self, n: int) -> np.ndarray | ResourceExhausted:
+        """The ids, or the daemon's refusal (``try_alloc`` and ``alloc``)."""
+        core = self.core
         if type(n) is not int or n < 0:
-            n = self._core.check_count(n)
-        core = self._core
+            n = core.check_count(n)
         lock = self._lock
         # acquire/release, not ``with``: ~1 us less on a cold path (after the forward pass).
         lock.acquire()
         try:
-            # The lease marks the cache dead (``lease_gone``) before its CloseLease takes back
-            # every id, and when its keep-alive learns that it expired.
-            if core.dead is not None:
-                self._raise_dead()
+            # The lease marks the core dead (``lease_gone``) before its CloseLease takes back
+            # every id, and when its keep-alive learns that it expired: ``take`` raises.
             ids = core.take(n)
             if ids is not None:
                 return ids
@@ -324,21 +301,20 @@ class PageCache(CacheState):
             InvalidArgument: an id out of range or repeated. FailedPrecondition: an id not in
                 use (never handed out by this cache, or already freed). Nothing is changed.
         """
-        core = self._core
+        core = self.core
         lock = self._lock
         lock.acquire()
         try:
-            arr, cached = core.free_ids(ids)
-            send = not cached and core.send_freed(arr)
+            arr, send = core.free(ids)
         finally:
             lock.release()
         if send:
             try:
-                self._lease.free(core.pool, core.space, arr)
+                self._lease._cache_free(core.pool, core.space, arr)
             except KVPoolError as err:
                 if not isinstance(err, NotFound):
-                    with self._lock:
-                        core.unforget(arr)  # still the lease's and in use: free them again
+                    with lock:
+                        core.unfree(arr)  # still the lease's and in use: free them again
                 raise
         return arr.shape[0]
 
@@ -347,7 +323,27 @@ class PageCache(CacheState):
     def counters(self) -> PageCacheCounters:
         """All counters at one instant."""
         with self._lock:
-            return self._core.counters()
+            return self.core.counters()
+
+    # Kept for client/kvpool/integrations/sglang/allocator.py (other work), which reads these
+    # of the cache; everything else reads ``cache.core``.
+    @property
+    def cached(self) -> int:
+        return self.core.cached
+
+    @property
+    def in_use(self) -> int:
+        return self.core.in_use
+
+    @property
+    def batch(self) -> int:
+        return self.core.batch
+
+    def in_use_of(self, ids: Any) -> np.ndarray:
+        return self.core.in_use_of(ids)
+
+    def handed_out(self) -> np.ndarray:
+        return self.core.handed_out()
 
     def settle(self, timeout_s: float | None = None) -> bool:
         """Wait until no refill, return or give-back is due or in flight. For tests and
@@ -359,6 +355,7 @@ class PageCache(CacheState):
         each unless the daemon refused that refill or return since this call began (it is
         retried after its backoff: the daemon has no room, or cannot be reached). Frees and
         allocs made meanwhile, and give-backs the daemon asks later, may make new work.
+        Without a worker (``background=False``) it runs :meth:`maintain` itself until then.
 
         A give-back reaches the cache on the lease's KeepAlive stream: one the daemon asked
         that is still on its way is not waited for. To include every give-back asked so far,
@@ -370,7 +367,7 @@ class PageCache(CacheState):
             True when settled (or the cache is closed or lost); False if ``timeout_s`` passed
             first.
         """
-        core = self._core
+        core = self.core
         if not self.background:
             deadline = None if timeout_s is None else time.monotonic() + timeout_s
             with self._lock:
@@ -378,16 +375,10 @@ class PageCache(CacheState):
             while True:
                 self.maintain()
                 with self._lock:
-                    if core.settled():
-                        return True
-                    now = time.monotonic()
-                    wake_at = min(core.deferred(now))  # a give-back's hold, at most
-                until = min(wake_at, now + LEASE_POLL_S)
-                if deadline is not None:
-                    if now >= deadline:
-                        return False
-                    until = min(until, deadline)
-                time.sleep(max(0.0, until - now))
+                    pause = core.settle_pause(time.monotonic(), deadline)
+                if type(pause) is bool:
+                    return pause
+                time.sleep(pause)
         with self._lock:
             if core.dead is not None or not self._thread.is_alive():
                 return True
@@ -403,21 +394,21 @@ class PageCache(CacheState):
         Returns:
             The ids returned.
         """
+        core = self.core
         with self._lock:
-            if self._core.closed:
+            if not core.close():
                 return 0
-            self._core.close()
         self._lease._unregister_cache(self)
         self._wake.set()
         if self.background:
             self._thread.join()
         with self._lock:
-            ids = self._core.drain()
-            if not ids.shape[0] or self._core.lost is not None:
+            ids = core.drain()
+            if not ids.shape[0]:
                 return 0
-            self._core.rpc_calls += 1
+            core.rpc_calls += 1
         try:
-            self._lease.free(self._core.pool, self._core.space, ids)
+            self._lease._cache_free(core.pool, core.space, ids)
         except NotFound:
             return 0  # the lease (or pool) is gone and the ids with it
         return ids.shape[0]
@@ -430,9 +421,7 @@ class PageCache(CacheState):
         self.close()
 
     def __repr__(self) -> str:
-        c = self._core
-        return (f"PageCache({c.label}, lease={self._lease.lease_id}, low={c.low}, "
-                f"high={c.high}, batch={c.batch}, in_use={c.n_in_use}, cached={c.cached})")
+        return f"PageCache({self.core!r}, lease={self._lease.lease_id})"
 
     # -- the lease's keep-alive thread --------------------------------------------------------
 
@@ -440,86 +429,70 @@ class PageCache(CacheState):
         """The lease is closing or expired: every id of the cache goes with it (``alloc``
         raises ``err`` from now on; ``free`` only unmarks)."""
         with self._lock:
-            self._core.lose(err)
+            self.core.lose(err)
         self._wake.set()
 
     def _report(self) -> tuple[int, int, int]:
         """``(cached, in_use, evictable)`` now, for the lease's KeepAlive."""
         with self._lock:
-            return self._core.report()
+            return self.core.report()
 
     def _give_back(self, n: int, min_id: int = 0) -> int:
         """The daemon asked for ``n`` cached ids (only ids >= ``min_id`` when it is > 0); the
         worker returns up to that many (one Free), then the lease reports the new counts.
         Returns how many it will return."""
         with self._lock:
-            k = self._core.ask_give_back(n, min_id)
-            if k:
-                self._core.kick()
-        return k
+            return self.core.ask_give_back(n, min_id)
 
     # -- the slow paths -----------------------------------------------------------------------
 
-
-    def _miss(self, n: int, reserved: np.ndarray) -> np.ndarray:
-        """Allocate what the cache lacked (plus a refill), unlocked; see the module docstring."""
-        core = self._core
-        need = n - reserved.shape[0]
-        ask = max(need, core.batch)
+    def _miss(self, n: int, reserved: np.ndarray) -> np.ndarray | ResourceExhausted:
+        """Allocate what the cache lacked (plus a refill), unlocked; see the module docstring.
+        Returns the ids, or the daemon's last refusal."""
+        core = self.core
+        calls = 0
+        refusal: ResourceExhausted | None = None
         try:
-            try:
-                got, token, held = self._allocate(ask)
-            except ResourceExhausted:
-                if ask == need:
-                    raise
-                got, token, held = self._allocate(need)
+            for count in core.miss_counts(n, reserved):
+                calls += 1
+                try:
+                    got = self._lease._cache_allocate(core.pool, core.space, count)
+                except ResourceExhausted as err:
+                    refusal = err
+                    continue
+                with self._lock:
+                    ids = core.miss_done(reserved, got, n, calls)
+                self._lease._report_soon()
+                return ids
         except BaseException as err:  # any failure (an interrupt too): the reserved ids go back
             with self._lock:
-                core.miss_failed(reserved, err)
+                core.miss_failed(reserved, err, calls)
             raise
+        assert refusal is not None
         with self._lock:
-            ids = core.miss_done(reserved, got, n, token, held)
-        self._report_soon()
-        return ids
-
-    def _allocate(self, count: int) -> tuple[np.ndarray, tuple[int, bool], int | None]:
-        """One Allocate of ``count`` (unlocked): the ids, the RPC's token and the lease's
-        holding, for the ``rpc_end`` the caller makes once the ids are in the cache."""
-        core = self._core
-        with self._lock:
-            token = core.miss_begin()
-        try:
-            got, held = self._lease._allocate_held(core.pool, core.space, count)
-        except BaseException:
-            with self._lock:
-                core.rpc_end(token, None)
-            raise
-        return got, token, held
+            core.miss_failed(reserved, refusal, calls)
+        return refusal
 
     def _do_job(self, job: tuple[str, Any]) -> None:
-        """One refill, return or check RPC for the worker or ``maintain`` (called unlocked)."""
-        core = self._core
+        """One refill or return RPC for the worker or ``maintain`` (called unlocked)."""
+        core = self.core
         kind, arg = job
-        with self._lock:
-            token = core.rpc_begin()
         try:
-            result, held = getattr(self._lease, JOB_CALLS[kind])(core.pool, core.space, arg)
+            result = getattr(self._lease, JOB_CALLS[kind])(core.pool, core.space, arg)
         except Exception as err:  # never let the worker die silently
             with self._lock:
                 core.job_failed(kind, arg, core.job_error(kind, err), time.monotonic())
-                core.rpc_end(token, None)
         else:
             with self._lock:
-                core.job_done(kind, arg, result)
-                core.rpc_end(token, held)
-            self._report_soon()
+                core.job_done(kind, arg, result, time.monotonic())
+            self._lease._report_soon()
 
     def _run(self) -> None:
         """The worker: refill below ``low``, return above ``high``; one RPC at a time."""
-        core = self._core
+        core = self.core
         while True:
             with self._lock:
-                step = core.work(self._lease)
+                step = core.work(time.monotonic(), lease_lost(self._lease))
             if step is None:
                 return
             if type(step) is tuple:

@@ -1,24 +1,29 @@
-"""The page cache's policy: when to refill, return and give back, how to back off, and whether
-the lease still holds what the cache counts. No I/O, no locking.
+"""The page cache's sans-IO core: when to refill, return and give back, how to back off.
 
-:class:`PageCacheCore` is an :class:`~kvpool.cache.ring.IdRing` (the ids) with this policy on
-top; both page caches (``kvpool.cache.page_cache``, ``kvpool.cache.aio_page_cache``) are thin
-shells around one: they lock (the sync one) or not (the asyncio one), make the RPCs the core
-asks for, and hand it the replies. See ``kvpool.cache.page_cache`` for the behaviour.
+:class:`PageCacheCore` holds an :class:`~kvpool.cache.ring.IdRing` (the ids: a data structure,
+composed, not inherited) and this policy; it never makes a call. Both page caches
+(``kvpool.cache.page_cache``, ``kvpool.cache.aio_page_cache``) are thin shells around one (the
+h11 shape): they lock (the sync one) or not (the asyncio one), make the RPCs the core asks for
+(``work``, ``miss_counts``), and hand it the replies. See ``kvpool.cache.page_cache`` for the
+behaviour.
+
+Every id the core counts (cached, in use, reserved by a miss, being returned) is held by its
+lease, and the lease refuses its own Allocate and Free of the space while the cache is open
+(``kvpool.clients.session``), so what the lease holds of the space is exactly what the core
+counts: nothing can free an id behind its back.
 """
 
 from __future__ import annotations
 
 import logging
 import operator
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvpool.cache.ring import SLOT_WINDOW, IdRing, count_nonzero, no_worker
+from kvpool.cache.ring import SLOT_WINDOW, IdRing, count_nonzero
 from kvpool.contract.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -54,11 +59,13 @@ GIVE_BACK_HOLD_S = 0.5
 REFILL = "refill"
 RETURN = "return"
 GIVE_BACK = "give_back"
-CHECK = "check"  # which of the cache's ids its lease still holds (a Free with ``check``)
 # The lease's call that does each job, ``(pool, space, arg)`` its arguments; both caches'
 # workers dispatch through this one table.
-JOB_CALLS = {REFILL: "_allocate_held", CHECK: "_check_held", RETURN: "_free_held",
-             GIVE_BACK: "_free_held"}
+JOB_CALLS = {REFILL: "_cache_allocate", RETURN: "_cache_free", GIVE_BACK: "_cache_free"}
+
+
+def no_worker() -> None:
+    """``PageCacheCore.wake`` and ``on_settled`` until the shell sets its own."""
 
 
 class Backoff:
@@ -104,12 +111,7 @@ class PageCacheCounters:
         returned: ids given back to the daemon by the worker, in all (not by ``close``).
         gave_back: of ``returned``, ids given back because the daemon asked (another lease's
             Allocate ran short; see docs/api.md, "Page cache", pressure).
-        checks: checks made of which of its ids the lease still holds (each one Free with
-            ``check``, in ``rpc_calls``): after a reply said the lease holds fewer ids than the
-            cache counts.
-        dropped_unheld: ids a check found the lease no longer held (freed behind the cache's
-            back, with ``lease.free``): dropped from the cache, never handed out again (one in
-            use is dropped when it is freed).
+        refused: ``try_alloc`` calls the cache and the daemon together could not serve.
     """
 
     in_use: int
@@ -121,8 +123,7 @@ class PageCacheCounters:
     fetched: int
     returned: int
     gave_back: int = 0
-    checks: int = 0
-    dropped_unheld: int = 0
+    refused: int = 0
 
 
 def space_capacity(stats: Stats, pool: str, space: str) -> int:
@@ -159,6 +160,31 @@ def space_capacity(stats: Stats, pool: str, space: str) -> int:
             f"a {followers[0]} id, and the page cache does not serve paired pages yet; use "
             "lease.allocate_swa_pairs and lease.free", field="space")
     return info.capacity
+
+
+def lease_holds(stats: Stats, lease_id: int, pool: str, space: str) -> int:
+    """How many ids of ``pool``/``space`` the lease holds, from a Stats reply (0 if the lease
+    is not listed)."""
+    for info in stats.leases:
+        if info.lease_id == lease_id:
+            return int(info.held.get(pool, {}).get(space, 0))
+    return 0
+
+
+def refuse_held(stats: Stats, lease_id: int, pool: str, space: str) -> None:
+    """Refuse a page cache over a space of which its lease already holds ids: the cache is the
+    only path to its space, so what the lease holds of it is what the cache counts.
+
+    Raises:
+        FailedPrecondition: the lease holds ids of the space (its own Allocate, or another
+            open page cache).
+    """
+    held = lease_holds(stats, lease_id, pool, space)
+    if held:
+        raise FailedPrecondition(
+            f"lease {lease_id} holds {held} ids of {pool}/{space} outside a page cache (its "
+            "own allocate, or another open page cache of it): a page cache must be the only "
+            "path to its space; free them, or close that cache, first", field="space")
 
 
 def watermarks(capacity: int, low: int | None, high: int | None,
@@ -204,21 +230,33 @@ def copy_error(err: KVPoolError) -> KVPoolError:
     return error_from_code(err.code_name, err.message, err.field)
 
 
-class PageCacheCore(IdRing):
-    """A page cache's ring (:class:`~kvpool.cache.ring.IdRing`) and its policy: when to
-    refill, return and give back, how to back off, whether the lease still holds what the cache
-    counts; no I/O, no locking.
+class PageCacheCore:
+    """A page cache's ids (an :class:`~kvpool.cache.ring.IdRing`, ``ring``) and its policy:
+    when to refill, return and give back, how to back off; no I/O, no locking.
 
-    The sync :class:`PageCache` calls it under its lock, the asyncio ``AsyncPageCache`` from
-    its event loop. Besides the ring's three places (cached, handed out, reserved by a miss),
-    ids may be being returned by the worker (``returning``); all of them are held by the lease.
+    The sync ``PageCache`` calls it under its lock, the asyncio ``AsyncPageCache`` from its
+    event loop; both read its state from here (``cache.core.cached``). Besides the ring's three
+    places (cached, handed out, reserved by a miss), ids may be being returned by the worker
+    (``returning``); all of them are held by the lease, and nothing else of the space is.
+
+    Args:
+        pool: the pool's name.
+        space: the id space.
+        capacity: ids ``1..capacity``.
+        low: below this many cached, a refill (to ``high``) is due.
+        high: above this many cached, a return (to ``max(low, high - batch)``) is due.
+        batch: the least a miss asks the daemon for.
+        window, rebase_at: the ring's (see :class:`~kvpool.cache.ring.IdRing`).
     """
 
     def __init__(self, pool: str, space: str, capacity: int, low: int, high: int,
                  batch: int, window: int = SLOT_WINDOW, rebase_at: int | None = None) -> None:
-        super().__init__(f"{pool}/{space}", capacity, low, high, window, rebase_at)
+        self.label = f"{pool}/{space}"
+        self.ring = IdRing(self.label, capacity, window, rebase_at)
         self.pool = pool
         self.space = space
+        self.low = low
+        self.high = high
         self.batch = batch
         self.returning = 0
         self.refills = 0
@@ -228,73 +266,167 @@ class PageCacheCore(IdRing):
         self.fetched = 0
         self.returned = 0
         self.gave_back = 0
-        self.checks = 0
-        self.check_due = False  # a reply said the lease holds fewer ids than the cache counts
-        # RPCs of this cache in flight, and started in all: a reply's ``held`` is compared only
-        # when no other RPC of the cache ran at the same time (``rpc_begin``/``rpc_end``).
-        self.active = 0
-        self.starts = 0
+        self.refused = 0
         self.give_back = 0  # ids the daemon asked back, not yet taken out of the ring
         # Ids in use that the owner frees on demand (an engine's prefix cache: ``evictable``,
         # set by the owner; 0 without an evictor), and of the give-backs asked, how many the
-        # owner's evictor must free into the ring first (``PageCache.maintain`` does).
+        # owner's evictor must free into the ring first (``maintain`` runs it).
         self.can_evict = False
         self.evictable = 0
         self.evict_wanted = 0
         self.hold_until = 0.0  # no background refill before (after a give-back)
         self.closed = False
-        self.lost: KVPoolError | None = None  # the lease or pool is gone
+        # Why ids can no longer be handed out (closed, or the lease or pool gone); freed ids
+        # are then forgotten instead of cached.
+        self.dead: KVPoolError | None = None
+        self.lost: KVPoolError | None = None  # the lease or pool is gone, with every id
         self.refill_retry = Backoff()
         self.return_retry = Backoff()
         self.settle_round = 0  # ``begin_settle`` calls
         self.refill_cap = high
         self.prefill = True  # the first refill fills to ``high`` even when ``low`` is 0
         self.last_error: KVPoolError | None = None
+        # Whether ``take`` (below ``low``) and ``free`` (above ``high``) need not wake the
+        # worker: it has been woken and has not gone idle since, or it sleeps until it may
+        # retry that kind of job by itself.
+        self.kicked = False
+        self.kicked_return = False
+        self.wake: Callable[[], object] = no_worker  # wakes the shell's worker
         self.on_settled: Callable[[], object] = no_worker  # tells ``settle`` (the shell's)
 
-    # -- what the shells do around the ring ---------------------------------------------------
+    # -- what the cache is and counts (the counters' meanings: PageCacheCounters) --------------
 
-    def miss_begin(self) -> tuple[int, bool]:
-        """An ``alloc`` the ring could not serve calls Allocate: counted, and its RPC token."""
-        self.rpc_calls += 1
-        return self.rpc_begin()
+    @property
+    def capacity(self) -> int:
+        return self.ring.capacity
 
-    def miss_failed(self, reserved: np.ndarray, err: BaseException) -> None:
-        """That ``alloc`` failed (the daemon refused, or anything else): its reserved ids go
-        back into the ring."""
+    @property
+    def cached(self) -> int:
+        """Ids cached: held by the lease, not handed out."""
+        return self.ring.tail - self.ring.head
+
+    @property
+    def in_use(self) -> int:
+        """Ids handed out and not freed."""
+        return self.ring.n_in_use
+
+    @property
+    def error(self) -> KVPoolError | None:
+        """Why the cache lost its ids (lease expired or closed, pool dropped), else None."""
+        return self.lost
+
+    def in_use_of(self, ids: Any) -> np.ndarray:
+        """Per id of ``ids``: whether ``alloc`` handed it out and it was not freed (False for
+        ids out of range). O(len(ids)); call it from the thread that allocates and frees."""
+        return self.ring.in_use_of(ids)
+
+    def handed_out(self) -> np.ndarray:
+        """Every id handed out and not freed (int32, ascending). O(capacity): for a reset,
+        not for the hot path."""
+        return self.ring.handed_out()
+
+    def counters(self) -> PageCacheCounters:
+        return PageCacheCounters(self.ring.n_in_use, self.cached, self.refills, self.returns,
+                                 self.rpc_calls, self.waits, self.fetched, self.returned,
+                                 self.gave_back, self.refused)
+
+    # -- the hot path -------------------------------------------------------------------------
+
+    def take(self, n: int) -> np.ndarray | None:
+        """``n`` cached ids, handed out (the longest cached first); None when fewer are cached
+        (the shell then ``reserve``s and asks the daemon). Wakes the worker when fewer than
+        ``low`` are left.
+
+        Raises:
+            KVPoolError: why the cache cannot hand out ids (``dead``: closed, lease or pool
+                gone).
+        """
+        if self.dead is not None:
+            raise copy_error(self.dead)
+        ring = self.ring
+        ids = ring.take(n)
+        if ids is not None and not self.kicked and ring.tail - ring.head < self.low:
+            self.kicked = True
+            self.wake()
+        return ids
+
+    def free(self, ids: Any) -> tuple[np.ndarray, bool]:
+        """Take back ids ``take`` handed out (checked, all or nothing: see
+        ``IdRing.free_ids``): ``(ids, send)``. While the cache is open they are cached (the
+        worker is woken above ``high``); once it is dead they are forgotten, and ``send``
+        says whether the shell Frees them at the daemon now (counted in ``rpc_calls``): not
+        once the lease is gone, which took them."""
+        ring = self.ring
+        if self.dead is None:
+            arr = ring.free_ids(ids, True)
+            if ring.tail - ring.head > self.high and not self.kicked_return:
+                self.kicked_return = True
+                self.wake()
+            return arr, False
+        arr = ring.free_ids(ids, False)
+        send = self.lost is None and arr.shape[0] > 0
+        if send:
+            self.rpc_calls += 1
+        return arr, send
+
+    def unfree(self, arr: np.ndarray) -> None:
+        """The daemon refused the Free that ``free`` asked for: the ids are still in use."""
+        self.ring.unforget(arr)
+
+    def check_count(self, n: Any) -> int:
+        """``alloc``'s count, checked.
+
+        Raises:
+            InvalidArgument: not an integer >= 0.
+        """
+        n = as_int(n, "count")
+        if n < 0:
+            raise InvalidArgument(f"count={n}: must be >= 0", field="count")
+        return n
+
+    # -- a miss: an alloc the ring cannot serve -----------------------------------------------
+
+    def reserve(self, n: int) -> np.ndarray:
+        """Take every cached id (fewer than ``n``) out of the ring while the rest is asked of
+        the daemon (see ``IdRing.reserve``)."""
+        return self.ring.reserve(n)
+
+    def miss_counts(self, n: int, reserved: np.ndarray) -> tuple[int, ...]:
+        """The Allocates a miss of ``n`` tries in turn until one is granted: what it lacks
+        plus a refill (at least ``batch``), then, if that was refused, exactly what it lacks."""
+        need = n - reserved.shape[0]
+        ask = max(need, self.batch)
+        return (ask,) if ask == need else (ask, need)
+
+    def miss_failed(self, reserved: np.ndarray, err: BaseException, calls: int) -> None:
+        """That miss failed after ``calls`` Allocates (the daemon refused, or anything else):
+        its reserved ids go back into the ring."""
+        self.rpc_calls += calls
         self.waits += 1
-        self.unreserve(reserved)
-        if isinstance(err, NotFound):
+        self.ring.unreserve(reserved)
+        if isinstance(err, ResourceExhausted):
+            self.refused += 1
+        elif isinstance(err, NotFound):
             self.lose(err)
 
     def miss_done(self, reserved: np.ndarray, got: np.ndarray, n: int,
-                  token: tuple[int, bool], held: int | None) -> np.ndarray:
-        """The ``n`` ids of that ``alloc`` (see ``IdRing.hand_out``), counted as a refill; the
+                  calls: int) -> np.ndarray:
+        """The ``n`` ids of that miss (see ``IdRing.hand_out``), counted as a refill; the
         worker is woken if the watermarks now ask for work."""
+        self.rpc_calls += calls
         self.waits += 1
-        ids = self.hand_out(reserved, got, n)
+        ids = self.ring.hand_out(reserved, got, n)
         self.refills += 1
         self.fetched += got.shape[0]
-        self.rpc_end(token, held)
         if self.wants_work():
             self.kick()
         return ids
 
-    def send_freed(self, ids: np.ndarray) -> bool:
-        """Ids ``free_ids`` did not cache (the cache is closed or lost): whether the shell
-        Frees them at the daemon now (counted in ``rpc_calls``): not once the lease is gone,
-        which took them."""
-        send = self.lost is None and ids.shape[0] > 0
-        if send:
-            self.rpc_calls += 1
-        return send
-
     # -- the worker ---------------------------------------------------------------------------
 
     def wants_work(self) -> bool:
-        cached = self.tail - self.head
-        return (cached < self.low or cached > self.high or self.give_back > 0
-                or self.check_due)
+        cached = self.cached
+        return cached < self.low or cached > self.high or self.give_back > 0
 
     def refill_due(self, cached: int) -> bool:
         """Whether the watermarks ask for a refill (below ``low``, or the first fill)."""
@@ -311,105 +443,90 @@ class PageCacheCore(IdRing):
         the owner said it can evict (the owner's evictor frees those into the cache first).
         With ``min_id`` > 0 only cached ids >= ``min_id`` (an elastic pool's groups being
         drained; O(cached) to count them), and nothing is evicted for it. Returns how many it
-        will return."""
+        will return; the worker is woken for them."""
         if self.dead is not None or n <= 0:
             return 0
         if min_id > 0:
-            above = int(count_nonzero(self.read(self.head, self.cached) >= min_id))
+            above = int(count_nonzero(self.ring.cached_ids() >= min_id))
             k = max(0, min(n, above - self.give_back))
             self.give_back += k
-            return k
-        from_cache = max(0, min(n, self.cached - self.give_back))
-        from_evict = max(0, min(n - from_cache, self.evictable - self.evict_wanted))
-        self.give_back += from_cache + from_evict
-        self.evict_wanted += from_evict
-        return from_cache + from_evict
+        else:
+            from_cache = max(0, min(n, self.cached - self.give_back))
+            from_evict = max(0, min(n - from_cache, self.evictable - self.evict_wanted))
+            self.give_back += from_cache + from_evict
+            self.evict_wanted += from_evict
+            k = from_cache + from_evict
+        if k:
+            self.kick()
+        return k
+
+    def set_evictable(self, n: int) -> None:
+        """How many ids in use the owner's evictor can free now (ignored without one)."""
+        if self.can_evict:
+            self.evictable = max(0, int(n))
+
+    def evict_due(self) -> int:
+        """How many ids the owner's evictor must free into the cache now (for give-backs asked
+        past what the cache held); the shell runs the evictor with it."""
+        want, self.evict_wanted = self.evict_wanted, 0
+        self.evictable = max(0, self.evictable - want)
+        return want
+
+    def evict_failed(self, want: int, err: BaseException) -> None:
+        """The evictor raised: the give-back still waiting for its ids gives up on them (the
+        daemon's Allocate that asked stops waiting when the lease reports again)."""
+        self.give_back = max(0, self.give_back - want)
+        self.last_error = err if isinstance(err, KVPoolError) else FailedPrecondition(
+            f"the evictor of the page cache of {self.label} failed: {err!r}")
 
     def report(self) -> tuple[int, int, int]:
         """``(cached, in_use, evictable)`` for the lease's KeepAlive report (ids an ``alloc``
         waiting on the daemon took out of the ring count as in use; evictable ids are in use,
         and not yet asked for)."""
-        in_use = self.n_in_use - self.unheld_in_use + self.reserved
+        in_use = self.ring.n_in_use + self.ring.reserved
         return (self.cached, in_use,
                 max(0, min(self.evictable - self.evict_wanted, in_use)))
 
-    # -- is what the cache counts still held by its lease? -------------------------------------
-
-    def rpc_begin(self) -> tuple[int, bool]:
-        """An RPC of this cache starts (under the lock): the token ``rpc_end`` takes."""
-        alone = self.active == 0
-        self.active += 1
-        self.starts += 1
-        return self.starts, alone
-
-    def rpc_end(self, token: tuple[int, bool], held: int | None) -> None:
-        """The RPC of ``token`` is done and its effect on the cache made; ``held``: what the
-        daemon said the lease holds of the space once the call was done (None: refused, or a
-        daemon that does not say). If no other RPC of the cache ran meanwhile, the lease holds
-        at least every id the cache counts; fewer means ids were freed behind the cache's back
-        (``lease.free`` of its ids): a check is due (O(1) here)."""
-        self.active -= 1
-        start, alone = token
-        if held is None or not alone or self.starts != start or self.dead is not None:
-            return
-        mine = (self.n_in_use - self.unheld_in_use + self.cached + self.reserved
-                + self.returning)
-        if held < mine and not self.check_due:
-            log.warning("page cache %s: its lease holds %d ids of the space, the cache counts "
-                        "%d: ids were freed behind its back (lease.free of its ids?); checking "
-                        "which it still holds", self.label, held, mine)
-            self.check_due = True
-            self.kick()
-
-    def next_job(self, now: float, lease: Any) -> tuple[str, Any] | None:
-        """The RPC the worker (or ``maintain``) should make now, counted in ``rpc_calls``:
-        ``(GIVE_BACK | RETURN, ids)`` (taken out of the ring), ``(REFILL, count)``, or None. A
-        cache whose lease is gone is marked lost first and has nothing to do."""
-        if self.dead is None:
-            lost = lease_lost(lease)
-            if lost is not None:
-                self.lose(lost)
+    def work(self, now: float, lost: KVPoolError | None) -> tuple[str, Any] | float | None:
+        """The worker's (or ``maintain``'s) next step, given why the lease can no longer hold
+        ids (``lease_lost``; None while it is alive): a job to run now, counted in
+        ``rpc_calls`` (``(GIVE_BACK | RETURN, ids)``, taken out of the ring, or
+        ``(REFILL, count)``), else how long to sleep (``idle``), else None: stop."""
+        if self.dead is None and lost is not None:
+            self.lose(lost)
         job = self.pick_job(now)
-        if job is not None:
-            self.rpc_calls += 1
+        if job is None:
+            return self.idle(now)
+        self.rpc_calls += 1
         return job
 
     def pick_job(self, now: float) -> tuple[str, Any] | None:
         if self.dead is not None:
             return None
-        if self.check_due:  # first: a cached id the lease does not hold must not go out
-            self.check_due = False
-            ids = self.check_ids()
-            if ids.shape[0]:
-                return CHECK, ids
+        ring = self.ring
         if self.give_back > 0:
             k = min(self.give_back, self.cached)
             # what is left waits only for the owner's evictor (asked after it last ran)
             self.give_back = min(self.give_back - k, self.evict_wanted)
             if k:
-                ids = self.take_highest(k)
+                ids = ring.take_highest(k)
                 self.returning += k
                 return GIVE_BACK, ids
-        cached = self.tail - self.head
+        cached = self.cached
         if cached > self.high and now >= self.return_retry.at:
             keep = max(self.low, self.high - self.batch)
-            self.tail -= cached - keep
-            ids = self.read(self.tail, cached - keep)
-            self.uncache(ids)
+            ids = ring.take_newest(cached - keep)
             self.returning += ids.shape[0]
             return RETURN, ids
         if self.refill_due(cached) and now >= max(self.refill_retry.at, self.hold_until):
             return REFILL, min(self.high - cached, self.refill_cap)
         return None
 
-    def job_done(self, kind: str, arg: Any, result: Any) -> None:
-        if kind == CHECK:
-            self.checks += 1
-            self.drop_unheld(result)
-            return
+    def job_done(self, kind: str, arg: Any, result: Any, now: float) -> None:
+        """The job's RPC succeeded (``result``: a refill's ids)."""
         if kind == REFILL:
             self.refill_retry.succeeded()
-            self.push(result)
+            self.ring.push(result)
             self.refills += 1
             self.fetched += result.shape[0]
             self.refill_cap = self.high
@@ -422,9 +539,9 @@ class PageCacheCore(IdRing):
             self.returned += k
             if kind == GIVE_BACK:
                 self.gave_back += k
-                self.hold_until = time.monotonic() + GIVE_BACK_HOLD_S
+                self.hold_until = now + GIVE_BACK_HOLD_S
 
-    def job_error(self, kind: str, err: Exception) -> KVPoolError:
+    def job_error(self, kind: str, err: BaseException) -> KVPoolError:
         """What a failed job's RPC means to the cache: the daemon's error as it is; anything
         else (a bug, a broken channel) logged with its traceback, as FailedPrecondition. Call
         it inside the ``except`` block."""
@@ -434,17 +551,13 @@ class PageCacheCore(IdRing):
         return FailedPrecondition(str(err))
 
     def job_failed(self, kind: str, arg: Any, err: KVPoolError, now: float) -> None:
+        """The job's RPC failed: a return's ids go back into the ring (still the lease's); a
+        refusal backs off (a refill refused for room asks for half at once)."""
         self.last_error = err
-        if kind == CHECK:  # the next reply's count tells again whether one is due
-            if isinstance(err, NotFound):
-                self.lose(err)
-            else:
-                log.warning("page cache %s: checking its ids failed: %s", self.label, err)
-            return
         retry = self.refill_retry if kind == REFILL else self.return_retry
         if kind != REFILL:
             self.returning -= arg.shape[0]
-            self.push(arg)  # still the lease's
+            self.ring.push(arg)  # still the lease's
         if isinstance(err, NotFound):
             self.lose(err)
         elif kind == REFILL and isinstance(err, ResourceExhausted) and arg > 1:
@@ -470,13 +583,6 @@ class PageCacheCore(IdRing):
         return (refill if self.refill_due(cached) and refill > now else inf,
                 ret if cached > self.high and ret > now else inf)
 
-    def work(self, lease: Any) -> tuple[str, Any] | float | None:
-        """The worker's next step: a job to run (``next_job``), else how long to sleep
-        (``idle``), else None: stop."""
-        now = time.monotonic()
-        job = self.next_job(now, lease)
-        return job if job is not None else self.idle(now)
-
     def idle(self, now: float) -> float | None:
         """The worker found nothing to do: how long it sleeps (None: it stops, the cache is
         closed or lost). Sets ``kicked`` and ``kicked_return`` for what it will retry by itself
@@ -493,6 +599,8 @@ class PageCacheCore(IdRing):
             self.on_settled()
         return min(LEASE_POLL_S, min(refill_at, return_at) - now)
 
+    # -- settle -------------------------------------------------------------------------------
+
     def begin_settle(self) -> None:
         """``settle`` starts: what the worker was holding back (a refusal's backoff, the hold
         after a give-back) it may try now, and refusals count from here on."""
@@ -505,7 +613,7 @@ class PageCacheCore(IdRing):
         refused since ``begin_settle`` (the worker retries it after its backoff)."""
         if self.dead is not None:
             return True
-        if self.returning or (self.give_back and self.cached) or self.check_due:
+        if self.returning or (self.give_back and self.cached):
             return False
         cached = self.cached
         rnd = self.settle_round
@@ -513,33 +621,47 @@ class PageCacheCore(IdRing):
             return False
         return not (self.refill_due(cached) and self.refill_retry.refused_in < rnd)
 
+    def settle_pause(self, now: float, deadline: float | None) -> bool | float:
+        """For a cache without a worker, after a ``maintain``: True when settled, False when
+        ``deadline`` (time.monotonic) has passed, else how long to sleep before the next
+        ``maintain`` (until a held-back job may run, at most ``LEASE_POLL_S``)."""
+        if self.settled():
+            return True
+        until = min(min(self.deferred(now)), now + LEASE_POLL_S)
+        if deadline is not None:
+            if now >= deadline:
+                return False
+            until = min(until, deadline)
+        return max(0.0, until - now)
+
     # -- end ----------------------------------------------------------------------------------
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Mark the cache closed; False if it already was."""
+        if self.closed:
+            return False
         self.closed = True
         if self.dead is None:
             self.dead = FailedPrecondition(f"the page cache of {self.label} is closed",
                                            field="cache")
+        return True
+
+    def drain(self) -> np.ndarray:
+        """Every cached id, taken out of the ring (``close``; none once the lease is gone)."""
+        ids = self.ring.drain()
+        return ids if self.lost is None else ids[:0]
 
     def lose(self, err: KVPoolError) -> None:
         """The lease or pool is gone, and with it every id this cache had."""
         if self.lost is None:
             self.lost = err
             self.dead = err
-            self.check_due = False
-            self.drain()
+            self.ring.drain()
             log.error("page cache %s lost its ids: %s", self.label, err)
 
-    def counters(self) -> PageCacheCounters:
-        return PageCacheCounters(self.n_in_use, self.cached, self.refills, self.returns,
-                                 self.rpc_calls, self.waits, self.fetched, self.returned,
-                                 self.gave_back, self.checks, self.dropped_unheld)
-
-    def check_count(self, n: Any) -> int:
-        n = as_int(n, "count")
-        if n < 0:
-            raise InvalidArgument(f"count={n}: must be >= 0", field="count")
-        return n
+    def __repr__(self) -> str:
+        return (f"{self.label}, low={self.low}, high={self.high}, batch={self.batch}, "
+                f"in_use={self.in_use}, cached={self.cached}")
 
 
 def lease_lost(lease: Any) -> KVPoolError | None:

@@ -1,9 +1,9 @@
 """The page cache's ring: which ids are cached, which are handed out, and the checks of a free.
 
-No I/O, no policy, no locking: :class:`IdRing` is the data structure under both page caches
-(``kvpool.cache.page_cache``); :class:`~kvpool.cache.page_cache.PageCacheCore` adds when to
-refill and return. Ids move between three places here: cached (in the ring), handed out
-(``n_in_use``), and taken out by an ``alloc`` waiting on the daemon (``reserved``).
+No I/O, no policy, no locking: :class:`IdRing` is the data structure under both page caches;
+:class:`~kvpool.cache.policy.PageCacheCore` holds one and decides when to refill and return.
+Ids move between three places here: cached (in the ring), handed out (``n_in_use``), and taken
+out by an ``alloc`` waiting on the daemon (``reserved``).
 
 Layout: the cached ids sit in a ring, at absolute slots ``head..tail - 1`` (slot ``s`` is
 ``ring[s % capacity]``); ``take`` hands out from ``head``, ``free_ids`` and ``push`` append at
@@ -18,8 +18,6 @@ once per 2**30 slots: a billion ids cached).
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,13 +26,12 @@ from kvpool.contract.errors import FailedPrecondition, InvalidArgument, KVPoolEr
 from kvpool.contract.id_checks import Why, first_bad_id
 from kvpool.contract.limits import ID_DTYPE
 
-log = logging.getLogger("kvpool.cache.page_cache")
 try:  # numpy's C function itself: ``np.count_nonzero`` wraps it in Python (~0.2 us a call)
     from numpy._core.multiarray import count_nonzero
 except ImportError:  # pragma: no cover - another numpy layout
     count_nonzero = np.count_nonzero
 INTP = np.dtype(np.intp)
-# ``pos`` of an id not in this cache (see PageCacheCore): above any slot ``head`` reaches.
+# ``pos`` of an id not in this ring: above any slot ``head`` reaches.
 # ``pos`` holds int32 slot numbers relative to ``base`` (int64 for a space of more than 2**28
 # ids): half the memory the checks of a ``free`` touch per id.
 SMALL_SPACE = 1 << 28
@@ -42,25 +39,20 @@ REBASE_CHUNK = 1 << 20
 SLOT_WINDOW = 4096  # slot numbers kept ready for ``free`` (32 KiB, shifted every 4,096)
 
 
-def no_worker() -> None:
-    """``IdRing.wake`` until its owner sets its own."""
-
-
 class IdRing:
     """The cached and handed-out ids of one id space ``1..capacity``; see the module docstring.
 
-    ``low`` and ``high`` are the owner's watermarks: ``take`` calls ``wake`` when it leaves
-    fewer than ``low`` cached, ``free_ids`` when it leaves more than ``high`` (once each until
-    the owner clears ``kicked`` / ``kicked_return``). ``dead`` (set by the owner: closed, or
-    the ids are gone) stops freed ids from being cached.
+    Args:
+        label: ``pool/space``, for error messages.
+        capacity: ids ``1..capacity``.
+        window: slot numbers kept ready for ``free_ids``.
+        rebase_at: relative slot at which ``base`` moves up (tests set it low).
     """
 
-    def __init__(self, label: str, capacity: int, low: int, high: int,
-                 window: int = SLOT_WINDOW, rebase_at: int | None = None) -> None:
+    def __init__(self, label: str, capacity: int, window: int = SLOT_WINDOW,
+                 rebase_at: int | None = None) -> None:
         self.label = label
         self.capacity = capacity
-        self.low = low
-        self.high = high
         self.ring = np.empty(capacity, dtype=ID_DTYPE)  # 4 B per id: handed out as is
         self.head = 0
         self.tail = 0
@@ -78,18 +70,6 @@ class IdRing:
         self.window = self.ramp.copy()
         self.n_in_use = 0
         self.reserved = 0
-        # ``pos`` of an id in use that a check found the lease no longer holds: still in use
-        # (below any head), dropped instead of cached when it is freed.
-        self.unheld_mark = self.by_miss + 1
-        self.unheld_in_use = 0  # ids in use with that mark
-        self.dropped_unheld = 0
-        # Whether ``take`` (below ``low``) and ``free_ids`` (above ``high``) need not wake the
-        # owner: it has been woken and has not gone idle since, or it sleeps until it may
-        # retry that kind of job by itself.
-        self.kicked = False
-        self.kicked_return = False
-        self.wake: Callable[[], object] = no_worker  # wakes the owner's worker
-        self.dead: KVPoolError | None = None
 
     @property
     def cached(self) -> int:
@@ -146,10 +126,8 @@ class IdRing:
         for lo in range(0, pos.shape[0], REBASE_CHUNK):  # bounded temporaries
             part = pos[lo:lo + REBASE_CHUNK]
             in_use = part < shift
-            unheld = part == self.unheld_mark
             np.subtract(part, shift, out=part, where=part != self.not_here)
             part[in_use] = self.by_miss
-            part[unheld] = self.unheld_mark
         self.base = self.head
         self.window_base = -(self.window.shape[0] + 1)  # refilled at the next ``slots``
 
@@ -157,22 +135,29 @@ class IdRing:
 
     def take(self, n: int) -> np.ndarray | None:
         """``n`` ids from ``head`` (the longest cached first), handed out; None when fewer are
-        cached. Nothing is written per id: moving ``head`` past them marks them in use. Wakes
-        the worker when fewer than ``low`` are left."""
+        cached. Nothing is written per id: moving ``head`` past them marks them in use."""
         head = self.head
-        left = self.tail - head - n
-        if left < 0:
+        if self.tail - head < n:
             return None
         self.head = head + n
         self.n_in_use += n
-        if left < self.low and not self.kicked:
-            self.kicked = True
-            self.wake()
         i = head % self.capacity
         j = i + n
         if j <= self.capacity:
             return self.ring[i:j].copy()  # the copy handed out
         return self.read(head, n)
+
+    def cached_ids(self) -> np.ndarray:
+        """A copy of the cached ids, oldest first; O(cached)."""
+        return self.read(self.head, self.tail - self.head)
+
+    def take_newest(self, k: int) -> np.ndarray:
+        """Take the ``k`` most recently cached ids out of the ring (a return to the daemon:
+        the oldest stay, to be handed out next)."""
+        self.tail -= k
+        ids = self.read(self.tail, k)
+        self.uncache(ids)
+        return ids
 
     def take_highest(self, k: int) -> np.ndarray:
         """Take the ``k`` highest cached ids out of the ring (all of them when fewer are
@@ -262,11 +247,13 @@ class IdRing:
         in_use = self.pos[1:self.capacity + 1] < self.head - self.base
         return (np.flatnonzero(in_use) + 1).astype(ID_DTYPE)
 
-    def free_ids(self, ids: Any) -> tuple[np.ndarray, bool]:
-        """Take back ids handed out: ``(ids, cached)``, in O(len(ids)). Every id must be in use
-        and listed once; on a refusal nothing changes. While the ring is open the ids go in at
-        ``tail`` (``cached``; the owner is woken above ``high``); once it is ``dead`` they are
-        forgotten (not ``cached``: the owner gives them back to the daemon itself).
+    def free_ids(self, ids: Any, keep: bool) -> np.ndarray:
+        """Take back ids handed out, in O(len(ids)): every id must be in use and listed once;
+        on a refusal nothing changes. With ``keep`` they go into the ring at ``tail``
+        (cached); without, they are forgotten (the owner gives them back to the daemon).
+
+        Returns:
+            The ids, as an integer array.
 
         Raises:
             InvalidArgument: not a 1-D integer array, or the first id out of range or repeated.
@@ -274,8 +261,6 @@ class IdRing:
         """
         # One function, few numpy calls: each costs microseconds on a cold path (after the
         # engine's forward pass), and so does each Python call.
-        if self.unheld_in_use:
-            return self.free_with_unheld(ids)
         arr = ids if type(ids) is np.ndarray else np.asarray(ids)
         if arr.ndim != 1 or arr.dtype.kind not in "iu" or arr.shape[0] < 2:
             arr = self.unmark_few(arr)
@@ -305,46 +290,18 @@ class IdRing:
                 pos[idx] = was  # back as it was
                 raise self.free_error(arr)
         n = arr.shape[0]
-        if self.dead is None:
-            tail = self.tail
-            i = tail % self.capacity
-            if i + n <= self.capacity:
-                self.ring[i:i + n] = arr
-            else:
-                self.write(tail, arr)
-            self.tail = tail = tail + n
-            self.n_in_use -= n
-            if tail - self.head > self.high and not self.kicked_return:
-                self.kicked_return = True
-                self.wake()
-            return arr, True
-        self.forget(arr)
-        return arr, False
-
-    def free_with_unheld(self, ids: Any) -> tuple[np.ndarray, bool]:
-        """``free_ids`` while some ids in use are marked unheld (a check found the lease no
-        longer holds them): those are dropped rather than cached (or given back once dead)."""
-        arr = np.asarray(ids)
-        marked = np.zeros(0, dtype=ID_DTYPE)
-        if arr.ndim == 1 and arr.dtype.kind in "iu" and arr.shape[0]:
-            idx = np.clip(arr.astype(np.intp), 0, self.capacity + 1)
-            marked = arr[self.pos[idx] == self.unheld_mark].astype(ID_DTYPE)
-        count, self.unheld_in_use = self.unheld_in_use, 0  # the plain path for a moment
-        try:
-            arr, cached = self.free_ids(arr)
-        finally:
-            self.unheld_in_use = count
-        if not marked.shape[0]:
-            return arr, cached
-        self.unheld_in_use -= marked.shape[0]
-        if self.dead is None:  # just cached at the tail: take them out again
-            n = arr.shape[0]
-            self.tail -= n
-            tail = self.read(self.tail, n)
-            self.uncache(marked)
-            self.push(tail[self.pos[tail] != self.not_here])
-            return arr, True
-        return arr[~np.isin(arr, marked)], False
+        self.n_in_use -= n
+        if not keep:
+            self.uncache(arr)
+            return arr
+        tail = self.tail
+        i = tail % self.capacity
+        if i + n <= self.capacity:
+            self.ring[i:i + n] = arr
+        else:
+            self.write(tail, arr)
+        self.tail = tail + n
+        return arr
 
     def free_error(self, arr: np.ndarray) -> KVPoolError:
         """The error for the first bad id of ``arr`` (the refusal path; the daemon's rules and
@@ -367,48 +324,13 @@ class IdRing:
                                   "it, or already freed: a double free?); nothing was freed",
                                   field=where)
 
-    def forget(self, arr: np.ndarray) -> None:
-        """Ids ``free_ids`` took, not cached (a free after ``close``)."""
-        self.uncache(arr)
-        self.n_in_use -= arr.shape[0]
-
     def unforget(self, arr: np.ndarray) -> None:
-        """Undo ``free_ids`` after ``close``: the Free was refused."""
+        """Undo a ``free_ids`` without ``keep``: the daemon refused the Free."""
         self.pos[arr] = self.by_miss
         self.n_in_use += arr.shape[0]
 
 
-    # -- checks and end ------------------------------------------------------------------------
-
-    def check_ids(self) -> np.ndarray:
-        """Every id the ring counts as its owner's: cached, then in use (O(capacity))."""
-        in_use = self.pos[1:self.capacity + 1]
-        handed = np.flatnonzero((in_use < self.head - self.base)
-                                & (in_use != self.unheld_mark)) + 1
-        return np.concatenate((self.read(self.head, self.cached), handed.astype(ID_DTYPE)))
-
-    def drop_unheld(self, ids: np.ndarray) -> None:
-        """A check found the lease no longer holds ``ids``: those cached leave the ring (never
-        handed out again), those in use are marked (dropped when freed). Ids neither cached nor
-        in use now (reserved by a miss since) are left: the next reply's count tells again."""
-        p = self.pos[ids]
-        rel = self.head - self.base
-        cached = ids[(p >= rel) & (p != self.not_here)]
-        in_use = ids[(p < rel) & (p != self.unheld_mark)]
-        if cached.shape[0]:
-            ring = self.read(self.head, self.cached)
-            self.uncache(cached)
-            self.tail = self.head
-            self.push(ring[self.pos[ring] != self.not_here])
-        self.pos[in_use] = self.unheld_mark
-        self.unheld_in_use += in_use.shape[0]
-        k = cached.shape[0] + in_use.shape[0]
-        self.dropped_unheld += k
-        if k:
-            log.warning("page cache %s: dropped %d ids its lease no longer holds (%d cached, "
-                        "%d in use: dropped when freed)", self.label, k, cached.shape[0],
-                        in_use.shape[0])
-
+    # -- end ----------------------------------------------------------------------------------
 
     def drain(self) -> np.ndarray:
         """Every cached id, taken out of the ring (``close``)."""

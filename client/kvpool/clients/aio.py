@@ -194,7 +194,8 @@ class AsyncLease(LeaseView):
     async def allocate_batch(self, pool: str, items: Sequence[tuple[str, int]]
                              ) -> list[np.ndarray]:
         """See ``Lease.allocate_batch`` (an elastic pool's groups are mapped before it
-        returns)."""
+        returns; a space a page cache of this lease serves is refused)."""
+        self._session.refuse_cached(pool, [space for space, _ in items], "allocate")
         arrays = await self.client.run(rpcs.allocate(pool, self, items))
         regions = self.client._elastic.get(pool)
         if regions:
@@ -207,31 +208,28 @@ class AsyncLease(LeaseView):
         try:
             map_allocated(regions, spaces, arrays)
         except BaseException:
-            await self.free_batch(pool, list(zip(spaces, arrays, strict=True)))
+            await self.client.run(rpcs.free(pool, self, list(zip(spaces, arrays, strict=True))))
             raise
 
     async def free(self, pool: str, space: str, ids: Any) -> int:
         return await self.free_batch(pool, [(space, ids)])
 
     async def free_batch(self, pool: str, items: Sequence[tuple[str, Any]]) -> int:
+        """See ``Lease.free_batch`` (a space a page cache of this lease serves is refused)."""
+        self._session.refuse_cached(pool, [space for space, _ in items], "free")
         return await self.client.run(rpcs.free(pool, self, items))
 
-    # -- for page caches: see ``Lease._allocate_held`` and the two after it -----------------
+    # -- the page caches' own path: see ``Lease._cache_allocate`` ----------------------------
 
-    async def _allocate_held(self, pool: str, space: str, count: int
-                             ) -> tuple[np.ndarray, int | None]:
-        ids, held = await self.client.run(rpcs.allocate_held(pool, self, space, count))
+    async def _cache_allocate(self, pool: str, space: str, count: int) -> np.ndarray:
+        ids = (await self.client.run(rpcs.allocate(pool, self, [(space, count)])))[0]
         regions = self.client._elastic.get(pool)
         if regions:  # a cache hands out only mapped pages
             await self._map_or_free(pool, regions, [space], [ids])
-        return ids, held
+        return ids
 
-    async def _free_held(self, pool: str, space: str, ids: Any) -> tuple[int, int | None]:
-        return await self.client.run(rpcs.free_held(pool, self, space, ids))
-
-    async def _check_held(self, pool: str, space: str, ids: Any
-                          ) -> tuple[np.ndarray, int | None]:
-        return await self.client.run(rpcs.check_held(pool, self, space, ids))
+    async def _cache_free(self, pool: str, space: str, ids: Any) -> int:
+        return await self.client.run(rpcs.free(pool, self, [(space, ids)]))
 
     async def grant_receive(self, pool: str, pages: Any, ttl_s: float | None = None
                             ) -> AsyncReceiveGrant:
@@ -247,12 +245,15 @@ class AsyncLease(LeaseView):
         return self._closed
 
     async def page_cache(self, pool: str, space: str = "kv", *, low: int | None = None,
-                         high: int | None = None, batch: int | None = None
-                         ) -> AsyncPageCache:
-        """See ``Lease.page_cache``: ``async with await lease.page_cache(pool) as cache``."""
+                         high: int | None = None, batch: int | None = None,
+                         background: bool = True, fill: bool = True) -> AsyncPageCache:
+        """See ``Lease.page_cache``: ``async with await lease.page_cache(pool) as cache``
+        (``background=False``: no worker task, the engine awaits ``cache.maintain()`` once
+        per step)."""
         from kvpool.cache.aio_page_cache import AsyncPageCache
 
-        return await AsyncPageCache.open(self, pool, space, low=low, high=high, batch=batch)
+        return await AsyncPageCache.open(self, pool, space, low=low, high=high, batch=batch,
+                                         background=background, fill=fill)
 
     async def close(self) -> Released:
         """Stop renewing and end the lease; returns what it held. Idempotent."""

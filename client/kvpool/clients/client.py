@@ -389,7 +389,14 @@ class Lease(LeaseView):
 
         In an elastic pool the groups of the ``kv`` pages are mapped in every region of the
         pool attached through this client before this returns.
+
+        Raises:
+            FailedPrecondition: a space a page cache of this lease serves (allocate through
+                the cache). Otherwise the daemon's errors.
         """
+        if self._session.caches:
+            with self._acked:
+                self._session.refuse_cached(pool, [space for space, _ in items], "allocate")
         arrays = self.client.run(rpcs.allocate(pool, self, items))
         regions = self.client._elastic.get(pool)
         if regions:
@@ -398,6 +405,9 @@ class Lease(LeaseView):
 
     def allocate_swa_pairs(self, pool: str, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Hybrid SWA pools: ``count`` full pages and the SWA page paired with each."""
+        if self._session.caches:
+            with self._acked:
+                self._session.refuse_cached(pool, ["kv"], "allocate")
         full, swa = self.client.run(rpcs.allocate_pairs(pool, self, count))
         regions = self.client._elastic.get(pool)
         if regions:
@@ -410,7 +420,7 @@ class Lease(LeaseView):
         try:
             map_allocated(regions, spaces, arrays)
         except BaseException:
-            self.free_batch(pool, list(zip(spaces, arrays, strict=True)))
+            self.client.run(rpcs.free(pool, self, list(zip(spaces, arrays, strict=True))))
             raise
 
     def free(self, pool: str, space: str, ids: Any) -> int:
@@ -419,24 +429,28 @@ class Lease(LeaseView):
         return self.free_batch(pool, [(space, ids)])
 
     def free_batch(self, pool: str, items: Sequence[tuple[str, Any]]) -> int:
-        """Several ``(space, ids)`` in one validated call; returns the ids freed."""
+        """Several ``(space, ids)`` in one validated call; returns the ids freed.
+
+        Raises:
+            FailedPrecondition: a space a page cache of this lease serves (free through the
+                cache). Otherwise the daemon's errors.
+        """
+        if self._session.caches:
+            with self._acked:
+                self._session.refuse_cached(pool, [space for space, _ in items], "free")
         return self.client.run(rpcs.free(pool, self, items))
 
-    # -- for page caches: one space, and what the lease holds of it after the call --------------
+    # -- the page caches' own path to their space (the lease's is refused while one is open) ---
 
-    def _allocate_held(self, pool: str, space: str, count: int) -> tuple[np.ndarray, int | None]:
-        ids, held = self.client.run(rpcs.allocate_held(pool, self, space, count))
+    def _cache_allocate(self, pool: str, space: str, count: int) -> np.ndarray:
+        ids = self.client.run(rpcs.allocate(pool, self, [(space, count)]))[0]
         regions = self.client._elastic.get(pool)
         if regions:  # a cache hands out only mapped pages
             self._map_or_free(pool, regions, [space], [ids])
-        return ids, held
+        return ids
 
-    def _free_held(self, pool: str, space: str, ids: Any) -> tuple[int, int | None]:
-        return self.client.run(rpcs.free_held(pool, self, space, ids))
-
-    def _check_held(self, pool: str, space: str, ids: Any) -> tuple[np.ndarray, int | None]:
-        """See :func:`kvpool.contract.rpcs.check_held`."""
-        return self.client.run(rpcs.check_held(pool, self, space, ids))
+    def _cache_free(self, pool: str, space: str, ids: Any) -> int:
+        return self.client.run(rpcs.free(pool, self, [(space, ids)]))
 
     def grant_receive(self, pool: str, pages: Any, ttl_s: float | None = None) -> ReceiveGrant:
         """Let one transfer from a peer daemon write into ``pages`` (kv pages this lease
@@ -467,11 +481,13 @@ class Lease(LeaseView):
         """A local cache of ``space`` ids held by this lease: ``alloc``/``free`` without gRPC.
 
         Watermarks in ids (defaults 64/512/128, less for small spaces); see
-        ``kvpool.cache.page_cache`` and docs/api.md, "Page cache". ``background=False``: no worker
-        thread, the engine calls ``cache.maintain()`` once per step. ``fill=False``: no first
-        fill to ``high`` (the cache holds only what allocs fetched). One Stats call; paired
-        spaces (``kv``
-        of hybrid SWA and DeepSeek-V4 pools, ``swa``) are refused (InvalidArgument).
+        ``kvpool.cache.page_cache`` and docs/api.md, "Page cache". ``background=False``: no
+        worker thread, the engine calls ``cache.maintain()`` once per step. ``fill=False``: no
+        first fill to ``high`` (the cache holds only what allocs fetched). One Stats call;
+        paired spaces (``kv`` of hybrid SWA and DeepSeek-V4 pools, ``swa``) are refused
+        (InvalidArgument), and so is a space of which the lease holds ids
+        (FailedPrecondition): while the cache is open it is the only path to its space (the
+        lease's own ``allocate``/``free`` of it are refused).
         """
         from kvpool.cache.page_cache import PageCache
 

@@ -15,6 +15,10 @@ sent again). An unmap that fails is logged and never acknowledged; the daemon th
 lease at the reclaim's deadline, which is the safe outcome (no process keeps memory mapped that
 another pool is given).
 
+While a page cache of a (pool, space) is registered, the lease refuses its own Allocate and
+Free of that space (:meth:`~KeepAliveSession.refuse_cached`): the cache is the only path to
+it, so what the lease holds of the space is what the cache counts.
+
 A session is not thread-safe: the blocking shell calls it under its lock, except
 :meth:`~KeepAliveSession.on_failure` and :meth:`~KeepAliveSession.end`, which only set
 ``error``, tell a copy of the cache list that the lease is gone and close a copy of the region
@@ -26,10 +30,11 @@ lease's lock, and a region calls back into the lease only after releasing its ow
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from kvpool.contract.codec import groups_from_bytes
-from kvpool.contract.errors import KVPoolError, NotFound
+from kvpool.contract.errors import FailedPrecondition, KVPoolError, NotFound
 from kvpool.v1 import kvpool_pb2 as pb
 
 log = logging.getLogger("kvpool.clients.session")
@@ -69,6 +74,23 @@ class KeepAliveSession:
         if cache in self.caches:
             self.caches.remove(cache)
 
+    def refuse_cached(self, pool: str, spaces: Iterable[str], call: str) -> None:
+        """Refuse the lease's own ``call`` (allocate, free) of ``spaces`` of ``pool`` where a
+        page cache of the lease serves one of them. O(spaces x caches).
+
+        Raises:
+            FailedPrecondition: naming the space and the cache.
+        """
+        for space in spaces:
+            for cache in self.caches:
+                core = cache.core
+                if core.pool == pool and core.space == space:
+                    raise FailedPrecondition(
+                        f"lease {self.lease_id}: {call} of {pool}/{space} refused: the lease's "
+                        f"page cache {cache!r} serves that space and must be its only path "
+                        "(use cache.alloc / cache.free, or close the cache first)",
+                        field="space")
+
     def add_region(self, region: Any) -> None:
         self.regions.append(region)
 
@@ -100,7 +122,7 @@ class KeepAliveSession:
             for cache in self.caches:
                 if left <= 0:
                     break
-                if cache.pool == item.pool and cache.space == item.space:
+                if cache.core.pool == item.pool and cache.core.space == item.space:
                     left -= cache._give_back(left, item.min_id)
         if resp.seq:
             self.acked_seq = max(self.acked_seq, resp.seq)
@@ -164,7 +186,7 @@ def cache_reports(caches: list[Any]) -> list[pb.CacheReport]:
     per (pool, space)."""
     sums: dict[tuple[str, str], list[int]] = {}
     for cache in caches:
-        counts = sums.setdefault((cache.pool, cache.space), [0, 0, 0])
+        counts = sums.setdefault((cache.core.pool, cache.core.space), [0, 0, 0])
         for i, n in enumerate(cache._report()):
             counts[i] += n
     return [pb.CacheReport(pool=pool, space=space, cached=c, in_use=u, evictable=e)

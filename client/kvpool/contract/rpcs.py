@@ -119,28 +119,3 @@ def wait_transfer(*, transfer_id: int = 0, token: bytes = b"", timeout_s: float 
     to ``timeout_s`` by the daemon."""
     req = pb.WaitTransferRequest(transfer_id=transfer_id, token=token, timeout_seconds=timeout_s)
     return Call("WaitTransfer", req, codec.transfer_status_from_pb)
-
-
-# -- the page cache's calls: one item, and what the lease holds of its space after it ----------
-
-def allocate_held(pool: str, lease: wire.LeaseLike, space: str, count: int
-                  ) -> Call[tuple[np.ndarray, int | None]]:
-    """``count`` ids of ``space`` and what the lease holds of it after (None: not said)."""
-    return Call("Allocate", wire.allocate_request(pool, lease, [(space, count)]),
-                lambda resp: (codec.ids_from_bytes(resp.items[0].ids), wire.held_of(resp)))
-
-
-def free_held(pool: str, lease: wire.LeaseLike, space: str, ids: Any
-              ) -> Call[tuple[int, int | None]]:
-    """The ids freed and what the lease holds of ``space`` after."""
-    return Call("Free", wire.free_request(pool, lease, [(space, ids)]),
-                lambda resp: (resp.freed, wire.held_of(resp)))
-
-
-def check_held(pool: str, lease: wire.LeaseLike, space: str, ids: Any
-               ) -> Call[tuple[np.ndarray, int | None]]:
-    """The ids of ``ids`` the lease does not hold now, in order (a Free with ``check``: it
-    frees nothing), and what it holds of ``space``. Only for a daemon that answered ``held``
-    before (one that predates ``check`` would free the ids; see ``wire.free_request``)."""
-    return Call("Free", wire.free_request(pool, lease, [(space, ids)], check=True),
-                lambda resp: (codec.ids_from_bytes(resp.not_held[0].ids), wire.held_of(resp)))

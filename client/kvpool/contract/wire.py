@@ -238,22 +238,14 @@ def allocate_request(pool: str, lease: LeaseLike,
     ])
 
 
-def free_request(pool: str, lease: LeaseLike, items: Sequence[tuple[str | int, Any]],
-                 check: bool = False) -> pb.FreeRequest:
-    """A Free of ``items``; with ``check``, one that frees nothing and asks which of the ids
-    the lease does not hold (send it only to a daemon that answers ``held``: one before checks
-    would free the ids)."""
+def free_request(pool: str, lease: LeaseLike, items: Sequence[tuple[str | int, Any]]
+                 ) -> pb.FreeRequest:
+    """A Free of ``items``."""
     return pb.FreeRequest(pool=pool, lease_id=lease.lease_id, lease_secret=lease.secret, items=[
         pb.IdList(space=space_name(space, f"items[{i}].space"),
                   ids=ids_bytes(ids, f"items[{i}].ids"))
         for i, (space, ids) in enumerate(items)
-    ], check=check)
-
-
-def held_of(resp: pb.AllocateResponse | pb.FreeResponse) -> int | None:
-    """What the lease holds of the (single) item's space after an Allocate or Free; None from
-    a daemon that does not say (then a page cache never checks its ids)."""
-    return int(resp.held[0]) if resp.held else None
+    ])
 
 
 # -- transfers between daemons ------------------------------------------------------------------

@@ -268,7 +268,7 @@ class Run:
             "reported_in_use": mine.in_use(self.binding.pool),
             "blocks_in_use": self.kv.blocks_in_use,
             "queue": self.kv.held_free,
-            "spare": int(self.cache.cached),
+            "spare": int(self.cache.core.cached),
         })
 
     def run(self) -> None:
@@ -356,7 +356,7 @@ def shared_scenario(env: dict[str, str]) -> dict[str, Any]:
         binding.on_close(pool.close)
         cache.settle(10.0)
         out["free_before"] = pool.get_num_free_blocks()
-        hog = other.allocate(SHARED_POOL, "kv", NUM_BLOCKS - 1 - int(cache.cached) - 8)
+        hog = other.allocate(SHARED_POOL, "kv", NUM_BLOCKS - 1 - int(cache.core.cached) - 8)
         out["hogged"] = int(hog.shape[0])
         out["free_promised"] = pool.get_num_free_blocks()
         try:
@@ -366,7 +366,7 @@ def shared_scenario(env: dict[str, str]) -> dict[str, Any]:
             out["refused"] = str(err)
         out["short"] = pool.short
         out["free_while_short"] = pool.get_num_free_blocks()
-        out["spare"] = int(cache.cached)
+        out["spare"] = int(cache.core.cached)
         got = pool.get_new_blocks(out["free_while_short"])
         out["got_while_short"] = len(got)
         out["ids_ok"] = all(1 <= b.block_id < NUM_BLOCKS for b in got)

@@ -107,7 +107,7 @@ def main() -> None:
             mine = next(s for s in stats.leases if s.lease_id == binding.lease.lease_id)
             out["lease"] = {"name": mine.name, "held": mine.held.get(POOL, {}).get("kv", 0),
                             "in_use": mine.in_use(POOL), "queue": bp.held_free,
-                            "blocks_in_use": bp.blocks_in_use, "spare": int(bp.cache.cached)}
+                            "blocks_in_use": bp.blocks_in_use, "spare": int(bp.cache.core.cached)}
             lease_id = binding.lease.lease_id
             core.shutdown()
             after = client.stats(POOL)

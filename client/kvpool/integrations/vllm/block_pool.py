@@ -54,7 +54,7 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 from kvpool.cache.page_cache import PageCache
-from kvpool.contract.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvpool.contract.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger("kvpool.integrations.vllm.block_pool")
 
@@ -91,12 +91,12 @@ class KVPoolBlockPool(BlockPool):
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
                  enable_kv_cache_events: bool = False, metrics_collector: Any = None,
                  medium: str | None = None, *, cache: PageCache) -> None:
-        check_capacity(num_gpu_blocks, int(cache.capacity), str(cache.pool))
+        check_capacity(num_gpu_blocks, int(cache.core.capacity), str(cache.core.pool))
         kwargs: dict[str, Any] = {} if medium is None else {"medium": medium}
         super().__init__(num_gpu_blocks, enable_caching, hash_block_size,
                          enable_kv_cache_events, metrics_collector, **kwargs)
         self.cache = cache
-        self.pool_name = str(cache.pool)
+        self.pool_name = str(cache.core.pool)
         # The blocks the lease may hold at once: all but the null block.
         self.quota = num_gpu_blocks - 1
         # vLLM's queue starts with every block; here it starts empty (the blocks are the
@@ -120,14 +120,14 @@ class KVPoolBlockPool(BlockPool):
     @property
     def blocks_in_use(self) -> int:
         """Blocks handed out and referenced (the null block not counted)."""
-        return self.cache.in_use - self.free_block_queue.num_free_blocks
+        return self.cache.core.in_use - self.free_block_queue.num_free_blocks
 
     def _can_take(self) -> int:
         """Blocks the lease may still take from the pool: the quota less what it holds (after
         a shortage, what its page cache holds)."""
-        room = self.quota - self.cache.in_use
+        room = self.quota - self.cache.core.in_use
         if self.short:
-            room = min(room, self.cache.cached)
+            room = min(room, self.cache.core.cached)
         return max(0, room)
 
     def get_num_free_blocks(self) -> int:
@@ -163,7 +163,7 @@ class KVPoolBlockPool(BlockPool):
             raise ValueError(
                 f"Cannot get {num_blocks} free blocks from the pool: kvpool pool "
                 f"{self.pool_name!r} ran short (other leases hold its pages); the engine "
-                f"holds {self.cache.in_use} of its {self.quota} blocks")
+                f"holds {self.cache.core.in_use} of its {self.quota} blocks")
         blocks = self.blocks
         ret: list[KVCacheBlock] = [] if ids is None else [blocks[i] for i in ids.tolist()]
         if rest:
@@ -189,22 +189,17 @@ class KVPoolBlockPool(BlockPool):
     def _take(self, n: int) -> np.ndarray | None:
         """Up to ``n`` ids from the page cache: ``n``, or after the daemon refused them what
         the cache still holds (the pool is then short until :meth:`new_step`)."""
-        try:
-            return self.cache.alloc(n)
-        except ResourceExhausted as err:
-            self.short = True
-            if not self._short_warned:
-                self._short_warned = True
-                log.warning("kvpool pool %r ran short of what the engine's quota promised "
-                            "(%d blocks; other leases hold its pages): %s", self.pool_name,
-                            self.quota, err)
-        have = min(n, int(self.cache.cached))
-        if not have:
-            return None
-        try:
-            return self.cache.alloc(have)
-        except ResourceExhausted:
-            return None
+        ids = self.cache.try_alloc(n)
+        if ids is not None:
+            return ids
+        self.short = True
+        if not self._short_warned:
+            self._short_warned = True
+            log.warning("kvpool pool %r ran short of what the engine's quota promised (%d "
+                        "blocks; other leases hold its pages): %d asked, %d in the cache",
+                        self.pool_name, self.quota, n, self.cache.core.cached)
+        have = min(n, int(self.cache.core.cached))
+        return self.cache.try_alloc(have) if have else None
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop a reference from each block; a block no one references goes back to the page
