@@ -25,7 +25,6 @@ from kvpool.contract.errors import FailedPrecondition, Internal, InvalidArgument
 from kvpool.contract.limits import check_pool_name
 from kvpool.contract.plan import PoolPlan
 from kvpool.mapping.sparse import backed_bytes, commit, punch
-from kvpoold.elastic.groups import SparseBacking, plan_geometry
 from kvpoold.sharing.base import Region, SharedHandle, Sharing
 from kvpoold.sharing.cleanup import (
     FILE_MODE,
@@ -34,6 +33,7 @@ from kvpoold.sharing.cleanup import (
     region_prefix,
     sweep_orphans,
 )
+from kvpoold.sharing.sparse_groups import SparseBacking, plan_geometry
 
 log = logging.getLogger(__name__)
 

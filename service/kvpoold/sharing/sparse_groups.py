@@ -1,4 +1,4 @@
-"""Group geometry and the sparse backing of an elastic pool (issue 23).
+"""Group geometry and the sparse file backing of an elastic pool on CPU (issue 23).
 
 A **group** is the same token range in every per-token view of a pool, long enough that each
 view's share of it is whole 2 MiB chunks: the unit the daemon grants, commits and takes back.
