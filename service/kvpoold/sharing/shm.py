@@ -169,7 +169,12 @@ class SparseShmBacking(ShmBacking):
         if self._tensor is None:
             return
         super().close()
-        os.close(self.fd)
+        if self.groups is None:
+            os.close(self.fd)
+            return
+        with self.groups.lock:  # an audit in a worker thread must not use a reused number
+            self.groups.closed = True
+            os.close(self.fd)
 
 
 class ShmBackingFactory:
@@ -326,7 +331,8 @@ class ShmBackingFactory:
         assert e is not None  # plan_geometry refused a fixed plan
         backing = self.create_sparse(plan.backing_bytes, pool_name,
                                      (e.fixed_offset, e.fixed_bytes))
-        backing.groups = SparseBacking(backing.fd, geometry, offsets)
+        backing.groups = SparseBacking(backing.fd, geometry, offsets,
+                                       (e.fixed_offset, e.fixed_bytes))
         return backing
 
     def _create_file(self, path: Path, nbytes: int, pool_name: str, *,
