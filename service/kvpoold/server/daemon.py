@@ -1025,3 +1025,7 @@ class _ElasticHooks:
 
     def other_bytes(self) -> int:
         return self._d._fixed_bytes() + self._d._reserved_bytes
+
+    def lease_name(self, lease_id: int) -> str:
+        lease = self._d.leases.find(lease_id)
+        return "" if lease is None else lease.name
