@@ -25,7 +25,8 @@ attached lease's name does (a renamed lease, or memory committed with ``fallocat
 lease attached to the pool is ended, and the log says so.
 
 What it cannot do: unmap another process's mapping. A process whose lease was ended can go on
-touching holes; each sweep punches them again, so the excess lasts a sweep and an audit.
+touching holes; each sweep punches them again (the excess lasts a sweep and an audit) and
+blames no other lease for it: the pids already blamed are remembered per pool.
 """
 
 from __future__ import annotations
@@ -195,11 +196,14 @@ class BackingAudit:
     found: dict[str, int] = field(default_factory=dict)
     stray_bytes: dict[str, int] = field(default_factory=dict)
     _running: set[str] = field(default_factory=set)
+    _ended: dict[str, set[int]] = field(default_factory=dict)  # pool -> pids blamed
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     def sweep(self, pools: Mapping[str, Audited], hooks: AuditHooks) -> None:
         """Start an audit of each pool whose file holds more than committed (O(pools): one
         ``fstat`` each). Call on the event loop."""
+        for gone in self._ended.keys() - pools.keys():
+            del self._ended[gone]
         for name, ep in pools.items():
             groups = getattr(ep.backing, "groups", None)
             if not isinstance(groups, SparseBacking) or name in self._running:
@@ -236,11 +240,17 @@ class BackingAudit:
         blamed = {lease for lease in attached
                   if _claimed_pid(hooks.lease_name(lease), host) in found.touched}
         how = "its process had the pages mapped"
-        if not blamed:
+        ended = self._ended.setdefault(name, set())
+        unknown = set(found.touched) - ended - {
+            _claimed_pid(hooks.lease_name(lease), host) for lease in blamed}
+        if not blamed and (unknown or not found.touched):
             blamed = attached
             how = ("no attached lease could be told from the others (no lease named "
                    f"{host}:<pid> of a process with the pages mapped: pids "
                    f"{sorted(found.touched)}), so every lease attached to the pool")
+        # a process whose lease was ended keeps its mapping: what it touches again is punched
+        # again, and blames no one else
+        ended.update(found.touched)
         log.warning("elastic pool memory outside its groups", extra={"fields": {
             "event": "elastic_stray_memory", "pool": name, "bytes": found.excess_bytes,
             "strays": len(found.strays), "touched": found.touched,
