@@ -43,7 +43,7 @@ from pathlib import Path
 
 from kvpool.mapping.sparse import backed_bytes, commit, punch
 from kvpoold.elastic.arbiter import Arbiter, Share
-from kvpoold.elastic.groups import SparseBacking, group_geometry
+from kvpoold.sharing.sparse_groups import SparseBacking, group_geometry
 
 VIEWS = 64
 ROW_BYTES = 2048  # 8 KV heads x 128 x bf16

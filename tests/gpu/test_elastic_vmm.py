@@ -22,8 +22,8 @@ from kvpool.contract.errors import ResourceExhausted
 from kvpool.contract.fd_channel import FdAsk
 from kvpool.contract.plan import CHUNK_BYTES, PoolPlan
 from kvpoold.elastic.fd_server import FdGrant, FdServer
-from kvpoold.elastic.vmm_backing import CudaVmmBacking
 from kvpoold.sharing import CudaIpcBackingFactory
+from kvpoold.sharing.vmm import CudaVmmBacking
 from tests.factories import GiB, llama_8b, plan_for
 from tests.procs import Child
 

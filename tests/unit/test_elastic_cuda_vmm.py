@@ -40,7 +40,7 @@ from kvpool.mapping.cuda_driver import (
 )
 from kvpool.mapping.cuda_vmm import CudaVmmRegion, expected_ranges, socket_asker
 from kvpoold.elastic.fd_server import FdGrant, FdServer
-from kvpoold.elastic.vmm_backing import CudaVmmBacking, check_layout, create_vmm_region
+from kvpoold.sharing.vmm import CudaVmmBacking, check_layout, create_vmm_region
 from tests.conftest import REPO
 from tests.factories import MiB, llama_8b, plan_for
 

@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvpool.mapping.sparse import backed_bytes
 from kvpoold.elastic.arbiter import Arbiter, Reclaim, Share
-from kvpoold.elastic.groups import SparseBacking, group_geometry
+from kvpoold.sharing.sparse_groups import SparseBacking, group_geometry
 
 GROUPS = 6  # per pool's virtual range
 

@@ -112,7 +112,7 @@ def test_an_unmapped_chunk_faults_again_and_a_punched_one_reads_zeros_elsewhere(
 
 
 def test_group_geometry_takes_whole_chunks_of_every_view() -> None:
-    from kvpoold.elastic.groups import group_geometry
+    from kvpoold.sharing.sparse_groups import group_geometry
 
     llama = group_geometry((2048,) * 64, page_size=16, capacity_tokens=327_680)
     assert (llama.tokens, llama.bytes, llama.groups) == (1024, 128 << 20, 320)
@@ -126,7 +126,7 @@ def test_group_geometry_takes_whole_chunks_of_every_view() -> None:
 
 
 def test_a_group_is_granted_and_released_in_every_view(fd: int) -> None:
-    from kvpoold.elastic.groups import SparseBacking, group_geometry
+    from kvpoold.sharing.sparse_groups import SparseBacking, group_geometry
 
     geo = group_geometry((2048, 2048, 4096), page_size=16, capacity_tokens=4096)
     assert geo.tokens == 1024 and geo.groups == 4

@@ -19,39 +19,15 @@ import os
 import socket
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
 from kvpool.contract.errors import Internal, InvalidArgument, KVPoolError, PermissionDenied
 from kvpool.contract.fd_channel import MAX_ASK_BYTES, MAX_FDS_PER_ANSWER, FdAnswer, FdAsk
+from kvpoold.sharing.base import FdGrant
 
 log = logging.getLogger("kvpoold.elastic")
-
-
-@dataclass(frozen=True)
-class FdGrant:
-    """What to send for an ask of parts: ``fds[i]`` backs ``ranges[i]`` (offset, length) of
-    a region of ``size`` bytes, in the order of :mod:`kvpool.contract.fd_channel`.
-
-    Attributes:
-        owned: the descriptors are fresh exports for this answer; the server closes them
-            after sending (or failing to).
-    """
-
-    fds: tuple[int, ...]
-    ranges: tuple[tuple[int, int], ...]
-    size: int
-    kind: str
-    owned: bool = True
-
-    def close(self) -> None:
-        """Close the descriptors if owned. Idempotent only in effect: call once."""
-        if self.owned:
-            for fd in self.fds:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
 
 
 # (ask, peer uid) -> (descriptor, size, kind) or FdGrant; raises a KVPoolError to refuse.

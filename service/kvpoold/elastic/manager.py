@@ -45,6 +45,7 @@ from kvpool.contract.errors import KVPoolError
 from kvpool.contract.plan import PoolPlan
 from kvpool.contract.records import ElasticStats
 from kvpoold.elastic.arbiter import Arbiter, Decision, Reclaim, Share
+from kvpoold.elastic.backing_audit import BackingAudit
 from kvpoold.ids.grouped import GroupedSpace
 from kvpoold.pools.pool import Pool
 from kvpoold.sharing.base import GroupBacking
@@ -100,6 +101,10 @@ class Hooks(Protocol):
 
     def other_bytes(self) -> int:
         """Budget bytes taken by everything but the elastic pools' groups."""
+        ...
+
+    def lease_name(self, lease_id: int) -> str:
+        """The lease's name ("" when it is gone)."""
         ...
 
 
@@ -202,6 +207,7 @@ class ElasticPools:
         self.deadline_s = deadline_s
         self._next_reclaim = 1
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.audit = BackingAudit()  # memory in sparse files' holes (CPU)
 
     # -- budget ------------------------------------------------------------------------------
 
@@ -602,6 +608,7 @@ class ElasticPools:
             retry, ep.retry = ep.retry, []
             for u in retry:
                 self._spawn(self._finish(u))
+        self.audit.sweep(self.pools, self._hooks)  # memory outside the groups: freed, revoked
         if self.policy == "greedy":  # give back what is unused, beyond one spare group
             for name, ep in self.pools.items():
                 cached = self._hooks.cached(name)  # caches keep one group's worth, as kvcached

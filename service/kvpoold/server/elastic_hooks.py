@@ -59,3 +59,7 @@ class ElasticHooks:
 
     def other_bytes(self) -> int:
         return self._registry.fixed_bytes() + self._registry.reserved_bytes
+
+    def lease_name(self, lease_id: int) -> str:
+        lease = self._leases.find(lease_id)
+        return "" if lease is None else lease.name

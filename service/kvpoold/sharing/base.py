@@ -8,6 +8,8 @@ handle bytes and a device UUID): it crosses the wire as typed proto fields, neve
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -21,6 +23,7 @@ from kvpool.contract.shared_handle import SharedHandle, Sharing
 __all__ = [
     "Backing",
     "BackingFactory",
+    "FdGrant",
     "GroupBacking",
     "PlainBacking",
     "PlainBackingFactory",
@@ -77,6 +80,30 @@ class GroupBacking(Backing, Protocol):
     def backed_bytes(self) -> int:
         """Memory behind the region now, as the kernel or driver counts it."""
         ...
+
+
+@dataclass(frozen=True)
+class FdGrant:
+    """What to send for an ask of parts: ``fds[i]`` backs ``ranges[i]`` (offset, length) of
+    a region of ``size`` bytes, in the order of :mod:`kvpool.contract.fd_channel`.
+
+    Attributes:
+        owned: the descriptors are fresh exports for this answer; the server closes them
+            after sending (or failing to).
+    """
+
+    fds: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]
+    size: int
+    kind: str
+    owned: bool = True
+
+    def close(self) -> None:
+        """Close the descriptors if owned. Idempotent only in effect: call once."""
+        if self.owned:
+            for fd in self.fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
 
 class BackingFactory(Protocol):

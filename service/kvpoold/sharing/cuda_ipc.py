@@ -24,7 +24,6 @@ import os
 import re
 import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,9 +33,7 @@ from kvpool.contract.plan import PoolPlan
 from kvpool.mapping.cuda_driver import CudaDriver
 from kvpool.mapping.cuda_mapper import normalize_uuid
 from kvpoold.sharing.base import Region, SharedHandle, Sharing
-
-if TYPE_CHECKING:
-    from kvpoold.elastic.vmm_backing import CudaVmmBacking
+from kvpoold.sharing.vmm import CudaVmmBacking, create_vmm_region
 
 ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 _EXPANDABLE_ON = re.compile(r"(?:^|,)\s*expandable_segments\s*:\s*true\s*(?:,|$)", re.IGNORECASE)
@@ -175,7 +172,7 @@ class CudaIpcBackingFactory:
     """Creates :class:`CudaIpcBacking` regions on one CUDA device.
 
     Elastic pools (:meth:`create_elastic`) are CUDA VMM regions instead
-    (:mod:`kvpoold.elastic.vmm_backing`), made through cuda-bindings, loaded at the first one.
+    (:mod:`kvpoold.sharing.vmm`), made through cuda-bindings, loaded at the first one.
 
     Args:
         device: ``cuda:N``, ``N`` or a ``torch.device``.
@@ -263,7 +260,7 @@ class CudaIpcBackingFactory:
     def create_elastic(self, plan: PoolPlan, pool_name: str) -> CudaVmmBacking:
         """An elastic pool's region (``plan.elastic``) in CUDA virtual memory: the whole range
         reserved, the fixed part backed now, each group backed by
-        :meth:`~kvpoold.elastic.vmm_backing.CudaVmmBacking.grant`.
+        :meth:`~kvpoold.sharing.vmm.CudaVmmBacking.grant`.
 
         Raises:
             FailedPrecondition: cuda-bindings is not installed (``pip install
@@ -272,10 +269,6 @@ class CudaIpcBackingFactory:
             InvalidArgument: a fixed plan or a bad pool name.
             ResourceExhausted: the device cannot hold the fixed part.
         """
-        # imported here: kvpoold.elastic.vmm_backing imports kvpoold.sharing.base, whose package
-        # imports this module
-        from kvpoold.elastic.vmm_backing import create_vmm_region
-
         with self._mutex:
             if self._closed:
                 raise FailedPrecondition("the CUDA IPC factory is closed; start a new one")

@@ -25,7 +25,6 @@ from kvpool.contract.errors import FailedPrecondition, Internal, InvalidArgument
 from kvpool.contract.limits import check_pool_name
 from kvpool.contract.plan import PoolPlan
 from kvpool.mapping.sparse import backed_bytes, commit, punch
-from kvpoold.elastic.groups import SparseBacking, plan_geometry
 from kvpoold.sharing.base import Region, SharedHandle, Sharing
 from kvpoold.sharing.cleanup import (
     FILE_MODE,
@@ -34,6 +33,7 @@ from kvpoold.sharing.cleanup import (
     region_prefix,
     sweep_orphans,
 )
+from kvpoold.sharing.sparse_groups import SparseBacking, plan_geometry
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,12 @@ class SparseShmBacking(ShmBacking):
         if self._tensor is None:
             return
         super().close()
-        os.close(self.fd)
+        if self.groups is None:
+            os.close(self.fd)
+            return
+        with self.groups.lock:  # an audit in a worker thread must not use a reused number
+            self.groups.closed = True
+            os.close(self.fd)
 
 
 class ShmBackingFactory:
@@ -326,7 +331,8 @@ class ShmBackingFactory:
         assert e is not None  # plan_geometry refused a fixed plan
         backing = self.create_sparse(plan.backing_bytes, pool_name,
                                      (e.fixed_offset, e.fixed_bytes))
-        backing.groups = SparseBacking(backing.fd, geometry, offsets)
+        backing.groups = SparseBacking(backing.fd, geometry, offsets,
+                                       (e.fixed_offset, e.fixed_bytes))
         return backing
 
     def _create_file(self, path: Path, nbytes: int, pool_name: str, *,

@@ -33,8 +33,7 @@ from kvpool.contract.errors import FailedPrecondition, InvalidArgument
 from kvpool.contract.limits import check_pool_name
 from kvpool.contract.plan import CHUNK_BYTES, PoolPlan
 from kvpool.mapping.cuda_driver import VmmDriver, device_tensor
-from kvpoold.elastic.fd_server import FdGrant
-from kvpoold.sharing.base import Region, SharedHandle, Sharing
+from kvpoold.sharing.base import FdGrant, Region, SharedHandle, Sharing
 
 KIND = "cuda_vmm"
 
