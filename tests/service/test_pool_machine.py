@@ -45,7 +45,7 @@ FIXED_POOL = {"budget_bytes": 1 * MiB, "page_size": 16, "max_running_requests": 
 POOLS = ("a", "b")
 TTL = 10.0
 STEPS: list[int] = []
-PROMISED: list[bool] = []  # per step: whether a reclaim was promised (the machine reaches it)  # steps run, over every example (the acceptance counts them)
+PROMISED: list[bool] = []  # per step: whether a reclaim was promised (the machine reaches it)
 
 
 class Clock:
@@ -65,7 +65,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.clock = Clock()
         self.d = Daemon("cpu", BUDGET, ShmBackingFactory(shm), self.clock,
                         reclaim_deadline_s=1.0)
-        self.leases: dict[int, LeaseRef] = {}
+        self.leases: dict[int, LeaseRef] = {}  # in the order they were opened
         self.held: dict[tuple[str, int], list[np.ndarray]] = {}
         self.attached: dict[int, set[str]] = {}  # lease -> pools attached
         self.failing: dict[tuple[str, str], int] = {}  # (pool, grant|release) -> failures left
@@ -166,6 +166,10 @@ class PoolMachine(RuleBasedStateMachine):
                 self.call(self.d.attach, DAEMON_CALLER, pool, ref=ref)
                 self.attached[lease.lease_id].add(pool)
 
+    def _held_order(self, key: tuple[str, int]) -> tuple[str, int]:
+        """Lease ids are random: draws follow the order leases were opened in."""
+        return key[0], list(self.leases).index(key[1])
+
     def _forget(self, lease_id: int) -> None:
         self.leases.pop(lease_id, None)
         self.attached.pop(lease_id, None)
@@ -175,7 +179,7 @@ class PoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.leases)
     @rule(data=st.data())
     def close_lease(self, data: st.DataObject) -> None:
-        lease_id = data.draw(st.sampled_from(sorted(self.leases)))
+        lease_id = data.draw(st.sampled_from(list(self.leases)))
         self.call(self.d.close_lease, DAEMON_CALLER, self.leases[lease_id])
         self._forget(lease_id)
         self.settle()
@@ -183,7 +187,7 @@ class PoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.leases)
     @rule(data=st.data(), pool=st.sampled_from(POOLS))
     def attach(self, data: st.DataObject, pool: str) -> None:
-        lease_id = data.draw(st.sampled_from(sorted(self.leases)))
+        lease_id = data.draw(st.sampled_from(list(self.leases)))
         if pool not in self.d.pools:
             return
         self.call(self.d.attach, DAEMON_CALLER, pool, ref=self.leases[lease_id])
@@ -194,7 +198,7 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(data=st.data(), unmaps=st.booleans())
     def keep_alive(self, data: st.DataObject, unmaps: bool) -> None:
         """A KeepAlive: renews; with ``unmaps``, reports every unmap asked of it done."""
-        lease_id = data.draw(st.sampled_from(sorted(self.leases)))
+        lease_id = data.draw(st.sampled_from(list(self.leases)))
         lease = self.d.leases.find(lease_id)
         asked = [r for _, _, r, _ in lease.take_unmap()] if lease is not None else []
         try:
@@ -220,7 +224,7 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(data=st.data(), pool=st.sampled_from(POOLS),
           count=st.sampled_from([1, 100, PAGES - 1, PAGES + 7, 2 * PAGES, 3 * PAGES]))
     def allocate(self, data: st.DataObject, pool: str, count: int) -> None:
-        lease_id = data.draw(st.sampled_from(sorted(self.leases)))
+        lease_id = data.draw(st.sampled_from(list(self.leases)))
         try:
             got = self.run(self.d.allocate_waiting(DAEMON_CALLER, pool, self.leases[lease_id],
                                                    [("kv", count)], wait_s=0))
@@ -235,7 +239,7 @@ class PoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.held)
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
-        key = data.draw(st.sampled_from(sorted(self.held)))
+        key = data.draw(st.sampled_from(sorted(self.held, key=self._held_order)))
         batches = self.held[key]
         batch = batches.pop(data.draw(st.integers(0, len(batches) - 1)))
         if not batches:
@@ -250,7 +254,7 @@ class PoolMachine(RuleBasedStateMachine):
     def pin_and_drop_lease(self, data: st.DataObject) -> None:
         """A transfer pins a lease's pages of the fixed pool (the transfer wing's own pin);
         the lease ends while they are pinned: they are quarantined, not free."""
-        lease_id = data.draw(st.sampled_from(sorted(self.leases)))
+        lease_id = data.draw(st.sampled_from(list(self.leases)))
         got = self.call(self.d.allocate, DAEMON_CALLER, "f", self.leases[lease_id],
                         [("kv", 4)])
         ids = np.array(got.grants[0][1].ids, dtype=np.int32)
