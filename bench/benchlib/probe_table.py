@@ -23,12 +23,12 @@ def print_probe_table(rows: list[dict[str, Any]], title: str, width: int = 28,
     base = rows[0]["probe"]
     head, show = extra if extra is not None else ("", lambda _row: "")
     print(f"\n{title:<{width}} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'p50/base':>9} "
-          f"{'p99/base':>9} {'probe calls':>11} {'errors':>6} {'stalled s':>9}  {head}")
+          f"{'p99/base':>9} {'probe calls':>11} {'errors':>6} {'stalled s':>9}  {head}".rstrip())
     for row in rows:
         p = row["probe"]
         failed = p.get("failed", len(p["errors"]))
         print(f"{row['name']:<{width}} {p['p50_ms']:8.2f} {p['p99_ms']:8.2f} {p['max_ms']:8.1f} "
               f"{p['p50_ms'] / base['p50_ms']:9.1f} {p['p99_ms'] / base['p99_ms']:9.1f} "
-              f"{p['calls']:11,} {failed:6} {row['stalled_s']:9.2f}  {show(row)}")
+              f"{p['calls']:11,} {failed:6} {row['stalled_s']:9.2f}  {show(row)}".rstrip())
         for error in p["errors"]:
             print(f"    probe error: {error}")
