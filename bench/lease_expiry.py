@@ -291,7 +291,7 @@ def one_sweep(leases: int, pages: int) -> tuple[float, float]:
         try:
             await asyncio.sleep(0.05)
             clock.t += 120.0  # every lease is due now
-            started = longest = time.perf_counter()
+            started = time.perf_counter()
             longest = 0.0
             while len(daemon.leases):
                 turn = time.perf_counter()
