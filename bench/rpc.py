@@ -27,8 +27,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 from grpc_health.v1 import health_pb2
@@ -43,21 +44,27 @@ SPEC = {"num_layers": 2, "attention": {"type": "mha", "num_kv_heads": 2, "head_d
 POOL = "bench"
 
 
-def start_daemon(sock: Path, budget: str = "64MiB") -> subprocess.Popen[bytes]:
+def start_daemon(sock: Path, budget: str = "64MiB", extra: Sequence[str] = (),
+                 log: IO[bytes] | None = None) -> subprocess.Popen[bytes]:
+    """``kvpoold serve`` on ``sock`` with ``budget`` and ``extra`` flags (not yet ready), its
+    log on ``log`` (default: this process's stderr)."""
     env = dict(os.environ, PYTHONPATH=f"{REPO / 'client'}:{REPO / 'service'}")
     return subprocess.Popen(
         [sys.executable, "-m", "kvpoold.main", "serve", "--listen", f"unix://{sock}",
-         "--budget", budget, "--log-level", "warning"],
-        env=env, cwd=REPO,
+         "--budget", budget, "--log-level", "warning", *extra],
+        env=env, cwd=REPO, stderr=log,
     )
 
 
 @contextlib.contextmanager
-def serving_daemon(prefix: str = "kvp-bench-", budget: str = "64MiB") -> Iterator[str]:
-    """A ``kvpoold serve`` on a Unix socket in a fresh temporary directory, ready to serve:
-    yields its target; stops it and removes the directory after."""
+def serving_daemon(prefix: str = "kvp-bench-", budget: str = "64MiB",
+                   extra: Sequence[str] = (), *, log_file: bool = False) -> Iterator[str]:
+    """A ``kvpoold serve`` on a Unix socket in a fresh temporary directory (``extra``: more
+    flags; ``log_file``: its log into a file there, not this process's stderr), ready to
+    serve: yields its target; stops it and removes the directory after."""
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
-    daemon = start_daemon(tmp / "kvpool.sock", budget)
+    log = (tmp / "daemon.log").open("wb") if log_file else None
+    daemon = start_daemon(tmp / "kvpool.sock", budget, extra, log)
     target = f"unix://{tmp / 'kvpool.sock'}"
     try:
         with KVPoolClient(target) as client:
@@ -66,6 +73,8 @@ def serving_daemon(prefix: str = "kvp-bench-", budget: str = "64MiB") -> Iterato
     finally:
         daemon.terminate()
         daemon.wait(30)
+        if log is not None:
+            log.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 

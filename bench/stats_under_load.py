@@ -271,17 +271,11 @@ def run(leases: int, seconds: float) -> None:
             if probe.stdin is not None:
                 probe.stdin.close()
             probe.wait(60)
-    base = rows[0]["probe"]
-    print(f"\n{'scenario':<28} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'p50/base':>9} "
-          f"{'p99/base':>9} {'probe calls':>11} {'errors':>6} {'stalled s':>9}  load got")
-    for row in rows:
-        p = row["probe"]
-        print(f"{row['name']:<28} {p['p50_ms']:8.2f} {p['p99_ms']:8.2f} {p['max_ms']:8.1f} "
-              f"{p['p50_ms'] / base['p50_ms']:9.1f} {p['p99_ms'] / base['p99_ms']:9.1f} "
-              f"{p['calls']:11,} {len(p['errors']):6} {row['stalled_s']:9.2f}  "
-              f"{row['load']}")
-        for error in p["errors"]:
-            print(f"    probe error: {error}")
+    # Here, not at the top: tests import this module as ``bench.stats_under_load``, where
+    # ``benchlib`` is not a top-level package (run as a script, bench/ is on the path).
+    from benchlib.probe_table import print_probe_table
+
+    print_probe_table(rows, "scenario", extra=("load got", lambda row: str(row["load"])))
 
 
 def scenario(target: str, probe: subprocess.Popen[str], name: str, kind: str, token: str,

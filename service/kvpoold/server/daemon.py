@@ -202,9 +202,10 @@ class Daemon:
         """``LeaseService.close``."""
         return self.lease_service.close(caller, ref)
 
-    def expire_leases(self) -> list[tuple[Lease, Released]]:
-        """``LeaseService.expire``."""
-        return self.lease_service.expire()
+    def expire_leases(self, max_leases: int | None = None, max_ids: int | None = None, *,
+                      timers: bool = True) -> list[tuple[Lease, Released]]:
+        """``LeaseService.expire``: one slice of the lease sweep."""
+        return self.lease_service.expire(max_leases, max_ids, timers=timers)
 
     # -- Allocate / Free ---------------------------------------------------------------------
 

@@ -110,21 +110,49 @@ class LeaseService:
         }})
         return result
 
-    def expire(self) -> list[tuple[Lease, Released]]:
-        """Expire every lease past its deadline and reclaim what it held; logs each."""
-        self._transfers.expire()  # receive grants past their expiry end on the same sweep
-        self._elastic.sweep()  # unmap deadlines: leases that did not unmap are ended here
-        out = []
-        for lease in self.leases.pop_expired():
-            result = self.release(lease)
-            out.append((lease, result))
-            log.warning("lease expired", extra={"fields": {
-                "event": "lease_expired", "lease_id": lease.lease_id, "name": lease.name,
-                "ttl_s": lease.ttl_s, "released": result.total,
-                "detached": result.detached,
-                "held": {f"{pool}/{space}": n for pool, spaces in result.held.items()
-                         for space, n in spaces.items()},
-            }})
+    def expire(self, max_leases: int | None = None, max_ids: int | None = None, *,
+               timers: bool = True) -> list[tuple[Lease, Released]]:
+        """Expire leases past their deadline and reclaim what they held; logs each.
+
+        A sweep of thousands of leases is done in slices (``kvpoold.server.run.sweep_leases``
+        yields to the event loop between them): this call stops after ``max_leases`` leases,
+        or once the leases it reclaimed released ``max_ids`` ids in all, whichever comes first
+        (a lease is never split: one holding more than ``max_ids`` is a slice of its own).
+        What is left stays due (``leases.next_deadline()`` <= now) and, its deadline passed,
+        can be neither renewed nor used meanwhile (``LeaseTable.get``).
+
+        Args:
+            max_leases: at most this many leases (None: no bound).
+            max_ids: stop once this many ids are released (None: no bound).
+            timers: also end receive grants and elastic unmaps whose deadline passed (the
+                sweep's first slice; the slices that carry on a sweep pass False).
+
+        Returns:
+            The leases expired by this call, by deadline, with what each released.
+        """
+        if timers:
+            self._transfers.expire()  # receive grants past their expiry end on this sweep
+            self._elastic.sweep()  # unmap deadlines: leases that did not unmap are ended here
+        out: list[tuple[Lease, Released]] = []
+        released = 0
+        while ((max_leases is None or len(out) < max_leases)
+               and (max_ids is None or released < max_ids)):
+            room = None if max_leases is None else max_leases - len(out)
+            # One lease at a time under max_ids: what a lease holds is known once reclaimed.
+            popped = self.leases.pop_expired(limit=1 if max_ids is not None else room)
+            if not popped:
+                break
+            for lease in popped:
+                result = self.release(lease)
+                released += result.total
+                out.append((lease, result))
+                log.warning("lease expired", extra={"fields": {
+                    "event": "lease_expired", "lease_id": lease.lease_id, "name": lease.name,
+                    "ttl_s": lease.ttl_s, "released": result.total,
+                    "detached": result.detached,
+                    "held": {f"{pool}/{space}": n for pool, spaces in result.held.items()
+                             for space, n in spaces.items()},
+                }})
         return out
 
     def release(self, lease: Lease) -> Released:

@@ -7,7 +7,12 @@ before a daemon restart does not name someone else's lease), a random ``secret``
 (``kvpoold.server.auth``), and a small sequential ``owner`` (what the allocators record per id;
 they take owners in ``1..2**31-1``). Renewing moves the
 deadline to ``now + ttl``; :meth:`LeaseTable.pop_expired` hands back the leases whose deadline
-has passed so the daemon can reclaim what they hold.
+has passed so the daemon can reclaim what they hold, a bounded slice at a time if asked.
+
+A lease is expired once its deadline has passed, whether or not a sweep has reclaimed it yet:
+from then on it can be neither proven, renewed nor used (:meth:`LeaseTable.get`,
+:meth:`LeaseTable.prove`), and it stays in the table (listed, its owner number taken, counted
+against its identity's cap) only until its slice of the sweep reclaims what it holds.
 
 Deadlines are kept in a :class:`~kvpoold.deadlines.DeadlineHeap` of ``(lease_id,
 generation)``: a sweep pops only what has expired (O(expired log n)), not every lease.
@@ -134,6 +139,11 @@ class Lease:
         self.wake.clear()
         return out
 
+    def due(self, now: float) -> bool:
+        """Whether the deadline has passed at ``now`` (the table's clock): the lease is expired,
+        reclaimed or not yet."""
+        return self.deadline <= now
+
     def expires_in(self, now: float) -> float:
         """Seconds left until ``deadline``, 0 once it has passed.
 
@@ -177,6 +187,14 @@ def check_ttl(ttl_s: float) -> float:
             field="ttl_seconds",
         )
     return float(ttl_s)
+
+
+def _no_lease(lease_id: int, field: str) -> NotFound:
+    return NotFound(
+        f"no open lease {lease_id}: it was never opened, was closed, or expired "
+        "(renew it within its TTL with KeepAlive; open a new one with OpenLease)",
+        field=field,
+    )
 
 
 class LeaseTable:
@@ -260,18 +278,15 @@ class LeaseTable:
         return lease
 
     def get(self, lease_id: int, *, field: str = "lease_id") -> Lease:
-        """The open lease ``lease_id``.
+        """The open lease ``lease_id``, not past its deadline.
 
         Raises:
-            NotFound: unknown, closed or expired.
+            NotFound: unknown, closed or expired (also when its deadline has passed and the
+                sweep has not reclaimed it yet).
         """
-        lease = self._leases.get(lease_id)
+        lease = self._live_lease(lease_id)
         if lease is None:
-            raise NotFound(
-                f"no open lease {lease_id}: it was never opened, was closed, or expired "
-                "(renew it within its TTL with KeepAlive; open a new one with OpenLease)",
-                field=field,
-            )
+            raise _no_lease(lease_id, field)
         return lease
 
     def prove(self, lease_id: int, secret: bytes, identity: str, *,
@@ -282,10 +297,10 @@ class LeaseTable:
         about leases it cannot prove; the secret is compared in constant time.
 
         Raises:
-            NotFound: unknown, closed or expired, a wrong or missing secret, or another
-                identity's lease.
+            NotFound: unknown, closed or expired (its deadline passed, reclaimed or not yet), a
+                wrong or missing secret, or another identity's lease.
         """
-        lease = self._leases.get(lease_id)
+        lease = self._live_lease(lease_id)
         proven = hmac.compare_digest(lease.secret if lease is not None else _NO_SECRET, secret)
         if lease is None or not proven or lease.identity != identity:
             raise NotFound(
@@ -306,8 +321,16 @@ class LeaseTable:
         return list(self._by_identity.get(identity, {}).values())
 
     def find(self, lease_id: int) -> Lease | None:
-        """The open lease ``lease_id``, or None."""
+        """The lease ``lease_id`` still in the table, or None; also one past its deadline that
+        the sweep has not reclaimed yet (:meth:`get` refuses those)."""
         return self._leases.get(lease_id)
+
+    def _live_lease(self, lease_id: int) -> Lease | None:
+        """The lease ``lease_id`` if it is in the table and its deadline has not passed."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.due(self._clock()):
+            return None
+        return lease
 
     def of_owner(self, owner: int) -> Lease | None:
         """The open lease with internal number ``owner``, or None; O(1)."""
@@ -317,7 +340,8 @@ class LeaseTable:
         """Move the deadline of ``lease_id`` to now + its TTL.
 
         Raises:
-            NotFound: unknown, closed or expired.
+            NotFound: unknown, closed or expired (a lease past its deadline is not renewed,
+                even while it waits for its slice of the sweep).
         """
         lease = self.get(lease_id)
         lease.deadline = self._clock() + lease.ttl_s
@@ -361,33 +385,45 @@ class LeaseTable:
             del self._by_identity[lease.identity]
 
     def close(self, lease_id: int) -> Lease:
-        """Remove ``lease_id``; the caller returns what it held.
+        """Remove ``lease_id``; the caller returns what it held. The caller proved the lease
+        (:meth:`prove`) or is the daemon ending it; one past its deadline that the sweep has not
+        reclaimed yet is closed too (the daemon revoking it).
 
         Raises:
-            NotFound: unknown, closed or expired.
+            NotFound: unknown, or already closed or reclaimed.
         """
-        lease = self.get(lease_id)
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise _no_lease(lease_id, "lease_id")
         del self._leases[lease_id]
         self._forget(lease)
         self.closed += 1
         self._went_stale()
         return lease
 
-    def pop_expired(self, now: float | None = None) -> list[Lease]:
-        """Remove and return every lease whose deadline has passed, earliest first.
+    def pop_expired(self, now: float | None = None, limit: int | None = None) -> list[Lease]:
+        """Remove and return the leases whose deadline has passed, earliest first: all of them,
+        or the first ``limit``.
 
-        Costs O(expired log n): only heap entries due by ``now`` are popped (counted in
-        ``examined``), live or stale.
+        Costs O(popped log n): only heap entries due by ``now`` are popped (counted in
+        ``examined``), live or stale; stale ones do not count against ``limit``. With a limit,
+        the rest stay due for the next call (:meth:`next_deadline` is then <= ``now``).
 
         Args:
             now: the time to expire at; default the table's clock.
+            limit: at most this many leases (None: every one due).
 
         Returns:
             The expired leases, by deadline.
         """
         now = self._clock() if now is None else now
-        gone = []
-        for lease_id, generation in self._deadlines.pop_due(now):
+        gone: list[Lease] = []
+        while limit is None or len(gone) < limit:
+            first = self._deadlines.first()
+            if first is None or first[0] > now:
+                break
+            self._deadlines.pop_first()
+            lease_id, generation = first[1]
             self.examined += 1
             lease = self._leases.get(lease_id)
             if lease is None or lease.generation != generation:
