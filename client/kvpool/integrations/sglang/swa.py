@@ -57,7 +57,7 @@ from kvpool.contract.errors import AlreadyExists, FailedPrecondition
 from kvpool.contract.plan import FULL_TO_SWA, BufferKind
 from kvpool.contract.records import ConfigureResult
 from kvpool.integrations.sglang.binding import PoolBinding, binding_from_env
-from kvpool.integrations.sglang.pools import (
+from kvpool.integrations.sglang.daemon_pool import (
     Attachment,
     EngineSettings,
     PoolMismatch,
