@@ -2,7 +2,7 @@
 checked against the pool SGLang builds, the region attached under the scheduler's lease.
 
 Shared by kvpool's pool classes (``pools.py``), the two sides of a hybrid SWA pool
-(``swa.py``) and the mamba state of a hybrid linear pool (``hybrid_linear.py``).
+(``swa.py``) and the mamba state of a hybrid linear pool (``mamba_state.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,11 @@ from kvpool.contract.options import KVCacheDType
 from kvpool.contract.plan import BufferKind, PoolPlan
 from kvpool.contract.records import ConfigureResult
 from kvpool.integrations.hf_config import hf_config_path
-from kvpool.integrations.sglang.binding import ElasticSettings, PoolBinding, binding_from_env
+from kvpool.integrations.sglang.scheduler_binding import (
+    ElasticSettings,
+    PoolBinding,
+    binding_from_env,
+)
 from kvpool.mapping.regions import MappedRegion
 
 log = logging.getLogger("kvpool.sglang")
@@ -72,7 +76,7 @@ class EngineSettings:
     context_length: int | None = None
     max_running_requests: int | None = None
     allow_longer_context: bool = False
-    # Decide the state slots of a hybrid linear plan (SGLang's mamba pool: hybrid_linear.py).
+    # Decide the state slots of a hybrid linear plan (SGLang's mamba pool: mamba_state.py).
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
     mamba_radix_cache_strategy: str = "auto"

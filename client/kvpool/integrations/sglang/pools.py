@@ -28,7 +28,7 @@ that lease) and the Configure answer as ``kvpool_configured``.
 Supported layouts: the plain per-layer token-major layout (NHD) of unquantized MHA pools, MLA
 and DSA latent pools, DSA indexer keys, FP4 MHA pools (``quantized.py``), the full-attention
 layers of a hybrid linear pool (the daemon's ``hybrid_linear`` plan: the pool's dense layer
-``i`` is the plan's ``i``-th KV layer; the mamba state is ``hybrid_linear.py``'s), and the two
+``i`` is the plan's ``i``-th KV layer; the mamba state is ``mamba_state.py``'s), and the two
 MHA sides of SGLang's hybrid sliding-window ``SWAKVPool`` (``kvpool.integrations.sglang.swa``).
 Refused with an error: other quantized KV methods, post-capture (VMM) backing, HND / vectorized
 layouts, and plans of other architectures, whose daemon plans this module does not map.
@@ -49,8 +49,8 @@ from sglang.srt.mem_cache.memory_pool import (
 from kvpool.contract.errors import FailedPrecondition, InvalidArgument
 from kvpool.contract.records import ConfigureResult
 from kvpool.integrations.sglang import quantized, swa
-from kvpool.integrations.sglang.binding import POOL_ENV, PoolBinding
 from kvpool.integrations.sglang.daemon_pool import Attachment, attach_pool
+from kvpool.integrations.sglang.scheduler_binding import POOL_ENV, PoolBinding
 
 
 def _refuse(pool: Any, what: str, knob: str) -> None:
