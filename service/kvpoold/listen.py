@@ -1,6 +1,7 @@
-"""The ``--listen`` addresses and the checks the settings make on them: parsed, loopback or
-not, TCP off loopback refused without a token, the socket group and TLS files read. Nothing
-here binds a socket (:mod:`kvpoold.server.listeners` does).
+"""The ``--listen`` addresses, parsed, and the checks the settings make on where to listen.
+
+Loopback or not, TCP off loopback refused without a token, the socket group and the TLS files
+read. Nothing here binds a socket (:mod:`kvpoold.server.listeners` does).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""The token check at the gRPC edge: an interceptor refuses a call whose token the daemon's
-:class:`~kvpoold.access.Authority` does not accept, before its message is read. The health
-service stays open so probes need no secret. The model (identities, scopes, tokens) is
-:mod:`kvpoold.access`.
+"""The token check at the gRPC edge: the interceptor that refuses a call before it is read.
+
+It refuses a call whose token the daemon's :class:`~kvpoold.access.Authority` does not accept,
+before its message is read. The health service stays open so probes need no secret. The model
+(identities, scopes, tokens) is :mod:`kvpoold.access`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""The daemon pool behind an SGLang KV pool: SGLang's settings -> Configure options, the plan
-checked against the pool SGLang builds, the region attached under the scheduler's lease.
+"""The daemon pool behind an SGLang KV pool: configured, checked and attached.
+
+SGLang's settings become Configure options, the plan is checked against the pool SGLang
+builds, and the region is attached under the scheduler's lease.
 
 Shared by kvpool's pool classes (``pools.py``), the two sides of a hybrid SWA pool
 (``swa.py``) and the mamba state of a hybrid linear pool (``mamba_state.py``).
