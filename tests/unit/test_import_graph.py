@@ -25,11 +25,13 @@ PACKAGES = {"kvpool": ROOT / "client" / "kvpool", "kvpoold": ROOT / "service" / 
 # room into the second is left out of both checks, so this test can land before them. Delete
 # an entry when its cycle is gone (the stale check below says so).
 ALLOWED_ARROWS: dict[tuple[str, str], str] = {
-    # sharing.shm -> elastic.groups, sharing.cuda_ipc -> elastic.vmm_backing (a local import),
-    # while elastic.manager and elastic.vmm_backing import sharing.base.
-    ("kvpoold.sharing", "kvpoold.elastic"): "sharing <-> elastic",
     # transfer.nixl_agent -> server.logs (a local import), while the server builds transfers.
     ("kvpoold.transfer", "kvpoold.server"): "transfer -> server",
+}
+# File names the daemon uses twice, left to its restructuring (issue 38); delete an entry once
+# one of the two is renamed.
+ALLOWED_TWICE: dict[str, str] = {
+    "registry.py": "kvpoold.sizing.registry (architectures) and kvpoold.pools.registry (pools)",
 }
 
 
@@ -243,5 +245,7 @@ def test_no_two_modules_share_a_file_name() -> None:
         for path in root.rglob("*.py")
         if path.name != "__init__.py"
     )
-    dupes = sorted(name for name, count in names.items() if count > 1)
-    assert not dupes, f"file names used more than once: {dupes}"
+    dupes = {name for name, count in names.items() if count > 1}
+    assert not dupes - set(ALLOWED_TWICE), f"file names used more than once: {sorted(dupes)}"
+    stale = set(ALLOWED_TWICE) - dupes
+    assert not stale, f"used once now, delete from ALLOWED_TWICE: {sorted(stale)}"
