@@ -39,8 +39,8 @@ from rpc import serving_daemon
 from kvpool.clients.client import KVPoolClient
 from kvpool.contract.sizes import format_size, parse_size
 from kvpool.v1 import kvpool_pb2 as pb
+from kvpoold.access import LOCAL_ADMIN
 from kvpoold.server.args import ConfigureArgs, LeaseRef
-from kvpoold.server.auth import LOCAL_ADMIN
 from kvpoold.server.daemon import Daemon
 from kvpoold.server.servicer import KVPoolServicer
 from kvpoold.sharing.base import PlainBackingFactory

@@ -193,8 +193,8 @@ def reclaim_section(n: int) -> None:
 
 async def curve_section() -> None:
     """The daemon's Allocate + Free of 32 pages over pools of growing size."""
+    from kvpoold.access import DAEMON_CALLER
     from kvpoold.server.args import ConfigureArgs, LeaseRef
-    from kvpoold.server.auth import DAEMON_CALLER
     from kvpoold.server.daemon import Daemon
     from kvpoold.sharing.shm import ShmBackingFactory
 

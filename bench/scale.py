@@ -36,11 +36,11 @@ from allocator import SPEC, EntryPoint, per_call_us
 from kvpool.contract import codec
 from kvpool.contract.sizes import format_size
 from kvpool.contract.spec import decode_spec
+from kvpoold.access import LOCAL_ADMIN
 from kvpoold.ids import PoolIds
 from kvpoold.server.args import ConfigureArgs, LeaseRef
-from kvpoold.server.auth import LOCAL_ADMIN
 from kvpoold.server.daemon import Daemon
-from kvpoold.server.leases import MAX_LEASES
+from kvpoold.settings import MAX_LEASES
 from kvpoold.sharing.base import PlainBackingFactory
 from kvpoold.sizing import make_options, plan
 

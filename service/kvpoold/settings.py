@@ -28,8 +28,7 @@ from kvpool.clients.targets import default_socket_path
 from kvpool.contract.errors import InvalidArgument
 from kvpool.contract.sizes import parse_size
 from kvpool.contract.spec import Base
-from kvpoold.server.attachments import MAX_ATTACHMENTS_PER_IDENTITY
-from kvpoold.server.auth import (
+from kvpoold.access import (
     SINGLE_TOKEN_IDENTITY,
     Authority,
     NamedToken,
@@ -39,8 +38,7 @@ from kvpoold.server.auth import (
     check_pool_patterns,
     check_token_name,
 )
-from kvpoold.server.leases import MAX_LEASES, MAX_LEASES_PER_IDENTITY
-from kvpoold.server.listeners import (
+from kvpoold.listen import (
     LISTEN_FORMS,
     Listener,
     check_tcp_is_local,
@@ -49,8 +47,6 @@ from kvpoold.server.listeners import (
     parse_listen,
     read_tls,
 )
-from kvpoold.server.logs import LogFormat
-from kvpoold.server.stats import MAX_WATCH_STREAMS_PER_IDENTITY, WATCH_MIN_INTERVAL_S
 
 __all__ = [
     "DEFAULT_BUDGET_BYTES",
@@ -67,6 +63,7 @@ __all__ = [
 ]
 
 LogLevel = Literal["debug", "info", "warning", "error"]
+LogFormat = Literal["text", "json"]
 # auto: shared memory on cpu, CUDA IPC on cuda. none: plain unshared memory (tests, benchmarks).
 SharingMode = Literal["auto", "none"]
 # How elastic pools share the budget (kvpoold.elastic.manager.POLICIES).
@@ -76,6 +73,16 @@ MAX_WATCH_STREAMS = 1024
 MIN_WATCH_INTERVAL_FLOOR_S = 0.05
 MAX_WATCH_MIN_INTERVAL_S = 60.0
 MAX_PORT = 65535
+# The daemon's defaults and bounds that its tables and streams share with these settings: the
+# leases open at once (and per identity, ``--max-leases-per-identity``), the attachments one
+# identity may hold (``--max-attachments-per-identity``), and WatchStats' shortest interval
+# served (``--watch-min-interval``: a shorter one is served at it) and streams one identity may
+# hold open at once (``--max-watch-streams-per-identity``).
+MAX_LEASES = 65_536
+MAX_LEASES_PER_IDENTITY = 1024
+MAX_ATTACHMENTS_PER_IDENTITY = 256
+WATCH_MIN_INTERVAL_S = 0.5
+MAX_WATCH_STREAMS_PER_IDENTITY = 4
 
 
 def _setting(description: str, *, metavar: str | None = None, hint: str | None = None,

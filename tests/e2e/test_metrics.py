@@ -378,9 +378,9 @@ def test_two_daemons_in_one_process_have_their_own_registries() -> None:
     import torch
     from prometheus_client import generate_latest
 
+    from kvpoold.access import LOCAL_ADMIN
     from kvpoold.metrics import DaemonMetrics, loop_snapshot
     from kvpoold.server.args import ConfigureArgs
-    from kvpoold.server.auth import LOCAL_ADMIN
     from kvpoold.server.daemon import Daemon
     from kvpoold.sharing.base import PlainBackingFactory
 

@@ -27,7 +27,7 @@ from kvpool.contract.errors import (
 from kvpool.contract.wire import LeaseKey
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
-from kvpoold.server.auth import ADMIN, NamedToken, Scope
+from kvpoold.access import ADMIN, NamedToken, Scope
 from kvpoold.server.daemon import Daemon
 from kvpoold.server.run import KVPoolServer, create_server
 from kvpoold.settings import Listener

@@ -26,10 +26,10 @@ from kvpool.contract.errors import (
 from kvpool.contract.records import Stats
 from kvpool.contract.wire import configure_request
 from kvpool.v1 import kvpool_pb2 as pb
+from kvpoold.access import DAEMON_CALLER, Caller, Scope
 from kvpoold.metrics import loop_snapshot
 from kvpoold.server import edge
 from kvpoold.server.args import LeaseRef
-from kvpoold.server.auth import DAEMON_CALLER, Caller, Scope
 from kvpoold.server.daemon import Daemon
 from kvpoold.server.leases import Lease
 from kvpoold.server.stats import DEFAULT_WATCH_INTERVAL_S, MAX_WATCH_INTERVAL_S, gather_stats

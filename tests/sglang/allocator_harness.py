@@ -424,7 +424,7 @@ def scenario_kvcache_binding(client: Any, pool: str, **_: Any) -> dict[str, Any]
     """A KV pool carrying ``kvpool_binding``: the allocator takes that binding's lease and
     leaves it open when it closes."""
     from kvpool.integrations.sglang.allocator import PagedAllocator
-    from kvpool.integrations.sglang.binding import binding_from_env
+    from kvpool.integrations.sglang.scheduler_binding import binding_from_env
 
     binding = binding_from_env()
     kvcache = SimpleNamespace(kvpool_binding=binding)

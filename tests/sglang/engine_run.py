@@ -104,7 +104,7 @@ def _dump(scheduler: Any, path: str) -> None:
     binding to kvpool."""
     import torch
 
-    from kvpool.integrations.sglang.pools import engine_settings
+    from kvpool.integrations.sglang.daemon_pool import engine_settings
 
     pool = scheduler.tp_worker.model_runner.token_to_kv_pool
     allocator = scheduler.token_to_kv_pool_allocator
@@ -304,11 +304,11 @@ def build_pools(job: dict[str, Any]) -> None:
     import torch
     from sglang.srt.runtime_context import get_parallel
 
-    from kvpool.integrations.sglang import pools
+    from kvpool.integrations.sglang import daemon_pool, pools
 
     for case in job["cases"]:
-        settings = pools.EngineSettings(model_path=case["model"], **case.get("settings", {}))
-        pools.engine_settings = lambda settings=settings: settings  # type: ignore[misc]
+        settings = daemon_pool.EngineSettings(model_path=case["model"], **case.get("settings", {}))
+        daemon_pool.engine_settings = lambda settings=settings: settings  # type: ignore[misc]
         os.environ["KVPOOL_POOL"] = case["pool"]
         for name in ("KVPOOL_ELASTIC", "KVPOOL_ELASTIC_FLOOR_TOKENS"):
             os.environ.pop(name, None)

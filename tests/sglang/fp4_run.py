@@ -38,7 +38,7 @@ def main() -> int:
     )
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    from kvpool.integrations.sglang import pools
+    from kvpool.integrations.sglang import daemon_pool, pools
 
     job = json.loads(sys.stdin.readline())
     layers, page = job["layer_num"], job["page_size"]
@@ -47,8 +47,8 @@ def main() -> int:
     if job.get("baseline"):
         cls: type = MHATokenToKVPool
     else:
-        settings = pools.EngineSettings(model_path=job["model"], context_length=256)
-        pools.engine_settings = lambda: settings  # type: ignore[misc]
+        settings = daemon_pool.EngineSettings(model_path=job["model"], context_length=256)
+        daemon_pool.engine_settings = lambda: settings  # type: ignore[misc]
         cls = pools.pool_class("mha")
     try:
         pool = cls(job["size"], page_size=page, dtype=torch.float4_e2m1fn_x2,

@@ -62,7 +62,7 @@ def build(job: dict[str, Any]) -> tuple[Any, Any, Any]:
     )
     from sglang.srt.runtime_context import get_parallel
 
-    from kvpool.integrations.sglang import pools
+    from kvpool.integrations.sglang import daemon_pool, pools
     from kvpool.integrations.sglang.allocator import PagedAllocator
 
     config = Qwen3NextConfig(**json.loads((Path(job["model"]) / "config.json").read_text()))
@@ -81,8 +81,8 @@ def build(job: dict[str, Any]) -> tuple[Any, Any, Any]:
         enable_overlap_schedule=False, start_layer=0)
     baseline = bool(job.get("baseline"))
     if not baseline:
-        settings = pools.EngineSettings(model_path=job["model"], **job.get("settings", {}))
-        pools.engine_settings = lambda: settings  # type: ignore[misc]
+        settings = daemon_pool.EngineSettings(model_path=job["model"], **job.get("settings", {}))
+        daemon_pool.engine_settings = lambda: settings  # type: ignore[misc]
     full_cls = MHATokenToKVPool if baseline else pools.pool_class("mha")
     kv_pool = HybridLinearKVPool(
         page_size=page, size=size, dtype=dtype, head_num=config.num_key_value_heads,

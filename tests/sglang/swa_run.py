@@ -52,7 +52,7 @@ def run(job: dict[str, Any]) -> None:
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
-    from kvpool.integrations.sglang import platform, pools
+    from kvpool.integrations.sglang import daemon_pool, platform, pools
 
     os.environ["KVPOOL_POOL"] = job.get("pool", "")
     if job.get("baseline"):
@@ -61,8 +61,8 @@ def run(job: dict[str, Any]) -> None:
         pool_cls: type = MHATokenToKVPool
     else:
         pool_cls = pools.pool_class("mha")
-    settings = pools.EngineSettings(model_path=job["model"], context_length=128)
-    pools.engine_settings = lambda: settings  # type: ignore[assignment]
+    settings = daemon_pool.EngineSettings(model_path=job["model"], context_length=128)
+    daemon_pool.engine_settings = lambda: settings  # type: ignore[assignment]
     from kvpool.integrations.sglang import swa
 
     swa.engine_settings = lambda: settings  # type: ignore[assignment]

@@ -1,5 +1,6 @@
-"""The SGLang integration's environment contract (``kvpool.integrations.sglang.binding``): it
-imports no SGLang, so it is tested here, against a real daemon where it connects."""
+"""The SGLang integration's environment contract
+(``kvpool.integrations.sglang.scheduler_binding``): it imports no SGLang, so it is tested here,
+against a real daemon where it connects."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from kvpool import KVPoolClient
 from kvpool.contract.errors import FailedPrecondition, InvalidArgument
-from kvpool.integrations.sglang.binding import (
+from kvpool.integrations.sglang.scheduler_binding import (
     DEFAULT_TTL_S,
     ElasticSettings,
     binding_from_env,

@@ -17,8 +17,8 @@ from kvpool.clients.aio import AsyncKVPoolClient
 from kvpool.contract.errors import FailedPrecondition, InvalidArgument
 from kvpool.contract.shared_handle import SharedHandle
 from kvpool.mapping.regions import BufferLayout, map_region
+from kvpoold.access import LOCAL_ADMIN
 from kvpoold.server.args import ConfigureArgs
-from kvpoold.server.auth import LOCAL_ADMIN
 from kvpoold.server.daemon import Daemon
 from kvpoold.server.planning import plan_from_args
 from kvpoold.server.run import create_server

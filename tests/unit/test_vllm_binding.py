@@ -1,5 +1,5 @@
-"""The vLLM integration's environment contract (``kvpool.integrations.vllm.binding``): it
-imports no vLLM, so it is tested here, against a real daemon where it connects."""
+"""The vLLM integration's environment contract (``kvpool.integrations.vllm.engine_core_binding``):
+it imports no vLLM, so it is tested here, against a real daemon where it connects."""
 
 from __future__ import annotations
 
@@ -12,14 +12,18 @@ import pytest
 
 from kvpool import KVPoolClient
 from kvpool.contract.errors import FailedPrecondition, InvalidArgument
-from kvpool.integrations.vllm.binding import DEFAULT_TTL_S, VLLMBinding, binding_from_env
+from kvpool.integrations.vllm.engine_core_binding import (
+    DEFAULT_TTL_S,
+    VLLMBinding,
+    binding_from_env,
+)
 from tests.conftest import REPO, TINY_OPTIONS, TINY_SPEC, DaemonProcess
 
 
 def test_binding_imports_neither_vllm_nor_torch() -> None:
-    """``import kvpool.integrations.vllm.binding`` works without vLLM and loads no torch (a
-    fresh interpreter, this checkout's client on its path)."""
-    code = ("import sys, kvpool.integrations.vllm, kvpool.integrations.vllm.binding; "
+    """``import kvpool.integrations.vllm.engine_core_binding`` works without vLLM and loads no
+    torch (a fresh interpreter, this checkout's client on its path)."""
+    code = ("import sys, kvpool.integrations.vllm, kvpool.integrations.vllm.engine_core_binding; "
             "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
     env = {**os.environ, "PYTHONPATH": str(REPO / "client")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,

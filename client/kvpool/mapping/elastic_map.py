@@ -32,7 +32,7 @@ import numpy as np
 from kvpool.contract.errors import FailedPrecondition, InvalidArgument
 from kvpool.contract.plan import group_ranges
 from kvpool.contract.shared_handle import SharedHandle
-from kvpool.mapping.regions import BufferLayout, MappedRegion, carve_views
+from kvpool.mapping.mapped_region import BufferLayout, MappedRegion, carve_views
 from kvpool.mapping.shm_mapper import open_shm
 from kvpool.mapping.sparse import Reservation
 
@@ -248,7 +248,7 @@ def map_elastic(handle: SharedHandle, layout: Sequence[BufferLayout], *, plan: A
 
     Args:
         handle: the region's handle (path and size of the daemon's sparse 0600 file).
-        layout: the checked buffer layouts (:func:`kvpool.mapping.regions.check_layout`).
+        layout: the checked buffer layouts (:func:`kvpool.mapping.mapped_region.check_layout`).
         plan: the pool's plan; ``plan.elastic`` says where the groups and the fixed part lie.
         groups: the groups granted now (``AttachInfo.elastic_groups``).
         fingerprint, attach_id, pool: kept on the region for the caller.

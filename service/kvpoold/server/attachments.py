@@ -11,8 +11,9 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-# The attachments one identity may hold (``--max-attachments-per-identity``), by default.
-MAX_ATTACHMENTS_PER_IDENTITY = 256
+from kvpoold.settings import (  # daemon.py imports it from here
+    MAX_ATTACHMENTS_PER_IDENTITY as MAX_ATTACHMENTS_PER_IDENTITY,
+)
 
 
 @dataclass(frozen=True)

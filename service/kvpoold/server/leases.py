@@ -36,12 +36,11 @@ from kvpool.contract.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvpool.contract.limits import MAX_NAME_CHARS
 from kvpoold.deadlines import DeadlineHeap
 from kvpoold.ids.faults import OWNER_MAX
+from kvpoold.settings import MAX_LEASES
+from kvpoold.settings import MAX_LEASES_PER_IDENTITY as MAX_LEASES_PER_IDENTITY  # daemon.py's
 
 MIN_TTL_S = 0.1
 MAX_TTL_S = 86_400.0
-MAX_LEASES = 65_536
-# The leases one identity may hold open (``--max-leases-per-identity``), by default.
-MAX_LEASES_PER_IDENTITY = 1024
 SECRET_BYTES = 16
 _NO_SECRET = bytes(SECRET_BYTES)  # compared against when the id is unknown (same work)
 # Compact the deadline heap when stale entries exceed this many per open lease.

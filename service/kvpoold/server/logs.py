@@ -12,9 +12,10 @@ import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from typing import Any, Literal, TextIO
+from typing import Any, TextIO
 
-LogFormat = Literal["text", "json"]
+from kvpoold.settings import LogFormat
+
 LOG_FORMATS: tuple[LogFormat, ...] = ("text", "json")
 
 

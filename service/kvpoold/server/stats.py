@@ -26,6 +26,10 @@ import msgspec
 
 from kvpool.contract.errors import InvalidArgument
 from kvpool.contract.records import DaemonStats, HeldMap, LeaseStats, PoolStats, Stats
+from kvpoold.settings import (  # daemon.py imports it from here
+    MAX_WATCH_STREAMS_PER_IDENTITY as MAX_WATCH_STREAMS_PER_IDENTITY,
+)
+from kvpoold.settings import WATCH_MIN_INTERVAL_S
 
 if TYPE_CHECKING:
     from kvpoold.elastic.manager import ElasticPools
@@ -59,13 +63,10 @@ class Daemon(Protocol):
 
     def pool(self, name: str, caller: Caller | None = None) -> Pool: ...
 
-# WatchStats: the interval of a request that leaves it 0, the longest one accepted, and by
-# default the shortest one served (``--watch-min-interval``: a shorter one is served at it) and
-# the streams one identity may hold open at once (``--max-watch-streams-per-identity``).
+# WatchStats: the interval of a request that leaves it 0 and the longest one accepted (the
+# defaults of --watch-min-interval and --max-watch-streams-per-identity are kvpoold.settings').
 DEFAULT_WATCH_INTERVAL_S = 1.0
 MAX_WATCH_INTERVAL_S = 3600.0
-WATCH_MIN_INTERVAL_S = 0.5
-MAX_WATCH_STREAMS_PER_IDENTITY = 4
 # Lease entries read per slice of a picture taken in slices: ~3 us each to read (~10 us with
 # encoding), so a slice holds the loop well under a millisecond.
 SLICE_LEASES = 32

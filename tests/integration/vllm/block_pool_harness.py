@@ -52,8 +52,8 @@ from vllm.v1.request import Request
 
 from kvpool.clients.client import KVPoolClient
 from kvpool.contract.errors import KVPoolError
-from kvpool.integrations.vllm.binding import binding_from_env
 from kvpool.integrations.vllm.block_pool import KVPoolBlockPool
+from kvpool.integrations.vllm.engine_core_binding import binding_from_env
 
 SPEC: dict[str, Any] = {"num_layers": 2, "attention": {"type": "mha", "num_kv_heads": 2,
                                                         "head_dim": 16},

@@ -21,7 +21,7 @@ go back to the pool when its lease expires.
   short first, an allocation returns None as if the quota had been reached (a warning is
   logged once).
 - Where the pool comes from: a kvpool KV pool carries its binding (``kvpool_binding``, see
-  ``binding.py``) and the allocator uses that binding's lease (it does not close it); given any
+  ``scheduler_binding.py``) and the allocator uses that binding's lease (not closing it); given any
   other KV pool (SGLang's own, None) the allocator makes a binding from the environment
   (``KVPOOL_POOL``, ``KVPOOL_TARGET``, ...) and owns it: :meth:`PagedAllocator.close`, also
   run at interpreter exit, ends that lease and the daemon takes every page back.
@@ -60,7 +60,7 @@ thread: its upkeep (the give-backs the daemon asks for) runs only between schedu
 (when SGLang starts an admission or a decode check, and at idle), never between a capacity
 check and its allocation (SGLang also frees inside a step, so frees run no upkeep).
 ``available_size()`` is then the live size, the pages the cache holds unused (see
-``kvpool.integrations.sglang.elastic`` for idle); the cache grows ahead of need, by half a
+``kvpool.integrations.sglang.elastic_scheduler`` for idle); the cache grows ahead of need, by half a
 group of pages when it holds fewer than ``low_pages`` between steps, and by what a request
 lacks when SGLang's admission or decode check finds it short.
 
@@ -90,12 +90,12 @@ from kvpool.contract.errors import (
     ResourceExhausted,
 )
 from kvpool.contract.records import Stats
-from kvpool.integrations.sglang.binding import PoolBinding, binding_from_env, binding_of
-from kvpool.integrations.sglang.elastic import (
+from kvpool.integrations.sglang.elastic_scheduler import (
     conservation_violations,
     live_prefill_budget,
     tree_tokens,
 )
+from kvpool.integrations.sglang.scheduler_binding import PoolBinding, binding_from_env, binding_of
 
 log = logging.getLogger("kvpool.integrations.sglang.allocator")
 
@@ -159,7 +159,7 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         if getattr(kvcache, "mamba_pool", None) is not None:
             # A hybrid linear model's mamba state: the first hook that reaches it. Imported
             # here: it needs SGLang's memory_pool, which the allocator alone does not.
-            from kvpool.integrations.sglang.hybrid_linear import bind_state
+            from kvpool.integrations.sglang.mamba_state import bind_state
 
             bind_state(kvcache)
         binding = binding_of(kvcache)
@@ -401,7 +401,7 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
 
     def verify_byte_accounting(self) -> list[str]:
         """SGLang's idle diagnostic. Elastic pools: the upkeep runs (idle is between steps),
-        then kvpool's conservation check (``kvpool.integrations.sglang.elastic``) whenever
+        then kvpool's conservation check (``kvpool.integrations.sglang.elastic_scheduler``) whenever
         the allocation state changed since the last one; violations are returned for SGLang
         to report (it raises under its strict idle check)."""
         if not self.elastic or self._closed:

@@ -27,7 +27,7 @@ from sglang.srt.platforms.cuda import CudaSRTPlatform
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
-from kvpool.integrations.sglang.binding import POOL_ENV
+from kvpool.integrations.sglang.scheduler_binding import POOL_ENV
 
 log = logging.getLogger("kvpool.sglang")
 

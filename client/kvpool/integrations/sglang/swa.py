@@ -56,8 +56,7 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from kvpool.contract.errors import AlreadyExists, FailedPrecondition
 from kvpool.contract.plan import FULL_TO_SWA, BufferKind
 from kvpool.contract.records import ConfigureResult
-from kvpool.integrations.sglang.binding import PoolBinding, binding_from_env
-from kvpool.integrations.sglang.pools import (
+from kvpool.integrations.sglang.daemon_pool import (
     Attachment,
     EngineSettings,
     PoolMismatch,
@@ -66,6 +65,7 @@ from kvpool.integrations.sglang.pools import (
     model_config_path,
     plan_request,
 )
+from kvpool.integrations.sglang.scheduler_binding import PoolBinding, binding_from_env
 
 log = logging.getLogger("kvpool.sglang")
 

@@ -1,8 +1,8 @@
 """kvpool's vLLM 0.32 integration: the engine's KV-cache blocks in kvpool daemon memory
 (``kvpool[vllm]``).
 
-- ``binding``: the engine core's daemon, pool and lease (``KVPOOL_POOL``, ``KVPOOL_TARGET``,
-  ...); imports no vLLM.
+- ``engine_core_binding``: the engine core's daemon, pool and lease (``KVPOOL_POOL``,
+  ``KVPOOL_TARGET``, ...); imports no vLLM.
 - ``block_pool``: ``KVPoolBlockPool``, vLLM's ``BlockPool`` whose free blocks come from the
   lease through a kvpool page cache (block id == page id of the pool's ``kv`` space).
 - ``scheduler``: ``KVPoolScheduler``, vLLM's ``Scheduler`` with that block pool; selected with

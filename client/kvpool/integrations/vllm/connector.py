@@ -3,7 +3,7 @@ connector API.
 
 Selected with ``kv_transfer_config={"kv_connector": "KVPoolConnector", "kv_role": "kv_both"}``
 (registered by the ``vllm.general_plugins`` entry point ``kvpool.integrations.vllm.plugin``)
-and ``KVPOOL_POOL`` / ``KVPOOL_TARGET`` (``kvpool.integrations.vllm.binding``).
+and ``KVPOOL_POOL`` / ``KVPOOL_TARGET`` (``kvpool.integrations.vllm.engine_core_binding``).
 
 It moves no bytes: nothing is sent or loaded (``kv_both`` with no external cache: no matched
 tokens, no loads, no saves, nothing finishing late). What it does is on the worker side:
@@ -48,9 +48,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvpool.contract.errors import AlreadyExists, FailedPrecondition
 from kvpool.contract.plan import PoolPlan
 from kvpool.contract.records import ConfigureResult
-from kvpool.integrations.binding import lease_name_for
 from kvpool.integrations.hf_config import hf_config_path
-from kvpool.integrations.vllm.binding import VLLMBinding, binding_from_env
+from kvpool.integrations.pool_binding import lease_name_for
+from kvpool.integrations.vllm.engine_core_binding import VLLMBinding, binding_from_env
 from kvpool.integrations.vllm.memory import (
     PoolAllocation,
     PoolMismatch,

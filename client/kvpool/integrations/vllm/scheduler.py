@@ -17,7 +17,7 @@ scheduling off, so on CPU ``KVPoolScheduler`` is the synchronous one.) Each, rig
 vLLM's own ``__init__``:
 
 1. makes the engine core's binding from the environment (``KVPOOL_POOL``, ``KVPOOL_TARGET``,
-   ... see ``kvpool.integrations.vllm.binding``) and opens its lease (``vllm@host:pid``,
+   ... see ``kvpool.integrations.vllm.engine_core_binding``) and opens its lease (``vllm@host:pid``,
    renewed by the client while the engine runs);
 2. checks the pool: it must exist, its page size must be vLLM's block size and its ``kv``
    space must have vLLM's ``num_gpu_blocks`` pages (ids ``1..N-1`` and the reserved page 0,
@@ -45,8 +45,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvpool.cache.policy import space_capacity
 from kvpool.contract.errors import InvalidArgument, NotFound
-from kvpool.integrations.vllm.binding import VLLMBinding, binding_from_env
 from kvpool.integrations.vllm.block_pool import SPACE, KVPoolBlockPool, check_capacity
+from kvpool.integrations.vllm.engine_core_binding import VLLMBinding, binding_from_env
 
 log = logging.getLogger("kvpool.integrations.vllm.scheduler")
 

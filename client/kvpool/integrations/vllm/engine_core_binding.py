@@ -6,7 +6,7 @@ which is opened on first use, renewed by the client's keep-alive thread while th
 and ended by :meth:`VLLMBinding.close` (the scheduler's shutdown, and interpreter exit); the
 daemon then takes back every page the engine held, in use or cached. An engine that dies
 without closing stops renewing, and the daemon takes the pages back ``KVPOOL_LEASE_TTL_S``
-later. The engine-neutral part is ``kvpool.integrations.binding``.
+later. The engine-neutral part is ``kvpool.integrations.pool_binding``.
 
 Environment (read once, here):
 
@@ -27,7 +27,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvpool.integrations.binding import (
+from kvpool.integrations.pool_binding import (
     DEFAULT_TTL_S,
     POOL_ENV,
     TTL_ENV,
@@ -54,7 +54,7 @@ __all__ = [
 class VLLMBinding(PoolBinding):
     """An engine core's connection to its pool: the client, the pool's name and the one lease
     (``vllm@host:pid``) its blocks are held by (see
-    :class:`kvpool.integrations.binding.PoolBinding`)."""
+    :class:`kvpool.integrations.pool_binding.PoolBinding`)."""
 
     lease_name: str = field(default_factory=lambda: lease_name_for("vllm"))
 

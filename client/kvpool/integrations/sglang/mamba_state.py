@@ -7,7 +7,7 @@ each differently:
   platform's pool class (``get_kv_pool_cls(kind="mha")``, or ``"mla"``), over those layers
   only, numbered densely from 0. kvpool's pool class maps the daemon's ``hybrid_linear`` plan:
   its dense layer ``i`` is the plan's ``i``-th full-attention layer (``k.<l>``/``v.<l>``;
-  ``pools.pool_layers``). Pages come from the lease through the paged allocator, as for MHA.
+  ``daemon_pool.pool_layers``). Pages come from the lease through the paged allocator, as for MHA.
 - **The conv / SSM state.** ``HybridReqToTokenPool`` builds its ``MambaPool`` (and its
   ``MambaSlotAllocator``) itself, before the KV pool, without asking the platform: no hook
   builds them. The first hook that sees them is the paged allocator
@@ -50,7 +50,7 @@ from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
 
 from kvpool.contract.errors import ResourceExhausted
 from kvpool.contract.plan import BufferKind, PoolPlan
-from kvpool.integrations.sglang.pools import Attachment, PoolMismatch, kv_layers
+from kvpool.integrations.sglang.daemon_pool import Attachment, PoolMismatch, kv_layers
 from kvpool.mapping.regions import MappedRegion
 
 log = logging.getLogger("kvpool.sglang")

@@ -1,5 +1,5 @@
 """How an SGLang worker finds its kvpool pool: one :class:`PoolBinding` per scheduler process
-(the engine-neutral part is ``kvpool.integrations.binding``).
+(the engine-neutral part is ``kvpool.integrations.pool_binding``).
 
 The KV pool class (``kvpool.integrations.sglang.pools``) makes the binding when SGLang builds
 the pool: it opens the scheduler's lease, configures the pool in the daemon from SGLang's own
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.contract.errors import InvalidArgument
-from kvpool.integrations.binding import (
+from kvpool.integrations.pool_binding import (
     DEFAULT_TTL_S,
     POOL_ENV,
     TTL_ENV,
@@ -43,7 +43,7 @@ from kvpool.integrations.binding import (
     target_for_this_gpu,
     ttl_from,
 )
-from kvpool.integrations.binding import PoolBinding as EnginePoolBinding
+from kvpool.integrations.pool_binding import PoolBinding as EnginePoolBinding
 
 __all__ = [
     "CAP_ENV",

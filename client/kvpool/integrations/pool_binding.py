@@ -1,5 +1,6 @@
 """How an engine process finds its kvpool pool: the engine-neutral part of the SGLang and vLLM
-bindings (``kvpool.integrations.sglang.binding``, ``kvpool.integrations.vllm.binding``).
+bindings (``kvpool.integrations.sglang.scheduler_binding``,
+``kvpool.integrations.vllm.engine_core_binding``).
 
 One :class:`PoolBinding` per engine process (SGLang's scheduler, vLLM's engine core): the
 client of the daemon, the pool's name and the one lease the process holds its pages with. The
