@@ -58,6 +58,7 @@ class Outgoing(TransferRecord):
     identity: str = ""  # the caller identity of the sending lease: only it may WaitTransfer
     swa_pages: np.ndarray | None = None  # the SWA pairs of ``pages`` it sends (hybrid SWA)
     posted_at: float = 0.0
+    write_s: float = 0.0  # the write deadline the peer gave, from its PeerReceive request
     deadline: float = 0.0  # time.monotonic() by which the write must end (from the peer)
     handle: Any = None
     # Gives the pages' pins back (exactly once): when nothing was posted, or once the posted
@@ -184,6 +185,7 @@ class Sends:
         out.nbytes = int(local[:, 1].sum())
         out.descriptors = int(local.shape[0])
         out.posted_at = self._clock()
+        out.write_s = acc.write_deadline_s
         out.deadline = asked_at + acc.write_deadline_s
         out.source = entry.buffers
         out.handle, state = agent.post_write(local, mine.memory, remote, acc.memory, acc.agent,
@@ -214,7 +216,9 @@ class Sends:
         if state == "DONE":
             self._end(out, TransferState.done, "")
             return
-        why = (f"the write did not complete within its {out.deadline - start:.3g} s deadline "
+        # The deadline the peer gave counts from the PeerReceive request, not from this
+        # watcher's start (which a stalled daemon can reach after the deadline passed).
+        why = (f"the write did not complete within its {out.write_s:.3g} s deadline "
                "and was cancelled" if state == "TIMEOUT"
                else out.message or f"NIXL reported an error writing to {out.peer_agent} at "
                f"{out.peer} (the peer daemon died or its memory went away)")
