@@ -81,7 +81,7 @@ def test_the_largest_legitimate_requests_fit_their_bounds() -> None:
     64-byte token, the largest page layout, a status message of 2,048 4-byte characters) fits
     the method's request bound."""
     from kvpoold.transfer.grants import MAX_GRANT_PAGES, MAX_TOKEN_BYTES
-    from kvpoold.transfer.transfers import MAX_PEER_CHARS
+    from kvpoold.transfer.peers import MAX_PEER_CHARS
 
     pages = b"\x01\x00\x00\x00" * MAX_GRANT_PAGES
     token, secret, pool = b"t" * MAX_TOKEN_BYTES, b"s" * 64, "p" * 63

@@ -370,3 +370,58 @@ def test_stats_and_metrics_count_transfers_per_peer(pair: Pair) -> None:
     metrics = scrape(metrics_url(pair.decode.log))
     labels = {"device": "cpu", "peer": sender.daemon.nixl_agent, "direction": "received"}
     assert metrics.get("kvpool_transfers_total", **labels) == received.received
+
+
+@contextlib.contextmanager
+def deadline_cutting_peer(decode: str, write_deadline_s: float) -> Iterator[str]:
+    """A peer address in front of the decode daemon: it forwards PeerReceive and PeerDone (as
+    the decode daemon's local admin) and cuts the write deadline of each acceptance to
+    ``write_deadline_s``. Yields the address to send to."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from kvpool.v1 import kvpool_pb2_grpc
+
+    class Forward(kvpool_pb2_grpc.KVPoolServicer):
+        def __init__(self, client: KVPoolClient) -> None:
+            self.client = client
+
+        def PeerReceive(self, request: Any, context: Any) -> Any:
+            resp = self.client.call("PeerReceive", request)
+            resp.write_deadline_seconds = write_deadline_s
+            return resp
+
+        def PeerDone(self, request: Any, context: Any) -> Any:
+            return self.client.call("PeerDone", request)
+
+    with temp_dir() as d, KVPoolClient(decode) as client:
+        server = grpc.server(ThreadPoolExecutor(max_workers=2))
+        kvpool_pb2_grpc.add_KVPoolServicer_to_server(Forward(client), server)
+        target = f"unix://{d / 'peer.sock'}"
+        server.add_insecure_port(target)
+        server.start()
+        try:
+            yield target
+        finally:
+            server.stop(None)
+
+
+def test_a_write_cancelled_at_its_deadline_says_the_deadline_the_peer_gave(pair: Pair) -> None:
+    """The peer gives a write deadline that has passed by the time the write is posted (its
+    answer took longer than 1 ms to come): the agent cancels the write at its first look, and
+    the send ends failed naming the deadline the peer gave, never a negative one counted from
+    when the sender started watching (issue 39)."""
+    pool = "cut"
+    configure(pair, pool, TINY_SPEC)
+    with deadline_cutting_peer(pair.decode.target, 0.001) as peer, \
+            pair.p.lease("prefill") as pl, pair.d.lease("decode") as dl:
+        src, dst = pl.allocate(pool, "kv", 4), dl.allocate(pool, "kv", 4)
+        grant = dl.grant_receive(pool, dst)
+        handle = pair.p.send(pool, src, peer=peer, token=grant.token, lease=pl)
+        with pytest.raises(Aborted) as ended:
+            handle.wait(30)
+        assert ("the write did not complete within its 0.001 s deadline and was cancelled"
+                in str(ended.value)), str(ended.value)
+        # The pages came back to the sending lease when the cancelled write's handle went.
+        assert pl.free(pool, "kv", src) == 4

@@ -32,26 +32,3 @@ class LeaseRef:
     lease_id: int
     secret: bytes = field(repr=False)
 
-
-@dataclass(frozen=True)
-class PeerReceiveArgs:
-    """A PeerReceive request, bounded: the grant's token, the sender's page layout (compared
-    with the pool's as the wire message), its page count and SWA mask, the registrations of
-    this daemon it already knows, and its NIXL agent name."""
-
-    token: bytes = field(repr=False)
-    layout: Any
-    pages: int
-    swa_mask: bytes
-    known_agent: str
-    known_generations: frozenset[int]
-    sender: str
-
-
-@dataclass(frozen=True)
-class PeerDoneArgs:
-    """A PeerDone request: the grant's token, whether the sender's write succeeded, why not."""
-
-    token: bytes = field(repr=False)
-    ok: bool
-    message: str

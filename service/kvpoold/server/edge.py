@@ -23,12 +23,13 @@ from kvpool.contract.options import PlanOptions
 from kvpool.contract.plan import ASSUMABLE_FAMILIES
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpoold.ids import Grant
-from kvpoold.server.args import ConfigureArgs, LeaseRef, PeerDoneArgs, PeerReceiveArgs
+from kvpoold.server.args import ConfigureArgs, LeaseRef
 from kvpoold.server.leases import CacheCounts, Lease
 from kvpoold.transfer import Outgoing
 from kvpoold.transfer.grants import MAX_GRANT_PAGES, ReceiveGrant, check_token
+from kvpoold.transfer.messages import Acceptance, PeerDoneArgs, PeerReceiveArgs
 from kvpoold.transfer.nixl_agent import MAX_KNOWN_GENERATIONS
-from kvpoold.transfer.transfers import MAX_MESSAGE_CHARS, MAX_PEER_CHARS, Acceptance
+from kvpoold.transfer.peers import MAX_MESSAGE_CHARS, MAX_PEER_CHARS
 
 # The PlanOptions fields a ConfigureRequest carries, by the same name; unset ones are left to
 # the plan's defaults (optional numbers by presence, strings when empty, bools when false).

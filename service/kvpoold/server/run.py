@@ -43,6 +43,7 @@ from kvpoold.server.listeners import (
     remove_sockets,
     secure_sockets,
 )
+from kvpoold.server.logs import adopt
 from kvpoold.server.loop_clock import StallClock
 from kvpoold.server.servicer import KVPoolServicer
 from kvpoold.server.stats_replies import StatsReplies
@@ -256,7 +257,7 @@ async def run(
     tls = read_tls(settings.tls_cert, settings.tls_key)  # first: a bad file must not strand
     factory = factory or make_backing_factory(settings)  # the factory's files
     # With kvpool[nixl] installed the daemon owns a NIXL agent and can move pages to peers.
-    agent = make_agent()
+    agent = make_agent(adopt)
     nixl_off = NIXL_MISSING if not nixl_installed() else (
         "NIXL is installed but its agent did not start (see kvpoold's log); transfers are off")
     # Lease deadlines run on a clock that stands still while the loop is stalled (loop_clock).

@@ -30,6 +30,7 @@ import secrets
 import socket
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any, Literal
 
@@ -51,6 +52,8 @@ MAX_KNOWN_GENERATIONS = 64
 
 
 NIXL_MODULES = ("nixl_cu12", "nixl")
+# Makes a logger write through the given handlers only, at a level (the daemon's log setup).
+Adopt = Callable[[logging.Logger, list[logging.Handler], int | str], None]
 
 
 def nixl_installed() -> bool:
@@ -60,25 +63,29 @@ def nixl_installed() -> bool:
     return any(importlib.util.find_spec(name) is not None for name in NIXL_MODULES)
 
 
-def load_nixl() -> ModuleType | None:
-    """The NIXL Python module (``nixl_cu12``, else ``nixl``), or None when not installed."""
+def load_nixl(adopt: Adopt | None = None) -> ModuleType | None:
+    """The NIXL Python module (``nixl_cu12``, else ``nixl``), or None when not installed.
+
+    Args:
+        adopt: how the daemon sets up a logger; given, NIXL's logger is put back through
+            kvpoold's handlers after the import (see :func:`_rehome_nixl_logs`).
+    """
     for name in NIXL_MODULES:
         try:
             module = importlib.import_module(name)
         except ImportError:
             continue
         if hasattr(module, "nixl_agent"):
-            _rehome_nixl_logs()
+            if adopt is not None:
+                _rehome_nixl_logs(adopt)
             return module
     return None
 
 
-def _rehome_nixl_logs() -> None:
+def _rehome_nixl_logs(adopt: Adopt) -> None:
     """NIXL's Python package installs its own handler at import (plain text, on stdout); put
     its records back through kvpoold's (``--log-format``, ``--log-level``, stderr), so
     ``--log-format json`` stays one JSON object per line."""
-    from kvpoold.server.logs import adopt
-
     daemon = logging.getLogger("kvpoold")
     adopt(logging.getLogger("nixl"), list(daemon.handlers), daemon.level)
 
@@ -254,9 +261,13 @@ class NixlAgent:
         return self._agent.get_new_notifs()  # type: ignore[no-any-return]
 
 
-def make_agent() -> NixlAgent | None:
-    """The daemon's agent, or None when NIXL is not installed (or cannot start: logged)."""
-    nixl = load_nixl()
+def make_agent(adopt: Adopt | None = None) -> NixlAgent | None:
+    """The daemon's agent, or None when NIXL is not installed (or cannot start: logged).
+
+    Args:
+        adopt: the daemon's log setup, to route NIXL's logger through it (:func:`load_nixl`).
+    """
+    nixl = load_nixl(adopt)
     if nixl is None:
         return None
     try:

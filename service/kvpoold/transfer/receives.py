@@ -1,0 +1,217 @@
+"""The receiving side of transfers: grants, a peer's PeerReceive and PeerDone, the write's
+notification ending its grant.
+
+A lease grants pages it holds (:meth:`Receives.grant`, pinned from here: see ``grants``); a peer
+daemon presenting the token is checked (the grant, the page layout, the page count and SWA
+mask) and accepted once (:meth:`Receives.peer_receive`); while an accepted grant's write window
+is open this daemon reads NIXL's notifications, and the write's own notification ends the grant
+``done``. The sender's ``PeerDone(ok=false)`` ends it ``failed``; ``ok=true`` ends nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvpool.contract.errors import FailedPrecondition, InvalidArgument
+from kvpool.contract.records import TransferState
+from kvpoold.transfer.descriptors import Layouts, page_memory
+from kvpoold.transfer.grants import DEFAULT_GRANT_TTL_S, GrantTable, ReceiveGrant
+from kvpoold.transfer.messages import Acceptance, PeerReceiveArgs
+from kvpoold.transfer.nixl_agent import NixlAgent
+from kvpoold.transfer.page_layout import KV_SPACE, layout_mismatch
+from kvpoold.transfer.pages import LeaseLookup, Pins, check_pages, has_swa, held_space
+from kvpoold.transfer.peers import Peers
+
+if TYPE_CHECKING:
+    from kvpoold.pools.pool import Pool
+
+log = logging.getLogger("kvpoold.transfer")
+
+# The receiver only waits for the notification of a one-sided write: it reads notifications
+# every RECEIVER_POLL_S while a write window is open (spinning there took the sender's core on
+# a small machine: 256 pages went from 1.16x to 1.46x raw NIXL in bench/transfer.py).
+RECEIVER_POLL_S = 0.001
+
+
+class Receives:
+    """The grants of one daemon and the writes peers make into them.
+
+    Args:
+        pool: the daemon's pool lookup (raises NotFound / InvalidArgument).
+        leases: the daemon's lease table.
+        clock: the daemon's monotonic clock.
+        need_agent: the NIXL agent (raises FailedPrecondition without one).
+        layouts: the pools' page layouts.
+        pins: pins the granted pages.
+        peers: the per-peer counters.
+    """
+
+    def __init__(self, pool: Callable[[str], Pool], leases: LeaseLookup,
+                 clock: Callable[[], float], need_agent: Callable[[], NixlAgent],
+                 layouts: Layouts, pins: Pins, peers: Peers) -> None:
+        self._pool = pool
+        self._leases = leases
+        self._need_agent = need_agent
+        self._layouts = layouts
+        self._pins = pins
+        self._peers = peers
+        self.grants = GrantTable(clock, self._grant_ended)
+        self._poller: asyncio.Task[None] | None = None
+
+    def grant(self, lease_id: int, pool: str, pages_bytes: bytes, ttl_s: float) -> ReceiveGrant:
+        """Let one transfer write into ``pages`` (held by the lease) until ``ttl_s`` passes.
+
+        Raises:
+            FailedPrecondition: no NIXL, or a page not held by the lease or pinned.
+            InvalidArgument, NotFound, ResourceExhausted: see GrantTable.add and the checks.
+        """
+        pages = check_pages(pages_bytes, "pages")
+        self._need_agent()
+        entry = self._pool(pool)
+        lease = self._leases.get(lease_id)
+        kv = held_space(entry, lease.owner, lease_id, pages, "pages")
+        busy = kv.pinned_of(pages.astype(np.intp))
+        if busy.any():
+            pos = int(busy.argmax())
+            raise FailedPrecondition(
+                f"pages[{pos}]={int(pages[pos])} of pool {pool!r} is pinned by a transfer (a "
+                "live receive grant or a send); a page takes one transfer at a time (wait for "
+                "it to end, or grant other pages)", field=f"pages[{pos}]")
+        swa = entry.ids.paired_of(KV_SPACE, pages) if has_swa(entry.plan) else None
+        linked = None if swa is None else swa[swa != 0]
+        grant = self.grants.add(pool, lease_id, lease.owner, pages, swa,
+                                ttl_s or DEFAULT_GRANT_TTL_S,
+                                lambda: self._pins.hold(entry, pages, linked))
+        log.info("receive granted", extra={"fields": {
+            "event": "grant", "pool": pool, "lease_id": lease_id, "pages": int(pages.shape[0]),
+            "ttl_s": grant.expires_at - grant.created_at}})
+        return grant
+
+    def peer_receive(self, args: PeerReceiveArgs) -> Acceptance:
+        """A peer daemon asks where to write: check the grant, the layout and the pages,
+        accept it, and answer what its write needs.
+
+        Raises:
+            NotFound: no grant for the token. FailedPrecondition: no NIXL, a sender that is
+            this daemon itself, the grant ended or is used, the layouts differ, or the lease
+            that granted the pages has ended. InvalidArgument: a page count or mask that does
+            not match the grant.
+        """
+        agent = self._need_agent()
+        if args.sender == agent.name:
+            raise FailedPrecondition(
+                "the sender is this daemon itself: a daemon cannot send pages to its own pools "
+                "over NIXL; send to another daemon's address, or copy the pages in the engine",
+                field="peer")
+        grant = self.grants.find(args.token)
+        if grant.state != TransferState.pending:
+            raise FailedPrecondition(grant.ended_text(), field="token")
+        entry = self._pool(grant.pool)
+        why = layout_mismatch(self._layouts.of(entry), args.layout)
+        if why is not None:
+            raise FailedPrecondition(f"pool {grant.pool!r} cannot take these pages: {why}",
+                                     field="layout")
+        n = int(grant.pages.shape[0])
+        if args.pages != n:
+            raise InvalidArgument(f"the sender sends {args.pages} pages, the grant covers {n}; "
+                                  "send exactly the granted count", field="pages")
+        # Pinned since the grant: still held by its lease unless the lease ended (quarantined).
+        held_space(entry, grant.owner, grant.lease_id, grant.pages, "pages")
+        swa_out = self._swa_pages(grant, args.swa_mask)
+        where = page_memory(entry)
+        nbytes = where.nbytes(n, int(swa_out.shape[0]))
+        notification = self.grants.accept(grant, args.sender, nbytes)
+        self._ensure_poller()
+        generation = agent.generation(grant.pool)
+        stale = args.known_agent != agent.name or generation not in args.known_generations
+        log.info("receive accepted", extra={"fields": {
+            "event": "receive", "pool": grant.pool, "lease_id": grant.lease_id,
+            "pages": n, "bytes": nbytes, "peer": grant.peer, "write_s": grant.write_s}})
+        return Acceptance(
+            agent=agent.name, generation=generation,
+            metadata=agent.pool_metadata(grant.pool) if stale else b"",
+            buffer_addresses=where.addresses, pages=grant.pages, swa_pages=swa_out,
+            notification=notification, memory=where.memory, device=where.device,
+            write_deadline_s=grant.write_s)
+
+    @staticmethod
+    def _swa_pages(grant: ReceiveGrant, swa_mask: bytes) -> np.ndarray:
+        """The granted SWA pages the sender has a page for (``swa_mask``, one byte per page).
+
+        Raises:
+            InvalidArgument: a mask of another length, or one for a pool without SWA pages.
+            FailedPrecondition: the sender has an SWA page where the grant had none.
+        """
+        n = int(grant.pages.shape[0])
+        if grant.swa_pages is None:
+            if swa_mask:
+                raise InvalidArgument("swa_mask given for a pool without SWA pages",
+                                      field="swa_mask")
+            return np.empty(0, dtype=np.int32)
+        if len(swa_mask) != n:
+            raise InvalidArgument(f"swa_mask has {len(swa_mask)} bytes, the grant {n} pages",
+                                  field="swa_mask")
+        mask = np.frombuffer(swa_mask, dtype=np.uint8) != 0
+        lost = mask & (grant.swa_pages == 0)
+        if lost.any():
+            pos = int(lost.argmax())
+            raise FailedPrecondition(
+                f"page {int(grant.pages[pos])} had no SWA page when granted; the sender "
+                "has one for it", field="swa_mask")
+        return grant.swa_pages[mask]
+
+    def peer_done(self, token: bytes, ok: bool, message: str) -> None:
+        """The sender's word on its write: ``ok = False`` (it cancelled or lost it) ends the
+        grant as failed and gives its pages back; ``ok = True`` ends nothing (only the write's
+        own notification makes a grant done). No-op for a grant no sender was accepted into.
+
+        Raises:
+            NotFound: no grant for the token.
+        """
+        grant = self.grants.find(token)
+        if not grant.receiving or ok:
+            return
+        self.grants.close_window(grant, TransferState.failed,
+                                 f"the sender's write failed: {message}")
+
+    def _ensure_poller(self) -> None:
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll_notifications())
+
+    async def _poll_notifications(self) -> None:
+        """Read completion notifications while an accepted grant's write window is open."""
+        agent = self._need_agent()
+        while self.grants.receiving:
+            try:
+                notes = agent.notifications()
+            except Exception:
+                log.exception("reading NIXL notifications failed")
+                notes = {}
+            for messages in notes.values():
+                for message in messages:
+                    grant = self.grants.by_notification(bytes(message))
+                    if grant is not None:
+                        self.grants.close_window(grant, TransferState.done, "")
+            await asyncio.sleep(RECEIVER_POLL_S)
+
+    def _grant_ended(self, grant: ReceiveGrant) -> None:
+        if not grant.receiving:
+            return
+        if grant.state == TransferState.done:
+            self._peers.count(grant.peer, received=1, received_bytes=grant.nbytes)
+        else:
+            self._peers.count(grant.peer, receive_failures=1)
+        log.info("receive ended", extra={"fields": {
+            "event": "receive_end", "pool": grant.pool, "state": grant.state.value,
+            "message": grant.message, "bytes": grant.nbytes, "peer": grant.peer,
+            "seconds": round(grant.ended_at - grant.accepted_at, 6)}})
+
+    def close(self) -> None:
+        """Stop reading notifications."""
+        if self._poller is not None:
+            self._poller.cancel()

@@ -1,0 +1,278 @@
+"""The sending side of transfers: Send, posting the NIXL WRITE, watching it, ending its record.
+
+A send asks the peer where to write (``peers``), posts one WRITE of every page of every buffer
+carrying the notification the peer asked for, and watches it until it ends or its deadline
+passes (the agent cancels it then); a failed write is told to the peer with ``PeerDone``. The
+send's pages are pinned from Send until its write's handle is released (``pages``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvpool.contract.errors import FailedPrecondition, Internal, KVPoolError, NotFound
+from kvpool.contract.records import TransferState, TransferStatus
+from kvpoold.transfer.descriptors import Layouts, page_memory, write_rows
+from kvpoold.transfer.grants import TransferRecord, check_token
+from kvpoold.transfer.messages import Acceptance, PeerReceiveArgs
+from kvpoold.transfer.nixl_agent import NixlAgent
+from kvpoold.transfer.page_layout import KV_SPACE
+from kvpoold.transfer.pages import LeaseLookup, Pins, check_pages, has_swa, held_space
+from kvpoold.transfer.peers import Peers, Spawn, check_peer
+
+if TYPE_CHECKING:
+    from kvpoold.pools.pool import Pool
+
+log = logging.getLogger("kvpoold.transfer")
+
+MAX_ENDED_SENDS = 4096
+# Completion polling. The agent has no progress thread (see nixl_agent), so a write moves
+# only as fast as its sender polls it: for SPIN_S after posting the loop checks on every turn
+# (other calls still run in between), then at most MAX_POLL_S apart, so a write whose peer is
+# gone does not keep a core busy.
+SPIN_S = 0.5
+MAX_POLL_S = 0.001
+
+
+@dataclass(eq=False)
+class Outgoing(TransferRecord):
+    """One send of this daemon."""
+
+    transfer_id: int
+    peer: str
+    pool: str
+    owner: int
+    pages: np.ndarray
+    token: bytes
+    descriptors: int = 0
+    peer_agent: str = ""
+    identity: str = ""  # the caller identity of the sending lease: only it may WaitTransfer
+    swa_pages: np.ndarray | None = None  # the SWA pairs of ``pages`` it sends (hybrid SWA)
+    posted_at: float = 0.0
+    write_s: float = 0.0  # the write deadline the peer gave, from its PeerReceive request
+    deadline: float = 0.0  # time.monotonic() by which the write must end (from the peer)
+    handle: Any = None
+    # Gives the pages' pins back (exactly once): when nothing was posted, or once the posted
+    # write's handle is released. None after.
+    unpin: Any = None
+    # The pool while its write may be reading it: a forced Drop meanwhile must not unmap the
+    # memory under NIXL (the views keep the mapping; dropped when the write ends).
+    source: Any = None
+
+    def status(self, now: float) -> TransferStatus:
+        return self.status_since(self.posted_at, self.peer_agent or self.peer,
+                                 int(self.pages.shape[0]), now)
+
+
+class Sends:
+    """The sends of one daemon, in flight and recently ended.
+
+    Args:
+        pool: the daemon's pool lookup (raises NotFound / InvalidArgument).
+        leases: the daemon's lease table.
+        clock: the daemon's monotonic clock.
+        need_agent: the NIXL agent (raises FailedPrecondition without one).
+        layouts: the pools' page layouts.
+        pins: pins the sent pages.
+        peers: the peer clients and counters.
+        spawn: runs a coroutine in the background (each posted write's watcher).
+    """
+
+    def __init__(self, pool: Callable[[str], Pool], leases: LeaseLookup,
+                 clock: Callable[[], float], need_agent: Callable[[], NixlAgent],
+                 layouts: Layouts, pins: Pins, peers: Peers, spawn: Spawn) -> None:
+        self._pool = pool
+        self._leases = leases
+        self._clock = clock
+        self._need_agent = need_agent
+        self._layouts = layouts
+        self._pins = pins
+        self._peers = peers
+        self._spawn = spawn
+        self._sends: dict[int, Outgoing] = {}
+        self._ended: deque[Outgoing] = deque()
+        self._sending: dict[int, list[Outgoing]] = {}  # owner -> its sends in flight
+        self._ids = itertools.count(1)
+
+    async def send(self, lease_id: int, pool: str, pages_bytes: bytes, peer: str,
+                   token: bytes) -> Outgoing:
+        """Write ``pages`` (held by the lease) into the peer's pages granted by ``token``.
+
+        Returns once the peer accepted and the write is posted; the record ends by itself.
+
+        Raises:
+            FailedPrecondition: no NIXL, a page not held, or the peer refused (grant ended,
+                layouts differ...: the peer's message, prefixed with its address).
+            Unavailable: the peer cannot be reached. NotFound: pool, lease or (at the peer)
+                grant unknown. InvalidArgument: malformed pages, peer or token.
+        """
+        pages = check_pages(pages_bytes, "pages")
+        target = check_peer(peer)
+        check_token(token)
+        agent = self._need_agent()
+        entry = self._pool(pool)
+        lease = self._leases.get(lease_id)
+        held_space(entry, lease.owner, lease_id, pages, "pages")
+        mask = np.empty(0, dtype=np.uint8)
+        swa_src = np.empty(0, dtype=np.int32)
+        if has_swa(entry.plan):
+            paired = entry.ids.paired_of(KV_SPACE, pages)
+            mask = (paired != 0).astype(np.uint8)
+            swa_src = paired[paired != 0]
+        out = Outgoing(next(self._ids), target, pool, lease.owner, pages, token,
+                       identity=lease.identity, swa_pages=swa_src)
+        # Pinned from here until nothing can read them any more: a Free is refused, and the
+        # lease's end quarantines them, so no other lease's bytes are ever shipped.
+        out.unpin = self._pins.hold(entry, pages, swa_src)
+        self._sends[out.transfer_id] = out
+        self._sending.setdefault(out.owner, []).append(out)
+        try:
+            known = self._peers.agent_of(target)
+            args = PeerReceiveArgs(
+                token=token, layout=self._layouts.of(entry), pages=int(pages.shape[0]),
+                swa_mask=mask.tobytes(), known_agent=known,
+                known_generations=frozenset(agent.known_generations(known) if known else ()),
+                sender=agent.name)
+            asked_at = time.monotonic()  # the write deadline counts from here
+            acc = await self._peers.ask_receive(target, args)
+            if out.state != TransferState.pending:  # the pool or the lease went meanwhile
+                await self._peers.tell_done(target, token, False, out.message)
+                raise FailedPrecondition(f"transfer {out.transfer_id}: {out.message}",
+                                         field="pages")
+            if acc.agent == agent.name:
+                raise FailedPrecondition(
+                    f"peer {target} is this daemon itself: a daemon cannot send pages to its "
+                    "own pools over NIXL", field="peer")
+            self._post(agent, entry, out, acc, swa_src, asked_at)
+        except BaseException as exc:
+            msg = exc.message if isinstance(exc, KVPoolError) else f"{type(exc).__name__}: {exc}"
+            out.source = None  # nothing was posted
+            self._end(out, TransferState.failed, msg)
+            self._unpin(out)
+            raise
+        self._spawn(self._watch(agent, out))
+        return out
+
+    def _post(self, agent: NixlAgent, entry: Pool, out: Outgoing, acc: Acceptance,
+              swa_src: np.ndarray, asked_at: float) -> None:
+        """Load the peer's metadata if it came, build both descriptor lists, post the WRITE
+        with the deadline the peer gave (from ``asked_at``)."""
+        mine = page_memory(entry)
+        if (len(acc.buffer_addresses) != len(mine.buffers) or acc.pages.shape != out.pages.shape
+                or acc.swa_pages.shape != swa_src.shape):
+            raise Internal(
+                f"peer {out.peer} answered {len(acc.buffer_addresses)} buffers, "
+                f"{acc.pages.shape[0]} pages and {acc.swa_pages.shape[0]} SWA pages for "
+                f"{len(mine.buffers)} buffers, {out.pages.shape[0]} pages and "
+                f"{swa_src.shape[0]} SWA pages")
+        if acc.metadata:
+            agent.add_peer(acc.metadata, acc.generation)
+        elif acc.generation not in agent.known_generations(acc.agent):
+            raise Internal(f"peer {out.peer}: agent {acc.agent} registration "
+                           f"{acc.generation} sent without its metadata")
+        self._peers.answered(out.peer, acc.agent)
+        out.peer_agent = acc.agent
+        local, remote = write_rows(mine, out.pages, swa_src, acc)
+        out.nbytes = int(local[:, 1].sum())
+        out.descriptors = int(local.shape[0])
+        out.posted_at = self._clock()
+        out.write_s = acc.write_deadline_s
+        out.deadline = asked_at + acc.write_deadline_s
+        out.source = entry.buffers
+        out.handle, state = agent.post_write(local, mine.memory, remote, acc.memory, acc.agent,
+                                             acc.notification, out.deadline)
+        if state == "ERR":
+            handle, out.handle = out.handle, None
+            if not agent.release(handle):
+                out.handle = handle  # still NIXL's: the watcher waits until it lets go
+                self._spawn(self._watch(agent, out))
+            raise Internal(f"NIXL could not post the write to {out.peer} ({acc.agent})")
+
+    async def _watch(self, agent: NixlAgent, out: Outgoing) -> None:
+        """Poll the posted write until it ends (the agent cancels it at its deadline); release
+        its handle, then its pins; tell the peer about a failure."""
+        state = "PROC"
+        start = time.monotonic()
+        while out.handle is not None:
+            state = agent.state(out.handle)
+            if state != "PROC":
+                if agent.release(out.handle):
+                    out.handle = None
+                    break
+                state = "ERR"  # NIXL could not let go of it yet: keep it pinned, retry
+            waited = time.monotonic() - start
+            await asyncio.sleep(0.0 if waited < SPIN_S and state == "PROC" else MAX_POLL_S)
+        out.source = None
+        self._unpin(out)
+        if state == "DONE":
+            self._end(out, TransferState.done, "")
+            return
+        # The deadline the peer gave counts from the PeerReceive request, not from this
+        # watcher's start (which a stalled daemon can reach after the deadline passed).
+        why = (f"the write did not complete within its {out.write_s:.3g} s deadline "
+               "and was cancelled" if state == "TIMEOUT"
+               else out.message or f"NIXL reported an error writing to {out.peer_agent} at "
+               f"{out.peer} (the peer daemon died or its memory went away)")
+        self._end(out, TransferState.failed, why)
+        await self._peers.tell_done(out.peer, out.token, False, why)
+
+    @staticmethod
+    def _unpin(out: Outgoing) -> None:
+        unpin, out.unpin = out.unpin, None
+        if unpin is not None:
+            unpin()
+
+    def _end(self, out: Outgoing, state: TransferState, message: str) -> None:
+        """End a send's record (its pins go with its handle, :meth:`_unpin`)."""
+        if not out.finish(state, message, self._clock()):
+            return
+        busy = self._sending.get(out.owner)
+        if busy is not None and out in busy:
+            busy.remove(out)
+            if not busy:
+                del self._sending[out.owner]
+        self._ended.append(out)
+        while len(self._ended) > MAX_ENDED_SENDS:
+            self._sends.pop(self._ended.popleft().transfer_id, None)
+        if state == TransferState.done:
+            self._peers.count(out.peer, sent=1, sent_bytes=out.nbytes)
+        else:
+            self._peers.count(out.peer, send_failures=1)
+        log.info("send ended", extra={"fields": {
+            "event": "send_end", "pool": out.pool, "transfer_id": out.transfer_id,
+            "state": state.value, "message": message, "bytes": out.nbytes, "peer": out.peer,
+            "seconds": round(out.ended_at - out.posted_at, 6) if out.posted_at else 0.0}})
+
+    def find(self, transfer_id: int, identity: str | None) -> Outgoing:
+        """The send ``transfer_id``, shown only to ``identity`` (None: any caller).
+
+        Raises:
+            NotFound: unknown, long ended, or another identity's send.
+        """
+        found = self._sends.get(transfer_id)
+        if found is None or identity not in (None, found.identity):
+            raise NotFound(f"no transfer {transfer_id} on this daemon (never sent here, or "
+                           f"one of over {MAX_ENDED_SENDS} ended since)", field="transfer_id")
+        return found
+
+    def lease_gone(self, owner: int, why: str) -> None:
+        """A lease ended: its sends not posted yet are marked failed (send() sees it and
+        stops); a posted one keeps its pages pinned until its handle is released."""
+        for out in list(self._sending.get(owner, ())):
+            if out.handle is None:
+                self._end(out, TransferState.failed, why)
+
+    def pool_gone(self, name: str, why: str) -> None:
+        """A pool is being dropped: its sends fail (a posted write's pins still hold a use of
+        the pool until its handle is released)."""
+        for out in [o for o in self._sends.values() if o.pool == name]:
+            self._end(out, TransferState.failed, why)
