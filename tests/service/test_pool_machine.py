@@ -138,9 +138,14 @@ class PoolMachine(RuleBasedStateMachine):
         if pool in self.d.pools and not hasattr(self.d.pools[pool].backing, "_injected"):
             self._inject(pool)
             self.d.pools[pool].backing._injected = True  # type: ignore[attr-defined]
+            for lease_id, ref in self.leases.items():  # the engines map the new pool
+                self.call(self.d.attach, DAEMON_CALLER, pool, ref=ref)
+                self.attached[lease_id].add(pool)
 
-    @rule(pool=st.sampled_from(POOLS))
-    def drop(self, pool: str) -> None:
+    @rule(pool=st.sampled_from(POOLS), now=st.integers(0, 3))
+    def drop(self, pool: str, now: int) -> None:
+        if now:  # a Drop is rarer than the rest: three draws in four do nothing
+            return
         try:
             self.run(self.d.drop(DAEMON_CALLER, pool, force=True))
         except NotFound:
@@ -152,6 +157,14 @@ class PoolMachine(RuleBasedStateMachine):
         self.settle()
         assert not self.d.elastic.arbiter.promised_to(pool)
         assert pool not in self.d.registry.dropping  # nothing used it: released at once
+
+    @precondition(lambda self: self.d.elastic.arbiter.promised)
+    @rule(victim=st.booleans())
+    def drop_mid_reclaim(self, victim: bool) -> None:
+        """The attack: Drop a pool while a reclaim between it and another is promised (the
+        victim's, or the asker's)."""
+        asker, giver = sorted(self.d.elastic.arbiter.promised)[0]
+        self.drop(giver if victim else asker, 0)
 
     # -- leases ------------------------------------------------------------------------------
 
@@ -224,12 +237,18 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(data=st.data(), pool=st.sampled_from(POOLS),
           count=st.sampled_from([1, 100, PAGES - 1, PAGES + 7, 2 * PAGES, 3 * PAGES]))
     def allocate(self, data: st.DataObject, pool: str, count: int) -> None:
+        """An Allocate; refused, it asks for groups (grants, reclaims) and, as a waiting
+        Allocate does once they come, is tried again after the step's work settled."""
         lease_id = data.draw(st.sampled_from(list(self.leases)))
-        try:
-            got = self.run(self.d.allocate_waiting(DAEMON_CALLER, pool, self.leases[lease_id],
-                                                   [("kv", count)], wait_s=0))
-        except (NotFound, ResourceExhausted):
-            self.settle()
+        got = None
+        for _ in range(2):
+            try:
+                got = self.run(self.d.allocate_waiting(
+                    DAEMON_CALLER, pool, self.leases[lease_id], [("kv", count)], wait_s=0))
+                break
+            except (NotFound, ResourceExhausted):
+                self.settle()
+        if got is None:
             return
         ids = got.grants[0][1].ids
         assert len(ids) == count
@@ -259,7 +278,7 @@ class PoolMachine(RuleBasedStateMachine):
                         [("kv", 4)])
         ids = np.array(got.grants[0][1].ids, dtype=np.int32)
         entry = self.d.pools["f"]
-        self.pins.append(self.call(self.d.transfers._pin, entry, ids, None))
+        self.pins.append(self.call(self.d.transfers.pins.hold, entry, ids, None))
         assert entry.uses["transfer"] == len(self.pins)
         self.call(self.d.close_lease, DAEMON_CALLER, self.leases[lease_id])
         self._forget(lease_id)
@@ -321,3 +340,4 @@ def test_the_machine_ran_ten_thousand_steps() -> None:
         pytest.skip("TestPoolMachine did not run in this session")
     assert len(STEPS) >= 10_000, len(STEPS)
     assert sum(PROMISED) >= 10, "the machine never reached a pending promise"
+    print(f"steps {len(STEPS):,}, with a promise pending {sum(PROMISED):,}")

@@ -219,7 +219,7 @@ def test_a_pool_dropped_mid_transfer_keeps_its_memory_until_the_fence() -> None:
             c.drop(POOL, force=True)
         used = c.stats().daemon.used_bytes
         assert used == plan.backing_bytes
-        with pytest.raises(FailedPrecondition, match="transfers were moving its pages"):
+        with pytest.raises(FailedPrecondition, match="transfers or elastic workers were using"):
             c.configure(POOL, spec=TINY_SPEC, **TINY_OPTIONS)
         until(lambda: c.stats().daemon.used_bytes == 0, 15, "the dropped pool's release")
         c.configure(POOL, spec=TINY_SPEC, **TINY_OPTIONS)

@@ -16,18 +16,9 @@ from collections import Counter
 from collections.abc import Collection
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"kvpool": ROOT / "client" / "kvpool", "kvpoold": ROOT / "service" / "kvpoold"}
 
-# Arrows back in the daemon that other work of issue 38 removes: every import from the first
-# room into the second is left out of both checks, so this test can land before them. Delete
-# an entry when its cycle is gone (the stale check below says so).
-ALLOWED_ARROWS: dict[tuple[str, str], str] = {
-    # transfer.nixl_agent -> server.logs (a local import), while the server builds transfers.
-    ("kvpoold.transfer", "kvpoold.server"): "transfer -> server",
-}
 # File names the daemon uses twice, left to its restructuring (issue 38); delete an entry once
 # one of the two is renamed.
 ALLOWED_TWICE: dict[str, str] = {
@@ -194,17 +185,6 @@ def within(name: str, room: str) -> bool:
     return name == room or name.startswith(room + ".")
 
 
-def without_allowed(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    """``graph`` less the arrows of :data:`ALLOWED_ARROWS`."""
-    return {
-        src: {
-            dst for dst in dsts
-            if not any(within(src, a) and within(dst, b) for a, b in ALLOWED_ARROWS)
-        }
-        for src, dsts in graph.items()
-    }
-
-
 def show(found: list[tuple[str, ...]]) -> str:
     return "\n".join(" <-> ".join(cycle) for cycle in found)
 
@@ -218,22 +198,14 @@ def test_the_checker_finds_cycles_between_rooms() -> None:
 
 def test_no_module_imports_itself_through_others() -> None:
     """No module reaches itself through imports (function-local ones count)."""
-    found = cycles(without_allowed(import_graph()))
+    found = cycles(import_graph())
     assert not found, "import cycles between modules:\n" + show(found)
 
 
 def test_rooms_import_one_way_at_every_level() -> None:
     """In each package, no subpackage or module reaches itself through its siblings."""
-    found = level_cycles(without_allowed(import_graph()))
-    assert not found, "import cycles between rooms:\n" + show(found)
-
-
-@pytest.mark.parametrize(("src", "dst"), sorted(ALLOWED_ARROWS))
-def test_each_allowed_arrow_still_closes_a_cycle(src: str, dst: str) -> None:
-    """An allowed arrow whose cycle is gone is deleted from :data:`ALLOWED_ARROWS`."""
     found = level_cycles(import_graph())
-    assert any(src in cycle and dst in cycle for cycle in found), (
-        f"{ALLOWED_ARROWS[(src, dst)]} is no longer a cycle: delete it from ALLOWED_ARROWS")
+    assert not found, "import cycles between rooms:\n" + show(found)
 
 
 def test_no_two_modules_share_a_file_name() -> None:

@@ -79,7 +79,7 @@ class Transfers:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._layouts = Layouts()
         self._peers = Peers(peer_token, self._spawn)
-        pins = Pins(on_freed)
+        pins = self.pins = Pins(on_freed)  # the pins of every grant and send
         self._receives = Receives(pool, leases, clock, self._need_agent, self._layouts, pins,
                                   self._peers)
         self._sends = Sends(pool, leases, clock, self._need_agent, self._layouts, pins,
