@@ -81,6 +81,8 @@ class GroupedFree:
         self._heap: list[int] = []  # open groups that may have a free page (lazy)
         self._in_heap = [False] * self.groups
         self.nfree = 0  # free pages of open groups: what a take may have
+        self.used = 0  # pages of granted groups off their stacks (held or quarantined)
+        self.high_water = 0
         self._granted = 0  # groups granted (open, draining, unmapping, releasing, failed)
         self.granted_pages = 0  # pages in granted groups: the space's capacity as memory stands
 
@@ -106,11 +108,15 @@ class GroupedFree:
                 heapq.heappop(heap)
                 self._in_heap[g] = False
         self.nfree -= count
+        self.used = used = self.used + count
+        if used > self.high_water:
+            self.high_water = used
         return parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
 
     def push(self, ids: np.ndarray) -> None:
         """Put freed pages back on their groups' stacks."""
         count = ids.shape[0]
+        self.used -= count
         per = self.pages_per_group
         lo, hi = int(ids.min()) // per, int(ids.max()) // per
         if lo == hi:  # the common case: one request's pages of one group
@@ -138,6 +144,7 @@ class GroupedFree:
 
     def push_one(self, i: int) -> None:
         """Put freed page ``i`` back on its group's stack."""
+        self.used -= 1
         g = i // self.pages_per_group
         c = self._gcount[g]
         self._gstack[g, c] = i
@@ -327,6 +334,8 @@ class GroupedFree:
                        "granted pages"))
         nfree = sum(self._gcount[g] for g in range(self.groups) if self._state[g] == OPEN)
         checks.append((nfree == self.nfree, f"free count {self.nfree} != {nfree}"))
+        used = self.granted_pages - sum(self._gcount[g] for g in granted)
+        checks.append((used == self.used, f"used count {self.used} != {used}"))
         for ok, what in checks:
             if not ok:
                 raise Internal(f"IdSpace {self.label} groups broken: {what}")

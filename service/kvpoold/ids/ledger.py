@@ -1,4 +1,4 @@
-"""Who holds each id of one space: the owner array, each owner's held set, the used count.
+"""Who holds each id of one space: the owner array and each owner's held set.
 
 Data (``N`` = capacity; 8 bytes per id, plus the held sets: 4 bytes per held id, in arrays that
 grow by doubling and, past ``SHRINK_ABOVE`` entries, shrink once three quarters are unused):
@@ -80,8 +80,6 @@ class Ledger:
         self._spare: Held | None = None
         self._tags = -2 - np.arange(min(capacity, TAGS_CACHED), dtype=np.int32)
         self._tag_bytes = self._tags.tobytes()
-        self.used = 0  # ids held now, quarantined ones included
-        self.high_water = 0
 
     def record(self, owner: int, ids: np.ndarray, count: int) -> None:
         """Hand ``ids`` (``count`` of them, int32, distinct, off the free set now; at least
@@ -107,9 +105,6 @@ class Ledger:
             self.slots[idx] = (_POSITIONS[n:stop] if stop <= SHRINK_ABOVE
                                else np.arange(n, stop, dtype=np.int32))
         held.n = stop
-        self.used = used = self.used + count
-        if used > self.high_water:
-            self.high_water = used
 
     def _new_set(self, owner: int) -> Held:
         """An empty held set for ``owner``, who holds nothing yet (the spare one if kept)."""
@@ -132,7 +127,6 @@ class Ledger:
             slots[moved] = at
         self.owners[i] = 0
         held.n = last
-        self.used -= 1
         if not last:
             self.drop(owner, held)
 
@@ -187,8 +181,6 @@ class Ledger:
                     held.ids[holes] = stay
                     slots[stay] = holes
         held.n = keep
-        if not to:
-            self.used -= count
         if not keep:
             self.drop(owner, held)
         elif held.ids.shape[0] > SHRINK_ABOVE and keep * 4 <= held.ids.shape[0]:
@@ -200,7 +192,6 @@ class Ledger:
     def remove_all(self, owner: int, held: Held, idx: np.ndarray) -> None:
         """Free every id ``owner`` holds (``idx``: its whole set, as intp)."""
         self.owners[idx] = 0
-        self.used -= held.n
         held.n = 0
         self.drop(owner, held)
 
@@ -223,11 +214,12 @@ class Ledger:
         if held.ids.shape[0] == MIN_ROOM:
             self._spare = held
 
-    def audit(self, free_ids: np.ndarray, pins: Pins) -> list[tuple[bool, str]]:
-        """Every invariant of the ledger, with the free set's ids and the pins; O(N).
+    def audit(self, free_ids: np.ndarray, used: int, pins: Pins) -> list[tuple[bool, str]]:
+        """Every invariant of the ledger, with the free set's ids and count and the pins; O(N).
 
         Args:
             free_ids: every free id (intp), as the space's free set has them.
+            used: ids off the free set, as it counts them (held or quarantined).
             pins: the space's pins.
 
         Returns:
@@ -236,7 +228,7 @@ class Ledger:
         cap = self.capacity
         owners = self.owners[1 : cap + 1]
         checks = [
-            (0 <= self.used <= cap, f"used {self.used} outside 0..{cap}"),
+            (0 <= used <= cap, f"used {used} outside 0..{cap}"),
             (self.owners[0] == SENTINEL and self.owners[cap + 1] == SENTINEL, "sentinels"),
             (bool((owners >= 0).all()), "an owner entry is negative (a pending mark left)"),
             (bool(((free_ids >= 1) & (free_ids <= cap)).all()), "a free-stack id out of range"),
@@ -249,7 +241,7 @@ class Ledger:
             checks += [
                 (distinct(free_ids), "an id is twice on the free stack"),
                 (not self.owners[free_ids].any(), "a free id has an owner"),
-                (owned == self.used, f"{owned} ids owned but used == {self.used}"),
+                (owned == used, f"{owned} ids owned but used == {used}"),
                 (in_array == {owner: h.n for owner, h in self.sets.items()},
                  "held counts differ from the owner array"),
                 *pins.audit(owners, held),

@@ -2,11 +2,11 @@
 
 An :class:`IdSpace` owns three parts and alone changes them:
 
-- the **ledger** (:class:`~kvpoold.ids.ledger.Ledger`): each id's owner, each owner's held set,
-  the used count;
-- the **free set** (:class:`~kvpoold.ids.free_set.FreeSet`), which decides which free id is
-  handed out next: one stack (:class:`~kvpoold.ids.free_set.StackFree`, LIFO: warm pages
-  first), or an elastic pool's per-group stacks (:class:`~kvpoold.ids.groups.GroupedFree`);
+- the **ledger** (:class:`~kvpoold.ids.ledger.Ledger`): each id's owner, each owner's held set;
+- the **free set** (:class:`~kvpoold.ids.free_set.FreeSet`): the free ids, how many are out
+  (used, and its high water) and which free id is handed out next: one stack
+  (:class:`~kvpoold.ids.free_set.StackFree`, LIFO: warm pages first), or an elastic pool's
+  per-group stacks (:class:`~kvpoold.ids.groups.GroupedFree`);
 - the **pins** (:class:`~kvpoold.ids.pins.Pins`): how many transfers move each id.
 
 Each id has one owner and one state, and this space is the only place that says which:
@@ -149,7 +149,7 @@ class IdSpace:
                 f"never fit; ask for fewer or Configure a larger {self.knob}",
                 field=field,
             )
-        used, holders = self._ledger.used, len(self._ledger.sets)
+        used, holders = self._free.used, len(self._ledger.sets)
         raise ResourceExhausted(
             f"{action}: {asked}, {free:,} of {self.capacity:,} free{self._free.room_note()} "
             f"({used:,} held by {_leases(holders)}); free some or Configure a larger {self.knob}",
@@ -394,7 +394,7 @@ class IdSpace:
     @property
     def used(self) -> int:
         """Ids held now (quarantined ones included)."""
-        return self._ledger.used
+        return self._free.used
 
     def held(self, owner: int) -> int:
         """How many ids ``owner`` holds now (0 for an owner holding nothing)."""
@@ -446,8 +446,8 @@ class IdSpace:
         """
         return SpaceStats(
             capacity=self.capacity,
-            used=self._ledger.used,
-            high_water=self._ledger.high_water,
+            used=self._free.used,
+            high_water=self._free.high_water,
             frees=self._frees,
             failed_allocs=self._failed_allocs,
             unit=self.spec.unit,
@@ -463,10 +463,11 @@ class IdSpace:
         Raises:
             Internal: naming the first broken invariant.
         """
-        for ok, what in self._ledger.audit(self._free.all_free().astype(np.intp), self._pins):
+        free = self._free
+        for ok, what in self._ledger.audit(free.all_free().astype(np.intp), free.used, self._pins):
             if not ok:
                 raise Internal(f"IdSpace {self.label} ledger broken: {what}")
-        self._free.audit(self._ledger.owners[1 : self.capacity + 1])
+        free.audit(self._ledger.owners[1 : self.capacity + 1])
 
 
 def _leases(n: int) -> str:
