@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvpool.contract.errors import Internal, ResourceExhausted
 from kvpool.contract.plan import IdSpaceSpec
+from kvpoold.ids import PoolIds
 from kvpoold.ids.grouped import GroupedSpace
 
 PER = 8
@@ -179,3 +180,19 @@ def test_refusal_names_the_granted_groups() -> None:
     opened(space, 0)
     with pytest.raises(ResourceExhausted, match="in the 1 granted groups of 6"):
         space.take(1, PER)
+
+
+def test_a_batch_free_of_several_items_in_an_elastic_pool() -> None:
+    """Two kv items in one Free are checked together, then committed: the commit of a checked
+    free is the ledger's, not a group's (the space's group ``commit(g)`` once shadowed it, and
+    such a Free ended in a TypeError, INTERNAL on the wire)."""
+    spec = IdSpaceSpec(name="kv", capacity=GROUPS * PER - 1, unit="pages", bytes_per_unit=1,
+                       knob="budget_bytes")
+    pool = PoolIds("p", [spec], {}, {"kv": PER})
+    kv = pool.space("kv", "items[0].space")
+    assert isinstance(kv, GroupedSpace)
+    opened(kv, 0)
+    got = pool.allocate(1, [(kv, 5)])[0].ids
+    assert pool.free(1, [(kv, got[:2]), (kv, got[2:])]) == {"kv": 5}
+    assert kv.used_in(0) == 0 and kv.num_free == PER - 1 and kv.releasable().tolist() == [0]
+    pool.audit()

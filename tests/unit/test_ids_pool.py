@@ -284,10 +284,10 @@ def test_audit_finds_a_corrupted_space() -> None:
     pool, mapping = make_pool()
     alloc(pool, 1, [("kv", 2), ("req", 1)])
     pool.audit()
-    pool.space("req", "k")._owner[2] = 1
+    pool.space("req", "k")._ledger.owners[2] = 1
     with pytest.raises(Internal, match="IdSpace m/req ledger broken"):
         pool.audit()
-    pool.space("req", "k")._owner[2] = 0
+    pool.space("req", "k")._ledger.owners[2] = 0
     mapping[1] = 5
     with pytest.raises(Internal, match="Pairing m/kv->swa broken: shared != private"):
         pool.audit()

@@ -218,7 +218,7 @@ class IdSpaceMachine(RuleBasedStateMachine):
             assert got is not None and (got.pos, got.reason) == (fault[0], REASONS[fault[1]][1])
             return
         assert got is None
-        assert self.space.commit(owner, np.array(values, dtype=np.intp)) == len(values)
+        assert self.space.commit_free(owner, np.array(values, dtype=np.intp)) == len(values)
         if values:
             self.drop(owner, values)
 

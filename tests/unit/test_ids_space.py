@@ -155,7 +155,7 @@ def test_held_set_stays_small_under_churn_so_reclaim_reads_o_held() -> None:
     for _ in range(5_000):
         space.free(1, space.take(1, 2))
         space.free(1, space.take(1, 1))
-    holding = space._held[1]
+    holding = space._ledger.sets[1]
     assert holding.n == 5 and holding.ids.shape[0] == MIN_ROOM
     assert sorted(space.reclaim(1).tolist()) == [1, 2, 3, 4, 5]
     space.audit()
@@ -177,11 +177,11 @@ def test_held_set_grows_and_shrinks_with_the_owner() -> None:
     space = make_space(3 * SHRINK_ABOVE)
     first = space.take(1, 10)
     big = space.take(1, 2 * SHRINK_ABOVE)
-    assert space._held[1].ids.shape[0] >= 2 * SHRINK_ABOVE + 10
+    assert space._ledger.sets[1].ids.shape[0] >= 2 * SHRINK_ABOVE + 10
     space.free(1, big)
-    assert space._held[1].ids.shape[0] < 4 * 10 * 2  # shrunk, still holding the 10
+    assert space._ledger.sets[1].ids.shape[0] < 4 * 10 * 2  # shrunk, still holding the 10
     assert sorted(space.reclaim(1).tolist()) == sorted(first.tolist())
-    assert 1 not in space._held  # an owner holding nothing keeps no set
+    assert 1 not in space._ledger.sets  # an owner holding nothing keeps no set
     space.audit()
 
 
@@ -207,7 +207,7 @@ def test_free_of_more_ids_than_the_tag_cache_uses_fresh_tags() -> None:
     space.audit()
 
 
-def test_check_and_commit() -> None:
+def test_check_and_commit_free() -> None:
     space = make_space()
     got = space.take(1, 3)
     space.take(2, 1)
@@ -225,9 +225,9 @@ def test_check_and_commit() -> None:
     assert fault is not None and fault.reason is Reason.NOT_ALLOCATED
     assert snapshot(space) == before
     space.audit()
-    assert space.commit(1, idx[1:2]) == 1
-    assert space.commit(1, idx[[2, 0]]) == 2
-    assert space.commit(1, idx[:0]) == 0
+    assert space.commit_free(1, idx[1:2]) == 1
+    assert space.commit_free(1, idx[[2, 0]]) == 2
+    assert space.commit_free(1, idx[:0]) == 0
     assert space.holders() == {2: 1} and space.counters().frees == 3
     space.audit()
 
@@ -264,14 +264,14 @@ def test_a_space_of_16m_ids_works() -> None:
 @pytest.mark.parametrize(
     ("corrupt", "what"),
     [
-        (lambda s: s._owner.__setitem__(3, 1), "a free id has an owner"),
-        (lambda s: s._owner.__setitem__(1, 2), "held counts differ"),
-        (lambda s: s._owner.__setitem__(0, 0), "sentinels"),
-        (lambda s: s._owner.__setitem__(4, -5), "pending mark"),
-        (lambda s: s._stack.__setitem__(5, 5), "twice on the free stack"),
-        (lambda s: s._stack.__setitem__(5, 0), "free-stack id out of range"),
-        (lambda s: s._slot.__setitem__(1, 1), "owner 1's slots"),
-        (lambda s: s._held[1].ids.__setitem__(0, 2), "owner 1's set"),
+        (lambda s: s._ledger.owners.__setitem__(3, 1), "a free id has an owner"),
+        (lambda s: s._ledger.owners.__setitem__(1, 2), "held counts differ"),
+        (lambda s: s._ledger.owners.__setitem__(0, 0), "sentinels"),
+        (lambda s: s._ledger.owners.__setitem__(4, -5), "pending mark"),
+        (lambda s: s._free.stack.__setitem__(5, 5), "twice on the free stack"),
+        (lambda s: s._free.stack.__setitem__(5, 0), "free-stack id out of range"),
+        (lambda s: s._ledger.slots.__setitem__(1, 1), "owner 1's slots"),
+        (lambda s: s._ledger.sets[1].ids.__setitem__(0, 2), "owner 1's set"),
     ],
 )
 def test_audit_finds_a_corrupted_ledger(corrupt, what: str) -> None:
@@ -286,7 +286,7 @@ def test_audit_finds_a_corrupted_ledger(corrupt, what: str) -> None:
 def test_reclaim_refuses_when_held_set_and_owner_array_disagree() -> None:
     space = make_space(6)
     space.take(1, 3)
-    space._owner[2] = 9  # memory corruption: the owner array no longer names owner 1
+    space._ledger.owners[2] = 9  # memory corruption: the owner array no longer names owner 1
     with pytest.raises(Internal, match=r"owner 1's held set \(3 ids\) disagrees .* nothing was"):
         space.reclaim(1)
     assert space.counters().used == 3 and space.owner_of(ids(1, 2, 3)).tolist() == [1, 9, 1]

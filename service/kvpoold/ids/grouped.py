@@ -1,54 +1,24 @@
-"""The page space of an elastic pool: the ledger of :class:`IdSpace`, with its free ids kept per
-**group** so that only granted groups hand out pages and groups drain whole (issue 23).
+"""The page space of an elastic pool: an :class:`IdSpace` whose free set is
+:class:`~kvpoold.ids.groups.GroupedFree` (free pages per group, and each group's state).
 
-Page ``p`` lies in group ``p // P`` (``P`` = pages per group; group 0 has ``P - 1`` pages, the
-padding page 0 being nobody's). This space is the one owner of each group's state; the elastic
-manager only asks it to move a group along (an :class:`~kvpool.contract.errors.Internal` for any
-other move)::
-
-    closed -> committing -> open -> draining -> unmapping -> releasing -> closed
-                  |                    |                        |
-                  +-> closed           +-> open (reopen)        +-> failed -> releasing (retry)
-
-- **closed**: not granted (no memory behind it); none of its pages is free or held;
-- **committing**: granted by the arbiter, its memory being committed off the loop; its pages
-  are not in the ledger yet (a failed commit closes it again);
-- **open**: granted; its free pages may be handed out;
-- **draining**: granted, but its free pages are not handed out (it is being taken back; pages
-  still held come back as their holders free them);
-- **unmapping**: drained and wholly free; attached processes are asked to unmap it;
-- **releasing**: every process unmapped it; its memory is being freed off the loop;
-- **failed**: freeing its memory failed; the budget still pays for it, Stats show it, and the
-  sweep retries (back to releasing).
-
-Allocation is address-ordered first fit over open groups: a take hands out pages of the
-lowest-numbered open group that has one, then the next, so held pages pack into the low groups
-and the high ones empty out; a release takes the highest wholly free groups
-(:meth:`GroupedSpace.releasable`). Within a group, freed pages are handed out first (LIFO), as in
-every space. A take or free is O(count + groups it touches x log groups); group state changes
-are O(pages per group); :meth:`releasable` is O(groups), for the arbiter's rare looks.
+The ledger, pins, quarantine and audit are the space's own, unchanged; this class only composes
+the grouped free set and names its group calls on the space, so the elastic manager moves a
+group along the state table (see :mod:`kvpoold.ids.groups`) on the space it allocates from.
+``isinstance(space, GroupedSpace)`` is the daemon's one question "is this an elastic space?".
 """
 
 from __future__ import annotations
 
-import heapq
-
 import numpy as np
 
-from kvpool.contract.errors import Internal, InvalidArgument
 from kvpool.contract.plan import IdSpaceSpec
-from kvpoold.ids.space import IdSpace
-
-CLOSED, COMMITTING, OPEN, DRAINING, UNMAPPING, RELEASING, FAILED = range(7)
-_STATES = ("closed", "committing", "open", "draining", "unmapping", "releasing", "failed")
-# States whose pages are in the ledger (memory is behind them): "granted" groups.
-_GRANTED = frozenset({OPEN, DRAINING, UNMAPPING, RELEASING, FAILED})
-# States in which the group's memory is moved off the loop (a worker thread holds it).
-_MOVING = frozenset({COMMITTING, RELEASING})
+from kvpoold.ids.groups import GroupedFree
+from kvpoold.ids.space import IdSpace, space_label
 
 
 class GroupedSpace(IdSpace):
-    """Ids ``1..capacity`` of a page space cut into groups of ``pages_per_group``.
+    """Ids ``1..capacity`` of a page space cut into groups of ``pages_per_group``, every group
+    closed at first.
 
     Args:
         spec: the plan's row of the space (capacity ``groups * pages_per_group - 1``).
@@ -56,195 +26,45 @@ class GroupedSpace(IdSpace):
         pool: the pool's name, for messages.
 
     Raises:
-        InvalidArgument: a capacity that is not whole groups less the padding page.
+        InvalidArgument: a capacity outside ``1..CAPACITY_MAX``, or not whole groups less the
+            padding page.
     """
 
     def __init__(self, spec: IdSpaceSpec, pages_per_group: int, *, pool: str = "") -> None:
-        super().__init__(spec, pool=pool)
-        per = pages_per_group
-        if per < 1 or (spec.capacity + 1) % per:
-            raise InvalidArgument(
-                f"IdSpace {self.label}: capacity {spec.capacity} + the padding page is not "
-                f"whole groups of {per} pages", field="capacity")
-        self.pages_per_group = per
-        self.groups = (spec.capacity + 1) // per
-        self._stack = np.zeros(0, dtype=np.int32)  # the base's one stack is not used
-        self._gstack = np.zeros((self.groups, per), dtype=np.int32)
-        # Per group, as Python lists: the hot path reads and writes single entries, which
-        # lists do several times faster than numpy scalars.
-        self._gcount = [0] * self.groups  # free pages of each group
-        self._sizes = [per] * self.groups
-        self._sizes[0] = per - 1
-        self._state = [CLOSED] * self.groups
-        self._nstate = [0] * len(_STATES)  # groups in each state (O(1) counts)
-        self._nstate[CLOSED] = self.groups
-        self._heap: list[int] = []  # open groups that may have a free page (lazy)
-        self._in_heap = [False] * self.groups
-        self._nfree = 0  # free pages of open groups: what a take may have
-        self._granted = 0  # groups open or draining
-        self._granted_pages = 0
-
-    # -- take and free (the base's ledger does the rest) ------------------------------------
-
-    def take(self, owner: int, count: int) -> np.ndarray:
-        """As :meth:`IdSpace.take`, from open groups only, lowest group first."""
-        if count > self._nfree:
-            self.require_free(count)
-        if count <= 0:
-            return np.zeros(0, dtype=np.int32)
-        ids = self._pop(count)
-        self._record(owner, ids)
-        return ids
-
-    def _pop(self, count: int) -> np.ndarray:
-        heap, gcount, gstack, state = self._heap, self._gcount, self._gstack, self._state
-        parts: list[np.ndarray] = []
-        k = count
-        while k:
-            g = heap[0]
-            c = gcount[g]
-            if state[g] != OPEN or not c:
-                heapq.heappop(heap)
-                self._in_heap[g] = False
-                continue
-            n = min(k, c)
-            parts.append(gstack[g, c - n : c])
-            gcount[g] = c - n
-            k -= n
-            if n == c:
-                heapq.heappop(heap)
-                self._in_heap[g] = False
-        self._nfree -= count
-        return parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
-
-    def _push(self, ids: np.ndarray) -> None:
-        count = ids.shape[0]
-        if not count:
-            return
-        self._head -= count
-        per = self.pages_per_group
-        lo, hi = int(ids.min()) // per, int(ids.max()) // per
-        if lo == hi:  # the common case: one request's pages of one group
-            self._push_group(lo, ids)
-            return
-        groups = ids // per
-        order = np.argsort(groups, kind="stable")
-        ordered, keys = ids[order], groups[order]
-        cuts = np.flatnonzero(keys[1:] != keys[:-1]) + 1
-        start = 0
-        for stop in (*cuts.tolist(), count):
-            self._push_group(int(keys[start]), ordered[start:stop])
-            start = stop
-
-    def _push_group(self, g: int, ids: np.ndarray) -> None:
-        c = self._gcount[g]
-        m = ids.shape[0]
-        self._gstack[g, c : c + m] = ids
-        self._gcount[g] = c + m
-        if self._state[g] == OPEN:
-            self._nfree += m
-            if not self._in_heap[g]:
-                heapq.heappush(self._heap, g)
-                self._in_heap[g] = True
-
-    def _push_one(self, i: int) -> None:
-        self._head -= 1
-        g = i // self.pages_per_group
-        c = self._gcount[g]
-        self._gstack[g, c] = i
-        self._gcount[g] = c + 1
-        if self._state[g] == OPEN:
-            self._nfree += 1
-            if not self._in_heap[g]:
-                heapq.heappush(self._heap, g)
-                self._in_heap[g] = True
+        table = GroupedFree(spec.capacity, pages_per_group, space_label(spec, pool))
+        super().__init__(spec, pool=pool, free_set=table)
+        self.table = table
+        self.pages_per_group = table.pages_per_group
+        self.groups = table.groups
 
     @property
     def granted_pages(self) -> int:
         """Pages in granted groups (O(1)): the space's capacity as memory stands now."""
-        return self._granted_pages
-
-    @property
-    def num_free(self) -> int:
-        """Pages an Allocate may take now: the free pages of open groups."""
-        return self._nfree
-
-    def _room_note(self) -> str:
-        granted = self._granted
-        return (f" in the {granted} granted groups of {self.groups} (an elastic pool: "
-                "the daemon grants more groups as the device budget allows)")
-
-    def _all_free(self) -> np.ndarray:
-        parts = [self._gstack[g, : self._gcount[g]] for g in self.granted().tolist()]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-
-    def free_ids(self) -> np.ndarray:
-        """The pages a take may hand out, lowest group first (O(N), for tests)."""
-        parts = [self._gstack[g, : self._gcount[g]][::-1] for g in range(self.groups)
-                 if self._state[g] == OPEN]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-
-    # -- groups -----------------------------------------------------------------------------
+        return self.table.granted_pages
 
     def state(self, g: int) -> str:
-        """The group's state (see the module docstring)."""
-        return _STATES[self._state[self._check(g)]]
-
-    def _check(self, g: int) -> int:
-        if not 0 <= g < self.groups:
-            raise InvalidArgument(f"group {g} is outside 0..{self.groups - 1} of {self.label}",
-                                  field="group")
-        return g
-
-    def _move(self, g: int, want: tuple[int, ...], to: int, verb: str) -> None:
-        have = self._state[self._check(g)]
-        if have not in want:
-            raise Internal(f"{verb} group {g} of {self.label}: it is {_STATES[have]}, not "
-                           f"{' or '.join(_STATES[w] for w in want)}")
-        self._nstate[have] -= 1
-        self._nstate[to] += 1
-        self._state[g] = to
-
-    def _require_whole(self, g: int, verb: str) -> None:
-        if self._gcount[g] != self._sizes[g]:
-            raise Internal(f"{verb} group {g} of {self.label}: "
-                           f"{self._sizes[g] - self._gcount[g]} of its pages are held")
+        """Group ``g``'s state (see :mod:`kvpoold.ids.groups`)."""
+        return self.table.state(g)
 
     def commit(self, g: int) -> None:
         """A closed group is granted: its memory is being committed (no page handed out)."""
-        self._move(g, (CLOSED,), COMMITTING, "commit")
+        self.table.commit(g)
 
     def abort(self, g: int) -> None:
         """A commit failed: the group is closed again."""
-        self._move(g, (COMMITTING,), CLOSED, "abort")
+        self.table.abort(g)
 
     def open_group(self, g: int) -> None:
         """A committed group's pages become free to hand out (lowest first)."""
-        self._move(g, (COMMITTING,), OPEN, "open")
-        per = self.pages_per_group
-        first, last = max(1, g * per), g * per + per - 1
-        n = last - first + 1
-        self._gstack[g, :n] = np.arange(last, first - 1, -1, dtype=np.int32)
-        self._gcount[g] = n
-        self._granted += 1
-        self._granted_pages += n
-        self._nfree += n
-        if not self._in_heap[g]:
-            heapq.heappush(self._heap, g)
-            self._in_heap[g] = True
+        self.table.open_group(g)
 
     def drain(self, g: int) -> None:
         """Hand out no more pages of group ``g`` (it is being taken back)."""
-        self._move(g, (OPEN,), DRAINING, "drain")
-        self._nfree -= self._gcount[g]
+        self.table.drain(g)
 
     def reopen(self, g: int) -> None:
         """Group ``g`` is not taken back after all: hand its free pages out again."""
-        self._move(g, (DRAINING,), OPEN, "reopen")
-        self._nfree += self._gcount[g]
-        if not self._in_heap[g]:
-            heapq.heappush(self._heap, g)
-            self._in_heap[g] = True
+        self.table.reopen(g)
 
     def unmap(self, g: int) -> None:
         """A drained group is wholly free: processes are asked to unmap it.
@@ -252,97 +72,49 @@ class GroupedSpace(IdSpace):
         Raises:
             Internal: it is not draining, or a page of it is held.
         """
-        self._require_whole(g, "unmap")
-        self._move(g, (DRAINING,), UNMAPPING, "unmap")
+        self.table.unmap(g)
 
     def release(self, g: int) -> None:
         """Every process unmapped group ``g`` (or a failed release is retried): its memory is
         being freed."""
-        self._move(g, (UNMAPPING, FAILED), RELEASING, "release")
+        self.table.release(g)
 
     def fail(self, g: int) -> None:
         """Freeing group ``g``'s memory failed: it stays charged until a retry frees it."""
-        self._move(g, (RELEASING,), FAILED, "fail")
+        self.table.fail(g)
 
     def close_group(self, g: int) -> None:
         """Group ``g``'s memory is freed: it is closed.
 
         Raises:
-            Internal: it is not releasing.
+            Internal: it is not releasing, or a page of it is held.
         """
-        self._require_whole(g, "close")
-        self._move(g, (RELEASING,), CLOSED, "close")
-        self._gcount[g] = 0
-        self._granted -= 1
-        self._granted_pages -= self._sizes[g]
+        self.table.close_group(g)
 
     def moving(self, g: int) -> bool:
         """Whether a worker thread is committing or freeing group ``g``'s memory now."""
-        return self._state[self._check(g)] in _MOVING
+        return self.table.moving(g)
 
     def used_in(self, g: int) -> int:
         """Pages of group ``g`` held now (0 for a closed group)."""
-        if self._state[self._check(g)] not in _GRANTED:
-            return 0
-        return self._sizes[g] - self._gcount[g]
+        return self.table.used_in(g)
 
     def releasable(self) -> np.ndarray:
         """Open groups with every page free, highest first (what a release takes)."""
-        state, gcount, sizes = self._state, self._gcount, self._sizes
-        return np.array([g for g in range(self.groups - 1, -1, -1)
-                         if state[g] == OPEN and gcount[g] == sizes[g]], dtype=np.intp)
+        return self.table.releasable()
 
     def closed_groups(self) -> np.ndarray:
         """Groups not granted, lowest first (what a grant opens)."""
-        return np.array([g for g, st in enumerate(self._state) if st == CLOSED], dtype=np.intp)
+        return self.table.closed_groups()
 
     def granted(self) -> np.ndarray:
-        """Groups whose pages are in the ledger now (open, draining, unmapping, releasing or
-        failed), lowest first."""
-        return np.array([g for g, st in enumerate(self._state) if st in _GRANTED],
-                        dtype=np.intp)
+        """Groups whose pages are in the ledger now, lowest first."""
+        return self.table.granted()
 
     def in_state(self, state: str) -> np.ndarray:
         """Groups in ``state`` now, lowest first (O(groups))."""
-        want = _STATES.index(state)
-        return np.array([g for g, st in enumerate(self._state) if st == want], dtype=np.intp)
+        return self.table.in_state(state)
 
     def count(self, state: str) -> int:
         """Groups in ``state`` now (O(1))."""
-        return self._nstate[_STATES.index(state)]
-
-    def audit(self) -> None:
-        """The base's ledger checks, and the groups': closed groups hold nothing, every page
-        of a granted group is free in it or held, the free count is what open groups have."""
-        super().audit()
-        per = self.pages_per_group
-        owners = self._owner[1 : self.capacity + 1]
-        held_per = np.bincount((np.flatnonzero(owners != 0) + 1) // per, minlength=self.groups)
-        checks: list[tuple[bool, str]] = []
-        for g in range(self.groups):
-            c, size, st = self._gcount[g], self._sizes[g], self._state[g]
-            free = self._gstack[g, :c]
-            if st in (CLOSED, COMMITTING):
-                checks.append((c == 0 and held_per[g] == 0,
-                               f"{_STATES[st]} group {g} holds pages"))
-            else:
-                checks.append((c + held_per[g] == size,
-                               f"group {g}: {c} free + {held_per[g]} held != {size}"))
-                checks.append((bool(((free // per) == g).all()),
-                               f"group {g}'s free stack holds another group's page"))
-        granted = [g for g in range(self.groups) if self._state[g] in _GRANTED]
-        checks.append((self._granted == len(granted), "granted count"))
-        checks.append((self._nstate == [self._state.count(i) for i in range(len(_STATES))],
-                       "state counts"))
-        for g in range(self.groups):
-            st = self._state[g]
-            if st in (COMMITTING, UNMAPPING, RELEASING, FAILED):
-                checks.append((held_per[g] == 0 and self._gcount[g] in (0, self._sizes[g]),
-                               f"{_STATES[st]} group {g} holds pages"))
-        checks.append((self._granted_pages == sum(self._sizes[g] for g in granted),
-                       "granted pages"))
-        nfree = sum(self._gcount[g] for g in range(self.groups) if self._state[g] == OPEN)
-        checks.append((nfree == self._nfree, f"free count {self._nfree} != {nfree}"))
-        for ok, what in checks:
-            if not ok:
-                raise Internal(f"IdSpace {self.label} groups broken: {what}")
+        return self.table.count(state)

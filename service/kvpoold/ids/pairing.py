@@ -222,7 +222,7 @@ class Pairing:
         if not idx.shape[0]:
             return 0
         self._unlink_and_free(owner, idx)
-        return self.leader.commit(owner, idx)
+        return self.leader.commit_free(owner, idx)
 
     def commit_release(self, owner: int, idx: np.ndarray) -> int:
         """Release the follower side of ``idx`` (leader ids, intp) of ``owner``, checked with
@@ -232,7 +232,7 @@ class Pairing:
             return 0
         follow = self._link[idx].astype(np.intp)
         self._write(idx, 0)
-        return self.follower.commit(owner, follow)
+        return self.follower.commit_free(owner, follow)
 
     def _unlink_and_free(self, owner: int, idx: np.ndarray) -> None:
         """Unlink held leader ids ``idx`` (intp) and free the follower ids linked to them."""
@@ -243,12 +243,12 @@ class Pairing:
             if self._on_write is not None:
                 self._on_write(idx)
             if follow:
-                self.follower.commit_one(owner, follow)
+                self.follower.commit_free_one(owner, follow)
             return
         linked = self._link[idx]
         linked = linked[linked != 0].astype(np.intp)
         self._write(idx, 0)
-        self.follower.commit(owner, linked)
+        self.follower.commit_free(owner, linked)
 
     def error(
         self, fault: Fault, owner: int, ids: np.ndarray, action: str, asked: Asked = FREE

@@ -311,7 +311,7 @@ class PoolIds:
         for key, group, idx, release in checked:
             pair = self._pair_of_leader.get(key)
             if pair is None or release is None:
-                freed[key.name] = key.commit(owner, idx)
+                freed[key.name] = key.commit_free(owner, idx)
                 continue
             if any(item.release for item in group):
                 freed[pair.follower.name] = pair.commit_release(owner, idx[release])
