@@ -46,6 +46,10 @@ class AllocatorConfigs:
         """The allocator built for ``pool`` takes ``config``."""
         self._by_pool[pool] = config
 
+    def __len__(self) -> int:
+        """How many live pools have a configuration recorded."""
+        return len(self._by_pool)
+
     def of(self, kvcache: Any) -> AllocatorConfig:
         """The configuration recorded for ``kvcache``, else the defaults (whatever
         ``kvcache`` is: None, SGLang's own pool, a mock)."""
