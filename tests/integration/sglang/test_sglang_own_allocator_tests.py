@@ -98,8 +98,8 @@ def run_their_tests(python: Path, path: Path, allocator: str, **env: str) -> dic
 
 
 @pytest.fixture(scope="module")
-def runs(sglang_python: Path, sglang_daemon: DaemonProcess,
-         their_file: Path) -> dict[str, dict[str, Any]]:
+def runs(sglang_python: Path, their_file: Path,
+         sglang_daemon: DaemonProcess) -> dict[str, dict[str, Any]]:
     """Their file on SGLang's allocator, then on kvpool's (a pool in the daemon)."""
     with KVPoolClient(sglang_daemon.target) as client:
         client.configure(POOL, spec=TINY_SPEC, budget_bytes=POOL_BYTES, page_size=PAGE_SIZE,
