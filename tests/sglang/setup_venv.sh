@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create the side virtualenv in which SGLang 0.5.23 runs on CPU: its own KV-pool sizing
-# (tests/sglang/sglang_sizes.py), its allocator and pools, and its engine with the plugin
-# (tests/integration/sglang/; see tests/sglang/README.md). The steps both side venvs share
+# (tests/sglang/sglang_sizes.py), its allocator and pools (and its own allocator unit tests on
+# kvpool's allocator), and its engine with the plugin (tests/integration/sglang/; see
+# tests/sglang/README.md). The steps both side venvs share
 # are in tests/side_venv_lib.sh.
 #
 #   tests/sglang/setup_venv.sh            # venv at ${KVPOOL_SGLANG_VENV:-<repo>/.venv-sglang}
@@ -72,6 +73,9 @@ DEPS=(
     xxhash
     zstandard
     prometheus-client
+    # SGLang's own unit tests (tests/integration/sglang/test_sglang_own_allocator_tests.py):
+    # their base class (sglang.test.test_utils) imports SGLang's benchmark datasets.
+    datasets
 )
 
 . "$here/../side_venv_lib.sh"

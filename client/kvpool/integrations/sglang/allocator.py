@@ -13,8 +13,10 @@ go back to the pool when its lease expires.
 - Page ``p`` (an id of the pool's ``kv`` space, ``1..capacity``; 0 is never handed out, as in
   SGLang, whose page 0 is the padding page) covers token indices ``p * page_size + j``,
   ``j < page_size``; indices are int64 tensors on ``device``. The inner allocator of the SWA
-  side of a hybrid SWA pool takes ``swa`` pages instead (its KV pool says so:
-  ``kvpool_space``, see ``swa.py``).
+  side of a hybrid SWA pool takes ``swa`` pages instead: the space is the allocator's own
+  configuration, never read from the ``kvcache`` SGLang passes (which may be any object:
+  SGLang's own pools, its tests' mocks): the SWA code that built the side records it
+  (``allocator_config.py``), and every other ``kvcache`` gets ``kv``.
 - ``size`` tokens is the allocator's quota in the pool: at most ``size // page_size`` pages in
   use at once. ``available_size()`` is the quota less the pages in use, in tokens, as SGLang
   counts it. The pool may be larger and shared with other leases; when the pool itself runs
@@ -90,6 +92,7 @@ from kvpool.contract.errors import (
     ResourceExhausted,
 )
 from kvpool.contract.records import Stats
+from kvpool.integrations.sglang.allocator_config import CONFIGS
 from kvpool.integrations.sglang.elastic_scheduler import (
     conservation_violations,
     live_prefill_budget,
@@ -99,7 +102,6 @@ from kvpool.integrations.sglang.scheduler_binding import PoolBinding, binding_fr
 
 log = logging.getLogger("kvpool.integrations.sglang.allocator")
 
-SPACE = "kv"
 DEBUG_ENV = "SGLANG_DEBUG_MEMORY_POOL"
 # How long a refused allocation waits for the page cache's worker before asking again.
 SETTLE_S = 1.0
@@ -140,6 +142,10 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         lease: the kvpool lease the pages are held by.
         cache: the page cache of the pool's ``kv`` space that serves them.
         binding: the scheduler's :class:`PoolBinding`.
+        config: what the code that built ``kvcache`` recorded for its allocator
+            (``allocator_config.CONFIGS``; the defaults for any other ``kvcache``).
+        space: the id space the pages are taken from (``config.space``: ``kv``, or ``swa``
+            for the SWA side of a hybrid SWA pool).
         num_pages: the quota in pages (SGLang's name).
         capacity: the pool's ``kv`` capacity in pages.
         elastic: whether the pool is elastic (then ``pages_per_group``, its group length in
@@ -162,6 +168,9 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
             from kvpool.integrations.sglang.mamba_state import bind_state
 
             bind_state(kvcache)
+        # Recorded by the code that built ``kvcache`` (a side of a hybrid SWA pool), else
+        # the defaults: nothing read from ``kvcache`` itself.
+        self.config = CONFIGS.of(kvcache)
         binding = binding_of(kvcache)
         self.owns_binding = binding is None
         self.binding: PoolBinding = binding_from_env() if binding is None else binding
@@ -169,8 +178,7 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         self._closed = False
         try:
             stats = self.binding.client.stats(self.pool_name)
-            # The side of a hybrid SWA pool names its space (swa.py); else the pool's kv.
-            self.space: str = getattr(kvcache, "kvpool_space", SPACE)
+            self.space: str = self.config.space
             self.capacity = space_capacity(stats, self.pool_name, self.space)
             self._check_page_size(stats)
             self.num_pages = self._quota_pages(size)
@@ -414,7 +422,7 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
             held = self.lease.client.stats(self.pool_name)
             lease = next((x for x in held.leases if x.lease_id == self.lease.lease_id), None)
             lease_held = None if lease is None else lease.held.get(self.pool_name, {}).get(
-                SPACE, 0)
+                self.space, 0)
         except KVPoolError as err:
             log.warning("kvpool pool %r: Stats for the idle check failed: %s",
                         self.pool_name, err)
@@ -706,10 +714,10 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
     def clear(self) -> None:
         """Free every page in use (back to the page cache) and drop pending free groups:
         the allocator is empty, its whole quota available. The SWA side of a hybrid SWA pool
-        takes its SWA allocator's mapping into the daemon here (``swa.adopt_mapping``)."""
-        adopt = getattr(self._kvcache, "kvpool_on_allocator_clear", None)
-        if adopt is not None:
-            adopt(self)
+        takes its SWA allocator's mapping into the daemon here (its configuration's
+        ``on_clear``: ``swa.adopt_mapping``)."""
+        if self.config.on_clear is not None:
+            self.config.on_clear(self)
         # Deferred frees are among the pages handed out: freed with them, their copies dropped
         # (the pinned blocks stay torch's until the copies are done).
         self._deferred = []

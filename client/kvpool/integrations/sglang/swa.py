@@ -22,8 +22,10 @@ What kvpool does with them:
    ``swa_kv``) in layer order; SGLang's layer ids are checked against them once they are
    known (``model_layer_ids``, set after the sides are built).
 3. Each inner allocator takes pages of its side's id space (``kv`` or ``swa``) from the one
-   lease's page cache (``kvpool_space`` on the side's pool), so the daemon's Stats show the
-   lease holding both.
+   lease's page cache, so the daemon's Stats show the lease holding both: SGLang builds the
+   inner allocators with the side's pool alone, so each side's allocator configuration (its
+   space, and for the SWA side the mapping's adoption below) is recorded for that pool in
+   ``allocator_config.CONFIGS``, where the allocator looks it up.
 4. The mapping: when ``SWATokenToKVPoolAllocator`` first clears its inner SWA allocator (in its
    constructor, after it made the mapping and before it registers it with the pool), the
    mapping tensor's storage is set to the daemon's ``full_to_swa`` view (its contents, zeros
@@ -56,6 +58,7 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from kvpool.contract.errors import AlreadyExists, FailedPrecondition
 from kvpool.contract.plan import FULL_TO_SWA, BufferKind
 from kvpool.contract.records import ConfigureResult
+from kvpool.integrations.sglang.allocator_config import CONFIGS, AllocatorConfig
 from kvpool.integrations.sglang.daemon_pool import (
     Attachment,
     EngineSettings,
@@ -235,7 +238,8 @@ def create_side_buffers(pool: Any) -> None:
     """SGLang's ``_create_buffers_normal`` of one side of its SWAKVPool: the daemon's views.
 
     Sets ``k_buffer``/``v_buffer``, ``kvpool_binding``, ``kvpool_configured``,
-    ``kvpool_attachment``, ``kvpool_space`` (the side's id space) and ``kvpool_layer_ids``.
+    ``kvpool_attachment`` and ``kvpool_layer_ids``, and records the configuration of the
+    side's paged allocator (its id space; the SWA side's adopts the mapping on clear).
 
     Raises:
         PoolMismatch: the plan's layers or buffers differ from SGLang's side.
@@ -264,10 +268,9 @@ def create_side_buffers(pool: Any) -> None:
     pool.kvpool_binding = attachment.binding
     pool.kvpool_configured = attachment.configured
     pool.kvpool_attachment = attachment
-    pool.kvpool_space = space
     pool.kvpool_layer_ids = tuple(layers)
-    if side == "SWA":
-        pool.kvpool_on_allocator_clear = adopt_mapping
+    CONFIGS.set(pool, AllocatorConfig(space=space,
+                                      on_clear=adopt_mapping if side == "SWA" else None))
 
 
 def check_layer_ids(pool: Any) -> None:
