@@ -246,7 +246,7 @@ def test_bad_client_targets(target: str) -> None:
 
 
 def test_a_cuda_device_that_is_not_there_is_refused_at_start() -> None:
-    from kvpoold.sharing.select import make_backing_factory
+    from kvpoold.server.backing_select import make_backing_factory
 
     settings = resolve({"device": "cuda:99"}, None)
     with pytest.raises(InvalidArgument, match="CUDA devices") as info:

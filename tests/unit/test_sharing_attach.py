@@ -24,7 +24,7 @@ from kvpoold.server.planning import plan_from_args
 from kvpoold.server.run import create_server
 from kvpoold.settings import Listener, load_config, resolve
 from kvpoold.sharing import PlainBacking, PlainBackingFactory, ShmBackingFactory
-from kvpoold.sharing.select import make_backing_factory
+from kvpoold.server.backing_select import make_backing_factory
 from tests.conftest import REPO, TINY_OPTIONS, TINY_SPEC, subprocess_env
 
 MiB = 1 << 20

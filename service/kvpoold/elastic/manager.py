@@ -33,22 +33,18 @@ asked for fresh at every decision (``Hooks.other_bytes``).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterable
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from collections.abc import Callable, Iterable
+from typing import Literal
 
-from kvpool.contract.errors import KVPoolError
 from kvpool.contract.plan import PoolPlan
 from kvpool.contract.records import ElasticStats
 from kvpoold.elastic.arbiter import Arbiter, Decision, Reclaim, Share
 from kvpoold.elastic.backing_audit import BackingAudit
-from kvpoold.ids.grouped import GroupedSpace
+from kvpoold.elastic.elastic_pool import BusyDrain, CachedAsk, ElasticPool, Hooks, Unmapping
+from kvpoold.elastic.mover import GroupMover
 from kvpoold.pools.pool import Pool
-from kvpoold.sharing.base import GroupBacking
 
 log = logging.getLogger("kvpoold.elastic")
 
@@ -68,118 +64,6 @@ BUSY_DRAIN_S = 30.0
 Policy = Literal["arbiter", "greedy"]
 POLICIES: tuple[Policy, ...] = ("arbiter", "greedy")
 GREEDY_HEADROOM = 0.05
-
-
-class Hooks(Protocol):
-    """What the manager needs of the daemon."""
-
-    def attached_leases(self, pool: str) -> set[int]:
-        """Leases with an attachment of ``pool`` now."""
-        ...
-
-    def ask_unmap(self, lease_id: int, pool: str, groups: tuple[int, ...], reclaim: int,
-                  deadline_s: float) -> bool:
-        """Queue an Unmap on the lease's KeepAlive stream; False when the lease is gone."""
-        ...
-
-    def revoke(self, lease_id: int, why: str) -> None:
-        """End a lease that did not unmap in time (its ids and attachments come back)."""
-        ...
-
-    def notify_freed(self) -> None:
-        """Wake Allocates waiting for ids."""
-        ...
-
-    def ask_give_back(self, pool: str, count: int, min_id: int = 0) -> int:
-        """Ask page caches of ``pool`` to give back ``count`` kv pages (only ids >= ``min_id``
-        when it is > 0); returns those asked."""
-        ...
-
-    def cached(self, pool: str) -> int:
-        """kv pages of ``pool`` page caches report holding unused (backed by holdings)."""
-        ...
-
-    def other_bytes(self) -> int:
-        """Budget bytes taken by everything but the elastic pools' groups."""
-        ...
-
-    def lease_name(self, lease_id: int) -> str:
-        """The lease's name ("" when it is gone)."""
-        ...
-
-
-@dataclass
-class ElasticPool:
-    """One elastic pool as the manager keeps it: the pool aggregate and the counters."""
-
-    pool: Pool
-    allocs: int = 0  # Allocates since the arbiter last looked (0: idle)
-    grants: int = 0
-    reclaims: int = 0
-    reclaim_sum: float = 0.0
-    reclaim_max: float = 0.0
-    revoked: int = 0
-    failures: int = 0  # releases that failed (each retried)
-    retry: list[Unmapping] = field(default_factory=list)  # failed groups, retried on sweeps
-
-    @property
-    def name(self) -> str:
-        return self.pool.name
-
-    @property
-    def plan(self) -> PoolPlan:
-        return self.pool.plan
-
-    @property
-    def backing(self) -> GroupBacking:
-        return self.pool.backing  # type: ignore[return-value]
-
-    @property
-    def space(self) -> GroupedSpace:
-        return self.pool.space_kv
-
-    @property
-    def pages_per_group(self) -> int:
-        return self.space.pages_per_group
-
-    def moving(self) -> int:
-        """Groups whose memory a worker thread commits or frees now (O(1))."""
-        return self.space.count("committing") + self.space.count("releasing")
-
-
-@dataclass
-class Unmapping:
-    """Groups of ``pool`` drained and waiting for ``waiting`` leases to unmap them."""
-
-    reclaim_id: int
-    pool: str
-    groups: tuple[int, ...]
-    waiting: set[int]
-    deadline: float
-    started: float
-    asker: str | None
-
-
-@dataclass
-class CachedAsk:
-    """``groups`` of ``pool`` asked back through its page caches, until ``deadline``."""
-
-    pool: str
-    groups: int
-    asker: str | None
-    deadline: float
-    started: float
-
-
-@dataclass
-class BusyDrain:
-    """``groups`` of ``pool`` (pages in use) drained for ``asker``, until ``deadline``."""
-
-    pool: str
-    groups: list[int]
-    asker: str | None
-    deadline: float
-    started: float
 
 
 class ElasticPools:
@@ -206,7 +90,7 @@ class ElasticPools:
         self._clock = clock
         self.deadline_s = deadline_s
         self._next_reclaim = 1
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self.mover = GroupMover(self.arbiter, hooks, clock, self._sync_budget, self.pools)
         self.audit = BackingAudit()  # memory in sparse files' holes (CPU)
 
     # -- budget ------------------------------------------------------------------------------
@@ -254,7 +138,7 @@ class ElasticPools:
         decision = self.arbiter.admit(self.share_of(name, plan))
         ep = self.pools[name] = ElasticPool(pool)
         try:
-            await self._grant(ep, decision.grant, raise_errors=True)
+            await self.mover.grant(ep, decision.grant, raise_errors=True)
         except BaseException:
             self.arbiter.drop(name)
             del self.pools[name]
@@ -277,59 +161,6 @@ class ElasticPools:
         self.busy_drains = [b for b in self.busy_drains if b.pool != name]
 
     # -- grants ------------------------------------------------------------------------------
-
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
-
-    def _done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("elastic task failed: %r", task.exception(),
-                      extra={"fields": {"event": "elastic_error"}})
-
-    async def _grant(self, ep: ElasticPool, n: int, *, raise_errors: bool = False) -> int:
-        """Back ``n`` closed groups of ``ep`` (lowest first) off the loop, then open them.
-        The arbiter has counted them already; what cannot be backed is handed back."""
-        if n <= 0:
-            return 0
-        space, pool = ep.space, ep.pool
-        picks = space.closed_groups().tolist()[:n]
-        if len(picks) < n:
-            self.arbiter.failed(ep.name, n - len(picks))
-        for g in picks:
-            space.commit(g)
-        release = pool.acquire("elastic grant")
-        done: list[int] = []
-        error: BaseException | None = None
-        try:
-            for g in picks:
-                await asyncio.to_thread(ep.backing.grant, g)
-                done.append(g)
-        except (KVPoolError, OSError) as exc:
-            error = exc
-        finally:
-            if pool.live:  # a dropped pool's groups go with its region
-                for g in picks:
-                    if g in done:
-                        space.open_group(g)
-                    else:
-                        space.abort(g)
-            release()
-        if not pool.live:
-            return 0
-        ep.grants += len(done)
-        if len(done) < len(picks):
-            self.arbiter.failed(ep.name, len(picks) - len(done))
-            log.error("elastic grant failed", extra={"fields": {
-                "event": "elastic_grant_failed", "pool": ep.name,
-                "groups": len(picks) - len(done), "error": str(error)}})
-            if raise_errors and error is not None:
-                raise error
-        if done:
-            self._hooks.notify_freed()
-        return len(done)
 
     def grow(self, name: str, pages: int, *, reclaim: bool = True) -> bool:
         """Pool ``name`` is ``pages`` kv pages short: ask the arbiter for the groups that
@@ -356,7 +187,7 @@ class ElasticPools:
         groups = -(-pages // ep.pages_per_group) - coming
         decision = self.arbiter.want(name, groups, reclaim=reclaim)
         if decision.grant:
-            self._spawn(self._grant(ep, decision.grant))
+            self.mover.spawn(self.mover.grant(ep, decision.grant))
         self._start_reclaims(decision, name)
         return bool(decision.grant or decision.reclaims or ep.moving()
                     or self.arbiter.promised_to(name))
@@ -487,63 +318,7 @@ class ElasticPools:
         if u.waiting:
             self.unmappings[rid] = u
         else:
-            self._spawn(self._finish(u))
-
-    async def _finish(self, u: Unmapping) -> None:
-        """Every process unmapped ``u``'s groups (or a failed release is retried): free their
-        memory, close them, and grant the freed budget to the pool it was promised to. A group
-        whose memory cannot be freed is ``failed``: charged, counted, retried by the sweep."""
-        ep = self.pools.get(u.pool)
-        if ep is None:
-            return
-        space, pool = ep.space, ep.pool
-        for g in u.groups:
-            space.release(g)
-        release = pool.acquire("elastic release")
-        freed: list[int] = []
-        error: BaseException | None = None
-        try:
-            for g in u.groups:
-                try:
-                    await asyncio.to_thread(ep.backing.release, g)
-                except (KVPoolError, OSError) as exc:
-                    error = exc
-                else:
-                    freed.append(g)
-        finally:
-            if pool.live:
-                for g in u.groups:
-                    if g in freed:
-                        space.close_group(g)
-                    else:
-                        space.fail(g)
-            release()
-        if not pool.live:
-            return
-        failed = tuple(g for g in u.groups if g not in freed)
-        if failed:
-            ep.failures += len(failed)
-            ep.retry.append(Unmapping(u.reclaim_id, u.pool, failed, set(), u.deadline,
-                                      u.started, u.asker))
-            log.error("elastic release failed: retried on the next sweep", extra={"fields": {
-                "event": "elastic_release_failed", "pool": u.pool, "groups": list(failed),
-                "reclaim": u.reclaim_id, "error": f"{type(error).__name__}: {error}"}})
-        if not freed:
-            return
-        took = self._clock() - u.started
-        ep.reclaims += len(freed)
-        ep.reclaim_sum += took * len(freed)  # per group, as reclaims counts them
-        ep.reclaim_max = max(ep.reclaim_max, took)
-        self._sync_budget()
-        granted = self.arbiter.released(u.pool, len(freed), u.asker)
-        log.info("elastic released", extra={"fields": {
-            "event": "elastic_released", "pool": u.pool, "groups": len(freed),
-            "reclaim": u.reclaim_id, "seconds": round(took, 6), "for": u.asker or "",
-            "granted": granted}})
-        asker = self.pools.get(u.asker) if u.asker else None
-        if asker is not None and granted:
-            await self._grant(asker, granted)
-        self._hooks.notify_freed()
+            self.mover.spawn(self.mover.finish(u))
 
     def unmapped(self, lease_id: int, reclaims: Iterable[int]) -> None:
         """The lease's process unmapped these reclaims' groups (its KeepAlive said so)."""
@@ -554,7 +329,7 @@ class ElasticPools:
             u.waiting.discard(lease_id)
             if not u.waiting:
                 del self.unmappings[rid]
-                self._spawn(self._finish(u))
+                self.mover.spawn(self.mover.finish(u))
 
     def lease_gone(self, lease_id: int, pool: str | None = None) -> None:
         """A lease ended (or, with ``pool``, detached its last attachment of it): it no
@@ -607,7 +382,7 @@ class ElasticPools:
         for ep in self.pools.values():  # failed releases: retried (the promise stands)
             retry, ep.retry = ep.retry, []
             for u in retry:
-                self._spawn(self._finish(u))
+                self.mover.spawn(self.mover.finish(u))
         self.audit.sweep(self.pools, self._hooks)  # memory outside the groups: freed, revoked
         if self.policy == "greedy":  # give back what is unused, beyond one spare group
             for name, ep in self.pools.items():
@@ -638,7 +413,7 @@ class ElasticPools:
                 self._hooks.revoke(lease_id, (
                     f"it did not unmap groups {list(u.groups)} of elastic pool {u.pool!r} "
                     f"within {self.deadline_s:g} s of being asked (reclaim {u.reclaim_id})"))
-            self._spawn(self._finish(u))
+            self.mover.spawn(self.mover.finish(u))
 
     # -- Attach and Stats ---------------------------------------------------------------------
 
@@ -667,9 +442,5 @@ class ElasticPools:
             failed_groups=ep.space.count("failed"), failed_releases=ep.failures)
 
     async def close(self) -> None:
-        """Stop: cancel what is running (shutdown)."""
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(BaseException):
-                await task
+        """Stop: cancel what is running in worker threads' wake (shutdown)."""
+        await self.mover.close()

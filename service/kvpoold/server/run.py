@@ -50,7 +50,7 @@ from kvpoold.server.stats_replies import StatsReplies
 from kvpoold.server.status import RpcObserver
 from kvpoold.settings import ServeSettings
 from kvpoold.sharing.base import BackingFactory
-from kvpoold.sharing.select import make_backing_factory
+from kvpoold.server.backing_select import make_backing_factory
 from kvpoold.transfer import NIXL_MISSING, make_agent, nixl_installed
 
 log = logging.getLogger("kvpoold.server")
@@ -242,7 +242,7 @@ async def run(
 
     Args:
         settings: checked settings (``kvpoold.settings.resolve``).
-        factory: backing factory (default ``kvpoold.sharing.select.make_backing_factory``).
+        factory: backing factory (default ``kvpoold.server.backing_select.make_backing_factory``).
         ready: called once the servers accept calls.
         stop: set it to stop (tests); signals set it too.
 
