@@ -19,12 +19,12 @@ from kvpool.contract.shared_handle import SharedHandle
 from kvpool.mapping.regions import BufferLayout, map_region
 from kvpoold.access import LOCAL_ADMIN
 from kvpoold.server.args import ConfigureArgs
+from kvpoold.server.backing_select import make_backing_factory
 from kvpoold.server.daemon import Daemon
 from kvpoold.server.planning import plan_from_args
 from kvpoold.server.run import create_server
 from kvpoold.settings import Listener, load_config, resolve
 from kvpoold.sharing import PlainBacking, PlainBackingFactory, ShmBackingFactory
-from kvpoold.server.backing_select import make_backing_factory
 from tests.conftest import REPO, TINY_OPTIONS, TINY_SPEC, subprocess_env
 
 MiB = 1 << 20

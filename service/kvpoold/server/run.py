@@ -31,6 +31,7 @@ from kvpool.v1 import kvpool_pb2_grpc
 from kvpoold.elastic.fd_server import FdServer
 from kvpoold.metrics import DaemonMetrics, MetricsServer, loop_snapshot, start_metrics_server
 from kvpoold.server.auth import Authority, NamedToken, UnixAuth, all_tokens
+from kvpoold.server.backing_select import make_backing_factory
 from kvpoold.server.daemon import Daemon
 from kvpoold.server.intake import IntakeInterceptor
 from kvpoold.server.listeners import (
@@ -50,7 +51,6 @@ from kvpoold.server.stats_replies import StatsReplies
 from kvpoold.server.status import RpcObserver
 from kvpoold.settings import ServeSettings
 from kvpoold.sharing.base import BackingFactory
-from kvpoold.server.backing_select import make_backing_factory
 from kvpoold.transfer import NIXL_MISSING, make_agent, nixl_installed
 
 log = logging.getLogger("kvpoold.server")
