@@ -217,13 +217,13 @@ async def curve_section() -> None:
                     opts["elastic"] = True
                 await d.configure(DAEMON_CALLER, ConfigureArgs(name, spec=spec, options=opts))
                 for _ in range(200):  # warm
-                    got = d.allocate(DAEMON_CALLER, name, ref, [("kv", 32)]).grants[0][1].ids
+                    got = d.allocate(DAEMON_CALLER, name, ref, [("kv", 32)])[0][1].ids
                     d.free(DAEMON_CALLER, name, ref, [("kv", got)])
                 best = float("inf")
                 for _ in range(5):
                     t0 = time.perf_counter()
                     for _ in range(500):
-                        got = d.allocate(DAEMON_CALLER, name, ref, [("kv", 32)]).grants[0][1].ids
+                        got = d.allocate(DAEMON_CALLER, name, ref, [("kv", 32)])[0][1].ids
                         d.free(DAEMON_CALLER, name, ref, [("kv", got)])
                     best = min(best, (time.perf_counter() - t0) / 500)
                 cost[kind] = best

@@ -123,3 +123,33 @@ async def test_drop_of_the_asker_cancels_its_promise_and_the_victim_keeps_its_gr
         assert elastic(d, "a").granted_groups == 1
         d.pools["a"].ids.audit()
 
+
+
+async def test_two_late_reclaims_waiting_on_one_lease_are_each_finished_once() -> None:
+    """Two reclaims of a wait on the same attached lease, which never unmaps; both are late at
+    one sweep. Revoking the lease for the first finishes the second too (the lease was all it
+    waited for): the sweep must not finish it again, nor stop (it once raised KeyError and the
+    sweeper died, found by tests/service/test_pool_machine.py)."""
+    async with served(2 * FIXED + 4 * GROUP, sweep=False, reclaim_deadline_s=0.3) as (d, stub):
+        await configure(stub, "a")
+        await configure(stub, "b")
+        la, lb = await open_raw(stub, "a"), await open_raw(stub, "b")
+        await stub.Attach(pb.AttachRequest(pool="a", **proof(la)))
+        ids = await allocate(stub, "a", la, 3 * PAGES - 1)  # a: 3 groups, the budget's last
+        await free(stub, "a", la, ids)
+        first = asyncio.create_task(allocate(stub, "b", lb, PAGES))  # 1 group from a
+        await until(lambda: len(d.elastic.unmappings) == 1)
+        second = asyncio.create_task(allocate(stub, "b", lb, 2 * PAGES))  # 1 more
+        await until(lambda: len(d.elastic.unmappings) == 2)
+        await asyncio.gather(first, second, return_exceptions=True)  # refused after 1 s
+        # both deadlines (0.3 s) passed: one sweep sees both late
+        d.expire_leases()
+        assert d.leases.find(la.lease_id) is None  # revoked (once)
+        assert elastic(d, "a").revoked_leases == 1
+        await until(lambda: elastic(d, "a").reclaiming_groups == 0)
+        s = elastic(d, "a")
+        assert (s.granted_groups, s.reclaims, s.failed_groups) == (1, 2, 0), s
+        assert not d.elastic.unmappings
+        d.audit()
+        got = await allocate(stub, "b", lb, 2 * PAGES)  # the two groups reached b
+        assert len(got) == 2 * PAGES

@@ -62,8 +62,7 @@ class ScriptedDaemon(kvpool_pb2_grpc.KVPoolServicer):
 
     def Allocate(self, request: Any, context: Any) -> pb.AllocateResponse:
         ids = np.array(self.next_ids, dtype=np.int32)
-        return pb.AllocateResponse(items=[pb.IdList(ids=codec.ids_to_bytes(ids))],
-                                   held=[len(ids)])
+        return pb.AllocateResponse(items=[pb.IdList(ids=codec.ids_to_bytes(ids))])
 
     def KeepAlive(self, request_iterator: Any, context: Any) -> Iterator[pb.KeepAliveResponse]:
         out: queue.Queue[pb.KeepAliveResponse | None] = queue.Queue()

@@ -250,7 +250,7 @@ class PoolMachine(RuleBasedStateMachine):
                 self.settle()
         if got is None:
             return
-        ids = got.grants[0][1].ids
+        ids = got[0][1].ids
         assert len(ids) == count
         self.held.setdefault((pool, lease_id), []).append(np.array(ids, dtype=np.int32))
         self.settle()
@@ -276,7 +276,7 @@ class PoolMachine(RuleBasedStateMachine):
         lease_id = data.draw(st.sampled_from(list(self.leases)))
         got = self.call(self.d.allocate, DAEMON_CALLER, "f", self.leases[lease_id],
                         [("kv", 4)])
-        ids = np.array(got.grants[0][1].ids, dtype=np.int32)
+        ids = np.array(got[0][1].ids, dtype=np.int32)
         entry = self.d.pools["f"]
         self.pins.append(self.call(self.d.transfers.pins.hold, entry, ids, None))
         assert entry.uses["transfer"] == len(self.pins)

@@ -387,36 +387,28 @@ class IdList(_message.Message):
     def __init__(self, ids: _Optional[bytes] = ..., paired_ids: _Optional[bytes] = ..., space: _Optional[str] = ..., paired_space: _Optional[str] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
-    __slots__ = ("items", "held")
+    __slots__ = ("items",)
     ITEMS_FIELD_NUMBER: _ClassVar[int]
-    HELD_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[IdList]
-    held: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, items: _Optional[_Iterable[_Union[IdList, _Mapping]]] = ..., held: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, items: _Optional[_Iterable[_Union[IdList, _Mapping]]] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
-    __slots__ = ("pool", "lease_id", "items", "lease_secret", "check")
+    __slots__ = ("pool", "lease_id", "items", "lease_secret")
     POOL_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
-    CHECK_FIELD_NUMBER: _ClassVar[int]
     pool: str
     lease_id: int
     items: _containers.RepeatedCompositeFieldContainer[IdList]
     lease_secret: bytes
-    check: bool
-    def __init__(self, pool: _Optional[str] = ..., lease_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[IdList, _Mapping]]] = ..., lease_secret: _Optional[bytes] = ..., check: _Optional[bool] = ...) -> None: ...
+    def __init__(self, pool: _Optional[str] = ..., lease_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[IdList, _Mapping]]] = ..., lease_secret: _Optional[bytes] = ...) -> None: ...
 
 class FreeResponse(_message.Message):
-    __slots__ = ("freed", "held", "not_held")
+    __slots__ = ("freed",)
     FREED_FIELD_NUMBER: _ClassVar[int]
-    HELD_FIELD_NUMBER: _ClassVar[int]
-    NOT_HELD_FIELD_NUMBER: _ClassVar[int]
     freed: int
-    held: _containers.RepeatedScalarFieldContainer[int]
-    not_held: _containers.RepeatedCompositeFieldContainer[IdList]
-    def __init__(self, freed: _Optional[int] = ..., held: _Optional[_Iterable[int]] = ..., not_held: _Optional[_Iterable[_Union[IdList, _Mapping]]] = ...) -> None: ...
+    def __init__(self, freed: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("pool",)

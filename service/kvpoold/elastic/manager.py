@@ -200,7 +200,7 @@ class ElasticPools:
 
     def _observe(self) -> None:
         for name, ep in self.pools.items():
-            free = len(ep.space.releasable())
+            free = ep.space.num_releasable
             self.arbiter.observe(name, free_groups=free,
                                  cached_groups=self._hooks.cached(name) // ep.pages_per_group,
                                  idle=ep.allocs == 0)
@@ -345,7 +345,7 @@ class ElasticPools:
         ep = self.pools.get(name)
         if ep is None:
             return 0
-        n = self.arbiter.take_back(name, len(ep.space.releasable()))
+        n = self.arbiter.take_back(name, ep.space.num_releasable)
         return self._take(ep, n, None, self._clock()) if n else 0
 
     def ids_freed(self) -> None:
@@ -366,7 +366,7 @@ class ElasticPools:
             ep = self.pools.get(a.pool)
             if ep is None:
                 continue
-            n = min(len(ep.space.releasable()), a.groups)
+            n = min(ep.space.num_releasable, a.groups)
             if n:
                 self._take(ep, n, a.asker, a.started)
                 a.groups -= n
@@ -391,7 +391,7 @@ class ElasticPools:
                     self._hooks.ask_give_back(name, cached - ep.pages_per_group)
                 share = self.arbiter.pools[name]
                 above = share.granted - share.reclaiming - share.floor
-                free = len(ep.space.releasable())
+                free = ep.space.num_releasable
                 if min(free, above) > 1:  # one spare group above the floor stays
                     n = self.arbiter.take_back(name, min(free, above) - 1)
                     if n:
@@ -402,7 +402,10 @@ class ElasticPools:
                 self.arbiter.cancel(a.pool, a.groups, a.asker)
         late = [u for u in self.unmappings.values() if u.deadline <= now]
         for u in late:
-            del self.unmappings[u.reclaim_id]
+            # A revoke below ends its lease, which may finish another late reclaim first (the
+            # lease was all it waited for): that one is gone, and finished once.
+            if self.unmappings.pop(u.reclaim_id, None) is None:
+                continue
             ep = self.pools.get(u.pool)
             for lease_id in sorted(u.waiting):
                 if ep is not None:

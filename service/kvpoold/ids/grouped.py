@@ -100,8 +100,13 @@ class GroupedSpace(IdSpace):
         return self.table.used_in(g)
 
     def releasable(self) -> np.ndarray:
-        """Open groups with every page free, highest first (what a release takes)."""
+        """Open groups with every page free, highest first (what a release takes; O(groups))."""
         return self.table.releasable()
+
+    @property
+    def num_releasable(self) -> int:
+        """How many groups :meth:`releasable` would list (O(1))."""
+        return self.table.num_releasable
 
     def closed_groups(self) -> np.ndarray:
         """Groups not granted, lowest first (what a grant opens)."""

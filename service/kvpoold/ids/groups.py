@@ -84,6 +84,7 @@ class GroupedFree:
         self.used = 0  # pages of granted groups off their stacks (held or quarantined)
         self.high_water = 0
         self._granted = 0  # groups granted (open, draining, unmapping, releasing, failed)
+        self.num_releasable = 0  # open groups with every page free (O(1) for the arbiter)
         self.granted_pages = 0  # pages in granted groups: the space's capacity as memory stands
 
     # -- the free set -----------------------------------------------------------------------
@@ -100,6 +101,8 @@ class GroupedFree:
                 heapq.heappop(heap)
                 self._in_heap[g] = False
                 continue
+            if c == self._sizes[g]:  # a wholly free group is one no longer
+                self.num_releasable -= 1
             n = min(k, c)
             parts.append(gstack[g, c - n : c])
             gcount[g] = c - n
@@ -138,6 +141,8 @@ class GroupedFree:
         self._gcount[g] = c + m
         if self._state[g] == OPEN:
             self.nfree += m
+            if c + m == self._sizes[g]:
+                self.num_releasable += 1
             if not self._in_heap[g]:
                 heapq.heappush(self._heap, g)
                 self._in_heap[g] = True
@@ -151,6 +156,8 @@ class GroupedFree:
         self._gcount[g] = c + 1
         if self._state[g] == OPEN:
             self.nfree += 1
+            if c + 1 == self._sizes[g]:
+                self.num_releasable += 1
             if not self._in_heap[g]:
                 heapq.heappush(self._heap, g)
                 self._in_heap[g] = True
@@ -216,6 +223,7 @@ class GroupedFree:
         self._granted += 1
         self.granted_pages += n
         self.nfree += n
+        self.num_releasable += 1
         if not self._in_heap[g]:
             heapq.heappush(self._heap, g)
             self._in_heap[g] = True
@@ -224,11 +232,15 @@ class GroupedFree:
         """Hand out no more pages of group ``g`` (it is being taken back)."""
         self._move(g, (OPEN,), DRAINING, "drain")
         self.nfree -= self._gcount[g]
+        if self._gcount[g] == self._sizes[g]:
+            self.num_releasable -= 1
 
     def reopen(self, g: int) -> None:
         """Group ``g`` is not taken back after all: hand its free pages out again."""
         self._move(g, (DRAINING,), OPEN, "reopen")
         self.nfree += self._gcount[g]
+        if self._gcount[g] == self._sizes[g]:
+            self.num_releasable += 1
         if not self._in_heap[g]:
             heapq.heappush(self._heap, g)
             self._in_heap[g] = True
@@ -324,6 +336,7 @@ class GroupedFree:
                                f"group {g}'s free stack holds another group's page"))
         granted = [g for g in range(self.groups) if self._state[g] in _GRANTED]
         checks.append((self._granted == len(granted), "granted count"))
+        checks.append((self.num_releasable == len(self.releasable()), "releasable count"))
         checks.append((self._nstate == [self._state.count(i) for i in range(len(STATES))],
                        "state counts"))
         for g, st in enumerate(self._state):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
@@ -26,12 +26,8 @@ from kvpoold.server.leases import Lease
 _T = TypeVar("_T")
 
 
-class Allocated(NamedTuple):
-    """What an Allocate got: ``(space, grant)`` per item, and per item what the lease holds of
-    that space after the call."""
-
-    grants: list[tuple[str, Grant]]
-    held: list[int]
+# What an Allocate got: ``(space, grant)`` per item, in order.
+Allocated = list[tuple[str, Grant]]
 
 
 class Allocations:
@@ -75,8 +71,7 @@ class Allocations:
         """Allocate every ``(space, count)`` item for the lease, all or none.
 
         Returns:
-            ``(space, grant)`` per item, in order, and per item what the lease holds of its
-            space after the call (O(1) each: a page cache compares it with its counts).
+            ``(space, grant)`` per item, in order.
 
         Raises:
             InvalidArgument: bad pool name, no items, an unknown space or one that follows
@@ -97,8 +92,7 @@ class Allocations:
             room = ids.room(space)
             if room < low:
                 self._pressure.ask(pool, space, low - room, lease.owner, cover=False)
-        return Allocated([(name, grant) for (name, _), grant in zip(items, grants, strict=True)],
-                         [space.held(lease.owner) for space in spaces])
+        return [(name, grant) for (name, _), grant in zip(items, grants, strict=True)]
 
     def _elastic_pressure(self, pool: str, space: GroupedSpace, owner: int) -> None:
         """After an Allocate in an elastic pool: grow ahead of need (a group from free budget,
@@ -177,12 +171,11 @@ class Allocations:
             f"ids, {came} came back within {wait_s:.2f} s{grew}", field=first.field)
 
     def free(self, caller: Caller, pool: str, ref: LeaseRef,
-             items: Sequence[tuple[str, np.ndarray]]) -> tuple[int, list[int]]:
+             items: Sequence[tuple[str, np.ndarray]]) -> int:
         """Free every ``(space, ids)`` item of the lease; validated first, all or none.
 
         Returns:
-            Ids returned over all items, and per item what the lease holds of its space after
-            the call (O(1) each).
+            Ids returned over all items.
 
         Raises:
             As :meth:`allocate` for the pool, the lease and the items; InvalidArgument also for
@@ -193,31 +186,4 @@ class Allocations:
         # The ledger refuses pinned ids itself (a transfer in flight moves them).
         freed = sum(entry.ids.free(lease.owner, typed).values())
         self._pressure.notify_freed()
-        return freed, [space.held(lease.owner) for space, _ in typed]
-
-    def not_held(self, caller: Caller, pool: str, ref: LeaseRef,
-                 items: Sequence[tuple[str, np.ndarray]]
-                 ) -> tuple[list[np.ndarray], list[int]]:
-        """Per ``(space, ids)`` item, its ids the lease does not hold (free, or another
-        lease's), in order, and what the lease holds of the space; frees nothing (a Free with
-        ``check``). O(ids).
-
-        Raises:
-            InvalidArgument: an unknown space, or an id out of its range.
-            NotFound / PermissionDenied: as :meth:`free`.
-        """
-        entry = self._pool(pool, caller)
-        owner = self._lease(caller, ref).owner
-        out, held = [], []
-        for i, (name, arr) in enumerate(items):
-            space = entry.ids.space(name, f"items[{i}].space")
-            idx = np.asarray(arr, dtype=np.intp)
-            bad = (idx < 1) | (idx > space.capacity)
-            if bad.any():
-                pos = int(bad.argmax())
-                raise InvalidArgument(
-                    f"check {space.label} items[{i}].ids[{pos}]={idx[pos]}: out of range "
-                    f"1..{space.capacity}", field=f"items[{i}].ids[{pos}]")
-            out.append(np.ascontiguousarray(arr[space.owner_of(idx) != owner], dtype=np.int32))
-            held.append(space.held(owner))
-        return out, held
+        return freed

@@ -221,15 +221,9 @@ class Daemon:
         return await self.allocations.allocate_waiting(caller, pool, ref, items, wait_s)
 
     def free(self, caller: Caller, pool: str, ref: LeaseRef,
-             items: Sequence[tuple[str, np.ndarray]]) -> tuple[int, list[int]]:
+             items: Sequence[tuple[str, np.ndarray]]) -> int:
         """``Allocations.free``."""
         return self.allocations.free(caller, pool, ref, items)
-
-    def not_held(self, caller: Caller, pool: str, ref: LeaseRef,
-                 items: Sequence[tuple[str, np.ndarray]]
-                 ) -> tuple[list[np.ndarray], list[int]]:
-        """``Allocations.not_held``."""
-        return self.allocations.not_held(caller, pool, ref, items)
 
     # -- Attach / Detach ---------------------------------------------------------------------
 

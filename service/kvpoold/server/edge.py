@@ -301,11 +301,9 @@ def keep_alive_response(lease: Lease, now: float, seq: int = 0,
                for pool, groups, reclaim, deadline in unmap])
 
 
-def allocate_response(items: Sequence[tuple[str, Grant]],
-                      held: Sequence[int] = ()) -> pb.AllocateResponse:
-    """One IdList per request item: its space, its ids, and a following space's paired ids;
-    ``held``: per item, what the lease holds of its space after the call."""
-    return pb.AllocateResponse(held=held, items=[
+def allocate_response(items: Sequence[tuple[str, Grant]]) -> pb.AllocateResponse:
+    """One IdList per request item: its space, its ids, and a following space's paired ids."""
+    return pb.AllocateResponse(items=[
         pb.IdList(
             space=space,
             ids=codec.ids_to_bytes(grant.ids),
@@ -316,15 +314,8 @@ def allocate_response(items: Sequence[tuple[str, Grant]],
     ])
 
 
-def free_response(freed: int, held: Sequence[int] = ()) -> pb.FreeResponse:
-    return pb.FreeResponse(freed=freed, held=held)
-
-
-def check_response(items: Sequence[tuple[str, np.ndarray]],
-                   held: Sequence[int]) -> pb.FreeResponse:
-    """A Free with ``check``: per item, its ids the lease does not hold, and what it holds."""
-    return pb.FreeResponse(held=held, not_held=[
-        pb.IdList(space=space, ids=codec.ids_to_bytes(ids)) for space, ids in items])
+def free_response(freed: int) -> pb.FreeResponse:
+    return pb.FreeResponse(freed=freed)
 
 
 def detach_response() -> pb.DetachResponse:

@@ -146,19 +146,14 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
         items = edge.allocate_items(request)
         got = await self._daemon.allocate_waiting(caller, request.pool, ref, items,
                                                   give_back_wait(context))
-        return edge.allocate_response(got.grants, got.held)
+        return edge.allocate_response(got)
 
     @rpc_errors
     async def Free(self, request: pb.FreeRequest, context: Ctx) -> pb.FreeResponse:
         caller = self._caller(context)
         ref = edge.lease_ref(request.lease_id, request.lease_secret)
         items = edge.free_items(request)
-        if request.check:  # frees nothing: which ids the lease does not hold (a page cache's)
-            not_held, held = self._daemon.not_held(caller, request.pool, ref, items)
-            return edge.check_response(
-                list(zip([s for s, _ in items], not_held, strict=True)), held)
-        freed, held = self._daemon.free(caller, request.pool, ref, items)
-        return edge.free_response(freed, held)
+        return edge.free_response(self._daemon.free(caller, request.pool, ref, items))
 
     @rpc_errors
     async def Stats(self, request: pb.StatsRequest, context: Ctx) -> pb.StatsResponse:
