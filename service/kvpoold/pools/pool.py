@@ -20,10 +20,12 @@ daemon runs it in a worker thread on objects no other call can see until it retu
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -61,6 +63,15 @@ class Pool:
     # budget bytes the pool still takes while dropping (set by Drop)
     charged_bytes: int = 0
     _on_idle: Callable[[Pool], None] | None = None
+    # device copies of mapping buffers the id spaces write (a CUDA pool's full_to_swa)
+    mirrors: list[DeviceMirror] = field(default_factory=list)
+
+    async def device_written(self) -> None:
+        """Return once every mapping entry the ledger wrote so far is on the device (at once
+        for a pool with no device mirror): an Allocate's reply waits for it, the loop does
+        not (:class:`DeviceMirror`)."""
+        for mirror in self.mirrors:
+            await mirror.flush()
 
     @property
     def live(self) -> bool:
@@ -180,39 +191,89 @@ class Pool:
         if self.state != "closed":
             self.state = "closed"
             self.uses.clear()
+            for mirror in self.mirrors:
+                mirror.close()
             self.backing.close()
 
 
-def device_mirror(device_view: torch.Tensor) -> tuple[np.ndarray, Callable[[np.ndarray], None]]:
-    """A host copy of a 1-D device buffer, and the function that copies written entries over.
+class DeviceMirror:
+    """A host copy of a 1-D device buffer (a CUDA pool's ``full_to_swa``), which the id spaces
+    write, and the device copy of the entries written, made off the event loop.
 
-    The id spaces write ``host[idx]`` and call ``sync(idx)``, which copies those entries to the
-    device and waits for the copy: engines in other processes read the device buffer as soon
-    as the Allocate reply reaches them, so the write must be complete before the daemon
-    answers (a cross-process reader is not ordered by this process's stream). O(len(idx)).
+    Engines in other processes read the device buffer as soon as an Allocate reply reaches
+    them, so the entries it wrote must be on the device before the daemon answers (a reader
+    in another process is not ordered by this process's stream). The copy and the wait for it
+    run in one worker thread, in submission order (:meth:`flush`); the loop only records which
+    entries were written (O(len(idx)) each) and awaits the copy that covers them.
+
+    Args:
+        device_view: the 1-D device buffer.
     """
-    host = torch.zeros(device_view.shape, dtype=device_view.dtype)
-    host_np = host.numpy()
-    device = device_view.device
 
-    def sync(idx: np.ndarray) -> None:
+    # Pending writes kept as separate arrays up to this many, then merged (bounded memory
+    # between flushes: a sweep of many leases writes between two Allocates).
+    MERGE_AT = 1024
+
+    def __init__(self, device_view: torch.Tensor) -> None:
+        self._view = device_view
+        self._host = torch.zeros(device_view.shape, dtype=device_view.dtype)
+        self.array: np.ndarray = self._host.numpy()
+        self._pending: list[np.ndarray] = []
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpoold-mirror")
+        self._last: asyncio.Future[None] | None = None
+
+    def on_write(self, idx: np.ndarray) -> None:
+        """Entries ``idx`` of the host copy were written (called by the id spaces)."""
+        self._pending.append(np.array(idx, dtype=np.int64))
+        if len(self._pending) > self.MERGE_AT:
+            self._pending = [np.unique(np.concatenate(self._pending))]
+
+    def _take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self._pending:
+            return None
+        idx = np.unique(np.concatenate(self._pending))
+        self._pending = []
         index = torch.from_numpy(idx)
-        device_view[index.to(device)] = host[index].to(device)
+        return index, self._host[index].clone()  # the values as of now, on the loop
+
+    def _copy(self, index: torch.Tensor, values: torch.Tensor) -> None:
+        device = self._view.device
+        self._view[index.to(device)] = values.to(device)
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
 
-    return host_np, sync
+    async def flush(self) -> None:
+        """Return once every entry written so far is on the device (the copies run in the
+        mirror's thread, in order: awaiting the last one covers every earlier one)."""
+        taken = self._take()
+        if taken is not None:
+            loop = asyncio.get_running_loop()
+            self._last = asyncio.ensure_future(
+                loop.run_in_executor(self._thread, self._copy, *taken))
+        if self._last is not None:
+            await asyncio.shield(self._last)
+
+    def flush_now(self) -> None:
+        """:meth:`flush`, blocking (a worker thread building the pool, or shutdown)."""
+        taken = self._take()
+        if taken is not None:
+            self._thread.submit(self._copy, *taken).result()
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
 
 
-def make_pool_ids(name: str, plan: PoolPlan, views: dict[str, torch.Tensor]) -> PoolIds:
+def make_pool_ids(name: str, plan: PoolPlan, views: dict[str, torch.Tensor]
+                  ) -> tuple[PoolIds, list[DeviceMirror]]:
     """The id spaces of a pool, from the plan's table; each mapping buffer a following space
     writes is handed over as numpy (a device buffer through a host mirror, see
-    :func:`device_mirror`).
+    :class:`DeviceMirror`).
 
     Raises:
         Internal: a following space whose mapping buffer the plan does not carve.
     """
     mappings: dict[str, MappingBuffer] = {}
+    mirrors: list[DeviceMirror] = []
     for space in plan.id_spaces:
         if space.mapping is None or space.mapping in mappings:
             continue
@@ -223,9 +284,14 @@ def make_pool_ids(name: str, plan: PoolPlan, views: dict[str, torch.Tensor]) -> 
         if view.device.type == "cpu":
             mappings[space.mapping] = MappingBuffer(view.numpy())
         else:
-            mappings[space.mapping] = MappingBuffer(*device_mirror(view))
+            mirror = DeviceMirror(view)
+            mirrors.append(mirror)
+            mappings[space.mapping] = MappingBuffer(mirror.array, mirror.on_write)
     grouped = None if plan.elastic is None else {"kv": plan.elastic.pages_per_group}
-    return PoolIds(name, plan.id_spaces, mappings, grouped)
+    ids = PoolIds(name, plan.id_spaces, mappings, grouped)
+    for mirror in mirrors:  # the entries the spaces wrote as they were built
+        mirror.flush_now()
+    return ids, mirrors
 
 
 def open_pool(
@@ -255,7 +321,7 @@ def open_pool(
         backing = create_elastic(plan, name)
     try:
         buffers = build_pool(plan, factory.device, allocate=lambda _n, _d: backing.tensor)
-        ids = make_pool_ids(name, plan, buffers.views)
+        ids, mirrors = make_pool_ids(name, plan, buffers.views)
     except BaseException:
         backing.close()
         raise
@@ -267,5 +333,6 @@ def open_pool(
         backing=backing,
         buffers=buffers,
         ids=ids,
+        mirrors=mirrors,
         created_at=created_at,
     )

@@ -111,12 +111,20 @@ class Allocations:
                                wait_s: float = GIVE_BACK_WAIT_S) -> Allocated:
         """:meth:`allocate`; when short of free ids while other leases' page caches report
         enough cached ids to cover every shortfall, ask them to give back (on their KeepAlive
-        streams, now) and retry as ids come back, for ``wait_s`` at most.
+        streams, now) and retry as ids come back, for ``wait_s`` at most. Returns once the
+        mapping entries it wrote are on the device (``Pool.device_written``).
 
         Raises:
             As :meth:`allocate`; ResourceExhausted also after the wait, saying how many ids
             were asked back and how many came.
         """
+        got = await self._allocate_waiting(caller, pool, ref, items, wait_s)
+        entry = self._pool(pool, caller)
+        await entry.device_written()
+        return got
+
+    async def _allocate_waiting(self, caller: Caller, pool: str, ref: LeaseRef,
+                                items: Sequence[tuple[str, int]], wait_s: float) -> Allocated:
         try:
             return self.allocate(caller, pool, ref, items)
         except ResourceExhausted as err:

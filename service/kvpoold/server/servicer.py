@@ -153,7 +153,9 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
         caller = self._caller(context)
         ref = edge.lease_ref(request.lease_id, request.lease_secret)
         items = edge.free_items(request)
-        return edge.free_response(self._daemon.free(caller, request.pool, ref, items))
+        freed = self._daemon.free(caller, request.pool, ref, items)
+        await self._daemon.pool(request.pool, caller).device_written()
+        return edge.free_response(freed)
 
     @rpc_errors
     async def Stats(self, request: pb.StatsRequest, context: Ctx) -> pb.StatsResponse:
