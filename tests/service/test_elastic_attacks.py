@@ -128,8 +128,8 @@ async def test_drop_of_the_asker_cancels_its_promise_and_the_victim_keeps_its_gr
 async def test_two_late_reclaims_waiting_on_one_lease_are_each_finished_once() -> None:
     """Two reclaims of a wait on the same attached lease, which never unmaps; both are late at
     one sweep. Revoking the lease for the first finishes the second too (the lease was all it
-    waited for): the sweep must not finish it again, nor stop (it once raised KeyError and the
-    sweeper died, found by tests/service/test_pool_machine.py)."""
+    waited for): the sweep must not finish it again, nor stop halfway (it raised KeyError, and
+    the rest of that sweep waited for the next one; found by tests/service/test_pool_machine.py)."""
     async with served(2 * FIXED + 4 * GROUP, sweep=False, reclaim_deadline_s=0.3) as (d, stub):
         await configure(stub, "a")
         await configure(stub, "b")

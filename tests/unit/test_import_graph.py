@@ -19,13 +19,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"kvpool": ROOT / "client" / "kvpool", "kvpoold": ROOT / "service" / "kvpoold"}
 
-# File names the daemon uses twice, left to its restructuring (issue 38); delete an entry once
-# one of the two is renamed.
-ALLOWED_TWICE: dict[str, str] = {
-    "registry.py": "kvpoold.sizing.registry (architectures) and kvpoold.pools.registry (pools)",
-}
-
-
 def module_name(package: str, root: Path, path: Path) -> str:
     """The dotted name of the module at ``path`` inside ``package`` (rooted at ``root``)."""
     parts = list(path.relative_to(root).with_suffix("").parts)
@@ -218,6 +211,4 @@ def test_no_two_modules_share_a_file_name() -> None:
         if path.name != "__init__.py"
     )
     dupes = {name for name, count in names.items() if count > 1}
-    assert not dupes - set(ALLOWED_TWICE), f"file names used more than once: {sorted(dupes)}"
-    stale = set(ALLOWED_TWICE) - dupes
-    assert not stale, f"used once now, delete from ALLOWED_TWICE: {sorted(stale)}"
+    assert not dupes, f"file names used more than once: {sorted(dupes)}"

@@ -9,7 +9,7 @@ space, :class:`~kvpoold.ids.grouped.GroupedSpace`) and its **lifecycle**::
 Everything that works on the pool's memory outside one event-loop step (a transfer's pins, an
 elastic group committed or freed in a worker thread, an attachment) holds a **use**
 (:meth:`Pool.acquire`, released in ``finally``). A Drop moves the pool to ``dropping``: new work
-is not started on it, and its owner (:class:`~kvpoold.pools.registry.PoolRegistry`) is told
+is not started on it, and its owner (:class:`~kvpoold.pools.pool_registry.PoolRegistry`) is told
 when the last use ends, to release the region (off the loop) and the budget: "when is this
 memory really free?" is answered here, once. :meth:`Pool.audit` checks every invariant of the
 ledger, the groups and the lifecycle.

@@ -1,6 +1,6 @@
 """The daemon: a facade over the collaborators that own its state, one job each.
 
-- :class:`~kvpoold.pools.registry.PoolRegistry`: pools by name, their lifecycles (building,
+- :class:`~kvpoold.pools.pool_registry.PoolRegistry`: pools by name, their lifecycles (building,
   live, dropping) and fixed charges; each :class:`~kvpoold.pools.pool.Pool` the one owner of its
   pages' and groups' state;
 - :class:`~kvpoold.elastic.manager.ElasticPools`: the elastic pools' grants and reclaims (its
@@ -40,7 +40,7 @@ from kvpoold import __version__
 from kvpoold.elastic.fd_server import FdGrant
 from kvpoold.elastic.manager import RECLAIM_DEADLINE_S, ElasticPools, Policy
 from kvpoold.pools.pool import Pool
-from kvpoold.pools.registry import PoolRegistry
+from kvpoold.pools.pool_registry import PoolRegistry
 from kvpoold.server.allocation import Allocated, Allocations
 from kvpoold.server.args import ConfigureArgs, LeaseRef
 from kvpoold.server.attach_service import AttachService

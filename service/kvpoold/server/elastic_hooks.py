@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvpoold.pools.registry import PoolRegistry
+from kvpoold.pools.pool_registry import PoolRegistry
 from kvpoold.server.attachments import AttachmentTable
 from kvpoold.server.give_back import CachePressure
 from kvpoold.server.leases import LeaseTable

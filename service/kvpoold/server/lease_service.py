@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from kvpool.contract.records import HeldMap, Released
 from kvpoold.elastic.manager import ElasticPools
-from kvpoold.pools.registry import PoolRegistry
+from kvpoold.pools.pool_registry import PoolRegistry
 from kvpoold.server.args import LeaseRef
 from kvpoold.server.attachments import AttachmentTable
 from kvpoold.server.auth import Caller

@@ -23,7 +23,7 @@ from kvpool.contract.plan import PoolPlan
 from kvpool.contract.records import ConfigureResult, Released
 from kvpoold.elastic.manager import ElasticPools
 from kvpoold.pools.pool import Pool, open_pool
-from kvpoold.pools.registry import PoolRegistry, fixed_part
+from kvpoold.pools.pool_registry import PoolRegistry, fixed_part
 from kvpoold.server.args import ConfigureArgs
 from kvpoold.server.attachments import AttachmentTable
 from kvpoold.server.auth import Caller
