@@ -488,7 +488,9 @@ def scheduler_scenario(env: dict[str, str], num_blocks: int) -> dict[str, Any]:
         follows = build(pool)
         fbp = follows.kv_cache_manager.block_pool
         out["async_follows"] = {"cls": type(follows).__name__,
-                                "free_queue": type(fbp.free_block_queue).__name__}
+                                "free_queue": type(fbp.free_block_queue).__name__,
+                                # vLLM's reset through the scheduler (kvpool's step around it)
+                                "reset": follows.reset_prefix_cache(reset_running_requests=True)}
         follows.shutdown()
         config.scheduler_config.async_scheduling = False
         # The class itself (not its name) as scheduler_cls, and the async flavour.

@@ -165,6 +165,6 @@ def test_kvpool_async_scheduler_as_a_class(report: dict[str, Any]) -> None:
     assert r["cls"] == "KVPoolAsyncScheduler" and r["free_queue"] == "KVPoolFreeBlockQueue"
     # the dotted KVPoolScheduler under async scheduling: vLLM's choice, the async one
     assert scenario(report, "scheduler")["async_follows"] == {
-        "cls": "KVPoolAsyncScheduler", "free_queue": "KVPoolFreeBlockQueue"}
+        "cls": "KVPoolAsyncScheduler", "free_queue": "KVPoolFreeBlockQueue", "reset": True}
     assert r["block_ids"] and all(0 < i < SCHEDULER_BLOCKS for i in r["block_ids"]), r
     assert r["lease_gone"] and r["used_after_shutdown"] == 0
