@@ -108,7 +108,9 @@ def _scheduler_info(llm: Any) -> dict[str, Any]:
                     if b.block_hash is not None and not b.is_null)
     in_use = sorted(b.block_id for b in pool.blocks if b.ref_cnt > 0 and not b.is_null)
     out: dict[str, Any] = {"class": f"{type(scheduler).__module__}.{type(scheduler).__name__}",
-                           "block_pool": type(pool).__name__, "prefix_cached": cached,
+                           "block_pool": type(pool).__name__,
+                           "free_queue": type(pool.free_block_queue).__name__,
+                           "prefix_cached": cached,
                            "in_use": in_use}
     binding = getattr(scheduler, "kvpool_binding", None)
     if binding is not None:

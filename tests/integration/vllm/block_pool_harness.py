@@ -1,4 +1,5 @@
-"""kvpool's ``KVPoolBlockPool`` against vLLM 0.32's own ``BlockPool``, in the vLLM side venv.
+"""vLLM 0.32's ``BlockPool`` with kvpool's free-block queue against the same ``BlockPool`` with
+its own, in the vLLM side venv.
 
 Run by ``tests/integration/vllm/test_block_pool.py`` (never by pytest itself) with the side
 venv's python, this checkout's ``client/`` on PYTHONPATH and a real kvpoold's target::
@@ -8,9 +9,10 @@ venv's python, this checkout's ``client/`` on PYTHONPATH and a real kvpoold's ta
 It configures its pools in that daemon (a tiny MHA spec, page size = block size, the ``kv``
 space sized to vLLM's block count), then:
 
-- ``differential``: per seed (and with prefix caching on, and off for seed 0), vLLM's
-  ``BlockPool`` and a ``KVPoolBlockPool`` over a page cache of a lease from
-  ``binding_from_env`` get the same random calls the scheduler makes on its block pool:
+- ``differential``: per seed (and with prefix caching on, and off for seed 0), two vLLM
+  ``BlockPool``s, one as vLLM builds it and one given a ``KVPoolFreeBlockQueue`` over a page
+  cache of a lease from ``binding_from_env`` (``use_page_cache``), get the same random calls
+  the scheduler makes on its block pool:
   admitting a request (prefix lookup with ``get_cached_block``, ``touch`` of the hits,
   ``get_new_blocks`` for the rest, ``cache_full_blocks``), growing one by a block, raw
   ``get_new_blocks`` (asking more than is free too), ``free_blocks`` (in vLLM's reverse
@@ -52,7 +54,7 @@ from vllm.v1.request import Request
 
 from kvpool.clients.client import KVPoolClient
 from kvpool.contract.errors import KVPoolError
-from kvpool.integrations.vllm.block_pool import KVPoolBlockPool
+from kvpool.integrations.vllm.block_pool import use_page_cache
 from kvpool.integrations.vllm.engine_core_binding import binding_from_env
 
 SPEC: dict[str, Any] = {"num_layers": 2, "attention": {"type": "mha", "num_kv_heads": 2,
@@ -91,8 +93,9 @@ class Run:
         self.lease = self.binding.lease
         self.cache = self.lease.page_cache(self.binding.pool, "kv", background=False)
         self.ref = BlockPool(NUM_BLOCKS, caching, BS)
-        self.kv = KVPoolBlockPool(NUM_BLOCKS, caching, BS, cache=self.cache)
-        self.binding.on_close(self.kv.close)
+        self.kv = BlockPool(NUM_BLOCKS, caching, BS)
+        self.queue = use_page_cache(self.kv, self.cache)
+        self.binding.on_close(self.queue.close)
         # live requests: name -> (Request, vLLM's blocks, kvpool's blocks)
         self.live: dict[str, tuple[Request, list[Any], list[Any]]] = {}
         self.prefixes = [[self.rng.randrange(1000) for _ in range(BS * self.rng.randint(1, 4))]
@@ -105,6 +108,7 @@ class Run:
         self.refusals = 0
         self.hits = 0
         self.evicted_by_reuse = 0
+        self.resets: list[dict[str, int]] = []  # successful resets: the queue's held blocks
         self.n = 0
 
     def mismatch(self, op: str, **what: Any) -> None:
@@ -230,9 +234,15 @@ class Run:
             self.kv.evict_blocks({found[1][0].block_id})
 
     def reset(self) -> None:
+        held = self.queue.held_free
         a, b = self.ref.reset_prefix_cache(), self.kv.reset_prefix_cache()
         if a != b:
             self.mismatch("reset_prefix_cache", vllm=a, kvpool=b)
+        elif b:
+            # the blocks the reset emptied go back to the pool at the next step
+            self.queue.new_step()
+            self.resets.append({"held_before": held, "held_after": self.queue.held_free,
+                                "in_use": int(self.cache.core.in_use)})
 
     def check(self, op: str) -> None:
         a, b = self.ref.get_num_free_blocks(), self.kv.get_num_free_blocks()
@@ -247,9 +257,9 @@ class Run:
             errors.append(f"step {self.n} ({op}): block ids {bad[:5]} handed out (null or out "
                           "of range)")
         in_use = sum(1 for b in self.kv.blocks if b.ref_cnt > 0 and not b.is_null)
-        if in_use != self.kv.blocks_in_use:
+        if in_use != self.queue.blocks_in_use:
             errors.append(f"step {self.n} ({op}): {in_use} blocks referenced but the lease "
-                          f"counts {self.kv.blocks_in_use} in use")
+                          f"counts {self.queue.blocks_in_use} in use")
         ref_used = NUM_BLOCKS - 1 - sum(1 for b in self.ref.blocks
                                          if b.ref_cnt == 0 and not b.is_null)
         if ref_used != in_use:
@@ -266,8 +276,8 @@ class Run:
             "step": self.n,
             "held": mine.held.get(self.binding.pool, {}).get("kv", 0),
             "reported_in_use": mine.in_use(self.binding.pool),
-            "blocks_in_use": self.kv.blocks_in_use,
-            "queue": self.kv.held_free,
+            "blocks_in_use": self.queue.blocks_in_use,
+            "queue": self.queue.held_free,
             "spare": int(self.cache.core.cached),
         })
 
@@ -287,7 +297,7 @@ class Run:
             calls[name]()
             self.ops[name] += 1
             self.check(name)
-            self.kv.new_step()  # the scheduler's next step: the page cache's upkeep
+            self.queue.new_step()  # the scheduler's next step: the page cache's upkeep
             if self.n % 50 == 49:
                 self.checkpoint()
         while self.live:
@@ -321,7 +331,7 @@ def differential(seed: int, steps: int, caching: bool, env: dict[str, str]) -> d
     if run is not None:
         out.update(ops=dict(run.ops), mismatches=run.mismatches,
                    invariant_errors=run.invariant_errors, checkpoints=run.checkpoints,
-                   refusals=run.refusals, hits=run.hits)
+                   refusals=run.refusals, hits=run.hits, resets=run.resets)
     return out
 
 
@@ -332,7 +342,7 @@ def mismatch_scenario(env: dict[str, str]) -> dict[str, Any]:
     try:
         cache = binding.lease.page_cache(MISMATCH_POOL, "kv")
         try:
-            KVPoolBlockPool(NUM_BLOCKS, True, BS, cache=cache)
+            use_page_cache(BlockPool(NUM_BLOCKS, True, BS), cache)
         except KVPoolError as err:
             return {"ok": True, **error_of(err)}
         finally:
@@ -352,8 +362,9 @@ def shared_scenario(env: dict[str, str]) -> dict[str, Any]:
     try:
         cache = binding.lease.page_cache(SHARED_POOL, "kv", high=4, low=0, batch=1,
                                          background=False)
-        pool = KVPoolBlockPool(NUM_BLOCKS, True, BS, cache=cache)
-        binding.on_close(pool.close)
+        pool = BlockPool(NUM_BLOCKS, True, BS)
+        queue = use_page_cache(pool, cache)
+        binding.on_close(queue.close)
         cache.settle(10.0)
         out["free_before"] = pool.get_num_free_blocks()
         hog = other.allocate(SHARED_POOL, "kv", NUM_BLOCKS - 1 - int(cache.core.cached) - 8)
@@ -364,7 +375,7 @@ def shared_scenario(env: dict[str, str]) -> dict[str, Any]:
             out["refused"] = None
         except ValueError as err:
             out["refused"] = str(err)
-        out["short"] = pool.short
+        out["short"] = queue.short
         out["free_while_short"] = pool.get_num_free_blocks()
         out["spare"] = int(cache.core.cached)
         got = pool.get_new_blocks(out["free_while_short"])
@@ -372,7 +383,7 @@ def shared_scenario(env: dict[str, str]) -> dict[str, Any]:
         out["ids_ok"] = all(1 <= b.block_id < NUM_BLOCKS for b in got)
         pool.free_blocks(got)
         other.free(SHARED_POOL, "kv", hog)
-        pool.new_step()
+        queue.new_step()
         out["free_after_new_step"] = pool.get_num_free_blocks()
     finally:
         other.close()
@@ -437,9 +448,12 @@ def scheduler_scenario(env: dict[str, str], num_blocks: int) -> dict[str, Any]:
         sched = build(pool)
         bp = sched.kv_cache_manager.block_pool
         out["block_pool"] = type(bp).__name__
+        out["free_queue"] = type(bp.free_block_queue).__name__
         managers = sched.kv_cache_manager.coordinator.single_type_managers
-        out["managers_use_it"] = all(m.block_pool is bp and m._null_block is bp.null_block
-                                     for m in managers)
+        out["managers_use_it"] = (
+            sched.kvpool_blocks is bp.free_block_queue
+            and sched.kv_cache_manager.coordinator.block_pool is bp
+            and all(m.block_pool is bp and m._null_block is bp.null_block for m in managers))
         out["free_blocks"] = bp.get_num_free_blocks()
         binding = sched.kvpool_binding
         out["lease_name"] = binding.lease_name
@@ -452,14 +466,15 @@ def scheduler_scenario(env: dict[str, str], num_blocks: int) -> dict[str, Any]:
         ids = list(new[0].block_ids[0]) if new else []
         out["block_ids"] = ids
         out["free_after_schedule"] = bp.get_num_free_blocks()
-        bp.cache.settle(10.0)
+        cache = sched.kvpool_blocks.cache
+        cache.settle(10.0)
         binding.lease.report_now()
         with KVPoolClient(env["KVPOOL_TARGET"]) as client:
             stats = client.stats(pool)
             mine = next(s for s in stats.leases if s.lease_id == binding.lease.lease_id)
             out["lease_in_use"] = mine.in_use(pool)
             out["lease_holds_ids"] = bool(ids) and all(
-                bool(x) for x in bp.cache.in_use_of(ids))
+                bool(x) for x in cache.in_use_of(ids))
             lease_id = binding.lease.lease_id
             sched.shutdown()
             after = client.stats(pool)
@@ -471,8 +486,11 @@ def scheduler_scenario(env: dict[str, str], num_blocks: int) -> dict[str, Any]:
 
         config.scheduler_config.async_scheduling = True
         follows = build(pool)
+        fbp = follows.kv_cache_manager.block_pool
         out["async_follows"] = {"cls": type(follows).__name__,
-                                "block_pool": type(follows.kv_cache_manager.block_pool).__name__}
+                                "free_queue": type(fbp.free_block_queue).__name__,
+                                # vLLM's reset through the scheduler (kvpool's step around it)
+                                "reset": follows.reset_prefix_cache(reset_running_requests=True)}
         follows.shutdown()
         config.scheduler_config.async_scheduling = False
         # The class itself (not its name) as scheduler_cls, and the async flavour.
@@ -486,7 +504,7 @@ def scheduler_scenario(env: dict[str, str], num_blocks: int) -> dict[str, Any]:
         asched.add_request(areq)
         anew = asched.schedule().scheduled_new_reqs
         alease = asched.kvpool_binding.lease.lease_id
-        out["async"] = {"cls": cls.__name__, "block_pool": type(abp).__name__,
+        out["async"] = {"cls": cls.__name__, "free_queue": type(abp.free_block_queue).__name__,
                         "block_ids": list(anew[0].block_ids[0]) if anew else []}
         asched.shutdown()
         with KVPoolClient(env["KVPOOL_TARGET"]) as client:

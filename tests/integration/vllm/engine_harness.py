@@ -9,9 +9,10 @@ It writes the greedy output tokens of a few prompts (two share a prefix longer t
 and vLLM's prefix-cache hits. With ``--scheduler kvpool`` it first configures the pool (page
 size = vLLM's block size, ``kv`` pages = ``--num-blocks - 1``), runs the engine in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with ``scheduler_cls`` set to the dotted name, and also
-writes the block pool's class, the daemon's Stats of the engine's lease after the prompts
-(the blocks held are the prefix-cached ones and the page cache's spare; none in use by a
-request), and after the engine's shutdown whether the lease is gone and the pages back.
+writes the block pool's class and its free-block queue's, the daemon's Stats of the engine's
+lease after the prompts (the blocks held are the prefix-cached ones and the page cache's
+spare; none in use by a request), and after the engine's shutdown whether the lease is gone
+and the pages back.
 """
 
 from __future__ import annotations
@@ -97,9 +98,11 @@ def main() -> None:
         core = llm.llm_engine.engine_core.engine_core
         sched = core.scheduler
         out["scheduler_class"] = type(sched).__name__
-        out["block_pool"] = type(sched.kv_cache_manager.block_pool).__name__
+        block_pool = sched.kv_cache_manager.block_pool
+        out["block_pool"] = type(block_pool).__name__
+        out["free_queue"] = type(block_pool.free_block_queue).__name__
         if client is not None:
-            bp = sched.kv_cache_manager.block_pool
+            bp = sched.kvpool_blocks
             binding = sched.kvpool_binding
             bp.cache.settle(10.0)
             binding.lease.report_now()

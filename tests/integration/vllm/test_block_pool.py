@@ -1,5 +1,5 @@
-"""kvpool's ``KVPoolBlockPool`` against vLLM 0.32's ``BlockPool``, and ``KVPoolScheduler`` in
-vLLM's own scheduler construction.
+"""vLLM 0.32's ``BlockPool`` with kvpool's free-block queue against the same ``BlockPool`` with
+its own, and ``KVPoolScheduler`` in vLLM's own scheduler construction.
 
 ``block_pool_harness.py`` (next to this file) runs in the vLLM side venv (the real vllm
 package) against a real kvpoold started here; it configures its pools, drives both block
@@ -93,6 +93,16 @@ def test_lease_holds_the_blocks(report: dict[str, Any], seed: int, caching: bool
         assert all(cp["queue"] == 0 for cp in run["checkpoints"])
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_reset_returns_the_queue(report: dict[str, Any], seed: int) -> None:
+    """After a successful ``reset_prefix_cache`` the blocks that held a prefix hold nothing:
+    at the next step they are back in the page cache (none in use by the lease), none kept
+    by the queue."""
+    resets = run_of(report, seed, True)["resets"]
+    assert any(r["held_before"] > 0 for r in resets), resets
+    assert all(r["held_after"] == 0 and r["in_use"] == 0 for r in resets), resets
+
+
 @pytest.mark.parametrize(("seed", "caching"), RUNS)
 def test_every_page_back_after_close(report: dict[str, Any], seed: int, caching: bool) -> None:
     assert run_of(report, seed, caching)["used_after_close"] == 0
@@ -126,8 +136,9 @@ def test_shared_pool_running_short(report: dict[str, Any]) -> None:
 
 
 def test_kvpool_scheduler_in_vllm(report: dict[str, Any]) -> None:
-    """vLLM resolves the dotted ``scheduler_cls``; the scheduler it builds uses the kvpool
-    block pool everywhere (coordinator, managers, their null block), refuses a pool of the
+    """vLLM resolves the dotted ``scheduler_cls``; the scheduler it builds keeps vLLM's own
+    block pool everywhere (coordinator, managers, their null block) with kvpool's free-block
+    queue in it, refuses a pool of the
     wrong size naming both counts, serves a request's blocks from pages its lease holds, and
     its shutdown ends the lease with every page back."""
     r = scenario(report, "scheduler")
@@ -135,7 +146,8 @@ def test_kvpool_scheduler_in_vllm(report: dict[str, Any]) -> None:
     assert r["wrong_size"]["ok"] and r["wrong_size"]["type"] == "InvalidArgument"
     assert f"{SCHEDULER_BLOCKS} blocks" in r["wrong_size"]["message"]
     assert f"{SCHEDULER_BLOCKS + 3} kv pages" in r["wrong_size"]["message"]
-    assert r["block_pool"] == "KVPoolBlockPool" and r["managers_use_it"]
+    assert r["block_pool"] == "BlockPool" and r["free_queue"] == "KVPoolFreeBlockQueue"
+    assert r["managers_use_it"]
     assert r["free_blocks"] == SCHEDULER_BLOCKS - 1
     assert r["lease_name"].startswith("vllm@")
     ids = r["block_ids"]
@@ -147,12 +159,12 @@ def test_kvpool_scheduler_in_vllm(report: dict[str, Any]) -> None:
 
 def test_kvpool_async_scheduler_as_a_class(report: dict[str, Any]) -> None:
     """``scheduler_cls`` given the class itself (vLLM takes a class or a dotted name), the
-    async flavour: the same block pool, a request's blocks from the lease, shutdown ends it;
+    async flavour: the same free-block queue, a request's blocks from the lease, shutdown ends it;
     and the dotted ``KVPoolScheduler`` under async scheduling builds the async flavour."""
     r = scenario(report, "scheduler")["async"]
-    assert r["cls"] == "KVPoolAsyncScheduler" and r["block_pool"] == "KVPoolBlockPool"
+    assert r["cls"] == "KVPoolAsyncScheduler" and r["free_queue"] == "KVPoolFreeBlockQueue"
     # the dotted KVPoolScheduler under async scheduling: vLLM's choice, the async one
     assert scenario(report, "scheduler")["async_follows"] == {
-        "cls": "KVPoolAsyncScheduler", "block_pool": "KVPoolBlockPool"}
+        "cls": "KVPoolAsyncScheduler", "free_queue": "KVPoolFreeBlockQueue", "reset": True}
     assert r["block_ids"] and all(0 < i < SCHEDULER_BLOCKS for i in r["block_ids"]), r
     assert r["lease_gone"] and r["used_after_shutdown"] == 0

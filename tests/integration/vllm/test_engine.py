@@ -308,7 +308,8 @@ def test_engine_on_kvpool_memory(vllm_python: Path, daemon: DaemonProcess, tiny_
         assert info["pool"] == pool and info["created"] is True
         assert info["connector"] == "KVPoolConnector"
         assert info["kv_tensors"] == 2 and info["kv_tensors_are_pool_views"] is True
-        assert (scheduler["class"], scheduler["block_pool"]) == (SCHEDULER, "KVPoolBlockPool")
+        assert (scheduler["class"], scheduler["block_pool"]) == (SCHEDULER, "BlockPool")
+        assert scheduler["free_queue"] == "KVPoolFreeBlockQueue"
         # every request has finished: vLLM's prefix cache keeps the full block of LONG
         assert scheduler["in_use"] == [] and len(scheduler["prefix_cached"]) == 1
 

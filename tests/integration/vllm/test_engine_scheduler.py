@@ -54,8 +54,11 @@ def runs(daemon: DaemonProcess, tmp_path_factory: pytest.TempPathFactory
 
 def test_same_tokens_and_prefix_hits(runs: dict[str, dict[str, Any]]) -> None:
     kv, ref = runs["kvpool"], runs["vllm"]
-    assert kv["scheduler_class"] == "KVPoolScheduler" and kv["block_pool"] == "KVPoolBlockPool"
+    # vLLM's own block pool in both; kvpool's free-block queue in it with KVPoolScheduler
+    assert kv["scheduler_class"] == "KVPoolScheduler" and kv["block_pool"] == "BlockPool"
+    assert kv["free_queue"] == "KVPoolFreeBlockQueue"
     assert ref["scheduler_class"] == "Scheduler" and ref["block_pool"] == "BlockPool"
+    assert ref["free_queue"] == "FreeKVCacheBlockQueue"
     assert kv["tokens"] == ref["tokens"]
     assert all(len(t) == 8 for t in kv["tokens"])
     assert kv["cached_tokens"] == ref["cached_tokens"]

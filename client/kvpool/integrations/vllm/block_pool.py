@@ -1,44 +1,56 @@
-"""kvpool's block pool for vLLM 0.32: vLLM's ``BlockPool``, with the free blocks coming from a
-kvpool lease through a page cache (``kvpool.cache.page_cache``).
+"""vLLM 0.32's own ``BlockPool`` with its free blocks from a kvpool lease: kvpool supplies the
+pool's free-block queue (:class:`KVPoolFreeBlockQueue`), vLLM's code does the rest.
 
-vLLM's scheduler asks its block pool for new blocks (``get_new_blocks``), frees them
-(``free_blocks``), hits cached ones (``get_cached_block`` + ``touch``), caches full ones
-(``cache_full_blocks``), evicts (``evict_blocks``) and resets the prefix cache
-(``reset_prefix_cache``), and checks ``get_num_free_blocks()`` before it allocates.
-:class:`KVPoolBlockPool` answers the same calls with the same results, but the blocks that no
-one uses and that hold no prefix are not the engine's: they are pages of the pool's ``kv``
-space, in the daemon or in the engine's page cache, and other engines may take them.
+The seam. vLLM's ``BlockPool`` takes and returns block ids only through its free-block queue
+(``vllm/v1/core/block_pool.py``): ``get_new_blocks`` pops ``free_block_queue.popleft_n(n)``
+after checking ``get_num_free_blocks()`` (= ``free_block_queue.num_free_blocks``);
+``free_blocks`` puts the blocks no one references and that hold no prefix (or all, with prefix
+caching off) at the front (``prepend_n``) and those that hold one at the back (``append_n``),
+``unpin_blocks`` at the back too; ``touch`` takes a prefix hit out of it (``remove``). Hashing,
+prefix lookup, eviction of a reused block's prefix, reference counts, events, metrics and
+reuse watchers are all the pool's own code around those five calls. So kvpool gives the pool
+a queue answering them, and every one of vLLM's methods runs unchanged:
+
+- the front of vLLM's queue (free blocks that hold nothing) is the engine's page cache of the
+  pool's ``kv`` space: ``prepend_n`` frees into it, ``popleft_n`` takes from it first; those
+  blocks are the pool's, and other leases may take them;
+- the back (blocks that hold a prefix, in LRU order, and unpinned ones) is vLLM's own
+  ``FreeKVCacheBlockQueue``: those blocks stay held by the lease until vLLM evicts or reuses
+  them, taken after the page cache's as vLLM takes cached blocks after uncached ones, so
+  prefix hits are the same;
+- ``num_free_blocks`` = what the lease may still take (the quota, ``N - 1`` blocks, less what
+  it holds) + the back. With the engine as the pool's only user this is vLLM's count, call
+  for call.
+
+vLLM offers no way to pass a queue in: ``BlockPool.__init__`` builds
+``FreeKVCacheBlockQueue(self.blocks)`` itself (block_pool.py:178), ``KVCacheCoordinator``
+builds ``BlockPool(...)`` itself (kv_cache_coordinator.py:119), ``KVCacheManager`` the
+coordinator through ``get_kv_cache_coordinator`` (kv_cache_manager.py:167) and the
+``Scheduler`` the manager inline in its ``__init__`` (sched/scheduler.py:328); no class or
+factory argument on the way. So :func:`use_page_cache` sets that one attribute of the pool
+vLLM built, once, before any request (its queue emptied through its own ``popleft_n``):
+the least that reaches the seam without copying vLLM's code or patching its modules.
 
 - Block id == page id of the pool's ``kv`` space. vLLM's block 0 is its null block, never
   handed out; the daemon reserves page 0 the same way, so the space's ids are ``1..N-1`` for
   vLLM's ``N`` blocks: a pool whose ``kv`` capacity is not ``num_gpu_blocks - 1`` is refused.
-- vLLM's free queue keeps two kinds of free block: ones freed without a prefix hash (it puts
-  them at the front, to be reused first) and ones that hold a prefix (at the back, in LRU
-  order, reused, and so evicted, only when the first kind runs out). Here the first kind goes
-  back to the page cache at once; the free queue holds only the second kind (and blocks
-  released with ``unpin_blocks``, which vLLM also puts at the back), and they stay held by the
-  lease until vLLM evicts or reuses them. ``get_new_blocks`` takes from the page cache first,
-  then from the front of the queue, evicting what it takes: the blocks vLLM would evict, in
-  the same order, so prefix hits are the same. A block whose hash is dropped while it sits in
-  the queue (``evict_blocks``) stays there, as in vLLM; ``reset_prefix_cache`` (which
-  succeeds only when no block is in use) returns the whole queue to the page cache.
-- ``get_num_free_blocks()`` = what the lease may still take (the quota, ``N - 1`` blocks,
-  less the blocks it holds) + the queue. With the engine as the pool's only user this is
-  vLLM's own count, call for call. When other leases share the pool and take pages first,
-  ``get_new_blocks`` takes what the page cache still holds, then evicts from the queue; if
-  that is still short it raises vLLM's own ``ValueError`` (which vLLM does not expect after
-  its check) naming the pool, and until :meth:`KVPoolBlockPool.new_step` the pool counts only
-  the pages it holds, so the scheduler's next checks refuse instead. Size the engines'
+- A shared pool running short: when other leases took the pages the quota counted,
+  ``popleft_n`` takes what the page cache still holds, then the back; if that is still short
+  it raises vLLM's own ``ValueError`` (which vLLM does not expect after its check) naming the
+  pool, having handed out nothing, and until :meth:`KVPoolFreeBlockQueue.new_step` counts only
+  the pages its cache holds, so the scheduler's next checks refuse instead. Size the engines'
   pools so that they fit, or give each its own pool.
-- Hot path: the page cache serves ``alloc``/``free`` locally; the scheduler opens it with no
-  worker thread and no watermarks (it keeps every block it fetched, an eighth of the pool a
-  miss, and gives back only what the daemon asks for), so once warm no call or step makes an
-  RPC; ``get_num_free_blocks`` reads two counters.
+- Blocks whose prefix is dropped while they wait at the back (``reset_prefix_cache``,
+  ``evict_blocks``) hold nothing any more: from the front of the back, they go to the page
+  cache at the next :meth:`~KVPoolFreeBlockQueue.new_step` (one in the middle waits its turn,
+  as in vLLM's queue).
 - Reuse watchers (``unpin_blocks``' ``on_reuse``): vLLM calls one when it hands the block out
-  again; here a block that goes back to the page cache may be handed to another engine at any
-  time, so its watcher is called when it goes back.
-- ``touch`` of a block that is neither in use nor in the queue (one of the page cache's, which
-  vLLM's scheduler never hits: it holds no prefix) raises ``FailedPrecondition``.
+  again. A watched block freed without a prefix stays the lease's, at the front of the back,
+  until vLLM hands it out (and calls the watcher): in the page cache another engine could take
+  it while it is still read.
+- Hot path: the page cache serves ``alloc``/``free`` locally; the scheduler opens it with no
+  worker thread and no watermarks, so once warm no step makes an RPC; ``num_free_blocks``
+  reads two counters.
 
 Importing this module imports vLLM (the ``kvpool[vllm]`` extra); ``import kvpool`` never does.
 """
@@ -46,8 +58,7 @@ Importing this module imports vLLM (the ``kvpool[vllm]`` extra); ``import kvpool
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Container, Iterator
 
 import numpy as np
 from vllm.v1.core.block_pool import BlockPool
@@ -78,34 +89,34 @@ def check_capacity(num_gpu_blocks: int, capacity: int, pool: str) -> None:
             f"num_gpu_blocks_override={capacity + 1}", field="num_gpu_blocks")
 
 
-class KVPoolBlockPool(BlockPool):
-    """vLLM's ``BlockPool`` over a kvpool page cache; see the module docstring.
+class KVPoolFreeBlockQueue:
+    """The free-block queue of a vLLM ``BlockPool`` whose uncached free blocks are a kvpool
+    page cache's; see the module docstring. It answers the calls ``BlockPool`` makes on its
+    queue (``popleft_n``, ``prepend_n``, ``append_n``, ``remove``, ``num_free_blocks``).
 
-    Args (beside vLLM's): cache: the page cache of the pool's ``kv`` space, held by the
-        engine's lease (the block pool frees into it; :meth:`close` closes it).
+    Args:
+        blocks: the pool's blocks (``BlockPool.blocks``; block 0 its null block).
+        cache: the page cache of the pool's ``kv`` space, held by the engine's lease (the
+            queue frees into it; :meth:`close` closes it).
+        watched: the ids of blocks with a reuse watcher (``BlockPool``'s own record, read).
 
     Raises:
-        InvalidArgument: the cache's capacity is not ``num_gpu_blocks - 1``.
+        InvalidArgument: the cache's capacity is not ``len(blocks) - 1``.
     """
 
-    def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
-                 enable_kv_cache_events: bool = False, metrics_collector: Any = None,
-                 medium: str | None = None, *, cache: PageCache) -> None:
-        check_capacity(num_gpu_blocks, int(cache.core.capacity), str(cache.core.pool))
-        kwargs: dict[str, Any] = {} if medium is None else {"medium": medium}
-        super().__init__(num_gpu_blocks, enable_caching, hash_block_size,
-                         enable_kv_cache_events, metrics_collector, **kwargs)
+    def __init__(self, blocks: list[KVCacheBlock], cache: PageCache,
+                 watched: Container[int]) -> None:
+        check_capacity(len(blocks), int(cache.core.capacity), str(cache.core.pool))
+        self.blocks = blocks
         self.cache = cache
         self.pool_name = str(cache.core.pool)
+        self.watched = watched
         # The blocks the lease may hold at once: all but the null block.
-        self.quota = num_gpu_blocks - 1
-        # vLLM's queue starts with every block; here it starts empty (the blocks are the
-        # pool's) and holds only free blocks the lease keeps (prefix-cached, unpinned).
-        for block in self.blocks:
-            block.prev_free_block = block.next_free_block = None
-        self.free_block_queue = FreeKVCacheBlockQueue([])
+        self.quota = len(blocks) - 1
+        # The back of vLLM's queue: free blocks the lease keeps (a prefix, or unpinned).
+        self.held = FreeKVCacheBlockQueue([])
         # The pool ran short of what the quota promised (another lease took the pages):
-        # until new_step, count only what the lease holds.
+        # until new_step, count only what the page cache holds.
         self.short = False
         self._short_warned = False
         self._closed = False
@@ -113,78 +124,111 @@ class KVPoolBlockPool(BlockPool):
     # -- counts -------------------------------------------------------------------------------
 
     @property
+    def num_free_blocks(self) -> int:
+        """Blocks the engine can get: what the lease may still take + the back."""
+        return self._room() + self.held.num_free_blocks
+
+    @property
     def held_free(self) -> int:
-        """Free blocks the lease keeps (the queue: prefix-cached and unpinned blocks)."""
-        return self.free_block_queue.num_free_blocks
+        """Free blocks the lease keeps (the back: prefix-cached and unpinned blocks)."""
+        return self.held.num_free_blocks
 
     @property
     def blocks_in_use(self) -> int:
         """Blocks handed out and referenced (the null block not counted)."""
-        return self.cache.core.in_use - self.free_block_queue.num_free_blocks
+        return self.cache.core.in_use - self.held.num_free_blocks
 
-    def _can_take(self) -> int:
+    def _room(self) -> int:
         """Blocks the lease may still take from the pool: the quota less what it holds (after
         a shortage, what its page cache holds)."""
-        room = self.quota - self.cache.core.in_use
+        core = self.cache.core
+        room = self.quota - core.in_use
         if self.short:
-            room = min(room, self.cache.core.cached)
+            room = min(room, core.cached)
         return max(0, room)
 
-    def get_num_free_blocks(self) -> int:
-        """Blocks the engine can get: what the lease may still take + the queue."""
-        return self._can_take() + self.free_block_queue.num_free_blocks
+    # -- the calls vLLM's BlockPool makes -----------------------------------------------------
 
-    def new_step(self) -> None:
-        """Between scheduler steps: forget a shortage (the pages may be back), and do the page
-        cache's upkeep when it has no worker thread."""
-        self.short = False
-        if not self.cache.background and not self._closed:
-            self.cache.maintain()
-
-    # -- the calls vLLM makes -----------------------------------------------------------------
-
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """``num_blocks`` blocks: from the page cache first, then from the front of the queue
-        (evicting their prefixes), as vLLM takes uncached free blocks before cached ones.
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """``n`` free blocks: from the page cache first, then from the front of the back.
 
         Raises:
-            ValueError: fewer free blocks than asked (vLLM's error; see the module docstring
-                for a pool that ran short).
+            ValueError: the pool ran short (see the module docstring); nothing is taken.
         """
-        if num_blocks > self.get_num_free_blocks():
-            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-        take = min(num_blocks, self._can_take())
+        take = min(n, self._room())
         ids = self._take(take) if take else None
         got = 0 if ids is None else int(ids.shape[0])
-        rest = num_blocks - got
-        if rest > self.free_block_queue.num_free_blocks:
+        rest = n - got
+        if rest > self.held.num_free_blocks:
             if ids is not None and got:
                 self._free_ids(ids)
             raise ValueError(
-                f"Cannot get {num_blocks} free blocks from the pool: kvpool pool "
-                f"{self.pool_name!r} ran short (other leases hold its pages); the engine "
-                f"holds {self.cache.core.in_use} of its {self.quota} blocks")
+                f"Cannot get {n} free blocks from the pool: kvpool pool {self.pool_name!r} "
+                f"ran short (other leases hold its pages); the engine holds "
+                f"{self.cache.core.in_use} of its {self.quota} blocks")
         blocks = self.blocks
-        ret: list[KVCacheBlock] = [] if ids is None else [blocks[i] for i in ids.tolist()]
+        out: list[KVCacheBlock] = [] if ids is None else [blocks[i] for i in ids.tolist()]
         if rest:
-            ret.extend(self.free_block_queue.popleft_n(rest))
-        if self._reuse_watchers:
-            self._notify_reuse(ret)
-        collector = self.metrics_collector
-        if self.enable_caching:
-            for block in ret:
-                self._maybe_evict_cached_block(block)
-                assert block.ref_cnt == 0
-                block.ref_cnt += 1
-                if collector:
-                    collector.on_block_allocated(block)
-        else:
-            for block in ret:
-                assert block.ref_cnt == 0
-                block.ref_cnt += 1
-                if collector:
-                    collector.on_block_allocated(block)
-        return ret
+            out.extend(self.held.popleft_n(rest))
+        return out
+
+    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Free blocks that hold nothing: back to the page cache (a watched one stays the
+        lease's, first in line)."""
+        if not blocks:
+            return
+        watched = self.watched
+        if watched:
+            keep = [b for b in blocks if b.block_id in watched]
+            if keep:
+                self.held.prepend_n(keep)
+                blocks = [b for b in blocks if b.block_id not in watched]
+        if blocks:
+            self._free_ids(np.fromiter((b.block_id for b in blocks), dtype=np.int32,
+                                       count=len(blocks)))
+
+    def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Free blocks that hold a prefix (or are unpinned): kept, at the back."""
+        self.held.append_n(blocks)
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """A prefix hit on a free block: out of the back.
+
+        Raises:
+            FailedPrecondition: the block is in the page cache, not the back (vLLM's own queue
+                raises RuntimeError for a block it does not hold); no prefix hit reaches one.
+        """
+        if block.prev_free_block is None:
+            raise FailedPrecondition(
+                f"vLLM touched block {block.block_id}, which is free and back in kvpool pool "
+                f"{self.pool_name!r} (it holds no prefix, so no hit can reach it)",
+                field="block_id")
+        self.held.remove(block)
+
+    def iter_blocks_after(self, cursor: KVCacheBlock | None) -> Iterator[KVCacheBlock]:
+        """The back's blocks after ``cursor`` in eviction order (vLLM's offloading connector
+        walks them; the page cache's blocks hold nothing to offload)."""
+        return self.held.iter_blocks_after(cursor)
+
+    # -- between steps ------------------------------------------------------------------------
+
+    def new_step(self) -> None:
+        """Between scheduler steps: forget a shortage (the pages may be back), return the
+        blocks at the front of the back that hold nothing any more, and do the page cache's
+        upkeep when it has no worker thread."""
+        self.short = False
+        if self._closed:
+            return
+        n = 0
+        watched = self.watched
+        for block in self.held.iter_blocks_after(None):
+            if block.block_hash is not None or block.block_id in watched:
+                break
+            n += 1
+        if n:
+            self.prepend_n(self.held.popleft_n(n))
+        if not self.cache.background:
+            self.cache.maintain()
 
     def _take(self, n: int) -> np.ndarray | None:
         """Up to ``n`` ids from the page cache: ``n``, or after the daemon refused them what
@@ -201,69 +245,10 @@ class KVPoolBlockPool(BlockPool):
         have = min(n, int(self.cache.core.cached))
         return self.cache.try_alloc(have) if have else None
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop a reference from each block; a block no one references goes back to the page
-        cache when it holds no prefix (or prefix caching is off), else to the back of the
-        queue (held, evicted last-in last), as in vLLM."""
-        to_cache: list[int] = []
-        evict_last: list[KVCacheBlock] = []
-        other_pools: dict[BlockPool, list[KVCacheBlock]] = {}
-        caching = self.enable_caching
-        for block in ordered_blocks:
-            if block.pool is not None and block.pool is not self:
-                other_pools.setdefault(block.pool, []).append(block)
-                continue
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0 and not block.is_null:
-                if block.block_hash is None or not caching:
-                    to_cache.append(block.block_id)
-                else:
-                    evict_last.append(block)
-        self.free_block_queue.append_n(evict_last)
-        if to_cache:
-            self._release(to_cache)
-        for pool, blocks in other_pools.items():
-            pool.free_blocks(blocks)
-
-    def _release(self, block_ids: list[int]) -> None:
-        """Give blocks no one uses back to the page cache (their watchers first)."""
-        if self._reuse_watchers:
-            self._notify_reuse(self.blocks[i] for i in block_ids)
-        self._free_ids(np.asarray(block_ids, dtype=np.int32))
-
     def _free_ids(self, ids: np.ndarray) -> None:
         if self._closed:
             return  # the lease's end takes them
         self.cache.free(ids)
-
-    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """A prefix hit: reference each block; a free one leaves the queue.
-
-        Raises:
-            FailedPrecondition: a block that is free and not the lease's (see the module
-                docstring); nothing is changed.
-        """
-        for block in blocks:
-            if (block.ref_cnt == 0 and not block.is_null and block.prev_free_block is None
-                    and block.pool is self):
-                raise FailedPrecondition(
-                    f"vLLM touched block {block.block_id}, which is free and back in kvpool "
-                    f"pool {self.pool_name!r} (it holds no prefix, so no hit can reach it)",
-                    field="block_id")
-        super().touch(blocks)
-
-    def reset_prefix_cache(self) -> bool:
-        """vLLM's reset (only when no block is in use); then the queue, whose blocks hold no
-        prefix any more, goes back to the page cache."""
-        if self.blocks_in_use == 0:
-            self.short = False  # vLLM's check counts free blocks: count them all
-        if not super().reset_prefix_cache():
-            return False
-        n = self.free_block_queue.num_free_blocks
-        if n:
-            ids = [b.block_id for b in self.free_block_queue.popleft_n(n)]
-            self._free_ids(np.asarray(ids, dtype=np.int32))
-        return True
 
     # -- end ----------------------------------------------------------------------------------
 
@@ -273,8 +258,33 @@ class KVPoolBlockPool(BlockPool):
 
     def close(self) -> None:
         """Return the page cache's unused pages to the daemon; the blocks in use and the
-        queue's stay the lease's until it ends (the binding's close). Idempotent."""
+        back's stay the lease's until it ends (the binding's close). Idempotent."""
         if self._closed:
             return
         self._closed = True
         self.cache.close()
+
+
+def use_page_cache(block_pool: BlockPool, cache: PageCache) -> KVPoolFreeBlockQueue:
+    """Give ``block_pool`` (vLLM's, just built, nothing handed out) a
+    :class:`KVPoolFreeBlockQueue` over ``cache``; returns it. Its own queue is emptied through
+    its own ``popleft_n`` first. ``cache`` stays the caller's to close (or the queue's
+    :meth:`~KVPoolFreeBlockQueue.close`) if this raises.
+
+    Raises:
+        InvalidArgument: the cache's capacity is not ``num_gpu_blocks - 1``, or the pool has
+            handed out blocks already.
+    """
+    # The pool's record of watched blocks is private to vLLM: the queue only reads it.
+    queue = KVPoolFreeBlockQueue(block_pool.blocks, cache, block_pool._reuse_watchers)
+    own = block_pool.free_block_queue
+    handed_out = block_pool.num_gpu_blocks - 1 - own.num_free_blocks
+    if handed_out:
+        raise InvalidArgument(
+            f"vLLM's block pool has handed out {handed_out} blocks already; kvpool's free "
+            "blocks can replace its own only before the first request (right after the "
+            "scheduler is built)", field="scheduler")
+    own.popleft_n(own.num_free_blocks)
+    block_pool.free_block_queue = queue
+    return queue
+

@@ -22,15 +22,18 @@ vLLM's own ``__init__``:
 2. checks the pool: it must exist, its page size must be vLLM's block size and its ``kv``
    space must have vLLM's ``num_gpu_blocks`` pages (ids ``1..N-1`` and the reserved page 0,
    vLLM's null block); each mismatch fails naming both numbers;
-3. replaces the block pool vLLM built (the KV-cache coordinator's, and every single-type
-   manager's reference to it) with a :class:`~kvpool.integrations.vllm.block_pool.KVPoolBlockPool`
-   over a page cache of the lease, and binds a KV connector, if any, to the new pool.
+3. gives the block pool vLLM built a free-block queue over a page cache of the lease
+   (:func:`~kvpool.integrations.vllm.block_pool.use_page_cache`): vLLM's own ``BlockPool``,
+   with all its methods, and every reference to it (the coordinator's, the managers', the
+   KV connector's binding) stay as vLLM made them; only where its free block ids come from
+   and go to is kvpool's.
 
-vLLM does not make the block pool pluggable (no ``block_pool_cls``), so the pool it built is
-swapped before any request arrives; vLLM's files are not changed. Each scheduling step first
-calls the block pool's ``new_step``. ``shutdown`` (and interpreter exit) closes the binding:
-the page cache returns its pages, the lease ends, and the daemon takes back the blocks still
-held (in use or prefix-cached).
+vLLM takes no block pool or free-block queue as an argument anywhere from the ``Scheduler``
+down (``kvpool.integrations.vllm.block_pool`` names the lines), so the queue is set in the
+pool vLLM built, before any request arrives; vLLM's files are not changed. Each scheduling
+step, and a prefix-cache reset, first calls the queue's ``new_step``. ``shutdown`` (and
+interpreter exit) closes the binding: the page cache returns its pages, the lease ends, and
+the daemon takes back the blocks still held (in use or prefix-cached).
 
 Importing this module imports vLLM (the ``kvpool[vllm]`` extra).
 """
@@ -45,26 +48,28 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvpool.cache.policy import space_capacity
 from kvpool.contract.errors import InvalidArgument, NotFound
-from kvpool.integrations.vllm.block_pool import SPACE, KVPoolBlockPool, check_capacity
+from kvpool.integrations.vllm.block_pool import (
+    SPACE,
+    KVPoolFreeBlockQueue,
+    use_page_cache,
+)
 from kvpool.integrations.vllm.engine_core_binding import VLLMBinding, binding_from_env
 
 log = logging.getLogger("kvpool.integrations.vllm.scheduler")
 
-__all__ = ["KVPoolAsyncScheduler", "KVPoolScheduler", "install_block_pool"]
+__all__ = ["KVPoolAsyncScheduler", "KVPoolScheduler", "use_lease_blocks"]
 
 
-def install_block_pool(scheduler: Any, binding: VLLMBinding) -> KVPoolBlockPool:
-    """Replace the block pool of ``scheduler`` (a vLLM ``Scheduler`` just built) with a
-    :class:`KVPoolBlockPool` over ``binding``'s pool; returns it. The binding closes it.
+def use_lease_blocks(scheduler: Any, binding: VLLMBinding) -> KVPoolFreeBlockQueue:
+    """Have the block pool of ``scheduler`` (a vLLM ``Scheduler`` just built) take its free
+    blocks from ``binding``'s pool; returns the queue that does it. The binding closes it.
 
     Raises:
         NotFound: the pool is not configured in the daemon.
-        InvalidArgument: the pool's page size is not vLLM's block size, or its ``kv`` space
-            does not have vLLM's block count.
+        InvalidArgument: the pool's page size is not vLLM's block size, its ``kv`` space
+            does not have vLLM's block count, or the block pool is in use already.
     """
-    manager = scheduler.kv_cache_manager
-    coordinator = manager.coordinator
-    old = coordinator.block_pool
+    block_pool = scheduler.kv_cache_manager.block_pool
     pool = binding.pool
     try:
         stats = binding.client.stats(pool)
@@ -82,12 +87,7 @@ def install_block_pool(scheduler: Any, binding: VLLMBinding) -> KVPoolBlockPool:
             f"{pool!r}'s page size {pool_stats.page_size}: run vLLM with --block-size "
             f"{pool_stats.page_size}, or configure the pool with page_size={shown}",
             field="page_size")
-    if old.get_num_free_blocks() != old.num_gpu_blocks - 1:
-        raise InvalidArgument("vLLM's block pool is already in use; the kvpool block pool "
-                              "replaces it only right after the scheduler is built",
-                              field="scheduler")
     capacity = space_capacity(stats, pool, SPACE)
-    check_capacity(old.num_gpu_blocks, capacity, pool)
     # No worker thread: the upkeep runs in the scheduler's thread, between steps (new_step).
     # The engine owns its pool's blocks as vLLM's own pool does: the cache keeps what it
     # fetched (no high watermark, no returns, no refills: no RPC in a step once warm), takes
@@ -96,33 +96,22 @@ def install_block_pool(scheduler: Any, binding: VLLMBinding) -> KVPoolBlockPool:
     cache = binding.lease.page_cache(pool, SPACE, background=False, fill=False, low=0,
                                      high=capacity, batch=max(1, capacity // 8))
     try:
-        new = KVPoolBlockPool(old.num_gpu_blocks, old.enable_caching, old.hash_block_size,
-                              old.enable_kv_cache_events, old.metrics_collector,
-                              getattr(old, "medium", None), cache=cache)
+        queue = use_page_cache(block_pool, cache)
     except BaseException:
         cache.close()
         raise
-    binding.on_close(new.close)
-    coordinator.block_pool = new
-    manager.block_pool = new
-    for single in coordinator.single_type_managers:
-        if single.block_pool is old:
-            single.block_pool = new
-            single._null_block = new.null_block
-    connector = getattr(scheduler, "connector", None)
-    if connector is not None:
-        connector.bind_kv_cache_manager(manager)
+    binding.on_close(queue.close)
     log.info("kvpool: vLLM's %d KV-cache blocks come from pool %r (lease %d, %s)",
-             old.num_gpu_blocks, pool, binding.lease.lease_id, binding.lease_name)
-    return new
+             block_pool.num_gpu_blocks, pool, binding.lease.lease_id, binding.lease_name)
+    return queue
 
 
 class _KVPoolBlocks:
     """What both schedulers add to vLLM's (a mixin before vLLM's class): the binding, the
-    block pool, the step hook and the shutdown."""
+    block pool's free blocks, the step hook and the shutdown."""
 
     kvpool_binding: VLLMBinding
-    kvpool_block_pool: KVPoolBlockPool
+    kvpool_blocks: KVPoolFreeBlockQueue
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -130,7 +119,7 @@ class _KVPoolBlocks:
         # TP > 1 its workers are other processes), and asking torch would start a context.
         binding = binding_from_env(gpu=0)
         try:
-            self.kvpool_block_pool = install_block_pool(self, binding)
+            self.kvpool_blocks = use_lease_blocks(self, binding)
         except BaseException:
             binding.close()
             raise
@@ -138,8 +127,16 @@ class _KVPoolBlocks:
         binding.close_at_exit()
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        self.kvpool_block_pool.new_step()
+        self.kvpool_blocks.new_step()
         return super().schedule(*args, **kwargs)  # type: ignore[misc]
+
+    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
+        # Between steps: a shortage is forgotten first (vLLM's check counts every free
+        # block), and the blocks the reset emptied go back to the pool after.
+        self.kvpool_blocks.new_step()
+        done: bool = super().reset_prefix_cache(*args, **kwargs)  # type: ignore[misc]
+        self.kvpool_blocks.new_step()
+        return done
 
     def shutdown(self) -> None:
         try:
