@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -194,6 +195,11 @@ class Pool:
             for mirror in self.mirrors:
                 mirror.close()
             self.backing.close()
+            # The region's last references are the views: dropped here, in the caller's
+            # thread, so the mapping is gone when this returns even while a reference to this
+            # object lingers (a worker thread's finished work item, a traceback).
+            self.buffers = dataclasses.replace(
+                self.buffers, backing=torch.empty(0, dtype=torch.uint8), views={})
 
 
 class DeviceMirror:
