@@ -51,8 +51,8 @@ from rpc import REPO, serving_daemon
 
 from kvpool import KVPoolClient
 from kvpool.contract.limits import MESSAGE_SIZE_OPTIONS
+from kvpoold.access import LOCAL_ADMIN
 from kvpoold.server.args import ConfigureArgs, LeaseRef
-from kvpoold.server.auth import LOCAL_ADMIN
 from kvpoold.server.daemon import Daemon
 from kvpoold.server.logs import configure_logging
 from kvpoold.server.run import sweep_leases

@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpool.contract.errors import KVPoolError, NotFound, ResourceExhausted
+from kvpoold.access import DAEMON_CALLER
 from kvpoold.server.args import ConfigureArgs, LeaseRef
-from kvpoold.server.auth import DAEMON_CALLER
 from kvpoold.server.daemon import Daemon
 from kvpoold.sharing.shm import ShmBackingFactory
 from tests.conftest import TINY_SPEC, stateful_settings, temp_dir

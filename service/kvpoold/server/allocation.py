@@ -14,12 +14,12 @@ from typing import TypeVar
 import numpy as np
 
 from kvpool.contract.errors import InvalidArgument, ResourceExhausted
+from kvpoold.access import Caller
 from kvpoold.elastic.manager import ElasticPools
 from kvpoold.ids import Grant, IdSpace
 from kvpoold.ids.grouped import GroupedSpace
 from kvpoold.pools.pool import Pool
 from kvpoold.server.args import LeaseRef
-from kvpoold.server.auth import Caller
 from kvpoold.server.give_back import GIVE_BACK_WAIT_S, PRESSURE_FRACTION, CachePressure
 from kvpoold.server.leases import Lease
 

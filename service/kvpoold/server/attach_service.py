@@ -15,12 +15,12 @@ from kvpool.contract.errors import (
 )
 from kvpool.contract.fd_channel import FdAsk
 from kvpool.contract.records import AttachInfo
+from kvpoold.access import Caller
 from kvpoold.elastic.fd_server import FdGrant
 from kvpoold.elastic.manager import ElasticPools
 from kvpoold.pools.pool import Pool
 from kvpoold.server.args import LeaseRef
 from kvpoold.server.attachments import AttachmentTable
-from kvpoold.server.auth import Caller
 from kvpoold.server.leases import Lease, LeaseTable
 
 log = logging.getLogger("kvpoold.daemon")

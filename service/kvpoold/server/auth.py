@@ -14,19 +14,7 @@ import grpc
 from grpc import aio
 
 from kvpool.contract.errors import Unauthenticated
-from kvpoold.access import (
-    DAEMON_CALLER,
-    Authority,
-    Caller,
-    NamedToken,
-    Transport,
-    UnixAuth,
-    all_tokens,
-)
-
-# The model's names the server's modules import from here (they predate kvpoold.access).
-__all__ = ["DAEMON_CALLER", "OPEN_METHOD_PREFIXES", "Authority", "Caller", "NamedToken",
-           "TokenAuthInterceptor", "Transport", "UnixAuth", "all_tokens"]
+from kvpoold.access import Authority, Transport
 
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 

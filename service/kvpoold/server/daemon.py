@@ -37,6 +37,7 @@ import numpy as np
 from kvpool.contract.fd_channel import FdAsk
 from kvpool.contract.records import AttachInfo, ConfigureResult, Released, Stats
 from kvpoold import __version__
+from kvpoold.access import DAEMON_CALLER, Caller
 from kvpoold.elastic.fd_server import FdGrant
 from kvpoold.elastic.manager import RECLAIM_DEADLINE_S, ElasticPools, Policy
 from kvpoold.pools.pool import Pool
@@ -45,7 +46,6 @@ from kvpoold.server.allocation import Allocated, Allocations
 from kvpoold.server.args import ConfigureArgs, LeaseRef
 from kvpoold.server.attach_service import AttachService
 from kvpoold.server.attachments import MAX_ATTACHMENTS_PER_IDENTITY, AttachmentTable
-from kvpoold.server.auth import DAEMON_CALLER, Caller
 from kvpoold.server.elastic_hooks import ElasticHooks
 from kvpoold.server.give_back import GIVE_BACK_WAIT_S, CachePressure
 from kvpoold.server.lease_service import LeaseService

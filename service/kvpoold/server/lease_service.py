@@ -7,11 +7,11 @@ import logging
 from collections.abc import Sequence
 
 from kvpool.contract.records import HeldMap, Released
+from kvpoold.access import Caller
 from kvpoold.elastic.manager import ElasticPools
 from kvpoold.pools.pool_registry import PoolRegistry
 from kvpoold.server.args import LeaseRef
 from kvpoold.server.attachments import AttachmentTable
-from kvpoold.server.auth import Caller
 from kvpoold.server.give_back import CachePressure
 from kvpoold.server.leases import CacheCounts, Lease, LeaseTable
 from kvpoold.transfer import Transfers

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING
 import grpc
 
 from kvpool.contract.errors import FailedPrecondition
+from kvpoold.access import Authority, Transport
 from kvpoold.listen import Listener, group_id, read_tls
-from kvpoold.server.auth import Authority, TokenAuthInterceptor, Transport
+from kvpoold.server.auth import TokenAuthInterceptor
 
 if TYPE_CHECKING:
     from grpc import aio

@@ -21,12 +21,12 @@ from kvpool.contract.errors import (
 from kvpool.contract.limits import check_pool_name
 from kvpool.contract.plan import PoolPlan
 from kvpool.contract.records import ConfigureResult, Released
+from kvpoold.access import Caller
 from kvpoold.elastic.manager import ElasticPools
 from kvpoold.pools.pool import Pool, open_pool
 from kvpoold.pools.pool_registry import PoolRegistry, fixed_part
 from kvpoold.server.args import ConfigureArgs
 from kvpoold.server.attachments import AttachmentTable
-from kvpoold.server.auth import Caller
 from kvpoold.server.give_back import CachePressure
 from kvpoold.server.leases import LeaseTable
 from kvpoold.server.planning import plan_off_loop

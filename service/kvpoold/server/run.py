@@ -28,9 +28,9 @@ from kvpool.contract.errors import InvalidArgument
 from kvpool.contract.fd_channel import fd_socket_path
 from kvpool.contract.limits import MESSAGE_SIZE_OPTIONS
 from kvpool.v1 import kvpool_pb2_grpc
+from kvpoold.access import Authority, NamedToken, UnixAuth, all_tokens
 from kvpoold.elastic.fd_server import FdServer
 from kvpoold.metrics import DaemonMetrics, MetricsServer, loop_snapshot, start_metrics_server
-from kvpoold.server.auth import Authority, NamedToken, UnixAuth, all_tokens
 from kvpoold.server.backing_select import make_backing_factory
 from kvpoold.server.daemon import Daemon
 from kvpoold.server.intake import IntakeInterceptor

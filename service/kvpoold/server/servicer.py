@@ -15,8 +15,8 @@ from grpc import aio
 
 from kvpool.contract import codec
 from kvpool.v1 import kvpool_pb2_grpc
+from kvpoold.access import Authority, Caller, Transport
 from kvpoold.server import edge
-from kvpoold.server.auth import Authority, Caller, Transport
 from kvpoold.server.daemon import Daemon
 from kvpoold.server.give_back import GIVE_BACK_WAIT_S
 from kvpoold.server.intake import accept

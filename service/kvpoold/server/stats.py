@@ -32,10 +32,10 @@ from kvpoold.settings import (  # daemon.py imports it from here
 from kvpoold.settings import WATCH_MIN_INTERVAL_S
 
 if TYPE_CHECKING:
+    from kvpoold.access import Caller
     from kvpoold.elastic.manager import ElasticPools
     from kvpoold.pools.pool import Pool
     from kvpoold.server.attachments import AttachmentTable
-    from kvpoold.server.auth import Caller
     from kvpoold.server.leases import CacheCounts, Lease, LeaseTable
     from kvpoold.server.loop_clock import StallClock
     from kvpoold.transfer import Transfers

@@ -37,7 +37,7 @@ from kvpoold.server.stats import SLICE_LEASES, lease_slices, take_view, view_key
 
 if TYPE_CHECKING:
     from kvpool.v1 import kvpool_pb2 as pb
-    from kvpoold.server.auth import Caller
+    from kvpoold.access import Caller
     from kvpoold.server.daemon import Daemon
 
 # The longest pause between two builds of one view (see "Paced" above).
