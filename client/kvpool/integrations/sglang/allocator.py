@@ -245,8 +245,7 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
     # -- elastic pools: SGLang's capacity hooks (elastic_upkeep.py) ----------------------------
 
     def grow(self, pages: int) -> int:
-        """Fetch at least ``pages`` more pages into an elastic pool's cache (one Allocate, or
-        none while growth is held off after a refusal); the pages fetched (0 for a fixed pool)."""
+        """Pages fetched into an elastic pool's cache for ``pages`` more (0: fixed pool)."""
         return 0 if self.elastic is None else self.elastic.grow(pages)
 
     def admitted(self) -> None:
@@ -280,18 +279,15 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         return self.elastic.check_decode_capacity(num_tokens, tree_cache)
 
     def verify_byte_accounting(self) -> list[str]:
-        """SGLang's idle diagnostic: for an elastic pool kvpool's conservation check, whose
-        violations SGLang reports (it raises under its strict idle check)."""
+        """SGLang's idle diagnostic: an elastic pool's conservation check (SGLang reports)."""
         return [] if self.elastic is None else self.elastic.verify()
 
     def get_all_free_pages(self) -> None:
-        """None: the allocator has no free list of its own (the free pages of a kvpool pool
-        are the daemon's, shared by its leases). SGLang's leak census skips on None."""
+        """None: no free list here (the pool's free pages are the daemon's); SGLang skips."""
         return None
 
     def merge_and_sort_free(self) -> None:
-        """Nothing to do: frees go straight back to the page cache (SGLang sorts its staged
-        free pages here)."""
+        """Nothing to do: frees go straight back to the page cache."""
 
     def debug_print(self) -> str:
         return (f"kvpool pool={self.pool_name} lease={self.lease.lease_id} "
