@@ -130,9 +130,9 @@ def _dump(scheduler: Any, path: str) -> None:
         "available_size": int(allocator.available_size()),
         "elastic": None if not getattr(allocator, "elastic", False) else {
             "live_available_size": int(allocator.live_available_size()),
-            "cached": int(allocator.cache.cached), "in_use": int(allocator.pages_in_use),
-            "low_pages": int(allocator.low_pages),
-            "pages_per_group": int(allocator.pages_per_group)},
+            "cached": int(allocator.cache.core.cached), "in_use": int(allocator.pages_in_use),
+            "low_pages": int(allocator.elastic.low_pages),
+            "pages_per_group": int(allocator.elastic.pages_per_group)},
         "held_locs": held.tolist(), "written_locs": written.tolist(), "layers": layers,
         "max_running_requests": int(scheduler.max_running_requests),
         "kvpool": None if binding is None else {
@@ -163,9 +163,9 @@ def _leak_check(scheduler: Any, path: str) -> None:
                 "available_size": int(allocator.available_size()),
         "elastic": None if not getattr(allocator, "elastic", False) else {
             "live_available_size": int(allocator.live_available_size()),
-            "cached": int(allocator.cache.cached), "in_use": int(allocator.pages_in_use),
-            "low_pages": int(allocator.low_pages),
-            "pages_per_group": int(allocator.pages_per_group)},
+            "cached": int(allocator.cache.core.cached), "in_use": int(allocator.pages_in_use),
+            "low_pages": int(allocator.elastic.low_pages),
+            "pages_per_group": int(allocator.elastic.pages_per_group)},
                 "live_available_size": int(getattr(allocator, "live_available_size",
                                                    allocator.available_size)())}
 

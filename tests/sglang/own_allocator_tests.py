@@ -131,7 +131,7 @@ def daemon_leases(pool: str) -> dict[str, Any]:
     """The daemon's view of this process's SGLang leases on ``pool`` (still open: the
     allocators their tests built are never closed before exit)."""
     from kvpool.clients.client import KVPoolClient
-    from kvpool.integrations.binding import lease_name_for
+    from kvpool.integrations.pool_binding import lease_name_for
 
     name = lease_name_for("sglang")
     with KVPoolClient(os.environ["KVPOOL_TARGET"]) as client:

@@ -28,6 +28,14 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.integrations.sglang.grow_plan import (
+    admission_growth,
+    capacity_growth,
+    chunk_growth,
+    pages_for,
+    prefill_growth,
+)
+
 log = logging.getLogger(__name__)
 
 
@@ -49,7 +57,9 @@ def live_prefill_budget() -> type:
             """SGLang's check; a request that does not fit grows the allocator's cache by what it
             lacks (only ever adding pages: safe inside an admission) and is checked again."""
             ok, limit = super().check_prefill(**kwargs)
-            if not ok and self._grow(int(kwargs["total_tokens"]) - self.remaining_total + 1):
+            if not ok and self._grow(admission_growth(
+                    total_tokens=int(kwargs["total_tokens"]),
+                    remaining_total=self.remaining_total)):
                 ok, limit = super().check_prefill(**kwargs)
             if not ok:
                 log.debug("kvpool: admission refused a request of %s tokens: %d remaining "
@@ -64,10 +74,10 @@ def live_prefill_budget() -> type:
             that what remains covers every admitted request's decode to its end: growing
             here by this request's share keeps that check from refusing for want of pages
             the daemon would grant."""
-            room = min(self.remaining_current, self.remaining_total)
-            want = paged_input + int(kwargs.get("max_new_tokens") or 0) + self.page_size
-            if room < want:
-                self._grow(want - room)
+            self._grow(prefill_growth(
+                paged_input=paged_input, max_new_tokens=int(kwargs.get("max_new_tokens") or 0),
+                remaining_current=self.remaining_current,
+                remaining_total=self.remaining_total, page_size=self.page_size))
             ok = super().can_allocate_prefill(paged_input=paged_input, **kwargs)
             if not ok and self._grow(paged_input - min(self.remaining_current,
                                                        self.remaining_total)):
@@ -79,8 +89,9 @@ def live_prefill_budget() -> type:
 
         def has_capacity(self) -> bool:
             ok = super().has_capacity()
-            if not ok and self._grow(max(-self.remaining_total, -self.remaining_current, 0)
-                                     + self.page_size):
+            if not ok and self._grow(capacity_growth(
+                    remaining_current=self.remaining_current,
+                    remaining_total=self.remaining_total, page_size=self.page_size)):
                 ok = super().has_capacity()
             if not ok:
                 log.debug("kvpool: admission has no capacity: %d / %d remaining",
@@ -91,8 +102,7 @@ def live_prefill_budget() -> type:
             """The next chunk of a request prefilled in chunks: SGLang's, after growing by what
             the live size lacks of a whole chunk (a small live size would cut every chunk
             short)."""
-            if chunk_limit and self.remaining_total < chunk_limit:
-                self._grow(int(chunk_limit) - int(self.remaining_total))
+            self._grow(chunk_growth(chunk_limit, remaining_total=self.remaining_total))
             return super().available_chunk_tokens(chunk_limit)
 
         def reserve(self, *args: Any, **kwargs: Any) -> None:
@@ -101,8 +111,9 @@ def live_prefill_budget() -> type:
             self.allocator.admitted()
 
         def _grow(self, tokens: int) -> bool:
-            """Ask the allocator for ``tokens`` more (in whole pages); whether it got any."""
-            return tokens > 0 and self.allocator.grow(-(-tokens // self.page_size)) > 0
+            """Ask the allocator for ``tokens`` more (in whole pages, once: a refusal holds
+            growth off, ``grow_plan.Backoff``); whether it got any."""
+            return tokens > 0 and self.allocator.grow(pages_for(tokens, self.page_size)) > 0
 
     return LivePrefillBudget
 
