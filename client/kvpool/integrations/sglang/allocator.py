@@ -317,6 +317,9 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
             self.frees.return_copied(wait=True)
             if cache.core.cached >= n:
                 ids = cache.try_alloc(n)
+        if ids is None and cache.core.returning:  # pages on their way back: wait for that
+            cache.settle()  # fact (the return's reply) and ask once more: SGLang expects pages
+            ids = cache.try_alloc(n)
         if ids is None:
             if not self._short_warned:
                 self._short_warned = True
