@@ -26,14 +26,14 @@ from grpc_reflection.v1alpha import reflection
 
 from kvpool.contract.errors import InvalidArgument
 from kvpool.contract.fd_channel import fd_socket_path
-from kvpool.contract.limits import MESSAGE_SIZE_OPTIONS
+from kvpool.contract.limits import SERVER_MESSAGE_OPTIONS
 from kvpool.v1 import kvpool_pb2_grpc
 from kvpoold.elastic.fd_server import FdServer
 from kvpoold.metrics import DaemonMetrics, MetricsServer, loop_snapshot, start_metrics_server
 from kvpoold.server.auth import Authority, NamedToken, UnixAuth, all_tokens
 from kvpoold.server.backing_select import make_backing_factory
 from kvpoold.server.daemon import Daemon
-from kvpoold.server.intake import IntakeInterceptor
+from kvpoold.server.intake import Bound, IntakeInterceptor, free_bound
 from kvpoold.server.listeners import (
     Listener,
     auth_interceptors,
@@ -68,8 +68,9 @@ SWEEP_SLICE_IDS = 1 << 18
 # and with a pause of 0 (a loop that never blocks in select) other clients' calls waited for the
 # whole sweep: Allocate p99 143 ms, against 9 ms with 1 ms (bench/lease_expiry.py, 4,000 leases).
 SWEEP_PAUSE_S = 0.001
-# Stats with thousands of leases and big id batches are larger than gRPC's 4 MiB default.
-_OPTIONS = (*MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0))
+# Replies up to 64 MiB (Stats of thousands of leases); requests up to the largest method bound,
+# so gRPC refuses a larger one before it reaches the event loop (kvpool.contract.limits).
+_OPTIONS = (*SERVER_MESSAGE_OPTIONS, ("grpc.so_reuseport", 0))
 
 
 @dataclass
@@ -146,18 +147,22 @@ def create_server(
     replies = StatsReplies(daemon)  # one for both servicers: their Stats callers share builds
     unix = [x for x in listeners if x.transport == "unix"]
     tcp = [x for x in listeners if x.transport == "tcp"]
+    registry = daemon.registry
+    bounds = {"Free": free_bound(lambda: registry.most_ids)}
     try:
         if unix:
             servicer = KVPoolServicer(daemon, closing, rpc_observer, authority=authority,
                                       transport="unix", replies=replies)
-            server = _new_server(servicer, built.health, auth_interceptors(authority, "unix"))
+            server = _new_server(servicer, built.health, auth_interceptors(authority, "unix"),
+                                 bounds)
             built.sockets += bind_unix(server, unix, gid)
             built.addresses += [x.grpc_address for x in unix]
             built.servers.append(server)
         if tcp:
             servicer = KVPoolServicer(daemon, closing, rpc_observer, authority=authority,
                                       transport="tcp", replies=replies)
-            server = _new_server(servicer, built.health, auth_interceptors(authority, "tcp"))
+            server = _new_server(servicer, built.health, auth_interceptors(authority, "tcp"),
+                                 bounds)
             built.addresses += bind_tcp(server, tcp, tls)
             built.servers.append(server)
     except BaseException:
@@ -167,9 +172,11 @@ def create_server(
 
 
 def _new_server(servicer: KVPoolServicer, health_servicer: health.aio.HealthServicer,
-                interceptors: Sequence[aio.ServerInterceptor]) -> aio.Server:
+                interceptors: Sequence[aio.ServerInterceptor],
+                bounds: dict[str, Bound]) -> aio.Server:
     # The intake check runs last: a TCP call's token is checked before its message is read.
-    server = aio.server(interceptors=(*interceptors, IntakeInterceptor()), options=_OPTIONS)
+    server = aio.server(interceptors=(*interceptors, IntakeInterceptor(bounds)),
+                        options=_OPTIONS)
     kvpool_pb2_grpc.add_KVPoolServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
