@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,17 +176,18 @@ class DaemonProcess:
 
 @contextlib.contextmanager
 def run_daemon(socket_dir: Path, *args: str, budget: str = "64MiB",
-               extra_listen: Sequence[str] = (), timeout_s: float = 30.0
-               ) -> Iterator[DaemonProcess]:
+               extra_listen: Sequence[str] = (), timeout_s: float = 30.0,
+               preexec_fn: Callable[[], None] | None = None) -> Iterator[DaemonProcess]:
     """Start ``kvpoold serve`` on ``socket_dir/kvpool.sock``, wait until it serves, yield it,
-    and always stop it (SIGTERM, then SIGKILL)."""
+    and always stop it (SIGTERM, then SIGKILL). ``preexec_fn`` runs in the child before it
+    starts (a lowered RLIMIT_NOFILE)."""
     sock = socket_dir / "kvpool.sock"
     log = socket_dir / "kvpoold.log"
     cmd = [sys.executable, "-m", "kvpoold.main", "serve", "--listen", f"unix://{sock}",
            "--budget", budget, *(a for x in extra_listen for a in ("--listen", x)), *args]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT,
-                                cwd=REPO)
+                                cwd=REPO, preexec_fn=preexec_fn)
     daemon = DaemonProcess(proc, sock, log)
     try:
         wait_serving(daemon.target, timeout_s, proc)

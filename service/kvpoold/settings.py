@@ -83,6 +83,12 @@ MAX_LEASES_PER_IDENTITY = 1024
 MAX_ATTACHMENTS_PER_IDENTITY = 256
 WATCH_MIN_INTERVAL_S = 0.5
 MAX_WATCH_STREAMS_PER_IDENTITY = 4
+# Connections one listener serves at once (the Unix sockets' gRPC server, the TCP server, the
+# descriptor socket), and one peer uid on the descriptor socket: held connections cannot take
+# every descriptor of the daemon (docs/security.md, "Exhaustion").
+MAX_CONNECTIONS = 1024
+MAX_CONNECTIONS_PER_UID = 256
+MAX_CONNECTIONS_CAP = 1 << 20
 
 
 def _setting(description: str, *, metavar: str | None = None, hint: str | None = None,
@@ -117,7 +123,8 @@ class ServeConfig(Base):
                  metavar="SIZE"),
     ] = "1GiB"
     socket_group: Annotated[str | None, _setting(
-        "make the Unix sockets 0660 for this group, a name or gid (without it: 0600, the "
+        "make every Unix socket the daemon creates (its gRPC sockets and the descriptor "
+        "socket beside them) 0660 for this group, a name or gid (without it: 0600, the "
         "daemon's user only)",
         metavar="GROUP",
     )] = None
@@ -159,6 +166,14 @@ class ServeConfig(Base):
         "for less gets this)",
         metavar="S", ge=MIN_WATCH_INTERVAL_FLOOR_S, le=MAX_WATCH_MIN_INTERVAL_S,
     )] = WATCH_MIN_INTERVAL_S
+    max_connections: Annotated[int, _setting(
+        "the most connections one listener serves at once (the Unix sockets, the TCP "
+        "listeners, the descriptor socket: each); one more is closed at once",
+        metavar="N", ge=1, le=MAX_CONNECTIONS_CAP)] = MAX_CONNECTIONS
+    max_connections_per_uid: Annotated[int, _setting(
+        "the most connections one peer uid holds open on the descriptor socket at once; one "
+        "more is answered RESOURCE_EXHAUSTED",
+        metavar="N", ge=1, le=MAX_CONNECTIONS_CAP)] = MAX_CONNECTIONS_PER_UID
     allow_insecure_tcp: Annotated[bool, _setting(
         "serve TCP on a non-loopback address without a token (refused otherwise: anyone who "
         "reaches it could allocate and map pools)")] = False

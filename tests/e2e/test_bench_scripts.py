@@ -17,6 +17,7 @@ SCRIPTS = {
     "attach.py": ["--sizes-mib", "8", "--reps", "1"],
     "elastic.py": ["--rounds", "1", "--groups", "2", "--reclaims", "3"],
     "engine_step.py": ["--steps", "60", "--rounds", "1", "--requests", "16"],
+    "hostile_free.py": ["--quick", "--frees", "1", "--window-s", "0.3"],
     "lease_expiry.py": ["--quick"],
     "page_cache.py": ["--calls", "200"],
     "plan_build.py": ["--runs", "1", "--build-runs", "1"],

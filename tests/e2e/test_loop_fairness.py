@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from kvpool.clients.client import KVPoolClient
-from kvpool.contract.limits import MESSAGE_SIZE_OPTIONS
+from kvpool.contract.limits import MAX_REQUEST_MESSAGE_BYTES, MESSAGE_SIZE_OPTIONS
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
 from tests.conftest import DaemonProcess, run_daemon, temp_dir
@@ -68,9 +68,11 @@ def stub(d: DaemonProcess) -> tuple[grpc.Channel, kvpool_pb2_grpc.KVPoolStub]:
 
 
 def test_refused_60mb_frees_beside_a_probe(daemon: DaemonProcess) -> None:
-    """Ten Frees of 15M ids (60 MB, within the bounds) by a lease holding nothing, and ten by a
-    lease holding one page sending it 15M times: each is refused naming the first bad id
-    (position 0, then 1), nothing changes, and every probe call beside them succeeds."""
+    """Ten Frees of 15M ids (60 MB) are refused by gRPC itself, over every request bound; ten of
+    4M ids (16 MB, under gRPC's limit) by their size, over what the pool's ids explain; and
+    Frees the pool's size allows, by a lease holding nothing and by a lease holding one page
+    sending it over and over, are refused naming the first bad id (position 0, then 1). Nothing
+    changes, and every probe call beside them succeeds."""
     channel, raw = stub(daemon)
     with channel, KVPoolClient(daemon.target) as client, Probe(daemon.target) as probe:
         empty = raw.OpenLease(pb.OpenLeaseRequest(name="empty", ttl_seconds=60))
@@ -80,10 +82,15 @@ def test_refused_60mb_frees_beside_a_probe(daemon: DaemonProcess) -> None:
             items=[pb.AllocateItem(space="kv", count=1)])).items[0].ids, "<i4")[0])
         free = channel.unary_unary("/kvpool.v1.KVPool/Free", request_serializer=None,
                                    response_deserializer=None)
+        within = 16_000  # ids: a message under the pool's bound (4,096 pages and the rest)
         cases = [
-            (empty, np.arange(1, 15_000_001, dtype="<i4")[::-1], grpc.StatusCode.INVALID_ARGUMENT,
-             "items[0].ids[0]=15000000: out of range"),
-            (one, np.full(15_000_000, page, dtype="<i4"), grpc.StatusCode.INVALID_ARGUMENT,
+            (empty, np.arange(1, 15_000_001, dtype="<i4"), grpc.StatusCode.RESOURCE_EXHAUSTED,
+             f"Received message larger than max (60000048 vs. {MAX_REQUEST_MESSAGE_BYTES})"),
+            (empty, np.arange(1, 4_000_001, dtype="<i4"), grpc.StatusCode.INVALID_ARGUMENT,
+             "B for Free: the largest live pool has"),
+            (empty, np.arange(1, within + 1, dtype="<i4")[::-1], grpc.StatusCode.INVALID_ARGUMENT,
+             f"items[0].ids[0]={within}: out of range"),
+            (one, np.full(within, page, dtype="<i4"), grpc.StatusCode.INVALID_ARGUMENT,
              f"items[0].ids[1]={page}: repeated (also at items[0].ids[0])"),
         ]
         for lease, ids, code, text in cases:
@@ -91,7 +98,6 @@ def test_refused_60mb_frees_beside_a_probe(daemon: DaemonProcess) -> None:
                                      lease_secret=lease.lease_secret,
                                      items=[pb.IdList(space="kv", ids=ids.tobytes())]
                                      ).SerializeToString()
-            assert len(request) > 60_000_000
             for _ in range(10):
                 with pytest.raises(grpc.RpcError) as info:
                     free(request, timeout=120)

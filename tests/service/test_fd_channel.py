@@ -134,6 +134,32 @@ async def test_garbage_oversized_and_silent_asks_are_refused(server: FdServer) -
     assert server.refused == 3 and server.answered == 0
 
 
+async def test_one_connection_over_the_per_uid_cap_is_refused_at_once(socket_dir: Path,
+                                                                      memfd: int) -> None:
+    """Two silent connections of this uid are served (waiting for their asks); a third of the
+    same uid is answered RESOURCE_EXHAUSTED at once, naming the cap and its flag; once one
+    ends, the next is served."""
+    srv = FdServer(socket_dir / "q.sock.fd", authorize_for(memfd), max_connections_per_uid=2)
+    await srv.start()
+    silent = [await asyncio.open_unix_connection(str(srv.path)) for _ in range(2)]
+    try:
+        while srv.connections < 2:  # both accepted
+            await asyncio.sleep(0.01)
+        out = await client(srv.path)
+        assert out.stdout.startswith(
+            f"refused RESOURCE_EXHAUSTED connections: uid {os.getuid()} has 2 connections open "
+            "on the descriptor socket, at most 2 (kvpoold serve --max-connections-per-uid)"), out
+        silent.pop()[1].close()
+        while srv.connections > 1:
+            await asyncio.sleep(0.01)
+        out = await client(srv.path)
+        assert out.stdout == "mapped memfd kvpool-bytes\n", out
+    finally:
+        for _reader, writer in silent:
+            writer.close()
+        await srv.close()
+
+
 async def test_a_uid_not_served_is_refused(socket_dir: Path, memfd: int) -> None:
     srv = FdServer(socket_dir / "u.sock.fd", authorize_for(memfd),
                    uids=frozenset({os.getuid() + 12345}))

@@ -11,9 +11,11 @@ import numpy as np
 
 from kvpool.contract.errors import InvalidArgument, echo
 
-# The largest gRPC message either side sends or accepts (a Free of 16M ids is 64 MiB of int32).
+# The largest gRPC message a client sends or accepts, and the daemon sends (a Stats reply of
+# thousands of leases is larger than gRPC's 4 MiB default).
 MAX_MESSAGE_BYTES = 64 << 20
-# gRPC channel/server options that apply MAX_MESSAGE_BYTES in both directions.
+# gRPC channel options that apply MAX_MESSAGE_BYTES in both directions (the daemon's own:
+# SERVER_MESSAGE_OPTIONS, below the request bounds).
 MESSAGE_SIZE_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -31,23 +33,33 @@ ID_DTYPE = np.dtype("<i4")
 MAX_LAYERS = 1024
 # Items of one Allocate or Free: an engine's batch call has one per request of the batch.
 MAX_ITEMS_PER_CALL = 4096
-# Ids of one Free (all items together), and ids of one transfer call: 16M int32 = 64 MiB.
-MAX_IDS_PER_CALL = 1 << 24
+# Ids of one Free (all items together): 4M int32 = 16 MiB. Every byte of a request under the
+# daemon's receive limit is copied once more on its event loop by gRPC before any check can see
+# it (~3 ms a MB on a busy 2-core host, bench/hostile_free.py), so this is what one hostile
+# Free can cost everyone else at most. The client refuses a larger Free before sending it
+# (kvpool.contract.wire.free_request): split it into several calls.
+MAX_IDS_PER_CALL = 1 << 22
 # Characters of a name a request gives that the daemon keeps or logs: a lease's name, a model's
 # architecture (``ModelSpec.architecture``, a HF config's class name).
 MAX_NAME_CHARS = 128
 # Characters of ``hf_config_json`` (real config.json files are < 100 KB).
 MAX_CONFIG_CHARS = 1 << 20
+# A Free names each id it returns once, and a lease holds at most every id of a pool: a Free
+# larger than the largest live pool's ids (4 B each) plus the rest of the message cannot be
+# honest. The rest: the lease (id, secret), the pool name and per item (MAX_ITEMS_PER_CALL) a
+# space name of MAX_NAME_CHARS and the tags and lengths (16 B).
+FREE_OVERHEAD_BYTES = (4 << 10) + MAX_ITEMS_PER_CALL * (MAX_NAME_CHARS + 16)
 # Bytes of one request message, per method, checked before the message is parsed. Every method
-# has its bound, sized for the bounds above with room to spare; only Free (16M ids) takes the
-# whole MAX_MESSAGE_BYTES.
+# has its bound, sized for the bounds above with room to spare; Free's is the largest
+# (MAX_IDS_PER_CALL ids), and the daemon bounds it further by its live pools
+# (free_request_bytes).
 MAX_REQUEST_BYTES: dict[str, int] = {
     "Configure": MAX_CONFIG_CHARS + (64 << 10),
     "OpenLease": 4 << 10,
     "KeepAlive": 256 << 10,
     "CloseLease": 1 << 10,
     "Allocate": 128 << 10,  # 4,096 items of a short space name and a count
-    "Free": MAX_MESSAGE_BYTES,
+    "Free": MAX_IDS_PER_CALL * ID_DTYPE.itemsize + FREE_OVERHEAD_BYTES,
     "Stats": 1 << 10,
     "WatchStats": 1 << 10,
     "Drop": 1 << 10,
@@ -65,6 +77,32 @@ MAX_REQUEST_BYTES: dict[str, int] = {
     # A token and a failure's text (a status message: 2,048 characters, 8 KiB of UTF-8 at most).
     "PeerDone": 16 << 10,
 }
+# The daemon's gRPC receive limit: the largest request bound. gRPC refuses a larger message
+# itself (RESOURCE_EXHAUSTED, "Received message larger than max") as it arrives, off the event
+# loop and before any byte of it reaches Python; a smaller one over its method's bound is
+# refused by the daemon's intake (INVALID_ARGUMENT) after gRPC copied it onto the loop.
+MAX_REQUEST_MESSAGE_BYTES = max(MAX_REQUEST_BYTES.values())
+# The daemon's gRPC server options: replies up to MAX_MESSAGE_BYTES, requests up to
+# MAX_REQUEST_MESSAGE_BYTES.
+SERVER_MESSAGE_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_REQUEST_MESSAGE_BYTES),
+)
+
+
+def free_request_bytes(most_ids: int) -> int:
+    """The bound of one Free's message when the largest live pool has ``most_ids`` ids (all its
+    spaces together): 4 B per id plus FREE_OVERHEAD_BYTES, at most MAX_REQUEST_BYTES["Free"].
+
+    Args:
+        most_ids: ids of the live pool with the most (0: no pool).
+
+    Returns:
+        Bytes.
+    """
+    return min(MAX_REQUEST_BYTES["Free"], most_ids * ID_DTYPE.itemsize + FREE_OVERHEAD_BYTES)
+
+
 # Characters of user input an error message quotes (the rest is elided, with its length).
 MAX_ECHO_CHARS = 80
 

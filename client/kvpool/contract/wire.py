@@ -19,7 +19,7 @@ import numpy as np
 from google.protobuf import json_format
 
 from kvpool.contract.errors import InvalidArgument, KVPoolError, error_from_code
-from kvpool.contract.limits import FIELD_METADATA_KEY, ID_DTYPE
+from kvpool.contract.limits import FIELD_METADATA_KEY, ID_DTYPE, MAX_IDS_PER_CALL
 from kvpool.contract.spec import decode_spec
 from kvpool.v1 import kvpool_pb2 as pb
 
@@ -240,12 +240,23 @@ def allocate_request(pool: str, lease: LeaseLike,
 
 def free_request(pool: str, lease: LeaseLike, items: Sequence[tuple[str | int, Any]]
                  ) -> pb.FreeRequest:
-    """A Free of ``items``."""
-    return pb.FreeRequest(pool=pool, lease_id=lease.lease_id, lease_secret=lease.secret, items=[
+    """A Free of ``items``.
+
+    Raises:
+        InvalidArgument: more than MAX_IDS_PER_CALL ids in all (the daemon would refuse the
+            message by its size), or ids that are not int32.
+    """
+    req = pb.FreeRequest(pool=pool, lease_id=lease.lease_id, lease_secret=lease.secret, items=[
         pb.IdList(space=space_name(space, f"items[{i}].space"),
                   ids=ids_bytes(ids, f"items[{i}].ids"))
         for i, (space, ids) in enumerate(items)
     ])
+    total = sum(len(item.ids) for item in req.items) // ID_DTYPE.itemsize
+    if total > MAX_IDS_PER_CALL:
+        raise InvalidArgument(f"free has {total:,} ids, at most {MAX_IDS_PER_CALL:,} per call "
+                              "(kvpool.contract.limits.MAX_IDS_PER_CALL); split it into "
+                              "several calls", field="items")
+    return req
 
 
 # -- transfers between daemons ------------------------------------------------------------------

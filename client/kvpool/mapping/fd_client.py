@@ -21,8 +21,8 @@ def fetch_fds(path: str, ask: FdAsk, timeout_s: float = 10.0) -> tuple[list[int]
     closes them) and the answer, whose ``ranges`` (for an ask of parts) say where each goes.
 
     Raises:
-        Unavailable: nobody listens on ``path``, the answer is garbage, or it carries another
-            number of descriptors than ranges.
+        Unavailable: nobody listens on ``path``, it closed without an answer, the answer is
+            garbage, or it carries another number of descriptors than ranges.
         KVPoolError: the daemon's refusal, as its status code's class.
     """
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
@@ -32,9 +32,17 @@ def fetch_fds(path: str, ask: FdAsk, timeout_s: float = 10.0) -> tuple[list[int]
         except OSError as exc:
             raise Unavailable(f"no kvpoold descriptor socket at {path}: "
                               f"{exc.strerror or exc}", field="target") from None
-        conn.sendall(msgspec.json.encode(ask))
-        conn.shutdown(socket.SHUT_WR)
-        data, fds, flags, _addr = socket.recv_fds(conn, MAX_ANSWER_BYTES, MAX_FDS_PER_ANSWER)
+        try:
+            conn.sendall(msgspec.json.encode(ask))
+            conn.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # a daemon over its connection caps answers before reading: read its answer
+        try:
+            data, fds, flags, _addr = socket.recv_fds(conn, MAX_ANSWER_BYTES,
+                                                      MAX_FDS_PER_ANSWER)
+        except OSError as exc:
+            raise Unavailable(f"kvpoold on {path} closed the descriptor socket without an "
+                              f"answer: {exc.strerror or exc}", field="target") from None
     try:
         answer = msgspec.json.decode(data, type=FdAnswer)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

@@ -3,7 +3,15 @@
 Runs on the daemon's event loop: accept, read one bounded ask (with a deadline, so a client
 that connects and says nothing holds nothing), check the peer's uid and the lease through the
 daemon's ``authorize`` callback, answer with the descriptors attached. The socket is 0600
-(0660 with a group), like the gRPC socket it sits beside, and removed on close.
+(0660 with the ``--socket-group``: then any uid that can open it is served, the lease secret
+being the proof, as on the gRPC socket beside it), created owner-only and given its group
+before its mode (``kvpoold.socket_files``), and removed on close.
+
+Exhaustion: at most ``max_connections`` connections are served at once, and
+``max_connections_per_uid`` per peer uid; one more is answered RESOURCE_EXHAUSTED at once and
+closed. An accept that fails for want of descriptors (EMFILE, ENFILE, ENOBUFS, ENOMEM) does not
+end the loop: it reports the socket down (``on_state``), backs off (10 ms doubling to 0.25 s)
+and retries, and reports it up at the next accepted connection.
 
 ``authorize`` returns either ``(fd, size, kind)`` (one descriptor the daemon keeps open: a
 pool's sparse file) or an :class:`FdGrant` (several descriptors, each with its range; when
@@ -14,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -23,9 +32,17 @@ from pathlib import Path
 
 import msgspec
 
-from kvpool.contract.errors import Internal, InvalidArgument, KVPoolError, PermissionDenied
+from kvpool.contract.errors import (
+    Internal,
+    InvalidArgument,
+    KVPoolError,
+    PermissionDenied,
+    ResourceExhausted,
+)
 from kvpool.contract.fd_channel import MAX_ASK_BYTES, MAX_FDS_PER_ANSWER, FdAnswer, FdAsk
+from kvpoold.settings import MAX_CONNECTIONS, MAX_CONNECTIONS_PER_UID
 from kvpoold.sharing.base import FdGrant
+from kvpoold.socket_files import finish_socket, owner_only
 
 log = logging.getLogger("kvpoold.elastic")
 
@@ -34,6 +51,14 @@ log = logging.getLogger("kvpoold.elastic")
 Authorize = Callable[[FdAsk, int], "tuple[int, int, str] | FdGrant"]
 ASK_TIMEOUT_S = 5.0
 DRAIN_BYTES = 1 << 16
+# Accept errors that mean "no descriptor or buffer now": back off and retry.
+EXHAUSTED_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+# Accept errors of one connection (its peer gave up first): accept the next.
+CONNECTION_ERRNOS = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.EINTR})
+BACKOFF_MIN_S = 0.01
+BACKOFF_MAX_S = 0.25
+# (accepting, why) on each change: the daemon's ListenerHealth.
+StateReport = Callable[[bool, str], None]
 
 
 def peer_uid(conn: socket.socket) -> int:
@@ -49,41 +74,123 @@ class FdServer:
     Args:
         path: the side socket (``<grpc socket>.fd``).
         authorize: the daemon's check of an ask; returns what to send.
-        uids: the uids served (default: the daemon's own and root).
-        mode: the socket file's mode.
+        uids: the uids served without a group (default: the daemon's own and root).
+        gid: the ``--socket-group``: the file becomes 0660 for it, and any uid that can open
+            it is served (the lease secret is the proof); None: 0600.
+        max_connections: connections served at once.
+        max_connections_per_uid: connections of one peer uid served at once.
+        on_state: told ``(accepting, why)`` when accepting stops or resumes.
     """
 
-    def __init__(self, path: Path, authorize: Authorize, uids: frozenset[int] | None = None,
-                 mode: int = 0o600) -> None:
+    def __init__(self, path: Path, authorize: Authorize,
+                 uids: frozenset[int] | None = None, *, gid: int | None = None,
+                 max_connections: int = MAX_CONNECTIONS,
+                 max_connections_per_uid: int = MAX_CONNECTIONS_PER_UID,
+                 on_state: StateReport | None = None) -> None:
         self.path = path
         self._authorize = authorize
-        self._uids = uids if uids is not None else frozenset({os.getuid(), 0})
-        self._mode = mode
+        # None: any uid (the file's group decides who can connect)
+        self._uids = None if gid is not None else uids or frozenset({os.getuid(), 0})
+        self._gid = gid
+        self._max = max_connections
+        self._max_per_uid = max_connections_per_uid
+        self._on_state = on_state or (lambda _accepting, _why: None)
         self._sock: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._serving: set[asyncio.Task[None]] = set()
+        self._per_uid: dict[int, int] = {}
         self.answered = 0
         self.refused = 0
+        self.accepting = True
+
+    @property
+    def connections(self) -> int:
+        """Connections being served now."""
+        return len(self._serving)
 
     async def start(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
-        sock.bind(str(self.path))
-        os.chmod(self.path, self._mode)
-        sock.listen(64)
-        sock.setblocking(False)
+        try:
+            with owner_only():
+                sock.bind(str(self.path))
+            finish_socket(self.path, self._gid)
+            sock.listen(min(self._max, socket.SOMAXCONN))
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
         self._sock = sock
         self._task = asyncio.get_running_loop().create_task(self._accept_loop())
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
         assert self._sock is not None
+        backoff = BACKOFF_MIN_S
         while True:
-            conn, _ = await loop.sock_accept(self._sock)
-            task = loop.create_task(self._serve(conn))
-            self._serving.add(task)  # a reference until it ends (the loop keeps only weak ones)
-            task.add_done_callback(self._serving.discard)
+            try:
+                conn, _ = await loop.sock_accept(self._sock)
+            except OSError as exc:
+                if exc.errno in CONNECTION_ERRNOS:
+                    continue
+                if exc.errno not in EXHAUSTED_ERRNOS:  # unknown: logged, and never the end
+                    log.exception("descriptor socket accept failed", extra={"fields": {
+                        "event": "fd_accept_error", "path": str(self.path)}})
+                    await asyncio.sleep(BACKOFF_MAX_S)
+                    continue
+                if self.accepting:
+                    self.accepting = False
+                    self._on_state(False, f"accept: {os.strerror(exc.errno or 0)}")
+                await asyncio.sleep(backoff)  # the socket stays readable: never spin
+                backoff = min(2 * backoff, BACKOFF_MAX_S)
+                continue
+            backoff = BACKOFF_MIN_S
+            if not self.accepting:
+                self.accepting = True
+                self._on_state(True, "")
+            self._admit(loop, conn)
+
+    def _admit(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
+        """Serve ``conn`` in its own task, or refuse it at once when over a cap."""
+        try:
+            uid = peer_uid(conn)
+        except OSError:
+            conn.close()
+            return
+        held = self._per_uid.get(uid, 0)
+        if len(self._serving) >= self._max or held >= self._max_per_uid:
+            self._refuse_now(conn, uid, held)
+            return
+        self._per_uid[uid] = held + 1
+        task = loop.create_task(self._serve(conn))
+        self._serving.add(task)  # a reference until it ends (the loop keeps only weak ones)
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._serving.discard(t)
+            left = self._per_uid.pop(uid) - 1
+            if left:
+                self._per_uid[uid] = left
+
+        task.add_done_callback(done)
+
+    def _refuse_now(self, conn: socket.socket, uid: int, held: int) -> None:
+        """Answer RESOURCE_EXHAUSTED and close, without waiting for the ask: whatever of it has
+        arrived is read first, so that closing does not reset the connection."""
+        self.refused += 1
+        if len(self._serving) >= self._max:
+            why = (f"the descriptor socket serves {len(self._serving):,} connections, at most "
+                   f"{self._max:,} (kvpoold serve --max-connections); try again")
+        else:
+            why = (f"uid {uid} has {held:,} connections open on the descriptor socket, at most "
+                   f"{self._max_per_uid:,} (kvpoold serve --max-connections-per-uid); close "
+                   "some or try again")
+        with conn:
+            conn.setblocking(False)
+            with contextlib.suppress(OSError):
+                conn.recv(MAX_ASK_BYTES + 1)
+            err = ResourceExhausted(why, field="connections")
+            self._send(conn, FdAnswer(code=err.code, message=str(err)), None)
 
     async def _serve(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -94,7 +201,7 @@ class FdServer:
                 # unread bytes would reset the connection instead)
                 raw = await asyncio.wait_for(self._read_ask(loop, conn), ASK_TIMEOUT_S)
                 uid = peer_uid(conn)
-                if uid not in self._uids:
+                if self._uids is not None and uid not in self._uids:
                     raise PermissionDenied(f"uid {uid} may not map pools of this daemon",
                                            field="uid")
                 try:

@@ -40,6 +40,10 @@ class PoolRegistry:
         self.building: dict[str, asyncio.Event] = {}
         self.reserved_bytes = 0
         self.dropping: dict[str, Pool] = {}
+        # Ids of the live pool with the most (all its spaces): the most one Free can name,
+        # which bounds its message before it is parsed (kvpoold.server.intake). Kept on each
+        # change of ``pools`` so that a call reads it in O(1).
+        self.most_ids = 0
         self._on_released = on_released
         self._closing: set[asyncio.Future[None]] = set()
 
@@ -68,6 +72,7 @@ class PoolRegistry:
         done = self.building.pop(name)
         if pool is not None:
             self.pools[name] = pool
+            self._count_ids()
         done.set()
 
     # -- dropping ---------------------------------------------------------------------------
@@ -83,6 +88,7 @@ class PoolRegistry:
         pool = self.pools.pop(name, None)
         if pool is None:
             raise Internal(f"drop of pool {name!r}, which is not live")
+        self._count_ids()
         self.dropping[name] = pool
         released: asyncio.Future[None] | None = None
 
@@ -115,6 +121,11 @@ class PoolRegistry:
             pool.close()
         self.pools.clear()
         self.dropping.clear()
+        self._count_ids()
+
+    def _count_ids(self) -> None:
+        self.most_ids = max((sum(s.capacity for s in p.plan.id_spaces)
+                             for p in self.pools.values()), default=0)
 
     def audit(self) -> None:
         """Every pool's invariants, and the registry's: a name in one place only, dropped pools
@@ -134,5 +145,9 @@ class PoolRegistry:
             if pool.state == "live":
                 raise Internal(f"pool {pool.name!r} is listed dropping but is live")
             pool.audit()
+        most = self.most_ids
+        self._count_ids()
+        if most != self.most_ids:
+            raise Internal(f"most_ids was {most:,}, the live pools' largest is {self.most_ids:,}")
         if self.reserved_bytes < 0 or (self.reserved_bytes and not self.building):
             raise Internal(f"{self.reserved_bytes} B reserved with no build running")

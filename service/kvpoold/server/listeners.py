@@ -1,8 +1,9 @@
 """Where the daemon listens and how: addresses, socket files and their modes, TLS, the TCP token.
 
 A Unix socket is guarded by its file mode: ``0600`` (the daemon's user), or ``0660`` owned by
-``--socket-group``; its directory is created ``0700``/``0750`` and a stale socket left by a dead
-daemon is removed, a live one refused. A TCP listener is guarded by the token
+``--socket-group``, bound owner-only and given its group before its mode
+(``kvpoold.socket_files``); its directory is created ``0700``/``0750`` and a stale socket left
+by a dead daemon is removed, a live one refused. A TCP listener is guarded by the token
 (:class:`~kvpoold.server.auth.TokenAuthInterceptor`) and optionally TLS; without a token it is
 served on loopback only, unless ``--allow-insecure-tcp``.
 """
@@ -25,6 +26,7 @@ from kvpool.contract.errors import FailedPrecondition
 from kvpoold.access import Authority, Transport
 from kvpoold.listen import Listener, group_id, read_tls
 from kvpoold.server.auth import TokenAuthInterceptor
+from kvpoold.socket_files import finish_socket, owner_only
 
 if TYPE_CHECKING:
     from grpc import aio
@@ -36,10 +38,8 @@ __all__ = ["Listener", "auth_interceptors", "bind_tcp", "bind_unix", "group_id",
            "remove_sockets", "secure_sockets"]
 
 def bind_unix(server: aio.Server, listeners: Sequence[Listener], gid: int | None) -> list[Path]:
-    """Bind ``listeners`` (Unix sockets) on ``server``; the files are created ``0600``/``0660``.
-
-    The umask is set around the bind so there is no moment when a socket file is open to
-    others; :func:`secure_sockets` sets the mode and group again once the server started.
+    """Bind ``listeners`` (Unix sockets) on ``server``: each file is created ``0600`` and then
+    given the group and ``0660`` (``kvpoold.socket_files``), never open to others meanwhile.
 
     Args:
         server: the (not yet started) server for the Unix sockets.
@@ -57,16 +57,15 @@ def bind_unix(server: aio.Server, listeners: Sequence[Listener], gid: int | None
     for x in listeners:
         prepare_socket_path(Path(x.address), gid)
     bound: list[Path] = []
-    umask = os.umask(0o117 if gid is not None else 0o177)
     try:
         for x in listeners:
-            _bind(server.add_insecure_port, x)
+            with owner_only():
+                _bind(server.add_insecure_port, x)
             bound.append(Path(x.address))
+            finish_socket(Path(x.address), gid)
     except BaseException:
         remove_sockets(bound)
         raise
-    finally:
-        os.umask(umask)
     return bound
 
 
@@ -113,28 +112,15 @@ def auth_interceptors(authority: Authority, transport: Transport = "tcp"
 
 
 def secure_sockets(paths: Sequence[Path], gid: int | None) -> None:
-    """Set the bound socket files' mode (``0600``, or ``0660`` with ``gid``) and group.
+    """Set the bound socket files' group and mode (``0600``, or ``0660`` with ``gid``) again
+    once the server has started (:func:`bind_unix` did already).
 
     Args:
-        paths: the socket files, once the server has started.
+        paths: the socket files.
         gid: the ``--socket-group``, or None.
     """
-    for path in paths:  # the umask made them so already; be explicit anyway
-        os.chmod(path, socket_mode(gid))
-        if gid is not None:
-            os.chown(path, -1, gid)
-
-
-def socket_mode(gid: int | None) -> int:
-    """``0660`` with a socket group, else ``0600``.
-
-    Args:
-        gid: the ``--socket-group``, or None.
-
-    Returns:
-        The socket file mode.
-    """
-    return 0o660 if gid is not None else 0o600
+    for path in paths:
+        finish_socket(path, gid)
 
 
 def remove_sockets(paths: Sequence[Path]) -> None:

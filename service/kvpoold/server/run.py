@@ -21,19 +21,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpc import aio
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvpool.contract.errors import InvalidArgument
 from kvpool.contract.fd_channel import fd_socket_path
-from kvpool.contract.limits import MESSAGE_SIZE_OPTIONS
+from kvpool.contract.limits import SERVER_MESSAGE_OPTIONS
 from kvpool.v1 import kvpool_pb2_grpc
 from kvpoold.access import Authority, NamedToken, UnixAuth, all_tokens
 from kvpoold.elastic.fd_server import FdServer
 from kvpoold.metrics import DaemonMetrics, MetricsServer, loop_snapshot, start_metrics_server
 from kvpoold.server.backing_select import make_backing_factory
 from kvpoold.server.daemon import Daemon
-from kvpoold.server.intake import IntakeInterceptor
+from kvpoold.server.intake import Bound, IntakeInterceptor, free_bound
+from kvpoold.server.listener_health import (
+    ListenerHealth,
+    check_descriptor_budget,
+    raise_descriptor_limit,
+    watch_descriptors,
+)
 from kvpoold.server.listeners import (
     Listener,
     auth_interceptors,
@@ -49,7 +55,7 @@ from kvpoold.server.loop_clock import StallClock
 from kvpoold.server.servicer import KVPoolServicer
 from kvpoold.server.stats_replies import StatsReplies
 from kvpoold.server.status import RpcObserver
-from kvpoold.settings import ServeSettings
+from kvpoold.settings import MAX_CONNECTIONS, ServeSettings
 from kvpoold.sharing.base import BackingFactory
 from kvpoold.transfer import NIXL_MISSING, make_agent, nixl_installed
 
@@ -68,8 +74,9 @@ SWEEP_SLICE_IDS = 1 << 18
 # and with a pause of 0 (a loop that never blocks in select) other clients' calls waited for the
 # whole sweep: Allocate p99 143 ms, against 9 ms with 1 ms (bench/lease_expiry.py, 4,000 leases).
 SWEEP_PAUSE_S = 0.001
-# Stats with thousands of leases and big id batches are larger than gRPC's 4 MiB default.
-_OPTIONS = (*MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0))
+# Replies up to 64 MiB (Stats of thousands of leases); requests up to the largest method bound,
+# so gRPC refuses a larger one before it reaches the event loop (kvpool.contract.limits).
+_OPTIONS = (*SERVER_MESSAGE_OPTIONS, ("grpc.so_reuseport", 0))
 
 
 @dataclass
@@ -82,14 +89,18 @@ class KVPoolServer:
     addresses: list[str] = field(default_factory=list)
     sockets: list[Path] = field(default_factory=list)
     socket_gid: int | None = None
+    listeners: ListenerHealth = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.listeners = ListenerHealth(self.health, ("", SERVICE_NAME))
 
     async def start(self) -> None:
-        """Start accepting calls, fix the socket files' modes, and report SERVING."""
+        """Start accepting calls, fix the socket files' modes, and report SERVING (unless a
+        listener is down already)."""
         for server in self.servers:
             await server.start()
         secure_sockets(self.sockets, self.socket_gid)
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self.listeners.start()
 
     async def shutdown(self, grace_s: float) -> None:
         """Health NOT_SERVING, end long streams, stop accepting, drain up to ``grace_s``.
@@ -116,6 +127,7 @@ def create_server(
     tls: tuple[bytes, bytes] | None = None,
     socket_group: str | None = None,
     rpc_observer: RpcObserver | None = None,
+    max_connections: int = MAX_CONNECTIONS,
 ) -> KVPoolServer:
     """Build (not start) the servers for ``listeners``; call inside the event loop.
 
@@ -129,6 +141,8 @@ def create_server(
         tls: ``(private_key_pem, certificate_chain_pem)`` for TCP listeners.
         socket_group: group allowed on the Unix sockets (mode 0660 instead of 0600).
         rpc_observer: told each RPC's time and failures (``kvpoold.metrics.RpcMetrics``).
+        max_connections: connections each server (the Unix sockets', the TCP one) accepts at
+            once; gRPC closes one more as soon as it is accepted.
 
     Returns:
         The server set; ``addresses`` lists what is bound (real ports for port 0).
@@ -146,18 +160,23 @@ def create_server(
     replies = StatsReplies(daemon)  # one for both servicers: their Stats callers share builds
     unix = [x for x in listeners if x.transport == "unix"]
     tcp = [x for x in listeners if x.transport == "tcp"]
+    registry = daemon.registry
+    bounds = {"Free": free_bound(lambda: registry.most_ids)}
+    options = (*_OPTIONS, ("grpc.max_allowed_incoming_connections", max_connections))
     try:
         if unix:
             servicer = KVPoolServicer(daemon, closing, rpc_observer, authority=authority,
                                       transport="unix", replies=replies)
-            server = _new_server(servicer, built.health, auth_interceptors(authority, "unix"))
+            server = _new_server(servicer, built.health, auth_interceptors(authority, "unix"),
+                                 bounds, options)
             built.sockets += bind_unix(server, unix, gid)
             built.addresses += [x.grpc_address for x in unix]
             built.servers.append(server)
         if tcp:
             servicer = KVPoolServicer(daemon, closing, rpc_observer, authority=authority,
                                       transport="tcp", replies=replies)
-            server = _new_server(servicer, built.health, auth_interceptors(authority, "tcp"))
+            server = _new_server(servicer, built.health, auth_interceptors(authority, "tcp"),
+                                 bounds, options)
             built.addresses += bind_tcp(server, tcp, tls)
             built.servers.append(server)
     except BaseException:
@@ -167,9 +186,11 @@ def create_server(
 
 
 def _new_server(servicer: KVPoolServicer, health_servicer: health.aio.HealthServicer,
-                interceptors: Sequence[aio.ServerInterceptor]) -> aio.Server:
+                interceptors: Sequence[aio.ServerInterceptor],
+                bounds: dict[str, Bound], options: Sequence[tuple[str, int]]) -> aio.Server:
     # The intake check runs last: a TCP call's token is checked before its message is read.
-    server = aio.server(interceptors=(*interceptors, IntakeInterceptor()), options=_OPTIONS)
+    server = aio.server(interceptors=(*interceptors, IntakeInterceptor(bounds)),
+                        options=options)
     kvpool_pb2_grpc.add_KVPoolServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -212,10 +233,12 @@ async def sweep_leases(daemon: Daemon, interval_s: float = SWEEP_INTERVAL_S, *,
             await asyncio.sleep(interval_s)  # a past deadline must not make a failing sweep spin
 
 
-async def start_fd_server(daemon: Daemon, factory: BackingFactory,
-                          settings: ServeSettings) -> FdServer | None:
+async def start_fd_server(daemon: Daemon, factory: BackingFactory, settings: ServeSettings,
+                          listeners: ListenerHealth) -> FdServer | None:
     """The descriptor side socket (``<first Unix socket>.fd``) of a factory that hands elastic
-    pools out as descriptors (CUDA VMM); None for the others, or with no Unix listener."""
+    pools out as descriptors (CUDA VMM); None for the others, or with no Unix listener. It has
+    the gRPC sockets' group and connection cap, and reports its accept loop to ``listeners``.
+    """
     if not hasattr(factory, "fd_socket"):
         return None
     unix = [x.address for x in settings.listeners if x.transport == "unix"]
@@ -225,7 +248,11 @@ async def start_fd_server(daemon: Daemon, factory: BackingFactory,
         return None
     path = fd_socket_path(unix[0])
     factory.fd_socket = path  # type: ignore[attr-defined]
-    server = FdServer(Path(path), daemon.fd_grant)
+    server = FdServer(Path(path), daemon.fd_grant,
+                      gid=group_id(settings.socket_group) if settings.socket_group else None,
+                      max_connections=settings.max_connections,
+                      max_connections_per_uid=settings.max_connections_per_uid,
+                      on_state=listeners.report(f"descriptor socket {path}"))
     await server.start()
     log.info("descriptor socket", extra={"fields": {"event": "fd_socket", "path": path}})
     return server
@@ -256,6 +283,11 @@ async def run(
     """
     tls = read_tls(settings.tls_cert, settings.tls_key)  # first: a bad file must not strand
     factory = factory or make_backing_factory(settings)  # the factory's files
+    nofile, _hard = raise_descriptor_limit()
+    unix_listeners = any(x.transport == "unix" for x in settings.listeners)
+    tcp_listeners = any(x.transport == "tcp" for x in settings.listeners)
+    check_descriptor_budget(nofile, settings.max_connections * (
+        2 * unix_listeners + tcp_listeners))  # Unix: the gRPC sockets and the fd socket
     # With kvpool[nixl] installed the daemon owns a NIXL agent and can move pages to peers.
     agent = make_agent(adopt)
     nixl_off = NIXL_MISSING if not nixl_installed() else (
@@ -274,6 +306,7 @@ async def run(
     loop = asyncio.get_running_loop()
     server: KVPoolServer | None = None
     sweeper: asyncio.Task[None] | None = None
+    watch: asyncio.Task[None] | None = None
     ticker = asyncio.create_task(lease_clock.run())
     metrics = None if settings.metrics_port is None else DaemonMetrics(
         loop_snapshot(daemon.snapshot, loop), settings.device)
@@ -283,12 +316,14 @@ async def run(
         server = create_server(daemon, settings.listeners, token=settings.token,
                                tokens=settings.tokens, unix_auth=settings.unix_auth, tls=tls,
                                socket_group=settings.socket_group,
-                               rpc_observer=metrics.rpc if metrics else None)
+                               rpc_observer=metrics.rpc if metrics else None,
+                               max_connections=settings.max_connections)
         if metrics is not None and settings.metrics_port is not None:
             metrics_server = start_metrics_server(metrics.registry, settings.metrics_host,
                                                   settings.metrics_port)
         await server.start()
-        fd_server = await start_fd_server(daemon, factory, settings)
+        fd_server = await start_fd_server(daemon, factory, settings, server.listeners)
+        watch = asyncio.create_task(watch_descriptors(server.listeners.report("descriptors")))
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         sweeper = asyncio.create_task(sweep_leases(daemon))
@@ -306,8 +341,9 @@ async def run(
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-        if sweeper is not None:
-            sweeper.cancel()
+        for task in (sweeper, watch):
+            if task is not None:
+                task.cancel()
         ticker.cancel()
         if server is not None:
             if not server.closing.is_set():  # an error before the normal shutdown
