@@ -64,6 +64,7 @@ MAX_REQUEST_BYTES: dict[str, int] = {
     "PeerReceive": 1 << 20,
     # A token and a failure's text (a status message: 2,048 characters, 8 KiB of UTF-8 at most).
     "PeerDone": 16 << 10,
+    "CancelGrant": 1 << 10,
 }
 # Characters of user input an error message quotes (the rest is elided, with its length).
 MAX_ECHO_CHARS = 80
