@@ -20,10 +20,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "client"), str(ROOT / "service"), str(ROOT)]
+for path in (ROOT, ROOT / "service", ROOT / "client"):  # this checkout's, not an install
+    sys.path.insert(0, str(path))
 
-from kvpoold.transfer import nixl_installed
-from tests.transfer.fence_scenario import PAGE_BYTES, frozen_sender
+from kvpoold.transfer import nixl_installed  # noqa: E402
+from tests.transfer.fence_scenario import PAGE_BYTES, frozen_sender  # noqa: E402
 
 SIZES = (64, 256, 512)
 

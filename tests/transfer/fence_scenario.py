@@ -3,13 +3,14 @@ the scenario ``test_fence.py`` runs once per case and ``bench/transfer_fence.py`
 
 Two real daemons (UCX over this machine: CMA for the bytes). The prefill lease fills its pages
 0xAA; the decode lease grants ``n`` pages with a 0.5 s TTL; the send runs in a thread, and the
-prefill daemon is stopped as soon as the decode daemon accepted it (mid-write when the write
-takes longer than that look). Past the write deadline the grant ends failed, the decode lease
-closes (its pages quarantined, fenced for the sender), and a victim lease takes every free
-page and fills it 0x55. Then the sender is resumed (``cont``) or killed (``kill``); the
-fence's release is waited for as a fact (Stats: no fenced page left), a second victim takes the
-released pages and fills them 0x55, and every victim page is read back: a byte 0xAA in one is a
-byte of the sender in another lease's pages.
+prefill daemon is stopped as soon as the first of its bytes shows in the granted pages (read
+through the decode pool's mapping): mid-write whenever the write takes longer than that look.
+Past the write deadline the grant ends failed, the decode lease closes (its pages quarantined,
+fenced for the sender), and a victim lease takes every free page and fills it 0x55. Then the
+sender is resumed (``cont``) or killed (``kill``); the fence's release is waited for as a fact
+(Stats: no fenced page left), a second victim takes the released pages and fills them 0x55,
+and every victim page is read back: a byte 0xAA in one is a byte of the sender in another
+lease's pages.
 """
 
 from __future__ import annotations
@@ -134,11 +135,14 @@ def frozen_sender(pages: int, end: str) -> Run:
             except (KVPoolError, Aborted) as exc:
                 outcome.append(f"{type(exc).__name__}: {exc}")
 
-        thread = threading.Thread(target=send)
-        thread.start()
-        wait_for("the decode daemon accepted the send", lambda: grant.status().seconds > 0)
-        os.kill(pr.prefill.proc.pid, signal.SIGSTOP)
         with pr.d.attach(POOL) as region:
+            first = unit_bytes(region, dst[:1])[0][0][int(dst[0])]
+            thread = threading.Thread(target=send)
+            thread.start()
+            start = time.monotonic()
+            while int(first[0]) != SENDER_BYTE and time.monotonic() - start < 60:
+                pass  # no sleep: stop the sender the moment its write shows
+            os.kill(pr.prefill.proc.pid, signal.SIGSTOP)
             landed = count(region, dst, SENDER_BYTE)
             # Past every deadline: the grant's record ends failed; its pages stay fenced.
             try:
