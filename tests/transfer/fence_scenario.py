@@ -2,7 +2,7 @@
 the scenario ``test_fence.py`` runs once per case and ``bench/transfer_fence.py`` 5 x 3 times.
 
 Two real daemons (UCX over this machine: CMA for the bytes). The prefill lease fills its pages
-0xAA; the decode lease grants ``n`` pages with a 0.5 s TTL; the send runs in a thread, and the
+0xAA; the decode lease grants ``n`` pages with a 2 s TTL; the send runs in a thread, and the
 prefill daemon is stopped as soon as the first of its bytes shows in the granted pages (read
 through the decode pool's mapping): mid-write whenever the write takes longer than that look.
 Past the write deadline the grant ends failed, the decode lease closes (its pages quarantined,
@@ -125,7 +125,9 @@ def frozen_sender(pages: int, end: str) -> Run:
         dst = dl.allocate(POOL, "kv", pages)
         with pr.p.attach(POOL) as sregion:
             fill(sregion, src, SENDER_BYTE)
-        grant = dl.grant_receive(POOL, dst, ttl_s=0.5)
+        # 2 s: room for the sender's PeerReceive on a loaded 2-core machine; the write deadline
+        # it gets is as long (the floor is 1 s), and the run stops it far past it.
+        grant = dl.grant_receive(POOL, dst, ttl_s=2.0)
         outcome: list[str] = []
 
         def send() -> None:
@@ -140,8 +142,11 @@ def frozen_sender(pages: int, end: str) -> Run:
             thread = threading.Thread(target=send)
             thread.start()
             start = time.monotonic()
-            while int(first[0]) != SENDER_BYTE and time.monotonic() - start < 60:
+            while int(first[0]) != SENDER_BYTE and thread.is_alive() \
+                    and time.monotonic() - start < 60:
                 pass  # no sleep: stop the sender the moment its write shows
+            if int(first[0]) != SENDER_BYTE:
+                raise AssertionError(f"the send never wrote: {outcome}")
             os.kill(pr.prefill.proc.pid, signal.SIGSTOP)
             landed = count(region, dst, SENDER_BYTE)
             # Past every deadline: the grant's record ends failed; its pages stay fenced.

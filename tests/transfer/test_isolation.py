@@ -256,7 +256,8 @@ def test_peer_done_ok_does_not_end_a_grant_and_a_self_send_is_refused() -> None:
 def test_a_pool_dropped_mid_transfer_keeps_its_memory_until_the_fence() -> None:
     """A forced Drop under an accepted write: the pool is gone by name at once, but its memory
     and budget stay (a late write must land in the dropped pool's memory, not in a new pool's)
-    until the fence; Configure of the same name is refused until then."""
+    past every deadline, until the sender reports its write ended; Configure of the same name
+    is refused until then."""
     with temp_dir() as d, run_daemon(d) as daemon, KVPoolClient(daemon.target) as c:
         plan = c.configure(POOL, spec=TINY_SPEC, **TINY_OPTIONS).plan
         with c.lease("decode") as dl:
@@ -267,6 +268,9 @@ def test_a_pool_dropped_mid_transfer_keeps_its_memory_until_the_fence() -> None:
         assert used == plan.backing_bytes
         with pytest.raises(FailedPrecondition, match="transfers or elastic workers were using"):
             c.configure(POOL, spec=TINY_SPEC, **TINY_OPTIONS)
+        time.sleep(MIN_WRITE_S + 1.0)  # past the write deadline: still held
+        assert c.stats().daemon.used_bytes == plan.backing_bytes and fenced(c) == 2
+        c.call("PeerDone", pb.PeerDoneRequest(token=grant.token, ok=False, message="ended"))
         until(lambda: c.stats().daemon.used_bytes == 0, 15, "the dropped pool's release")
         c.configure(POOL, spec=TINY_SPEC, **TINY_OPTIONS)
 
