@@ -184,7 +184,8 @@ class DaemonCollector(Collector):
         fams = self._families()
         (capacity, used, free, high_water, pool_bytes, attached, allocs, frees, failures,
          budget, dev_used, leases_open, expiries, lease_cached, transfers, transfer_bytes,
-         transfer_failures, stalls, stalled, longest_stall, pinned, quarantined, build) = fams
+         transfer_failures, stalls, stalled, longest_stall, pinned, quarantined, build,
+         fenced_pages) = fams
         dev = self._device
         build.add_metric([dev, *build_info().values()], 1)
         cached: dict[tuple[str, str], int] = {}
@@ -226,6 +227,8 @@ class DaemonCollector(Collector):
                 transfers.add_metric(labels, done)
                 transfer_bytes.add_metric(labels, nbytes)
                 transfer_failures.add_metric(labels, failed)
+            if p.fenced_pages:
+                fenced_pages.add_metric([dev, p.peer], p.fenced_pages)
         yield from fams
         yield from elastic.families()
 
@@ -309,6 +312,11 @@ class DaemonCollector(Collector):
                               "wire contract, Python, torch and NIXL versions (nixl \"none\" "
                               "when not installed).",
                               labels=("device", *BUILD_LABELS)),
+            GaugeMetricFamily("kvpool_transfer_fenced_pages",
+                              "Pages a write from this peer daemon may still land in after its "
+                              "grant ended (deadline, cancel, lease end): quarantined until the "
+                              "peer reports the write ended or its process exits.",
+                              labels=("device", "peer")),
         )
 
 

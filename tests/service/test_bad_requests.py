@@ -285,6 +285,11 @@ CASES: list[tuple[str, Call, grpc.StatusCode, str | None]] = [
      C.FAILED_PRECONDITION, None),
     ("peerdone unknown grant",
      lambda c: c.stub.PeerDone(pb.PeerDoneRequest(token=b"x" * 16)), C.NOT_FOUND, "token"),
+    ("cancelgrant lease 0", lambda c: c.stub.CancelGrant(pb.CancelGrantRequest(
+        token=b"x" * 16)), C.INVALID_ARGUMENT, "lease_id"),
+    ("cancelgrant without nixl", lambda c: c.stub.CancelGrant(pb.CancelGrantRequest(
+        **proof(c.mine), token=b"x" * 16)),
+     C.FAILED_PRECONDITION, None),
 ]
 
 
@@ -313,7 +318,8 @@ def test_every_rpc_has_bad_cases() -> None:
              "close": "CloseLease", "allocate": "Allocate", "free": "Free", "stats": "Stats",
              "watch": "WatchStats", "drop": "Drop", "attach": "Attach", "detach": "Detach",
              "grant": "GrantReceive", "send": "Send", "wait": "WaitTransfer",
-             "peerreceive": "PeerReceive", "peerdone": "PeerDone"}
+             "peerreceive": "PeerReceive", "peerdone": "PeerDone",
+             "cancelgrant": "CancelGrant"}
     assert {words[w] for w in covered} == methods
 
 

@@ -199,6 +199,8 @@ def test_the_largest_legitimate_requests_fit_their_bounds() -> None:
             swa_mask=b"\x01" * MAX_GRANT_PAGES, known_agent="\u4e00" * 512,
             known_generations=[2**64 - 1] * 64, sender="\u4e00" * 512),
         "PeerDone": pb.PeerDoneRequest(token=token, ok=False, message="\U0001f600" * 2048),
+        "CancelGrant": pb.CancelGrantRequest(lease_id=2**64 - 1, lease_secret=secret,
+                                             token=token),
     }
     for method, request in largest.items():
         assert request.ByteSize() <= MAX_REQUEST_BYTES[method], method

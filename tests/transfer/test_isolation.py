@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from kvpool import (
+    Aborted,
     FailedPrecondition,
     InvalidArgument,
     KVPoolClient,
@@ -29,7 +30,7 @@ from kvpool import (
 from kvpool.contract.errors import KVPoolError
 from kvpool.contract.records import TransferState
 from kvpool.v1 import kvpool_pb2 as pb
-from kvpoold.transfer.grants import FENCE_MARGIN_S, MIN_WRITE_S
+from kvpoold.transfer.grants import MIN_WRITE_S
 from kvpoold.transfer.page_layout import page_layout
 from tests.conftest import REPO, TINY_OPTIONS, TINY_SPEC, run_daemon, subprocess_env, temp_dir
 from tests.transfer.test_tokens import POOL, client, secret, secret_file, tokened_daemon_args
@@ -54,24 +55,30 @@ def take_all(c: KVPoolClient, lease: Any, pool: str) -> np.ndarray:
     return lease.allocate(pool, "kv", free) if free else np.zeros(0, dtype=np.int32)
 
 
-def accept_as_sender(c: KVPoolClient, token: bytes, plan: Any,
-                     pages: int) -> pb.PeerReceiveResponse:
-    """Be the sender whose write never reports: accepted, then silent."""
+def accept_as_sender(c: KVPoolClient, token: bytes, plan: Any, pages: int,
+                     process: pb.SenderProcess | None = None) -> pb.PeerReceiveResponse:
+    """Be the sender whose write never reports: accepted, then silent (naming ``process`` as
+    the sending daemon's process, or none)."""
     return c.call("PeerReceive", pb.PeerReceiveRequest(
-        token=token, layout=page_layout(plan), pages=pages, sender="test-sender"))
+        token=token, layout=page_layout(plan), pages=pages, sender="test-sender",
+        sender_process=process))
+
+
+def fenced(c: KVPoolClient, peer: str = "test-sender") -> int:
+    return sum(p.fenced_pages for p in c.stats().peers if p.peer == peer)
 
 
 def test_a_late_write_lands_only_in_quarantined_pages(tmp_path: Any) -> None:
     """The decode lease ends while an accepted sender's write is in flight: its pages are
-    quarantined, a victim lease that takes every free page gets none of them, and they come
-    back only at the fence (the write deadline given to the sender plus the margin)."""
+    quarantined, a victim lease that takes every free page gets none of them, and they stay
+    so past every deadline (fenced, counted for the peer) until the sender reports that its
+    write has ended (PeerDone ok=false): no clock frees them."""
     with temp_dir() as d, run_daemon(d) as decode, KVPoolClient(decode.target) as c:
         plan = c.configure(POOL, spec=TINY_SPEC, **TINY_OPTIONS).plan
         dl = c.lease("decode", ttl_s=30)
         dst = dl.allocate(POOL, "kv", 4)
         grant = dl.grant_receive(POOL, dst, ttl_s=0.3)
         reply = accept_as_sender(c, grant.token, plan, 4)
-        accepted = time.monotonic()
         assert reply.write_deadline_seconds == MIN_WRITE_S  # the 0.3 s TTL, raised to the floor
         time.sleep(0.5)  # past the grant's expiry: an accepted grant does not end at it
         assert grant.status().state == TransferState.pending
@@ -81,18 +88,57 @@ def test_a_late_write_lands_only_in_quarantined_pages(tmp_path: Any) -> None:
         s = kv_stats(c, POOL)
         assert (s.pinned, s.quarantined) == (4, 4)
         assert grant.status().state == TransferState.failed
+        assert fenced(c) == 4
         with c.lease("victim") as victim:
             got = take_all(c, victim, POOL)
             assert got.shape[0] == s.capacity - 4
             assert not set(got.tolist()) & set(dst.tolist())
+            time.sleep(MIN_WRITE_S + 1.0)  # past the write deadline: still fenced
             with pytest.raises(ResourceExhausted):
                 victim.allocate(POOL, "kv", 1)
-            until(lambda: kv_stats(c, POOL).quarantined == 0, 15, "the fence")
-            waited = time.monotonic() - accepted
-            assert waited >= reply.write_deadline_seconds + FENCE_MARGIN_S - 0.5
+            assert kv_stats(c, POOL).quarantined == 4 and fenced(c) == 4
+            c.call("PeerDone", pb.PeerDoneRequest(token=grant.token, ok=False,
+                                                  message="cancelled, nothing in flight"))
+            assert kv_stats(c, POOL).quarantined == 0 and fenced(c) == 0
             assert sorted(victim.allocate(POOL, "kv", 4).tolist()) == sorted(dst.tolist())
         s = kv_stats(c, POOL)
         assert (s.pinned, s.quarantined, s.used) == (0, 0, 0)
+
+
+def test_the_exit_of_the_senders_process_releases_its_fence() -> None:
+    """The sender names its process (a child here, standing in for a sending daemon): while it
+    lives, even stopped, the pages stay fenced past every deadline; its exit (SIGKILL) frees
+    them, seen through a pidfd."""
+    import subprocess
+
+    from kvpoold.transfer.liveness import this_process
+
+    with temp_dir() as d, run_daemon(d) as decode, KVPoolClient(decode.target) as c:
+        plan = c.configure(POOL, spec=TINY_SPEC, **TINY_OPTIONS).plan
+        child = subprocess.Popen(["sleep", "600"])
+        try:
+            mine = this_process()
+            with open(f"/proc/{child.pid}/stat", "rb") as f:
+                stat = f.read()
+            start = int(stat[stat.rindex(b")") + 2:].split()[19])
+            proc = pb.SenderProcess(boot_id=mine.boot_id, pid_namespace=mine.pid_namespace,
+                                    pid=child.pid, start_ticks=start)
+            with c.lease("decode", ttl_s=30) as dl:
+                dst = dl.allocate(POOL, "kv", 4)
+                grant = dl.grant_receive(POOL, dst, ttl_s=0.3)
+                accept_as_sender(c, grant.token, plan, 4, proc)
+                child.send_signal(signal.SIGSTOP)
+                with pytest.raises(Aborted, match="pages stay fenced"):
+                    grant.wait(30)  # its deadline passed
+                assert fenced(c) == 4 and kv_stats(c, POOL).pinned == 4
+                child.kill()
+                child.wait()
+                until(lambda: fenced(c) == 0, 15, "the fence after the sender's exit")
+                assert kv_stats(c, POOL).pinned == 0
+                assert dl.free(POOL, "kv", dst) == 4
+        finally:
+            child.kill()
+            child.wait()
 
 
 def test_a_stopped_sender_never_overwrites_a_victim() -> None:
@@ -121,7 +167,7 @@ def test_a_stopped_sender_never_overwrites_a_victim() -> None:
                     for p in got:
                         dst_region.page(names[0], int(p)).view(-1).view(torch.uint8)[:16] \
                             .fill_(0x5A)
-                    time.sleep(MIN_WRITE_S + FENCE_MARGIN_S + 1.0)
+                    time.sleep(MIN_WRITE_S + 3.0)  # past every deadline
                     pair.prefill.proc.send_signal(signal.SIGCONT)
                     time.sleep(1.0)
                     for p in got:
@@ -210,7 +256,8 @@ def test_peer_done_ok_does_not_end_a_grant_and_a_self_send_is_refused() -> None:
 def test_a_pool_dropped_mid_transfer_keeps_its_memory_until_the_fence() -> None:
     """A forced Drop under an accepted write: the pool is gone by name at once, but its memory
     and budget stay (a late write must land in the dropped pool's memory, not in a new pool's)
-    until the fence; Configure of the same name is refused until then."""
+    past every deadline, until the sender reports its write ended; Configure of the same name
+    is refused until then."""
     with temp_dir() as d, run_daemon(d) as daemon, KVPoolClient(daemon.target) as c:
         plan = c.configure(POOL, spec=TINY_SPEC, **TINY_OPTIONS).plan
         with c.lease("decode") as dl:
@@ -221,6 +268,9 @@ def test_a_pool_dropped_mid_transfer_keeps_its_memory_until_the_fence() -> None:
         assert used == plan.backing_bytes
         with pytest.raises(FailedPrecondition, match="transfers or elastic workers were using"):
             c.configure(POOL, spec=TINY_SPEC, **TINY_OPTIONS)
+        time.sleep(MIN_WRITE_S + 1.0)  # past the write deadline: still held
+        assert c.stats().daemon.used_bytes == plan.backing_bytes and fenced(c) == 2
+        c.call("PeerDone", pb.PeerDoneRequest(token=grant.token, ok=False, message="ended"))
         until(lambda: c.stats().daemon.used_bytes == 0, 15, "the dropped pool's release")
         c.configure(POOL, spec=TINY_SPEC, **TINY_OPTIONS)
 

@@ -103,20 +103,24 @@ def test_a_grant_is_found_by_its_token_accepted_once_and_ends_done() -> None:
     assert grant.status(0).bytes == 1234
 
 
-def test_grants_expire_and_accepted_ones_end_at_their_fence() -> None:
+def test_grants_expire_and_accepted_ones_end_at_their_deadline_fenced() -> None:
     table, clock, _ended = grant_table()
     idle = add(table, [1], ttl_s=1.0)
-    busy = add(table, [2], ttl_s=1.0)
+    busy = add(table, [2], ttl_s=2.0)
     table.accept(busy, "agent-x", 10)
-    assert busy.write_s == grants_mod.MIN_WRITE_S
+    assert busy.write_s == 2.0
     clock.advance(1.5)
     table.expire()
     assert "expired before any transfer used it" in idle.message
-    assert busy.state == TransferState.pending  # accepted: only the write or the fence ends it
-    clock.advance(busy.write_s + grants_mod.FENCE_MARGIN_S)
+    assert busy.state == TransferState.pending  # accepted: the write's deadline ends it
+    clock.advance(busy.write_s)
     table.expire()
-    assert f"did not complete within its {grants_mod.MIN_WRITE_S:g} s deadline" in busy.message
-    assert table.live == 0 and table.receiving == 0
+    assert "did not complete within its 2 s deadline" in busy.message
+    # The record ended; the write window stays open (fenced) until a fact closes it.
+    assert table.live == 0 and table.receiving == 1 and busy.fenced
+    assert table.fenced() == {"agent-x": (1, 1)}
+    table.close_window(busy, TransferState.failed, "the sender reported its write ended")
+    assert table.receiving == 0 and table.fenced() == {}
     clock.advance(grants_mod.ENDED_KEEP_S + 1)
     table.expire()
     with pytest.raises(NotFound):
@@ -130,8 +134,8 @@ def test_grants_expire_and_accepted_ones_end_at_their_fence() -> None:
 
 def test_pins_go_when_no_byte_can_move_any_more() -> None:
     """A grant pins its pages from the start. Without a sender its end unpins; with one, a
-    revoke (the lease ended) ends the record but the pins stay until the write's notification
-    or the fence; the sender's failure report unpins at once."""
+    revoke (the lease ended) ends the record but the pins stay until the write's notification;
+    the sender's report unpins at once; no clock ever does."""
     table, clock, _ended = grant_table()
     pins = Pins()
     unused = add(table, [1], pins=pins)
@@ -150,13 +154,11 @@ def test_pins_go_when_no_byte_can_move_any_more() -> None:
     assert revoked.state == TransferState.failed and pins.live == 2  # landed in quarantine
     table.close_window(reported, TransferState.failed, "the sender's write failed")
     assert pins.live == 1
-    clock.advance(fenced.write_s + grants_mod.FENCE_MARGIN_S - 0.1)
+    clock.advance(fenced.write_s + 3600.0)
     table.expire()
-    assert pins.live == 1 and fenced.state == TransferState.pending
-    clock.advance(0.2)
-    table.expire()
-    assert pins.live == 0 and fenced.state == TransferState.failed
-    assert table.receiving == 0
+    assert pins.live == 1 and fenced.state == TransferState.failed and fenced.fenced
+    table.close_window(fenced, TransferState.failed, "the sender's process exited")
+    assert pins.live == 0 and table.receiving == 0
 
 
 def test_revocation_by_owner_and_pool() -> None:

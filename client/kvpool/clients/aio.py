@@ -237,7 +237,7 @@ class AsyncLease(LeaseView):
         from kvpool.pd.transfer_handles import AsyncReceiveGrant
 
         granted, resp = await self.client.run(rpcs.grant_receive(pool, self, pages, ttl_s))
-        return AsyncReceiveGrant(self.client, granted, resp)
+        return AsyncReceiveGrant(self.client, granted, resp, self)
 
     @property
     def closed(self) -> bool:

@@ -468,7 +468,7 @@ class Lease(LeaseView):
         from kvpool.pd.transfer_handles import ReceiveGrant
 
         granted, resp = self.client.run(rpcs.grant_receive(pool, self, pages, ttl_s))
-        return ReceiveGrant(self.client, granted, resp)
+        return ReceiveGrant(self.client, granted, resp, self)
 
     @property
     def closed(self) -> bool:

@@ -19,6 +19,7 @@ from kvpool.contract.limits import ID_DTYPE
 from kvpool.contract.plan import PoolPlan
 from kvpool.contract.records import (
     AttachInfo,
+    CancelledGrant,
     ConfigureResult,
     DaemonStats,
     ElasticStats,
@@ -154,6 +155,11 @@ def transfer_status_from_pb(msg: pb.TransferStatus) -> TransferStatus:
     return TransferStatus(state=TRANSFER_STATE_FROM_PB.get(msg.state, TransferState.failed),
                           message=msg.message, bytes=msg.bytes, pages=msg.pages,
                           seconds=msg.seconds, peer=msg.peer)
+
+
+def cancelled_grant_from_pb(msg: pb.CancelGrantResponse) -> CancelledGrant:
+    return CancelledGrant(status=transfer_status_from_pb(msg.status),
+                          freed_pages=msg.freed_pages, fenced_pages=msg.fenced_pages)
 
 
 # -- held ids: CloseLease, Drop, Stats ----------------------------------------------------------

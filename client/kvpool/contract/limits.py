@@ -76,6 +76,7 @@ MAX_REQUEST_BYTES: dict[str, int] = {
     "PeerReceive": 1 << 20,
     # A token and a failure's text (a status message: 2,048 characters, 8 KiB of UTF-8 at most).
     "PeerDone": 16 << 10,
+    "CancelGrant": 1 << 10,
 }
 # The daemon's gRPC receive limit: the largest request bound. gRPC refuses a larger message
 # itself (RESOURCE_EXHAUSTED, "Received message larger than max") as it arrives, off the event

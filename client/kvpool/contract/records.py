@@ -157,6 +157,10 @@ class PeerStats(msgspec.Struct, frozen=True, kw_only=True):
     received: int = 0
     received_bytes: int = 0
     receive_failures: int = 0
+    # Now: received writes whose grant ended before the writer was known to have ended; their
+    # pages stay quarantined until it reports its end or its process exits.
+    fenced_writes: int = 0
+    fenced_pages: int = 0
 
 
 class Stats(msgspec.Struct, frozen=True, kw_only=True):
@@ -245,4 +249,13 @@ class TransferStatus(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def ended(self) -> bool:
         return self.state != TransferState.pending
+
+
+class CancelledGrant(msgspec.Struct, frozen=True, kw_only=True):
+    """What CancelGrant did: the grant as it ended, the pages it unpinned, and the pages a
+    sender's write may still land in (fenced until the writer has ended)."""
+
+    status: TransferStatus
+    freed_pages: int = 0
+    fenced_pages: int = 0
 

@@ -19,7 +19,14 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from kvpool.contract import codec, wire
-from kvpool.contract.records import AttachInfo, ConfigureResult, Released, Stats, TransferStatus
+from kvpool.contract.records import (
+    AttachInfo,
+    CancelledGrant,
+    ConfigureResult,
+    Released,
+    Stats,
+    TransferStatus,
+)
 from kvpool.v1 import kvpool_pb2 as pb
 
 R = TypeVar("R")
@@ -111,6 +118,13 @@ def allocate_pairs(pool: str, lease: wire.LeaseLike, count: int
 def free(pool: str, lease: wire.LeaseLike, items: Sequence[tuple[str, Any]]) -> Call[int]:
     """The reply reads as the number of ids freed."""
     return Call("Free", wire.free_request(pool, lease, items), lambda resp: resp.freed)
+
+
+def cancel_grant(lease: wire.LeaseLike, token: bytes) -> Call[CancelledGrant]:
+    """End a grant the lease made: its pages unpinned at once, or fenced while a write may
+    still land in them."""
+    return Call("CancelGrant", wire.cancel_grant_request(lease, token),
+                codec.cancelled_grant_from_pb)
 
 
 def wait_transfer(*, transfer_id: int = 0, token: bytes = b"", timeout_s: float = 0.0

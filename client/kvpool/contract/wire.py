@@ -267,6 +267,14 @@ def grant_receive_request(pool: str, lease: LeaseLike, pages: Any,
                                   pages=ids_bytes(pages, "pages"), ttl_seconds=ttl_s or 0.0)
 
 
+def cancel_grant_request(lease: LeaseLike, token: bytes) -> pb.CancelGrantRequest:
+    if not isinstance(token, bytes | bytearray):
+        raise InvalidArgument(f"token must be the bytes GrantReceive returned, got "
+                              f"{type(token).__name__}", field="token")
+    lease_id, secret = lease_key(lease)
+    return pb.CancelGrantRequest(lease_id=lease_id, lease_secret=secret, token=bytes(token))
+
+
 def send_request(pool: str, lease: LeaseLike, pages: Any, peer: str,
                  token: bytes) -> pb.SendRequest:
     if not isinstance(token, bytes | bytearray):

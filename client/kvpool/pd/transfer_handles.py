@@ -5,6 +5,7 @@ Decode side::
     grant = lease.grant_receive("llama", pages)       # a ReceiveGrant
     send_to_prefill(grant.token, decode_address)      # your own channel between engines
     grant.wait(timeout_s=30)                          # the pages hold the prefill's KV
+    grant.cancel()                                    # or give up on it (CancelGrant)
 
 Prefill side::
 
@@ -28,7 +29,7 @@ import numpy as np
 
 from kvpool.contract import codec, rpcs
 from kvpool.contract.errors import Aborted, DeadlineExceeded
-from kvpool.contract.records import TransferState, TransferStatus
+from kvpool.contract.records import CancelledGrant, TransferState, TransferStatus
 from kvpool.v1 import kvpool_pb2 as pb
 
 
@@ -81,8 +82,10 @@ class _Grant(_Waitable):
 
     what = "the transfer into the granted pages"
 
-    def __init__(self, client: Any, pages: np.ndarray, resp: pb.GrantReceiveResponse) -> None:
+    def __init__(self, client: Any, pages: np.ndarray, resp: pb.GrantReceiveResponse,
+                 lease: Any = None) -> None:
         self._client = client
+        self._lease = lease  # the lease that made it (CancelGrant proves it)
         self.token = resp.token
         self.pages = pages
         self.swa_pages = codec.ids_from_bytes(resp.swa_pages) if resp.swa_pages else None
@@ -146,6 +149,18 @@ class ReceiveGrant(_Grant, _Waits):
     """A receive grant of the decode side: hand ``token`` (and this daemon's address) to the
     prefill side; ``wait`` until its write into the granted pages completed."""
 
+    def cancel(self) -> CancelledGrant:
+        """End the grant now (CancelGrant). Its pages are unpinned at once when no sender was
+        accepted; else they stay pinned (fenced) until the sender's write has ended.
+
+        Returns:
+            The grant as it ended, the pages unpinned, the pages still fenced.
+
+        Raises:
+            NotFound: the grant is unknown to the daemon (long ended) or not this lease's.
+        """
+        return self._client.run(rpcs.cancel_grant(self._lease, self.token))
+
 
 class SendHandle(_Send, _Waits):
     """A send of the prefill side: ``wait`` until its write ended on this side."""
@@ -183,6 +198,10 @@ def _wait(client: Caller, handle: _Waitable, timeout_s: float | None) -> Transfe
 
 class AsyncReceiveGrant(_Grant, _AsyncWaits):
     """:class:`ReceiveGrant` for asyncio code."""
+
+    async def cancel(self) -> CancelledGrant:
+        """As the sync ``cancel``."""
+        return await self._client.run(rpcs.cancel_grant(self._lease, self.token))
 
 
 class AsyncSendHandle(_Send, _AsyncWaits):

@@ -571,7 +571,7 @@ class DaemonStats(_message.Message):
     def __init__(self, version: _Optional[str] = ..., device: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., num_pools: _Optional[int] = ..., num_leases: _Optional[int] = ..., leases_opened: _Optional[int] = ..., leases_closed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., nixl_agent: _Optional[str] = ..., other_leases: _Optional[int] = ..., loop_stalls: _Optional[int] = ..., loop_stalled_seconds: _Optional[float] = ..., loop_longest_stall_seconds: _Optional[float] = ...) -> None: ...
 
 class PeerStats(_message.Message):
-    __slots__ = ("peer", "sent", "sent_bytes", "send_failures", "received", "received_bytes", "receive_failures")
+    __slots__ = ("peer", "sent", "sent_bytes", "send_failures", "received", "received_bytes", "receive_failures", "fenced_writes", "fenced_pages")
     PEER_FIELD_NUMBER: _ClassVar[int]
     SENT_FIELD_NUMBER: _ClassVar[int]
     SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -579,6 +579,8 @@ class PeerStats(_message.Message):
     RECEIVED_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    FENCED_WRITES_FIELD_NUMBER: _ClassVar[int]
+    FENCED_PAGES_FIELD_NUMBER: _ClassVar[int]
     peer: str
     sent: int
     sent_bytes: int
@@ -586,7 +588,9 @@ class PeerStats(_message.Message):
     received: int
     received_bytes: int
     receive_failures: int
-    def __init__(self, peer: _Optional[str] = ..., sent: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., send_failures: _Optional[int] = ..., received: _Optional[int] = ..., received_bytes: _Optional[int] = ..., receive_failures: _Optional[int] = ...) -> None: ...
+    fenced_writes: int
+    fenced_pages: int
+    def __init__(self, peer: _Optional[str] = ..., sent: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., send_failures: _Optional[int] = ..., received: _Optional[int] = ..., received_bytes: _Optional[int] = ..., receive_failures: _Optional[int] = ..., fenced_writes: _Optional[int] = ..., fenced_pages: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("daemon", "pools", "leases", "peers")
@@ -795,7 +799,7 @@ class PageLayout(_message.Message):
     def __init__(self, architecture: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., tp_size: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[PageBuffer, _Mapping]]] = ...) -> None: ...
 
 class PeerReceiveRequest(_message.Message):
-    __slots__ = ("token", "layout", "pages", "swa_mask", "known_agent", "sender", "known_generations")
+    __slots__ = ("token", "layout", "pages", "swa_mask", "known_agent", "sender", "known_generations", "sender_process")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -803,6 +807,7 @@ class PeerReceiveRequest(_message.Message):
     KNOWN_AGENT_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     KNOWN_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    SENDER_PROCESS_FIELD_NUMBER: _ClassVar[int]
     token: bytes
     layout: PageLayout
     pages: int
@@ -810,7 +815,20 @@ class PeerReceiveRequest(_message.Message):
     known_agent: str
     sender: str
     known_generations: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token: _Optional[bytes] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., pages: _Optional[int] = ..., swa_mask: _Optional[bytes] = ..., known_agent: _Optional[str] = ..., sender: _Optional[str] = ..., known_generations: _Optional[_Iterable[int]] = ...) -> None: ...
+    sender_process: SenderProcess
+    def __init__(self, token: _Optional[bytes] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., pages: _Optional[int] = ..., swa_mask: _Optional[bytes] = ..., known_agent: _Optional[str] = ..., sender: _Optional[str] = ..., known_generations: _Optional[_Iterable[int]] = ..., sender_process: _Optional[_Union[SenderProcess, _Mapping]] = ...) -> None: ...
+
+class SenderProcess(_message.Message):
+    __slots__ = ("boot_id", "pid_namespace", "pid", "start_ticks")
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    START_TICKS_FIELD_NUMBER: _ClassVar[int]
+    boot_id: str
+    pid_namespace: int
+    pid: int
+    start_ticks: int
+    def __init__(self, boot_id: _Optional[str] = ..., pid_namespace: _Optional[int] = ..., pid: _Optional[int] = ..., start_ticks: _Optional[int] = ...) -> None: ...
 
 class PeerReceiveResponse(_message.Message):
     __slots__ = ("agent", "generation", "agent_metadata", "buffer_addresses", "pages", "swa_pages", "notification", "memory", "device", "write_deadline_seconds")
@@ -849,3 +867,23 @@ class PeerDoneRequest(_message.Message):
 class PeerDoneResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class CancelGrantRequest(_message.Message):
+    __slots__ = ("lease_id", "lease_secret", "token")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    lease_secret: bytes
+    token: bytes
+    def __init__(self, lease_id: _Optional[int] = ..., lease_secret: _Optional[bytes] = ..., token: _Optional[bytes] = ...) -> None: ...
+
+class CancelGrantResponse(_message.Message):
+    __slots__ = ("status", "freed_pages", "fenced_pages")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    FREED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    FENCED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    status: TransferStatus
+    freed_pages: int
+    fenced_pages: int
+    def __init__(self, status: _Optional[_Union[TransferStatus, _Mapping]] = ..., freed_pages: _Optional[int] = ..., fenced_pages: _Optional[int] = ...) -> None: ...

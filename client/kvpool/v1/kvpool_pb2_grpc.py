@@ -114,6 +114,11 @@ class KVPoolStub:
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.PeerDoneRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.PeerDoneResponse.FromString,
                 _registered_method=True)
+        self.CancelGrant = channel.unary_unary(
+                '/kvpool.v1.KVPool/CancelGrant',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.CancelGrantRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.CancelGrantResponse.FromString,
+                _registered_method=True)
 
 
 class KVPoolServicer:
@@ -230,8 +235,16 @@ class KVPoolServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PeerDone(self, request, context):
-        """Daemon to daemon: the sender says a posted write failed (success comes as a NIXL
-        notification).
+        """Daemon to daemon: the sender says its write into a grant has ended with nothing of it in
+        flight (success comes as a NIXL notification).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelGrant(self, request, context):
+        """Decode side: end a grant of the lease now. Its pages are unpinned at once when no sender
+        was accepted; else they stay fenced until the writer has ended (docs/pd-transfer.md).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -319,6 +332,11 @@ def add_KVPoolServicer_to_server(servicer, server):
                     servicer.PeerDone,
                     request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.PeerDoneRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_kvpool__pb2.PeerDoneResponse.SerializeToString,
+            ),
+            'CancelGrant': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelGrant,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.CancelGrantRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.CancelGrantResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -753,6 +771,33 @@ class KVPool:
             '/kvpool.v1.KVPool/PeerDone',
             kvpool_dot_v1_dot_kvpool__pb2.PeerDoneRequest.SerializeToString,
             kvpool_dot_v1_dot_kvpool__pb2.PeerDoneResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelGrant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.KVPool/CancelGrant',
+            kvpool_dot_v1_dot_kvpool__pb2.CancelGrantRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.CancelGrantResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -21,12 +21,14 @@ from kvpool.contract.errors import InvalidArgument, echo
 from kvpool.contract.limits import MAX_IDS_PER_CALL, MAX_ITEMS_PER_CALL
 from kvpool.contract.options import PlanOptions
 from kvpool.contract.plan import ASSUMABLE_FAMILIES
+from kvpool.contract.records import TransferStatus
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpoold.ids import Grant
 from kvpoold.server.args import ConfigureArgs, LeaseRef
 from kvpoold.server.leases import CacheCounts, Lease
 from kvpoold.transfer import Outgoing
 from kvpoold.transfer.grants import MAX_GRANT_PAGES, ReceiveGrant, check_token
+from kvpoold.transfer.liveness import MAX_BOOT_ID_CHARS, ProcessId
 from kvpoold.transfer.messages import Acceptance, PeerDoneArgs, PeerReceiveArgs
 from kvpoold.transfer.nixl_agent import MAX_KNOWN_GENERATIONS
 from kvpoold.transfer.peers import MAX_MESSAGE_CHARS, MAX_PEER_CHARS
@@ -338,6 +340,12 @@ def peer_done_response() -> pb.PeerDoneResponse:
     return pb.PeerDoneResponse()
 
 
+def cancel_grant_response(status: TransferStatus, freed: int, fenced: int
+                          ) -> pb.CancelGrantResponse:
+    return pb.CancelGrantResponse(status=codec.transfer_status_to_pb(status),
+                                  freed_pages=freed, fenced_pages=fenced)
+
+
 def _bounded(text: str, limit: int, field: str, what: str) -> str:
     """A string of a request, at most ``limit`` characters (refused, never logged, beyond)."""
     if len(text) > limit:
@@ -369,7 +377,17 @@ def peer_receive_args(req: pb.PeerReceiveRequest) -> PeerReceiveArgs:
         swa_mask=req.swa_mask,
         known_agent=_bounded(req.known_agent, MAX_PEER_CHARS, "known_agent", "a NIXL agent name"),
         known_generations=frozenset(req.known_generations),
-        sender=_bounded(req.sender, MAX_PEER_CHARS, "sender", "a NIXL agent name") or "?")
+        sender=_bounded(req.sender, MAX_PEER_CHARS, "sender", "a NIXL agent name") or "?",
+        writer=_sender_process(req))
+
+
+def _sender_process(req: pb.PeerReceiveRequest) -> ProcessId | None:
+    """The sender's process as it named it (None when it did not)."""
+    if not req.HasField("sender_process"):
+        return None
+    proc = req.sender_process
+    return ProcessId(_bounded(proc.boot_id, MAX_BOOT_ID_CHARS, "sender_process.boot_id",
+                              "a boot id"), proc.pid_namespace, proc.pid, proc.start_ticks)
 
 
 # A page layout's bounds: its names are echoed in refusals, so each is short.

@@ -236,3 +236,12 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
         args = edge.peer_done_args(request)
         self._daemon.transfers.peer_done(args.token, args.ok, args.message)
         return edge.peer_done_response()
+
+    @rpc_errors
+    async def CancelGrant(self, request: pb.CancelGrantRequest, context: Ctx
+                          ) -> pb.CancelGrantResponse:
+        lease = self._daemon.lease(self._caller(context),
+                                   edge.lease_ref(request.lease_id, request.lease_secret))
+        status, freed, fenced = self._daemon.transfers.cancel_grant(
+            lease.owner, lease.lease_id, request.token)
+        return edge.cancel_grant_response(status, freed, fenced)

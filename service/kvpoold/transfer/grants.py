@@ -8,11 +8,15 @@ quarantines them) until its *write window* closes:
 
 - before a sender is accepted, the window closes when the grant ends: it expired, or its lease
   ended or its pool was dropped (revoked);
-- once a sender is accepted (PeerReceive), only the write itself closes it: its NIXL
-  notification (``done``), the sender's PeerDone with ``ok = false`` (it cancelled its write),
-  or the **fence**: the write deadline given to the sender plus :data:`FENCE_MARGIN_S`. A
-  revoke then ends the record (``failed``) but the pages stay pinned (quarantined) until the
-  window closes, so a late write can only land in pages no lease holds.
+- once a sender is accepted (PeerReceive), only a **fact** that its write can no longer land
+  closes it, never a clock: the write's NIXL notification (``done``); the sender's PeerDone
+  with ``ok = false``, which it sends only once NIXL reported the write ended (or a flush probe
+  after its cancel completed: see ``nixl_agent``); or the sender's process exiting
+  (``liveness``). At the write deadline (or a cancel, or its lease's end) the record ends
+  ``failed`` but the pages stay pinned (quarantined once their lease ended): the grant is
+  **fenced**. Fenced pages are counted per peer (Stats, /metrics), and a peer holding
+  :data:`MAX_FENCED_PAGES_PER_PEER` fenced pages is refused new writes until a fact frees
+  them.
 
 Ended grants are kept :data:`ENDED_KEEP_S` (at most :data:`MAX_ENDED` of them) so the decode
 side can still read how they ended. Every count is bounded: live grants per daemon and per
@@ -32,6 +36,7 @@ import numpy as np
 from kvpool.contract.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvpool.contract.records import TransferState, TransferStatus
 from kvpoold.deadlines import DeadlineHeap
+from kvpoold.transfer.liveness import ProcessId
 
 TOKEN_BYTES = 16
 MAX_TOKEN_BYTES = 64
@@ -44,11 +49,12 @@ MAX_GRANT_TTL_S = 3600.0
 ENDED_KEEP_S = 60.0
 MAX_ENDED = 4096
 # An accepted sender must finish its write within the grant's TTL (at least MIN_WRITE_S, at
-# most MAX_WRITE_S) from its PeerReceive request, or cancel it; the pages come back this much
-# after that deadline (what a cancelled write may still have in flight).
+# most MAX_WRITE_S) from its PeerReceive request, or cancel it; the grant's record ends failed
+# then, its pages only when the writer has ended (a fact, never this clock).
 MIN_WRITE_S = 1.0
 MAX_WRITE_S = 300.0
-FENCE_MARGIN_S = 2.0
+# Pages one peer (a sending agent) may hold fenced; at the bound its next write is refused.
+MAX_FENCED_PAGES_PER_PEER = 1 << 18
 
 
 @dataclass(eq=False, kw_only=True)
@@ -100,9 +106,18 @@ class ReceiveGrant(TransferRecord):
     accepted_at: float = 0.0
     notification: bytes = b""
     write_s: float = 0.0  # the accepted sender's write deadline, from its request
-    fence_at: float = 0.0  # when the pages come back if the write never reports its end
+    deadline_at: float = 0.0  # when the record ends failed if the write has not (pins stay)
+    writer: ProcessId | None = None  # the sending daemon's process, as it named it
+    fenced: bool = False  # the record ended while the write window is open
     # Gives the pages' pins back (exactly once); None once the window closed.
     unpin: Callable[[], None] | None = field(default=None, repr=False)
+    # Stops watching the writer's process (its exit closes the window); None when not watched.
+    unwatch: Callable[[], None] | None = field(default=None, repr=False)
+
+    @property
+    def window_open(self) -> bool:
+        """Whether an accepted sender's write may still land in the pages."""
+        return self.receiving and self.unpin is not None
 
     def ended_text(self) -> str:
         """Why a grant takes no transfer now, for refusals."""
@@ -133,12 +148,18 @@ class GrantTable:
     Args:
         clock: the daemon's monotonic clock.
         on_end: called with each grant as it ends (for counters and logs).
+        max_fenced_pages: fenced pages one peer may hold before its writes are refused.
     """
 
     def __init__(self, clock: Callable[[], float],
-                 on_end: Callable[[ReceiveGrant], None] | None = None) -> None:
+                 on_end: Callable[[ReceiveGrant], None] | None = None,
+                 max_fenced_pages: int = MAX_FENCED_PAGES_PER_PEER) -> None:
         self._clock = clock
         self._on_end = on_end
+        self.max_fenced_pages = max_fenced_pages
+        # peer -> its fenced grants (record ended, write window open)
+        self._fenced: dict[str, set[ReceiveGrant]] = {}
+        self._fenced_pages: dict[str, int] = {}
         self._by_token: dict[bytes, ReceiveGrant] = {}
         self._by_owner: dict[int, list[ReceiveGrant]] = {}
         # Accepted grants whose write window is open, by the notification their write carries.
@@ -156,6 +177,20 @@ class GrantTable:
     def receiving(self) -> int:
         """Accepted grants whose write window is still open."""
         return len(self._by_notification)
+
+    @property
+    def fenced_writes(self) -> int:
+        """Fenced grants, all peers."""
+        return sum(len(grants) for grants in self._fenced.values())
+
+    def fenced(self) -> dict[str, tuple[int, int]]:
+        """Per peer holding fenced pages: (fenced writes, fenced pages)."""
+        return {peer: (len(grants), self._fenced_pages[peer])
+                for peer, grants in self._fenced.items()}
+
+    def fenced_grants(self, peer: str) -> list[ReceiveGrant]:
+        """The fenced grants of ``peer`` (what an operator looks at)."""
+        return list(self._fenced.get(peer, ()))
 
     def add(self, pool: str, lease_id: int, owner: int, pages: np.ndarray,
             swa_pages: np.ndarray | None, ttl_s: float,
@@ -211,14 +246,24 @@ class GrantTable:
         """The live grants of a lease (an empty list costs one dict lookup)."""
         return self._by_owner.get(owner, [])
 
-    def accept(self, grant: ReceiveGrant, peer: str, nbytes: int) -> bytes:
-        """Mark a pending grant as receiving from ``peer``, with its write deadline
-        (``grant.write_s``) and fence; returns the notification its write must carry.
+    def accept(self, grant: ReceiveGrant, peer: str, nbytes: int,
+               writer: ProcessId | None = None) -> bytes:
+        """Mark a pending grant as receiving from ``peer`` (its process ``writer``), with its
+        write deadline (``grant.write_s``); returns the notification its write must carry.
 
         Raises:
             FailedPrecondition: it ended, or a sender was already accepted.
+            ResourceExhausted: ``peer`` holds max_fenced_pages fenced pages already.
         """
         now = self._clock()
+        held = self._fenced_pages.get(peer, 0)
+        if held >= self.max_fenced_pages:
+            raise ResourceExhausted(
+                f"peer {peer} holds {held} fenced pages here (writes that passed their "
+                f"deadline without the sender reporting their end), at most "
+                f"{self.max_fenced_pages}; no new write is accepted from it until it reports "
+                "its writes ended (a stopped sender resumed) or its process exits; `kvpool "
+                "stats` lists fenced pages per peer", field="token")
         if grant.state != TransferState.pending:
             raise FailedPrecondition(grant.ended_text(), field="token")
         if now >= grant.expires_at:
@@ -235,10 +280,11 @@ class GrantTable:
         grant.nbytes = nbytes
         grant.accepted_at = now
         grant.write_s = min(MAX_WRITE_S, max(MIN_WRITE_S, grant.expires_at - grant.created_at))
-        grant.fence_at = now + grant.write_s + FENCE_MARGIN_S
+        grant.deadline_at = now + grant.write_s
+        grant.writer = writer
         grant.notification = b"kvpool1:" + secrets.token_hex(8).encode()
         self._by_notification[grant.notification] = grant
-        self._deadlines.push(grant.fence_at, grant)
+        self._deadlines.push(grant.deadline_at, grant)
         return grant.notification
 
     def by_notification(self, message: bytes) -> ReceiveGrant | None:
@@ -247,11 +293,16 @@ class GrantTable:
     def end(self, grant: ReceiveGrant, state: TransferState, message: str) -> None:
         """End a live grant's record (no-op for one already ended). Its pages come back now
         unless a sender was accepted: then only when its write window closes
-        (:meth:`close_window`)."""
+        (:meth:`close_window`), and until then the grant is fenced."""
         if not grant.receiving:
             self._unpin(grant)
         if not grant.finish(state, message, self._clock()):
             return
+        if grant.window_open:
+            grant.fenced = True
+            self._fenced.setdefault(grant.peer, set()).add(grant)
+            self._fenced_pages[grant.peer] = (self._fenced_pages.get(grant.peer, 0)
+                                              + int(grant.pages.shape[0]))
         self.live -= 1
         mine = self._by_owner.get(grant.owner)
         if mine is not None:
@@ -265,16 +316,28 @@ class GrantTable:
             self._on_end(grant)
 
     def close_window(self, grant: ReceiveGrant, state: TransferState, message: str) -> None:
-        """The accepted write is over (its notification came, the sender cancelled it, or the
-        fence passed): end the record as ``state`` if it is still pending, give the pages
-        back."""
+        """A fact says the accepted write can no longer land (its notification came, the
+        sender reported it ended, its process exited): end the record as ``state`` if it is
+        still pending, give the pages back."""
+        if not grant.window_open:
+            return
         self.end(grant, state, message)
+        if grant.fenced:
+            grant.fenced = False
+            mine = self._fenced[grant.peer]
+            mine.discard(grant)
+            self._fenced_pages[grant.peer] -= int(grant.pages.shape[0])
+            if not mine:
+                del self._fenced[grant.peer], self._fenced_pages[grant.peer]
         self._unpin(grant)
 
     def _unpin(self, grant: ReceiveGrant) -> None:
         unpin, grant.unpin = grant.unpin, None
+        unwatch, grant.unwatch = grant.unwatch, None
         if grant.notification:
             self._by_notification.pop(grant.notification, None)
+        if unwatch is not None:
+            unwatch()
         if unpin is not None:
             unpin()
 
@@ -293,17 +356,19 @@ class GrantTable:
         return len(ended)
 
     def expire(self) -> None:
-        """End grants no sender took before their expiry, close the write windows whose fence
-        passed; forget ended grants kept over ENDED_KEEP_S."""
+        """End grants no sender took before their expiry, and the records of writes past
+        their deadline (their pages stay fenced); forget ended grants kept over
+        ENDED_KEEP_S."""
         now = self._clock()
         for grant in self._deadlines.pop_due(now):
             if not grant.receiving:
                 self.end(grant, TransferState.failed,
                          "the receive grant expired before any transfer used it")
-            elif grant.unpin is not None and now >= grant.fence_at:
-                self.close_window(grant, TransferState.failed, (
+            elif grant.window_open and now >= grant.deadline_at:
+                self.end(grant, TransferState.failed, (
                     f"the write from {grant.peer} did not complete within its "
                     f"{grant.write_s:g} s deadline (the sender failed, is stopped or gone); "
-                    f"the pages came back at the fence, {FENCE_MARGIN_S:g} s later"))
+                    "its pages stay fenced until the sender reports the write ended or its "
+                    "process exits"))
         while self._ended and now - self._ended[0].ended_at > ENDED_KEEP_S:
             self._by_token.pop(self._ended.popleft().token, None)

@@ -13,13 +13,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvpool.v1 import kvpool_pb2 as pb
+from kvpoold.transfer.liveness import ProcessId
 
 
 @dataclass(frozen=True)
 class PeerReceiveArgs:
     """A PeerReceive request, bounded: the grant's token, the sender's page layout (compared
     with the pool's as the wire message), its page count and SWA mask, the registrations of
-    the receiving daemon it already knows, and its NIXL agent name."""
+    the receiving daemon it already knows, its NIXL agent name, and its process (None: not
+    named, or not valid)."""
 
     token: bytes = field(repr=False)
     layout: pb.PageLayout
@@ -28,6 +30,7 @@ class PeerReceiveArgs:
     known_agent: str
     known_generations: frozenset[int]
     sender: str
+    writer: ProcessId | None = None
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,16 @@ format); nothing here pickles (NIXL's ``get_serialized_descs`` does, and is not 
 What a peer learns: each pool is its own registration, and a peer is only ever given the
 metadata of the registration a grant names (NIXL partial metadata), never the whole agent's.
 
-Write deadlines: every posted write has one. Before any call that may progress NIXL's worker
-(posting, polling a write, reading notifications, loading a peer) the agent cancels the writes
-past their deadline, so a sender that was stopped (SIGSTOP, a long stall) never resumes a write
-its receiver has stopped waiting for: the receiver gives the pages back at its fence.
+Write deadlines and cancellation: every posted write has a deadline, and before any call that
+may progress NIXL's worker (posting, polling a write, reading notifications, loading a peer) the
+agent cancels the writes past theirs. A cancel is NIXL's ``release_xfer_handle`` on a running
+handle, and that does **not** stop the UCX operations already posted (measured: a released
+256 MiB write over UCX TCP still landed whole afterwards): so a cancelled write counts as ended
+only once a **flush probe** (a small READ of the same peer's memory, posted after the release on
+the same connection) has completed (``DONE`` or ``ERR``), which UCX completes only after every
+operation posted before it on that endpoint (measured: no byte of the cancelled write landed
+after the probe completed, over UCX TCP and CMA). :meth:`NixlAgent.state` answers ``PROC``
+until then; a write is *ended* (nothing of it can still land) when it answers anything else.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
 
@@ -46,7 +53,10 @@ NIXL_MISSING = (
     "root, pip install -e '.[server,nixl]' (the nixl-cu12 wheel; it runs on CPU too) and "
     "restart kvpoold"
 )
-XferState = Literal["DONE", "PROC", "ERR", "TIMEOUT"]
+# PROC: something of the write may still land; any other state: nothing can any more.
+XferState = Literal["DONE", "PROC", "ERR", "CANCELLED"]
+# A flush probe reads this many bytes of the peer's memory into a scratch registration.
+PROBE_BYTES = 64
 # Registrations of one peer agent whose metadata this agent keeps track of having loaded.
 MAX_KNOWN_GENERATIONS = 64
 
@@ -96,6 +106,26 @@ def mem_type(tensor: torch.Tensor) -> tuple[str, int]:
     return ("DRAM", 0) if dev < 0 else ("VRAM", dev)
 
 
+@dataclass(eq=False)
+class Write:
+    """One posted WRITE, until nothing of it can land any more (``ended`` set).
+
+    ``probe_row`` is one row of the peer's memory the write targets (address, at most
+    PROBE_BYTES, device): a cancelled write's flush probe reads it. ``ended`` is the state the
+    write ended in: DONE / ERR as NIXL reported them (then released), or CANCELLED once the
+    probe after its release completed.
+    """
+
+    handle: Any
+    peer: str
+    remote_kind: str
+    probe_row: np.ndarray
+    deadline: float
+    cancelled: bool = False
+    probe: Any = None
+    ended: XferState | None = None
+
+
 class NixlAgent:
     """One NIXL agent of a daemon; its name is fresh per process, so a restarted peer is seen
     as a new agent (its metadata is fetched again).
@@ -118,9 +148,12 @@ class NixlAgent:
         self._regs: dict[str, tuple[Any, int]] = {}  # pool -> (registration, generation)
         # remote agent -> the generations of its registrations loaded here (oldest first)
         self._peers: dict[str, OrderedDict[int, None]] = {}
-        # id(handle) -> (deadline, handle) of posted writes; overdue ones are cancelled
-        self._writes: dict[int, tuple[float, Any]] = {}
-        self._cancelled: set[int] = set()
+        # Posted writes not yet ended; overdue ones are cancelled before any progress.
+        self._writes: set[Write] = set()
+        # The local end of flush probes (never read: the bytes only prove the order).
+        self._scratch = np.zeros(PROBE_BYTES, dtype=np.uint8)
+        self._scratch_reg = self._agent.register_memory(
+            [(self._scratch.ctypes.data, PROBE_BYTES, 0, "")], "DRAM")
 
     # -- registration ----------------------------------------------------------------------
 
@@ -179,13 +212,13 @@ class NixlAgent:
 
     def post_write(self, local: np.ndarray, local_kind: str, remote: np.ndarray,
                    remote_kind: str, peer: str, notification: bytes,
-                   deadline: float) -> tuple[Any, XferState]:
+                   deadline: float) -> tuple[Write, XferState]:
         """Post one WRITE of every ``local`` row into the matching ``remote`` row of ``peer``
         (memory types DRAM or VRAM on each side), with ``notification`` delivered to the peer
         when it is complete; cancelled if still running at ``deadline`` (``time.monotonic``).
 
         Returns:
-            The transfer handle and its first state.
+            The write and its first state (see :meth:`state`).
 
         Raises:
             Internal: NIXL refused the descriptors (not registered, peer unknown).
@@ -199,61 +232,103 @@ class NixlAgent:
         except Exception as exc:
             raise Internal(f"NIXL refused the write to {peer}: {type(exc).__name__}: {exc}"
                            ) from exc
+        row = remote[:1].copy()
+        row[0, 1] = min(int(row[0, 1]), PROBE_BYTES)
+        write = Write(handle, peer, remote_kind, row, deadline)
+        self._writes.add(write)
         try:
-            state: XferState = agent.transfer(handle)  # type: ignore[assignment]
-        except Exception as exc:
-            self.release(handle)
-            raise Internal(f"NIXL could not post the write to {peer}: "
-                           f"{type(exc).__name__}: {exc}") from exc
-        self._writes[id(handle)] = (deadline, handle)
-        return handle, state
-
-    def state(self, handle: Any) -> XferState:
-        """A posted write's state; ``TIMEOUT`` once it was cancelled at its deadline."""
-        self._cancel_overdue()
-        if id(handle) in self._cancelled:
-            return "TIMEOUT"
-        try:
-            return self._agent.check_xfer_state(handle)  # type: ignore[no-any-return]
+            agent.transfer(handle)
         except Exception:
-            log.warning("check_xfer_state failed", exc_info=True)
-            return "ERR"
+            # Whether any of it was posted is not known: cancel it and let the probe tell.
+            log.warning("NIXL could not post the write to %s", peer, exc_info=True)
+            self.cancel(write)
+        return write, self.state(write)
 
-    def release(self, handle: Any) -> bool:
-        """Free a write's handle, cancelling it if it still runs; False when NIXL could not
-        (the handle then stays: it is tried again at every later call of this agent)."""
-        if id(handle) in self._cancelled:
-            self._cancelled.discard(id(handle))
-            return True
+    def state(self, write: Write) -> XferState:
+        """Where a write is: ``PROC`` while any of its bytes may still land (running, or
+        cancelled and its flush probe not yet completed), else how it ended."""
+        self._cancel_overdue()
+        if write.ended is None:
+            self._advance(write)
+        return write.ended or "PROC"
+
+    def cancel(self, write: Write) -> None:
+        """Ask NIXL to cancel a write (no-op once ended or cancelled): its handle is released
+        and a flush probe posted; :meth:`state` says ``CANCELLED`` once the probe completed."""
+        if write.ended is None and not write.cancelled:
+            write.cancelled = True
+            self._advance(write)
+
+    def _advance(self, write: Write) -> None:
+        """One look at a write: release a handle that ended, move a cancel along."""
+        agent = self._agent
+        if not write.cancelled:
+            try:
+                state = agent.check_xfer_state(write.handle)
+            except Exception:
+                log.warning("check_xfer_state failed", exc_info=True)
+                state = "ERR"
+            if state == "PROC":
+                return
+            if self._release(write.handle):
+                write.handle = None
+                self._end(write, "DONE" if state == "DONE" else "ERR")
+            else:
+                write.cancelled = True  # NIXL holds on to it: release, then probe
+            return
+        if write.handle is not None:
+            if not self._release(write.handle):
+                return  # retried at the next look
+            write.handle = None
+        if write.probe is None:
+            try:
+                write.probe = agent.initialize_xfer(
+                    "READ", agent.get_xfer_descs(self._scratch_row(), "DRAM"),
+                    agent.get_xfer_descs(write.probe_row, write.remote_kind), write.peer, b"")
+                agent.transfer(write.probe)
+            except Exception:
+                log.warning("posting a flush probe to %s failed; retried at the next look",
+                            write.peer, exc_info=True)
+                if write.probe is not None and self._release(write.probe):
+                    write.probe = None
+                return
+        try:
+            state = agent.check_xfer_state(write.probe)
+        except Exception:
+            log.warning("check_xfer_state of a flush probe failed", exc_info=True)
+            state = "ERR"
+        if state != "PROC" and self._release(write.probe):
+            write.probe = None
+            self._end(write, "CANCELLED")
+
+    def _scratch_row(self) -> np.ndarray:
+        return np.array([[self._scratch.ctypes.data, PROBE_BYTES, 0]], dtype=np.uint64)
+
+    def _end(self, write: Write, state: XferState) -> None:
+        write.ended = state
+        self._writes.discard(write)
+
+    def _release(self, handle: Any) -> bool:
         try:
             self._agent.release_xfer_handle(handle)
         except Exception:
-            log.warning("release_xfer_handle failed", exc_info=True)
-            self._writes[id(handle)] = (0.0, handle)  # overdue now: retried by every call
+            log.warning("release_xfer_handle failed; retried at the next look", exc_info=True)
             return False
-        self._writes.pop(id(handle), None)
         return True
 
-    def is_released(self, handle: Any) -> bool:
-        """Whether a write's handle is gone (released, or cancelled and then released)."""
-        return id(handle) not in self._writes and id(handle) not in self._cancelled
+    @property
+    def writes(self) -> int:
+        """Posted writes not yet ended."""
+        return len(self._writes)
 
     def _cancel_overdue(self) -> None:
         """Cancel every posted write past its deadline, before anything progresses NIXL."""
         if not self._writes:
             return
         now = time.monotonic()
-        for key, (deadline, handle) in list(self._writes.items()):
-            if deadline > now:
-                continue
-            try:
-                self._agent.release_xfer_handle(handle)
-            except Exception:
-                log.warning("cancelling an overdue write failed; retried at the next call",
-                            exc_info=True)
-                continue
-            del self._writes[key]
-            self._cancelled.add(key)
+        for write in list(self._writes):
+            if write.deadline <= now and not write.cancelled:
+                self.cancel(write)
 
     def notifications(self) -> dict[str, list[bytes]]:
         """New completion notifications, by sending agent."""

@@ -122,7 +122,9 @@ class Peers:
         req = pb.PeerReceiveRequest(
             token=args.token, layout=args.layout, pages=args.pages, swa_mask=args.swa_mask,
             known_agent=args.known_agent, known_generations=sorted(args.known_generations),
-            sender=args.sender)
+            sender=args.sender, sender_process=None if args.writer is None else
+            pb.SenderProcess(boot_id=args.writer.boot_id, pid_namespace=args.writer.pid_namespace,
+                             pid=args.writer.pid, start_ticks=args.writer.start_ticks))
         try:
             resp = await self._client(target).call("PeerReceive", req, timeout_s=PEER_TIMEOUT_S)
         except Unavailable as exc:
@@ -140,8 +142,8 @@ class Peers:
         return _acceptance(target, resp)
 
     async def tell_done(self, target: str, token: bytes, ok: bool, message: str) -> None:
-        """Call ``target``'s PeerDone; a failure to tell is ignored (the peer's grant ends at
-        its fence then)."""
+        """Call ``target``'s PeerDone; a failure to tell is ignored (the peer's pages then stay
+        fenced until this daemon's process exits)."""
         with contextlib.suppress(KVPoolError):
             await self._client(target).call(
                 "PeerDone", pb.PeerDoneRequest(token=token, ok=ok,

@@ -5,7 +5,9 @@ A lease grants pages it holds (:meth:`Receives.grant`, pinned from here: see ``g
 daemon presenting the token is checked (the grant, the page layout, the page count and SWA
 mask) and accepted once (:meth:`Receives.peer_receive`); while an accepted grant's write window
 is open this daemon reads NIXL's notifications, and the write's own notification ends the grant
-``done``. The sender's ``PeerDone(ok=false)`` ends it ``failed``; ``ok=true`` ends nothing.
+``done``. The sender's ``PeerDone(ok=false)`` (its write ended, nothing of it in flight) ends it
+``failed``; ``ok=true`` ends nothing. The sender's process is watched (``liveness``) where it
+can be: its exit closes the window too. The lease can cancel its grant (:meth:`Receives.cancel`).
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvpool.contract.errors import FailedPrecondition, InvalidArgument
-from kvpool.contract.records import TransferState
+from kvpool.contract.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvpool.contract.records import TransferState, TransferStatus
 from kvpoold.transfer.descriptors import Layouts, page_memory
 from kvpoold.transfer.grants import DEFAULT_GRANT_TTL_S, GrantTable, ReceiveGrant
+from kvpoold.transfer.liveness import ProcessWatch
 from kvpoold.transfer.messages import Acceptance, PeerReceiveArgs
 from kvpoold.transfer.nixl_agent import NixlAgent
 from kvpoold.transfer.page_layout import KV_SPACE, layout_mismatch
@@ -36,6 +39,9 @@ log = logging.getLogger("kvpoold.transfer")
 # every RECEIVER_POLL_S while a write window is open (spinning there took the sender's core on
 # a small machine: 256 pages went from 1.16x to 1.46x raw NIXL in bench/transfer.py).
 RECEIVER_POLL_S = 0.001
+# While only fenced grants are open (their writers stopped or slow), notifications are read this
+# often: a resumed writer's notification still frees the pages, without a busy loop meanwhile.
+FENCED_POLL_S = 0.05
 
 
 class Receives:
@@ -49,11 +55,14 @@ class Receives:
         layouts: the pools' page layouts.
         pins: pins the granted pages.
         peers: the per-peer counters.
+        watch: watches the senders' processes.
     """
 
     def __init__(self, pool: Callable[[str], Pool], leases: LeaseLookup,
                  clock: Callable[[], float], need_agent: Callable[[], NixlAgent],
-                 layouts: Layouts, pins: Pins, peers: Peers) -> None:
+                 layouts: Layouts, pins: Pins, peers: Peers, watch: ProcessWatch) -> None:
+        self._clock = clock
+        self._watch = watch
         self._pool = pool
         self._leases = leases
         self._need_agent = need_agent
@@ -125,7 +134,9 @@ class Receives:
         swa_out = self._swa_pages(grant, args.swa_mask)
         where = page_memory(entry)
         nbytes = where.nbytes(n, int(swa_out.shape[0]))
-        notification = self.grants.accept(grant, args.sender, nbytes)
+        notification = self.grants.accept(grant, args.sender, nbytes, args.writer)
+        if args.writer is not None:
+            grant.unwatch = self._watch.watch(args.writer, lambda: self._writer_exited(grant))
         self._ensure_poller()
         generation = agent.generation(grant.pool)
         stale = args.known_agent != agent.name or generation not in args.known_generations
@@ -166,9 +177,11 @@ class Receives:
         return grant.swa_pages[mask]
 
     def peer_done(self, token: bytes, ok: bool, message: str) -> None:
-        """The sender's word on its write: ``ok = False`` (it cancelled or lost it) ends the
-        grant as failed and gives its pages back; ``ok = True`` ends nothing (only the write's
-        own notification makes a grant done). No-op for a grant no sender was accepted into.
+        """The sender's word on its write: ``ok = False`` says nothing of it can land any more
+        (NIXL reported it ended, or a flush probe after its cancel completed, or it was never
+        posted): the grant ends failed and its pages come back; ``ok = True`` ends nothing
+        (only the write's own notification makes a grant done). No-op for a grant no sender
+        was accepted into.
 
         Raises:
             NotFound: no grant for the token.
@@ -179,6 +192,36 @@ class Receives:
         self.grants.close_window(grant, TransferState.failed,
                                  f"the sender's write failed: {message}")
 
+    def _writer_exited(self, grant: ReceiveGrant) -> None:
+        grant.unwatch = None  # its pidfd is closed already
+        pid = grant.writer.pid if grant.writer is not None else 0
+        self.grants.close_window(grant, TransferState.failed, (
+            f"the sending daemon {grant.peer} (process {pid}) exited before its write "
+            "reported its end"))
+
+    def cancel(self, owner: int, lease_id: int, token: bytes) -> tuple[TransferStatus, int, int]:
+        """End a grant of the lease now (CancelGrant). Its pages are unpinned at once when no
+        sender was accepted; else they stay fenced until the writer has ended.
+
+        Returns:
+            The grant's status, the pages unpinned by this call, the pages still fenced.
+
+        Raises:
+            NotFound: no grant for the token made by this lease.
+        """
+        grant = self.grants.find(token)
+        if grant.owner != owner:
+            raise NotFound(f"lease {lease_id} made no receive grant with this token; cancel a "
+                           "grant with the lease that made it", field="token")
+        was_pinned = grant.unpin is not None
+        self.grants.end(grant, TransferState.failed, "the receive grant was cancelled by its "
+                        "lease" + (f" while a write from {grant.peer} may still land"
+                                   if grant.window_open else ""))
+        n = int(grant.pages.shape[0])
+        fenced = n if grant.window_open else 0
+        freed = n if was_pinned and grant.unpin is None else 0
+        return grant.status(self._clock()), freed, fenced
+
     def _ensure_poller(self) -> None:
         if self._poller is None or self._poller.done():
             self._poller = asyncio.get_running_loop().create_task(self._poll_notifications())
@@ -187,6 +230,7 @@ class Receives:
         """Read completion notifications while an accepted grant's write window is open."""
         agent = self._need_agent()
         while self.grants.receiving:
+            fenced_only = self.grants.receiving <= self.grants.fenced_writes
             try:
                 notes = agent.notifications()
             except Exception:
@@ -197,7 +241,7 @@ class Receives:
                     grant = self.grants.by_notification(bytes(message))
                     if grant is not None:
                         self.grants.close_window(grant, TransferState.done, "")
-            await asyncio.sleep(RECEIVER_POLL_S)
+            await asyncio.sleep(FENCED_POLL_S if fenced_only else RECEIVER_POLL_S)
 
     def _grant_ended(self, grant: ReceiveGrant) -> None:
         if not grant.receiving:

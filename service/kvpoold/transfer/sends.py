@@ -1,9 +1,12 @@
 """The sending side of transfers: Send, posting the NIXL WRITE, watching it, ending its record.
 
 A send asks the peer where to write (``peers``), posts one WRITE of every page of every buffer
-carrying the notification the peer asked for, and watches it until it ends or its deadline
-passes (the agent cancels it then); a failed write is told to the peer with ``PeerDone``. The
-send's pages are pinned from Send until its write's handle is released (``pages``).
+carrying the notification the peer asked for, and watches it until it has *ended*: nothing of
+it can land any more (NIXL reported it done or failed, or it was cancelled and the flush probe
+after the cancel completed: ``nixl_agent``). It is cancelled at its deadline, and when its lease
+ends or its pool is dropped. A write that did not end done is told to the peer with
+``PeerDone(ok=false)`` only then, and the peer gives its pages back on that word. The send's
+pages are pinned from Send until its write has ended (``pages``).
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from kvpool.contract.errors import FailedPrecondition, Internal, KVPoolError, No
 from kvpool.contract.records import TransferState, TransferStatus
 from kvpoold.transfer.descriptors import Layouts, page_memory, write_rows
 from kvpoold.transfer.grants import TransferRecord, check_token
+from kvpoold.transfer.liveness import this_process
 from kvpoold.transfer.messages import Acceptance, PeerReceiveArgs
-from kvpoold.transfer.nixl_agent import NixlAgent
+from kvpoold.transfer.nixl_agent import NixlAgent, Write
 from kvpoold.transfer.page_layout import KV_SPACE
 from kvpoold.transfer.pages import LeaseLookup, Pins, check_pages, has_swa, held_space
 from kvpoold.transfer.peers import Peers, Spawn, check_peer
@@ -60,9 +64,9 @@ class Outgoing(TransferRecord):
     posted_at: float = 0.0
     write_s: float = 0.0  # the write deadline the peer gave, from its PeerReceive request
     deadline: float = 0.0  # time.monotonic() by which the write must end (from the peer)
-    handle: Any = None
+    write: Write | None = None  # the posted write, until it ended
     # Gives the pages' pins back (exactly once): when nothing was posted, or once the posted
-    # write's handle is released. None after.
+    # write has ended. None after.
     unpin: Any = None
     # The pool while its write may be reading it: a forced Drop meanwhile must not unmap the
     # memory under NIXL (the views keep the mapping; dropped when the write ends).
@@ -135,17 +139,18 @@ class Sends:
         out.unpin = self._pins.hold(entry, pages, swa_src)
         self._sends[out.transfer_id] = out
         self._sending.setdefault(out.owner, []).append(out)
+        accepted = False
         try:
             known = self._peers.agent_of(target)
             args = PeerReceiveArgs(
                 token=token, layout=self._layouts.of(entry), pages=int(pages.shape[0]),
                 swa_mask=mask.tobytes(), known_agent=known,
                 known_generations=frozenset(agent.known_generations(known) if known else ()),
-                sender=agent.name)
+                sender=agent.name, writer=this_process())
             asked_at = time.monotonic()  # the write deadline counts from here
             acc = await self._peers.ask_receive(target, args)
+            accepted = True
             if out.state != TransferState.pending:  # the pool or the lease went meanwhile
-                await self._peers.tell_done(target, token, False, out.message)
                 raise FailedPrecondition(f"transfer {out.transfer_id}: {out.message}",
                                          field="pages")
             if acc.agent == agent.name:
@@ -155,9 +160,14 @@ class Sends:
             self._post(agent, entry, out, acc, swa_src, asked_at)
         except BaseException as exc:
             msg = exc.message if isinstance(exc, KVPoolError) else f"{type(exc).__name__}: {exc}"
-            out.source = None  # nothing was posted
             self._end(out, TransferState.failed, msg)
-            self._unpin(out)
+            if out.write is not None and out.write.ended is None:
+                self._spawn(self._watch(agent, out))  # it tells the peer once the write ended
+            else:
+                out.source = None  # nothing of it is in flight
+                self._unpin(out)
+                if accepted:  # the peer keeps the grant's pages fenced until told
+                    self._spawn(self._peers.tell_done(target, token, False, msg))
             raise
         self._spawn(self._watch(agent, out))
         return out
@@ -188,29 +198,20 @@ class Sends:
         out.write_s = acc.write_deadline_s
         out.deadline = asked_at + acc.write_deadline_s
         out.source = entry.buffers
-        out.handle, state = agent.post_write(local, mine.memory, remote, acc.memory, acc.agent,
-                                             acc.notification, out.deadline)
+        out.write, state = agent.post_write(local, mine.memory, remote, acc.memory, acc.agent,
+                                            acc.notification, out.deadline)
         if state == "ERR":
-            handle, out.handle = out.handle, None
-            if not agent.release(handle):
-                out.handle = handle  # still NIXL's: the watcher waits until it lets go
-                self._spawn(self._watch(agent, out))
             raise Internal(f"NIXL could not post the write to {out.peer} ({acc.agent})")
 
     async def _watch(self, agent: NixlAgent, out: Outgoing) -> None:
-        """Poll the posted write until it ends (the agent cancels it at its deadline); release
-        its handle, then its pins; tell the peer about a failure."""
-        state = "PROC"
+        """Poll the posted write until it has ended (the agent cancels it at its deadline);
+        then give its pins back and tell the peer about a write that did not end done."""
+        write = out.write
+        assert write is not None
         start = time.monotonic()
-        while out.handle is not None:
-            state = agent.state(out.handle)
-            if state != "PROC":
-                if agent.release(out.handle):
-                    out.handle = None
-                    break
-                state = "ERR"  # NIXL could not let go of it yet: keep it pinned, retry
+        while (state := agent.state(write)) == "PROC":
             waited = time.monotonic() - start
-            await asyncio.sleep(0.0 if waited < SPIN_S and state == "PROC" else MAX_POLL_S)
+            await asyncio.sleep(0.0 if waited < SPIN_S and not write.cancelled else MAX_POLL_S)
         out.source = None
         self._unpin(out)
         if state == "DONE":
@@ -218,12 +219,21 @@ class Sends:
             return
         # The deadline the peer gave counts from the PeerReceive request, not from this
         # watcher's start (which a stalled daemon can reach after the deadline passed).
-        why = (f"the write did not complete within its {out.write_s:.3g} s deadline "
-               "and was cancelled" if state == "TIMEOUT"
-               else out.message or f"NIXL reported an error writing to {out.peer_agent} at "
-               f"{out.peer} (the peer daemon died or its memory went away)")
+        why = (out.message if out.state != TransferState.pending
+               else f"the write did not complete within its {out.write_s:.3g} s deadline "
+               "and was cancelled" if state == "CANCELLED"
+               else f"NIXL reported an error writing to {out.peer_agent} at {out.peer} (the "
+               "peer daemon died or its memory went away)")
         self._end(out, TransferState.failed, why)
-        await self._peers.tell_done(out.peer, out.token, False, why)
+        await self._peers.tell_done(out.peer, out.token, False,
+                                    f"{why}; nothing of it is in flight")
+
+    def _cancel(self, out: Outgoing, why: str) -> None:
+        """End a send's record as failed and cancel its write (its pins stay until the write
+        has ended: the watcher gives them back and tells the peer)."""
+        self._end(out, TransferState.failed, why)
+        if out.write is not None:
+            self._need_agent().cancel(out.write)
 
     @staticmethod
     def _unpin(out: Outgoing) -> None:
@@ -265,14 +275,15 @@ class Sends:
         return found
 
     def lease_gone(self, owner: int, why: str) -> None:
-        """A lease ended: its sends not posted yet are marked failed (send() sees it and
-        stops); a posted one keeps its pages pinned until its handle is released."""
+        """A lease ended: its sends fail, and a posted write is cancelled (cancel-on-close);
+        its pages stay pinned (quarantined) until the write has ended, and the peer keeps its
+        own fenced until this daemon tells it so."""
         for out in list(self._sending.get(owner, ())):
-            if out.handle is None:
-                self._end(out, TransferState.failed, why)
+            self._cancel(out, f"cancelled: {why}")
 
     def pool_gone(self, name: str, why: str) -> None:
-        """A pool is being dropped: its sends fail (a posted write's pins still hold a use of
-        the pool until its handle is released)."""
-        for out in [o for o in self._sends.values() if o.pool == name]:
-            self._end(out, TransferState.failed, why)
+        """A pool is being dropped: its sends fail and their writes are cancelled (a posted
+        write's pins still hold a use of the pool until it has ended)."""
+        for out in [o for o in self._sends.values()
+                    if o.pool == name and o.state == TransferState.pending]:
+            self._cancel(out, f"cancelled: {why}")

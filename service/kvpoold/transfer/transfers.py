@@ -17,8 +17,9 @@ The flow (docs/pd-transfer.md):
 
 Pages stay owned as they were whatever happens: a transfer never frees or allocates. Every
 page a transfer moves is **pinned in the ledger** (``IdSpace.pin``) on both sides for as long
-as bytes may move: the grant's pages from GrantReceive until its write window closes (see
-``grants``), a send's pages from Send until its write's handle is released. A Free of a pinned
+as bytes may move: the grant's pages from GrantReceive until a fact closes its write window
+(see ``grants``: never a clock), a send's pages from Send until its write has ended
+(``nixl_agent``). A Free of a pinned
 page is refused, and a lease's end quarantines its pinned pages (no other lease can be handed
 them) until the last unpin frees them. Nothing outside the ledger is consulted by Free.
 
@@ -37,10 +38,13 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from kvpool.contract.errors import FailedPrecondition, InvalidArgument
 from kvpool.contract.records import PeerStats, TransferState, TransferStatus
 from kvpoold.transfer.descriptors import Layouts
 from kvpoold.transfer.grants import GrantTable, ReceiveGrant
+from kvpoold.transfer.liveness import ProcessWatch
 from kvpoold.transfer.messages import Acceptance, PeerReceiveArgs
 from kvpoold.transfer.nixl_agent import NIXL_MISSING, NixlAgent
 from kvpoold.transfer.pages import LeaseLookup, Pins
@@ -80,8 +84,9 @@ class Transfers:
         self._layouts = Layouts()
         self._peers = Peers(peer_token, self._spawn)
         pins = self.pins = Pins(on_freed)  # the pins of every grant and send
+        self.watch = ProcessWatch()  # the processes of senders writing into this daemon
         self._receives = Receives(pool, leases, clock, self._need_agent, self._layouts, pins,
-                                  self._peers)
+                                  self._peers, self.watch)
         self._sends = Sends(pool, leases, clock, self._need_agent, self._layouts, pins,
                             self._peers, self._spawn)
 
@@ -96,8 +101,16 @@ class Transfers:
 
     @property
     def peers(self) -> dict[str, PeerStats]:
-        """Per peer (the address sent to, or the agent received from), what Stats shows."""
-        return self._peers.stats
+        """Per peer (the address sent to, or the agent received from), what Stats shows:
+        the counters, and the writes and pages it holds fenced now (O(peers))."""
+        fenced = self._receives.grants.fenced()
+        if not fenced:
+            return self._peers.stats
+        out = dict(self._peers.stats)
+        for peer, (writes, pages) in fenced.items():
+            out[peer] = msgspec.structs.replace(out.get(peer) or PeerStats(peer=peer),
+                                                fenced_writes=writes, fenced_pages=pages)
+        return out
 
     def _need_agent(self) -> NixlAgent:
         if self.agent is None:
@@ -151,6 +164,12 @@ class Transfers:
         """See :meth:`Receives.peer_done`."""
         self._receives.peer_done(token, ok, message)
 
+    def cancel_grant(self, owner: int, lease_id: int, token: bytes
+                     ) -> tuple[TransferStatus, int, int]:
+        """See :meth:`Receives.cancel`."""
+        self._need_agent()
+        return self._receives.cancel(owner, lease_id, token)
+
     async def send(self, lease_id: int, pool: str, pages_bytes: bytes, peer: str,
                    token: bytes) -> Outgoing:
         """See :meth:`Sends.send`."""
@@ -182,15 +201,16 @@ class Transfers:
     # -- hooks from the daemon -----------------------------------------------------------------
 
     def lease_gone(self, owner: int, why: str) -> None:
-        """A lease closed or expired: its grants end and its sends are marked failed. A write
-        in flight keeps its pages pinned (the lease's reclaim quarantines them) until it ends:
-        a posted send until its handle is released, an accepted grant until its window
-        closes."""
+        """A lease closed or expired: its grants end and its sends fail, their posted writes
+        cancelled. A write in flight keeps its pages pinned (the lease's reclaim quarantines
+        them) until it has ended: a posted send until NIXL (or the flush probe after its
+        cancel) says so, an accepted grant until a fact closes its window."""
         self._receives.grants.revoke_owner(owner, why)
         self._sends.lease_gone(owner, why)
 
     def expire(self) -> None:
-        """End expired grants and close write windows past their fence."""
+        """End expired grants and the records of writes past their deadline (their pages stay
+        fenced)."""
         self._receives.grants.expire()
 
     async def close(self) -> None:
@@ -198,4 +218,5 @@ class Transfers:
         for task in list(self._tasks):
             task.cancel()
         self._receives.close()
+        self.watch.close()
         await self._peers.close()
