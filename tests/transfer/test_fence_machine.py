@@ -23,9 +23,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvpool.contract import codec
 from kvpool.contract.errors import FailedPrecondition, ResourceExhausted
 from kvpool.contract.records import TransferState
+from kvpoold.access import DAEMON_CALLER
 from kvpoold.ids.faults import QUARANTINE
 from kvpoold.server.args import ConfigureArgs, LeaseRef
-from kvpoold.server.auth import DAEMON_CALLER
 from kvpoold.server.daemon import Daemon
 from kvpoold.sharing.shm import ShmBackingFactory
 from kvpoold.transfer.liveness import ProcessId, this_process
