@@ -27,6 +27,7 @@ SCRIPTS = {
                 "--baseline-s", "1", "--ttl-s", "1"],
     "stats_under_load.py": ["--leases", "200", "--seconds", "0.3"],
     "transfer.py": ["--rounds", "1", "--sizes", "1,4", "--control-calls", "2"],
+    "transfer_fence.py": ["--runs", "1", "--kill-runs", "0"],
 }
 
 
