@@ -32,19 +32,16 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
-import os
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
 import grpc
 import numpy as np
-from benchlib.probe_table import print_probe_table  # bench/ is the script's directory
-from rpc import REPO, serving_daemon
+from benchlib.alloc_probe import probe_window, start_probe  # bench/ is the script's directory
+from benchlib.probe_table import print_probe_table
+from rpc import serving_daemon
 
 from kvpool import KVPoolClient
 from kvpool.contract.limits import MAX_REQUEST_MESSAGE_BYTES
@@ -58,93 +55,6 @@ TARGET_MAX_MS = 100.0
 PROBE_PAGES = 4
 QUICK = {"frees": 3, "mb": 60, "window_s": 1.0}
 FULL = {"frees": 10, "mb": 60, "window_s": 3.0}
-
-
-# -- the probe (a child process) ---------------------------------------------------------------
-
-def run_probe(target: str, rate: float) -> None:
-    """Allocate(PROBE_PAGES) + Free every ``1/rate`` s until stdin closes; a line
-    ``<t0> <t1>`` answers the figures of the Allocates started between those instants."""
-    asyncio.run(_probe(target, rate))
-
-
-async def _probe(target: str, rate: float) -> None:
-    from kvpool.clients.aio import AsyncKVPoolClient
-
-    loop = asyncio.get_running_loop()
-    asks: asyncio.Queue[str | None] = asyncio.Queue()
-
-    def read_stdin() -> None:
-        for line in sys.stdin:
-            loop.call_soon_threadsafe(asks.put_nowait, line)
-        loop.call_soon_threadsafe(asks.put_nowait, None)
-
-    samples: list[tuple[float, float]] = []  # (started, Allocate seconds)
-    errors: list[tuple[float, str]] = []
-    tasks: set[asyncio.Task[None]] = set()
-    async with AsyncKVPoolClient(target, timeout_s=120) as client:
-        lease = await client.lease("probe", ttl_s=60)
-
-        async def pair() -> None:
-            started = time.monotonic()
-            try:
-                ids = await lease.allocate(POOL, "kv", PROBE_PAGES)
-                samples.append((started, time.monotonic() - started))
-                await lease.free(POOL, "kv", ids)
-            except Exception as exc:  # every failure is reported, none stops the probe
-                errors.append((started, repr(exc)[:200]))
-
-        async def send() -> None:
-            due = time.monotonic()
-            while True:
-                task = asyncio.create_task(pair())
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-                due += 1.0 / rate
-                await asyncio.sleep(max(0.0, due - time.monotonic()))
-
-        sender = asyncio.create_task(send())
-        threading.Thread(target=read_stdin, daemon=True).start()
-        print(json.dumps({"ready": True}), flush=True)
-        while (line := await asks.get()) is not None:
-            t0, t1 = (float(x) for x in line.split())
-            if tasks:
-                await asyncio.wait(set(tasks), timeout=60.0)
-            window = [d for s, d in samples if t0 <= s <= t1]
-            failed = [e for s, e in errors if t0 <= s <= t1]
-            samples[:] = [x for x in samples if x[0] > t1]
-            errors[:] = [x for x in errors if x[0] > t1]
-            print(json.dumps(figures(window, failed)), flush=True)
-        sender.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await lease.close()
-
-
-def figures(seconds: list[float], errors: list[str]) -> dict[str, Any]:
-    """Calls, p50/p99/max in ms, and the first failures."""
-    arr = np.asarray(seconds or [0.0]) * 1e3
-    return {"calls": len(seconds), "errors": errors[:5], "failed": len(errors),
-            "p50_ms": float(np.percentile(arr, 50)), "p99_ms": float(np.percentile(arr, 99)),
-            "max_ms": float(arr.max())}
-
-
-def start_probe(target: str, rate: float) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(
-        [sys.executable, __file__, "--role", "probe", "--target", target, "--rate", str(rate)],
-        env={**os.environ, "PYTHONPATH": f"{REPO / 'client'}:{REPO / 'service'}"},
-        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    assert json.loads(proc.stdout.readline()) == {"ready": True}
-    return proc
-
-
-def probe_window(probe: subprocess.Popen[str], t0: float, t1: float) -> dict[str, Any]:
-    """The probe's figures for the Allocates it started between ``t0`` and ``t1``."""
-    time.sleep(max(0.0, t1 - time.monotonic()))
-    assert probe.stdin is not None and probe.stdout is not None
-    probe.stdin.write(f"{t0} {t1}\n")
-    probe.stdin.flush()
-    return json.loads(probe.stdout.readline())
 
 
 # -- the hostile client (this process) ---------------------------------------------------------
@@ -208,7 +118,7 @@ def run(frees: int, mb: int, pages: int, window_s: float, rate: float) -> None:
         hostile = client.lease("hostile", ttl_s=600)
         sizes = {f"{frees} x {mb} MB Frees": mb * 1e6,
                  f"{frees} x {under:.1f} MB Frees": under * 1e6}
-        probe = start_probe(target, rate)
+        probe = start_probe(target, POOL, rate, PROBE_PAGES)
         rows: list[dict[str, Any]] = []
         answers: dict[str, list[Any]] = {}
         try:
@@ -254,12 +164,7 @@ def main() -> int:
                         help=f"baseline windows (default {FULL['window_s']} s)")
     parser.add_argument("--rate", type=float, default=200.0,
                         help="probe Allocates a second (open loop)")
-    parser.add_argument("--role", choices=("probe",), help=argparse.SUPPRESS)
-    parser.add_argument("--target", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.role == "probe":
-        run_probe(args.target, args.rate)
-        return 0
     chosen = QUICK if args.quick else FULL
     run(args.frees or chosen["frees"], args.mb or chosen["mb"], args.pages,
         args.window_s or chosen["window_s"], args.rate)
