@@ -33,6 +33,7 @@ from kvpoold.server.args import ConfigureArgs, LeaseRef
 from kvpoold.server.daemon import Daemon
 from kvpoold.sharing.shm import ShmBackingFactory
 from tests.conftest import TINY_SPEC, stateful_settings, temp_dir
+from tests.service.conftest import ManualClock
 
 MiB = 1 << 20
 GROUP = 8 * MiB  # the tiny spec at page 16: 2,048 pages of 4 KiB a group
@@ -48,21 +49,13 @@ STEPS: list[int] = []
 PROMISED: list[bool] = []  # per step: whether a reclaim was promised (the machine reaches it)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 class PoolMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.loop = asyncio.new_event_loop()
         self._tmp = temp_dir("kvp-shm-", "/dev/shm")
         shm = self._tmp.__enter__()
-        self.clock = Clock()
+        self.clock = ManualClock()
         self.d = Daemon("cpu", BUDGET, ShmBackingFactory(shm), self.clock,
                         reclaim_deadline_s=1.0)
         self.leases: dict[int, LeaseRef] = {}  # in the order they were opened

@@ -33,6 +33,7 @@ from kvpoold.transfer.liveness import ProcessId, this_process
 from kvpoold.transfer.messages import PeerReceiveArgs
 from kvpoold.transfer.page_layout import page_layout
 from tests.conftest import TINY_SPEC, stateful_settings, temp_dir
+from tests.service.conftest import ManualClock
 
 MiB = 1 << 20
 POOL = "f"
@@ -40,14 +41,6 @@ OPTIONS = {"budget_bytes": 1 * MiB, "page_size": 16, "max_running_requests": 8}
 PEERS = ("A", "B")
 BOUND = 12  # fenced pages per peer before its writes are refused
 STEPS: list[int] = []
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class StandInAgent:
@@ -105,7 +98,7 @@ class FenceMachine(RuleBasedStateMachine):
         self.loop = asyncio.new_event_loop()
         self._tmp = temp_dir("kvp-shm-", "/dev/shm")
         shm = self._tmp.__enter__()
-        self.clock = Clock()
+        self.clock = ManualClock()
         self.d = Daemon("cpu", 8 * MiB, ShmBackingFactory(shm), self.clock)
         self.d.transfers.agent = StandInAgent()  # type: ignore[assignment]
         self.d.transfers.grants.max_fenced_pages = BOUND
