@@ -172,16 +172,23 @@ class FenceMachine(RuleBasedStateMachine):
         ids = np.arange(1, self.space.capacity + 1, dtype=np.int32)  # ids are 1..capacity
         return ids[self.space.owner_of(ids) == owner]
 
-    @precondition(lambda self: self.leases)
-    @rule(data=st.data())
-    def free(self, data: st.DataObject) -> None:
+    def _draw_held(self, data: st.DataObject) -> tuple[LeaseRef, int, np.ndarray] | None:
+        """A lease and up to 8 of the pages it holds (None when it holds none)."""
         lease_id = data.draw(st.sampled_from(list(self.leases)))
         ref, owner = self.leases[lease_id]
         held = self._held(owner)
         if not held.size:
+            return None
+        return ref, owner, np.array(data.draw(st.lists(
+            st.sampled_from(held.tolist()), min_size=1, max_size=8, unique=True)), dtype=np.int32)
+
+    @precondition(lambda self: self.leases)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        drawn = self._draw_held(data)
+        if drawn is None:
             return
-        pages = np.array(data.draw(st.lists(st.sampled_from(held.tolist()), min_size=1,
-                                            max_size=8, unique=True)), dtype=np.int32)
+        ref, _, pages = drawn
         pinned = bool(self.space.pinned_of(pages.astype(np.intp)).any())
         try:
             self.call(self.d.free, DAEMON_CALLER, POOL, ref, [("kv", pages)])
@@ -204,13 +211,10 @@ class FenceMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.leases)
     @rule(data=st.data(), ttl=st.sampled_from([0.5, 5.0]))
     def grant(self, data: st.DataObject, ttl: float) -> None:
-        lease_id = data.draw(st.sampled_from(list(self.leases)))
-        ref, owner = self.leases[lease_id]
-        held = self._held(owner)
-        if not held.size:
+        drawn = self._draw_held(data)
+        if drawn is None:
             return
-        pages = np.array(data.draw(st.lists(st.sampled_from(held.tolist()), min_size=1,
-                                            max_size=8, unique=True)), dtype=np.int32)
+        ref, owner, pages = drawn
         pinned = bool(self.space.pinned_of(pages.astype(np.intp)).any())
         try:
             grant = self.call(self.d.grant_receive, DAEMON_CALLER, ref, POOL,
