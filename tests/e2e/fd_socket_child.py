@@ -36,7 +36,7 @@ async def serve(path: Path, gid: int | None, max_connections: int) -> None:
     commit(fd, 0, CHUNK_BYTES)
     os.pwrite(fd, CONTENT, 0)
 
-    def authorize(ask: FdAsk, uid: int) -> tuple[int, int, str]:
+    def authorize(ask: FdAsk, uid: int, pid: int) -> tuple[int, int, str]:
         if ask.pool != "tiny":
             raise NotFound(f"no pool {ask.pool!r}", field="pool")
         if ask.lease_id != 7 or ask.secret != SECRET:

@@ -3,8 +3,10 @@
 into groups the daemon never granted, and an honest engine beside it.
 
 The daemon frees the stray memory (the file's ``st_blocks`` comes back to what it committed)
-and ends the hostile engine's lease (its name says its pid; the kernel's page tables say that
-pid touched the pages); the honest engine keeps its lease.
+and ends the hostile engine's lease; the honest engine keeps its lease. Which lease is a fact:
+each engine mapped the pool from the descriptor the daemon's side socket handed it under its
+lease (the kernel told the daemon the pid), and the kernel's page tables say which pid touched
+the pages. So it holds with leases named alike too (a name is not a proof).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ SPEC = {"num_layers": 2, "attention": {"type": "mha", "num_kv_heads": 2, "head_d
 GROUP, FIXED, PAGES = 8 * MiB, 2 * MiB, 2048
 BUDGET = FIXED + 3 * GROUP
 
-# An engine on pool "a" under a lease with the client's default name (<host>:<pid>). With
+# An engine on pool "a" under a lease named "name" (default: the client's, <host>:<pid>). With
 # "stray": after attaching, it maps the pool's file whole (as any process of the daemon's
 # user may) and writes into groups 4.. (never granted) until it has written that many bytes.
 # Then it answers "alive" with whether its lease still works, until "done".
@@ -39,7 +41,8 @@ from kvpool.contract.errors import NotFound
 
 msg = recv()
 try:
-  with KVPoolClient(msg["target"]) as client, client.lease(ttl_s=30.0) as lease, \
+  with KVPoolClient(msg["target"]) as client, \
+        client.lease(msg.get("name"), ttl_s=30.0) as lease, \
         client.attach("a", lease=lease) as region:
     wrote = 0
     if msg.get("stray"):
@@ -69,7 +72,8 @@ def backed(shm: Path) -> int:
 
 
 @pytest.mark.timeout(120)
-def test_a_process_writing_into_holes_is_freed_and_loses_its_lease() -> None:
+@pytest.mark.parametrize("name", [None, "engine"], ids=["default-names", "same-names"])
+def test_a_process_writing_into_holes_is_freed_and_loses_its_lease(name: str | None) -> None:
     with temp_dir() as sock_dir, temp_dir("kvp-shm-", "/dev/shm") as shm, \
             run_daemon(sock_dir, "--shm-dir", str(shm), budget=str(BUDGET)) as daemon, \
             KVPoolClient(daemon.target) as client:
@@ -79,9 +83,10 @@ def test_a_process_writing_into_holes_is_freed_and_loses_its_lease() -> None:
         assert backed(shm) == committed
         (path,) = [f for f in shm.iterdir() if f.name.startswith("kvpool-") and "-a-" in f.name]
         with Child(ENGINE, timeout_s=60) as honest, Child(ENGINE, timeout_s=60) as hostile:
-            honest.send({"target": daemon.target})
+            honest.send({"target": daemon.target, "name": name})
             honest_lease = honest.recv()["lease_id"]
-            hostile.send({"target": daemon.target, "path": str(path), "stray": 4 * GROUP})
+            hostile.send({"target": daemon.target, "path": str(path), "stray": 4 * GROUP,
+                          "name": name})
             got = hostile.recv()
             assert got["wrote"] == 4 * GROUP
             while any(x.lease_id == got["lease_id"] for x in client.stats().leases):

@@ -102,7 +102,7 @@ async def served(factory: CudaIpcBackingFactory, socket_dir: Path
                  ) -> AsyncIterator[tuple[CudaVmmBacking, FdServer]]:
     backing = factory.create_elastic(small_plan(), POOL)
 
-    def authorize(ask: FdAsk, uid: int) -> FdGrant:
+    def authorize(ask: FdAsk, uid: int, pid: int) -> FdGrant:
         assert ask.pool == POOL and ask.lease_id == 7 and ask.secret == SECRET
         return backing.export(ask.groups, ask.fixed)
 

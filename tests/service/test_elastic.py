@@ -261,22 +261,36 @@ def test_shm_files_of_elastic_pools_are_0600() -> None:
 
 
 async def test_the_descriptor_socket_hands_out_nothing_unproven(daemon: Any) -> None:
-    """Daemon.fd_grant, the side socket's check: a proven lease with an attachment of the pool,
-    and a pool whose memory goes out as descriptors (CUDA VMM; a CPU pool is mapped by path)."""
+    """Daemon.fd_grant, the side socket's check: a proven lease with an attachment of the pool;
+    a CPU pool goes out as its one file (no parts), and the daemon records which process took
+    it under which lease, until the lease's attachment ends."""
     from kvpool.contract.errors import FailedPrecondition, NotFound
     from kvpool.contract.fd_channel import FdAsk
 
     d, stub = daemon
     await configure(stub, "a")
     la = await open_raw(stub, "a")
+    me = os.getpid()
     with pytest.raises(NotFound):
-        d.fd_grant(FdAsk(pool="a", lease_id=la.lease_id, secret="00" * 16), os.getuid())
-    ask = FdAsk(pool="a", lease_id=la.lease_id, secret=la.secret.hex(), groups=(0,))
+        d.fd_grant(FdAsk(pool="a", lease_id=la.lease_id, secret="00" * 16), os.getuid(), me)
+    whole = FdAsk(pool="a", lease_id=la.lease_id, secret=la.secret.hex())
     with pytest.raises(FailedPrecondition, match="no attachment"):
-        d.fd_grant(ask, os.getuid())
-    await stub.Attach(pb.AttachRequest(pool="a", **proof(la)))
-    with pytest.raises(FailedPrecondition, match="map it from its Attach handle"):
-        d.fd_grant(ask, os.getuid())
+        d.fd_grant(whole, os.getuid(), me)
+    att = await stub.Attach(pb.AttachRequest(pool="a", **proof(la)))
+    with pytest.raises(FailedPrecondition, match="is one file"):
+        d.fd_grant(FdAsk(pool="a", lease_id=la.lease_id, secret=la.secret.hex(), groups=(0,)),
+                   os.getuid(), me)
+    assert d.attachments.holders("a") == {}
+    grant = d.fd_grant(whole, os.getuid(), 4242)
+    try:
+        (fd,) = grant.fds
+        assert os.fstat(fd).st_ino == os.stat(att.handle.path).st_ino
+        assert grant.size == att.handle.size and grant.kind == "shm_sparse"
+    finally:
+        grant.close()
+    assert d.attachments.holders("a") == {4242: {la.lease_id}}
+    await stub.Detach(pb.DetachRequest(attach_id=att.attach_id))
+    assert d.attachments.holders("a") == {}
 
 
 async def test_the_greedy_policy_never_takes_from_another_pool() -> None:

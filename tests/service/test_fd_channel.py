@@ -42,7 +42,7 @@ def memfd() -> int:
 
 
 def authorize_for(fd: int):  # type: ignore[no-untyped-def]
-    def authorize(ask: FdAsk, uid: int) -> tuple[int, int, str]:
+    def authorize(ask: FdAsk, uid: int, pid: int) -> tuple[int, int, str]:
         if ask.pool != "tiny":
             raise NotFound(f"no pool {ask.pool!r}", field="pool")
         if ask.lease_id != 7 or ask.secret != SECRET:
@@ -175,7 +175,7 @@ async def test_a_uid_not_served_is_refused(socket_dir: Path, memfd: int) -> None
 def parts_authorize(made: list[int]):  # type: ignore[no-untyped-def]
     """Answer an ask of parts with one fresh memfd per range (fixed part: chunk 0; group g:
     chunks 1 + 2g and 2 + 2g, like two views), each holding its own offset as text."""
-    def authorize(ask: FdAsk, uid: int) -> FdGrant:
+    def authorize(ask: FdAsk, uid: int, pid: int) -> FdGrant:
         if ask.lease_id != 7 or ask.secret != SECRET:
             raise PermissionDenied("lease 7's secret does not match", field="secret")
         if any(g >= 200 for g in ask.groups):

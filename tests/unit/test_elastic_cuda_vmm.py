@@ -361,7 +361,7 @@ def test_a_client_maps_groups_through_the_side_socket(socket_dir: Path) -> None:
                                               plan.group_ranges(g)]]:
         daemon.write(backing.address + offset, f"daemon {offset}".encode())
 
-    def authorize(ask: FdAsk, uid: int) -> FdGrant:
+    def authorize(ask: FdAsk, uid: int, pid: int) -> FdGrant:
         return backing.export(ask.groups, ask.fixed)
 
     async def run() -> None:

@@ -25,8 +25,11 @@ class SharedHandle:
     the cudaMalloc allocation that holds the region), ``storage_offset`` bytes into that allocation,
     ``storage_size`` bytes of it, ``size`` bytes of region, and the device ``device_uuid``
     (importers may see other ``CUDA_VISIBLE_DEVICES``), plus the ref-counter and event fields
-    torch's IPC import needs. ``none``: the region cannot be shared (``--sharing none``);
-    only ``size`` is meaningful.
+    torch's IPC import needs. ``shm_sparse`` (an elastic pool on CPU): ``path`` of its sparse
+    file and ``fd_socket``, the daemon's descriptor side socket where a lease that attached
+    the pool fetches the file's descriptor (``""``: it serves none; map ``path``).
+    ``cuda_vmm``: ``path`` is the side socket. ``none``: the region cannot be shared
+    (``--sharing none``); only ``size`` is meaningful.
     """
 
     sharing: Sharing
@@ -40,3 +43,4 @@ class SharedHandle:
     ref_counter_offset: int = 0
     event_handle: bytes = b""
     event_sync_required: bool = False
+    fd_socket: str = ""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import stat
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -30,8 +31,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from kvpool.contract.errors import FailedPrecondition, InvalidArgument
+from kvpool.contract.fd_channel import FdAsk
 from kvpool.contract.plan import group_ranges
 from kvpool.contract.shared_handle import SharedHandle
+from kvpool.mapping.fd_client import fetch_fd
 from kvpool.mapping.mapped_region import BufferLayout, MappedRegion, carve_views
 from kvpool.mapping.shm_mapper import open_shm
 from kvpool.mapping.sparse import Reservation
@@ -243,15 +246,19 @@ class ElasticRegion(MappedRegion):
 
 def map_elastic(handle: SharedHandle, layout: Sequence[BufferLayout], *, plan: Any,
                 groups: Iterable[int] = (), fingerprint: str = "", attach_id: int = 0,
-                pool: str = "") -> ElasticRegion:
+                pool: str = "", lease: tuple[int, bytes] | None = None) -> ElasticRegion:
     """Map a ``shm_sparse`` handle: reserve it whole, map the fixed part and ``groups``.
 
     Args:
-        handle: the region's handle (path and size of the daemon's sparse 0600 file).
+        handle: the region's handle (path and size of the daemon's sparse 0600 file, and its
+            descriptor side socket).
         layout: the checked buffer layouts (:func:`kvpool.mapping.mapped_region.check_layout`).
         plan: the pool's plan; ``plan.elastic`` says where the groups and the fixed part lie.
         groups: the groups granted now (``AttachInfo.elastic_groups``).
         fingerprint, attach_id, pool: kept on the region for the caller.
+        lease: ``(lease_id, secret)``: with the handle's side socket and ``pool``, the file's
+            descriptor is fetched there under the lease (the daemon then knows this process
+            maps the pool under it); without, the file is opened by its path.
 
     Returns:
         An :class:`ElasticRegion`.
@@ -269,7 +276,7 @@ def map_elastic(handle: SharedHandle, layout: Sequence[BufferLayout], *, plan: A
                               "returns it; map with kvpool.mapping.attach.region_of)",
                               field="plan")
     size = int(handle.size)
-    fd = open_shm(str(handle.path), size)
+    fd = _elastic_fd(handle, size, pool, lease)
     try:
         reservation = Reservation(fd, size)
     except BaseException:
@@ -292,6 +299,34 @@ def map_elastic(handle: SharedHandle, layout: Sequence[BufferLayout], *, plan: A
                            layout=layout, plan=plan, fingerprint=fingerprint,
                            attach_id=attach_id, pool=pool)
     return _with_groups(region, groups)
+
+
+def _elastic_fd(handle: SharedHandle, size: int, pool: str,
+                lease: tuple[int, bytes] | None) -> int:
+    """The pool file's descriptor: from the daemon's side socket under ``lease`` when the
+    handle names one, else opened by path (:func:`kvpool.mapping.shm_mapper.open_shm`).
+
+    Raises:
+        FailedPrecondition: the descriptor is not a regular file of ``size`` bytes.
+        KVPoolError: the daemon's refusal (NotFound: an unproven lease; FailedPrecondition:
+            no attachment of the pool under it), or Unavailable (no side socket there).
+    """
+    socket_path = str(getattr(handle, "fd_socket", "") or "")
+    if not socket_path or lease is None or not pool:
+        return open_shm(str(handle.path), size)
+    lease_id, secret = lease
+    fd, _answer = fetch_fd(socket_path, FdAsk(pool=pool, lease_id=lease_id, secret=secret.hex()))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            raise FailedPrecondition(
+                f"the daemon's descriptor of pool {pool!r} is not a regular file of {size:,} "
+                f"bytes (mode {st.st_mode:o}, {st.st_size:,} bytes): attach again",
+                field="fd_socket")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _with_groups(region: ElasticRegion, groups: Iterable[int]) -> ElasticRegion:

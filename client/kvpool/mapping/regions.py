@@ -80,8 +80,9 @@ def map_region(handle: SharedHandle, buffers: Sequence[BufferLike], *, plan: Any
         groups: for ``shm_sparse`` (an elastic pool), the groups granted now
             (``AttachInfo.elastic_groups``); ``plan`` is then required.
         pool: the pool's name, kept on an elastic region (its lease routes unmaps by it).
-        lease: ``(lease_id, secret)`` an elastic ``cuda_vmm`` region fetches its descriptors
-            with from the daemon's side socket.
+        lease: ``(lease_id, secret)`` an elastic region (``cuda_vmm``, or ``shm_sparse`` whose
+            handle names the side socket) fetches its descriptors with from the daemon's side
+            socket.
 
     Returns:
         A :class:`MappedRegion`; ``region["k.0"]`` is a tensor on the pool's device. For
@@ -120,7 +121,7 @@ def map_region(handle: SharedHandle, buffers: Sequence[BufferLike], *, plan: Any
             return map_elastic_vmm(handle, layout, plan=plan, lease=lease, groups=groups,
                                    fingerprint=fingerprint, attach_id=attach_id, pool=pool)
         return map_elastic(handle, layout, plan=plan, groups=groups, fingerprint=fingerprint,
-                           attach_id=attach_id, pool=pool)
+                           attach_id=attach_id, pool=pool, lease=lease)
     device, base = mapper(handle)
     return MappedRegion(sharing, device, base, carve_views(base, layout), path=str(handle.path),
                         layout=layout, plan=plan, fingerprint=fingerprint, attach_id=attach_id)

@@ -623,7 +623,7 @@ class DropResponse(_message.Message):
     def __init__(self, reclaimed: _Optional[_Iterable[_Union[Held, _Mapping]]] = ..., detached: _Optional[int] = ..., released_bytes: _Optional[int] = ...) -> None: ...
 
 class SharedHandle(_message.Message):
-    __slots__ = ("sharing", "size", "path", "device_uuid", "ipc_handle", "storage_offset", "storage_size", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    __slots__ = ("sharing", "size", "path", "device_uuid", "ipc_handle", "storage_offset", "storage_size", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "fd_socket")
     SHARING_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -635,6 +635,7 @@ class SharedHandle(_message.Message):
     REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
     EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
     EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    FD_SOCKET_FIELD_NUMBER: _ClassVar[int]
     sharing: str
     size: int
     path: str
@@ -646,7 +647,8 @@ class SharedHandle(_message.Message):
     ref_counter_offset: int
     event_handle: bytes
     event_sync_required: bool
-    def __init__(self, sharing: _Optional[str] = ..., size: _Optional[int] = ..., path: _Optional[str] = ..., device_uuid: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., storage_offset: _Optional[int] = ..., storage_size: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+    fd_socket: str
+    def __init__(self, sharing: _Optional[str] = ..., size: _Optional[int] = ..., path: _Optional[str] = ..., device_uuid: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., storage_offset: _Optional[int] = ..., storage_size: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., fd_socket: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("pool", "expected_fingerprint", "lease_id", "lease_secret")

@@ -18,10 +18,14 @@ meanwhile:
    and no ``SEEK_DATA`` shows) remains.
 
 Back on the loop, the leases that did it are ended (``Hooks.revoke``: their ids and attachments
-come back). gRPC does not tell the daemon which process holds which lease, so a lease is
-blamed when its name says ``<this host>:<pid>`` of a process found in step 2 (the client's
-default name; the kernel confirmed the pid, the name only ties it to the lease). When no
-attached lease's name does (a renamed lease, or memory committed with ``fallocate``), every
+come back). Which lease a process holds the pool under is a fact the daemon recorded: the
+client maps an elastic CPU pool from the descriptor the side socket hands it
+(``kvpoold.elastic.fd_server``), which tells the daemon the process's pid (``SO_PEERCRED``)
+and proves the lease by its secret (``Hooks.descriptor_holders``). A process found in step 2
+that took the descriptor is blamed exactly: the lease(s) it took it under. One that opened the
+file by its path instead (any process of the daemon's user may) is tied to a lease only by the
+lease's name, ``<this host>:<pid>`` (the client's default). When neither ties any lease (a
+renamed lease of a process that opened the path, or memory committed with ``fallocate``), every
 lease attached to the pool is ended, and the log says so.
 
 What it cannot do: unmap another process's mapping. A process whose lease was ended can go on
@@ -54,6 +58,10 @@ class AuditHooks(Protocol):
     """What the audit needs of the daemon (a part of ``kvpoold.elastic.manager.Hooks``)."""
 
     def attached_leases(self, pool: str) -> set[int]: ...
+
+    def descriptor_holders(self, pool: str) -> dict[int, set[int]]:
+        """pid -> the leases under which that process took the pool's descriptor."""
+        ...
 
     def revoke(self, lease_id: int, why: str) -> None: ...
 
@@ -236,18 +244,28 @@ class BackingAudit:
         self.found[name] = self.found.get(name, 0) + 1
         self.stray_bytes[name] = self.stray_bytes.get(name, 0) + found.excess_bytes
         attached = hooks.attached_leases(name)
+        holders = hooks.descriptor_holders(name)
+        exact = {pid: holders.get(pid, set()) & attached for pid in found.touched}
+        blamed = set().union(*exact.values())
+        explained = {pid for pid, leases in exact.items() if leases}
+        how = ("its process took the pool's descriptor under it and had the pages in its page "
+               "tables")
         host = socket.gethostname()
-        blamed = {lease for lease in attached
-                  if _claimed_pid(hooks.lease_name(lease), host) in found.touched}
-        how = "its process had the pages mapped"
+        named = {lease for lease in attached
+                 if _claimed_pid(hooks.lease_name(lease), host) in set(found.touched) - explained}
+        if named:
+            blamed |= named
+            explained |= {_claimed_pid(hooks.lease_name(lease), host) for lease in named}
+            how += (" (or, for a process that opened the file by its path, its name says "
+                    "that process's pid)")
         ended = self._ended.setdefault(name, set())
-        unknown = set(found.touched) - ended - {
-            _claimed_pid(hooks.lease_name(lease), host) for lease in blamed}
+        unknown = set(found.touched) - ended - explained
         if not blamed and (unknown or not found.touched):
             blamed = attached
-            how = ("no attached lease could be told from the others (no lease named "
-                   f"{host}:<pid> of a process with the pages mapped: pids "
-                   f"{sorted(found.touched)}), so every lease attached to the pool")
+            how = ("no attached lease could be told from the others (no process with the "
+                   "pages mapped took the descriptor under a lease, and no lease is named "
+                   f"{host}:<pid> of one: pids {sorted(found.touched)}), so every lease "
+                   "attached to the pool")
         # a process whose lease was ended keeps its mapping: what it touches again is punched
         # again, and blames no one else
         ended.update(found.touched)

@@ -47,8 +47,9 @@ from kvpoold.socket_files import finish_socket, owner_only
 log = logging.getLogger("kvpoold.elastic")
 
 
-# (ask, peer uid) -> (descriptor, size, kind) or FdGrant; raises a KVPoolError to refuse.
-Authorize = Callable[[FdAsk, int], "tuple[int, int, str] | FdGrant"]
+# (ask, peer uid, peer pid) -> (descriptor, size, kind) or FdGrant; raises a KVPoolError to
+# refuse. The pid is the kernel's (SO_PEERCRED): the daemon records who took a descriptor.
+Authorize = Callable[[FdAsk, int, int], "tuple[int, int, str] | FdGrant"]
 ASK_TIMEOUT_S = 5.0
 DRAIN_BYTES = 1 << 16
 # Accept errors that mean "no descriptor or buffer now": back off and retry.
@@ -61,11 +62,17 @@ BACKOFF_MAX_S = 0.25
 StateReport = Callable[[bool, str], None]
 
 
+def peer_creds(conn: socket.socket) -> tuple[int, int]:
+    """``(uid, pid)`` of the process at the other end (``SO_PEERCRED``: the kernel's, taken
+    at connect)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid), int(pid)
+
+
 def peer_uid(conn: socket.socket) -> int:
     """The uid of the process at the other end (``SO_PEERCRED``)."""
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return int(uid)
+    return peer_creds(conn)[0]
 
 
 class FdServer:
@@ -200,7 +207,7 @@ class FdServer:
                 # read first, whoever asks: a refusal then reaches the client (closing on
                 # unread bytes would reset the connection instead)
                 raw = await asyncio.wait_for(self._read_ask(loop, conn), ASK_TIMEOUT_S)
-                uid = peer_uid(conn)
+                uid, pid = peer_creds(conn)
                 if self._uids is not None and uid not in self._uids:
                     raise PermissionDenied(f"uid {uid} may not map pools of this daemon",
                                            field="uid")
@@ -208,7 +215,7 @@ class FdServer:
                     ask = msgspec.json.decode(raw, type=FdAsk)
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     raise InvalidArgument(f"undecodable ask: {exc}", field="ask") from None
-                grant = self._authorize(ask, uid)
+                grant = self._authorize(ask, uid, pid)
                 if not isinstance(grant, FdGrant):
                     fd, size, kind = grant
                     grant = FdGrant((fd,), (), size, kind, owned=False)

@@ -108,11 +108,13 @@ class AttachService:
         return AttachInfo(entry.fingerprint, entry.plan, entry.plan_json, handle,
                           att.attach_id, self._device, groups)
 
-    def fd_grant(self, ask: FdAsk, uid: int) -> FdGrant:
+    def fd_grant(self, ask: FdAsk, uid: int, pid: int) -> FdGrant:
         """The descriptors of an elastic pool's memory a client asks for on the side socket
         (``kvpoold.elastic.fd_server``; the socket already checked the peer's uid): the lease
         is proven by its secret and must hold an attachment of the pool; only groups granted
-        and not being taken back are handed out.
+        and not being taken back are handed out (CUDA VMM), or the pool's one file (CPU).
+        Process ``pid`` (the kernel's) is recorded as holding the pool under the lease: the
+        CPU backing audit blames that lease for what that process writes outside the groups.
 
         Raises:
             NotFound: no such pool, or the lease is not proven.
@@ -145,6 +147,7 @@ class AttachService:
                 f"{sorted(granted)}); map only the groups Attach or an Allocate gave",
                 field="groups")
         grant: FdGrant = export(ask.groups, ask.fixed)
+        self.attachments.add_holder(ask.pool, ask.lease_id, pid)
         return grant
 
     def detach(self, caller: Caller, attach_id: int) -> None:

@@ -32,6 +32,9 @@ class AttachmentTable:
         self._by_pool: dict[str, set[int]] = {}
         self._by_lease: dict[int, set[int]] = {}
         self._per_identity: dict[str, int] = {}
+        # pool -> lease -> pids the descriptor side socket handed the pool's file to under the
+        # lease (the kernel's SO_PEERCRED pid): who can write the memory, as a fact
+        self._holders: dict[str, dict[int, set[int]]] = {}
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -62,7 +65,25 @@ class AttachmentTable:
             del self._per_identity[att.identity]
         if att.lease_id:
             _discard(self._by_lease, att.lease_id, attach_id)
+            holders = self._holders.get(att.pool)
+            if holders is not None and att.lease_id not in self.leases_of_pool(att.pool):
+                holders.pop(att.lease_id, None)
+                if not holders:
+                    del self._holders[att.pool]
         return att
+
+    def add_holder(self, pool: str, lease_id: int, pid: int) -> None:
+        """Record that process ``pid`` took ``pool``'s descriptor under ``lease_id`` (which
+        holds an attachment of it); forgotten when the lease's last attachment of it ends."""
+        self._holders.setdefault(pool, {}).setdefault(lease_id, set()).add(pid)
+
+    def holders(self, pool: str) -> dict[int, set[int]]:
+        """pid -> the leases under which that process took ``pool``'s descriptor."""
+        out: dict[int, set[int]] = {}
+        for lease_id, pids in self._holders.get(pool, {}).items():
+            for pid in pids:
+                out.setdefault(pid, set()).add(lease_id)
+        return out
 
     def remove_pool(self, pool: str) -> int:
         """End every attachment to ``pool``; returns how many."""
@@ -94,6 +115,7 @@ class AttachmentTable:
         self._by_pool.clear()
         self._by_lease.clear()
         self._per_identity.clear()
+        self._holders.clear()
 
 
 def _discard(index: dict, key: object, attach_id: int) -> None:

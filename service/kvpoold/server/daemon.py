@@ -232,9 +232,9 @@ class Daemon:
         """``AttachService.attach``."""
         return self.attach_service.attach(caller, pool, expected_fingerprint, ref)
 
-    def fd_grant(self, ask: FdAsk, uid: int) -> FdGrant:
+    def fd_grant(self, ask: FdAsk, uid: int, pid: int) -> FdGrant:
         """``AttachService.fd_grant``."""
-        return self.attach_service.fd_grant(ask, uid)
+        return self.attach_service.fd_grant(ask, uid, pid)
 
     def detach(self, caller: Caller, attach_id: int) -> None:
         """``AttachService.detach``."""

@@ -34,6 +34,9 @@ class ElasticHooks:
     def attached_leases(self, pool: str) -> set[int]:
         return self._attachments.leases_of_pool(pool)
 
+    def descriptor_holders(self, pool: str) -> dict[int, set[int]]:
+        return self._attachments.holders(pool)
+
     def ask_unmap(self, lease_id: int, pool: str, groups: tuple[int, ...], reclaim: int,
                   deadline_s: float) -> bool:
         lease = self._leases.find(lease_id)

@@ -236,14 +236,17 @@ async def sweep_leases(daemon: Daemon, interval_s: float = SWEEP_INTERVAL_S, *,
 async def start_fd_server(daemon: Daemon, factory: BackingFactory, settings: ServeSettings,
                           listeners: ListenerHealth) -> FdServer | None:
     """The descriptor side socket (``<first Unix socket>.fd``) of a factory that hands elastic
-    pools out as descriptors (CUDA VMM); None for the others, or with no Unix listener. It has
-    the gRPC sockets' group and connection cap, and reports its accept loop to ``listeners``.
+    pools out as descriptors (CUDA VMM's allocations; a CPU pool's sparse file, so the daemon
+    knows which process maps it under which lease); None for the others, or with no Unix
+    listener. It has the gRPC sockets' group and connection cap, and reports its accept loop
+    to ``listeners``.
     """
     if not hasattr(factory, "fd_socket"):
         return None
     unix = [x.address for x in settings.listeners if x.transport == "unix"]
     if not unix:
-        log.warning("elastic CUDA pools need a Unix listener for their descriptor socket",
+        log.warning("no Unix listener, so no descriptor socket: elastic CUDA pools cannot be "
+                    "mapped, elastic CPU pools are mapped by their file's path",
                     extra={"fields": {"event": "fd_socket_off"}})
         return None
     path = fd_socket_path(unix[0])

@@ -11,12 +11,13 @@ files behind; the next factory in the same directory removes them (see
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ from kvpool.contract.errors import FailedPrecondition, Internal, InvalidArgument
 from kvpool.contract.limits import check_pool_name
 from kvpool.contract.plan import PoolPlan
 from kvpool.mapping.sparse import backed_bytes, commit, punch
-from kvpoold.sharing.base import Region, SharedHandle, Sharing
+from kvpoold.sharing.base import FdGrant, Region, SharedHandle, Sharing
 from kvpoold.sharing.cleanup import (
     FILE_MODE,
     InstanceLock,
@@ -115,13 +116,17 @@ class SparseShmBacking(ShmBacking):
     where the daemon grants it (:meth:`commit`, :meth:`punch` of whole chunks); a client maps
     granted chunks into a reservation (``kvpool.mapping.sparse``).
 
-    Made by :meth:`ShmBackingFactory.create_sparse`; it keeps its descriptor open.
+    Made by :meth:`ShmBackingFactory.create_sparse`; it keeps its descriptor open and hands
+    copies of it out on the daemon's descriptor side socket (:meth:`export`), so the daemon
+    knows which process under which lease holds the file (``kvpoold.elastic.backing_audit``).
     """
 
     def __init__(self, path: Path, nbytes: int, tensor: torch.Tensor,
-                 on_close: Callable[[Path], None], fd: int) -> None:
+                 on_close: Callable[[Path], None], fd: int,
+                 fd_socket: Callable[[], str] = str) -> None:
         super().__init__(path, nbytes, tensor, on_close)
         self.fd = fd
+        self._fd_socket = fd_socket  # the factory's side socket, known once it listens
         self.groups: SparseBacking | None = None  # set by create_elastic
 
     def grant(self, group: int) -> None:
@@ -144,7 +149,26 @@ class SparseShmBacking(ShmBacking):
         return "shm_sparse"
 
     def handle(self) -> SharedHandle:
-        return SharedHandle(sharing="shm_sparse", size=self.tensor.numel(), path=str(self.path))
+        return SharedHandle(sharing="shm_sparse", size=self.tensor.numel(), path=str(self.path),
+                            fd_socket=self._fd_socket())
+
+    def export(self, groups: Iterable[int], fixed: bool) -> FdGrant:
+        """A copy of the file's descriptor for the side socket to send (closed after
+        sending): the one file, whose granted ranges the client maps itself.
+
+        Raises:
+            FailedPrecondition: an ask of parts (groups or the fixed part: that is the CUDA
+                VMM protocol), or the pool is closed.
+        """
+        if tuple(groups) or fixed:
+            raise FailedPrecondition(
+                f"{self.describe()} is one file: ask for it without groups and map the "
+                "granted ranges of it", field="groups")
+        lock = self.groups.lock if self.groups is not None else contextlib.nullcontext()
+        with lock:  # close() closes the descriptor under the same lock
+            if self._tensor is None:
+                raise FailedPrecondition(f"{self.describe()} is closed", field="pool")
+            return FdGrant((os.dup(self.fd),), (), self.nbytes, "shm_sparse", owned=True)
 
     def commit(self, offset: int, length: int) -> None:
         """Back ``length`` bytes at ``offset`` (whole chunks) with memory now.
@@ -211,6 +235,9 @@ class ShmBackingFactory:
         self.shm_dir = Path(shm_dir)
         self.instance = check_instance(instance if instance is not None else secrets.token_hex(8))
         self.preallocate = preallocate
+        # The descriptor side socket (set by the server once it listens): elastic pools' files
+        # are handed out there (SparseShmBacking.export); "" while it serves none.
+        self.fd_socket = ""
         if not self.shm_dir.is_dir():
             raise FailedPrecondition(
                 f"shared-memory directory {self.shm_dir} does not exist; create it or pass "
@@ -309,7 +336,8 @@ class ShmBackingFactory:
             path = self.shm_dir / name
             tensor = self._create_file(path, nbytes, pool_name, sparse=True)
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-            backing = SparseShmBacking(path, nbytes, tensor, self._forget, fd)
+            backing = SparseShmBacking(path, nbytes, tensor, self._forget, fd,
+                                       lambda: self.fd_socket)
             self._backings[path] = backing
         try:
             if length:
