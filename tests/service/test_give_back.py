@@ -155,7 +155,7 @@ async def test_allocate_fails_at_its_deadline_when_nobody_gives_back(
         with pytest.raises(grpc.RpcError) as info:
             await stub.Allocate(allocate_request("tiny", taker, [("kv", 3)]), timeout=0.5)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "give back 3 cached ids, 0 came back" in info.value.details()
+        assert "give back 3 cached ids; 0 ids came free" in info.value.details()
         assert (await stream.read()).give_back[0].count == 3
         await stream.done_writing()
 
@@ -273,7 +273,7 @@ async def test_a_report_is_capped_at_what_the_lease_holds(live: tuple[Daemon, st
         assert "give back" not in info.value.details()
         with pytest.raises(grpc.RpcError) as info:
             await stub.Allocate(allocate_request("tiny", taker, [("kv", 3)]), timeout=0.5)
-        assert "give back 3 cached ids, 0 came back" in info.value.details()
+        assert "give back 3 cached ids; 0 ids came free" in info.value.details()
         assert [(g.count) for g in (await stream.read()).give_back] == [3]
         await stream.write(pb.KeepAliveRequest(**proof(holder), seq=2, caches=[
             pb.CacheReport(pool="nope", space="kv", cached=5),

@@ -155,6 +155,18 @@ class Arbiter:
     def free_bytes(self) -> int:
         return self.budget_bytes - self.fixed_bytes - self.granted_bytes
 
+    def holders(self, asker: str) -> str:
+        """Who holds the budget, as a refusal to ``asker`` says it: the fixed pools, each
+        elastic pool's granted bytes and floor, what is free, and the knobs."""
+        parts = [f"fixed pools {self.fixed_bytes:,} B"]
+        for p in sorted(self.pools.values(), key=lambda p: -p.granted_bytes):
+            me = " (this pool)" if p.name == asker else ""
+            parts.append(f"{p.name!r}{me} {p.granted_bytes:,} B, its floor "
+                         f"{p.floor * p.group_bytes:,} B")
+        return (f"the budget of {self.budget_bytes:,} B is held by: {'; '.join(parts)}; "
+                f"{max(0, self.free_bytes):,} B free. Raise the daemon's --budget, or lower "
+                "another pool's floor (--elastic-floor-tokens) so its groups can be taken back")
+
     # -- configure and drop ----------------------------------------------------------------
 
     def admit(self, share: Share) -> Decision:

@@ -192,6 +192,22 @@ class ElasticPools:
         return bool(decision.grant or decision.reclaims or ep.moving()
                     or self.arbiter.promised_to(name))
 
+    def coming(self, name: str) -> bool:
+        """Whether groups are on their way to pool ``name`` now: a group of it being
+        committed, or free groups of another pool taken for it and waiting for their mappers
+        to unmap. Each ends by a fact (the commit returns or fails; every mapper unmaps, or its
+        lease is revoked at its unmap deadline), so an Allocate may wait on it. Not a drain
+        of groups in use (that waits on another tenant's requests to end) nor a cache's
+        give-back: those are waited for only as give-backs are. O(reclaims in flight)."""
+        ep = self.pools.get(name)
+        return ep is not None and bool(ep.space.count("committing") or any(
+            u.asker == name for u in self.unmappings.values()))
+
+    def holders(self, name: str) -> str:
+        """Who holds the budget, for a refusal to pool ``name`` (``Arbiter.holders``)."""
+        self._sync_budget()
+        return self.arbiter.holders(name)
+
     def allocated(self, name: str) -> None:
         """An Allocate was served in ``name`` (the pool is busy, not idle)."""
         ep = self.pools.get(name)

@@ -86,8 +86,7 @@ class GroupMover:
                 "groups": len(picks) - len(done), "error": str(error)}})
             if raise_errors and error is not None:
                 raise error
-        if done:
-            self._hooks.notify_freed()
+        self._hooks.notify_freed()  # granted or failed: Allocates waiting on it look again
         return len(done)
 
     async def finish(self, u: Unmapping) -> None:

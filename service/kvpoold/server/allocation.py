@@ -20,7 +20,12 @@ from kvpoold.ids import Grant, IdSpace
 from kvpoold.ids.grouped import GroupedSpace
 from kvpoold.pools.pool import Pool
 from kvpoold.server.args import LeaseRef
-from kvpoold.server.give_back import GIVE_BACK_WAIT_S, PRESSURE_FRACTION, CachePressure
+from kvpoold.server.give_back import (
+    ELASTIC_WAIT_S,
+    GIVE_BACK_WAIT_S,
+    PRESSURE_FRACTION,
+    CachePressure,
+)
 from kvpoold.server.leases import Lease
 
 _T = TypeVar("_T")
@@ -108,23 +113,28 @@ class Allocations:
 
     async def allocate_waiting(self, caller: Caller, pool: str, ref: LeaseRef,
                                items: Sequence[tuple[str, int]],
-                               wait_s: float = GIVE_BACK_WAIT_S) -> Allocated:
+                               wait_s: float = GIVE_BACK_WAIT_S,
+                               grow_wait_s: float = ELASTIC_WAIT_S) -> Allocated:
         """:meth:`allocate`; when short of free ids while other leases' page caches report
         enough cached ids to cover every shortfall, ask them to give back (on their KeepAlive
-        streams, now) and retry as ids come back, for ``wait_s`` at most. Returns once the
-        mapping entries it wrote are on the device (``Pool.device_written``).
+        streams, now) and retry as ids come back, for ``wait_s`` at most. An elastic pool
+        short of pages asks for groups and retries while groups are on their way to it (a
+        grant committing, a reclaim promised to it: facts that end), for ``grow_wait_s`` at
+        most (the call's deadline). Returns once the mapping entries it wrote are on the
+        device (``Pool.device_written``).
 
         Raises:
             As :meth:`allocate`; ResourceExhausted also after the wait, saying how many ids
-            were asked back and how many came.
+            were asked back and how many came, and for an elastic pool who holds the budget.
         """
-        got = await self._allocate_waiting(caller, pool, ref, items, wait_s)
+        got = await self._allocate_waiting(caller, pool, ref, items, wait_s, grow_wait_s)
         entry = self._pool(pool, caller)
         await entry.device_written()
         return got
 
     async def _allocate_waiting(self, caller: Caller, pool: str, ref: LeaseRef,
-                                items: Sequence[tuple[str, int]], wait_s: float) -> Allocated:
+                                items: Sequence[tuple[str, int]], wait_s: float,
+                                grow_wait_s: float) -> Allocated:
         try:
             return self.allocate(caller, pool, ref, items)
         except ResourceExhausted as err:
@@ -149,15 +159,23 @@ class Allocations:
             if isinstance(space, GroupedSpace) and self._elastic.grow(pool, short):
                 growing.add(name)  # groups are being granted or taken back for it
             elif self._pressure.cached_elsewhere(pool, space, lease.owner) < short:
+                if isinstance(space, GroupedSpace):  # no group can come: say who holds them
+                    raise ResourceExhausted(f"{first.message}; no group can be granted to "
+                                            f"it: {self._elastic.holders(pool)}",
+                                            field=first.field)
                 raise first  # even every cached id would not do: refuse at once
         if not shortfall or wait_s <= 0:
             raise first
         asked = sum(self._pressure.ask(pool, spaces[name], short, lease.owner, cover=True)
                     for name, short in shortfall.items() if name not in growing)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
+        start = loop.time()
+        deadline = start + wait_s  # for give-backs of other leases' caches
+        grow_deadline = start + max(wait_s, grow_wait_s)  # while groups are on their way
         while True:
-            remaining = deadline - loop.time()
+            # a grant arriving late is waited for, as long as one is coming (a fact)
+            coming = bool(growing) and self._elastic.coming(pool)
+            remaining = (grow_deadline if coming else deadline) - loop.time()
             if remaining <= 0:
                 break
             await self._pressure.wait_freed(remaining)
@@ -172,11 +190,14 @@ class Allocations:
         entry = self._pool(pool, caller)
         came = sum(max(0, entry.ids.space(name, "items").num_free - before)
                    for name, before in free_before.items())
-        grew = (f"; the elastic pool asked the device budget for {', '.join(sorted(growing))} "
-                f"and got too little within {wait_s:.2f} s") if growing else ""
+        waited = loop.time() - start
+        gave = (f"; asked other leases' page caches to give back {asked:,} cached ids"
+                if asked else "")
+        grew = (f"; the elastic pool asked for groups for {', '.join(sorted(growing))} and "
+                f"none more are on their way: {self._elastic.holders(pool)}") if growing else ""
         raise ResourceExhausted(
-            f"{first.message}; asked other leases' page caches to give back {asked} cached "
-            f"ids, {came} came back within {wait_s:.2f} s{grew}", field=first.field)
+            f"{first.message}{gave}; {came:,} ids came free in the {waited:.2f} s waited{grew}",
+            field=first.field)
 
     def free(self, caller: Caller, pool: str, ref: LeaseRef,
              items: Sequence[tuple[str, np.ndarray]]) -> int:

@@ -47,7 +47,7 @@ from kvpoold.server.args import ConfigureArgs, LeaseRef
 from kvpoold.server.attach_service import AttachService
 from kvpoold.server.attachments import MAX_ATTACHMENTS_PER_IDENTITY, AttachmentTable
 from kvpoold.server.elastic_hooks import ElasticHooks
-from kvpoold.server.give_back import GIVE_BACK_WAIT_S, CachePressure
+from kvpoold.server.give_back import ELASTIC_WAIT_S, GIVE_BACK_WAIT_S, CachePressure
 from kvpoold.server.lease_service import LeaseService
 from kvpoold.server.leases import MAX_LEASES_PER_IDENTITY, CacheCounts, Lease, LeaseTable
 from kvpoold.server.loop_clock import StallClock
@@ -216,9 +216,11 @@ class Daemon:
 
     async def allocate_waiting(self, caller: Caller, pool: str, ref: LeaseRef,
                                items: Sequence[tuple[str, int]],
-                               wait_s: float = GIVE_BACK_WAIT_S) -> Allocated:
+                               wait_s: float = GIVE_BACK_WAIT_S,
+                               grow_wait_s: float = ELASTIC_WAIT_S) -> Allocated:
         """``Allocations.allocate_waiting``."""
-        return await self.allocations.allocate_waiting(caller, pool, ref, items, wait_s)
+        return await self.allocations.allocate_waiting(caller, pool, ref, items, wait_s,
+                                                       grow_wait_s)
 
     def free(self, caller: Caller, pool: str, ref: LeaseRef,
              items: Sequence[tuple[str, np.ndarray]]) -> int:

@@ -20,6 +20,10 @@ log = logging.getLogger("kvpoold.daemon")
 # An Allocate short of free ids, while other leases' page caches report enough cached ones,
 # asks them to give back and waits this long at most (less under a shorter gRPC deadline).
 GIVE_BACK_WAIT_S = 1.0
+# How long an Allocate in an elastic pool waits for groups on their way to it (a grant being
+# committed, a reclaim promised to it) when the call has no deadline of its own. Each ends by a
+# fact; this only bounds a call that set no deadline.
+ELASTIC_WAIT_S = 60.0
 # Under pressure: an Allocate that leaves a space fewer than capacity // PRESSURE_FRACTION free
 # asks other leases' caches to give back the difference (without waiting).
 PRESSURE_FRACTION = 16

@@ -18,7 +18,7 @@ from kvpool.v1 import kvpool_pb2_grpc
 from kvpoold.access import Authority, Caller, Transport
 from kvpoold.server import edge
 from kvpoold.server.daemon import Daemon
-from kvpoold.server.give_back import GIVE_BACK_WAIT_S
+from kvpoold.server.give_back import ELASTIC_WAIT_S, GIVE_BACK_WAIT_S
 from kvpoold.server.intake import accept
 from kvpoold.server.stats_replies import StatsReplies
 from kvpoold.server.status import RpcObserver, rpc_errors
@@ -31,13 +31,14 @@ Ctx = aio.ServicerContext
 DEADLINE_MARGIN_S = 0.05
 
 
-def give_back_wait(context: Ctx) -> float:
-    """How long an Allocate may wait for give-backs: GIVE_BACK_WAIT_S, or less under the call's
-    own deadline (leaving it DEADLINE_MARGIN_S to answer RESOURCE_EXHAUSTED in time)."""
+def give_back_wait(context: Ctx, most: float = GIVE_BACK_WAIT_S) -> float:
+    """How long an Allocate may wait: ``most`` (GIVE_BACK_WAIT_S for give-backs,
+    ELASTIC_WAIT_S for groups on their way), or less under the call's own deadline (leaving
+    it DEADLINE_MARGIN_S to answer RESOURCE_EXHAUSTED in time)."""
     remaining = context.time_remaining()
     if remaining is None:
-        return GIVE_BACK_WAIT_S
-    return max(0.0, min(GIVE_BACK_WAIT_S, remaining - DEADLINE_MARGIN_S))
+        return most
+    return max(0.0, min(most, remaining - DEADLINE_MARGIN_S))
 
 
 class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
@@ -145,7 +146,8 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
         ref = edge.lease_ref(request.lease_id, request.lease_secret)
         items = edge.allocate_items(request)
         got = await self._daemon.allocate_waiting(caller, request.pool, ref, items,
-                                                  give_back_wait(context))
+                                                  give_back_wait(context),
+                                                  give_back_wait(context, ELASTIC_WAIT_S))
         return edge.allocate_response(got)
 
     @rpc_errors
