@@ -96,6 +96,13 @@ def _cases() -> list[Case]:
               "phi-3-mini-4k-instruct"):
         variant(m, "no-hybrid", disable_hybrid_kv_cache_manager=True)
     variant("gpt-oss-20b", "batched-256", max_num_batched_tokens=256)
+    # max_num_batched_tokens unset: vLLM's default by entry point (CPU: 4,096 x TP x PP for
+    # LLM(...), 2,048 x TP x PP for vllm serve) sets the blocks a sliding window holds
+    variant("gpt-oss-20b", "serve", entrypoint="serve")
+    variant("gpt-oss-20b", "serve-tp2", entrypoint="serve", tp_size=2)
+    variant("gemma-3-1b-it", "serve-pp2", entrypoint="serve", pp_size=2)
+    variant("mistral-7b-v0.1", "serve", entrypoint="serve")
+    variant("gemma-2-2b", "llm-tp2", entrypoint="llm", tp_size=2)
     # Qwen3-Next's gated delta nets: TP stays 1 (the harness cannot split a mamba state)
     variant("qwen3-next-80b-a3b-instruct", "no-prefix-caching", no_enable_prefix_caching=True)
     variant("qwen3-next-80b-a3b-instruct", "block256", block_size=256)
@@ -186,4 +193,4 @@ def test_the_cases_cover_every_config_and_knob() -> None:
                     "tp_size", "pp_size", "num_gpu_blocks_override",
                     "disable_hybrid_kv_cache_manager", "max_num_batched_tokens",
                     "async_scheduling", "no_enable_prefix_caching", "mamba_ssm_cache_dtype",
-                    "cpu_avx512_bf16"}
+                    "cpu_avx512_bf16", "entrypoint"}
