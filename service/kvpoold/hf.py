@@ -694,6 +694,35 @@ def _family_of(row: architectures.Row, r: _Reader) -> str:
     return row.family
 
 
+# The families whose pools hold each kind of per-request state a config can declare.
+STATE_FAMILIES = {
+    "mamba": ("hybrid_mamba", "mamba"),
+    "linear_attention": ("hybrid_gdn", "hybrid_kda"),
+    "lightning": ("hybrid_lightning",),
+}
+
+
+def _check_content(config: Config, r: _Reader, known: str, family: str) -> None:
+    """Refuse a config whose content decides another family than its class row (SGLang
+    decides Kimi delta attention by content) or declares state layers the row's family does
+    not keep; never plan those layers as KV.
+
+    Raises:
+        InvalidArgument: naming the field.
+    """
+    kda = hf_view.kda_marker(config)
+    if kda is not None and family != "hybrid_kda":
+        raise r.fail(f"{kda} declares Kimi delta attention layers: SGLang sizes {known} as "
+                     f"hybrid_kda from it (its class row says {family}); "
+                     f"{architectures.UNSUPPORTED['hybrid_kda']}; give a spec file "
+                     "(docs/sizing.md)")
+    marker = hf_view.state_layer_marker(r.config)
+    if marker is not None and family not in STATE_FAMILIES[marker[1]]:
+        raise r.fail(f"{marker[0]} declares {marker[1]} layers, which keep a per-request "
+                     f"state, but {known} is sized as {family} by SGLang's class row; kvpool "
+                     "does not guess how SGLang plans them: give a spec file (docs/sizing.md)")
+
+
 def _unknown(names: list[str], config: Config, where: str, field: str) -> InvalidArgument:
     model_type = config.get("model_type")
     if names:
@@ -753,6 +782,7 @@ def spec_from_hf(config: Config, *, where: str = "config.json", field: str = FIE
     assert row is not None
     r = _Reader(_text_view(config, {}), where, field)
     family = _family_of(row, r)
+    _check_content(config, r, known, family)
     load = FAMILY_LOADERS.get(family)
     if load is None:
         why = architectures.UNSUPPORTED.get(family, "kvpool has no loader for it")

@@ -178,3 +178,42 @@ __all__ = ["CLASSES", "DATA", "DERIVED", "FALCON_TYPES", "KV_HEAD_KEYS", "REMOTE
            "SGLANG_TEXT_KEYS", "TRANSFORMERS_VERSION", "VLLM_TEXT_KEYS", "class_row",
            "class_view", "first_kv_heads", "multi_query_kv_heads", "sub_model_type",
            "text_config"]
+
+
+def kda_marker(config: Mapping[str, Any]) -> str | None:
+    """The field that makes SGLang size a model as Kimi delta attention, whatever its class
+    (``uses_kda_attention``: the config and its transformers text config, a
+    ``linear_attn_config`` with ``kda_layers``, or ``linear_attention`` in ``layer_types``
+    beside ``linear_num_heads`` and ``linear_head_dim``), or None."""
+    key, sub, _ = text_config(config, "vllm")  # transformers' get_text_config
+    for prefix, c in (("", config), (f"{key}." if key else "", sub)):
+        linear = c.get("linear_attn_config")
+        if isinstance(linear, Mapping) and linear.get("kda_layers"):
+            return f"{prefix}linear_attn_config.kda_layers"
+        types = c.get("layer_types")
+        if (isinstance(types, list) and "linear_attention" in types
+                and c.get("linear_num_heads") is not None
+                and c.get("linear_head_dim") is not None):
+            return f"{prefix}layer_types"
+    return None
+
+
+def state_layer_marker(view: Mapping[str, Any]) -> tuple[str, str] | None:
+    """``(field, kind)`` when the text config declares layers that keep a per-request state
+    instead of (only) KV: Mamba (``layers_block_type`` / ``layer_types`` entries ``mamba``,
+    an ``M`` in ``hybrid_override_pattern``), linear attention (``layer_types`` entries
+    ``linear_attention``), lightning attention (a 0 in ``attn_type_list``); else None."""
+    for key in ("layers_block_type", "layer_types"):
+        value = view.get(key)
+        if isinstance(value, list):
+            if "mamba" in value:
+                return key, "mamba"
+            if "linear_attention" in value:
+                return key, "linear_attention"
+    pattern = view.get("hybrid_override_pattern")
+    if isinstance(pattern, str) and "M" in pattern:
+        return "hybrid_override_pattern", "mamba"
+    kinds = view.get("attn_type_list")
+    if isinstance(kinds, list) and 0 in kinds:
+        return "attn_type_list", "lightning"
+    return None

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from kvpool.contract.spec import MHAAttention
+from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.spec import MHAAttention, MLAAttention
 from kvpoold import hf_view
 from kvpoold.hf import spec_from_hf
 from kvpoold.sizing.vllm_model import LayerKind, read_vllm_model
@@ -163,3 +164,33 @@ def test_differ_sliding_window_without_an_allowlisted_class() -> None:
     cfg = _load("mistral-7b-v0.1.json")
     assert spec_from_hf(cfg)[0].sliding_window is None
     assert {layer.kind for layer in read_vllm_model(cfg).layers} == {LayerKind.sliding}
+
+
+# ---- family from content ------------------------------------------------------------------------
+
+
+def test_kda_layers_in_a_wrappers_text_config_are_refused_naming_the_field() -> None:
+    """SGLang's ``uses_kda_attention`` reads ``linear_attn_config.kda_layers`` in the text
+    config too: Kimi-K2.5's wrapper row says MLA, the content says hybrid_kda. Neither reader
+    plans every layer as MLA any more; both name the field."""
+    cfg = _load("corpus/kimi-k2.5.json")
+    assert isinstance(spec_from_hf(cfg)[0].attention, MLAAttention)  # as published: MLA
+    cfg["text_config"]["linear_attn_config"] = {"kda_layers": [1, 2, 3], "full_attn_layers": [4]}
+    with pytest.raises(InvalidArgument, match=r"text_config\.linear_attn_config\.kda_layers"
+                                              r".*hybrid_kda"):
+        spec_from_hf(cfg)
+    with pytest.raises(InvalidArgument, match=r"text_config\.linear_attn_config\.kda_layers"):
+        read_vllm_model(cfg)
+
+
+def test_state_layers_the_class_row_does_not_keep_are_refused_naming_the_field() -> None:
+    cfg = _small_llama(layers_block_type=["attention", "mamba", "attention", "mamba"])
+    with pytest.raises(InvalidArgument, match="layers_block_type declares mamba layers"):
+        spec_from_hf(cfg)
+    with pytest.raises(InvalidArgument, match=r"layers_block_type \(mamba layers\)"):
+        read_vllm_model(cfg)
+    # MiniMax-M2.5 lists attn_type_list of full-attention layers only: no state, planned
+    m2 = _load("corpus/minimax-m2.5-nvfp4.json")
+    assert hf_view.state_layer_marker(m2) is None
+    assert hf_view.state_layer_marker({"attn_type_list": [0, 1]}) == ("attn_type_list",
+                                                                      "lightning")

@@ -217,6 +217,15 @@ def read_vllm_model(config: Mapping[str, Any], *, where: str = "config.json") ->
                 f"{where}: {architecture or model_type} has {what} ({key}); the vLLM "
                 "profile sizes full, sliding-window and MLA attention and Qwen3-Next's "
                 "gated delta nets only", field=FIELD)
+    marker = hf_view.kda_marker(config)
+    state = hf_view.state_layer_marker(text)
+    if marker is None and state is not None and not (linear and state[1] == "linear_attention"):
+        marker = f"{state[0]} ({state[1]} layers)"
+    if marker is not None:
+        raise InvalidArgument(
+            f"{where}: {architecture or model_type} declares per-request state layers in "
+            f"{marker}; the vLLM profile sizes full, sliding-window and MLA attention and "
+            "Qwen3-Next's gated delta nets only", field=FIELD)
     n = _int(text, "num_hidden_layers", where)
     heads = _int(text, "num_attention_heads", where)
     kv_heads = _kv_heads(text, str(config.get("model_type") or model_type), heads, where)
