@@ -2,7 +2,8 @@
 
 The HF class name (``LlamaForCausalLM``) is looked up in SGLang's architecture table
 (:mod:`kvpoold.sizing.architectures`, one row per class of SGLang's model registry); its family
-picks the loader (:data:`FAMILY_LOADERS`; :data:`LOADERS` adds class defaults for a few). A class
+picks the loader (:data:`FAMILY_LOADERS`). The config is read as transformers loads it
+(:mod:`kvpoold.hf_view`: class defaults, legacy key names, the sliding switch). A class
 SGLang does not know is refused, naming the nearest known ones, unless ``--assume-architecture
 FAMILY`` says how to read it (source ``"assumed"``). The rules, each SGLang's
 (``configs/model_config.py``, ``utils/hf_transformers/common.py``, ``configs/hybrid_arch.py``):
@@ -13,7 +14,8 @@ FAMILY`` says how to read it (source ``"assumed"``). The rules, each SGLang's
   ``thinker_config``, ``llm_config``, ``language_config``, ``text_config``; a sub-config without a
   dtype inherits the parent's.
 - **KV geometry.** ``head_dim`` given explicitly wins over ``hidden_size // num_attention_heads``;
-  ``multi_query: true`` means one KV head; otherwise the first of ``n_head_kv``,
+  ``multi_query`` (any model type; not a Falcon with ``new_decoder_architecture``) means one
+  KV head; otherwise the first of ``n_head_kv``,
   ``num_kv_heads``, ``num_key_value_heads``, ``multi_query_group_num`` that is not null, else
   ``num_attention_heads``.
 - **dtype** (``--dtype auto``): the config's ``dtype``, else ``torch_dtype``; none means
@@ -53,7 +55,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,7 @@ from kvpool.contract.errors import InvalidArgument, echo
 from kvpool.contract.limits import MAX_CONFIG_CHARS, MAX_LAYERS
 from kvpool.contract.plan import ArchitectureSource
 from kvpool.contract.spec import ModelDType, ModelSpec, decode_spec, load_spec_file
+from kvpoold import hf_view
 from kvpoold.sizing import architectures
 
 FIELD = "model_config"
@@ -79,13 +81,12 @@ _DTYPES: dict[str, ModelDType] = {
     "float": ModelDType.float32,
 }
 # SGLang's priority among the sub-configs of a multimodal config.
-TEXT_CONFIG_KEYS = ("thinker_config", "llm_config", "language_config", "text_config")
+TEXT_CONFIG_KEYS = hf_view.SGLANG_TEXT_KEYS
 CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length",
                        "max_position_embeddings")
 DEFAULT_CONTEXT_LENGTH = 2048
-# Key names of the KV head count, in the order SGLang tries them.
-KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num",
-                "num_attention_groups")
+# Key names of the KV head count, in the order SGLang tries them (vLLM's order too).
+KV_HEAD_KEYS = hf_view.KV_HEAD_KEYS
 
 Config = Mapping[str, Any]
 SpecFields = dict[str, Any]
@@ -126,7 +127,7 @@ class _Reader:
 
 def _kv_heads(r: _Reader, heads: int) -> int:
     """KV heads: one for multi-query attention, else the first key SGLang reads that is set."""
-    if r.config.get("multi_query") is True and not r.config.get("new_decoder_architecture"):
+    if hf_view.multi_query_kv_heads(r.config, "sglang", r.config.get("model_type")) == 1:
         return 1
     if r.config.get("model_type") == "nemotron-nas":
         return _nemotron_nas_kv_heads(r, heads)
@@ -625,34 +626,6 @@ def _hybrid_mamba(r: _Reader, architecture: str) -> SpecFields:
     return fields
 
 
-@dataclass(frozen=True)
-class Loader:
-    """How to read one HF architecture class.
-
-    ``defaults`` are the HF config class defaults for keys real checkpoints omit (Gemma-3's
-    ``text_config`` lists only what differs from ``Gemma3TextConfig``).
-    """
-
-    load: Callable[[_Reader, str], SpecFields]
-    defaults: Mapping[str, Any] = field(default_factory=dict)
-
-
-_GEMMA2_DEFAULTS = {
-    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
-    "max_position_embeddings": 8192,
-}
-_GEMMA3_DEFAULTS = {
-    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
-    "num_hidden_layers": 26, "max_position_embeddings": 131072,
-}
-
-# Classes whose config needs more than their family's rule (class defaults for omitted keys).
-LOADERS: dict[str, Loader] = {
-    "Gemma2ForCausalLM": Loader(_mha, _GEMMA2_DEFAULTS),
-    "Gemma3ForCausalLM": Loader(_mha, _GEMMA3_DEFAULTS),
-    "Gemma3ForConditionalGeneration": Loader(_mha, _GEMMA3_DEFAULTS),
-}
-
 # The loader of each family of the architecture table (kvpoold.sizing.architectures).
 FAMILY_LOADERS: dict[str, Callable[[_Reader, str], SpecFields]] = {
     "mha": _mha,
@@ -680,55 +653,25 @@ def _architecture_names(config: Config) -> list[str]:
 
 
 def _text_view(config: Config, defaults: Mapping[str, Any]) -> Config:
-    """The mapping a loader reads: the class defaults, then the text config's own keys.
+    """The mapping a loader reads: the text config as transformers loads it
+    (:func:`kvpoold.hf_view.class_view`: class defaults, legacy key names, the sliding
+    switch), over the loader's own defaults.
 
     A multimodal config's text settings are its first sub-config among
     :data:`TEXT_CONFIG_KEYS` (Qwen2.5-Omni's thinker nests one more ``text_config``); a
     sub-config that states no dtype inherits the parent's, and quantization stated once at the
     top applies to it.
     """
-    parent = config
-    for key in TEXT_CONFIG_KEYS:
-        sub = config.get(key)
-        if not isinstance(sub, Mapping):
-            continue
-        if key == "thinker_config" and isinstance(sub.get("text_config"), Mapping):
-            parent, sub = sub, sub["text_config"]
-        model_type = sub.get("model_type")
-        if isinstance(model_type, str) and model_type in MODEL_TYPE_DEFAULTS:
-            defaults = {**MODEL_TYPE_DEFAULTS[model_type], **defaults}
-        # a sub-config's own class knows its model_type (gemma3 -> gemma3_text); the parent's
-        # has the same family prefix, which is what the dtype rule reads
-        inherited = {k: parent[k] for k in ("dtype", "torch_dtype", "quantization_config",
-                                            "model_type")
-                     if k in parent and sub.get(k) is None}
-        return _canonical({**defaults, **inherited, **sub})
-    return _canonical({**defaults, **config})
-
-
-# Config keys under their older names (transformers' attribute_map of GPT-2 / GPTBigCode,
-# ChatGLM, T5-style configs): read as the canonical key when that one is absent.
-KEY_ALIASES = {
-    "num_hidden_layers": ("n_layer", "num_layers", "n_layers"),
-    "num_attention_heads": ("n_head", "n_heads"),
-    "hidden_size": ("n_embd", "d_model"),
-    "max_position_embeddings": ("n_positions",),
-}
-# The defaults of a text sub-config's class for keys checkpoints omit (LLaVA-1.5's text_config
-# is a LlamaConfig that states only what differs from LlamaConfig()).
-MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {"num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 4096,
-              "max_position_embeddings": 2048},
-}
-
-
-def _canonical(view: dict[str, Any]) -> dict[str, Any]:
-    for key, aliases in KEY_ALIASES.items():
-        if view.get(key) is None:
-            alias = next((a for a in aliases if view.get(a) is not None), None)
-            if alias is not None:
-                view[key] = view[alias]
-    return view
+    key, sub, parent = hf_view.text_config(config, "sglang")
+    if key is None:
+        return {**defaults, **hf_view.class_view(config)}
+    view = hf_view.class_view(sub, hf_view.sub_model_type(parent, key))
+    # a sub-config's own class knows its model_type (gemma3 -> gemma3_text); the parent's
+    # has the same family prefix, which is what the dtype rule reads
+    inherited = {k: parent[k] for k in ("dtype", "torch_dtype", "quantization_config",
+                                        "model_type")
+                 if k in parent and sub.get(k) is None}
+    return {**defaults, **view, **inherited}
 
 
 def _to_spec(fields: SpecFields, r: _Reader) -> ModelSpec:
@@ -749,6 +692,35 @@ def _family_of(row: architectures.Row, r: _Reader) -> str:
         if row.dsa_with_index_topk and r.has("index_topk"):
             return "dsa"
     return row.family
+
+
+# The families whose pools hold each kind of per-request state a config can declare.
+STATE_FAMILIES = {
+    "mamba": ("hybrid_mamba", "mamba"),
+    "linear_attention": ("hybrid_gdn", "hybrid_kda"),
+    "lightning": ("hybrid_lightning",),
+}
+
+
+def _check_content(config: Config, r: _Reader, known: str, family: str) -> None:
+    """Refuse a config whose content decides another family than its class row (SGLang
+    decides Kimi delta attention by content) or declares state layers the row's family does
+    not keep; never plan those layers as KV.
+
+    Raises:
+        InvalidArgument: naming the field.
+    """
+    kda = hf_view.kda_marker(config)
+    if kda is not None and family != "hybrid_kda":
+        raise r.fail(f"{kda} declares Kimi delta attention layers: SGLang sizes {known} as "
+                     f"hybrid_kda from it (its class row says {family}); "
+                     f"{architectures.UNSUPPORTED['hybrid_kda']}; give a spec file "
+                     "(docs/sizing.md)")
+    marker = hf_view.state_layer_marker(r.config)
+    if marker is not None and family not in STATE_FAMILIES[marker[1]]:
+        raise r.fail(f"{marker[0]} declares {marker[1]} layers, which keep a per-request "
+                     f"state, but {known} is sized as {family} by SGLang's class row; kvpool "
+                     "does not guess how SGLang plans them: give a spec file (docs/sizing.md)")
 
 
 def _unknown(names: list[str], config: Config, where: str, field: str) -> InvalidArgument:
@@ -808,13 +780,9 @@ def spec_from_hf(config: Config, *, where: str = "config.json", field: str = FIE
         return _to_spec(fields, r), "assumed"
     row = architectures.row(known)
     assert row is not None
-    loader = LOADERS.get(known)
-    r = _Reader(_text_view(config, loader.defaults if loader else {}), where, field)
-    if loader is not None:
-        fields = loader.load(r, known)
-        fields["multimodal"] = _multimodal(config, names[0] if names else known, row)
-        return _to_spec(fields, r), "hf_config"
+    r = _Reader(_text_view(config, {}), where, field)
     family = _family_of(row, r)
+    _check_content(config, r, known, family)
     load = FAMILY_LOADERS.get(family)
     if load is None:
         why = architectures.UNSUPPORTED.get(family, "kvpool has no loader for it")

@@ -47,13 +47,20 @@ VLLM_ENV_REFUSALS = {
 }
 # vLLM sizes these; the profile refuses them by name (not yet profiled).
 NOT_PROFILED: dict[str, str] = {}
+# Configs of the corpus (tests/data/models/corpus/) the profile is checked on too: the ones
+# whose reading rule differs from the top level's (legacy key names, multi-query, switches).
+CORPUS = (
+    "corpus/gpt_bigcode-santacoder",  # n_layer / n_head / n_embd, multi_query: 1 KV head
+    "corpus/falcon-40b-instruct",  # Falcon's new decoder: multi_query ignored, num_kv_heads
+    "corpus/starcoder2-7b",  # a model-level window on every layer
+)
 
 
 def _cases() -> list[Case]:
     """Every config at 4 GiB and 2,048 tokens, at its own max_model_len with 64 GiB, then
     variants of each knob (block size, cache dtype, TP, PP, the hybrid manager, in-flight
     tokens, async scheduling, the block override, memory at and below one request)."""
-    hf = sorted(p.stem for p in MODELS.glob("*.json"))
+    hf = sorted(p.stem for p in MODELS.glob("*.json")) + list(CORPUS)
     cases = [Case(f"{m}/base", m, {"kv_cache_memory_bytes": 4 * GiB, "max_model_len": 2048})
              for m in hf]
     cases += [Case(f"{m}/own-max-len", m, {"kv_cache_memory_bytes": 64 * GiB}) for m in hf]
@@ -89,6 +96,13 @@ def _cases() -> list[Case]:
               "phi-3-mini-4k-instruct"):
         variant(m, "no-hybrid", disable_hybrid_kv_cache_manager=True)
     variant("gpt-oss-20b", "batched-256", max_num_batched_tokens=256)
+    # max_num_batched_tokens unset: vLLM's default by entry point (CPU: 4,096 x TP x PP for
+    # LLM(...), 2,048 x TP x PP for vllm serve) sets the blocks a sliding window holds
+    variant("gpt-oss-20b", "serve", entrypoint="serve")
+    variant("gpt-oss-20b", "serve-tp2", entrypoint="serve", tp_size=2)
+    variant("gemma-3-1b-it", "serve-pp2", entrypoint="serve", pp_size=2)
+    variant("mistral-7b-v0.1", "serve", entrypoint="serve")
+    variant("gemma-2-2b", "llm-tp2", entrypoint="llm", tp_size=2)
     # Qwen3-Next's gated delta nets: TP stays 1 (the harness cannot split a mamba state)
     variant("qwen3-next-80b-a3b-instruct", "no-prefix-caching", no_enable_prefix_caching=True)
     variant("qwen3-next-80b-a3b-instruct", "block256", block_size=256)
@@ -173,10 +187,10 @@ def test_kvpool_plans_what_vllm_sizes(case: Case,
 
 def test_the_cases_cover_every_config_and_knob() -> None:
     """Every config, and each of vLLM's knobs the profile reads, in at least one case."""
-    assert {c.model for c in CASES} == {p.stem for p in MODELS.glob("*.json")}
+    assert {c.model for c in CASES} == {p.stem for p in MODELS.glob("*.json")} | set(CORPUS)
     seen = {k for c in CASES for k in c.options}
     assert seen >= {"kv_cache_memory_bytes", "block_size", "kv_cache_dtype", "max_model_len",
                     "tp_size", "pp_size", "num_gpu_blocks_override",
                     "disable_hybrid_kv_cache_manager", "max_num_batched_tokens",
                     "async_scheduling", "no_enable_prefix_caching", "mamba_ssm_cache_dtype",
-                    "cpu_avx512_bf16"}
+                    "cpu_avx512_bf16", "entrypoint"}

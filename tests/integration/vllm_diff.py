@@ -79,9 +79,10 @@ def run_vllm(cases: list[Case], timeout_s: float = 1500) -> dict[str, dict[str, 
 
 
 def layer_index(name: str) -> int:
-    """The decoder layer of a vLLM layer name (``model.layers.12.self_attn.attn`` -> 12); the
-    module path differs between models, the index is what both sides share."""
-    found = re.search(r"layers\.(\d+)\.", name)
+    """The decoder layer of a vLLM layer name (``model.layers.12.self_attn.attn`` -> 12, GPT-2
+    style ``model.h.12.attn.attn`` too); the module path differs between models, the index is
+    what both sides share."""
+    found = re.search(r"(?:layers|\.h)\.(\d+)\.", name)
     assert found, name
     return int(found.group(1))
 

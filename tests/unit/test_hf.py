@@ -285,9 +285,18 @@ def test_an_unknown_wrapper_around_a_known_text_class_uses_the_text_class():
 def test_multi_query_means_one_kv_head():
     assert spec_from_hf(llama(multi_query=True))[0].attention == MHAAttention(1, 64)
     # Falcon's new decoder architecture ignores multi_query and reads its KV head count
-    cfg = llama(multi_query=True, new_decoder_architecture=True, num_kv_heads=4)
+    cfg = llama(model_type="falcon", multi_query=True,
+                new_decoder_architecture=True, num_kv_heads=4)
     del cfg["num_key_value_heads"]
     assert spec_from_hf(cfg)[0].attention == MHAAttention(4, 64)
+    # SGLang's exception is Falcon's alone: another model type stays multi-query
+    cfg.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    assert spec_from_hf(cfg)[0].attention == MHAAttention(1, 64)
+    # FalconConfig's default is multi_query: true, so a Falcon config that omits it has one
+    # KV head (transformers' class default, which both engines read)
+    cfg = llama(model_type="falcon")
+    del cfg["num_key_value_heads"]
+    assert spec_from_hf(cfg)[0].attention == MHAAttention(1, 64)
 
 
 def test_qwen3_next_layer_types_override_interval():
@@ -470,6 +479,9 @@ def test_known_architecture_missing_field_is_named():
         spec_from_hf(cfg)
     cfg = json.loads((MODELS / "deepseek-v3.json").read_text())
     del cfg["kv_lora_rank"]
+    # DeepseekV3Config's default (512) fills it, as transformers does for both engines
+    assert spec_from_hf(cfg)[0].attention.kv_lora_rank == 512  # type: ignore[union-attr]
+    del cfg["model_type"]  # a class transformers does not know has no defaults
     with pytest.raises(InvalidArgument, match="missing kv_lora_rank"):
         spec_from_hf(cfg)
 

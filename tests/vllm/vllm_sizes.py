@@ -6,9 +6,12 @@ cases on stdin::
     [{"id": "llama-1g", "config": "/path/config.json", "kv_cache_memory_bytes": 1073741824,
       "block_size": 128, "max_model_len": 4096, "tp_size": 1, "pp_size": 1,
       "kv_cache_dtype": "auto", "num_gpu_blocks_override": null,
-      "disable_hybrid_kv_cache_manager": false, "max_num_batched_tokens": 8192,
+      "disable_hybrid_kv_cache_manager": false, "max_num_batched_tokens": null,
       "async_scheduling": false, "mamba_ssm_cache_dtype": "auto",
-      "cpu_avx512_bf16": "auto"}, ...]
+      "cpu_avx512_bf16": "auto", "entrypoint": "llm"}, ...]
+
+``entrypoint`` ``"llm"`` (the default) builds the engine config as ``LLM(...)`` does, ``"serve"``
+as ``vllm serve`` does (their usage contexts pick the default ``max_num_batched_tokens``).
 
 ``cpu_avx512_bf16`` ``"yes"`` or ``"no"`` has vLLM's CPU platform see a CPU with or without
 AVX-512 BF16 for that case (it answers ``torch.cpu._is_avx512_bf16_supported()`` so while the
@@ -63,6 +66,7 @@ from vllm.model_executor.model_loader.utils import initialize_model
 from vllm.model_executor.models import registry
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
+from vllm.usage.usage_lib import UsageContext
 from vllm.utils.network_utils import get_open_port
 from vllm.v1.attention.backends.utils import (
     get_supported_kv_cache_layouts,
@@ -155,22 +159,27 @@ def _engine_config(case: dict[str, Any], model_dir: str) -> Any:
         pipeline_parallel_size=case.get("pp_size", 1),
         num_gpu_blocks_override=case.get("num_gpu_blocks_override"),
         disable_hybrid_kv_cache_manager=case.get("disable_hybrid_kv_cache_manager", False),
-        max_num_batched_tokens=case.get("max_num_batched_tokens", 8192),
+        # unset: vLLM's default for the entry point (the usage context below)
+        max_num_batched_tokens=case.get("max_num_batched_tokens"),
         async_scheduling=case.get("async_scheduling", False),
         enable_prefix_caching=not case.get("no_enable_prefix_caching", False),
         mamba_ssm_cache_dtype=case.get("mamba_ssm_cache_dtype", "auto"),
         distributed_executor_backend="mp" if case.get("tp_size", 1) * case.get(
             "pp_size", 1) > 1 else None,
     )
+    usage = {"llm": UsageContext.LLM_CLASS, "serve": UsageContext.OPENAI_API_SERVER}[
+        case.get("entrypoint", "llm")]
+    if case.get("platform", "cpu") != "cpu":
+        raise ValueError("the harness runs vLLM's CPU platform only")
     isa = case.get("cpu_avx512_bf16", "auto")
     if isa == "auto":
-        return args.create_engine_config()
+        return args.create_engine_config(usage_context=usage)
     if isa not in ("yes", "no"):
         raise ValueError(f"cpu_avx512_bf16 must be auto, yes or no, got {isa!r}")
     host = torch.cpu._is_avx512_bf16_supported
     torch.cpu._is_avx512_bf16_supported = lambda: isa == "yes"
     try:
-        return args.create_engine_config()
+        return args.create_engine_config(usage_context=usage)
     finally:
         torch.cpu._is_avx512_bf16_supported = host
 

@@ -68,6 +68,26 @@ class VllmCpuBf16(enum.StrEnum):
     no = "no"
 
 
+class VllmEntrypoint(enum.StrEnum):
+    """How vLLM is started, which picks its batch defaults (``EngineArgs.get_batch_defaults``
+    by usage context): ``llm`` is the ``LLM(...)`` class (offline), ``serve`` the OpenAI API
+    server (``vllm serve``)."""
+
+    llm = "llm"
+    serve = "serve"
+
+
+class VllmPlatform(enum.StrEnum):
+    """The device vLLM runs on, as far as its batch defaults tell them apart
+    (``EngineArgs.get_batch_defaults``): the CPU platform; a GPU under 70 GiB or any A100; a GPU
+    of at least 70 GiB that is no A100 (H100, H200); one of at least 160 GiB (B200, B300)."""
+
+    cpu = "cpu"
+    gpu = "gpu"
+    gpu_70gib = "gpu-70gib"
+    gpu_160gib = "gpu-160gib"
+
+
 class VllmLayout(enum.StrEnum):
     """vLLM's physical KV-cache layouts (``VLLM_KV_CACHE_LAYOUT``): the letters are the memory
     order of the logical axes L (layer), B (block), H (head), N (token in block), C (content).
@@ -137,8 +157,16 @@ class VllmOptions(Base):
         "vLLM's --disable-hybrid-kv-cache-manager (also what vLLM does for a KV connector "
         "without HMA support): sliding-window layers are sized as full attention")] = False
     max_num_batched_tokens: Annotated[int, _doc(
-        "vLLM's max_num_batched_tokens (sliding-window blocks held in flight)",
-        ge=1, le=1 << 24)] = 8192
+        "vLLM's max_num_batched_tokens (sliding-window blocks held in flight; default: "
+        "vLLM's for --entrypoint and --platform, e.g. 4096 x TP x PP for llm on cpu, 2048 x "
+        "TP x PP for serve)", ge=1, le=1 << 24)] | None = None
+    entrypoint: Annotated[VllmEntrypoint, _doc(
+        "how vLLM is started, which picks its default max_num_batched_tokens: llm (the "
+        "LLM(...) class) or serve (vllm serve)")] = VllmEntrypoint.llm
+    platform: Annotated[VllmPlatform, _doc(
+        "the device vLLM runs on, for its default max_num_batched_tokens: cpu, gpu (under "
+        "70 GiB, or an A100), gpu-70gib (H100, H200), gpu-160gib (B200, B300)")] = \
+        VllmPlatform.cpu
     async_scheduling: Annotated[bool, _doc(
         "vLLM's async scheduling (two batches in flight)")] = False
     no_enable_prefix_caching: Annotated[bool, _doc(

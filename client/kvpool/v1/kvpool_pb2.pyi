@@ -193,7 +193,7 @@ class ConfigureRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., hf_config_json: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., budget_bytes: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., context_length: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., speculative_algorithm: _Optional[str] = ..., speculative_num_draft_layers: _Optional[int] = ..., swa_full_tokens_ratio: _Optional[float] = ..., mamba_full_memory_ratio: _Optional[float] = ..., disable_radix_cache: _Optional[bool] = ..., dry_run: _Optional[bool] = ..., speculative_num_draft_tokens: _Optional[int] = ..., allow_longer_context: _Optional[bool] = ..., mamba_radix_cache_strategy: _Optional[str] = ..., chunked_prefill_size: _Optional[int] = ..., disable_overlap_schedule: _Optional[bool] = ..., assume_architecture: _Optional[str] = ..., gpu: _Optional[str] = ..., elastic: _Optional[bool] = ..., elastic_floor_tokens: _Optional[int] = ..., elastic_cap_tokens: _Optional[int] = ..., elastic_weight: _Optional[float] = ..., swa_pairing: _Optional[str] = ..., engine: _Optional[str] = ..., vllm: _Optional[_Union[VllmOptions, _Mapping]] = ...) -> None: ...
 
 class VllmOptions(_message.Message):
-    __slots__ = ("kv_cache_memory_bytes", "block_size", "kv_cache_dtype", "tp_size", "pp_size", "pp_rank", "max_model_len", "num_gpu_blocks_override", "disable_hybrid_kv_cache_manager", "max_num_batched_tokens", "async_scheduling", "no_enable_prefix_caching", "backend", "dtype", "mamba_ssm_cache_dtype", "cpu_avx512_bf16")
+    __slots__ = ("kv_cache_memory_bytes", "block_size", "kv_cache_dtype", "tp_size", "pp_size", "pp_rank", "max_model_len", "num_gpu_blocks_override", "disable_hybrid_kv_cache_manager", "max_num_batched_tokens", "async_scheduling", "no_enable_prefix_caching", "backend", "dtype", "mamba_ssm_cache_dtype", "cpu_avx512_bf16", "entrypoint", "platform")
     KV_CACHE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +210,8 @@ class VllmOptions(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAMBA_SSM_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     CPU_AVX512_BF16_FIELD_NUMBER: _ClassVar[int]
+    ENTRYPOINT_FIELD_NUMBER: _ClassVar[int]
+    PLATFORM_FIELD_NUMBER: _ClassVar[int]
     kv_cache_memory_bytes: int
     block_size: int
     kv_cache_dtype: str
@@ -226,7 +228,9 @@ class VllmOptions(_message.Message):
     dtype: str
     mamba_ssm_cache_dtype: str
     cpu_avx512_bf16: str
-    def __init__(self, kv_cache_memory_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_gpu_blocks_override: _Optional[int] = ..., disable_hybrid_kv_cache_manager: _Optional[bool] = ..., max_num_batched_tokens: _Optional[int] = ..., async_scheduling: _Optional[bool] = ..., no_enable_prefix_caching: _Optional[bool] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., mamba_ssm_cache_dtype: _Optional[str] = ..., cpu_avx512_bf16: _Optional[str] = ...) -> None: ...
+    entrypoint: str
+    platform: str
+    def __init__(self, kv_cache_memory_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_gpu_blocks_override: _Optional[int] = ..., disable_hybrid_kv_cache_manager: _Optional[bool] = ..., max_num_batched_tokens: _Optional[int] = ..., async_scheduling: _Optional[bool] = ..., no_enable_prefix_caching: _Optional[bool] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., mamba_ssm_cache_dtype: _Optional[str] = ..., cpu_avx512_bf16: _Optional[str] = ..., entrypoint: _Optional[str] = ..., platform: _Optional[str] = ...) -> None: ...
 
 class ConfigureResponse(_message.Message):
     __slots__ = ("plan_json", "fingerprint", "created", "dry_run", "budget_available_bytes")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.contract.errors import InvalidArgument
+from kvpoold import hf_view
 
 FIELD = "model_config"
 SLIDING = "sliding_attention"
@@ -27,13 +28,6 @@ DEFAULT_MAX_LEN = 2048
 # RoPE types whose max_position_embeddings is already the scaled length.
 SCALED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn",
                      "deepseek_llama_scaling")
-# The defaults of a text sub-config's class for keys checkpoints omit (transformers'
-# Gemma3TextConfig: Gemma-3-4B's text_config states only what differs).
-CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
-    "gemma3_text": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
-                    "max_position_embeddings": 131072, "sliding_window": 4096,
-                    "sliding_window_pattern": 6},
-}
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16",
            "float32": "float32", "float": "float32"}
 
@@ -102,13 +96,31 @@ class VllmModel:
 
 
 def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    sub = config.get("text_config")
-    if isinstance(sub, Mapping):
-        inherited = {k: config[k] for k in ("torch_dtype", "dtype", "quantization_config")
-                     if k in config and sub.get(k) is None}
-        defaults = CLASS_DEFAULTS.get(str(sub.get("model_type")), {})
-        return {**defaults, **inherited, **{k: v for k, v in sub.items() if v is not None}}
-    return config
+    """The text config as transformers loads it (:func:`kvpoold.hf_view.class_view`), the
+    sub-config transformers' ``get_text_config`` finds (``decoder``, ``generator``,
+    ``text_config``) inheriting the wrapper's dtype and quantization when it states none."""
+    key, sub, parent = hf_view.text_config(config, "vllm")
+    if key is None:
+        return hf_view.class_view(config)
+    inherited = {k: parent[k] for k in ("torch_dtype", "dtype", "quantization_config")
+                 if k in parent and sub.get(k) is None}
+    view = hf_view.class_view(sub, hf_view.sub_model_type(parent, key))
+    return {**inherited, **{k: v for k, v in view.items() if v is not None}}
+
+
+def _kv_heads(text: Mapping[str, Any], model_type: str, heads: int, where: str) -> int:
+    """vLLM's ``get_total_num_kv_heads``: Falcon's multi-query rule, DBRX's ``attn_config``,
+    then the first KV-head key set (:data:`kvpoold.hf_view.KV_HEAD_KEYS`), else the heads."""
+    if hf_view.multi_query_kv_heads(text, "vllm", model_type) == 1:
+        return 1
+    attn = text.get("attn_config")
+    if model_type == "dbrx" and isinstance(attn, Mapping):
+        return _int(attn, "kv_n_heads", where) if attn.get("kv_n_heads") is not None \
+            else heads
+    found = hf_view.first_kv_heads(text)
+    if found is None:
+        return heads
+    return _int(text, found[0], where)
 
 
 def _int(config: Mapping[str, Any], key: str, where: str) -> int:
@@ -205,9 +217,18 @@ def read_vllm_model(config: Mapping[str, Any], *, where: str = "config.json") ->
                 f"{where}: {architecture or model_type} has {what} ({key}); the vLLM "
                 "profile sizes full, sliding-window and MLA attention and Qwen3-Next's "
                 "gated delta nets only", field=FIELD)
+    marker = hf_view.kda_marker(config)
+    state = hf_view.state_layer_marker(text)
+    if marker is None and state is not None and not (linear and state[1] == "linear_attention"):
+        marker = f"{state[0]} ({state[1]} layers)"
+    if marker is not None:
+        raise InvalidArgument(
+            f"{where}: {architecture or model_type} declares per-request state layers in "
+            f"{marker}; the vLLM profile sizes full, sliding-window and MLA attention and "
+            "Qwen3-Next's gated delta nets only", field=FIELD)
     n = _int(text, "num_hidden_layers", where)
     heads = _int(text, "num_attention_heads", where)
-    kv_heads = text.get("num_key_value_heads") or heads
+    kv_heads = _kv_heads(text, str(config.get("model_type") or model_type), heads, where)
     dtype = _DTYPES.get(str(text.get("dtype") or text.get("torch_dtype") or ""), "float32")
     max_len, key = _max_len(text)
     fp8 = _kv_cache_fp8(text)
@@ -217,7 +238,9 @@ def read_vllm_model(config: Mapping[str, Any], *, where: str = "config.json") ->
         layers = tuple(LayerAttention(i, LayerKind.mla) for i in range(n))
         return VllmModel(architecture, model_type, heads, 1, head_size, layers, dtype,
                          max_len, key, mml, fp8)
-    head_size = text.get("head_dim") or _int(text, "hidden_size", where) // heads
+    # head_dim when positive, else PLaMo's hidden_size_per_head, else hidden / heads
+    head_size = (text.get("head_dim") or text.get("hidden_size_per_head")
+                 or _int(text, "hidden_size", where) // heads)
     window = text.get("sliding_window") or None  # 0 means none, as in vLLM
     types = _layer_types(text, model_type, n)
     if types is not None and any(t == SLIDING for t in types) and window is None:

@@ -30,17 +30,19 @@ from typing import Any
 
 from kvpool.contract.errors import InvalidArgument
 from kvpool.contract.vllm_plan import (
+    VllmEntrypoint,
     VllmGroup,
     VllmLayerSpec,
     VllmLayout,
     VllmMambaDType,
     VllmOptions,
     VllmPlan,
+    VllmPlatform,
     VllmSpecType,
     VllmTensor,
 )
 from kvpoold.sizing.vllm_groups import Group, kv_cache_groups, project
-from kvpoold.sizing.vllm_model import VllmModel, read_vllm_model
+from kvpoold.sizing.vllm_model import LayerKind, VllmModel, read_vllm_model
 from kvpoold.sizing.vllm_specs import (
     BACKENDS,
     LayerSpec,
@@ -182,13 +184,44 @@ def _max_model_len(model: VllmModel, options: VllmOptions) -> int:
     return asked
 
 
-def _in_flight_tokens(options: VllmOptions) -> int:
+# vLLM 0.32's ``EngineArgs.get_batch_defaults``: (max_num_batched_tokens, max_num_seqs) by
+# platform and entry point; the CPU platform's are per rank (times TP x PP).
+BATCH_DEFAULTS: dict[VllmPlatform, dict[VllmEntrypoint, tuple[int, int]]] = {
+    VllmPlatform.cpu: {VllmEntrypoint.llm: (4096, 256), VllmEntrypoint.serve: (2048, 128)},
+    VllmPlatform.gpu: {VllmEntrypoint.llm: (8192, 256), VllmEntrypoint.serve: (2048, 256)},
+    VllmPlatform.gpu_70gib: {VllmEntrypoint.llm: (16384, 1024),
+                             VllmEntrypoint.serve: (8192, 1024)},
+    VllmPlatform.gpu_160gib: {VllmEntrypoint.llm: (16384, 1024),
+                              VllmEntrypoint.serve: (16384, 1024)},
+}
+
+
+def batched_tokens(options: VllmOptions, max_model_len: int) -> int:
+    """vLLM's ``max_num_batched_tokens``: the user's, else its default for the entry point
+    and platform (``_set_default_max_num_seqs_and_batched_tokens_args``), at most
+    ``max_num_seqs * max_model_len``.
+
+    Worked example: ``LLM(...)`` on CPU with TP 2: 4,096 x 2 = 8,192 tokens; ``vllm serve``
+    there: 4,096; a 16-token model on a B200: min(1,024 x 16, 16,384) = 16,384.
+    """
+    if options.max_num_batched_tokens is not None:
+        return options.max_num_batched_tokens
+    tokens, seqs = BATCH_DEFAULTS[options.platform][options.entrypoint]
+    if options.platform is VllmPlatform.cpu:
+        world = options.tp_size * options.pp_size
+        tokens, seqs = tokens * world, seqs * world
+    # chunked prefill is on for every generative model vLLM plans here, so no max_model_len
+    # floor; the cap keeps a tiny model's batch within what its sequences can hold
+    return min(seqs * max_model_len, tokens)
+
+
+def _in_flight_tokens(options: VllmOptions, batched: int) -> int:
     """vLLM's ``max_in_flight_tokens``: a batch per pipeline stage (two with async
     scheduling and one stage) of ``max_num_batched_tokens`` each."""
     batches = options.pp_size
     if options.async_scheduling and options.pp_size == 1:
         batches = 2
-    return batches * options.max_num_batched_tokens
+    return batches * batched
 
 
 def _layer_record(name: str, s: LayerSpec) -> VllmLayerSpec:
@@ -232,7 +265,13 @@ def plan_vllm_model(model: VllmModel, options: VllmOptions) -> VllmPlan:
         block_size = aligned
     layout = facts.mla_layout if model.is_mla else facts.layout
     hybrid = not options.disable_hybrid_kv_cache_manager
-    in_flight = _in_flight_tokens(options)
+    batched = batched_tokens(options, max_model_len)
+    if options.max_num_batched_tokens is None and any(
+            layer.kind is LayerKind.sliding for layer in model.layers):
+        notes.append(f"max_num_batched_tokens {batched:,}: vLLM's default for "
+                     f"--entrypoint {options.entrypoint.value} on --platform "
+                     f"{options.platform.value} (it sets the blocks a sliding window holds)")
+    in_flight = _in_flight_tokens(options, batched)
 
     layers = layer_specs(model, options, block_size, dtype, max_model_len)
     groups = kv_cache_groups(layers, hybrid=hybrid)
