@@ -161,7 +161,7 @@ class DaemonProcess:
     def target(self) -> str:
         return f"unix://{self.socket}"
 
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:

@@ -34,7 +34,7 @@ OPERATIONS = REPO / "docs" / "operations.md"
 CHURN_CYCLES = 50
 
 
-def metrics_url(log_path: Path, timeout_s: float = 10.0) -> str:
+def metrics_url(log_path: Path, timeout_s: float = 60.0) -> str:
     """The URL the daemon logged when it bound ``--metrics-port 0`` (``--log-format json``)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -154,6 +154,12 @@ def test_bad_options_exit_2() -> None:
 # -- the live view ------------------------------------------------------------------------------
 
 
+# How long a wait for a fact (a line on screen, the child's exit) may take before the test
+# fails: only a ceiling for a hang, so generous (a 2-core machine at load 8 was seen to take
+# over 10 s for what takes 1 s quiet).
+CEILING_S = 90.0
+
+
 class Terminal:
     """A child process on a pseudo-terminal (40 x 120 unless told) whose output is collected as
     it comes."""
@@ -182,7 +188,7 @@ class Terminal:
         self.raw += data
         return bool(data)
 
-    def wait_exit(self, timeout_s: float = 10.0) -> int:
+    def wait_exit(self, timeout_s: float = CEILING_S) -> int:
         """The child's exit status, reading its output meanwhile (a terminal nobody reads
         blocks the writer) and after, until it closed the terminal."""
         deadline = time.monotonic() + timeout_s
@@ -197,7 +203,7 @@ class Terminal:
         return _ANSI.sub("", self.raw[since:].decode(errors="replace"))
 
     def wait_for(self, what: str, check: Callable[[str], bool], since: int = 0,
-                 timeout_s: float = 15.0) -> None:
+                 timeout_s: float = CEILING_S) -> None:
         deadline = time.monotonic() + timeout_s
         while not check(self.text(since)):
             assert self.proc.poll() is None, f"top exited ({self.proc.returncode}):\n" + \
