@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchlib.venv_ready import SGLANG_MARKER, venv_problem  # bench/ is the script's directory
+
 from kvpool import KVPoolClient
 
 REPO = Path(__file__).resolve().parent.parent
@@ -454,8 +456,9 @@ def main() -> int:
                     help="copy the daemon's and engines' logs into this directory "
                          "(KVPOOL_BENCH_DAEMON_LOG=info for the daemon's reclaim events)")
     args = ap.parse_args()
-    if not (VENV / "bin" / "python").exists():
-        print(f"no SGLang side venv at {VENV}: run tests/sglang/setup_venv.sh", file=sys.stderr)
+    problem = venv_problem(VENV, SGLANG_MARKER, "tests/sglang/setup_venv.sh")
+    if problem is not None:
+        print(problem, file=sys.stderr)
         return 2
     s = QUICK if args.quick else FULL
     if args.burst is not None:

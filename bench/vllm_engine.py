@@ -102,6 +102,7 @@ from benchlib.engine_bench import (  # bench/ is the script's directory
     serving_daemon,
     settings_from,
 )
+from benchlib.venv_ready import VLLM_MARKER, venv_problem
 
 REPO = Path(__file__).resolve().parent.parent
 HARNESS = REPO / "tests" / "vllm" / "connector_run.py"
@@ -314,9 +315,9 @@ def make_model(path: Path) -> None:
 
 
 def run(s: Settings, json_path: Path | None) -> int:
-    if not (VENV / "bin" / "python").exists():
-        print(f"no vLLM side venv at {VENV}: run tests/vllm/setup_venv.sh (or set "
-              "KVPOOL_VLLM_VENV)", file=sys.stderr)
+    problem = venv_problem(VENV, VLLM_MARKER, "tests/vllm/setup_venv.sh")
+    if problem is not None:
+        print(f"{problem} (or set KVPOOL_VLLM_VENV)", file=sys.stderr)
         return 2
     t_start = time.monotonic()
     trace = make_trace(s, VOCAB)

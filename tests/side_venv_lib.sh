@@ -5,16 +5,29 @@
 # The sourcing script sets, before calling these: venv (its path), python (the interpreter
 # that makes it), marker (the file recording a finished setup), want (the exact package list
 # that marker records), repo (the checkout), TORCH (the torch requirement). set -euo pipefail
-# is the caller's.
+# is the caller's. The caller passes its own arguments to venv_begin: --reuse (what the
+# examples pass) also takes a finished venv of the same package list made from another
+# checkout (CI's, or a shared one) as it is; the caller puts its own client/ on PYTHONPATH.
 
 say() { printf 'setup_venv: %s\n' "$*"; }
 
-# Exits 0 when the marker records this exact setup; else removes an unfinished or outdated
-# venv (never a directory that is not one) and makes a fresh one, with run_pip ready.
+# Exits 0 when the marker records this exact setup (with --reuse: this package list, from any
+# checkout); else removes an unfinished or outdated venv (never a directory that is not one)
+# and makes a fresh one, with run_pip ready.
 venv_begin() {
-    if [[ -f "$marker" && "$(cat "$marker")" == "$want" ]]; then
+    local have=""
+    [[ -f "$marker" ]] && have="$(cat "$marker")"
+    if [[ -n "$have" && "$have" == "$want" ]]; then
         say "$venv is ready (marker $marker); nothing to do"
         exit 0
+    fi
+    if [[ "${1:-}" == --reuse && -n "$have" && "${have% kvpool-editable:*}" == "${want% kvpool-editable:*}" ]]; then
+        say "$venv is ready (made from the checkout at ${have##* kvpool-editable:}); used as it is"
+        exit 0
+    fi
+    if [[ -n "${1:-}" && "$1" != --reuse ]]; then
+        say "unknown argument $1 (the only one is --reuse)" >&2
+        exit 2
     fi
     start=$SECONDS
     if [[ -e "$venv" ]]; then

@@ -6,6 +6,7 @@
 # are in tests/side_venv_lib.sh.
 #
 #   tests/sglang/setup_venv.sh            # venv at ${KVPOOL_SGLANG_VENV:-<repo>/.venv-sglang}
+#   tests/sglang/setup_venv.sh --reuse    # a finished one made from another checkout is kept
 #
 # Idempotent: a marker file in the venv records a finished setup of this exact package
 # list; a later run with the marker in place does nothing. A venv without the marker (an
@@ -81,7 +82,7 @@ DEPS=(
 . "$here/../side_venv_lib.sh"
 
 want="$TORCH $SGLANG ${DEPS[*]} kvpool-editable:$repo"
-venv_begin
+venv_begin "$@"
 venv_torch
 
 say "installing $SGLANG without its dependencies"

@@ -5,6 +5,7 @@
 # in tests/side_venv_lib.sh.
 #
 #   tests/vllm/setup_venv.sh            # venv at ${KVPOOL_VLLM_VENV:-<repo>/.venv-vllm}
+#   tests/vllm/setup_venv.sh --reuse    # a finished one made from another checkout is kept
 #
 # Idempotent: a marker file in the venv records a finished setup of this exact package
 # list; a later run with the marker in place does nothing. A venv without the marker (an
@@ -88,7 +89,7 @@ DEPS=(
 . "$here/../side_venv_lib.sh"
 
 want="$TORCH $VLLM ${DEPS[*]} kvpool-editable:$repo"
-venv_begin
+venv_begin "$@"
 venv_torch
 
 say "installing $VLLM without its dependencies"
