@@ -49,12 +49,22 @@ venv_begin() {
     # pip's own chatter (resolver warnings about the engine's GPU dependencies, left out on
     # purpose) goes to a log that is shown when a step fails.
     pip_log="$venv/pip.log"
+    # Ctrl-C (or a TERM) from here on: one line with the log's path, not pip's whole log; the
+    # venv has no marker, so the next run removes it and starts again.
+    trap venv_interrupted INT TERM
 }
 
+venv_interrupted() {
+    trap - INT TERM
+    say "interrupted; $venv is unfinished (the next run makes it again); pip's log: $pip_log" >&2
+    exit 130
+}
+
+# pip install, its chatter into the log; on failure the log's last lines and its path.
 run_pip() {
     if ! "${install[@]}" --quiet "$@" 2>>"$pip_log"; then
-        cat "$pip_log" >&2
-        say "pip install $* failed" >&2
+        tail -n 25 "$pip_log" >&2
+        say "pip install $* failed (the last lines of its log above; all of it: $pip_log)" >&2
         exit 1
     fi
 }

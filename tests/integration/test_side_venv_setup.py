@@ -4,9 +4,11 @@ from (tests/torch_wheel.py: a local wheel, PyTorch's CPU index, or a one-line st
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.server
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -232,4 +234,54 @@ def test_setup_venv_stops_at_once_without_a_cpu_wheel(tmp_path: Path) -> None:
         "https://download.pytorch.org/whl/cpu/torch/ onto this machine and run again with "
         "KVPOOL_TORCH_WHEEL=<its path>"]
     assert "installing" not in out.stdout
+    assert not (venv / ".kvpool-sglang-ready").exists()
+
+
+def test_ctrl_c_during_a_pip_step_is_one_line_with_the_logs_path(tmp_path: Path) -> None:
+    """An index that answers the chooser's probe and then never answers pip: pip waits, the
+    script has said which step it is on (the fact waited for), Ctrl-C goes to its process group.
+    One line names the log; nothing of pip's log is dumped; no marker is written."""
+    release = threading.Event()
+    answered: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if answered:
+                release.wait()  # pip's request: never answered while the test runs
+                return
+            answered.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"<html></html>")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    venv = tmp_path / "side"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update(PIP_CONFIG_FILE=os.devnull, KVPOOL_SGLANG_VENV=str(venv), PYTHON=sys.executable,
+               KVPOOL_TORCH_INDEX=f"http://127.0.0.1:{server.server_address[1]}")
+    proc = subprocess.Popen(["bash", str(REPO / "tests/sglang/setup_venv.sh")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "from PyTorch's CPU wheel index" in line:
+                break
+        else:
+            raise AssertionError(f"setup_venv.sh ended before its pip step: {proc.stderr.read()}")
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        release.set()
+        server.shutdown()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == [
+        f"setup_venv: interrupted; {venv} is unfinished (the next run makes it again); pip's "
+        f"log: {venv}/pip.log"], err
     assert not (venv / ".kvpool-sglang-ready").exists()
