@@ -16,10 +16,10 @@ vLLM's config) and ``scheduler_cls=kvpool.integrations.vllm.scheduler.KVPoolSche
 blocks come from the engine core's lease, through a page cache), against a ``kvpoold serve``
 started here (``KVPOOL_POOL``, ``KVPOOL_TARGET``); ``--kvpool-parts memory`` drops the
 scheduler (kvpool's memory, vLLM's own blocks), to tell the two parts' costs apart. The
-``baseline`` engine is plain vLLM on the same weights. The side venv cannot install this
-checkout, so the engine process calls the function kvpool's ``vllm.general_plugins`` entry
-point names (``kvpool.integrations.vllm.plugin:register``) itself before vLLM starts, as
-``tests/vllm/connector_run.py`` does, and so does vLLM's engine-core process, which vLLM
+``baseline`` engine is plain vLLM on the same weights. The engine process also calls the
+function kvpool's ``vllm.general_plugins`` entry point names
+(``kvpool.integrations.vllm.plugin:register``, idempotent) itself before vLLM starts (the side
+venv's editable kvpool may be another checkout's), as ``tests/vllm/connector_run.py`` does, and so does vLLM's engine-core process, which vLLM
 spawns (its CPU platform asks for spawn) and which imports this file as ``__mp_main__``.
 
 The trace, made once from ``--seed`` and replayed in every round: ``--requests`` requests with
