@@ -19,8 +19,9 @@ scheduler (kvpool's memory, vLLM's own blocks), to tell the two parts' costs apa
 ``baseline`` engine is plain vLLM on the same weights. The engine process also calls the
 function kvpool's ``vllm.general_plugins`` entry point names
 (``kvpool.integrations.vllm.plugin:register``, idempotent) itself before vLLM starts (the side
-venv's editable kvpool may be another checkout's), as ``tests/vllm/connector_run.py`` does, and so does vLLM's engine-core process, which vLLM
-spawns (its CPU platform asks for spawn) and which imports this file as ``__mp_main__``.
+venv's editable kvpool may be another checkout's), as ``tests/vllm/connector_run.py`` does,
+and so does vLLM's engine-core process, which vLLM spawns (its CPU platform asks for spawn)
+and which imports this file as ``__mp_main__``.
 
 The trace, made once from ``--seed`` and replayed in every round: ``--requests`` requests with
 Poisson arrivals at ``--rate`` per second (open loop: a request is submitted at its arrival
