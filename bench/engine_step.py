@@ -101,6 +101,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib.venv_ready import SGLANG_MARKER, venv_problem
 from rpc import serving_daemon
 
 from kvpool.cache.page_cache import PageCache
@@ -779,13 +780,15 @@ def run(args: argparse.Namespace) -> int:
           f"{trace.peak_pages:,}; pool {pages:,} pages")
     rounds: list[dict[str, tuple[float, float, float]]] = []
     counters: dict[str, int] = {}
-    real = (SIDE_VENV / "bin" / "python").exists() and not args.sglang_reimplementation
+    # A venv without its ready marker (an interrupted setup) counts as none.
+    venv_missing = venv_problem(SIDE_VENV, SGLANG_MARKER, "tests/sglang/setup_venv.sh")
+    real = venv_missing is None and not args.sglang_reimplementation
     sglang = REAL_NAME if real else REIMPL_NAME
     print(f"{sglang}: " + (
         f"SGLang's PagedTokenToKVPoolAllocator, run in the side venv {SIDE_VENV} (its torch "
         "paths on CPU tensors)" if real else
         "NOT SGLang's class: this script's reimplementation of its free-list algorithm "
-        f"(--sglang-reimplementation, or no side venv at {SIDE_VENV})"))
+        f"(--sglang-reimplementation, or {venv_missing})"))
     with contextlib.ExitStack() as stack:
         target = stack.enter_context(serving_daemon("kvp-engine-", budget="256MiB"))
         client = stack.enter_context(KVPoolClient(target))

@@ -76,6 +76,7 @@ from benchlib.engine_bench import (  # bench/ is the script's directory
     serving_daemon,
     settings_from,
 )
+from benchlib.venv_ready import SGLANG_MARKER, venv_problem
 
 REPO = Path(__file__).resolve().parent.parent
 HARNESS = REPO / "tests" / "sglang"
@@ -267,9 +268,9 @@ def make_model(path: Path) -> None:
 
 
 def run(s: Settings, json_path: Path | None) -> int:
-    if not (VENV / "bin" / "python").exists():
-        print(f"no SGLang side venv at {VENV}: run tests/sglang/setup_venv.sh (or set "
-              "KVPOOL_SGLANG_VENV)", file=sys.stderr)
+    problem = venv_problem(VENV, SGLANG_MARKER, "tests/sglang/setup_venv.sh")
+    if problem is not None:
+        print(f"{problem} (or set KVPOOL_SGLANG_VENV)", file=sys.stderr)
         return 2
     t_start = time.monotonic()
     trace = make_trace(s, VOCAB)

@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchlib.venv_ready import SGLANG_MARKER, venv_problem  # bench/ is the script's directory
+
 from kvpool import KVPoolClient
 
 REPO = Path(__file__).resolve().parent.parent
@@ -93,6 +95,42 @@ class Settings:
 # is what limits a bursting engine, and an elastic one can use all the other does not.
 QUICK = Settings(budget=128 * MiB, burst=80, trickle=1, prompt=160, new=48, phase_s=10.0)
 FULL = Settings(budget=128 * MiB, burst=96, trickle=2, prompt=160, new=96, phase_s=30.0)
+
+
+# What the table's columns are, printed under it (a reader sees the table, not this file).
+LEGEND = (
+    "legend, per mode, phase and engine (eng):",
+    "  reqs      requests answered in the phase",
+    "  tok/s     tokens generated per second of the phase",
+    "  ttft p50  time to first token in seconds, median; p99 its 99th percentile. It counts the",
+    "            wait in SGLang's queue: a request starts only once the engine has KV room",
+    "  running   most requests SGLang ran at once (its num_running_reqs)",
+    "  held tok  most KV tokens the engine's lease held in the daemon (pages x page size)",
+    "  to 90%    seconds from the phase's start until the engine held 90% of that peak",
+    "  aborts    requests that failed",
+)
+# Why a bursting engine's TTFT is far above the other's in the same phase, pool weights equal.
+TTFT_NOTE = (
+    "why TTFT differs within a phase: a bursting engine gets more requests at once than the "
+    "whole budget has KV for, so most of them queue in SGLang until earlier ones finish; its "
+    "TTFT is mostly that wait, while a trickling engine's requests find room at once (one "
+    "prefill). In phase 'both' the engine that burst just before (b) starts out holding most "
+    "of the memory, and the other (a) gets its half only as b's running requests finish and "
+    "the daemon reclaims their groups: equal weights set the split both move toward, not who "
+    "holds the memory when the phase begins, so a's requests wait longer.")
+
+
+def phase_line(phase: str, s: Settings) -> str:
+    """What phase ``phase`` sends, as printed when it starts."""
+    burst = [n for n in MODELS if phase in (n, "both")]
+    calm = [n for n in MODELS if n not in burst]
+    both = len(burst) > 1
+    text = (f"phase {phase} ({s.phase_s:g} s): engine{'s' if both else ''} "
+            f"{' and '.join(burst)} burst{'' if both else 's'} ({s.burst} requests at once"
+            f"{' each' if both else ''})")
+    if calm:
+        text += f", engine {' and '.join(calm)} trickles ({s.trickle} at a time)"
+    return text
 
 
 def free_port() -> int:
@@ -333,6 +371,7 @@ def run_mode(mode: str, work: Path, models: dict[str, Path], s: Settings,
         sampler.start()
         for i, phase in enumerate(PHASES):
             phase_now[0] = phase
+            print(f"[{mode}] {phase_line(phase, s)}", flush=True)
             until = time.monotonic() + s.phase_s
             threads = []
             for n in MODELS:
@@ -454,8 +493,9 @@ def main() -> int:
                     help="copy the daemon's and engines' logs into this directory "
                          "(KVPOOL_BENCH_DAEMON_LOG=info for the daemon's reclaim events)")
     args = ap.parse_args()
-    if not (VENV / "bin" / "python").exists():
-        print(f"no SGLang side venv at {VENV}: run tests/sglang/setup_venv.sh", file=sys.stderr)
+    problem = venv_problem(VENV, SGLANG_MARKER, "tests/sglang/setup_venv.sh")
+    if problem is not None:
+        print(problem, file=sys.stderr)
         return 2
     s = QUICK if args.quick else FULL
     if args.burst is not None:
@@ -498,6 +538,8 @@ def main() -> int:
               f"{r.reclaim_mean * 1e3:.1f} ms, max {r.reclaim_max * 1e3:.1f} ms), peak memory "
               f"{peak / MiB:.1f} of {s.budget / MiB:.0f} MiB"
               f" {'(within budget)' if peak <= s.budget else '(OVER BUDGET)'}")
+    print("\n".join(LEGEND))
+    print(TTFT_NOTE)
     if "static" in tables:
         base = tables["static"]
         total = {r.mode: trace_throughput(r) for r in runs}

@@ -16,11 +16,12 @@ vLLM's config) and ``scheduler_cls=kvpool.integrations.vllm.scheduler.KVPoolSche
 blocks come from the engine core's lease, through a page cache), against a ``kvpoold serve``
 started here (``KVPOOL_POOL``, ``KVPOOL_TARGET``); ``--kvpool-parts memory`` drops the
 scheduler (kvpool's memory, vLLM's own blocks), to tell the two parts' costs apart. The
-``baseline`` engine is plain vLLM on the same weights. The side venv cannot install this
-checkout, so the engine process calls the function kvpool's ``vllm.general_plugins`` entry
-point names (``kvpool.integrations.vllm.plugin:register``) itself before vLLM starts, as
-``tests/vllm/connector_run.py`` does, and so does vLLM's engine-core process, which vLLM
-spawns (its CPU platform asks for spawn) and which imports this file as ``__mp_main__``.
+``baseline`` engine is plain vLLM on the same weights. The engine process also calls the
+function kvpool's ``vllm.general_plugins`` entry point names
+(``kvpool.integrations.vllm.plugin:register``, idempotent) itself before vLLM starts (the side
+venv's editable kvpool may be another checkout's), as ``tests/vllm/connector_run.py`` does,
+and so does vLLM's engine-core process, which vLLM spawns (its CPU platform asks for spawn)
+and which imports this file as ``__mp_main__``.
 
 The trace, made once from ``--seed`` and replayed in every round: ``--requests`` requests with
 Poisson arrivals at ``--rate`` per second (open loop: a request is submitted at its arrival
@@ -102,6 +103,7 @@ from benchlib.engine_bench import (  # bench/ is the script's directory
     serving_daemon,
     settings_from,
 )
+from benchlib.venv_ready import VLLM_MARKER, venv_problem
 
 REPO = Path(__file__).resolve().parent.parent
 HARNESS = REPO / "tests" / "vllm" / "connector_run.py"
@@ -314,9 +316,9 @@ def make_model(path: Path) -> None:
 
 
 def run(s: Settings, json_path: Path | None) -> int:
-    if not (VENV / "bin" / "python").exists():
-        print(f"no vLLM side venv at {VENV}: run tests/vllm/setup_venv.sh (or set "
-              "KVPOOL_VLLM_VENV)", file=sys.stderr)
+    problem = venv_problem(VENV, VLLM_MARKER, "tests/vllm/setup_venv.sh")
+    if problem is not None:
+        print(f"{problem} (or set KVPOOL_VLLM_VENV)", file=sys.stderr)
         return 2
     t_start = time.monotonic()
     trace = make_trace(s, VOCAB)

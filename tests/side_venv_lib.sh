@@ -1,20 +1,34 @@
 # What tests/sglang/setup_venv.sh and tests/vllm/setup_venv.sh share (sourced, not run): the
-# marker check, a fresh venv, pip with a log shown on failure, the CPU torch from this
-# machine's disk, kvpool's client editable from the checkout, and the marker at the end.
+# marker check, a fresh venv, pip with a log shown on failure, the CPU torch (a local wheel,
+# else PyTorch's CPU wheel index: tests/torch_wheel.py), kvpool's client editable from the
+# checkout, and the marker at the end.
 #
 # The sourcing script sets, before calling these: venv (its path), python (the interpreter
 # that makes it), marker (the file recording a finished setup), want (the exact package list
 # that marker records), repo (the checkout), TORCH (the torch requirement). set -euo pipefail
-# is the caller's.
+# is the caller's. The caller passes its own arguments to venv_begin: --reuse (what the
+# examples pass) also takes a finished venv of the same package list made from another
+# checkout (CI's, or a shared one) as it is; the caller puts its own client/ on PYTHONPATH.
 
 say() { printf 'setup_venv: %s\n' "$*"; }
 
-# Exits 0 when the marker records this exact setup; else removes an unfinished or outdated
-# venv (never a directory that is not one) and makes a fresh one, with run_pip ready.
+# Exits 0 when the marker records this exact setup (with --reuse: this package list, from any
+# checkout); else removes an unfinished or outdated venv (never a directory that is not one)
+# and makes a fresh one, with run_pip ready.
 venv_begin() {
-    if [[ -f "$marker" && "$(cat "$marker")" == "$want" ]]; then
+    local have=""
+    [[ -f "$marker" ]] && have="$(cat "$marker")"
+    if [[ -n "$have" && "$have" == "$want" ]]; then
         say "$venv is ready (marker $marker); nothing to do"
         exit 0
+    fi
+    if [[ "${1:-}" == --reuse && -n "$have" && "${have% kvpool-editable:*}" == "${want% kvpool-editable:*}" ]]; then
+        say "$venv is ready (made from the checkout at ${have##* kvpool-editable:}); used as it is"
+        exit 0
+    fi
+    if [[ -n "${1:-}" && "$1" != --reuse ]]; then
+        say "unknown argument $1 (the only one is --reuse)" >&2
+        exit 2
     fi
     start=$SECONDS
     if [[ -e "$venv" ]]; then
@@ -35,21 +49,39 @@ venv_begin() {
     # pip's own chatter (resolver warnings about the engine's GPU dependencies, left out on
     # purpose) goes to a log that is shown when a step fails.
     pip_log="$venv/pip.log"
+    # Ctrl-C (or a TERM) from here on: one line with the log's path, not pip's whole log; the
+    # venv has no marker, so the next run removes it and starts again.
+    trap venv_interrupted INT TERM
 }
 
+venv_interrupted() {
+    trap - INT TERM
+    say "interrupted; $venv is unfinished (the next run makes it again); pip's log: $pip_log" >&2
+    exit 130
+}
+
+# pip install, its chatter into the log; on failure the log's last lines and its path.
 run_pip() {
     if ! "${install[@]}" --quiet "$@" 2>>"$pip_log"; then
-        cat "$pip_log" >&2
-        say "pip install $* failed" >&2
+        tail -n 25 "$pip_log" >&2
+        say "pip install $* failed (the last lines of its log above; all of it: $pip_log)" >&2
         exit 1
     fi
 }
 
-# The CPU torch first, from this machine's disk (no index), then its own dependencies under
-# the constraint that keeps every later step from replacing it with a CUDA build.
+# The CPU torch first, from the source tests/torch_wheel.py picks (a local wheel: the one
+# $KVPOOL_TORCH_WHEEL names or one in pip's find-links; else PyTorch's CPU wheel index; else
+# it stops with one line saying what to download), then torch's own dependencies under the
+# constraint that keeps every later step from replacing it with a CUDA build.
 venv_torch() {
-    say "installing $TORCH, the CPU wheel from this machine's disk (no index)"
-    run_pip --no-index --no-deps "$TORCH"
+    local choice source
+    if ! choice="$("$venv/bin/python" "$repo/tests/torch_wheel.py" "$TORCH" 2>"$venv/torch.err")"; then
+        say "$(cat "$venv/torch.err")" >&2
+        exit 1
+    fi
+    mapfile -t source <<<"$choice"
+    say "installing ${source[0]}"
+    run_pip "${source[@]:1}"
     say "installing $TORCH's own dependencies"
     run_pip -c "$constraints" "$TORCH"
     if ! "$venv/bin/python" -W ignore -c 'import sys, torch; sys.exit(torch.version.cuda is not None)'; then

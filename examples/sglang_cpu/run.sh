@@ -56,14 +56,10 @@ if [[ ! -x "$main/bin/kvpoold" ]]; then
     "$main/bin/pip" install -q torch==2.13.0
     "$main/bin/pip" install -q -e "$repo[server]"
 fi
-marker="$venv/.kvpool-sglang-ready"
-if [[ -f "$marker" && "$(cat "$marker")" != *" kvpool-editable:$repo" ]]; then
-    # A finished side venv made from another checkout (CI's, or a shared one): used as it is,
-    # never rebuilt from here; the plugin still comes from this checkout (PYTHONPATH below).
-    echo "using $venv as it is (made from the checkout at $(sed 's/.* kvpool-editable://' "$marker"))"
-else
-    "$harness/setup_venv.sh"
-fi
+# Does nothing when the side venv's ready marker is there (a finished one made from another
+# checkout is used as it is: the plugin still comes from this checkout, PYTHONPATH below);
+# repairs an unfinished one (an interrupted first run).
+"$harness/setup_venv.sh" --reuse
 
 say "2/6 a tiny random Llama in $work/model"
 PYTHONPATH="$harness/stubs" "$py" "$harness/engine_run.py" make-model "$work/model" \

@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvpool.tools.cli_run import command_parser, parse_command_line, run_subcommand
+from kvpool.tools.cli_run import command_parser, run_command_line
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,8 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parse_command_line(parser, argv)
-    return run_subcommand("kvpoold", args)
+    return run_command_line("kvpoold", parser, argv)
 
 
 if __name__ == "__main__":

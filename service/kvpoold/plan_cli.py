@@ -18,6 +18,7 @@ from kvpool.contract.option_flags import add_option_flags, flag_of, option_value
 from kvpool.contract.plan import BufferSpec
 from kvpool.contract.sizes import format_size
 from kvpool.contract.vllm_plan import VllmOptions, VllmPlan, make_vllm_options, vllm_plan_to_json
+from kvpool.tools.hf_hub_cache import local_model_config
 from kvpoold.hf import load_model, read_config_json
 from kvpoold.sizing import PlanOptions, PoolPlan, make_options, plan
 from kvpoold.sizing.architectures import ASSUMABLE
@@ -44,8 +45,8 @@ def add_parser(subparsers: argparse._SubParsersAction[Any]) -> argparse.Argument
                     "and print the sizes and buffer layout. Nothing is allocated.",
     )
     p.add_argument("--model-config", type=Path, required=True, metavar="PATH",
-                   help="HF config.json (or its model directory), or a spec file (.json/.toml; "
-                        "SGLang only)")
+                   help="HF config.json (or its model directory), a Hub id (org/name) already "
+                        "in the local Hub cache, or a spec file (.json/.toml; SGLang only)")
     p.add_argument("--engine", choices=ENGINES, default="sglang",
                    help="the engine whose KV cache to plan: sglang (kvpool's pool, the "
                         "default) or vllm (vLLM 0.32's blocks, groups and KV-cache tensors; "
@@ -68,13 +69,7 @@ def _options(args: argparse.Namespace) -> PlanOptions:
     if "budget_bytes" not in fields and "max_total_tokens" not in fields:
         raise InvalidArgument("give --budget SIZE, --max-total-tokens N, or both",
                               field="budget")
-    try:
-        return make_options(**fields)
-    except InvalidArgument as exc:
-        if exc.field is None:
-            raise
-        raise InvalidArgument(f"{exc.message} (set by {flag_of(exc.field)})",
-                              field=exc.field) from exc
+    return make_options(**fields)  # a bad value's field becomes its flag (cli_words)
 
 
 def _set_flags(args: argparse.Namespace, fields: frozenset[str],
@@ -97,18 +92,12 @@ def _vllm_options(args: argparse.Namespace) -> VllmOptions:
     if "kv_cache_memory_bytes" not in fields:
         raise InvalidArgument("give --kv-cache-memory-bytes SIZE (or --budget SIZE)",
                               field="kv_cache_memory_bytes")
-    try:
-        return make_vllm_options(**fields)
-    except InvalidArgument as exc:
-        if exc.field is None:
-            raise
-        raise InvalidArgument(f"{exc.message} (set by {flag_of(exc.field)})",
-                              field=exc.field) from exc
+    return make_vllm_options(**fields)
 
 
 def _run_vllm(args: argparse.Namespace) -> int:
     options = _vllm_options(args)
-    config, path = read_config_json(args.model_config)
+    config, path = read_config_json(local_model_config(args.model_config, "model_config"))
     result = plan_vllm(config, options, where=str(path))
     if args.json:
         sys.stdout.write(vllm_plan_to_json(result))
@@ -131,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
                               "vLLM's; add --engine vllm",
                               field=wrong[0].removeprefix("--").replace("-", "_"))
     options = _options(args)
-    spec, source = load_model(args.model_config, assume=args.assume_architecture)
+    spec, source = load_model(local_model_config(args.model_config, "model_config"),
+                              assume=args.assume_architecture)
     result = plan(spec, options, source=source)
     if args.json:
         sys.stdout.write(plan_to_json(result))

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.conftest import REPO, subprocess_env
@@ -40,3 +44,41 @@ def test_demo_reports_an_unreachable_daemon() -> None:
     out = kvpool("demo", "--target", "unix:///nonexistent/kvpool.sock", timeout_s=60)
     assert out.returncode == 1
     assert "kvpool demo: FAILED:" in out.stdout and "is `kvpoold serve` running?" in out.stdout
+
+
+def test_ctrl_c_is_one_line_130_and_leaves_nothing() -> None:
+    """Ctrl-C (SIGINT to the demo's whole process group, as a terminal sends it) once its own
+    daemon serves: one line on stderr, exit 130, and the clean-up of a finished run (no process
+    of the group left, the daemon's socket directory and shared-memory directory gone)."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvpool.tools.cli", "demo"], cwd=REPO,
+                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        seen: list[str] = []
+        for line in proc.stdout:  # the facts: the demo's own lines (EOF if it dies first)
+            seen.append(line)
+            if "kvpoold serving at" in line:
+                break
+        assert "kvpoold serving at" in seen[-1], "".join(seen)
+        started = seen[0]  # "starting kvpoold (socket S, shared memory in D)"
+        sock = Path(started.split("(socket ")[1].split(",")[0])
+        shm = Path(started.split("shared memory in ")[1].rstrip(")\n"))
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, (out, err)
+    assert err.strip().splitlines() == ["kvpool demo: interrupted (Ctrl-C); stopped what it "
+                                        "started"], err
+    assert "Traceback" not in out + err
+    assert not sock.parent.exists() and not shm.exists()
+    for _ in range(600):  # its children exit with it; a ceiling, not a deadline
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"processes of group {proc.pid} still run after the demo ended")

@@ -64,6 +64,9 @@ def test_the_wheel_builds_installs_with_its_extra_and_serves_the_commands(
     assert {"kvpool/v1/kvpool_pb2.py", "kvpool/v1/kvpool_pb2.pyi", "kvpool/v1/kvpool_pb2_grpc.py",
             "kvpool/py.typed", "kvpoold/py.typed", MODEL} <= expected
     assert expected - names == set(), "files of the packages missing from the wheel"
+    # README.md quotes the count (tests/unit/test_doc_numbers.py checks it without a build).
+    readme = (src / "README.md").read_text()
+    assert f"makes the same {len(names)} files" in readme, len(names)
     assert not {n for n in names if n.startswith(("tests/", "examples/", "bench/"))}
     assert "Provides-Extra: server" in metadata and "Provides-Extra: nixl" in metadata
     assert "kvpoold = kvpoold.main:main" in entry_points

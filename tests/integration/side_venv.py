@@ -18,12 +18,19 @@ SGLANG_DIR = REPO / "tests" / "sglang"
 VENV = Path(os.environ.get("KVPOOL_SGLANG_VENV", REPO / ".venv-sglang"))
 
 
-def python_or_skip(venv: Path, setup: str, require_env: str) -> Path:
+def python_or_skip(venv: Path, setup: str, require_env: str, marker: str) -> Path:
     """``venv``'s python, or skip naming ``setup`` (the script that makes it); fail instead
-    under ``require_env=1`` (``.ci/run`` sets it: there the side venv must exist)."""
+    under ``require_env=1`` (``.ci/run`` sets it: there the side venv must exist). A venv
+    without ``marker`` (the file ``setup`` writes last) is an unfinished one and counts as
+    missing: its python is there, its packages may not be."""
     python = venv / "bin" / "python"
+    missing = ""
     if not python.exists():
         missing = f"no side venv at {venv}: run {setup} (.ci/run does)"
+    elif not (venv / marker).is_file():
+        missing = (f"the side venv at {venv} is unfinished (no {marker}; an interrupted "
+                   f"setup): run {setup}, which makes it again")
+    if missing:
         if os.environ.get(require_env) == "1":
             pytest.fail(missing)
         pytest.skip(missing)
@@ -32,7 +39,8 @@ def python_or_skip(venv: Path, setup: str, require_env: str) -> Path:
 
 def sglang_python_or_skip() -> Path:
     """The SGLang side venv's python, or skip (fail under ``KVPOOL_REQUIRE_SGLANG=1``)."""
-    return python_or_skip(VENV, "tests/sglang/setup_venv.sh", "KVPOOL_REQUIRE_SGLANG")
+    return python_or_skip(VENV, "tests/sglang/setup_venv.sh", "KVPOOL_REQUIRE_SGLANG",
+                          ".kvpool-sglang-ready")
 
 
 def sglang_env(**extra: str) -> dict[str, str]:

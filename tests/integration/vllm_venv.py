@@ -16,7 +16,8 @@ VENV = Path(os.environ.get("KVPOOL_VLLM_VENV", REPO / ".venv-vllm"))
 
 def vllm_python_or_skip() -> Path:
     """The vLLM side venv's python, or skip (fail under ``KVPOOL_REQUIRE_VLLM=1``)."""
-    return python_or_skip(VENV, "tests/vllm/setup_venv.sh", "KVPOOL_REQUIRE_VLLM")
+    return python_or_skip(VENV, "tests/vllm/setup_venv.sh", "KVPOOL_REQUIRE_VLLM",
+                          ".kvpool-vllm-ready")
 
 
 def vllm_env(**extra: str) -> dict[str, str]:

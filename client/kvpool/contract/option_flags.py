@@ -14,11 +14,13 @@ from typing import Any
 import msgspec
 
 from kvpool.contract.errors import InvalidArgument
-from kvpool.contract.options import PlanOptions
+from kvpool.contract.options import KV_CACHE_DTYPE_ALIASES, PlanOptions
 from kvpool.contract.sizes import parse_size
 
 # PlanOptions field -> flag name, where the flag reads better than the field.
 FLAG_NAMES = {"budget_bytes": "budget"}
+# Field -> other spellings its flag takes (each -> an accepted value), e.g. SGLang's bf16.
+FLAG_ALIASES: dict[str, dict[str, enum.Enum]] = {"kv_cache_dtype": dict(KV_CACHE_DTYPE_ALIASES)}
 
 
 def flag_of(field: str) -> str:
@@ -84,8 +86,12 @@ def add_option_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
         if base is bool:
             parser.add_argument(flag, action="store_true", default=None, help=help_text)
         elif isinstance(base, type) and issubclass(base, enum.Enum):
+            aliases = {k: v.value for k, v in FLAG_ALIASES.get(field.name, {}).items()
+                       if v in base.__members__.values()}
+            if aliases:
+                help_text += "; also " + ", ".join(f"{k} (= {v})" for k, v in aliases.items())
             parser.add_argument(flag, choices=[m.value for m in base], default=None,
-                                help=help_text)
+                                type=lambda text, a=aliases: a.get(text, text), help=help_text)
         elif typing.get_origin(base) is typing.Literal:
             parser.add_argument(flag, choices=typing.get_args(base), default=None,
                                 help=help_text)

@@ -31,6 +31,18 @@ class KVCacheDType(enum.StrEnum):
     fp4_e2m1 = "fp4_e2m1"
 
 
+# SGLang 0.5.23's other spellings of --kv-cache-dtype (its arg_groups/fields/model.py choices:
+# auto, fp8_e5m2, fp8_e4m3, mxfp8, bf16, bfloat16, nvfp4, fp4_mx_block16), as the command-line
+# flags take them: bf16 is bfloat16 (configure_kv_cache_dtype treats the two alike), and both
+# FP4 recipes store FP4 e2m1 with a uint8 scale per 16 values, the fp4_e2m1 plan
+# (docs/sglang.md, "FP4 KV"). mxfp8 has no plan (SGLang keeps that pool in its own memory).
+KV_CACHE_DTYPE_ALIASES: dict[str, KVCacheDType] = {
+    "bf16": KVCacheDType.bfloat16,
+    "nvfp4": KVCacheDType.fp4_e2m1,
+    "fp4_mx_block16": KVCacheDType.fp4_e2m1,
+}
+
+
 SpeculativeAlgorithm = Literal["none", "eagle", "standalone"]
 # SGLang's --mamba-radix-cache-strategy: extra_buffer keeps ping-pong state slots per request;
 # auto is what SGLang picks on CUDA (extra_buffer for the hybrid linear models it supports).

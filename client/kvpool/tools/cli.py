@@ -23,8 +23,9 @@ from kvpool.contract.plan import ASSUMABLE_FAMILIES
 from kvpool.contract.records import ElasticStats, Stats
 from kvpool.contract.vllm_plan import VllmOptions
 from kvpool.tools.cli_common import client_from, common_options, count, load_spec_mapping
-from kvpool.tools.cli_run import command_parser, parse_command_line, run_subcommand
+from kvpool.tools.cli_run import command_parser, run_command_line
 from kvpool.tools.demo import add_demo
+from kvpool.tools.hf_hub_cache import local_model_config
 from kvpool.tools.top import add_top
 
 AddParser = Callable[[Any, argparse.ArgumentParser], argparse.ArgumentParser]
@@ -75,7 +76,8 @@ def add_configure(sub: Any, common: argparse.ArgumentParser) -> argparse.Argumen
     p.add_argument("pool", help="pool name: [a-z0-9][a-z0-9._-]{0,62}")
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--hf-config", type=Path, metavar="PATH",
-                       help="a Hugging Face config.json (or its model directory)")
+                       help="a Hugging Face config.json (or its model directory), or a Hub id "
+                            "(org/name) already in the local Hub cache; nothing is downloaded")
     model.add_argument("--spec", type=Path, metavar="PATH",
                        help="a hand-written kvpool model spec (.json or .toml)")
     add_option_flags(p)  # the same knobs as `kvpoold plan`, from PlanOptions
@@ -136,7 +138,7 @@ def _configure_options(args: argparse.Namespace) -> dict[str, Any]:
 def run_configure(args: argparse.Namespace) -> int:
     options = _configure_options(args)
     model: dict[str, Any] = (
-        {"hf_config": args.hf_config} if args.hf_config else
+        {"hf_config": local_model_config(args.hf_config, "hf_config")} if args.hf_config else
         {"spec": load_spec_mapping(args.spec)}
     )
     if args.assume_architecture:
@@ -314,10 +316,9 @@ def build_parser(subcommands: Sequence[AddParser] = SUBCOMMANDS) -> argparse.Arg
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one subcommand; exit 2 for bad input, 1 for other daemon errors."""
+    """Run one subcommand; exit 2 for bad input, 1 for other daemon errors, 130 on Ctrl-C."""
     parser = build_parser()
-    args = parse_command_line(parser, argv)
-    return run_subcommand("kvpool", args)
+    return run_command_line("kvpool", parser, argv)
 
 
 if __name__ == "__main__":

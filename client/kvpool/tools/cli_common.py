@@ -56,12 +56,23 @@ def client_from(args: argparse.Namespace) -> Any:
 
 
 def load_spec_mapping(path: Path) -> dict[str, Any]:
-    """A spec file as a mapping (``.toml`` or JSON)."""
+    """A spec file as a mapping (``.toml`` or JSON), checked here so that an error names the
+    file (``invalid model spec in examples/specs/x.toml: ...``), not the request's field.
+
+    Raises:
+        InvalidArgument: the file cannot be read or is not a valid spec (field ``spec``).
+    """
+    from kvpool.contract.spec import decode_spec
+    from kvpool.contract.wire import HF_CONFIG_KEYS
+
     try:
         raw = path.read_bytes()
-        return msgspec.toml.decode(raw) if path.suffix == ".toml" else msgspec.json.decode(raw)
+        data = msgspec.toml.decode(raw) if path.suffix == ".toml" else msgspec.json.decode(raw)
     except (OSError, msgspec.DecodeError) as exc:
         raise InvalidArgument(f"cannot read spec {path}: {exc}", field="spec") from exc
+    if isinstance(data, dict) and not any(k in data for k in HF_CONFIG_KEYS):
+        decode_spec(data, source=str(path), field="spec")  # a HF config: Configure says so
+    return data  # type: ignore[no-any-return]
 
 
 def count(n: int, noun: str) -> str:

@@ -1,9 +1,11 @@
 """Parse and run a CLI subcommand: the one place where errors become exit codes (kvpool,
 kvpoold).
 
-Bad input (``InvalidArgument``) exits 2 with one line naming the field; any other kvpool error
+Bad input (``InvalidArgument``) exits 2 with one line naming the flag; any other kvpool error
 (``Unavailable`` when no daemon answers, ``DeadlineExceeded``, ``NotFound``...) exits 1 with its
-status code name. A reader that stops early (``kvpool stats | head``) ends the output quietly.
+status code name; both in the command line's words (:mod:`kvpool.tools.cli_words`). Ctrl-C
+exits 130 with one line, after the command's own clean-up. A reader that stops early
+(``kvpool stats | head``) ends the output quietly.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvpool.contract.errors import InvalidArgument, KVPoolError, Unauthenticated, Unavailable
+from kvpool.tools.cli_words import CommandWords, user_words
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -42,24 +45,55 @@ def command_parser(prog: str, description: str) -> tuple[argparse.ArgumentParser
     return parser, sub
 
 
+def run_command_line(prog: str, parser: argparse.ArgumentParser,
+                     argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``) and run the subcommand: what ``kvpool`` and
+    ``kvpoold`` run. Errors come back in the words the user typed; Ctrl-C is one line, 130.
+
+    Returns:
+        The exit status: 0, 1 (a daemon error), 2 (bad input) or 130 (interrupted).
+    """
+    tokens = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parse_command_line(parser, tokens)
+        sub = subcommand_parser(parser, args.command)
+        words = CommandWords(sub, tokens) if sub is not None else None
+        return run_subcommand(prog, args, words)
+    except KeyboardInterrupt:
+        return interrupted(prog, tokens[:1])
+
+
+def interrupted(prog: str, command: Sequence[str]) -> int:
+    """Ctrl-C: one line instead of a traceback, and the shell's status for SIGINT (130). The
+    command's ``finally`` blocks and context managers have run by the time it gets here."""
+    where = " ".join([prog, *command])
+    print(f"\n{where}: interrupted (Ctrl-C); stopped what it started", file=sys.stderr)
+    return 130
+
+
 def parse_command_line(parser: argparse.ArgumentParser,
                        argv: Sequence[str] | None = None) -> argparse.Namespace:
     """``parser.parse_args`` for a parser with subcommands, except that an unknown flag is
     reported with the subcommand's usage (not the top level's), and a negative value after a
     ``--flag`` reaches the flag's own check."""
-    args_in = list(sys.argv[1:] if argv is None else argv)
-    joined: list[str] = []
-    for token in args_in:
-        if (joined and _NEGATIVE_VALUE.match(token) and joined[-1].startswith("--")
-                and "=" not in joined[-1]):
-            joined[-1] = f"{joined[-1]}={token}"
-        else:
-            joined.append(token)
+    joined = join_negative_values(list(sys.argv[1:] if argv is None else argv))
     args, extra = parser.parse_known_args(joined)
     if extra:
         sub = subcommand_parser(parser, getattr(args, "command", None))
         (sub or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     return args
+
+
+def join_negative_values(tokens: list[str]) -> list[str]:
+    """``["--budget", "-5GiB"]`` -> ``["--budget=-5GiB"]`` (see :data:`_NEGATIVE_VALUE`)."""
+    joined: list[str] = []
+    for token in tokens:
+        if (joined and _NEGATIVE_VALUE.match(token) and joined[-1].startswith("--")
+                and "=" not in joined[-1]):
+            joined[-1] = f"{joined[-1]}={token}"
+        else:
+            joined.append(token)
+    return joined
 
 
 def subcommand_parser(parser: argparse.ArgumentParser,
@@ -71,8 +105,9 @@ def subcommand_parser(parser: argparse.ArgumentParser,
     return None
 
 
-def run_subcommand(prog: str, args: argparse.Namespace) -> int:
-    """Call ``args.func(args)`` and turn a raised kvpool error into a message and exit code."""
+def run_subcommand(prog: str, args: argparse.Namespace, words: CommandWords | None = None) -> int:
+    """Call ``args.func(args)`` and turn a raised kvpool error into a message and exit code,
+    in the command line's ``words`` when given (else the error's own ``field: message``)."""
     try:
         return int(args.func(args) or 0)
     except BrokenPipeError:
@@ -80,7 +115,7 @@ def run_subcommand(prog: str, args: argparse.Namespace) -> int:
         _quiet_stdout()
         return 0
     except InvalidArgument as exc:
-        print(f"{prog} {args.command}: error: {_as_flags(exc, args)}", file=sys.stderr)
+        print(f"{prog} {args.command}: error: {_in_words(exc, words)}", file=sys.stderr)
         return 2
     except KVPoolError as exc:
         message = str(exc)
@@ -90,31 +125,13 @@ def run_subcommand(prog: str, args: argparse.Namespace) -> int:
             message = f"{message}; {UNAUTHENTICATED_HINT}"
         code = getattr(exc, "code_name", exc.code)
         if message == str(exc):
-            message = _as_flags(exc, args)
+            message = _in_words(exc, words)
         print(f"{prog} {args.command}: error ({code}): {message}", file=sys.stderr)
         return 1
 
 
-def _as_flags(exc: KVPoolError, args: argparse.Namespace) -> str:
-    """The error as the command line knows it: its input field named by the flag that set it
-    (``budget_bytes`` -> ``--budget``), where the command has that flag."""
-    flag = _flag_of(exc.field)
-    if flag is None:
-        return str(exc)
-    known = vars(args)
-    if exc.field not in known and flag.lstrip("-").replace("-", "_") not in known:
-        return str(exc)  # not a flag of this command (an RPC field, a spec field)
-    return f"{flag}: {exc.message}"
-
-
-def _flag_of(field: str) -> str | None:
-    """``budget_bytes`` -> ``--budget``, ``page_size`` -> ``--page-size``; None for a field
-    with a position in it (``items[2].ids``)."""
-    from kvpool.contract.option_flags import flag_of
-
-    if not field or not field.replace("_", "").isalnum():
-        return None
-    return flag_of(field)
+def _in_words(exc: KVPoolError, words: CommandWords | None) -> str:
+    return str(exc) if words is None else user_words(exc, words)
 
 
 def _quiet_stdout() -> None:

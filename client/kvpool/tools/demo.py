@@ -43,6 +43,7 @@ from kvpool.tools.demo_procs import (
     wait_serving,
 )
 from kvpool.tools.demo_worker import DemoFailed
+from kvpool.tools.hf_hub_cache import local_model_config
 
 if TYPE_CHECKING:
     from kvpool.clients.client import KVPoolClient
@@ -60,6 +61,7 @@ def model_arg(path: Path | None) -> dict[str, Any]:
     """Configure's model argument: the shipped Qwen3-8B config, a HF config, or a spec file."""
     if path is None:
         return {"hf_config": (resources.files("kvpool") / "data" / DEFAULT_MODEL).read_text()}
+    path = local_model_config(path, "model_config")
     if not path.exists():
         raise InvalidArgument(f"model config {path} does not exist", field="model_config")
     if path.suffix == ".toml":

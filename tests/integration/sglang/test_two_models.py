@@ -25,6 +25,12 @@ def test_two_engines_share_one_budget(sglang_python: Path, tmp_path: Path) -> No
         cwd=REPO, env=subprocess_env(KVPOOL_SGLANG_VENV=str(sglang_python.parent.parent)),
         capture_output=True, text=True, timeout=880)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # The phases say what they send, and the table comes with its legend.
+    assert "[arbiter] phase a (6 s): engine a bursts (64 requests at once), engine b " \
+        "trickles" in proc.stdout
+    assert "[arbiter] phase both (6 s): engines a and b burst" in proc.stdout
+    assert "legend, per mode, phase and engine" in proc.stdout
+    assert "  held tok  most KV tokens" in proc.stdout and "why TTFT differs" in proc.stdout
     got = json.loads(out.read_text())
     run = got["modes"]["arbiter"]
     phases = run["phases"]
