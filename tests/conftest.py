@@ -201,3 +201,21 @@ def kvpoold(socket_dir: Path) -> Iterator[DaemonProcess]:
     """A ``kvpoold serve`` process with a 64 MiB budget on a temp Unix socket."""
     with run_daemon(socket_dir) as daemon:
         yield daemon
+
+
+# The quick tier (``pytest -m "not slow"``, README): the rooms whose tests start engines, real
+# daemons in child processes, NIXL agents or GPUs are "slow"; unit and in-process service tests
+# are not. One place decides it, by directory, so a new test lands in its tier by where it lives.
+SLOW_ROOMS = ("integration", "transfer", "e2e", "gpu", "sglang", "vllm")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = Path(__file__).resolve().parent
+    for item in items:
+        try:
+            room = Path(str(item.fspath)).resolve().relative_to(tests).parts[0]
+        except ValueError:
+            continue
+        if room in SLOW_ROOMS:
+            item.add_marker(pytest.mark.slow)
+

@@ -4,6 +4,9 @@ Run by ``tests/side_venv_lib.sh`` under the new venv's python (stdlib only)::
 
     python tests/torch_wheel.py torch==2.13.0
 
+and, with ``--install`` (install the choice into the interpreter running it), by ``.ci/run``
+and the README's demo command for the main ``.venv``.
+
 The sources, in order:
 
 1. a local CPU wheel: the file (or folder) ``$KVPOOL_TORCH_WHEEL`` names, else one in the
@@ -237,12 +240,28 @@ def choose(version: str, target: Target, explicit: str | None, find_links: list[
         f"{CPU_INDEX}/torch/ onto this machine and run again with KVPOOL_TORCH_WHEEL=<its path>")
 
 
+def installed_cpu(version: str) -> bool:
+    """Whether this interpreter already has torch ``version`` as a CPU build."""
+    probe = ("import sys, torch; sys.exit(not (torch.__version__.split('+')[0] == sys.argv[1] "
+             "and torch.version.cuda is None))")
+    return subprocess.run([sys.executable, "-W", "ignore", "-c", probe, version],
+                          capture_output=True).returncode == 0
+
+
 def main(argv: list[str]) -> int:
-    """``torch_wheel.py torch==VERSION``: print the choice, or the one-line stop on stderr."""
+    """``torch_wheel.py [--install] torch==VERSION``: print the choice (or, with
+    ``--install``, install it into this interpreter with its own dependencies from the usual
+    index; nothing when a CPU build of that version is there), or the one-line stop on
+    stderr."""
+    install = "--install" in argv
+    argv = [a for a in argv if a != "--install"]
     if len(argv) != 1 or not argv[0].startswith("torch=="):
-        print("usage: torch_wheel.py torch==VERSION", file=sys.stderr)
+        print("usage: torch_wheel.py [--install] torch==VERSION", file=sys.stderr)
         return 2
     version = argv[0].removeprefix("torch==")
+    if install and installed_cpu(version):
+        print(f"torch {version} (CPU) is installed")
+        return 0
     try:
         choice = choose(version, Target.this_interpreter(), os.environ.get("KVPOOL_TORCH_WHEEL"),
                         pip_find_links(sys.executable),
@@ -251,7 +270,15 @@ def main(argv: list[str]) -> int:
         print(e, file=sys.stderr)
         return 1
     print(choice.description)
-    print("\n".join(choice.pip_args))
+    if not install:
+        print("\n".join(choice.pip_args))
+        return 0
+    pip = [sys.executable, "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, "--no-deps", *choice.pip_args], check=True)
+    subprocess.run([*pip, argv[0]], check=True)  # its dependencies; the +cpu build satisfies it
+    if not installed_cpu(version):
+        print(f"torch {version} here is not the CPU build after installing it", file=sys.stderr)
+        return 1
     return 0
 
 
