@@ -18,7 +18,7 @@ from kvpool.contract.option_flags import add_option_flags, flag_of, option_value
 from kvpool.contract.plan import BufferSpec
 from kvpool.contract.sizes import format_size
 from kvpool.contract.vllm_plan import VllmOptions, VllmPlan, make_vllm_options, vllm_plan_to_json
-from kvpoold.hf import load_model, read_config_json
+from kvpoold.hf import read_config_json, read_model
 from kvpoold.sizing import PlanOptions, PoolPlan, make_options, plan
 from kvpoold.sizing.architectures import ASSUMABLE
 from kvpoold.sizing.vllm_profile import plan_vllm
@@ -131,8 +131,8 @@ def run(args: argparse.Namespace) -> int:
                               "vLLM's; add --engine vllm",
                               field=wrong[0].removeprefix("--").replace("-", "_"))
     options = _options(args)
-    spec, source = load_model(args.model_config, assume=args.assume_architecture)
-    result = plan(spec, options, source=source)
+    model = read_model(args.model_config, assume=args.assume_architecture)
+    result = plan(model.spec, options, source=model.source, decided_by=model.decided_by)
     if args.json:
         sys.stdout.write(plan_to_json(result))
     else:
