@@ -43,6 +43,12 @@ FAMILY`` says how to read it (source ``"assumed"``). The rules, each SGLang's
   ``layer_types``, Falcon-H1): attention KV in the attention layers, Mamba2 state in the Mamba
   layers, nothing in MLP/MoE layers.
 - **DSA**: an MLA class of SGLang's DSA list whose config sets ``index_topk``.
+- **Family from content**: the row's conditions (``kv_lora_rank``, ``use_mla``,
+  ``index_topk``; Granite-4's ``layer_types`` with a ``mamba`` entry; Inkling's
+  ``mamba2_cache_params``), the hybrid-SWA rules' fields and Kimi delta attention
+  (``linear_attn_config.kda_layers`` at either nesting: refused). :func:`read_hf` returns the
+  fields that decided, as paths in the file (``text_config.layer_types``); the plan's first
+  note names them (tests/integration/test_family_fields.py checks them against SGLang's source).
 - **DeepSeek-V4**: ``compress_ratios`` per layer, ``sliding_window``, fp8 KV
   (docs/dsv4-layout.md).
 
@@ -55,6 +61,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -244,7 +251,13 @@ def _fp8_scheme(scheme: object, *, compressed_tensors: bool = False) -> bool:
 
 
 def kv_quant_fp8(quant: object) -> bool:
-    """Whether the checkpoint's ``quantization_config`` makes ``--kv-cache-dtype auto`` fp8.
+    """Whether the checkpoint's ``quantization_config`` makes ``--kv-cache-dtype auto`` fp8
+    (:func:`kv_quant_field` names the field that says so)."""
+    return kv_quant_field(quant) is not None
+
+
+def kv_quant_field(quant: object) -> str | None:
+    """The ``quantization_config`` field that makes ``--kv-cache-dtype auto`` fp8, or None.
 
     SGLang takes fp8 KV under ``auto`` when the model's quantization method reports
     ``kv_cache_quant_algo == "FP8"``: compressed-tensors from a static per-tensor fp8
@@ -253,24 +266,27 @@ def kv_quant_fp8(quant: object) -> bool:
     ``quantization.kv_cache_quant_algo``; fp8 and the others from ``kv_cache_quant_algo``.
     """
     if not isinstance(quant, Mapping):
-        return False
+        return None
+    scheme_field = "quantization_config.kv_cache_scheme"
     method = str(quant.get("quant_method") or "").lower()
     scheme = quant.get("kv_cache_scheme")
     if method == "compressed-tensors":
-        return _fp8_scheme(scheme, compressed_tensors=True)
+        return scheme_field if _fp8_scheme(scheme, compressed_tensors=True) else None
     algo = quant.get("kv_cache_quant_algo")
+    algo_field = "quantization_config.kv_cache_quant_algo"
     if method.startswith("modelopt") or (method == "" and ("quant_algo" in quant
                                                            or "quantization" in quant)):
         quant_algo = quant.get("quant_algo")
         if quant_algo is not None:
             if isinstance(scheme, Mapping):
-                return _fp8_scheme(scheme)
+                return scheme_field if _fp8_scheme(scheme) else None
             if isinstance(scheme, str) and "FP4" in str(quant_algo).upper():
                 # ModelOpt's FP4 config names the scheme too ("FP8", "FLOAT8")
-                return scheme.strip().upper() in ("FP8", "FLOAT8")
+                return scheme_field if scheme.strip().upper() in ("FP8", "FLOAT8") else None
         elif isinstance(quant.get("quantization"), Mapping):
             algo = quant["quantization"].get("kv_cache_quant_algo")
-    return isinstance(algo, str) and algo.upper() == "FP8"
+            algo_field = "quantization_config.quantization.kv_cache_quant_algo"
+    return algo_field if isinstance(algo, str) and algo.upper() == "FP8" else None
 
 
 def _kv_cache_quant_fp8(r: _Reader) -> bool:
@@ -681,17 +697,75 @@ def _to_spec(fields: SpecFields, r: _Reader) -> ModelSpec:
         raise r.fail(f"config gives an invalid model spec: {exc}") from exc
 
 
-def _family_of(row: architectures.Row, r: _Reader) -> str:
-    """The family SGLang builds for this row and config (the row's ``when`` conditions)."""
+def _family_of(row: architectures.Row, r: _Reader) -> tuple[str, tuple[str, ...]]:
+    """The family SGLang builds for this row and config (the row's ``when`` conditions), with
+    the text-config keys SGLang tested to decide it (present or not)."""
     if row.family == "mla":
         needs = row.mla_only_with
         if needs == "kv_lora_rank" and not r.has("kv_lora_rank"):
-            return "mha"
+            return "mha", ("kv_lora_rank",)
         if needs == "use_mla" and r.config.get("use_mla", True) is False:
-            return "mha"
-        if row.dsa_with_index_topk and r.has("index_topk"):
-            return "dsa"
-    return row.family
+            return "mha", ("use_mla",)
+        decided = (needs,) if needs else ()
+        if row.dsa_with_index_topk:
+            return ("dsa" if r.has("index_topk") else "mla"), (*decided, "index_topk")
+        return "mla", decided
+    if row.family == "hybrid_mamba" and "layer_types" in row.when:
+        # Granite-4: a Mamba2 hybrid only when some layer_types entry is mamba
+        types = r.config.get("layer_types")
+        has = isinstance(types, list) and "mamba" in types
+        return ("hybrid_mamba" if has else "mha"), ("layer_types",)
+    if row.family == "hybrid_mamba" and "mamba2_cache_params" in row.when:
+        # Inkling: Mamba2 only with mamba2_cache_params; else its hybrid-SWA class rule
+        if r.config.get("mamba2_cache_params") is None:
+            return "hybrid_swa", ("mamba2_cache_params",)
+        return "hybrid_mamba", ("mamba2_cache_params",)
+    return row.family, ()
+
+
+# The text-config keys each hybrid-SWA layer rule reads (the sliding pool exists only when the
+# rule finds sliding layers).
+_SLIDING_RULE_FIELDS: dict[SlidingRule, tuple[str, ...]] = {
+    _by_layer_types: ("layer_types",),
+    _if_any_sliding: ("layer_types",),
+    _if_window: ("sliding_window", "layer_types"),
+    _by_pattern: ("hybrid_layer_pattern",),
+    _llama4: (),
+    _every_layer: (),
+}
+
+
+def _loader_fields(family: str, architecture: str, r: _Reader) -> tuple[str, ...]:
+    """The text-config keys the family's loader reads to split the layers into KV, sliding and
+    state layers (what makes a hybrid hybrid)."""
+    if family in ("mha", "hybrid_swa"):
+        rule = HYBRID_SWA.get(architecture)
+        if rule is not None:
+            return _SLIDING_RULE_FIELDS[rule]
+        if r.config.get("is_hybrid_swa") is True:
+            return ("is_hybrid_swa", "hybrid_layer_pattern")
+        return ()
+    if family == "hybrid_gdn":
+        return ("layer_types",) if r.has("layer_types") else ("full_attention_interval",)
+    if family == "hybrid_mamba":
+        for key in ("layers_block_type", "hybrid_override_pattern", "layer_types"):
+            if r.has(key):
+                return (key,)
+        return ()
+    return ()
+
+
+def decided_by(names: list[str], known: str, text_key: str | None,
+               fields: tuple[str, ...], kv_field: str | None) -> tuple[str, ...]:
+    """The config fields that decided a plan's family, as paths in the file
+    (``text_config.layer_types``): the class name's field, then the text-config keys tested,
+    then the field that quantizes the KV cache, if any."""
+    prefix = f"{text_key}." if text_key else ""
+    name_field = "architectures" if known in names else f"{prefix}architectures"
+    out = [name_field, *(f"{prefix}{k}" for k in dict.fromkeys(fields))]
+    if kv_field is not None:
+        out.append(kv_field)
+    return tuple(out)
 
 
 # The families whose pools hold each kind of per-request state a config can declare.
@@ -740,8 +814,30 @@ def _unknown(names: list[str], config: Config, where: str, field: str) -> Invali
         "as one of those, or a hand-written spec file (docs/sizing.md)", field=field)
 
 
+@dataclass(frozen=True)
+class HfModel:
+    """A HF config as read for SGLang: the spec, how its family was found, and the config
+    fields that decided the family (``("architectures", "text_config.layer_types")``; an
+    assumed family: none)."""
+
+    spec: ModelSpec
+    source: ArchitectureSource
+    decided_by: tuple[str, ...] = ()
+
+
 def spec_from_hf(config: Config, *, where: str = "config.json", field: str = FIELD,
                  assume: str | None = None) -> tuple[ModelSpec, ArchitectureSource]:
+    """:func:`read_hf`'s spec and source (callers that do not print the deciding fields).
+
+    Raises:
+        InvalidArgument: as :func:`read_hf`.
+    """
+    model = read_hf(config, where=where, field=field, assume=assume)
+    return model.spec, model.source
+
+
+def read_hf(config: Config, *, where: str = "config.json", field: str = FIELD,
+            assume: str | None = None) -> HfModel:
     """Build the spec of a model from its parsed HF ``config.json``.
 
     The class (the first of ``architectures``, or of the text sub-config's, that SGLang's
@@ -756,8 +852,8 @@ def spec_from_hf(config: Config, *, where: str = "config.json", field: str = FIE
             is still read by its own row.
 
     Returns:
-        ``(spec, "hf_config")`` for a class of the table, ``(spec, "assumed")`` for an unknown
-        class read as ``assume``.
+        source ``"hf_config"`` for a class of the table (with the fields that decided the
+        family), ``"assumed"`` for an unknown class read as ``assume``.
 
     Raises:
         InvalidArgument: an unknown class without ``assume`` (naming the nearest known ones), a
@@ -777,11 +873,11 @@ def spec_from_hf(config: Config, *, where: str = "config.json", field: str = FIE
         name = (names or inner or [""])[0]
         fields = ASSUMED_LOADERS[assume](r, name)
         fields["multimodal"] = _multimodal(config, name, None)
-        return _to_spec(fields, r), "assumed"
+        return HfModel(_to_spec(fields, r), "assumed")
     row = architectures.row(known)
     assert row is not None
     r = _Reader(_text_view(config, {}), where, field)
-    family = _family_of(row, r)
+    family, tested = _family_of(row, r)
     _check_content(config, r, known, family)
     load = FAMILY_LOADERS.get(family)
     if load is None:
@@ -790,12 +886,22 @@ def spec_from_hf(config: Config, *, where: str = "config.json", field: str = FIE
     if family == "hybrid_swa" and known not in HYBRID_SWA:
         raise r.fail(f"SGLang sizes {known} as hybrid_swa, with a layer rule kvpool does not "
                      "read yet; give a spec file (docs/sizing.md)")
+    if family == "hybrid_mamba" and "mamba2_cache_params" in tested:
+        raise r.fail(f"SGLang sizes {known} as hybrid_mamba (mamba2_cache_params is set), from "
+                     "a nested state geometry kvpool does not read yet; give a spec file "
+                     "(docs/sizing.md)")
     if family == "hybrid_gdn" and row.kv == "mla":
         raise r.fail(f"SGLang sizes {known} as a gated-delta-net hybrid with MLA layers, which "
                      "kvpool does not plan yet; give a spec file (docs/sizing.md)")
     fields = load(r, known)
     fields["multimodal"] = _multimodal(config, names[0] if names else known, row)
-    return _to_spec(fields, r), "hf_config"
+    text_key, sub, _ = hf_view.text_config(config, "sglang")
+    kv_field = kv_quant_field(r.config.get("quantization_config"))
+    if kv_field is not None and text_key and sub.get("quantization_config") is not None:
+        kv_field = f"{text_key}.{kv_field}"
+    decided = decided_by(names, known, text_key, (*tested, *_loader_fields(family, known, r)),
+                         kv_field)
+    return HfModel(_to_spec(fields, r), "hf_config", decided)
 
 
 def _multimodal(config: Config, first: str, row: architectures.Row | None) -> bool:
@@ -890,13 +996,25 @@ def read_config_json(path: Path) -> tuple[dict[str, Any], Path]:
 
 
 def load_model(path: Path, *, assume: str | None = None) -> tuple[ModelSpec, ArchitectureSource]:
+    """:func:`read_model`'s spec and source.
+
+    Raises:
+        InvalidArgument: as :func:`read_model`.
+    """
+    model = read_model(path, assume=assume)
+    return model.spec, model.source
+
+
+def read_model(path: Path, *, assume: str | None = None) -> HfModel:
     """Read either a HF ``config.json`` or a hand-written spec file.
 
     A ``.toml`` file, or a ``.json`` object with a top-level ``attention`` key, is a
-    :class:`ModelSpec` written by hand (source ``"spec"``); anything else is a HF config.
+    :class:`ModelSpec` written by hand (source ``"spec"``); anything else is a HF config
+    (:func:`read_hf`).
 
     Returns:
-        ``(spec, source)`` with source ``"spec"``, ``"hf_config"`` or ``"assumed"``.
+        The spec, its source (``"spec"``, ``"hf_config"`` or ``"assumed"``) and, for a HF
+        config, the fields that decided its family.
 
     Raises:
         InvalidArgument: missing file, malformed content, or an invalid spec; names the path.
@@ -905,8 +1023,8 @@ def load_model(path: Path, *, assume: str | None = None) -> tuple[ModelSpec, Arc
     if path.suffix == ".toml":
         if not path.is_file():
             raise InvalidArgument(f"cannot read model spec {path}: no such file", field=FIELD)
-        return load_spec_file(path), "spec"
+        return HfModel(load_spec_file(path), "spec")
     data = _read_json_object(path)
     if "attention" in data:
-        return decode_spec(data, source=str(path)), "spec"
-    return spec_from_hf(data, where=str(path), assume=assume)
+        return HfModel(decode_spec(data, source=str(path)), "spec")
+    return read_hf(data, where=str(path), assume=assume)

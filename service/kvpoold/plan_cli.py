@@ -19,7 +19,7 @@ from kvpool.contract.plan import BufferSpec
 from kvpool.contract.sizes import format_size
 from kvpool.contract.vllm_plan import VllmOptions, VllmPlan, make_vllm_options, vllm_plan_to_json
 from kvpool.tools.hf_hub_cache import local_model_config
-from kvpoold.hf import load_model, read_config_json
+from kvpoold.hf import read_config_json, read_model
 from kvpoold.sizing import PlanOptions, PoolPlan, make_options, plan
 from kvpoold.sizing.architectures import ASSUMABLE
 from kvpoold.sizing.vllm_profile import plan_vllm
@@ -120,9 +120,9 @@ def run(args: argparse.Namespace) -> int:
                               "vLLM's; add --engine vllm",
                               field=wrong[0].removeprefix("--").replace("-", "_"))
     options = _options(args)
-    spec, source = load_model(local_model_config(args.model_config, "model_config"),
-                              assume=args.assume_architecture)
-    result = plan(spec, options, source=source)
+    model = read_model(local_model_config(args.model_config, "model_config"),
+                       assume=args.assume_architecture)
+    result = plan(model.spec, options, source=model.source, decided_by=model.decided_by)
     if args.json:
         sys.stdout.write(plan_to_json(result))
     else:

@@ -539,10 +539,11 @@ def test_a_pool_too_small_for_one_full_context_request_says_so(
     code, out, _ = run_plan(capsys, "--model-config", LLAMA, "--max-total-tokens", "4096",
                             "--page-size", "16", "--json")
     assert code == 0
-    (note,) = json.loads(out)["notes"]
+    decided, note = json.loads(out)["notes"]
+    assert decided.startswith("family mha decided by architectures")
     assert note.startswith("the pool holds 4,096 tokens, less than one request at the context "
                            "length 131,072")
     assert "--context-length" in note
     code, out, _ = run_plan(capsys, "--model-config", LLAMA, "--max-total-tokens", "4096",
                             "--page-size", "16", "--context-length", "4096", "--json")
-    assert code == 0 and json.loads(out)["notes"] == []
+    assert code == 0 and json.loads(out)["notes"] == [decided]

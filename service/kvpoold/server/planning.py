@@ -32,15 +32,15 @@ def plan_from_args(args: ConfigureArgs, available_bytes: int) -> PoolPlan:
     if args.engine == "vllm":
         return _plan_vllm_pool(args)
     if args.hf_config_json is not None:
-        from kvpoold.hf import parse_config_json, spec_from_hf
+        from kvpoold.hf import parse_config_json, read_hf
 
         # read as Hugging Face writes it (Infinity, NaN), bounded; the refusals name the field
         config = parse_config_json(args.hf_config_json, "hf_config_json",
                                    field="hf_config_json")
-        spec, source = spec_from_hf(config, where="hf_config_json",
-                                    assume=args.assume_architecture)
+        model = read_hf(config, where="hf_config_json", assume=args.assume_architecture)
+        spec, source, decided = model.spec, model.source, model.decided_by
     elif args.spec is not None:
-        spec, source = decode_spec(args.spec, source="spec"), "spec"
+        spec, source, decided = decode_spec(args.spec, source="spec"), "spec", ()
     else:
         raise InvalidArgument("give the model: hf_config_json or spec", field="model")
     opts = args.options
@@ -50,7 +50,7 @@ def plan_from_args(args: ConfigureArgs, available_bytes: int) -> PoolPlan:
             f"{available_bytes:,} B left), max_total_tokens, or both",
             field="budget_bytes",
         )
-    return plan(spec, make_options(**opts), source=source)
+    return plan(spec, make_options(**opts), source=source, decided_by=decided)
 
 
 def _plan_vllm_pool(args: ConfigureArgs) -> PoolPlan:

@@ -17,6 +17,7 @@ from kvpool.contract.errors import InvalidArgument
 from kvpool.contract.options import KVCacheDType, PlanOptions
 from kvpool.contract.plan import ArchitectureSource, BufferKind, BufferSpec, ElasticPlan, PoolPlan
 from kvpool.contract.spec import ModelSpec
+from kvpoold.sizing.architectures import SGLANG_VERSION
 from kvpoold.sizing.common import (
     REQ_TO_TOKEN_EXTRA_COLUMNS,
     Sizing,
@@ -142,13 +143,16 @@ def _tokens(sizing: Sizing, page_size: int) -> int:
     return sizing.num_pages * page_size
 
 
-def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = "spec") -> PoolPlan:
+def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = "spec",
+         decided_by: tuple[str, ...] = ()) -> PoolPlan:
     """Size and lay out one pool.
 
     Args:
         spec: the model (from :mod:`kvpoold.hf` or a spec file).
         options: budget, page size, dtype, parallelism, speculative settings.
         source: how the spec was obtained, echoed as ``architecture_source``.
+        decided_by: the config fields that decided the family (:func:`kvpoold.hf.read_hf`),
+            named in the plan's first note.
 
     Returns:
         The frozen plan; ``plan.buffers`` are placed in one region of ``backing_bytes``.
@@ -213,6 +217,9 @@ def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = 
     if max_total is None:
         max_total = sizing.num_pages * ctx.page_size
     notes = (*forced, *sizing.notes)
+    if decided_by:
+        notes = (f"family {sizing.architecture} decided by {', '.join(decided_by)} (as SGLang "
+                 f"{SGLANG_VERSION} reads them)", *notes)
     if source == "assumed":
         notes = (*notes, (
             f"{spec.architecture or 'this model'} is not in SGLang's model registry: planned "

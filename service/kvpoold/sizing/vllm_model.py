@@ -19,6 +19,7 @@ from kvpool.contract.errors import InvalidArgument
 from kvpoold import hf_view
 
 FIELD = "model_config"
+VLLM_VERSION = "0.32"  # the vLLM whose reading this module follows
 SLIDING = "sliding_attention"
 # vLLM's keys for the model's length, the smallest present wins (``model_max_length`` last).
 MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
@@ -85,6 +86,8 @@ class VllmModel:
     model_max_length: int | None
     kv_cache_fp8: bool  # the checkpoint quantizes its KV cache to fp8
     gdn: GatedDeltaNet | None = None  # the linear layers' state, when there are any
+    # the config fields that decided the layer kinds (paths in the file, as vLLM reads them)
+    decided_by: tuple[str, ...] = ()
 
     @property
     def is_mla(self) -> bool:
@@ -174,6 +177,47 @@ def _max_len(text: Mapping[str, Any]) -> tuple[int, str | None]:
     return int(derived), key
 
 
+def _decided_by(config: Mapping[str, Any], text: Mapping[str, Any], model_type: str,
+                kinds: tuple[str, ...], fp8: bool) -> tuple[str, ...]:
+    """The fields vLLM reads to decide the layers' kinds, as paths in the file: the class
+    name, then (by kind) ``kv_lora_rank`` for MLA; ``sliding_window`` with the switch
+    (``use_sliding_window``) of a class that has one and the layer list or pattern that places
+    it; ``layer_types`` / ``full_attention_interval`` for gated-delta-net layers; then the
+    quantization field that makes the KV cache fp8."""
+    key = hf_view.text_config(config, "vllm")[0]
+    prefix = f"{key}." if key else ""
+    out = ["architectures"]
+    if "mla" in kinds:
+        out.append("kv_lora_rank")
+    if "linear" in kinds:
+        out += ["model_type", "layer_types" if text.get("layer_types") else
+                "full_attention_interval"]
+    elif text.get("sliding_window"):
+        out.append("sliding_window")
+        row = hf_view.class_row(model_type)
+        if row is not None and "sliding_switch" in row:
+            out.append("use_sliding_window")
+        if isinstance(text.get("layer_types"), list):
+            out.append("layer_types")
+        elif model_type in ("gemma3", "gemma3_text") and text.get("sliding_window_pattern"):
+            out.append("sliding_window_pattern")
+        elif model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and text.get(
+                "max_window_layers") is not None:
+            out.append("max_window_layers")
+        elif model_type in ("gemma2", "gemma3", "gemma3_text", "gpt_oss"):
+            out.append("model_type")  # the class's own sliding pattern
+    elif "sliding_window" in text and hf_view.class_row(model_type) is not None and \
+            "sliding_switch" in (hf_view.class_row(model_type) or {}):
+        out.append("use_sliding_window")  # the switch dropped the window
+    fields = [out[0], *(f"{prefix}{f}" for f in out[1:])]
+    if fp8:
+        quant = text.get("quantization_config")
+        scheme = isinstance(quant, Mapping) and quant.get("kv_cache_scheme") is not None
+        fields.append("quantization_config."
+                      + ("kv_cache_scheme" if scheme else "kv_cache_quant_algo"))
+    return tuple(fields)
+
+
 def _kv_cache_fp8(text: Mapping[str, Any]) -> bool:
     """Whether ``--kv-cache-dtype auto`` means fp8: vLLM reads a KV-cache scheme only from a
     ModelOpt config (``quant_method: modelopt*``) or from compressed-tensors' quantization
@@ -237,7 +281,8 @@ def read_vllm_model(config: Mapping[str, Any], *, where: str = "config.json") ->
         head_size = _int(text, "kv_lora_rank", where) + _int(text, "qk_rope_head_dim", where)
         layers = tuple(LayerAttention(i, LayerKind.mla) for i in range(n))
         return VllmModel(architecture, model_type, heads, 1, head_size, layers, dtype,
-                         max_len, key, mml, fp8)
+                         max_len, key, mml, fp8,
+                         decided_by=_decided_by(config, text, model_type, ("mla",), fp8))
     # head_dim when positive, else PLaMo's hidden_size_per_head, else hidden / heads
     head_size = (text.get("head_dim") or text.get("hidden_size_per_head")
                  or _int(text, "hidden_size", where) // heads)
@@ -264,5 +309,7 @@ def read_vllm_model(config: Mapping[str, Any], *, where: str = "config.json") ->
         sliding = window is not None and (types is None or types[i] == SLIDING)
         out.append(LayerAttention(i, LayerKind.sliding if sliding else LayerKind.full,
                                   window if sliding else None))
+    kinds = tuple(dict.fromkeys(layer.kind.value for layer in out))
     return VllmModel(architecture, model_type, heads, int(kv_heads), int(head_size),
-                     tuple(out), dtype, max_len, key, mml, fp8, gdn)
+                     tuple(out), dtype, max_len, key, mml, fp8, gdn,
+                     _decided_by(config, text, model_type, kinds, fp8))

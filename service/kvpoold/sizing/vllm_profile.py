@@ -42,7 +42,7 @@ from kvpool.contract.vllm_plan import (
     VllmTensor,
 )
 from kvpoold.sizing.vllm_groups import Group, kv_cache_groups, project
-from kvpoold.sizing.vllm_model import LayerKind, VllmModel, read_vllm_model
+from kvpoold.sizing.vllm_model import VLLM_VERSION, LayerKind, VllmModel, read_vllm_model
 from kvpoold.sizing.vllm_specs import (
     BACKENDS,
     LayerSpec,
@@ -246,6 +246,10 @@ def plan_vllm_model(model: VllmModel, options: VllmOptions) -> VllmPlan:
             ``max_model_len`` (naming needed and available bytes and the knob to turn).
     """
     notes: list[str] = []
+    if model.decided_by:
+        kinds = ", ".join(dict.fromkeys(layer.kind.value for layer in model.layers))
+        notes.append(f"layers {kinds} decided by {', '.join(model.decided_by)} (as vLLM "
+                     f"{VLLM_VERSION} reads them)")
     facts = BACKENDS[options.backend]
     block_size = resolve_block_size(model, options, notes)
     dtype = resolve_cache_dtype(model, options)
