@@ -142,22 +142,57 @@ def attach_works(target: str) -> bool:
             lease.close()
 
 
-def test_the_daemon_serves_again_after_an_emfile_episode(socket_dir: Path) -> None:
+def test_a_cap_above_the_descriptor_limit_is_lowered_so_held_connections_never_exhaust_it(
+        socket_dir: Path) -> None:
+    """--max-connections 4,096 under a descriptor limit of 160: the daemon lowers the cap at
+    start (and says so), so 1,000 held connections never run it out of descriptors (no
+    listener goes down), and a new client is served as soon as they go."""
     with run_daemon(socket_dir, "--log-format", "json", "--max-connections", "4096",
                     preexec_fn=lower_nofile(NOFILE)) as d:
+        (low,) = [e for e in events(d) if e.get("event") == "nofile_low"]
+        assert low["asked"] == 4096 and 0 < low["cap"] * low["listeners"] < NOFILE, low
         with KVPoolClient(d.target) as client:
             client.configure("tiny", spec=TINY_SPEC, **TINY_OPTIONS)
+        assert attach_works(d.target)  # this process's first map (imports) before the clock
+        with holding(d.socket, HELD) as (holder, held):
+            assert held == HELD
+            wait_for(lambda: closed_by_peer(holder) >= HELD - low["cap"],
+                     "connections over the lowered cap closed by the daemon")
+            assert len(os.listdir(f"/proc/{d.proc.pid}/fd")) < NOFILE
+        released = time.monotonic()
+        assert wait_for(lambda: attach_works(d.target), "Attach after the connections went")
+        print(f"Attach served {time.monotonic() - released:.3f} s after 1,000 held "
+              "connections went (waited on the fact, not timed)")
+        assert not [e for e in events(d) if e.get("event") == "listener_down"]
+
+
+def test_the_daemon_serves_again_after_an_emfile_episode(socket_dir: Path) -> None:
+    """Out of descriptors for another reason (its limit lowered under it with prlimit):
+    health NOT_SERVING, one listener_down line; the limit back: SERVING, Attach works."""
+    with run_daemon(socket_dir, "--log-format", "json") as d:
+        with KVPoolClient(d.target) as client:
+            client.configure("tiny", spec=TINY_SPEC, **TINY_OPTIONS)
+        assert attach_works(d.target)  # this process's first map (imports) before the clock
         channel = grpc.insecure_channel(d.target)  # connected before: it can still ask
         stub = health_pb2_grpc.HealthStub(channel)
+        limits = resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE)
         try:
             assert health_of(stub) == SERVING
-            with holding(d.socket, HELD) as (_holder, held):
-                assert held == HELD
-                wait_for(lambda: health_of(stub) == NOT_SERVING,
-                         "health NOT_SERVING while out of descriptors")
-            assert wait_for(lambda: attach_works(d.target), "Attach after the connections went")
+            # every descriptor number under 8 is taken: each new one fails with EMFILE
+            resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE, (8, limits[1]))
+            wait_for(lambda: health_of(stub) == NOT_SERVING,
+                     "health NOT_SERVING while out of descriptors")
+            with pytest.raises(KVPoolError):  # a new client cannot be accepted meanwhile
+                attach_works(d.target)
+            resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE, limits)
+            restored = time.monotonic()
+            assert wait_for(lambda: attach_works(d.target), "Attach after the limit came back")
+            print(f"Attach served {time.monotonic() - restored:.3f} s after the limit came "
+                  "back (waited on the fact, not timed)")
             wait_for(lambda: health_of(stub) == SERVING, "health SERVING again")
         finally:
+            with contextlib.suppress(ProcessLookupError):
+                resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE, limits)
             channel.close()
         log = events(d)
         down = [e for e in log if e.get("event") == "listener_down"]

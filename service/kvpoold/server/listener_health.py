@@ -53,20 +53,33 @@ def raise_descriptor_limit() -> tuple[int, int]:
     return soft, hard
 
 
-def check_descriptor_budget(limit: int, connections: int) -> None:
-    """Warn when the listeners' connection caps together can take every descriptor.
+def fit_connection_cap(limit: int, asked: int, listeners: int) -> int:
+    """The connection cap each of ``listeners`` listeners gets: ``asked`` (``--max-connections``),
+    lowered when all of them together could hold every descriptor, so that held connections
+    never exhaust the daemon (an EMFILE episode makes gRPC's own accept loop wait a fixed
+    second before it retries: the cap keeps it from starting). Logs a warning when it lowers.
 
     Args:
-        limit: the soft RLIMIT_NOFILE.
-        connections: the most connections all listeners together accept.
+        limit: the soft RLIMIT_NOFILE (after :func:`raise_descriptor_limit`).
+        asked: the cap asked for each listener.
+        listeners: listeners accepting connections (the Unix gRPC sockets, the TCP ones, the
+            descriptor socket).
+
+    Returns:
+        The cap per listener, at least 1.
     """
-    if limit < connections + RESERVED_FDS:
-        log.warning(
-            f"the descriptor limit ({limit:,}) is below what the listeners may hold "
-            f"({connections:,} connections) plus {RESERVED_FDS} for the daemon: held "
-            "connections can exhaust it; raise the hard limit (LimitNOFILE=, ulimit -Hn) or "
-            "lower --max-connections", extra={"fields": {
-                "event": "nofile_low", "limit": limit, "connections": connections}})
+    reserved = min(RESERVED_FDS, limit // 2)  # the daemon's own files, NIXL, pools' regions
+    if listeners < 1 or asked * listeners + reserved <= limit:
+        return asked
+    cap = max(1, (limit - reserved) // listeners)
+    log.warning(
+        f"--max-connections {asked:,} lowered to {cap:,} per listener: the descriptor limit "
+        f"({limit:,}) must hold {listeners} listeners' connections plus {reserved} for the "
+        "daemon, or held connections exhaust it; raise the hard limit (LimitNOFILE=, "
+        "ulimit -Hn) to accept more", extra={"fields": {
+            "event": "nofile_low", "limit": limit, "asked": asked, "cap": cap,
+            "listeners": listeners}})
+    return cap
 
 
 class ListenerHealth:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 from grpc import aio
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -36,7 +37,7 @@ from kvpoold.server.daemon import Daemon
 from kvpoold.server.intake import Bound, IntakeInterceptor, free_bound
 from kvpoold.server.listener_health import (
     ListenerHealth,
-    check_descriptor_budget,
+    fit_connection_cap,
     raise_descriptor_limit,
     watch_descriptors,
 )
@@ -289,8 +290,8 @@ async def run(
     nofile, _hard = raise_descriptor_limit()
     unix_listeners = any(x.transport == "unix" for x in settings.listeners)
     tcp_listeners = any(x.transport == "tcp" for x in settings.listeners)
-    check_descriptor_budget(nofile, settings.max_connections * (
-        2 * unix_listeners + tcp_listeners))  # Unix: the gRPC sockets and the fd socket
+    settings = msgspec.structs.replace(settings, max_connections=fit_connection_cap(
+        nofile, settings.max_connections, 2 * unix_listeners + tcp_listeners))  # Unix: + fd
     # With kvpool[nixl] installed the daemon owns a NIXL agent and can move pages to peers.
     agent = make_agent(adopt)
     nixl_off = NIXL_MISSING if not nixl_installed() else (
