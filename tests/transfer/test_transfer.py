@@ -373,10 +373,11 @@ def test_stats_and_metrics_count_transfers_per_peer(pair: Pair) -> None:
 
 
 @contextlib.contextmanager
-def deadline_cutting_peer(decode: str, write_deadline_s: float) -> Iterator[str]:
+def deadline_cutting_peer(decode: str, write_deadline_s: float | None) -> Iterator[str]:
     """A peer address in front of the decode daemon: it forwards PeerReceive and PeerDone (as
     the decode daemon's local admin) and cuts the write deadline of each acceptance to
-    ``write_deadline_s``. Yields the address to send to."""
+    ``write_deadline_s`` (None: leaves the field unset, as a peer that does not name one).
+    Yields the address to send to."""
     from concurrent.futures import ThreadPoolExecutor
 
     import grpc
@@ -389,7 +390,10 @@ def deadline_cutting_peer(decode: str, write_deadline_s: float) -> Iterator[str]
 
         def PeerReceive(self, request: Any, context: Any) -> Any:
             resp = self.client.call("PeerReceive", request)
-            resp.write_deadline_seconds = write_deadline_s
+            if write_deadline_s is None:
+                resp.ClearField("write_deadline_seconds")
+            else:
+                resp.write_deadline_seconds = write_deadline_s
             return resp
 
         def PeerDone(self, request: Any, context: Any) -> Any:
@@ -425,3 +429,26 @@ def test_a_write_cancelled_at_its_deadline_says_the_deadline_the_peer_gave(pair:
                 in str(ended.value)), str(ended.value)
         # The pages came back to the sending lease when the cancelled write's handle went.
         assert pl.free(pool, "kv", src) == 4
+
+
+def test_a_peer_answer_without_a_write_deadline_takes_the_default(pair: Pair) -> None:
+    """write_deadline_seconds is optional in a peer's answer: a peer that leaves it unset gets
+    its pages written (the sender takes DEFAULT_WRITE_DEADLINE_S), never an INTERNAL error."""
+    from kvpoold.transfer.peers import DEFAULT_WRITE_DEADLINE_S
+
+    pool = "nodeadline"
+    configure(pair, pool, TINY_SPEC)
+    with deadline_cutting_peer(pair.decode.target, None) as peer, \
+            pair.p.lease("prefill") as pl, pair.d.lease("decode") as dl, \
+            pair.p.attach(pool, lease=pl) as src_region, \
+            pair.d.attach(pool, lease=dl) as dst_region:
+        src, dst = pl.allocate(pool, "kv", 4), dl.allocate(pool, "kv", 4)
+        names = kv_names(src_region)
+        fill(src_region, names, src, seed=7)
+        grant = dl.grant_receive(pool, dst)
+        handle = pair.p.send(pool, src, peer=peer, token=grant.token, lease=pl)
+        assert handle.wait(30).state == TransferState.done
+        assert grant.wait(30).state == TransferState.done
+        for a, b in zip(src, dst, strict=True):
+            assert page_bytes(src_region, names, int(a)) == page_bytes(dst_region, names, int(b))
+    assert DEFAULT_WRITE_DEADLINE_S == 60.0  # what the proto's comment promises

@@ -27,11 +27,25 @@ from kvpoold.ids import Grant
 from kvpoold.server.args import ConfigureArgs, LeaseRef
 from kvpoold.server.leases import CacheCounts, Lease
 from kvpoold.transfer import Outgoing
-from kvpoold.transfer.grants import MAX_GRANT_PAGES, ReceiveGrant, check_token
+from kvpoold.transfer.grants import (
+    DEFAULT_GRANT_TTL_S,
+    MAX_GRANT_PAGES,
+    ReceiveGrant,
+    check_token,
+)
 from kvpoold.transfer.liveness import MAX_BOOT_ID_CHARS, ProcessId
-from kvpoold.transfer.messages import Acceptance, PeerDoneArgs, PeerReceiveArgs
+from kvpoold.transfer.messages import (
+    Acceptance,
+    GrantArgs,
+    PeerDoneArgs,
+    PeerReceiveArgs,
+    SendArgs,
+    WaitArgs,
+)
 from kvpoold.transfer.nixl_agent import MAX_KNOWN_GENERATIONS
-from kvpoold.transfer.peers import MAX_MESSAGE_CHARS, MAX_PEER_CHARS
+from kvpoold.transfer.pages import check_pages
+from kvpoold.transfer.peers import MAX_MESSAGE_CHARS, MAX_PEER_CHARS, check_peer
+from kvpoold.transfer.transfers import MAX_WAIT_S
 
 # The PlanOptions fields a ConfigureRequest carries, by the same name; unset ones are left to
 # the plan's defaults (optional numbers by presence, strings when empty, bools when false).
@@ -352,6 +366,46 @@ def _bounded(text: str, limit: int, field: str, what: str) -> str:
         raise InvalidArgument(f"{field} has {len(text):,} characters, at most {limit:,} "
                               f"({what})", field=field)
     return text
+
+
+def grant_args(req: pb.GrantReceiveRequest) -> GrantArgs:
+    """A GrantReceive request as typed values (its lease: :func:`lease_ref`); a TTL of 0 is
+    DEFAULT_GRANT_TTL_S (its range is the grant table's to check).
+
+    Raises:
+        InvalidArgument: pages that are not 1..MAX_GRANT_PAGES whole int32 ids, each once.
+    """
+    return GrantArgs(pool=req.pool, pages=check_pages(req.pages, "pages"),
+                     ttl_s=req.ttl_seconds or DEFAULT_GRANT_TTL_S)
+
+
+def send_args(req: pb.SendRequest) -> SendArgs:
+    """A Send request as typed values (its lease: :func:`lease_ref`).
+
+    Raises:
+        InvalidArgument: pages that are not 1..MAX_GRANT_PAGES whole int32 ids, each once; a
+            peer that is no address; a token empty or over MAX_TOKEN_BYTES.
+    """
+    return SendArgs(pool=req.pool, pages=check_pages(req.pages, "pages"),
+                    peer=check_peer(req.peer), token=check_token(req.token))
+
+
+def wait_args(req: pb.WaitTransferRequest) -> WaitArgs:
+    """A WaitTransfer request as typed values.
+
+    Raises:
+        InvalidArgument: neither or both of transfer_id and token, a token over its bound,
+            or a timeout outside 0..MAX_WAIT_S.
+    """
+    if bool(req.transfer_id) == bool(req.token):
+        raise InvalidArgument("give transfer_id (a Send of this daemon) or token (a grant of "
+                              "this daemon), one of them", field="transfer_id")
+    timeout = req.timeout_seconds
+    if not 0 <= timeout <= MAX_WAIT_S:
+        raise InvalidArgument(f"timeout_seconds {timeout} is outside 0..{MAX_WAIT_S:g}",
+                              field="timeout_seconds")
+    return WaitArgs(transfer_id=req.transfer_id,
+                    token=check_token(req.token) if req.token else b"", timeout_s=timeout)
 
 
 def peer_receive_args(req: pb.PeerReceiveRequest) -> PeerReceiveArgs:

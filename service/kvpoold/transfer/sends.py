@@ -6,12 +6,12 @@ it can land any more (NIXL reported it done or failed, or it was cancelled and t
 after the cancel completed: ``nixl_agent``). It is cancelled at its deadline, and when its lease
 ends or its pool is dropped. A write that did not end done is told to the peer with
 ``PeerDone(ok=false)`` only then, and the peer gives its pages back on that word. The send's
-pages are pinned from Send until its write has ended (``pages``).
+pages are pinned from Send until its write has ended (``pages``). The agent's progress thread
+watches the write; this side only awaits its end (``NixlAgent.ended``), never polls.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import time
@@ -25,13 +25,13 @@ import numpy as np
 from kvpool.contract.errors import FailedPrecondition, Internal, KVPoolError, NotFound
 from kvpool.contract.records import TransferState, TransferStatus
 from kvpoold.transfer.descriptors import Layouts, page_memory, write_rows
-from kvpoold.transfer.grants import TransferRecord, check_token
+from kvpoold.transfer.grants import TransferRecord
 from kvpoold.transfer.liveness import this_process
-from kvpoold.transfer.messages import Acceptance, PeerReceiveArgs
+from kvpoold.transfer.messages import Acceptance, PeerReceiveArgs, SendArgs
 from kvpoold.transfer.nixl_agent import NixlAgent, Write
 from kvpoold.transfer.page_layout import KV_SPACE
-from kvpoold.transfer.pages import LeaseLookup, Pins, check_pages, has_swa, held_space
-from kvpoold.transfer.peers import Peers, Spawn, check_peer
+from kvpoold.transfer.pages import LeaseLookup, Pins, has_swa, held_space
+from kvpoold.transfer.peers import Peers, Spawn
 
 if TYPE_CHECKING:
     from kvpoold.pools.pool import Pool
@@ -39,12 +39,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpoold.transfer")
 
 MAX_ENDED_SENDS = 4096
-# Completion polling. The agent has no progress thread (see nixl_agent), so a write moves
-# only as fast as its sender polls it: for SPIN_S after posting the loop checks on every turn
-# (other calls still run in between), then at most MAX_POLL_S apart, so a write whose peer is
-# gone does not keep a core busy.
-SPIN_S = 0.5
-MAX_POLL_S = 0.001
 
 
 @dataclass(eq=False)
@@ -107,9 +101,9 @@ class Sends:
         self._sending: dict[int, list[Outgoing]] = {}  # owner -> its sends in flight
         self._ids = itertools.count(1)
 
-    async def send(self, lease_id: int, pool: str, pages_bytes: bytes, peer: str,
-                   token: bytes) -> Outgoing:
-        """Write ``pages`` (held by the lease) into the peer's pages granted by ``token``.
+    async def send(self, lease_id: int, args: SendArgs) -> Outgoing:
+        """Write ``args.pages`` (held by the lease) into the peer's pages granted by
+        ``args.token``.
 
         Returns once the peer accepted and the write is posted; the record ends by itself.
 
@@ -117,11 +111,9 @@ class Sends:
             FailedPrecondition: no NIXL, a page not held, or the peer refused (grant ended,
                 layouts differ...: the peer's message, prefixed with its address).
             Unavailable: the peer cannot be reached. NotFound: pool, lease or (at the peer)
-                grant unknown. InvalidArgument: malformed pages, peer or token.
+                grant unknown. InvalidArgument: (at the peer) a page count not granted.
         """
-        pages = check_pages(pages_bytes, "pages")
-        target = check_peer(peer)
-        check_token(token)
+        pool, pages, target, token = args.pool, args.pages, args.peer, args.token
         agent = self._need_agent()
         entry = self._pool(pool)
         lease = self._leases.get(lease_id)
@@ -198,20 +190,17 @@ class Sends:
         out.write_s = acc.write_deadline_s
         out.deadline = asked_at + acc.write_deadline_s
         out.source = entry.buffers
-        out.write, state = agent.post_write(local, mine.memory, remote, acc.memory, acc.agent,
-                                            acc.notification, out.deadline)
-        if state == "ERR":
+        out.write = agent.post_write(local, mine.memory, remote, acc.memory, acc.agent,
+                                     acc.notification, out.deadline)
+        if out.write.ended == "ERR":
             raise Internal(f"NIXL could not post the write to {out.peer} ({acc.agent})")
 
     async def _watch(self, agent: NixlAgent, out: Outgoing) -> None:
-        """Poll the posted write until it has ended (the agent cancels it at its deadline);
-        then give its pins back and tell the peer about a write that did not end done."""
+        """Wait until the posted write has ended (the agent cancels it at its deadline); then
+        give its pins back and tell the peer about a write that did not end done."""
         write = out.write
         assert write is not None
-        start = time.monotonic()
-        while (state := agent.state(write)) == "PROC":
-            waited = time.monotonic() - start
-            await asyncio.sleep(0.0 if waited < SPIN_S and not write.cancelled else MAX_POLL_S)
+        state = await agent.ended(write)
         out.source = None
         self._unpin(out)
         if state == "DONE":
