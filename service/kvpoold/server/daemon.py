@@ -62,7 +62,7 @@ from kvpoold.server.watch import WatchStreams
 from kvpoold.sharing.base import BackingFactory
 from kvpoold.transfer import NIXL_MISSING, NixlAgent, Outgoing, Transfers
 from kvpoold.transfer.grants import ReceiveGrant
-from kvpoold.transfer.messages import GrantArgs, SendArgs
+from kvpoold.transfer.messages import GrantArgs, PostArgs, SendArgs
 
 
 class Daemon:
@@ -277,8 +277,12 @@ class Daemon:
         self.pool(args.pool, caller).check_movable()
         return self.transfers.grant(self.lease(caller, ref).lease_id, args)
 
-    async def send(self, caller: Caller, ref: LeaseRef, args: SendArgs) -> Outgoing:
-        """``Transfers.send`` for a proven lease of the caller, in a pool of its scope."""
+    async def send(self, caller: Caller, ref: LeaseRef, args: SendArgs | PostArgs
+                   ) -> Outgoing:
+        """``Transfers.send`` for a proven lease of the caller, in a pool of its scope, or
+        ``Transfers.post`` of a send the lease holds."""
+        if isinstance(args, PostArgs):
+            return await self.transfers.post(self.lease(caller, ref).owner, args)
         self.pool(args.pool, caller).check_movable()
         return await self.transfers.send(self.lease(caller, ref).lease_id, args)
 

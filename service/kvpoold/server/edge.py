@@ -39,6 +39,7 @@ from kvpoold.transfer.messages import (
     GrantArgs,
     PeerDoneArgs,
     PeerReceiveArgs,
+    PostArgs,
     SendArgs,
     WaitArgs,
 )
@@ -345,9 +346,10 @@ def grant_receive_response(grant: ReceiveGrant, now: float) -> pb.GrantReceiveRe
         swa_pages=b"" if grant.swa_pages is None else codec.ids_to_bytes(grant.swa_pages))
 
 
-def send_response(out: Outgoing) -> pb.SendResponse:
+def send_response(out: Outgoing, now: float) -> pb.SendResponse:
     return pb.SendResponse(transfer_id=out.transfer_id, bytes=out.nbytes,
-                           descriptors=out.descriptors, peer_agent=out.peer_agent)
+                           descriptors=out.descriptors, peer_agent=out.peer_agent,
+                           status=codec.transfer_status_to_pb(out.status(now)))
 
 
 def peer_done_response() -> pb.PeerDoneResponse:
@@ -379,15 +381,31 @@ def grant_args(req: pb.GrantReceiveRequest) -> GrantArgs:
                      ttl_s=req.ttl_seconds or DEFAULT_GRANT_TTL_S)
 
 
-def send_args(req: pb.SendRequest) -> SendArgs:
-    """A Send request as typed values (its lease: :func:`lease_ref`).
+def send_args(req: pb.SendRequest) -> SendArgs | PostArgs:
+    """A Send request as typed values (its lease: :func:`lease_ref`): a new send, or the post
+    of a held one (``transfer_id`` set).
 
     Raises:
         InvalidArgument: pages that are not 1..MAX_GRANT_PAGES whole int32 ids, each once; a
-            peer that is no address; a token empty or over MAX_TOKEN_BYTES.
+            peer that is no address; a token empty or over MAX_TOKEN_BYTES; a wait outside
+            0..MAX_WAIT_S, or with hold; hold or a send's fields with transfer_id.
     """
+    wait = req.wait_seconds
+    if not 0 <= wait <= MAX_WAIT_S:
+        raise InvalidArgument(f"wait_seconds {wait} is outside 0..{MAX_WAIT_S:g}",
+                              field="wait_seconds")
+    if req.transfer_id:
+        if req.hold or req.pages or req.peer or req.token:
+            raise InvalidArgument(
+                "transfer_id posts a held send: leave hold, pages, peer and token unset (the "
+                "held send has them)", field="transfer_id")
+        return PostArgs(transfer_id=req.transfer_id, wait_s=wait)
+    if req.hold and wait:
+        raise InvalidArgument("wait_seconds with hold: a held send posts nothing to wait for; "
+                              "wait when posting it (transfer_id)", field="wait_seconds")
     return SendArgs(pool=req.pool, pages=check_pages(req.pages, "pages"),
-                    peer=check_peer(req.peer), token=check_token(req.token))
+                    peer=check_peer(req.peer), token=check_token(req.token), hold=req.hold,
+                    wait_s=wait)
 
 
 def wait_args(req: pb.WaitTransferRequest) -> WaitArgs:

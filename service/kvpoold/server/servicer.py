@@ -207,10 +207,14 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
 
     @rpc_errors
     async def Send(self, request: pb.SendRequest, context: Ctx) -> pb.SendResponse:
+        args = edge.send_args(request)
+        remaining = context.time_remaining()
+        if remaining is not None and args.wait_s > 0:  # answer before the deadline hits
+            args = replace(args, wait_s=max(0.0, min(args.wait_s,
+                                                     remaining - DEADLINE_MARGIN_S)))
         out = await self._daemon.send(
-            self._caller(context), edge.lease_ref(request.lease_id, request.lease_secret),
-            edge.send_args(request))
-        return edge.send_response(out)
+            self._caller(context), edge.lease_ref(request.lease_id, request.lease_secret), args)
+        return edge.send_response(out, self._daemon.now())
 
     @rpc_errors
     async def WaitTransfer(self, request: pb.WaitTransferRequest, context: Ctx

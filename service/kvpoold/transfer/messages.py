@@ -31,12 +31,25 @@ class GrantArgs:
 @dataclass(frozen=True)
 class SendArgs:
     """A Send request: the pool, the kv page ids to send (1..MAX_GRANT_PAGES, each once, as
-    int32), the receiving daemon as a gRPC target, the grant's token."""
+    int32), the receiving daemon as a gRPC target, the grant's token; whether to only hold
+    the peer's acceptance (post later: :class:`PostArgs`), how long to wait for the write's
+    end before answering (0..MAX_WAIT_S; 0 with hold)."""
 
     pool: str
     pages: np.ndarray
     peer: str
     token: bytes = field(repr=False)
+    hold: bool = False
+    wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class PostArgs:
+    """A Send request posting a held send: its ``transfer_id``, how long to wait for the
+    write's end before answering (0..MAX_WAIT_S)."""
+
+    transfer_id: int
+    wait_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -226,6 +226,8 @@ class NixlAgent:
                 # Whether any of it was posted is not known: cancel it and let the probe tell.
                 log.warning("NIXL could not post the write to %s", peer, exc_info=True)
                 write.cancelled = True
+            # Past its deadline already (a slow answer): cancelled before anything else moves.
+            write.cancelled |= deadline <= time.monotonic()
             self._advance(write)  # a small write over shared memory is done already
         if write.ended is None:
             self._progress(loop).kick()

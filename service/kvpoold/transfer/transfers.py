@@ -52,6 +52,7 @@ from kvpoold.transfer.messages import (
     GrantArgs,
     PeerDoneArgs,
     PeerReceiveArgs,
+    PostArgs,
     SendArgs,
     WaitArgs,
 )
@@ -187,6 +188,10 @@ class Transfers:
     async def send(self, lease_id: int, args: SendArgs) -> Outgoing:
         """See :meth:`Sends.send`."""
         return await self._sends.send(lease_id, args)
+
+    async def post(self, owner: int, args: PostArgs) -> Outgoing:
+        """See :meth:`Sends.post`."""
+        return await self._sends.post(owner, args)
 
     async def wait(self, args: WaitArgs, identity: str | None = None) -> TransferStatus:
         """The status of a send (``args.transfer_id``) or a grant (``args.token``), after
