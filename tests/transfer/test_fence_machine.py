@@ -21,7 +21,6 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvpool.contract import codec
 from kvpool.contract.errors import FailedPrecondition, NotFound, ResourceExhausted
 from kvpool.contract.records import TransferState
 from kvpoold.access import DAEMON_CALLER
@@ -30,7 +29,7 @@ from kvpoold.server.args import ConfigureArgs, LeaseRef
 from kvpoold.server.daemon import Daemon
 from kvpoold.sharing.shm import ShmBackingFactory
 from kvpoold.transfer.liveness import ProcessId, this_process
-from kvpoold.transfer.messages import PeerReceiveArgs
+from kvpoold.transfer.messages import GrantArgs, PeerDoneArgs, PeerReceiveArgs
 from kvpoold.transfer.page_layout import page_layout
 from tests.conftest import TINY_SPEC, stateful_settings, temp_dir
 from tests.service.conftest import ManualClock
@@ -47,6 +46,7 @@ class StandInAgent:
     """What the receiving side asks of its NIXL agent; moves no byte."""
 
     name = "kvpoold-machine"
+    listening = "off"  # what the receiving side asks notifications for
 
     def register(self, pool: str, backing: Any) -> None:
         pass
@@ -60,8 +60,11 @@ class StandInAgent:
     def pool_metadata(self, pool: str) -> bytes:
         return b"md"
 
-    def notifications(self) -> dict[str, list[bytes]]:
-        return {}
+    def listen(self, mode: str, on_notes: Any) -> None:
+        self.listening = mode
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass
@@ -217,8 +220,8 @@ class FenceMachine(RuleBasedStateMachine):
         ref, owner, pages = drawn
         pinned = bool(self.space.pinned_of(pages.astype(np.intp)).any())
         try:
-            grant = self.call(self.d.grant_receive, DAEMON_CALLER, ref, POOL,
-                              codec.ids_to_bytes(pages), ttl)
+            grant = self.call(self.d.grant_receive, DAEMON_CALLER, ref,
+                              GrantArgs(POOL, pages, ttl))
         except FailedPrecondition:
             assert pinned
             return
@@ -289,19 +292,17 @@ class FenceMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.writes)
     @rule(data=st.data())
     def notification(self, data: st.DataObject) -> None:
-        """The write's NIXL notification arrives (as the poller handles it)."""
+        """The write's NIXL notification arrives (as the agent's progress thread posts it)."""
         write = self.writes[data.draw(st.sampled_from(list(self.writes)))]
-        table = self.d.transfers.grants
-        grant = table.by_notification(write.note)
-        assert grant is not None
-        self.call(table.close_window, grant, TransferState.done, "")
+        self.call(self.d.transfers.notified, {write.peer: [write.note]})
         self._ended(write)
 
     @precondition(lambda self: self.writes)
     @rule(data=st.data())
     def sender_reports_ended(self, data: st.DataObject) -> None:
         write = self.writes[data.draw(st.sampled_from(list(self.writes)))]
-        self.call(self.d.transfers.peer_done, write.token, False, "nothing in flight")
+        self.call(self.d.transfers.peer_done, PeerDoneArgs(write.token, False,
+                                                           "nothing in flight"))
         self._ended(write)
 
     @rule(peer=st.sampled_from(PEERS), restarts=st.booleans())
@@ -391,6 +392,11 @@ class FenceMachine(RuleBasedStateMachine):
             assert fenced.get(name, (0, 0))[1] == pages, (name, fenced)
             shown = self.d.transfers.peers.get(name)
             assert (shown.fenced_pages if shown else 0) == pages
+        # The agent reads notifications often while a live window is open, rarely while only
+        # fenced ones are, never without any.
+        live = any(not w.record_ended for w in self.writes.values())
+        expected = "live" if live else "fenced" if self.writes else "off"
+        assert self.d.transfers.agent.listening == expected  # type: ignore[union-attr]
 
 
 TestFenceMachine = FenceMachine.TestCase

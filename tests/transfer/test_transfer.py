@@ -343,6 +343,12 @@ async def test_asyncio_forms(pair: Pair) -> None:
         assert (await handle.wait(30)).state == TransferState.done
         done = await grant.wait(30)
         assert done.pages == 4 and done.bytes == handle.bytes
+        grant = await dl.grant_receive(pool, dst)
+        held = await p.send(pool, src, peer=pair.decode.target, token=grant.token, lease=pl,
+                            hold=True)
+        assert (await held.post(30)).state == TransferState.done
+        assert (await held.wait(30)).state == TransferState.done
+        assert (await grant.wait(30)).state == TransferState.done
 
 
 def test_stats_and_metrics_count_transfers_per_peer(pair: Pair) -> None:
@@ -373,10 +379,11 @@ def test_stats_and_metrics_count_transfers_per_peer(pair: Pair) -> None:
 
 
 @contextlib.contextmanager
-def deadline_cutting_peer(decode: str, write_deadline_s: float) -> Iterator[str]:
+def deadline_cutting_peer(decode: str, write_deadline_s: float | None) -> Iterator[str]:
     """A peer address in front of the decode daemon: it forwards PeerReceive and PeerDone (as
     the decode daemon's local admin) and cuts the write deadline of each acceptance to
-    ``write_deadline_s``. Yields the address to send to."""
+    ``write_deadline_s`` (None: leaves the field unset, as a peer that does not name one).
+    Yields the address to send to."""
     from concurrent.futures import ThreadPoolExecutor
 
     import grpc
@@ -389,7 +396,10 @@ def deadline_cutting_peer(decode: str, write_deadline_s: float) -> Iterator[str]
 
         def PeerReceive(self, request: Any, context: Any) -> Any:
             resp = self.client.call("PeerReceive", request)
-            resp.write_deadline_seconds = write_deadline_s
+            if write_deadline_s is None:
+                resp.ClearField("write_deadline_seconds")
+            else:
+                resp.write_deadline_seconds = write_deadline_s
             return resp
 
         def PeerDone(self, request: Any, context: Any) -> Any:
@@ -425,3 +435,126 @@ def test_a_write_cancelled_at_its_deadline_says_the_deadline_the_peer_gave(pair:
                 in str(ended.value)), str(ended.value)
         # The pages came back to the sending lease when the cancelled write's handle went.
         assert pl.free(pool, "kv", src) == 4
+
+
+def test_a_peer_answer_without_a_write_deadline_takes_the_default(pair: Pair) -> None:
+    """write_deadline_seconds is optional in a peer's answer: a peer that leaves it unset gets
+    its pages written (the sender takes DEFAULT_WRITE_DEADLINE_S), never an INTERNAL error."""
+    from kvpoold.transfer.peers import DEFAULT_WRITE_DEADLINE_S
+
+    pool = "nodeadline"
+    configure(pair, pool, TINY_SPEC)
+    with deadline_cutting_peer(pair.decode.target, None) as peer, \
+            pair.p.lease("prefill") as pl, pair.d.lease("decode") as dl, \
+            pair.p.attach(pool, lease=pl) as src_region, \
+            pair.d.attach(pool, lease=dl) as dst_region:
+        src, dst = pl.allocate(pool, "kv", 4), dl.allocate(pool, "kv", 4)
+        names = kv_names(src_region)
+        fill(src_region, names, src, seed=7)
+        grant = dl.grant_receive(pool, dst)
+        handle = pair.p.send(pool, src, peer=peer, token=grant.token, lease=pl)
+        assert handle.wait(30).state == TransferState.done
+        assert grant.wait(30).state == TransferState.done
+        for a, b in zip(src, dst, strict=True):
+            assert page_bytes(src_region, names, int(a)) == page_bytes(dst_region, names, int(b))
+    assert DEFAULT_WRITE_DEADLINE_S == 60.0  # what the proto's comment promises
+
+
+def test_a_held_send_is_posted_by_one_call(pair: Pair) -> None:
+    """send(hold=True) does the peer's acceptance ahead (the grant is accepted, both sides'
+    pages pinned, nothing written); post() posts the prepared write and answers once it
+    ended; a held send posts once. send(wait_s=...) answers once the write ended."""
+    pool = "held"
+    configure(pair, pool, TINY_SPEC)
+    with pair.p.lease("prefill") as pl, pair.d.lease("decode") as dl, \
+            pair.p.attach(pool, lease=pl) as src_region, \
+            pair.d.attach(pool, lease=dl) as dst_region:
+        src, dst = pl.allocate(pool, "kv", 8), dl.allocate(pool, "kv", 8)
+        names = kv_names(src_region)
+        fill(src_region, names, src, seed=11)
+        grant = dl.grant_receive(pool, dst[:4])
+        handle = pair.p.send(pool, src[:4], peer=pair.decode.target, token=grant.token,
+                             lease=pl, hold=True)
+        assert handle.status().state == TransferState.pending
+        with pytest.raises(FailedPrecondition, match="used by a transfer"):  # accepted
+            pair.p.send(pool, src[4:], peer=pair.decode.target, token=grant.token, lease=pl)
+        with pytest.raises(FailedPrecondition, match="pinned by a transfer"):
+            pl.free(pool, "kv", src[:1])
+        done = handle.post(30)
+        assert done.state == TransferState.done and done.bytes == handle.bytes > 0
+        assert grant.wait(30).state == TransferState.done
+        with pytest.raises(FailedPrecondition, match="has ended"):
+            handle.post(30)
+        # One call from scratch: the answer says how the write ended.
+        second = dl.grant_receive(pool, dst[4:])
+        one = pair.p.send(pool, src[4:], peer=pair.decode.target, token=second.token,
+                          lease=pl, wait_s=30)
+        assert one.wait(30).state == TransferState.done
+        assert second.wait(30).state == TransferState.done
+        for a, b in zip(src, dst, strict=True):
+            assert page_bytes(src_region, names, int(a)) == page_bytes(dst_region, names, int(b))
+        assert pl.free(pool, "kv", src) == 8 and dl.free(pool, "kv", dst) == 8
+
+
+def test_a_held_send_never_posted_gives_both_sides_pages_back(pair: Pair) -> None:
+    """A held send is never posted: at its write deadline (cut to 0.5 s by the peer in front)
+    it ends failed and the receiver is told nothing was written, so the grant's pages are
+    unpinned (not fenced); a held send whose lease closes does the same at once."""
+    pool = "heldgone"
+    configure(pair, pool, TINY_SPEC)
+    with deadline_cutting_peer(pair.decode.target, 0.5) as peer, \
+            pair.p.lease("prefill") as pl, pair.d.lease("decode") as dl:
+        src, dst = pl.allocate(pool, "kv", 4), dl.allocate(pool, "kv", 4)
+        grant = dl.grant_receive(pool, dst[:2])
+        handle = pair.p.send(pool, src[:2], peer=peer, token=grant.token, lease=pl, hold=True)
+        with pytest.raises(Aborted, match="held write was never posted"):
+            grant.wait(30)
+        with pytest.raises(Aborted, match=r"not posted within its 0\.5 s write deadline"):
+            handle.wait(30)
+        assert dl.free(pool, "kv", dst[:2]) == 2 and pl.free(pool, "kv", src[:2]) == 2
+        with pytest.raises(FailedPrecondition, match="has ended"):
+            handle.post(30)
+
+        other = pair.p.lease("prefill-2")
+        theirs = other.allocate(pool, "kv", 2)
+        grant = dl.grant_receive(pool, dst[2:])
+        pair.p.send(pool, theirs, peer=pair.decode.target, token=grant.token, lease=other,
+                    hold=True)
+        other.close()
+        with pytest.raises(Aborted, match="held write was never posted"):
+            grant.wait(30)
+        assert dl.free(pool, "kv", dst[2:]) == 2
+        assert fenced_pages(pair.d) == 0
+
+
+def fenced_pages(c: KVPoolClient) -> int:
+    return sum(p.fenced_pages for p in c.stats().peers)
+
+
+def test_send_field_refusals(pair: Pair) -> None:
+    """The edge refuses what a Send cannot mean: a wait out of range or with hold, a post
+    (transfer_id) that also names a send, a post of an unknown or another lease's send."""
+    from kvpool.v1 import kvpool_pb2 as pb
+
+    pool = "sendfields"
+    configure(pair, pool, TINY_SPEC)
+    with pair.p.lease("prefill") as pl, pair.p.lease("other") as other:
+        page = codec_bytes(pl.allocate(pool, "kv", 1))
+        base = {"lease_id": pl.lease_id, "lease_secret": pl.secret, "pool": pool,
+                "pages": page, "peer": pair.decode.target, "token": b"t" * 16}
+        for extra, field in [({"wait_seconds": -1.0}, "wait_seconds"),
+                             ({"wait_seconds": 4000.0}, "wait_seconds"),
+                             ({"hold": True, "wait_seconds": 1.0}, "wait_seconds"),
+                             ({"transfer_id": 5}, "transfer_id")]:
+            with pytest.raises(InvalidArgument) as info:
+                pair.p.call("Send", pb.SendRequest(**base, **extra))
+            assert info.value.field == field, (extra, info.value)
+        with pytest.raises(NotFound, match="no send 12345 of this lease"):
+            pair.p.call("Send", pb.SendRequest(lease_id=other.lease_id,
+                                               lease_secret=other.secret, transfer_id=12345))
+
+
+def codec_bytes(pages: np.ndarray) -> bytes:
+    from kvpool.contract import codec
+
+    return codec.ids_to_bytes(pages)

@@ -148,12 +148,14 @@ class AsyncKVPoolClient(Connection):
         return attachment(self.attach_raw, self.detach, pool, expected_fingerprint, lease)
 
     async def send(self, pool: str, pages: Any, *, peer: str, token: bytes,
-                   lease: AsyncLease) -> AsyncSendHandle:
+                   lease: AsyncLease, hold: bool = False, wait_s: float = 0.0
+                   ) -> AsyncSendHandle:
         """:meth:`KVPoolClient.send` for asyncio code."""
-        from kvpool.pd.transfer_handles import AsyncSendHandle
+        from kvpool.pd.transfer_handles import AsyncSendHandle, send_timeout
 
-        resp = await self.run(rpcs.send(pool, lease, pages, peer, token))
-        return AsyncSendHandle(self, resp)
+        resp = await self.run(rpcs.send(pool, lease, pages, peer, token, hold, wait_s),
+                              timeout_s=send_timeout(self.timeout_s, wait_s))
+        return AsyncSendHandle(self, resp, lease)
 
     def keep_alive_stream(self) -> Any:
         return self._stub.KeepAlive(metadata=self._metadata)

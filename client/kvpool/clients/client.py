@@ -292,21 +292,26 @@ class KVPoolClient(Connection):
         return attachment(self.attach_raw, self.detach, pool, expected_fingerprint, lease)
 
     def send(self, pool: str, pages: Any, *, peer: str, token: bytes,
-             lease: Lease) -> SendHandle:
+             lease: Lease, hold: bool = False, wait_s: float = 0.0) -> SendHandle:
         """Write ``pages`` (held by ``lease``) into the pages a peer daemon granted with
         ``token`` (page i -> granted page i), with NIXL; see docs/pd-transfer.md.
 
-        Returns once the peer accepted and the write is posted: ``handle.wait()`` for its end.
+        Returns once the peer accepted and the write is posted: ``handle.wait()`` for its end
+        (with ``wait_s``, the daemon answers once the write ended, or that long after, and
+        ``handle.wait()`` then makes no call). With ``hold``, returns once the peer accepted
+        and the write is ready: ``handle.post()`` posts it (one call on the hot path; the
+        peer's write deadline runs from now).
 
         Raises:
             FailedPrecondition: no NIXL in the daemon, a page not held, or the peer refused
                 (grant ended or used, layouts differ; the peer's message). Unavailable: the
                 peer cannot be reached. NotFound: pool, lease or grant unknown.
         """
-        from kvpool.pd.transfer_handles import SendHandle
+        from kvpool.pd.transfer_handles import SendHandle, send_timeout
 
-        resp = self.run(rpcs.send(pool, lease, pages, peer, token))
-        return SendHandle(self, resp)
+        resp = self.run(rpcs.send(pool, lease, pages, peer, token, hold, wait_s),
+                        timeout_s=send_timeout(self.timeout_s, wait_s))
+        return SendHandle(self, resp, lease)
 
     def keep_alive_stream(self, requests: Iterator[pb.KeepAliveRequest]) -> Any:
         return self._stub.KeepAlive(requests, metadata=self._metadata)

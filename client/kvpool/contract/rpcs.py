@@ -85,9 +85,19 @@ def detach(attach_id: int) -> Call[None]:
     return Call("Detach", pb.DetachRequest(attach_id=attach_id), _nothing)
 
 
-def send(pool: str, lease: wire.LeaseLike, pages: Any, peer: str, token: bytes
-         ) -> Call[pb.SendResponse]:
-    return Call("Send", wire.send_request(pool, lease, pages, peer, token), _reply)
+def send(pool: str, lease: wire.LeaseLike, pages: Any, peer: str, token: bytes,
+         hold: bool = False, wait_s: float = 0.0) -> Call[pb.SendResponse]:
+    """A send (``hold``: the peer's acceptance only, posted later by :func:`post_send`),
+    answered once posted or, with ``wait_s``, once ended or that long after."""
+    return Call("Send", wire.send_request(pool, lease, pages, peer, token, hold, wait_s),
+                _reply)
+
+
+def post_send(lease: wire.LeaseLike, transfer_id: int, wait_s: float
+              ) -> Call[pb.SendResponse]:
+    """Post a held send of ``lease``, answered once posted or, with ``wait_s``, once ended
+    or that long after."""
+    return Call("Send", wire.post_send_request(lease, transfer_id, wait_s), _reply)
 
 
 def grant_receive(pool: str, lease: wire.LeaseLike, pages: Any, ttl_s: float | None

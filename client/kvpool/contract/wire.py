@@ -276,10 +276,18 @@ def cancel_grant_request(lease: LeaseLike, token: bytes) -> pb.CancelGrantReques
 
 
 def send_request(pool: str, lease: LeaseLike, pages: Any, peer: str,
-                 token: bytes) -> pb.SendRequest:
+                 token: bytes, hold: bool = False, wait_s: float = 0.0) -> pb.SendRequest:
     if not isinstance(token, bytes | bytearray):
         raise InvalidArgument(f"token must be the bytes GrantReceive returned, got "
                               f"{type(token).__name__}", field="token")
     lease_id, secret = lease_key(lease)
     return pb.SendRequest(pool=pool, lease_id=lease_id, lease_secret=secret,
-                          pages=ids_bytes(pages, "pages"), peer=peer, token=bytes(token))
+                          pages=ids_bytes(pages, "pages"), peer=peer, token=bytes(token),
+                          hold=hold, wait_seconds=wait_s)
+
+
+def post_send_request(lease: LeaseLike, transfer_id: int, wait_s: float) -> pb.SendRequest:
+    """The Send that posts the held send ``transfer_id`` of ``lease``."""
+    lease_id, secret = lease_key(lease)
+    return pb.SendRequest(lease_id=lease_id, lease_secret=secret, transfer_id=transfer_id,
+                          wait_seconds=wait_s)

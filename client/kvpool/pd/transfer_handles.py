@@ -12,6 +12,12 @@ Prefill side::
     handle = client.send("llama", pages, peer=decode_address, token=token, lease=lease)
     handle.wait(timeout_s=30)
 
+    # or: accept ahead (while the KV is computed), then one call on the hot path
+    handle = client.send("llama", pages, peer=decode_address, token=token, lease=lease,
+                         hold=True)
+    ...                                               # compute the KV into the pages
+    handle.post(timeout_s=30)                         # post the write, wait for its end
+
 ``wait`` returns the :class:`kvpool.contract.records.TransferStatus` once the transfer is done,
 raises
 ``Aborted`` (with the daemon's reason) when it failed, and ``DeadlineExceeded`` when it has not
@@ -104,16 +110,38 @@ class _Send(_Waitable):
         peer_agent: the receiving daemon's NIXL agent.
     """
 
-    def __init__(self, client: Any, resp: pb.SendResponse) -> None:
+    def __init__(self, client: Any, resp: pb.SendResponse, lease: Any = None) -> None:
         self._client = client
+        self._lease = lease  # the lease that made it (posting a held send proves it)
         self.transfer_id = resp.transfer_id
         self.bytes = resp.bytes
         self.descriptors = resp.descriptors
         self.peer_agent = resp.peer_agent
         self.what = f"transfer {resp.transfer_id} to {resp.peer_agent}"
+        # How it ended, when the daemon's answer said so (a Send that waited): wait() then
+        # makes no call.
+        self._ended: TransferStatus | None = None
+        self._answered(resp)
+
+    def _answered(self, resp: pb.SendResponse) -> TransferStatus | None:
+        if not resp.HasField("status"):  # a daemon that does not say
+            return None
+        status = codec.transfer_status_from_pb(resp.status)
+        if status.ended:
+            self._ended = status
+        return status
 
     def _request(self, timeout_s: float) -> rpcs.Call[TransferStatus]:
         return rpcs.wait_transfer(transfer_id=self.transfer_id, timeout_s=timeout_s)
+
+    def _post(self, timeout_s: float) -> rpcs.Call[pb.SendResponse]:
+        return rpcs.post_send(self._lease, self.transfer_id, timeout_s)
+
+
+def send_timeout(default_s: float | None, wait_s: float) -> float | None:
+    """The deadline of a Send call that waits ``wait_s`` on the daemon (its peer call, then
+    the wait)."""
+    return default_s if not wait_s or default_s is None else default_s + wait_s
 
 
 class _Waits(_Waitable):
@@ -163,7 +191,32 @@ class ReceiveGrant(_Grant, _Waits):
 
 
 class SendHandle(_Send, _Waits):
-    """A send of the prefill side: ``wait`` until its write ended on this side."""
+    """A send of the prefill side: ``wait`` until its write ended on this side; ``post`` a
+    held one (``send(..., hold=True)``)."""
+
+    def wait(self, timeout_s: float | None = 60.0) -> TransferStatus:
+        if self._ended is not None:
+            return _checked(self._ended, self.what, timeout_s)
+        return super().wait(timeout_s)
+
+    def post(self, timeout_s: float | None = 60.0) -> TransferStatus:
+        """Post the held write and wait for its end in the same call (0: answer once
+        posted, pending); raise as ``wait`` when it failed or did not end in time.
+
+        Raises:
+            FailedPrecondition: not a held send, posted already, or ended (its write
+                deadline passed, its lease or pool went). Aborted, DeadlineExceeded: as
+                ``wait``.
+        """
+        wait_s = WAIT_SLICE_S if timeout_s is None else timeout_s
+        resp = self._client.run(self._post(wait_s), timeout_s=send_timeout(
+            getattr(self._client, "timeout_s", None), wait_s))
+        status = self._answered(resp)
+        if status is None or not wait_s:
+            return status or self.status()
+        if not status.ended and timeout_s is None:
+            return self.wait(None)
+        return _checked(status, self.what, timeout_s)
 
 
 # Waiting is one sans-IO loop (:func:`_waits`) driven by a sync and an asyncio shell, so the
@@ -206,6 +259,23 @@ class AsyncReceiveGrant(_Grant, _AsyncWaits):
 
 class AsyncSendHandle(_Send, _AsyncWaits):
     """:class:`SendHandle` for asyncio code."""
+
+    async def wait(self, timeout_s: float | None = 60.0) -> TransferStatus:
+        if self._ended is not None:
+            return _checked(self._ended, self.what, timeout_s)
+        return await super().wait(timeout_s)
+
+    async def post(self, timeout_s: float | None = 60.0) -> TransferStatus:
+        """As the sync ``post``."""
+        wait_s = WAIT_SLICE_S if timeout_s is None else timeout_s
+        resp = await self._client.run(self._post(wait_s), timeout_s=send_timeout(
+            getattr(self._client, "timeout_s", None), wait_s))
+        status = self._answered(resp)
+        if status is None or not wait_s:
+            return status or await self.status()
+        if not status.ended and timeout_s is None:
+            return await self.wait(None)
+        return _checked(status, self.what, timeout_s)
 
 
 async def _await_once(client: AsyncCaller, call: rpcs.Call[TransferStatus]) -> TransferStatus:

@@ -719,32 +719,40 @@ class GrantReceiveResponse(_message.Message):
     def __init__(self, token: _Optional[bytes] = ..., expires_in_seconds: _Optional[float] = ..., pages: _Optional[int] = ..., swa_pages: _Optional[bytes] = ...) -> None: ...
 
 class SendRequest(_message.Message):
-    __slots__ = ("lease_id", "pool", "pages", "peer", "token", "lease_secret")
+    __slots__ = ("lease_id", "pool", "pages", "peer", "token", "lease_secret", "hold", "transfer_id", "wait_seconds")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     pool: str
     pages: bytes
     peer: str
     token: bytes
     lease_secret: bytes
-    def __init__(self, lease_id: _Optional[int] = ..., pool: _Optional[str] = ..., pages: _Optional[bytes] = ..., peer: _Optional[str] = ..., token: _Optional[bytes] = ..., lease_secret: _Optional[bytes] = ...) -> None: ...
+    hold: bool
+    transfer_id: int
+    wait_seconds: float
+    def __init__(self, lease_id: _Optional[int] = ..., pool: _Optional[str] = ..., pages: _Optional[bytes] = ..., peer: _Optional[str] = ..., token: _Optional[bytes] = ..., lease_secret: _Optional[bytes] = ..., hold: _Optional[bool] = ..., transfer_id: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class SendResponse(_message.Message):
-    __slots__ = ("transfer_id", "bytes", "descriptors", "peer_agent")
+    __slots__ = ("transfer_id", "bytes", "descriptors", "peer_agent", "status")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
     PEER_AGENT_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: int
     bytes: int
     descriptors: int
     peer_agent: str
-    def __init__(self, transfer_id: _Optional[int] = ..., bytes: _Optional[int] = ..., descriptors: _Optional[int] = ..., peer_agent: _Optional[str] = ...) -> None: ...
+    status: TransferStatus
+    def __init__(self, transfer_id: _Optional[int] = ..., bytes: _Optional[int] = ..., descriptors: _Optional[int] = ..., peer_agent: _Optional[str] = ..., status: _Optional[_Union[TransferStatus, _Mapping]] = ...) -> None: ...
 
 class WaitTransferRequest(_message.Message):
     __slots__ = ("transfer_id", "token", "timeout_seconds")

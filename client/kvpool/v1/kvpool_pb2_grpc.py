@@ -213,7 +213,9 @@ class KVPoolServicer:
 
     def Send(self, request, context):
         """Prefill side: write pages the lease holds into a peer daemon's granted pages (one NIXL
-        WRITE). Returns once the peer accepted and the write is posted; WaitTransfer for the end.
+        WRITE). Returns once the peer accepted and the write is posted (or, with wait_seconds,
+        once it ended); WaitTransfer for the end. With hold, only the peer's acceptance happens
+        now, and a later Send naming the transfer_id posts the write: one call on the hot path.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

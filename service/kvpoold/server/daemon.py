@@ -62,6 +62,7 @@ from kvpoold.server.watch import WatchStreams
 from kvpoold.sharing.base import BackingFactory
 from kvpoold.transfer import NIXL_MISSING, NixlAgent, Outgoing, Transfers
 from kvpoold.transfer.grants import ReceiveGrant
+from kvpoold.transfer.messages import GrantArgs, PostArgs, SendArgs
 
 
 class Daemon:
@@ -273,18 +274,19 @@ class Daemon:
 
     # -- transfers (kvpoold.transfer): the lease and pool checked here ----------------------
 
-    def grant_receive(self, caller: Caller, ref: LeaseRef, pool: str, pages: bytes,
-                      ttl_s: float) -> ReceiveGrant:
+    def grant_receive(self, caller: Caller, ref: LeaseRef, args: GrantArgs) -> ReceiveGrant:
         """``Transfers.grant`` for a proven lease of the caller, in a pool of its scope."""
-        self.pool(pool, caller).check_movable()
-        return self.transfers.grant(self.lease(caller, ref).lease_id, pool, pages, ttl_s)
+        self.pool(args.pool, caller).check_movable()
+        return self.transfers.grant(self.lease(caller, ref).lease_id, args)
 
-    async def send(self, caller: Caller, ref: LeaseRef, pool: str, pages: bytes, peer: str,
-                   token: bytes) -> Outgoing:
-        """``Transfers.send`` for a proven lease of the caller, in a pool of its scope."""
-        self.pool(pool, caller).check_movable()
-        return await self.transfers.send(self.lease(caller, ref).lease_id, pool, pages, peer,
-                                         token)
+    async def send(self, caller: Caller, ref: LeaseRef, args: SendArgs | PostArgs
+                   ) -> Outgoing:
+        """``Transfers.send`` for a proven lease of the caller, in a pool of its scope, or
+        ``Transfers.post`` of a send the lease holds."""
+        if isinstance(args, PostArgs):
+            return await self.transfers.post(self.lease(caller, ref).owner, args)
+        self.pool(args.pool, caller).check_movable()
+        return await self.transfers.send(self.lease(caller, ref).lease_id, args)
 
     def close(self) -> None:
         """Release every pool and the factory (shutdown). Idempotent."""

@@ -27,11 +27,26 @@ from kvpoold.ids import Grant
 from kvpoold.server.args import ConfigureArgs, LeaseRef
 from kvpoold.server.leases import CacheCounts, Lease
 from kvpoold.transfer import Outgoing
-from kvpoold.transfer.grants import MAX_GRANT_PAGES, ReceiveGrant, check_token
+from kvpoold.transfer.grants import (
+    DEFAULT_GRANT_TTL_S,
+    MAX_GRANT_PAGES,
+    ReceiveGrant,
+    check_token,
+)
 from kvpoold.transfer.liveness import MAX_BOOT_ID_CHARS, ProcessId
-from kvpoold.transfer.messages import Acceptance, PeerDoneArgs, PeerReceiveArgs
+from kvpoold.transfer.messages import (
+    Acceptance,
+    GrantArgs,
+    PeerDoneArgs,
+    PeerReceiveArgs,
+    PostArgs,
+    SendArgs,
+    WaitArgs,
+)
 from kvpoold.transfer.nixl_agent import MAX_KNOWN_GENERATIONS
-from kvpoold.transfer.peers import MAX_MESSAGE_CHARS, MAX_PEER_CHARS
+from kvpoold.transfer.pages import check_pages
+from kvpoold.transfer.peers import MAX_MESSAGE_CHARS, MAX_PEER_CHARS, check_peer
+from kvpoold.transfer.transfers import MAX_WAIT_S
 
 # The PlanOptions fields a ConfigureRequest carries, by the same name; unset ones are left to
 # the plan's defaults (optional numbers by presence, strings when empty, bools when false).
@@ -331,9 +346,10 @@ def grant_receive_response(grant: ReceiveGrant, now: float) -> pb.GrantReceiveRe
         swa_pages=b"" if grant.swa_pages is None else codec.ids_to_bytes(grant.swa_pages))
 
 
-def send_response(out: Outgoing) -> pb.SendResponse:
+def send_response(out: Outgoing, now: float) -> pb.SendResponse:
     return pb.SendResponse(transfer_id=out.transfer_id, bytes=out.nbytes,
-                           descriptors=out.descriptors, peer_agent=out.peer_agent)
+                           descriptors=out.descriptors, peer_agent=out.peer_agent,
+                           status=codec.transfer_status_to_pb(out.status(now)))
 
 
 def peer_done_response() -> pb.PeerDoneResponse:
@@ -352,6 +368,62 @@ def _bounded(text: str, limit: int, field: str, what: str) -> str:
         raise InvalidArgument(f"{field} has {len(text):,} characters, at most {limit:,} "
                               f"({what})", field=field)
     return text
+
+
+def grant_args(req: pb.GrantReceiveRequest) -> GrantArgs:
+    """A GrantReceive request as typed values (its lease: :func:`lease_ref`); a TTL of 0 is
+    DEFAULT_GRANT_TTL_S (its range is the grant table's to check).
+
+    Raises:
+        InvalidArgument: pages that are not 1..MAX_GRANT_PAGES whole int32 ids, each once.
+    """
+    return GrantArgs(pool=req.pool, pages=check_pages(req.pages, "pages"),
+                     ttl_s=req.ttl_seconds or DEFAULT_GRANT_TTL_S)
+
+
+def send_args(req: pb.SendRequest) -> SendArgs | PostArgs:
+    """A Send request as typed values (its lease: :func:`lease_ref`): a new send, or the post
+    of a held one (``transfer_id`` set).
+
+    Raises:
+        InvalidArgument: pages that are not 1..MAX_GRANT_PAGES whole int32 ids, each once; a
+            peer that is no address; a token empty or over MAX_TOKEN_BYTES; a wait outside
+            0..MAX_WAIT_S, or with hold; hold or a send's fields with transfer_id.
+    """
+    wait = req.wait_seconds
+    if not 0 <= wait <= MAX_WAIT_S:
+        raise InvalidArgument(f"wait_seconds {wait} is outside 0..{MAX_WAIT_S:g}",
+                              field="wait_seconds")
+    if req.transfer_id:
+        if req.hold or req.pages or req.peer or req.token:
+            raise InvalidArgument(
+                "transfer_id posts a held send: leave hold, pages, peer and token unset (the "
+                "held send has them)", field="transfer_id")
+        return PostArgs(transfer_id=req.transfer_id, wait_s=wait)
+    if req.hold and wait:
+        raise InvalidArgument("wait_seconds with hold: a held send posts nothing to wait for; "
+                              "wait when posting it (transfer_id)", field="wait_seconds")
+    return SendArgs(pool=req.pool, pages=check_pages(req.pages, "pages"),
+                    peer=check_peer(req.peer), token=check_token(req.token), hold=req.hold,
+                    wait_s=wait)
+
+
+def wait_args(req: pb.WaitTransferRequest) -> WaitArgs:
+    """A WaitTransfer request as typed values.
+
+    Raises:
+        InvalidArgument: neither or both of transfer_id and token, a token over its bound,
+            or a timeout outside 0..MAX_WAIT_S.
+    """
+    if bool(req.transfer_id) == bool(req.token):
+        raise InvalidArgument("give transfer_id (a Send of this daemon) or token (a grant of "
+                              "this daemon), one of them", field="transfer_id")
+    timeout = req.timeout_seconds
+    if not 0 <= timeout <= MAX_WAIT_S:
+        raise InvalidArgument(f"timeout_seconds {timeout} is outside 0..{MAX_WAIT_S:g}",
+                              field="timeout_seconds")
+    return WaitArgs(transfer_id=req.transfer_id,
+                    token=check_token(req.token) if req.token else b"", timeout_s=timeout)
 
 
 def peer_receive_args(req: pb.PeerReceiveRequest) -> PeerReceiveArgs:

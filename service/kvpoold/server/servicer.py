@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from grpc import aio
@@ -22,6 +23,7 @@ from kvpoold.server.give_back import ELASTIC_WAIT_S, GIVE_BACK_WAIT_S
 from kvpoold.server.intake import accept
 from kvpoold.server.stats_replies import StatsReplies
 from kvpoold.server.status import RpcObserver, rpc_errors
+from kvpoold.transfer.grants import check_token
 
 # Message types for annotations only; edge.py and kvpool.contract.codec build them.
 if TYPE_CHECKING:
@@ -202,26 +204,31 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
                            ) -> pb.GrantReceiveResponse:
         grant = self._daemon.grant_receive(
             self._caller(context), edge.lease_ref(request.lease_id, request.lease_secret),
-            request.pool, request.pages, request.ttl_seconds)
+            edge.grant_args(request))
         return edge.grant_receive_response(grant, self._daemon.now())
 
     @rpc_errors
     async def Send(self, request: pb.SendRequest, context: Ctx) -> pb.SendResponse:
+        args = edge.send_args(request)
+        remaining = context.time_remaining()
+        if remaining is not None and args.wait_s > 0:  # answer before the deadline hits
+            args = replace(args, wait_s=max(0.0, min(args.wait_s,
+                                                     remaining - DEADLINE_MARGIN_S)))
         out = await self._daemon.send(
-            self._caller(context), edge.lease_ref(request.lease_id, request.lease_secret),
-            request.pool, request.pages, request.peer, request.token)
-        return edge.send_response(out)
+            self._caller(context), edge.lease_ref(request.lease_id, request.lease_secret), args)
+        return edge.send_response(out, self._daemon.now())
 
     @rpc_errors
     async def WaitTransfer(self, request: pb.WaitTransferRequest, context: Ctx
                            ) -> pb.TransferStatus:
         caller = self._caller(context)
-        timeout = request.timeout_seconds
+        args = edge.wait_args(request)
         remaining = context.time_remaining()
-        if remaining is not None and timeout > 0:  # answer PENDING before the deadline hits
-            timeout = max(0.0, min(timeout, remaining - DEADLINE_MARGIN_S))
-        status = await self._daemon.transfers.wait(request.transfer_id, request.token, timeout,
-                                                   None if caller.admin else caller.identity)
+        if remaining is not None and args.timeout_s > 0:  # answer PENDING before the deadline
+            args = replace(args, timeout_s=max(0.0, min(args.timeout_s,
+                                                         remaining - DEADLINE_MARGIN_S)))
+        status = await self._daemon.transfers.wait(args, None if caller.admin
+                                                   else caller.identity)
         return codec.transfer_status_to_pb(status)
 
     @rpc_errors
@@ -235,8 +242,7 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
     @rpc_errors
     async def PeerDone(self, request: pb.PeerDoneRequest, context: Ctx) -> pb.PeerDoneResponse:
         self._caller(context).check_peer("PeerDone")
-        args = edge.peer_done_args(request)
-        self._daemon.transfers.peer_done(args.token, args.ok, args.message)
+        self._daemon.transfers.peer_done(edge.peer_done_args(request))
         return edge.peer_done_response()
 
     @rpc_errors
@@ -245,5 +251,5 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
         lease = self._daemon.lease(self._caller(context),
                                    edge.lease_ref(request.lease_id, request.lease_secret))
         status, freed, fenced = self._daemon.transfers.cancel_grant(
-            lease.owner, lease.lease_id, request.token)
+            lease.owner, lease.lease_id, check_token(request.token))
         return edge.cancel_grant_response(status, freed, fenced)

@@ -16,7 +16,7 @@ import numpy as np
 from kvpool.contract.plan import BufferSpec
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpoold.transfer.messages import Acceptance
-from kvpoold.transfer.nixl_agent import mem_type
+from kvpoold.transfer.nixl_module import mem_type
 from kvpoold.transfer.page_layout import KV_SPACE, page_buffers, page_layout
 
 if TYPE_CHECKING:

@@ -149,13 +149,17 @@ class GrantTable:
         clock: the daemon's monotonic clock.
         on_end: called with each grant as it ends (for counters and logs).
         max_fenced_pages: fenced pages one peer may hold before its writes are refused.
+        on_windows: called whenever the open write windows change (one opened, closed, or
+            fenced): what the agent reads notifications for follows them.
     """
 
     def __init__(self, clock: Callable[[], float],
                  on_end: Callable[[ReceiveGrant], None] | None = None,
-                 max_fenced_pages: int = MAX_FENCED_PAGES_PER_PEER) -> None:
+                 max_fenced_pages: int = MAX_FENCED_PAGES_PER_PEER,
+                 on_windows: Callable[[], None] | None = None) -> None:
         self._clock = clock
         self._on_end = on_end
+        self._on_windows = on_windows or (lambda: None)
         self.max_fenced_pages = max_fenced_pages
         # peer -> its fenced grants (record ended, write window open)
         self._fenced: dict[str, set[ReceiveGrant]] = {}
@@ -285,6 +289,7 @@ class GrantTable:
         grant.notification = b"kvpool1:" + secrets.token_hex(8).encode()
         self._by_notification[grant.notification] = grant
         self._deadlines.push(grant.deadline_at, grant)
+        self._on_windows()
         return grant.notification
 
     def by_notification(self, message: bytes) -> ReceiveGrant | None:
@@ -303,6 +308,7 @@ class GrantTable:
             self._fenced.setdefault(grant.peer, set()).add(grant)
             self._fenced_pages[grant.peer] = (self._fenced_pages.get(grant.peer, 0)
                                               + int(grant.pages.shape[0]))
+            self._on_windows()
         self.live -= 1
         mine = self._by_owner.get(grant.owner)
         if mine is not None:
@@ -334,8 +340,8 @@ class GrantTable:
     def _unpin(self, grant: ReceiveGrant) -> None:
         unpin, grant.unpin = grant.unpin, None
         unwatch, grant.unwatch = grant.unwatch, None
-        if grant.notification:
-            self._by_notification.pop(grant.notification, None)
+        if grant.notification and self._by_notification.pop(grant.notification, None):
+            self._on_windows()
         if unwatch is not None:
             unwatch()
         if unpin is not None:

@@ -1,9 +1,11 @@
-"""The peer protocol's typed messages: what PeerReceive asks and answers, what PeerDone says.
+"""The transfer RPCs' typed arguments, and the peer protocol's messages: what PeerReceive asks
+and answers, what PeerDone says.
 
-The edge makes :class:`PeerReceiveArgs` and :class:`PeerDoneArgs` from a peer's requests and
-encodes :class:`Acceptance` as this daemon's answer; ``peers`` makes the same values into the
+The edge (``kvpoold.server.edge``) makes every value here from a request, checked and bounded
+once (GrantReceive, Send, WaitTransfer from engines; PeerReceive and PeerDone from peers), and
+encodes :class:`Acceptance` as this daemon's answer; ``peers`` makes the peer messages into the
 requests this daemon sends and decodes a peer's answer into an :class:`Acceptance`. The wire
-form lives in those two places only.
+form lives in those two places only: nothing else in the transfer wing sees request bytes.
 """
 
 from __future__ import annotations
@@ -14,6 +16,50 @@ import numpy as np
 
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpoold.transfer.liveness import ProcessId
+
+
+@dataclass(frozen=True)
+class GrantArgs:
+    """A GrantReceive request: the pool, the kv page ids to grant (1..MAX_GRANT_PAGES, each
+    once, as int32), the grant's TTL (the wire's 0 already made the default)."""
+
+    pool: str
+    pages: np.ndarray
+    ttl_s: float
+
+
+@dataclass(frozen=True)
+class SendArgs:
+    """A Send request: the pool, the kv page ids to send (1..MAX_GRANT_PAGES, each once, as
+    int32), the receiving daemon as a gRPC target, the grant's token; whether to only hold
+    the peer's acceptance (post later: :class:`PostArgs`), how long to wait for the write's
+    end before answering (0..MAX_WAIT_S; 0 with hold)."""
+
+    pool: str
+    pages: np.ndarray
+    peer: str
+    token: bytes = field(repr=False)
+    hold: bool = False
+    wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class PostArgs:
+    """A Send request posting a held send: its ``transfer_id``, how long to wait for the
+    write's end before answering (0..MAX_WAIT_S)."""
+
+    transfer_id: int
+    wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class WaitArgs:
+    """A WaitTransfer request: a send of this daemon (``transfer_id``) or a grant of it
+    (``token``), exactly one; how long to wait (0..MAX_WAIT_S)."""
+
+    transfer_id: int
+    token: bytes = field(repr=False)
+    timeout_s: float = 0.0
 
 
 @dataclass(frozen=True)

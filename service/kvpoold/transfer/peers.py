@@ -2,9 +2,12 @@
 this daemon sends (the only place the transfer wing builds them), and the per-peer counters.
 
 A peer's refusal comes back as the same error type, prefixed with the peer's address; a peer
-that cannot be reached is ``Unavailable`` naming the ``peer`` field. At most :data:`MAX_PEERS`
-clients are kept (least recently used closed first), and counters past that many peers go to
-``other`` (a bounded label set for Stats and /metrics).
+that cannot be reached is ``Unavailable`` naming the ``peer`` field. A peer's answer is made
+typed here, once: an optional field it left unset takes its documented default (the proto's
+comments; :data:`DEFAULT_WRITE_DEADLINE_S`), and an answer this daemon cannot use is refused and
+the peer told at once (``PeerDone``), so the grant it accepted is not left fenced. At most
+:data:`MAX_PEERS` clients are kept (least recently used closed first), and counters past that
+many peers go to ``other`` (a bounded label set for Stats and /metrics).
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ MAX_PEERS = 256
 PEER_TIMEOUT_S = 10.0
 # The longest write deadline a peer may give (an answer beyond it is refused).
 MAX_WRITE_DEADLINE_S = 3600.0
+# The write deadline of a peer's answer that names none (unset, 0): the window a receiver
+# gives a grant of the default TTL (kvpoold.transfer.grants.DEFAULT_GRANT_TTL_S).
+DEFAULT_WRITE_DEADLINE_S = 60.0
 
 Spawn = Callable[[Coroutine[Any, Any, Any]], None]
 
@@ -64,22 +70,25 @@ def _ids(data: bytes, target: str, field: str) -> Any:
 
 
 def _acceptance(target: str, resp: pb.PeerReceiveResponse) -> Acceptance:
-    """A peer's PeerReceive answer as typed values.
+    """A peer's PeerReceive answer as typed values: unset optional fields take their
+    defaults (memory DRAM, device 0, no SWA pages, no metadata, a write deadline of
+    DEFAULT_WRITE_DEADLINE_S).
 
     Raises:
-        Internal: a malformed answer (page ids, memory type, write deadline).
+        Internal: a malformed answer (page ids, memory type, a negative or too long write
+            deadline).
     """
     if resp.memory not in ("", "DRAM", "VRAM"):
         raise Internal(f"peer {target} answered memory type {resp.memory!r}")
-    if not 0 < resp.write_deadline_seconds <= MAX_WRITE_DEADLINE_S:
+    deadline = resp.write_deadline_seconds or DEFAULT_WRITE_DEADLINE_S
+    if not 0 < deadline <= MAX_WRITE_DEADLINE_S:
         raise Internal(f"peer {target} answered a write deadline of "
-                       f"{resp.write_deadline_seconds} s")
+                       f"{resp.write_deadline_seconds} s (0 < it <= {MAX_WRITE_DEADLINE_S:g})")
     return Acceptance(
         agent=resp.agent, generation=resp.generation, metadata=resp.agent_metadata,
         buffer_addresses=list(resp.buffer_addresses), pages=_ids(resp.pages, target, "pages"),
         swa_pages=_ids(resp.swa_pages, target, "swa_pages"), notification=resp.notification,
-        memory=resp.memory or "DRAM", device=resp.device,
-        write_deadline_s=resp.write_deadline_seconds)
+        memory=resp.memory or "DRAM", device=resp.device, write_deadline_s=deadline)
 
 
 class Peers:
@@ -117,7 +126,8 @@ class Peers:
         Raises:
             Unavailable: the peer cannot be reached. Any KVPoolError the peer answered, its
                 message prefixed with the peer's address (with how peer tokens work when it
-                refused this daemon's token). Internal: a malformed answer.
+                refused this daemon's token). Internal: a malformed answer (the peer is told
+                nothing will be written, so its grant does not stay fenced).
         """
         req = pb.PeerReceiveRequest(
             token=args.token, layout=args.layout, pages=args.pages, swa_mask=args.swa_mask,
@@ -139,7 +149,12 @@ class Peers:
                     if isinstance(exc, Unauthenticated | PermissionDenied) else "")
             raise type(exc)(f"peer {target} refused the transfer: {exc.message}{hint}",
                             field=exc.field) from None
-        return _acceptance(target, resp)
+        try:
+            return _acceptance(target, resp)
+        except KVPoolError as exc:  # the peer accepted: its pages stay fenced until told
+            self._spawn(self.tell_done(target, args.token, False,
+                                       f"the sender could not use the answer: {exc.message}"))
+            raise
 
     async def tell_done(self, target: str, token: bytes, ok: bool, message: str) -> None:
         """Call ``target``'s PeerDone; a failure to tell is ignored (the peer's pages then stay

@@ -2,17 +2,17 @@
 notification ending its grant.
 
 A lease grants pages it holds (:meth:`Receives.grant`, pinned from here: see ``grants``); a peer
-daemon presenting the token is checked (the grant, the page layout, the page count and SWA
-mask) and accepted once (:meth:`Receives.peer_receive`); while an accepted grant's write window
-is open this daemon reads NIXL's notifications, and the write's own notification ends the grant
-``done``. The sender's ``PeerDone(ok=false)`` (its write ended, nothing of it in flight) ends it
-``failed``; ``ok=true`` ends nothing. The sender's process is watched (``liveness``) where it
-can be: its exit closes the window too. The lease can cancel its grant (:meth:`Receives.cancel`).
+daemon presenting the token is checked (the grant, the page layout, the page count and SWA mask)
+and accepted once (:meth:`Receives.peer_receive`); while an accepted grant's write window is
+open the agent's progress thread reads NIXL's notifications (``NixlAgent.listen``) and posts
+them here, and the write's own notification ends the grant ``done``. The sender's
+``PeerDone(ok=false)`` (its write ended, nothing of it in flight) ends it ``failed``;
+``ok=true`` ends nothing. The sender's process is watched (``liveness``) where it can be: its
+exit closes the window too. The lease can cancel its grant (:meth:`Receives.cancel`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -22,26 +22,18 @@ import numpy as np
 from kvpool.contract.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvpool.contract.records import TransferState, TransferStatus
 from kvpoold.transfer.descriptors import Layouts, page_memory
-from kvpoold.transfer.grants import DEFAULT_GRANT_TTL_S, GrantTable, ReceiveGrant
+from kvpoold.transfer.grants import GrantTable, ReceiveGrant
 from kvpoold.transfer.liveness import ProcessWatch
-from kvpoold.transfer.messages import Acceptance, PeerReceiveArgs
-from kvpoold.transfer.nixl_agent import NixlAgent
+from kvpoold.transfer.messages import Acceptance, GrantArgs, PeerReceiveArgs
+from kvpoold.transfer.nixl_agent import NixlAgent, Notes
 from kvpoold.transfer.page_layout import KV_SPACE, layout_mismatch
-from kvpoold.transfer.pages import LeaseLookup, Pins, check_pages, has_swa, held_space
+from kvpoold.transfer.pages import LeaseLookup, Pins, has_swa, held_space
 from kvpoold.transfer.peers import Peers
 
 if TYPE_CHECKING:
     from kvpoold.pools.pool import Pool
 
 log = logging.getLogger("kvpoold.transfer")
-
-# The receiver only waits for the notification of a one-sided write: it reads notifications
-# every RECEIVER_POLL_S while a write window is open (spinning there took the sender's core on
-# a small machine: 256 pages went from 1.16x to 1.46x raw NIXL in bench/transfer.py).
-RECEIVER_POLL_S = 0.001
-# While only fenced grants are open (their writers stopped or slow), notifications are read this
-# often: a resumed writer's notification still frees the pages, without a busy loop meanwhile.
-FENCED_POLL_S = 0.05
 
 
 class Receives:
@@ -69,17 +61,17 @@ class Receives:
         self._layouts = layouts
         self._pins = pins
         self._peers = peers
-        self.grants = GrantTable(clock, self._grant_ended)
-        self._poller: asyncio.Task[None] | None = None
+        self.grants = GrantTable(clock, self._grant_ended, on_windows=self._listen)
 
-    def grant(self, lease_id: int, pool: str, pages_bytes: bytes, ttl_s: float) -> ReceiveGrant:
-        """Let one transfer write into ``pages`` (held by the lease) until ``ttl_s`` passes.
+    def grant(self, lease_id: int, args: GrantArgs) -> ReceiveGrant:
+        """Let one transfer write into ``args.pages`` (held by the lease) until
+        ``args.ttl_s`` passes.
 
         Raises:
             FailedPrecondition: no NIXL, or a page not held by the lease or pinned.
             InvalidArgument, NotFound, ResourceExhausted: see GrantTable.add and the checks.
         """
-        pages = check_pages(pages_bytes, "pages")
+        pool, pages = args.pool, args.pages
         self._need_agent()
         entry = self._pool(pool)
         lease = self._leases.get(lease_id)
@@ -94,7 +86,7 @@ class Receives:
         swa = entry.ids.paired_of(KV_SPACE, pages) if has_swa(entry.plan) else None
         linked = None if swa is None else swa[swa != 0]
         grant = self.grants.add(pool, lease_id, lease.owner, pages, swa,
-                                ttl_s or DEFAULT_GRANT_TTL_S,
+                                args.ttl_s,
                                 lambda: self._pins.hold(entry, pages, linked))
         log.info("receive granted", extra={"fields": {
             "event": "grant", "pool": pool, "lease_id": lease_id, "pages": int(pages.shape[0]),
@@ -137,7 +129,6 @@ class Receives:
         notification = self.grants.accept(grant, args.sender, nbytes, args.writer)
         if args.writer is not None:
             grant.unwatch = self._watch.watch(args.writer, lambda: self._writer_exited(grant))
-        self._ensure_poller()
         generation = agent.generation(grant.pool)
         stale = args.known_agent != agent.name or generation not in args.known_generations
         log.info("receive accepted", extra={"fields": {
@@ -222,26 +213,25 @@ class Receives:
         freed = n if was_pinned and grant.unpin is None else 0
         return grant.status(self._clock()), freed, fenced
 
-    def _ensure_poller(self) -> None:
-        if self._poller is None or self._poller.done():
-            self._poller = asyncio.get_running_loop().create_task(self._poll_notifications())
+    def _listen(self) -> None:
+        """Tell the agent what to read notifications for, whenever the open write windows
+        change: live ones (often), only fenced ones (rarely), none (not at all)."""
+        try:
+            agent = self._need_agent()
+        except FailedPrecondition:
+            return  # no NIXL: no window ever opens
+        receiving = self.grants.receiving
+        agent.listen("off" if not receiving else "fenced"
+                     if receiving <= self.grants.fenced_writes else "live", self.notified)
 
-    async def _poll_notifications(self) -> None:
-        """Read completion notifications while an accepted grant's write window is open."""
-        agent = self._need_agent()
-        while self.grants.receiving:
-            fenced_only = self.grants.receiving <= self.grants.fenced_writes
-            try:
-                notes = agent.notifications()
-            except Exception:
-                log.exception("reading NIXL notifications failed")
-                notes = {}
-            for messages in notes.values():
-                for message in messages:
-                    grant = self.grants.by_notification(bytes(message))
-                    if grant is not None:
-                        self.grants.close_window(grant, TransferState.done, "")
-            await asyncio.sleep(FENCED_POLL_S if fenced_only else RECEIVER_POLL_S)
+    def notified(self, notes: Notes) -> None:
+        """Notifications the agent read (by sending agent): each write's own ends its grant
+        ``done`` and gives its pages back; others are ignored."""
+        for messages in notes.values():
+            for message in messages:
+                grant = self.grants.by_notification(bytes(message))
+                if grant is not None:
+                    self.grants.close_window(grant, TransferState.done, "")
 
     def _grant_ended(self, grant: ReceiveGrant) -> None:
         if not grant.receiving:
@@ -254,8 +244,3 @@ class Receives:
             "event": "receive_end", "pool": grant.pool, "state": grant.state.value,
             "message": grant.message, "bytes": grant.nbytes, "peer": grant.peer,
             "seconds": round(grant.ended_at - grant.accepted_at, 6)}})
-
-    def close(self) -> None:
-        """Stop reading notifications."""
-        if self._poller is not None:
-            self._poller.cancel()

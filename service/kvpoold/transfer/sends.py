@@ -6,12 +6,18 @@ it can land any more (NIXL reported it done or failed, or it was cancelled and t
 after the cancel completed: ``nixl_agent``). It is cancelled at its deadline, and when its lease
 ends or its pool is dropped. A write that did not end done is told to the peer with
 ``PeerDone(ok=false)`` only then, and the peer gives its pages back on that word. The send's
-pages are pinned from Send until its write has ended (``pages``).
+pages are pinned from Send until its write has ended (``pages``). A *held* send (``hold``) stops
+after the peer's acceptance with its write prepared (descriptors built, metadata loaded), and a
+later Send naming it only posts it: the peer's round trip happens ahead of the hot path, and a
+held send not posted by its write deadline ends failed (the peer told, nothing posted). The
+agent's progress thread watches a posted write; this side only awaits its end
+(``NixlAgent.ended``), never polls.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -25,13 +31,13 @@ import numpy as np
 from kvpool.contract.errors import FailedPrecondition, Internal, KVPoolError, NotFound
 from kvpool.contract.records import TransferState, TransferStatus
 from kvpoold.transfer.descriptors import Layouts, page_memory, write_rows
-from kvpoold.transfer.grants import TransferRecord, check_token
+from kvpoold.transfer.grants import TransferRecord
 from kvpoold.transfer.liveness import this_process
-from kvpoold.transfer.messages import Acceptance, PeerReceiveArgs
-from kvpoold.transfer.nixl_agent import NixlAgent, Write
+from kvpoold.transfer.messages import Acceptance, PeerReceiveArgs, PostArgs, SendArgs
+from kvpoold.transfer.nixl_agent import NixlAgent, Write, XferState
 from kvpoold.transfer.page_layout import KV_SPACE
-from kvpoold.transfer.pages import LeaseLookup, Pins, check_pages, has_swa, held_space
-from kvpoold.transfer.peers import Peers, Spawn, check_peer
+from kvpoold.transfer.pages import LeaseLookup, Pins, has_swa, held_space
+from kvpoold.transfer.peers import Peers, Spawn
 
 if TYPE_CHECKING:
     from kvpoold.pools.pool import Pool
@@ -39,12 +45,19 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpoold.transfer")
 
 MAX_ENDED_SENDS = 4096
-# Completion polling. The agent has no progress thread (see nixl_agent), so a write moves
-# only as fast as its sender polls it: for SPIN_S after posting the loop checks on every turn
-# (other calls still run in between), then at most MAX_POLL_S apart, so a write whose peer is
-# gone does not keep a core busy.
-SPIN_S = 0.5
-MAX_POLL_S = 0.001
+
+
+@dataclass(frozen=True, eq=False)
+class Prepared:
+    """A write ready to post: both descriptor lists and memory types, the notification the
+    peer asked for, and the source pool's buffers (kept while the write may read them)."""
+
+    local: np.ndarray
+    local_kind: str
+    remote: np.ndarray
+    remote_kind: str
+    notification: bytes
+    source: Any
 
 
 @dataclass(eq=False)
@@ -65,6 +78,8 @@ class Outgoing(TransferRecord):
     write_s: float = 0.0  # the write deadline the peer gave, from its PeerReceive request
     deadline: float = 0.0  # time.monotonic() by which the write must end (from the peer)
     write: Write | None = None  # the posted write, until it ended
+    held: Prepared | None = None  # the write prepared and not posted yet (a held send)
+    expiry: asyncio.TimerHandle | None = None  # a held send's end at its write deadline
     # Gives the pages' pins back (exactly once): when nothing was posted, or once the posted
     # write has ended. None after.
     unpin: Any = None
@@ -107,21 +122,21 @@ class Sends:
         self._sending: dict[int, list[Outgoing]] = {}  # owner -> its sends in flight
         self._ids = itertools.count(1)
 
-    async def send(self, lease_id: int, pool: str, pages_bytes: bytes, peer: str,
-                   token: bytes) -> Outgoing:
-        """Write ``pages`` (held by the lease) into the peer's pages granted by ``token``.
+    async def send(self, lease_id: int, args: SendArgs) -> Outgoing:
+        """Write ``args.pages`` (held by the lease) into the peer's pages granted by
+        ``args.token``.
 
-        Returns once the peer accepted and the write is posted; the record ends by itself.
+        Returns once the peer accepted and the write is posted (with ``args.wait_s``: once it
+        ended, or that long after); with ``args.hold``, once the peer accepted: the write is
+        ready, and :meth:`post` posts it. The record ends by itself.
 
         Raises:
             FailedPrecondition: no NIXL, a page not held, or the peer refused (grant ended,
                 layouts differ...: the peer's message, prefixed with its address).
             Unavailable: the peer cannot be reached. NotFound: pool, lease or (at the peer)
-                grant unknown. InvalidArgument: malformed pages, peer or token.
+                grant unknown. InvalidArgument: (at the peer) a page count not granted.
         """
-        pages = check_pages(pages_bytes, "pages")
-        target = check_peer(peer)
-        check_token(token)
+        pool, pages, target, token = args.pool, args.pages, args.peer, args.token
         agent = self._need_agent()
         entry = self._pool(pool)
         lease = self._leases.get(lease_id)
@@ -142,13 +157,13 @@ class Sends:
         accepted = False
         try:
             known = self._peers.agent_of(target)
-            args = PeerReceiveArgs(
+            ask = PeerReceiveArgs(
                 token=token, layout=self._layouts.of(entry), pages=int(pages.shape[0]),
                 swa_mask=mask.tobytes(), known_agent=known,
                 known_generations=frozenset(agent.known_generations(known) if known else ()),
                 sender=agent.name, writer=this_process())
             asked_at = time.monotonic()  # the write deadline counts from here
-            acc = await self._peers.ask_receive(target, args)
+            acc = await self._peers.ask_receive(target, ask)
             accepted = True
             if out.state != TransferState.pending:  # the pool or the lease went meanwhile
                 raise FailedPrecondition(f"transfer {out.transfer_id}: {out.message}",
@@ -157,25 +172,82 @@ class Sends:
                 raise FailedPrecondition(
                     f"peer {target} is this daemon itself: a daemon cannot send pages to its "
                     "own pools over NIXL", field="peer")
-            self._post(agent, entry, out, acc, swa_src, asked_at)
+            self._prepare(agent, entry, out, acc, swa_src, asked_at)
+            if args.hold:
+                out.expiry = asyncio.get_running_loop().call_later(
+                    max(0.0, out.deadline - time.monotonic()), self._held_expired, out)
+                return out
+            self._start(agent, out)
         except BaseException as exc:
-            msg = exc.message if isinstance(exc, KVPoolError) else f"{type(exc).__name__}: {exc}"
-            self._end(out, TransferState.failed, msg)
-            if out.write is not None and out.write.ended is None:
-                self._spawn(self._watch(agent, out))  # it tells the peer once the write ended
-            else:
-                out.source = None  # nothing of it is in flight
-                self._unpin(out)
-                if accepted:  # the peer keeps the grant's pages fenced until told
-                    self._spawn(self._peers.tell_done(target, token, False, msg))
+            self._failed(agent, out, exc, accepted)
             raise
-        self._spawn(self._watch(agent, out))
+        await self._waited(out, args.wait_s)
         return out
 
-    def _post(self, agent: NixlAgent, entry: Pool, out: Outgoing, acc: Acceptance,
-              swa_src: np.ndarray, asked_at: float) -> None:
-        """Load the peer's metadata if it came, build both descriptor lists, post the WRITE
-        with the deadline the peer gave (from ``asked_at``)."""
+    async def post(self, owner: int, args: PostArgs) -> Outgoing:
+        """Post the held send ``args.transfer_id`` of the lease ``owner`` (see :meth:`send`):
+        its write was prepared when the peer accepted, so this is the NIXL post alone.
+
+        Returns:
+            The send, once posted (with ``args.wait_s``: once it ended, or that long after).
+
+        Raises:
+            NotFound: no send of this lease with that id. FailedPrecondition: no NIXL, or the
+                send was not held, is posted already, or has ended (its deadline passed, its
+                lease or pool went).
+        """
+        agent = self._need_agent()
+        out = self._sends.get(args.transfer_id)
+        if out is None or out.owner != owner:
+            raise NotFound(f"no send {args.transfer_id} of this lease on this daemon (held "
+                           "sends are posted by the lease that made them)",
+                           field="transfer_id")
+        if out.state != TransferState.pending:
+            raise FailedPrecondition(f"transfer {out.transfer_id} has ended: {out.message}",
+                                     field="transfer_id")
+        if out.held is None:
+            raise FailedPrecondition(f"transfer {out.transfer_id} is not a held send waiting "
+                                     "to be posted (posted already, or sent without hold)",
+                                     field="transfer_id")
+        try:
+            self._start(agent, out)
+        except BaseException as exc:
+            self._failed(agent, out, exc, True)
+            raise
+        await self._waited(out, args.wait_s)
+        return out
+
+    @staticmethod
+    async def _waited(out: Outgoing, wait_s: float) -> None:
+        """Wait up to ``wait_s`` for a posted send's record to end."""
+        if wait_s <= 0 or out.state != TransferState.pending:
+            return
+        # On the write's own future (its end callback, registered first, ends the record
+        # before this wakes): no task in between on the hot path.
+        ended = out.write.done if out.write is not None else asyncio.ensure_future(
+            out.ended.wait())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(ended), wait_s)
+
+    def _failed(self, agent: NixlAgent, out: Outgoing, exc: BaseException,
+                accepted: bool) -> None:
+        """A send failed before or while posting: end its record, and give its pins back
+        and tell the peer once nothing of it is in flight."""
+        msg = exc.message if isinstance(exc, KVPoolError) else f"{type(exc).__name__}: {exc}"
+        self._end(out, TransferState.failed, msg)
+        self._forget_held(out)
+        if out.write is not None and out.write.ended is None:
+            self._watch(agent, out)  # it tells the peer once the write ended
+        else:
+            out.source = None  # nothing of it is in flight
+            self._unpin(out)
+            if accepted:  # the peer keeps the grant's pages fenced until told
+                self._spawn(self._peers.tell_done(out.peer, out.token, False, msg))
+
+    def _prepare(self, agent: NixlAgent, entry: Pool, out: Outgoing, acc: Acceptance,
+                 swa_src: np.ndarray, asked_at: float) -> None:
+        """Load the peer's metadata if it came, build both descriptor lists, with the
+        deadline the peer gave (from ``asked_at``): everything of the write but its post."""
         mine = page_memory(entry)
         if (len(acc.buffer_addresses) != len(mine.buffers) or acc.pages.shape != out.pages.shape
                 or acc.swa_pages.shape != swa_src.shape):
@@ -194,24 +266,39 @@ class Sends:
         local, remote = write_rows(mine, out.pages, swa_src, acc)
         out.nbytes = int(local[:, 1].sum())
         out.descriptors = int(local.shape[0])
-        out.posted_at = self._clock()
         out.write_s = acc.write_deadline_s
         out.deadline = asked_at + acc.write_deadline_s
-        out.source = entry.buffers
-        out.write, state = agent.post_write(local, mine.memory, remote, acc.memory, acc.agent,
-                                            acc.notification, out.deadline)
-        if state == "ERR":
-            raise Internal(f"NIXL could not post the write to {out.peer} ({acc.agent})")
+        out.held = Prepared(local, mine.memory, remote, acc.memory, acc.notification,
+                            entry.buffers)
 
-    async def _watch(self, agent: NixlAgent, out: Outgoing) -> None:
-        """Poll the posted write until it has ended (the agent cancels it at its deadline);
-        then give its pins back and tell the peer about a write that did not end done."""
+    def _start(self, agent: NixlAgent, out: Outgoing) -> None:
+        """Post the prepared write; end the record at once if it already ended (a small
+        write over shared memory), else watch it."""
+        held = out.held
+        assert held is not None
+        self._forget_held(out)
+        out.posted_at = self._clock()
+        out.source = held.source
+        out.write = agent.post_write(held.local, held.local_kind, held.remote, held.remote_kind,
+                                     out.peer_agent, held.notification, out.deadline)
+        if out.write.ended == "ERR":
+            raise Internal(f"NIXL could not post the write to {out.peer} ({out.peer_agent})")
+        if out.write.ended is not None:
+            self._written(out, out.write.ended)
+        else:
+            self._watch(agent, out)
+
+    def _watch(self, agent: NixlAgent, out: Outgoing) -> None:
+        """End the send once the posted write has ended (the agent cancels it at its
+        deadline)."""
         write = out.write
         assert write is not None
-        start = time.monotonic()
-        while (state := agent.state(write)) == "PROC":
-            waited = time.monotonic() - start
-            await asyncio.sleep(0.0 if waited < SPIN_S and not write.cancelled else MAX_POLL_S)
+        agent.ended(write).add_done_callback(
+            lambda done: self._written(out, done.result()) if not done.cancelled() else None)
+
+    def _written(self, out: Outgoing, state: XferState) -> None:
+        """The posted write has ended: give its pins back, end the record, and tell the peer
+        about a write that did not end done."""
         out.source = None
         self._unpin(out)
         if state == "DONE":
@@ -225,14 +312,32 @@ class Sends:
                else f"NIXL reported an error writing to {out.peer_agent} at {out.peer} (the "
                "peer daemon died or its memory went away)")
         self._end(out, TransferState.failed, why)
-        await self._peers.tell_done(out.peer, out.token, False,
-                                    f"{why}; nothing of it is in flight")
+        self._spawn(self._peers.tell_done(out.peer, out.token, False,
+                                          f"{why}; nothing of it is in flight"))
+
+    def _held_expired(self, out: Outgoing) -> None:
+        out.expiry = None
+        self._cancel(out, f"the held send was not posted within its {out.write_s:.3g} s "
+                     "write deadline")
+
+    @staticmethod
+    def _forget_held(out: Outgoing) -> None:
+        out.held = None
+        if out.expiry is not None:
+            out.expiry.cancel()
+            out.expiry = None
 
     def _cancel(self, out: Outgoing, why: str) -> None:
         """End a send's record as failed and cancel its write (its pins stay until the write
-        has ended: the watcher gives them back and tells the peer)."""
+        has ended: the watcher gives them back and tells the peer); a held send's write was
+        never posted: its pins go now, and the peer is told."""
         self._end(out, TransferState.failed, why)
-        if out.write is not None:
+        if out.held is not None:
+            self._forget_held(out)
+            self._unpin(out)
+            self._spawn(self._peers.tell_done(out.peer, out.token, False,
+                                              f"{why}; the held write was never posted"))
+        elif out.write is not None:
             self._need_agent().cancel(out.write)
 
     @staticmethod

@@ -24,10 +24,12 @@ page is refused, and a lease's end quarantines its pinned pages (no other lease 
 them) until the last unpin frees them. Nothing outside the ledger is consulted by Free.
 
 Only peer daemons call PeerReceive and PeerDone (the servicer checks the caller); a self-send is
-refused before anything is posted.
+refused before anything is posted. Every argument comes typed and bounded from the edge
+(``messages``); nothing here reads request bytes.
 
-All state is owned by the daemon's event loop; NIXL calls are made on it too (microseconds
-each; registration of a new pool runs in Configure's worker thread).
+All state is owned by the daemon's event loop. NIXL is progressed by the agent's own thread
+(``nixl_agent``, ``progress``), which posts each write's end and the notifications to the loop:
+the loop never spins or polls for a transfer.
 """
 
 from __future__ import annotations
@@ -40,13 +42,22 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvpool.contract.errors import FailedPrecondition, InvalidArgument
+from kvpool.contract.errors import FailedPrecondition
 from kvpool.contract.records import PeerStats, TransferState, TransferStatus
 from kvpoold.transfer.descriptors import Layouts
 from kvpoold.transfer.grants import GrantTable, ReceiveGrant
 from kvpoold.transfer.liveness import ProcessWatch
-from kvpoold.transfer.messages import Acceptance, PeerReceiveArgs
-from kvpoold.transfer.nixl_agent import NIXL_MISSING, NixlAgent
+from kvpoold.transfer.messages import (
+    Acceptance,
+    GrantArgs,
+    PeerDoneArgs,
+    PeerReceiveArgs,
+    PostArgs,
+    SendArgs,
+    WaitArgs,
+)
+from kvpoold.transfer.nixl_agent import NixlAgent
+from kvpoold.transfer.nixl_module import NIXL_MISSING
 from kvpoold.transfer.pages import LeaseLookup, Pins
 from kvpoold.transfer.peers import Peers
 from kvpoold.transfer.receives import Receives
@@ -152,17 +163,21 @@ class Transfers:
 
     # -- either side -------------------------------------------------------------------------
 
-    def grant(self, lease_id: int, pool: str, pages_bytes: bytes, ttl_s: float) -> ReceiveGrant:
+    def grant(self, lease_id: int, args: GrantArgs) -> ReceiveGrant:
         """See :meth:`Receives.grant`."""
-        return self._receives.grant(lease_id, pool, pages_bytes, ttl_s)
+        return self._receives.grant(lease_id, args)
 
     def peer_receive(self, args: PeerReceiveArgs) -> Acceptance:
         """See :meth:`Receives.peer_receive`."""
         return self._receives.peer_receive(args)
 
-    def peer_done(self, token: bytes, ok: bool, message: str) -> None:
+    def peer_done(self, args: PeerDoneArgs) -> None:
         """See :meth:`Receives.peer_done`."""
-        self._receives.peer_done(token, ok, message)
+        self._receives.peer_done(args.token, args.ok, args.message)
+
+    def notified(self, notes: dict[str, list[bytes]]) -> None:
+        """See :meth:`Receives.notified` (the agent's progress thread posts them there)."""
+        self._receives.notified(notes)
 
     def cancel_grant(self, owner: int, lease_id: int, token: bytes
                      ) -> tuple[TransferStatus, int, int]:
@@ -170,32 +185,28 @@ class Transfers:
         self._need_agent()
         return self._receives.cancel(owner, lease_id, token)
 
-    async def send(self, lease_id: int, pool: str, pages_bytes: bytes, peer: str,
-                   token: bytes) -> Outgoing:
+    async def send(self, lease_id: int, args: SendArgs) -> Outgoing:
         """See :meth:`Sends.send`."""
-        return await self._sends.send(lease_id, pool, pages_bytes, peer, token)
+        return await self._sends.send(lease_id, args)
 
-    async def wait(self, transfer_id: int, token: bytes, timeout_s: float,
-                   identity: str | None = None) -> TransferStatus:
-        """The status of a send (``transfer_id``) or a grant (``token``), after waiting up to
-        ``timeout_s`` for it to end. A send is shown only to ``identity``, the caller identity
-        of its lease (None: any caller, an admin); a grant to whoever has its token.
+    async def post(self, owner: int, args: PostArgs) -> Outgoing:
+        """See :meth:`Sends.post`."""
+        return await self._sends.post(owner, args)
+
+    async def wait(self, args: WaitArgs, identity: str | None = None) -> TransferStatus:
+        """The status of a send (``args.transfer_id``) or a grant (``args.token``), after
+        waiting up to ``args.timeout_s`` for it to end. A send is shown only to ``identity``,
+        the caller identity of its lease (None: any caller, an admin); a grant to whoever has
+        its token.
 
         Raises:
-            InvalidArgument: neither or both given, or a timeout outside 0..MAX_WAIT_S.
             NotFound: unknown (or long ended) transfer or grant, or another identity's send.
         """
-        if bool(transfer_id) == bool(token):
-            raise InvalidArgument("give transfer_id (a Send of this daemon) or token (a "
-                                  "grant of this daemon), one of them", field="transfer_id")
-        if not 0 <= timeout_s <= MAX_WAIT_S:
-            raise InvalidArgument(f"timeout_seconds {timeout_s} is outside 0..{MAX_WAIT_S:g}",
-                                  field="timeout_seconds")
-        record: Outgoing | ReceiveGrant = (self._sends.find(transfer_id, identity)
-                                           if transfer_id else self.grants.find(token))
-        if record.state == TransferState.pending and timeout_s > 0:
+        record: Outgoing | ReceiveGrant = (self._sends.find(args.transfer_id, identity)
+                                           if args.transfer_id else self.grants.find(args.token))
+        if record.state == TransferState.pending and args.timeout_s > 0:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(record.ended.wait(), timeout_s)
+                await asyncio.wait_for(record.ended.wait(), args.timeout_s)
         return record.status(self._clock())
 
     # -- hooks from the daemon -----------------------------------------------------------------
@@ -214,9 +225,10 @@ class Transfers:
         self._receives.grants.expire()
 
     async def close(self) -> None:
-        """Stop every watcher and the notification poller; close the peer clients."""
+        """Stop every watcher and the agent's progress thread; close the peer clients."""
         for task in list(self._tasks):
             task.cancel()
-        self._receives.close()
+        if self.agent is not None:
+            self.agent.close()
         self.watch.close()
         await self._peers.close()
