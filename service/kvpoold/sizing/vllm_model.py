@@ -1,5 +1,6 @@
 """A HF ``config.json`` read the way vLLM 0.32 reads it for its KV cache: per layer, full
-attention, sliding window or MLA, with vLLM's head sizes, default ``max_model_len`` and dtype.
+attention, sliding window, MLA, a gated-delta-net or Mamba state, or nothing (an MLP / MoE
+block), with vLLM's head sizes, default ``max_model_len`` and dtype.
 
 This is not :mod:`kvpoold.hf` (SGLang's reading): vLLM takes ``sliding_window`` as is (gpt-oss:
 128, where SGLang keeps 127), slides Gemma-2/3's layers from their ``layer_types`` pattern, and
@@ -29,6 +30,8 @@ DEFAULT_MAX_LEN = 2048
 # RoPE types whose max_position_embeddings is already the scaled length.
 SCALED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn",
                      "deepseek_llama_scaling")
+# what the refusals of other state layers name
+_STATES = "Qwen3-Next's gated delta nets and the Mamba hybrids of model_type nemotron_h, jamba"
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16",
            "float32": "float32", "float": "float32"}
 
@@ -38,6 +41,8 @@ class LayerKind(enum.StrEnum):
     sliding = "sliding"
     mla = "mla"
     linear = "linear"  # gated delta net: a conv + SSM state per request (vLLM's MambaSpec)
+    mamba = "mamba"  # a Mamba-1 or Mamba-2 mixer: a conv + SSM state per request (MambaSpec)
+    ffn = "ffn"  # an MLP or MoE block alone (Nemotron-H's ``-`` / ``E``): nothing cached
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,70 @@ class GatedDeltaNet:
                     + self.num_value_heads * self.value_head_dim)
         conv = conv_dim // tp * (self.conv_kernel - 1)
         ssm = self.num_value_heads // tp * self.key_head_dim * self.value_head_dim
+        return conv * conv_itemsize + ssm * ssm_itemsize
+
+
+@dataclass(frozen=True)
+class MambaMixer:
+    """The state geometry of a Mamba mixer: Mamba-1 (``num_heads`` 0) or Mamba-2.
+
+    Per request and TP rank (vLLM's ``MambaStateShapeCalculator``): Mamba-1 keeps a conv
+    state ``(intermediate / tp, kernel - 1)`` and an SSM state ``(intermediate / tp,
+    state_size)``; Mamba-2 a conv state ``((intermediate + 2 * groups * state_size) / tp,
+    kernel - 1)``, ``groups`` raised to ``n_groups + tp - n_groups`` when ``n_groups`` does
+    not split over ``tp`` (the groups a head shard needs are replicated), and an SSM state
+    ``(num_heads / tp, head_dim, state_size)``.
+    """
+
+    intermediate_size: int
+    state_size: int
+    conv_kernel: int
+    n_groups: int = 0  # Mamba-2 only
+    num_heads: int = 0  # Mamba-2 only
+    head_dim: int = 0  # Mamba-2 only
+    # the SSM dtype the model's own config hook sets for ``--mamba-ssm-cache-dtype auto``
+    # (Nemotron-H: its ``mamba_ssm_cache_dtype``, else float32), None when it sets none
+    auto_ssm_dtype: str | None = None
+
+    @property
+    def version(self) -> int:
+        return 2 if self.num_heads else 1
+
+    @property
+    def checkpoint_blocks(self) -> int:
+        """Blocks a request holds beside its running and previous state with prefix caching:
+        a Mamba-2 mixer keeps one prefill checkpoint (vLLM's
+        ``num_prefill_checkpoint_blocks``), a Mamba-1 mixer none."""
+        return 1 if self.version == 2 else 0
+
+    def split(self, tp: int) -> tuple[int, int]:
+        """(conv state elements, SSM state elements) of one request on one TP rank.
+
+        Raises:
+            InvalidArgument: a dimension vLLM cannot split over ``tp``.
+        """
+        if self.version == 1:
+            conv_dim, heads = self.intermediate_size, 0
+        else:
+            groups = self.n_groups + (tp - self.n_groups if self.n_groups % tp else 0)
+            conv_dim, heads = self.intermediate_size + 2 * groups * self.state_size, \
+                self.num_heads
+        for what, value in (("conv channels", conv_dim), ("SSM heads", heads)):
+            if value % tp:
+                raise InvalidArgument(
+                    f"the model's Mamba-{self.version} {what} ({value}) do not split over "
+                    f"tp_size {tp}; choose a --tp-size that divides them", field="tp_size")
+        conv = conv_dim // tp * (self.conv_kernel - 1)
+        if self.version == 1:
+            return conv, self.intermediate_size // tp * self.state_size
+        return conv, heads // tp * self.head_dim * self.state_size
+
+    def state_bytes(self, tp: int, conv_itemsize: int, ssm_itemsize: int) -> int:
+        """One request's conv state (in the model dtype) plus SSM state (in vLLM's SSM state
+        dtype) on one TP rank. Nemotron-H-56B (Mamba-2: 256 heads of 64, 8 groups, state
+        256, kernel 4), TP 1, bf16 conv, fp32 SSM: (16,384 + 2 * 8 * 256) * 3 * 2 = 122,880
+        B + 256 * 64 * 256 * 4 = 16,777,216 B, 16,900,096 B in all."""
+        conv, ssm = self.split(tp)
         return conv * conv_itemsize + ssm * ssm_itemsize
 
 
@@ -88,6 +157,10 @@ class VllmModel:
     gdn: GatedDeltaNet | None = None  # the linear layers' state, when there are any
     # the config fields that decided the layer kinds (paths in the file, as vLLM reads them)
     decided_by: tuple[str, ...] = ()
+    mamba: MambaMixer | None = None  # the mamba layers' state, when there are any
+    # vLLM's module names of a layer's attention and of its state, ``{i}`` its index
+    attention_module: str = "model.layers.{i}.self_attn.attn"
+    state_module: str = "model.layers.{i}.linear_attn"
 
     @property
     def is_mla(self) -> bool:
@@ -96,6 +169,74 @@ class VllmModel:
     @property
     def is_hybrid_linear(self) -> bool:
         return self.gdn is not None
+
+    @property
+    def has_state(self) -> bool:
+        """Some layer keeps a per-request state (a gated delta net or a Mamba mixer)."""
+        return self.gdn is not None or self.mamba is not None
+
+
+@dataclass(frozen=True)
+class _StateLayers:
+    """A Mamba hybrid's layers as its vLLM model class builds them."""
+
+    mixer: MambaMixer
+    kinds: tuple[LayerKind, ...]  # per layer: mamba, full or ffn
+    fields: tuple[str, ...]  # the config fields that placed them
+    attention_module: str
+    state_module: str
+
+
+# Nemotron-H's block letters (``hybrid_override_pattern``) and what each caches
+NEMOTRON_H_BLOCKS = {"M": LayerKind.mamba, "*": LayerKind.full, "-": LayerKind.ffn,
+                     "E": LayerKind.ffn}
+
+
+def _nemotron_h(text: Mapping[str, Any], n: int, where: str) -> _StateLayers:
+    """Nemotron-H: one block per letter of ``hybrid_override_pattern``, Mamba-2 mixers of
+    ``mamba_num_heads`` heads; vLLM's config hook sets an ``auto`` SSM dtype to the config's
+    ``mamba_ssm_cache_dtype``, else float32."""
+    pattern = text.get("hybrid_override_pattern")
+    if not isinstance(pattern, str) or len(pattern) != n:
+        raise InvalidArgument(
+            f"{where}: hybrid_override_pattern must be a string of num_hidden_layers ({n}) "
+            f"block letters, got {pattern!r}", field=FIELD)
+    kinds = []
+    for i, letter in enumerate(pattern):
+        if letter not in NEMOTRON_H_BLOCKS:
+            raise InvalidArgument(
+                f"{where}: hybrid_override_pattern has {letter!r} at layer {i}; vLLM "
+                f"{VLLM_VERSION}'s Nemotron-H builds {', '.join(NEMOTRON_H_BLOCKS)} blocks",
+                field=FIELD)
+        kinds.append(NEMOTRON_H_BLOCKS[letter])
+    heads, head_dim = _int(text, "mamba_num_heads", where), _int(text, "mamba_head_dim", where)
+    mixer = MambaMixer(heads * head_dim, _int(text, "ssm_state_size", where),
+                       _int(text, "conv_kernel", where), _int(text, "n_groups", where),
+                       heads, head_dim,
+                       auto_ssm_dtype=_DTYPES.get(str(text.get("mamba_ssm_cache_dtype")),
+                                                  "float32"))
+    return _StateLayers(mixer, tuple(kinds), ("hybrid_override_pattern",),
+                        "model.layers.{i}.mixer.attn", "model.layers.{i}.mixer")
+
+
+def _jamba(text: Mapping[str, Any], n: int, where: str) -> _StateLayers:
+    """Jamba: attention where ``i % attn_layer_period == attn_layer_offset``, Mamba-1
+    mixers of ``mamba_expand * hidden_size`` channels elsewhere."""
+    period = _int(text, "attn_layer_period", where)
+    offset = text.get("attn_layer_offset")
+    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < period:
+        raise InvalidArgument(f"{where}: attn_layer_offset must be an integer in [0, "
+                              f"attn_layer_period), got {offset!r}", field=FIELD)
+    kinds = tuple(LayerKind.full if i % period == offset else LayerKind.mamba
+                  for i in range(n))
+    mixer = MambaMixer(_int(text, "mamba_expand", where) * _int(text, "hidden_size", where),
+                       _int(text, "mamba_d_state", where), _int(text, "mamba_d_conv", where))
+    return _StateLayers(mixer, kinds, ("attn_layer_period", "attn_layer_offset"),
+                        "model.layers.{i}.attn", "model.layers.{i}.mixer")
+
+
+# The Mamba hybrids the profile sizes, by text model_type (vLLM's is_hybrid classes).
+MAMBA_HYBRIDS = {"nemotron_h": _nemotron_h, "jamba": _jamba}
 
 
 def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -210,12 +351,16 @@ def _decided_by(config: Mapping[str, Any], text: Mapping[str, Any], model_type: 
             "sliding_switch" in (hf_view.class_row(model_type) or {}):
         out.append("use_sliding_window")  # the switch dropped the window
     fields = [out[0], *(f"{prefix}{f}" for f in out[1:])]
-    if fp8:
-        quant = text.get("quantization_config")
-        scheme = isinstance(quant, Mapping) and quant.get("kv_cache_scheme") is not None
-        fields.append("quantization_config."
-                      + ("kv_cache_scheme" if scheme else "kv_cache_quant_algo"))
-    return tuple(fields)
+    return (*fields, *_fp8_field(text, fp8))
+
+
+def _fp8_field(text: Mapping[str, Any], fp8: bool) -> tuple[str, ...]:
+    """The quantization field that makes the KV cache fp8, when it is."""
+    if not fp8:
+        return ()
+    quant = text.get("quantization_config")
+    scheme = isinstance(quant, Mapping) and quant.get("kv_cache_scheme") is not None
+    return ("quantization_config." + ("kv_cache_scheme" if scheme else "kv_cache_quant_algo"),)
 
 
 def _kv_cache_fp8(text: Mapping[str, Any]) -> bool:
@@ -252,36 +397,39 @@ def read_vllm_model(config: Mapping[str, Any], *, where: str = "config.json") ->
     architecture = str(names[0]) if isinstance(names, list) and names else ""
     model_type = str(text.get("model_type") or config.get("model_type") or "")
     linear = model_type == "qwen3_next"
+    hybrid = MAMBA_HYBRIDS.get(model_type)
     for key, what in (("linear_conv_kernel_dim", "linear attention"),
                       ("mamba_d_state", "mamba"), ("ssm_state_size", "mamba"),
                       ("index_topk", "DeepSeek sparse attention (indexer)"),
                       ("compress_ratios", "DeepSeek-V4 compressed attention")):
-        if text.get(key) is not None and not (linear and key == "linear_conv_kernel_dim"):
+        if text.get(key) is not None and not (linear and key == "linear_conv_kernel_dim") \
+                and not (hybrid is not None and what == "mamba"):
             raise InvalidArgument(
                 f"{where}: {architecture or model_type} has {what} ({key}); the vLLM "
-                "profile sizes full, sliding-window and MLA attention and Qwen3-Next's "
-                "gated delta nets only", field=FIELD)
+                f"profile sizes full, sliding-window and MLA attention, {_STATES}",
+                field=FIELD)
     marker = hf_view.kda_marker(config)
     state = hf_view.state_layer_marker(text)
-    if marker is None and state is not None and not (linear and state[1] == "linear_attention"):
+    if marker is None and state is not None and not (linear and state[1] == "linear_attention") \
+            and not (hybrid is not None and state[1] == "mamba"):
         marker = f"{state[0]} ({state[1]} layers)"
     if marker is not None:
         raise InvalidArgument(
             f"{where}: {architecture or model_type} declares per-request state layers in "
-            f"{marker}; the vLLM profile sizes full, sliding-window and MLA attention and "
-            "Qwen3-Next's gated delta nets only", field=FIELD)
+            f"{marker}; the vLLM profile sizes full, sliding-window and MLA attention, "
+            f"{_STATES}", field=FIELD)
     n = _int(text, "num_hidden_layers", where)
     heads = _int(text, "num_attention_heads", where)
     kv_heads = _kv_heads(text, str(config.get("model_type") or model_type), heads, where)
     dtype = _DTYPES.get(str(text.get("dtype") or text.get("torch_dtype") or ""), "float32")
-    max_len, key = _max_len(text)
+    max_len, key_len = _max_len(text)
     fp8 = _kv_cache_fp8(text)
     mml = text.get("model_max_length")
     if text.get("kv_lora_rank"):
         head_size = _int(text, "kv_lora_rank", where) + _int(text, "qk_rope_head_dim", where)
         layers = tuple(LayerAttention(i, LayerKind.mla) for i in range(n))
         return VllmModel(architecture, model_type, heads, 1, head_size, layers, dtype,
-                         max_len, key, mml, fp8,
+                         max_len, key_len, mml, fp8,
                          decided_by=_decided_by(config, text, model_type, ("mla",), fp8))
     # head_dim when positive, else PLaMo's hidden_size_per_head, else hidden / heads
     head_size = (text.get("head_dim") or text.get("hidden_size_per_head")
@@ -301,6 +449,18 @@ def read_vllm_model(config: Mapping[str, Any], *, where: str = "config.json") ->
         types = text.get("layer_types") or [
             "linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
         window = None
+    if hybrid is not None:
+        layers_of = hybrid(text, n, where)
+        out = [LayerAttention(i, kind) for i, kind in enumerate(layers_of.kinds)]
+        kinds = tuple(dict.fromkeys(layer.kind.value for layer in out))
+        sub = hf_view.text_config(config, "vllm")[0]
+        fields = ("architectures", *(f"{sub}.{f}" if sub else f for f in layers_of.fields))
+        return VllmModel(architecture, model_type, heads, int(kv_heads), int(head_size),
+                         tuple(out), dtype, max_len, key_len, mml, fp8, None,
+                         fields + _fp8_field(text, fp8),
+                         mamba=layers_of.mixer,
+                         attention_module=layers_of.attention_module,
+                         state_module=layers_of.state_module)
     out = []
     for i in range(n):
         if linear and types[i] == "linear_attention":
@@ -311,5 +471,5 @@ def read_vllm_model(config: Mapping[str, Any], *, where: str = "config.json") ->
                                   window if sliding else None))
     kinds = tuple(dict.fromkeys(layer.kind.value for layer in out))
     return VllmModel(architecture, model_type, heads, int(kv_heads), int(head_size),
-                     tuple(out), dtype, max_len, key, mml, fp8, gdn,
+                     tuple(out), dtype, max_len, key_len, mml, fp8, gdn,
                      _decided_by(config, text, model_type, kinds, fp8))
