@@ -10,7 +10,6 @@ layer sliding. Pure: a mapping in, a frozen :class:`VllmModel` out.
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,9 +17,21 @@ from typing import Any
 
 from kvpool.contract.errors import InvalidArgument
 from kvpoold import hf_view
+from kvpoold.sizing.vllm_layers import (
+    DTYPE_NAMES,
+    FIELD,
+    VLLM_VERSION,
+    GatedDeltaNet,
+    LayerAttention,
+    LayerKind,
+    MambaMixer,
+)
+from kvpoold.sizing.vllm_layers import positive_int as _int
+from kvpoold.sizing.vllm_mamba import MAMBA_HYBRIDS
 
-FIELD = "model_config"
-VLLM_VERSION = "0.32"  # the vLLM whose reading this module follows
+__all__ = ["FIELD", "VLLM_VERSION", "GatedDeltaNet", "LayerAttention", "LayerKind",
+           "MambaMixer", "VllmModel", "read_vllm_model"]
+
 SLIDING = "sliding_attention"
 # vLLM's keys for the model's length, the smallest present wins (``model_max_length`` last).
 MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
@@ -32,112 +43,6 @@ SCALED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn",
                      "deepseek_llama_scaling")
 # what the refusals of other state layers name
 _STATES = "Qwen3-Next's gated delta nets and the Mamba hybrids of model_type nemotron_h, jamba"
-_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16",
-           "float32": "float32", "float": "float32"}
-
-
-class LayerKind(enum.StrEnum):
-    full = "full"
-    sliding = "sliding"
-    mla = "mla"
-    linear = "linear"  # gated delta net: a conv + SSM state per request (vLLM's MambaSpec)
-    mamba = "mamba"  # a Mamba-1 or Mamba-2 mixer: a conv + SSM state per request (MambaSpec)
-    ffn = "ffn"  # an MLP or MoE block alone (Nemotron-H's ``-`` / ``E``): nothing cached
-
-
-@dataclass(frozen=True)
-class GatedDeltaNet:
-    """The state geometry of a gated-delta-net layer (Qwen3-Next)."""
-
-    num_key_heads: int
-    num_value_heads: int
-    key_head_dim: int
-    value_head_dim: int
-    conv_kernel: int
-
-    def state_bytes(self, tp: int, conv_itemsize: int, ssm_itemsize: int) -> int:
-        """One request's conv state ``(conv_dim / tp, kernel - 1)`` (in the model dtype)
-        plus its SSM state ``(value_heads / tp, key_dim, value_dim)`` (in vLLM's SSM state
-        dtype)."""
-        conv_dim = (self.num_key_heads * self.key_head_dim * 2
-                    + self.num_value_heads * self.value_head_dim)
-        conv = conv_dim // tp * (self.conv_kernel - 1)
-        ssm = self.num_value_heads // tp * self.key_head_dim * self.value_head_dim
-        return conv * conv_itemsize + ssm * ssm_itemsize
-
-
-@dataclass(frozen=True)
-class MambaMixer:
-    """The state geometry of a Mamba mixer: Mamba-1 (``num_heads`` 0) or Mamba-2.
-
-    Per request and TP rank (vLLM's ``MambaStateShapeCalculator``): Mamba-1 keeps a conv
-    state ``(intermediate / tp, kernel - 1)`` and an SSM state ``(intermediate / tp,
-    state_size)``; Mamba-2 a conv state ``((intermediate + 2 * groups * state_size) / tp,
-    kernel - 1)``, ``groups`` raised to ``n_groups + tp - n_groups`` when ``n_groups`` does
-    not split over ``tp`` (the groups a head shard needs are replicated), and an SSM state
-    ``(num_heads / tp, head_dim, state_size)``.
-    """
-
-    intermediate_size: int
-    state_size: int
-    conv_kernel: int
-    n_groups: int = 0  # Mamba-2 only
-    num_heads: int = 0  # Mamba-2 only
-    head_dim: int = 0  # Mamba-2 only
-    # the SSM dtype the model's own config hook sets for ``--mamba-ssm-cache-dtype auto``
-    # (Nemotron-H: its ``mamba_ssm_cache_dtype``, else float32), None when it sets none
-    auto_ssm_dtype: str | None = None
-
-    @property
-    def version(self) -> int:
-        return 2 if self.num_heads else 1
-
-    @property
-    def checkpoint_blocks(self) -> int:
-        """Blocks a request holds beside its running and previous state with prefix caching:
-        a Mamba-2 mixer keeps one prefill checkpoint (vLLM's
-        ``num_prefill_checkpoint_blocks``), a Mamba-1 mixer none."""
-        return 1 if self.version == 2 else 0
-
-    def split(self, tp: int) -> tuple[int, int]:
-        """(conv state elements, SSM state elements) of one request on one TP rank.
-
-        Raises:
-            InvalidArgument: a dimension vLLM cannot split over ``tp``.
-        """
-        if self.version == 1:
-            conv_dim, heads = self.intermediate_size, 0
-        else:
-            groups = self.n_groups + (tp - self.n_groups if self.n_groups % tp else 0)
-            conv_dim, heads = self.intermediate_size + 2 * groups * self.state_size, \
-                self.num_heads
-        for what, value in (("conv channels", conv_dim), ("SSM heads", heads)):
-            if value % tp:
-                raise InvalidArgument(
-                    f"the model's Mamba-{self.version} {what} ({value}) do not split over "
-                    f"tp_size {tp}; choose a --tp-size that divides them", field="tp_size")
-        conv = conv_dim // tp * (self.conv_kernel - 1)
-        if self.version == 1:
-            return conv, self.intermediate_size // tp * self.state_size
-        return conv, heads // tp * self.head_dim * self.state_size
-
-    def state_bytes(self, tp: int, conv_itemsize: int, ssm_itemsize: int) -> int:
-        """One request's conv state (in the model dtype) plus SSM state (in vLLM's SSM state
-        dtype) on one TP rank. Nemotron-H-56B (Mamba-2: 256 heads of 64, 8 groups, state
-        256, kernel 4), TP 1, bf16 conv, fp32 SSM: (16,384 + 2 * 8 * 256) * 3 * 2 = 122,880
-        B + 256 * 64 * 256 * 4 = 16,777,216 B, 16,900,096 B in all."""
-        conv, ssm = self.split(tp)
-        return conv * conv_itemsize + ssm * ssm_itemsize
-
-
-@dataclass(frozen=True)
-class LayerAttention:
-    """One decoder layer's attention as its KV cache sees it."""
-
-    index: int
-    kind: LayerKind
-    sliding_window: int | None = None
-
 
 @dataclass(frozen=True)
 class VllmModel:
@@ -176,69 +81,6 @@ class VllmModel:
         return self.gdn is not None or self.mamba is not None
 
 
-@dataclass(frozen=True)
-class _StateLayers:
-    """A Mamba hybrid's layers as its vLLM model class builds them."""
-
-    mixer: MambaMixer
-    kinds: tuple[LayerKind, ...]  # per layer: mamba, full or ffn
-    fields: tuple[str, ...]  # the config fields that placed them
-    attention_module: str
-    state_module: str
-
-
-# Nemotron-H's block letters (``hybrid_override_pattern``) and what each caches
-NEMOTRON_H_BLOCKS = {"M": LayerKind.mamba, "*": LayerKind.full, "-": LayerKind.ffn,
-                     "E": LayerKind.ffn}
-
-
-def _nemotron_h(text: Mapping[str, Any], n: int, where: str) -> _StateLayers:
-    """Nemotron-H: one block per letter of ``hybrid_override_pattern``, Mamba-2 mixers of
-    ``mamba_num_heads`` heads; vLLM's config hook sets an ``auto`` SSM dtype to the config's
-    ``mamba_ssm_cache_dtype``, else float32."""
-    pattern = text.get("hybrid_override_pattern")
-    if not isinstance(pattern, str) or len(pattern) != n:
-        raise InvalidArgument(
-            f"{where}: hybrid_override_pattern must be a string of num_hidden_layers ({n}) "
-            f"block letters, got {pattern!r}", field=FIELD)
-    kinds = []
-    for i, letter in enumerate(pattern):
-        if letter not in NEMOTRON_H_BLOCKS:
-            raise InvalidArgument(
-                f"{where}: hybrid_override_pattern has {letter!r} at layer {i}; vLLM "
-                f"{VLLM_VERSION}'s Nemotron-H builds {', '.join(NEMOTRON_H_BLOCKS)} blocks",
-                field=FIELD)
-        kinds.append(NEMOTRON_H_BLOCKS[letter])
-    heads, head_dim = _int(text, "mamba_num_heads", where), _int(text, "mamba_head_dim", where)
-    mixer = MambaMixer(heads * head_dim, _int(text, "ssm_state_size", where),
-                       _int(text, "conv_kernel", where), _int(text, "n_groups", where),
-                       heads, head_dim,
-                       auto_ssm_dtype=_DTYPES.get(str(text.get("mamba_ssm_cache_dtype")),
-                                                  "float32"))
-    return _StateLayers(mixer, tuple(kinds), ("hybrid_override_pattern",),
-                        "model.layers.{i}.mixer.attn", "model.layers.{i}.mixer")
-
-
-def _jamba(text: Mapping[str, Any], n: int, where: str) -> _StateLayers:
-    """Jamba: attention where ``i % attn_layer_period == attn_layer_offset``, Mamba-1
-    mixers of ``mamba_expand * hidden_size`` channels elsewhere."""
-    period = _int(text, "attn_layer_period", where)
-    offset = text.get("attn_layer_offset")
-    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < period:
-        raise InvalidArgument(f"{where}: attn_layer_offset must be an integer in [0, "
-                              f"attn_layer_period), got {offset!r}", field=FIELD)
-    kinds = tuple(LayerKind.full if i % period == offset else LayerKind.mamba
-                  for i in range(n))
-    mixer = MambaMixer(_int(text, "mamba_expand", where) * _int(text, "hidden_size", where),
-                       _int(text, "mamba_d_state", where), _int(text, "mamba_d_conv", where))
-    return _StateLayers(mixer, kinds, ("attn_layer_period", "attn_layer_offset"),
-                        "model.layers.{i}.attn", "model.layers.{i}.mixer")
-
-
-# The Mamba hybrids the profile sizes, by text model_type (vLLM's is_hybrid classes).
-MAMBA_HYBRIDS = {"nemotron_h": _nemotron_h, "jamba": _jamba}
-
-
 def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
     """The text config as transformers loads it (:func:`kvpoold.hf_view.class_view`), the
     sub-config transformers' ``get_text_config`` finds (``decoder``, ``generator``,
@@ -265,14 +107,6 @@ def _kv_heads(text: Mapping[str, Any], model_type: str, heads: int, where: str) 
     if found is None:
         return heads
     return _int(text, found[0], where)
-
-
-def _int(config: Mapping[str, Any], key: str, where: str) -> int:
-    value = config.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgument(f"{where}: {key} must be a positive integer, got {value!r}",
-                              field=FIELD)
-    return value
 
 
 def _layer_types(text: Mapping[str, Any], model_type: str, n: int) -> list[str] | None:
@@ -421,7 +255,7 @@ def read_vllm_model(config: Mapping[str, Any], *, where: str = "config.json") ->
     n = _int(text, "num_hidden_layers", where)
     heads = _int(text, "num_attention_heads", where)
     kv_heads = _kv_heads(text, str(config.get("model_type") or model_type), heads, where)
-    dtype = _DTYPES.get(str(text.get("dtype") or text.get("torch_dtype") or ""), "float32")
+    dtype = DTYPE_NAMES.get(str(text.get("dtype") or text.get("torch_dtype") or ""), "float32")
     max_len, key_len = _max_len(text)
     fp8 = _kv_cache_fp8(text)
     mml = text.get("model_max_length")
