@@ -55,10 +55,10 @@ def _nemotron_h(text: Mapping[str, Any], n: int, where: str) -> StateLayers:
     mixer = MambaMixer(heads * head_dim, _int(text, "ssm_state_size", where),
                        _int(text, "conv_kernel", where), _int(text, "n_groups", where),
                        heads, head_dim,
-                       auto_ssm_dtype=DTYPE_NAMES.get(str(text.get("mamba_ssm_cache_dtype")),
-                                                  "float32"))
+                       auto_ssm_dtype=DTYPE_NAMES.get(
+                           str(text.get("mamba_ssm_cache_dtype")), "float32"))
     return StateLayers(mixer, tuple(kinds), ("hybrid_override_pattern",),
-                        "model.layers.{i}.mixer.attn", "model.layers.{i}.mixer")
+                       "model.layers.{i}.mixer.attn", "model.layers.{i}.mixer")
 
 
 def _jamba(text: Mapping[str, Any], n: int, where: str) -> StateLayers:
@@ -74,7 +74,7 @@ def _jamba(text: Mapping[str, Any], n: int, where: str) -> StateLayers:
     mixer = MambaMixer(_int(text, "mamba_expand", where) * _int(text, "hidden_size", where),
                        _int(text, "mamba_d_state", where), _int(text, "mamba_d_conv", where))
     return StateLayers(mixer, kinds, ("attn_layer_period", "attn_layer_offset"),
-                        "model.layers.{i}.attn", "model.layers.{i}.mixer")
+                       "model.layers.{i}.attn", "model.layers.{i}.mixer")
 
 
 # The Mamba hybrids the profile sizes, by text model_type (vLLM's is_hybrid classes).

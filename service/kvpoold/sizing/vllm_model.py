@@ -286,7 +286,6 @@ def read_vllm_model(config: Mapping[str, Any], *, where: str = "config.json") ->
     if hybrid is not None:
         layers_of = hybrid(text, n, where)
         out = [LayerAttention(i, kind) for i, kind in enumerate(layers_of.kinds)]
-        kinds = tuple(dict.fromkeys(layer.kind.value for layer in out))
         sub = hf_view.text_config(config, "vllm")[0]
         fields = ("architectures", *(f"{sub}.{f}" if sub else f for f in layers_of.fields))
         return VllmModel(architecture, model_type, heads, int(kv_heads), int(head_size),
