@@ -53,6 +53,8 @@ CORPUS = (
     "corpus/gpt_bigcode-santacoder",  # n_layer / n_head / n_embd, multi_query: 1 KV head
     "corpus/falcon-40b-instruct",  # Falcon's new decoder: multi_query ignored, num_kv_heads
     "corpus/starcoder2-7b",  # a model-level window on every layer
+    "corpus/nemotron-h-56b-base-8k",  # Mamba-2 + attention + MLP blocks by letter
+    "corpus/ai21-jamba-1.5-mini",  # Mamba-1 + attention by period and offset
 )
 
 
@@ -122,6 +124,26 @@ def _cases() -> list[Case]:
             mamba_ssm_cache_dtype="float16", cpu_avx512_bf16="yes")
     variant("qwen3-next-80b-a3b-instruct", "ssm-fp32-cpu-no-avx512-bf16",
             mamba_ssm_cache_dtype="float32", cpu_avx512_bf16="no")
+    # Mamba hybrids: Nemotron-H's SSM state is float32 unless named (its config hook), Jamba's
+    # the model dtype (float32 on a CPU with AVX-512 BF16); a named half dtype stays on either
+    # CPU (transformers calls both mixers linear_attention); TP stays 1
+    nemotron, jamba = "corpus/nemotron-h-56b-base-8k", "corpus/ai21-jamba-1.5-mini"
+    variant(nemotron, "block128-4096", block_size=128, max_model_len=4096)
+    variant(nemotron, "ssm-bf16-cpu-avx512-bf16", mamba_ssm_cache_dtype="bfloat16",
+            cpu_avx512_bf16="yes")
+    variant(nemotron, "ssm-fp16-cpu-no-avx512-bf16", mamba_ssm_cache_dtype="float16",
+            cpu_avx512_bf16="no")
+    variant(nemotron, "no-prefix-caching", no_enable_prefix_caching=True)
+    variant(nemotron, "pp2", pp_size=2)
+    variant(nemotron, "fp8", kv_cache_dtype="fp8")
+    variant(nemotron, "memory-512MiB", kv_cache_memory_bytes=512 * MiB)
+    variant(jamba, "cpu-avx512-bf16", cpu_avx512_bf16="yes")
+    variant(jamba, "cpu-no-avx512-bf16", cpu_avx512_bf16="no")
+    variant(jamba, "ssm-bf16-cpu-avx512-bf16", mamba_ssm_cache_dtype="bfloat16",
+            cpu_avx512_bf16="yes")
+    variant(jamba, "pp3-cpu-no-avx512-bf16", pp_size=3, cpu_avx512_bf16="no")
+    variant(jamba, "block512", block_size=512)
+    variant(jamba, "no-hybrid", disable_hybrid_kv_cache_manager=True)
     variant("gemma-3-1b-it", "async", async_scheduling=True)
     variant("llama-3.1-8b-instruct", "override-100", kv_cache_memory_bytes=GiB,
             num_gpu_blocks_override=100)

@@ -1,5 +1,6 @@
 """A HF ``config.json`` read the way vLLM 0.32 reads it for its KV cache: per layer, full
-attention, sliding window or MLA, with vLLM's head sizes, default ``max_model_len`` and dtype.
+attention, sliding window, MLA, a gated-delta-net or Mamba state, or nothing (an MLP / MoE
+block), with vLLM's head sizes, default ``max_model_len`` and dtype.
 
 This is not :mod:`kvpoold.hf` (SGLang's reading): vLLM takes ``sliding_window`` as is (gpt-oss:
 128, where SGLang keeps 127), slides Gemma-2/3's layers from their ``layer_types`` pattern, and
@@ -9,7 +10,6 @@ layer sliding. Pure: a mapping in, a frozen :class:`VllmModel` out.
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,9 +17,21 @@ from typing import Any
 
 from kvpool.contract.errors import InvalidArgument
 from kvpoold import hf_view
+from kvpoold.sizing.vllm_layers import (
+    DTYPE_NAMES,
+    FIELD,
+    VLLM_VERSION,
+    GatedDeltaNet,
+    LayerAttention,
+    LayerKind,
+    MambaMixer,
+)
+from kvpoold.sizing.vllm_layers import positive_int as _int
+from kvpoold.sizing.vllm_mamba import MAMBA_HYBRIDS
 
-FIELD = "model_config"
-VLLM_VERSION = "0.32"  # the vLLM whose reading this module follows
+__all__ = ["FIELD", "VLLM_VERSION", "GatedDeltaNet", "LayerAttention", "LayerKind",
+           "MambaMixer", "VllmModel", "read_vllm_model"]
+
 SLIDING = "sliding_attention"
 # vLLM's keys for the model's length, the smallest present wins (``model_max_length`` last).
 MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
@@ -29,46 +41,8 @@ DEFAULT_MAX_LEN = 2048
 # RoPE types whose max_position_embeddings is already the scaled length.
 SCALED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn",
                      "deepseek_llama_scaling")
-_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16",
-           "float32": "float32", "float": "float32"}
-
-
-class LayerKind(enum.StrEnum):
-    full = "full"
-    sliding = "sliding"
-    mla = "mla"
-    linear = "linear"  # gated delta net: a conv + SSM state per request (vLLM's MambaSpec)
-
-
-@dataclass(frozen=True)
-class GatedDeltaNet:
-    """The state geometry of a gated-delta-net layer (Qwen3-Next)."""
-
-    num_key_heads: int
-    num_value_heads: int
-    key_head_dim: int
-    value_head_dim: int
-    conv_kernel: int
-
-    def state_bytes(self, tp: int, conv_itemsize: int, ssm_itemsize: int) -> int:
-        """One request's conv state ``(conv_dim / tp, kernel - 1)`` (in the model dtype)
-        plus its SSM state ``(value_heads / tp, key_dim, value_dim)`` (in vLLM's SSM state
-        dtype)."""
-        conv_dim = (self.num_key_heads * self.key_head_dim * 2
-                    + self.num_value_heads * self.value_head_dim)
-        conv = conv_dim // tp * (self.conv_kernel - 1)
-        ssm = self.num_value_heads // tp * self.key_head_dim * self.value_head_dim
-        return conv * conv_itemsize + ssm * ssm_itemsize
-
-
-@dataclass(frozen=True)
-class LayerAttention:
-    """One decoder layer's attention as its KV cache sees it."""
-
-    index: int
-    kind: LayerKind
-    sliding_window: int | None = None
-
+# what the refusals of other state layers name
+_STATES = "Qwen3-Next's gated delta nets and the Mamba hybrids of model_type nemotron_h, jamba"
 
 @dataclass(frozen=True)
 class VllmModel:
@@ -88,6 +62,10 @@ class VllmModel:
     gdn: GatedDeltaNet | None = None  # the linear layers' state, when there are any
     # the config fields that decided the layer kinds (paths in the file, as vLLM reads them)
     decided_by: tuple[str, ...] = ()
+    mamba: MambaMixer | None = None  # the mamba layers' state, when there are any
+    # vLLM's module names of a layer's attention and of its state, ``{i}`` its index
+    attention_module: str = "model.layers.{i}.self_attn.attn"
+    state_module: str = "model.layers.{i}.linear_attn"
 
     @property
     def is_mla(self) -> bool:
@@ -96,6 +74,11 @@ class VllmModel:
     @property
     def is_hybrid_linear(self) -> bool:
         return self.gdn is not None
+
+    @property
+    def has_state(self) -> bool:
+        """Some layer keeps a per-request state (a gated delta net or a Mamba mixer)."""
+        return self.gdn is not None or self.mamba is not None
 
 
 def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -124,14 +107,6 @@ def _kv_heads(text: Mapping[str, Any], model_type: str, heads: int, where: str) 
     if found is None:
         return heads
     return _int(text, found[0], where)
-
-
-def _int(config: Mapping[str, Any], key: str, where: str) -> int:
-    value = config.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgument(f"{where}: {key} must be a positive integer, got {value!r}",
-                              field=FIELD)
-    return value
 
 
 def _layer_types(text: Mapping[str, Any], model_type: str, n: int) -> list[str] | None:
@@ -210,12 +185,16 @@ def _decided_by(config: Mapping[str, Any], text: Mapping[str, Any], model_type: 
             "sliding_switch" in (hf_view.class_row(model_type) or {}):
         out.append("use_sliding_window")  # the switch dropped the window
     fields = [out[0], *(f"{prefix}{f}" for f in out[1:])]
-    if fp8:
-        quant = text.get("quantization_config")
-        scheme = isinstance(quant, Mapping) and quant.get("kv_cache_scheme") is not None
-        fields.append("quantization_config."
-                      + ("kv_cache_scheme" if scheme else "kv_cache_quant_algo"))
-    return tuple(fields)
+    return (*fields, *_fp8_field(text, fp8))
+
+
+def _fp8_field(text: Mapping[str, Any], fp8: bool) -> tuple[str, ...]:
+    """The quantization field that makes the KV cache fp8, when it is."""
+    if not fp8:
+        return ()
+    quant = text.get("quantization_config")
+    scheme = isinstance(quant, Mapping) and quant.get("kv_cache_scheme") is not None
+    return ("quantization_config." + ("kv_cache_scheme" if scheme else "kv_cache_quant_algo"),)
 
 
 def _kv_cache_fp8(text: Mapping[str, Any]) -> bool:
@@ -252,36 +231,39 @@ def read_vllm_model(config: Mapping[str, Any], *, where: str = "config.json") ->
     architecture = str(names[0]) if isinstance(names, list) and names else ""
     model_type = str(text.get("model_type") or config.get("model_type") or "")
     linear = model_type == "qwen3_next"
+    hybrid = MAMBA_HYBRIDS.get(model_type)
     for key, what in (("linear_conv_kernel_dim", "linear attention"),
                       ("mamba_d_state", "mamba"), ("ssm_state_size", "mamba"),
                       ("index_topk", "DeepSeek sparse attention (indexer)"),
                       ("compress_ratios", "DeepSeek-V4 compressed attention")):
-        if text.get(key) is not None and not (linear and key == "linear_conv_kernel_dim"):
+        if text.get(key) is not None and not (linear and key == "linear_conv_kernel_dim") \
+                and not (hybrid is not None and what == "mamba"):
             raise InvalidArgument(
                 f"{where}: {architecture or model_type} has {what} ({key}); the vLLM "
-                "profile sizes full, sliding-window and MLA attention and Qwen3-Next's "
-                "gated delta nets only", field=FIELD)
+                f"profile sizes full, sliding-window and MLA attention, {_STATES}",
+                field=FIELD)
     marker = hf_view.kda_marker(config)
     state = hf_view.state_layer_marker(text)
-    if marker is None and state is not None and not (linear and state[1] == "linear_attention"):
+    if marker is None and state is not None and not (linear and state[1] == "linear_attention") \
+            and not (hybrid is not None and state[1] == "mamba"):
         marker = f"{state[0]} ({state[1]} layers)"
     if marker is not None:
         raise InvalidArgument(
             f"{where}: {architecture or model_type} declares per-request state layers in "
-            f"{marker}; the vLLM profile sizes full, sliding-window and MLA attention and "
-            "Qwen3-Next's gated delta nets only", field=FIELD)
+            f"{marker}; the vLLM profile sizes full, sliding-window and MLA attention, "
+            f"{_STATES}", field=FIELD)
     n = _int(text, "num_hidden_layers", where)
     heads = _int(text, "num_attention_heads", where)
     kv_heads = _kv_heads(text, str(config.get("model_type") or model_type), heads, where)
-    dtype = _DTYPES.get(str(text.get("dtype") or text.get("torch_dtype") or ""), "float32")
-    max_len, key = _max_len(text)
+    dtype = DTYPE_NAMES.get(str(text.get("dtype") or text.get("torch_dtype") or ""), "float32")
+    max_len, key_len = _max_len(text)
     fp8 = _kv_cache_fp8(text)
     mml = text.get("model_max_length")
     if text.get("kv_lora_rank"):
         head_size = _int(text, "kv_lora_rank", where) + _int(text, "qk_rope_head_dim", where)
         layers = tuple(LayerAttention(i, LayerKind.mla) for i in range(n))
         return VllmModel(architecture, model_type, heads, 1, head_size, layers, dtype,
-                         max_len, key, mml, fp8,
+                         max_len, key_len, mml, fp8,
                          decided_by=_decided_by(config, text, model_type, ("mla",), fp8))
     # head_dim when positive, else PLaMo's hidden_size_per_head, else hidden / heads
     head_size = (text.get("head_dim") or text.get("hidden_size_per_head")
@@ -301,6 +283,17 @@ def read_vllm_model(config: Mapping[str, Any], *, where: str = "config.json") ->
         types = text.get("layer_types") or [
             "linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
         window = None
+    if hybrid is not None:
+        layers_of = hybrid(text, n, where)
+        out = [LayerAttention(i, kind) for i, kind in enumerate(layers_of.kinds)]
+        sub = hf_view.text_config(config, "vllm")[0]
+        fields = ("architectures", *(f"{sub}.{f}" if sub else f for f in layers_of.fields))
+        return VllmModel(architecture, model_type, heads, int(kv_heads), int(head_size),
+                         tuple(out), dtype, max_len, key_len, mml, fp8, None,
+                         fields + _fp8_field(text, fp8),
+                         mamba=layers_of.mixer,
+                         attention_module=layers_of.attention_module,
+                         state_module=layers_of.state_module)
     out = []
     for i in range(n):
         if linear and types[i] == "linear_attention":
@@ -311,5 +304,5 @@ def read_vllm_model(config: Mapping[str, Any], *, where: str = "config.json") ->
                                   window if sliding else None))
     kinds = tuple(dict.fromkeys(layer.kind.value for layer in out))
     return VllmModel(architecture, model_type, heads, int(kv_heads), int(head_size),
-                     tuple(out), dtype, max_len, key, mml, fp8, gdn,
+                     tuple(out), dtype, max_len, key_len, mml, fp8, gdn,
                      _decided_by(config, text, model_type, kinds, fp8))

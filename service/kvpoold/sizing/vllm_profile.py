@@ -45,6 +45,7 @@ from kvpoold.sizing.vllm_groups import Group, kv_cache_groups, project
 from kvpoold.sizing.vllm_model import VLLM_VERSION, LayerKind, VllmModel, read_vllm_model
 from kvpoold.sizing.vllm_specs import (
     BACKENDS,
+    ITEMSIZE,
     LayerSpec,
     align_hybrid_block_size,
     layer_specs,
@@ -72,6 +73,7 @@ def blocks_per_request(spec: LayerSpec, max_model_len: int, in_flight_tokens: in
     """Blocks one request of ``max_model_len`` tokens holds in a group of this spec."""
     if spec.type is VllmSpecType.mamba:
         # the running state and, with prefix caching ("align" mode), the one it came from
+        # (and a Mamba-2 mixer's prefill checkpoint)
         return spec.state_blocks
     if spec.type is VllmSpecType.sliding_window:
         assert spec.sliding_window is not None
@@ -238,6 +240,35 @@ def _group_record(g: Group) -> VllmGroup:
                      sliding_window=g.spec.sliding_window, uniform_type=g.uniform_type)
 
 
+# what a state layer is called in the notes, by "is it a Mamba mixer"
+_STATE_WORD = {False: "linear-attention", True: "Mamba"}
+
+
+def _ssm_why(model: VllmModel, options: VllmOptions, ssm: str) -> str:
+    """Who set the SSM dtype: the flag, the model's config hook, or the CPU platform."""
+    if options.mamba_ssm_cache_dtype is not VllmMambaDType.auto \
+            and options.mamba_ssm_cache_dtype.value == ssm:
+        return "--mamba-ssm-cache-dtype"
+    if model.mamba is not None and model.mamba.auto_ssm_dtype == ssm \
+            and options.mamba_ssm_cache_dtype is VllmMambaDType.auto:
+        return f"vLLM's default for {model.architecture or model.model_type}"
+    return "vLLM's CPU platform on a CPU with AVX-512 BF16"
+
+
+def _mamba_note(model: VllmModel, options: VllmOptions, block_size: int, dtype: str) -> str:
+    """One request's Mamba state on one TP rank, its parts and its padded page."""
+    assert model.mamba is not None
+    conv, ssm = model.mamba.split(options.tp_size)
+    conv_dtype, ssm_dtype = model_dtype(model, options), ssm_state_dtype(model, options)
+    conv_b, ssm_b = conv * ITEMSIZE[conv_dtype], ssm * ITEMSIZE[ssm_dtype]
+    padded = align_hybrid_block_size(model, options, block_size, dtype)[1]
+    count = sum(layer.kind is LayerKind.mamba for layer in model.layers)
+    return (f"Mamba-{model.mamba.version} state per request and layer: conv {conv_b:,} B "
+            f"({conv_dtype}) + SSM {ssm_b:,} B ({ssm_dtype}) = {conv_b + ssm_b:,} B"
+            + (f", padded to {padded:,} B" if padded else "")
+            + f"; {count} state layers, their groups beside the attention groups")
+
+
 def plan_vllm_model(model: VllmModel, options: VllmOptions) -> VllmPlan:
     """vLLM's KV cache for worker ``options.pp_rank`` (every TP rank of a stage is alike).
 
@@ -254,18 +285,18 @@ def plan_vllm_model(model: VllmModel, options: VllmOptions) -> VllmPlan:
     block_size = resolve_block_size(model, options, notes)
     dtype = resolve_cache_dtype(model, options)
     max_model_len = _max_model_len(model, options)
-    if model.gdn is not None:
+    if model.has_state:
         ssm = ssm_state_dtype(model, options)
         if ssm != model_dtype(model, options):
-            why = ("vLLM's CPU platform on a CPU with AVX-512 BF16"
-                   if options.mamba_ssm_cache_dtype is VllmMambaDType.auto
-                   else "--mamba-ssm-cache-dtype")
-            notes.append(f"linear-attention SSM states are {ssm} ({why}); conv states "
+            notes.append(f"{_STATE_WORD[model.gdn is None]} SSM states are {ssm} "
+                         f"({_ssm_why(model, options, ssm)}); conv states "
                          f"{model_dtype(model, options)}")
+    if model.mamba is not None:
+        notes.append(_mamba_note(model, options, block_size, dtype))
     aligned, _ = align_hybrid_block_size(model, options, block_size, dtype)
     if aligned != block_size:
         notes.append(f"block_size {block_size} raised to {aligned}: an attention page holds "
-                     "one linear-attention state")
+                     f"one {_STATE_WORD[model.gdn is None]} state")
         block_size = aligned
     layout = facts.mla_layout if model.is_mla else facts.layout
     hybrid = not options.disable_hybrid_kv_cache_manager

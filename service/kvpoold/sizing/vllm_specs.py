@@ -78,7 +78,7 @@ class LayerSpec:
     sliding_window: int | None = None
     page_size_padded: int | None = None
     state_bytes: int = 0  # mamba: one request's state, the whole page
-    state_blocks: int = 0  # mamba: blocks a request holds (2 with prefix caching, else 1)
+    state_blocks: int = 0  # mamba: blocks a request holds (1; with prefix caching 2, Mamba-2 3)
 
     @property
     def unpadded_page_size_bytes(self) -> int:
@@ -118,11 +118,11 @@ class NamedSpec:
     spec: LayerSpec
 
 
-def layer_name(index: int, kind: LayerKind = LayerKind.full) -> str:
-    """vLLM's name of a decoder layer's KV-cache module (most models)."""
-    if kind is LayerKind.linear:
-        return f"model.layers.{index}.linear_attn"
-    return f"model.layers.{index}.self_attn.attn"
+def layer_name(model: VllmModel, index: int, kind: LayerKind = LayerKind.full) -> str:
+    """vLLM's name of a decoder layer's KV-cache module: its state's for a state layer, its
+    attention's otherwise (the model class names them)."""
+    state = kind in (LayerKind.linear, LayerKind.mamba)
+    return (model.state_module if state else model.attention_module).format(i=index)
 
 
 def model_dtype(model: VllmModel, options: VllmOptions | None = None) -> str:
@@ -134,29 +134,37 @@ def model_dtype(model: VllmModel, options: VllmOptions | None = None) -> str:
 
 
 def ssm_state_dtype(model: VllmModel, options: VllmOptions) -> str:
-    """The element type of a linear-attention layer's SSM state (vLLM's
-    ``mamba_ssm_cache_dtype`` once the platform has updated the config).
+    """The element type of a state layer's SSM state (vLLM's ``mamba_ssm_cache_dtype`` once
+    the model's config hook and the platform have updated the config).
 
-    ``--mamba-ssm-cache-dtype auto`` is the model dtype, except on the CPU backend on a CPU
-    with AVX-512 BF16 (:func:`~kvpoold.sizing.vllm_host.has_avx512_bf16`): vLLM's CPU platform
-    then resets it to float32 for its accelerated gated-delta-net kernels. A named dtype is
-    kept (on such a CPU vLLM keeps bfloat16 or float16 only for a gated delta net whose state
-    dtype it is, which every linear layer the profile sizes is).
+    ``--mamba-ssm-cache-dtype auto`` is what the model's hook sets (Nemotron-H: float32,
+    :attr:`~kvpoold.sizing.vllm_model.MambaMixer.auto_ssm_dtype`), else the model dtype. On
+    the CPU backend on a CPU with AVX-512 BF16
+    (:func:`~kvpoold.sizing.vllm_host.has_avx512_bf16`) vLLM's CPU platform resets an
+    ``auto`` that is still unset to float32, and keeps a named bfloat16 or float16 only for
+    layers transformers calls ``linear_attention`` in the config's ``layer_types``, which
+    every state layer the profile sizes is (Qwen3-Next's gated delta nets; Nemotron-H's and
+    Jamba's Mamba mixers, whose ``mamba`` layers transformers renames so).
     """
     asked = options.mamba_ssm_cache_dtype
-    if asked is not VllmMambaDType.auto:
-        return asked.value
-    if options.backend is VllmBackend.cpu and has_avx512_bf16(options):
+    hook = model.mamba.auto_ssm_dtype if model.mamba is not None else None
+    dtype = asked.value if asked is not VllmMambaDType.auto else hook
+    if dtype is None and options.backend is VllmBackend.cpu and has_avx512_bf16(options):
         return "float32"
-    return model_dtype(model, options)
+    return dtype or model_dtype(model, options)
 
 
-def gdn_state_bytes(model: VllmModel, options: VllmOptions) -> int:
-    """One request's gated-delta-net state on one TP rank: the conv state in the model
-    dtype, the SSM state in :func:`ssm_state_dtype`."""
-    assert model.gdn is not None
-    return model.gdn.state_bytes(options.tp_size, ITEMSIZE[model_dtype(model, options)],
-                                 ITEMSIZE[ssm_state_dtype(model, options)])
+def state_bytes(model: VllmModel, options: VllmOptions) -> int:
+    """One request's state (a gated delta net's or a Mamba mixer's) on one TP rank: the conv
+    state in the model dtype, the SSM state in :func:`ssm_state_dtype`.
+
+    Raises:
+        InvalidArgument: a Mamba dimension that does not split over ``tp_size``.
+    """
+    state = model.gdn if model.gdn is not None else model.mamba
+    assert state is not None
+    return state.state_bytes(options.tp_size, ITEMSIZE[model_dtype(model, options)],
+                             ITEMSIZE[ssm_state_dtype(model, options)])
 
 
 def resolve_block_size(model: VllmModel, options: VllmOptions, notes: list[str]) -> int:
@@ -197,8 +205,9 @@ def _sliding_block_size(facts: BackendFacts, block_size: int) -> int:
 
 def align_hybrid_block_size(model: VllmModel, options: VllmOptions, block_size: int,
                             dtype: str) -> tuple[int, int | None]:
-    """Hybrid linear models: the block size at which an attention page holds one state, and
-    the padded state page (the platform's ``update_block_size_for_backend``).
+    """Models with state layers (gated delta nets, Mamba mixers): the block size at which an
+    attention page holds one state, and the padded state page (the platform's
+    ``update_block_size_for_backend``).
 
     The attention block grows to ``align * ceil(state / (align * attention bytes per
     token))`` with ``align = max(kernel block multiple, block_size)``; the state page is
@@ -206,14 +215,16 @@ def align_hybrid_block_size(model: VllmModel, options: VllmOptions, block_size: 
     token) with a bfloat16 SSM state (a 1,097,728 B state): ``128 * ceil(1,097,728 /
     262,144) = 640`` tokens, states padded to 1,310,720 B; with the float32 SSM state of a
     CPU with AVX-512 BF16 (:func:`ssm_state_dtype`; 2,146,304 B): ``128 * 9 = 1,152``
-    tokens, states padded to 2,359,296 B.
+    tokens, states padded to 2,359,296 B. Nemotron-H-56B (8 KV heads of 128: 4,096 B per
+    token; a 16,900,096 B state, :class:`~kvpoold.sizing.vllm_model.MambaMixer`): ``128 *
+    ceil(16,900,096 / 524,288) = 4,224`` tokens, states padded to 17,301,504 B.
     """
-    if model.gdn is None:
+    if not model.has_state:
         return block_size, None
     facts = BACKENDS[options.backend]
     per_token = max(1, model.num_kv_heads // options.tp_size) * 2 * model.head_size \
         * ITEMSIZE[dtype]
-    state = gdn_state_bytes(model, options)
+    state = state_bytes(model, options)
     align = max(facts.kernel_block_multiple, block_size)
     aligned = align * -(-state // (align * per_token))
     m = facts.kernel_block_multiple
@@ -242,14 +253,20 @@ def layer_specs(model: VllmModel, options: VllmOptions, block_size: int,
     # prefix caching keeps states at block granularity ("align"); without it one state
     # covers the whole request
     state_block = max_model_len if options.no_enable_prefix_caching else block_size
+    # a request holds its running state; with prefix caching also the one it came from and
+    # a Mamba-2 mixer's prefill checkpoint
+    state_blocks = 1 if options.no_enable_prefix_caching else 2 + (
+        model.mamba.checkpoint_blocks if model.mamba is not None else 0)
     out = []
     for layer in model.layers:
-        if layer.kind is LayerKind.linear:
-            state = gdn_state_bytes(model, options)
+        if layer.kind is LayerKind.ffn:
+            continue  # an MLP / MoE block: no KV-cache module
+        if layer.kind in (LayerKind.linear, LayerKind.mamba):
             spec = LayerSpec(VllmSpecType.mamba, state_block, 0, 0, 0,
                              model_dtype(model, options),
-                             page_size_padded=state_padded, state_bytes=state,
-                             state_blocks=1 if options.no_enable_prefix_caching else 2)
+                             page_size_padded=state_padded,
+                             state_bytes=state_bytes(model, options),
+                             state_blocks=state_blocks)
         elif layer.kind is LayerKind.mla:
             spec = LayerSpec(VllmSpecType.mla, block_size, 1, model.head_size, 0, dtype)
         elif layer.kind is LayerKind.sliding:
@@ -259,7 +276,7 @@ def layer_specs(model: VllmModel, options: VllmOptions, block_size: int,
         else:
             spec = LayerSpec(VllmSpecType.full_attention, block_size, heads, model.head_size,
                              model.head_size, dtype)
-        out.append(NamedSpec(layer.index, layer_name(layer.index, layer.kind), spec))
+        out.append(NamedSpec(layer.index, layer_name(model, layer.index, layer.kind), spec))
     return out
 
 
