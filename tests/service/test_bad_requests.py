@@ -290,7 +290,39 @@ CASES: list[tuple[str, Call, grpc.StatusCode, str | None]] = [
     ("cancelgrant without nixl", lambda c: c.stub.CancelGrant(pb.CancelGrantRequest(
         **proof(c.mine), token=b"x" * 16)),
      C.FAILED_PRECONDITION, None),
+    ("seal lease 0", lambda c: c.stub.Seal(pb.SealRequest(pool="tiny", layout="e")),
+     C.INVALID_ARGUMENT, "lease_id"),
+    ("seal another's page", lambda c: c.stub.Seal(seal_of(c, c.their_pages[:1])),
+     C.FAILED_PRECONDITION, "page_ids[0]"),
+    ("seal no layout", lambda c: c.stub.Seal(seal_of(c, c.my_pages[:1], layout="")),
+     C.INVALID_ARGUMENT, "layout"),
+    ("seal short keys", lambda c: c.stub.Seal(seal_of(c, c.my_pages[:2], keys=b"k" * 33)),
+     C.INVALID_ARGUMENT, "keys"),
+    ("seal tokens not a page", lambda c: c.stub.Seal(seal_of(c, c.my_pages[:1], tokens=4)),
+     C.INVALID_ARGUMENT, "tokens"),
+    ("seal ids not int32", lambda c: c.stub.Seal(pb.SealRequest(
+        pool="tiny", **proof(c.mine), layout="e", page_ids=b"\x01" * 5)),
+     C.INVALID_ARGUMENT, "page_ids"),
+    ("seal unknown pool", lambda c: c.stub.Seal(seal_of(c, c.my_pages[:1], pool="nope")),
+     C.NOT_FOUND, "pool"),
+    ("adopt lease 0", lambda c: c.stub.Adopt(pb.AdoptRequest(pool="tiny", layout="e")),
+     C.INVALID_ARGUMENT, "lease_id"),
+    ("adopt unknown pool", lambda c: c.stub.Adopt(pb.AdoptRequest(
+        pool="nope", **proof(c.mine), layout="e")), C.NOT_FOUND, "pool"),
+    ("sealed unknown pool", lambda c: c.stub.Sealed(pb.SealedRequest(pool="nope")),
+     C.NOT_FOUND, "pool"),
 ]
+
+
+def seal_of(c: Ctx, pages: np.ndarray, *, layout: str = "e", keys: bytes | None = None,
+            tokens: int = 16, pool: str = "tiny") -> pb.SealRequest:
+    """A Seal of ``pages`` under ``mine``, well formed unless told otherwise."""
+    n = pages.shape[0]
+    return pb.SealRequest(pool=pool, **proof(c.mine), layout=layout,
+                          page_ids=pages.astype("<i4").tobytes(),
+                          keys=b"k" * (32 * n) if keys is None else keys,
+                          parents=bytes(32 * n),
+                          tokens=np.zeros(tokens * n, dtype="<i4").tobytes())
 
 
 def comparable(stats: pb.StatsResponse) -> pb.StatsResponse:
@@ -319,7 +351,8 @@ def test_every_rpc_has_bad_cases() -> None:
              "watch": "WatchStats", "drop": "Drop", "attach": "Attach", "detach": "Detach",
              "grant": "GrantReceive", "send": "Send", "wait": "WaitTransfer",
              "peerreceive": "PeerReceive", "peerdone": "PeerDone",
-             "cancelgrant": "CancelGrant"}
+             "cancelgrant": "CancelGrant", "seal": "Seal", "adopt": "Adopt",
+             "sealed": "Sealed"}
     assert {words[w] for w in covered} == methods
 
 

@@ -283,14 +283,14 @@ async def test_the_descriptor_socket_hands_out_nothing_unproven(daemon: Any) -> 
         d.fd_grant(FdAsk(pool="a", lease_id=la.lease_id, secret=la.secret.hex(), groups=(0,)),
                    os.getuid(), me)
     assert d.attachments.holders("a") == {}
-    grant = d.fd_grant(whole, os.getuid(), 4242)
+    grant = d.fd_grant(whole, os.getuid(), me)
     try:
         (fd,) = grant.fds
         assert os.fstat(fd).st_ino == os.stat(att.handle.path).st_ino
         assert grant.size == att.handle.size and grant.kind == "shm_sparse"
     finally:
         grant.close()
-    assert d.attachments.holders("a") == {4242: {la.lease_id}}
+    assert d.attachments.holders("a") == {me: {la.lease_id}}
     await stub.Detach(pb.DetachRequest(attach_id=att.attach_id))
     assert d.attachments.holders("a") == {}
 

@@ -32,7 +32,14 @@ from kvpool.clients.client import (
 from kvpool.clients.session import KeepAliveSession
 from kvpool.contract import codec, rpcs, wire
 from kvpool.contract.errors import Unavailable, lease_closed
-from kvpool.contract.records import AttachInfo, ConfigureResult, Released, Stats
+from kvpool.contract.records import (
+    Adopted,
+    AttachInfo,
+    ConfigureResult,
+    Released,
+    SealedStats,
+    Stats,
+)
 from kvpool.v1 import kvpool_pb2 as pb
 
 if TYPE_CHECKING:
@@ -111,6 +118,10 @@ class AsyncKVPoolClient(Connection):
 
     async def stats(self, pool: str = "") -> Stats:
         return await self.run(rpcs.stats(pool))
+
+    async def sealed(self, pool: str, evict: bool = False) -> SealedStats:
+        """See ``KVPoolClient.sealed``."""
+        return await self.run(rpcs.sealed(pool, evict))
 
     async def watch_stats(self, pool: str = "", interval_s: float = 1.0
                           ) -> AsyncIterator[Stats]:
@@ -215,6 +226,16 @@ class AsyncLease(LeaseView):
 
     async def free(self, pool: str, space: str, ids: Any) -> int:
         return await self.free_batch(pool, [(space, ids)])
+
+    async def seal(self, pool: str, layout: str, pages: Any, keys: Sequence[bytes],
+                   parents: Sequence[bytes], tokens: Any) -> int:
+        """See ``Lease.seal``."""
+        return await self.client.run(rpcs.seal(pool, self, layout, pages, keys, parents,
+                                               tokens))
+
+    async def adopt(self, pool: str, layout: str) -> Adopted:
+        """See ``Lease.adopt``."""
+        return await self.client.run(rpcs.adopt(pool, self, layout))
 
     async def free_batch(self, pool: str, items: Sequence[tuple[str, Any]]) -> int:
         """See ``Lease.free_batch`` (a space a page cache of this lease serves is refused)."""

@@ -32,7 +32,14 @@ from kvpool.clients.targets import channel_target, default_target
 from kvpool.contract import codec, rpcs, wire
 from kvpool.contract.errors import KVPoolError, Unavailable, lease_closed
 from kvpool.contract.limits import MESSAGE_SIZE_OPTIONS
-from kvpool.contract.records import AttachInfo, ConfigureResult, Released, Stats
+from kvpool.contract.records import (
+    Adopted,
+    AttachInfo,
+    ConfigureResult,
+    Released,
+    SealedStats,
+    Stats,
+)
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
 
@@ -235,6 +242,10 @@ class KVPoolClient(Connection):
     def stats(self, pool: str = "") -> Stats:
         return self.run(rpcs.stats(pool))
 
+    def sealed(self, pool: str, evict: bool = False) -> SealedStats:
+        """Pool ``pool``'s sealed-page directory; with ``evict`` (admin), emptied first."""
+        return self.run(rpcs.sealed(pool, evict))
+
     def watch_stats(self, pool: str = "", interval_s: float = 1.0) -> Iterator[Stats]:
         """Stats every ``interval_s`` until the caller stops iterating."""
         stream = self._stub.WatchStats(
@@ -432,6 +443,20 @@ class Lease(LeaseView):
         """Return ``ids`` of id space ``space`` (``swa``: only the SWA side of kv pages); all
         or none."""
         return self.free_batch(pool, [(space, ids)])
+
+    def seal(self, pool: str, layout: str, pages: Any, keys: Sequence[bytes],
+             parents: Sequence[bytes], tokens: Any) -> int:
+        """Seal kv ``pages`` of this lease whose KV is complete and will not change (the lease
+        must not write them again): once it frees them, or ends, the pool's directory keeps
+        them for a later engine of the same ``layout`` (docs/restart.md). ``keys``/``parents``:
+        32-byte hashes per page; ``tokens``: page_size token ids per page. Returns the pages
+        sealed now."""
+        return self.client.run(rpcs.seal(pool, self, layout, pages, keys, parents, tokens))
+
+    def adopt(self, pool: str, layout: str) -> Adopted:
+        """Take the pool's sealed pages of ``layout`` whose writers are proven gone: they are
+        this lease's now (sealed still), with their keys and tokens."""
+        return self.client.run(rpcs.adopt(pool, self, layout))
 
     def free_batch(self, pool: str, items: Sequence[tuple[str, Any]]) -> int:
         """Several ``(space, ids)`` in one validated call; returns the ids freed.

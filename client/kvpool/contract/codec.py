@@ -15,9 +15,10 @@ import msgspec
 import numpy as np
 
 from kvpool.contract.errors import InvalidArgument
-from kvpool.contract.limits import ID_DTYPE
+from kvpool.contract.limits import ID_DTYPE, KEY_BYTES
 from kvpool.contract.plan import PoolPlan
 from kvpool.contract.records import (
+    Adopted,
     AttachInfo,
     CancelledGrant,
     ConfigureResult,
@@ -28,6 +29,7 @@ from kvpool.contract.records import (
     PeerStats,
     PoolStats,
     Released,
+    SealedStats,
     SpaceStats,
     Stats,
     TransferState,
@@ -246,4 +248,40 @@ def stats_from_pb(msg: pb.StatsResponse) -> Stats:
 def msgspec_fields(obj: Any, names: Iterable[str]) -> dict[str, Any]:
     """``{name: obj.name}`` for ``names`` (a Struct's or a message's fields)."""
     return {n: getattr(obj, n) for n in names}
+
+
+# -- sealed pages -----------------------------------------------------------------------------
+
+def _split_keys(data: bytes) -> list[bytes]:
+    return [data[i:i + KEY_BYTES] for i in range(0, len(data), KEY_BYTES)]
+
+
+def adopted_to_pb(a: Adopted) -> pb.AdoptResponse:
+    return pb.AdoptResponse(page_ids=ids_to_bytes(a.ids), keys=b"".join(a.keys),
+                            parents=b"".join(a.parents),
+                            tokens=np.asarray(a.tokens, dtype=ID_DTYPE).tobytes(),
+                            epoch=a.epoch, unfenced=a.unfenced, corrupt=a.corrupt,
+                            other_layout=a.other_layout)
+
+
+def adopted_from_pb(msg: pb.AdoptResponse) -> Adopted:
+    ids = ids_from_bytes(msg.page_ids)
+    tokens = np.frombuffer(msg.tokens, dtype=ID_DTYPE)
+    n = ids.shape[0]
+    return Adopted(ids, _split_keys(msg.keys), _split_keys(msg.parents),
+                   tokens.reshape(n, -1) if n else tokens.reshape(0, 0), msg.epoch,
+                   msg.unfenced, msg.corrupt, msg.other_layout)
+
+
+def sealed_to_pb(s: SealedStats) -> pb.SealedResponse:
+    return pb.SealedResponse(**msgspec.structs.asdict(s))
+
+
+def sealed_from_pb(msg: pb.SealedResponse) -> SealedStats:
+    return SealedStats(
+        held=msg.held, kept=msg.kept, kept_bytes=msg.kept_bytes,
+        oldest_seconds=msg.oldest_seconds, newest_seconds=msg.newest_seconds,
+        sealed_total=msg.sealed_total, adopted_total=msg.adopted_total,
+        evicted_total=msg.evicted_total, corrupt_total=msg.corrupt_total, epoch=msg.epoch,
+        evicted=msg.evicted, layouts=tuple(msg.layouts))
 

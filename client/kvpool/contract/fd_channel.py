@@ -51,6 +51,9 @@ class FdAsk(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     # The allocations asked for (CUDA VMM); neither: the pool's one file.
     groups: Annotated[tuple[GroupIndex, ...], msgspec.Meta(max_length=MAX_GROUPS_PER_ASK)] = ()
     fixed: bool = False
+    # No descriptor: only record that the asking process maps the pool under the lease (the
+    # fence of sealed pages: the daemon learns its pid from the kernel and watches it).
+    register: bool = False
 
     @property
     def parts(self) -> bool:

@@ -24,6 +24,8 @@ MESSAGE_SIZE_OPTIONS: tuple[tuple[str, int], ...] = (
 FIELD_METADATA_KEY = "kvpool-field"
 # Ids cross the wire as little-endian int32 bytes.
 ID_DTYPE = np.dtype("<i4")
+# A sealed page's key and parent key: the engine's block hash (SHA-256 size).
+KEY_BYTES = 32
 
 # -- bounds on what one request may carry (docs/api.md, "Limits") ------------------------------
 # Checked at the daemon's edge before any work, so a hostile or broken request costs O(its
@@ -77,7 +79,15 @@ MAX_REQUEST_BYTES: dict[str, int] = {
     # A token and a failure's text (a status message: 2,048 characters, 8 KiB of UTF-8 at most).
     "PeerDone": 16 << 10,
     "CancelGrant": 1 << 10,
+    # Sealed pages: an id, a key and a parent key (32 B each) and page_size token ids per page:
+    # 8 MiB holds 16,384 pages of 16 tokens; an engine seals a step's pages at a time.
+    "Seal": 8 << 20,
+    "Adopt": 4 << 10,
+    "Sealed": 1 << 10,
 }
+# Pages one Adopt hands over at most (its reply: about 16 MiB with 256-token pages); the
+# engine asks again until none is left.
+MAX_ADOPT_PAGES = 16_384
 # The daemon's gRPC receive limit: the largest request bound. gRPC refuses a larger message
 # itself (RESOURCE_EXHAUSTED, "Received message larger than max") as it arrives, off the event
 # loop and before any byte of it reaches Python; a smaller one over its method's bound is

@@ -259,3 +259,39 @@ class CancelledGrant(msgspec.Struct, frozen=True, kw_only=True):
     freed_pages: int = 0
     fenced_pages: int = 0
 
+
+@dataclass(frozen=True)
+class Adopted:
+    """What Adopt handed the lease: the pages (now the lease's; parents before their children),
+    each page's 32-byte key and parent key, its token ids (``tokens[i]``: page_size int32),
+    the pool's epoch after it, and what stayed behind: pages whose writers may still live
+    (``unfenced``), pages whose bytes changed since sealed (``corrupt``, freed), pages of another
+    layout."""
+
+    ids: Any  # np.ndarray int32
+    keys: list[bytes]
+    parents: list[bytes]
+    tokens: Any  # np.ndarray int32, (pages, page_size)
+    epoch: int = 0
+    unfenced: int = 0
+    corrupt: int = 0
+    other_layout: int = 0
+
+
+class SealedStats(msgspec.Struct, frozen=True, kw_only=True):
+    """A pool's sealed-page directory (the Sealed RPC): pages leases hold, pages it keeps with
+    their bytes and ages, totals, and the pages a call evicted."""
+
+    held: int = 0
+    kept: int = 0
+    kept_bytes: int = 0
+    oldest_seconds: float = 0.0
+    newest_seconds: float = 0.0
+    sealed_total: int = 0
+    adopted_total: int = 0
+    evicted_total: int = 0
+    corrupt_total: int = 0
+    epoch: int = 0
+    evicted: int = 0
+    layouts: tuple[str, ...] = ()
+

@@ -20,10 +20,12 @@ import numpy as np
 
 from kvpool.contract import codec, wire
 from kvpool.contract.records import (
+    Adopted,
     AttachInfo,
     CancelledGrant,
     ConfigureResult,
     Released,
+    SealedStats,
     Stats,
     TransferStatus,
 )
@@ -135,6 +137,23 @@ def cancel_grant(lease: wire.LeaseLike, token: bytes) -> Call[CancelledGrant]:
     still land in them."""
     return Call("CancelGrant", wire.cancel_grant_request(lease, token),
                 codec.cancelled_grant_from_pb)
+
+
+def seal(pool: str, lease: wire.LeaseLike, layout: str, pages: Any, keys: Sequence[bytes],
+         parents: Sequence[bytes], tokens: Any) -> Call[int]:
+    """Seal pages of the lease whose KV is complete; the reply reads as the pages sealed."""
+    return Call("Seal", wire.seal_request(pool, lease, layout, pages, keys, parents, tokens),
+                lambda resp: resp.sealed)
+
+
+def adopt(pool: str, lease: wire.LeaseLike, layout: str) -> Call[Adopted]:
+    """Take the pool's sealed pages of ``layout`` whose writers are proven gone."""
+    return Call("Adopt", wire.adopt_request(pool, lease, layout), codec.adopted_from_pb)
+
+
+def sealed(pool: str, evict: bool = False) -> Call[SealedStats]:
+    """A pool's sealed-page directory; with ``evict``, give its pages back."""
+    return Call("Sealed", pb.SealedRequest(pool=pool, evict=evict), codec.sealed_from_pb)
 
 
 def wait_transfer(*, transfer_id: int = 0, token: bytes = b"", timeout_s: float = 0.0

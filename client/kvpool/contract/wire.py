@@ -19,7 +19,7 @@ import numpy as np
 from google.protobuf import json_format
 
 from kvpool.contract.errors import InvalidArgument, KVPoolError, error_from_code
-from kvpool.contract.limits import FIELD_METADATA_KEY, ID_DTYPE, MAX_IDS_PER_CALL
+from kvpool.contract.limits import FIELD_METADATA_KEY, ID_DTYPE, KEY_BYTES, MAX_IDS_PER_CALL
 from kvpool.contract.spec import decode_spec
 from kvpool.v1 import kvpool_pb2 as pb
 
@@ -257,6 +257,32 @@ def free_request(pool: str, lease: LeaseLike, items: Sequence[tuple[str | int, A
                               "(kvpool.contract.limits.MAX_IDS_PER_CALL); split it into "
                               "several calls", field="items")
     return req
+
+
+# -- sealed pages ---------------------------------------------------------------------------------
+
+def seal_request(pool: str, lease: LeaseLike, layout: str, pages: Any, keys: Sequence[bytes],
+                 parents: Sequence[bytes], tokens: Any) -> pb.SealRequest:
+    """A Seal of ``pages`` (int32 ids) with one 32-byte key and parent key each, and their
+    token ids (``len(pages) * page_size`` values, page after page).
+
+    Raises:
+        InvalidArgument: a key or parent key that is not 32 bytes, or ids that are not int32.
+    """
+    for name, values in (("keys", keys), ("parents", parents)):
+        bad = [i for i, k in enumerate(values) if len(k) != KEY_BYTES]
+        if bad:
+            raise InvalidArgument(f"{name}[{bad[0]}] has {len(values[bad[0]])} bytes; each is "
+                                  f"a {KEY_BYTES}-byte hash", field=name)
+    return pb.SealRequest(pool=pool, lease_id=lease.lease_id, lease_secret=lease.secret,
+                          layout=layout, page_ids=ids_bytes(pages, "pages"),
+                          keys=b"".join(keys), parents=b"".join(parents),
+                          tokens=ids_bytes(tokens, "tokens"))
+
+
+def adopt_request(pool: str, lease: LeaseLike, layout: str) -> pb.AdoptRequest:
+    return pb.AdoptRequest(pool=pool, lease_id=lease.lease_id, lease_secret=lease.secret,
+                           layout=layout)
 
 
 # -- transfers between daemons ------------------------------------------------------------------

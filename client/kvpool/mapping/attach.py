@@ -23,10 +23,12 @@ import logging
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 
-from kvpool.contract.errors import FailedPrecondition, NotFound
+from kvpool.contract.errors import FailedPrecondition, NotFound, Unavailable
+from kvpool.contract.fd_channel import FdAsk
 from kvpool.contract.records import AttachInfo
 from kvpool.contract.wire import LeaseLike
 from kvpool.mapping.elastic_map import NO_LEASE, ElasticRegion
+from kvpool.mapping.fd_client import register as register_process
 from kvpool.mapping.regions import MappedRegion, map_region
 
 log = logging.getLogger("kvpool.mapping.attach")
@@ -97,6 +99,20 @@ class Attachment(contextlib.AbstractContextManager[MappedRegion],
                             getattr(self._lease, "secret", None))
         proof = None if lease_id is None or secret is None else (int(lease_id), bytes(secret))
         region = region_of(info, self._pool, proof)
+        fd_socket = str(getattr(info.handle, "fd_socket", "") or "")
+        if proof is not None and fd_socket and self._pool:
+            # the daemon learns (from the kernel) that this process maps the pool under the
+            # lease: the fence of the lease's sealed pages waits for this process to end
+            try:
+                register_process(fd_socket, FdAsk(pool=self._pool, lease_id=proof[0],
+                                                  secret=proof[1].hex()))
+            except Unavailable as exc:  # mapped all the same; its sealed pages never adopted
+                log.warning("kvpool: could not register this process with the daemon's "
+                            "descriptor socket (%s): pages its lease seals cannot be adopted "
+                            "by a later engine", exc)
+            except BaseException:
+                region.close()
+                raise
         if isinstance(region, ElasticRegion):
             try:
                 register(region)  # type: ignore[misc]

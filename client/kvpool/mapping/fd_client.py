@@ -74,3 +74,34 @@ def fetch_fd(path: str, ask: FdAsk, timeout_s: float = 10.0) -> tuple[int, FdAns
         raise Unavailable(f"kvpoold on {path} sent {len(fds)} descriptors for an ask of one; "
                           "use fetch_fds")
     return fds[0], answer
+
+
+def register(path: str, ask: FdAsk, timeout_s: float = 10.0) -> None:
+    """Tell the daemon on ``path`` that this process maps ``ask.pool`` under ``ask``'s lease
+    (``register`` is set here): the kernel gives it this process's pid, which the fence of
+    sealed pages watches. No descriptor comes back.
+
+    Raises:
+        Unavailable: nobody listens on ``path`` or it answered garbage.
+        KVPoolError: the daemon's refusal, as its status code's class.
+    """
+    ask = msgspec.structs.replace(ask, register=True)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(timeout_s)
+        try:
+            conn.connect(path)
+            conn.sendall(msgspec.json.encode(ask))
+            conn.shutdown(socket.SHUT_WR)
+            data, fds, _flags, _addr = socket.recv_fds(conn, MAX_ANSWER_BYTES,
+                                                       MAX_FDS_PER_ANSWER)
+        except OSError as exc:
+            raise Unavailable(f"kvpoold's descriptor socket {path}: {exc.strerror or exc}",
+                              field="target") from None
+    _close_all(fds)
+    try:
+        answer = msgspec.json.decode(data, type=FdAnswer)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise Unavailable(f"kvpoold answered garbage on {path}: {exc}") from None
+    if answer.code != "OK":
+        raise error_from_code(answer.code, answer.message, "")
+

@@ -901,3 +901,97 @@ class CancelGrantResponse(_message.Message):
     freed_pages: int
     fenced_pages: int
     def __init__(self, status: _Optional[_Union[TransferStatus, _Mapping]] = ..., freed_pages: _Optional[int] = ..., fenced_pages: _Optional[int] = ...) -> None: ...
+
+class SealRequest(_message.Message):
+    __slots__ = ("pool", "lease_id", "lease_secret", "layout", "page_ids", "keys", "parents", "tokens")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    lease_id: int
+    lease_secret: bytes
+    layout: str
+    page_ids: bytes
+    keys: bytes
+    parents: bytes
+    tokens: bytes
+    def __init__(self, pool: _Optional[str] = ..., lease_id: _Optional[int] = ..., lease_secret: _Optional[bytes] = ..., layout: _Optional[str] = ..., page_ids: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., parents: _Optional[bytes] = ..., tokens: _Optional[bytes] = ...) -> None: ...
+
+class SealResponse(_message.Message):
+    __slots__ = ("sealed",)
+    SEALED_FIELD_NUMBER: _ClassVar[int]
+    sealed: int
+    def __init__(self, sealed: _Optional[int] = ...) -> None: ...
+
+class AdoptRequest(_message.Message):
+    __slots__ = ("pool", "lease_id", "lease_secret", "layout")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    lease_id: int
+    lease_secret: bytes
+    layout: str
+    def __init__(self, pool: _Optional[str] = ..., lease_id: _Optional[int] = ..., lease_secret: _Optional[bytes] = ..., layout: _Optional[str] = ...) -> None: ...
+
+class AdoptResponse(_message.Message):
+    __slots__ = ("page_ids", "keys", "parents", "tokens", "epoch", "unfenced", "corrupt", "other_layout")
+    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    UNFENCED_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    OTHER_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    page_ids: bytes
+    keys: bytes
+    parents: bytes
+    tokens: bytes
+    epoch: int
+    unfenced: int
+    corrupt: int
+    other_layout: int
+    def __init__(self, page_ids: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., parents: _Optional[bytes] = ..., tokens: _Optional[bytes] = ..., epoch: _Optional[int] = ..., unfenced: _Optional[int] = ..., corrupt: _Optional[int] = ..., other_layout: _Optional[int] = ...) -> None: ...
+
+class SealedRequest(_message.Message):
+    __slots__ = ("pool", "evict")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    EVICT_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    evict: bool
+    def __init__(self, pool: _Optional[str] = ..., evict: _Optional[bool] = ...) -> None: ...
+
+class SealedResponse(_message.Message):
+    __slots__ = ("held", "kept", "kept_bytes", "oldest_seconds", "newest_seconds", "sealed_total", "adopted_total", "evicted_total", "corrupt_total", "epoch", "evicted", "layouts")
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    KEPT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SEALED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    LAYOUTS_FIELD_NUMBER: _ClassVar[int]
+    held: int
+    kept: int
+    kept_bytes: int
+    oldest_seconds: float
+    newest_seconds: float
+    sealed_total: int
+    adopted_total: int
+    evicted_total: int
+    corrupt_total: int
+    epoch: int
+    evicted: int
+    layouts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, held: _Optional[int] = ..., kept: _Optional[int] = ..., kept_bytes: _Optional[int] = ..., oldest_seconds: _Optional[float] = ..., newest_seconds: _Optional[float] = ..., sealed_total: _Optional[int] = ..., adopted_total: _Optional[int] = ..., evicted_total: _Optional[int] = ..., corrupt_total: _Optional[int] = ..., epoch: _Optional[int] = ..., evicted: _Optional[int] = ..., layouts: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -119,6 +119,21 @@ class KVPoolStub:
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.CancelGrantRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.CancelGrantResponse.FromString,
                 _registered_method=True)
+        self.Seal = channel.unary_unary(
+                '/kvpool.v1.KVPool/Seal',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.SealRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.SealResponse.FromString,
+                _registered_method=True)
+        self.Adopt = channel.unary_unary(
+                '/kvpool.v1.KVPool/Adopt',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.AdoptRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.AdoptResponse.FromString,
+                _registered_method=True)
+        self.Sealed = channel.unary_unary(
+                '/kvpool.v1.KVPool/Sealed',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.SealedRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.SealedResponse.FromString,
+                _registered_method=True)
 
 
 class KVPoolServicer:
@@ -252,6 +267,29 @@ class KVPoolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Seal(self, request, context):
+        """Sealed pages (docs/restart.md): KV that outlives its engine. Seal pages of the lease whose
+        KV is complete; once the lease lets go of them (a Free, its end) the pool's directory keeps
+        them, given back under pressure before any live page.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Adopt(self, request, context):
+        """Take the directory's pages sealed under the same layout whose writers are proven gone.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Sealed(self, request, context):
+        """A pool's directory: counts, bytes, ages; with evict, give every page of it back.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVPoolServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -339,6 +377,21 @@ def add_KVPoolServicer_to_server(servicer, server):
                     servicer.CancelGrant,
                     request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.CancelGrantRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_kvpool__pb2.CancelGrantResponse.SerializeToString,
+            ),
+            'Seal': grpc.unary_unary_rpc_method_handler(
+                    servicer.Seal,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.SealRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.SealResponse.SerializeToString,
+            ),
+            'Adopt': grpc.unary_unary_rpc_method_handler(
+                    servicer.Adopt,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.AdoptRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.AdoptResponse.SerializeToString,
+            ),
+            'Sealed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sealed,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.SealedRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.SealedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -800,6 +853,87 @@ class KVPool:
             '/kvpool.v1.KVPool/CancelGrant',
             kvpool_dot_v1_dot_kvpool__pb2.CancelGrantRequest.SerializeToString,
             kvpool_dot_v1_dot_kvpool__pb2.CancelGrantResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Seal(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.KVPool/Seal',
+            kvpool_dot_v1_dot_kvpool__pb2.SealRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.SealResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Adopt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.KVPool/Adopt',
+            kvpool_dot_v1_dot_kvpool__pb2.AdoptRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.AdoptResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sealed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.KVPool/Sealed',
+            kvpool_dot_v1_dot_kvpool__pb2.SealedRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.SealedResponse.FromString,
             options,
             channel_credentials,
             insecure,

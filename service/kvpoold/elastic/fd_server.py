@@ -51,6 +51,8 @@ log = logging.getLogger("kvpoold.elastic")
 # refuse. The pid is the kernel's (SO_PEERCRED): the daemon records who took a descriptor.
 Authorize = Callable[[FdAsk, int, int], "tuple[int, int, str] | FdGrant"]
 ASK_TIMEOUT_S = 5.0
+# The kind of an answer to a registration (FdAsk.register): OK, no descriptor.
+REGISTERED = "registered"
 DRAIN_BYTES = 1 << 16
 # Accept errors that mean "no descriptor or buffer now": back off and retry.
 EXHAUSTED_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
@@ -236,13 +238,15 @@ class FdServer:
                 return
             try:
                 self._send(conn, FdAnswer(code="OK", size=grant.size, kind=grant.kind,
-                                          ranges=grant.ranges), grant.fds)
+                                          ranges=grant.ranges), grant.fds or None)
             finally:
                 grant.close()
             self.answered += 1
 
     @staticmethod
     def _check(grant: FdGrant) -> None:
+        if grant.kind == REGISTERED and not grant.fds:
+            return  # a registration answers with no descriptor
         if not grant.fds or len(grant.fds) > MAX_FDS_PER_ANSWER:
             raise Internal(f"an answer carries 1..{MAX_FDS_PER_ANSWER} descriptors, the pool "
                            f"gave {len(grant.fds)}; ask for fewer groups at once "

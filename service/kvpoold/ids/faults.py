@@ -13,10 +13,13 @@ from kvpool.contract.id_checks import FIRST_STEP, MAX_STEP, Why, first_bad_id
 
 # Owners and ids live in int32 arrays (ids also travel as little-endian int32 on the wire).
 INT32_MAX = (1 << 31) - 1
-OWNER_MAX = INT32_MAX - 1
+OWNER_MAX = INT32_MAX - 2
 # The owner of ids whose lease ended while a transfer was moving them (``IdSpace.reclaim``):
 # they are neither free nor any lease's until the last transfer unpins them.
 QUARANTINE = INT32_MAX
+# The owner of sealed pages no lease holds (``kvpoold.pools.sealed``): complete KV kept for the
+# next engine to adopt, given back under pressure before any live page.
+DIRECTORY = INT32_MAX - 1
 # The largest space: ids 1..N plus the two sentinel slots 0 and N + 1 must stay int32-indexable.
 CAPACITY_MAX = INT32_MAX - 1
 

@@ -197,10 +197,16 @@ class Ledger:
 
     def quarantine(self, ids: np.ndarray) -> None:
         """Move held ``ids`` (int32, one owner's, distinct) to :data:`QUARANTINE`."""
+        self.move(int(self.owners[int(ids[0])]), ids, QUARANTINE)
+
+    def move(self, owner: int, ids: np.ndarray, to: int) -> None:
+        """Move ``ids`` (int32, distinct, all ``owner``'s, checked) to the owner ``to`` (not 0):
+        out of ``owner``'s held set into ``to``'s; O(count)."""
+        if not ids.shape[0]:
+            return
         idx = ids.astype(np.intp)
-        owner = int(self.owners[idx[0]])
-        self.remove(owner, self.sets[owner], idx, to=QUARANTINE)
-        into = self.sets.get(QUARANTINE) or self._new_set(QUARANTINE)
+        self.remove(owner, self.sets[owner], idx, to=to)
+        into = self.sets.get(to) or self._new_set(to)
         n = into.n
         stop = n + ids.shape[0]
         into.grow(stop)

@@ -35,6 +35,7 @@ from kvpool.contract.plan import IdSpaceSpec
 from kvpool.contract.records import SpaceStats
 from kvpoold.ids.faults import (
     CAPACITY_MAX,
+    DIRECTORY,
     FREE,
     QUARANTINE,
     Asked,
@@ -335,6 +336,12 @@ class IdSpace:
         self._frees += count
         return ids
 
+    def move(self, owner: int, ids: np.ndarray, to: int) -> None:
+        """Hand ``ids`` (int32, distinct, held by ``owner`` and not pinned: checked with
+        :meth:`check`) from ``owner`` to ``to`` without freeing them: a lease's sealed pages to
+        the directory, the directory's to the lease that adopts them; O(count)."""
+        self._ledger.move(owner, ids, to)
+
     # -- pins (transfers in flight) ---------------------------------------------------------
 
     def pin(self, idx: np.ndarray) -> None:
@@ -409,7 +416,7 @@ class IdSpace:
     def holders(self) -> dict[int, int]:
         """``{owner: ids held}`` for every owner holding at least one id (a new dict)."""
         return {owner: held.n for owner, held in self._ledger.sets.items()
-                if owner != QUARANTINE}
+                if owner not in (QUARANTINE, DIRECTORY)}
 
     def owner_of(self, ids: np.ndarray) -> np.ndarray:
         """The owner of each id (0 when free).

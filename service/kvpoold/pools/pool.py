@@ -25,7 +25,7 @@ import contextlib
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
@@ -34,11 +34,14 @@ import numpy as np
 import torch
 
 from kvpool.contract.codec import plan_to_json
-from kvpool.contract.errors import FailedPrecondition, Internal
+from kvpool.contract.errors import FailedPrecondition, Internal, ResourceExhausted
 from kvpool.contract.plan import PoolPlan
 from kvpoold.ids import MappingBuffer, PoolIds
 from kvpoold.ids.grouped import GroupedSpace
+from kvpoold.ids.pool_ids import Grant
+from kvpoold.ids.space import IdSpace
 from kvpoold.pools.builder import PoolBuffers, build_pool
+from kvpoold.pools.sealed import SealedDirectory, kv_extents
 from kvpoold.sharing.base import Backing, BackingFactory
 
 log = logging.getLogger("kvpoold.pools")
@@ -66,6 +69,99 @@ class Pool:
     _on_idle: Callable[[Pool], None] | None = None
     # device copies of mapping buffers the id spaces write (a CUDA pool's full_to_swa)
     mirrors: list[DeviceMirror] = field(default_factory=list)
+    # sealed pages kept for the next engine (kvpoold.pools.sealed): made at the first Seal
+    sealed: SealedDirectory | None = None
+
+    # -- pages: the ledger, with sealed pages kept past their lease -------------------------
+
+    def directory(self, clock: Callable[[], float]) -> SealedDirectory:
+        """The pool's sealed directory, made at the first use.
+
+        Raises:
+            FailedPrecondition: an elastic pool, or one whose pages are not token-major KV
+                rows (a vLLM-layout pool): not sealable yet.
+        """
+        if self.sealed is None:
+            if self.plan.elastic is not None:
+                raise FailedPrecondition(
+                    f"pool {self.name!r} is elastic: sealed pages are not supported in elastic "
+                    "pools yet", field="pool")
+            kv_extents(self.plan)  # refuses a pool without token-major KV buffers
+            kv = self.ids.space("kv", "space")
+            self.sealed = SealedDirectory(kv, self.plan.page_size, clock)
+        return self.sealed
+
+    def _lease_sealed(self) -> bool:
+        """Whether any lease holds a sealed page now (O(1))."""
+        d = self.sealed
+        return d is not None and len(d.entries) > len(d.orphans)
+
+    def allocate(self, owner: int, items: Sequence[tuple[IdSpace, int]]) -> list[Grant]:
+        """``PoolIds.allocate``; when the kv space is short and the directory holds pages, the
+        oldest of them are given back first (sealed pages yield before any live page).
+
+        Raises:
+            As ``PoolIds.allocate``.
+        """
+        try:
+            return self.ids.allocate(owner, items)
+        except ResourceExhausted:
+            d = self.sealed
+            if d is None or not d.orphans:
+                raise
+            want = sum(n for space, n in items if space is d.space)
+            short = want - d.space.num_free
+            if short <= 0 or not d.evict(short).shape[0]:
+                raise
+            return self.ids.allocate(owner, items)
+
+    def free(self, owner: int, items: Sequence[tuple[IdSpace, np.ndarray]]) -> dict[str, int]:
+        """``PoolIds.free``, all or none; a sealed page the lease frees passes to the directory
+        instead of the free set.
+
+        Raises:
+            As ``PoolIds.free`` (nothing is changed).
+        """
+        d = self.sealed
+        if not self._lease_sealed():
+            return self.ids.free(owner, items)
+        assert d is not None
+        kept: list[np.ndarray] = []
+        rest: list[tuple[IdSpace, np.ndarray]] = []
+        for space, ids in items:
+            if space is not d.space:
+                rest.append((space, ids))
+                continue
+            idx = ids.astype(np.intp)
+            inside = (idx >= 1) & (idx <= space.capacity)
+            sealed = np.zeros(idx.shape[0], dtype=bool)
+            sealed[inside] = d.sealed_mask(idx[inside])
+            if sealed.any():
+                if space.check(owner, idx[sealed]) is not None:
+                    return self.ids.free(owner, items)  # raises, naming the first bad id
+                kept.append(ids[sealed])
+                ids = ids[~sealed]
+            if ids.shape[0]:
+                rest.append((space, ids))
+        out = self.ids.free(owner, rest) if rest else {}
+        for ids in kept:
+            d.keep(owner, ids.astype(np.int32))
+        if kept:
+            out[d.space.name] = out.get(d.space.name, 0) + sum(k.shape[0] for k in kept)
+        return out
+
+    def reclaim(self, owner: int) -> dict[str, int]:
+        """``PoolIds.reclaim`` of an ended lease: its sealed pages (not in a transfer) pass to
+        the directory, the rest are freed."""
+        d = self.sealed
+        if self._lease_sealed():
+            assert d is not None
+            held = d.space.held_ids(owner)
+            mine = held[d.sealed_mask(held.astype(np.intp))]
+            if mine.shape[0]:
+                mine = mine[~d.space.pinned_of(mine.astype(np.intp))]
+                d.keep(owner, mine)
+        return self.ids.reclaim(owner)
 
     async def device_written(self) -> None:
         """Return once every mapping entry the ledger wrote so far is on the device (at once
@@ -194,6 +290,8 @@ class Pool:
             self.uses.clear()
             for mirror in self.mirrors:
                 mirror.close()
+            if self.sealed is not None:
+                self.sealed.close()
             self.backing.close()
             # The region's last references are the views: dropped here, in the caller's
             # thread, so the mapping is gone when this returns even while a reference to this

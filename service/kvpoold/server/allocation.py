@@ -88,7 +88,7 @@ class Allocations:
         entry, lease, typed = self._items(caller, pool, ref, items, "allocate", "count")
         ids = entry.ids
         spaces = [space for space, _ in typed]
-        grants = ids.allocate(lease.owner, typed)
+        grants = entry.allocate(lease.owner, typed)  # the pool's sealed pages yield first
         for space in spaces:  # O(items): a comparison each unless the space runs low
             if isinstance(space, GroupedSpace):
                 self._elastic_pressure(pool, space, lease.owner)
@@ -213,6 +213,6 @@ class Allocations:
         """
         entry, lease, typed = self._items(caller, pool, ref, items, "free", "ids")
         # The ledger refuses pinned ids itself (a transfer in flight moves them).
-        freed = sum(entry.ids.free(lease.owner, typed).values())
+        freed = sum(entry.free(lease.owner, typed).values())  # sealed pages: to the directory
         self._pressure.notify_freed()
         return freed

@@ -16,7 +16,7 @@ from kvpool.contract.errors import (
 from kvpool.contract.fd_channel import FdAsk
 from kvpool.contract.records import AttachInfo
 from kvpoold.access import Caller
-from kvpoold.elastic.fd_server import FdGrant
+from kvpoold.elastic.fd_server import REGISTERED, FdGrant
 from kvpoold.elastic.manager import ElasticPools
 from kvpoold.pools.pool import Pool
 from kvpoold.server.args import LeaseRef
@@ -134,6 +134,9 @@ class AttachService:
             raise FailedPrecondition(
                 f"lease {ask.lease_id} has no attachment of pool {ask.pool!r}: Attach under "
                 "the lease first", field="pool")
+        if ask.register:  # no descriptor: the process maps the pool from its handle
+            self.attachments.add_holder(ask.pool, ask.lease_id, pid)
+            return FdGrant((), (), 0, REGISTERED, owned=True)
         export = getattr(entry.backing, "export", None)
         if export is None or entry.plan.elastic is None:
             raise FailedPrecondition(

@@ -8,12 +8,17 @@ Not thread-safe: the daemon calls it from its event loop only.
 
 from __future__ import annotations
 
+import os
 import secrets
 from dataclasses import dataclass
 
+from kvpool.contract.errors import ResourceExhausted
 from kvpoold.settings import (  # daemon.py imports it from here
     MAX_ATTACHMENTS_PER_IDENTITY as MAX_ATTACHMENTS_PER_IDENTITY,
 )
+
+# Processes one lease may register as mapping one pool (an engine's scheduler and TP workers).
+MAX_HOLDERS_PER_LEASE = 256
 
 
 @dataclass(frozen=True)
@@ -32,9 +37,10 @@ class AttachmentTable:
         self._by_pool: dict[str, set[int]] = {}
         self._by_lease: dict[int, set[int]] = {}
         self._per_identity: dict[str, int] = {}
-        # pool -> lease -> pids the descriptor side socket handed the pool's file to under the
-        # lease (the kernel's SO_PEERCRED pid): who can write the memory, as a fact
-        self._holders: dict[str, dict[int, set[int]]] = {}
+        # pool -> lease -> {pid: pidfd}: the processes the descriptor side socket served under
+        # the lease (the kernel's SO_PEERCRED pid, its pidfd opened then, so a reused pid is
+        # never taken for it): who can write the memory, as a fact
+        self._holders: dict[str, dict[int, dict[int, int]]] = {}
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -65,17 +71,40 @@ class AttachmentTable:
             del self._per_identity[att.identity]
         if att.lease_id:
             _discard(self._by_lease, att.lease_id, attach_id)
-            holders = self._holders.get(att.pool)
-            if holders is not None and att.lease_id not in self.leases_of_pool(att.pool):
-                holders.pop(att.lease_id, None)
-                if not holders:
-                    del self._holders[att.pool]
+            if att.lease_id not in self.leases_of_pool(att.pool):
+                _close_all(self.take_writers(att.pool, att.lease_id))
         return att
 
     def add_holder(self, pool: str, lease_id: int, pid: int) -> None:
-        """Record that process ``pid`` took ``pool``'s descriptor under ``lease_id`` (which
-        holds an attachment of it); forgotten when the lease's last attachment of it ends."""
-        self._holders.setdefault(pool, {}).setdefault(lease_id, set()).add(pid)
+        """Record that process ``pid`` (connected now: the kernel's) took ``pool``'s descriptor,
+        or registered, under ``lease_id`` (which holds an attachment of it); forgotten when the
+        lease's last attachment of it ends.
+
+        Raises:
+            ResourceExhausted: the lease registered MAX_HOLDERS_PER_LEASE processes already.
+        """
+        pids = self._holders.setdefault(pool, {}).setdefault(lease_id, {})
+        if pid in pids:
+            return
+        if len(pids) >= MAX_HOLDERS_PER_LEASE:
+            raise ResourceExhausted(
+                f"lease {lease_id} has {len(pids)} processes mapping pool {pool!r}, at most "
+                f"{MAX_HOLDERS_PER_LEASE}", field="lease_id")
+        try:
+            pids[pid] = os.pidfd_open(pid)
+        except ProcessLookupError:  # gone already: it writes nothing
+            pass
+
+    def take_writers(self, pool: str, lease_id: int) -> dict[int, int]:
+        """Hand over (the caller closes them) the pidfds of the processes that mapped ``pool``
+        under ``lease_id``: ``{pid: pidfd}``."""
+        holders = self._holders.get(pool)
+        if holders is None:
+            return {}
+        out = holders.pop(lease_id, {})
+        if not holders:
+            del self._holders[pool]
+        return out
 
     def holders(self, pool: str) -> dict[int, set[int]]:
         """pid -> the leases under which that process took ``pool``'s descriptor."""
@@ -115,7 +144,15 @@ class AttachmentTable:
         self._by_pool.clear()
         self._by_lease.clear()
         self._per_identity.clear()
+        for holders in self._holders.values():
+            for pids in holders.values():
+                _close_all(pids)
         self._holders.clear()
+
+
+def _close_all(pidfds: dict[int, int]) -> None:
+    for fd in pidfds.values():
+        os.close(fd)
 
 
 def _discard(index: dict, key: object, attach_id: int) -> None:

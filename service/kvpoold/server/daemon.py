@@ -52,6 +52,7 @@ from kvpoold.server.lease_service import LeaseService
 from kvpoold.server.leases import MAX_LEASES_PER_IDENTITY, CacheCounts, Lease, LeaseTable
 from kvpoold.server.loop_clock import StallClock
 from kvpoold.server.pool_service import PoolService
+from kvpoold.server.sealing import Sealing
 from kvpoold.server.stats import (
     MAX_WATCH_STREAMS_PER_IDENTITY,
     WATCH_MIN_INTERVAL_S,
@@ -134,6 +135,7 @@ class Daemon:
         self.attach_service = AttachService(device, self.pool, self.lease, self.leases,
                                             self.attachments, self.elastic,
                                             max_attachments_per_identity)
+        self.sealing = Sealing(self.pool, self.lease, clock)  # Seal, Adopt, Sealed
 
     def _revoke(self, lease_id: int, why: str) -> None:
         self.lease_service.revoke(lease_id, why)

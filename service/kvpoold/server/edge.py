@@ -335,6 +335,10 @@ def free_response(freed: int) -> pb.FreeResponse:
     return pb.FreeResponse(freed=freed)
 
 
+def seal_response(sealed: int) -> pb.SealResponse:
+    return pb.SealResponse(sealed=sealed)
+
+
 def detach_response() -> pb.DetachResponse:
     return pb.DetachResponse()
 
@@ -496,3 +500,32 @@ def peer_done_args(req: pb.PeerDoneRequest) -> PeerDoneArgs:
     return PeerDoneArgs(token=check_token(req.token), ok=req.ok,
                         message=_bounded(req.message, MAX_MESSAGE_CHARS, "message",
                                          "why the write failed"))
+
+
+def int32_array(data: bytes, field: str, most: int = MAX_IDS_PER_CALL) -> np.ndarray:
+    """Little-endian int32 bytes as a read-only array (no copy), at most ``most`` values.
+
+    Raises:
+        InvalidArgument: not a whole number of int32 values, or more than ``most``.
+    """
+    if len(data) % 4:
+        raise InvalidArgument(f"{field} has {len(data)} bytes, not a whole number of "
+                              "little-endian int32 values (4 bytes each)", field=field)
+    if len(data) // 4 > most:
+        raise InvalidArgument(f"{field} has {len(data) // 4:,} values, at most {most:,} per "
+                              "call; split it", field=field)
+    return codec.ids_from_bytes(data)
+
+
+def seal_args(req: pb.SealRequest) -> tuple[LeaseRef, np.ndarray, bytes, bytes, np.ndarray]:
+    """A Seal's lease, page ids, keys, parent keys and tokens (their lengths checked against
+    the pool's page size by the pool).
+
+    Raises:
+        InvalidArgument: no lease, or arrays that are not int32 or too long.
+    """
+    ref = lease_ref(req.lease_id, req.lease_secret)
+    ids = int32_array(req.page_ids, "page_ids")
+    tokens = int32_array(req.tokens, "tokens")
+    return ref, ids, req.keys, req.parents, tokens
+

@@ -161,9 +161,12 @@ class LeaseService:
         self._transfers.lease_gone(lease.owner, f"lease {lease.lease_id} ({lease.name}) ended")
         released: HeldMap = {}
         for name, entry in self._registry.pools.items():
-            counts = {s: n for s, n in entry.ids.reclaim(lease.owner).items() if n}
+            counts = {s: n for s, n in entry.reclaim(lease.owner).items() if n}
             if counts:
                 released[name] = counts
+            if entry.sealed is not None:  # the processes that could write its sealed pages
+                entry.sealed.lease_ended(
+                    lease.lease_id, self._attachments.take_writers(name, lease.lease_id))
         detached = self._attachments.remove_lease(lease.lease_id)
         if released:
             self._pressure.notify_freed()

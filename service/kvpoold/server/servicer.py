@@ -162,6 +162,25 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
         return edge.free_response(freed)
 
     @rpc_errors
+    async def Seal(self, request: pb.SealRequest, context: Ctx) -> pb.SealResponse:
+        ref, ids, keys, parents, tokens = edge.seal_args(request)
+        sealed = await self._daemon.sealing.seal(self._caller(context), request.pool, ref,
+                                                 request.layout, ids, keys, parents, tokens)
+        return edge.seal_response(sealed)
+
+    @rpc_errors
+    async def Adopt(self, request: pb.AdoptRequest, context: Ctx) -> pb.AdoptResponse:
+        ref = edge.lease_ref(request.lease_id, request.lease_secret)
+        got = await self._daemon.sealing.adopt(self._caller(context), request.pool, ref,
+                                               request.layout)
+        return codec.adopted_to_pb(got)
+
+    @rpc_errors
+    async def Sealed(self, request: pb.SealedRequest, context: Ctx) -> pb.SealedResponse:
+        return codec.sealed_to_pb(self._daemon.sealing.sealed(
+            self._caller(context), request.pool, request.evict))
+
+    @rpc_errors
     async def Stats(self, request: pb.StatsRequest, context: Ctx) -> pb.StatsResponse:
         return await self._replies.reply(self._caller(context), request.pool)
 

@@ -63,11 +63,13 @@ class ShmBacking(Region):
     """
 
     def __init__(
-        self, path: Path, nbytes: int, tensor: torch.Tensor, on_close: Callable[[Path], None]
+        self, path: Path, nbytes: int, tensor: torch.Tensor, on_close: Callable[[Path], None],
+        fd_socket: Callable[[], str] = str,
     ) -> None:
         super().__init__(tensor, nbytes)
         self.path = path
         self._on_close = on_close
+        self._fd_socket = fd_socket  # the factory's side socket, known once it listens
 
     def describe(self) -> str:
         return f"shared-memory region {self.path.name}"
@@ -83,7 +85,8 @@ class ShmBacking(Region):
             FailedPrecondition: after :meth:`close`.
         """
         # the tensor property refuses after close
-        return SharedHandle(sharing="shm", size=self.tensor.numel(), path=str(self.path))
+        return SharedHandle(sharing="shm", size=self.tensor.numel(), path=str(self.path),
+                            fd_socket=self._fd_socket())
 
     def unbacked_bytes(self) -> int:
         """Bytes of the file not yet backed by pages (0 after close): what it may still take."""
@@ -124,9 +127,8 @@ class SparseShmBacking(ShmBacking):
     def __init__(self, path: Path, nbytes: int, tensor: torch.Tensor,
                  on_close: Callable[[Path], None], fd: int,
                  fd_socket: Callable[[], str] = str) -> None:
-        super().__init__(path, nbytes, tensor, on_close)
+        super().__init__(path, nbytes, tensor, on_close, fd_socket)
         self.fd = fd
-        self._fd_socket = fd_socket  # the factory's side socket, known once it listens
         self.groups: SparseBacking | None = None  # set by create_elastic
 
     def grant(self, group: int) -> None:
@@ -310,7 +312,7 @@ class ShmBackingFactory:
             name = f"{region_prefix(self.instance)}{pool_name}-{secrets.token_hex(8)}"
             path = self.shm_dir / name
             tensor = self._create_file(path, nbytes, pool_name)
-            backing = ShmBacking(path, nbytes, tensor, self._forget)
+            backing = ShmBacking(path, nbytes, tensor, self._forget, lambda: self.fd_socket)
             self._backings[path] = backing
         return backing
 

@@ -1,0 +1,343 @@
+"""Sealed pages: complete KV a pool keeps after the engine that wrote it, for the next engine.
+
+An engine **seals** a page when its KV is complete and will not change, naming its content the
+way the engine itself does (its 32-byte block hash, the parent block's hash, the page's token
+ids) under a **layout** string (the engine, its version, its hash algorithm, its TP rank: what
+must match for another engine to read the bytes as it would have written them; the pool's own
+fingerprint covers the buffers). The page stays the sealing lease's while it holds it; when the
+lease frees it, or ends, the page passes to the pool's **directory** (the ledger owner
+:data:`~kvpoold.ids.faults.DIRECTORY`) instead of the free set: it still counts against the
+pool (as evictable cache), is given back under pressure oldest first before any live page
+(:meth:`SealedDirectory.evict`), and can be **adopted** by a later lease of the same layout.
+
+The fence (why adoption is safe): a page is adoptable only when every process that could still
+write it is proven gone. The sealing lease must have ended, and each process that mapped the
+pool under it registered itself on the daemon's descriptor socket (the kernel's pid,
+``SO_PEERCRED``, turned into a pidfd at once): every one of those pidfds must report its
+process exited. A SIGSTOPped process is alive: its pages wait. A lease under which no process
+registered (a TCP client, a client that never mapped) cannot be proven and is never adopted
+from. On CPU a checksum taken at seal is compared at adoption; a page whose bytes changed is
+dropped from the directory (freed), never adopted. On a GPU nothing is re-read.
+
+One directory per pool (its ``kv`` space); the :class:`~kvpoold.pools.pool.Pool` aggregate owns
+it and alone calls it, on the event loop. Checksums are computed off the loop by the caller.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import select
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvpool.contract.errors import FailedPrecondition, InvalidArgument
+from kvpool.contract.limits import KEY_BYTES
+from kvpool.contract.plan import BufferKind, PoolPlan
+from kvpool.contract.records import Adopted
+from kvpoold.ids.faults import DIRECTORY
+from kvpoold.ids.space import IdSpace
+
+# Buffer kinds of a pool whose kv pages can be sealed: nothing else follows or indexes a page.
+SEALABLE_KINDS = frozenset({BufferKind.kv.value, BufferKind.state.value,
+                            BufferKind.req_to_token.value})
+MAX_LAYOUT_CHARS = 512
+
+
+@dataclass
+class Entry:
+    """One sealed page."""
+
+    key: bytes
+    parent: bytes
+    tokens: np.ndarray  # int32, page_size
+    layout: str
+    sealer: int  # the lease id that sealed it
+    checksum: bytes  # b"" on a GPU
+    sealed_at: float
+
+
+@dataclass
+class Writers:
+    """The processes that mapped the pool under one lease: pidfds, opened when each
+    registered (so a reused pid is never mistaken for it)."""
+
+    pidfds: dict[int, int] = field(default_factory=dict)  # pid -> pidfd
+    ended: bool = False  # the lease ended
+
+    def gone(self) -> bool:
+        """Every registered process exited (and at least one registered)."""
+        if not self.ended or not self.pidfds:
+            return False
+        return all(select.select([fd], [], [], 0)[0] for fd in self.pidfds.values())
+
+    def close(self) -> None:
+        for fd in self.pidfds.values():
+            os.close(fd)
+        self.pidfds.clear()
+
+
+def kv_extents(plan: PoolPlan) -> list[tuple[int, int]]:
+    """``(offset_bytes, page_bytes)`` of every buffer whose pages are the ``kv`` space's ids:
+    page ``u`` of each lies at ``offset + u * page_bytes``.
+
+    Raises:
+        FailedPrecondition: the pool has no such buffer (a vLLM-layout pool: not yet sealable).
+    """
+    other = sorted({b.kind.value for b in plan.buffers} - SEALABLE_KINDS)
+    if other:
+        raise FailedPrecondition(
+            f"this pool has {', '.join(other)} buffers whose ids follow or index its pages "
+            "(hybrid SWA, DSA, compressed or vLLM-layout KV): sealing is supported for pools "
+            "of plain token-major KV (and request state) only, yet", field="pool")
+    out = [(b.offset_bytes, b.page_bytes) for b in plan.buffers
+           if b.id_space == "kv" and b.kind == BufferKind.kv and b.page_bytes]
+    if not out:
+        raise FailedPrecondition(
+            "this pool has no token-major KV buffers addressed by its kv ids (a vLLM-layout "
+            "pool): sealing is not supported for it yet", field="pool")
+    return out
+
+
+def checksums(backing: torch.Tensor, extents: list[tuple[int, int]],
+              ids: Iterable[int]) -> list[bytes]:
+    """A BLAKE2b digest of each page's bytes over every KV buffer (CPU memory; blocking:
+    run it in a worker thread; hashlib releases the GIL on large buffers)."""
+    flat = backing.numpy()
+    out = []
+    for u in ids:
+        h = hashlib.blake2b(digest_size=16)
+        for offset, page in extents:
+            start = offset + int(u) * page
+            h.update(memoryview(flat[start:start + page]))
+        out.append(h.digest())
+    return out
+
+
+class SealedDirectory:
+    """The sealed pages of one pool's ``kv`` space, and the processes that could write them.
+
+    Args:
+        space: the pool's ``kv`` id space (its ledger records who holds each page).
+        page_size: tokens per page.
+        clock: seconds, for ages.
+    """
+
+    def __init__(self, space: IdSpace, page_size: int, clock: Callable[[], float]) -> None:
+        self.space = space
+        self.page_size = page_size
+        self._clock = clock
+        self.entries: dict[int, Entry] = {}
+        self._by_key: dict[tuple[str, bytes], int] = {}
+        self._sealed = np.zeros(space.capacity + 2, dtype=bool)  # O(request) membership
+        self.orphans: OrderedDict[int, None] = OrderedDict()  # the directory's, oldest first
+        self.writers: dict[int, Writers] = {}  # lease id -> its registered processes
+        self.epoch = 0
+        self.sealed_total = 0
+        self.adopted_total = 0
+        self.evicted_total = 0
+        self.corrupt_total = 0
+
+    # -- who can write -------------------------------------------------------------------
+
+    def lease_ended(self, lease_id: int, pidfds: dict[int, int]) -> None:
+        """Lease ``lease_id`` ended; ``pidfds`` (pid -> pidfd, now the directory's to close)
+        are the processes that mapped the pool under it. Its sealed pages become adoptable
+        once every one of them has exited (never, when there is none)."""
+        if not any(e.sealer == lease_id for e in self.entries.values()):
+            for fd in pidfds.values():
+                os.close(fd)
+            return
+        w = self.writers.setdefault(lease_id, Writers())
+        w.pidfds.update(pidfds)
+        w.ended = True
+
+    def _forget_writers(self) -> None:
+        """Close the pidfds of ended leases no sealed page names any more."""
+        live = {e.sealer for e in self.entries.values()}
+        for lease_id in [k for k, w in self.writers.items() if w.ended and k not in live]:
+            self.writers.pop(lease_id).close()
+
+    # -- seal ----------------------------------------------------------------------------
+
+    def sealed_mask(self, ids: np.ndarray) -> np.ndarray:
+        """Which of ``ids`` (in range) are sealed; O(count)."""
+        return self._sealed[ids]
+
+    def seal(self, lease_id: int, layout: str, ids: np.ndarray,
+             keys: list[bytes], parents: list[bytes], tokens: np.ndarray,
+             sums: list[bytes]) -> int:
+        """Seal ``ids`` (held by ``lease_id``, checked by the caller) with their content; a page
+        already sealed, or a key already in the directory under the same layout, is skipped.
+
+        Returns:
+            Pages sealed now.
+        """
+        now = self._clock()
+        done = 0
+        for i, u in enumerate(ids.tolist()):
+            slot = (layout, keys[i])
+            if self._sealed[u] or slot in self._by_key:
+                continue
+            self.entries[u] = Entry(keys[i], parents[i], tokens[i].copy(), layout, lease_id,
+                                    sums[i] if sums else b"", now)
+            self._by_key[slot] = u
+            self._sealed[u] = True
+            done += 1
+        self.sealed_total += done
+        return done
+
+    def keep(self, owner: int, ids: np.ndarray) -> None:
+        """``owner`` lets go of sealed ``ids`` (a free, or its lease's end): the directory
+        holds them, newest last (checked by the caller: held, not pinned)."""
+        if not ids.shape[0]:
+            return
+        self.space.move(owner, ids.astype(np.int32), DIRECTORY)
+        for u in ids.tolist():
+            self.orphans[u] = None
+
+    # -- give back -----------------------------------------------------------------------
+
+    def evict(self, count: int) -> np.ndarray:
+        """Give back up to ``count`` of the directory's pages, oldest first: unsealed and
+        freed. Returns the ids freed."""
+        n = min(count, len(self.orphans))
+        if n <= 0:
+            return np.zeros(0, dtype=np.int32)
+        out = np.fromiter((self.orphans.popitem(last=False)[0] for _ in range(n)),
+                          dtype=np.int32, count=n)
+        self._unseal(out)
+        self.space.commit_free(DIRECTORY, out.astype(np.intp))
+        self.evicted_total += n
+        self._forget_writers()
+        return out
+
+    def evict_all(self) -> int:
+        """Give back every page the directory holds (``kvpool sealed --evict``)."""
+        return int(self.evict(len(self.orphans)).shape[0])
+
+    def _unseal(self, ids: np.ndarray) -> None:
+        for u in ids.tolist():
+            e = self.entries.pop(u)
+            del self._by_key[(e.layout, e.key)]
+        self._sealed[ids] = False
+
+    # -- adopt ---------------------------------------------------------------------------
+
+    def candidates(self, layout: str) -> tuple[list[int], int, int]:
+        """The directory's pages of ``layout`` whose writers are all gone: ``(ids, unfenced,
+        other_layout)``."""
+        ok, unfenced, other = [], 0, 0
+        gone: dict[int, bool] = {}
+        for u in self.orphans:
+            e = self.entries[u]
+            if e.layout != layout:
+                other += 1
+                continue
+            if e.sealer not in gone:
+                w = self.writers.get(e.sealer)
+                gone[e.sealer] = w is not None and w.gone()
+            if gone[e.sealer]:
+                ok.append(u)
+            else:
+                unfenced += 1
+        return ok, unfenced, other
+
+    def adopt(self, owner: int, layout: str, ids: list[int], sums: list[bytes] | None,
+              unfenced: int, other: int) -> Adopted:
+        """Hand ``ids`` (from :meth:`candidates`, their checksums re-read now on CPU, or None)
+        to ``owner``; a page whose checksum changed is freed instead. Parents come before
+        their children."""
+        bad = [u for i, u in enumerate(ids)
+               if sums is not None and self.entries[u].checksum != sums[i]]
+        if bad:
+            for u in bad:
+                del self.orphans[u]
+            arr = np.asarray(bad, dtype=np.int32)
+            self._unseal(arr)
+            self.space.commit_free(DIRECTORY, arr.astype(np.intp))
+            self.corrupt_total += len(bad)
+        good = [u for u in ids if u not in set(bad)]
+        order = self._parents_first(good)
+        arr = np.asarray(order, dtype=np.int32)
+        for u in order:
+            del self.orphans[u]
+        self.space.move(DIRECTORY, arr, owner)
+        if order:
+            self.epoch += 1
+        self.adopted_total += len(order)
+        entries = [self.entries[u] for u in order]
+        tokens = (np.stack([e.tokens for e in entries]) if entries
+                  else np.zeros((0, self.page_size), dtype=np.int32))
+        self._forget_writers()
+        return Adopted(arr, [e.key for e in entries], [e.parent for e in entries], tokens,
+                       self.epoch, unfenced, len(bad), other)
+
+    def _parents_first(self, ids: list[int]) -> list[int]:
+        """``ids`` ordered by depth in their hash chains (a parent not among them: depth 0)."""
+        by_key = {(self.entries[u].layout, self.entries[u].key): u for u in ids}
+        depth: dict[int, int] = {}
+        for u in ids:
+            path: list[int] = []
+            cur = u
+            while cur not in depth:
+                path.append(cur)
+                e = self.entries[cur]
+                parent = by_key.get((e.layout, e.parent))
+                if parent is None or parent in path:
+                    depth[cur] = 0
+                    path.pop()
+                    break
+                cur = parent
+            d = depth[cur]
+            for v in reversed(path):
+                d += 1
+                depth[v] = d
+        return sorted(ids, key=depth.__getitem__)
+
+    # -- whole directory -----------------------------------------------------------------
+
+    def ages(self) -> tuple[float, float]:
+        """Seconds since the oldest and the newest directory page was sealed (0, 0: none)."""
+        if not self.orphans:
+            return 0.0, 0.0
+        now = self._clock()
+        times = [self.entries[u].sealed_at for u in self.orphans]
+        return now - min(times), now - max(times)
+
+    def close(self) -> None:
+        """The pool is gone: forget every entry, close every pidfd."""
+        for w in self.writers.values():
+            w.close()
+        self.writers.clear()
+        self.entries.clear()
+        self._by_key.clear()
+        self.orphans.clear()
+
+
+def check_seal_args(layout: str, ids: np.ndarray, keys: bytes, parents: bytes,
+                    tokens: np.ndarray, page_size: int) -> tuple[list[bytes], list[bytes],
+                                                                 np.ndarray]:
+    """A Seal's arrays checked against each other: ``(keys, parents, tokens)`` per page.
+
+    Raises:
+        InvalidArgument: an empty or over-long layout, or arrays of other lengths.
+    """
+    n = ids.shape[0]
+    if not layout or len(layout) > MAX_LAYOUT_CHARS:
+        raise InvalidArgument(f"layout must be 1..{MAX_LAYOUT_CHARS} characters (the engine, "
+                              f"its version, hash and rank), got {len(layout)}", field="layout")
+    if len(keys) != n * KEY_BYTES or len(parents) != n * KEY_BYTES:
+        raise InvalidArgument(
+            f"{n} pages need {n * KEY_BYTES} bytes of keys and of parents ({KEY_BYTES} a "
+            f"page), got {len(keys)} and {len(parents)}", field="keys")
+    if tokens.shape[0] != n * page_size:
+        raise InvalidArgument(f"{n} pages of {page_size} tokens need {n * page_size} token "
+                              f"ids, got {tokens.shape[0]}", field="tokens")
+    k = [keys[i * KEY_BYTES:(i + 1) * KEY_BYTES] for i in range(n)]
+    p = [parents[i * KEY_BYTES:(i + 1) * KEY_BYTES] for i in range(n)]
+    return k, p, tokens.reshape(n, page_size)

@@ -1,0 +1,139 @@
+"""Seal, Adopt and Sealed: the daemon's side of pages that outlive their engine.
+
+The pool aggregate's :class:`~kvpoold.pools.sealed.SealedDirectory` holds the state and alone
+changes it; this module checks the caller, the lease and the arguments, reads the checksums of
+a CPU pool's pages in a worker thread (never on the loop), and hands the directory typed
+values. See docs/restart.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import numpy as np
+
+from kvpool.contract.errors import PermissionDenied
+from kvpool.contract.limits import MAX_ADOPT_PAGES
+from kvpool.contract.records import Adopted, SealedStats
+from kvpoold.access import Caller
+from kvpoold.ids.faults import Asked
+from kvpoold.pools.pool import Pool
+from kvpoold.pools.sealed import check_seal_args, checksums, kv_extents
+from kvpoold.server.args import LeaseRef
+from kvpoold.server.leases import Lease
+
+log = logging.getLogger("kvpoold.daemon")
+
+
+class Sealing:
+    """Seal, Adopt and the directory's listing.
+
+    Args:
+        pool: the pool lookup, checked against the caller's scope.
+        lease: the lease proof of a caller.
+        clock: seconds (the directory's ages).
+    """
+
+    def __init__(self, pool: Callable[[str, Caller], Pool],
+                 lease: Callable[[Caller, LeaseRef], Lease], clock: Callable[[], float]) -> None:
+        self._pool = pool
+        self._lease = lease
+        self._clock = clock
+
+    async def _sums(self, entry: Pool, ids: list[int]) -> list[bytes] | None:
+        """The pages' checksums on CPU (in a worker thread, holding a use of the pool so its
+        memory stays while they are read); None on a GPU (nothing re-read there)."""
+        if entry.buffers.device.type != "cpu" or not ids:
+            return None if entry.buffers.device.type != "cpu" else []
+        extents = kv_extents(entry.plan)
+        with entry.use("sealing"):
+            return await asyncio.to_thread(checksums, entry.buffers.backing, extents, ids)
+
+    async def seal(self, caller: Caller, pool: str, ref: LeaseRef, layout: str,
+                   ids: np.ndarray, raw_keys: bytes, raw_parents: bytes,
+                   raw_tokens: np.ndarray) -> int:
+        """Seal pages the lease holds (checked: held, not in a transfer); returns how many
+        were sealed now.
+
+        Raises:
+            NotFound / PermissionDenied: the pool or the lease.
+            FailedPrecondition: the pool cannot be sealed (elastic, hybrid, vLLM layout), or a
+                page is not the lease's.
+            InvalidArgument: an id out of range or repeated.
+        """
+        entry = self._pool(pool, caller)
+        lease = self._lease(caller, ref)
+        d = entry.directory(self._clock)
+        keys, parents, tokens = check_seal_args(layout, ids, raw_keys, raw_parents, raw_tokens,
+                                                d.page_size)
+        fault = d.space.check(lease.owner, ids.astype(np.intp))
+        if fault is not None:  # the same words as a refused Free
+            raise d.space.free_error(lease.owner, ids, Asked(
+                f"seal {pool} (kv)", "page_ids", "nothing was sealed"))
+        sums = await self._sums(entry, ids.tolist())
+        # the lease may have let go of a page while the sums were read: seal what it still holds
+        owners = d.space.owner_of(ids)
+        still = owners == lease.owner
+        pick = np.flatnonzero(still)
+        return d.seal(lease.lease_id, layout, ids[pick], [keys[i] for i in pick],
+                      [parents[i] for i in pick], tokens[pick],
+                      [] if sums is None else [sums[i] for i in pick])
+
+    async def adopt(self, caller: Caller, pool: str, ref: LeaseRef, layout: str) -> Adopted:
+        """Hand the lease the directory's pages of ``layout`` whose writers are proven gone
+        (on CPU, whose bytes are as sealed).
+
+        Raises:
+            NotFound / PermissionDenied: the pool or the lease.
+            FailedPrecondition: the pool cannot be sealed.
+        """
+        entry = self._pool(pool, caller)
+        lease = self._lease(caller, ref)
+        d = entry.directory(self._clock)
+        ids, unfenced, other = d.candidates(layout)
+        ids = ids[:MAX_ADOPT_PAGES]  # the rest on the next call
+        sums = await self._sums(entry, ids)
+        # the directory may have changed while the sums were read (an eviction): look again
+        still, unfenced, other = d.candidates(layout)
+        keep = set(still)
+        pairs = [(u, sums[i] if sums is not None else b"") for i, u in enumerate(ids)
+                 if u in keep]
+        got = d.adopt(lease.owner, layout, [u for u, _ in pairs],
+                      None if sums is None else [s for _, s in pairs], unfenced, other)
+        log.info("sealed pages adopted", extra={"fields": {
+            "event": "adopt", "pool": pool, "lease_id": lease.lease_id, "layout": layout,
+            "pages": int(got.ids.shape[0]), "unfenced": got.unfenced, "corrupt": got.corrupt,
+            "other_layout": got.other_layout, "epoch": got.epoch}})
+        return got
+
+    def sealed(self, caller: Caller, pool: str, evict: bool = False) -> SealedStats:
+        """The pool's directory; with ``evict`` (the pool's admin), every page it keeps given
+        back first.
+
+        Raises:
+            NotFound / PermissionDenied: the pool, or an evict by a caller who is not admin.
+        """
+        entry = self._pool(pool, caller)
+        d = entry.sealed
+        evicted = 0
+        if evict:
+            if not caller.admin:
+                raise PermissionDenied(f"evicting pool {pool!r}'s sealed pages needs an admin "
+                                       "token", field="evict")
+            if d is not None:
+                evicted = d.evict_all()
+                log.info("sealed pages evicted", extra={"fields": {
+                    "event": "sealed_evict", "pool": pool, "pages": evicted}})
+        if d is None:
+            return SealedStats(evicted=evicted)
+        oldest, newest = d.ages()
+        page_bytes = sum(page for _, page in kv_extents(entry.plan))
+        return SealedStats(
+            held=len(d.entries) - len(d.orphans), kept=len(d.orphans),
+            kept_bytes=len(d.orphans) * page_bytes, oldest_seconds=oldest,
+            newest_seconds=newest, sealed_total=d.sealed_total, adopted_total=d.adopted_total,
+            evicted_total=d.evicted_total, corrupt_total=d.corrupt_total, epoch=d.epoch,
+            evicted=evicted, layouts=tuple(sorted({d.entries[u].layout for u in d.orphans})))
+
