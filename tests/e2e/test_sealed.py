@@ -19,6 +19,7 @@ import pytest
 
 from kvpool.clients.client import KVPoolClient
 from tests.conftest import TINY_OPTIONS, TINY_PAGES, TINY_SPEC, run_daemon, temp_dir
+from tests.e2e.test_daemon import kvpool_cli
 from tests.procs import Child
 
 PAGE = 16
@@ -165,6 +166,10 @@ def test_a_lease_that_frees_a_sealed_page_hands_it_to_the_directory(daemon) -> N
         assert client.stats("tiny").pool("tiny").spaces["kv"].used == used - 1
     # a lease that registered no process (this one never mapped): its pages are never adopted
     assert adopt(client).unfenced == 2
-    assert client.sealed("tiny", evict=True).evicted == 2
+    shown = kvpool_cli("sealed", "tiny", "--target", _d.target)
+    assert shown.returncode == 0, shown.stderr
+    assert "tiny: 2 sealed pages kept" in shown.stdout and LAYOUT in shown.stdout
+    evicted = kvpool_cli("sealed", "tiny", "--evict", "--target", _d.target)
+    assert "evicted 2 pages" in evicted.stdout, evicted.stdout + evicted.stderr
     assert client.sealed("tiny").kept == 0
 

@@ -303,8 +303,38 @@ def run_drop(args: argparse.Namespace) -> int:
     return 0
 
 
-SUBCOMMANDS: tuple[AddParser, ...] = (add_configure, add_stats, add_leases, add_drop, add_top,
-                                      add_demo)
+def add_sealed(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = _command(sub, common, "sealed", run_sealed, "a pool's sealed pages",
+                 "A pool's sealed-page directory: KV that outlived its engine, kept for the "
+                 "next engine of the same layout (docs/restart.md). With --evict, give every "
+                 "page it keeps back to the pool first (admin).")
+    p.add_argument("pool")
+    p.add_argument("--evict", action="store_true",
+                   help="free every page the directory keeps (pages leases hold stay)")
+    p.add_argument("--json", action="store_true", help="print the directory as JSON")
+    return p
+
+
+def run_sealed(args: argparse.Namespace) -> int:
+    with client_from(args) as client:
+        s = client.sealed(args.pool, evict=args.evict)
+    if args.json:
+        _print_json(s)
+        return 0
+    if args.evict:
+        print(f"evicted {count(s.evicted, 'page')} from {args.pool}'s directory")
+    print(f"{args.pool}: {count(s.kept, 'sealed page')} kept ({_human(s.kept_bytes)}), "
+          f"{s.held:,} held by leases; layouts: {', '.join(s.layouts) or '-'}")
+    if s.kept:
+        print(f"  sealed {s.newest_seconds:,.1f} s to {s.oldest_seconds:,.1f} s ago")
+    print(f"  since the pool was built: {s.sealed_total:,} sealed, {s.adopted_total:,} "
+          f"adopted (epoch {s.epoch}), {s.evicted_total:,} evicted, {s.corrupt_total:,} "
+          "found changed and freed")
+    return 0
+
+
+SUBCOMMANDS: tuple[AddParser, ...] = (add_configure, add_stats, add_leases, add_drop,
+                                      add_sealed, add_top, add_demo)
 
 
 def build_parser(subcommands: Sequence[AddParser] = SUBCOMMANDS) -> argparse.ArgumentParser:
