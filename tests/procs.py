@@ -8,9 +8,11 @@ handle and buffer layouts) and answers on stdout. Every script starts with :data
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from tests.conftest import REPO, subprocess_env
@@ -122,3 +124,36 @@ pick = lambda q: round(1e3 * samples[min(len(samples) - 1, int(q * len(samples))
 send({"calls": len(samples), "errors": errors, "p50_ms": pick(0.5), "p99_ms": pick(0.99),
       "max_ms": pick(1.0)})
 """
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def processes_naming(text: str) -> list[str]:
+    """The command lines of running processes that contain ``text``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmdline and alive(int(proc.name)):
+            found.append(f"{proc.name}: {cmdline}")
+    return found
+
+
+def with_default_sigint(argv: list[str]) -> list[str]:
+    """``argv`` run with SIGINT at its default disposition, as a terminal's foreground job has
+    it when Ctrl-C is pressed (a test runner started in the background may have SIGINT ignored,
+    which its children inherit and a shell cannot trap)."""
+    return [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, "
+            "signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])", *argv]
+

@@ -35,7 +35,8 @@ target="unix://$sock"
 export KVPOOL_TARGET="$target"  # the kvpool CLI and the plugin find the daemon here
 daemon_pid="" server_pid=""
 
-say() { printf '\n== %s\n' "$*"; }
+step="" in_setup=0
+say() { step="${1%% *}"; printf '\n== %s\n' "$*"; }
 fail() {
     printf 'sglang_cpu: %s\n' "$1" >&2
     [[ -n "${2:-}" && -f "$2" ]] && { printf -- '--- last lines of %s:\n' "$2" >&2; tail -n 30 "$2" >&2; }
@@ -47,19 +48,25 @@ cleanup() {
     wait 2>/dev/null || true
     if [[ "${KEEP:-0}" == 1 ]]; then echo "kept $work"; else rm -rf "$work"; fi
 }
+interrupted() {
+    trap - INT TERM
+    # While the side venv is made, setup_venv.sh says itself what it left (one line).
+    (( in_setup )) || printf 'sglang_cpu: interrupted at step %s; stopping what it started\n' \
+        "${step:-0/6}" >&2
+    exit 130
+}
 trap cleanup EXIT
+trap interrupted INT TERM
 
 say "1/6 the daemon's venv ($main) and SGLang's side venv ($venv)"
-if [[ ! -x "$main/bin/kvpoold" ]]; then
-    echo "making $main (torch 2.13.0 CPU, kvpool[server] from this checkout)"
-    python3 -m venv "$main"
-    "$main/bin/pip" install -q torch==2.13.0
-    "$main/bin/pip" install -q -e "$repo[server]"
-fi
+. "$repo/examples/main_venv.sh"
+main_venv "$main" "$repo"
 # Does nothing when the side venv's ready marker is there (a finished one made from another
 # checkout is used as it is: the plugin still comes from this checkout, PYTHONPATH below);
 # repairs an unfinished one (an interrupted first run).
+in_setup=1
 "$harness/setup_venv.sh" --reuse
+in_setup=0
 
 say "2/6 a tiny random Llama in $work/model"
 PYTHONPATH="$harness/stubs" "$py" "$harness/engine_run.py" make-model "$work/model" \

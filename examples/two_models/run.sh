@@ -13,14 +13,9 @@ venv="${KVPOOL_VENV:-$repo/.venv}"
 side="${KVPOOL_SGLANG_VENV:-$repo/.venv-sglang}"
 say() { printf '\n[%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
-if [[ ! -x "$venv/bin/kvpoold" ]]; then
-    say "1/3 the daemon's venv ($venv)"
-    python3 -m venv "$venv"
-    "$venv/bin/pip" install -q torch==2.13.0
-    "$venv/bin/pip" install -q -c "$repo/.ci/constraints.txt" -e "$repo[server]"
-else
-    say "1/3 the daemon's venv is there ($venv)"
-fi
+say "1/3 the daemon's venv ($venv)"
+. "$repo/examples/main_venv.sh"
+main_venv "$venv" "$repo"
 # The ready marker decides, not bin/python: an interrupted first run leaves a venv without
 # its packages, which setup_venv.sh removes and makes again (about 3 minutes); a finished one
 # (from this checkout or another) is used as it is.

@@ -69,12 +69,8 @@ trap cleanup EXIT
 trap interrupted INT TERM
 
 say 1/6 "the daemon's venv ($main) and vLLM's side venv ($venv)"
-if [[ ! -x "$main/bin/kvpoold" ]]; then
-    echo "making $main (torch 2.13.0 CPU, kvpool[server] from this checkout)"
-    python3 -m venv "$main"
-    "$main/bin/pip" install -q torch==2.13.0
-    "$main/bin/pip" install -q -e "$repo[server]"
-fi
+. "$repo/examples/main_venv.sh"
+main_venv "$main" "$repo"
 # Does nothing when the side venv's ready marker is there (a finished one made from another
 # checkout is used as it is: kvpool still comes from this checkout, PYTHONPATH below);
 # repairs an unfinished one (an interrupted first run).

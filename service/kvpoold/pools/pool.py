@@ -159,8 +159,9 @@ class Pool:
             held = d.space.held_ids(owner)
             mine = held[d.sealed_mask(held.astype(np.intp))]
             if mine.shape[0]:
-                mine = mine[~d.space.pinned_of(mine.astype(np.intp))]
-                d.keep(owner, mine)
+                pinned = d.space.pinned_of(mine.astype(np.intp))
+                d.forget(mine[pinned])  # a transfer still moves them: quarantined, then freed
+                d.keep(owner, mine[~pinned])
         return self.ids.reclaim(owner)
 
     async def device_written(self) -> None:
@@ -244,6 +245,8 @@ class Pool:
             Internal: naming the first broken one.
         """
         self.ids.audit()
+        if self.sealed is not None and self.state != "closed":
+            self.sealed.audit()
         if any(n <= 0 for n in self.uses.values()):
             raise Internal(f"pool {self.name!r}: use counts {dict(self.uses)}")
         if self.state == "closed" and self.uses:

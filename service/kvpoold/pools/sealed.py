@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvpool.contract.errors import FailedPrecondition, InvalidArgument
+from kvpool.contract.errors import FailedPrecondition, Internal, InvalidArgument
 from kvpool.contract.limits import KEY_BYTES
 from kvpool.contract.plan import BufferKind, PoolPlan
 from kvpool.contract.records import Adopted
-from kvpoold.ids.faults import DIRECTORY
+from kvpoold.ids.faults import DIRECTORY, QUARANTINE
 from kvpoold.ids.space import IdSpace
 
 # Buffer kinds of a pool whose kv pages can be sealed: nothing else follows or indexes a page.
@@ -220,6 +220,12 @@ class SealedDirectory:
         """Give back every page the directory holds (``kvpool sealed --evict``)."""
         return int(self.evict(len(self.orphans)).shape[0])
 
+    def forget(self, ids: np.ndarray) -> None:
+        """Unseal ``ids`` a lease holds (pages its end quarantines for a transfer in flight:
+        they are freed, never kept)."""
+        if ids.shape[0]:
+            self._unseal(ids)
+
     def _unseal(self, ids: np.ndarray) -> None:
         for u in ids.tolist():
             e = self.entries.pop(u)
@@ -247,11 +253,11 @@ class SealedDirectory:
                 unfenced += 1
         return ok, unfenced, other
 
-    def adopt(self, owner: int, layout: str, ids: list[int], sums: list[bytes] | None,
-              unfenced: int, other: int) -> Adopted:
+    def adopt(self, owner: int, lease_id: int, layout: str, ids: list[int],
+              sums: list[bytes] | None, unfenced: int, other: int) -> Adopted:
         """Hand ``ids`` (from :meth:`candidates`, their checksums re-read now on CPU, or None)
-        to ``owner``; a page whose checksum changed is freed instead. Parents come before
-        their children."""
+        to ``owner`` (lease ``lease_id``, whose processes are their writers from now on); a
+        page whose checksum changed is freed instead. Parents come before their children."""
         bad = [u for i, u in enumerate(ids)
                if sums is not None and self.entries[u].checksum != sums[i]]
         if bad:
@@ -266,6 +272,7 @@ class SealedDirectory:
         arr = np.asarray(order, dtype=np.int32)
         for u in order:
             del self.orphans[u]
+            self.entries[u].sealer = lease_id
         self.space.move(DIRECTORY, arr, owner)
         if order:
             self.epoch += 1
@@ -308,6 +315,29 @@ class SealedDirectory:
         now = self._clock()
         times = [self.entries[u].sealed_at for u in self.orphans]
         return now - min(times), now - max(times)
+
+    def audit(self) -> None:
+        """The directory agrees with the ledger: every sealed page is held (by a lease or the
+        directory, never free), the directory holds exactly its kept pages, the indexes agree.
+
+        Raises:
+            Internal: naming the first broken one.
+        """
+        ids = np.fromiter(self.entries, dtype=np.int32, count=len(self.entries))
+        owners = self.space.owner_of(ids) if ids.shape[0] else ids
+        kept = set(ids[owners == DIRECTORY].tolist())
+        checks = [
+            (bool((owners != 0).all()), "a sealed page is free"),
+            (bool((owners != QUARANTINE).all()), "a sealed page is quarantined"),
+            (kept == set(self.orphans), "the kept pages are not the directory's"),
+            (self.space.held(DIRECTORY) == len(self.orphans),
+             "the directory holds pages it does not keep"),
+            (int(self._sealed.sum()) == len(self.entries) == len(self._by_key),
+             "the sealed indexes disagree"),
+        ]
+        for ok, why in checks:
+            if not ok:
+                raise Internal(f"sealed directory of {self.space.label}: {why}")
 
     def close(self) -> None:
         """The pool is gone: forget every entry, close every pidfd."""

@@ -100,7 +100,7 @@ class Sealing:
         keep = set(still)
         pairs = [(u, sums[i] if sums is not None else b"") for i, u in enumerate(ids)
                  if u in keep]
-        got = d.adopt(lease.owner, layout, [u for u, _ in pairs],
+        got = d.adopt(lease.owner, lease.lease_id, layout, [u for u, _ in pairs],
                       None if sums is None else [s for _, s in pairs], unfenced, other)
         log.info("sealed pages adopted", extra={"fields": {
             "event": "adopt", "pool": pool, "lease_id": lease.lease_id, "layout": layout,

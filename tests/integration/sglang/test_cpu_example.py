@@ -1,6 +1,7 @@
 """``examples/sglang_cpu/run.sh`` as docs/sglang.md gives it (the CPU quick start): SGLang 0.5.23's
 HTTP server with the kvpool plugin, two requests over HTTP, ``kvpool stats`` and ``leases``,
-then the pages back after the server stops.
+then the pages back after the server stops; once interrupted with Ctrl-C, then run again to
+the end (the full run comes second).
 
 The script is run with ``KVPOOL_SGLANG_VENV`` at the side venv CI already built and
 ``KVPOOL_VENV`` at this test's own venv, so it builds nothing (about 50 s); ``PYTHONPATH``
@@ -12,14 +13,18 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
+from kvpool.clients.client import KVPoolClient
 from tests.conftest import REPO
-from tests.integration.side_venv import VENV, sglang_python_or_skip
+from tests.integration.side_venv import VENV, sglang_python_or_skip, wait_until
+from tests.procs import alive, processes_naming, with_default_sigint
 
 SCRIPT = REPO / "examples" / "sglang_cpu" / "run.sh"
 DOC = REPO / "docs" / "sglang.md"
@@ -36,8 +41,8 @@ def test_the_doc_gives_the_script_as_the_cpu_quick_start() -> None:
     assert "kvpoold serve --device cuda:0 --budget 40GiB" in gpu
 
 
-@pytest.mark.timeout(900)
-def test_the_cpu_script_serves_two_requests_and_gives_the_pages_back() -> None:
+def script_env() -> dict[str, str]:
+    """The script's environment: the side venv CI built, this test's venv, this checkout."""
     sglang_python_or_skip()
     if not (VENV / ".kvpool-sglang-ready").is_file():
         pytest.skip(f"the side venv {VENV} is not finished (no .kvpool-sglang-ready)")
@@ -47,6 +52,56 @@ def test_the_cpu_script_serves_two_requests_and_gives_the_pages_back() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("KVPOOL_TARGET", "PORT", "KEEP")}
     env.update(KVPOOL_SGLANG_VENV=str(VENV), KVPOOL_VENV=str(own_venv),
                PYTHONPATH=f"{REPO / 'client'}{os.pathsep}{REPO / 'service'}")
+    return env
+
+
+@pytest.mark.timeout(900)
+def test_ctrl_c_while_the_server_runs_stops_everything() -> None:
+    """SIGINT to the script's process group (Ctrl-C in a terminal) once SGLang's scheduler has
+    the pool attached: one line, exit 130, no process, temporary directory or pool left."""
+    proc = subprocess.Popen(with_default_sigint([str(SCRIPT)]), cwd=REPO, env=script_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+
+    def attached() -> str | None:
+        if proc.poll() is not None:
+            return "exited"
+        text = "".join(lines)
+        served = re.search(r"^== 3/6 kvpoold serve on (\S+)$", text, flags=re.M)
+        if not (served and "\n== 4/6 " in text):
+            return None
+        with KVPoolClient(served[1], timeout_s=5) as client:
+            pools = client.stats().pools
+        return served[1] if any(p.name == "tiny" and p.attached for p in pools) else None
+
+    try:
+        wait_until("SGLang's scheduler attaches pool tiny", attached, 600.0, interval_s=0.2)
+        assert proc.poll() is None, "".join(lines)[-4000:]
+        os.killpg(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    reader.join(timeout=30)
+    err = proc.stderr.read()  # type: ignore[union-attr]
+    text = "".join(lines)
+    assert rc == 130, (text + err)[-4000:]
+    assert err.endswith("sglang_cpu: interrupted at step 4/6; stopping what it started\n"), err
+    work = re.search(r"^== 2/6 a tiny random Llama in (\S+)/model$", text, flags=re.M)
+    daemon = re.search(r"^kvpoold is serving \(pid (\d+)\)$", text, flags=re.M)
+    assert work and daemon, text[-4000:]
+    assert not alive(int(daemon[1])), "kvpoold left running"
+    assert not processes_naming(work[1]), processes_naming(work[1])
+    assert not Path(work[1]).exists(), f"{work[1]} left behind"
+
+
+@pytest.mark.timeout(900)
+def test_the_cpu_script_serves_two_requests_and_gives_the_pages_back() -> None:
+    env = script_env()
     out = subprocess.run([str(SCRIPT)], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=840)
     text = out.stdout

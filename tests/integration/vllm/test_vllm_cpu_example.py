@@ -27,6 +27,7 @@ from kvpool.contract.records import Stats
 from tests.conftest import REPO
 from tests.integration.side_venv import wait_until
 from tests.integration.vllm_venv import VENV, vllm_python_or_skip
+from tests.procs import alive, processes_naming, with_default_sigint
 
 SCRIPT = REPO / "examples" / "vllm_cpu" / "run.sh"
 DOC = REPO / "docs" / "vllm.md"
@@ -46,30 +47,6 @@ def script_env() -> dict[str, str]:
     env.update(KVPOOL_VLLM_VENV=str(VENV), KVPOOL_VENV=str(own_venv),
                PYTHONPATH=f"{REPO / 'client'}{os.pathsep}{REPO / 'service'}")
     return env
-
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie does not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def processes_naming(text: str) -> list[str]:
-    """The command lines of running processes that contain ``text``."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if text in cmdline and alive(int(proc.name)):
-            found.append(f"{proc.name}: {cmdline}")
-    return found
 
 
 def facts(text: str) -> tuple[Path, str, int]:
@@ -107,13 +84,9 @@ def test_ctrl_c_while_the_engine_starts_stops_everything() -> None:
     """SIGINT to the script's process group (what Ctrl-C in a terminal sends) once the engine's
     worker has the pool attached: one line, exit 130, nothing left."""
     env = script_env()
-    # A terminal's foreground job gets Ctrl-C with SIGINT at its default disposition; a test
-    # runner started in the background may have SIGINT ignored, which its children inherit
-    # and a shell cannot trap: restore the default, then exec the script.
-    launch = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, "
-              "signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])", str(SCRIPT)]
-    proc = subprocess.Popen(launch, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(with_default_sigint([str(SCRIPT)]), cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     lines: list[str] = []
 
     def read() -> None:

@@ -1,0 +1,223 @@
+"""Sealed pages under a hostile workload: a hypothesis state machine over the real
+:class:`~kvpoold.server.daemon.Daemon` (its pool aggregate, ledger and sealed directory, real
+/dev/shm memory, real processes for the fence), driven through the daemon's own methods.
+
+Leases allocate, seal, free and end; each lease's writers are real processes: none registered,
+one that has exited, or a shared one that lives until a rule kills it. Pages kept by the
+directory are written over (a stray writer), evicted by pressure, adopted. After every step:
+
+- every invariant of the pool and its directory holds (``Daemon.audit``);
+- the directory keeps exactly the pages the model says (sealed, let go of, not evicted or
+  adopted);
+- an adoption takes only pages whose sealing lease ended with every registered writer gone,
+  never one written after sealing (that one is freed), and every adoptable page of the layout;
+- pressure takes kept pages, never a lease's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import subprocess
+from typing import Any
+
+import numpy as np
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvpool.contract.errors import KVPoolError
+from kvpoold.access import DAEMON_CALLER
+from kvpoold.pools.sealed import kv_extents
+from kvpoold.server.args import ConfigureArgs, LeaseRef
+from kvpoold.server.daemon import Daemon
+from kvpoold.sharing.shm import ShmBackingFactory
+from tests.conftest import TINY_OPTIONS, TINY_SPEC, stateful_settings, temp_dir
+from tests.service.conftest import ManualClock
+
+LAYOUT = "machine/1 sha256 tp0"
+PAGE = 16
+KINDS = ("none", "dead", "live")
+
+
+def sleeper() -> subprocess.Popen[bytes]:
+    return subprocess.Popen(["sleep", "3600"])
+
+
+class SealedMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self._tmp = temp_dir("kvp-shm-", "/dev/shm")
+        self.clock = ManualClock()
+        self.d = Daemon("cpu", 64 << 20, ShmBackingFactory(self._tmp.__enter__()), self.clock)
+        self.run(self.d.configure(DAEMON_CALLER, ConfigureArgs(
+            "f", spec=dict(TINY_SPEC), options=dict(TINY_OPTIONS))))
+        self.live = sleeper()  # the writer that lives until kill_live_writer
+        self.live_dead = False
+        self.leases: dict[int, LeaseRef] = {}
+        self.kind: dict[int, str] = {}  # lease -> writers: none, dead, live
+        self.held: dict[int, set[int]] = {}  # lease -> pages it holds
+        self.sealer: dict[int, int] = {}  # sealed page -> the lease that sealed it
+        self.kept: set[int] = set()  # pages the directory keeps
+        self.ended: set[int] = set()  # leases that ended
+        self.written: set[int] = set()  # kept pages written over since sealed
+        self.n = 0
+
+    def run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(coro)
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        async def on_loop() -> Any:
+            return fn(*args)
+        return self.run(on_loop())
+
+    def teardown(self) -> None:
+        self.live.kill()
+        self.live.wait()
+        self.d.close()
+        self.loop.close()
+        self._tmp.__exit__(None, None, None)
+
+    @property
+    def pool(self) -> Any:
+        return self.d.pools["f"]
+
+    def adoptable(self, u: int) -> bool:
+        lease = self.sealer[u]
+        kind = self.kind[lease]
+        return lease in self.ended and (kind == "dead" or (kind == "live" and self.live_dead))
+
+    # -- leases -------------------------------------------------------------------------
+
+    @precondition(lambda self: len(self.leases) - len(self.ended) < 4)
+    @rule(kind=st.sampled_from(KINDS))
+    def open_lease(self, kind: str) -> None:
+        lease = self.call(self.d.open_lease, DAEMON_CALLER, f"l{len(self.leases)}", 30.0)
+        ref = LeaseRef(lease.lease_id, lease.secret)
+        self.leases[lease.lease_id] = ref
+        self.kind[lease.lease_id] = kind
+        self.held[lease.lease_id] = set()
+        if kind == "dead":
+            proc = sleeper()
+            self.d.attachments.add_holder("f", lease.lease_id, proc.pid)
+            proc.kill()
+            proc.wait()
+        elif kind == "live":
+            self.d.attachments.add_holder("f", lease.lease_id, self.live.pid)
+
+    def _open(self) -> list[int]:
+        return [x for x in self.leases if x not in self.ended]
+
+    @precondition(lambda self: bool(self._open()))
+    @rule(data=st.data(), n=st.integers(1, 40))
+    def allocate(self, data: st.DataObject, n: int) -> None:
+        lease = data.draw(st.sampled_from(self._open()))
+        free = self.pool.ids.space("kv", "kv").num_free
+        try:
+            got = self.call(self.d.allocate, DAEMON_CALLER, "f", self.leases[lease],
+                            [("kv", n)])
+        except KVPoolError:
+            assert n > free + len(self.kept)  # refused only when even the kept pages fall short
+            return
+        ids = set(got[0][1].ids.tolist())
+        if n > free:  # the oldest kept pages gave way; never a lease's
+            taken = self.kept & ids
+            assert len(taken) == n - free
+            self.kept -= taken
+            self.written -= taken
+            for u in taken:
+                del self.sealer[u]
+        self.held[lease] |= ids
+
+    @precondition(lambda self: any(self.held[x] - set(self.sealer) for x in self._open()))
+    @rule(data=st.data())
+    def seal(self, data: st.DataObject) -> None:
+        lease = data.draw(st.sampled_from(
+            [x for x in self._open() if self.held[x] - set(self.sealer)]))
+        pages = data.draw(st.lists(st.sampled_from(sorted(self.held[lease] - set(self.sealer))),
+                                   min_size=1, max_size=8, unique=True))
+        keys = []
+        for _ in pages:
+            self.n += 1
+            keys.append(hashlib.sha256(self.n.to_bytes(8, "little")).digest())
+        tokens = np.zeros(len(pages) * PAGE, dtype=np.int32)
+        done = self.run(self.d.sealing.seal(
+            DAEMON_CALLER, "f", self.leases[lease], LAYOUT, np.asarray(pages, dtype=np.int32),
+            b"".join(keys), bytes(32 * len(pages)), tokens))
+        assert done == len(pages)
+        for u in pages:
+            self.sealer[u] = lease
+
+    @precondition(lambda self: any(self.held[x] for x in self._open()))
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        lease = data.draw(st.sampled_from([x for x in self._open() if self.held[x]]))
+        pages = data.draw(st.lists(st.sampled_from(sorted(self.held[lease])), min_size=1,
+                                   max_size=12, unique=True))
+        freed = self.call(self.d.free, DAEMON_CALLER, "f", self.leases[lease],
+                          [("kv", np.asarray(pages, dtype=np.int32))])
+        assert freed == len(pages)
+        self.held[lease] -= set(pages)
+        self.kept |= {u for u in pages if u in self.sealer}
+
+    @precondition(lambda self: bool(self._open()))
+    @rule(data=st.data())
+    def end_lease(self, data: st.DataObject) -> None:
+        lease = data.draw(st.sampled_from(self._open()))
+        self.call(self.d.close_lease, DAEMON_CALLER, self.leases[lease])
+        self.ended.add(lease)
+        self.kept |= {u for u in self.held[lease] if u in self.sealer}
+        self.held[lease] = set()
+
+    @precondition(lambda self: not self.live_dead)
+    @rule()
+    def kill_live_writer(self) -> None:
+        self.live.kill()
+        self.live.wait()
+        self.live_dead = True
+
+    @precondition(lambda self: bool(self.kept))
+    @rule(data=st.data())
+    def write_over_a_kept_page(self, data: st.DataObject) -> None:
+        u = data.draw(st.sampled_from(sorted(self.kept)))
+        offset, page = kv_extents(self.pool.plan)[0]
+        flat = self.pool.buffers.backing.numpy()
+        flat[offset + u * page] ^= 0x5A  # a stray write (CPU: the checksum sees it)
+        self.written ^= {u}  # a second flip of the same byte puts it back as sealed
+
+    @precondition(lambda self: bool(self._open()))
+    @rule(data=st.data())
+    def adopt(self, data: st.DataObject) -> None:
+        lease = data.draw(st.sampled_from(self._open()))
+        want = {u for u in self.kept if self.adoptable(u)}
+        got = self.run(self.d.sealing.adopt(DAEMON_CALLER, "f", self.leases[lease], LAYOUT))
+        ids = set(got.ids.tolist())
+        bad = want & self.written
+        assert ids == want - bad, (ids, want, bad)
+        assert got.corrupt == len(bad)
+        assert got.unfenced == len(self.kept - want)
+        self.kept -= want
+        for u in bad:
+            del self.sealer[u]
+        self.written -= want
+        self.held[lease] |= ids
+        for u in ids:  # sealed still; the adopter's processes are its writers now
+            self.sealer[u] = lease
+
+    # -- invariants -----------------------------------------------------------------------
+
+    @invariant()
+    def agrees(self) -> None:
+        self.d.audit()
+        d = self.pool.sealed
+        kept = set(d.orphans) if d is not None else set()
+        assert kept == self.kept
+        held_sealed = {u for x in self._open() for u in self.held[x] if u in self.sealer}
+        assert (len(d.entries) if d is not None else 0) == len(self.kept) + len(held_sealed)
+
+
+def test_the_sealed_directory_holds_under_a_hostile_workload() -> None:
+    run = SealedMachine.TestCase
+    run.settings = stateful_settings(examples=60, steps=40)
+    run().runTest()
+
