@@ -65,6 +65,25 @@ CASES += [Case(f"{m}/{gpu}{suffix}", m, {"budget_bytes": 20 * GiB, "page_size": 
                                                    "max_running_requests": 64}),
           )
           for gpu in ("h200", "b200", "a100-80g")]
+# The multimodal reservation at high concurrency: every multimodal wrapper of the corpus (and
+# those SGLang serves as text) at --max-running-requests 400, where SGLang's Qwen3-VL override
+# raises its CUDA IPC feature pool from 1 to 3 GiB on a large Hopper GPU; the others keep the
+# fixed 100 MiB (or nothing). The step's edge (399), a second Hopper, a GPU off that path.
+_MM_WRAPPERS = ("corpus/gemma-4-26b-a4b", "corpus/kimi-k2.5",
+                "corpus/llama-4-scout-17b-16e-instruct", "corpus/llava-1.5-7b-hf",
+                "corpus/ministral-3-3b-instruct-2512",
+                "corpus/qwen3-vl-8b-instruct", "corpus/qwen3-vl-30b-a3b-instruct",
+                "corpus/qwen3.5-35b-a3b", "gemma-3-4b-it")
+CASES += [Case(f"{m}/mrr400", m, {"budget_bytes": 20 * GiB, "page_size": 16,
+                                  "max_running_requests": 400}) for m in _MM_WRAPPERS]
+CASES += [Case(f"{m}/{gpu}-mrr{mrr}", m, {"budget_bytes": 20 * GiB, "page_size": 16, "gpu": gpu,
+                                          "max_running_requests": mrr})
+          for m, gpu, mrr in (("corpus/qwen3-vl-8b-instruct", "h100-80g", 399),
+                              ("corpus/qwen3-vl-30b-a3b-instruct", "h200", 1024),
+                              ("corpus/qwen3-vl-30b-a3b-instruct", "a100-80g", 1024))]
+# 2 GiB at 400 requests: the 3 GiB reserved leaves nothing, and both refuse
+CASES += [Case("corpus/qwen3-vl-8b-instruct/2GiB-mrr400", "corpus/qwen3-vl-8b-instruct",
+               {"budget_bytes": 2 * GiB, "page_size": 16, "max_running_requests": 400})]
 # DeepSeek-V4 beyond the matrix: its own engine defaults (ratio 0.1, 256 requests), speculative
 # decoding (SGLang prices the draft worker as (L + 1) / L), a given ratio and request cap, PP.
 _V4 = "corpus/deepseek-v4-flash"

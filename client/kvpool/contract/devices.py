@@ -10,8 +10,9 @@ here changes a number of the plan, and nothing else does:
   hybrid SWA model served without the radix cache at a fixed ``max_running_requests``.
 - ``sm``: the compute capability (``90`` = 9.0). A DSA model's ``--kv-cache-dtype auto`` is
   bfloat16 below SM100 and fp8_e4m3 from SM100 (Blackwell) on; on SM90 with 60 GiB or more,
-  Qwen3-VL takes no multimodal embedding cache (``arg_groups/model_overrides/qwen3_vl.py``), so
-  nothing is reserved from its budget.
+  Qwen3-VL takes no multimodal embedding cache but a CUDA IPC feature pool
+  (``arg_groups/model_overrides/qwen3_vl.py``), reserved from its budget instead
+  (``kvpoold.sizing.multimodal``).
 
 Profiles: ``h100-80g`` (the default of ``kvpoold plan``: SGLang's reference GPU), ``h200``,
 ``b200``, ``a100-80g``, and ``cpu`` (no GPU facts: SGLang's fallbacks).

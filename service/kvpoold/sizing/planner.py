@@ -17,6 +17,7 @@ from kvpool.contract.errors import InvalidArgument
 from kvpool.contract.options import KVCacheDType, PlanOptions
 from kvpool.contract.plan import ArchitectureSource, BufferKind, BufferSpec, ElasticPlan, PoolPlan
 from kvpool.contract.spec import ModelSpec
+from kvpoold.sizing import multimodal
 from kvpoold.sizing.architectures import SGLANG_VERSION
 from kvpoold.sizing.common import (
     REQ_TO_TOKEN_EXTRA_COLUMNS,
@@ -37,18 +38,9 @@ SIZING_FIELDS = (
     "c4_state_pool_size", "c128_state_pool_size", "num_pages", "swa_num_pages",
 )
 OPTION_FIELDS = ("budget_bytes", "tp_size", "pp_size", "pp_rank")
-# SGLang's SGLANG_VLM_CACHE_SIZE_MB default: taken off the KV budget of a multimodal model.
-MULTIMODAL_RESERVATION_BYTES = 100 << 20
 # SGLang's max_running_requests when speculative decoding is on and the user gave none.
 SPECULATIVE_MAX_RUNNING_REQUESTS = 48
 
-
-# The pool of SGLang's CUDA IPC multimodal feature transport (SGLANG_MM_FEATURE_CACHE_MB).
-MM_FEATURE_CACHE_BYTES = 1 << 30
-# Classes SGLang serves without a multimodal cache on large Hopper GPUs
-# (arg_groups/model_overrides/qwen3_vl.py: model types qwen3_vl and qwen3_vl_moe).
-QWEN3_VL_CLASSES = frozenset({"Qwen3VLForConditionalGeneration",
-                              "Qwen3VLMoeForConditionalGeneration"})
 # SGLang's swa_full_tokens_ratio when neither the user nor the model's overrides set one.
 DEFAULT_SWA_FULL_TOKENS_RATIO = 0.8
 # SGLang's defaults for one model class, where the user gave none (its arg_groups: the
@@ -160,6 +152,8 @@ def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = 
     Raises:
         InvalidArgument: for any input the architecture cannot plan, naming the field.
     """
+    # SGLang's Qwen3-VL override reads --max-running-requests before any default is applied
+    given_running_requests = options.max_running_requests
     options = engine_defaults(spec, options)
     arch = select_architecture(spec)
     forced: tuple[str, ...] = ()
@@ -177,19 +171,15 @@ def plan(spec: ModelSpec, options: PlanOptions, *, source: ArchitectureSource = 
             "from SM100 on)"))
         options = msgspec.structs.replace(options, kv_cache_dtype=dtype)
     asked = options
-    if spec.multimodal and options.budget_bytes is not None:
-        if spec.architecture in QWEN3_VL_CLASSES and gpu.large_hopper:
-            # SGLang's Hopper path: no embedding cache, features over CUDA IPC, whose pool
-            # (SGLANG_MM_FEATURE_CACHE_MB, 1 GiB) is reserved instead
-            want, why = (MM_FEATURE_CACHE_BYTES, f"SGLang's CUDA IPC feature-transport pool for "
-                         f"Qwen3-VL on {gpu.describe()} (SGLANG_MM_FEATURE_CACHE_MB, 1 GiB; "
-                         "no embedding cache there)")
-        else:
-            want, why = (MULTIMODAL_RESERVATION_BYTES,
-                         "SGLang's multimodal embedding cache (SGLANG_VLM_CACHE_SIZE_MB, 100 MiB)")
-        reserve = min(options.budget_bytes, want)
-        forced = (*forced, f"{reserve:,} B of the budget reserved for {why}")
-        options = msgspec.structs.replace(options, budget_bytes=options.budget_bytes - reserve)
+    mm = multimodal.reservation(spec, gpu, given_running_requests)
+    if mm is not None and options.budget_bytes is not None:
+        if options.budget_bytes <= mm.nbytes:
+            raise InvalidArgument(
+                f"budget {options.budget_bytes:,} B leaves nothing for the KV cache after the "
+                f"{mm.nbytes:,} B reserved for {mm.why}, which SGLang refuses too; raise "
+                "--budget", field="budget_bytes")
+        forced = (*forced, f"{mm.nbytes:,} B of the budget reserved for {mm.why}")
+        options = msgspec.structs.replace(options, budget_bytes=options.budget_bytes - mm.nbytes)
     ctx = make_context(spec, options)
     sizing = arch.size(ctx)
     if options.pp_size > 1:
