@@ -111,8 +111,9 @@ class Pool:
                 raise
             want = sum(n for space, n in items if space is d.space)
             short = want - d.space.num_free
-            if short <= 0 or not d.evict(short).shape[0]:
+            if short <= 0 or short > len(d.orphans):  # even all of them would not do: keep them
                 raise
+            d.evict(short)
             return self.ids.allocate(owner, items)
 
     def free(self, owner: int, items: Sequence[tuple[IdSpace, np.ndarray]]) -> dict[str, int]:
