@@ -5,6 +5,9 @@ by the parity test and the tests in ``tests/integration/sglang/``."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +16,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO
+from tests.procs import with_default_sigint
 
 SGLANG_DIR = REPO / "tests" / "sglang"
 VENV = Path(os.environ.get("KVPOOL_SGLANG_VENV", REPO / ".venv-sglang"))
@@ -67,3 +71,38 @@ def wait_until(what: str, check: Callable[[], Any], timeout_s: float,
             return last
         time.sleep(interval_s)
     raise AssertionError(f"{what}: not so after {timeout_s} s (last: {last!r})")
+
+
+def interrupted_when(script: Path, env: dict[str, str], what: str,
+                     ready: Callable[[str], Any], timeout_s: float
+                     ) -> tuple[int, str, str, Any]:
+    """Run ``script`` as a terminal's foreground job would (its own process group, SIGINT at
+    its default), wait until ``ready(stdout so far)`` returns something truthy (it failing
+    with the output if the script ends first), then send SIGINT to the group as Ctrl-C does.
+
+    Returns:
+        ``(exit status, stdout, stderr, what ready returned)``.
+    """
+    proc = subprocess.Popen(with_default_sigint([str(script)]), cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout),  # type: ignore[arg-type]
+                              daemon=True)
+    reader.start()
+
+    def check() -> Any:
+        assert proc.poll() is None, "the script ended first:\n" + "".join(lines)[-4000:]
+        return ready("".join(lines))
+
+    try:
+        got = wait_until(what, check, timeout_s, interval_s=0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    reader.join(timeout=30)
+    return rc, "".join(lines), proc.stderr.read(), got  # type: ignore[union-attr]
+

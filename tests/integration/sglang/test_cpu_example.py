@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
 from kvpool.clients.client import KVPoolClient
 from tests.conftest import REPO
-from tests.integration.side_venv import VENV, sglang_python_or_skip, wait_until
-from tests.procs import alive, processes_naming, with_default_sigint
+from tests.integration.side_venv import VENV, interrupted_when, sglang_python_or_skip
+from tests.procs import alive, processes_naming
 
 SCRIPT = REPO / "examples" / "sglang_cpu" / "run.sh"
 DOC = REPO / "docs" / "sglang.md"
@@ -59,17 +57,7 @@ def script_env() -> dict[str, str]:
 def test_ctrl_c_while_the_server_runs_stops_everything() -> None:
     """SIGINT to the script's process group (Ctrl-C in a terminal) once SGLang's scheduler has
     the pool attached: one line, exit 130, no process, temporary directory or pool left."""
-    proc = subprocess.Popen(with_default_sigint([str(SCRIPT)]), cwd=REPO, env=script_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
-    reader.start()
-
-    def attached() -> str | None:
-        if proc.poll() is not None:
-            return "exited"
-        text = "".join(lines)
+    def attached(text: str) -> str | None:
         served = re.search(r"^== 3/6 kvpoold serve on (\S+)$", text, flags=re.M)
         if not (served and "\n== 4/6 " in text):
             return None
@@ -77,18 +65,8 @@ def test_ctrl_c_while_the_server_runs_stops_everything() -> None:
             pools = client.stats().pools
         return served[1] if any(p.name == "tiny" and p.attached for p in pools) else None
 
-    try:
-        wait_until("SGLang's scheduler attaches pool tiny", attached, 600.0, interval_s=0.2)
-        assert proc.poll() is None, "".join(lines)[-4000:]
-        os.killpg(proc.pid, signal.SIGINT)
-        rc = proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    reader.join(timeout=30)
-    err = proc.stderr.read()  # type: ignore[union-attr]
-    text = "".join(lines)
+    rc, text, err, _ = interrupted_when(SCRIPT, script_env(),
+                                        "SGLang's scheduler attaches pool tiny", attached, 600.0)
     assert rc == 130, (text + err)[-4000:]
     assert err.endswith("sglang_cpu: interrupted at step 4/6; stopping what it started\n"), err
     work = re.search(r"^== 2/6 a tiny random Llama in (\S+)/model$", text, flags=re.M)

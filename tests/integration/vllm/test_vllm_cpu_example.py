@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -25,9 +23,9 @@ import pytest
 from kvpool.clients.client import KVPoolClient
 from kvpool.contract.records import Stats
 from tests.conftest import REPO
-from tests.integration.side_venv import wait_until
+from tests.integration.side_venv import interrupted_when
 from tests.integration.vllm_venv import VENV, vllm_python_or_skip
-from tests.procs import alive, processes_naming, with_default_sigint
+from tests.procs import alive, processes_naming
 
 SCRIPT = REPO / "examples" / "vllm_cpu" / "run.sh"
 DOC = REPO / "docs" / "vllm.md"
@@ -83,51 +81,20 @@ def test_the_doc_gives_the_script_as_the_cpu_quick_start() -> None:
 def test_ctrl_c_while_the_engine_starts_stops_everything() -> None:
     """SIGINT to the script's process group (what Ctrl-C in a terminal sends) once the engine's
     worker has the pool attached: one line, exit 130, nothing left."""
-    env = script_env()
-    proc = subprocess.Popen(with_default_sigint([str(SCRIPT)]), cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    lines: list[str] = []
-
-    def read() -> None:
-        for line in proc.stdout:  # type: ignore[union-attr]
-            lines.append(line)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-
-    def engine_starting() -> str | None:
-        """The daemon's target once step 4 (the engine) has begun; "exited" if the script
-        ended first."""
-        if proc.poll() is not None:
-            return "exited"
-        text = "".join(lines)
+    def attached(text: str) -> Stats | None:
+        """Stats once step 4 (the engine) has begun and its worker has pool tiny attached."""
         served = re.search(r"^== 3/6 kvpoold serve on (\S+)$", text, flags=re.M)
-        return served[1] if served and "\n== 4/6 " in text else None
+        if not (served and "\n== 4/6 " in text):
+            return None
+        with KVPoolClient(served[1]) as client:
+            stats = client.stats()
+        return stats if any(p.name == "tiny" and p.attached for p in stats.pools) else None
 
-    try:
-        target = wait_until("the script starts the engine", engine_starting, ENGINE_START_S)
-        assert proc.poll() is None, "".join(lines)[-4000:]
-
-        def attached() -> Stats | None:
-            assert proc.poll() is None, "".join(lines)[-4000:]
-            with KVPoolClient(target) as client:
-                stats = client.stats()
-            return stats if any(p.name == "tiny" and p.attached for p in stats.pools) else None
-
-        stats = wait_until("the engine's worker attaches pool tiny", attached, ENGINE_START_S,
-                           interval_s=0.2)
-        pids = [int(lease.name.rsplit(":", 1)[1]) for lease in stats.leases
-                if lease.name.startswith(("vllm@", "vllm-worker@"))]
-        os.killpg(proc.pid, signal.SIGINT)
-        rc = proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    reader.join(timeout=30)
-    err = proc.stderr.read()  # type: ignore[union-attr]
-    text = "".join(lines)
+    rc, text, err, stats = interrupted_when(SCRIPT, script_env(),
+                                            "the engine's worker attaches pool tiny", attached,
+                                            ENGINE_START_S)
+    pids = [int(lease.name.rsplit(":", 1)[1]) for lease in stats.leases
+            if lease.name.startswith(("vllm@", "vllm-worker@"))]
     assert rc == 130, (text + err)[-4000:]
     assert re.fullmatch(r"vllm_cpu: interrupted at step [4-6]/6; stopping what it started\n",
                         err), err
