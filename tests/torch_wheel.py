@@ -260,7 +260,7 @@ def main(argv: list[str]) -> int:
         return 2
     version = argv[0].removeprefix("torch==")
     if install and installed_cpu(version):
-        print(f"torch {version} (CPU) is installed")
+        print(f"torch {version} (CPU) is installed", file=sys.stderr)
         return 0
     try:
         choice = choose(version, Target.this_interpreter(), os.environ.get("KVPOOL_TORCH_WHEEL"),
@@ -269,10 +269,11 @@ def main(argv: list[str]) -> int:
     except NoCPUWheel as e:
         print(e, file=sys.stderr)
         return 1
-    print(choice.description)
     if not install:
+        print(choice.description)
         print("\n".join(choice.pip_args))
         return 0
+    print(f"torch: {choice.description}", file=sys.stderr)  # stdout stays the caller's
     pip = [sys.executable, "-m", "pip", "install", "-q"]
     subprocess.run([*pip, "--no-deps", *choice.pip_args], check=True)
     subprocess.run([*pip, argv[0]], check=True)  # its dependencies; the +cpu build satisfies it

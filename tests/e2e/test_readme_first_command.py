@@ -22,7 +22,7 @@ from tests.conftest import REPO
 from tests.e2e.test_client_without_torch import UNREACHABLE
 
 README = REPO / "README.md"
-STEPS = ("[1/3] installing torch 2.13.0 into .venv",
+STEPS = ("[1/3] installing torch 2.13.0 (CPU) into .venv",
          "[2/3] installing kvpool with its server extra",
          "[3/3] kvpool demo")
 
