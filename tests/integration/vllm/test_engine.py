@@ -3,9 +3,10 @@
 Each engine runs in the side venv (``tests/vllm/connector_run.py``) against a daemon of this
 checkout, on a tiny random Llama the module writes once (hidden 128, 2 layers, 4 heads of 32,
 2 KV heads, vocab 256, float32, safetensors; prompts are token ids), blocks of 32 tokens and
-``kv_cache_memory_bytes`` 1 MiB (32 blocks of 32 KiB), greedy. The side venv cannot install
-this checkout, so the harness calls the plugin function the ``vllm.general_plugins`` entry
-point names (``kvpool.integrations.vllm.plugin:register``) itself before vLLM starts;
+``kv_cache_memory_bytes`` 1 MiB (32 blocks of 32 KiB), greedy. The side venv installs this
+checkout (editable), so vLLM's loader finds the ``vllm.general_plugins`` entry point; the
+harness also calls the function it names (``kvpool.integrations.vllm.plugin:register``) itself
+before vLLM starts, so a side venv made from another checkout registers this checkout's plugin;
 ``test_entry_point_names_the_plugin`` checks that pyproject.toml's entry point is that function.
 
 - ``test_engine_on_kvpool_memory``: one engine with the connector (``kv_transfer_config`` and
