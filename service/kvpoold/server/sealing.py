@@ -45,8 +45,10 @@ class Sealing:
     async def _sums(self, entry: Pool, ids: list[int]) -> list[bytes] | None:
         """The pages' checksums on CPU (in a worker thread, holding a use of the pool so its
         memory stays while they are read); None on a GPU (nothing re-read there)."""
-        if entry.buffers.device.type != "cpu" or not ids:
-            return None if entry.buffers.device.type != "cpu" else []
+        if entry.buffers.device.type != "cpu":
+            return None
+        if not ids:
+            return []
         extents = kv_extents(entry.plan)
         with entry.use("sealing"):
             return await asyncio.to_thread(checksums, entry.buffers.backing, extents, ids)
