@@ -455,7 +455,7 @@ class SpaceStats(_message.Message):
     def __init__(self, capacity: _Optional[int] = ..., used: _Optional[int] = ..., high_water: _Optional[int] = ..., frees: _Optional[int] = ..., failed_allocs: _Optional[int] = ..., space: _Optional[str] = ..., unit: _Optional[str] = ..., bytes_per_unit: _Optional[int] = ..., follows: _Optional[str] = ..., pinned: _Optional[int] = ..., quarantined: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("name", "fingerprint", "architecture", "kv_cache_dtype", "page_size", "max_total_num_tokens", "max_running_requests", "backing_bytes", "spaces", "attached", "age_seconds", "sharing", "elastic")
+    __slots__ = ("name", "fingerprint", "architecture", "kv_cache_dtype", "page_size", "max_total_num_tokens", "max_running_requests", "backing_bytes", "spaces", "attached", "age_seconds", "sharing", "elastic", "sealed")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -469,6 +469,7 @@ class PoolStats(_message.Message):
     AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SHARING_FIELD_NUMBER: _ClassVar[int]
     ELASTIC_FIELD_NUMBER: _ClassVar[int]
+    SEALED_FIELD_NUMBER: _ClassVar[int]
     name: str
     fingerprint: str
     architecture: str
@@ -482,7 +483,8 @@ class PoolStats(_message.Message):
     age_seconds: float
     sharing: str
     elastic: ElasticStats
-    def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., backing_bytes: _Optional[int] = ..., spaces: _Optional[_Iterable[_Union[SpaceStats, _Mapping]]] = ..., attached: _Optional[int] = ..., age_seconds: _Optional[float] = ..., sharing: _Optional[str] = ..., elastic: _Optional[_Union[ElasticStats, _Mapping]] = ...) -> None: ...
+    sealed: SealedResponse
+    def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., backing_bytes: _Optional[int] = ..., spaces: _Optional[_Iterable[_Union[SpaceStats, _Mapping]]] = ..., attached: _Optional[int] = ..., age_seconds: _Optional[float] = ..., sharing: _Optional[str] = ..., elastic: _Optional[_Union[ElasticStats, _Mapping]] = ..., sealed: _Optional[_Union[SealedResponse, _Mapping]] = ...) -> None: ...
 
 class ElasticStats(_message.Message):
     __slots__ = ("group_bytes", "groups", "granted_groups", "reclaiming_groups", "floor_groups", "cap_groups", "weight", "virtual_bytes", "granted_bytes", "backed_bytes", "grants", "reclaims", "reclaim_seconds_sum", "reclaim_seconds_max", "revoked_leases", "failed_groups", "failed_releases")
