@@ -57,7 +57,7 @@ class DSAIndexer(_message.Message):
     def __init__(self, index_head_dim: _Optional[int] = ...) -> None: ...
 
 class LinearAttention(_message.Message):
-    __slots__ = ("full_attention_layers", "conv_kernel", "num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_dtype", "ssm_dtype", "state_layers")
+    __slots__ = ("full_attention_layers", "conv_kernel", "num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_dtype", "ssm_dtype", "state_layers", "conv_layout")
     FULL_ATTENTION_LAYERS_FIELD_NUMBER: _ClassVar[int]
     CONV_KERNEL_FIELD_NUMBER: _ClassVar[int]
     NUM_KEY_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class LinearAttention(_message.Message):
     CONV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     SSM_DTYPE_FIELD_NUMBER: _ClassVar[int]
     STATE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    CONV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     full_attention_layers: _containers.RepeatedScalarFieldContainer[int]
     conv_kernel: int
     num_key_heads: int
@@ -76,7 +77,8 @@ class LinearAttention(_message.Message):
     conv_dtype: str
     ssm_dtype: str
     state_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, full_attention_layers: _Optional[_Iterable[int]] = ..., conv_kernel: _Optional[int] = ..., num_key_heads: _Optional[int] = ..., num_value_heads: _Optional[int] = ..., key_head_dim: _Optional[int] = ..., value_head_dim: _Optional[int] = ..., conv_dtype: _Optional[str] = ..., ssm_dtype: _Optional[str] = ..., state_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    conv_layout: str
+    def __init__(self, full_attention_layers: _Optional[_Iterable[int]] = ..., conv_kernel: _Optional[int] = ..., num_key_heads: _Optional[int] = ..., num_value_heads: _Optional[int] = ..., key_head_dim: _Optional[int] = ..., value_head_dim: _Optional[int] = ..., conv_dtype: _Optional[str] = ..., ssm_dtype: _Optional[str] = ..., state_layers: _Optional[_Iterable[int]] = ..., conv_layout: _Optional[str] = ...) -> None: ...
 
 class DSV4Compression(_message.Message):
     __slots__ = ("compress_ratios", "window_size", "nope_head_dim", "rope_head_dim", "index_head_dim", "state_dtype")
