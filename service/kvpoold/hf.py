@@ -42,11 +42,15 @@ FAMILY`` says how to read it (source ``"assumed"``). The rules, each SGLang's
 - **Mamba2 hybrids** (Nemotron-H ``hybrid_override_pattern`` / ``layers_block_type``, Granite-4
   ``layer_types``, Falcon-H1): attention KV in the attention layers, Mamba2 state in the Mamba
   layers, nothing in MLP/MoE layers.
+- **Kimi delta attention** (Kimi Linear, a Kimi-K3 wrapper's text config): MLA KV in the layers
+  not in ``linear_attn_config.kda_layers`` (1-based), a KDA conv + recurrent state in those.
 - **DSA**: an MLA class of SGLang's DSA list whose config sets ``index_topk``.
 - **Family from content**: the row's conditions (``kv_lora_rank``, ``use_mla``,
   ``index_topk``; Granite-4's ``layer_types`` with a ``mamba`` entry; Inkling's
-  ``mamba2_cache_params``), the hybrid-SWA rules' fields and Kimi delta attention
-  (``linear_attn_config.kda_layers`` at either nesting: refused). :func:`read_hf` returns the
+  ``mamba2_cache_params``), the hybrid-SWA rules' fields and Kimi delta attention (the file's
+  ``model_type`` ``kimi_linear`` or ``kimi_k3`` makes SGLang's ``KimiLinearConfig`` and its
+  state pool whatever the class row says; ``linear_attn_config.kda_layers`` in any other
+  config, at either nesting, is refused). :func:`read_hf` returns the
   fields that decided, as paths in the file (``text_config.layer_types``); the plan's first
   note names them (tests/integration/test_family_fields.py checks them against SGLang's source).
 - **DeepSeek-V4**: ``compress_ratios`` per layer, ``sliding_window``, fp8 KV
@@ -825,9 +829,9 @@ STATE_FAMILIES = {
 
 
 def _check_content(config: Config, r: _Reader, known: str, family: str) -> None:
-    """Refuse a config whose content decides another family than its class row (SGLang
-    decides Kimi delta attention by content) or declares state layers the row's family does
-    not keep; never plan those layers as KV.
+    """Refuse a config that declares Kimi delta attention layers outside a Kimi Linear config
+    (where SGLang sizes no state pool for them) or state layers the row's family does not
+    keep; never plan those layers as KV.
 
     Raises:
         InvalidArgument: naming the field.
