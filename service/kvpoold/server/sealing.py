@@ -61,7 +61,7 @@ class Sealing:
 
         Raises:
             NotFound / PermissionDenied: the pool or the lease.
-            FailedPrecondition: the pool cannot be sealed (elastic, hybrid, vLLM layout), or a
+            FailedPrecondition: the pool cannot be sealed (elastic, hybrid, hybrid vLLM), or a
                 page is not the lease's.
             InvalidArgument: an id out of range or repeated.
         """
@@ -131,7 +131,7 @@ class Sealing:
         if d is None:
             return SealedStats(evicted=evicted)
         oldest, newest = d.ages()
-        page_bytes = sum(page for _, page in kv_extents(entry.plan))
+        page_bytes = sum(length for _, _, length in kv_extents(entry.plan))
         return SealedStats(
             held=len(d.entries) - len(d.orphans), kept=len(d.orphans),
             kept_bytes=len(d.orphans) * page_bytes, oldest_seconds=oldest,
