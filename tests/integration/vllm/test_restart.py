@@ -10,6 +10,10 @@ real kvpoold, on a tiny random Llama (``connector_run.py make-model``), sha256 b
   its own (vLLM's mp executor) is SIGSTOPped (its lease expires; it still maps the pool): the
   next engine adopts nothing; its core SIGKILLed, the worker still alive (stopped): nothing;
   the worker killed: the running engine adopts them between steps, and its requests hit them.
+- ``test_sealed_blocks_vllm_evicts_are_never_written``: a KV cache too small for the prompts:
+  vLLM evicts cached blocks to reuse them; the sealed ones go back to the daemon instead of
+  being written (the next engine adopts every block the pool kept, none found changed by the
+  CPU checksum), and the tokens are vLLM's alone.
 - ``test_another_model_adopts_nothing``: an engine of another model (same geometry, other
   weights) on the pool adopts none of the sealed blocks, logs why, and generates what vLLM
   alone generates for that model.
@@ -56,6 +60,9 @@ SECOND = [pre + SUFFIXES[1] for pre in PREFIXES]
 PROMPTS = FIRST + SECOND
 FULL = (len(PROMPTS[0]) - 1) // BLOCK * BLOCK  # 128: what a hit of a whole prompt can be
 UNRELATED = [[(17 * i + u) % 250 + 3 for i in range(50)] for u in range(1, 4)]
+# Ten prompts of distinct prefixes (4 full blocks each): 40 blocks, more than a 1 MiB KV cache
+# (31 blocks) keeps, so vLLM evicts cached (sealed) blocks to reuse them.
+MANY = [[(29 * m + 5 * i) % 250 + 3 for i in range(136)] for m in range(10)]
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -128,12 +135,14 @@ def tiny_model(vllm_python: Path, work: Path) -> Path:
 def cold(vllm_python: Path, tiny_model: Path, work: Path) -> dict[tuple[int, ...], list[int]]:
     """What vLLM alone (its own KV cache and scheduler) generates for every prompt."""
     with harness(vllm_python, engine_env(), work / "cold.log",
-                 job(tiny_model, [{"generate": PROMPTS + UNRELATED}], kvpool=False),
+                 job(tiny_model, [{"generate": PROMPTS + UNRELATED},
+                                 *({"generate": MANY[i:i + 2]} for i in range(0, 10, 2))],
+                     kvpool=False),
                  RESTART) as h:
         h.wait_for("started", ENGINE_START_S)
-        got = h.wait_for("generated", 300)
+        got = [h.wait_for("generated", 300) for _ in range(6)]
         h.wait_for("shutdown", 120)
-    return tokens(got["outputs"])
+    return {k: v for g in got for k, v in tokens(g["outputs"]).items()}
 
 
 def first_engine(python: Path, daemon: DaemonProcess, pool: str, log: Path, model: Path,
@@ -240,6 +249,42 @@ def test_frozen_engine_and_live_worker_block_adoption(
     hits = [o["num_cached_tokens"] for o in after["outputs"]]
     assert hits == [FULL] * len(PROMPTS), hits
     assert tokens(after["outputs"]) == {p: cold[p] for p in map(tuple, PROMPTS)}
+
+
+def test_sealed_blocks_vllm_evicts_are_never_written(
+        vllm_python: Path, daemon: DaemonProcess, tiny_model: Path,
+        cold: dict[tuple[int, ...], list[int]], work: Path) -> None:
+    pool = "vr-evict"
+    small = {"kv_cache_memory_bytes": 1 << 20}  # 31 blocks
+    steps = [*({"generate": MANY[i:i + 2]} for i in range(0, 10, 2)), {"wait": "kill"}]
+    with KVPoolClient(daemon.target) as client:
+        old = Harness(vllm_python, engine_env(daemon, pool), work / "evicting.log",
+                      {**job(tiny_model, steps), **small}, RESTART)
+        try:
+            old.wait_for("started", ENGINE_START_S)
+            served = [old.wait_for("generated", 300) for _ in range(5)]
+            old.wait_for("waiting", 30)
+        finally:
+            old.kill_group()
+            old.proc.wait()
+        sealer = served[-1]["sealer"]
+        assert sealer["sealed"] == 40 and sealer["released"] > 0, sealer  # evicted, given back
+        for batch in served:
+            assert tokens(batch["outputs"]) == {p: cold[p] for p in
+                                                map(tuple, (o["prompt"] for o in
+                                                            batch["outputs"]))}
+        wait_lease_gone(client, sealer["lease_name"])
+        kept = client.sealed(pool).kept
+        with harness(vllm_python, engine_env(daemon, pool), work / "after-evicting.log",
+                     {**job(tiny_model, [{"generate": MANY[-2:]}]), **small}, RESTART) as h:
+            started = h.wait_for("started", ENGINE_START_S)["sealer"]
+            last = h.wait_for("generated", 300)
+            h.wait_for("shutdown", 120)
+        assert client.sealed(pool).corrupt_total == 0
+    # every block the pool kept is adopted as written: none was written after sealing
+    assert started["corrupt"] == 0 and started["adopted"] + started["broken"] == kept > 0
+    assert tokens(last["outputs"]) == {p: cold[p] for p in map(tuple, MANY[-2:])}
+    assert [o["num_cached_tokens"] for o in last["outputs"]] == [FULL, FULL]  # the newest kept
 
 
 def test_another_model_adopts_nothing(vllm_python: Path, daemon: DaemonProcess,

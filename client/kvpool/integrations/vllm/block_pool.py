@@ -197,11 +197,11 @@ class KVPoolFreeBlockQueue:
         gone = [b for b in reused if sealed[b.block_id]]
         if not gone:
             return reused
+        keep = [b for b in reused if not sealed[b.block_id]]
         if self._drop is not None:
             self._drop(gone)
         self._release(np.fromiter((b.block_id for b in gone), dtype=np.int32,
                                   count=len(gone)))
-        keep = [b for b in reused if not sealed[b.block_id]]
         try:
             keep.extend(self.popleft_n(len(gone)))  # their pages are room again
         except BaseException:

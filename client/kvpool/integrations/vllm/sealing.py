@@ -193,6 +193,7 @@ class SealerStats:
     adopted: int = 0  # blocks put in vLLM's hash map
     adopt_calls: int = 0
     broken: int = 0  # adopted blocks whose chain did not reach a first block (given back)
+    corrupt: int = 0  # sealed blocks the daemon found written after sealing (freed by it)
     unfenced: int = 0  # at the last adoption: sealed blocks whose writers still live
     other_layout: int = 0  # at the last adoption: sealed blocks of other layouts
     layouts: tuple[str, ...] = field(default_factory=tuple)
@@ -349,6 +350,7 @@ class BlockSealer:
         while True:
             got = self.lease.adopt(self.pool, self.layout)
             self.stats.adopt_calls += 1
+            self.stats.corrupt += got.corrupt
             if not got.ids.shape[0]:
                 break
             ids.append(got.ids)
