@@ -54,6 +54,7 @@ def sealer_info(llm: Any) -> dict[str, Any]:
     sealer = getattr(scheduler, "kvpool_sealer", None)
     if sealer is None:
         return {"sealing": False}
+    assert sealer.settle(60), "the written blocks' Seal calls were not made"
     out = dataclasses.asdict(sealer.stats)
     out.update(sealing=sealer.sealing, released=sealer.queue.released,
                layout=sealer.layout, lease_id=sealer.lease.lease_id,

@@ -17,6 +17,7 @@ real kvpoold, on a tiny random Llama (``connector_run.py make-model``), sha256 b
 - ``test_another_model_adopts_nothing``: an engine of another model (same geometry, other
   weights) on the pool adopts none of the sealed blocks, logs why, and generates what vLLM
   alone generates for that model.
+- ``test_the_restart_bench_runs``: ``bench/restart_vllm.py`` at tiny settings (outcomes).
 - ``test_a_per_process_hash_is_refused``: ``prefix_caching_hash_algo="xxhash"`` (a per-process
   random seed): refused with one log line (vLLM's own config; the real engine when vLLM's
   optional ``xxhash`` package is installed).
@@ -28,6 +29,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,7 @@ from typing import Any
 import pytest
 
 from kvpool.clients.client import KVPoolClient
-from tests.conftest import REPO, DaemonProcess, run_daemon, temp_dir
+from tests.conftest import REPO, DaemonProcess, run_daemon, subprocess_env, temp_dir
 from tests.integration.side_venv import wait_until
 from tests.integration.vllm.test_engine import (
     ENGINE_START_S,
@@ -357,3 +359,44 @@ def test_a_per_process_hash_is_refused(vllm_python: Path, daemon: DaemonProcess,
     assert second["sealer"] == {"sealing": False}
     assert log.count("prefix_caching_hash_algo 'xxhash'") == 1
     assert [o["num_cached_tokens"] for o in second["outputs"]] == [96, 96, 96]
+
+
+def test_the_restart_bench_runs(vllm_python: Path, tmp_path: Path) -> None:
+    """``bench/restart_vllm.py`` at tiny settings: outcomes only (never figures): the engine
+    restarted on the pool hits every prefix the killed one computed, with the same tokens."""
+    out = tmp_path / "restart.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "restart_vllm.py"), "--trials", "1",
+         "--prompts", "4", "--json", str(out)],
+        cwd=REPO, env=subprocess_env(KVPOOL_VLLM_VENV=str(vllm_python.parent.parent)),
+        capture_output=True, text=True, timeout=880)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    (trial,) = got["trials"]
+    assert trial["cached_cold"] == 0 and trial["cached_restart"] == trial["cached_warm"] > 0
+    assert trial["adopted"] == trial["sealed"] > 0 and got["same_tokens"] is True
+
+
+DEPTHS = r"""
+import json
+from kvpool.integrations.vllm.sealing import ZERO_KEY, chain_depths
+k = [bytes([i]) * 32 for i in range(1, 9)]
+cases = {
+    # a chain given children first, a second chain, an orphan (parent missing), a cycle
+    "chain": chain_depths([k[2], k[1], k[0]], [k[1], k[0], ZERO_KEY]),
+    "two": chain_depths([k[0], k[3], k[1]], [ZERO_KEY, ZERO_KEY, k[0]]),
+    "orphan": chain_depths([k[0], k[4], k[5]], [ZERO_KEY, k[7], k[4]]),
+    "cycle": chain_depths([k[0], k[1]], [k[1], k[0]]),
+}
+print(json.dumps(cases))
+"""
+
+
+def test_adopted_blocks_depths_follow_their_hash_chains(vllm_python: Path) -> None:
+    """Where each adopted block sits in its chain (vLLM's ``block_hash_num_tokens`` / block
+    size); 0 for a block whose chain does not reach a first block (given back, not adopted)."""
+    out = subprocess.run([str(vllm_python), "-c", DEPTHS], env=vllm_env(), cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"chain": [3, 2, 1], "two": [1, 1, 2], "orphan": [1, 0, 0], "cycle": [0, 0]}

@@ -120,6 +120,8 @@ class KVPoolFreeBlockQueue:
         # What vLLM does to a cached block it reuses (its prefix out of the hash map, its
         # reuse watcher told): done to a sealed block before it goes back to the daemon.
         self._drop = drop
+        # Called before sealed blocks go back to the daemon: their Seal call goes first.
+        self.before_release: Callable[[], object] | None = None
         # The blocks the lease may hold at once: all but the null block.
         self.quota = len(blocks) - 1
         # The back of vLLM's queue: free blocks the lease keeps (a prefix, or unpinned).
@@ -217,6 +219,8 @@ class KVPoolFreeBlockQueue:
 
     def _release(self, ids: np.ndarray) -> None:
         """Sealed blocks back to the daemon (one Free): never into the page cache."""
+        if self.before_release is not None:
+            self.before_release()
         self.sealed[ids] = False
         self.n_sealed -= int(ids.shape[0])
         self.released += int(ids.shape[0])

@@ -24,6 +24,14 @@ vLLM's one int8 KV-cache backing is the attached pool's memory. Before that it
 Which blocks a request uses is the scheduler's (``KVPoolScheduler`` takes them from the engine
 core's lease); the connector needs none of it.
 
+Sealed blocks (``kvpool.integrations.vllm.sealing``): when ``KVPoolScheduler`` seals the
+engine's blocks, its connector (the scheduler side) carries the engine core's lease in each
+step's metadata (:class:`Writers`) until every worker registered under it; each worker
+registers its process on the daemon's descriptor socket under that lease in
+``bind_connector_metadata`` (before the step's forward writes a block) and reports it back
+(:class:`KVPoolWorkerMetadata`, summed over the workers by vLLM). The daemon then counts the
+workers among the processes that must have exited before the blocks are adopted.
+
 HMA: declared (:class:`SupportsHMA`). The connector transfers nothing, so it has nothing to do
 per KV-cache group, and the pool is vLLM's whole backing region whatever the groups: the pool is
 planned with vLLM's own ``disable_hybrid_kv_cache_manager``, so sliding-window models keep

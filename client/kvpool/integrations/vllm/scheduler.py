@@ -28,6 +28,11 @@ vLLM's own ``__init__``:
    KV connector's binding) stay as vLLM made them; only where its free block ids come from
    and go to is kvpool's.
 
+4. seals the full blocks vLLM caches and adopts the pool's sealed blocks of its layout into
+   vLLM's block-hash map (``kvpool.integrations.vllm.sealing``; ``KVPOOL_SEAL``,
+   ``KVPOOL_ADOPT``): ``schedule`` and ``update_from_output`` tell the sealer each step's
+   start, its output and its end.
+
 vLLM takes no block pool or free-block queue as an argument anywhere from the ``Scheduler``
 down (``kvpool.integrations.vllm.block_pool`` names the lines), so the queue is set in the
 pool vLLM built, before any request arrives; vLLM's files are not changed. Each scheduling

@@ -61,6 +61,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
@@ -78,6 +79,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvpool.contract.errors import InvalidArgument, KVPoolError
 from kvpool.contract.limits import KEY_BYTES
+from kvpool.integrations.pool_binding import number_from
 from kvpool.integrations.vllm.block_pool import KVPoolFreeBlockQueue
 
 log = logging.getLogger("kvpool.integrations.vllm.sealing")
@@ -92,6 +94,9 @@ EXTRA_KEYS = "lora+mm+cache_salt+prompt_embeds"
 ZERO_KEY = bytes(KEY_BYTES)
 ADOPT_RETRY_S = 2.0
 SEAL_BYTES = 8 << 20  # the daemon's limit of one Seal request
+DELAY_ENV = "KVPOOL_SEAL_DELAY_S"
+DEFAULT_DELAY_S = 0.2  # written blocks wait at most this long for their Seal call
+SEAL_BATCH = 512  # ... or until this many wait
 
 
 def flag(env: Mapping[str, str], name: str) -> bool:
@@ -214,11 +219,13 @@ class BlockSealer:
         seal: seal blocks (``KVPOOL_SEAL``); adoption is :meth:`adopt`'s.
         writers_ready: whether every worker registered under the lease (blocks are sealed
             only then).
+        delay_s: how long written blocks wait for their Seal call, at most (a thread of the
+            sealer makes the calls; 0: the scheduler's thread, at each step).
     """
 
     def __init__(self, scheduler: Any, lease: Any, pool: str, layout: str,
                  queue: KVPoolFreeBlockQueue, *, seal: bool,
-                 writers_ready: Callable[[], bool]) -> None:
+                 writers_ready: Callable[[], bool], delay_s: float = DEFAULT_DELAY_S) -> None:
         self.lease = lease
         self.pool = pool
         self.layout = layout
@@ -235,6 +242,20 @@ class BlockSealer:
         self._scheduled: dict[int, Any] = {}  # step -> its requests (num_scheduled_tokens)
         self._next_adopt = 0.0
         self._per_call = max(1, (SEAL_BYTES - 4096) // (4 + 2 * KEY_BYTES + 4 * self.block_size))
+        # Written blocks waiting for their Seal call (marked sealed already: one vLLM reuses
+        # is sealed first, :meth:`flush`, then given back); the thread that sends them.
+        self.delay_s = delay_s
+        self._ready: list[Cached] = []
+        self._lock = threading.Lock()  # guards _ready
+        self._send_lock = threading.Lock()  # one Seal call at a time, in order
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        queue.before_release = self.flush
+        if seal and delay_s > 0:
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name=f"kvpool-sealer-{pool}")
+            self._thread.start()
         if seal:
             original = self.block_pool.cache_full_blocks
 
@@ -312,11 +333,68 @@ class BlockSealer:
                 self.stats.unwritten += 1
         for seq in [s for s in scheduled if s <= step]:
             del scheduled[seq]
-        if batch:
-            self._seal(batch)
+        if not batch:
+            return
+        ids = np.fromiter((r.block.block_id for r in batch), dtype=np.int32, count=len(batch))
+        self.queue.mark_sealed(ids)  # from now on given back, never written
+        with self._lock:
+            self._ready += batch
+            many = len(self._ready) >= SEAL_BATCH
+        if self._thread is None:
+            self.flush()
+        elif many:
+            self._wake.set()
+
+    def _run(self) -> None:
+        """The sealer's thread: every ``delay_s`` (or when many wait), the written blocks'
+        Seal call."""
+        while not self._stop:
+            self._wake.wait(self.delay_s)
+            self._wake.clear()
+            if self._stop:
+                return
+            try:
+                self.flush()
+            except Exception:  # never let the thread die silently
+                log.exception("kvpool: sealing vLLM's blocks in pool %r failed", self.pool)
+
+    def flush(self) -> None:
+        """Send the written blocks' Seal call now (before one of them goes back to the
+        daemon, at shutdown, and from the sealer's thread)."""
+        with self._send_lock:
+            with self._lock:
+                batch, self._ready = self._ready, []
+            if batch and self.sealing:
+                self._seal(batch)
+
+    def settle(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every written block's Seal call is made (tests and benches). Returns
+        False if ``timeout_s`` passed first."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                idle = not self._ready
+            if idle and not self._send_lock.locked():
+                return True
+            if time.monotonic() > deadline:
+                return False
+            self._wake.set()
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        """Seal what is written, stop the thread (before the lease ends). Idempotent."""
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+        try:
+            self.flush()
+        except KVPoolError as err:
+            log.warning("kvpool: sealing vLLM's last blocks in pool %r failed: %s", self.pool,
+                        err)
 
     def _seal(self, batch: list[Cached]) -> None:
-        """One Seal call per ``_per_call`` blocks (a step's are one call but for huge steps)."""
+        """One Seal call per ``_per_call`` blocks."""
         for lo in range(0, len(batch), self._per_call):
             part = batch[lo:lo + self._per_call]
             ids = np.fromiter((r.block.block_id for r in part), dtype=np.int32,
@@ -328,14 +406,12 @@ class BlockSealer:
                                        [r.parent for r in part], tokens)
             except KVPoolError as err:
                 self.sealing = False
-                self._pending.clear()
                 log.warning("kvpool: sealing vLLM's blocks in pool %r stopped: the daemon "
                             "refused %d blocks (%s); blocks sealed so far stay sealed",
                             self.pool, len(part), err)
                 return
-            # A block the daemon skipped (its key sealed already under another block) is
-            # treated as sealed all the same: it goes back to the daemon, never reused.
-            self.queue.mark_sealed(ids)
+            # A block the daemon skipped (its key sealed already under another block) counts
+            # as sealed all the same: it goes back to the daemon, never written again.
             self.stats.sealed += int(done)
             self.stats.seal_calls += 1
 
@@ -429,8 +505,8 @@ def start_sealing(scheduler: Any, binding: Any, queue: KVPoolFreeBlockQueue,
     the lease's blocks (see the module docstring), then adopts (unless ``KVPOOL_ADOPT=0``).
 
     Raises:
-        InvalidArgument: a malformed ``KVPOOL_SEAL`` / ``KVPOOL_ADOPT``.
-        KVPoolError: the daemon's refusal of the attachment or registration.
+        InvalidArgument: a malformed ``KVPOOL_SEAL`` / ``KVPOOL_ADOPT`` /
+            ``KVPOOL_SEAL_DELAY_S`` (a refusal of the daemon is logged: the engine runs on).
     """
     env = os.environ if env is None else env
     seal, adopt = flag(env, SEAL_ENV), flag(env, ADOPT_ENV)
@@ -444,12 +520,25 @@ def start_sealing(scheduler: Any, binding: Any, queue: KVPoolFreeBlockQueue,
     block_size = int(scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
     layout = seal_layout(scheduler.vllm_config, block_size)
     lease = binding.lease
-    writers = register_writers(binding, scheduler.vllm_config.parallel_config.world_size)
+    try:
+        writers = register_writers(binding, scheduler.vllm_config.parallel_config.world_size)
+    except KVPoolError as err:
+        log.warning("kvpool: vLLM's KV-cache blocks are not sealed and none adopted: the "
+                    "daemon refused to register this engine's processes for pool %r: %s",
+                    binding.pool, err)
+        return None
     connector.kvpool_writers = writers
+    delay = number_from(env, DELAY_ENV, float, lo=0.0, hi=60.0, example="0.2")
     sealer = BlockSealer(scheduler, lease, binding.pool, layout, queue, seal=seal,
-                         writers_ready=lambda: connector.kvpool_writers_ready)
+                         writers_ready=lambda: connector.kvpool_writers_ready,
+                         delay_s=DEFAULT_DELAY_S if delay is None else float(delay))
+    binding.on_close(sealer.close)  # before the page cache's close and the lease's end
     if adopt:
-        sealer.adopt()
+        try:
+            sealer.adopt()
+        except KVPoolError as err:  # the engine runs on, with an empty prefix cache
+            log.warning("kvpool: adopting sealed blocks from pool %r failed: %s",
+                        binding.pool, err)
     log.info("kvpool: %s vLLM's full KV blocks in pool %r (layout %s)",
              "sealing" if seal else "not sealing (KVPOOL_SEAL=0)", binding.pool, layout)
     return sealer
