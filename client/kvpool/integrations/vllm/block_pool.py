@@ -70,6 +70,7 @@ from kvpool.contract.errors import FailedPrecondition, InvalidArgument
 log = logging.getLogger("kvpool.integrations.vllm.block_pool")
 
 SPACE = "kv"
+RELEASE_AHEAD = 32  # at most, and at most an eighth of the blocks
 
 
 def check_capacity(num_gpu_blocks: int, capacity: int, pool: str) -> None:
@@ -122,6 +123,8 @@ class KVPoolFreeBlockQueue:
         self._drop = drop
         # Called before sealed blocks go back to the daemon: their Seal call goes first.
         self.before_release: Callable[[], object] | None = None
+        # Sealed blocks given back at once when vLLM reuses one (see _unsealed).
+        self.release_ahead = max(1, min(RELEASE_AHEAD, (len(blocks) - 1) // 8))
         # The blocks the lease may hold at once: all but the null block.
         self.quota = len(blocks) - 1
         # The back of vLLM's queue: free blocks the lease keeps (a prefix, or unpinned).
@@ -194,18 +197,35 @@ class KVPoolFreeBlockQueue:
     def _unsealed(self, reused: list[KVCacheBlock]) -> list[KVCacheBlock]:
         """``reused`` (taken from the back to be written) with each sealed block replaced: a
         sealed block leaves vLLM's prefix cache as vLLM would evict it, goes back to the
-        daemon (whose directory keeps it), and another free block is taken in its place."""
+        daemon (whose directory keeps it), and another free block is taken in its place.
+
+        The daemon is asked once for several: the sealed blocks next in vLLM's eviction order
+        (the front of the back, up to :attr:`release_ahead` in all) go back with them, so
+        that the next evictions find free blocks in the page cache (one Free and one Allocate
+        per ``release_ahead`` evicted sealed blocks, not per step)."""
         sealed = self.sealed
         gone = [b for b in reused if sealed[b.block_id]]
         if not gone:
             return reused
         keep = [b for b in reused if not sealed[b.block_id]]
+        wanted = len(gone)
+        ahead: list[KVCacheBlock] = []
+        watched = self.watched
+        for block in self.held.iter_blocks_after(None):
+            if len(gone) + len(ahead) >= self.release_ahead:
+                break
+            if not sealed[block.block_id] or block.block_id in watched:
+                break
+            ahead.append(block)
+        for block in ahead:
+            self.held.remove(block)
+        gone += ahead
         if self._drop is not None:
             self._drop(gone)
         self._release(np.fromiter((b.block_id for b in gone), dtype=np.int32,
                                   count=len(gone)))
         try:
-            keep.extend(self.popleft_n(len(gone)))  # their pages are room again
+            keep.extend(self.popleft_n(wanted))  # their pages are room again
         except BaseException:
             self.held.prepend_n(keep)  # the pool ran short: as they were, first in line
             raise
