@@ -111,7 +111,10 @@ VENV = Path(os.environ.get("KVPOOL_VLLM_VENV", REPO / ".venv-vllm"))
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 256  # the tiny model's positions
 POOL = "bench-vllm"
-VARIANTS = ("kvpool", "baseline")
+# --compare kvpool: kvpool against plain vLLM; --compare seal: kvpool sealing its blocks
+# against kvpool sealing none (KVPOOL_SEAL=0 KVPOOL_ADOPT=0), each on its own pool
+COMPARE = {"kvpool": ("kvpool", "baseline"), "seal": ("seal", "noseal")}
+KVPOOL_VARIANTS = ("kvpool", "seal", "noseal")
 SCHEDULER = "kvpool.integrations.vllm.scheduler.KVPoolScheduler"
 TTL_S = 10.0  # the leases' TTL: a loaded 2-core machine can starve a keep-alive for seconds
 START_S = 600.0  # an engine's start: tens of seconds warm, minutes cold on a busy machine
@@ -126,14 +129,15 @@ VOCAB = (3, 256)  # token ids drawn from here: 0-2 are pad, bos and eos
 @dataclass(frozen=True)
 class Settings(RunSettings):
     parts: str  # kvpool's parts the kvpool engine runs: "both", or "memory" (connector only)
+    compare: str  # "kvpool" (kvpool / plain vLLM) or "seal" (sealing on / off)
     kv_mib: int  # kv_cache_memory_bytes in MiB (32 blocks of 32 KiB per MiB)
     max_num_seqs: int
     max_num_batched_tokens: int
 
 
 FULL = dict(requests=384, rate=400.0, prompt=(32, 160), output=(16, 64), shared=0.5,
-            prefixes=4, prefix_len=96, rounds=6, starts=4, parts="both", kv_mib=8, max_num_seqs=32,
-            max_num_batched_tokens=1024)
+            prefixes=4, prefix_len=96, rounds=6, starts=4, parts="both", compare="kvpool",
+            kv_mib=8, max_num_seqs=32, max_num_batched_tokens=1024)
 QUICK = dict(FULL, requests=64, rounds=3, starts=1)
 PARTS = ("both", "memory")
 
@@ -274,13 +278,15 @@ def engines(work: Path, model: Path, target: str,
     """Both engines, started at once (their starts overlap) and shut down at the end."""
     started: dict[str, EngineProcess] = {}
     try:
-        for name in VARIANTS:
-            job = {"model": str(model), "kvpool": name == "kvpool", "kv_mib": s.kv_mib,
+        for name in COMPARE[s.compare]:
+            job = {"model": str(model), "kvpool": name in KVPOOL_VARIANTS, "kv_mib": s.kv_mib,
                    "parts": s.parts,
                    "max_num_seqs": s.max_num_seqs,
                    "max_num_batched_tokens": s.max_num_batched_tokens}
+            seal = {"KVPOOL_SEAL": "0", "KVPOOL_ADOPT": "0"} if name == "noseal" else {}
             env = side_env() if name == "baseline" else side_env(
-                KVPOOL_POOL=POOL, KVPOOL_TARGET=target, KVPOOL_LEASE_TTL_S=str(TTL_S))
+                KVPOOL_POOL=pool_of(name), KVPOOL_TARGET=target,
+                KVPOOL_LEASE_TTL_S=str(TTL_S), **seal)
             started[name] = EngineProcess(name, Path(__file__), VENV / "bin" / "python", job,
                                           env, work / f"vllm-{name}.log", REPO, 120)
         for name, e in started.items():
@@ -292,21 +298,29 @@ def engines(work: Path, model: Path, target: str,
             e.close()
 
 
-def pool_blocks(target: str) -> dict[str, int]:
-    """The pool's ``kv`` blocks in use, and those held by the engine core's lease (``vllm@``)
-    and how many of its leases (engine core's and worker's) there are, from the daemon."""
+def pool_of(variant: str) -> str:
+    """The pool of a kvpool variant's engine (``--compare seal``: one each)."""
+    return POOL if variant == "kvpool" else f"{POOL}-{variant}"
+
+
+def pool_blocks(target: str, pool: str = POOL) -> dict[str, int]:
+    """The pool's ``kv`` blocks in use (less those its sealed directory keeps: ``kept``), and
+    those held by the engine core's lease (``vllm@``) and how many vLLM leases (engine
+    cores' and workers') there are, from the daemon."""
     from kvpool import KVPoolClient
 
     with KVPoolClient(target) as client:
         stats = client.stats()
-    if not any(p.name == POOL for p in stats.pools):
-        return {"held": 0, "in_use": 0, "used": 0, "leases": 0, "attached": 0}
+        if not any(p.name == pool for p in stats.pools):
+            return {"held": 0, "in_use": 0, "used": 0, "leases": 0, "attached": 0, "kept": 0}
+        kept = client.sealed(pool).kept
+    # every vLLM engine's leases (a worker's lease holds no block to tell its pool by)
     mine = [x for x in stats.leases if x.name.startswith(("vllm@", "vllm-worker@"))]
-    held = sum(x.held.get(POOL, {}).get("kv", 0) for x in mine)
-    in_use = sum(x.in_use(POOL, "kv") for x in mine if POOL in x.held)
-    pool = stats.pool(POOL)
-    return {"held": held, "in_use": in_use, "used": pool.spaces["kv"].used,
-            "leases": len(mine), "attached": pool.attached}
+    held = sum(x.held.get(pool, {}).get("kv", 0) for x in mine)
+    in_use = sum(x.in_use(pool, "kv") for x in mine if pool in x.held)
+    p = stats.pool(pool)
+    return {"held": held, "in_use": in_use, "used": p.spaces["kv"].used - kept,
+            "leases": len(mine), "attached": p.attached, "kept": kept}
 
 
 def make_model(path: Path) -> None:
@@ -338,47 +352,50 @@ def run(s: Settings, json_path: Path | None) -> int:
           f"{s.max_num_batched_tokens}; kvpool engine: "
           + ("KVPoolConnector + KVPoolScheduler" if s.parts == "both" else
              "KVPoolConnector only (vLLM's own scheduler and block pool)"), flush=True)
+    variants = COMPARE[s.compare]
+    subject, base = variants
     rounds: list[dict[str, Any]] = []
-    outputs: dict[str, list[list[list[int]]]] = {v: [] for v in VARIANTS}
+    outputs: dict[str, list[list[list[int]]]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory(prefix="kvp-vllm-bench-") as tmp, \
             serving_daemon("kvp-vllm-bench-d-") as (target, daemon_pid):
         work = Path(tmp)
         make_model(work / "tiny-llama")
         for got, row in measured_rounds(
-                s, VARIANTS, lambda: engines(work, work / "tiny-llama", target, s), trace,
+                s, variants, lambda: engines(work, work / "tiny-llama", target, s), trace,
                 daemon_pid, ROUND_S):
-            # The daemon works for the kvpool engine only (the keep-alives of its leases while
-            # the baseline runs are the idle kvpool engine's): its CPU is kvpool's.
-            kvpool = row["variant"] == "kvpool"
+            # The daemon works for the kvpool engines only (the keep-alives of the idle one's
+            # leases while the other runs are small): its CPU is the running one's.
+            kvpool = row["variant"] in KVPOOL_VARIANTS
             engine_cpu = got["frontend_cpu_s"] + got["core_cpu_s"]
             row.update(engine_cpu_s=engine_cpu, frontend_cpu_s=got["frontend_cpu_s"],
                        core_cpu_s=got["core_cpu_s"],
                        cpu_s=engine_cpu + (row["daemon_cpu_s"] if kvpool else 0.0))
             if kvpool:
-                row["kvpool"] = pool_blocks(target)
+                row["kvpool"] = pool_blocks(target, pool_of(row["variant"]))
             outputs[row["variant"]].append([r["output_ids"] for r in got["results"]])
             print_round(row, s, f"{row['frontend_cpu_s']:.2f} + {row['core_cpu_s']:.2f} s "
                         f"(frontend + engine core; daemon {row['daemon_cpu_s']:.2f} s)",
                         "prefix cache")
             if row["round"] != "warmup":
                 rounds.append(row)
-        after = pool_blocks(target)
+        after = pool_blocks(target, pool_of(subject))
         deadline = time.monotonic() + TTL_S + 10
         while (after["leases"] or after["used"] or after["attached"]) \
                 and time.monotonic() < deadline:
             time.sleep(0.2)
-            after = pool_blocks(target)
-    reference = outputs["baseline"][0]
-    same = sum(a == b for a, b in zip(outputs["kvpool"][0], reference, strict=True))
-    every_round = all(r == reference for v in VARIANTS for r in outputs[v])
+            after = pool_blocks(target, pool_of(subject))
+    reference = outputs[base][0]
+    same = sum(a == b for a, b in zip(outputs[subject][0], reference, strict=True))
+    every_round = all(r == reference for v in variants for r in outputs[v])
     report = table(rounds, s)
     report.update(settings=asdict(s), rounds=rounds, same_tokens=same, requests=s.requests,
                   same_tokens_every_round=every_round, kvpool_after_shutdown=after,
                   seconds=time.monotonic() - t_start)
     print(f"\ngreedy tokens identical for {same} of {s.requests} requests (warm-up rounds); "
-          f"every round of both engines the same: {every_round}; kvpool pool after shutdown: "
-          f"{after['used']} blocks used, {after['leases']} leases, {after['attached']} "
-          f"attached ({time.monotonic() - t_start:.0f} s)")
+          f"every round of both engines the same: {every_round}; {subject} pool after shutdown: "
+          f"{after['used']} blocks used (and {after['kept']} sealed, kept for the next "
+          f"engine), {after['leases']} leases, {after['attached']} attached "
+          f"({time.monotonic() - t_start:.0f} s)")
     if json_path is not None:
         json_path.write_text(json.dumps(report, indent=1))
     return 0
@@ -386,6 +403,22 @@ def run(s: Settings, json_path: Path | None) -> int:
 
 def table(rounds: list[dict[str, Any]], s: Settings) -> dict[str, Any]:
     """Print the medians per engine and the per-pair ratios; return them."""
+    if s.compare == "seal":
+        return ratio_table(
+            rounds, subject="seal", baseline="noseal", target=TARGET,
+            cols={"tokens_per_s": "tokens/s", "ttft_p50_ms": "TTFT p50 ms",
+                  "ttft_p99_ms": "TTFT p99 ms", "cpu_s": "CPU s", "core_cpu_s": "of it core"},
+            ratios={"tokens_per_s (noseal / seal)": ("tokens_per_s", True, True),
+                    "TTFT p50 (seal / noseal)": ("ttft_p50_ms", False, True),
+                    "TTFT p99 (seal / noseal)": ("ttft_p99_ms", False, False),
+                    "CPU s (seal + daemon / noseal + daemon)": ("cpu_s", False, True),
+                    "engine-core CPU s (seal / noseal)": ("core_cpu_s", False, False)},
+            intro=f"\nmedian over {s.rounds * s.starts} rounds per engine ({s.starts} engine "
+                  "starts; same trace, prefix cache reset before each round; rounds "
+                  "alternate seal/noseal, order swapped every pair)",
+            ratio_intro="\nsealing's cost: the median of the per-pair ratios [the pairs' min "
+                        ".. max]; both engines are kvpool's (KVPoolConnector + "
+                        "KVPoolScheduler), noseal with KVPOOL_SEAL=0 KVPOOL_ADOPT=0")
     return ratio_table(
         rounds, subject="kvpool", baseline="baseline", target=TARGET,
         cols={"tokens_per_s": "tokens/s", "ttft_p50_ms": "TTFT p50 ms",
@@ -410,6 +443,9 @@ def main() -> int:
     parser = bench_parser(__doc__.splitlines()[0], QUICK)
     parser.add_argument("--kv-mib", type=int, dest="kv_mib",
                         help="kv_cache_memory_bytes in MiB (32 blocks per MiB)")
+    parser.add_argument("--compare", choices=tuple(COMPARE), dest="compare",
+                        help="kvpool (default): kvpool's engine against plain vLLM; seal: "
+                        "kvpool's engine sealing its blocks against one sealing none")
     parser.add_argument("--kvpool-parts", choices=PARTS, dest="parts",
                         help="both (default): the connector and the scheduler; memory: the "
                         "connector only (kvpool's memory, vLLM's own blocks)")

@@ -133,10 +133,11 @@ cat <<'LEGEND'
 (pool tiny is vLLM's KV cache: "kv used N / 31" counts the block ids the engine core's lease
  vllm@host:pid holds, of vLLM's 31 (block 0 is vLLM's null block), "cached unused" those of
  them in its page cache, not given to vLLM yet; vllm-worker@host:pid is vLLM's worker, which
- has the pool's memory mapped: ATT 1)
+ has the pool's memory mapped: ATT 1; the engine core's lease has it attached unmapped, ATT 1,
+ so that its processes are known as the writers of the blocks it seals: "attached 2")
 LEGEND
 
-say 6/6 "stopping the engine: its leases end and every block goes back to the pool"
+say 6/6 "stopping the engine: its leases end; the full blocks it sealed stay in the pool for the next engine, the rest go back"
 printf '\n' >&3
 exec 3>&-
 wait "$engine_pid" || fail "the vLLM engine failed to shut down" "$work/vllm.log"
@@ -148,6 +149,9 @@ for _ in $(seq 1 120); do
 done
 "$main/bin/kvpool" leases
 "$main/bin/kvpool" stats --pool tiny
+"$main/bin/kvpool" sealed tiny
+echo "(the sealed blocks are what \"kv used\" still counts: a vLLM engine started on pool tiny"
+echo " now adopts them into its prefix cache; KVPOOL_ADOPT=0 opts out, KVPOOL_SEAL=0 seals none)"
 stop_daemon
 left=()
 for f in "$sock" /dev/shm/kvpool-"$instance"[.-]*; do

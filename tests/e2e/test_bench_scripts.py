@@ -34,7 +34,8 @@ SCRIPTS = {
 # Scripts run by a test of their own (they need the SGLang or vLLM side venv).
 ELSEWHERE = {"sglang_engine.py": "tests/integration/sglang/test_sglang_engine_bench.py",
              "two_models.py": "tests/integration/sglang/test_two_models.py",
-             "vllm_engine.py": "tests/integration/vllm/test_vllm_engine_bench.py"}
+             "vllm_engine.py": "tests/integration/vllm/test_vllm_engine_bench.py",
+             "restart_vllm.py": "tests/integration/vllm/test_restart.py"}
 
 
 def test_every_bench_script_is_listed() -> None:

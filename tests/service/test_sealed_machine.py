@@ -183,7 +183,7 @@ class SealedMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def write_over_a_kept_page(self, data: st.DataObject) -> None:
         u = data.draw(st.sampled_from(sorted(self.kept)))
-        offset, page = kv_extents(self.pool.plan)[0]
+        offset, page, _ = kv_extents(self.pool.plan)[0]
         flat = self.pool.buffers.backing.numpy()
         flat[offset + u * page] ^= 0x5A  # a stray write (CPU: the checksum sees it)
         self.written ^= {u}  # a second flip of the same byte puts it back as sealed

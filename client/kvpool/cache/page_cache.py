@@ -318,6 +318,41 @@ class PageCache:
                 raise
         return arr.shape[0]
 
+    def release(self, ids: Any) -> int:
+        """Give back ids this cache handed out straight to the daemon (one Free), not into the
+        cache: pages that must not be handed out again (a sealed page, which the daemon's
+        directory then keeps). Checked as :meth:`free`.
+
+        Returns:
+            The number of ids released.
+
+        Raises:
+            InvalidArgument, FailedPrecondition: as :meth:`free` (nothing is changed); the
+                daemon's refusal (the ids are then still in use).
+        """
+        core = self.core
+        with self._lock:
+            arr, send = core.release(ids)
+        if send:
+            try:
+                self._lease._cache_free(core.pool, core.space, arr)
+            except KVPoolError as err:
+                if not isinstance(err, NotFound):
+                    with self._lock:
+                        core.unfree(arr)
+                raise
+            self._lease._report_soon()
+        return arr.shape[0]
+
+    def take_over(self, ids: Any) -> np.ndarray:
+        """Count ``ids``, which the lease took outside this cache (``Lease.adopt``), as handed
+        out by it: :meth:`free` and :meth:`release` accept them, and the lease's reports count
+        them. See ``PageCacheCore.take_over``."""
+        with self._lock:
+            arr = self.core.take_over(ids)
+        self._lease._report_soon()
+        return arr
+
     # -- state --------------------------------------------------------------------------------
 
     def counters(self) -> PageCacheCounters:

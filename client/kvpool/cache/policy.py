@@ -369,6 +369,45 @@ class PageCacheCore:
             self.rpc_calls += 1
         return arr, send
 
+    def release(self, ids: Any) -> tuple[np.ndarray, bool]:
+        """Take back ids ``take`` handed out without caching them (checked as ``free``): the
+        shell Frees them at the daemon now (``send``; counted in ``rpc_calls``), unless the
+        lease is gone, which took them. For pages that must not be handed out again (a
+        sealed page: the daemon's directory keeps it)."""
+        arr = self.ring.free_ids(ids, False)
+        send = self.lost is None and arr.shape[0] > 0
+        if send:
+            self.rpc_calls += 1
+        return arr, send
+
+    def take_over(self, ids: Any) -> np.ndarray:
+        """Count ``ids`` as handed out by this cache: ids of its space that the lease took
+        outside it (an Adopt), so that what the lease holds is still exactly what the cache
+        counts. O(len(ids)).
+
+        Raises:
+            InvalidArgument: not 1-D integer ids in range, or one repeated.
+            FailedPrecondition: an id this cache holds already (cached or handed out).
+        """
+        arr = np.asarray(ids)
+        ring = self.ring
+        if arr.ndim != 1 or (arr.shape[0] and arr.dtype.kind not in "iu"):
+            raise InvalidArgument(f"ids must be a 1-D array of integer ids, got {arr.dtype} "
+                                  f"{arr.shape}", field="ids")
+        arr = arr.astype(np.intp)
+        if arr.shape[0] and (arr.min() < 1 or arr.max() > ring.capacity):
+            raise InvalidArgument(f"take over {self.label}: ids are 1..{ring.capacity}, got "
+                                  f"{int(arr.min())}..{int(arr.max())}", field="ids")
+        if np.unique(arr).shape[0] != arr.shape[0]:
+            raise InvalidArgument(f"take over {self.label}: an id is repeated", field="ids")
+        held = ring.pos[arr] != ring.not_here
+        if held.any():
+            bad = int(arr[np.flatnonzero(held)[0]])
+            raise FailedPrecondition(f"take over {self.label} id {bad}: this cache holds it "
+                                     "already", field="ids")
+        ring.unforget(arr)
+        return arr.astype(np.int32)
+
     def unfree(self, arr: np.ndarray) -> None:
         """The daemon refused the Free that ``free`` asked for: the ids are still in use."""
         self.ring.unforget(arr)

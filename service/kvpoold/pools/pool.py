@@ -78,15 +78,15 @@ class Pool:
         """The pool's sealed directory, made at the first use.
 
         Raises:
-            FailedPrecondition: an elastic pool, or one whose pages are not token-major KV
-                rows (a vLLM-layout pool): not sealable yet.
+            FailedPrecondition: an elastic pool, or one whose pages other ids follow or
+                index (hybrid SWA, DSA, compressed KV, a hybrid vLLM pool): not sealable yet.
         """
         if self.sealed is None:
             if self.plan.elastic is not None:
                 raise FailedPrecondition(
                     f"pool {self.name!r} is elastic: sealed pages are not supported in elastic "
                     "pools yet", field="pool")
-            kv_extents(self.plan)  # refuses a pool without token-major KV buffers
+            kv_extents(self.plan)  # refuses a pool whose pages are not sealable
             kv = self.ids.space("kv", "space")
             self.sealed = SealedDirectory(kv, self.plan.page_size, clock)
         return self.sealed

@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import os
 import select
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -39,6 +39,7 @@ from kvpool.contract.errors import FailedPrecondition, Internal, InvalidArgument
 from kvpool.contract.limits import KEY_BYTES
 from kvpool.contract.plan import BufferKind, PoolPlan
 from kvpool.contract.records import Adopted
+from kvpool.contract.vllm_plan import VllmPlan, VllmSpecType
 from kvpoold.ids.faults import DIRECTORY, QUARANTINE
 from kvpoold.ids.space import IdSpace
 
@@ -81,39 +82,75 @@ class Writers:
         self.pidfds.clear()
 
 
-def kv_extents(plan: PoolPlan) -> list[tuple[int, int]]:
-    """``(offset_bytes, page_bytes)`` of every buffer whose pages are the ``kv`` space's ids:
-    page ``u`` of each lies at ``offset + u * page_bytes``.
+# Where a page's bytes lie in one buffer: ``(offset, stride, length)``: page ``u``'s bytes are
+# ``length`` bytes at ``offset + u * stride`` of the backing.
+Extent = tuple[int, int, int]
+# vLLM KV-cache groups whose blocks hold their own tokens' KV only (no window, no state).
+SEALABLE_VLLM_GROUPS = frozenset({VllmSpecType.full_attention.value, VllmSpecType.mla.value})
+
+
+def kv_extents(plan: PoolPlan) -> list[Extent]:
+    """The extents of every buffer whose pages are the ``kv`` space's ids (what a page's
+    checksum covers): a token-major buffer's page ``u`` is ``page_bytes`` at ``offset + u *
+    page_bytes``; a vLLM-layout pool's block ``u`` is, in every layer of every KV-cache tensor,
+    the layer's page at ``offset + l * layer_stride + u * block_stride``.
 
     Raises:
-        FailedPrecondition: the pool has no such buffer (a vLLM-layout pool: not yet sealable).
+        FailedPrecondition: the pool has no such buffer, or buffers whose ids follow or index
+            its pages (hybrid SWA, DSA, compressed KV, a hybrid vLLM pool): not yet sealable.
     """
+    if plan.vllm is not None:
+        return vllm_extents(plan, plan.vllm)
     other = sorted({b.kind.value for b in plan.buffers} - SEALABLE_KINDS)
     if other:
         raise FailedPrecondition(
             f"this pool has {', '.join(other)} buffers whose ids follow or index its pages "
-            "(hybrid SWA, DSA, compressed or vLLM-layout KV): sealing is supported for pools "
-            "of plain token-major KV (and request state) only, yet", field="pool")
-    out = [(b.offset_bytes, b.page_bytes) for b in plan.buffers
+            "(hybrid SWA, DSA or compressed KV): sealing is supported for pools of plain "
+            "token-major KV (and request state) and non-hybrid vLLM pools only, yet",
+            field="pool")
+    out = [(b.offset_bytes, b.page_bytes, b.page_bytes) for b in plan.buffers
            if b.id_space == "kv" and b.kind == BufferKind.kv and b.page_bytes]
     if not out:
         raise FailedPrecondition(
-            "this pool has no token-major KV buffers addressed by its kv ids (a vLLM-layout "
-            "pool): sealing is not supported for it yet", field="pool")
+            "this pool has no token-major KV buffers addressed by its kv ids: sealing is not "
+            "supported for it", field="pool")
     return out
 
 
-def checksums(backing: torch.Tensor, extents: list[tuple[int, int]],
-              ids: Iterable[int]) -> list[bytes]:
+def vllm_extents(plan: PoolPlan, v: VllmPlan) -> list[Extent]:
+    """The block extents of a vLLM-layout pool (``v`` its vLLM plan; see :func:`kv_extents`):
+    one per layer of each KV-cache tensor of the plan's one full-attention group.
+
+    Raises:
+        FailedPrecondition: a hybrid pool (several KV-cache groups, a sliding window, Mamba
+            state): its block ids index other groups' pages too.
+    """
+    if len(v.groups) != 1 or v.groups[0].type.value not in SEALABLE_VLLM_GROUPS \
+            or v.groups[0].sliding_window:
+        kinds = Counter(g.type.value + (f" (window {g.sliding_window})" if g.sliding_window
+                                        else "") for g in v.groups)
+        shown = ", ".join(f"{n} {kind}" for kind, n in kinds.items()) or "none"
+        raise FailedPrecondition(
+            f"this vLLM-layout pool is hybrid ({len(v.groups)} KV-cache group(s): {shown}): "
+            "its block ids address several groups' pages (sliding window, Mamba state); "
+            "sealing is supported for vLLM pools of one full-attention KV-cache group only, "
+            "yet", field="pool")
+    (backing,) = [b for b in plan.buffers if b.kind == BufferKind.vllm_kv]
+    pages = {layer.name: layer.page_size_padded or layer.page_size_bytes for layer in v.layers}
+    return [(backing.offset_bytes + t.offset + i * t.layer_stride, t.block_stride, pages[name])
+            for t in v.tensors for i, name in enumerate(t.layers)]
+
+
+def checksums(backing: torch.Tensor, extents: list[Extent], ids: Iterable[int]) -> list[bytes]:
     """A BLAKE2b digest of each page's bytes over every KV buffer (CPU memory; blocking:
     run it in a worker thread; hashlib releases the GIL on large buffers)."""
     flat = backing.numpy()
     out = []
     for u in ids:
         h = hashlib.blake2b(digest_size=16)
-        for offset, page in extents:
-            start = offset + int(u) * page
-            h.update(memoryview(flat[start:start + page]))
+        for offset, stride, length in extents:
+            start = offset + int(u) * stride
+            h.update(memoryview(flat[start:start + length]))
         out.append(h.digest())
     return out
 

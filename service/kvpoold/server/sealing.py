@@ -61,7 +61,7 @@ class Sealing:
 
         Raises:
             NotFound / PermissionDenied: the pool or the lease.
-            FailedPrecondition: the pool cannot be sealed (elastic, hybrid, vLLM layout), or a
+            FailedPrecondition: the pool cannot be sealed (elastic, hybrid, hybrid vLLM), or a
                 page is not the lease's.
             InvalidArgument: an id out of range or repeated.
         """
@@ -144,7 +144,7 @@ def directory_stats(entry: Pool, *, listing: bool = False, evicted: int = 0) -> 
     kept = len(d.orphans)
     return SealedStats(
         held=len(d.entries) - kept, kept=kept,
-        kept_bytes=kept * sum(page for _, page in kv_extents(entry.plan)),
+        kept_bytes=kept * sum(length for _, _, length in kv_extents(entry.plan)),
         oldest_seconds=oldest, newest_seconds=newest, sealed_total=d.sealed_total,
         adopted_total=d.adopted_total, evicted_total=d.evicted_total,
         corrupt_total=d.corrupt_total, epoch=d.epoch, evicted=evicted,

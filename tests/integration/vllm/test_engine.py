@@ -14,7 +14,8 @@ before vLLM starts, so a side venv made from another checkout registers this che
   lease): its greedy tokens equal those of vLLM without kvpool on the same weights; the
   repeated prompt hits vLLM's prefix cache; vLLM's KV tensors are views of the pool's memory;
   while it runs the daemon's Stats show the engine's lease holding, in use, the blocks vLLM's
-  prefix cache keeps, and the pool attached by the worker's lease; this process, attached to
+  prefix cache keeps, and the pool attached by the worker's lease (and, unmapped, by the
+  engine core's: the fence of the blocks it seals); this process, attached to
   the same pool, reads non-zero K/V bytes in exactly the blocks vLLM gave the requests (never
   in block 0, vLLM's null block); after shutdown both leases end and every block is back.
 - ``test_engine_killed_and_restarted``: an engine SIGKILLed while its lease holds blocks: its
@@ -69,16 +70,17 @@ pytestmark = pytest.mark.timeout(900)
 # -- running the harness ------------------------------------------------------------------------
 
 class Harness:
-    """One ``connector_run.py engine`` process in its own process group: events from its
-    stdout, vLLM's log in a file shown on failure."""
+    """One ``connector_run.py engine`` process (or ``command``, a side-venv script and its
+    arguments) in its own process group: events from its stdout, vLLM's log in a file shown
+    on failure."""
 
-    def __init__(self, python: Path, env: dict[str, str], log: Path, job: dict[str, Any]
-                 ) -> None:
+    def __init__(self, python: Path, env: dict[str, str], log: Path, job: dict[str, Any],
+                 command: tuple[str, ...] = (str(HARNESS), "engine")) -> None:
         self.log = log
         self._events: queue.Queue[dict[str, Any] | None] = queue.Queue()
         with open(log, "wb") as err:
             self.proc = subprocess.Popen(
-                [str(python), str(HARNESS), "engine"], stdin=subprocess.PIPE,
+                [str(python), *command], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=err, env=env, cwd=REPO, text=True,
                 start_new_session=True)
         threading.Thread(target=self._read, daemon=True).start()
@@ -125,10 +127,10 @@ class Harness:
 
 
 @contextlib.contextmanager
-def harness(python: Path, env: dict[str, str], log: Path, job: dict[str, Any]
-            ) -> Iterator[Harness]:
+def harness(python: Path, env: dict[str, str], log: Path, job: dict[str, Any],
+            command: tuple[str, ...] = (str(HARNESS), "engine")) -> Iterator[Harness]:
     """A running harness; on failure its log's tail is printed; always killed at the end."""
-    h = Harness(python, env, log, job)
+    h = Harness(python, env, log, job, command)
     try:
         yield h
     except BaseException:
@@ -171,7 +173,8 @@ def leases_named(stats: Stats, name: str) -> list[Any]:
 def assert_all_back(client: KVPoolClient, pool: str, lease_names: list[str],
                     since: float) -> float:
     """Wait until the engine's leases are gone and the pool idle (nothing attached, no block
-    used); the seconds from ``since`` until the last of these."""
+    used but those the pool's sealed directory keeps for the next engine: the blocks the
+    engine sealed); the seconds from ``since`` until the last of these."""
     seen: dict[str, float] = {}
 
     def idle() -> bool:
@@ -181,7 +184,8 @@ def assert_all_back(client: KVPoolClient, pool: str, lease_names: list[str],
         for what, done in (
                 ("leases ended", not any(leases_named(stats, n) for n in lease_names)),
                 ("detached", p.attached == 0),
-                ("blocks back", all(s.used == 0 for s in p.spaces.values()))):
+                ("blocks back", all(s.used == (client.sealed(pool).kept if name == "kv"
+                                               else 0) for name, s in p.spaces.items()))):
             if done:
                 seen.setdefault(what, now)
         return len(seen) == 3
@@ -335,7 +339,9 @@ def test_engine_on_kvpool_memory(vllm_python: Path, daemon: DaemonProcess, tiny_
         assert (p.architecture, p.page_size, p.fingerprint) == ("vllm", BLOCK_SIZE,
                                                               info["fingerprint"])
         assert p.spaces["kv"].used == engine.held[pool]["kv"] >= 1
-        assert p.attached == 1
+        # the worker's lease maps it; the engine core's lease attaches it without mapping (the
+        # fence of the blocks it seals: its processes registered under it)
+        assert p.attached == 2 and engine.attached == 1
         (worker,) = leases_named(stats, info["worker_lease"])
         assert worker.attached == 1 and not worker.held
 
@@ -375,7 +381,7 @@ def test_engine_killed_and_restarted(vllm_python: Path, daemon: DaemonProcess,
             check_outputs(first["outputs"], baseline)
             assert first["kvpool"]["created"] is True
             stats = client.stats()
-            assert stats.pool(pool).attached == 1
+            assert stats.pool(pool).attached == 2  # the worker's lease and the core's
             assert stats.pool(pool).spaces["kv"].used >= 1  # the engine's lease holds blocks
             h.kill_group()
             killed = time.monotonic()

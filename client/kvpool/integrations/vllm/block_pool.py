@@ -58,7 +58,7 @@ Importing this module imports vLLM (the ``kvpool[vllm]`` extra); ``import kvpool
 from __future__ import annotations
 
 import logging
-from collections.abc import Container, Iterator
+from collections.abc import Callable, Container, Iterator
 
 import numpy as np
 from vllm.v1.core.block_pool import BlockPool
@@ -70,6 +70,7 @@ from kvpool.contract.errors import FailedPrecondition, InvalidArgument
 log = logging.getLogger("kvpool.integrations.vllm.block_pool")
 
 SPACE = "kv"
+RELEASE_AHEAD = 32  # at most, and at most an eighth of the blocks
 
 
 def check_capacity(num_gpu_blocks: int, capacity: int, pool: str) -> None:
@@ -105,12 +106,25 @@ class KVPoolFreeBlockQueue:
     """
 
     def __init__(self, blocks: list[KVCacheBlock], cache: PageCache,
-                 watched: Container[int]) -> None:
+                 watched: Container[int],
+                 drop: Callable[[list[KVCacheBlock]], object] | None = None) -> None:
         check_capacity(len(blocks), int(cache.core.capacity), str(cache.core.pool))
         self.blocks = blocks
         self.cache = cache
         self.pool_name = str(cache.core.pool)
         self.watched = watched
+        # Sealed blocks (the daemon keeps their KV for a later engine; the lease must never
+        # write them again): one flag per block id, and how many are set.
+        self.sealed = np.zeros(len(blocks), dtype=bool)
+        self.n_sealed = 0
+        self.released = 0  # sealed blocks handed back to the daemon instead of reused
+        # What vLLM does to a cached block it reuses (its prefix out of the hash map, its
+        # reuse watcher told): done to a sealed block before it goes back to the daemon.
+        self._drop = drop
+        # Called before sealed blocks go back to the daemon: their Seal call goes first.
+        self.before_release: Callable[[], object] | None = None
+        # Sealed blocks given back at once when vLLM reuses one (see _unsealed).
+        self.release_ahead = max(1, min(RELEASE_AHEAD, (len(blocks) - 1) // 8))
         # The blocks the lease may hold at once: all but the null block.
         self.quota = len(blocks) - 1
         # The back of vLLM's queue: free blocks the lease keeps (a prefix, or unpinned).
@@ -169,8 +183,69 @@ class KVPoolFreeBlockQueue:
         blocks = self.blocks
         out: list[KVCacheBlock] = [] if ids is None else [blocks[i] for i in ids.tolist()]
         if rest:
-            out.extend(self.held.popleft_n(rest))
+            reused = self.held.popleft_n(rest)
+            if self.n_sealed:
+                try:
+                    reused = self._unsealed(reused)
+                except BaseException:
+                    if ids is not None and got:
+                        self._free_ids(ids)
+                    raise
+            out.extend(reused)
         return out
+
+    def _unsealed(self, reused: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """``reused`` (taken from the back to be written) with each sealed block replaced: a
+        sealed block leaves vLLM's prefix cache as vLLM would evict it, goes back to the
+        daemon (whose directory keeps it), and another free block is taken in its place.
+
+        The daemon is asked once for several: the sealed blocks next in vLLM's eviction order
+        (the front of the back, up to :attr:`release_ahead` in all) go back with them, so
+        that the next evictions find free blocks in the page cache (one Free and one Allocate
+        per ``release_ahead`` evicted sealed blocks, not per step)."""
+        sealed = self.sealed
+        gone = [b for b in reused if sealed[b.block_id]]
+        if not gone:
+            return reused
+        keep = [b for b in reused if not sealed[b.block_id]]
+        wanted = len(gone)
+        ahead: list[KVCacheBlock] = []
+        watched = self.watched
+        for block in self.held.iter_blocks_after(None):
+            if len(gone) + len(ahead) >= self.release_ahead:
+                break
+            if not sealed[block.block_id] or block.block_id in watched:
+                break
+            ahead.append(block)
+        for block in ahead:
+            self.held.remove(block)
+        gone += ahead
+        if self._drop is not None:
+            self._drop(gone)
+        self._release(np.fromiter((b.block_id for b in gone), dtype=np.int32,
+                                  count=len(gone)))
+        try:
+            keep.extend(self.popleft_n(wanted))  # their pages are room again
+        except BaseException:
+            self.held.prepend_n(keep)  # the pool ran short: as they were, first in line
+            raise
+        return keep
+
+    def mark_sealed(self, ids: np.ndarray) -> None:
+        """Blocks ``ids`` (held by the lease) are sealed now."""
+        fresh = ids[~self.sealed[ids]]
+        self.sealed[fresh] = True
+        self.n_sealed += int(fresh.shape[0])
+
+    def _release(self, ids: np.ndarray) -> None:
+        """Sealed blocks back to the daemon (one Free): never into the page cache."""
+        if self.before_release is not None:
+            self.before_release()
+        self.sealed[ids] = False
+        self.n_sealed -= int(ids.shape[0])
+        self.released += int(ids.shape[0])
+        if not self._closed:
+            self.cache.release(ids)
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
         """Free blocks that hold nothing: back to the page cache (a watched one stays the
@@ -248,6 +323,13 @@ class KVPoolFreeBlockQueue:
     def _free_ids(self, ids: np.ndarray) -> None:
         if self._closed:
             return  # the lease's end takes them
+        if self.n_sealed:
+            sealed = self.sealed[ids]
+            if sealed.any():
+                self._release(ids[sealed])
+                ids = ids[~sealed]
+                if not ids.shape[0]:
+                    return
         self.cache.free(ids)
 
     # -- end ----------------------------------------------------------------------------------
@@ -265,6 +347,20 @@ class KVPoolFreeBlockQueue:
         self.cache.close()
 
 
+def _dropper(block_pool: BlockPool) -> Callable[[list[KVCacheBlock]], None]:
+    """What ``get_new_blocks`` does to a block it reuses, for sealed blocks kvpool gives back
+    instead: its reuse watcher told, its prefix out of the hash map (vLLM's own method: the
+    same events and metrics)."""
+
+    def drop(blocks: list[KVCacheBlock]) -> None:
+        if block_pool._reuse_watchers:
+            block_pool._notify_reuse(blocks)
+        for block in blocks:
+            block_pool._maybe_evict_cached_block(block)
+
+    return drop
+
+
 def use_page_cache(block_pool: BlockPool, cache: PageCache) -> KVPoolFreeBlockQueue:
     """Give ``block_pool`` (vLLM's, just built, nothing handed out) a
     :class:`KVPoolFreeBlockQueue` over ``cache``; returns it. Its own queue is emptied through
@@ -276,7 +372,8 @@ def use_page_cache(block_pool: BlockPool, cache: PageCache) -> KVPoolFreeBlockQu
             handed out blocks already.
     """
     # The pool's record of watched blocks is private to vLLM: the queue only reads it.
-    queue = KVPoolFreeBlockQueue(block_pool.blocks, cache, block_pool._reuse_watchers)
+    queue = KVPoolFreeBlockQueue(block_pool.blocks, cache, block_pool._reuse_watchers,
+                                 _dropper(block_pool))
     own = block_pool.free_block_queue
     handed_out = block_pool.num_gpu_blocks - 1 - own.num_free_blocks
     if handed_out:

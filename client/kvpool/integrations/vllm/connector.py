@@ -24,6 +24,14 @@ vLLM's one int8 KV-cache backing is the attached pool's memory. Before that it
 Which blocks a request uses is the scheduler's (``KVPoolScheduler`` takes them from the engine
 core's lease); the connector needs none of it.
 
+Sealed blocks (``kvpool.integrations.vllm.sealing``): when ``KVPoolScheduler`` seals the
+engine's blocks, its connector (the scheduler side) carries the engine core's lease in each
+step's metadata (:class:`Writers`) until every worker registered under it; each worker
+registers its process on the daemon's descriptor socket under that lease in
+``bind_connector_metadata`` (before the step's forward writes a block) and reports it back
+(:class:`KVPoolWorkerMetadata`, summed over the workers by vLLM). The daemon then counts the
+workers among the processes that must have exited before the blocks are adopted.
+
 HMA: declared (:class:`SupportsHMA`). The connector transfers nothing, so it has nothing to do
 per KV-cache group, and the pool is vLLM's whole backing region whatever the groups: the pool is
 planned with vLLM's own ``disable_hybrid_kv_cache_manager``, so sliding-window models keep
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,10 +51,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
 from kvpool.contract.errors import AlreadyExists, FailedPrecondition
+from kvpool.contract.fd_channel import FdAsk
 from kvpool.contract.plan import PoolPlan
 from kvpool.contract.records import ConfigureResult
 from kvpool.integrations.hf_config import hf_config_path
@@ -57,6 +68,7 @@ from kvpool.integrations.vllm.memory import (
     check_kv_cache,
     vllm_options_of,
 )
+from kvpool.mapping.fd_client import register as register_process
 
 if TYPE_CHECKING:
     import torch
@@ -65,13 +77,52 @@ if TYPE_CHECKING:
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvpool.integrations.vllm")
 
 
+@dataclass(frozen=True)
+class Writers:
+    """The engine core's lease, for its workers to register under (the fence of its sealed
+    blocks: ``kvpool.integrations.vllm.sealing``): the daemon's descriptor socket, the pool,
+    the lease (id, secret in hex) and how many workers must register."""
+
+    fd_socket: str
+    pool: str
+    lease_id: int
+    secret: str
+    workers: int
+
+    def ask(self) -> FdAsk:
+        """The registration ask (the daemon learns the asking process's pid from the
+        kernel)."""
+        return FdAsk(pool=self.pool, lease_id=self.lease_id, secret=self.secret, register=True)
+
+
 class KVPoolConnectorMetadata(KVConnectorMetadata):
-    """What the scheduler side sends the workers each step: nothing (no transfers)."""
+    """What the scheduler side sends the workers each step: no transfers; until every worker
+    registered under the engine core's lease, that lease (:class:`Writers`)."""
+
+    def __init__(self, writers: Writers | None = None) -> None:
+        self.writers = writers
+
+
+class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
+    """What workers send back: how many registered under lease ``lease_id`` in this step
+    (summed over the workers by vLLM's output aggregator), and how many failed to."""
+
+    def __init__(self, lease_id: int, registered: int = 0, failed: int = 0) -> None:
+        self.lease_id = lease_id
+        self.registered = registered
+        self.failed = failed
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, KVPoolWorkerMetadata) and other.lease_id == self.lease_id:
+            return KVPoolWorkerMetadata(self.lease_id, self.registered + other.registered,
+                                        self.failed + other.failed)
+        return self
 
 
 def model_config_source(model_config: Any) -> Path | dict[str, Any]:
@@ -112,6 +163,14 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._binding: VLLMBinding | None = None
         self.configured: ConfigureResult | None = None
         self.allocation: PoolAllocation | None = None
+        # scheduler side: the engine core's lease for the workers (set by kvpool's scheduler
+        # when it seals), and how many workers reported their registration
+        self.kvpool_writers: Writers | None = None
+        self.kvpool_registered = 0
+        self._writers_failed = False
+        # worker side: the leases this process registered under, and the report to send
+        self._registered: set[int] = set()
+        self._report: KVPoolWorkerMetadata | None = None
 
     # -- worker side: the memory --------------------------------------------------------------
 
@@ -209,6 +268,32 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         """End the worker's attachment and lease (vLLM no longer uses the memory)."""
         self._close()
 
+    # -- worker side: the fence of sealed blocks ----------------------------------------------
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM's, and once per lease the scheduler names: register this process under the
+        engine core's lease on the daemon's descriptor socket (before this step's forward
+        writes any block), and report it back."""
+        super().bind_connector_metadata(connector_metadata)
+        writers = getattr(connector_metadata, "writers", None)
+        if writers is None or writers.lease_id in self._registered:
+            return
+        self._registered.add(writers.lease_id)
+        try:
+            register_process(writers.fd_socket, writers.ask())
+        except Exception as err:  # the forward goes on; the engine just seals nothing
+            log.warning("kvpool: this worker could not register under the engine's lease "
+                        "%d on %s (%s): the engine seals no blocks", writers.lease_id,
+                        writers.fd_socket or "(no descriptor socket)", err)
+            self._report = KVPoolWorkerMetadata(writers.lease_id, failed=1)
+            return
+        self._report = KVPoolWorkerMetadata(writers.lease_id, registered=1)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """This worker's registration, once."""
+        report, self._report = self._report, None
+        return report
+
     # -- worker side: no transfers ------------------------------------------------------------
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -236,8 +321,32 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         """Nothing to track: no external tokens are ever loaded."""
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        """An empty step: nothing for the workers to move."""
-        return KVPoolConnectorMetadata()
+        """Nothing for the workers to move; until every worker registered under the engine
+        core's lease, that lease."""
+        writers = self.kvpool_writers
+        if writers is not None and (self.kvpool_writers_ready or self._writers_failed):
+            writers = None
+        return KVPoolConnectorMetadata(writers)
+
+    @property
+    def kvpool_writers_ready(self) -> bool:
+        """Every worker registered under the engine core's lease (scheduler side)."""
+        w = self.kvpool_writers
+        return w is not None and bool(w.fd_socket) and self.kvpool_registered >= w.workers
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Count the workers' registrations (scheduler side)."""
+        super().update_connector_output(connector_output)
+        report = connector_output.kv_connector_worker_meta
+        w = self.kvpool_writers
+        if not isinstance(report, KVPoolWorkerMetadata) or w is None \
+                or report.lease_id != w.lease_id:
+            return
+        self.kvpool_registered += report.registered
+        if report.failed and not self._writers_failed:
+            self._writers_failed = True
+            log.warning("kvpool: %d worker(s) could not register under lease %d: the engine "
+                        "seals no blocks", report.failed, w.lease_id)
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:

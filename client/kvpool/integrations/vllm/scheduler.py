@@ -28,6 +28,11 @@ vLLM's own ``__init__``:
    KV connector's binding) stay as vLLM made them; only where its free block ids come from
    and go to is kvpool's.
 
+4. seals the full blocks vLLM caches and adopts the pool's sealed blocks of its layout into
+   vLLM's block-hash map (``kvpool.integrations.vllm.sealing``; ``KVPOOL_SEAL``,
+   ``KVPOOL_ADOPT``): ``schedule`` and ``update_from_output`` tell the sealer each step's
+   start, its output and its end.
+
 vLLM takes no block pool or free-block queue as an argument anywhere from the ``Scheduler``
 down (``kvpool.integrations.vllm.block_pool`` names the lines), so the queue is set in the
 pool vLLM built, before any request arrives; vLLM's files are not changed. Each scheduling
@@ -54,6 +59,7 @@ from kvpool.integrations.vllm.block_pool import (
     use_page_cache,
 )
 from kvpool.integrations.vllm.engine_core_binding import VLLMBinding, binding_from_env
+from kvpool.integrations.vllm.sealing import BlockSealer, start_sealing
 
 log = logging.getLogger("kvpool.integrations.vllm.scheduler")
 
@@ -108,10 +114,11 @@ def use_lease_blocks(scheduler: Any, binding: VLLMBinding) -> KVPoolFreeBlockQue
 
 class _KVPoolBlocks:
     """What both schedulers add to vLLM's (a mixin before vLLM's class): the binding, the
-    block pool's free blocks, the step hook and the shutdown."""
+    block pool's free blocks, sealing and adoption, the step hooks and the shutdown."""
 
     kvpool_binding: VLLMBinding
     kvpool_blocks: KVPoolFreeBlockQueue
+    kvpool_sealer: BlockSealer | None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -120,6 +127,7 @@ class _KVPoolBlocks:
         binding = binding_from_env(gpu=0)
         try:
             self.kvpool_blocks = use_lease_blocks(self, binding)
+            self.kvpool_sealer = start_sealing(self, binding, self.kvpool_blocks)
         except BaseException:
             binding.close()
             raise
@@ -128,7 +136,22 @@ class _KVPoolBlocks:
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         self.kvpool_blocks.new_step()
-        return super().schedule(*args, **kwargs)  # type: ignore[misc]
+        sealer = self.kvpool_sealer
+        if sealer is None:
+            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+        sealer.between_steps()
+        sealer.scheduling()
+        output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        sealer.scheduled(output)
+        return output
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        out = super().update_from_output(  # type: ignore[misc]
+            scheduler_output, model_runner_output)
+        sealer = self.kvpool_sealer
+        if sealer is not None:
+            sealer.step_done(scheduler_output)
+        return out
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
         # Between steps: a shortage is forgotten first (vLLM's check counts every free
