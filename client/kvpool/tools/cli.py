@@ -25,6 +25,7 @@ from kvpool.contract.vllm_plan import VllmOptions
 from kvpool.tools.cli_common import client_from, common_options, count, load_spec_mapping
 from kvpool.tools.cli_run import command_parser, run_command_line
 from kvpool.tools.demo import add_demo
+from kvpool.tools.events import add_events
 from kvpool.tools.hf_hub_cache import local_model_config
 from kvpool.tools.top import add_top
 
@@ -330,11 +331,14 @@ def run_sealed(args: argparse.Namespace) -> int:
     print(f"  since the pool was built: {s.sealed_total:,} sealed, {s.adopted_total:,} "
           f"adopted (epoch {s.epoch}), {s.evicted_total:,} evicted, {s.corrupt_total:,} "
           "found changed and freed")
+    if s.events_rank is not None:
+        print(f"  KV events: rank {s.events_rank} (its batches' data_parallel_rank; kvpool "
+              "events)")
     return 0
 
 
 SUBCOMMANDS: tuple[AddParser, ...] = (add_configure, add_stats, add_leases, add_drop,
-                                      add_sealed, add_top, add_demo)
+                                      add_sealed, add_events, add_top, add_demo)
 
 
 def build_parser(subcommands: Sequence[AddParser] = SUBCOMMANDS) -> argparse.ArgumentParser:

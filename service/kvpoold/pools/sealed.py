@@ -31,6 +31,7 @@ import select
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -79,6 +80,22 @@ class Writers:
         for fd in self.pidfds.values():
             os.close(fd)
         self.pidfds.clear()
+
+
+class DirectorySink(Protocol):
+    """Told every change of a directory's sealed set, on the event loop, in order: the pool's
+    KV events (``kvpoold.server.kv_stream`` publishes them). It keeps what it is given; the
+    directory never changes those objects afterwards."""
+
+    def stored(self, layout: str, keys: list[bytes], parents: list[bytes],
+               tokens: np.ndarray) -> None:
+        """Pages sealed now: their keys, parents and tokens (int32, one row a page)."""
+
+    def removed(self, keys: list[bytes]) -> None:
+        """Sealed pages left the directory (freed, or unsealed): their keys."""
+
+    def cleared(self) -> None:
+        """Every sealed page of the pool is gone (a Drop, the daemon's shutdown)."""
 
 
 def kv_extents(plan: PoolPlan) -> list[tuple[int, int]]:
@@ -141,6 +158,7 @@ class SealedDirectory:
         self.adopted_total = 0
         self.evicted_total = 0
         self.corrupt_total = 0
+        self.sink: DirectorySink | None = None  # the KV events of the pool, when published
 
     # -- who can write -------------------------------------------------------------------
 
@@ -178,7 +196,7 @@ class SealedDirectory:
             Pages sealed now.
         """
         now = self._clock()
-        done = 0
+        done: list[int] = []
         for i, u in enumerate(ids.tolist()):
             slot = (layout, keys[i])
             if self._sealed[u] or slot in self._by_key:
@@ -187,9 +205,10 @@ class SealedDirectory:
                                     sums[i] if sums else b"", now)
             self._by_key[slot] = u
             self._sealed[u] = True
-            done += 1
-        self.sealed_total += done
-        return done
+            done.append(i)
+        self.sealed_total += len(done)
+        self._tell_stored(layout, done, keys, parents, tokens)
+        return len(done)
 
     def keep(self, owner: int, ids: np.ndarray) -> None:
         """``owner`` lets go of sealed ``ids`` (a free, or its lease's end): the directory
@@ -227,10 +246,13 @@ class SealedDirectory:
             self._unseal(ids)
 
     def _unseal(self, ids: np.ndarray) -> None:
+        keys = []
         for u in ids.tolist():
             e = self.entries.pop(u)
             del self._by_key[(e.layout, e.key)]
+            keys.append(e.key)
         self._sealed[ids] = False
+        self._tell_removed(keys)
 
     # -- adopt ---------------------------------------------------------------------------
 
@@ -341,12 +363,46 @@ class SealedDirectory:
 
     def close(self) -> None:
         """The pool is gone: forget every entry, close every pidfd."""
+        self.drop_sink()
         for w in self.writers.values():
             w.close()
         self.writers.clear()
         self.entries.clear()
         self._by_key.clear()
         self.orphans.clear()
+
+
+    # -- the KV events of the pool (kvpoold.server.kv_stream) ------------------------------
+
+    def attach_sink(self, sink: DirectorySink) -> None:
+        """Tell ``sink`` every change from now on (the directory is new: nothing before)."""
+        self.sink = sink
+
+    def drop_sink(self) -> None:
+        """The pool is dropped or closed: tell the sink every page is gone, then nothing more
+        (its region may be released in a worker thread afterwards)."""
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            sink.cleared()
+
+    def stored_entries(self) -> list[Entry]:
+        """Every sealed page's entry (held or kept), oldest sealed first: what a router that
+        starts now must learn. O(pages) in C: a list of references, read off the loop."""
+        return list(self.entries.values())
+
+    def _tell_stored(self, layout: str, done: list[int], keys: list[bytes],
+                     parents: list[bytes], tokens: np.ndarray) -> None:
+        if self.sink is None or not done:
+            return
+        if len(done) == len(keys):
+            self.sink.stored(layout, list(keys), list(parents), tokens)
+        else:
+            self.sink.stored(layout, [keys[i] for i in done], [parents[i] for i in done],
+                             tokens[done])
+
+    def _tell_removed(self, keys: list[bytes]) -> None:
+        if self.sink is not None and keys:
+            self.sink.removed(keys)
 
 
 def check_seal_args(layout: str, ids: np.ndarray, keys: bytes, parents: bytes,

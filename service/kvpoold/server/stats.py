@@ -156,6 +156,7 @@ def take_view(daemon: Daemon, caller: Caller, pool: str = "") -> StatsView:
             nixl_agent=agent.name if (agent := daemon.transfers.agent) is not None else "",
             other_leases=len(table) - len(leases),
             **stall_fields(daemon),
+            **(daemon.kv_events.stats_fields() if daemon.kv_events is not None else {}),
         ),
         pools=pools,
         leases=[],
