@@ -33,7 +33,8 @@ from kvpoold.access import DAEMON_CALLER
 from kvpoold.pools.sealed import kv_extents
 from kvpoold.server.args import ConfigureArgs, LeaseRef
 from kvpoold.server.daemon import Daemon
-from kvpoold.server.kv_stream import CLEARED, REMOVED, STORED, Change, KvEvents, Snapshot
+from kvpoold.server.kv_messages import CLEARED, REMOVED, STORED, Change, split_keys
+from kvpoold.server.kv_stream import KvEvents
 from kvpoold.settings import KvEventsConfig
 from kvpoold.sharing.shm import ShmBackingFactory
 from tests.conftest import TINY_OPTIONS, TINY_SPEC, stateful_settings, temp_dir
@@ -45,22 +46,19 @@ KINDS = ("none", "dead", "live")
 
 
 class Recorded:
-    """The publisher thread's queue as a list (the machine reads the batches in order)."""
+    """The publisher's queue as a list (the machine reads the batches in order)."""
 
     endpoint = replay_endpoint = ""
-    published = 0
 
     def __init__(self) -> None:
-        self.items: list[Change | Snapshot] = []
+        self.items: list[Change] = []
 
-    def put(self, item: Change | Snapshot) -> None:
-        self.items.append(item)
+    def offer(self, msg: Change) -> bool:
+        self.items.append(msg)  # never full: no Mark
+        return True
 
-    def backlog(self) -> int:
-        return 0
-
-    def start(self, ask_snapshot: Any) -> None:
-        pass
+    async def deliver(self, msg: Any) -> None:
+        raise AssertionError("no snapshot is asked here")
 
 
 def sleeper() -> subprocess.Popen[bytes]:
@@ -258,13 +256,14 @@ class SealedMachine(RuleBasedStateMachine):
         for c in self.events.items[self.applied:]:
             assert isinstance(c, Change) and c.seq == self.applied  # numbered, no gap
             self.applied += 1
+            keys = set(split_keys(c.keys))
             if c.kind == STORED:
-                assert not self.stream & set(c.keys), "stored twice"
-                assert len(c.keys) == len(c.parents) == c.tokens.shape[0]  # type: ignore[union-attr]
-                self.stream |= set(c.keys)
+                assert not self.stream & keys, "stored twice"
+                assert len(c.keys) == len(c.parents) == 8 * len(c.tokens) // PAGE
+                self.stream |= keys
             elif c.kind == REMOVED:
-                assert set(c.keys) <= self.stream, "removed without being stored"
-                self.stream -= set(c.keys)
+                assert keys <= self.stream, "removed without being stored"
+                self.stream -= keys
             else:
                 assert c.kind == CLEARED
                 self.stream.clear()

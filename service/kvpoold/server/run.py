@@ -61,14 +61,13 @@ from kvpoold.server.status import RpcObserver
 from kvpoold.settings import (
     KV_EVENTS_NEED_PYZMQ,
     MAX_CONNECTIONS,
-    KvEventsConfig,
     ServeSettings,
 )
 from kvpoold.sharing.base import BackingFactory
 from kvpoold.transfer import NIXL_MISSING, make_agent, nixl_installed
 
 if TYPE_CHECKING:
-    from kvpoold.server.kv_publisher import Publisher
+    from kvpoold.server.kv_process import PublisherProcess
 
 log = logging.getLogger("kvpoold.server")
 
@@ -272,20 +271,27 @@ async def start_fd_server(daemon: Daemon, factory: BackingFactory, settings: Ser
     return server
 
 
-def open_kv_events(config: KvEventsConfig) -> tuple[Publisher, KvEvents]:
-    """The KV events publisher (its sockets bound, its thread not started) and the loop's side.
+async def open_kv_events(settings: ServeSettings) -> tuple[PublisherProcess, KvEvents]:
+    """The KV events publisher process, started with its endpoints bound, and the loop's side.
 
     Raises:
         FailedPrecondition: pyzmq is missing, or an endpoint cannot be bound.
     """
+    assert settings.kv_events is not None
     try:
-        from kvpoold.server.kv_publisher import Publisher
+        from kvpoold.server.kv_process import PublisherProcess
     except ModuleNotFoundError as exc:
         if exc.name != "zmq":
             raise
         raise FailedPrecondition(KV_EVENTS_NEED_PYZMQ, field="kv_events_config") from None
-    publisher = Publisher(config)
-    return publisher, KvEvents(config, publisher)
+    publisher = PublisherProcess(settings.kv_events, settings.log_level, settings.log_format)
+    events = KvEvents(settings.kv_events, publisher)
+    try:
+        await publisher.start(events.snapshot, lambda: events.numbered)
+    except BaseException:
+        await publisher.close()
+        raise
+    return publisher, events
 
 
 async def run(
@@ -313,19 +319,14 @@ async def run(
             be served; KV events without pyzmq.
     """
     tls = read_tls(settings.tls_cert, settings.tls_key)  # first: a bad file must not strand
-    publisher, events = (open_kv_events(settings.kv_events) if settings.kv_events is not None
+    publisher, events = (await open_kv_events(settings) if settings.kv_events is not None
                          else (None, None))
     try:
         factory = factory or make_backing_factory(settings)  # the factory's files
-    except BaseException:
-        if publisher is not None:
-            publisher.close()
-        raise
-    try:
         return await _serve(settings, factory, tls, events, ready, stop)
     finally:
         if publisher is not None:  # after the pools: their AllBlocksCleared are sent
-            await asyncio.to_thread(publisher.close)
+            await publisher.close()
 
 
 async def _serve(settings: ServeSettings, factory: BackingFactory,
@@ -354,8 +355,6 @@ async def _serve(settings: ServeSettings, factory: BackingFactory,
                     elastic_policy=settings.elastic_policy, kv_events=events)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
-    if events is not None:
-        events.start(loop)
     server: KVPoolServer | None = None
     sweeper: asyncio.Task[None] | None = None
     watch: asyncio.Task[None] | None = None
