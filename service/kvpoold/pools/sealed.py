@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import os
 import select
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -153,6 +153,7 @@ class SealedDirectory:
         self._sealed = np.zeros(space.capacity + 2, dtype=bool)  # O(request) membership
         self.orphans: OrderedDict[int, None] = OrderedDict()  # the directory's, oldest first
         self.writers: dict[int, Writers] = {}  # lease id -> its registered processes
+        self._by_sealer: Counter[int] = Counter()  # lease id -> entries it is the sealer of
         self.epoch = 0
         self.sealed_total = 0
         self.adopted_total = 0
@@ -166,7 +167,7 @@ class SealedDirectory:
         """Lease ``lease_id`` ended; ``pidfds`` (pid -> pidfd, now the directory's to close)
         are the processes that mapped the pool under it. Its sealed pages become adoptable
         once every one of them has exited (never, when there is none)."""
-        if not any(e.sealer == lease_id for e in self.entries.values()):
+        if not self._by_sealer[lease_id]:
             for fd in pidfds.values():
                 os.close(fd)
             return
@@ -175,10 +176,21 @@ class SealedDirectory:
         w.ended = True
 
     def _forget_writers(self) -> None:
-        """Close the pidfds of ended leases no sealed page names any more."""
-        live = {e.sealer for e in self.entries.values()}
-        for lease_id in [k for k, w in self.writers.items() if w.ended and k not in live]:
+        """Close the pidfds of ended leases no sealed page names any more (O(leases with
+        writers): an eviction under pressure is an Allocate's path)."""
+        for lease_id in [k for k, w in self.writers.items()
+                         if w.ended and not self._by_sealer[k]]:
             self.writers.pop(lease_id).close()
+
+    def _sealers_lose(self, counts: Counter[int]) -> None:
+        """Leases stop being the sealer of ``counts`` entries each (a lease with none left
+        leaves the count)."""
+        for lease_id, n in counts.items():
+            left = self._by_sealer[lease_id] - n
+            if left:
+                self._by_sealer[lease_id] = left
+            else:
+                del self._by_sealer[lease_id]
 
     # -- seal ----------------------------------------------------------------------------
 
@@ -206,6 +218,8 @@ class SealedDirectory:
             self._by_key[slot] = u
             self._sealed[u] = True
             done.append(i)
+        if done:
+            self._by_sealer[lease_id] += len(done)
         self.sealed_total += len(done)
         self._tell_stored(layout, done, keys, parents, tokens)
         return len(done)
@@ -247,10 +261,13 @@ class SealedDirectory:
 
     def _unseal(self, ids: np.ndarray) -> None:
         keys = []
+        sealers: Counter[int] = Counter()
         for u in ids.tolist():
             e = self.entries.pop(u)
             del self._by_key[(e.layout, e.key)]
+            sealers[e.sealer] += 1
             keys.append(e.key)
+        self._sealers_lose(sealers)
         self._sealed[ids] = False
         self._tell_removed(keys)
 
@@ -292,9 +309,14 @@ class SealedDirectory:
         good = [u for u in ids if u not in set(bad)]
         order = self._parents_first(good)
         arr = np.asarray(order, dtype=np.int32)
+        sealers: Counter[int] = Counter()
         for u in order:
             del self.orphans[u]
+            sealers[self.entries[u].sealer] += 1
             self.entries[u].sealer = lease_id
+        self._sealers_lose(sealers)
+        if order:
+            self._by_sealer[lease_id] += len(order)
         self.space.move(DIRECTORY, arr, owner)
         if order:
             self.epoch += 1
@@ -356,6 +378,8 @@ class SealedDirectory:
              "the directory holds pages it does not keep"),
             (int(self._sealed.sum()) == len(self.entries) == len(self._by_key),
              "the sealed indexes disagree"),
+            (self._by_sealer == Counter(e.sealer for e in self.entries.values()),
+             "the sealers' counts disagree"),
         ]
         for ok, why in checks:
             if not ok:
@@ -367,6 +391,7 @@ class SealedDirectory:
         for w in self.writers.values():
             w.close()
         self.writers.clear()
+        self._by_sealer.clear()
         self.entries.clear()
         self._by_key.clear()
         self.orphans.clear()
