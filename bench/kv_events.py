@@ -1,4 +1,4 @@
-"""Benchmark: the daemon's KV events (issue 41): Allocate/Free with events on vs off, and events/s.
+"""Benchmark: the daemon's KV events (issue 41): Allocate/Free with events on vs off, events/s.
 
 What it measures, in this process, on the daemon's own objects (no gRPC: the event loop's
 work is what the events could slow, and a gRPC round trip's noise would hide it):
@@ -18,7 +18,10 @@ work is what the events could slow, and a gRPC round trip's noise would hide it)
    the loop as gRPC would call it); the Seal, which hops to a worker thread for its checksum,
    is timed too but reported beside. p50/p99 per variant over all rounds, and the ratio on/off
    (target: p99 <= 1.05x).
-3. Events/s sustained: on the "on" daemon, for ``--burst-s`` seconds, cycles as fast as the
+3. A router that starts late, on the "on" daemon: a replay from 0, a snapshot of every sealed
+   page; how long until its end marker, and the loop's longest stall meanwhile (a 1 ms ticker
+   task), against the same ticker on the idle loop.
+4. Events/s sustained: on the "on" daemon, for ``--burst-s`` seconds, cycles as fast as the
    loop can go of an Allocate of 4,096 pages (4,096 evicted: one BlockRemoved of 4,096
    hashes), a Seal of them as 4,096 one-page sequences (4,096 BlockStored events: the worst
    case, one event per page) and a Free; then how long the publisher takes to send what is
@@ -42,6 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -207,6 +211,57 @@ async def burst(v: Variant, seconds: float) -> dict[str, float]:
             "dropped": v.events.dropped - dropped0}
 
 
+async def longest_stall(work: Any) -> tuple[Any, float]:
+    """``await work`` while a 1 ms ticker measures the loop's longest stall (seconds late)."""
+    done = False
+    worst = 0.0
+
+    async def tick() -> None:
+        nonlocal worst
+        while not done:
+            t = time.perf_counter()
+            await asyncio.sleep(0.001)
+            worst = max(worst, time.perf_counter() - t - 0.001)
+
+    ticker = asyncio.ensure_future(tick())
+    try:
+        return await work, worst
+    finally:
+        done = True
+        await ticker
+
+
+async def snapshot_cost(v: Variant) -> dict[str, float]:
+    """A router that starts late: a replay from 0 is a snapshot of the whole directory. How
+    long until its end marker, how much it is, and the loop's longest stall meanwhile (against
+    the same ticker on an idle loop)."""
+    import zmq
+
+    assert v.publisher is not None
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(v.publisher.replay_endpoint)
+
+    def ask() -> tuple[float, int, int]:
+        t0 = time.perf_counter()
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        batches = size = 0
+        while True:
+            assert dealer.poll(600_000), "no snapshot in 10 minutes"
+            _, _topic, _seq, payload = dealer.recv_multipart()
+            if not payload:
+                return time.perf_counter() - t0, batches, size
+            batches += 1
+            size += len(payload)
+
+    try:
+        _, idle = await longest_stall(asyncio.sleep(1.0))
+        (took, batches, size), stall = await longest_stall(asyncio.to_thread(ask))
+    finally:
+        ctx.destroy(0)
+    return {"took": took, "batches": batches, "bytes": size, "stall": stall, "idle": idle}
+
+
 async def main_async(args: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="kvp-bev-"))
     off, on = Variant("off", False, tmp), Variant("on", True, tmp)
@@ -238,6 +293,11 @@ async def main_async(args: argparse.Namespace) -> int:
             ratios[what] = pct(b, 99) / pct(a, 99)
             print(f"{what[:-3]:>10} {pct(a, 50):>7.1f}us {pct(a, 99):>7.1f}us "
                   f"{pct(b, 50):>7.1f}us {pct(b, 99):>7.1f}us {ratios[what]:>10.3f}x")
+        snap = await snapshot_cost(on)
+        print(f"\nsnapshot of {capacity:,} sealed pages (a replay from 0): {snap['batches']:,.0f} "
+              f"batches, {snap['bytes'] / 2**20:,.1f} MiB, end marker after {snap['took']:.2f} s; "
+              f"the loop's longest stall meanwhile {1e3 * snap['stall']:.1f} ms (idle: "
+              f"{1e3 * snap['idle']:.1f} ms)")
         before = on.events.numbered
         b = await burst(on, args.burst_s)
         got: list[float] = [0, 0, 0, 0, 0, 0]
