@@ -185,7 +185,7 @@ class DaemonCollector(Collector):
         (capacity, used, free, high_water, pool_bytes, attached, allocs, frees, failures,
          budget, dev_used, leases_open, expiries, lease_cached, transfers, transfer_bytes,
          transfer_failures, stalls, stalled, longest_stall, pinned, quarantined, build,
-         fenced_pages) = fams
+         fenced_pages, kv_batches, kv_dropped) = fams
         dev = self._device
         build.add_metric([dev, *build_info().values()], 1)
         cached: dict[tuple[str, str], int] = {}
@@ -219,6 +219,9 @@ class DaemonCollector(Collector):
         stalls.add_metric([dev], d.loop_stalls)
         stalled.add_metric([dev], d.loop_stalled_seconds)
         longest_stall.add_metric([dev], d.loop_longest_stall_seconds)
+        if d.kv_events_endpoint:  # KV events published (--kv-events-config)
+            kv_batches.add_metric([dev], d.kv_events_published)
+            kv_dropped.add_metric([dev], d.kv_events_dropped)
         for p in snap.peers:
             for direction, done, nbytes, failed in (
                     ("sent", p.sent, p.sent_bytes, p.send_failures),
@@ -317,6 +320,12 @@ class DaemonCollector(Collector):
                               "grant ended (deadline, cancel, lease end): quarantined until the "
                               "peer reports the write ended or its process exits.",
                               labels=("device", "peer")),
+            CounterMetricFamily("kvpool_kv_events_batches",
+                                "KV event batches of the sealed-page directories handed to the "
+                                "publisher (--kv-events-config).", labels=device),
+            CounterMetricFamily("kvpool_kv_events_dropped",
+                                "KV event batches dropped because the publisher's queue was "
+                                "full: each a gap routers repair by replay.", labels=device),
         )
 
 

@@ -108,10 +108,11 @@ def events_daemon(**config: Any) -> Iterator[tuple[Any, KVPoolClient, str, str]]
 
 
 def last_seq(client: KVPoolClient) -> int:
-    """The last batch the daemon sent (none dropped in these tests: sent == numbered)."""
+    """The last batch's number (none dropped in these tests: each was sent). Numbers start at
+    the microseconds since the epoch when the daemon started."""
     d = client.stats().daemon
     assert d.kv_events_dropped == 0
-    return d.kv_events_published - 1
+    return d.kv_events_last_seq
 
 
 def chain(n: int, salt: int = 0) -> tuple[list[bytes], list[bytes], np.ndarray]:
@@ -141,9 +142,11 @@ def singles(n: int, salt: int) -> tuple[list[bytes], list[bytes], np.ndarray]:
 def test_each_way_a_sealed_page_leaves_shows_as_exactly_its_removal() -> None:
     with events_daemon() as (d, client, endpoint, replay), router(endpoint, replay) as r:
         client.configure("tiny", spec=TINY_SPEC, **TINY_OPTIONS)
+        base = last_seq(client) + 1  # the first batch's number
+        assert base > 1_700_000_000 * 10**6  # microseconds since the epoch
         engine, got = start_engine(d.target, 8)
         keys = got["keys"]
-        s = r.state(0)
+        s = r.state(base)
         assert s["sets"] == {"0": sorted(keys)} and s["gaps"] == 0
         (stored,) = r.ask("log")
         assert stored["type"] == "BlockStored" and stored["hashes"] == keys  # chain order
@@ -156,7 +159,7 @@ def test_each_way_a_sealed_page_leaves_shows_as_exactly_its_removal() -> None:
         engine.proc.send_signal(signal.SIGKILL)
         engine.proc.wait(30)
         wait_lease_gone(client, got["lease_id"])
-        assert last_seq(client) == 0
+        assert last_seq(client) == base
         page_key = dict(zip(got["pages"], keys, strict=True))
 
         # a page written after sealing is found at adoption: removed; the rest adopted: nothing
@@ -168,8 +171,8 @@ def test_each_way_a_sealed_page_leaves_shows_as_exactly_its_removal() -> None:
             a = lease.adopt("tiny", LAYOUT)
             assert a.corrupt == 1 and a.ids.shape[0] == 7
             lease.free("tiny", "kv", a.ids)  # kept by the directory again: nothing
-        s = r.state(1)
-        assert s["last"] == last_seq(client) == 1
+        s = r.state(base + 1)
+        assert s["last"] == last_seq(client) == base + 1
         assert s["sets"]["0"] == sorted(set(keys) - {page_key[bad]})
         assert r.ask("log")[1]["hashes"] == [page_key[bad]]
 
@@ -178,24 +181,24 @@ def test_each_way_a_sealed_page_leaves_shows_as_exactly_its_removal() -> None:
             ids = lease.allocate("tiny", "kv", 256 - 2)
             taken = [page_key[u] for u in ids.tolist() if u in page_key and u != bad]
             assert len(taken) == 5
-            s = r.state(2)
+            s = r.state(base + 2)
             assert sorted(r.ask("log")[2]["hashes"]) == sorted(taken)
             assert s["sets"]["0"] == sorted(set(keys) - {page_key[bad], *taken})
         # `kvpool sealed --evict`: the last two
         out = kvpool_cli("sealed", "tiny", "--evict", "--target", d.target)
         assert "evicted 2 pages" in out.stdout, out.stdout + out.stderr
-        s = r.state(3)
+        s = r.state(base + 3)
         assert s["sets"]["0"] == [] and len(r.ask("log")[3]["hashes"]) == 2
 
         # a Drop: AllBlocksCleared for the pool's rank
         with client.lease("again", ttl_s=30) as lease:
             more = chain(3, salt=1000)
             lease.seal("tiny", LAYOUT, lease.allocate("tiny", "kv", 3), *more)
-        assert r.state(4)["sets"]["0"] == sorted(k.hex() for k in more[0])
+        assert r.state(base + 4)["sets"]["0"] == sorted(k.hex() for k in more[0])
         client.drop("tiny", force=True)  # the directory holds the 3 pages
-        s = r.state(5)
+        s = r.state(base + 5)
         assert s["sets"]["0"] == [] and r.ask("log")[-1]["type"] == "AllBlocksCleared"
-        assert s["last"] == last_seq(client) == 5 and s["gaps"] == 0
+        assert s["last"] == last_seq(client) == base + 5 and s["gaps"] == 0
 
 
 # -- rebuildable ------------------------------------------------------------------------------
@@ -235,20 +238,26 @@ def workload(client: KVPoolClient) -> tuple[dict[str, set[str]], int]:
     return truth, events
 
 
-@pytest.mark.parametrize("buffer_steps", [100_000, 4], ids=["replay", "snapshot"])
+@pytest.mark.parametrize(("buffer_steps", "since"), [(100_000, "first"), (100_000, "zero"),
+                                                     (4, "first")],
+                         ids=["history", "snapshot-from-0", "snapshot-buffer-gone"])
 def test_a_router_that_starts_after_10k_events_rebuilds_the_same_index(
-        buffer_steps: int) -> None:
+        buffer_steps: int, since: str) -> None:
+    """A late router asks a replay from the stream's first number (the whole history while
+    the buffer holds it, else a snapshot) or from 0 (before the stream: a snapshot)."""
     with events_daemon(buffer_steps=buffer_steps) as (_d, client, endpoint, replay), \
             router(endpoint, replay) as early:
+        first = last_seq(client) + 1
         truth, events = workload(client)
         assert events > 10_000
         last = last_seq(client)
         seen = early.state(last)
-        with router(endpoint, replay, since=0) as late:
+        with router(endpoint, replay, since=first if since == "first" else 0) as late:
             rebuilt = late.state(last)
         for index in (seen, rebuilt):
             assert {r: set(v) for r, v in index["sets"].items()} == truth
-        assert rebuilt["snapshots"] == (0 if buffer_steps > last else 1)
+        history = since == "first" and buffer_steps > last - first
+        assert rebuilt["snapshots"] == (0 if history else 1)
         assert seen["gaps"] == rebuilt["gaps"] == 0
         # the early router saw every event, one by one
         assert len(early.ask("log")) == events
@@ -263,6 +272,7 @@ def test_a_subscriber_that_stops_reading_never_slows_the_daemon_and_repairs_its_
     with events_daemon(hwm=10) as (_d, client, endpoint, replay), \
             router(endpoint, replay, rcvhwm=10) as r:
         client.configure("big", spec=TINY_SPEC, **big_options())
+        first = last_seq(client) + 1
         assert r.ask("pause") == {"paused": True}
         kept: list[bytes] = []
         with client.lease("engine", ttl_s=60) as lease:
@@ -278,7 +288,7 @@ def test_a_subscriber_that_stops_reading_never_slows_the_daemon_and_repairs_its_
             for i in range(60):
                 round_(i)
             last = last_seq(client)  # asserts nothing was dropped on the daemon's side
-            assert last == 60 + 58 - 1  # a stored batch a round, a removal from the third on
+            assert last == first + 60 + 58 - 1  # a stored batch a round, a removal from the 3rd on
             assert r.ask("resume") == {"resumed": True}
             round_(60)  # more while it catches up
         s = r.state(last + 2)
@@ -298,21 +308,30 @@ def test_kvpool_events_prints_the_stream_and_ctrl_c_exits_130() -> None:
             lease.seal("tiny", LAYOUT + " lora_id=7", ids, keys, parents, tokens)
             lease.free("tiny", "kv", ids)
         client.sealed("tiny", evict=True)
-        # a late tail: the replay from 0, as JSON lines
-        out = kvpool_cli("events", "--target", d.target, "--since", "0", "--count", "2",
+        since = str(last_seq(client) - 1)
+        # a late tail: the replay of both batches, as JSON lines
+        out = kvpool_cli("events", "--target", d.target, "--since", since, "--count", "2",
                          "--json")
         assert out.returncode == 0, out.stderr
         first, second = (json.loads(x) for x in out.stdout.splitlines())
-        assert (first["seq"], first["pool"], first["rank"]) == (0, "tiny", 0)
+        assert (first["pool"], first["rank"]) == ("tiny", 0)
+        assert second["seq"] == first["seq"] + 1 == last_seq(client)
         (stored,) = first["events"]
         assert stored["type"] == "BlockStored" and stored["lora_id"] == 7
         assert stored["block_hashes"] == [k.hex() for k in keys]
         assert second["events"][0]["type"] == "BlockRemoved"
-        text = kvpool_cli("events", "--target", d.target, "--since", "0", "--count", "2")
+        text = kvpool_cli("events", "--target", d.target, "--since", since, "--count", "2")
         assert text.returncode == 0, text.stderr
         lines = text.stdout.splitlines()
-        assert lines[0].startswith("#0 ") and "pool tiny (rank 0): stored 3 blocks" in lines[0]
+        assert lines[0].startswith(f"#{first['seq']} ")
+        assert "pool tiny (rank 0): stored 3 blocks" in lines[0]
         assert "lora 7" in lines[0] and "removed 3 blocks" in lines[1]
+        # from 0 (before the stream): a snapshot of the directory, now empty
+        snap = kvpool_cli("events", "--target", d.target, "--since", "0", "--count", "1")
+        assert snap.returncode == 0, snap.stderr
+        assert snap.stdout.splitlines() == [
+            f"#{last_seq(client)} " + snap.stdout.split(" ", 2)[1]
+            + " pool tiny (rank 0): all blocks cleared"]
 
         # following live until Ctrl-C
         proc = subprocess.Popen([sys.executable, "-m", "kvpool.tools.cli", "events",

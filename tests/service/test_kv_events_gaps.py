@@ -115,7 +115,7 @@ def index(batches: list[tuple[int, KVEventBatch]], into: dict[int, set[bytes]] |
 
 async def events_daemon(cfg: KvEventsConfig) -> tuple[Daemon, PublisherProcess, KvEvents]:
     publisher = PublisherProcess(cfg)
-    events = KvEvents(cfg, publisher)
+    events = KvEvents(cfg, publisher, first_seq=0)
     await publisher.start(events.snapshot, lambda: events.numbered)
     d = Daemon("cpu", 64 << 20, PlainBackingFactory(torch.device("cpu")), kv_events=events)
     return d, publisher, events

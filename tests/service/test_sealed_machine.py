@@ -74,7 +74,7 @@ class SealedMachine(RuleBasedStateMachine):
         self.events = Recorded()
         self.d = Daemon("cpu", 64 << 20, ShmBackingFactory(self._tmp.__enter__()), self.clock,
                         kv_events=KvEvents(KvEventsConfig(enable_kv_cache_events=True),
-                                           self.events))
+                                           self.events, first_seq=0))
         self.stream: set[bytes] = set()  # the blocks the KV events say are stored
         self.applied = 0  # batches of self.events applied to it
         self.run(self.d.configure(DAEMON_CALLER, ConfigureArgs(

@@ -5,9 +5,10 @@ docs/kv-events.md tells a router to do, with nothing of kvpool imported: SUB to 
 DEALER to the replay socket, ``vllm.distributed.kv_events.KVEventBatch`` to decode. It applies
 each batch to a set of block hashes per ``data_parallel_rank``; a sequence gap is repaired by a
 replay from the first missing number (every batch the replay returns is applied, in order: the
-buffered batches, or a snapshot that starts each rank with AllBlocksCleared); ``since`` replays
-first (a router that starts late); after a second without a batch it asks a replay from its
-last + 1 (what it missed at the end of a burst shows at no next batch).
+buffered batches, numbered on from the number asked, or a snapshot, which replaces the whole
+index: batches numbered alike, or not from the number asked); ``since`` replays first (a
+router that starts late); after a second without a batch it asks a replay from its last + 1
+(what it missed at the end of a burst shows at no next batch).
 
 Arguments: ENDPOINT REPLAY_ENDPOINT. JSON lines on stdin, answers on stdout:
 
@@ -91,7 +92,7 @@ class Router:
         """Every batch from ``start`` (or a snapshot), applied in order, then the end marker."""
         self.replays += 1
         dealer.send_multipart((b"", start.to_bytes(8, "big")))
-        seqs: list[int] = []
+        reply: list[tuple[int, bytes, KVEventBatch]] = []
         while True:
             if not dealer.poll(30_000):
                 raise RuntimeError(f"replay from {start}: no answer in 30 s")
@@ -99,16 +100,20 @@ class Router:
             if raw == END_SEQ and not payload:
                 break
             seq = int.from_bytes(raw, "big", signed=True)
-            batch = self.decoder.decode(payload)
-            if seq < start or (seqs and seq < seqs[-1]):
-                raise RuntimeError(f"replay from {start} sent {seq} after {seqs[-1:]}")
-            seqs.append(seq)
-            self.replayed += 1
-            with self.lock:
+            if reply and seq < reply[-1][0]:
+                raise RuntimeError(f"replay from {start} sent {seq} after {reply[-1][0]}")
+            reply.append((seq, topic, self.decoder.decode(payload)))
+        seqs = [seq for seq, _, _ in reply]
+        # the buffered batches are numbered start, start + 1, ...; a snapshot's all alike
+        snapshot = bool(reply) and seqs != list(range(start, start + len(seqs)))
+        with self.lock:
+            if snapshot:  # the whole index, as of its number
+                self.snapshots += 1
+                self.sets.clear()
+            for seq, topic, batch in reply:
                 self.apply(seq, topic, batch)
                 self.last = max(self.last, seq)
-        if len(set(seqs)) < len(seqs):  # batches numbered alike: a snapshot
-            self.snapshots += 1
+            self.replayed += len(reply)
 
     def run(self, since: int | None, rcvhwm: int) -> None:
         sub = self.ctx.socket(zmq.SUB)

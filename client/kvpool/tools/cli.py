@@ -221,6 +221,12 @@ def stats_lines(stats: Stats) -> list[str]:
              f"{d.leases_opened}, closed {d.leases_closed}, expired {d.leases_expired})"
              + (f"; event loop stalled {count(d.loop_stalls, 'time')}, longest "
                 f"{d.loop_longest_stall_seconds:.2f} s" if d.loop_stalls else "")]
+    if d.kv_events_endpoint:
+        lines.append(f"kv events on {d.kv_events_endpoint}"
+                     + (f" (replay {d.kv_events_replay_endpoint})"
+                        if d.kv_events_replay_endpoint else "")
+                     + f": {d.kv_events_published:,} batches, {d.kv_events_dropped:,} dropped, "
+                     f"last seq {d.kv_events_last_seq}")
     for p in stats.pools:
         lines.append(f"pool {p.name}: {p.architecture} {p.kv_cache_dtype} page {p.page_size}, "
                      f"{_human(p.backing_bytes)}, attached {p.attached}, sharing {p.sharing}, "

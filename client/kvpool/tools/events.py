@@ -2,9 +2,10 @@
 
 The daemon's Stats name its PUB and replay endpoints; this subscribes (SUB), prints each batch
 as lines of text or JSON, and, like a router, repairs a gap in the sequence numbers by a replay
-(when the daemon has a replay endpoint). ``--since 0`` first rebuilds the directory from the
-start: the buffered history, or a snapshot when the history is gone. Any publisher in vLLM's
-format can be tailed with ``--endpoint`` (a vLLM engine's own ``kv_events_config`` stream too).
+(when the daemon has a replay endpoint). ``--since 0`` first prints a snapshot of every pool's
+sealed blocks (the directory now); ``--since N`` the buffered batches from N. Any publisher in
+vLLM's format can be tailed with ``--endpoint`` (a vLLM engine's own ``kv_events_config``
+stream too).
 pyzmq is needed (``kvpool[events]``).
 """
 
@@ -56,8 +57,9 @@ def add_events(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="with --endpoint: its replay (ROUTER) endpoint, for --since and gaps")
     p.add_argument("--topic", default="", help="only topics that start with this (default all)")
     p.add_argument("--since", type=int, default=None, metavar="SEQ",
-                   help="first replay from SEQ (0: rebuild the whole directory: the buffered "
-                        "history, or a snapshot of every pool), then follow")
+                   help="first replay from SEQ (the buffered batches from there; when they are "
+                        "gone, and from 0, a snapshot: every pool's sealed blocks now), then "
+                        "follow")
     p.add_argument("--count", type=int, default=None, metavar="N",
                    help="exit after N batches (replayed ones included)")
     p.add_argument("--json", action="store_true",

@@ -541,7 +541,7 @@ class LeaseStats(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., name: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., expires_in_seconds: _Optional[float] = ..., held: _Optional[_Iterable[_Union[Held, _Mapping]]] = ..., attached: _Optional[int] = ..., cached: _Optional[_Iterable[_Union[Held, _Mapping]]] = ...) -> None: ...
 
 class DaemonStats(_message.Message):
-    __slots__ = ("version", "device", "budget_bytes", "used_bytes", "uptime_seconds", "num_pools", "num_leases", "leases_opened", "leases_closed", "leases_expired", "nixl_agent", "other_leases", "loop_stalls", "loop_stalled_seconds", "loop_longest_stall_seconds", "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic", "kv_events_published", "kv_events_dropped")
+    __slots__ = ("version", "device", "budget_bytes", "used_bytes", "uptime_seconds", "num_pools", "num_leases", "leases_opened", "leases_closed", "leases_expired", "nixl_agent", "other_leases", "loop_stalls", "loop_stalled_seconds", "loop_longest_stall_seconds", "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic", "kv_events_published", "kv_events_dropped", "kv_events_last_seq")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -562,6 +562,7 @@ class DaemonStats(_message.Message):
     KV_EVENTS_TOPIC_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     version: str
     device: str
     budget_bytes: int
@@ -582,7 +583,8 @@ class DaemonStats(_message.Message):
     kv_events_topic: str
     kv_events_published: int
     kv_events_dropped: int
-    def __init__(self, version: _Optional[str] = ..., device: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., num_pools: _Optional[int] = ..., num_leases: _Optional[int] = ..., leases_opened: _Optional[int] = ..., leases_closed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., nixl_agent: _Optional[str] = ..., other_leases: _Optional[int] = ..., loop_stalls: _Optional[int] = ..., loop_stalled_seconds: _Optional[float] = ..., loop_longest_stall_seconds: _Optional[float] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ..., kv_events_topic: _Optional[str] = ..., kv_events_published: _Optional[int] = ..., kv_events_dropped: _Optional[int] = ...) -> None: ...
+    kv_events_last_seq: int
+    def __init__(self, version: _Optional[str] = ..., device: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., num_pools: _Optional[int] = ..., num_leases: _Optional[int] = ..., leases_opened: _Optional[int] = ..., leases_closed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., nixl_agent: _Optional[str] = ..., other_leases: _Optional[int] = ..., loop_stalls: _Optional[int] = ..., loop_stalled_seconds: _Optional[float] = ..., loop_longest_stall_seconds: _Optional[float] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ..., kv_events_topic: _Optional[str] = ..., kv_events_published: _Optional[int] = ..., kv_events_dropped: _Optional[int] = ..., kv_events_last_seq: _Optional[int] = ...) -> None: ...
 
 class PeerStats(_message.Message):
     __slots__ = ("peer", "sent", "sent_bytes", "send_failures", "received", "received_bytes", "receive_failures", "fenced_writes", "fenced_pages")

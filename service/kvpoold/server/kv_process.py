@@ -1,9 +1,10 @@
 """The daemon's side of its KV events publisher process (``kvpoold.server.kv_publisher``).
 
 :class:`PublisherProcess` starts the publisher (``python -m kvpoold.server.kv_publisher``) and
-talks to it over two ZMQ ipc sockets in a private directory (0700): a PUSH the loop offers each
-numbered batch to, never blocking (its high-water mark is ``max_queue_size``: a full queue
-drops the batch, a gap), and a PULL for what the publisher says (ready, failed, "a snapshot,
+talks to it over two ZMQ ipc sockets in a private directory (0700): a PUSH the loop sends the
+numbered batches on, never blocking (queued first, at most ``max_queue_size`` batches: a full
+queue drops the batch, a gap; sent a millisecond later, all the batches of that millisecond in
+one go), and a PULL for what the publisher says (ready, failed, "a snapshot,
 please"). The publisher binds the stream's endpoints; a failure there fails ``kvpoold serve``
 at start. A publisher that dies is started again (a second later); its replay buffer is gone, so
 the batches numbered meanwhile are dropped and a replay from before them gets a snapshot.
@@ -20,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,6 +46,11 @@ from kvpoold.settings import KvEventsConfig
 log = logging.getLogger("kvpoold.events")
 
 START_TIMEOUT_S = 60.0  # a ceiling: the publisher imports no torch and starts in ~0.3 s
+# The queue is sent at most this long after its first batch, in one go: one wake-up of ZMQ's
+# I/O thread and of the publisher for all the batches of a millisecond, not one a batch (each
+# wake-up can take the loop's core on a busy host).
+FLUSH_S = 0.001
+PIPE_HWM = 1000  # ZMQ's own queue behind ours (the bound is max_queue_size, ours)
 WATCH_INTERVAL_S = 1.0
 STOP_TIMEOUT_S = 5.0
 DELIVER_RETRY_S = 0.005
@@ -77,7 +84,7 @@ class PublisherProcess:
         self._dir = Path(tempfile.mkdtemp(prefix="kvpool-events-"))  # 0700
         self._ctx = zmq.Context()
         self._push: zmq.Socket[bytes] = self._ctx.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.SNDHWM, config.max_queue_size)
+        self._push.setsockopt(zmq.SNDHWM, PIPE_HWM)
         self._push.setsockopt(zmq.LINGER, int(STOP_TIMEOUT_S * 1000))
         self._down = f"ipc://{self._dir}/down"
         self._push.bind(self._down)
@@ -88,6 +95,8 @@ class PublisherProcess:
         self._pull.bind(self._up)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Up)
+        self._pending: deque[bytes] = deque()  # encoded, not yet on the socket
+        self._flush_at: asyncio.TimerHandle | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._numbered: Callable[[], int] = lambda: 0
         self._tasks: list[asyncio.Task[None]] = []
@@ -196,6 +205,9 @@ class PublisherProcess:
         """Send what is queued, stop the publisher (killed after a few seconds), close the
         sockets and remove their directory."""
         self._closing = True
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+            self._flush_at = None
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -203,6 +215,10 @@ class PublisherProcess:
                 await task
         proc = self._proc
         if proc is not None and proc.poll() is None:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + STOP_TIMEOUT_S
+            while not self._flush() and loop.time() < deadline:  # the last batches first
+                await asyncio.sleep(DELIVER_RETRY_S)
             with contextlib.suppress(zmq.Again):
                 self._push.send(self._encoder.encode(Stop()), zmq.NOBLOCK)
             try:
@@ -228,17 +244,32 @@ class PublisherProcess:
     # -- the queue (kvpoold.server.kv_stream.Outbox) ---------------------------------------
 
     def offer(self, msg: Change | Mark) -> bool:
-        try:
-            self._push.send(self._encoder.encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
+        if len(self._pending) >= self._config.max_queue_size:
             return False
+        self._pending.append(self._encoder.encode(msg))
+        self._schedule(FLUSH_S)
         return True
 
     async def deliver(self, msg: SnapshotPart | SnapshotEnd) -> None:
         data = self._encoder.encode(msg)
-        while not self._closing:
+        while len(self._pending) >= self._config.max_queue_size and not self._closing:
+            await asyncio.sleep(DELIVER_RETRY_S)
+        self._pending.append(data)
+        self._schedule(FLUSH_S)
+
+    def _schedule(self, delay: float) -> None:
+        if self._flush_at is None and not self._closing:
+            self._flush_at = asyncio.get_running_loop().call_later(delay, self._flush)
+
+    def _flush(self) -> bool:
+        """Send what is queued, in order, until the socket's pipe is full (then again a few
+        ms later). Returns whether all was sent."""
+        self._flush_at = None
+        while self._pending:
             try:
-                self._push.send(data, zmq.NOBLOCK)
-                return
+                self._push.send(self._pending[0], zmq.NOBLOCK)
             except zmq.Again:
-                await asyncio.sleep(DELIVER_RETRY_S)
+                self._schedule(DELIVER_RETRY_S)
+                return False
+            self._pending.popleft()
+        return True

@@ -70,6 +70,9 @@ NO_PARENT = bytes(KEY_BYTES)
 LINGER_MS = 2000
 # The poll's longest wait: how soon it notices the daemon is gone.
 POLL_MS = 1000
+# Publishing is background work: on a busy host the daemon's event loop gets the CPU first (a
+# publisher that falls behind fills its queue: batches dropped, gaps a replay repairs).
+NICE = 10
 
 
 def binds(endpoint: str) -> bool:
@@ -321,6 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("first_seq", type=int, help="the next number the daemon gives")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon; it stops us
+    os.nice(NICE)
     level: LogLevel = args.level
     fmt: LogFormat = args.format
     configure_logging(level, fmt)

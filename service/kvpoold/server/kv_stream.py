@@ -106,14 +106,19 @@ class KvEvents:
         config: the checked ``--kv-events-config``.
         outbox: the publisher's queue.
         clock: seconds since the epoch (each batch's ``ts``).
+        first_seq: the first sequence number; default the microseconds since the epoch now,
+            so that a daemon started again numbers on from above its predecessor's last batch
+            (a router that followed it sees a gap, asks a replay and gets a snapshot of the
+            new daemon's directories: docs/kv-events.md).
     """
 
     def __init__(self, config: KvEventsConfig, outbox: Outbox,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, first_seq: int | None = None) -> None:
         self.config = config
         self._outbox = outbox
         self._clock = clock
-        self._next_seq = 0
+        self._next_seq = time.time_ns() // 1000 if first_seq is None else first_seq
+        self._first_seq = self._next_seq
         self._channels: dict[str, Channel] = {}  # every pool that ever sealed, by name
         self._live: dict[str, SealedDirectory] = {}  # the directories told now
         self.dropped = 0
@@ -127,13 +132,18 @@ class KvEvents:
         """Batches numbered so far (offered or dropped): the next sequence number."""
         return self._next_seq
 
+    @property
+    def first_seq(self) -> int:
+        """The first batch's number."""
+        return self._first_seq
+
     def stats_fields(self) -> dict[str, str | int]:
         """DaemonStats' kv_events fields."""
         return {"kv_events_endpoint": self._outbox.endpoint,
                 "kv_events_replay_endpoint": self._outbox.replay_endpoint,
                 "kv_events_topic": self.config.topic,
-                "kv_events_published": self._next_seq - self.dropped,
-                "kv_events_dropped": self.dropped}
+                "kv_events_published": self._next_seq - self._first_seq - self.dropped,
+                "kv_events_dropped": self.dropped, "kv_events_last_seq": self._next_seq - 1}
 
     def attach(self, pool: str, device_type: str, directory: SealedDirectory) -> None:
         """Publish the changes of ``pool``'s new ``directory`` from now on."""
