@@ -42,11 +42,15 @@ FAMILY`` says how to read it (source ``"assumed"``). The rules, each SGLang's
 - **Mamba2 hybrids** (Nemotron-H ``hybrid_override_pattern`` / ``layers_block_type``, Granite-4
   ``layer_types``, Falcon-H1): attention KV in the attention layers, Mamba2 state in the Mamba
   layers, nothing in MLP/MoE layers.
+- **Kimi delta attention** (Kimi Linear, a Kimi-K3 wrapper's text config): MLA KV in the layers
+  not in ``linear_attn_config.kda_layers`` (1-based), a KDA conv + recurrent state in those.
 - **DSA**: an MLA class of SGLang's DSA list whose config sets ``index_topk``.
 - **Family from content**: the row's conditions (``kv_lora_rank``, ``use_mla``,
   ``index_topk``; Granite-4's ``layer_types`` with a ``mamba`` entry; Inkling's
-  ``mamba2_cache_params``), the hybrid-SWA rules' fields and Kimi delta attention
-  (``linear_attn_config.kda_layers`` at either nesting: refused). :func:`read_hf` returns the
+  ``mamba2_cache_params``), the hybrid-SWA rules' fields and Kimi delta attention (the file's
+  ``model_type`` ``kimi_linear`` or ``kimi_k3`` makes SGLang's ``KimiLinearConfig`` and its
+  state pool whatever the class row says; ``linear_attn_config.kda_layers`` in any other
+  config, at either nesting, is refused). :func:`read_hf` returns the
   fields that decided, as paths in the file (``text_config.layer_types``); the plan's first
   note names them (tests/integration/test_family_fields.py checks them against SGLang's source).
 - **DeepSeek-V4**: ``compress_ratios`` per layer, ``sliding_window``, fp8 KV
@@ -642,6 +646,42 @@ def _hybrid_mamba(r: _Reader, architecture: str) -> SpecFields:
     return fields
 
 
+KIMI_LINEAR_TYPES = hf_view.KIMI_LINEAR_TYPES
+KDA_LAYERS = hf_view.KDA_LAYERS
+
+
+def _hybrid_kda(r: _Reader, architecture: str) -> SpecFields:
+    """Kimi delta attention hybrids (Kimi Linear; Kimi-K3 through its text config): MLA KV in
+    the full-attention layers, a KDA conv + recurrent state per request slot in the others.
+
+    SGLang's ``KimiLinearConfig``: layer ``i`` is KDA when ``i + 1`` is in
+    ``linear_attn_config.kda_layers`` (``full_attn_layers`` must be set but is not read: every
+    other layer is full attention); ``KimiLinearStateShape`` with ``num_heads`` H, ``head_dim``
+    D, ``short_conv_kernel_size`` k: conv ``(k - 1, 3 * H * D / tp)`` (q, k and v), recurrent
+    ``(H / tp, D, D)``, in SGLang's default state dtypes (bf16 conv, fp32 recurrent: the config's
+    ``mamba_ssm_dtype`` is not read for KDA). That is the Mamba2 shape with ``n_groups = H``,
+    ``state_size = head_dim``, conv axes swapped (``conv_layout = "window_first"``).
+    """
+    fields = _mla(r, architecture)
+    n = fields["num_layers"]
+    try:
+        kda = hf_view.kimi_delta_attention(r.config, n, MAX_LAYERS)
+    except ValueError as exc:
+        raise r.fail(f"{architecture}: {exc} (SGLang cannot size its state pool either); give "
+                     "a spec file (docs/sizing.md)") from None
+    state = set(kda.state_layers)
+    fields["linear"] = {
+        "full_attention_layers": [i for i in range(n) if i not in state],
+        "conv_kernel": kda.conv_kernel,
+        "num_key_heads": kda.num_heads,
+        "num_value_heads": kda.num_heads,
+        "key_head_dim": kda.head_dim,
+        "value_head_dim": kda.head_dim,
+        "conv_layout": "window_first",
+    }
+    return fields
+
+
 # The loader of each family of the architecture table (kvpoold.sizing.architectures).
 FAMILY_LOADERS: dict[str, Callable[[_Reader, str], SpecFields]] = {
     "mha": _mha,
@@ -650,6 +690,7 @@ FAMILY_LOADERS: dict[str, Callable[[_Reader, str], SpecFields]] = {
     "hybrid_swa": _mha,
     "hybrid_gdn": _hybrid_linear,
     "hybrid_mamba": _hybrid_mamba,
+    "hybrid_kda": _hybrid_kda,
     "dsv4": _dsv4,
 }
 # `--assume-architecture FAMILY`: as the table's, but hybrid_swa reads its layers generically.
@@ -697,9 +738,20 @@ def _to_spec(fields: SpecFields, r: _Reader) -> ModelSpec:
         raise r.fail(f"config gives an invalid model spec: {exc}") from exc
 
 
-def _family_of(row: architectures.Row, r: _Reader) -> tuple[str, tuple[str, ...]]:
+def _family_of(row: architectures.Row, r: _Reader,
+               model_type: object = None) -> tuple[str, tuple[str, ...]]:
     """The family SGLang builds for this row and config (the row's ``when`` conditions), with
-    the text-config keys SGLang tested to decide it (present or not)."""
+    the text-config keys SGLang tested to decide it (present or not). ``model_type``: the
+    config file's own (a wrapper's), which picks SGLang's config class."""
+    if model_type in KIMI_LINEAR_TYPES and row.kv == "mla":
+        # SGLang's KimiLinearConfig (the model's, or a Kimi-K3 wrapper's text config): a state
+        # pool whatever the class row says (Kimi-K3's row reads only its wrapper class)
+        return "hybrid_kda", ("model_type", KDA_LAYERS)
+    if row.family == "hybrid_kda":
+        raise r.fail(f"{row.name} has model_type {echo(model_type)}: SGLang "
+                     "sizes Kimi delta attention only from its KimiLinearConfig (model_type "
+                     f"{' or '.join(KIMI_LINEAR_TYPES)}), and kvpool does not guess how it "
+                     "plans another; give a spec file (docs/sizing.md)")
     if row.family == "mla":
         needs = row.mla_only_with
         if needs == "kv_lora_rank" and not r.has("kv_lora_rank"):
@@ -777,19 +829,20 @@ STATE_FAMILIES = {
 
 
 def _check_content(config: Config, r: _Reader, known: str, family: str) -> None:
-    """Refuse a config whose content decides another family than its class row (SGLang
-    decides Kimi delta attention by content) or declares state layers the row's family does
-    not keep; never plan those layers as KV.
+    """Refuse a config that declares Kimi delta attention layers outside a Kimi Linear config
+    (where SGLang sizes no state pool for them) or state layers the row's family does not
+    keep; never plan those layers as KV.
 
     Raises:
         InvalidArgument: naming the field.
     """
     kda = hf_view.kda_marker(config)
     if kda is not None and family != "hybrid_kda":
-        raise r.fail(f"{kda} declares Kimi delta attention layers: SGLang sizes {known} as "
-                     f"hybrid_kda from it (its class row says {family}); "
-                     f"{architectures.UNSUPPORTED['hybrid_kda']}; give a spec file "
-                     "(docs/sizing.md)")
+        raise r.fail(f"{kda} declares Kimi delta attention layers, but SGLang sizes "
+                     "hybrid_kda state pools only for a Kimi Linear config (model_type "
+                     f"{' or '.join(KIMI_LINEAR_TYPES)}) and sizes {known} as {family}: "
+                     "the content contradicts the class, and kvpool does not guess how SGLang "
+                     "plans those layers; give a spec file (docs/sizing.md)")
     marker = hf_view.state_layer_marker(r.config)
     if marker is not None and family not in STATE_FAMILIES[marker[1]]:
         raise r.fail(f"{marker[0]} declares {marker[1]} layers, which keep a per-request "
@@ -877,7 +930,7 @@ def read_hf(config: Config, *, where: str = "config.json", field: str = FIELD,
     row = architectures.row(known)
     assert row is not None
     r = _Reader(_text_view(config, {}), where, field)
-    family, tested = _family_of(row, r)
+    family, tested = _family_of(row, r, config.get("model_type"))
     _check_content(config, r, known, family)
     load = FAMILY_LOADERS.get(family)
     if load is None:
@@ -901,6 +954,9 @@ def read_hf(config: Config, *, where: str = "config.json", field: str = FIELD,
         kv_field = f"{text_key}.{kv_field}"
     decided = decided_by(names, known, text_key, (*tested, *_loader_fields(family, known, r)),
                          kv_field)
+    if family == "hybrid_kda" and text_key:
+        # the wrapper's own model_type (kimi_k3) made its text config a KimiLinearConfig
+        decided = tuple("model_type" if d == f"{text_key}.model_type" else d for d in decided)
     return HfModel(_to_spec(fields, r), "hf_config", decided)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -174,10 +175,84 @@ def first_kv_heads(view: Mapping[str, Any]) -> tuple[str, object] | None:
     return None
 
 
-__all__ = ["CLASSES", "DATA", "DERIVED", "FALCON_TYPES", "KV_HEAD_KEYS", "REMOTE_ALIASES",
-           "SGLANG_TEXT_KEYS", "TRANSFORMERS_VERSION", "VLLM_TEXT_KEYS", "class_row",
-           "class_view", "first_kv_heads", "multi_query_kv_heads", "sub_model_type",
-           "text_config"]
+# The config files' model types whose text config both engines build as a Kimi Linear config
+# (SGLang 0.5.23's and vLLM 0.32's ``KimiLinearConfig``): the model itself, or a Kimi-K3 wrapper
+# (its ``KimiK3Config`` makes ``text_config`` one, whatever model type that names; Kimi-K2.5's
+# wrapper makes a DeepSeek-V3 config). SGLang sizes a Kimi delta attention state pool for
+# exactly these (``hybrid_arch.kimi_linear_config``); vLLM's Kimi classes build their layers
+# from the same config.
+KIMI_LINEAR_TYPES = ("kimi_linear", "kimi_k3")
+KDA_LAYERS = "linear_attn_config.kda_layers"
+
+
+@dataclass(frozen=True)
+class KimiDeltaAttention:
+    """A Kimi Linear text config's linear layers, as both engines read ``linear_attn_config``:
+    layer ``i`` (0-based) is a Kimi delta attention layer when ``i + 1`` is in ``kda_layers``
+    (``full_attn_layers`` must be set but is not read: every other layer is full attention,
+    MLA); ``num_heads`` H of ``head_dim`` D (keys as values: neither engine passes
+    ``num_k_heads``), a causal conv of ``short_conv_kernel_size`` k over q, k and v."""
+
+    state_layers: tuple[int, ...]
+    num_heads: int
+    head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        """The conv state's channels before the TP split (q, k and v: ``3 * H * D``)."""
+        return 3 * self.num_heads * self.head_dim
+
+
+def _layer_numbers(linear: Mapping[str, Any], key: str, max_layers: int) -> list[int]:
+    value = linear.get(key)
+    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int)
+                                          for v in value):
+        raise ValueError(f"linear_attn_config.{key} must list 1-based layer numbers (the "
+                         f"engines' KimiLinearConfig asserts it is set), got {value!r}"[:300])
+    if len(value) > max_layers:
+        raise ValueError(f"linear_attn_config.{key} lists {len(value):,} layers, at most "
+                         f"{max_layers:,} are supported")
+    return value
+
+
+def kimi_delta_attention(view: Mapping[str, Any], num_layers: int,
+                         max_layers: int) -> KimiDeltaAttention:
+    """The Kimi delta attention layers of a Kimi Linear text config (:data:`KIMI_LINEAR_TYPES`).
+
+    Raises:
+        ValueError: what the engines cannot build a state from (no ``linear_attn_config``, a
+            list missing, no KDA layer among the model's, a missing or bad size), the message
+            naming the field.
+    """
+    linear = view.get("linear_attn_config")
+    if not isinstance(linear, Mapping):
+        raise ValueError(f"linear_attn_config is {linear!r}: a Kimi Linear config's state is "
+                         "read from that mapping (kda_layers, full_attn_layers, num_heads, "
+                         "head_dim, short_conv_kernel_size)"[:300])
+    kda = set(_layer_numbers(linear, "kda_layers", max_layers))
+    _layer_numbers(linear, "full_attn_layers", max_layers)
+    state = tuple(i for i in range(num_layers) if i + 1 in kda)
+    if not state:
+        raise ValueError(f"{KDA_LAYERS} names none of the model's {num_layers} layers "
+                         "(1-based): a Kimi Linear config gets a state pool, which cannot be "
+                         "sized without a Kimi delta attention layer")
+    sizes = []
+    for key, least in (("num_heads", 1), ("head_dim", 1), ("short_conv_kernel_size", 2)):
+        value = linear.get(key)
+        if value is None:
+            raise ValueError(f"linear_attn_config is missing {key}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"linear_attn_config.{key} must be an integer >= {least}, got "
+                             f"{value!r}"[:200])
+        sizes.append(value)
+    return KimiDeltaAttention(state, *sizes)
+
+
+__all__ = ["CLASSES", "DATA", "DERIVED", "FALCON_TYPES", "KDA_LAYERS", "KIMI_LINEAR_TYPES",
+           "KV_HEAD_KEYS", "REMOTE_ALIASES", "SGLANG_TEXT_KEYS", "TRANSFORMERS_VERSION",
+           "VLLM_TEXT_KEYS", "KimiDeltaAttention", "class_row", "class_view", "first_kv_heads",
+           "kimi_delta_attention", "multi_query_kv_heads", "sub_model_type", "text_config"]
 
 
 def kda_marker(config: Mapping[str, Any]) -> str | None:

@@ -49,6 +49,17 @@ has none of these series)::
     kvpool_elastic_reclaim_seconds_max{device,pool}   gauge      the longest of those
     kvpool_elastic_revoked_leases_total{device,pool}  counter    leases ended for not unmapping
 
+Pools with a sealed-page directory only (``PoolStats.sealed``, docs/restart.md; from the first
+Seal on)::
+
+    kvpool_sealed_pages{device,pool,holder}           gauge      sealed pages, by holder
+    kvpool_sealed_kept_bytes{device,pool}             gauge      bytes of the directory's kept pages
+    kvpool_pages_sealed_total{device,pool}            counter    pages sealed
+    kvpool_adopted_pages_total{device,pool}           counter    pages adopted by a later engine
+    kvpool_sealed_evicted_pages_total{device,pool}    counter    kept pages given back
+    kvpool_sealed_corrupt_pages_total{device,pool}    counter    pages whose bytes changed (dropped)
+    kvpool_sealed_epoch{device,pool}                  gauge      adoptions that took pages
+
 The id-counting series carry ``unit`` as a label rather than in their names: the spaces are the
 plan's table (one family per quantity whatever the architecture), ``unit`` follows from
 ``space`` so it adds no series, and ``sum by (unit) (kvpool_pool_used)`` adds only like ids.
@@ -88,7 +99,7 @@ from kvpool.contract.errors import FailedPrecondition, Internal
 from kvpoold.elastic.metric_families import ElasticFamilies
 
 if TYPE_CHECKING:
-    from kvpool.contract.records import Stats
+    from kvpool.contract.records import SealedStats, Stats
 
 log = logging.getLogger("kvpoold.metrics")
 
@@ -178,6 +189,7 @@ class DaemonCollector(Collector):
         # The names, for the registry's duplicate check, without taking a snapshot.
         yield from self._families()
         yield from ElasticFamilies().families()
+        yield from SealedFamilies().families()
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
@@ -194,9 +206,12 @@ class DaemonCollector(Collector):
                 for space, n in spaces.items():
                     cached[(pool_name, space)] = cached.get((pool_name, space), 0) + n
         elastic = ElasticFamilies()
+        sealed = SealedFamilies()
         for pool in snap.pools:
             if pool.elastic is not None:
                 elastic.add(dev, pool.name, pool.elastic)
+            if pool.sealed is not None:
+                sealed.add(dev, pool.name, pool.sealed)
             pool_bytes.add_metric([dev, pool.name], pool.backing_bytes)
             attached.add_metric([dev, pool.name], pool.attached)
             for space, k in pool.spaces.items():
@@ -234,6 +249,7 @@ class DaemonCollector(Collector):
                 fenced_pages.add_metric([dev, p.peer], p.fenced_pages)
         yield from fams
         yield from elastic.families()
+        yield from sealed.families()
 
     @staticmethod
     def _families() -> tuple[Metric, ...]:
@@ -327,6 +343,47 @@ class DaemonCollector(Collector):
                                 "KV event batches dropped because the publisher's queue was "
                                 "full: each a gap routers repair by replay.", labels=device),
         )
+
+
+class SealedFamilies:
+    """The sealed-page directory's series (docs/restart.md), one sample per pool that has one."""
+
+    def __init__(self) -> None:
+        pools = ("device", "pool")
+        self.pages = GaugeMetricFamily(
+            "kvpool_sealed_pages", "Sealed pages of the pool: held by a lease (holder=\"lease\") "
+            "or kept by the directory for a later engine (holder=\"directory\", evictable).",
+            labels=("device", "pool", "holder"))
+        self.kept_bytes = GaugeMetricFamily(
+            "kvpool_sealed_kept_bytes", "Bytes of the sealed pages the directory keeps (KV "
+            "buffers only): evictable cache counted against the pool.", labels=pools)
+        self.sealed = CounterMetricFamily(
+            "kvpool_pages_sealed", "Pages sealed since the pool was built.", labels=pools)
+        self.adopted = CounterMetricFamily(
+            "kvpool_adopted_pages", "Sealed pages a later engine adopted.", labels=pools)
+        self.evicted = CounterMetricFamily(
+            "kvpool_sealed_evicted_pages", "Kept sealed pages given back to the free set "
+            "(memory pressure, kvpool sealed --evict).", labels=pools)
+        self.corrupt = CounterMetricFamily(
+            "kvpool_sealed_corrupt_pages", "Sealed pages whose bytes changed after sealing, "
+            "found at adoption and dropped (CPU pools).", labels=pools)
+        self.epoch = GaugeMetricFamily(
+            "kvpool_sealed_epoch", "Adoptions of the pool's directory that took pages.",
+            labels=pools)
+
+    def add(self, device: str, pool: str, s: SealedStats) -> None:
+        self.pages.add_metric([device, pool, "lease"], s.held)
+        self.pages.add_metric([device, pool, "directory"], s.kept)
+        self.kept_bytes.add_metric([device, pool], s.kept_bytes)
+        self.sealed.add_metric([device, pool], s.sealed_total)
+        self.adopted.add_metric([device, pool], s.adopted_total)
+        self.evicted.add_metric([device, pool], s.evicted_total)
+        self.corrupt.add_metric([device, pool], s.corrupt_total)
+        self.epoch.add_metric([device, pool], s.epoch)
+
+    def families(self) -> Iterator[Metric]:
+        yield from (self.pages, self.kept_bytes, self.sealed, self.adopted, self.evicted,
+                    self.corrupt, self.epoch)
 
 
 def loop_snapshot(take: Callable[[], Stats | Awaitable[Stats]], loop: asyncio.AbstractEventLoop,

@@ -20,6 +20,7 @@ import pytest
 from kvpool.clients.client import KVPoolClient
 from tests.conftest import TINY_OPTIONS, TINY_PAGES, TINY_SPEC, run_daemon, temp_dir
 from tests.e2e.test_daemon import kvpool_cli
+from tests.e2e.test_metrics import metrics_url, scrape
 from tests.procs import Child
 
 PAGE = 16
@@ -63,7 +64,8 @@ def adopt(client: KVPoolClient, layout: str = LAYOUT):  # type: ignore[no-untype
 @pytest.fixture
 def daemon():  # type: ignore[no-untyped-def]
     with temp_dir() as sock_dir, temp_dir("kvp-shm-", "/dev/shm") as shm, \
-            run_daemon(sock_dir, "--shm-dir", str(shm)) as d, KVPoolClient(d.target) as client:
+            run_daemon(sock_dir, "--shm-dir", str(shm), "--metrics-port", "0",
+                       "--log-format", "json") as d, KVPoolClient(d.target) as client:
         client.configure("tiny", spec=TINY_SPEC, **TINY_OPTIONS)
         yield d, client
 
@@ -112,6 +114,10 @@ def test_a_frozen_engines_pages_wait_and_a_dead_ones_are_adopted_with_their_byte
         assert lease.free("tiny", "kv", a.ids) == 8
     s = client.sealed("tiny")
     assert (s.kept, s.adopted_total) == (8, 8)  # freed by the adopter: kept again
+    shown = client.stats("tiny").pool("tiny").sealed  # Stats: the counts, not the listing
+    assert shown is not None and shown.layouts == () and shown.oldest_seconds == 0.0
+    assert (shown.kept, shown.held, shown.kept_bytes, shown.sealed_total, shown.adopted_total,
+            shown.epoch) == (s.kept, s.held, s.kept_bytes, 8, 8, 1)
 
 
 def test_a_page_written_after_sealing_is_not_adopted_and_another_layout_adopts_nothing(
@@ -164,6 +170,8 @@ def test_a_lease_that_frees_a_sealed_page_hands_it_to_the_directory(daemon) -> N
         s = client.sealed("tiny")
         assert (s.kept, s.held) == (2, 0)
         assert client.stats("tiny").pool("tiny").spaces["kv"].used == used - 1
+        shown = kvpool_cli("stats", "--target", _d.target)
+        assert "sealed     0 held by leases, 2 kept" in shown.stdout, shown.stdout
     # a lease that registered no process (this one never mapped): its pages are never adopted
     assert adopt(client).unfenced == 2
     shown = kvpool_cli("sealed", "tiny", "--target", _d.target)
@@ -172,4 +180,10 @@ def test_a_lease_that_frees_a_sealed_page_hands_it_to_the_directory(daemon) -> N
     evicted = kvpool_cli("sealed", "tiny", "--evict", "--target", _d.target)
     assert "evicted 2 pages" in evicted.stdout, evicted.stdout + evicted.stderr
     assert client.sealed("tiny").kept == 0
+    m = scrape(metrics_url(_d.log))  # the same numbers on /metrics
+    tiny = {"device": "cpu", "pool": "tiny"}
+    assert m.get("kvpool_pages_sealed_total", **tiny) == 2
+    assert m.get("kvpool_sealed_evicted_pages_total", **tiny) == 2
+    assert m.get("kvpool_sealed_pages", holder="directory", **tiny) == 0
+    assert m.get("kvpool_sealed_kept_bytes", **tiny) == 0
 

@@ -94,6 +94,34 @@ CASES += [Case(f"{_V4}/{name}", _V4, {"budget_bytes": 20 * GiB, "page_size": 256
               ("pp2-rank1", {"pp_size": 2, "pp_rank": 1}),
           )]
 
+# Kimi Linear (Kimi delta attention) beyond the matrix: its state pool under each of SGLang's
+# state rules (no radix cache, no_buffer, extra_buffer without the overlap schedule, the mamba
+# memory ratio, a request cap), speculative decoding's intermediate states (no draft layers:
+# SGLang prices a Kimi Linear draft by its num_nextn_predict_layers, 0), PP stages, TP sizes
+# the 32 KDA heads do not split over, and budgets below one request's state (all refused).
+_KIMI = "corpus/kimi-linear-48b-a3b-instruct"
+_EAGLE = {"speculative_algorithm": "eagle", "speculative_num_draft_layers": 0,
+          "speculative_num_draft_tokens": 4, "max_running_requests": 32}
+CASES += [Case(f"{_KIMI}/{name}", _KIMI, {"budget_bytes": 20 * GiB, "page_size": 16, **options})
+          for name, options in (
+              ("no-radix-mrr64", {"disable_radix_cache": True, "max_running_requests": 64}),
+              ("no_buffer-p1-no-overlap", {"page_size": 1, "disable_overlap_schedule": True,
+                                           "mamba_radix_cache_strategy": "no_buffer"}),
+              ("extra_buffer-no-overlap", {"mamba_radix_cache_strategy": "extra_buffer",
+                                           "disable_overlap_schedule": True}),
+              ("mamba-ratio-0.5", {"mamba_full_memory_ratio": 0.5}),
+              ("mrr16", {"max_running_requests": 16}),
+              ("max-total-tokens", {"max_total_tokens": 100_000}),
+              ("eagle", _EAGLE),
+              ("eagle-no-radix", {**_EAGLE, "disable_radix_cache": True}),
+              ("pp2-rank0", {"pp_size": 2, "pp_rank": 0}),
+              ("pp2-rank1", {"pp_size": 2, "pp_rank": 1}),
+              ("tp3", {"tp_size": 3}),
+              ("tp64", {"tp_size": 64}),
+              ("budget-256MiB", {"budget_bytes": 256 << 20}),
+              ("budget-64MiB", {"budget_bytes": 64 << 20}),
+          )]
+
 # Differences known today, by config (every case of it) or by case id; one line per cause in
 # tests/data/models/DIFFS.md. None: every case agrees, or both refuse.
 KNOWN_DIFFS: dict[str, str] = {}
@@ -141,7 +169,7 @@ def test_the_corpus_covers_the_families_and_schemes() -> None:
                    "Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration",
                    "NemotronHForCausalLM", "DeepseekV4ForCausalLM",
                    "Qwen3VLForConditionalGeneration", "LlavaForConditionalGeneration",
-                   "KimiK25ForConditionalGeneration"):
+                   "KimiK25ForConditionalGeneration", "KimiLinearForCausalLM"):
         assert needed in architectures, needed
     quant = [c.get("quantization_config") or c.get("text_config", {}).get("quantization_config")
              or {} for c in configs]

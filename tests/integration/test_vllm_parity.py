@@ -47,6 +47,20 @@ VLLM_ENV_REFUSALS = {
 }
 # vLLM sizes these; the profile refuses them by name (not yet profiled).
 NOT_PROFILED: dict[str, str] = {}
+# vLLM 0.32 has no CPU path for these on any host, and both sides refuse for vLLM's reason:
+# Kimi Linear's model class opens a CUDA stream while it is built; with prefix caching on,
+# vLLM's config check refuses it before (the CPU platform turns prefix caching off for MLA on
+# a CPU without AMX after the hybrid hook set mamba_block_size; the harness has vLLM see no
+# AMX, the profile's CPU_MLA path; with AMX the config check would pass and the CUDA stream
+# still stop it). The plan vLLM's GPU code path makes is checked by hand in
+# tests/unit/test_kda.py. (case uses prefix caching) -> (vLLM's error, kvpool's)
+VLLM_NO_CPU_PATH: dict[str, dict[bool, tuple[str, str]]] = {
+    "corpus/kimi-linear-48b-a3b-instruct": {
+        True: ("--mamba-block-size can only be set with --enable-prefix-caching",
+               "can only be set with --enable-prefix-caching"),
+        False: ("torch.cuda.Stream requires CUDA support", "opens a CUDA stream"),
+    },
+}
 # Configs of the corpus (tests/data/models/corpus/) the profile is checked on too: the ones
 # whose reading rule differs from the top level's (legacy key names, multi-query, switches).
 CORPUS = (
@@ -55,6 +69,7 @@ CORPUS = (
     "corpus/starcoder2-7b",  # a model-level window on every layer
     "corpus/nemotron-h-56b-base-8k",  # Mamba-2 + attention + MLP blocks by letter
     "corpus/ai21-jamba-1.5-mini",  # Mamba-1 + attention by period and offset
+    "corpus/kimi-linear-48b-a3b-instruct",  # Kimi delta attention + MLA: no CPU path
 )
 
 
@@ -144,6 +159,10 @@ def _cases() -> list[Case]:
     variant(jamba, "pp3-cpu-no-avx512-bf16", pp_size=3, cpu_avx512_bf16="no")
     variant(jamba, "block512", block_size=512)
     variant(jamba, "no-hybrid", disable_hybrid_kv_cache_manager=True)
+    kimi = "corpus/kimi-linear-48b-a3b-instruct"
+    variant(kimi, "no-prefix-caching", no_enable_prefix_caching=True)
+    variant(kimi, "no-prefix-caching-ssm-fp32", no_enable_prefix_caching=True,
+            mamba_ssm_cache_dtype="float32")
     variant("gemma-3-1b-it", "async", async_scheduling=True)
     variant("llama-3.1-8b-instruct", "override-100", kv_cache_memory_bytes=GiB,
             num_gpu_blocks_override=100)
@@ -172,6 +191,14 @@ def vllm_results() -> dict[str, dict[str, Any]]:
 
 
 def _check(case: Case, theirs: dict[str, Any]) -> None:
+    if case.model in VLLM_NO_CPU_PATH:
+        vllm_says, kvpool_says = VLLM_NO_CPU_PATH[case.model][
+            not case.options.get("no_enable_prefix_caching", False)]
+        ours = run_kvpool(case, 0)
+        assert not theirs["ok"] and vllm_says in theirs["error"], theirs
+        assert not ours["ok"] and "has no cpu path" in ours["error"], ours
+        assert kvpool_says in ours["error"], ours["error"]
+        return
     if case.model in VLLM_ENV_REFUSALS:
         assert not theirs["ok"] and VLLM_ENV_REFUSALS[case.model] in theirs["error"], theirs
         ours = run_kvpool(case, 0)

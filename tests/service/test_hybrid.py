@@ -1,9 +1,12 @@
-"""Hybrid pools over gRPC: SWA pairs (kv brings a swa page, swa frees only that side) and
-mamba state slots."""
+"""Hybrid pools over gRPC: SWA pairs (kv brings a swa page, swa frees only that side),
+mamba state slots, and Kimi delta attention's state."""
 
 from __future__ import annotations
 
+import json
+
 import grpc
+import msgspec
 import numpy as np
 import pytest
 
@@ -12,6 +15,7 @@ from kvpool.contract.plan import PoolPlan
 from kvpool.contract.spec import decode_spec
 from kvpool.contract.wire import allocate_request, configure_request, free_request
 from kvpool.v1 import kvpool_pb2 as pb
+from kvpoold.hf import read_hf
 from kvpoold.sizing import make_options, plan
 from tests.service.conftest import Served, proof
 
@@ -125,3 +129,41 @@ async def test_speculative_states_over_grpc(served: Served) -> None:
         await served.stub.Configure(configure_request("spec2", spec=LINEAR_SPEC, **opts))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "--speculative-num-draft-tokens" in (info.value.details() or "")
+
+
+# SYNTHETIC: a 4-layer Kimi Linear config (the real one, corpus/kimi-linear-48b-a3b-instruct,
+# needs gigabytes): 3 Kimi delta attention layers (1-based 1..3) and one MLA layer.
+TINY_KIMI_LINEAR = {
+    "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "dtype": "bfloat16",
+    "num_hidden_layers": 4, "num_attention_heads": 2, "hidden_size": 64,
+    "kv_lora_rank": 16, "qk_rope_head_dim": 8, "model_max_length": 256,
+    "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4], "num_heads": 2,
+                           "head_dim": 8, "short_conv_kernel_size": 4},
+}
+
+
+async def test_kimi_delta_attention_state_over_grpc(served: Served) -> None:
+    """A Kimi Linear hf_config: the daemon plans MLA KV for layer 3 and a KDA state for layers
+    0-2, its conv state window first as SGLang's pool holds it ((k - 1, 3 * heads * head_dim)
+    per slot), and Stats shows the state space; the same spec written by hand (conv_layout
+    over the wire) is the same layout."""
+    spec = read_hf(TINY_KIMI_LINEAR).spec
+    expected = plan(spec, make_options(**OPTIONS))
+    resp = await served.stub.Configure(configure_request(
+        "kda", hf_config=json.dumps(TINY_KIMI_LINEAR), **OPTIONS))
+    got = PoolPlan.from_json(resp.plan_json)
+    assert resp.fingerprint == expected.fingerprint()
+    slots = got.mamba_cache_size + 1
+    assert got.buffer("conv.0").shape == (slots, 3, 48)
+    assert got.buffer("ssm.2").shape == (slots, 2, 8, 8)
+    assert got.buffer("kv.3").shape[1:] == (1, 24)
+    views = served.daemon.pools["kda"].buffers.views
+    assert tuple(views["conv.1"].shape) == (slots, 3, 48)
+    lease = await served.lease()
+    await served.stub.Allocate(allocate_request("kda", lease, [("req", 1), ("state", 5)]))
+    stats = await served.stub.Stats(pb.StatsRequest(pool="kda"))
+    assert kinds(stats)["state"] == (got.mamba_cache_size, 5)
+    by_hand = msgspec.to_builtins(spec)
+    assert by_hand["linear"]["conv_layout"] == "window_first"
+    resp = await served.stub.Configure(configure_request("kda2", spec=by_hand, **OPTIONS))
+    assert resp.fingerprint == expected.fingerprint()

@@ -447,7 +447,10 @@ def test_assumed_without_fields_names_the_missing_one():
 
 
 def test_a_known_family_kvpool_does_not_plan_is_refused_with_the_reason():
-    with pytest.raises(InvalidArgument, match="SGLang sizes KimiLinearForCausalLM as hybrid_kda"):
+    # Kimi Linear's class without SGLang's Kimi Linear config class (model_type) behind it
+    with pytest.raises(InvalidArgument, match="KimiLinearForCausalLM has model_type None: SGLang "
+                                              "sizes Kimi delta attention only from its "
+                                              "KimiLinearConfig"):
         spec_from_hf(with_arch("KimiLinearForCausalLM"))
     with pytest.raises(InvalidArgument, match="SGLang sizes MambaForCausalLM as mamba: a pure"):
         spec_from_hf(with_arch("MambaForCausalLM"))

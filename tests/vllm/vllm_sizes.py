@@ -13,6 +13,10 @@ cases on stdin::
 ``entrypoint`` ``"llm"`` (the default) builds the engine config as ``LLM(...)`` does, ``"serve"``
 as ``vllm serve`` does (their usage contexts pick the default ``max_num_batched_tokens``).
 
+vLLM always sees a CPU without AMX tiles (its reference CPU_MLA kernel, which kvpool's CPU
+profile plans; a host with AMX would get an AMX MLA backend), and ``VLLM_KIMI_K3_GEMM_AR=0``
+(a kernel choice whose module needs CUDA's cutlass DSL).
+
 ``cpu_avx512_bf16`` ``"yes"`` or ``"no"`` has vLLM's CPU platform see a CPU with or without
 AVX-512 BF16 for that case (it answers ``torch.cpu._is_avx512_bf16_supported()`` so while the
 engine config is made, which is where vLLM asks; it decides the SSM state dtype of
@@ -48,6 +52,9 @@ from typing import Any
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Kimi Linear's GEMM-AR kernels (a kernel choice, no sizing) import the CUDA-only cutlass DSL
+# while the model is built; off, vLLM meets the CPU's real obstacle for that model instead
+os.environ.setdefault("VLLM_KIMI_K3_GEMM_AR", "0")
 
 import torch
 from vllm.config import get_layers_from_vllm_config, set_current_vllm_config
@@ -276,6 +283,10 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> int:
     registry._run_in_subprocess = lambda fn: fn()  # CPU: no CUDA to keep out of this process
+    # vLLM's CPU platform picks an MLA kernel by the host: with AMX tiles an AMX MLA backend
+    # (prefix caching kept), without them the reference CPU_MLA (block 16, prefix caching off
+    # for MLA). kvpool's CPU profile plans the latter: have vLLM see a CPU without AMX.
+    torch.cpu._is_amx_tile_supported = lambda: False
     cases = json.load(sys.stdin)
     # vLLM prints to stdout here and there: the results get the real stdout, the rest stderr
     out = os.fdopen(os.dup(1), "w")

@@ -48,7 +48,8 @@ TRANSFER_STATE_FROM_PB: dict[int, TransferState] = {
 
 _HANDLE_FIELDS = tuple(f.name for f in pb.SharedHandle.DESCRIPTOR.fields if f.name != "sharing")
 _SPACE_FIELDS = SpaceStats.__struct_fields__
-_POOL_SCALARS = tuple(f for f in PoolStats.__struct_fields__ if f not in ("spaces", "elastic"))
+_POOL_SCALARS = tuple(f for f in PoolStats.__struct_fields__
+                      if f not in ("spaces", "elastic", "sealed"))
 _LEASE_SCALARS = tuple(f for f in LeaseStats.__struct_fields__ if f not in ("held", "cached"))
 
 
@@ -210,6 +211,7 @@ def stats_to_pb(stats: Stats) -> pb.StatsResponse:
                 ],
                 elastic=None if p.elastic is None else pb.ElasticStats(
                     **msgspec_fields(p.elastic, ElasticStats.__struct_fields__)),
+                sealed=None if p.sealed is None else sealed_to_pb(p.sealed),
             )
             for p in stats.pools
         ],
@@ -235,6 +237,7 @@ def stats_from_pb(msg: pb.StatsResponse) -> Stats:
                 },
                 elastic=ElasticStats(**msgspec_fields(p.elastic, ElasticStats.__struct_fields__))
                 if p.HasField("elastic") else None,
+                sealed=sealed_from_pb(p.sealed) if p.HasField("sealed") else None,
             )
             for p in msg.pools
         ],

@@ -92,6 +92,9 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     age_seconds: float
     sharing: str
     elastic: ElasticStats | None = None  # elastic pools only
+    # the sealed-page directory (docs/restart.md) once a page was sealed; ``evicted`` 0 and
+    # ``layouts`` empty here (the Sealed RPC lists them)
+    sealed: SealedStats | None = None
 
 
 class LeaseStats(msgspec.Struct, frozen=True, kw_only=True):

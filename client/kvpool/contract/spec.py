@@ -88,7 +88,11 @@ class LinearAttention(Base):
     ``num_key_heads = n_groups``, ``key_head_dim = ssm_state_size``, ``num_value_heads =
     mamba heads``, ``value_head_dim = mamba head dim``; their MLP/MoE layers are in neither
     list (Nemotron-H), and a layer may be in both (Falcon-H1: attention and Mamba2 in every
-    layer).
+    layer). Kimi delta attention (Kimi Linear) maps onto it with ``num_key_heads =
+    num_value_heads = linear_attn_config.num_heads`` and ``key_head_dim = value_head_dim =
+    head_dim`` (its conv state holds q, k and v: ``conv_dim = 3 * heads * head_dim``) and
+    ``conv_layout = "window_first"``: SGLang keeps that conv state as ``(conv_kernel - 1,
+    conv_dim / tp)`` per slot, the same bytes in the other axis order.
     """
 
     full_attention_layers: LayerIds
@@ -100,6 +104,9 @@ class LinearAttention(Base):
     conv_dtype: ModelDType = ModelDType.bfloat16
     ssm_dtype: ModelDType = ModelDType.float32
     state_layers: LayerIds | None = None
+    # the conv state's axis order per slot: (conv_dim / tp, conv_kernel - 1), SGLang's Mamba2 /
+    # gated-delta-net pools, or (conv_kernel - 1, conv_dim / tp), its Kimi delta attention pool
+    conv_layout: Literal["dim_first", "window_first"] = "dim_first"
 
     def state_layer_ids(self, num_layers: int) -> tuple[int, ...]:
         """The layers holding conv/SSM state: ``state_layers``, else the non-full layers."""

@@ -20,7 +20,7 @@ from kvpool.contract.errors import InvalidArgument
 from kvpool.contract.option_flags import add_option_flags, flag_of, option_values
 from kvpool.contract.options import PlanOptions
 from kvpool.contract.plan import ASSUMABLE_FAMILIES
-from kvpool.contract.records import ElasticStats, Stats
+from kvpool.contract.records import ElasticStats, SealedStats, Stats
 from kvpool.contract.vllm_plan import VllmOptions
 from kvpool.tools.cli_common import client_from, common_options, count, load_spec_mapping
 from kvpool.tools.cli_run import command_parser, run_command_line
@@ -233,6 +233,8 @@ def stats_lines(stats: Stats) -> list[str]:
                      f"fingerprint {p.fingerprint}")
         if p.elastic is not None:
             lines += elastic_lines(p.elastic)
+        if p.sealed is not None:
+            lines.append(sealed_line(p.sealed))
         for space, k in p.spaces.items():
             share = 100.0 * k.used / k.capacity if k.capacity else 0.0
             # used counts what leases hold, their page caches' unused ids included
@@ -242,6 +244,15 @@ def stats_lines(stats: Stats) -> list[str]:
                          + f"high {k.high_water:,}  allocs {k.allocs:,}  frees {k.frees:,}  "
                          f"failed {k.failed_allocs:,}")
     return lines
+
+
+def sealed_line(s: SealedStats) -> str:
+    """A pool's sealed-page directory in one line (docs/restart.md; ``kvpool sealed POOL`` lists
+    ages and layouts)."""
+    return (f"  {'sealed':<10} {s.held:,} held by leases, {s.kept:,} kept "
+            f"({_human(s.kept_bytes)}, evictable); sealed {s.sealed_total:,}, adopted "
+            f"{s.adopted_total:,} (epoch {s.epoch}), evicted {s.evicted_total:,}, corrupt "
+            f"{s.corrupt_total:,}")
 
 
 def elastic_lines(e: ElasticStats) -> list[str]:

@@ -57,7 +57,7 @@ class DSAIndexer(_message.Message):
     def __init__(self, index_head_dim: _Optional[int] = ...) -> None: ...
 
 class LinearAttention(_message.Message):
-    __slots__ = ("full_attention_layers", "conv_kernel", "num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_dtype", "ssm_dtype", "state_layers")
+    __slots__ = ("full_attention_layers", "conv_kernel", "num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_dtype", "ssm_dtype", "state_layers", "conv_layout")
     FULL_ATTENTION_LAYERS_FIELD_NUMBER: _ClassVar[int]
     CONV_KERNEL_FIELD_NUMBER: _ClassVar[int]
     NUM_KEY_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class LinearAttention(_message.Message):
     CONV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     SSM_DTYPE_FIELD_NUMBER: _ClassVar[int]
     STATE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    CONV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     full_attention_layers: _containers.RepeatedScalarFieldContainer[int]
     conv_kernel: int
     num_key_heads: int
@@ -76,7 +77,8 @@ class LinearAttention(_message.Message):
     conv_dtype: str
     ssm_dtype: str
     state_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, full_attention_layers: _Optional[_Iterable[int]] = ..., conv_kernel: _Optional[int] = ..., num_key_heads: _Optional[int] = ..., num_value_heads: _Optional[int] = ..., key_head_dim: _Optional[int] = ..., value_head_dim: _Optional[int] = ..., conv_dtype: _Optional[str] = ..., ssm_dtype: _Optional[str] = ..., state_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    conv_layout: str
+    def __init__(self, full_attention_layers: _Optional[_Iterable[int]] = ..., conv_kernel: _Optional[int] = ..., num_key_heads: _Optional[int] = ..., num_value_heads: _Optional[int] = ..., key_head_dim: _Optional[int] = ..., value_head_dim: _Optional[int] = ..., conv_dtype: _Optional[str] = ..., ssm_dtype: _Optional[str] = ..., state_layers: _Optional[_Iterable[int]] = ..., conv_layout: _Optional[str] = ...) -> None: ...
 
 class DSV4Compression(_message.Message):
     __slots__ = ("compress_ratios", "window_size", "nope_head_dim", "rope_head_dim", "index_head_dim", "state_dtype")
@@ -455,7 +457,7 @@ class SpaceStats(_message.Message):
     def __init__(self, capacity: _Optional[int] = ..., used: _Optional[int] = ..., high_water: _Optional[int] = ..., frees: _Optional[int] = ..., failed_allocs: _Optional[int] = ..., space: _Optional[str] = ..., unit: _Optional[str] = ..., bytes_per_unit: _Optional[int] = ..., follows: _Optional[str] = ..., pinned: _Optional[int] = ..., quarantined: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("name", "fingerprint", "architecture", "kv_cache_dtype", "page_size", "max_total_num_tokens", "max_running_requests", "backing_bytes", "spaces", "attached", "age_seconds", "sharing", "elastic")
+    __slots__ = ("name", "fingerprint", "architecture", "kv_cache_dtype", "page_size", "max_total_num_tokens", "max_running_requests", "backing_bytes", "spaces", "attached", "age_seconds", "sharing", "elastic", "sealed")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -469,6 +471,7 @@ class PoolStats(_message.Message):
     AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SHARING_FIELD_NUMBER: _ClassVar[int]
     ELASTIC_FIELD_NUMBER: _ClassVar[int]
+    SEALED_FIELD_NUMBER: _ClassVar[int]
     name: str
     fingerprint: str
     architecture: str
@@ -482,7 +485,8 @@ class PoolStats(_message.Message):
     age_seconds: float
     sharing: str
     elastic: ElasticStats
-    def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., backing_bytes: _Optional[int] = ..., spaces: _Optional[_Iterable[_Union[SpaceStats, _Mapping]]] = ..., attached: _Optional[int] = ..., age_seconds: _Optional[float] = ..., sharing: _Optional[str] = ..., elastic: _Optional[_Union[ElasticStats, _Mapping]] = ...) -> None: ...
+    sealed: SealedResponse
+    def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., backing_bytes: _Optional[int] = ..., spaces: _Optional[_Iterable[_Union[SpaceStats, _Mapping]]] = ..., attached: _Optional[int] = ..., age_seconds: _Optional[float] = ..., sharing: _Optional[str] = ..., elastic: _Optional[_Union[ElasticStats, _Mapping]] = ..., sealed: _Optional[_Union[SealedResponse, _Mapping]] = ...) -> None: ...
 
 class ElasticStats(_message.Message):
     __slots__ = ("group_bytes", "groups", "granted_groups", "reclaiming_groups", "floor_groups", "cap_groups", "weight", "virtual_bytes", "granted_bytes", "backed_bytes", "grants", "reclaims", "reclaim_seconds_sum", "reclaim_seconds_max", "revoked_leases", "failed_groups", "failed_releases")

@@ -12,6 +12,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+import msgspec
 import numpy as np
 
 from kvpool.contract.errors import PermissionDenied
@@ -143,13 +144,25 @@ class Sealing:
         rank = self.events.rank_of(pool) if self.events is not None else None
         if d is None:
             return SealedStats(evicted=evicted, events_rank=rank)
-        oldest, newest = d.ages()
-        page_bytes = sum(page for _, page in kv_extents(entry.plan))
-        return SealedStats(
-            held=len(d.entries) - len(d.orphans), kept=len(d.orphans),
-            kept_bytes=len(d.orphans) * page_bytes, oldest_seconds=oldest,
-            newest_seconds=newest, sealed_total=d.sealed_total, adopted_total=d.adopted_total,
-            evicted_total=d.evicted_total, corrupt_total=d.corrupt_total, epoch=d.epoch,
-            evicted=evicted, layouts=tuple(sorted({d.entries[u].layout for u in d.orphans})),
-            events_rank=rank)
+        stats = directory_stats(entry, listing=True, evicted=evicted)
+        assert stats is not None
+        return msgspec.structs.replace(stats, events_rank=rank)
+
+
+def directory_stats(entry: Pool, *, listing: bool = False, evicted: int = 0) -> SealedStats | None:
+    """The pool's sealed-page directory in numbers (None before its first Seal). Without
+    ``listing`` O(1), for Stats and metrics: the counts and totals; with it (the Sealed RPC) also
+    the kept pages' ages and layouts, O(kept)."""
+    d = entry.sealed
+    if d is None:
+        return None
+    oldest, newest = d.ages() if listing else (0.0, 0.0)
+    kept = len(d.orphans)
+    return SealedStats(
+        held=len(d.entries) - kept, kept=kept,
+        kept_bytes=kept * sum(page for _, page in kv_extents(entry.plan)),
+        oldest_seconds=oldest, newest_seconds=newest, sealed_total=d.sealed_total,
+        adopted_total=d.adopted_total, evicted_total=d.evicted_total,
+        corrupt_total=d.corrupt_total, epoch=d.epoch, evicted=evicted,
+        layouts=tuple(sorted({d.entries[u].layout for u in d.orphans})) if listing else ())
 

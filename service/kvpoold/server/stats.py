@@ -26,6 +26,7 @@ import msgspec
 
 from kvpool.contract.errors import InvalidArgument
 from kvpool.contract.records import DaemonStats, HeldMap, LeaseStats, PoolStats, Stats
+from kvpoold.server.sealing import directory_stats
 from kvpoold.settings import (  # daemon.py imports it from here
     MAX_WATCH_STREAMS_PER_IDENTITY as MAX_WATCH_STREAMS_PER_IDENTITY,
 )
@@ -138,6 +139,7 @@ def take_view(daemon: Daemon, caller: Caller, pool: str = "") -> StatsView:
         age_seconds=now - entry.created_at,
         sharing=entry.sharing,
         elastic=daemon.elastic.stats(entry.name),
+        sealed=directory_stats(entry),
     ) for entry in entries]
     table = daemon.leases
     leases = list(table) if caller.admin else table.of_identity(caller.identity)

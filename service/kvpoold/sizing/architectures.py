@@ -32,7 +32,6 @@ ASSUMABLE: tuple[str, ...] = ASSUMABLE_FAMILIES
 
 # Families SGLang builds that kvpool cannot read from a HF config, and what to do instead.
 UNSUPPORTED: dict[str, str] = {
-    "hybrid_kda": "Kimi delta attention state pools are not modelled by kvpool yet",
     "hybrid_lightning": "lightning attention state pools are not modelled by kvpool yet",
     "mamba": "a pure state-space model has no KV cache; kvpool does not plan state-only pools",
 }

@@ -1,7 +1,15 @@
-"""Hybrid linear attention / Mamba sizing (Qwen3-Next): full-attention KV plus per-slot state.
+"""Hybrid linear attention / Mamba sizing (Qwen3-Next, Mamba2 hybrids, Kimi Linear): full-
+attention KV plus per-slot state.
 
-The full-attention layers keep a KV cache; every linear (gated delta net) layer keeps a
-fixed-size conv + SSM state per request slot.
+The full-attention layers keep a KV cache; every linear (gated delta net, Mamba2 mixer or Kimi
+delta attention) layer keeps a fixed-size conv + SSM state per request slot. Kimi delta
+attention is the Mamba2 shape with ``HK = HV = H`` and ``Kd = Vd = D`` (conv ``3 * H * D / tp``
+channels: q, k and v), its conv state laid out window first (``linear.conv_layout``:
+``(k - 1, conv_dim / tp)`` per slot, SGLang's ``KimiLinearStateShape``); the sizing is the same.
+Kimi-Linear-48B (7 MLA layers, 20 KDA layers of H 32, D 128, k 4; bf16 conv, fp32 SSM), TP 1,
+page 16, 20 GiB: per_req = 20 * (3 * 12,288 * 2 + 32 * 128 * 128 * 4) = 43,417,600 B; 233 slots;
+cell 576 * 7 * 2 = 8,064 B; 1,403,152 tokens; max_running_requests 233 // 5 = 46 (SGLang 0.5.23
+agrees: tests/integration/test_sglang_corpus.py).
 
 KV side, over the ``L`` full-attention layers of this PP stage (``linear.full_attention_layers``
 intersected with the stage), per-layer bytes as in mha.py (or mla.py for an MLA model):
@@ -79,7 +87,8 @@ fp32 SSM), TP 1, page 1, 40 GiB = 42,949,672,960 B, m 0.9:
 
 Buffers, in this order: ``k.<l>``/``v.<l>`` (``kv.<l>`` for MLA) of the full layers, kind kv,
 global ids; ``conv.<l>`` ``(state_slots + 1, conv_dim / tp, k - 1)`` of every linear layer, then
-``ssm.<l>`` ``(state_slots + 1, HV / tp, Vd, Kd)`` of every linear layer, kind state, one slot
+``ssm.<l>`` ``(state_slots + 1, HV / tp, Vd, Kd)`` of every linear layer (the conv shape's last
+two axes swapped for ``window_first``), kind state, one slot
 per page (grouped so each kind is one strided stack, the ``(layers, slots, ...)`` tensor
 SGLang's mamba pool indexes); under speculative
 decoding ``spec_conv.<l>`` / ``spec_ssm.<l>`` (above); ``draft_k.<i>`` / ``draft_v.<i>``; and
@@ -124,7 +133,7 @@ def matches(spec: ModelSpec) -> bool:
 class StateShape:
     """Per-slot shapes and dtypes of one linear layer's conv and SSM (temporal) states."""
 
-    conv: tuple[int, int]
+    conv: tuple[int, int]  # (conv_dim / tp, k - 1), or (k - 1, conv_dim / tp): window_first
     ssm: tuple[int, int, int]
     conv_dtype: DType
     ssm_dtype: DType
@@ -151,7 +160,8 @@ def state_shape(linear: LinearAttention, tp_size: int) -> StateShape:
         tp_size: tensor-parallel ranks the state is split over.
 
     Returns:
-        Per-slot shapes ``conv (conv_dim / tp, k - 1)`` and ``ssm (HV / tp, Vd, Kd)``.
+        Per-slot shapes ``conv (conv_dim / tp, k - 1)`` (``(k - 1, conv_dim / tp)`` for the
+        ``window_first`` layout of Kimi delta attention) and ``ssm (HV / tp, Vd, Kd)``.
 
     Raises:
         InvalidArgument: when the value heads or key groups do not split over ``tp_size``.
@@ -175,8 +185,9 @@ def state_shape(linear: LinearAttention, tp_size: int) -> StateShape:
             )
         n_groups = tp  # each rank keeps a replica of its group
     conv_dim = linear.value_head_dim * linear.num_value_heads + 2 * n_groups * linear.key_head_dim
+    conv = (conv_dim // tp, linear.conv_kernel - 1)
     return StateShape(
-        conv=(conv_dim // tp, linear.conv_kernel - 1),
+        conv=conv if linear.conv_layout == "dim_first" else (conv[1], conv[0]),
         ssm=(linear.num_value_heads // tp, linear.value_head_dim, linear.key_head_dim),
         conv_dtype=DType(linear.conv_dtype.value),
         ssm_dtype=DType(linear.ssm_dtype.value),

@@ -37,20 +37,26 @@ class LayerKind(enum.StrEnum):
     full = "full"
     sliding = "sliding"
     mla = "mla"
-    linear = "linear"  # gated delta net: a conv + SSM state per request (vLLM's MambaSpec)
+    # gated delta net or Kimi delta attention: a conv + SSM state per request (a MambaSpec)
+    linear = "linear"
     mamba = "mamba"  # a Mamba-1 or Mamba-2 mixer: a conv + SSM state per request (MambaSpec)
     ffn = "ffn"  # an MLP or MoE block alone (Nemotron-H's ``-`` / ``E``): nothing cached
 
 
 @dataclass(frozen=True)
 class GatedDeltaNet:
-    """The state geometry of a gated-delta-net layer (Qwen3-Next)."""
+    """The state geometry of a gated-delta-net layer (Qwen3-Next), or of a Kimi delta
+    attention layer (``kda``: Kimi Linear; vLLM's ``kda_state_shape`` is this one with as many
+    key heads as value heads, ``key_head_dim == value_head_dim``: conv ``3 * H * D / tp``
+    channels, recurrent ``(H / tp, D, D)``). A KDA layer's recurrent state is float32 whatever
+    ``--mamba-ssm-cache-dtype`` says (its ``get_state_dtype`` does not pass the flag)."""
 
     num_key_heads: int
     num_value_heads: int
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
+    kda: bool = False
 
     def state_bytes(self, tp: int, conv_itemsize: int, ssm_itemsize: int) -> int:
         """One request's conv state ``(conv_dim / tp, kernel - 1)`` (in the model dtype)

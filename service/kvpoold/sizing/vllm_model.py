@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.limits import MAX_LAYERS
 from kvpoold import hf_view
 from kvpoold.sizing.vllm_layers import (
     DTYPE_NAMES,
@@ -42,7 +43,8 @@ DEFAULT_MAX_LEN = 2048
 SCALED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn",
                      "deepseek_llama_scaling")
 # what the refusals of other state layers name
-_STATES = "Qwen3-Next's gated delta nets and the Mamba hybrids of model_type nemotron_h, jamba"
+_STATES = ("Qwen3-Next's gated delta nets, Kimi Linear's Kimi delta attention and the Mamba "
+           "hybrids of model_type nemotron_h, jamba")
 
 @dataclass(frozen=True)
 class VllmModel:
@@ -77,8 +79,14 @@ class VllmModel:
 
     @property
     def has_state(self) -> bool:
-        """Some layer keeps a per-request state (a gated delta net or a Mamba mixer)."""
+        """Some layer keeps a per-request state (a gated delta net, a Kimi delta attention
+        layer or a Mamba mixer)."""
         return self.gdn is not None or self.mamba is not None
+
+    @property
+    def is_kda(self) -> bool:
+        """Kimi Linear: Kimi delta attention layers beside MLA ones."""
+        return self.gdn is not None and self.gdn.kda
 
 
 def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -218,6 +226,39 @@ def _kv_cache_fp8(text: Mapping[str, Any]) -> bool:
                                                           Mapping)
 
 
+def _kimi_linear(config: Mapping[str, Any], text: Mapping[str, Any], architecture: str,
+                 model_type: str, where: str) -> VllmModel:
+    """Kimi Linear (and Kimi-K3 through its text config) as vLLM's Kimi classes build it:
+    ``model.layers.{i}.self_attn`` is a Kimi delta attention layer (a ``MambaSpec``) where
+    ``i + 1`` is in ``linear_attn_config.kda_layers``, else an MLA layer of
+    ``kv_lora_rank + qk_rope_head_dim`` (``is_deepseek_mla`` lists ``kimi_linear``); a wrapper
+    nests them under ``language_model.``."""
+    n = _int(text, "num_hidden_layers", where)
+    try:
+        kda = hf_view.kimi_delta_attention(text, n, MAX_LAYERS)
+    except ValueError as exc:
+        raise InvalidArgument(f"{where}: {architecture or model_type}: {exc}",
+                              field=FIELD) from None
+    state = set(kda.state_layers)
+    layers = tuple(LayerAttention(i, LayerKind.linear if i in state else LayerKind.mla)
+                   for i in range(n))
+    head_size = _int(text, "kv_lora_rank", where) + _int(text, "qk_rope_head_dim", where)
+    dtype = DTYPE_NAMES.get(str(text.get("dtype") or text.get("torch_dtype") or ""), "float32")
+    max_len, key_len = _max_len(text)
+    fp8 = _kv_cache_fp8(text)
+    sub = hf_view.text_config(config, "vllm")[0]
+    prefix = f"{sub}." if sub else ""
+    # the file's model_type picks the config class (a wrapper's makes its text config one)
+    decided = ("architectures", "model_type", f"{prefix}{hf_view.KDA_LAYERS}",
+               f"{prefix}kv_lora_rank", *_fp8_field(text, fp8))
+    module = ("language_model." if sub else "") + "model.layers.{i}.self_attn"
+    gdn = GatedDeltaNet(kda.num_heads, kda.num_heads, kda.head_dim, kda.head_dim,
+                        kda.conv_kernel, kda=True)
+    return VllmModel(architecture, model_type, _int(text, "num_attention_heads", where), 1,
+                     head_size, layers, dtype, max_len, key_len, text.get("model_max_length"),
+                     fp8, gdn, decided, attention_module=module, state_module=module)
+
+
 def read_vllm_model(config: Mapping[str, Any], *, where: str = "config.json") -> VllmModel:
     """Read a HF config as vLLM does for its KV cache.
 
@@ -230,6 +271,8 @@ def read_vllm_model(config: Mapping[str, Any], *, where: str = "config.json") ->
     names = config.get("architectures") or []
     architecture = str(names[0]) if isinstance(names, list) and names else ""
     model_type = str(text.get("model_type") or config.get("model_type") or "")
+    if config.get("model_type") in hf_view.KIMI_LINEAR_TYPES:
+        return _kimi_linear(config, text, architecture, model_type, where)
     linear = model_type == "qwen3_next"
     hybrid = MAMBA_HYBRIDS.get(model_type)
     for key, what in (("linear_conv_kernel_dim", "linear attention"),

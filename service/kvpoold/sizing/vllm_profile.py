@@ -44,16 +44,19 @@ from kvpool.contract.vllm_plan import (
 from kvpoold.sizing.vllm_groups import Group, kv_cache_groups, project
 from kvpoold.sizing.vllm_model import VLLM_VERSION, LayerKind, VllmModel, read_vllm_model
 from kvpoold.sizing.vllm_specs import (
-    BACKENDS,
     ITEMSIZE,
+    BackendFacts,
     LayerSpec,
     align_hybrid_block_size,
+    backend_facts,
+    kda_check_ssm_dtype,
     layer_specs,
     model_dtype,
     resolve_block_size,
     resolve_cache_dtype,
     ssm_state_dtype,
     stage_bounds,
+    state_bytes,
 )
 
 # The strides of vLLM's logical axes [L, B, H, N, C] follow the layout's memory order.
@@ -244,8 +247,51 @@ def _group_record(g: Group) -> VllmGroup:
 _STATE_WORD = {False: "linear-attention", True: "Mamba"}
 
 
+def _state_word(model: VllmModel) -> str:
+    return "Kimi delta attention" if model.is_kda else _STATE_WORD[model.gdn is None]
+
+
+def _refuse_without_a_path(model: VllmModel, options: VllmOptions, facts: BackendFacts,
+                           block_size: int, dtype: str) -> None:
+    """What vLLM 0.32 cannot run on this backend, refused with vLLM's reasons.
+
+    Kimi Linear on the CPU backend: its model class (``KimiLinearModel``) opens a CUDA stream
+    while it is built, so vLLM has no CPU path for it on any CPU; with prefix caching on,
+    vLLM's config check refuses first (the CPU platform turns prefix caching off for MLA on a
+    CPU without AMX after the hybrid hook set ``mamba_block_size`` to the block size). And an
+    MLA hybrid on an MLA kernel of one block size (CPU_MLA: 16) cannot take the block its
+    state pages need.
+
+    Raises:
+        InvalidArgument: naming what vLLM does and what it would need.
+    """
+    aligned, _ = align_hybrid_block_size(model, options, block_size, dtype, facts)
+    name = model.architecture or model.model_type
+    if model.is_kda and not facts.cuda:
+        first = ("" if options.no_enable_prefix_caching else
+                 "with prefix caching on, vLLM's config check refuses it first (\"--mamba-"
+                 "block-size can only be set with --enable-prefix-caching\": the CPU platform "
+                 "turns prefix caching off for MLA after the hybrid hook set the state block); "
+                 "without it, ")
+        raise InvalidArgument(
+            f"vLLM {VLLM_VERSION} has no {options.backend.value} path for {name}: {first}its "
+            "model class (KimiLinearModel) opens a CUDA stream while it is built, and the CPU "
+            f"MLA kernel runs {facts.mla_block_size}-token blocks only where a Kimi delta "
+            f"attention state of {state_bytes(model, options):,} B needs {aligned:,} tokens of "
+            "MLA page. kvpool's vLLM profile plans vLLM's CPU backend (--backend); plan this "
+            "model for SGLang, or from a spec file", field="model_config")
+    if model.is_mla and model.has_state and facts.mla_exact_block and aligned != block_size:
+        raise InvalidArgument(
+            f"vLLM {VLLM_VERSION} refuses {name} on its {options.backend.value} backend: a "
+            f"{_state_word(model)} state page needs a {aligned:,}-token block, which its MLA "
+            f"kernel (block {facts.mla_block_size} only) does not run (\"Aligned KV cache block "
+            "size ... is not supported\")", field="model_config")
+
+
 def _ssm_why(model: VllmModel, options: VllmOptions, ssm: str) -> str:
     """Who set the SSM dtype: the flag, the model's config hook, or the CPU platform."""
+    if model.is_kda:
+        return "vLLM's Kimi delta attention layers keep float32 recurrent states"
     if options.mamba_ssm_cache_dtype is not VllmMambaDType.auto \
             and options.mamba_ssm_cache_dtype.value == ssm:
         return "--mamba-ssm-cache-dtype"
@@ -269,34 +315,60 @@ def _mamba_note(model: VllmModel, options: VllmOptions, block_size: int, dtype: 
             + f"; {count} state layers, their groups beside the attention groups")
 
 
-def plan_vllm_model(model: VllmModel, options: VllmOptions) -> VllmPlan:
+def _kda_note(model: VllmModel, options: VllmOptions, block_size: int, dtype: str,
+              facts: BackendFacts) -> str:
+    """One request's Kimi delta attention state on one TP rank, its parts and padded page."""
+    assert model.gdn is not None
+    gdn, tp = model.gdn, options.tp_size
+    conv_dtype = model_dtype(model, options)
+    conv_b = 3 * gdn.num_value_heads * gdn.value_head_dim // tp * (gdn.conv_kernel - 1) \
+        * ITEMSIZE[conv_dtype]
+    ssm_b = state_bytes(model, options) - conv_b
+    padded = align_hybrid_block_size(model, options, block_size, dtype, facts)[1]
+    count = sum(layer.kind is LayerKind.linear for layer in model.layers)
+    return (f"Kimi delta attention state per request and layer: conv {conv_b:,} B "
+            f"({conv_dtype}) + recurrent {ssm_b:,} B (float32) = {conv_b + ssm_b:,} B"
+            + (f", padded to {padded:,} B" if padded else "")
+            + f"; {count} state layers, their groups beside the MLA groups")
+
+
+def plan_vllm_model(model: VllmModel, options: VllmOptions,
+                    facts: BackendFacts | None = None) -> VllmPlan:
     """vLLM's KV cache for worker ``options.pp_rank`` (every TP rank of a stage is alike).
 
+    ``facts``: the attention backend's facts, default ``options.backend``'s (a test gives a GPU
+    backend's to follow vLLM's GPU code path by hand).
+
     Raises:
-        InvalidArgument: a knob vLLM refuses, or memory that does not hold one request of
-            ``max_model_len`` (naming needed and available bytes and the knob to turn).
+        InvalidArgument: a knob vLLM refuses, a model it cannot run on the backend, or memory
+            that does not hold one request of ``max_model_len`` (naming needed and available
+            bytes and the knob to turn).
     """
     notes: list[str] = []
     if model.decided_by:
         kinds = ", ".join(dict.fromkeys(layer.kind.value for layer in model.layers))
         notes.append(f"layers {kinds} decided by {', '.join(model.decided_by)} (as vLLM "
                      f"{VLLM_VERSION} reads them)")
-    facts = BACKENDS[options.backend]
-    block_size = resolve_block_size(model, options, notes)
-    dtype = resolve_cache_dtype(model, options)
+    facts = backend_facts(options, facts)
+    block_size = resolve_block_size(model, options, notes, facts)
+    dtype = resolve_cache_dtype(model, options, facts)
+    _refuse_without_a_path(model, options, facts, block_size, dtype)
+    kda_check_ssm_dtype(model, options)
     max_model_len = _max_model_len(model, options)
     if model.has_state:
         ssm = ssm_state_dtype(model, options)
         if ssm != model_dtype(model, options):
-            notes.append(f"{_STATE_WORD[model.gdn is None]} SSM states are {ssm} "
+            notes.append(f"{_state_word(model)} SSM states are {ssm} "
                          f"({_ssm_why(model, options, ssm)}); conv states "
                          f"{model_dtype(model, options)}")
     if model.mamba is not None:
         notes.append(_mamba_note(model, options, block_size, dtype))
-    aligned, _ = align_hybrid_block_size(model, options, block_size, dtype)
+    if model.is_kda:
+        notes.append(_kda_note(model, options, block_size, dtype, facts))
+    aligned, _ = align_hybrid_block_size(model, options, block_size, dtype, facts)
     if aligned != block_size:
         notes.append(f"block_size {block_size} raised to {aligned}: an attention page holds "
-                     f"one {_STATE_WORD[model.gdn is None]} state")
+                     f"one {_state_word(model)} state")
         block_size = aligned
     layout = facts.mla_layout if model.is_mla else facts.layout
     hybrid = not options.disable_hybrid_kv_cache_manager
@@ -308,7 +380,7 @@ def plan_vllm_model(model: VllmModel, options: VllmOptions) -> VllmPlan:
                      f"{options.platform.value} (it sets the blocks a sliding window holds)")
     in_flight = _in_flight_tokens(options, batched)
 
-    layers = layer_specs(model, options, block_size, dtype, max_model_len)
+    layers = layer_specs(model, options, block_size, dtype, max_model_len, facts)
     groups = kv_cache_groups(layers, hybrid=hybrid)
     stages = [project(groups, range(*stage_bounds(len(model.layers), rank, options.pp_size)))
               for rank in range(options.pp_size)]

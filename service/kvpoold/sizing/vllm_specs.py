@@ -50,18 +50,35 @@ class BackendFacts:
     default_block_size: int
     kernel_block_multiple: int  # kernel blocks are multiples of this many tokens
     layout: VllmLayout  # the layout the engine core resolves for its layers
-    mla_block_size: int  # MLA layers run only this block size
+    mla_block_size: int  # MLA layers' block size (the MLA kernel's smallest block)
     mla_layout: VllmLayout
     cache_dtypes: tuple[VllmCacheDType, ...]
+    # the MLA kernel runs mla_block_size only, no multiple of it (vLLM's CPU_MLA): a hybrid
+    # block raised for a state page is refused (``_check_aligned_block_size``)
+    mla_exact_block: bool = False
+    # a CUDA platform: model classes that open CUDA streams while they are built (Kimi
+    # Linear's) build only there
+    cuda: bool = False
 
 
+# vLLM's reference CPU MLA kernel (CPU_MLA), what vLLM's CPU platform picks on a CPU without
+# AMX tiles (with them, an AMX MLA backend the profile does not plan: the differential
+# harness has vLLM see a CPU without AMX).
 BACKENDS: dict[VllmBackend, BackendFacts] = {
     VllmBackend.cpu: BackendFacts(
         default_block_size=128, kernel_block_multiple=32, layout=VllmLayout.LBHNC,
         mla_block_size=16, mla_layout=VllmLayout.LBNHC,
-        cache_dtypes=tuple(VllmCacheDType),
+        cache_dtypes=tuple(VllmCacheDType), mla_exact_block=True,
     ),
 }
+# vLLM's hybrid alignment keeps an MLA model's block a multiple of this many tokens (its
+# TRTLLM / FlashInfer MLA decode kernels' invariant, applied on every platform).
+MLA_HYBRID_BLOCK_ALIGNMENT = 128
+
+
+def backend_facts(options: VllmOptions, facts: BackendFacts | None = None) -> BackendFacts:
+    """``facts``, else those of ``options.backend``."""
+    return facts if facts is not None else BACKENDS[options.backend]
 
 
 @dataclass(frozen=True)
@@ -133,6 +150,31 @@ def model_dtype(model: VllmModel, options: VllmOptions | None = None) -> str:
     return "bfloat16" if model.dtype == "float32" else model.dtype
 
 
+def kda_check_ssm_dtype(model: VllmModel, options: VllmOptions) -> None:
+    """A Kimi delta attention model's ``--mamba-ssm-cache-dtype``: vLLM 0.32 sizes its block
+    alignment with the flag's dtype (``get_mamba_state_dtype_from_config``) but the layers keep
+    float32 recurrent states whatever it says, so only ``auto`` and ``float32`` plan.
+
+    Raises:
+        InvalidArgument: float16 (vLLM: "KDA recurrent state supports only auto, float32, and
+            bfloat16") or bfloat16 (the bfloat16-sized page vLLM pads the state to is smaller
+            than the float32 state its layers build: ``MambaSpec`` asserts).
+    """
+    asked = options.mamba_ssm_cache_dtype
+    if not model.is_kda or asked in (VllmMambaDType.auto, VllmMambaDType.float32):
+        return
+    if asked is VllmMambaDType.float16:
+        why = ("vLLM's KDA recurrent state supports only auto, float32 and bfloat16 "
+               "(MambaStateDtypeCalculator.kda_state_dtype raises)")
+    else:
+        why = ("vLLM aligns the block to a bfloat16 recurrent state while its Kimi delta "
+               "attention layers build float32 ones (their get_state_dtype does not pass the "
+               "flag), so the padded state page is smaller than the state and vLLM's MambaSpec "
+               "asserts")
+    raise InvalidArgument(f"--mamba-ssm-cache-dtype {asked.value} with Kimi delta attention: "
+                          f"{why}; use auto or float32", field="mamba_ssm_cache_dtype")
+
+
 def ssm_state_dtype(model: VllmModel, options: VllmOptions) -> str:
     """The element type of a state layer's SSM state (vLLM's ``mamba_ssm_cache_dtype`` once
     the model's config hook and the platform have updated the config).
@@ -146,6 +188,8 @@ def ssm_state_dtype(model: VllmModel, options: VllmOptions) -> str:
     every state layer the profile sizes is (Qwen3-Next's gated delta nets; Nemotron-H's and
     Jamba's Mamba mixers, whose ``mamba`` layers transformers renames so).
     """
+    if model.is_kda:
+        return "float32"  # kda_state_dtype: float32 under auto; the layers ignore the flag
     asked = options.mamba_ssm_cache_dtype
     hook = model.mamba.auto_ssm_dtype if model.mamba is not None else None
     dtype = asked.value if asked is not VllmMambaDType.auto else hook
@@ -167,10 +211,11 @@ def state_bytes(model: VllmModel, options: VllmOptions) -> int:
                              ITEMSIZE[ssm_state_dtype(model, options)])
 
 
-def resolve_block_size(model: VllmModel, options: VllmOptions, notes: list[str]) -> int:
+def resolve_block_size(model: VllmModel, options: VllmOptions, notes: list[str],
+                       facts: BackendFacts | None = None) -> int:
     """The engine's ``cache_config.block_size``: the user's, else the backend's; MLA on CPU
-    always runs the MLA kernel's block size."""
-    facts = BACKENDS[options.backend]
+    always runs the MLA kernel's block size (elsewhere the MLA kernel's preferred one)."""
+    facts = backend_facts(options, facts)
     if model.is_mla:
         if options.block_size not in (None, facts.mla_block_size):
             notes.append(f"MLA on the {options.backend} backend runs block_size "
@@ -179,13 +224,14 @@ def resolve_block_size(model: VllmModel, options: VllmOptions, notes: list[str])
     return options.block_size or facts.default_block_size
 
 
-def resolve_cache_dtype(model: VllmModel, options: VllmOptions) -> str:
+def resolve_cache_dtype(model: VllmModel, options: VllmOptions,
+                        facts: BackendFacts | None = None) -> str:
     """The stored element type.
 
     Raises:
         InvalidArgument: a cache dtype the backend does not run.
     """
-    facts = BACKENDS[options.backend]
+    facts = backend_facts(options, facts)
     if options.kv_cache_dtype not in facts.cache_dtypes:
         accepted = ", ".join(d.value for d in facts.cache_dtypes)
         raise InvalidArgument(
@@ -203,31 +249,44 @@ def _sliding_block_size(facts: BackendFacts, block_size: int) -> int:
     return max(m, block_size // m * m)
 
 
-def align_hybrid_block_size(model: VllmModel, options: VllmOptions, block_size: int,
-                            dtype: str) -> tuple[int, int | None]:
-    """Models with state layers (gated delta nets, Mamba mixers): the block size at which an
-    attention page holds one state, and the padded state page (the platform's
-    ``update_block_size_for_backend``).
+def attention_page_per_token(model: VllmModel, options: VllmOptions, dtype: str) -> int:
+    """One token's bytes in one attention layer's page on one TP rank: K and V of the rank's
+    KV heads, or MLA's one latent (``kv_lora_rank + qk_rope_head_dim``)."""
+    if model.is_mla:
+        return model.head_size * ITEMSIZE[dtype]
+    return max(1, model.num_kv_heads // options.tp_size) * 2 * model.head_size * ITEMSIZE[dtype]
 
-    The attention block grows to ``align * ceil(state / (align * attention bytes per
-    token))`` with ``align = max(kernel block multiple, block_size)``; the state page is
+
+def align_hybrid_block_size(model: VllmModel, options: VllmOptions, block_size: int,
+                            dtype: str, facts: BackendFacts | None = None,
+                            ) -> tuple[int, int | None]:
+    """Models with state layers (gated delta nets, Kimi delta attention, Mamba mixers): the
+    block size at which an attention page holds one state, and the padded state page (the
+    platform's ``update_block_size_for_backend``, ``_align_hybrid_block_size``).
+
+    With ``k`` the attention kernel's smallest block (MLA: its MLA kernel's), the alignment is
+    ``a = max(k, block_size)``, raised to 128 for MLA; the block grows to ``a * ceil(state /
+    (a * attention bytes per token))``, rounded up to a multiple of ``k``; the state page is
     padded to the attention page. Qwen3-Next on CPU (2 KV heads of 256, bf16: 2,048 B per
     token) with a bfloat16 SSM state (a 1,097,728 B state): ``128 * ceil(1,097,728 /
     262,144) = 640`` tokens, states padded to 1,310,720 B; with the float32 SSM state of a
     CPU with AVX-512 BF16 (:func:`ssm_state_dtype`; 2,146,304 B): ``128 * 9 = 1,152``
     tokens, states padded to 2,359,296 B. Nemotron-H-56B (8 KV heads of 128: 4,096 B per
     token; a 16,900,096 B state, :class:`~kvpoold.sizing.vllm_model.MambaMixer`): ``128 *
-    ceil(16,900,096 / 524,288) = 4,224`` tokens, states padded to 17,301,504 B.
+    ceil(16,900,096 / 524,288) = 4,224`` tokens, states padded to 17,301,504 B. Kimi Linear
+    (MLA: 576 * 2 = 1,152 B per token; a 2,170,880 B KDA state), any MLA kernel of at most 128
+    tokens: ``128 * ceil(2,170,880 / 147,456) = 1,920`` tokens, states padded to 2,211,840 B.
     """
     if not model.has_state:
         return block_size, None
-    facts = BACKENDS[options.backend]
-    per_token = max(1, model.num_kv_heads // options.tp_size) * 2 * model.head_size \
-        * ITEMSIZE[dtype]
+    facts = backend_facts(options, facts)
+    per_token = attention_page_per_token(model, options, dtype)
     state = state_bytes(model, options)
-    align = max(facts.kernel_block_multiple, block_size)
+    m = facts.mla_block_size if model.is_mla else facts.kernel_block_multiple
+    align = max(m, block_size)
+    if model.is_mla:
+        align = max(align, MLA_HYBRID_BLOCK_ALIGNMENT)
     aligned = align * -(-state // (align * per_token))
-    m = facts.kernel_block_multiple
     aligned = m * -(-aligned // m)
     block_size = max(block_size, aligned)
     page = block_size * per_token
@@ -235,7 +294,8 @@ def align_hybrid_block_size(model: VllmModel, options: VllmOptions, block_size: 
 
 
 def layer_specs(model: VllmModel, options: VllmOptions, block_size: int,
-                dtype: str, max_model_len: int) -> list[NamedSpec]:
+                dtype: str, max_model_len: int,
+                facts: BackendFacts | None = None) -> list[NamedSpec]:
     """Every layer's spec on one TP rank, in layer order (``block_size`` already aligned by
     :func:`align_hybrid_block_size`).
 
@@ -247,9 +307,9 @@ def layer_specs(model: VllmModel, options: VllmOptions, block_size: int,
         raise InvalidArgument(
             f"the model's {model.num_attention_heads} attention heads do not split over "
             f"tp_size {tp}; choose a --tp-size that divides them", field="tp_size")
-    facts = BACKENDS[options.backend]
+    facts = backend_facts(options, facts)
     heads = max(1, model.num_kv_heads // tp)
-    state_padded = align_hybrid_block_size(model, options, block_size, dtype)[1]
+    state_padded = align_hybrid_block_size(model, options, block_size, dtype, facts)[1]
     # prefix caching keeps states at block granularity ("align"); without it one state
     # covers the whole request
     state_block = max_model_len if options.no_enable_prefix_caching else block_size
