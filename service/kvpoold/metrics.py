@@ -60,6 +60,11 @@ Seal on)::
     kvpool_sealed_corrupt_pages_total{device,pool}    counter    pages whose bytes changed (dropped)
     kvpool_sealed_epoch{device,pool}                  gauge      adoptions that took pages
 
+A daemon publishing KV events only (``--kv-events-config``, docs/kv-events.md)::
+
+    kvpool_kv_events_batches_total{device}            counter    batches handed to the publisher
+    kvpool_kv_events_dropped_total{device}            counter    batches dropped: a full queue
+
 The id-counting series carry ``unit`` as a label rather than in their names: the spaces are the
 plan's table (one family per quantity whatever the architecture), ``unit`` follows from
 ``space`` so it adds no series, and ``sum by (unit) (kvpool_pool_used)`` adds only like ids.

@@ -101,8 +101,8 @@ def _endpoints(args: argparse.Namespace) -> tuple[str, str, Names]:
 
 
 class Names:
-    """The pools' names by rank, asked of the daemon (the Sealed RPC of each pool the caller
-    sees) at the first batch of a rank not known yet, at most once a second."""
+    """The pools' names by rank, asked of the daemon (Stats: each pool's sealed directory
+    names its rank) at the first batch of a rank not known yet, at most once a second."""
 
     def __init__(self, args: argparse.Namespace | None) -> None:
         self._args = args
@@ -117,9 +117,8 @@ class Names:
             self._asked = time.monotonic()
             with client_from(self._args) as client:
                 for pool in client.stats().pools:
-                    r = client.sealed(pool.name).events_rank
-                    if r is not None:
-                        self._names[r] = pool.name
+                    if pool.sealed is not None and pool.sealed.events_rank is not None:
+                        self._names[pool.sealed.events_rank] = pool.name
         return self._names.get(rank)
 
 

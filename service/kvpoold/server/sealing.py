@@ -12,7 +12,6 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-import msgspec
 import numpy as np
 
 from kvpool.contract.errors import PermissionDenied
@@ -144,15 +143,16 @@ class Sealing:
         rank = self.events.rank_of(pool) if self.events is not None else None
         if d is None:
             return SealedStats(evicted=evicted, events_rank=rank)
-        stats = directory_stats(entry, listing=True, evicted=evicted)
+        stats = directory_stats(entry, listing=True, evicted=evicted, rank=rank)
         assert stats is not None
-        return msgspec.structs.replace(stats, events_rank=rank)
+        return stats
 
 
-def directory_stats(entry: Pool, *, listing: bool = False, evicted: int = 0) -> SealedStats | None:
+def directory_stats(entry: Pool, *, listing: bool = False, evicted: int = 0,
+                    rank: int | None = None) -> SealedStats | None:
     """The pool's sealed-page directory in numbers (None before its first Seal). Without
     ``listing`` O(1), for Stats and metrics: the counts and totals; with it (the Sealed RPC) also
-    the kept pages' ages and layouts, O(kept)."""
+    the kept pages' ages and layouts, O(kept). ``rank``: its KV events' rank, if published."""
     d = entry.sealed
     if d is None:
         return None
@@ -164,5 +164,6 @@ def directory_stats(entry: Pool, *, listing: bool = False, evicted: int = 0) -> 
         oldest_seconds=oldest, newest_seconds=newest, sealed_total=d.sealed_total,
         adopted_total=d.adopted_total, evicted_total=d.evicted_total,
         corrupt_total=d.corrupt_total, epoch=d.epoch, evicted=evicted,
-        layouts=tuple(sorted({d.entries[u].layout for u in d.orphans})) if listing else ())
+        layouts=tuple(sorted({d.entries[u].layout for u in d.orphans})) if listing else (),
+        events_rank=rank)
 

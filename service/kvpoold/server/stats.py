@@ -139,7 +139,8 @@ def take_view(daemon: Daemon, caller: Caller, pool: str = "") -> StatsView:
         age_seconds=now - entry.created_at,
         sharing=entry.sharing,
         elastic=daemon.elastic.stats(entry.name),
-        sealed=directory_stats(entry),
+        sealed=directory_stats(entry, rank=None if daemon.kv_events is None
+                               else daemon.kv_events.rank_of(entry.name)),
     ) for entry in entries]
     table = daemon.leases
     leases = list(table) if caller.admin else table.of_identity(caller.identity)
