@@ -60,6 +60,11 @@ Seal on)::
     kvpool_sealed_corrupt_pages_total{device,pool}    counter    pages whose bytes changed (dropped)
     kvpool_sealed_epoch{device,pool}                  gauge      adoptions that took pages
 
+A daemon publishing KV events only (``--kv-events-config``, docs/kv-events.md)::
+
+    kvpool_kv_events_batches_total{device}            counter    batches handed to the publisher
+    kvpool_kv_events_dropped_total{device}            counter    batches dropped: a full queue
+
 The id-counting series carry ``unit`` as a label rather than in their names: the spaces are the
 plan's table (one family per quantity whatever the architecture), ``unit`` follows from
 ``space`` so it adds no series, and ``sum by (unit) (kvpool_pool_used)`` adds only like ids.
@@ -197,7 +202,7 @@ class DaemonCollector(Collector):
         (capacity, used, free, high_water, pool_bytes, attached, allocs, frees, failures,
          budget, dev_used, leases_open, expiries, lease_cached, transfers, transfer_bytes,
          transfer_failures, stalls, stalled, longest_stall, pinned, quarantined, build,
-         fenced_pages) = fams
+         fenced_pages, kv_batches, kv_dropped) = fams
         dev = self._device
         build.add_metric([dev, *build_info().values()], 1)
         cached: dict[tuple[str, str], int] = {}
@@ -234,6 +239,9 @@ class DaemonCollector(Collector):
         stalls.add_metric([dev], d.loop_stalls)
         stalled.add_metric([dev], d.loop_stalled_seconds)
         longest_stall.add_metric([dev], d.loop_longest_stall_seconds)
+        if d.kv_events_endpoint:  # KV events published (--kv-events-config)
+            kv_batches.add_metric([dev], d.kv_events_published)
+            kv_dropped.add_metric([dev], d.kv_events_dropped)
         for p in snap.peers:
             for direction, done, nbytes, failed in (
                     ("sent", p.sent, p.sent_bytes, p.send_failures),
@@ -333,6 +341,12 @@ class DaemonCollector(Collector):
                               "grant ended (deadline, cancel, lease end): quarantined until the "
                               "peer reports the write ended or its process exits.",
                               labels=("device", "peer")),
+            CounterMetricFamily("kvpool_kv_events_batches",
+                                "KV event batches of the sealed-page directories handed to the "
+                                "publisher (--kv-events-config).", labels=device),
+            CounterMetricFamily("kvpool_kv_events_dropped",
+                                "KV event batches dropped because the publisher's queue was "
+                                "full: each a gap routers repair by replay.", labels=device),
         )
 
 

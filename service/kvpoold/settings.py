@@ -14,6 +14,7 @@ The list of settings: ``kvpoold serve --help`` and docs/operations.md; an exampl
 docker/kvpoold.toml.
 """
 
+import importlib.util
 import math
 import re
 import typing
@@ -25,7 +26,7 @@ import msgspec
 from msgspec import Meta
 
 from kvpool.clients.targets import default_socket_path
-from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.errors import FailedPrecondition, InvalidArgument
 from kvpool.contract.sizes import parse_size
 from kvpool.contract.spec import Base
 from kvpoold.access import (
@@ -50,6 +51,7 @@ from kvpoold.listen import (
 
 __all__ = [
     "DEFAULT_BUDGET_BYTES",
+    "KvEventsConfig",
     "Listener",
     "ServeConfig",
     "ServeSettings",
@@ -98,6 +100,34 @@ def _setting(description: str, *, metavar: str | None = None, hint: str | None =
     """
     extra = {k: v for k, v in (("metavar", metavar), ("hint", hint)) if v is not None}
     return Meta(description=description, extra=extra, **bounds)
+
+
+KV_EVENTS_ENDPOINT_FORMS = "tcp://*:PORT, tcp://HOST:PORT or ipc:///abs/path"
+KV_EVENTS_NEED_PYZMQ = (
+    "--kv-events-config asks for a ZMQ publisher, and pyzmq is not installed: install the events "
+    "extra (from the repository root: pip install -e '.[server,events]'; from a built wheel: "
+    "pip install 'kvpool-VERSION-py3-none-any.whl[server,events]'), or leave "
+    "enable_kv_cache_events false")
+
+
+class KvEventsConfig(Base):
+    """``--kv-events-config``: vLLM 0.32's ``KVEventsConfig`` keys, the same meanings, for the
+    daemon's stream of its sealed-page directories (docs/kv-events.md)."""
+
+    enable_kv_cache_events: bool = False
+    # None: "zmq" when enable_kv_cache_events, else "null" (as vLLM resolves it)
+    publisher: Literal["null", "zmq"] | None = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: Annotated[int, Meta(ge=1, le=10_000_000)] = 10_000
+    hwm: Annotated[int, Meta(ge=0, le=100_000_000)] = 100_000
+    max_queue_size: Annotated[int, Meta(ge=1, le=100_000_000)] = 100_000
+    topic: str = ""
+
+    @property
+    def publishing(self) -> bool:
+        """Whether a ZMQ publisher runs (enabled, and the publisher is not "null")."""
+        return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
 
 
 class ServeConfig(Base):
@@ -213,6 +243,13 @@ class ServeConfig(Base):
         metavar="HOST", pattern=r"^[^\s/\[\]]+$",
         hint="give an address or host name to bind: 127.0.0.1 (this host only), 0.0.0.0 or "
              ":: (every interface)")] = "127.0.0.1"
+    kv_events_config: Annotated[str | KvEventsConfig | None, _setting(
+        "publish the sealed-page directories' KV events (BlockStored, BlockRemoved, "
+        "AllBlocksCleared) in vLLM's ZMQ format: a JSON object of vLLM's KVEventsConfig keys, "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": '
+        '"tcp://*:5558"}\' (in the config file, a table); needs pyzmq (kvpool[events]); '
+        "docs/kv-events.md",
+        metavar="JSON")] = None
 
 
 class ServeSettings(ServeConfig, kw_only=True):
@@ -223,6 +260,7 @@ class ServeSettings(ServeConfig, kw_only=True):
     token: str | None  # ``--token``, or the contents of ``token_file`` (the admin token)
     tokens: tuple[NamedToken, ...] = ()  # ``tokens_file``, read
     peer_token: str | None = None  # ``peer_token_file`` read, else ``token``: sent to peers
+    kv_events: KvEventsConfig | None = None  # ``kv_events_config`` read; None: no publisher
 
 
 DEFAULT_BUDGET_BYTES = parse_size(str(ServeConfig().budget), field="budget")
@@ -312,11 +350,51 @@ def resolve(flags: Mapping[str, Any], config: ServeConfig | None,
     if cfg.unix_auth == "token" and not (token or tokens):
         raise InvalidArgument("unix_auth token needs tokens: give --tokens-file or --token-file",
                               field="unix_auth")
+    events = parse_kv_events(cfg.kv_events_config)
     return ServeSettings(**msgspec.structs.asdict(cfg), listeners=listeners,
                          budget_bytes=budget_bytes, token=token or None, tokens=tokens,
+                         kv_events=events if events is not None and events.publishing else None,
                          peer_token=(_read_token(Path(cfg.peer_token_file),
                                                  field="peer_token_file")
                                      if cfg.peer_token_file else token or None))
+
+
+def parse_kv_events(value: str | KvEventsConfig | None) -> KvEventsConfig | None:
+    """``kv_events_config`` read: JSON text (the flag) or a table (the config file), checked.
+
+    Raises:
+        InvalidArgument: not JSON, an unknown key, a mistyped or out-of-range value, or an
+            endpoint the daemon cannot serve (naming it and the forms accepted).
+    """
+    if value is None or isinstance(value, KvEventsConfig):
+        config = value
+    else:
+        try:
+            config = msgspec.json.decode(value.strip() or "{}", type=KvEventsConfig)
+        except msgspec.ValidationError as exc:
+            raise InvalidArgument(f"kv_events_config: {exc} (the keys of vLLM's KVEventsConfig: "
+                                  f"{', '.join(KvEventsConfig.__struct_fields__)})",
+                                  field="kv_events_config") from None
+        except msgspec.DecodeError as exc:
+            raise InvalidArgument(f"kv_events_config {value!r} is not a JSON object ({exc}); "
+                                  'give \'{"enable_kv_cache_events": true, ...}\'',
+                                  field="kv_events_config") from None
+    if config is None or not config.publishing:
+        return config
+    for key in ("endpoint", "replay_endpoint"):
+        endpoint = getattr(config, key)
+        if endpoint is None:
+            continue
+        if not re.fullmatch(r"(tcp://[^\s/]+:[0-9]{1,5}|ipc:///\S+)", endpoint):
+            raise InvalidArgument(
+                f"kv_events_config {key} {endpoint!r}: give {KV_EVENTS_ENDPOINT_FORMS} (a "
+                "router in another process must reach it: inproc:// cannot)",
+                field="kv_events_config")
+    if config.replay_endpoint == config.endpoint and not config.endpoint.endswith(":0"):
+        raise InvalidArgument(f"kv_events_config: endpoint and replay_endpoint are both "
+                              f"{config.endpoint!r}; give the replay socket its own port or path",
+                              field="kv_events_config")
+    return config
 
 
 class TokenEntry(Base):
@@ -428,10 +506,13 @@ def check_host(settings: ServeSettings) -> None:
     Raises:
         InvalidArgument: an unknown ``socket_group``, an unreadable TLS file, or, for shared
             memory on cpu, an ``shm_dir`` that is not a directory.
+        FailedPrecondition: KV events asked for without pyzmq (``kvpool[events]``).
     """
     if settings.socket_group:
         group_id(settings.socket_group)
     read_tls(settings.tls_cert, settings.tls_key)
+    if settings.kv_events is not None and importlib.util.find_spec("zmq") is None:
+        raise FailedPrecondition(KV_EVENTS_NEED_PYZMQ, field="kv_events_config")
     if settings.device == "cpu" and settings.sharing == "auto":
         check_shm_dir(settings.shm_dir)
 

@@ -18,6 +18,7 @@ SCRIPTS = {
     "elastic.py": ["--rounds", "1", "--groups", "2", "--reclaims", "3"],
     "engine_step.py": ["--steps", "60", "--rounds", "1", "--requests", "16"],
     "hostile_free.py": ["--quick", "--frees", "1", "--window-s", "0.3"],
+    "kv_events.py": ["--quick", "--pages", "2000", "--iters", "50", "--burst-s", "0.2"],
     "lease_expiry.py": ["--quick"],
     "page_cache.py": ["--calls", "200"],
     "plan_build.py": ["--runs", "1", "--build-runs", "1"],

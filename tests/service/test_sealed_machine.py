@@ -11,7 +11,10 @@ directory are written over (a stray writer), evicted by pressure, adopted. After
   adopted);
 - an adoption takes only pages whose sealing lease ended with every registered writer gone,
   never one written after sealing (that one is freed), and every adoptable page of the layout;
-- pressure takes kept pages, never a lease's.
+- pressure takes kept pages, never a lease's;
+- the pool's KV events (the numbered batches the directory's sink hands the publisher) are the
+  directory: their sequence numbers have no gap, each stored block was not stored before, each
+  removed one was, and stored minus removed is exactly the directory's sealed set.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ from kvpoold.access import DAEMON_CALLER
 from kvpoold.pools.sealed import kv_extents
 from kvpoold.server.args import ConfigureArgs, LeaseRef
 from kvpoold.server.daemon import Daemon
+from kvpoold.server.kv_messages import CLEARED, REMOVED, STORED, Change, split_keys
+from kvpoold.server.kv_stream import KvEvents
+from kvpoold.settings import KvEventsConfig
 from kvpoold.sharing.shm import ShmBackingFactory
 from tests.conftest import TINY_OPTIONS, TINY_SPEC, stateful_settings, temp_dir
 from tests.service.conftest import ManualClock
@@ -37,6 +43,22 @@ from tests.service.conftest import ManualClock
 LAYOUT = "machine/1 sha256 tp0"
 PAGE = 16
 KINDS = ("none", "dead", "live")
+
+
+class Recorded:
+    """The publisher's queue as a list (the machine reads the batches in order)."""
+
+    endpoint = replay_endpoint = ""
+
+    def __init__(self) -> None:
+        self.items: list[Change] = []
+
+    def offer(self, msg: Change) -> bool:
+        self.items.append(msg)  # never full: no Mark
+        return True
+
+    async def deliver(self, msg: Any) -> None:
+        raise AssertionError("no snapshot is asked here")
 
 
 def sleeper() -> subprocess.Popen[bytes]:
@@ -49,7 +71,12 @@ class SealedMachine(RuleBasedStateMachine):
         self.loop = asyncio.new_event_loop()
         self._tmp = temp_dir("kvp-shm-", "/dev/shm")
         self.clock = ManualClock()
-        self.d = Daemon("cpu", 64 << 20, ShmBackingFactory(self._tmp.__enter__()), self.clock)
+        self.events = Recorded()
+        self.d = Daemon("cpu", 64 << 20, ShmBackingFactory(self._tmp.__enter__()), self.clock,
+                        kv_events=KvEvents(KvEventsConfig(enable_kv_cache_events=True),
+                                           self.events, first_seq=0))
+        self.stream: set[bytes] = set()  # the blocks the KV events say are stored
+        self.applied = 0  # batches of self.events applied to it
         self.run(self.d.configure(DAEMON_CALLER, ConfigureArgs(
             "f", spec=dict(TINY_SPEC), options={**TINY_OPTIONS, "budget_bytes": 48 * 4096})))
         self.live = sleeper()  # the writer that lives until kill_live_writer
@@ -222,6 +249,26 @@ class SealedMachine(RuleBasedStateMachine):
         assert kept == self.kept
         held_sealed = {u for x in self._open() for u in self.held[x] if u in self.sealer}
         assert (len(d.entries) if d is not None else 0) == len(self.kept) + len(held_sealed)
+
+
+    @invariant()
+    def the_stream_is_the_directory(self) -> None:
+        for c in self.events.items[self.applied:]:
+            assert isinstance(c, Change) and c.seq == self.applied  # numbered, no gap
+            self.applied += 1
+            keys = set(split_keys(c.keys))
+            if c.kind == STORED:
+                assert not self.stream & keys, "stored twice"
+                assert len(c.keys) == len(c.parents) == 8 * len(c.tokens) // PAGE
+                self.stream |= keys
+            elif c.kind == REMOVED:
+                assert keys <= self.stream, "removed without being stored"
+                self.stream -= keys
+            else:
+                assert c.kind == CLEARED
+                self.stream.clear()
+        d = self.pool.sealed
+        assert self.stream == ({e.key for e in d.entries.values()} if d is not None else set())
 
 
 def test_the_sealed_directory_holds_under_a_hostile_workload() -> None:

@@ -277,7 +277,10 @@ def adopted_from_pb(msg: pb.AdoptResponse) -> Adopted:
 
 
 def sealed_to_pb(s: SealedStats) -> pb.SealedResponse:
-    return pb.SealedResponse(**msgspec.structs.asdict(s))
+    fields = msgspec.structs.asdict(s)
+    if fields["events_rank"] is None:  # proto3 optional: unset
+        del fields["events_rank"]
+    return pb.SealedResponse(**fields)
 
 
 def sealed_from_pb(msg: pb.SealedResponse) -> SealedStats:
@@ -286,5 +289,6 @@ def sealed_from_pb(msg: pb.SealedResponse) -> SealedStats:
         oldest_seconds=msg.oldest_seconds, newest_seconds=msg.newest_seconds,
         sealed_total=msg.sealed_total, adopted_total=msg.adopted_total,
         evicted_total=msg.evicted_total, corrupt_total=msg.corrupt_total, epoch=msg.epoch,
-        evicted=msg.evicted, layouts=tuple(msg.layouts))
+        evicted=msg.evicted, layouts=tuple(msg.layouts),
+        events_rank=msg.events_rank if msg.HasField("events_rank") else None)
 

@@ -147,6 +147,15 @@ class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
     loop_stalls: int = 0
     loop_stalled_seconds: float = 0.0
     loop_longest_stall_seconds: float = 0.0
+    # The KV events stream (docs/kv-events.md): endpoints as bound ("" = off / no replay), the
+    # topic template, batches handed to the publisher and dropped (a full queue: each a gap),
+    # the last batch's sequence number.
+    kv_events_endpoint: str = ""
+    kv_events_replay_endpoint: str = ""
+    kv_events_topic: str = ""
+    kv_events_published: int = 0
+    kv_events_dropped: int = 0
+    kv_events_last_seq: int = 0  # the last batch's number (sent or dropped)
 
 
 class PeerStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -297,4 +306,5 @@ class SealedStats(msgspec.Struct, frozen=True, kw_only=True):
     epoch: int = 0
     evicted: int = 0
     layouts: tuple[str, ...] = ()
+    events_rank: int | None = None  # its KV events' data_parallel_rank (None: none published)
 

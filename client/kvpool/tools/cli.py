@@ -25,6 +25,7 @@ from kvpool.contract.vllm_plan import VllmOptions
 from kvpool.tools.cli_common import client_from, common_options, count, load_spec_mapping
 from kvpool.tools.cli_run import command_parser, run_command_line
 from kvpool.tools.demo import add_demo
+from kvpool.tools.events import add_events
 from kvpool.tools.hf_hub_cache import local_model_config
 from kvpool.tools.top import add_top
 
@@ -220,6 +221,12 @@ def stats_lines(stats: Stats) -> list[str]:
              f"{d.leases_opened}, closed {d.leases_closed}, expired {d.leases_expired})"
              + (f"; event loop stalled {count(d.loop_stalls, 'time')}, longest "
                 f"{d.loop_longest_stall_seconds:.2f} s" if d.loop_stalls else "")]
+    if d.kv_events_endpoint:
+        lines.append(f"kv events on {d.kv_events_endpoint}"
+                     + (f" (replay {d.kv_events_replay_endpoint})"
+                        if d.kv_events_replay_endpoint else "")
+                     + f": {d.kv_events_published:,} batches, {d.kv_events_dropped:,} dropped, "
+                     f"last seq {d.kv_events_last_seq}")
     for p in stats.pools:
         lines.append(f"pool {p.name}: {p.architecture} {p.kv_cache_dtype} page {p.page_size}, "
                      f"{_human(p.backing_bytes)}, attached {p.attached}, sharing {p.sharing}, "
@@ -341,11 +348,14 @@ def run_sealed(args: argparse.Namespace) -> int:
     print(f"  since the pool was built: {s.sealed_total:,} sealed, {s.adopted_total:,} "
           f"adopted (epoch {s.epoch}), {s.evicted_total:,} evicted, {s.corrupt_total:,} "
           "found changed and freed")
+    if s.events_rank is not None:
+        print(f"  KV events: rank {s.events_rank} (its batches' data_parallel_rank; kvpool "
+              "events)")
     return 0
 
 
 SUBCOMMANDS: tuple[AddParser, ...] = (add_configure, add_stats, add_leases, add_drop,
-                                      add_sealed, add_top, add_demo)
+                                      add_sealed, add_events, add_top, add_demo)
 
 
 def build_parser(subcommands: Sequence[AddParser] = SUBCOMMANDS) -> argparse.ArgumentParser:

@@ -545,7 +545,7 @@ class LeaseStats(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., name: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., expires_in_seconds: _Optional[float] = ..., held: _Optional[_Iterable[_Union[Held, _Mapping]]] = ..., attached: _Optional[int] = ..., cached: _Optional[_Iterable[_Union[Held, _Mapping]]] = ...) -> None: ...
 
 class DaemonStats(_message.Message):
-    __slots__ = ("version", "device", "budget_bytes", "used_bytes", "uptime_seconds", "num_pools", "num_leases", "leases_opened", "leases_closed", "leases_expired", "nixl_agent", "other_leases", "loop_stalls", "loop_stalled_seconds", "loop_longest_stall_seconds")
+    __slots__ = ("version", "device", "budget_bytes", "used_bytes", "uptime_seconds", "num_pools", "num_leases", "leases_opened", "leases_closed", "leases_expired", "nixl_agent", "other_leases", "loop_stalls", "loop_stalled_seconds", "loop_longest_stall_seconds", "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic", "kv_events_published", "kv_events_dropped", "kv_events_last_seq")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -561,6 +561,12 @@ class DaemonStats(_message.Message):
     LOOP_STALLS_FIELD_NUMBER: _ClassVar[int]
     LOOP_STALLED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOOP_LONGEST_STALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_REPLAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_TOPIC_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     version: str
     device: str
     budget_bytes: int
@@ -576,7 +582,13 @@ class DaemonStats(_message.Message):
     loop_stalls: int
     loop_stalled_seconds: float
     loop_longest_stall_seconds: float
-    def __init__(self, version: _Optional[str] = ..., device: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., num_pools: _Optional[int] = ..., num_leases: _Optional[int] = ..., leases_opened: _Optional[int] = ..., leases_closed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., nixl_agent: _Optional[str] = ..., other_leases: _Optional[int] = ..., loop_stalls: _Optional[int] = ..., loop_stalled_seconds: _Optional[float] = ..., loop_longest_stall_seconds: _Optional[float] = ...) -> None: ...
+    kv_events_endpoint: str
+    kv_events_replay_endpoint: str
+    kv_events_topic: str
+    kv_events_published: int
+    kv_events_dropped: int
+    kv_events_last_seq: int
+    def __init__(self, version: _Optional[str] = ..., device: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., num_pools: _Optional[int] = ..., num_leases: _Optional[int] = ..., leases_opened: _Optional[int] = ..., leases_closed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., nixl_agent: _Optional[str] = ..., other_leases: _Optional[int] = ..., loop_stalls: _Optional[int] = ..., loop_stalled_seconds: _Optional[float] = ..., loop_longest_stall_seconds: _Optional[float] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ..., kv_events_topic: _Optional[str] = ..., kv_events_published: _Optional[int] = ..., kv_events_dropped: _Optional[int] = ..., kv_events_last_seq: _Optional[int] = ...) -> None: ...
 
 class PeerStats(_message.Message):
     __slots__ = ("peer", "sent", "sent_bytes", "send_failures", "received", "received_bytes", "receive_failures", "fenced_writes", "fenced_pages")
@@ -973,7 +985,7 @@ class SealedRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., evict: _Optional[bool] = ...) -> None: ...
 
 class SealedResponse(_message.Message):
-    __slots__ = ("held", "kept", "kept_bytes", "oldest_seconds", "newest_seconds", "sealed_total", "adopted_total", "evicted_total", "corrupt_total", "epoch", "evicted", "layouts")
+    __slots__ = ("held", "kept", "kept_bytes", "oldest_seconds", "newest_seconds", "sealed_total", "adopted_total", "evicted_total", "corrupt_total", "epoch", "evicted", "layouts", "events_rank")
     HELD_FIELD_NUMBER: _ClassVar[int]
     KEPT_FIELD_NUMBER: _ClassVar[int]
     KEPT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -986,6 +998,7 @@ class SealedResponse(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     LAYOUTS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_RANK_FIELD_NUMBER: _ClassVar[int]
     held: int
     kept: int
     kept_bytes: int
@@ -998,4 +1011,5 @@ class SealedResponse(_message.Message):
     epoch: int
     evicted: int
     layouts: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, held: _Optional[int] = ..., kept: _Optional[int] = ..., kept_bytes: _Optional[int] = ..., oldest_seconds: _Optional[float] = ..., newest_seconds: _Optional[float] = ..., sealed_total: _Optional[int] = ..., adopted_total: _Optional[int] = ..., evicted_total: _Optional[int] = ..., corrupt_total: _Optional[int] = ..., epoch: _Optional[int] = ..., evicted: _Optional[int] = ..., layouts: _Optional[_Iterable[str]] = ...) -> None: ...
+    events_rank: int
+    def __init__(self, held: _Optional[int] = ..., kept: _Optional[int] = ..., kept_bytes: _Optional[int] = ..., oldest_seconds: _Optional[float] = ..., newest_seconds: _Optional[float] = ..., sealed_total: _Optional[int] = ..., adopted_total: _Optional[int] = ..., evicted_total: _Optional[int] = ..., corrupt_total: _Optional[int] = ..., epoch: _Optional[int] = ..., evicted: _Optional[int] = ..., layouts: _Optional[_Iterable[str]] = ..., events_rank: _Optional[int] = ...) -> None: ...

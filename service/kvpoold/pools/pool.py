@@ -224,6 +224,8 @@ class Pool:
             raise Internal(f"drop pool {self.name!r}: it is {self.state}")
         self.state = "dropping"
         self.charged_bytes = charged_bytes
+        if self.sealed is not None:  # its KV events: every page gone (AllBlocksCleared)
+            self.sealed.drop_sink()
         self._on_idle = on_idle
         if self.uses:
             log.warning("pool dropped while in use: its memory goes when the uses end",

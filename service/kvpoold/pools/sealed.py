@@ -31,6 +31,7 @@ import select
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -80,6 +81,22 @@ class Writers:
         for fd in self.pidfds.values():
             os.close(fd)
         self.pidfds.clear()
+
+
+class DirectorySink(Protocol):
+    """Told every change of a directory's sealed set, on the event loop, in order: the pool's
+    KV events (``kvpoold.server.kv_stream`` publishes them). It keeps what it is given; the
+    directory never changes those objects afterwards."""
+
+    def stored(self, layout: str, keys: list[bytes], parents: list[bytes],
+               tokens: np.ndarray) -> None:
+        """Pages sealed now: their keys, parents and tokens (int32, one row a page)."""
+
+    def removed(self, keys: list[bytes]) -> None:
+        """Sealed pages left the directory (freed, or unsealed): their keys."""
+
+    def cleared(self) -> None:
+        """Every sealed page of the pool is gone (a Drop, the daemon's shutdown)."""
 
 
 # Where a page's bytes lie in one buffer: ``(offset, stride, length)``: page ``u``'s bytes are
@@ -173,11 +190,13 @@ class SealedDirectory:
         self._sealed = np.zeros(space.capacity + 2, dtype=bool)  # O(request) membership
         self.orphans: OrderedDict[int, None] = OrderedDict()  # the directory's, oldest first
         self.writers: dict[int, Writers] = {}  # lease id -> its registered processes
+        self._by_sealer: Counter[int] = Counter()  # lease id -> entries it is the sealer of
         self.epoch = 0
         self.sealed_total = 0
         self.adopted_total = 0
         self.evicted_total = 0
         self.corrupt_total = 0
+        self.sink: DirectorySink | None = None  # the KV events of the pool, when published
 
     # -- who can write -------------------------------------------------------------------
 
@@ -185,7 +204,7 @@ class SealedDirectory:
         """Lease ``lease_id`` ended; ``pidfds`` (pid -> pidfd, now the directory's to close)
         are the processes that mapped the pool under it. Its sealed pages become adoptable
         once every one of them has exited (never, when there is none)."""
-        if not any(e.sealer == lease_id for e in self.entries.values()):
+        if not self._by_sealer[lease_id]:
             for fd in pidfds.values():
                 os.close(fd)
             return
@@ -194,10 +213,21 @@ class SealedDirectory:
         w.ended = True
 
     def _forget_writers(self) -> None:
-        """Close the pidfds of ended leases no sealed page names any more."""
-        live = {e.sealer for e in self.entries.values()}
-        for lease_id in [k for k, w in self.writers.items() if w.ended and k not in live]:
+        """Close the pidfds of ended leases no sealed page names any more (O(leases with
+        writers): an eviction under pressure is an Allocate's path)."""
+        for lease_id in [k for k, w in self.writers.items()
+                         if w.ended and not self._by_sealer[k]]:
             self.writers.pop(lease_id).close()
+
+    def _sealers_lose(self, counts: Counter[int]) -> None:
+        """Leases stop being the sealer of ``counts`` entries each (a lease with none left
+        leaves the count)."""
+        for lease_id, n in counts.items():
+            left = self._by_sealer[lease_id] - n
+            if left:
+                self._by_sealer[lease_id] = left
+            else:
+                del self._by_sealer[lease_id]
 
     # -- seal ----------------------------------------------------------------------------
 
@@ -215,7 +245,7 @@ class SealedDirectory:
             Pages sealed now.
         """
         now = self._clock()
-        done = 0
+        done: list[int] = []
         for i, u in enumerate(ids.tolist()):
             slot = (layout, keys[i])
             if self._sealed[u] or slot in self._by_key:
@@ -224,9 +254,12 @@ class SealedDirectory:
                                     sums[i] if sums else b"", now)
             self._by_key[slot] = u
             self._sealed[u] = True
-            done += 1
-        self.sealed_total += done
-        return done
+            done.append(i)
+        if done:
+            self._by_sealer[lease_id] += len(done)
+        self.sealed_total += len(done)
+        self._tell_stored(layout, done, keys, parents, tokens)
+        return len(done)
 
     def keep(self, owner: int, ids: np.ndarray) -> None:
         """``owner`` lets go of sealed ``ids`` (a free, or its lease's end): the directory
@@ -264,10 +297,16 @@ class SealedDirectory:
             self._unseal(ids)
 
     def _unseal(self, ids: np.ndarray) -> None:
+        keys = []
+        sealers: Counter[int] = Counter()
         for u in ids.tolist():
             e = self.entries.pop(u)
             del self._by_key[(e.layout, e.key)]
+            sealers[e.sealer] += 1
+            keys.append(e.key)
+        self._sealers_lose(sealers)
         self._sealed[ids] = False
+        self._tell_removed(keys)
 
     # -- adopt ---------------------------------------------------------------------------
 
@@ -307,9 +346,14 @@ class SealedDirectory:
         good = [u for u in ids if u not in set(bad)]
         order = self._parents_first(good)
         arr = np.asarray(order, dtype=np.int32)
+        sealers: Counter[int] = Counter()
         for u in order:
             del self.orphans[u]
+            sealers[self.entries[u].sealer] += 1
             self.entries[u].sealer = lease_id
+        self._sealers_lose(sealers)
+        if order:
+            self._by_sealer[lease_id] += len(order)
         self.space.move(DIRECTORY, arr, owner)
         if order:
             self.epoch += 1
@@ -371,6 +415,8 @@ class SealedDirectory:
              "the directory holds pages it does not keep"),
             (int(self._sealed.sum()) == len(self.entries) == len(self._by_key),
              "the sealed indexes disagree"),
+            (self._by_sealer == Counter(e.sealer for e in self.entries.values()),
+             "the sealers' counts disagree"),
         ]
         for ok, why in checks:
             if not ok:
@@ -378,12 +424,47 @@ class SealedDirectory:
 
     def close(self) -> None:
         """The pool is gone: forget every entry, close every pidfd."""
+        self.drop_sink()
         for w in self.writers.values():
             w.close()
         self.writers.clear()
+        self._by_sealer.clear()
         self.entries.clear()
         self._by_key.clear()
         self.orphans.clear()
+
+
+    # -- the KV events of the pool (kvpoold.server.kv_stream) ------------------------------
+
+    def attach_sink(self, sink: DirectorySink) -> None:
+        """Tell ``sink`` every change from now on (the directory is new: nothing before)."""
+        self.sink = sink
+
+    def drop_sink(self) -> None:
+        """The pool is dropped or closed: tell the sink every page is gone, then nothing more
+        (its region may be released in a worker thread afterwards)."""
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            sink.cleared()
+
+    def stored_entries(self) -> list[Entry]:
+        """Every sealed page's entry (held or kept), oldest sealed first: what a router that
+        starts now must learn. O(pages) in C: a list of references, read off the loop."""
+        return list(self.entries.values())
+
+    def _tell_stored(self, layout: str, done: list[int], keys: list[bytes],
+                     parents: list[bytes], tokens: np.ndarray) -> None:
+        if self.sink is None or not done:
+            return
+        if len(done) == len(keys):
+            self.sink.stored(layout, list(keys), list(parents), tokens)
+        else:
+            self.sink.stored(layout, [keys[i] for i in done], [parents[i] for i in done],
+                             tokens[done])
+
+    def _tell_removed(self, keys: list[bytes]) -> None:
+        if self.sink is not None and keys:
+            self.sink.removed(keys)
 
 
 def check_seal_args(layout: str, ids: np.ndarray, keys: bytes, parents: bytes,

@@ -48,6 +48,7 @@ from kvpoold.server.attach_service import AttachService
 from kvpoold.server.attachments import MAX_ATTACHMENTS_PER_IDENTITY, AttachmentTable
 from kvpoold.server.elastic_hooks import ElasticHooks
 from kvpoold.server.give_back import ELASTIC_WAIT_S, GIVE_BACK_WAIT_S, CachePressure
+from kvpoold.server.kv_stream import KvEvents
 from kvpoold.server.lease_service import LeaseService
 from kvpoold.server.leases import MAX_LEASES_PER_IDENTITY, CacheCounts, Lease, LeaseTable
 from kvpoold.server.loop_clock import StallClock
@@ -85,6 +86,8 @@ class Daemon:
         watch_min_interval_s: the shortest interval a WatchStats stream is served at.
         reclaim_deadline_s: how long attached processes have to unmap an elastic group.
         elastic_policy: how elastic pools share the budget (``kvpoold.elastic.manager``).
+        kv_events: the KV events stream of the sealed-page directories (None: not published;
+            ``kvpoold.server.kv_stream``).
     """
 
     def __init__(
@@ -104,6 +107,7 @@ class Daemon:
         watch_min_interval_s: float = WATCH_MIN_INTERVAL_S,
         reclaim_deadline_s: float = RECLAIM_DEADLINE_S,
         elastic_policy: Policy = "arbiter",
+        kv_events: KvEvents | None = None,
     ) -> None:
         self.device = device
         self.budget_bytes = budget_bytes
@@ -135,7 +139,8 @@ class Daemon:
         self.attach_service = AttachService(device, self.pool, self.lease, self.leases,
                                             self.attachments, self.elastic,
                                             max_attachments_per_identity)
-        self.sealing = Sealing(self.pool, self.lease, clock)  # Seal, Adopt, Sealed
+        self.kv_events = kv_events
+        self.sealing = Sealing(self.pool, self.lease, clock, kv_events)  # Seal, Adopt, Sealed
 
     def _revoke(self, lease_id: int, why: str) -> None:
         self.lease_service.revoke(lease_id, why)

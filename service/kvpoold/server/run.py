@@ -19,13 +19,14 @@ import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 from grpc import aio
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvpool.contract.errors import InvalidArgument
+from kvpool.contract.errors import FailedPrecondition, InvalidArgument
 from kvpool.contract.fd_channel import fd_socket_path
 from kvpool.contract.limits import SERVER_MESSAGE_OPTIONS
 from kvpool.v1 import kvpool_pb2_grpc
@@ -35,6 +36,7 @@ from kvpoold.metrics import DaemonMetrics, MetricsServer, loop_snapshot, start_m
 from kvpoold.server.backing_select import make_backing_factory
 from kvpoold.server.daemon import Daemon
 from kvpoold.server.intake import Bound, IntakeInterceptor, free_bound
+from kvpoold.server.kv_stream import KvEvents
 from kvpoold.server.listener_health import (
     ListenerHealth,
     fit_connection_cap,
@@ -56,9 +58,16 @@ from kvpoold.server.loop_clock import StallClock
 from kvpoold.server.servicer import KVPoolServicer
 from kvpoold.server.stats_replies import StatsReplies
 from kvpoold.server.status import RpcObserver
-from kvpoold.settings import MAX_CONNECTIONS, ServeSettings
+from kvpoold.settings import (
+    KV_EVENTS_NEED_PYZMQ,
+    MAX_CONNECTIONS,
+    ServeSettings,
+)
 from kvpoold.sharing.base import BackingFactory
 from kvpoold.transfer import NIXL_MISSING, make_agent, nixl_installed
+
+if TYPE_CHECKING:
+    from kvpoold.server.kv_process import PublisherProcess
 
 log = logging.getLogger("kvpoold.server")
 
@@ -262,6 +271,29 @@ async def start_fd_server(daemon: Daemon, factory: BackingFactory, settings: Ser
     return server
 
 
+async def open_kv_events(settings: ServeSettings) -> tuple[PublisherProcess, KvEvents]:
+    """The KV events publisher process, started with its endpoints bound, and the loop's side.
+
+    Raises:
+        FailedPrecondition: pyzmq is missing, or an endpoint cannot be bound.
+    """
+    assert settings.kv_events is not None
+    try:
+        from kvpoold.server.kv_process import PublisherProcess
+    except ModuleNotFoundError as exc:
+        if exc.name != "zmq":
+            raise
+        raise FailedPrecondition(KV_EVENTS_NEED_PYZMQ, field="kv_events_config") from None
+    publisher = PublisherProcess(settings.kv_events, settings.log_level, settings.log_format)
+    events = KvEvents(settings.kv_events, publisher)
+    try:
+        await publisher.start(events.snapshot, lambda: events.numbered)
+    except BaseException:
+        await publisher.close()
+        raise
+    return publisher, events
+
+
 async def run(
     settings: ServeSettings,
     *,
@@ -283,10 +315,25 @@ async def run(
     Raises:
         InvalidArgument: an unreadable TLS file, or a bad device or shm directory (see
             ``make_backing_factory``).
-        FailedPrecondition: a listen address or the metrics port cannot be served.
+        FailedPrecondition: a listen address, the metrics port or a KV events endpoint cannot
+            be served; KV events without pyzmq.
     """
     tls = read_tls(settings.tls_cert, settings.tls_key)  # first: a bad file must not strand
-    factory = factory or make_backing_factory(settings)  # the factory's files
+    publisher, events = (await open_kv_events(settings) if settings.kv_events is not None
+                         else (None, None))
+    try:
+        factory = factory or make_backing_factory(settings)  # the factory's files
+        return await _serve(settings, factory, tls, events, ready, stop)
+    finally:
+        if publisher is not None:  # after the pools: their AllBlocksCleared are sent
+            await publisher.close()
+
+
+async def _serve(settings: ServeSettings, factory: BackingFactory,
+                 tls: tuple[bytes, bytes] | None, events: KvEvents | None,
+                 ready: Callable[[KVPoolServer], None] | None,
+                 stop: asyncio.Event | None) -> int:
+    """:func:`run` once its factory and KV events publisher are made."""
     nofile, _hard = raise_descriptor_limit()
     unix_listeners = any(x.transport == "unix" for x in settings.listeners)
     tcp_listeners = any(x.transport == "tcp" for x in settings.listeners)
@@ -305,7 +352,7 @@ async def run(
                     max_watch_streams_per_identity=settings.max_watch_streams_per_identity,
                     watch_min_interval_s=settings.watch_min_interval,
                     reclaim_deadline_s=settings.reclaim_deadline,
-                    elastic_policy=settings.elastic_policy)
+                    elastic_policy=settings.elastic_policy, kv_events=events)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     server: KVPoolServer | None = None
@@ -335,6 +382,9 @@ async def run(
             "event": "serving", "pid": os.getpid(), "listen": ",".join(server.addresses),
             "device": settings.device, "budget_bytes": settings.budget_bytes,
             "nixl_agent": agent.name if agent is not None else None,
+            **({"kv_events": events.stats_fields()["kv_events_endpoint"],
+                "kv_events_replay": events.stats_fields()["kv_events_replay_endpoint"]}
+               if events is not None else {}),
         }})
         if ready is not None:
             ready(server)

@@ -20,8 +20,9 @@ from kvpool.contract.records import Adopted, SealedStats
 from kvpoold.access import Caller
 from kvpoold.ids.faults import Asked
 from kvpoold.pools.pool import Pool
-from kvpoold.pools.sealed import check_seal_args, checksums, kv_extents
+from kvpoold.pools.sealed import SealedDirectory, check_seal_args, checksums, kv_extents
 from kvpoold.server.args import LeaseRef
+from kvpoold.server.kv_stream import KvEvents
 from kvpoold.server.leases import Lease
 
 log = logging.getLogger("kvpoold.daemon")
@@ -34,13 +35,24 @@ class Sealing:
         pool: the pool lookup, checked against the caller's scope.
         lease: the lease proof of a caller.
         clock: seconds (the directory's ages).
+        events: the KV events stream, told of each directory made (None: not published).
     """
 
     def __init__(self, pool: Callable[[str, Caller], Pool],
-                 lease: Callable[[Caller, LeaseRef], Lease], clock: Callable[[], float]) -> None:
+                 lease: Callable[[Caller, LeaseRef], Lease], clock: Callable[[], float],
+                 events: KvEvents | None = None) -> None:
         self._pool = pool
         self._lease = lease
         self._clock = clock
+        self.events = events
+
+    def _directory(self, entry: Pool) -> SealedDirectory:
+        """The pool's directory (made at the first use), its changes published from then on
+        when the daemon publishes KV events."""
+        d = entry.directory(self._clock)
+        if self.events is not None and d.sink is None and entry.live:
+            self.events.attach(entry.name, entry.buffers.device.type, d)
+        return d
 
     async def _sums(self, entry: Pool, ids: list[int]) -> list[bytes] | None:
         """The pages' checksums on CPU (in a worker thread, holding a use of the pool so its
@@ -67,7 +79,7 @@ class Sealing:
         """
         entry = self._pool(pool, caller)
         lease = self._lease(caller, ref)
-        d = entry.directory(self._clock)
+        d = self._directory(entry)
         keys, parents, tokens = check_seal_args(layout, ids, raw_keys, raw_parents, raw_tokens,
                                                 d.page_size)
         fault = d.space.check(lease.owner, ids.astype(np.intp))
@@ -93,7 +105,7 @@ class Sealing:
         """
         entry = self._pool(pool, caller)
         lease = self._lease(caller, ref)
-        d = entry.directory(self._clock)
+        d = self._directory(entry)
         ids, unfenced, other = d.candidates(layout)
         ids = ids[:MAX_ADOPT_PAGES]  # the rest on the next call
         sums = await self._sums(entry, ids)
@@ -128,15 +140,19 @@ class Sealing:
                 evicted = d.evict_all()
                 log.info("sealed pages evicted", extra={"fields": {
                     "event": "sealed_evict", "pool": pool, "pages": evicted}})
+        rank = self.events.rank_of(pool) if self.events is not None else None
         if d is None:
-            return SealedStats(evicted=evicted)
-        return directory_stats(entry, listing=True, evicted=evicted)
+            return SealedStats(evicted=evicted, events_rank=rank)
+        stats = directory_stats(entry, listing=True, evicted=evicted, rank=rank)
+        assert stats is not None
+        return stats
 
 
-def directory_stats(entry: Pool, *, listing: bool = False, evicted: int = 0) -> SealedStats | None:
+def directory_stats(entry: Pool, *, listing: bool = False, evicted: int = 0,
+                    rank: int | None = None) -> SealedStats | None:
     """The pool's sealed-page directory in numbers (None before its first Seal). Without
     ``listing`` O(1), for Stats and metrics: the counts and totals; with it (the Sealed RPC) also
-    the kept pages' ages and layouts, O(kept)."""
+    the kept pages' ages and layouts, O(kept). ``rank``: its KV events' rank, if published."""
     d = entry.sealed
     if d is None:
         return None
@@ -148,5 +164,6 @@ def directory_stats(entry: Pool, *, listing: bool = False, evicted: int = 0) -> 
         oldest_seconds=oldest, newest_seconds=newest, sealed_total=d.sealed_total,
         adopted_total=d.adopted_total, evicted_total=d.evicted_total,
         corrupt_total=d.corrupt_total, epoch=d.epoch, evicted=evicted,
-        layouts=tuple(sorted({d.entries[u].layout for u in d.orphans})) if listing else ())
+        layouts=tuple(sorted({d.entries[u].layout for u in d.orphans})) if listing else (),
+        events_rank=rank)
 

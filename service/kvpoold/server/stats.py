@@ -139,7 +139,8 @@ def take_view(daemon: Daemon, caller: Caller, pool: str = "") -> StatsView:
         age_seconds=now - entry.created_at,
         sharing=entry.sharing,
         elastic=daemon.elastic.stats(entry.name),
-        sealed=directory_stats(entry),
+        sealed=directory_stats(entry, rank=None if daemon.kv_events is None
+                               else daemon.kv_events.rank_of(entry.name)),
     ) for entry in entries]
     table = daemon.leases
     leases = list(table) if caller.admin else table.of_identity(caller.identity)
@@ -158,6 +159,7 @@ def take_view(daemon: Daemon, caller: Caller, pool: str = "") -> StatsView:
             nixl_agent=agent.name if (agent := daemon.transfers.agent) is not None else "",
             other_leases=len(table) - len(leases),
             **stall_fields(daemon),
+            **(daemon.kv_events.stats_fields() if daemon.kv_events is not None else {}),
         ),
         pools=pools,
         leases=[],
