@@ -17,13 +17,18 @@ bytes (docs/kv-events.md).
 - ``test_a_killed_engines_blocks_stay_until_evicted``: the engine SIGKILLed, its leases gone:
   the daemon publishes nothing (the blocks stay stored); an Allocate of another lease short of
   free pages evicts them: ``BlockRemoved`` of exactly the hashes stored.
+- ``test_vllms_default_int_hashes_are_the_daemons_last_8_bytes``: a second engine on another
+  pool under vLLM's default: vLLM's ints are the daemon's hashes' last 8 bytes; the daemon's
+  stream tells the two pools apart by topic (and rank).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -91,46 +96,75 @@ def daemon_last(client: KVPoolClient) -> int:
     return d.kv_events_last_seq
 
 
+@dataclass
+class Daemon:
+    daemon: DaemonProcess
+    client: KVPoolClient
+    ours: Router  # a router on the daemon's stream since its start
+    python: Path
+    model: Path
+    work: Path
+
+
 @pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
-    """A daemon publishing events, a router on it, a vLLM engine on its pool with vLLM's own
-    publisher and a router on that, after the engine served FIRST then SECOND (waiting to be
-    killed)."""
+def events() -> Iterator[Daemon]:
+    """A daemon publishing KV events, a router on its stream, the tiny model."""
     python = vllm_python_or_skip()
     with temp_dir("kvp-vev-") as work, temp_dir("kvp-vevd-") as sock_dir:
         model = make_model(python, work / "tiny-llama", 7)
         cfg = {"enable_kv_cache_events": True, "endpoint": f"ipc://{sock_dir}/ev.pub",
                "replay_endpoint": f"ipc://{sock_dir}/ev.replay", "topic": "kv@test@{pool}"}
-        vllm_cfg = {"enable_kv_cache_events": True, "publisher": "zmq",
-                    "endpoint": f"ipc://{work}/vllm.pub",
-                    "replay_endpoint": f"ipc://{work}/vllm.replay", "topic": "vllm"}
         with run_daemon(sock_dir, "--kv-events-config", json.dumps(cfg), budget="64MiB") as d, \
                 KVPoolClient(d.target) as client, \
                 router(cfg["endpoint"], cfg["replay_endpoint"], since=0) as ours:
-            env = {**engine_env(d, POOL), "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0"}
-            steps = [{"generate": FIRST}, {"generate": SECOND}, {"wait": "kill"}]
-            engine = Harness(python, env, work / "engine.log",
-                             job(model, steps, kv_events_config=vllm_cfg), RESTART)
-            try:
-                engine.wait_for("started", ENGINE_START_S)
-                # vLLM's publisher is bound once the engine is built; a replay from 0 gives
-                # whatever it sent before this router connected
-                with router(vllm_cfg["endpoint"], vllm_cfg["replay_endpoint"],
-                            since=0) as theirs:
-                    engine.wait_for("generated", 300)
-                    second = engine.wait_for("generated", 300)
-                    waiting = engine.wait_for("waiting", 60)
-                    hits = [o["num_cached_tokens"] for o in second["outputs"]]
-                    assert hits == [96, 96, 96], hits
-                    yield Served(d, client, engine, ours, theirs, waiting["sealer"],
-                                 waiting["kv_events_last"])
-            except BaseException:
-                print("--- engine.log (last lines) ---\n"
-                      + "\n".join(engine.log_text().splitlines()[-60:]))
-                raise
-            finally:
-                engine.kill_group()
-                engine.proc.wait()
+            yield Daemon(d, client, ours, python, model, work)
+
+
+@contextlib.contextmanager
+def engine_with_events(ev: Daemon, pool: str, steps: list[dict[str, Any]],
+                       int_hashes: bool) -> Iterator[tuple[Harness, Router]]:
+    """A vLLM engine on ``pool`` with vLLM's own publisher (its block hashes as 64-bit ints
+    when ``int_hashes``, vLLM's default) and a router on that; ``steps`` start once the router
+    follows; the engine is always killed at the end."""
+    name = f"vllm-{pool}"
+    vllm_cfg = {"enable_kv_cache_events": True, "publisher": "zmq",
+                "endpoint": f"ipc://{ev.work}/{name}.pub",
+                "replay_endpoint": f"ipc://{ev.work}/{name}.replay", "topic": "vllm"}
+    env = engine_env(ev.daemon, pool)
+    env["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "1" if int_hashes else "0"
+    engine = Harness(ev.python, env, ev.work / f"{name}.log",
+                     job(ev.model, [{"wait": "subscribed"}, *steps],
+                         kv_events_config=vllm_cfg), RESTART)
+    try:
+        engine.wait_for("started", ENGINE_START_S)
+        # vLLM's publisher is bound once the engine is built; a replay from 0 gives whatever
+        # it sent before this router connected
+        engine.wait_for("waiting", 60)
+        with router(vllm_cfg["endpoint"], vllm_cfg["replay_endpoint"], since=0) as theirs:
+            engine.send("")
+            yield engine, theirs
+    except BaseException:
+        print(f"--- {name}.log (last lines) ---\n"
+              + "\n".join(engine.log_text().splitlines()[-60:]))
+        raise
+    finally:
+        engine.kill_group()
+        engine.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def served(events: Daemon) -> Iterator[Served]:
+    """A vLLM engine on the daemon's pool :data:`POOL`, vLLM's hashes published as bytes,
+    after it served FIRST then SECOND (waiting to be killed)."""
+    steps = [{"generate": FIRST}, {"generate": SECOND}, {"wait": "kill"}]
+    with engine_with_events(events, POOL, steps, int_hashes=False) as (engine, theirs):
+        engine.wait_for("generated", 300)
+        second = engine.wait_for("generated", 300)
+        waiting = engine.wait_for("waiting", 60)
+        hits = [o["num_cached_tokens"] for o in second["outputs"]]
+        assert hits == [96, 96, 96], hits
+        yield Served(events.daemon, events.client, engine, events.ours, theirs,
+                     waiting["sealer"], waiting["kv_events_last"])
 
 
 def test_the_daemons_stored_blocks_are_vllms(served: Served) -> None:
@@ -162,6 +196,7 @@ def test_a_killed_engines_blocks_stay_until_evicted(served: Served) -> None:
     before = daemon_last(client)
     stored = set(blocks(served.ours.ask("log"), "BlockStored"))
     assert len(stored) == SEALED
+    served.theirs.close()  # vLLM's publisher dies with the engine: nothing more to read
     served.engine.kill_group()  # SIGKILL, the engine core and its worker (one process)
     served.engine.proc.wait()
     wait_until("the engine's leases ended", lambda: not any(
@@ -190,3 +225,30 @@ def test_a_killed_engines_blocks_stay_until_evicted(served: Served) -> None:
     assert removed_count(log) == SEALED  # each once
     assert state["sets"][str(kept.events_rank)] == []
     assert {e["medium"] for e in log if e["type"] == "BlockRemoved"} == {"CPU"}
+
+
+def test_vllms_default_int_hashes_are_the_daemons_last_8_bytes(events: Daemon) -> None:
+    """Under vLLM's default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` unset: 1) vLLM publishes
+    each hash as the int of its last 8 bytes; the daemon, the 32 bytes: a router that reads
+    both maps one to the other so (or the engines set the variable to 0)."""
+    pool = "vllm-events-int"
+    steps = [{"generate": FIRST}, {"generate": SECOND}, {"wait": "read"}]
+    with engine_with_events(events, pool, steps, int_hashes=True) as (engine, theirs):
+        engine.wait_for("generated", 300)
+        second = engine.wait_for("generated", 300)
+        assert second["sealer"]["sealed"] == SEALED
+        theirs.state(second["kv_events_last"])
+        their_log: list[dict[str, Any]] = theirs.ask("log")
+        engine.wait_for("waiting", 60)
+        theirs.close()
+        engine.send("")
+        engine.wait_for("shutdown", 120)
+    rank = events.client.sealed(pool).events_rank
+    events.ours.state(daemon_last(events.client))
+    our_log = [e for e in events.ours.ask("log") if e["rank"] == rank]
+    ours = set(blocks(our_log, "BlockStored"))
+    theirs_ints = set(blocks(their_log, "BlockStored"))
+    assert len(ours) == SEALED
+    assert all(isinstance(h, int) for h in theirs_ints)
+    assert {int.from_bytes(bytes.fromhex(h)[-8:], "big") for h in ours} == theirs_ints
+    assert {e["topic"] for e in our_log} == {f"kv@test@{pool}"}
