@@ -15,7 +15,8 @@ bytes (docs/kv-events.md).
   hashes; vLLM also re-publishes prefix hits, and may evict), each with the same parent, tokens
   and block size (the medium differs: vLLM says ``GPU`` on a CPU KV cache).
 - ``test_a_killed_engines_blocks_stay_until_evicted``: the engine SIGKILLed, its leases gone:
-  the daemon publishes nothing (the blocks stay stored); an Allocate of another lease short of
+  the daemon publishes nothing (the blocks stay stored); a new engine adopts them: nothing
+  either; killed in turn, an Allocate of another lease short of
   free pages evicts them: ``BlockRemoved`` of exactly the hashes stored.
 - ``test_vllms_default_int_hashes_are_the_daemons_last_8_bytes``: a second engine on another
   pool under vLLM's default: vLLM's ints are the daemon's hashes' last 8 bytes; the daemon's
@@ -37,7 +38,7 @@ from kvpool.clients.client import KVPoolClient
 from tests.conftest import DaemonProcess, run_daemon, temp_dir
 from tests.e2e.test_kv_events import Router, router
 from tests.integration.side_venv import wait_until
-from tests.integration.vllm.test_engine import ENGINE_START_S, Harness, engine_env
+from tests.integration.vllm.test_engine import ENGINE_START_S, Harness, engine_env, harness
 from tests.integration.vllm.test_restart import (
     FIRST,
     RESTART,
@@ -67,6 +68,7 @@ class Served:
     theirs: Router  # vLLM's own publisher's
     sealer: dict[str, Any]
     vllm_last: int  # the last batch vLLM's publisher sent
+    events: Daemon
 
 
 def blocks(log: list[dict[str, Any]], kind: str) -> dict[str, tuple[Any, ...]]:
@@ -164,7 +166,7 @@ def served(events: Daemon) -> Iterator[Served]:
         hits = [o["num_cached_tokens"] for o in second["outputs"]]
         assert hits == [96, 96, 96], hits
         yield Served(events.daemon, events.client, engine, events.ours, theirs,
-                     waiting["sealer"], waiting["kv_events_last"])
+                     waiting["sealer"], waiting["kv_events_last"], events)
 
 
 def test_the_daemons_stored_blocks_are_vllms(served: Served) -> None:
@@ -209,6 +211,23 @@ def test_a_killed_engines_blocks_stay_until_evicted(served: Served) -> None:
     state = served.ours.state(before)
     assert set(state["sets"][str(kept.events_rank)]) == stored
     assert removed_count(served.ours.ask("log")) == 0
+
+    # a new engine on the pool adopts them: still nothing published (the same pool, the same
+    # blocks); killed in turn, they are kept again
+    ev = served.events
+    with harness(ev.python, engine_env(served.daemon, POOL), ev.work / "adopting.log",
+                 job(ev.model, [{"wait": "kill"}]), RESTART) as h:
+        adopted = h.wait_for("started", ENGINE_START_S)["sealer"]
+        h.wait_for("waiting", 60)
+        assert adopted["adopted"] == SEALED, adopted
+        assert client.sealed(POOL).held == SEALED
+        assert daemon_last(client) == before
+        h.kill_group()
+        h.proc.wait()
+    wait_until("the adopting engine's lease ended", lambda: not any(
+        x.name == adopted["lease_name"] for x in client.stats().leases), TTL_S + 60)
+    wait_until("the pool is detached", lambda: client.stats().pool(POOL).attached == 0, 60)
+    assert client.sealed(POOL).kept == SEALED and daemon_last(client) == before
 
     # pressure: another lease asks every page of the pool; the kept ones are given back
     space = client.stats().pool(POOL).spaces["kv"]
