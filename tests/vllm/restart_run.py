@@ -12,6 +12,9 @@ line on stdin):
 - ``hash_algo`` (vLLM's ``prefix_caching_hash_algo``, default sha256), ``dtype`` (float32);
 - ``executor``: ``uni`` (default: the worker in this process) or ``mp`` (vLLM's
   multiprocessing executor: the worker is a child process; the engine core stays here);
+- ``kv_events_config``: vLLM's own ``KVEventsConfig`` keys (its ZMQ publisher on); then the
+  ``generated`` and ``waiting`` events carry ``kv_events_last``: the number of the last batch
+  vLLM's publisher has sent (-1: none), once every batch queued so far is sent;
 - ``steps``, in order: ``{"generate": [prompt, ...]}`` (one ``generate`` call; event
   ``generated`` with each output's tokens and ``num_cached_tokens``, the seconds to its first
   token, and the sealer's counters), ``{"wait": name}`` (event ``waiting``, then a line on
@@ -62,6 +65,20 @@ def sealer_info(llm: Any) -> dict[str, Any]:
     return out
 
 
+def vllm_events_sent(llm: Any) -> int | None:
+    """Once vLLM's own KV events publisher has sent every batch queued so far: the number of
+    the last one it sent (-1 for none); None without a ZMQ publisher. Reads the publisher's
+    queue and replay buffer (vLLM 0.32's ``ZmqEventPublisher``: no public accessor)."""
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    publisher = llm.llm_engine.engine_core.engine_core.scheduler.kv_event_publisher
+    if not isinstance(publisher, ZmqEventPublisher):
+        return None
+    publisher._event_queue.join()  # task_done() follows each send
+    buffer = publisher._buffer
+    return int(buffer[-1][0]) if buffer else -1
+
+
 def run(job: dict[str, Any]) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     kvpool = job.get("kvpool", True)
@@ -81,6 +98,10 @@ def run(job: dict[str, Any]) -> None:
         "enable_prefix_caching": True, "seed": 0,
         "prefix_caching_hash_algo": job.get("hash_algo", "sha256"),
     }
+    if job.get("kv_events_config"):
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**job["kv_events_config"])
     if job.get("executor", "uni") == "mp":
         kwargs["distributed_executor_backend"] = "mp"
     if kvpool:
@@ -114,9 +135,11 @@ def run(job: dict[str, Any]) -> None:
         if "generate" in step:
             first, *outs = generate(step["generate"])
             emit("generated", outputs=outs, seconds=first["seconds"],
-                 sealer=sealer_info(llm) if kvpool else {})
+                 sealer=sealer_info(llm) if kvpool else {},
+                 kv_events_last=vllm_events_sent(llm))
         elif "wait" in step:
-            emit("waiting", name=step["wait"], sealer=sealer_info(llm) if kvpool else {})
+            emit("waiting", name=step["wait"], sealer=sealer_info(llm) if kvpool else {},
+                 kv_events_last=vllm_events_sent(llm))
             sys.stdin.readline()
         elif "adopt" in step:  # try now, whatever the engine's own retry time
             scheduler = llm.llm_engine.engine_core.engine_core.scheduler
