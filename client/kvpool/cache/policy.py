@@ -171,16 +171,18 @@ def lease_holds(stats: Stats, lease_id: int, pool: str, space: str) -> int:
     return 0
 
 
-def refuse_held(stats: Stats, lease_id: int, pool: str, space: str) -> None:
-    """Refuse a page cache over a space of which its lease already holds ids: the cache is the
-    only path to its space, so what the lease holds of it is what the cache counts.
+def refuse_held(stats: Stats, lease_id: int, pool: str, space: str,
+                expected: int = 0) -> None:
+    """Refuse a page cache over a space of which its lease already holds ids (other than the
+    ``expected`` ones it hands the cache as in use): the cache is the only path to its space,
+    so what the lease holds of it is what the cache counts.
 
     Raises:
         FailedPrecondition: the lease holds ids of the space (its own Allocate, or another
             open page cache).
     """
     held = lease_holds(stats, lease_id, pool, space)
-    if held:
+    if held != expected:
         raise FailedPrecondition(
             f"lease {lease_id} holds {held} ids of {pool}/{space} outside a page cache (its "
             "own allocate, or another open page cache of it): a page cache must be the only "
@@ -368,6 +370,17 @@ class PageCacheCore:
         if send:
             self.rpc_calls += 1
         return arr, send
+
+    def release(self, ids: Any) -> np.ndarray:
+        """Take back ids ``take`` handed out (checked as ``free`` checks them) without caching
+        them: the owner gives them back to the daemon itself (an engine's sealed pages, which
+        must never be handed out again from this cache). Returns the ids."""
+        return self.ring.free_ids(ids, False)
+
+    def adopt(self, ids: Any) -> None:
+        """Ids the lease came to hold outside the cache (adopted sealed pages): in use from now
+        on (see ``IdRing.adopt``)."""
+        self.ring.adopt(ids)
 
     def unfree(self, arr: np.ndarray) -> None:
         """The daemon refused the Free that ``free`` asked for: the ids are still in use."""

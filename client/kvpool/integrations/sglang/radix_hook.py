@@ -1,0 +1,126 @@
+"""The plugin's one hook on SGLang's radix tree: its ``insert``, wrapped on the instance.
+
+Every way SGLang 0.5.23 puts KV into its radix tree goes through ``tree.insert``
+(``UnifiedRadixCache.checkpoint_into_tree`` for a finished request and for each chunk of an
+unfinished one; ``RadixCache._insert_cache`` on the legacy tree), and the insert is where the
+tree takes pages: the request's pages for the part of the key the tree did not hold. The
+plugin replaces ``insert`` on the tree *object* (SGLang's files and classes are untouched)
+with a wrapper that asks the tree for the ranges it took (``InsertParams.track_adopted_ranges``,
+which both tree cores support: the Python and the Rust one) and hands them to the sealer; the
+insert itself is SGLang's, unchanged. SGLang's KV-event recorder was the other candidate seam:
+it is off unless ``--kv-events-config`` is set, the Rust tree core records its events inside
+the extension, and an event carries hashes and tokens but not the pages.
+
+Keys with a namespace (``extra_key``: LoRA; ``cache_salt``) and bigram keys (EAGLE) are not
+sealed (counted in ``Sealer.skipped``).
+
+:func:`insert_paths` inserts adopted token paths with the adopted page ids as their KV
+indices (``page * page_size + offset``), through SGLang's insert, not the wrapper.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from array import array
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from kvpool.integrations.sglang.page_keys import sealable_tokens
+
+if TYPE_CHECKING:
+    from kvpool.integrations.sglang.sealing import Sealer
+
+log = logging.getLogger("kvpool.integrations.sglang.sealing")
+
+FULL = 0  # sglang ComponentType.FULL (an int enum): the ranges of the full-attention KV
+ORIGINAL = "_kvpool_original_insert"
+
+
+def install(tree: Any, sealer: Sealer) -> None:
+    """Wrap ``tree.insert`` (once per tree) so that the sealer hears of the pages it takes."""
+    if getattr(tree, ORIGINAL, None) is not None:
+        return
+    original = tree.insert
+    page_size = int(tree.page_size)
+
+    def insert(params: Any) -> Any:
+        key = params.key
+        if (not sealer.active or key is None or params.value is None
+                or getattr(key, "is_bigram", False) or key.extra_key is not None
+                or getattr(key, "cache_salt", None) is not None):
+            if key is not None and sealer.active:
+                sealer.skipped += 1
+            return original(params)
+        ask = not params.track_adopted_ranges
+        result = original(dataclasses.replace(params, track_adopted_ranges=True)
+                          if ask else params)
+        try:
+            _took(sealer, key, params.value, result, page_size)
+        except Exception:  # sealing must never fail SGLang's insert
+            log.exception("kvpool: sealing an insert failed; it is not sealed")
+        if ask:
+            result.adopted_ranges = None
+        return result
+
+    setattr(tree, ORIGINAL, original)
+    tree.insert = insert
+
+
+def _took(sealer: Sealer, key: Any, value: torch.Tensor, result: Any, page_size: int) -> None:
+    """Hand the sealer what ``result`` says the tree took of ``key`` / ``value``."""
+    if getattr(result, "rotation_tail_declined", False):
+        return
+    length = len(key) // page_size * page_size
+    adopted = getattr(result, "adopted_ranges", None)
+    if adopted is not None:
+        ranges = [(int(s), int(e)) for s, e in adopted.get(FULL, ())]
+    else:  # a tree that does not report them (the legacy RadixCache): the tail it added
+        ranges = [(int(result.prefix_len), length)]
+    ranges = [(s, min(e, length)) for s, e in ranges if s < min(e, length)]
+    if not ranges:
+        return
+    if any(s % page_size or e % page_size for s, e in ranges):
+        sealer.skipped += 1
+        return
+    end = max(e for _, e in ranges)
+    tokens = sealable_tokens(np.frombuffer(key.token_ids, dtype=np.int64, count=end)
+                             if isinstance(key.token_ids, array) and key.token_ids.typecode == "q"
+                             else np.asarray(key.token_ids[:end], dtype=np.int64))
+    if tokens is None:
+        sealer.skipped += 1
+        return
+    pages = value[:end:page_size].to(torch.int64) // page_size
+    sealer.inserted(tokens, ranges, pages)
+
+
+def insert_paths(tree: Any, paths: list[tuple[np.ndarray, np.ndarray]], page_size: int,
+                 device: torch.device) -> set[int]:
+    """Insert adopted ``(tokens, pages)`` paths into ``tree`` (evictable, no hit counted);
+    returns the page ids the tree took (a path's prefix another path inserted is the tree's
+    already; a page whose tokens the tree held with other pages is not taken)."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    insert = getattr(tree, ORIGINAL, None) or tree.insert
+    offsets = np.arange(page_size, dtype=np.int64)
+    taken: set[int] = set()
+    for tokens, pages in paths:
+        n = int(tokens.shape[0])
+        key = RadixKey(array("q", tokens.astype(np.int64).tobytes()), None)
+        value = torch.from_numpy((pages[:, None] * page_size + offsets).reshape(-1)).to(device)
+        # prev_prefix_len = the whole key: the tree frees nothing of ours as a duplicate (the
+        # pages it does not take are freed by the caller); inserted_len: no hit counted.
+        result = insert(InsertParams(key=key, value=value, prev_prefix_len=n, inserted_len=n,
+                                     track_adopted_ranges=True))
+        adopted = getattr(result, "adopted_ranges", None)
+        ranges = (adopted.get(FULL, ()) if adopted is not None
+                  else [(int(result.prefix_len), n)])
+        for s, e in ranges:
+            taken.update(pages[int(s) // page_size:int(e) // page_size].tolist())
+    return taken
+
+
+__all__ = ["insert_paths", "install"]

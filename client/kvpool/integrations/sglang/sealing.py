@@ -1,0 +1,584 @@
+"""Sealing and adoption in kvpool's SGLang plugin: full radix-cache pages outlive their engine
+(docs/restart.md, "SGLang").
+
+- **Seal.** Every insert into SGLang's radix tree reports the ranges of the request's pages the
+  tree took (``radix_hook.py``); the plugin keys each full page (``page_keys.py``: SGLang's own
+  page hash) and, once per scheduler step (an admission, a decode check, idle), marks the new
+  pages sealed and hands them to one Seal call. A worker thread makes the calls (the scheduler
+  never waits on them), in order with the Frees of sealed pages: SGLang freeing a sealed page
+  (eviction, ``clear``) never puts it back in the page cache, it goes to the daemon, which
+  keeps it in the pool's directory.
+- **Adopt.** At startup, before the page cache's first fill (which could make the directory
+  give pages back), the allocator adopts until the daemon has no more for its layout (or its
+  quota is full), checks each chain, frees what cannot be placed, and holds the rest in use;
+  the first scheduler step (SGLang's first admission, before any request is matched for
+  scheduling) inserts them into the radix tree with the adopted page ids as its KV indices.
+  Until then ``available_size`` counts them as free, so SGLang's idle identity holds; from
+  then on they are the tree's (evictable, freed as any other sealed page).
+- **Later.** Pages of an engine that still lives (SIGSTOPped, its lease expired) are
+  ``unfenced``: while the last Adopt reported some, each admission adopts again, at most every
+  ``KVPOOL_ADOPT_RETRY_S`` (default 5 s, doubling after each Adopt that took nothing, up to 64x;
+  an Adopt that took pages resets it). The plugin's own sealed pages that SGLang evicted count
+  as unfenced too (its lease lives), hence the backoff.
+
+Off: ``KVPOOL_SEAL=0`` (nothing sealed; adoption still on), ``KVPOOL_ADOPT=0`` (nothing
+adopted). Not on: elastic pools, hybrid pools (SWA, linear), TP/PP > 1, EAGLE (bigram keys):
+the reason is logged once. Sealing relies on SGLang writing a page's KV before the insert that
+hands it to the tree; on CUDA the ids are copied back with an event and sealed once it
+completed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvpool.contract.errors import InvalidArgument, KVPoolError
+from kvpool.contract.limits import KEY_BYTES, MAX_ADOPT_PAGES
+from kvpool.integrations.sglang.page_keys import (
+    ZERO_KEY,
+    InsertPlan,
+    Known,
+    chain_keys,
+    page_key,
+    plan_inserts,
+)
+
+log = logging.getLogger("kvpool.integrations.sglang.sealing")
+
+SEAL_ENV = "KVPOOL_SEAL"
+ADOPT_ENV = "KVPOOL_ADOPT"
+RETRY_ENV = "KVPOOL_ADOPT_RETRY_S"
+DEFAULT_RETRY_S = 5.0
+RETRY_GROWTH = 64  # the retry interval grows to at most this many times the base
+SEAL_BATCH = 16_384  # pages per Seal call (~2 MiB at page 16: under the 8 MiB limit)
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    value = env.get(name, "1").strip().lower()
+    if value not in ("1", "true", "0", "false", ""):
+        raise InvalidArgument(f"{name}={value!r}: expected 1 or 0", field=name)
+    return value in ("1", "true", "")
+
+
+@dataclass(frozen=True)
+class SealSettings:
+    """Whether the engine seals and adopts, and how often it adopts again."""
+
+    seal: bool = True
+    adopt: bool = True
+    retry_s: float = DEFAULT_RETRY_S
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> SealSettings:
+        """``KVPOOL_SEAL``, ``KVPOOL_ADOPT`` (1 or 0, default 1), ``KVPOOL_ADOPT_RETRY_S``.
+
+        Raises:
+            InvalidArgument: a malformed value (the variable is named).
+        """
+        env = os.environ if env is None else env
+        raw = env.get(RETRY_ENV, "").strip()
+        try:
+            retry = float(raw) if raw else DEFAULT_RETRY_S
+        except ValueError:
+            raise InvalidArgument(f"{RETRY_ENV}={raw!r}: expected seconds", field=RETRY_ENV
+                                  ) from None
+        if retry < 0:
+            raise InvalidArgument(f"{RETRY_ENV}={raw!r}: must be >= 0", field=RETRY_ENV)
+        return cls(seal=_flag(env, SEAL_ENV), adopt=_flag(env, ADOPT_ENV), retry_s=retry)
+
+
+class SealWorker:
+    """The Seal calls and the Frees of sealed pages, in the order the scheduler made them, on
+    one thread (consecutive Seals are merged into one call)."""
+
+    def __init__(self, lease: Any, pool: str, layout: str) -> None:
+        self.lease = lease
+        self.pool = pool
+        self.layout = layout
+        self.cache: Any = None  # the page cache the Frees go through (set by ``bind``)
+        self.failed: str | None = None  # why sealing stopped (the daemon refused it)
+        self.sealed = 0  # pages the daemon sealed
+        self._q: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
+        self._idle = threading.Condition()
+        self._queued = 0
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"kvpool-seal-{pool}")
+        self._thread.start()
+
+    def put(self, kind: str, item: Any) -> None:
+        with self._idle:
+            self._queued += 1
+        self._q.put((kind, item))
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait until every call queued so far was made (tests, shutdown)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._queued == 0, timeout_s)
+
+    def stop(self) -> None:
+        self._q.put(None)
+
+    def _done(self, n: int) -> None:
+        with self._idle:
+            self._queued -= n
+            self._idle.notify_all()
+
+    def _run(self) -> None:
+        held: tuple[str, Any] | None = None
+        while True:
+            item = held if held is not None else self._q.get()
+            held = None
+            if item is None:
+                return
+            kind, arg = item
+            n = 1
+            if kind == "seal":
+                parts = [arg]
+                while sum(len(p[0]) for p in parts) < SEAL_BATCH:
+                    try:
+                        nxt = self._q.get_nowait()
+                    except queue.Empty:
+                        break
+                    if nxt is None or nxt[0] != "seal":
+                        held = nxt if nxt is not None else None
+                        if nxt is None:
+                            self._q.put(None)
+                        break
+                    parts.append(nxt[1])
+                    n += 1
+                self._seal(parts)
+            else:
+                self._free(arg)
+            self._done(n)
+
+    def _seal(self, parts: list[tuple[np.ndarray, list[bytes], list[bytes], np.ndarray]]
+              ) -> None:
+        pages = np.concatenate([p[0] for p in parts]).astype(np.int32)
+        keys = [k for p in parts for k in p[1]]
+        parents = [k for p in parts for k in p[2]]
+        tokens = np.concatenate([p[3] for p in parts]).astype(np.int32)
+        try:
+            self.sealed += int(self.lease.seal(self.pool, self.layout, pages, keys, parents,
+                                               tokens))
+        except KVPoolError as err:
+            if self.failed is None:
+                self.failed = str(err)
+                log.warning("kvpool pool %r: sealing stopped, the daemon refused a Seal of "
+                            "%d pages: %s", self.pool, pages.shape[0], err)
+        except Exception:  # never let the worker die: frees still have to go through it
+            log.exception("kvpool pool %r: a Seal of %d pages failed", self.pool,
+                          pages.shape[0])
+
+    def _free(self, ids: np.ndarray) -> None:
+        try:
+            self.cache.return_ids(ids.astype(np.int32))
+        except KVPoolError as err:
+            log.warning("kvpool pool %r: freeing %d sealed pages failed: %s", self.pool,
+                        ids.shape[0], err)
+        except Exception:
+            log.exception("kvpool pool %r: freeing %d sealed pages failed", self.pool,
+                          ids.shape[0])
+
+
+@dataclass
+class _Pending:
+    """One insert's new tree pages, waiting for the step's Seal."""
+
+    seq: int  # the insert's sequence number (pages freed since are not sealed)
+    tokens: np.ndarray  # uint32 token ids of the key up to the last new page
+    ranges: list[tuple[int, int]]  # token ranges the tree took (whole pages)
+    pages: Any  # page id per page position of ``tokens`` (a tensor; host once copied)
+
+
+class Sealer:
+    """One allocator's sealing and adoption (see the module docstring).
+
+    Args:
+        lease: the scheduler's lease.
+        pool: the pool's name.
+        capacity: the pool's ``kv`` pages (ids ``1..capacity``).
+        page_size: tokens per page.
+        device: where SGLang's KV indices live.
+        layout: the layout string (``sealing_layout``).
+        settings: what is on.
+    """
+
+    def __init__(self, *, lease: Any, pool: str, capacity: int, page_size: int, device: Any,
+                 layout: str, settings: SealSettings) -> None:
+        self.lease = lease
+        self.pool = pool
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.layout = layout
+        self.settings = settings
+        n = capacity + 2  # ids 1..capacity; 0 and capacity + 1 stay unsealed (clip targets)
+        self.sealed = np.zeros(n, dtype=bool)  # sealed and in use by this allocator
+        self.keys = np.zeros((n, KEY_BYTES), dtype=np.uint8)
+        self.parents = np.zeros((n, KEY_BYTES), dtype=np.uint8)
+        self.tokens = np.zeros((n, page_size), dtype=np.uint32)
+        self.freed_seq = np.zeros(n, dtype=np.int64)
+        self.by_key: dict[bytes, int] = {}
+        self.seq = 0
+        self.pending: list[_Pending] = []
+        self.inflight: list[tuple[Any, torch.Tensor, list[_Pending]]] = []
+        self.worker = SealWorker(lease, pool, layout)
+        self.cache: Any = None
+        self.tree: Any = None
+        self.plan: InsertPlan | None = None  # adopted pages not yet in the tree
+        self.unplaced = 0
+        self.adopted = 0
+        self.retry_at = 0.0
+        self.retry_wait = settings.retry_s
+        self.unfenced = 0
+        self.skipped = 0  # inserts not sealed (namespaced, bigram or wide keys)
+
+    # -- adoption -------------------------------------------------------------------------
+
+    def adopt_startup(self, quota_pages: int) -> np.ndarray | None:
+        """Adopt until the daemon has none left for this layout or the quota is full, before
+        the page cache exists. Returns the page ids to hand the cache as held (None: none)."""
+        if not self.settings.adopt:
+            log.info("kvpool pool %r: adoption off (%s=0)", self.pool, ADOPT_ENV)
+            return None
+        start = time.monotonic()
+        got = self._adopt_all(quota_pages)
+        if got is None:
+            return None
+        ids, keys, parents, tokens, replies = got
+        ids, keys, parents, tokens = self._within(quota_pages, ids, keys, parents, tokens)
+        plan = plan_inserts(ids, keys, parents, tokens, self.page_size)
+        if plan.unplaced.shape[0]:
+            self._free_direct(plan.unplaced)
+        self._record(plan.placed, ids, keys, parents, tokens)
+        self.plan = plan if plan.paths else None
+        self.unplaced = int(plan.placed.shape[0])
+        self.adopted += self.unplaced
+        self._log_adoption(replies, plan, time.monotonic() - start, quota_pages)
+        return plan.placed.astype(np.int32) if self.unplaced else None
+
+    def _adopt_all(self, room: int) -> tuple[np.ndarray, list[bytes], list[bytes],
+                                               np.ndarray, list[Any]] | None:
+        """Adopt calls until one takes nothing or ``room`` pages are adopted (the caller frees
+        what is past ``room``: the deepest pages, as each call hands parents first)."""
+        replies, ids, keys, parents, tokens = [], [], [], [], []
+        total = 0
+        try:
+            while total < room:
+                a = self.lease.adopt(self.pool, self.layout)
+                replies.append(a)
+                n = int(a.ids.shape[0])
+                if not n:
+                    break
+                ids.append(a.ids.astype(np.int64))
+                keys += a.keys
+                parents += a.parents
+                tokens.append(np.asarray(a.tokens, dtype=np.int64).reshape(n, -1))
+                total += n
+                if n < MAX_ADOPT_PAGES:
+                    break
+        except KVPoolError as err:
+            log.warning("kvpool pool %r: adoption failed, starting without: %s", self.pool,
+                        err)
+            if not ids:
+                return None
+        self.unfenced = replies[-1].unfenced if replies else 0
+        if not ids:
+            self._log_nothing(replies)
+            return None
+        return np.concatenate(ids), keys, parents, np.concatenate(tokens), replies
+
+    def _within(self, room: int, ids: np.ndarray, keys: list[bytes], parents: list[bytes],
+                tokens: np.ndarray) -> tuple[np.ndarray, list[bytes], list[bytes], np.ndarray]:
+        """The first ``room`` adopted pages; the rest are freed at once."""
+        if ids.shape[0] <= room:
+            return ids, keys, parents, tokens
+        self._free_direct(ids[room:])
+        return ids[:room], keys[:room], parents[:room], tokens[:room]
+
+    def _free_direct(self, ids: np.ndarray) -> None:
+        """Give adopted pages back before (or without) the page cache: one Free (they go back
+        to the directory, this lease's now)."""
+        if not ids.shape[0]:
+            return
+        if self.cache is not None:
+            self.worker.put("free", self.cache.release(ids.astype(np.int32)))
+            return
+        try:
+            self.lease.free_batch(self.pool, [("kv", ids.astype(np.int32))])
+        except KVPoolError as err:
+            log.warning("kvpool pool %r: freeing %d adopted pages failed: %s", self.pool,
+                        ids.shape[0], err)
+
+    def _record(self, placed: np.ndarray, ids: np.ndarray, keys: list[bytes],
+                parents: list[bytes], tokens: np.ndarray) -> None:
+        """Remember the placed adopted pages as sealed (they are, and stay, in use)."""
+        where = {int(u): i for i, u in enumerate(ids.tolist())}
+        for u in placed.tolist():
+            i = where[int(u)]
+            self._mark(int(u), keys[i], parents[i], tokens[i])
+
+    def _mark(self, page: int, key: bytes, parent: bytes, tokens: np.ndarray) -> None:
+        self.sealed[page] = True
+        self.keys[page] = np.frombuffer(key, dtype=np.uint8)
+        self.parents[page] = np.frombuffer(parent, dtype=np.uint8)
+        self.tokens[page] = tokens
+        self.by_key[key] = page
+
+    def known(self, key: bytes) -> Known | None:
+        """This allocator's sealed page of ``key`` (for chains adopted in later calls)."""
+        page = self.by_key.get(key)
+        if page is None:
+            return None
+        return Known(page, self.parents[page].tobytes(), self.tokens[page].astype(np.int64))
+
+    def _log_nothing(self, replies: list[Any]) -> None:
+        last = replies[-1] if replies else None
+        if last is None:
+            return
+        why = []
+        if last.unfenced:
+            why.append(f"{last.unfenced} wait for their engine's processes to exit "
+                       "(unfenced: an engine that still runs, or stopped)")
+        if last.corrupt:
+            why.append(f"{last.corrupt} changed since sealed (corrupt: freed)")
+        if last.other_layout:
+            why.append(f"{last.other_layout} are of another layout (another engine, "
+                       "model, dtype, hash or rank)")
+        log.info("kvpool pool %r: nothing adopted (layout %s): %s", self.pool, self.layout,
+                 "; ".join(why) if why else "the directory holds no sealed pages")
+
+    def _log_adoption(self, replies: list[Any], plan: InsertPlan, seconds: float,
+                      quota: int) -> None:
+        last = replies[-1]
+        log.info(
+            "kvpool pool %r: adopted %d sealed pages (%d tokens, %d prefixes) in %.2f s; not "
+            "placed: %d (%d inconsistent, %d whose parent is gone), freed; left in the "
+            "directory: %d unfenced, %d of other layouts; corrupt (freed): %d; quota %d pages",
+            self.pool, plan.placed.shape[0], plan.placed.shape[0] * self.page_size,
+            len(plan.paths), seconds, plan.unplaced.shape[0], plan.inconsistent,
+            plan.orphans, last.unfenced, last.other_layout,
+            sum(r.corrupt for r in replies), quota)
+
+    # -- the scheduler's steps ------------------------------------------------------------
+
+    def bind(self, cache: Any) -> None:
+        """The allocator's page cache (open, holding the adopted pages in use)."""
+        self.cache = cache
+        self.worker.cache = cache
+
+    def step(self, tree: Any, room: int) -> None:
+        """Between scheduler steps: the radix tree's hook, the adopted pages into it, the
+        step's Seal, and a later Adopt when due. ``room``: pages the quota still has."""
+        if tree is not None and tree is not self.tree:
+            from kvpool.integrations.sglang.radix_hook import install
+
+            install(tree, self)
+            self.tree = tree
+        tree = self.tree
+        if tree is None:
+            return
+        if self.plan is not None:
+            self._place(self.plan)
+            self.plan = None
+        self.flush()
+        if self.settings.adopt and self.unfenced and time.monotonic() >= self.retry_at:
+            self._adopt_later(room)
+
+    def _place(self, plan: InsertPlan) -> None:
+        """Insert adopted pages into the tree; those it does not take are freed."""
+        from kvpool.integrations.sglang.radix_hook import insert_paths
+
+        taken = insert_paths(self.tree, plan.paths, self.page_size, self.device)
+        left = np.setdiff1d(plan.placed, np.fromiter(taken, dtype=np.int64, count=len(taken)))
+        self.unplaced = 0
+        if left.shape[0]:
+            rest = self.freed(left)
+            assert rest.shape[0] == 0
+            log.info("kvpool pool %r: %d adopted pages duplicated the tree's, freed",
+                     self.pool, left.shape[0])
+
+    def _adopt_later(self, room: int) -> None:
+        got = self._adopt_all(max(0, room))
+        if got is None:
+            self.retry_at = time.monotonic() + self.retry_wait
+            self.retry_wait = min(self.retry_wait * 2, self.settings.retry_s * RETRY_GROWTH)
+            return
+        ids, keys, parents, tokens, replies = got
+        self.cache.adopt(ids.astype(np.int32))
+        ids, keys, parents, tokens = self._within(room, ids, keys, parents, tokens)
+        plan = plan_inserts(ids, keys, parents, tokens, self.page_size, self.known)
+        if plan.unplaced.shape[0]:
+            self._free_direct(plan.unplaced)
+        self._record(plan.placed, ids, keys, parents, tokens)
+        self.adopted += int(plan.placed.shape[0])
+        self._log_adoption(replies, plan, 0.0, room)
+        self._place(plan)
+        self.retry_wait = self.settings.retry_s
+        self.retry_at = time.monotonic() + self.retry_wait
+
+    # -- sealing --------------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        return self.settings.seal and self.worker.failed is None
+
+    def inserted(self, tokens: np.ndarray, ranges: list[tuple[int, int]],
+                 pages: Any) -> None:
+        """The radix hook: an insert's tree took ``ranges`` of a key whose page ids per page
+        position are ``pages`` (a tensor, on the device)."""
+        self.seq += 1
+        self.pending.append(_Pending(self.seq, tokens, ranges, pages))
+
+    def flush(self) -> None:
+        """Seal what the step's inserts added (on CUDA: what an earlier step's did, once its
+        ids are on the host)."""
+        if self.inflight:
+            ready = []
+            while self.inflight and self.inflight[0][0].query():
+                ready.append(self.inflight.pop(0))
+            for _event, host, entries in ready:
+                self._seal_entries(entries, host.numpy())
+        if not self.pending:
+            return
+        entries, self.pending = self.pending, []
+        if not self.active:
+            return
+        flat = torch.cat([e.pages.reshape(-1) for e in entries])
+        if self.cuda:
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self.inflight.append((event, host, entries))
+            return
+        self._seal_entries(entries, flat.numpy())
+
+    def _seal_entries(self, entries: list[_Pending], flat: np.ndarray) -> None:
+        ps = self.page_size
+        out_pages: list[int] = []
+        out_keys: list[bytes] = []
+        out_parents: list[bytes] = []
+        out_tokens: list[np.ndarray] = []
+        offset = 0
+        in_use = self.cache.in_use_of
+        for e in entries:
+            n = e.pages.numel()
+            pages = flat[offset:offset + n]
+            offset += n
+            for s, end in e.ranges:
+                prev = self._parent_key(e, pages, s)
+                keys = chain_keys(e.tokens[s:end], ps, prev)
+                new = pages[s // ps:end // ps]
+                ok = (self.freed_seq[new] < e.seq) & ~self.sealed[new] & in_use(new)
+                for j in np.flatnonzero(ok).tolist():
+                    page, key = int(new[j]), keys[j]
+                    if key in self.by_key:
+                        continue
+                    parent = prev if j == 0 else keys[j - 1]
+                    parent = ZERO_KEY if parent is None else parent
+                    row = e.tokens[s + j * ps:s + (j + 1) * ps]
+                    self._mark(page, key, parent, row)
+                    out_pages.append(page)
+                    out_keys.append(key)
+                    out_parents.append(parent)
+                    out_tokens.append(row)
+        if out_pages:
+            self.worker.put("seal", (np.asarray(out_pages, dtype=np.int64), out_keys,
+                                     out_parents, np.concatenate(out_tokens)))
+
+    def _parent_key(self, e: _Pending, pages: np.ndarray, start: int) -> bytes | None:
+        """The key of the page before token ``start``: the tree's page there when this
+        allocator sealed it (and it was not freed since, and holds those tokens), else the
+        chain hashed from the key's first token. None: ``start`` is 0."""
+        if start == 0:
+            return None
+        ps = self.page_size
+        before = int(pages[start // ps - 1])
+        row = e.tokens[start - ps:start]
+        if (0 < before < self.sealed.shape[0] - 1 and self.sealed[before]
+                and self.freed_seq[before] < e.seq and np.array_equal(self.tokens[before], row)):
+            key = self.keys[before].tobytes()
+            # the page's own key must be its parent's and tokens' hash (it is, when sealed here)
+            if page_key(self.parents[before].tobytes(), row) == key:
+                return key
+        return chain_keys(e.tokens[:start], ps)[-1]
+
+    def freed(self, pages: np.ndarray) -> np.ndarray:
+        """SGLang frees ``pages`` (int64): the sealed ones go to the daemon (taken out of the
+        page cache, freed by the worker after the Seals before them); returns the others,
+        for the page cache."""
+        self.freed_seq.put(pages, self.seq, mode="clip")
+        mask = self.sealed.take(pages, mode="clip")
+        if not mask.any():
+            return pages
+        sealed = np.unique(pages[mask])
+        self.sealed[sealed] = False
+        for key in (bytes(k) for k in self.keys[sealed]):
+            self.by_key.pop(key, None)
+        self.worker.put("free", self.cache.release(sealed.astype(np.int32)))
+        return pages[~mask]
+
+    def forget_adopted(self) -> None:
+        """SGLang clears the allocator: adopted pages not yet in the tree are freed with the
+        rest (they are sealed: to the daemon)."""
+        self.plan = None
+        self.unplaced = 0
+
+    def close(self) -> None:
+        self.worker.stop()
+
+
+def sealing_layout(page_size: int) -> tuple[str, str | None]:
+    """The layout string this engine seals and adopts under, and why it must not (None: it
+    may): the engine and version, the key hash, the model (path, revision, a digest of its
+    config.json), its dtype and quantization, KV dtype, page size, TP and PP ranks. (The pool's
+    fingerprint covers the buffers: geometry, KV dtype, page size.)"""
+    import hashlib
+
+    import sglang
+    from sglang.srt.runtime_context import get_parallel, get_server_args
+
+    from kvpool.integrations.sglang.daemon_pool import model_config_path
+    from kvpool.integrations.sglang.page_keys import HASH_NAME
+
+    args = get_server_args()
+    parallel = get_parallel()
+    tp, pp = int(getattr(parallel, "tp_size", 1)), int(getattr(parallel, "pp_size", 1))
+    tp_rank = int(getattr(parallel, "tp_rank", 0))
+    pp_rank = int(getattr(parallel, "pp_rank", 0))
+    why = None
+    if tp * pp > 1:
+        why = (f"TP {tp} x PP {pp}: the ranks would have to adopt the same prefixes (not "
+               "built)")
+    elif getattr(args, "speculative_algorithm", None):
+        why = f"speculative decoding ({args.speculative_algorithm}: bigram radix keys)"
+    elif getattr(args, "enable_hierarchical_cache", False):
+        why = "HiCache (--enable-hierarchical-cache) moves tree pages to and from the host"
+    model = str(args.model_path)
+    try:
+        config = hashlib.sha256(
+            model_config_path(model, args.revision).read_bytes()).hexdigest()[:16]
+    except (KVPoolError, OSError):
+        config = "none"
+    if len(model) > 160:
+        model = "sha256:" + hashlib.sha256(model.encode()).hexdigest()[:32]
+    layout = (f"sglang {sglang.__version__}; keys {HASH_NAME}; model {model}"
+              f"@{args.revision or 'default'} config {config}; dtype {args.dtype}; "
+              f"quantization {args.quantization}; kv {args.kv_cache_dtype}; page {page_size}; "
+              f"tp {tp_rank}/{tp}; pp {pp_rank}/{pp}")
+    return layout, why
+
+
+__all__ = ["ADOPT_ENV", "RETRY_ENV", "SEAL_ENV", "SealSettings", "SealWorker", "Sealer",
+           "sealing_layout"]
