@@ -237,15 +237,18 @@ def test_restart_adopts(sglang_python: Path, sglang_daemon: DaemonProcess, tiny_
 
 
 def group_gone(pgid: int, timeout_s: float = 60) -> None:
-    """Wait until no process of group ``pgid`` is left (reaped)."""
-    def gone() -> bool:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        return False
+    """Wait until no process of group ``pgid`` runs any more (zombies have exited: their pidfd
+    reads as such; the group's leader is this test's child, reaped by ``close``)."""
+    def alive() -> list[int]:
+        out = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid and fields[0] != "Z":
+                    out.append(int(stat.parent.name))
+        return out
 
-    wait_until(f"process group {pgid} gone", gone, timeout_s)
+    wait_until(f"process group {pgid} gone", lambda: not alive(), timeout_s)
 
 
 def test_stopped_engine_is_fenced(sglang_python: Path, sglang_daemon: DaemonProcess,
@@ -288,3 +291,56 @@ def test_stopped_engine_is_fenced(sglang_python: Path, sglang_daemon: DaemonProc
         assert got[1] >= 0.99 * want[1] > 0  # its B pages, adopted after its death
         assert [o["output_ids"] for o in outputs] == [o["output_ids"] for o in cold[:2]]
         assert client.sealed(pool).adopted_total > 0
+
+
+def distinct_prompt(i: int, n: int) -> list[int]:
+    """A prompt of ``n`` tokens sharing no page with the others (ids 3..252)."""
+    return [3 + (i * 41 + j) % 250 for j in range(n)]
+
+
+def test_pressure_takes_sealed_pages_first(sglang_python: Path, sglang_daemon: DaemonProcess,
+                                           tiny_model: Path, work: Path) -> None:
+    pool = "sgl-seal-press"
+    env = kvpool_env(sglang_daemon, pool)
+    live_pages = 16
+    with KVPoolClient(sglang_daemon.target) as client:
+        print("\nan engine fills half the pool with sealed pages, and is SIGKILLed")
+        # 6 prompts of 36 tokens + 8 outputs: 10 full pages each in the tree
+        batches = [[distinct_prompt(i, 36) for i in range(6)]]
+        with harness(sglang_python, ["engine"], env, work / "filler.log",
+                     job(tiny_model, work, "filler", batches, hold=True)) as h:
+            h.wait_for("started", ENGINE_START_S)
+            h.wait_for("generated", 300)
+            pages = tree_pages(h.wait_for("dumped", 60)["path"])
+            h.wait_for("holding", 30)
+            sealed_held(client, pool, pages)
+            h.kill_group()
+        lease_gone(client, pool)
+        capacity = client.stats().pool(pool).spaces["kv"].capacity
+        with client.lease("live-pages", ttl_s=30) as live:
+            live.allocate(pool, "kv", live_pages)
+            free = client.stats().pool(pool).spaces["kv"].free
+            kept = client.sealed(pool).kept
+            # 10 prompts of 32 tokens + 8 outputs: 10 pages each, all kept by the radix tree
+            need = 10 * 10
+            print(f"  capacity {capacity} pages: sealed {kept}, live {live_pages}, free {free}; "
+                  f"the next engine needs {need}")
+            assert kept == pages and free < need <= capacity - live_pages
+            print("a new engine (KVPOOL_ADOPT=0) needs more than the free pages")
+            batches = [[distinct_prompt(i, 32) for i in range(100, 110)]]
+            with harness(sglang_python, ["engine"], {**env, "KVPOOL_ADOPT": "0"},
+                         work / "pressed.log", job(tiny_model, work, "pressed", batches)) as h:
+                h.wait_for("started", ENGINE_START_S)
+                outputs = h.wait_for("generated", 300)["outputs"]
+                h.wait_for("shutdown", 120)
+            stats = client.stats()
+            held = lease_of(stats, live.lease_id).held[pool]["kv"]
+            directory = client.sealed(pool)
+        reasons = [(o["finish_reason"] or {}).get("type") for o in outputs]
+        print(f"  finish reasons {sorted(set(reasons))}; the directory evicted "
+              f"{directory.evicted_total} sealed pages; the live lease holds {held}")
+        assert all(len(o["output_ids"]) == MAX_NEW for o in outputs)
+        assert "abort" not in reasons
+        assert held == live_pages  # no live page was taken
+        assert 0 < directory.evicted_total <= pages
+        assert "ran short" not in (work / "pressed.log").read_text()

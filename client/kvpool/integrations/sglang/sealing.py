@@ -267,8 +267,9 @@ class Sealer:
         self._log_adoption(replies, plan, time.monotonic() - start, quota_pages)
         return plan.placed.astype(np.int32) if self.unplaced else None
 
-    def _adopt_all(self, room: int) -> tuple[np.ndarray, list[bytes], list[bytes],
-                                               np.ndarray, list[Any]] | None:
+    def _adopt_all(self, room: int, *, later: bool = False
+                   ) -> tuple[np.ndarray, list[bytes], list[bytes], np.ndarray,
+                              list[Any]] | None:
         """Adopt calls until one takes nothing or ``room`` pages are adopted (the caller frees
         what is past ``room``: the deepest pages, as each call hands parents first)."""
         replies, ids, keys, parents, tokens = [], [], [], [], []
@@ -294,7 +295,8 @@ class Sealer:
                 return None
         self.unfenced = replies[-1].unfenced if replies else 0
         if not ids:
-            self._log_nothing(replies)
+            if not later:  # a later Adopt that took nothing is not news
+                self._log_nothing(replies)
             return None
         return np.concatenate(ids), keys, parents, np.concatenate(tokens), replies
 
@@ -364,7 +366,7 @@ class Sealer:
         log.info(
             "kvpool pool %r: adopted %d sealed pages (%d tokens, %d prefixes) in %.2f s; not "
             "placed: %d (%d inconsistent, %d whose parent is gone), freed; left in the "
-            "directory: %d unfenced, %d of other layouts; corrupt (freed): %d; quota %d pages",
+            "directory: %d unfenced, %d of other layouts; corrupt (freed): %d; room for %d",
             self.pool, plan.placed.shape[0], plan.placed.shape[0] * self.page_size,
             len(plan.paths), seconds, plan.unplaced.shape[0], plan.inconsistent,
             plan.orphans, last.unfenced, last.other_layout,
@@ -409,7 +411,8 @@ class Sealer:
                      self.pool, left.shape[0])
 
     def _adopt_later(self, room: int) -> None:
-        got = self._adopt_all(max(0, room))
+        start = time.monotonic()
+        got = self._adopt_all(max(0, room), later=True)
         if got is None:
             self.retry_at = time.monotonic() + self.retry_wait
             self.retry_wait = min(self.retry_wait * 2, self.settings.retry_s * RETRY_GROWTH)
@@ -422,7 +425,7 @@ class Sealer:
             self._free_direct(plan.unplaced)
         self._record(plan.placed, ids, keys, parents, tokens)
         self.adopted += int(plan.placed.shape[0])
-        self._log_adoption(replies, plan, 0.0, room)
+        self._log_adoption(replies, plan, time.monotonic() - start, room)
         self._place(plan)
         self.retry_wait = self.settings.retry_s
         self.retry_at = time.monotonic() + self.retry_wait
