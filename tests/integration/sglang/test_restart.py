@@ -31,7 +31,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,6 @@ import pytest
 from kvpool.clients.client import KVPoolClient
 from kvpool.integrations.sglang.page_keys import chain_keys
 from tests.conftest import REPO, DaemonProcess, temp_dir
-from tests.integration.side_venv import sglang_env, wait_until
 from tests.integration.sglang.test_engine import (
     ENGINE_START_S,
     HARNESS,
@@ -53,6 +51,7 @@ from tests.integration.sglang.test_engine import (
     lease_of,
     without_kvpool_env,
 )
+from tests.integration.side_venv import sglang_env, wait_until
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -60,10 +59,10 @@ MAX_TOTAL_TOKENS = 512
 MAX_NEW = 8
 A = list(range(10, 34))  # 24 tokens: 6 pages
 B = list(range(100, 128))  # 28 tokens: 7 pages
-FIRST_BATCHES = [[A + [200, 201, 202, 203, 204], B + [220, 221, 222]],
-                 [A + [210, 211, 212], B + [230, 231, 232, 233, 234, 235]]]
+FIRST_BATCHES = [[[*A, 200, 201, 202, 203, 204], [*B, 220, 221, 222]],
+                 [[*A, 210, 211, 212], [*B, 230, 231, 232, 233, 234, 235]]]
 # After the restart: new suffixes (their prefix pages are the dead engine's), and one old prompt.
-RESTART = [A + [240, 241, 242, 243], B + [250, 251], A + [200, 201, 202, 203, 204]]
+RESTART = [[*A, 240, 241, 242, 243], [*B, 250, 251], [*A, 200, 201, 202, 203, 204]]
 
 
 def full_pages_cached(prompt: list[int], dead_tokens: list[list[int]]) -> int:
