@@ -164,6 +164,17 @@ def wait_for(what: str, check: Any, timeout_s: float) -> Any:
     raise RuntimeError(f"{what}: not so after {timeout_s} s")
 
 
+def tree_pages(served: list[tuple[list[int], list[int]]]) -> int:
+    """The radix tree's full pages after these requests (prompt, output): the distinct
+    page-aligned prefixes of each prompt and its output but the last token."""
+    seen = set()
+    for prompt, output in served:
+        seq = prompt + output[:-1]
+        for k in range(1, len(seq) // PAGE + 1):
+            seen.add(tuple(seq[:k * PAGE]))
+    return len(seen)
+
+
 def one_round(k: int, work: Path, model: Path, target: str, s: argparse.Namespace,
               rng: Any) -> dict[str, Any]:
     from kvpool import KVPoolClient
@@ -181,12 +192,14 @@ def one_round(k: int, work: Path, model: Path, target: str, s: argparse.Namespac
         e, _ = spawn(work, model, target, pool, f"live-{k}")
         try:
             e.wait_for("started", START_S)
-            serve(e, first_use)
+            used = serve(e, first_use)
             live = serve(e, probes_live)
-            # the tree's pages: each prefix and its suffixes, whole pages; sealed at idle
-            want = sum((len(p) + NEW_TOKENS - 1) // PAGE for p in first_use + probes_live)
-            wait_for("the tree's pages sealed",
-                     lambda: client.sealed(pool).held >= want * 0.9, 60)
+            # the tree's full pages (distinct page-aligned prefixes of what was served), all
+            # sealed once the engine is idle
+            want = tree_pages([(q, r["output_ids"]) for q, r in
+                               zip(first_use + probes_live, used + live, strict=True)])
+            wait_for(f"the tree's {want} pages sealed",
+                     lambda: client.sealed(pool).held >= want, 60)
         finally:
             kill(e)
         wait_for("the killed engine's lease expired",
