@@ -381,6 +381,12 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         if ids is None and cache.core.returning:  # pages on their way back: wait for that
             cache.settle()  # fact (the return's reply) and ask once more: SGLang expects pages
             ids = cache.try_alloc(n)
+        if ids is None and self.sealer is not None and self.sealer.worker.busy:
+            # Sealed pages SGLang freed are still this lease's until the sealer's worker frees
+            # them (batched): make those Frees now, then ask once more (the daemon's directory
+            # gives them back when the pool is short).
+            self.sealer.worker.flush()
+            ids = cache.try_alloc(n)
         if ids is None:
             if not self._short_warned:
                 self._short_warned = True

@@ -2,14 +2,17 @@
 
 Every way SGLang 0.5.23 puts KV into its radix tree goes through ``tree.insert``
 (``UnifiedRadixCache.checkpoint_into_tree`` for a finished request and for each chunk of an
-unfinished one; ``RadixCache._insert_cache`` on the legacy tree), and the insert is where the
-tree takes pages: the request's pages for the part of the key the tree did not hold. The
-plugin replaces ``insert`` on the tree *object* (SGLang's files and classes are untouched)
-with a wrapper that asks the tree for the ranges it took (``InsertParams.track_adopted_ranges``,
-which both tree cores support: the Python and the Rust one) and hands them to the sealer; the
-insert itself is SGLang's, unchanged. SGLang's KV-event recorder was the other candidate seam:
-it is off unless ``--kv-events-config`` is set, the Rust tree core records its events inside
-the extension, and an event carries hashes and tokens but not the pages.
+unfinished one), and the insert is where the tree takes pages: the request's pages for the
+part of the key the tree did not hold. The plugin replaces ``insert`` on the tree *object*
+(SGLang's files and classes are untouched) with a wrapper that asks the tree for the ranges
+it took (``InsertParams.track_adopted_ranges``, which both of the unified tree's cores
+support: the Python and the Rust one) and hands them to the sealer; the insert itself is
+SGLang's, unchanged. A tree that does not report them (a disabled tree; the legacy
+``RadixCache``, which SGLang 0.5.23 builds for no model by default) is not sealed from.
+
+SGLang's KV-event recorder was the other candidate seam: it is off unless
+``--kv-events-config`` is set, the Rust tree core records its events inside the extension,
+and an event carries hashes and tokens but not the pages.
 
 Keys with a namespace (``extra_key``: LoRA; ``cache_salt``) and bigram keys (EAGLE) are not
 sealed (counted in ``Sealer.skipped``).
@@ -75,10 +78,9 @@ def _took(sealer: Sealer, key: Any, value: torch.Tensor, result: Any, page_size:
         return
     length = len(key) // page_size * page_size
     adopted = getattr(result, "adopted_ranges", None)
-    if adopted is not None:
-        ranges = [(int(s), int(e)) for s, e in adopted.get(FULL, ())]
-    else:  # a tree that does not report them (the legacy RadixCache): the tail it added
-        ranges = [(int(result.prefix_len), length)]
+    if adopted is None:  # a tree that took nothing (disabled) or does not say what it took
+        return
+    ranges = [(int(s), int(e)) for s, e in adopted.get(FULL, ())]
     ranges = [(s, min(e, length)) for s, e in ranges if s < min(e, length)]
     if not ranges:
         return
@@ -116,9 +118,7 @@ def insert_paths(tree: Any, paths: list[tuple[np.ndarray, np.ndarray]], page_siz
         result = insert(InsertParams(key=key, value=value, prev_prefix_len=n, inserted_len=n,
                                      track_adopted_ranges=True))
         adopted = getattr(result, "adopted_ranges", None)
-        ranges = (adopted.get(FULL, ()) if adopted is not None
-                  else [(int(result.prefix_len), n)])
-        for s, e in ranges:
+        for s, e in (() if adopted is None else adopted.get(FULL, ())):
             taken.update(pages[int(s) // page_size:int(e) // page_size].tolist())
     return taken
 

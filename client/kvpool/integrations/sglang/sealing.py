@@ -123,8 +123,15 @@ class SealWorker:
             self._queued += 1
         self._q.put((kind, item))
 
-    def wait_idle(self, timeout_s: float | None = None) -> bool:
-        """Wait until every call queued so far was made (tests, shutdown)."""
+    @property
+    def busy(self) -> bool:
+        """Whether calls are queued (sealed pages freed here may still be the lease's)."""
+        return self._queued > 0
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Make every call queued so far now (the window cut short) and wait for them: the
+        allocator does when the pool refused it pages while sealed frees were queued."""
+        self.put("flush", None)
         with self._idle:
             return self._idle.wait_for(lambda: self._queued == 0, timeout_s)
 
@@ -147,7 +154,7 @@ class SealWorker:
                 return
             items = [first]
             stop = False
-            deadline = time.monotonic() + SEAL_WINDOW_S
+            deadline = time.monotonic() + (0.0 if first[0] == "flush" else SEAL_WINDOW_S)
             while (left := deadline - time.monotonic()) > 0:
                 try:
                     nxt = self._q.get(timeout=left)
@@ -157,6 +164,8 @@ class SealWorker:
                     stop = True
                     break
                 items.append(nxt)
+                if nxt[0] == "flush":
+                    break
             batch: list[Any] = []
             for kind, arg in items:
                 if kind == "seal":
@@ -243,7 +252,10 @@ class Sealer:
         self.by_key: dict[bytes, int] = {}
         self.seq = 0
         self.pending: list[_Pending] = []
-        self.inflight: list[tuple[Any, torch.Tensor, list[_Pending]]] = []
+        self.inflight: list[tuple[list[Any], torch.Tensor, list[_Pending]]] = []
+        # CUDA: the stream SGLang's forward passes write the KV on (the scheduler's), found
+        # at the first step; a page is sealed once the work queued there at its insert is done.
+        self.forward_stream: Any = None
         self.worker = SealWorker(lease, pool, layout)
         self.cache: Any = None
         self.tree: Any = None
@@ -399,6 +411,8 @@ class Sealer:
 
             install(tree, self)
             self.tree = tree
+            if self.cuda and self.forward_stream is None:
+                self.forward_stream = forward_stream_of_caller()
         tree = self.tree
         if tree is None:
             return
@@ -460,7 +474,7 @@ class Sealer:
         ids are on the host)."""
         if self.inflight:
             ready = []
-            while self.inflight and self.inflight[0][0].query():
+            while self.inflight and all(ev.query() for ev in self.inflight[0][0]):
                 ready.append(self.inflight.pop(0))
             for _event, host, entries in ready:
                 self._seal_entries(entries, host.numpy())
@@ -473,13 +487,22 @@ class Sealer:
         if self.cuda:
             host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
             host.copy_(flat, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self.inflight.append((event, host, entries))
+            copied = torch.cuda.Event()
+            copied.record()  # the ids' copy, on this (the scheduler's) stream
+            events = [copied]
+            if self.forward_stream is not None:
+                # With the overlap scheduler a chunk enters the tree while its forward pass
+                # may still run on the forward stream: seal after what is queued there now.
+                written = torch.cuda.Event()
+                written.record(self.forward_stream)
+                events.append(written)
+            self.inflight.append((events, host, entries))
             return
         self._seal_entries(entries, flat.numpy())
 
     def _seal_entries(self, entries: list[_Pending], flat: np.ndarray) -> None:
+        if not self.active:
+            return
         ps = self.page_size
         out_pages: list[int] = []
         out_keys: list[bytes] = []
@@ -554,6 +577,27 @@ class Sealer:
         self.worker.stop()
 
 
+def forward_stream_of_caller(depth: int = 8) -> Any:
+    """SGLang's forward stream (``Scheduler.forward_stream``), from the scheduler frame that
+    called the allocator's hook (``create_prefill_budget``, ``check_decode_capacity`` or
+    ``verify_byte_accounting``: within a few frames); None if not found (logged: pages are
+    then sealed after an event on the scheduler's stream only)."""
+    import sys
+
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        stream = getattr(owner, "forward_stream", None)
+        if stream is not None and hasattr(owner, "tree_cache"):
+            return stream
+    log.warning("kvpool: SGLang's forward stream was not found from the allocator's hook: "
+                "sealed pages wait for the scheduler's stream only")
+    return None
+
+
 def sealing_layout(page_size: int) -> tuple[str, str | None]:
     """The layout string this engine seals and adopts under, and why it must not (None: it
     may): the engine and version, the key hash, the model (path, revision, a digest of its
@@ -573,7 +617,9 @@ def sealing_layout(page_size: int) -> tuple[str, str | None]:
     tp_rank = int(getattr(parallel, "tp_rank", 0))
     pp_rank = int(getattr(parallel, "pp_rank", 0))
     why = None
-    if tp * pp > 1:
+    if getattr(args, "disable_radix_cache", False):
+        why = "SGLang's radix cache is off (--disable-radix-cache): no prefix to keep"
+    elif tp * pp > 1:
         why = (f"TP {tp} x PP {pp}: the ranks would have to adopt the same prefixes (not "
                "built)")
     elif getattr(args, "speculative_algorithm", None):
