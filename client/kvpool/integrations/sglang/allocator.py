@@ -67,7 +67,7 @@ from kvpool.integrations.sglang.elastic_upkeep import ElasticUpkeep
 from kvpool.integrations.sglang.grow_plan import available_tokens, live_tokens
 from kvpool.integrations.sglang.page_frees import PageFrees, debug_memory_pool
 from kvpool.integrations.sglang.scheduler_binding import PoolBinding, binding_from_env, binding_of
-from kvpool.integrations.sglang.sealing import (
+from kvpool.integrations.sglang.sealer import (
     ADOPT_ENV,
     SEAL_ENV,
     Sealer,
@@ -204,7 +204,7 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
 
     def _make_sealer(self, kvcache: Any, stats: Stats, page_size: int,
                      device: Any) -> Sealer | None:
-        """The sealing and adoption of this allocator's pages (``sealing.py``), or None
+        """The sealing and adoption of this allocator's pages (``sealer.py``), or None
         (off, or a pool it does not cover: the reason is logged once)."""
         settings = SealSettings.from_env()
         if not (settings.seal or settings.adopt):
@@ -236,7 +236,7 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
                       page_size=page_size, device=device, layout=layout, settings=settings)
 
     def _step(self, tree_cache: Any) -> None:
-        """Between scheduler steps: the sealer's work (``sealing.Sealer.step``)."""
+        """Between scheduler steps: the sealer's work (``sealer.Sealer.step``)."""
         if self.sealer is not None and not self._closed:
             self.sealer.step(tree_cache, self.num_pages - self.pages_in_use)
 

@@ -88,7 +88,7 @@ class PageFrees:
     def __init__(self, cache: Any, copies: DeviceCopies, *, page_size: int, debug: bool,
                  pool: str, sealer: Any = None) -> None:
         self.cache = cache
-        self.sealer = sealer  # sealing.Sealer: sealed pages go to the daemon, not the cache
+        self.sealer = sealer  # sealer.Sealer: sealed pages go to the daemon, not the cache
         self.copies = copies
         self.page_size = page_size
         self.debug = debug

@@ -34,9 +34,9 @@ import torch
 from kvpool.integrations.sglang.page_keys import sealable_tokens
 
 if TYPE_CHECKING:
-    from kvpool.integrations.sglang.sealing import Sealer
+    from kvpool.integrations.sglang.sealer import Sealer
 
-log = logging.getLogger("kvpool.integrations.sglang.sealing")
+log = logging.getLogger("kvpool.integrations.sglang.sealer")
 
 FULL = 0  # sglang ComponentType.FULL (an int enum): the ranges of the full-attention KV
 ORIGINAL = "_kvpool_original_insert"

@@ -53,7 +53,7 @@ from kvpool.integrations.sglang.page_keys import (
     plan_inserts,
 )
 
-log = logging.getLogger("kvpool.integrations.sglang.sealing")
+log = logging.getLogger("kvpool.integrations.sglang.sealer")
 
 SEAL_ENV = "KVPOOL_SEAL"
 ADOPT_ENV = "KVPOOL_ADOPT"
@@ -359,7 +359,7 @@ class Sealer:
         self.keys[page] = np.frombuffer(key, dtype=np.uint8)
         self.parents[page] = np.frombuffer(parent, dtype=np.uint8)
         self.tokens[page] = tokens
-        self.by_key[key] = page
+        self.by_key.setdefault(key, page)  # a duplicate adopted later is not the tree's
 
     def known(self, key: bytes) -> Known | None:
         """This allocator's sealed page of ``key`` (for chains adopted in later calls)."""
@@ -562,8 +562,10 @@ class Sealer:
             return pages
         sealed = np.unique(pages[mask])
         self.sealed[sealed] = False
-        for key in (bytes(k) for k in self.keys[sealed]):
-            self.by_key.pop(key, None)
+        for page, key in zip(sealed.tolist(), (bytes(k) for k in self.keys[sealed]),
+                             strict=True):
+            if self.by_key.get(key) == page:
+                del self.by_key[key]
         self.worker.put("free", self.cache.release(sealed.astype(np.int32)))
         return pages[~mask]
 
