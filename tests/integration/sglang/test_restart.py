@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -235,19 +236,28 @@ def test_restart_adopts(sglang_python: Path, sglang_daemon: DaemonProcess, tiny_
         assert client.sealed(pool).adopted_total >= pages * 0.99
 
 
-def group_gone(pgid: int, timeout_s: float = 60) -> None:
-    """Wait until no process of group ``pgid`` runs any more (zombies have exited: their pidfd
-    reads as such; the group's leader is this test's child, reaped by ``close``)."""
-    def alive() -> list[int]:
-        out = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-                if int(fields[2]) == pgid and fields[0] != "Z":
-                    out.append(int(stat.parent.name))
-        return out
+def group_pidfds(pgid: int) -> list[int]:
+    """Pidfds of the processes of group ``pgid`` (opened now: a reused pid is never them)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                out.append(os.pidfd_open(int(stat.parent.name)))
+    return out
 
-    wait_until(f"process group {pgid} gone", lambda: not alive(), timeout_s)
+
+def kill_and_wait_exited(pgid: int, timeout_s: float = 60) -> None:
+    """SIGKILL group ``pgid`` and wait until each of its processes has exited as the daemon's
+    fence sees it: its pidfd reads (every thread gone; a zombie counts as exited)."""
+    fds = group_pidfds(pgid)
+    assert fds
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+        wait_until(f"process group {pgid} exited",
+                   lambda: all(select.select([fd], [], [], 0)[0] for fd in fds), timeout_s)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def test_stopped_engine_is_fenced(sglang_python: Path, sglang_daemon: DaemonProcess,
@@ -273,8 +283,7 @@ def test_stopped_engine_is_fenced(sglang_python: Path, sglang_daemon: DaemonProc
                 h.wait_for("paused", 300)
                 assert client.sealed(pool).adopted_total == 0
                 print("old engine SIGKILLed: the new one adopts at its next admission")
-                old.kill_group()
-                group_gone(old.proc.pid)
+                kill_and_wait_exited(old.proc.pid)
                 h.send("")
                 outputs = h.wait_for("generated", 300)["outputs"]
                 h.wait_for("shutdown", 120)

@@ -317,9 +317,9 @@ class Sealer:
                         err)
             if not ids:
                 return None
-        self.unfenced = replies[-1].unfenced if replies else 0
+        before, self.unfenced = self.unfenced, (replies[-1].unfenced if replies else 0)
         if not ids:
-            if not later:  # a later Adopt that took nothing is not news
+            if not later or self.unfenced != before:  # a later empty Adopt: only news
                 self._log_nothing(replies)
             return None
         return np.concatenate(ids), keys, parents, np.concatenate(tokens), replies
