@@ -235,10 +235,11 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         return Sealer(lease=self.lease, pool=self.pool_name, capacity=self.capacity,
                       page_size=page_size, device=device, layout=layout, settings=settings)
 
-    def _step(self, tree_cache: Any) -> None:
+    def _step(self, tree_cache: Any, *, admission: bool = False) -> None:
         """Between scheduler steps: the sealer's work (``sealer.Sealer.step``)."""
         if self.sealer is not None and not self._closed:
-            self.sealer.step(tree_cache, self.num_pages - self.pages_in_use)
+            self.sealer.step(tree_cache, self.num_pages - self.pages_in_use,
+                             admission=admission)
 
     def _open_cache(self, stats: Stats, held: np.ndarray | None = None) -> PageCache:
         """The page cache: an elastic pool's keeps every page it fetched, has no worker and
@@ -313,7 +314,7 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         """SGLang's admission budget; over an elastic pool it counts the live free size. An
         admission starts a step: the sealer's work runs first (adopted pages go into the tree
         before any request is matched for this admission)."""
-        self._step(tree_cache)
+        self._step(tree_cache, admission=True)
         if self.elastic is None:
             return super().create_prefill_budget(
                 tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)

@@ -403,9 +403,10 @@ class Sealer:
         self.cache = cache
         self.worker.cache = cache
 
-    def step(self, tree: Any, room: int) -> None:
+    def step(self, tree: Any, room: int, *, admission: bool = False) -> None:
         """Between scheduler steps: the radix tree's hook, the adopted pages into it, the
-        step's Seal, and a later Adopt when due. ``room``: pages the quota still has."""
+        step's Seal, and, at an ``admission``, a later Adopt when due. ``room``: pages the
+        quota still has."""
         if tree is not None and tree is not self.tree:
             from kvpool.integrations.sglang.radix_hook import install
 
@@ -420,7 +421,8 @@ class Sealer:
             self._place(self.plan)
             self.plan = None
         self.flush()
-        if self.settings.adopt and self.unfenced and time.monotonic() >= self.retry_at:
+        if (admission and self.settings.adopt and self.unfenced
+                and time.monotonic() >= self.retry_at):
             self._adopt_later(room)
 
     def _place(self, plan: InsertPlan) -> None:
