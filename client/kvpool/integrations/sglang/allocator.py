@@ -183,6 +183,8 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
             if self.sealer is not None:
                 self.sealer.bind(self.cache)
         except BaseException:
+            if getattr(self, "sealer", None) is not None:
+                self.sealer.close()
             if self.owns_binding:
                 self.binding.close()
             raise
