@@ -8,6 +8,7 @@ cache, and the rest of a free goes to the cache."""
 from __future__ import annotations
 
 import itertools
+from array import array
 from collections.abc import Iterator
 
 import numpy as np
@@ -21,6 +22,15 @@ from tests.conftest import TINY_OPTIONS, TINY_PAGES, TINY_SPEC, DaemonProcess, r
 
 PS = TINY_OPTIONS["page_size"]
 _names = itertools.count()
+
+
+def insert(sealer: Sealer, tokens: np.ndarray, pages: np.ndarray,
+           ranges: list[tuple[int, int]]) -> None:
+    """What the radix hook hands the sealer for an insert of ``tokens`` (SGLang's int64 array)
+    whose KV lies in ``pages`` (its KV indices: page * page_size + offset), the tree taking
+    ``ranges``."""
+    value = torch.from_numpy((pages.astype(np.int64)[:, None] * PS + np.arange(PS)).reshape(-1))
+    sealer.inserted(array("q", tokens.astype(np.int64).tobytes()), len(tokens), ranges, value)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +58,7 @@ def test_the_tree_s_pages_are_sealed_at_the_next_step_with_sglang_s_keys(setup) 
     client, pool, sealer, cache = setup
     tokens = np.arange(3, 3 + 4 * PS).astype(np.uint32)
     first = cache.alloc(3)
-    sealer.inserted(tokens[:3 * PS], [(0, 3 * PS)], torch.from_numpy(first.astype(np.int64)))
+    insert(sealer, tokens[:3 * PS], first, [(0, 3 * PS)])
     assert client.sealed(pool).held == 0  # nothing before the step
     sealer.flush()
     assert sealer.worker.flush(30)
@@ -59,8 +69,7 @@ def test_the_tree_s_pages_are_sealed_at_the_next_step_with_sglang_s_keys(setup) 
     # A later insert of the same request: the tree holds the first 3 pages (the request's
     # pages there are the tree's), and took the 4th; its parent is the tree's 3rd page.
     fourth = cache.alloc(1)
-    pages = torch.from_numpy(np.concatenate([first, fourth]).astype(np.int64))
-    sealer.inserted(tokens, [(3 * PS, 4 * PS)], pages)
+    insert(sealer, tokens, np.concatenate([first, fourth]), [(3 * PS, 4 * PS)])
     sealer.flush()
     assert sealer.worker.flush(30)
     assert sealer.keys[fourth[0]].tobytes() == keys[3]
@@ -71,8 +80,7 @@ def test_the_tree_s_pages_are_sealed_at_the_next_step_with_sglang_s_keys(setup) 
 def test_a_page_freed_before_the_step_is_not_sealed(setup) -> None:
     client, pool, sealer, cache = setup
     ids = cache.alloc(2)
-    sealer.inserted(np.arange(2 * PS).astype(np.uint32), [(0, 2 * PS)],
-                    torch.from_numpy(ids.astype(np.int64)))
+    insert(sealer, np.arange(2 * PS), ids, [(0, 2 * PS)])
     rest = sealer.freed(ids[1:].astype(np.int64))  # evicted in the same step
     assert rest.tolist() == ids[1:].tolist()  # not sealed: for the cache
     cache.free(rest)
@@ -84,8 +92,7 @@ def test_a_page_freed_before_the_step_is_not_sealed(setup) -> None:
 def test_sealed_pages_freed_go_to_the_directory_never_back_to_the_cache(setup) -> None:
     client, pool, sealer, cache = setup
     ids = cache.alloc(3)
-    sealer.inserted(np.arange(2 * PS).astype(np.uint32), [(0, 2 * PS)],
-                    torch.from_numpy(ids[:2].astype(np.int64)))
+    insert(sealer, np.arange(2 * PS), ids[:2], [(0, 2 * PS)])
     sealer.flush()
     assert sealer.worker.flush(30)
     rest = sealer.freed(ids.astype(np.int64))  # two sealed, one not

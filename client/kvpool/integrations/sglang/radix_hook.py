@@ -23,15 +23,12 @@ indices (``page * page_size + offset``), through SGLang's insert, not the wrappe
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from array import array
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-
-from kvpool.integrations.sglang.page_keys import sealable_tokens
 
 if TYPE_CHECKING:
     from kvpool.integrations.sglang.sealer import Sealer
@@ -47,7 +44,6 @@ def install(tree: Any, sealer: Sealer) -> None:
     if getattr(tree, ORIGINAL, None) is not None:
         return
     original = tree.insert
-    page_size = int(tree.page_size)
 
     def insert(params: Any) -> Any:
         key = params.key
@@ -57,11 +53,21 @@ def install(tree: Any, sealer: Sealer) -> None:
             if key is not None and sealer.active:
                 sealer.skipped += 1
             return original(params)
+        # Ask the tree what it takes: set on the caller's params for this call only (a copy
+        # would cost more than the insert's own bookkeeping), put back after.
         ask = not params.track_adopted_ranges
-        result = original(dataclasses.replace(params, track_adopted_ranges=True)
-                          if ask else params)
+        if ask:
+            params.track_adopted_ranges = True
         try:
-            _took(sealer, key, params.value, result, page_size)
+            result = original(params)
+        finally:
+            if ask:
+                params.track_adopted_ranges = False
+        try:
+            adopted = result.adopted_ranges
+            ranges = adopted.get(FULL) if adopted else None
+            if ranges and not getattr(result, "rotation_tail_declined", False):
+                sealer.inserted(key.token_ids, len(key), ranges, params.value)
         except Exception:  # sealing must never fail SGLang's insert
             log.exception("kvpool: sealing an insert failed; it is not sealed")
         if ask:
@@ -70,32 +76,6 @@ def install(tree: Any, sealer: Sealer) -> None:
 
     setattr(tree, ORIGINAL, original)
     tree.insert = insert
-
-
-def _took(sealer: Sealer, key: Any, value: torch.Tensor, result: Any, page_size: int) -> None:
-    """Hand the sealer what ``result`` says the tree took of ``key`` / ``value``."""
-    if getattr(result, "rotation_tail_declined", False):
-        return
-    length = len(key) // page_size * page_size
-    adopted = getattr(result, "adopted_ranges", None)
-    if adopted is None:  # a tree that took nothing (disabled) or does not say what it took
-        return
-    ranges = [(int(s), int(e)) for s, e in adopted.get(FULL, ())]
-    ranges = [(s, min(e, length)) for s, e in ranges if s < min(e, length)]
-    if not ranges:
-        return
-    if any(s % page_size or e % page_size for s, e in ranges):
-        sealer.skipped += 1
-        return
-    end = max(e for _, e in ranges)
-    tokens = sealable_tokens(np.frombuffer(key.token_ids, dtype=np.int64, count=end)
-                             if isinstance(key.token_ids, array) and key.token_ids.typecode == "q"
-                             else np.asarray(key.token_ids[:end], dtype=np.int64))
-    if tokens is None:
-        sealer.skipped += 1
-        return
-    pages = value[:end:page_size].to(torch.int64) // page_size
-    sealer.inserted(tokens, ranges, pages)
 
 
 def insert_paths(tree: Any, paths: list[tuple[np.ndarray, np.ndarray]], page_size: int,

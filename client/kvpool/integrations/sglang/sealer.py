@@ -35,6 +35,7 @@ import os
 import queue
 import threading
 import time
+from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,7 @@ from kvpool.integrations.sglang.page_keys import (
     chain_keys,
     page_key,
     plan_inserts,
+    sealable_tokens,
 )
 
 log = logging.getLogger("kvpool.integrations.sglang.sealer")
@@ -61,8 +63,8 @@ RETRY_ENV = "KVPOOL_ADOPT_RETRY_S"
 DEFAULT_RETRY_S = 5.0
 RETRY_GROWTH = 64  # the retry interval grows to at most this many times the base
 # The worker gathers what the scheduler's steps queue for this long, then makes one Seal and
-# one Free (RPCs per second, not per step: each costs the daemon ~0.3 ms of CPU).
-SEAL_WINDOW_S = 0.1
+# one Free (a few RPCs a second, not one per step: each costs both sides CPU).
+SEAL_WINDOW_S = 0.25
 SEAL_PAGES = 16_384  # at most this many pages (~2 MiB at page 16) a Seal, under its 8 MiB
 
 
@@ -213,12 +215,15 @@ class SealWorker:
 
 @dataclass
 class _Pending:
-    """One insert's new tree pages, waiting for the step's Seal."""
+    """One insert's new tree pages, waiting for the step's Seal (nothing converted yet: the
+    hook only keeps references; the step does the work)."""
 
     seq: int  # the insert's sequence number (pages freed since are not sealed)
-    tokens: np.ndarray  # uint32 token ids of the key up to the last new page
+    token_ids: Any  # the radix key's token ids (SGLang's array: its prefix does not change)
+    end: int  # tokens up to the last page the tree took
     ranges: list[tuple[int, int]]  # token ranges the tree took (whole pages)
-    pages: Any  # page id per page position of ``tokens`` (a tensor; host once copied)
+    value: Any  # the insert's KV indices (a tensor on SGLang's device)
+    tokens: Any = None  # uint32 token ids [:end], made by the step
 
 
 class Sealer:
@@ -464,56 +469,80 @@ class Sealer:
     def active(self) -> bool:
         return self.settings.seal and self.worker.failed is None
 
-    def inserted(self, tokens: np.ndarray, ranges: list[tuple[int, int]],
-                 pages: Any) -> None:
-        """The radix hook: an insert's tree took ``ranges`` of a key whose page ids per page
-        position are ``pages`` (a tensor, on the device)."""
+    def inserted(self, token_ids: Any, length: int, ranges: list[tuple[int, int]],
+                 value: Any) -> None:
+        """The radix hook: an insert of a key of ``length`` tokens (``token_ids``) with KV
+        indices ``value`` made the tree take ``ranges``; kept for the step."""
+        ps = self.page_size
+        length = length // ps * ps
+        rs = [(int(a), min(int(b), length)) for a, b in ranges if int(a) < min(int(b), length)]
+        if not rs:
+            return
+        if any(a % ps or b % ps for a, b in rs):
+            self.skipped += 1
+            return
         self.seq += 1
-        self.pending.append(_Pending(self.seq, tokens, ranges, pages))
+        self.pending.append(_Pending(self.seq, token_ids, max(b for _, b in rs), rs, value))
 
     def flush(self) -> None:
         """Seal what the step's inserts added (on CUDA: what an earlier step's did, once its
-        ids are on the host)."""
+        ids are on the host and the forward pass that wrote them is done)."""
         if self.inflight:
             ready = []
             while self.inflight and all(ev.query() for ev in self.inflight[0][0]):
                 ready.append(self.inflight.pop(0))
-            for _event, host, entries in ready:
+            for _events, host, entries in ready:
                 self._seal_entries(entries, host.numpy())
         if not self.pending:
             return
         entries, self.pending = self.pending, []
         if not self.active:
             return
-        flat = torch.cat([e.pages.reshape(-1) for e in entries])
-        if self.cuda:
-            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-            host.copy_(flat, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()  # the ids' copy, on this (the scheduler's) stream
-            events = [copied]
-            if self.forward_stream is not None:
-                # With the overlap scheduler a chunk enters the tree while its forward pass
-                # may still run on the forward stream: seal after what is queued there now.
-                written = torch.cuda.Event()
-                written.record(self.forward_stream)
-                events.append(written)
-            self.inflight.append((events, host, entries))
+        ps = self.page_size
+        kept = []
+        for e in entries:
+            ids = e.token_ids
+            raw = (np.frombuffer(ids, dtype=np.int64, count=e.end)
+                   if isinstance(ids, array) and ids.typecode == "q"
+                   else np.asarray(ids[:e.end], dtype=np.int64))
+            e.tokens = sealable_tokens(raw)  # a copy: no view of SGLang's array is kept
+            if e.tokens is None:
+                self.skipped += 1
+            else:
+                kept.append(e)
+        if not kept:
             return
-        self._seal_entries(entries, flat.numpy())
+        if not self.cuda:
+            flat = np.concatenate([e.value.numpy()[:e.end:ps] for e in kept]) // ps
+            self._seal_entries(kept, flat)
+            return
+        ids_t = torch.cat([e.value[:e.end:ps] for e in kept]) // ps
+        host = torch.empty(ids_t.shape, dtype=ids_t.dtype, pin_memory=True)
+        host.copy_(ids_t, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()  # the ids' copy, on this (the scheduler's) stream
+        events = [copied]
+        if self.forward_stream is not None:
+            # With the overlap scheduler a chunk enters the tree while its forward pass may
+            # still run on the forward stream: seal after what is queued there now.
+            written = torch.cuda.Event()
+            written.record(self.forward_stream)
+            events.append(written)
+        self.inflight.append((events, host, kept))
 
     def _seal_entries(self, entries: list[_Pending], flat: np.ndarray) -> None:
+        """Mark and queue for Seal the pages ``entries`` added (``flat``: the page id of
+        each page position, entry after entry)."""
         if not self.active:
             return
         ps = self.page_size
-        out_pages: list[int] = []
-        out_keys: list[bytes] = []
-        out_parents: list[bytes] = []
-        out_tokens: list[np.ndarray] = []
+        flat = flat.astype(np.int64, copy=False)
+        out: list[tuple[np.ndarray, list[bytes], list[bytes], np.ndarray]] = []
         offset = 0
         in_use = self.cache.in_use_of
+        by_key = self.by_key
         for e in entries:
-            n = e.pages.numel()
+            n = e.end // ps
             pages = flat[offset:offset + n]
             offset += n
             for s, end in e.ranges:
@@ -521,21 +550,25 @@ class Sealer:
                 keys = chain_keys(e.tokens[s:end], ps, prev)
                 new = pages[s // ps:end // ps]
                 ok = (self.freed_seq[new] < e.seq) & ~self.sealed[new] & in_use(new)
-                for j in np.flatnonzero(ok).tolist():
-                    page, key = int(new[j]), keys[j]
-                    if key in self.by_key:
-                        continue
-                    parent = prev if j == 0 else keys[j - 1]
-                    parent = ZERO_KEY if parent is None else parent
-                    row = e.tokens[s + j * ps:s + (j + 1) * ps]
-                    self._mark(page, key, parent, row)
-                    out_pages.append(page)
-                    out_keys.append(key)
-                    out_parents.append(parent)
-                    out_tokens.append(row)
-        if out_pages:
-            self.worker.put("seal", (np.asarray(out_pages, dtype=np.int64), out_keys,
-                                     out_parents, np.concatenate(out_tokens)))
+                take = [j for j in np.flatnonzero(ok).tolist() if keys[j] not in by_key]
+                if not take:
+                    continue
+                parents = [(prev or ZERO_KEY) if j == 0 else keys[j - 1] for j in take]
+                picked = [keys[j] for j in take]
+                sel = new[take]
+                rows = e.tokens[s:end].reshape(-1, ps)[take]
+                self.sealed[sel] = True
+                self.keys[sel] = np.frombuffer(b"".join(picked), np.uint8).reshape(-1, KEY_BYTES)
+                self.parents[sel] = np.frombuffer(b"".join(parents), np.uint8).reshape(
+                    -1, KEY_BYTES)
+                self.tokens[sel] = rows
+                by_key.update(zip(picked, sel.tolist(), strict=True))
+                out.append((sel, picked, parents, rows.reshape(-1)))
+        if out:
+            self.worker.put("seal", (np.concatenate([o[0] for o in out]),
+                                     [k for o in out for k in o[1]],
+                                     [k for o in out for k in o[2]],
+                                     np.concatenate([o[3] for o in out])))
 
     def _parent_key(self, e: _Pending, pages: np.ndarray, start: int) -> bytes | None:
         """The key of the page before token ``start``: the tree's page there when this
