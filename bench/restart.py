@@ -219,6 +219,8 @@ def one_round(k: int, work: Path, model: Path, target: str, s: argparse.Namespac
         finally:
             kill(e)
         adopted = client.sealed(pool).adopted_total
+        for name in (pool, cold_pool):  # the daemon's budget holds two pools at a time
+            client.drop(name, force=True)
     same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(restarted, cold, strict=True))
     for name, results, at, up in (("live", live, None, None),
                                   ("restarted", restarted, spawned, started),
