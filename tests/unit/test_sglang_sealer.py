@@ -17,7 +17,8 @@ import torch
 
 from kvpool import KVPoolClient
 from kvpool.integrations.sglang.page_keys import ZERO_KEY, chain_keys
-from kvpool.integrations.sglang.sealer import Sealer, SealSettings
+from kvpool.integrations.sglang.seal_settings import SealSettings
+from kvpool.integrations.sglang.sealer import Sealer
 from tests.conftest import TINY_OPTIONS, TINY_PAGES, TINY_SPEC, DaemonProcess, run_daemon, temp_dir
 
 PS = TINY_OPTIONS["page_size"]

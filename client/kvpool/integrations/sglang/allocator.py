@@ -67,13 +67,13 @@ from kvpool.integrations.sglang.elastic_upkeep import ElasticUpkeep
 from kvpool.integrations.sglang.grow_plan import available_tokens, live_tokens
 from kvpool.integrations.sglang.page_frees import PageFrees, debug_memory_pool
 from kvpool.integrations.sglang.scheduler_binding import PoolBinding, binding_from_env, binding_of
-from kvpool.integrations.sglang.sealer import (
+from kvpool.integrations.sglang.seal_settings import (
     ADOPT_ENV,
     SEAL_ENV,
-    Sealer,
     SealSettings,
     sealing_layout,
 )
+from kvpool.integrations.sglang.sealer import Sealer
 from kvpool.integrations.sglang.token_slots import (
     decode_starts,
     extend_new_pages,

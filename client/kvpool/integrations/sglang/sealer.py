@@ -22,28 +22,26 @@
   as unfenced too (its lease lives), hence the backoff.
 
 Off: ``KVPOOL_SEAL=0`` (nothing sealed; adoption still on), ``KVPOOL_ADOPT=0`` (nothing
-adopted). Not on: elastic pools, hybrid pools (SWA, linear), TP/PP > 1, EAGLE (bigram keys):
-the reason is logged once. Sealing relies on SGLang writing a page's KV before the insert that
-hands it to the tree; on CUDA the ids are copied back with an event and sealed once it
-completed.
+adopted); not on elastic pools, hybrid pools (SWA, linear), TP/PP > 1, speculative decoding,
+HiCache or without a radix cache: the reason is logged once (``seal_settings.py``, with the
+layout string). The calls themselves: ``seal_worker.py``. On CUDA the ids are copied back
+without waiting, and a page is sealed once the work queued on SGLang's forward stream when
+it entered the tree is done (with the overlap scheduler a prefill chunk enters the tree while
+its forward pass may still run).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import queue
-import threading
 import time
 from array import array
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvpool.contract.errors import InvalidArgument, KVPoolError
+from kvpool.contract.errors import KVPoolError
 from kvpool.contract.limits import KEY_BYTES, MAX_ADOPT_PAGES
 from kvpool.integrations.sglang.page_keys import (
     ZERO_KEY,
@@ -54,163 +52,15 @@ from kvpool.integrations.sglang.page_keys import (
     plan_inserts,
     sealable_tokens,
 )
+from kvpool.integrations.sglang.seal_settings import (
+    ADOPT_ENV,
+    RETRY_GROWTH,
+    SealSettings,
+    forward_stream_of_caller,
+)
+from kvpool.integrations.sglang.seal_worker import SealWorker
 
 log = logging.getLogger("kvpool.integrations.sglang.sealer")
-
-SEAL_ENV = "KVPOOL_SEAL"
-ADOPT_ENV = "KVPOOL_ADOPT"
-RETRY_ENV = "KVPOOL_ADOPT_RETRY_S"
-DEFAULT_RETRY_S = 5.0
-RETRY_GROWTH = 64  # the retry interval grows to at most this many times the base
-# The worker gathers what the scheduler's steps queue for this long, then makes one Seal and
-# one Free (a few RPCs a second, not one per step: each costs both sides CPU).
-SEAL_WINDOW_S = 0.25
-SEAL_PAGES = 16_384  # at most this many pages (~2 MiB at page 16) a Seal, under its 8 MiB
-
-
-def _flag(env: Mapping[str, str], name: str) -> bool:
-    value = env.get(name, "1").strip().lower()
-    if value not in ("1", "true", "0", "false", ""):
-        raise InvalidArgument(f"{name}={value!r}: expected 1 or 0", field=name)
-    return value in ("1", "true", "")
-
-
-@dataclass(frozen=True)
-class SealSettings:
-    """Whether the engine seals and adopts, and how often it adopts again."""
-
-    seal: bool = True
-    adopt: bool = True
-    retry_s: float = DEFAULT_RETRY_S
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> SealSettings:
-        """``KVPOOL_SEAL``, ``KVPOOL_ADOPT`` (1 or 0, default 1), ``KVPOOL_ADOPT_RETRY_S``.
-
-        Raises:
-            InvalidArgument: a malformed value (the variable is named).
-        """
-        env = os.environ if env is None else env
-        raw = env.get(RETRY_ENV, "").strip()
-        try:
-            retry = float(raw) if raw else DEFAULT_RETRY_S
-        except ValueError:
-            raise InvalidArgument(f"{RETRY_ENV}={raw!r}: expected seconds", field=RETRY_ENV
-                                  ) from None
-        if retry < 0:
-            raise InvalidArgument(f"{RETRY_ENV}={raw!r}: must be >= 0", field=RETRY_ENV)
-        return cls(seal=_flag(env, SEAL_ENV), adopt=_flag(env, ADOPT_ENV), retry_s=retry)
-
-
-class SealWorker:
-    """The Seal calls and the Frees of sealed pages, on one thread, batched over
-    ``SEAL_WINDOW_S`` (see ``_run``)."""
-
-    def __init__(self, lease: Any, pool: str, layout: str) -> None:
-        self.lease = lease
-        self.pool = pool
-        self.layout = layout
-        self.cache: Any = None  # the page cache the Frees go through (set by ``bind``)
-        self.failed: str | None = None  # why sealing stopped (the daemon refused it)
-        self.sealed = 0  # pages the daemon sealed
-        self._q: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
-        self._idle = threading.Condition()
-        self._queued = 0
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"kvpool-seal-{pool}")
-        self._thread.start()
-
-    def put(self, kind: str, item: Any) -> None:
-        with self._idle:
-            self._queued += 1
-        self._q.put((kind, item))
-
-    @property
-    def busy(self) -> bool:
-        """Whether calls are queued (sealed pages freed here may still be the lease's)."""
-        return self._queued > 0
-
-    def flush(self, timeout_s: float | None = None) -> bool:
-        """Make every call queued so far now (the window cut short) and wait for them: the
-        allocator does when the pool refused it pages while sealed frees were queued."""
-        self.put("flush", None)
-        with self._idle:
-            return self._idle.wait_for(lambda: self._queued == 0, timeout_s)
-
-    def stop(self) -> None:
-        self._q.put(None)
-
-    def _done(self, n: int) -> None:
-        with self._idle:
-            self._queued -= n
-            self._idle.notify_all()
-
-    def _run(self) -> None:
-        """Collect what the scheduler queues for ``SEAL_WINDOW_S`` after the first item, then
-        one Seal of every page sealed meanwhile and one Free of every sealed page freed
-        meanwhile, in that order (a page freed in a window was sealed in it or before; a
-        freed page cannot come back to this lease before its Free is made)."""
-        while True:
-            first = self._q.get()
-            if first is None:
-                return
-            items = [first]
-            stop = False
-            deadline = time.monotonic() + (0.0 if first[0] == "flush" else SEAL_WINDOW_S)
-            while (left := deadline - time.monotonic()) > 0:
-                try:
-                    nxt = self._q.get(timeout=left)
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    stop = True
-                    break
-                items.append(nxt)
-                if nxt[0] == "flush":
-                    break
-            batch: list[Any] = []
-            for kind, arg in items:
-                if kind == "seal":
-                    batch.append(arg)
-                    if sum(len(b[0]) for b in batch) >= SEAL_PAGES:
-                        self._seal(batch)
-                        batch = []
-            if batch:
-                self._seal(batch)
-            frees = [arg for kind, arg in items if kind == "free"]
-            if frees:
-                self._free(np.concatenate(frees))
-            self._done(len(items))
-            if stop:
-                return
-
-    def _seal(self, parts: list[tuple[np.ndarray, list[bytes], list[bytes], np.ndarray]]
-              ) -> None:
-        pages = np.concatenate([p[0] for p in parts]).astype(np.int32)
-        keys = [k for p in parts for k in p[1]]
-        parents = [k for p in parts for k in p[2]]
-        tokens = np.concatenate([p[3] for p in parts]).astype(np.int32)
-        try:
-            self.sealed += int(self.lease.seal(self.pool, self.layout, pages, keys, parents,
-                                               tokens))
-        except KVPoolError as err:
-            if self.failed is None:
-                self.failed = str(err)
-                log.warning("kvpool pool %r: sealing stopped, the daemon refused a Seal of "
-                            "%d pages: %s", self.pool, pages.shape[0], err)
-        except Exception:  # never let the worker die: frees still have to go through it
-            log.exception("kvpool pool %r: a Seal of %d pages failed", self.pool,
-                          pages.shape[0])
-
-    def _free(self, ids: np.ndarray) -> None:
-        try:
-            self.cache.return_ids(ids.astype(np.int32))
-        except KVPoolError as err:
-            log.warning("kvpool pool %r: freeing %d sealed pages failed: %s", self.pool,
-                        ids.shape[0], err)
-        except Exception:
-            log.exception("kvpool pool %r: freeing %d sealed pages failed", self.pool,
-                          ids.shape[0])
 
 
 @dataclass
@@ -614,69 +464,4 @@ class Sealer:
         self.worker.stop()
 
 
-def forward_stream_of_caller(depth: int = 8) -> Any:
-    """SGLang's forward stream (``Scheduler.forward_stream``), from the scheduler frame that
-    called the allocator's hook (``create_prefill_budget``, ``check_decode_capacity`` or
-    ``verify_byte_accounting``: within a few frames); None if not found (logged: pages are
-    then sealed after an event on the scheduler's stream only)."""
-    import sys
-
-    frame = sys._getframe(1)
-    for _ in range(depth):
-        frame = frame.f_back  # type: ignore[assignment]
-        if frame is None:
-            break
-        owner = frame.f_locals.get("self")
-        stream = getattr(owner, "forward_stream", None)
-        if stream is not None and hasattr(owner, "tree_cache"):
-            return stream
-    log.warning("kvpool: SGLang's forward stream was not found from the allocator's hook: "
-                "sealed pages wait for the scheduler's stream only")
-    return None
-
-
-def sealing_layout(page_size: int) -> tuple[str, str | None]:
-    """The layout string this engine seals and adopts under, and why it must not (None: it
-    may): the engine and version, the key hash, the model (path, revision, a digest of its
-    config.json), its dtype and quantization, KV dtype, page size, TP and PP ranks. (The pool's
-    fingerprint covers the buffers: geometry, KV dtype, page size.)"""
-    import hashlib
-
-    import sglang
-    from sglang.srt.runtime_context import get_parallel, get_server_args
-
-    from kvpool.integrations.sglang.daemon_pool import model_config_path
-    from kvpool.integrations.sglang.page_keys import HASH_NAME
-
-    args = get_server_args()
-    parallel = get_parallel()
-    tp, pp = int(getattr(parallel, "tp_size", 1)), int(getattr(parallel, "pp_size", 1))
-    tp_rank = int(getattr(parallel, "tp_rank", 0))
-    pp_rank = int(getattr(parallel, "pp_rank", 0))
-    why = None
-    if getattr(args, "disable_radix_cache", False):
-        why = "SGLang's radix cache is off (--disable-radix-cache): no prefix to keep"
-    elif tp * pp > 1:
-        why = (f"TP {tp} x PP {pp}: the ranks would have to adopt the same prefixes (not "
-               "built)")
-    elif getattr(args, "speculative_algorithm", None):
-        why = f"speculative decoding ({args.speculative_algorithm}: bigram radix keys)"
-    elif getattr(args, "enable_hierarchical_cache", False):
-        why = "HiCache (--enable-hierarchical-cache) moves tree pages to and from the host"
-    model = str(args.model_path)
-    try:
-        config = hashlib.sha256(
-            model_config_path(model, args.revision).read_bytes()).hexdigest()[:16]
-    except (KVPoolError, OSError):
-        config = "none"
-    if len(model) > 160:
-        model = "sha256:" + hashlib.sha256(model.encode()).hexdigest()[:32]
-    layout = (f"sglang {sglang.__version__}; keys {HASH_NAME}; model {model}"
-              f"@{args.revision or 'default'} config {config}; dtype {args.dtype}; "
-              f"quantization {args.quantization}; kv {args.kv_cache_dtype}; page {page_size}; "
-              f"tp {tp_rank}/{tp}; pp {pp_rank}/{pp}")
-    return layout, why
-
-
-__all__ = ["ADOPT_ENV", "RETRY_ENV", "SEAL_ENV", "SealSettings", "SealWorker", "Sealer",
-           "sealing_layout"]
+__all__ = ["Sealer"]
