@@ -40,6 +40,14 @@ above 1 is a cost of the plugin); printed: the median over the pairs and the pai
 against the target (<= 1.03x for tokens/s, TTFT p50 and CPU seconds; the p99 is shown, noisier).
 The greedy tokens of both engines are compared request by request (first round of each).
 
+``--compare seal``: the same run, but both engines are the plugin's, on two pools of the
+daemon, one sealing its radix-cache pages (``seal-on``, the plugin's default: docs/restart.md)
+and one not (``seal-off``, ``KVPOOL_SEAL=0``): what sealing costs an engine's step (the insert
+hook, the page keys, the Seal calls on the worker thread, sealed pages freed to the daemon
+instead of the page cache; the daemon's checksums on CPU), against the same target. Each
+round's ``flush_cache`` frees the whole radix tree, so every sealed page then passes to the
+directory and the page cache fetches fresh pages from the daemon for the next round.
+
 The plugin's lease has a TTL of 10 s (a loaded 2-core machine starved a 2 s lease's keep-alive);
 SGLang's shutdown SIGKILLs its scheduler, so the run ends by waiting for the lease to expire and
 checks that every page is back. Run from the repository root with the main venv (the side venv
@@ -47,7 +55,7 @@ from ``tests/sglang/setup_venv.sh``, or ``KVPOOL_SGLANG_VENV``); ``--quick`` (on
 about three minutes on a busy 2-core machine, most of it the two engines starting::
 
     PYTHONPATH=client:service .venv/bin/python bench/sglang_engine.py [--quick] [--rounds 6]
-        [--starts 3] [--requests 128] [--rate 64] [--json out.json]
+        [--starts 3] [--requests 128] [--rate 64] [--compare seal] [--json out.json]
 """
 
 from __future__ import annotations
@@ -84,6 +92,8 @@ VENV = Path(os.environ.get("KVPOOL_SGLANG_VENV", REPO / ".venv-sglang"))
 PAGE = 16
 POOL = "bench-engine"
 VARIANTS = ("plugin", "baseline")
+SEAL_VARIANTS = ("seal-on", "seal-off")
+POOLS = {"plugin": POOL, "seal-on": POOL, "seal-off": "bench-engine-noseal"}
 BASELINE_ENV = "KVPOOL_BENCH_BASELINE"
 TTL_S = 10.0  # the lease's TTL: a loaded 2-core machine can starve a keep-alive for seconds
 START_S = 300.0  # an engine's start: 23 s warm, 60-75 s cold on a busy 2-core machine
@@ -216,16 +226,17 @@ def side_env(**extra: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def engines(work: Path, model: Path, target: str,
-            s: Settings) -> Iterator[dict[str, EngineProcess]]:
+def engines(work: Path, model: Path, target: str, s: Settings,
+            variants: tuple[str, str] = VARIANTS) -> Iterator[dict[str, EngineProcess]]:
     """Both engines, started at once (their starts overlap) and stopped at the end."""
     started: dict[str, EngineProcess] = {}
     try:
-        for name in VARIANTS:
+        for name in variants:
             job = {"model": str(model), "baseline": name == "baseline",
                    "max_total_tokens": s.max_total_tokens, "max_running": s.max_running}
             env = side_env() if name == "baseline" else side_env(
-                KVPOOL_POOL=POOL, KVPOOL_TARGET=target, KVPOOL_LEASE_TTL_S=str(TTL_S))
+                KVPOOL_POOL=POOLS[name], KVPOOL_TARGET=target, KVPOOL_LEASE_TTL_S=str(TTL_S),
+                KVPOOL_SEAL="0" if name == "seal-off" else "1")
             started[name] = EngineProcess(name, Path(__file__), VENV / "bin" / "python", job,
                                           env, work / f"sglang-{name}.log", REPO, 60)
         for name, e in started.items():
@@ -237,27 +248,33 @@ def engines(work: Path, model: Path, target: str,
             e.close()
 
 
-def lease_pages(target: str) -> dict[str, int]:
-    """The plugin pool's ``kv`` pages held by leases and in use now (from the daemon)."""
+def lease_pages(target: str, pool: str = POOL) -> dict[str, int]:
+    """A plugin pool's ``kv`` pages held by leases, used, and kept by its sealed-page
+    directory (used by no lease: kept for the next engine, docs/restart.md), from the daemon."""
     from kvpool import KVPoolClient
 
     with KVPoolClient(target) as client:
         stats = client.stats()
-    if not any(p.name == POOL for p in stats.pools):
-        return {"held": 0, "used": 0, "leases": 0}
-    held = [x.held.get(POOL, {}).get("kv", 0) for x in stats.leases if POOL in x.held]
+        if not any(p.name == pool for p in stats.pools):
+            return {"held": 0, "used": 0, "kept": 0, "leases": 0}
+        kept = client.sealed(pool).kept
+    held = [x.held.get(pool, {}).get("kv", 0) for x in stats.leases if pool in x.held]
     return {"held": sum(held), "leases": len(held),
-            "used": stats.pool(POOL).spaces["kv"].used}
+            "used": stats.pool(pool).spaces["kv"].used, "kept": kept}
 
 
-def wait_pages_back(target: str) -> dict[str, int]:
-    """Wait (up to the lease TTL + 10 s) until no lease holds the plugin pool's pages: SGLang's
-    shutdown SIGKILLs its scheduler, so its lease expires. Returns the last counts."""
-    after = lease_pages(target)
+def wait_pages_back(target: str, pools: tuple[str, ...] = (POOL,)) -> dict[str, int]:
+    """Wait (up to the lease TTL + 10 s) until no lease holds the plugin pools' pages: SGLang's
+    shutdown SIGKILLs its scheduler, so its lease expires. Returns the last counts (summed)."""
+    def counts() -> dict[str, int]:
+        per = [lease_pages(target, p) for p in pools]
+        return {k: sum(c[k] for c in per) for k in per[0]}
+
+    after = counts()
     deadline = time.monotonic() + TTL_S + 10
     while after["held"] and time.monotonic() < deadline:
         time.sleep(0.2)
-        after = lease_pages(target)
+        after = counts()
     return after
 
 
@@ -267,7 +284,7 @@ def make_model(path: Path) -> None:
                     "make-model", str(path)], env=env, check=True, stdout=subprocess.DEVNULL)
 
 
-def run(s: Settings, json_path: Path | None) -> int:
+def run(s: Settings, json_path: Path | None, compare: str = "plugin") -> int:
     problem = venv_problem(VENV, SGLANG_MARKER, "tests/sglang/setup_venv.sh")
     if problem is not None:
         print(f"{problem} (or set KVPOOL_SGLANG_VENV)", file=sys.stderr)
@@ -282,6 +299,8 @@ def run(s: Settings, json_path: Path | None) -> int:
           f"{sum(r['prefix'] >= 0 for r in trace)} starting with one of {s.prefixes} shared "
           f"prefixes of {s.prefix_len}; page {PAGE}, max_total_tokens {s.max_total_tokens}, "
           f"max_running_requests {s.max_running}", flush=True)
+    variants = SEAL_VARIANTS if compare == "seal" else VARIANTS
+    pools = tuple(POOLS[v] for v in variants if v in POOLS)
     rounds: list[dict[str, Any]] = []
     outputs: dict[str, list[list[int]]] = {}
     with tempfile.TemporaryDirectory(prefix="kvp-sgl-bench-") as tmp, \
@@ -290,43 +309,48 @@ def run(s: Settings, json_path: Path | None) -> int:
         make_model(work / "tiny-llama")
         # SGLang's shutdown SIGKILLs its scheduler: the next start waits for its lease to expire
         for got, row in measured_rounds(
-                s, VARIANTS, lambda: engines(work, work / "tiny-llama", target, s), trace,
-                daemon_pid, 600, between_starts=lambda: wait_pages_back(target)):
-            # The daemon works for the plugin's engine only (the other's keep-alives are the
-            # idle plugin engine's): its CPU is the plugin's.
-            plugin = row["variant"] == "plugin"
+                s, variants, lambda: engines(work, work / "tiny-llama", target, s, variants),
+                trace, daemon_pid, 600, between_starts=lambda: wait_pages_back(target, pools)):
+            # The daemon works for the running plugin engine only (the other's keep-alives
+            # are an idle engine's): its CPU is that engine's.
+            plugin = row["variant"] in POOLS
             row.update(engine_cpu_s=got["cpu_s"],
                        cpu_s=got["cpu_s"] + (row["daemon_cpu_s"] if plugin else 0.0))
             if plugin:
-                row["kvpool"] = lease_pages(target)
+                row["kvpool"] = lease_pages(target, POOLS[row["variant"]])
             outputs.setdefault(row["variant"], [r["output_ids"] for r in got["results"]])
             print_round(row, s, f"{row['engine_cpu_s']:.2f} s (+ daemon "
                         f"{row['daemon_cpu_s']:.2f} s)", "radix cache")
             if row["round"] != "warmup":
                 rounds.append(row)
-        after = wait_pages_back(target)
-    same = sum(a == b for a, b in zip(outputs["plugin"], outputs["baseline"], strict=True))
-    report = table(rounds, s)
+        after = wait_pages_back(target, pools)
+    a, b = variants
+    same = sum(x == y for x, y in zip(outputs[a], outputs[b], strict=True))
+    report = table(rounds, s, variants)
     report.update(settings=asdict(s), rounds=rounds, same_tokens=same, requests=s.requests,
                   kvpool_after_shutdown=after, seconds=time.monotonic() - t_start)
     print(f"\ngreedy tokens identical for {same} of {s.requests} requests (first round of each "
           f"engine); plugin pool after shutdown: {after['held']} pages held, {after['used']} "
-          f"used ({time.monotonic() - t_start:.0f} s)")
+          f"used, of them {after['kept']} sealed pages its directory keeps "
+          f"({time.monotonic() - t_start:.0f} s)")
     if json_path is not None:
         json_path.write_text(json.dumps(report, indent=1))
     return 0
 
 
-def table(rounds: list[dict[str, Any]], s: Settings) -> dict[str, Any]:
+def table(rounds: list[dict[str, Any]], s: Settings,
+          variants: tuple[str, str] = VARIANTS) -> dict[str, Any]:
     """Print the medians per engine and the per-pair ratios; return them."""
+    a, b = variants
+    daemon = " + daemon" if b not in POOLS else ""
     return ratio_table(
-        rounds, subject="plugin", baseline="baseline", target=TARGET,
+        rounds, subject=a, baseline=b, target=TARGET,
         cols={"tokens_per_s": "tokens/s", "ttft_p50_ms": "TTFT p50 ms",
               "ttft_p99_ms": "TTFT p99 ms", "cpu_s": "CPU s"},
-        ratios={"tokens_per_s (baseline / plugin)": ("tokens_per_s", True, True),
-                "TTFT p50 (plugin / baseline)": ("ttft_p50_ms", False, True),
-                "TTFT p99 (plugin / baseline)": ("ttft_p99_ms", False, False),
-                "CPU s (plugin + daemon / baseline)": ("cpu_s", False, True)},
+        ratios={f"tokens_per_s ({b} / {a})": ("tokens_per_s", True, True),
+                f"TTFT p50 ({a} / {b})": ("ttft_p50_ms", False, True),
+                f"TTFT p99 ({a} / {b})": ("ttft_p99_ms", False, False),
+                f"CPU s ({a} + daemon / {b}{daemon})": ("cpu_s", False, True)},
         intro=f"\nmedian over {s.rounds * s.starts} rounds per engine ({s.starts} engine "
               "starts; same trace, radix cache flushed before each round; rounds alternate "
               "plugin/baseline, order swapped every pair)",
@@ -340,8 +364,11 @@ def main() -> int:
         run_engine(json.loads(sys.stdin.readline()))
         return 0
     parser = bench_parser(__doc__.splitlines()[0], QUICK)
+    parser.add_argument("--compare", choices=("plugin", "seal"), default="plugin",
+                        help="plugin: the plugin against SGLang's own memory; seal: the plugin "
+                        "sealing its pages against the plugin with KVPOOL_SEAL=0")
     args = parser.parse_args()
-    return run(Settings(**settings_from(args, QUICK, FULL)), args.json)
+    return run(Settings(**settings_from(args, QUICK, FULL)), args.json, args.compare)
 
 
 if __name__ == "__main__":

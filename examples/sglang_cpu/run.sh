@@ -13,7 +13,8 @@
 #    (SGLANG_PLATFORM=kvpool KVPOOL_POOL=tiny): SGLang's scheduler configures the pool in the
 #    daemon, maps its memory and takes its pages from a lease;
 # 5. sends two /generate requests over HTTP (token ids: the tiny model has no tokenizer);
-# 6. prints `kvpool stats` and `kvpool leases`, stops the server and shows the pages back.
+# 6. prints `kvpool stats` and `kvpool leases`, stops the server and shows the pages back (the
+#    sealed ones kept by the pool's directory: `kvpool sealed tiny`).
 #
 # Environment: KVPOOL_VENV (the daemon's venv, default <repo>/.venv), KVPOOL_SGLANG_VENV (the
 # side venv, default <repo>/.venv-sglang; a finished one made from another checkout is used as
@@ -122,7 +123,8 @@ say "6/6 what the daemon holds: the pool SGLang configured, and its scheduler's 
 "$main/bin/kvpool" leases
 
 echo
-echo "stopping the SGLang server: its lease ends and its pages go back to the pool"
+echo "stopping the SGLang server: its lease ends and its pages go back to the pool (its radix"
+echo "cache's full pages, sealed, stay in the pool's directory for the next server: docs/restart.md)"
 kill -TERM -- "-$server_pid" 2>/dev/null || true
 wait "$server_pid" 2>/dev/null || true
 server_pid=""
@@ -132,5 +134,6 @@ for _ in $(seq 1 60); do
 done
 "$main/bin/kvpool" leases
 "$main/bin/kvpool" stats --pool tiny
+"$main/bin/kvpool" sealed tiny
 echo
 echo "done: SGLang served from kvpool memory on CPU"

@@ -1,7 +1,7 @@
-"""A page cache and sealed pages (a real ``kvpoold serve``): ``release`` gives handed-out ids
-straight back to the daemon, never into the cache (a sealed page then passes to the pool's
-directory), and ``take_over`` counts ids the lease adopted outside the cache as its own, so
-what the lease holds stays exactly what the cache counts."""
+"""A page cache and sealed pages (a real ``kvpoold serve``): ``release`` takes handed-out ids
+back without caching them and ``return_ids`` gives them to the daemon (a sealed page then
+passes to the pool's directory), and ``adopt`` counts ids the lease adopted outside the cache
+as its own, so what the lease holds stays exactly what the cache counts."""
 
 from __future__ import annotations
 
@@ -27,10 +27,8 @@ def test_release_gives_sealed_pages_to_the_directory_not_the_cache(daemon) -> No
         assert lease.seal("tiny", LAYOUT, ids[:2], keys, [bytes(32)] * 2,
                           np.arange(2 * PAGE, dtype=np.int32)) == 2
         cached = cache.core.cached
-        calls = cache.core.rpc_calls
-        assert cache.release(ids[:2]) == 2
+        assert cache.return_ids(cache.release(ids[:2])) == 2  # one Free
         assert (cache.core.in_use, cache.core.cached) == (2, cached)  # not cached
-        assert cache.core.rpc_calls == calls + 1  # one Free
         assert client.sealed("tiny").kept == 2
         with pytest.raises(FailedPrecondition, match="not in use"):
             cache.release(ids[:1])  # released already: refused, nothing changed
@@ -39,7 +37,7 @@ def test_release_gives_sealed_pages_to_the_directory_not_the_cache(daemon) -> No
         assert cache.core.in_use == 0
 
 
-def test_take_over_counts_adopted_pages_as_the_caches(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_adopt_counts_adopted_pages_as_the_caches(daemon) -> None:  # type: ignore[no-untyped-def]
     d, client = daemon
     engine, got = start_engine(d.target, 3)
     engine.proc.send_signal(signal.SIGKILL)
@@ -49,17 +47,18 @@ def test_take_over_counts_adopted_pages_as_the_caches(daemon) -> None:  # type: 
             lease.page_cache("tiny", low=0, high=64, batch=8, background=False,
                              fill=False) as cache:
         own = cache.alloc(2)
-        with pytest.raises(FailedPrecondition, match="holds it already"):
-            cache.take_over(own[:1])
+        with pytest.raises(FailedPrecondition, match="already cached or in use"):
+            cache.adopt(own[:1])
         with pytest.raises(InvalidArgument, match="repeated"):
-            cache.take_over(np.array([5, 5]))
+            cache.adopt(np.array([5, 5]))
         adopted = lease.adopt("tiny", LAYOUT)
         assert adopted.ids.shape[0] == 3
-        cache.take_over(adopted.ids)
+        cache.adopt(adopted.ids)
         assert cache.core.in_use == 5
         assert bool(cache.in_use_of(adopted.ids).all())
         lease.report_now()
         mine = next(x for x in client.stats().leases if x.lease_id == lease.lease_id)
         assert mine.held["tiny"]["kv"] == cache.core.in_use + cache.core.cached
-        assert cache.release(adopted.ids) == 3  # sealed still: kept by the directory again
+        # sealed still: kept by the directory again
+        assert cache.return_ids(cache.release(adopted.ids)) == 3
         assert client.sealed("tiny").kept == 3 and cache.core.in_use == 2

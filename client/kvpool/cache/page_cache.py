@@ -131,11 +131,13 @@ class PageCache:
     def __init__(self, lease: Lease, pool: str, space: str, capacity: int, *,
                  low: int | None = None, high: int | None = None,
                  batch: int | None = None, background: bool = True,
-                 fill: bool = True) -> None:
+                 fill: bool = True, held: Any = None) -> None:
         lo, hi, ba = watermarks(capacity, low, high, batch)
         self._lease = lease
         self._evictor: Callable[[int], object] | None = None
         self.core = core = PageCacheCore(pool, space, capacity, lo, hi, ba)
+        if held is not None:  # ids the lease holds already (adopted): in use, before any fill
+            core.adopt(held)
         # fill=False: no first fill to ``high`` (an elastic pool's engine grows its cache on
         # demand instead of asking the daemon for ``high`` pages at once).
         core.prefill = fill
@@ -164,20 +166,22 @@ class PageCache:
     @classmethod
     def open(cls, lease: Lease, pool: str, space: str = "kv", *, low: int | None = None,
              high: int | None = None, batch: int | None = None,
-             background: bool = True, fill: bool = True) -> PageCache:
+             background: bool = True, fill: bool = True, held: Any = None) -> PageCache:
         """A cache over ``pool``'s ``space`` for ``lease``: one Stats call learns the space's
-        capacity (and whether it is paired) and that the lease holds none of it; the cache is
-        then filled to ``high`` (by the worker, or at once without one).
+        capacity (and whether it is paired) and that the lease holds none of it (or exactly
+        ``held``: ids it adopted, in use from the start); the cache is then filled to
+        ``high`` (by the worker, or at once without one).
 
         Raises:
             NotFound, InvalidArgument: see ``space_capacity``. FailedPrecondition: the lease
-                holds ids of the space (see ``refuse_held``).
+                holds ids of the space other than ``held`` (see ``refuse_held``).
         """
         stats = lease.client.stats(pool)
         capacity = space_capacity(stats, pool, space)
-        refuse_held(stats, lease.lease_id, pool, space)
+        refuse_held(stats, lease.lease_id, pool, space,
+                    expected=0 if held is None else len(held))
         return cls(lease, pool, space, capacity, low=low, high=high, batch=batch,
-                   background=background, fill=fill)
+                   background=background, fill=fill, held=held)
 
     def maintain(self) -> int:
         """Do now, in this thread, the refills, returns and give-backs the watermarks ask for
@@ -318,40 +322,35 @@ class PageCache:
                 raise
         return arr.shape[0]
 
-    def release(self, ids: Any) -> int:
-        """Give back ids this cache handed out straight to the daemon (one Free), not into the
-        cache: pages that must not be handed out again (a sealed page, which the daemon's
-        directory then keeps). Checked as :meth:`free`.
+    def release(self, ids: Any) -> np.ndarray:
+        """Take back ids this cache handed out without caching them: the caller gives them
+        back to the daemon itself, with :meth:`return_ids` (an engine's sealed pages, which
+        this cache must never hand out again). Checked as :meth:`free` checks.
 
         Returns:
-            The number of ids released.
+            The ids (until returned they are still the lease's, counted by neither side).
+        """
+        with self._lock:
+            return self.core.release(ids)
+
+    def return_ids(self, ids: Any) -> int:
+        """Free ids :meth:`release` took back at the daemon (one Free; a sealed page goes to
+        the pool's directory). Any thread; a lease or pool already gone took them: 0."""
+        try:
+            return self._lease._cache_free(self.core.pool, self.core.space, ids)
+        except NotFound:
+            return 0
+
+    def adopt(self, ids: Any) -> None:
+        """Ids the lease came to hold outside this cache (``Lease.adopt``'s sealed pages): in
+        use from now on, freed with :meth:`free` or :meth:`release`.
 
         Raises:
-            InvalidArgument, FailedPrecondition: as :meth:`free` (nothing is changed); the
-                daemon's refusal (the ids are then still in use).
+            InvalidArgument / FailedPrecondition: an id out of range, repeated, or already
+                this cache's. Nothing is changed.
         """
-        core = self.core
         with self._lock:
-            arr, send = core.release(ids)
-        if send:
-            try:
-                self._lease._cache_free(core.pool, core.space, arr)
-            except KVPoolError as err:
-                if not isinstance(err, NotFound):
-                    with self._lock:
-                        core.unfree(arr)
-                raise
-            self._lease._report_soon()
-        return arr.shape[0]
-
-    def take_over(self, ids: Any) -> np.ndarray:
-        """Count ``ids``, which the lease took outside this cache (``Lease.adopt``), as handed
-        out by it: :meth:`free` and :meth:`release` accept them, and the lease's reports count
-        them. See ``PageCacheCore.take_over``."""
-        with self._lock:
-            arr = self.core.take_over(ids)
-        self._lease._report_soon()
-        return arr
+            self.core.adopt(ids)
 
     # -- state --------------------------------------------------------------------------------
 

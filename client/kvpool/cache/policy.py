@@ -171,16 +171,18 @@ def lease_holds(stats: Stats, lease_id: int, pool: str, space: str) -> int:
     return 0
 
 
-def refuse_held(stats: Stats, lease_id: int, pool: str, space: str) -> None:
-    """Refuse a page cache over a space of which its lease already holds ids: the cache is the
-    only path to its space, so what the lease holds of it is what the cache counts.
+def refuse_held(stats: Stats, lease_id: int, pool: str, space: str,
+                expected: int = 0) -> None:
+    """Refuse a page cache over a space of which its lease already holds ids (other than the
+    ``expected`` ones it hands the cache as in use): the cache is the only path to its space,
+    so what the lease holds of it is what the cache counts.
 
     Raises:
         FailedPrecondition: the lease holds ids of the space (its own Allocate, or another
             open page cache).
     """
     held = lease_holds(stats, lease_id, pool, space)
-    if held:
+    if held != expected:
         raise FailedPrecondition(
             f"lease {lease_id} holds {held} ids of {pool}/{space} outside a page cache (its "
             "own allocate, or another open page cache of it): a page cache must be the only "
@@ -369,44 +371,16 @@ class PageCacheCore:
             self.rpc_calls += 1
         return arr, send
 
-    def release(self, ids: Any) -> tuple[np.ndarray, bool]:
-        """Take back ids ``take`` handed out without caching them (checked as ``free``): the
-        shell Frees them at the daemon now (``send``; counted in ``rpc_calls``), unless the
-        lease is gone, which took them. For pages that must not be handed out again (a
-        sealed page: the daemon's directory keeps it)."""
-        arr = self.ring.free_ids(ids, False)
-        send = self.lost is None and arr.shape[0] > 0
-        if send:
-            self.rpc_calls += 1
-        return arr, send
+    def release(self, ids: Any) -> np.ndarray:
+        """Take back ids ``take`` handed out (checked as ``free`` checks them) without caching
+        them: the owner gives them back to the daemon itself (an engine's sealed pages, which
+        must never be handed out again from this cache). Returns the ids."""
+        return self.ring.free_ids(ids, False)
 
-    def take_over(self, ids: Any) -> np.ndarray:
-        """Count ``ids`` as handed out by this cache: ids of its space that the lease took
-        outside it (an Adopt), so that what the lease holds is still exactly what the cache
-        counts. O(len(ids)).
-
-        Raises:
-            InvalidArgument: not 1-D integer ids in range, or one repeated.
-            FailedPrecondition: an id this cache holds already (cached or handed out).
-        """
-        arr = np.asarray(ids)
-        ring = self.ring
-        if arr.ndim != 1 or (arr.shape[0] and arr.dtype.kind not in "iu"):
-            raise InvalidArgument(f"ids must be a 1-D array of integer ids, got {arr.dtype} "
-                                  f"{arr.shape}", field="ids")
-        arr = arr.astype(np.intp)
-        if arr.shape[0] and (arr.min() < 1 or arr.max() > ring.capacity):
-            raise InvalidArgument(f"take over {self.label}: ids are 1..{ring.capacity}, got "
-                                  f"{int(arr.min())}..{int(arr.max())}", field="ids")
-        if np.unique(arr).shape[0] != arr.shape[0]:
-            raise InvalidArgument(f"take over {self.label}: an id is repeated", field="ids")
-        held = ring.pos[arr] != ring.not_here
-        if held.any():
-            bad = int(arr[np.flatnonzero(held)[0]])
-            raise FailedPrecondition(f"take over {self.label} id {bad}: this cache holds it "
-                                     "already", field="ids")
-        ring.unforget(arr)
-        return arr.astype(np.int32)
+    def adopt(self, ids: Any) -> None:
+        """Ids the lease came to hold outside the cache (adopted sealed pages): in use from now
+        on (see ``IdRing.adopt``)."""
+        self.ring.adopt(ids)
 
     def unfree(self, arr: np.ndarray) -> None:
         """The daemon refused the Free that ``free`` asked for: the ids are still in use."""

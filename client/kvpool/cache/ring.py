@@ -324,6 +324,28 @@ class IdRing:
                                   "it, or already freed: a double free?); nothing was freed",
                                   field=where)
 
+    def adopt(self, ids: np.ndarray) -> None:
+        """Count ids the lease came to hold outside this ring (an adoption of sealed pages) as
+        handed out: in use from now on, freed like any other. O(len(ids)).
+
+        Raises:
+            InvalidArgument: an id out of range or repeated. FailedPrecondition: an id already
+                cached or in use here. Nothing is changed.
+        """
+        arr = np.asarray(ids).astype(np.intp)
+        if not arr.shape[0]:
+            return
+        if arr.ndim != 1 or int(arr.min()) < 1 or int(arr.max()) > self.capacity:
+            raise InvalidArgument(f"adopt {self.label}: ids must be 1..{self.capacity}",
+                                  field="ids")
+        if np.unique(arr).shape[0] != arr.shape[0]:
+            raise InvalidArgument(f"adopt {self.label}: an id is repeated", field="ids")
+        if (self.pos[arr] != self.not_here).any():
+            raise FailedPrecondition(f"adopt {self.label}: an id is already cached or in use "
+                                     "in this page cache; nothing was adopted", field="ids")
+        self.pos[arr] = self.by_miss
+        self.n_in_use += arr.shape[0]
+
     def unforget(self, arr: np.ndarray) -> None:
         """Undo a ``free_ids`` without ``keep``: the daemon refused the Free."""
         self.pos[arr] = self.by_miss

@@ -507,7 +507,8 @@ class Lease(LeaseView):
 
     def page_cache(self, pool: str, space: str = "kv", *, low: int | None = None,
                    high: int | None = None, batch: int | None = None,
-                   background: bool = True, fill: bool = True) -> PageCache:
+                   background: bool = True, fill: bool = True,
+                   held: Any = None) -> PageCache:
         """A local cache of ``space`` ids held by this lease: ``alloc``/``free`` without gRPC.
 
         Watermarks in ids (defaults 64/512/128, less for small spaces); see
@@ -517,12 +518,13 @@ class Lease(LeaseView):
         paired spaces (``kv`` of hybrid SWA and DeepSeek-V4 pools, ``swa``) are refused
         (InvalidArgument), and so is a space of which the lease holds ids
         (FailedPrecondition): while the cache is open it is the only path to its space (the
-        lease's own ``allocate``/``free`` of it are refused).
+        lease's own ``allocate``/``free`` of it are refused). ``held``: ids of the space the
+        lease holds already (pages it adopted), handed to the cache as in use.
         """
         from kvpool.cache.page_cache import PageCache
 
         return PageCache.open(self, pool, space, low=low, high=high, batch=batch,
-                              background=background, fill=fill)
+                              background=background, fill=fill, held=held)
 
     def close(self) -> Released:
         """Stop renewing and end the lease; returns what it held. Idempotent."""

@@ -2,7 +2,7 @@
 kvpool's plugin and one with SGLang's own KV memory, the same trace through both; outcomes only
 (never figures): every request of every round makes all its tokens, both engines give the same
 greedy tokens, the plugin's lease held the pages while its engine ran, and every page is back
-after the engines shut down."""
+after the engines shut down (but the sealed pages the pool's directory keeps)."""
 
 from __future__ import annotations
 
@@ -34,4 +34,6 @@ def test_plugin_and_baseline_engines_run_the_same_trace(sglang_python: Path,
     plugin = next(r for r in rounds if r["variant"] == "plugin")
     # After a round the radix cache keeps the round's pages: the plugin's lease holds them.
     assert plugin["kvpool"]["leases"] == 1 and plugin["kvpool"]["held"] > 0
-    assert got["kvpool_after_shutdown"] == {"held": 0, "used": 0, "leases": 0}
+    after = got["kvpool_after_shutdown"]
+    # Every page back, but the sealed ones the pool's directory keeps for the next engine.
+    assert after["held"] == after["leases"] == 0 and after["used"] == after["kept"]

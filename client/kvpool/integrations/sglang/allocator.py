@@ -67,6 +67,13 @@ from kvpool.integrations.sglang.elastic_upkeep import ElasticUpkeep
 from kvpool.integrations.sglang.grow_plan import available_tokens, live_tokens
 from kvpool.integrations.sglang.page_frees import PageFrees, debug_memory_pool
 from kvpool.integrations.sglang.scheduler_binding import PoolBinding, binding_from_env, binding_of
+from kvpool.integrations.sglang.seal_settings import (
+    ADOPT_ENV,
+    SEAL_ENV,
+    SealSettings,
+    sealing_layout,
+)
+from kvpool.integrations.sglang.sealer import Sealer
 from kvpool.integrations.sglang.token_slots import (
     decode_starts,
     extend_new_pages,
@@ -168,8 +175,16 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
             self.num_pages = quota_pages(size, page_size, self.capacity, self.pool_name,
                                          self.space)
             self.lease = self.binding.lease
-            self.cache: PageCache = self._open_cache(stats)
+            self.sealer: Sealer | None = self._make_sealer(kvcache, stats, page_size, device)
+            # Adopted pages are taken before the page cache's first fill: an Allocate short of
+            # free pages would make the directory give back its oldest (the chains' roots).
+            held = None if self.sealer is None else self.sealer.adopt_startup(self.num_pages)
+            self.cache: PageCache = self._open_cache(stats, held)
+            if self.sealer is not None:
+                self.sealer.bind(self.cache)
         except BaseException:
+            if getattr(self, "sealer", None) is not None:
+                self.sealer.close()
             if self.owns_binding:
                 self.binding.close()
             raise
@@ -179,17 +194,56 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         # checks count the pages themselves) nor in debug mode (its checks synchronize).
         self.copies = DeviceCopies(device, defer=not self.debug_mode and self.elastic is None)
         self.frees = PageFrees(self.cache, self.copies, page_size=page_size,
-                               debug=self.debug_mode, pool=self.pool_name)
+                               debug=self.debug_mode, pool=self.pool_name, sealer=self.sealer)
         # The binding's close returns the cached pages before it ends the lease (which would
         # otherwise take them from under the open cache, and log that it did).
         self.binding.on_close(self._close_cache)
         if self.owns_binding:
             atexit.register(self.close)
-        self.clear()
+        self._clear(keep_adopted=True)
 
     # -- setup --------------------------------------------------------------------------------
 
-    def _open_cache(self, stats: Stats) -> PageCache:
+    def _make_sealer(self, kvcache: Any, stats: Stats, page_size: int,
+                     device: Any) -> Sealer | None:
+        """The sealing and adoption of this allocator's pages (``sealer.py``), or None
+        (off, or a pool it does not cover: the reason is logged once)."""
+        settings = SealSettings.from_env()
+        if not (settings.seal or settings.adopt):
+            log.info("kvpool pool %r: sealing and adoption off (%s=0, %s=0)", self.pool_name,
+                     SEAL_ENV, ADOPT_ENV)
+            return None
+        spaces = set(stats.pool(self.pool_name).spaces)
+        why = None
+        if stats.pool(self.pool_name).elastic is not None:
+            why = "an elastic pool (the daemon refuses Seal there)"
+        elif self.space != "kv" or "swa" in spaces or self.config.on_clear is not None:
+            why = "a hybrid sliding-window pool (its pages have SWA pages beside them)"
+        elif getattr(kvcache, "mamba_pool", None) is not None or "state" in spaces:
+            why = "a hybrid linear pool (the mamba state is not in the pages)"
+        layout = ""
+        if why is None:
+            try:
+                layout, why = sealing_layout(page_size)
+            except (ImportError, ValueError, AttributeError) as err:  # no published context
+                why = f"SGLang's settings are not published here ({err})"
+        if why is not None:
+            if self.space == "kv":
+                log.info("kvpool pool %r: no sealing or adoption: %s", self.pool_name, why)
+            return None
+        log.info("kvpool pool %r: sealing %s, adoption %s; layout %r", self.pool_name,
+                 "on" if settings.seal else f"off ({SEAL_ENV}=0)",
+                 "on" if settings.adopt else f"off ({ADOPT_ENV}=0)", layout)
+        return Sealer(lease=self.lease, pool=self.pool_name, capacity=self.capacity,
+                      page_size=page_size, device=device, layout=layout, settings=settings)
+
+    def _step(self, tree_cache: Any, *, admission: bool = False) -> None:
+        """Between scheduler steps: the sealer's work (``sealer.Sealer.step``)."""
+        if self.sealer is not None and not self._closed:
+            self.sealer.step(tree_cache, self.num_pages - self.pages_in_use,
+                             admission=admission)
+
+    def _open_cache(self, stats: Stats, held: np.ndarray | None = None) -> PageCache:
         """The page cache: an elastic pool's keeps every page it fetched, has no worker and
         grows on demand (``elastic_upkeep.py``). A fixed pool's has a worker that refills and
         returns around its watermarks; its first fill lands before the allocator is used (at
@@ -198,7 +252,7 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         e = stats.pool(self.pool_name).elastic
         if e is None:
             high = max(1, min(DEFAULT_HIGH, self.capacity // 4, self.num_pages))
-            cache = self.lease.page_cache(self.pool_name, self.space, high=high)
+            cache = self.lease.page_cache(self.pool_name, self.space, high=high, held=held)
             cache.settle(FIRST_FILL_S)
             return cache
         # Page ids 1..capacity and the padding page 0 fill the groups.
@@ -229,8 +283,12 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         as SGLang counts its free (and staged) pages; free groups' pending frees are in use.
         Elastic pools: the live size, except at rest (``grow_plan.available_tokens``)."""
         e = self.elastic
+        # Adopted pages not yet in the radix tree (until SGLang's first admission) count as
+        # free, so SGLang's idle identity holds before they are the tree's.
+        unplaced = 0 if self.sealer is None else self.sealer.unplaced
         return available_tokens(
-            quota_pages=self.num_pages, in_use=self.pages_in_use, cached=self.cache.core.cached,
+            quota_pages=self.num_pages, in_use=self.pages_in_use - unplaced,
+            cached=self.cache.core.cached,
             page_size=self.page_size, elastic=e is not None,
             tree_tokens=0 if e is None else tree_tokens(e.tree))
 
@@ -255,7 +313,10 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
 
     def create_prefill_budget(self, tree_cache: Any, *, num_mixed_decode_tokens: int = 0
                               ) -> Any:
-        """SGLang's admission budget; over an elastic pool it counts the live free size."""
+        """SGLang's admission budget; over an elastic pool it counts the live free size. An
+        admission starts a step: the sealer's work runs first (adopted pages go into the tree
+        before any request is matched for this admission)."""
+        self._step(tree_cache, admission=True)
         if self.elastic is None:
             return super().create_prefill_budget(
                 tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
@@ -272,6 +333,7 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
                               spec_algorithm: Any = None) -> bool:
         """Whether the next decode step's ``num_tokens`` fit (elastic: after the upkeep,
         eviction and growth; False makes SGLang retract, as on a full pool)."""
+        self._step(tree_cache)
         if self.elastic is None:
             return super().check_decode_capacity(num_tokens=num_tokens, tree_cache=tree_cache,
                                                  requests=requests,
@@ -279,7 +341,9 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         return self.elastic.check_decode_capacity(num_tokens, tree_cache)
 
     def verify_byte_accounting(self) -> list[str]:
-        """SGLang's idle diagnostic: an elastic pool's conservation check (SGLang reports)."""
+        """SGLang's idle diagnostic: an elastic pool's conservation check (SGLang reports).
+        Idle is between steps: the sealer seals what the last ones added."""
+        self._step(None)
         return [] if self.elastic is None else self.elastic.verify()
 
     def get_all_free_pages(self) -> None:
@@ -319,6 +383,12 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
                 ids = cache.try_alloc(n)
         if ids is None and cache.core.returning:  # pages on their way back: wait for that
             cache.settle()  # fact (the return's reply) and ask once more: SGLang expects pages
+            ids = cache.try_alloc(n)
+        if ids is None and self.sealer is not None and self.sealer.worker.busy:
+            # Sealed pages SGLang freed are still this lease's until the sealer's worker frees
+            # them (batched): make those Frees now, then ask once more (the daemon's directory
+            # gives them back when the pool is short).
+            self.sealer.worker.flush()
             ids = cache.try_alloc(n)
         if ids is None:
             if not self._short_warned:
@@ -441,15 +511,25 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         self.frees.group(tokens, page_ids)
 
     def clear(self) -> None:
-        """Free every page in use (back to the page cache) and drop pending free groups:
-        the allocator is empty, its whole quota available. The SWA side of a hybrid SWA pool
-        takes its SWA allocator's mapping into the daemon here (its configuration's
-        ``on_clear``: ``swa.adopt_mapping``)."""
+        """Free every page in use (back to the page cache; sealed pages to the daemon) and
+        drop pending free groups: the allocator is empty, its whole quota available. The SWA
+        side of a hybrid SWA pool takes its SWA allocator's mapping into the daemon here (its
+        configuration's ``on_clear``: ``swa.adopt_mapping``)."""
+        self._clear(keep_adopted=False)
+
+    def _clear(self, *, keep_adopted: bool) -> None:
+        """``clear``; the constructor's keeps the adopted pages it holds for the tree."""
         if self.config.on_clear is not None:
             self.config.on_clear(self)
         # Deferred frees are among the pages handed out: freed with them.
         self.copies.drop()
         pages = self.cache.core.handed_out()
+        if self.sealer is not None:
+            if keep_adopted:
+                pages = pages[~self.sealer.sealed.take(pages, mode="clip")]
+            else:
+                self.sealer.forget_adopted()
+                pages = self.sealer.freed(pages.astype(np.int64)).astype(np.int32)
         if pages.size:
             # After the lease ended (closed or expired) the page cache only unmarks them.
             self.cache.free(pages)
@@ -494,6 +574,8 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         with contextlib.suppress(KVPoolError):  # the lease's end takes them anyway
             self.frees.return_copied(wait=True)
         self._closed = True
+        if self.sealer is not None:
+            self.sealer.close()
         if not self.owns_binding:
             self._close_cache()
             return

@@ -86,8 +86,9 @@ class PageFrees:
     """
 
     def __init__(self, cache: Any, copies: DeviceCopies, *, page_size: int, debug: bool,
-                 pool: str) -> None:
+                 pool: str, sealer: Any = None) -> None:
         self.cache = cache
+        self.sealer = sealer  # sealer.Sealer: sealed pages go to the daemon, not the cache
         self.copies = copies
         self.page_size = page_size
         self.debug = debug
@@ -98,6 +99,8 @@ class PageFrees:
         """Give ``pages`` (int64 page ids) back to the page cache (:func:`release_pages`)."""
         if pages.size:
             self.count += 1
+            if self.sealer is not None:
+                pages = self.sealer.freed(pages)
             release_pages(self.cache, pages, debug=self.debug, pool=self.pool)
 
     def return_copied(self, *, wait: bool) -> None:

@@ -245,7 +245,7 @@ class KVPoolFreeBlockQueue:
         self.n_sealed -= int(ids.shape[0])
         self.released += int(ids.shape[0])
         if not self._closed:
-            self.cache.release(ids)
+            self.cache.return_ids(self.cache.release(ids))
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
         """Free blocks that hold nothing: back to the page cache (a watched one stays the

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +55,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvpool.contract.errors import AlreadyExists, FailedPrecondition
-from kvpool.contract.fd_channel import FdAsk
 from kvpool.contract.plan import PoolPlan
 from kvpool.contract.records import ConfigureResult
 from kvpool.integrations.hf_config import hf_config_path
@@ -68,6 +66,7 @@ from kvpool.integrations.vllm.memory import (
     check_kv_cache,
     vllm_options_of,
 )
+from kvpool.integrations.vllm.sealing import Writers
 from kvpool.mapping.fd_client import register as register_process
 
 if TYPE_CHECKING:
@@ -81,24 +80,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvpool.integrations.vllm")
-
-
-@dataclass(frozen=True)
-class Writers:
-    """The engine core's lease, for its workers to register under (the fence of its sealed
-    blocks: ``kvpool.integrations.vllm.sealing``): the daemon's descriptor socket, the pool,
-    the lease (id, secret in hex) and how many workers must register."""
-
-    fd_socket: str
-    pool: str
-    lease_id: int
-    secret: str
-    workers: int
-
-    def ask(self) -> FdAsk:
-        """The registration ask (the daemon learns the asking process's pid from the
-        kernel)."""
-        return FdAsk(pool=self.pool, lease_id=self.lease_id, secret=self.secret, register=True)
 
 
 class KVPoolConnectorMetadata(KVConnectorMetadata):
@@ -151,6 +132,11 @@ def _pp_rank() -> int:
 class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector whose worker side puts vLLM's KV cache in a kvpool pool (see the
     module docstring); a no-op for transfers."""
+
+    # What the sealer asks of a scheduler's connector (``sealing.seal_refusal``): the KV cache
+    # is the pool's memory. An attribute, not an isinstance check: the sealer is below the
+    # connector and may not import it.
+    kvpool_memory = True
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:

@@ -78,11 +78,30 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvpool.contract.errors import InvalidArgument, KVPoolError
+from kvpool.contract.fd_channel import FdAsk
 from kvpool.contract.limits import KEY_BYTES
 from kvpool.integrations.pool_binding import number_from
 from kvpool.integrations.vllm.block_pool import KVPoolFreeBlockQueue
 
 log = logging.getLogger("kvpool.integrations.vllm.sealing")
+
+
+@dataclass(frozen=True)
+class Writers:
+    """The engine core's lease, for its workers to register under (the fence of its sealed
+    blocks): the daemon's descriptor socket, the pool, the lease (id, secret in hex) and how
+    many workers must register. ``KVPoolConnector``'s metadata carries it to the workers."""
+
+    fd_socket: str
+    pool: str
+    lease_id: int
+    secret: str
+    workers: int
+
+    def ask(self) -> FdAsk:
+        """The registration ask (the daemon learns the asking process's pid from the
+        kernel)."""
+        return FdAsk(pool=self.pool, lease_id=self.lease_id, secret=self.secret, register=True)
 
 SEAL_ENV = "KVPOOL_SEAL"
 ADOPT_ENV = "KVPOOL_ADOPT"
@@ -130,8 +149,6 @@ def hash_refusal(cache: Any) -> str | None:
 def seal_refusal(scheduler: Any) -> str | None:
     """Why ``scheduler`` (a vLLM scheduler on a kvpool pool) can neither seal its blocks nor
     adopt sealed ones, or None when it can."""
-    from kvpool.integrations.vllm.connector import KVPoolConnector
-
     config = scheduler.vllm_config
     why = hash_refusal(config.cache_config)
     if why is not None:
@@ -149,7 +166,7 @@ def seal_refusal(scheduler: Any) -> str | None:
     parallel = config.parallel_config
     if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
         return "decode/prefill context parallelism shards each block over ranks"
-    if not isinstance(scheduler.connector, KVPoolConnector):
+    if not getattr(scheduler.connector, "kvpool_memory", False):
         return ("vLLM's KV cache is not the pool's memory (no KVPoolConnector in "
                 "kv_transfer_config): the blocks' bytes would not outlive the engine")
     return None
@@ -441,7 +458,7 @@ class BlockSealer:
     def _insert(self, ids: np.ndarray, keys: list[bytes], parents: list[bytes]) -> int:
         """Put adopted blocks in vLLM's hash map (see the module docstring)."""
         queue = self.queue
-        queue.cache.take_over(ids)  # the lease's now: the page cache counts them in use
+        queue.cache.adopt(ids)  # the lease's now: the page cache counts them in use
         queue.mark_sealed(ids)
         depth = chain_depths(keys, parents)
         blocks = self.block_pool.blocks
@@ -552,7 +569,6 @@ def register_writers(binding: Any, workers: int) -> Any:
     Raises:
         KVPoolError: the daemon refused (the descriptor socket is off: a TCP daemon).
     """
-    from kvpool.integrations.vllm.connector import Writers
     from kvpool.mapping.fd_client import register
 
     lease = binding.lease
