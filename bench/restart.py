@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from benchlib.engine_bench import EngineProcess, emit, serving_daemon  # bench/: the script's dir
+from benchlib.engine_bench import sglang_side_env as side_env
 from benchlib.venv_ready import SGLANG_MARKER, venv_problem
 
 REPO = Path(__file__).resolve().parent.parent
@@ -122,16 +123,6 @@ def run_engine(job: dict[str, Any]) -> None:
 
 
 # -- the run (main venv) ------------------------------------------------------------------------
-
-def side_env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": f"{HARNESS / 'stubs'}:{REPO / 'client'}",
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "SGLANG_PLATFORM": "kvpool", "OMP_NUM_THREADS": "1"}
-    for name in ("VIRTUAL_ENV", "KVPOOL_POOL", "KVPOOL_TARGET"):
-        env.pop(name, None)
-    env.update(extra)
-    return env
-
 
 def spawn(work: Path, model: Path, target: str, pool: str, name: str) -> tuple[EngineProcess,
                                                                                 float]:

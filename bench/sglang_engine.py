@@ -84,6 +84,7 @@ from benchlib.engine_bench import (  # bench/ is the script's directory
     serving_daemon,
     settings_from,
 )
+from benchlib.engine_bench import sglang_side_env as side_env
 from benchlib.venv_ready import SGLANG_MARKER, venv_problem
 
 REPO = Path(__file__).resolve().parent.parent
@@ -214,16 +215,6 @@ def run_engine(job: dict[str, Any]) -> None:
 
 
 # -- the run (main venv) ------------------------------------------------------------------------
-
-def side_env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": f"{HARNESS / 'stubs'}:{REPO / 'client'}",
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "SGLANG_PLATFORM": "kvpool", "OMP_NUM_THREADS": "1"}
-    for name in ("VIRTUAL_ENV", "KVPOOL_POOL", "KVPOOL_TARGET"):
-        env.pop(name, None)
-    env.update(extra)
-    return env
-
 
 @contextlib.contextmanager
 def engines(work: Path, model: Path, target: str, s: Settings,

@@ -129,6 +129,20 @@ def make_trace(s: RunSettings, vocab: tuple[int, int]) -> list[dict[str, Any]]:
     return out
 
 
+def sglang_side_env(**extra: str) -> dict[str, str]:
+    """The environment of a process in SGLang's side venv running tests/sglang's harness with
+    kvpool's plugin (the caller's KVPOOL_POOL/KVPOOL_TARGET dropped unless given in ``extra``)."""
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ,
+           "PYTHONPATH": f"{repo / 'tests' / 'sglang' / 'stubs'}:{repo / 'client'}",
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "SGLANG_PLATFORM": "kvpool", "OMP_NUM_THREADS": "1"}
+    for name in ("VIRTUAL_ENV", "KVPOOL_POOL", "KVPOOL_TARGET"):
+        env.pop(name, None)
+    env.update(extra)
+    return env
+
+
 def emit(event: str, **fields: Any) -> None:
     print("BENCH " + json.dumps({"event": event, **fields}), flush=True)
 

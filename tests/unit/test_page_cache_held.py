@@ -6,38 +6,16 @@ checks what the daemon says the lease holds."""
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 
 from kvpool import KVPoolClient
 from kvpool.cache.policy import PageCacheCore
 from kvpool.contract.errors import FailedPrecondition, InvalidArgument
-from tests.conftest import TINY_OPTIONS, TINY_SPEC, DaemonProcess, run_daemon, temp_dir
+from tests.unit.test_page_cache import client, daemon, pool
 
-_names = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def daemon() -> Iterator[DaemonProcess]:
-    with temp_dir() as path, run_daemon(path) as proc:
-        yield proc
-
-
-@pytest.fixture
-def client(daemon: DaemonProcess) -> Iterator[KVPoolClient]:
-    with KVPoolClient(daemon.target) as c:
-        yield c
-
-
-@pytest.fixture
-def pool(client: KVPoolClient) -> Iterator[str]:
-    name = f"ph{next(_names)}"
-    client.configure(name, spec=TINY_SPEC, **TINY_OPTIONS)
-    yield name
-    client.drop(name, force=True)
+# The daemon (one per module), a client and a fresh pool per test: the page cache tests'.
+__all__ = ["client", "daemon", "pool"]
 
 
 def held(client: KVPoolClient, pool: str, lease_id: int) -> int:
