@@ -36,7 +36,8 @@ SCRIPTS = {
 ELSEWHERE = {"sglang_engine.py": "tests/integration/sglang/test_sglang_engine_bench.py",
              "two_models.py": "tests/integration/sglang/test_two_models.py",
              "vllm_engine.py": "tests/integration/vllm/test_vllm_engine_bench.py",
-             "restart_vllm.py": "tests/integration/vllm/test_restart.py"}
+             "restart_vllm.py": "tests/integration/vllm/test_restart.py",
+             "restart.py": "tests/integration/sglang/test_sglang_engine_bench.py"}
 
 
 def test_every_bench_script_is_listed() -> None:

@@ -37,3 +37,24 @@ def test_plugin_and_baseline_engines_run_the_same_trace(sglang_python: Path,
     after = got["kvpool_after_shutdown"]
     # Every page back, but the sealed ones the pool's directory keeps for the next engine.
     assert after["held"] == after["leases"] == 0 and after["used"] == after["kept"]
+
+
+@pytest.mark.timeout(900)
+def test_restart_bench_restarted_engine_hits_the_dead_engines_pages(sglang_python: Path,
+                                                                    tmp_path: Path) -> None:
+    """``bench/restart.py --quick`` at tiny settings (outcomes only, never figures): the engine
+    restarted on the pool adopts every page the killed one left sealed, its first probe is
+    served from them (cached tokens as the never-killed engine's), the cold engine's from
+    nothing, and all three give the same tokens."""
+    out = tmp_path / "restart.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "restart.py"), "--quick", "--prefixes", "2",
+         "--prefix-len", "64", "--json", str(out)],
+        cwd=REPO, env=subprocess_env(KVPOOL_SGLANG_VENV=str(sglang_python.parent.parent)),
+        capture_output=True, text=True, timeout=880)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (only,) = json.loads(out.read_text())["rounds"]
+    assert only["kept"] > 0 and only["adopted"] == only["kept"]
+    assert only["restarted"]["first_cached"] == only["live"]["first_cached"] > 0
+    assert only["cold"]["cached"] == 0
+    assert only["same_tokens"] == only["probes"] > 0
