@@ -82,14 +82,21 @@ class Pool:
                 index (hybrid SWA, DSA, compressed KV, a hybrid vLLM pool): not sealable yet.
         """
         if self.sealed is None:
-            if self.plan.elastic is not None:
-                raise FailedPrecondition(
-                    f"pool {self.name!r} is elastic: sealed pages are not supported in elastic "
-                    "pools yet", field="pool")
-            kv_extents(self.plan)  # refuses a pool whose pages are not sealable
-            kv = self.ids.space("kv", "space")
-            self.sealed = SealedDirectory(kv, self.plan.page_size, clock)
+            self.check_sealable()
+            self.sealed = SealedDirectory(self.kv_space(), self.plan.page_size, clock)
         return self.sealed
+
+    def check_sealable(self) -> None:
+        """Refuse a pool whose pages cannot be sealed (see :meth:`directory`); changes nothing."""
+        if self.plan.elastic is not None:
+            raise FailedPrecondition(
+                f"pool {self.name!r} is elastic: sealed pages are not supported in elastic "
+                "pools yet", field="pool")
+        kv_extents(self.plan)  # refuses a pool whose pages are not sealable
+
+    def kv_space(self) -> IdSpace:
+        """The pool's KV page space."""
+        return self.ids.space("kv", "space")
 
     def _lease_sealed(self) -> bool:
         """Whether any lease holds a sealed page now (O(1))."""

@@ -53,7 +53,7 @@ from kvpoold.server.lease_service import LeaseService
 from kvpoold.server.leases import MAX_LEASES_PER_IDENTITY, CacheCounts, Lease, LeaseTable
 from kvpoold.server.loop_clock import StallClock
 from kvpoold.server.pool_service import PoolService
-from kvpoold.server.sealing import Sealing
+from kvpoold.server.seal_service import Sealing
 from kvpoold.server.stats import (
     MAX_WATCH_STREAMS_PER_IDENTITY,
     WATCH_MIN_INTERVAL_S,

@@ -26,7 +26,7 @@ import msgspec
 
 from kvpool.contract.errors import InvalidArgument
 from kvpool.contract.records import DaemonStats, HeldMap, LeaseStats, PoolStats, Stats
-from kvpoold.server.sealing import directory_stats
+from kvpoold.server.seal_service import directory_stats
 from kvpoold.settings import (  # daemon.py imports it from here
     MAX_WATCH_STREAMS_PER_IDENTITY as MAX_WATCH_STREAMS_PER_IDENTITY,
 )

@@ -79,13 +79,16 @@ class Sealing:
         """
         entry = self._pool(pool, caller)
         lease = self._lease(caller, ref)
-        d = self._directory(entry)
+        # every check before the directory is made: a refused Seal changes nothing
+        entry.check_sealable()
         keys, parents, tokens = check_seal_args(layout, ids, raw_keys, raw_parents, raw_tokens,
-                                                d.page_size)
-        fault = d.space.check(lease.owner, ids.astype(np.intp))
+                                                entry.plan.page_size)
+        space = entry.kv_space()
+        fault = space.check(lease.owner, ids.astype(np.intp))
         if fault is not None:  # the same words as a refused Free
-            raise d.space.free_error(lease.owner, ids, Asked(
+            raise space.free_error(lease.owner, ids, Asked(
                 f"seal {pool} (kv)", "page_ids", "nothing was sealed"))
+        d = self._directory(entry)
         sums = await self._sums(entry, ids.tolist())
         # the lease may have let go of a page while the sums were read: seal what it still holds
         owners = d.space.owner_of(ids)
