@@ -187,7 +187,7 @@ def test_kvpoold_serve_without_the_server_extra_says_what_to_install(
     (line,) = out.stderr.strip().splitlines()
     assert line.startswith("kvpoold serve: error (FAILED_PRECONDITION): kvpoold serve needs the "
                            "server extra (not installed: torch, prometheus_client, "
-                           "grpc_reflection): from the repository root, pip install -e "
+                           "grpc_reflection, xxhash): from the repository root, pip install -e "
                            "'.[server]'"), line
     assert "whl[server]" in line and "`kvpoold plan` only" in line
 

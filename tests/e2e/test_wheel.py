@@ -86,7 +86,7 @@ def test_the_wheel_builds_installs_with_its_extra_and_serves_the_commands(
         assert out.stdout.strip() == f"{command} {__version__} (wire contract {WIRE_CONTRACT})"
     where = venv.run(venv.python, "-c",
                      "import kvpool, kvpoold.server.run, torch, prometheus_client, "
-                     "grpc_reflection; print(kvpool.__file__); print(torch.__version__)")
+                     "grpc_reflection, xxhash; print(kvpool.__file__); print(torch.__version__)")
     assert where.returncode == 0, where.stderr
     path, torch_version = where.stdout.split()
     assert Path(path).is_relative_to(venv.root) and torch_version.startswith("2.13.0")

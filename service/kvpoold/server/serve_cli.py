@@ -100,7 +100,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     return resolve(vars(args), config)
 
 # What `kvpool[server]` adds to the client's dependencies (pyproject.toml).
-SERVER_EXTRA = ("torch", "prometheus_client", "grpc_reflection")
+SERVER_EXTRA = ("torch", "prometheus_client", "grpc_reflection", "xxhash")
 
 
 def run(args: argparse.Namespace) -> int:
