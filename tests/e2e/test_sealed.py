@@ -187,3 +187,32 @@ def test_a_lease_that_frees_a_sealed_page_hands_it_to_the_directory(daemon) -> N
     assert m.get("kvpool_sealed_pages", holder="directory", **tiny) == 0
     assert m.get("kvpool_sealed_kept_bytes", **tiny) == 0
 
+
+
+def test_unseal_takes_held_pages_out_of_the_directory_and_the_lease_keeps_them(daemon) -> None:  # type: ignore[no-untyped-def]
+    """An engine about to write a sealed page again (vLLM reusing a cached block) unseals it:
+    out of the directory, still the lease's; freed then, it is not kept. Another lease's page
+    is refused and nothing is unsealed; a page not sealed counts 0."""
+    _d, client = daemon
+    with client.lease("one", ttl_s=30) as lease, client.lease("two", ttl_s=30) as other:
+        ids = lease.allocate("tiny", "kv", 3)
+        theirs = other.allocate("tiny", "kv", 1)
+        toks = np.arange(3 * PAGE, dtype=np.int32)
+        keys = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
+        assert lease.seal("tiny", LAYOUT, ids, keys, [bytes(32)] * 3, toks) == 3
+        with pytest.raises(Exception, match="nothing was unsealed"):
+            lease.unseal("tiny", np.concatenate([ids[:1], theirs]))
+        assert client.sealed("tiny").held == 3
+        assert lease.unseal("tiny", ids[:2]) == 2
+        assert lease.unseal("tiny", ids[:2]) == 0  # not sealed any more
+        s = client.sealed("tiny")
+        assert (s.held, s.kept, s.sealed_total) == (1, 0, 3)
+        used = client.stats("tiny").pool("tiny").spaces["kv"].used
+        assert used == 4  # the lease keeps the unsealed pages
+        assert lease.free("tiny", "kv", ids) == 3
+        s = client.sealed("tiny")
+        assert (s.held, s.kept) == (0, 1)  # only the page still sealed is kept
+        # sealed again (the engine cached new content in a page it reused): a fresh entry
+        again = other.seal("tiny", LAYOUT, theirs, [hashlib.sha256(b"x").digest()],
+                           [bytes(32)], toks[:PAGE])
+        assert again == 1 and client.sealed("tiny").held == 1

@@ -305,6 +305,17 @@ CASES: list[tuple[str, Call, grpc.StatusCode, str | None]] = [
      C.INVALID_ARGUMENT, "page_ids"),
     ("seal unknown pool", lambda c: c.stub.Seal(seal_of(c, c.my_pages[:1], pool="nope")),
      C.NOT_FOUND, "pool"),
+    ("unseal lease 0", lambda c: c.stub.Unseal(pb.UnsealRequest(pool="tiny")),
+     C.INVALID_ARGUMENT, "lease_id"),
+    ("unseal another's page", lambda c: c.stub.Unseal(pb.UnsealRequest(
+        pool="tiny", **proof(c.mine), page_ids=c.their_pages[:1].astype("<i4").tobytes())),
+     C.FAILED_PRECONDITION, "page_ids[0]"),
+    ("unseal ids not int32", lambda c: c.stub.Unseal(pb.UnsealRequest(
+        pool="tiny", **proof(c.mine), page_ids=b"\x01" * 5)),
+     C.INVALID_ARGUMENT, "page_ids"),
+    ("unseal unknown pool", lambda c: c.stub.Unseal(pb.UnsealRequest(
+        pool="nope", **proof(c.mine), page_ids=c.my_pages[:1].astype("<i4").tobytes())),
+     C.NOT_FOUND, "pool"),
     ("adopt lease 0", lambda c: c.stub.Adopt(pb.AdoptRequest(pool="tiny", layout="e")),
      C.INVALID_ARGUMENT, "lease_id"),
     ("adopt unknown pool", lambda c: c.stub.Adopt(pb.AdoptRequest(
@@ -351,7 +362,7 @@ def test_every_rpc_has_bad_cases() -> None:
              "watch": "WatchStats", "drop": "Drop", "attach": "Attach", "detach": "Detach",
              "grant": "GrantReceive", "send": "Send", "wait": "WaitTransfer",
              "peerreceive": "PeerReceive", "peerdone": "PeerDone",
-             "cancelgrant": "CancelGrant", "seal": "Seal", "adopt": "Adopt",
+             "cancelgrant": "CancelGrant", "seal": "Seal", "unseal": "Unseal", "adopt": "Adopt",
              "sealed": "Sealed"}
     assert {words[w] for w in covered} == methods
 

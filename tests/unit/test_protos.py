@@ -54,5 +54,5 @@ def test_grpc_stub_imports_the_package_path() -> None:
     assert names == [
         "Configure", "OpenLease", "KeepAlive", "CloseLease", "Allocate", "Free", "Stats",
         "WatchStats", "Drop", "Attach", "Detach", "GrantReceive", "Send", "WaitTransfer",
-        "PeerReceive", "PeerDone", "CancelGrant", "Seal", "Adopt", "Sealed",
+        "PeerReceive", "PeerDone", "CancelGrant", "Seal", "Unseal", "Adopt", "Sealed",
     ]

@@ -453,6 +453,12 @@ class Lease(LeaseView):
         sealed now."""
         return self.client.run(rpcs.seal(pool, self, layout, pages, keys, parents, tokens))
 
+    def unseal(self, pool: str, pages: Any) -> int:
+        """Unseal kv ``pages`` this lease sealed and holds, before writing them again (they
+        leave the pool's directory; the lease keeps them). Returns the pages unsealed (a page
+        not sealed is skipped)."""
+        return self.client.run(rpcs.unseal(pool, self, pages))
+
     def adopt(self, pool: str, layout: str) -> Adopted:
         """Take the pool's sealed pages of ``layout`` whose writers are proven gone: they are
         this lease's now (sealed still), with their keys and tokens."""

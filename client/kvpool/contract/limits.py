@@ -82,6 +82,8 @@ MAX_REQUEST_BYTES: dict[str, int] = {
     # Sealed pages: an id, a key and a parent key (32 B each) and page_size token ids per page:
     # 8 MiB holds 16,384 pages of 16 tokens; an engine seals a step's pages at a time.
     "Seal": 8 << 20,
+    # Pages to unseal: at most MAX_IDS_PER_CALL int32 ids, with a pool name and a lease.
+    "Unseal": (256 + 8) << 10,
     "Adopt": 4 << 10,
     "Sealed": 1 << 10,
 }

@@ -146,6 +146,12 @@ def seal(pool: str, lease: wire.LeaseLike, layout: str, pages: Any, keys: Sequen
                 lambda resp: resp.sealed)
 
 
+def unseal(pool: str, lease: wire.LeaseLike, pages: Any) -> Call[int]:
+    """Unseal pages the lease sealed and holds, before it writes them again; the reply reads
+    as the pages unsealed."""
+    return Call("Unseal", wire.unseal_request(pool, lease, pages), lambda resp: resp.unsealed)
+
+
 def adopt(pool: str, lease: wire.LeaseLike, layout: str) -> Call[Adopted]:
     """Take the pool's sealed pages of ``layout`` whose writers are proven gone."""
     return Call("Adopt", wire.adopt_request(pool, lease, layout), codec.adopted_from_pb)

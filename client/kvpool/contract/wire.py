@@ -280,6 +280,11 @@ def seal_request(pool: str, lease: LeaseLike, layout: str, pages: Any, keys: Seq
                           tokens=ids_bytes(tokens, "tokens"))
 
 
+def unseal_request(pool: str, lease: LeaseLike, pages: Any) -> pb.UnsealRequest:
+    return pb.UnsealRequest(pool=pool, lease_id=lease.lease_id, lease_secret=lease.secret,
+                            page_ids=ids_bytes(pages, "pages"))
+
+
 def adopt_request(pool: str, lease: LeaseLike, layout: str) -> pb.AdoptRequest:
     return pb.AdoptRequest(pool=pool, lease_id=lease.lease_id, lease_secret=lease.secret,
                            layout=layout)

@@ -944,6 +944,24 @@ class SealResponse(_message.Message):
     sealed: int
     def __init__(self, sealed: _Optional[int] = ...) -> None: ...
 
+class UnsealRequest(_message.Message):
+    __slots__ = ("pool", "lease_id", "lease_secret", "page_ids")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    lease_id: int
+    lease_secret: bytes
+    page_ids: bytes
+    def __init__(self, pool: _Optional[str] = ..., lease_id: _Optional[int] = ..., lease_secret: _Optional[bytes] = ..., page_ids: _Optional[bytes] = ...) -> None: ...
+
+class UnsealResponse(_message.Message):
+    __slots__ = ("unsealed",)
+    UNSEALED_FIELD_NUMBER: _ClassVar[int]
+    unsealed: int
+    def __init__(self, unsealed: _Optional[int] = ...) -> None: ...
+
 class AdoptRequest(_message.Message):
     __slots__ = ("pool", "lease_id", "lease_secret", "layout")
     POOL_FIELD_NUMBER: _ClassVar[int]

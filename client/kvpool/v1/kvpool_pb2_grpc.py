@@ -124,6 +124,11 @@ class KVPoolStub:
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.SealRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.SealResponse.FromString,
                 _registered_method=True)
+        self.Unseal = channel.unary_unary(
+                '/kvpool.v1.KVPool/Unseal',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.UnsealRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.UnsealResponse.FromString,
+                _registered_method=True)
         self.Adopt = channel.unary_unary(
                 '/kvpool.v1.KVPool/Adopt',
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.AdoptRequest.SerializeToString,
@@ -276,6 +281,14 @@ class KVPoolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Unseal(self, request, context):
+        """Unseal pages the lease sealed and still holds, before it writes them again (an engine
+        reusing a cached page): they leave the directory and stay the lease's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Adopt(self, request, context):
         """Take the directory's pages sealed under the same layout whose writers are proven gone.
         """
@@ -382,6 +395,11 @@ def add_KVPoolServicer_to_server(servicer, server):
                     servicer.Seal,
                     request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.SealRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_kvpool__pb2.SealResponse.SerializeToString,
+            ),
+            'Unseal': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unseal,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.UnsealRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.UnsealResponse.SerializeToString,
             ),
             'Adopt': grpc.unary_unary_rpc_method_handler(
                     servicer.Adopt,
@@ -880,6 +898,33 @@ class KVPool:
             '/kvpool.v1.KVPool/Seal',
             kvpool_dot_v1_dot_kvpool__pb2.SealRequest.SerializeToString,
             kvpool_dot_v1_dot_kvpool__pb2.SealResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unseal(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.KVPool/Unseal',
+            kvpool_dot_v1_dot_kvpool__pb2.UnsealRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.UnsealResponse.FromString,
             options,
             channel_credentials,
             insecure,

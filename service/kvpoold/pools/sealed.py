@@ -264,6 +264,15 @@ class SealedDirectory:
         self._tell_stored(layout, done, keys, parents, tokens)
         return len(done)
 
+    def unseal(self, ids: np.ndarray) -> int:
+        """Unseal ``ids`` a lease holds (checked by the caller) before it writes them again:
+        out of the directory, the lease's still. A page not sealed is skipped. Returns the
+        pages unsealed (ids distinct, checked by the caller)."""
+        sealed = ids[self._sealed[ids]]
+        if sealed.shape[0]:
+            self._unseal(sealed)
+        return int(sealed.shape[0])
+
     def keep(self, owner: int, ids: np.ndarray) -> None:
         """``owner`` lets go of sealed ``ids`` (a free, or its lease's end): the directory
         holds them, newest last (checked by the caller: held, not pinned)."""

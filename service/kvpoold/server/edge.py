@@ -339,6 +339,10 @@ def seal_response(sealed: int) -> pb.SealResponse:
     return pb.SealResponse(sealed=sealed)
 
 
+def unseal_response(unsealed: int) -> pb.UnsealResponse:
+    return pb.UnsealResponse(unsealed=unsealed)
+
+
 def detach_response() -> pb.DetachResponse:
     return pb.DetachResponse()
 
@@ -529,3 +533,11 @@ def seal_args(req: pb.SealRequest) -> tuple[LeaseRef, np.ndarray, bytes, bytes, 
     tokens = int32_array(req.tokens, "tokens")
     return ref, ids, req.keys, req.parents, tokens
 
+
+def unseal_args(req: pb.UnsealRequest) -> tuple[LeaseRef, np.ndarray]:
+    """An Unseal's lease and page ids.
+
+    Raises:
+        InvalidArgument: no lease, or ids that are not int32 or too many.
+    """
+    return lease_ref(req.lease_id, req.lease_secret), int32_array(req.page_ids, "page_ids")

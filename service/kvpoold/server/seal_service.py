@@ -1,4 +1,4 @@
-"""Seal, Adopt and Sealed: the daemon's side of pages that outlive their engine.
+"""Seal, Unseal, Adopt and Sealed: the daemon's side of pages that outlive their engine.
 
 The pool aggregate's :class:`~kvpoold.pools.sealed.SealedDirectory` holds the state and alone
 changes it; this module checks the caller, the lease and the arguments, reads the checksums of
@@ -97,6 +97,25 @@ class Sealing:
         return d.seal(lease.lease_id, layout, ids[pick], [keys[i] for i in pick],
                       [parents[i] for i in pick], tokens[pick],
                       [] if sums is None else [sums[i] for i in pick])
+
+    def unseal(self, caller: Caller, pool: str, ref: LeaseRef, ids: np.ndarray) -> int:
+        """Unseal pages the lease holds, before it writes them again (they stay the lease's);
+        returns how many were sealed. O(pages asked).
+
+        Raises:
+            NotFound / PermissionDenied: the pool or the lease.
+            FailedPrecondition: a page is not the lease's (nothing is unsealed).
+            InvalidArgument: an id out of range or repeated.
+        """
+        entry = self._pool(pool, caller)
+        lease = self._lease(caller, ref)
+        space = entry.kv_space()
+        fault = space.check(lease.owner, ids.astype(np.intp))
+        if fault is not None:  # the same words as a refused Free
+            raise space.free_error(lease.owner, ids, Asked(
+                f"unseal {pool} (kv)", "page_ids", "nothing was unsealed"))
+        d = entry.sealed
+        return 0 if d is None else d.unseal(ids.astype(np.intp))
 
     async def adopt(self, caller: Caller, pool: str, ref: LeaseRef, layout: str) -> Adopted:
         """Hand the lease the directory's pages of ``layout`` whose writers are proven gone

@@ -169,6 +169,12 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
         return edge.seal_response(sealed)
 
     @rpc_errors
+    async def Unseal(self, request: pb.UnsealRequest, context: Ctx) -> pb.UnsealResponse:
+        ref, ids = edge.unseal_args(request)
+        return edge.unseal_response(self._daemon.sealing.unseal(
+            self._caller(context), request.pool, ref, ids))
+
+    @rpc_errors
     async def Adopt(self, request: pb.AdoptRequest, context: Ctx) -> pb.AdoptResponse:
         ref = edge.lease_ref(request.lease_id, request.lease_secret)
         got = await self._daemon.sealing.adopt(self._caller(context), request.pool, ref,

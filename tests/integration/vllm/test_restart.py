@@ -11,9 +11,9 @@ real kvpoold, on a tiny random Llama (``connector_run.py make-model``), sha256 b
   next engine adopts nothing; its core SIGKILLed, the worker still alive (stopped): nothing;
   the worker killed: the running engine adopts them between steps, and its requests hit them.
 - ``test_sealed_blocks_vllm_evicts_are_never_written``: a KV cache too small for the prompts:
-  vLLM evicts cached blocks to reuse them; the sealed ones go back to the daemon instead of
-  being written (the next engine adopts every block the pool kept, none found changed by the
-  CPU checksum), and the tokens are vLLM's alone.
+  vLLM evicts cached blocks to reuse them; the sealed ones are unsealed before they are
+  written (the next engine adopts every block the pool kept, none found changed by the CPU
+  checksum), and the tokens are vLLM's alone.
 - ``test_another_model_adopts_nothing``: an engine of another model (same geometry, other
   weights) on the pool adopts none of the sealed blocks, logs why, and generates what vLLM
   alone generates for that model.
@@ -270,7 +270,8 @@ def test_sealed_blocks_vllm_evicts_are_never_written(
             old.kill_group()
             old.proc.wait()
         sealer = served[-1]["sealer"]
-        assert sealer["sealed"] == 40 and sealer["released"] > 0, sealer  # evicted, given back
+        # evicted: unsealed (by the daemon, or before their Seal call left) before reused
+        assert sealer["sealed"] > 0 and sealer["unsealed"] + sealer["not_sealed"] > 0, sealer
         for batch in served:
             assert tokens(batch["outputs"]) == {p: cold[p] for p in
                                                 map(tuple, (o["prompt"] for o in

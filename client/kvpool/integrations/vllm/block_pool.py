@@ -106,8 +106,7 @@ class KVPoolFreeBlockQueue:
     """
 
     def __init__(self, blocks: list[KVCacheBlock], cache: PageCache,
-                 watched: Container[int],
-                 drop: Callable[[list[KVCacheBlock]], object] | None = None) -> None:
+                 watched: Container[int]) -> None:
         check_capacity(len(blocks), int(cache.core.capacity), str(cache.core.pool))
         self.blocks = blocks
         self.cache = cache
@@ -117,13 +116,13 @@ class KVPoolFreeBlockQueue:
         # write them again): one flag per block id, and how many are set.
         self.sealed = np.zeros(len(blocks), dtype=bool)
         self.n_sealed = 0
-        self.released = 0  # sealed blocks handed back to the daemon instead of reused
-        # What vLLM does to a cached block it reuses (its prefix out of the hash map, its
-        # reuse watcher told): done to a sealed block before it goes back to the daemon.
-        self._drop = drop
+        self.released = 0  # sealed blocks freed without a prefix: handed back to the daemon
+        self.unsealed = 0  # sealed blocks unsealed before vLLM reused them
         # Called before sealed blocks go back to the daemon: their Seal call goes first.
         self.before_release: Callable[[], object] | None = None
-        # Sealed blocks given back at once when vLLM reuses one (see _unsealed).
+        # Unseals sealed blocks before vLLM writes them again (the sealer's; returns once
+        # the daemon confirmed), and how many blocks at the front are looked at with them.
+        self.unseal: Callable[[np.ndarray], object] | None = None
         self.release_ahead = max(1, min(RELEASE_AHEAD, (len(blocks) - 1) // 8))
         # The blocks the lease may hold at once: all but the null block.
         self.quota = len(blocks) - 1
@@ -195,41 +194,34 @@ class KVPoolFreeBlockQueue:
         return out
 
     def _unsealed(self, reused: list[KVCacheBlock]) -> list[KVCacheBlock]:
-        """``reused`` (taken from the back to be written) with each sealed block replaced: a
-        sealed block leaves vLLM's prefix cache as vLLM would evict it, goes back to the
-        daemon (whose directory keeps it), and another free block is taken in its place.
-
-        The daemon is asked once for several: the sealed blocks next in vLLM's eviction order
-        (the front of the back, up to :attr:`release_ahead` in all) go back with them, so
-        that the next evictions find free blocks in the page cache (one Free and one Allocate
-        per ``release_ahead`` evicted sealed blocks, not per step)."""
+        """``reused`` (taken from the back to be written), each sealed block of it unsealed
+        first (:attr:`unseal`: the daemon confirms before vLLM writes it), with it the sealed
+        blocks next in vLLM's eviction order (the front of the back, :attr:`release_ahead`
+        blocks looked at): one call per ``release_ahead`` evicted sealed blocks, not per
+        step. They stay where they are: vLLM evicts them as it would its own."""
         sealed = self.sealed
-        gone = [b for b in reused if sealed[b.block_id]]
+        gone = [b.block_id for b in reused if sealed[b.block_id]]
         if not gone:
             return reused
-        keep = [b for b in reused if not sealed[b.block_id]]
-        wanted = len(gone)
-        ahead: list[KVCacheBlock] = []
-        watched = self.watched
-        for block in self.held.iter_blocks_after(None):
-            if len(gone) + len(ahead) >= self.release_ahead:
+        for n, block in enumerate(self.held.iter_blocks_after(None)):
+            if n >= self.release_ahead:
                 break
-            if not sealed[block.block_id] or block.block_id in watched:
-                break
-            ahead.append(block)
-        for block in ahead:
-            self.held.remove(block)
-        gone += ahead
-        if self._drop is not None:
-            self._drop(gone)
-        self._release(np.fromiter((b.block_id for b in gone), dtype=np.int32,
-                                  count=len(gone)))
+            if sealed[block.block_id]:
+                gone.append(block.block_id)
+        ids = np.asarray(gone, dtype=np.int32)
         try:
-            keep.extend(self.popleft_n(wanted))  # their pages are room again
+            if self.unseal is None:
+                raise FailedPrecondition(
+                    f"vLLM reuses sealed blocks of kvpool pool {self.pool_name!r} and nothing "
+                    "unseals them", field="block_id")
+            self.unseal(ids)
         except BaseException:
-            self.held.prepend_n(keep)  # the pool ran short: as they were, first in line
+            self.held.prepend_n(reused)  # as they were, first in line
             raise
-        return keep
+        sealed[ids] = False
+        self.n_sealed -= int(ids.shape[0])
+        self.unsealed += int(ids.shape[0])
+        return reused
 
     def mark_sealed(self, ids: np.ndarray) -> None:
         """Blocks ``ids`` (held by the lease) are sealed now."""
@@ -347,20 +339,6 @@ class KVPoolFreeBlockQueue:
         self.cache.close()
 
 
-def _dropper(block_pool: BlockPool) -> Callable[[list[KVCacheBlock]], None]:
-    """What ``get_new_blocks`` does to a block it reuses, for sealed blocks kvpool gives back
-    instead: its reuse watcher told, its prefix out of the hash map (vLLM's own method: the
-    same events and metrics)."""
-
-    def drop(blocks: list[KVCacheBlock]) -> None:
-        if block_pool._reuse_watchers:
-            block_pool._notify_reuse(blocks)
-        for block in blocks:
-            block_pool._maybe_evict_cached_block(block)
-
-    return drop
-
-
 def use_page_cache(block_pool: BlockPool, cache: PageCache) -> KVPoolFreeBlockQueue:
     """Give ``block_pool`` (vLLM's, just built, nothing handed out) a
     :class:`KVPoolFreeBlockQueue` over ``cache``; returns it. Its own queue is emptied through
@@ -372,8 +350,7 @@ def use_page_cache(block_pool: BlockPool, cache: PageCache) -> KVPoolFreeBlockQu
             handed out blocks already.
     """
     # The pool's record of watched blocks is private to vLLM: the queue only reads it.
-    queue = KVPoolFreeBlockQueue(block_pool.blocks, cache, block_pool._reuse_watchers,
-                                 _dropper(block_pool))
+    queue = KVPoolFreeBlockQueue(block_pool.blocks, cache, block_pool._reuse_watchers)
     own = block_pool.free_block_queue
     handed_out = block_pool.num_gpu_blocks - 1 - own.num_free_blocks
     if handed_out:

@@ -20,10 +20,13 @@ vLLM's ``BlockHash`` (32 bytes with sha256), parent = the previous block's hash 
 for the first), tokens = the block's token ids.
 
 Never write a sealed block. A sealed block stays in vLLM's cache while vLLM wants it; when
-vLLM evicts it to reuse it, kvpool's free-block queue gives it back to the daemon (whose
-directory keeps it) and hands vLLM another block instead
-(:meth:`~kvpool.integrations.vllm.block_pool.KVPoolFreeBlockQueue.popleft_n`); a sealed block
-freed without a hash (a prefix-cache reset) goes to the daemon too, never into the page cache.
+vLLM evicts it to reuse it, kvpool's free-block queue first has it unsealed
+(:meth:`~kvpool.integrations.vllm.block_pool.KVPoolFreeBlockQueue.popleft_n`): a block whose
+Seal call has not left yet is simply not sealed; otherwise one ``Unseal`` call, for it and the
+sealed blocks next in vLLM's eviction order, takes them out of the daemon's directory (the
+lease keeps them) and returns before vLLM writes them. A sealed block freed without a hash (a
+prefix-cache reset) goes back to the daemon, whose directory keeps it, never into the page
+cache.
 
 Fence. The daemon adopts a page only once the sealing lease has ended and every process
 registered under it for the pool has exited. The blocks are the engine core's lease's, the
@@ -211,6 +214,9 @@ class SealerStats:
 
     sealed: int = 0  # blocks the daemon sealed
     seal_calls: int = 0
+    unsealed: int = 0  # sealed blocks the daemon unsealed before vLLM reused them
+    unseal_calls: int = 0
+    not_sealed: int = 0  # written blocks vLLM reused before their Seal call left: not sealed
     unwritten: int = 0  # cached blocks not sealed: their step did not compute them
     adopted: int = 0  # blocks put in vLLM's hash map
     adopt_calls: int = 0
@@ -262,13 +268,15 @@ class BlockSealer:
         # Written blocks waiting for their Seal call (marked sealed already: one vLLM reuses
         # is sealed first, :meth:`flush`, then given back); the thread that sends them.
         self.delay_s = delay_s
-        self._ready: list[Cached] = []
-        self._lock = threading.Lock()  # guards _ready
+        self._ready: dict[int, Cached] = {}  # block id -> record, in order
+        self._sending: set[int] = set()  # block ids of the Seal call on the wire
+        self._lock = threading.Lock()  # guards _ready and _sending
         self._send_lock = threading.Lock()  # one Seal call at a time, in order
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
         queue.before_release = self.flush
+        queue.unseal = self.unseal
         if seal and delay_s > 0:
             self._thread = threading.Thread(target=self._run, daemon=True,
                                             name=f"kvpool-sealer-{pool}")
@@ -355,8 +363,10 @@ class BlockSealer:
         ids = np.fromiter((r.block.block_id for r in batch), dtype=np.int32, count=len(batch))
         self.queue.mark_sealed(ids)  # from now on given back, never written
         with self._lock:
-            self._ready += batch
-            many = len(self._ready) >= SEAL_BATCH
+            ready = self._ready
+            for rec in batch:
+                ready[rec.block.block_id] = rec
+            many = len(ready) >= SEAL_BATCH
         if self._thread is None:
             self.flush()
         elif many:
@@ -380,9 +390,37 @@ class BlockSealer:
         daemon, at shutdown, and from the sealer's thread)."""
         with self._send_lock:
             with self._lock:
-                batch, self._ready = self._ready, []
-            if batch and self.sealing:
-                self._seal(batch)
+                batch = list(self._ready.values())
+                self._ready = {}
+                self._sending = {r.block.block_id for r in batch}
+            try:
+                if batch and self.sealing:
+                    self._seal(batch)
+            finally:
+                with self._lock:
+                    self._sending = set()
+
+    def unseal(self, ids: np.ndarray) -> None:
+        """Sealed blocks ``ids`` are to be written again (vLLM reuses them): those whose Seal
+        call has not left are simply not sealed; the others are unsealed by the daemon (after
+        their Seal call's reply, if it is on the wire), which confirms before this returns.
+
+        Raises:
+            KVPoolError: the daemon refused (the blocks must then not be written).
+        """
+        with self._lock:
+            ready = self._ready
+            local = [u for u in ids.tolist() if ready.pop(u, None) is not None]
+            wait = bool(self._sending) and not self._sending.isdisjoint(ids.tolist())
+        self.stats.not_sealed += len(local)
+        rest = ids[~np.isin(ids, local)] if local else ids
+        if not rest.shape[0]:
+            return
+        if wait:  # their Seal call's reply first: the daemon then unseals them
+            with self._send_lock:
+                pass
+        self.stats.unsealed += int(self.lease.unseal(self.pool, rest))
+        self.stats.unseal_calls += 1
 
     def settle(self, timeout_s: float = 30.0) -> bool:
         """Wait until every written block's Seal call is made (tests and benches). Returns
