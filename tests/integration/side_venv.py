@@ -9,9 +9,9 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import pytest
 
@@ -106,3 +106,21 @@ def interrupted_when(script: Path, env: dict[str, str], what: str,
     reader.join(timeout=30)
     return rc, "".join(lines), proc.stderr.read(), got  # type: ignore[union-attr]
 
+
+
+class _HasId(Protocol):
+    @property
+    def id(self) -> str: ...
+
+
+_CaseT = TypeVar("_CaseT", bound=_HasId)
+
+
+def selected_cases(request: pytest.FixtureRequest, cases: Sequence[_CaseT]) -> list[_CaseT]:
+    """The cases among ``cases`` that this session runs from the requesting module (after
+    ``-k`` and node ids): a module fixture that runs an engine once for its whole matrix asks
+    for these only, so a subset of the cases costs the engine a subset of the work."""
+    chosen = {item.callspec.params["case"].id for item in request.session.items
+              if item.module is request.module and hasattr(item, "callspec")
+              and "case" in item.callspec.params}
+    return [c for c in cases if c.id in chosen]

@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from tests.integration.sglang_diff import MODELS, Case, GiB, check_case, run_sglang
+from tests.integration.side_venv import selected_cases
 
 CONFIGS = sorted(str(p.relative_to(MODELS).with_suffix(""))
                  for p in [*MODELS.glob("*.json"), *MODELS.glob("corpus/*.json")])
@@ -137,9 +138,10 @@ def _params() -> list[Any]:
 
 
 @pytest.fixture(scope="module")
-def sglang_results() -> dict[str, dict[str, Any]]:
-    """SGLang's results for every corpus case, from one run of the harness in the side venv."""
-    return run_sglang(CASES)
+def sglang_results(request: pytest.FixtureRequest) -> dict[str, dict[str, Any]]:
+    """SGLang's results for the corpus cases this session runs (all, or those ``-k`` picks),
+    from one run of the harness in the side venv."""
+    return run_sglang(selected_cases(request, CASES))
 
 
 @pytest.mark.timeout(900)

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from tests.integration.side_venv import selected_cases
 from tests.integration.vllm_diff import (
     MODELS,
     Case,
@@ -185,9 +186,10 @@ CASES = _cases()
 
 
 @pytest.fixture(scope="module")
-def vllm_results() -> dict[str, dict[str, Any]]:
-    """vLLM's results for every case, from one run of the harness in the side venv."""
-    return run_vllm(CASES)
+def vllm_results(request: pytest.FixtureRequest) -> dict[str, dict[str, Any]]:
+    """vLLM's results for the cases this session runs (all, or those ``-k`` picks), from one
+    run of the harness in the side venv."""
+    return run_vllm(selected_cases(request, CASES))
 
 
 def _check(case: Case, theirs: dict[str, Any]) -> None:
