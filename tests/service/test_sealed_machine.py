@@ -88,6 +88,7 @@ class SealedMachine(RuleBasedStateMachine):
         self.kept: set[int] = set()  # pages the directory keeps
         self.ended: set[int] = set()  # leases that ended
         self.written: set[int] = set()  # kept pages written over since sealed
+        self.key_of: dict[int, bytes] = {}  # sealed page -> its key
         self.n = 0
 
     def run(self, coro: Any) -> Any:
@@ -156,11 +157,14 @@ class SealedMachine(RuleBasedStateMachine):
             self.written -= taken
             for u in taken:
                 del self.sealer[u]
+                del self.key_of[u]
         self.held[lease] |= ids
 
     @precondition(lambda self: any(self.held[x] - set(self.sealer) for x in self._open()))
-    @rule(data=st.data())
-    def seal(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), chain=st.booleans())
+    def seal(self, data: st.DataObject, chain: bool) -> None:
+        """Pages sealed as roots, or as a chain (each page's parent the one before it, the
+        first's a sealed page's key when there is one): eviction takes chains from their end."""
         lease = data.draw(st.sampled_from(
             [x for x in self._open() if self.held[x] - set(self.sealer)]))
         pages = data.draw(st.lists(st.sampled_from(sorted(self.held[lease] - set(self.sealer))),
@@ -169,13 +173,34 @@ class SealedMachine(RuleBasedStateMachine):
         for _ in pages:
             self.n += 1
             keys.append(hashlib.sha256(self.n.to_bytes(8, "little")).digest())
+        parents = [bytes(32)] * len(pages)
+        if chain:
+            known = sorted(self.key_of.values())
+            first = data.draw(st.sampled_from(known)) if known else bytes(32)
+            parents = [first, *keys[:-1]]
         tokens = np.zeros(len(pages) * PAGE, dtype=np.int32)
         done = self.run(self.d.sealing.seal(
             DAEMON_CALLER, "f", self.leases[lease], LAYOUT, np.asarray(pages, dtype=np.int32),
-            b"".join(keys), bytes(32 * len(pages)), tokens))
+            b"".join(keys), b"".join(parents), tokens))
         assert done == len(pages)
-        for u in pages:
+        for u, key in zip(pages, keys, strict=True):
             self.sealer[u] = lease
+            self.key_of[u] = key
+
+    @precondition(lambda self: any(self.held[x] & set(self.sealer) for x in self._open()))
+    @rule(data=st.data())
+    def unseal(self, data: st.DataObject) -> None:
+        """A lease about to write sealed pages it holds again: they leave the directory."""
+        lease = data.draw(st.sampled_from(
+            [x for x in self._open() if self.held[x] & set(self.sealer)]))
+        pages = data.draw(st.lists(st.sampled_from(sorted(self.held[lease])), min_size=1,
+                                   max_size=8, unique=True))
+        n = self.call(self.d.sealing.unseal, DAEMON_CALLER, "f", self.leases[lease],
+                      np.asarray(pages, dtype=np.int32))
+        assert n == sum(u in self.sealer for u in pages)
+        for u in pages:
+            self.sealer.pop(u, None)
+            self.key_of.pop(u, None)
 
     @precondition(lambda self: any(self.held[x] for x in self._open()))
     @rule(data=st.data())
@@ -234,6 +259,7 @@ class SealedMachine(RuleBasedStateMachine):
         self.kept -= want
         for u in bad:
             del self.sealer[u]
+            del self.key_of[u]
         self.written -= want
         self.held[lease] |= ids
         for u in ids:  # sealed still; the adopter's processes are its writers now

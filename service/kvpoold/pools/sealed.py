@@ -192,6 +192,11 @@ class SealedDirectory:
         self._by_key: dict[tuple[str, bytes], int] = {}
         self._sealed = np.zeros(space.capacity + 2, dtype=bool)  # O(request) membership
         self.orphans: OrderedDict[int, None] = OrderedDict()  # the directory's, oldest first
+        # Chains: how many entries name each (layout, key) as their parent, and the kept pages
+        # no entry names (the chains' ends: evicted first, so a chain shrinks from its end and
+        # what stays is still a prefix the next engine can place).
+        self._children: Counter[tuple[str, bytes]] = Counter()
+        self._leaves: OrderedDict[int, None] = OrderedDict()  # next to evict first
         self.writers: dict[int, Writers] = {}  # lease id -> its registered processes
         self._by_sealer: Counter[int] = Counter()  # lease id -> entries it is the sealer of
         self.epoch = 0
@@ -257,6 +262,7 @@ class SealedDirectory:
                                     sums[i] if sums else b"", now)
             self._by_key[slot] = u
             self._sealed[u] = True
+            self._add_child(layout, parents[i])
             done.append(i)
         if done:
             self._by_sealer[lease_id] += len(done)
@@ -279,20 +285,37 @@ class SealedDirectory:
         if not ids.shape[0]:
             return
         self.space.move(owner, ids.astype(np.int32), DIRECTORY)
+        children = self._children
         for u in ids.tolist():
             self.orphans[u] = None
+            e = self.entries[u]
+            if not children[(e.layout, e.key)]:
+                self._leaves[u] = None
 
     # -- give back -----------------------------------------------------------------------
 
     def evict(self, count: int) -> np.ndarray:
-        """Give back up to ``count`` of the directory's pages, oldest first: unsealed and
-        freed. Returns the ids freed."""
+        """Give back up to ``count`` of the directory's pages, chains' ends first: the oldest
+        kept page no entry names as its parent, then its parent if that is now such an end,
+        and so on up the chain; only when every kept page is some entry's parent (their
+        children held by leases), the oldest kept page. Unsealed and freed; O(count). Returns
+        the ids freed."""
         n = min(count, len(self.orphans))
         if n <= 0:
             return np.zeros(0, dtype=np.int32)
-        out = np.fromiter((self.orphans.popitem(last=False)[0] for _ in range(n)),
-                          dtype=np.int32, count=n)
-        self._unseal(out)
+        out = np.empty(n, dtype=np.int32)
+        keys: list[bytes] = []
+        sealers: Counter[int] = Counter()
+        leaves, orphans = self._leaves, self.orphans
+        for i in range(n):
+            if leaves:
+                u = leaves.popitem(last=False)[0]
+                del orphans[u]
+            else:
+                u = orphans.popitem(last=False)[0]
+            out[i] = u
+            keys.append(self._drop_entry(u, sealers))
+        self._unsealed(out, keys, sealers)
         self.space.commit_free(DIRECTORY, out.astype(np.intp))
         self.evicted_total += n
         self._forget_writers()
@@ -309,16 +332,42 @@ class SealedDirectory:
             self._unseal(ids)
 
     def _unseal(self, ids: np.ndarray) -> None:
-        keys = []
+        """Forget entries ``ids`` (out of the orphans already, or held by a lease)."""
         sealers: Counter[int] = Counter()
-        for u in ids.tolist():
-            e = self.entries.pop(u)
-            del self._by_key[(e.layout, e.key)]
-            sealers[e.sealer] += 1
-            keys.append(e.key)
+        keys = [self._drop_entry(u, sealers) for u in ids.tolist()]
+        self._unsealed(ids, keys, sealers)
+
+    def _drop_entry(self, u: int, sealers: Counter[int]) -> bytes:
+        """Forget entry ``u`` (not an orphan any more), counting its sealer; its parent, kept
+        and now named by no entry, becomes the next page to evict. Returns its key."""
+        e = self.entries.pop(u)
+        del self._by_key[(e.layout, e.key)]
+        self._leaves.pop(u, None)
+        sealers[e.sealer] += 1
+        slot = (e.layout, e.parent)
+        left = self._children[slot] - 1
+        if left > 0:
+            self._children[slot] = left
+        else:
+            del self._children[slot]
+            parent = self._by_key.get(slot)
+            if parent is not None and parent in self.orphans:
+                self._leaves[parent] = None
+                self._leaves.move_to_end(parent, last=False)
+        return e.key
+
+    def _unsealed(self, ids: np.ndarray, keys: list[bytes], sealers: Counter[int]) -> None:
         self._sealers_lose(sealers)
         self._sealed[ids] = False
         self._tell_removed(keys)
+
+    def _add_child(self, layout: str, parent: bytes) -> None:
+        """An entry names ``parent``: that page, if kept, is no chain's end any more."""
+        slot = (layout, parent)
+        self._children[slot] += 1
+        u = self._by_key.get(slot)
+        if u is not None:
+            self._leaves.pop(u, None)
 
     # -- adopt ---------------------------------------------------------------------------
 
@@ -351,6 +400,7 @@ class SealedDirectory:
         if bad:
             for u in bad:
                 del self.orphans[u]
+                self._leaves.pop(u, None)
             arr = np.asarray(bad, dtype=np.int32)
             self._unseal(arr)
             self.space.commit_free(DIRECTORY, arr.astype(np.intp))
@@ -361,6 +411,7 @@ class SealedDirectory:
         sealers: Counter[int] = Counter()
         for u in order:
             del self.orphans[u]
+            self._leaves.pop(u, None)
             sealers[self.entries[u].sealer] += 1
             self.entries[u].sealer = lease_id
         self._sealers_lose(sealers)
@@ -429,6 +480,11 @@ class SealedDirectory:
              "the sealed indexes disagree"),
             (self._by_sealer == Counter(e.sealer for e in self.entries.values()),
              "the sealers' counts disagree"),
+            (self._children == Counter((e.layout, e.parent) for e in self.entries.values()),
+             "the chains' child counts disagree"),
+            (set(self._leaves) == {u for u in self.orphans if not self._children[
+                (self.entries[u].layout, self.entries[u].key)]},
+             "the chains' ends are not the kept pages no entry names"),
         ]
         for ok, why in checks:
             if not ok:
@@ -444,6 +500,8 @@ class SealedDirectory:
         self.entries.clear()
         self._by_key.clear()
         self.orphans.clear()
+        self._leaves.clear()
+        self._children.clear()
 
 
     # -- the KV events of the pool (kvpoold.server.kv_stream) ------------------------------
