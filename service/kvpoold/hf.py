@@ -577,13 +577,19 @@ MAMBA2_KEYS = (
 )
 
 
-def _mamba_layers(r: _Reader) -> tuple[int, list[int], list[int]]:
+# SGLang's GraniteMoeHybridConfig's names of transformers' layer types
+GRANITE_LAYER_TYPES = {"linear_attention": "mamba", "full_attention": "attention",
+                       "mamba": "mamba", "attention": "attention"}
+
+
+def _mamba_layers(r: _Reader, granite: bool = False) -> tuple[int, list[int], list[int]]:
     """(num_layers, attention layers, Mamba2 layers) of a Mamba2 hybrid.
 
     Nemotron-H: ``layers_block_type`` (mamba / attention / mlp / moe), else the legacy
     ``hybrid_override_pattern``; its length is the layer count. Granite-4 hybrids:
-    ``layer_types`` (mamba / attention). Falcon-H1 (no layer list): attention and Mamba2 in
-    every layer.
+    ``layer_types`` (mamba / attention, or transformers' linear_attention / full_attention;
+    absent: every sixth layer attention, SGLang's default). Falcon-H1 (no layer list):
+    attention and Mamba2 in every layer.
     """
     blocks = r.config.get("layers_block_type")
     pattern = r.config.get("hybrid_override_pattern")
@@ -594,7 +600,14 @@ def _mamba_layers(r: _Reader) -> tuple[int, list[int], list[int]]:
                          "* attention, - mlp, E moe)")
         blocks = [NEMOTRON_H_PATTERN[c] for c in pattern]
     if blocks is None and r.has("layer_types"):
-        blocks = r.config.get("layer_types")
+        types = r.config.get("layer_types")
+        blocks = [GRANITE_LAYER_TYPES.get(t, t) for t in types] if granite and isinstance(
+            types, list) else types
+    if blocks is None and granite:
+        # SGLang's GraniteMoeHybridConfig without layer_types: layer i attention when
+        # (i + 1) % 6 == 0, else mamba
+        n = r.get_int("num_hidden_layers")
+        blocks = ["attention" if (i + 1) % 6 == 0 else "mamba" for i in range(n)]
     if blocks is None:
         n = r.get_int("num_hidden_layers")
         return n, list(range(n)), list(range(n))
@@ -618,7 +631,7 @@ def _hybrid_mamba(r: _Reader, architecture: str) -> SpecFields:
         raise r.fail("a Mamba2 hybrid needs its state geometry: "
                      + " or ".join(f"({', '.join(k)})" for k in MAMBA2_KEYS))
     heads, head_dim, groups, state, kernel = (r.get_int(k) for k in keys)
-    n, attention, mamba = _mamba_layers(r)
+    n, attention, mamba = _mamba_layers(r, architecture == "GraniteMoeHybridForCausalLM")
     # Nemotron-H's layer count is its layer list's length (num_hidden_layers is ignored)
     r = _Reader({**r.config, "num_hidden_layers": n}, r.where, r.field)
     fields = _common(r, architecture)
@@ -763,9 +776,12 @@ def _family_of(row: architectures.Row, r: _Reader,
             return ("dsa" if r.has("index_topk") else "mla"), (*decided, "index_topk")
         return "mla", decided
     if row.family == "hybrid_mamba" and "layer_types" in row.when:
-        # Granite-4: a Mamba2 hybrid only when some layer_types entry is mamba
+        # Granite-4: a Mamba2 hybrid only when some layer_types entry is mamba (SGLang's
+        # GraniteMoeHybridConfig reads transformers' linear_attention as mamba, and without
+        # layer_types makes every sixth layer attention, the rest mamba)
         types = r.config.get("layer_types")
-        has = isinstance(types, list) and "mamba" in types
+        has = types is None or (isinstance(types, list) and any(
+            GRANITE_LAYER_TYPES.get(t) == "mamba" for t in types))
         return ("hybrid_mamba" if has else "mha"), ("layer_types",)
     if row.family == "hybrid_mamba" and "mamba2_cache_params" in row.when:
         # Inkling: Mamba2 only with mamba2_cache_params; else its hybrid-SWA class rule
@@ -823,7 +839,8 @@ def decided_by(names: list[str], known: str, text_key: str | None,
 # The families whose pools hold each kind of per-request state a config can declare.
 STATE_FAMILIES = {
     "mamba": ("hybrid_mamba", "mamba"),
-    "linear_attention": ("hybrid_gdn", "hybrid_kda"),
+    # transformers >= 5.15 renames mamba layers linear_attention (Granite-4's, read as mamba)
+    "linear_attention": ("hybrid_gdn", "hybrid_kda", "hybrid_mamba"),
     "lightning": ("hybrid_lightning",),
 }
 

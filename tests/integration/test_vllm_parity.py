@@ -47,7 +47,11 @@ VLLM_ENV_REFUSALS = {
     "deepseek-v3.2-exp": "Sparse Attention is not supported on CPU",
 }
 # vLLM sizes these; the profile refuses them by name (not yet profiled).
-NOT_PROFILED: dict[str, str] = {}
+NOT_PROFILED: dict[str, str] = {
+    # a GraniteMoeHybrid whose layers are all Mamba: vLLM plans it attention-free (block 16,
+    # the LBNHC layout), a plan the profile does not make
+    "synthetic/granite-4.0-h-tiny-no-attention": "lists no attention layer",
+}
 # vLLM 0.32 has no CPU path for these on any host, and both sides refuse for vLLM's reason:
 # Kimi Linear's model class opens a CUDA stream while it is built; with prefix caching on,
 # vLLM's config check refuses it before (the CPU platform turns prefix caching off for MLA on
@@ -73,12 +77,24 @@ CORPUS = (
     "corpus/kimi-linear-48b-a3b-instruct",  # Kimi delta attention + MLA: no CPU path
 )
 
+# SYNTHETIC configs of Mamba-2 hybrids no real Hub file of which is reachable here
+# (tests/integration/synthetic_configs/README.md): built from the published sizes, accepted by
+# transformers' config classes; what they check is the reading rule, not a published model.
+SYNTHETIC = (
+    "synthetic/falcon-h1-0.5b",  # attention + Mamba-2 in every layer (FalconH1ParallelHybrid)
+    "synthetic/falcon-h1-7b",
+    "synthetic/granite-4.0-h-tiny",  # Mamba-2 or attention by layer_types
+    "synthetic/granite-4.0-h-small",
+    "synthetic/granite-4.0-micro",  # every layer attention: not hybrid to vLLM, no state
+    "synthetic/granite-4.0-h-tiny-no-attention",  # no layer_types: every layer Mamba
+)
+
 
 def _cases() -> list[Case]:
     """Every config at 4 GiB and 2,048 tokens, at its own max_model_len with 64 GiB, then
     variants of each knob (block size, cache dtype, TP, PP, the hybrid manager, in-flight
     tokens, async scheduling, the block override, memory at and below one request)."""
-    hf = sorted(p.stem for p in MODELS.glob("*.json")) + list(CORPUS)
+    hf = sorted(p.stem for p in MODELS.glob("*.json")) + list(CORPUS) + list(SYNTHETIC)
     cases = [Case(f"{m}/base", m, {"kv_cache_memory_bytes": 4 * GiB, "max_model_len": 2048})
              for m in hf]
     cases += [Case(f"{m}/own-max-len", m, {"kv_cache_memory_bytes": 64 * GiB}) for m in hf]
@@ -160,6 +176,24 @@ def _cases() -> list[Case]:
     variant(jamba, "pp3-cpu-no-avx512-bf16", pp_size=3, cpu_avx512_bf16="no")
     variant(jamba, "block512", block_size=512)
     variant(jamba, "no-hybrid", disable_hybrid_kv_cache_manager=True)
+    # Falcon-H1's SSM state on a CPU with AVX-512 BF16 is float32 even when named half (its
+    # layer_types, transformers' layers_block_type, lists no linear_attention), Granite-4.0-H's
+    # stays as named; TP stays 1
+    falcon, granite = "synthetic/falcon-h1-0.5b", "synthetic/granite-4.0-h-tiny"
+    for m in (falcon, granite):
+        variant(m, "cpu-avx512-bf16", cpu_avx512_bf16="yes")
+        variant(m, "ssm-bf16-cpu-avx512-bf16", mamba_ssm_cache_dtype="bfloat16",
+                cpu_avx512_bf16="yes")
+        variant(m, "ssm-fp16-cpu-no-avx512-bf16", mamba_ssm_cache_dtype="float16",
+                cpu_avx512_bf16="no")
+        variant(m, "no-prefix-caching", no_enable_prefix_caching=True)
+        variant(m, "pp2", pp_size=2)
+        variant(m, "pp3", pp_size=3)
+        variant(m, "block1024", block_size=1024)
+        variant(m, "fp8", kv_cache_dtype="fp8")
+        variant(m, "no-hybrid", disable_hybrid_kv_cache_manager=True)
+        variant(m, "memory-256MiB", kv_cache_memory_bytes=256 * MiB)
+    variant("synthetic/falcon-h1-7b", "ssm-fp32", mamba_ssm_cache_dtype="float32")
     kimi = "corpus/kimi-linear-48b-a3b-instruct"
     variant(kimi, "no-prefix-caching", no_enable_prefix_caching=True)
     variant(kimi, "no-prefix-caching-ssm-fp32", no_enable_prefix_caching=True,
@@ -238,7 +272,8 @@ def test_kvpool_plans_what_vllm_sizes(case: Case,
 
 def test_the_cases_cover_every_config_and_knob() -> None:
     """Every config, and each of vLLM's knobs the profile reads, in at least one case."""
-    assert {c.model for c in CASES} == {p.stem for p in MODELS.glob("*.json")} | set(CORPUS)
+    assert {c.model for c in CASES} == {p.stem for p in MODELS.glob("*.json")} | set(
+        CORPUS) | set(SYNTHETIC)
     seen = {k for c in CASES for k in c.options}
     assert seen >= {"kv_cache_memory_bytes", "block_size", "kv_cache_dtype", "max_model_len",
                     "tp_size", "pp_size", "num_gpu_blocks_override",

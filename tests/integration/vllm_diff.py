@@ -18,6 +18,9 @@ from tests.conftest import REPO
 from tests.integration.vllm_venv import VLLM_DIR, vllm_env, vllm_python_or_skip
 
 MODELS = REPO / "tests" / "data" / "models"
+# SYNTHETIC configs (no real Hub file of these families is in the corpus), cases
+# ``synthetic/<name>``: see that folder's README
+SYNTHETIC = REPO / "tests" / "integration" / "synthetic_configs"
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -32,6 +35,8 @@ class Case:
 
     @property
     def config(self) -> str:
+        if self.model.startswith("synthetic/"):
+            return str(SYNTHETIC / f"{self.model.removeprefix('synthetic/')}.json")
         return str(MODELS / f"{self.model}.json")
 
     @property
@@ -79,12 +84,12 @@ def run_vllm(cases: list[Case], timeout_s: float = 1500) -> dict[str, dict[str, 
 
 
 def layer_index(name: str) -> int:
-    """The decoder layer of a vLLM layer name (``model.layers.12.self_attn.attn`` -> 12, GPT-2
-    style ``model.h.12.attn.attn`` too); the module path differs between models, the index is
-    what both sides share."""
-    found = re.search(r"(?:layers|\.h)\.(\d+)\.", name)
+    """The index in a vLLM layer name (``model.layers.12.self_attn.attn`` -> 12, GPT-2
+    style ``model.h.12.attn.attn`` too, Falcon-H1's mixers ``model.48.mixer`` -> 48); the
+    module path differs between models, the index is what both sides share."""
+    found = re.search(r"(?:layers|\.h)\.(\d+)\.|^model\.(\d+)\.", name)
     assert found, name
-    return int(found.group(1))
+    return int(found.group(1) or found.group(2))
 
 
 def _layers(names: list[str]) -> list[int]:

@@ -207,6 +207,27 @@ def test_granite_hybrid_reads_layer_types_and_its_mamba_keys():
     assert spec.linear.state_layers == (0, 1, 2)
 
 
+@pytest.mark.parametrize(("types", "attention", "state"), [
+    # transformers >= 5.15's names, which SGLang's GraniteMoeHybridConfig reads as its own
+    (["linear_attention", "full_attention", "linear_attention", "linear_attention"], (1,),
+     (0, 2, 3, 4, 5, 6)),
+    # absent: SGLang's default, attention where (i + 1) % 6 == 0
+    (None, (5,), (0, 1, 2, 3, 4, 6)),
+])
+def test_granite_hybrid_layer_types_as_sglang_names_them(
+        types: list[str] | None, attention: tuple[int, ...], state: tuple[int, ...]) -> None:
+    cfg = {"architectures": ["GraniteMoeHybridForCausalLM"], "num_hidden_layers": 7,
+           "hidden_size": 1536, "num_attention_heads": 12, "num_key_value_heads": 4,
+           "mamba_n_heads": 48, "mamba_d_head": 64, "mamba_n_groups": 1, "mamba_d_state": 128,
+           "mamba_d_conv": 4, "mamba_expand": 2, "torch_dtype": "bfloat16"}
+    if types is not None:
+        cfg["layer_types"] = types + ["linear_attention"] * 3
+    spec, _ = spec_from_hf(cfg)
+    assert spec.linear is not None
+    assert spec.linear.full_attention_layers == attention
+    assert spec.linear.state_layers == state
+
+
 def test_falcon_h1_has_attention_and_mamba_in_every_layer():
     cfg = {"architectures": ["FalconH1ForCausalLM"], "num_hidden_layers": 3,
            "hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 2,

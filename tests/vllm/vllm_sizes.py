@@ -257,8 +257,10 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         stages = []
         for rank in range(pp):
             start, end = get_pp_indices(num_layers, rank, pp)
+            # a rank holds the modules its decoder layers build: Falcon-H1's layer i names its
+            # mixer model.{num_layers + i}.mixer
             stages.append({n: s for n, s in specs.items()
-                           if start <= extract_layer_index(n) < end})
+                           if start <= extract_layer_index(n) % num_layers < end})
         layout_names = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
         layout = resolve_kv_cache_layout(vllm_config, [layout_names], specs.values())
         mem = case["kv_cache_memory_bytes"]

@@ -90,6 +90,10 @@ class MambaMixer:
     # the SSM dtype the model's own config hook sets for ``--mamba-ssm-cache-dtype auto``
     # (Nemotron-H: its ``mamba_ssm_cache_dtype``, else float32), None when it sets none
     auto_ssm_dtype: str | None = None
+    # transformers' ``layer_types`` of the config lists ``linear_attention`` (Nemotron-H's,
+    # Jamba's and Granite-4.0-H's Mamba layers; not Falcon-H1's ``hybrid`` ones): only then
+    # does vLLM's CPU platform with AVX-512 BF16 keep a named half SSM dtype
+    linear_layer_types: bool = True
 
     @property
     def version(self) -> int:

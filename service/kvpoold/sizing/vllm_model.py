@@ -44,7 +44,7 @@ SCALED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn",
                      "deepseek_llama_scaling")
 # what the refusals of other state layers name
 _STATES = ("Qwen3-Next's gated delta nets, Kimi Linear's Kimi delta attention and the Mamba "
-           "hybrids of model_type nemotron_h, jamba")
+           f"hybrids of model_type {', '.join(MAMBA_HYBRIDS)}")
 
 @dataclass(frozen=True)
 class VllmModel:
@@ -68,6 +68,14 @@ class VllmModel:
     # vLLM's module names of a layer's attention and of its state, ``{i}`` its index
     attention_module: str = "model.layers.{i}.self_attn.attn"
     state_module: str = "model.layers.{i}.linear_attn"
+    # added to a layer's index in its state module's name (Falcon-H1: num_hidden_layers)
+    state_index_offset: int = 0
+
+    @property
+    def num_decoder_layers(self) -> int:
+        """The decoder layers vLLM splits over pipeline stages (Falcon-H1 lists two modules,
+        an attention and a mixer, under one index)."""
+        return len({layer.index for layer in self.layers})
 
     @property
     def is_mla(self) -> bool:
@@ -328,7 +336,13 @@ def read_vllm_model(config: Mapping[str, Any], *, where: str = "config.json") ->
         window = None
     if hybrid is not None:
         layers_of = hybrid(text, n, where)
-        out = [LayerAttention(i, kind) for i, kind in enumerate(layers_of.kinds)]
+        out = []
+        for i, kind in enumerate(layers_of.kinds):
+            if layers_of.parallel_attention:
+                out.append(LayerAttention(i, LayerKind.full))
+            out.append(LayerAttention(i, kind))
+        if layers_of.head_size is not None:
+            head_size = layers_of.head_size
         sub = hf_view.text_config(config, "vllm")[0]
         fields = ("architectures", *(f"{sub}.{f}" if sub else f for f in layers_of.fields))
         return VllmModel(architecture, model_type, heads, int(kv_heads), int(head_size),
@@ -336,7 +350,8 @@ def read_vllm_model(config: Mapping[str, Any], *, where: str = "config.json") ->
                          fields + _fp8_field(text, fp8),
                          mamba=layers_of.mixer,
                          attention_module=layers_of.attention_module,
-                         state_module=layers_of.state_module)
+                         state_module=layers_of.state_module,
+                         state_index_offset=layers_of.state_index_offset)
     out = []
     for i in range(n):
         if linear and types[i] == "linear_attention":

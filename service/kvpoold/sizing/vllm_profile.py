@@ -382,7 +382,7 @@ def plan_vllm_model(model: VllmModel, options: VllmOptions,
 
     layers = layer_specs(model, options, block_size, dtype, max_model_len, facts)
     groups = kv_cache_groups(layers, hybrid=hybrid)
-    stages = [project(groups, range(*stage_bounds(len(model.layers), rank, options.pp_size)))
+    stages = [project(groups, range(*stage_bounds(model.num_decoder_layers, rank, options.pp_size)))
               for rank in range(options.pp_size)]
     memory = options.kv_cache_memory_bytes
     counts = []
@@ -395,7 +395,7 @@ def plan_vllm_model(model: VllmModel, options: VllmOptions,
         counts.append(options.num_gpu_blocks_override or memory // per_block)
     num_blocks = min(counts)
     mine = stages[options.pp_rank]
-    start, end = stage_bounds(len(model.layers), options.pp_rank, options.pp_size)
+    start, end = stage_bounds(model.num_decoder_layers, options.pp_rank, options.pp_size)
     per_block = bytes_per_block(mine)
     if options.num_gpu_blocks_override is not None:
         notes.append(f"num_gpu_blocks_override {options.num_gpu_blocks_override} fixes the "

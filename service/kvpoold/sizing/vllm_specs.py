@@ -76,6 +76,10 @@ BACKENDS: dict[VllmBackend, BackendFacts] = {
 MLA_HYBRID_BLOCK_ALIGNMENT = 128
 
 
+# the layer kinds an attention backend serves
+ATTENTION_KINDS = (LayerKind.full, LayerKind.sliding, LayerKind.mla)
+
+
 def backend_facts(options: VllmOptions, facts: BackendFacts | None = None) -> BackendFacts:
     """``facts``, else those of ``options.backend``."""
     return facts if facts is not None else BACKENDS[options.backend]
@@ -138,8 +142,9 @@ class NamedSpec:
 def layer_name(model: VllmModel, index: int, kind: LayerKind = LayerKind.full) -> str:
     """vLLM's name of a decoder layer's KV-cache module: its state's for a state layer, its
     attention's otherwise (the model class names them)."""
-    state = kind in (LayerKind.linear, LayerKind.mamba)
-    return (model.state_module if state else model.attention_module).format(i=index)
+    if kind in (LayerKind.linear, LayerKind.mamba):
+        return model.state_module.format(i=index + model.state_index_offset)
+    return model.attention_module.format(i=index)
 
 
 def model_dtype(model: VllmModel, options: VllmOptions | None = None) -> str:
@@ -183,17 +188,21 @@ def ssm_state_dtype(model: VllmModel, options: VllmOptions) -> str:
     :attr:`~kvpoold.sizing.vllm_model.MambaMixer.auto_ssm_dtype`), else the model dtype. On
     the CPU backend on a CPU with AVX-512 BF16
     (:func:`~kvpoold.sizing.vllm_host.has_avx512_bf16`) vLLM's CPU platform resets an
-    ``auto`` that is still unset to float32, and keeps a named bfloat16 or float16 only for
-    layers transformers calls ``linear_attention`` in the config's ``layer_types``, which
-    every state layer the profile sizes is (Qwen3-Next's gated delta nets; Nemotron-H's and
-    Jamba's Mamba mixers, whose ``mamba`` layers transformers renames so).
+    ``auto`` that is still unset to float32, and keeps a named bfloat16 or float16 only when
+    transformers' ``layer_types`` of the config lists ``linear_attention`` (Qwen3-Next's gated
+    delta nets; Nemotron-H's, Jamba's and Granite-4.0-H's Mamba mixers, whose ``mamba`` layers
+    transformers renames so), else stores float32 (Falcon-H1, whose ``layer_types`` is its
+    ``layers_block_type``, ``hybrid`` in every layer:
+    :attr:`~kvpoold.sizing.vllm_layers.MambaMixer.linear_layer_types`).
     """
     if model.is_kda:
         return "float32"  # kda_state_dtype: float32 under auto; the layers ignore the flag
     asked = options.mamba_ssm_cache_dtype
     hook = model.mamba.auto_ssm_dtype if model.mamba is not None else None
     dtype = asked.value if asked is not VllmMambaDType.auto else hook
-    if dtype is None and options.backend is VllmBackend.cpu and has_avx512_bf16(options):
+    if options.backend is VllmBackend.cpu and has_avx512_bf16(options) and (
+            dtype is None or (dtype != "float32" and model.mamba is not None
+                              and not model.mamba.linear_layer_types)):
         return "float32"
     return dtype or model_dtype(model, options)
 
@@ -277,8 +286,8 @@ def align_hybrid_block_size(model: VllmModel, options: VllmOptions, block_size: 
     (MLA: 576 * 2 = 1,152 B per token; a 2,170,880 B KDA state), any MLA kernel of at most 128
     tokens: ``128 * ceil(2,170,880 / 147,456) = 1,920`` tokens, states padded to 2,211,840 B.
     """
-    if not model.has_state:
-        return block_size, None
+    if not model.has_state or not any(layer.kind in ATTENTION_KINDS for layer in model.layers):
+        return block_size, None  # no attention backend to align (vLLM returns early)
     facts = backend_facts(options, facts)
     per_token = attention_page_per_token(model, options, dtype)
     state = state_bytes(model, options)
