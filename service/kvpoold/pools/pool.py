@@ -104,8 +104,9 @@ class Pool:
         return d is not None and len(d.entries) > len(d.orphans)
 
     def allocate(self, owner: int, items: Sequence[tuple[IdSpace, int]]) -> list[Grant]:
-        """``PoolIds.allocate``; when the kv space is short and the directory holds pages, the
-        oldest of them are given back first (sealed pages yield before any live page).
+        """``PoolIds.allocate``; when the kv space is short and the directory holds pages, as
+        many as it lacks are given back first, chains from their end (sealed pages yield
+        before any live page).
 
         Raises:
             As ``PoolIds.allocate``.
