@@ -793,3 +793,54 @@ def test_an_evictor_needs_a_cache_without_a_worker(client: KVPoolClient, pool: s
     with client.lease("engine") as lease, lease.page_cache(pool, high=8) as cache, \
             pytest.raises(FailedPrecondition, match="background=False"):
         cache.set_evictor(lambda n: None)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_sealed_pages_leave_the_cache_for_the_directory_and_adopted_ones_enter_it(
+        daemon: DaemonProcess, client: KVPoolClient, pool: str, kind: str) -> None:
+    """An engine's sealed pages: ``release`` takes them out of the cache uncached,
+    ``return_ids`` frees them at the daemon (its directory keeps them, the cache never hands
+    them out again; the cache does not know which pages are sealed: its user releases them),
+    ``Lease.unseal`` lets the lease write one again (freed, it is cached), and ``adopt``
+    counts ids the lease holds outside the cache as in use. Both caches, one behaviour."""
+    import hashlib
+
+    keys = [hashlib.sha256(f"{kind}{i}".encode()).digest() for i in range(4)]
+    tokens = np.zeros(4 * 16, dtype=np.int32)
+    if kind == "sync":
+        with client.lease("engine") as lease:
+            cache = lease.page_cache(pool, low=0, high=8, batch=8)
+            ids = cache.alloc(4)
+            assert lease.seal(pool, "L", ids, keys, [bytes(32)] * 4, tokens) == 4
+            assert lease.unseal(pool, ids[3:]) == 1  # about to write it again
+            assert cache.return_ids(cache.release(ids[:2])) == 2
+            assert cache.core.in_use == 2
+            with pytest.raises(FailedPrecondition):
+                cache.free(ids[:1])  # released: not the cache's any more
+            cache.adopt(cache.release(ids[2:3]))  # held outside the cache, then adopted
+            assert cache.core.in_use == 2
+            cached = cache.core.cached
+            assert cache.return_ids(cache.release(ids[2:3])) == 1  # sealed: to the daemon
+            assert cache.free(ids[3:]) == 1  # unsealed: cached, handed out again
+            assert cache.core.cached == cached + 1
+            cache.close()
+    else:
+        async with AsyncKVPoolClient(daemon.target) as aclient, \
+                await aclient.lease("aengine") as lease:
+            cache = await lease.page_cache(pool, low=0, high=8, batch=8)
+            ids = await cache.alloc(4)
+            assert await lease.seal(pool, "L", ids, keys, [bytes(32)] * 4, tokens) == 4
+            assert await lease.unseal(pool, ids[3:]) == 1
+            assert await cache.return_ids(cache.release(ids[:2])) == 2
+            assert cache.core.in_use == 2
+            with pytest.raises(FailedPrecondition):
+                await cache.free(ids[:1])
+            cache.adopt(cache.release(ids[2:3]))
+            assert cache.core.in_use == 2
+            cached = cache.core.cached
+            assert await cache.return_ids(cache.release(ids[2:3])) == 1  # sealed: to the daemon
+            assert await cache.free(ids[3:]) == 1  # unsealed: cached, handed out again
+            assert cache.core.cached == cached + 1
+            await cache.close()
+    s = client.sealed(pool)
+    assert (s.kept, s.held) == (3, 0)  # the sealed pages let go of are the directory's

@@ -190,6 +190,21 @@ class AsyncPageCache:
                 raise
         return arr.shape[0]
 
+    def release(self, ids: Any) -> np.ndarray:
+        """See ``PageCache.release``: ids taken back uncached, for :meth:`return_ids`."""
+        return self.core.release(ids)
+
+    async def return_ids(self, ids: Any) -> int:
+        """See ``PageCache.return_ids`` (one Free; a lease or pool already gone: 0)."""
+        try:
+            return await self._lease._cache_free(self.core.pool, self.core.space, ids)
+        except NotFound:
+            return 0
+
+    def adopt(self, ids: Any) -> None:
+        """See ``PageCache.adopt``: ids the lease came to hold outside this cache."""
+        self.core.adopt(ids)
+
     # -- state --------------------------------------------------------------------------------
 
     def counters(self) -> PageCacheCounters:

@@ -233,6 +233,10 @@ class AsyncLease(LeaseView):
         return await self.client.run(rpcs.seal(pool, self, layout, pages, keys, parents,
                                                tokens))
 
+    async def unseal(self, pool: str, pages: Any) -> int:
+        """See ``Lease.unseal``."""
+        return await self.client.run(rpcs.unseal(pool, self, pages))
+
     async def adopt(self, pool: str, layout: str) -> Adopted:
         """See ``Lease.adopt``."""
         return await self.client.run(rpcs.adopt(pool, self, layout))
