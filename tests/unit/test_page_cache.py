@@ -824,6 +824,10 @@ async def test_sealed_pages_leave_the_cache_for_the_directory_and_adopted_ones_e
             assert cache.free(ids[3:]) == 1  # unsealed: cached, handed out again
             assert cache.core.cached == cached + 1
             cache.close()
+            more = lease.allocate(pool, "kv", 2)  # as adopted pages: held before the cache
+            cache = lease.page_cache(pool, low=0, high=4, batch=4, held=more)
+            assert cache.core.in_use == 2 and cache.free(more) == 2
+            cache.close()
     else:
         async with AsyncKVPoolClient(daemon.target) as aclient, \
                 await aclient.lease("aengine") as lease:
@@ -841,6 +845,10 @@ async def test_sealed_pages_leave_the_cache_for_the_directory_and_adopted_ones_e
             assert await cache.return_ids(cache.release(ids[2:3])) == 1  # sealed: to the daemon
             assert await cache.free(ids[3:]) == 1  # unsealed: cached, handed out again
             assert cache.core.cached == cached + 1
+            await cache.close()
+            more = await lease.allocate(pool, "kv", 2)
+            cache = await lease.page_cache(pool, low=0, high=4, batch=4, held=more)
+            assert cache.core.in_use == 2 and await cache.free(more) == 2
             await cache.close()
     s = client.sealed(pool)
     assert (s.kept, s.held) == (3, 0)  # the sealed pages let go of are the directory's

@@ -70,12 +70,14 @@ class AsyncPageCache:
     def __init__(self, lease: AsyncLease, pool: str, space: str, capacity: int, *,
                  low: int | None = None, high: int | None = None,
                  batch: int | None = None, background: bool = True,
-                 fill: bool = True) -> None:
+                 fill: bool = True, held: Any = None) -> None:
         lo, hi, ba = watermarks(capacity, low, high, batch)
         self._lease = lease
         self._evictor: Callable[[int], object] | None = None
         self.core = core = PageCacheCore(pool, space, capacity, lo, hi, ba)
         core.prefill = fill  # see PageCache.__init__
+        if held is not None:  # ids the lease holds already (adopted): in use, before any fill
+            core.adopt(held)
         self._wake = asyncio.Event()
         core.wake = self._wake.set
         self._idle = asyncio.Event()
@@ -95,13 +97,15 @@ class AsyncPageCache:
     async def open(cls, lease: AsyncLease, pool: str, space: str = "kv", *,
                    low: int | None = None, high: int | None = None,
                    batch: int | None = None, background: bool = True,
-                   fill: bool = True) -> AsyncPageCache:
-        """See ``PageCache.open`` (without a worker, the first fill is awaited here)."""
+                   fill: bool = True, held: Any = None) -> AsyncPageCache:
+        """See ``PageCache.open`` (``held``: ids the lease adopted, in use from the start;
+        without a worker, the first fill is awaited here)."""
         stats = await lease.client.stats(pool)
         capacity = space_capacity(stats, pool, space)
-        refuse_held(stats, lease.lease_id, pool, space)
+        refuse_held(stats, lease.lease_id, pool, space,
+                    expected=0 if held is None else len(held))
         cache = cls(lease, pool, space, capacity, low=low, high=high, batch=batch,
-                    background=background, fill=fill)
+                    background=background, fill=fill, held=held)
         if not background:
             await cache.maintain()
         return cache

@@ -273,14 +273,15 @@ class AsyncLease(LeaseView):
 
     async def page_cache(self, pool: str, space: str = "kv", *, low: int | None = None,
                          high: int | None = None, batch: int | None = None,
-                         background: bool = True, fill: bool = True) -> AsyncPageCache:
+                         background: bool = True, fill: bool = True,
+                         held: Any = None) -> AsyncPageCache:
         """See ``Lease.page_cache``: ``async with await lease.page_cache(pool) as cache``
         (``background=False``: no worker task, the engine awaits ``cache.maintain()`` once
-        per step)."""
+        per step; ``held``: ids the lease adopted, in use from the start)."""
         from kvpool.cache.aio_page_cache import AsyncPageCache
 
         return await AsyncPageCache.open(self, pool, space, low=low, high=high, batch=batch,
-                                         background=background, fill=fill)
+                                         background=background, fill=fill, held=held)
 
     async def close(self) -> Released:
         """Stop renewing and end the lease; returns what it held. Idempotent."""
