@@ -37,7 +37,8 @@ from kvpool.clients.client import KVPoolClient
 msg = recv()
 client = KVPoolClient(msg["target"])
 lease = client.lease("engine", ttl_s=msg["ttl_s"])
-region = client.attach("tiny", lease=lease).__enter__()
+attached = client.attach("tiny", lease=lease)
+region = attached.__enter__()
 pages = lease.allocate("tiny", "kv", msg["n"])
 keys, parents, tokens = [], [], []
 parent = bytes(32)
@@ -53,7 +54,11 @@ for i, p in enumerate(pages.tolist()):
 sealed = lease.seal("tiny", msg["layout"], pages, keys, parents, np.concatenate(tokens))
 send({"pages": pages.tolist(), "sealed": sealed, "lease_id": lease.lease_id,
       "keys": [k.hex() for k in keys]})
-recv()
+if recv() == "shutdown":  # a clean shutdown: detach, end the lease, then exit
+    attached.__exit__(None, None, None)  # unmap and Detach
+    lease.close()
+    send("closed")
+    recv()
 """
 
 
@@ -221,3 +226,22 @@ def test_unseal_takes_held_pages_out_of_the_directory_and_the_lease_keeps_them(d
         again = other.seal("tiny", LAYOUT, theirs, [hashlib.sha256(b"x").digest()],
                            [bytes(32)], toks[:PAGE])
         assert again == 1 and client.sealed("tiny").held == 1
+
+
+def test_a_cleanly_shut_down_engines_pages_are_adopted_once_its_process_exits(daemon) -> None:  # type: ignore[no-untyped-def]
+    """The usual restart: the engine detaches and ends its lease itself, then exits. Its
+    detach is its word, not a fact (a mapping outlives it): its pages wait until the process
+    is gone, then are adopted as a killed engine's are."""
+    d, client = daemon
+    engine, got = start_engine(d.target, 4)
+    engine.send("shutdown")
+    assert engine.recv() == "closed"
+    assert not any(x.lease_id == got["lease_id"] for x in client.stats().leases)
+    try:
+        waiting = adopt(client)
+        assert waiting.ids.shape[0] == 0 and waiting.unfenced == 4  # it still lives
+    finally:
+        engine.send("exit")
+        engine.proc.wait(30)
+    a = adopt(client)
+    assert sorted(a.ids.tolist()) == sorted(got["pages"]) and a.unfenced == 0

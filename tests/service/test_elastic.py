@@ -265,7 +265,7 @@ def test_shm_files_of_elastic_pools_are_0600() -> None:
 async def test_the_descriptor_socket_hands_out_nothing_unproven(daemon: Any) -> None:
     """Daemon.fd_grant, the side socket's check: a proven lease with an attachment of the pool;
     a CPU pool goes out as its one file (no parts), and the daemon records which process took
-    it under which lease, until the lease's attachment ends."""
+    it under which lease, until the lease ends."""
     from kvpool.contract.errors import FailedPrecondition, NotFound
     from kvpool.contract.fd_channel import FdAsk
 
@@ -292,6 +292,10 @@ async def test_the_descriptor_socket_hands_out_nothing_unproven(daemon: Any) -> 
         grant.close()
     assert d.attachments.holders("a") == {me: {la.lease_id}}
     await stub.Detach(pb.DetachRequest(attach_id=att.attach_id))
+    # a detach is the client's word, not a fact: its process stays a writer of the pool
+    # under the lease until the lease ends
+    assert d.attachments.holders("a") == {me: {la.lease_id}}
+    await stub.CloseLease(pb.CloseLeaseRequest(**proof(la)))
     assert d.attachments.holders("a") == {}
 
 

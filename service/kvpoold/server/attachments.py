@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import select
 from dataclasses import dataclass
 
 from kvpool.contract.errors import ResourceExhausted
@@ -70,22 +71,26 @@ class AttachmentTable:
         else:
             del self._per_identity[att.identity]
         if att.lease_id:
+            # The lease's processes stay recorded as its pool's writers until the lease ends
+            # (take_writers): a detach is the client's word that it unmapped, not a fact.
             _discard(self._by_lease, att.lease_id, attach_id)
-            if att.lease_id not in self.leases_of_pool(att.pool):
-                _close_all(self.take_writers(att.pool, att.lease_id))
         return att
 
     def add_holder(self, pool: str, lease_id: int, pid: int) -> None:
         """Record that process ``pid`` (connected now: the kernel's) took ``pool``'s descriptor,
         or registered, under ``lease_id`` (which holds an attachment of it); forgotten when the
-        lease's last attachment of it ends.
+        lease ends (:meth:`take_writers`), or the pool goes.
 
         Raises:
-            ResourceExhausted: the lease registered MAX_HOLDERS_PER_LEASE processes already.
+            ResourceExhausted: the lease registered MAX_HOLDERS_PER_LEASE processes that still
+                live already.
         """
         pids = self._holders.setdefault(pool, {}).setdefault(lease_id, {})
         if pid in pids:
             return
+        if len(pids) >= MAX_HOLDERS_PER_LEASE:  # forget those that exited: they write nothing
+            for gone in [p for p, fd in pids.items() if select.select([fd], [], [], 0)[0]]:
+                os.close(pids.pop(gone))
         if len(pids) >= MAX_HOLDERS_PER_LEASE:
             raise ResourceExhausted(
                 f"lease {lease_id} has {len(pids)} processes mapping pool {pool!r}, at most "
@@ -97,7 +102,7 @@ class AttachmentTable:
 
     def take_writers(self, pool: str, lease_id: int) -> dict[int, int]:
         """Hand over (the caller closes them) the pidfds of the processes that mapped ``pool``
-        under ``lease_id``: ``{pid: pidfd}``."""
+        under ``lease_id``, attached still or not: ``{pid: pidfd}`` (at the lease's end)."""
         holders = self._holders.get(pool)
         if holders is None:
             return {}
@@ -115,8 +120,15 @@ class AttachmentTable:
         return out
 
     def remove_pool(self, pool: str) -> int:
-        """End every attachment to ``pool``; returns how many."""
-        return sum(self.remove(a) is not None for a in list(self._by_pool.get(pool, ())))
+        """End every attachment to ``pool`` and forget its writers; returns how many."""
+        n = sum(self.remove(a) is not None for a in list(self._by_pool.get(pool, ())))
+        for pids in self._holders.pop(pool, {}).values():
+            _close_all(pids)
+        return n
+
+    def writer_pools(self, lease_id: int) -> list[str]:
+        """The pools of which processes registered under ``lease_id`` (O(pools))."""
+        return [pool for pool, leases in self._holders.items() if lease_id in leases]
 
     def remove_lease(self, lease_id: int) -> int:
         """End every attachment made under ``lease_id``; returns how many."""

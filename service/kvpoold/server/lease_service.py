@@ -4,6 +4,7 @@ expire and revoke; a lease's end gives back everything it held, in every pool.""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 
 from kvpool.contract.records import HeldMap, Released
@@ -164,9 +165,16 @@ class LeaseService:
             counts = {s: n for s, n in entry.reclaim(lease.owner).items() if n}
             if counts:
                 released[name] = counts
-            if entry.sealed is not None:  # the processes that could write its sealed pages
-                entry.sealed.lease_ended(
-                    lease.lease_id, self._attachments.take_writers(name, lease.lease_id))
+        # the processes that could write each pool's pages under it, detached or not: the
+        # sealed directory's to wait on, or closed
+        for name in self._attachments.writer_pools(lease.lease_id):
+            writers = self._attachments.take_writers(name, lease.lease_id)
+            entry = self._registry.pools.get(name)
+            if entry is not None and entry.sealed is not None:
+                entry.sealed.lease_ended(lease.lease_id, writers)
+            else:
+                for fd in writers.values():
+                    os.close(fd)
         detached = self._attachments.remove_lease(lease.lease_id)
         if released:
             self._pressure.notify_freed()
