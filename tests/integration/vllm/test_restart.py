@@ -5,7 +5,8 @@ real kvpoold, on a tiny random Llama (``connector_run.py make-model``), sha256 b
 - ``test_a_killed_engines_prefix_cache_is_adopted_by_the_next``: an engine serves prompts with
   shared prefixes and is SIGKILLed; a new engine with the same arguments on the same pool
   reports, for its first requests, ``num_cached_tokens`` for every full block the dead one
-  computed for their prefixes (>= 99 %), and generates what vLLM alone generates (cold).
+  computed for their prefixes (>= 99 %), and generates what vLLM alone generates (cold); that
+  engine stopped cleanly (detach, lease closed, exit) hands them on to a third the same way.
 - ``test_frozen_engine_and_live_worker_block_adoption``: an engine whose worker is a process of
   its own (vLLM's mp executor) is SIGSTOPped (its lease expires; it still maps the pool): the
   next engine adopts nothing; its core SIGKILLed, the worker still alive (stopped): nothing;
@@ -191,11 +192,22 @@ def test_a_killed_engines_prefix_cache_is_adopted_by_the_next(
             first = h.wait_for("generated", 300)
             h.wait_for("shutdown", 120)
             assert h.exited() == 0
+        # that engine stopped cleanly (it detached and ended its lease, then exited): the
+        # next one adopts its blocks in turn
+        wait_lease_gone(client, started["sealer"]["lease_name"])
+        with harness(vllm_python, env, work / "after-clean-stop.log",
+                     job(tiny_model, [{"generate": PROMPTS}]), RESTART) as h:
+            third = h.wait_for("started", ENGINE_START_S)
+            again = h.wait_for("generated", 300)
+            h.wait_for("shutdown", 120)
     assert started["sealer"]["adopted"] == 15 and started["sealer"]["broken"] == 0
     hits = [o["num_cached_tokens"] for o in first["outputs"]]
     print(f"  first requests after the restart: cached tokens {hits} (of {FULL} each)")
     assert sum(hits) >= 0.99 * FULL * len(PROMPTS) and hits == [FULL] * len(PROMPTS)
     assert tokens(first["outputs"]) == {p: cold[p] for p in map(tuple, PROMPTS)}
+    assert third["sealer"]["adopted"] >= 15 and third["sealer"]["unfenced"] == 0, third
+    assert [o["num_cached_tokens"] for o in again["outputs"]] == [FULL] * len(PROMPTS)
+    assert tokens(again["outputs"]) == {p: cold[p] for p in map(tuple, PROMPTS)}
 
 
 def test_frozen_engine_and_live_worker_block_adoption(
