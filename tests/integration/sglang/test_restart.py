@@ -235,6 +235,20 @@ def test_restart_adopts(sglang_python: Path, sglang_daemon: DaemonProcess, tiny_
         assert any("adopted" in line for line in kvpool_lines(work / "restarted.log"))
         assert client.sealed(pool).adopted_total >= pages * 0.99
 
+        print("that engine stopped cleanly (its lease closed, then it exited): a third adopts")
+        lease_gone(client, pool)
+        before = client.sealed(pool).adopted_total
+        with harness(sglang_python, ["engine"], env, work / "third.log",
+                     job(tiny_model, work, "third", [RESTART])) as h:
+            h.wait_for("started", ENGINE_START_S)
+            again = h.wait_for("generated", 300)["outputs"]
+            h.wait_for("shutdown", 120)
+        assert [o["output_ids"] for o in again] == [o["output_ids"] for o in cold[:3]]
+        hits = [o["cached_tokens"] for o in again]
+        print(f"  cached tokens {hits}")
+        assert sum(min(g, w) for g, w in zip(hits, want, strict=True)) >= 0.99 * sum(want)
+        assert client.sealed(pool).adopted_total > before
+
 
 def group_pidfds(pgid: int) -> list[int]:
     """Pidfds of the processes of group ``pgid`` (opened now: a reused pid is never them)."""
