@@ -129,3 +129,39 @@ def test_kept_sealed_pages_yield_to_an_elastic_reclaim_before_live_pages_and_the
                 assert e.recv() == "closed"
         s = client.sealed("a")
         assert s.adopted_total == a.ids.shape[0]
+
+
+@pytest.mark.timeout(180)
+def test_an_elastic_pool_grows_before_it_evicts_its_own_sealed_pages() -> None:
+    with temp_dir() as sock_dir, temp_dir("kvp-shm-", "/dev/shm") as shm, \
+            daemon_in(shm, sock_dir) as daemon, KVPoolClient(daemon.target) as client:
+        configure(client)
+        n = 1000
+        with Child(SEALER, timeout_s=120) as sealer:
+            sealer.send({"target": daemon.target, "n": n, "layout": LAYOUT})
+            sealed: dict[str, Any] = sealer.recv()
+            assert sealed["sealed"] == n
+            sealer.proc.send_signal(signal.SIGKILL)
+            sealer.proc.wait(30)
+        wait_lease_gone(client, sealed["lease_id"])
+        with client.lease("big", ttl_s=30) as lease:
+            # free budget first: a grows (1,500 pages are more than its floor group has free
+            # yet fewer than it keeps sealed), then to three groups; every sealed page kept
+            lease.allocate("a", "kv", 1500)
+            assert client.sealed("a").evicted_total == 0
+            lease.allocate("a", "kv", 3500)
+            s = client.sealed("a")
+            assert (s.kept, s.evicted_total) == (n, 0)
+            assert elastic(client, "a").granted_groups >= 3
+            # past the budget (b sits at its floor: no group can come): a's own kept pages
+            # yield, as many as it is short, from the chain's end
+            capacity = 4 * PAGES_A - 1  # a's cap in this budget: the floor and three groups
+            want = 2500
+            lease.allocate("a", "kv", want)
+            short = want - (capacity - n - 5000)
+            s = client.sealed("a")
+            assert (s.kept, s.evicted_total) == (n - short, short)
+            assert elastic(client, "a").granted_groups == 4
+        with client.lease("next", ttl_s=30) as lease:
+            a = lease.adopt("a", LAYOUT)
+            assert a.ids.tolist() == sealed["pages"][:n - short]
