@@ -137,6 +137,18 @@ class Pool:
             return 0
         return int(d.evict_from(min_id, count).shape[0])
 
+    def adoptable(self, d: SealedDirectory, layout: str) -> tuple[list[int], int, int]:
+        """:meth:`SealedDirectory.candidates`; in an elastic pool only pages of open groups (a
+        kept page of a group being drained is evicted for the pool it goes to, not handed to a
+        lease that would hold the group back). O(kept)."""
+        ids, unfenced, other = d.candidates(layout)
+        if self.plan.elastic is None or not ids:
+            return ids, unfenced, other
+        space = self.space_kv
+        per = space.pages_per_group
+        is_open = {g: space.state(g) == "open" for g in {u // per for u in ids}}
+        return [u for u in ids if is_open[u // per]], unfenced, other
+
     def free(self, owner: int, items: Sequence[tuple[IdSpace, np.ndarray]]) -> dict[str, int]:
         """``PoolIds.free``, all or none; a sealed page the lease frees passes to the directory
         instead of the free set.
