@@ -78,8 +78,8 @@ class Pool:
         """The pool's sealed directory, made at the first use.
 
         Raises:
-            FailedPrecondition: an elastic pool, or one whose pages other ids follow or
-                index (hybrid SWA, DSA, compressed KV, a hybrid vLLM pool): not sealable yet.
+            FailedPrecondition: a pool whose pages other ids follow or index (hybrid SWA,
+                DSA, compressed KV, a hybrid vLLM pool): not sealable yet.
         """
         if self.sealed is None:
             self.check_sealable()
@@ -87,11 +87,9 @@ class Pool:
         return self.sealed
 
     def check_sealable(self) -> None:
-        """Refuse a pool whose pages cannot be sealed (see :meth:`directory`); changes nothing."""
-        if self.plan.elastic is not None:
-            raise FailedPrecondition(
-                f"pool {self.name!r} is elastic: sealed pages are not supported in elastic "
-                "pools yet", field="pool")
+        """Refuse a pool whose pages cannot be sealed (see :meth:`directory`); changes nothing.
+        An elastic pool is sealable: its kept pages hold their groups open until a reclaim
+        asks for them (:meth:`give_back_sealed`, before any page cache)."""
         kv_extents(self.plan)  # refuses a pool whose pages are not sealable
 
     def kv_space(self) -> IdSpace:
@@ -103,10 +101,12 @@ class Pool:
         d = self.sealed
         return d is not None and len(d.entries) > len(d.orphans)
 
-    def allocate(self, owner: int, items: Sequence[tuple[IdSpace, int]]) -> list[Grant]:
+    def allocate(self, owner: int, items: Sequence[tuple[IdSpace, int]], *,
+                 evict: bool = True) -> list[Grant]:
         """``PoolIds.allocate``; when the kv space is short and the directory holds pages, as
         many as it lacks are given back first, chains from their end (sealed pages yield
-        before any live page).
+        before any live page). ``evict=False``: refuse instead (an elastic pool asks for
+        groups first, and evicts only when none can come).
 
         Raises:
             As ``PoolIds.allocate``.
@@ -115,7 +115,7 @@ class Pool:
             return self.ids.allocate(owner, items)
         except ResourceExhausted:
             d = self.sealed
-            if d is None or not d.orphans:
+            if not evict or d is None or not d.orphans:
                 raise
             want = sum(n for space, n in items if space is d.space)
             short = want - d.space.num_free
@@ -123,6 +123,31 @@ class Pool:
                 raise
             d.evict(short)
             return self.ids.allocate(owner, items)
+
+    @property
+    def kept_sealed(self) -> int:
+        """Sealed pages the directory keeps (no lease holds them): evictable cache (O(1))."""
+        return 0 if self.sealed is None else len(self.sealed.orphans)
+
+    def give_back_sealed(self, count: int, min_id: int = 0) -> int:
+        """Evict up to ``count`` kept sealed pages, only ids ``>= min_id`` when it is > 1 (an
+        elastic reclaim's groups); returns how many were freed."""
+        d = self.sealed
+        if d is None or not d.orphans or count <= 0:
+            return 0
+        return int(d.evict_from(min_id, count).shape[0])
+
+    def adoptable(self, d: SealedDirectory, layout: str) -> tuple[list[int], int, int]:
+        """:meth:`SealedDirectory.candidates`; in an elastic pool only pages of open groups (a
+        kept page of a group being drained is evicted for the pool it goes to, not handed to a
+        lease that would hold the group back). O(kept)."""
+        ids, unfenced, other = d.candidates(layout)
+        if self.plan.elastic is None or not ids:
+            return ids, unfenced, other
+        space = self.space_kv
+        per = space.pages_per_group
+        is_open = {g: space.state(g) == "open" for g in {u // per for u in ids}}
+        return [u for u in ids if is_open[u // per]], unfenced, other
 
     def free(self, owner: int, items: Sequence[tuple[IdSpace, np.ndarray]]) -> dict[str, int]:
         """``PoolIds.free``, all or none; a sealed page the lease frees passes to the directory
@@ -258,6 +283,8 @@ class Pool:
         self.ids.audit()
         if self.sealed is not None and self.state != "closed":
             self.sealed.audit()
+            if self.plan.elastic is not None and self.sealed.entries:
+                self._audit_sealed_groups()
         if any(n <= 0 for n in self.uses.values()):
             raise Internal(f"pool {self.name!r}: use counts {dict(self.uses)}")
         if self.state == "closed" and self.uses:
@@ -266,6 +293,17 @@ class Pool:
             raise Internal(f"pool {self.name!r} is dropping, unused, and nobody was told")
         if self.state == "live" and self.charged_bytes:
             raise Internal(f"pool {self.name!r} is live with a drop charge")
+
+    def _audit_sealed_groups(self) -> None:
+        """No sealed page (held or kept) lies in a group that is not open or draining: a
+        group is unmapped and released only once every page of it is free."""
+        assert self.sealed is not None
+        space = self.space_kv
+        groups = {u // space.pages_per_group for u in self.sealed.entries}
+        bad = sorted(g for g in groups if space.state(g) not in ("open", "draining"))
+        if bad:
+            raise Internal(f"pool {self.name!r}: sealed pages lie in group(s) {bad} "
+                           f"({', '.join(space.state(g) for g in bad)})")
 
     def check_movable(self) -> None:
         """Whether the pool's pages may move between daemons: neither elastic nor vLLM-layout.

@@ -303,21 +303,50 @@ class SealedDirectory:
         n = min(count, len(self.orphans))
         if n <= 0:
             return np.zeros(0, dtype=np.int32)
-        out = np.empty(n, dtype=np.int32)
-        keys: list[bytes] = []
-        sealers: Counter[int] = Counter()
+        picks: list[int] = []
         leaves, orphans = self._leaves, self.orphans
-        for i in range(n):
+        sealers: Counter[int] = Counter()
+        keys: list[bytes] = []
+        for _ in range(n):
             if leaves:
                 u = leaves.popitem(last=False)[0]
                 del orphans[u]
             else:
                 u = orphans.popitem(last=False)[0]
-            out[i] = u
+            picks.append(u)
             keys.append(self._drop_entry(u, sealers))
+        return self._given_back(picks, keys, sealers)
+
+    def evict_from(self, min_id: int, count: int) -> np.ndarray:
+        """Give back up to ``count`` kept pages whose ids are ``>= min_id`` (an elastic
+        reclaim's groups: every kept page there must go before the groups can be released),
+        chains' ends first, then the oldest; ``min_id <= 1`` is :meth:`evict`. O(kept).
+        Returns the ids freed."""
+        if min_id <= 1:
+            return self.evict(count)
+        if count <= 0:
+            return np.zeros(0, dtype=np.int32)
+        picks = [u for u in self._leaves if u >= min_id][:count]
+        if len(picks) < count:
+            seen = set(picks)
+            picks += [u for u in self.orphans if u >= min_id and u not in seen][
+                :count - len(picks)]
+        sealers: Counter[int] = Counter()
+        keys: list[bytes] = []
+        for u in picks:
+            del self.orphans[u]  # then its parent, if kept, may become an end: popped below
+            keys.append(self._drop_entry(u, sealers))
+        return self._given_back(picks, keys, sealers)
+
+    def _given_back(self, picks: list[int], keys: list[bytes],
+                    sealers: Counter[int]) -> np.ndarray:
+        """Kept pages ``picks``, out of the orphans and the entries already: unsealed, freed."""
+        out = np.asarray(picks, dtype=np.int32)
+        if not picks:
+            return out
         self._unsealed(out, keys, sealers)
         self.space.commit_free(DIRECTORY, out.astype(np.intp))
-        self.evicted_total += n
+        self.evicted_total += len(picks)
         self._forget_writers()
         return out
 

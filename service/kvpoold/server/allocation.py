@@ -8,6 +8,7 @@ of need, and the wait of an Allocate short of ids while give-backs or grants com
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -72,8 +73,9 @@ class Allocations:
                               for i, (name, x) in enumerate(items)]
 
     def allocate(self, caller: Caller, pool: str, ref: LeaseRef,
-                 items: Sequence[tuple[str, int]]) -> Allocated:
-        """Allocate every ``(space, count)`` item for the lease, all or none.
+                 items: Sequence[tuple[str, int]], *, evict: bool = True) -> Allocated:
+        """Allocate every ``(space, count)`` item for the lease, all or none; short of ids,
+        the pool's kept sealed pages are evicted first unless ``evict`` is False.
 
         Returns:
             ``(space, grant)`` per item, in order.
@@ -88,7 +90,7 @@ class Allocations:
         entry, lease, typed = self._items(caller, pool, ref, items, "allocate", "count")
         ids = entry.ids
         spaces = [space for space, _ in typed]
-        grants = entry.allocate(lease.owner, typed)  # the pool's sealed pages yield first
+        grants = entry.allocate(lease.owner, typed, evict=evict)  # sealed pages yield first
         for space in spaces:  # O(items): a comparison each unless the space runs low
             if isinstance(space, GroupedSpace):
                 self._elastic_pressure(pool, space, lease.owner)
@@ -135,8 +137,11 @@ class Allocations:
     async def _allocate_waiting(self, caller: Caller, pool: str, ref: LeaseRef,
                                 items: Sequence[tuple[str, int]], wait_s: float,
                                 grow_wait_s: float) -> Allocated:
+        # An elastic pool asks for groups (free budget, other pools' free or cached groups)
+        # before it evicts its own kept sealed pages; it evicts them when none can come.
+        elastic = self._pool(pool, caller).plan.elastic is not None
         try:
-            return self.allocate(caller, pool, ref, items)
+            return self.allocate(caller, pool, ref, items, evict=not elastic)
         except ResourceExhausted as err:
             first = err.with_traceback(None)  # no cycle: err -> traceback -> frame -> err
         entry = self._pool(pool, caller)
@@ -158,7 +163,11 @@ class Allocations:
             shortfall[name] = short
             if isinstance(space, GroupedSpace) and self._elastic.grow(pool, short):
                 growing.add(name)  # groups are being granted or taken back for it
-            elif self._pressure.cached_elsewhere(pool, space, lease.owner) < short:
+                continue
+            if isinstance(space, GroupedSpace) and entry.kept_sealed:
+                with contextlib.suppress(ResourceExhausted):  # no group comes: evict them
+                    return self.allocate(caller, pool, ref, items)
+            if self._pressure.cached_elsewhere(pool, space, lease.owner) < short:
                 if isinstance(space, GroupedSpace):  # no group can come: say who holds them
                     raise ResourceExhausted(f"{first.message}; no group can be granted to "
                                             f"it: {self._elastic.holders(pool)}",
@@ -179,8 +188,9 @@ class Allocations:
             if remaining <= 0:
                 break
             await self._pressure.wait_freed(remaining)
-            try:
-                return self.allocate(caller, pool, ref, items)
+            try:  # while groups come, an elastic pool keeps its sealed pages
+                return self.allocate(caller, pool, ref, items,
+                                     evict=not (growing and self._elastic.coming(pool)))
             except ResourceExhausted as err:
                 first = err.with_traceback(None)  # no cycle: err -> traceback -> frame -> err
             for name in growing:  # budget may have come free meanwhile (a shrink, a Drop)
@@ -188,6 +198,9 @@ class Allocations:
                 if room < wanted[name]:
                     self._elastic.grow(pool, wanted[name] - room)
         entry = self._pool(pool, caller)
+        if elastic and entry.kept_sealed:  # nothing more comes: its sealed pages yield
+            with contextlib.suppress(ResourceExhausted):
+                return self.allocate(caller, pool, ref, items)
         came = sum(max(0, entry.ids.space(name, "items").num_free - before)
                    for name, before in free_before.items())
         waited = loop.time() - start

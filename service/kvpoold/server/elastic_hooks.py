@@ -3,12 +3,16 @@ each answered by the collaborator that owns it."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Callable
 
 from kvpoold.pools.pool_registry import PoolRegistry
 from kvpoold.server.attachments import AttachmentTable
 from kvpoold.server.give_back import CachePressure
 from kvpoold.server.leases import LeaseTable
+
+log = logging.getLogger("kvpoold.elastic")
 
 
 class ElasticHooks:
@@ -49,16 +53,39 @@ class ElasticHooks:
         self._pressure.notify_freed()
 
     def ask_give_back(self, pool: str, count: int, min_id: int = 0) -> int:
+        """The pool's kept sealed pages (ids ``>= min_id``) are evicted first, at once; the
+        page caches are asked for the rest. Returns the pages evicted and asked."""
         entry = self._registry.get(pool)
         if entry is None:
             return 0
-        return self._pressure.ask(pool, entry.space_kv, count, 0, cover=True, min_id=min_id)
+        evicted = entry.give_back_sealed(count, min_id)
+        if evicted:
+            log.info("sealed pages given back to an elastic reclaim", extra={"fields": {
+                "event": "sealed_reclaim", "pool": pool, "pages": evicted,
+                "min_id": min_id}})
+            self._freed_soon()
+        rest = count - evicted
+        asked = self._pressure.ask(pool, entry.space_kv, rest, 0, cover=True,
+                                   min_id=min_id) if rest > 0 else 0
+        return evicted + asked
+
+    def _freed_soon(self) -> None:
+        """Ids came back: tell the waiters on the next loop turn (never inside the elastic
+        manager's own step that asked)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a sweep catches up)
+            return
+        loop.call_soon(self._pressure.notify_freed)
 
     def cached(self, pool: str) -> int:
+        """Pages the pool could give back without touching a live one: its page caches'
+        cached ids and its directory's kept sealed pages."""
         entry = self._registry.get(pool)
         if entry is None:
             return 0
-        return self._pressure.cached_elsewhere(pool, entry.space_kv, 0)
+        return (self._pressure.cached_elsewhere(pool, entry.space_kv, 0)
+                + entry.kept_sealed)
 
     def other_bytes(self) -> int:
         return self._registry.fixed_bytes() + self._registry.reserved_bytes

@@ -128,11 +128,11 @@ class Sealing:
         entry = self._pool(pool, caller)
         lease = self._lease(caller, ref)
         d = self._directory(entry)
-        ids, unfenced, other = d.candidates(layout)
+        ids, unfenced, other = entry.adoptable(d, layout)
         ids = ids[:MAX_ADOPT_PAGES]  # the rest on the next call
         sums = await self._sums(entry, ids)
         # the directory may have changed while the sums were read (an eviction): look again
-        still, unfenced, other = d.candidates(layout)
+        still, unfenced, other = entry.adoptable(d, layout)
         keep = set(still)
         pairs = [(u, sums[i] if sums is not None else b"") for i, u in enumerate(ids)
                  if u in keep]

@@ -216,7 +216,7 @@ class PagedAllocator(BaseTokenToKVPoolAllocator):
         spaces = set(stats.pool(self.pool_name).spaces)
         why = None
         if stats.pool(self.pool_name).elastic is not None:
-            why = "an elastic pool (the daemon refuses Seal there)"
+            why = "an elastic pool (the daemon seals there; this plugin does not yet)"
         elif self.space != "kv" or "swa" in spaces or self.config.on_clear is not None:
             why = "a hybrid sliding-window pool (its pages have SWA pages beside them)"
         elif getattr(kvcache, "mamba_pool", None) is not None or "state" in spaces:
