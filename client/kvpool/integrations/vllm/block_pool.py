@@ -118,8 +118,9 @@ class KVPoolFreeBlockQueue:
         self.n_sealed = 0
         self.released = 0  # sealed blocks freed without a prefix: handed back to the daemon
         self.unsealed = 0  # sealed blocks unsealed before vLLM reused them
-        # Called before sealed blocks go back to the daemon: their Seal call goes first.
-        self.before_release: Callable[[], object] | None = None
+        # Called before sealed blocks go back to the daemon (the sealer's): returns those
+        # whose Seal call never left (not sealed: they may go into the page cache).
+        self.before_release: Callable[[np.ndarray], np.ndarray] | None = None
         # Unseals sealed blocks before vLLM writes them again (the sealer's; returns once
         # the daemon confirmed), and how many blocks at the front are looked at with them.
         self.unseal: Callable[[np.ndarray], object] | None = None
@@ -230,14 +231,21 @@ class KVPoolFreeBlockQueue:
         self.n_sealed += int(fresh.shape[0])
 
     def _release(self, ids: np.ndarray) -> None:
-        """Sealed blocks back to the daemon (one Free): never into the page cache."""
-        if self.before_release is not None:
-            self.before_release()
+        """Sealed blocks back to the daemon (one Free; its directory keeps them), never into
+        the page cache; those the sealer never sealed (their Seal call had not left) go into
+        the page cache as any other."""
+        local = (self.before_release(ids) if self.before_release is not None
+                 else ids[:0])
         self.sealed[ids] = False
         self.n_sealed -= int(ids.shape[0])
-        self.released += int(ids.shape[0])
-        if not self._closed:
-            self.cache.return_ids(self.cache.release(ids))
+        rest = ids[~np.isin(ids, local)] if local.shape[0] else ids
+        self.released += int(rest.shape[0])
+        if self._closed:
+            return
+        if rest.shape[0]:
+            self.cache.return_ids(self.cache.release(rest))
+        if local.shape[0]:
+            self.cache.free(local)
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
         """Free blocks that hold nothing: back to the page cache (a watched one stays the

@@ -117,8 +117,10 @@ ZERO_KEY = bytes(KEY_BYTES)
 ADOPT_RETRY_S = 2.0
 SEAL_BYTES = 8 << 20  # the daemon's limit of one Seal request
 DELAY_ENV = "KVPOOL_SEAL_DELAY_S"
-DEFAULT_DELAY_S = 0.2  # written blocks wait at most this long for their Seal call
-SEAL_BATCH = 512  # ... or until this many wait
+# A written block is sealed once it has stayed this long in vLLM's cache: one vLLM reuses or
+# frees sooner is never sealed (no call for it; under heavy eviction most blocks live less),
+# and an engine killed loses at most this much of its newest blocks for the restart.
+DEFAULT_DELAY_S = 1.0
 
 
 def flag(env: Mapping[str, str], name: str) -> bool:
@@ -206,6 +208,7 @@ class Cached:
     key: bytes
     parent: bytes
     tokens: list[int]
+    ready_at: float = 0.0  # time.monotonic() when its step was processed
 
 
 @dataclass
@@ -242,8 +245,9 @@ class BlockSealer:
         seal: seal blocks (``KVPOOL_SEAL``); adoption is :meth:`adopt`'s.
         writers_ready: whether every worker registered under the lease (blocks are sealed
             only then).
-        delay_s: how long written blocks wait for their Seal call, at most (a thread of the
-            sealer makes the calls; 0: the scheduler's thread, at each step).
+        delay_s: how long a written block stays in vLLM's cache before it is sealed (a thread
+            of the sealer makes the calls; 0: the scheduler's thread, at each step). One that
+            vLLM reuses or frees sooner is never sealed.
     """
 
     def __init__(self, scheduler: Any, lease: Any, pool: str, layout: str,
@@ -275,7 +279,7 @@ class BlockSealer:
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
-        queue.before_release = self.flush
+        queue.before_release = self.let_go
         queue.unseal = self.unseal
         if seal and delay_s > 0:
             self._thread = threading.Thread(target=self._run, daemon=True,
@@ -362,36 +366,44 @@ class BlockSealer:
             return
         ids = np.fromiter((r.block.block_id for r in batch), dtype=np.int32, count=len(batch))
         self.queue.mark_sealed(ids)  # from now on given back, never written
+        now = time.monotonic()
         with self._lock:
             ready = self._ready
             for rec in batch:
+                rec.ready_at = now
                 ready[rec.block.block_id] = rec
-            many = len(ready) >= SEAL_BATCH
         if self._thread is None:
             self.flush()
-        elif many:
-            self._wake.set()
 
     def _run(self) -> None:
-        """The sealer's thread: every ``delay_s`` (or when many wait), the written blocks'
-        Seal call."""
+        """The sealer's thread: every half ``delay_s``, the Seal call of the written blocks
+        that have stayed cached ``delay_s``."""
         while not self._stop:
-            self._wake.wait(self.delay_s)
+            self._wake.wait(self.delay_s / 2)
             self._wake.clear()
             if self._stop:
                 return
             try:
-                self.flush()
+                self.flush(time.monotonic() - self.delay_s)
             except Exception:  # never let the thread die silently
                 log.exception("kvpool: sealing vLLM's blocks in pool %r failed", self.pool)
 
-    def flush(self) -> None:
-        """Send the written blocks' Seal call now (before one of them goes back to the
-        daemon, at shutdown, and from the sealer's thread)."""
+    def flush(self, written_before: float | None = None) -> None:
+        """Send the Seal call of the written blocks (those ready before ``written_before``,
+        ``time.monotonic()``; None: all, at shutdown and when settling)."""
         with self._send_lock:
             with self._lock:
-                batch = list(self._ready.values())
-                self._ready = {}
+                ready = self._ready
+                if written_before is None:
+                    batch = list(ready.values())
+                else:  # oldest first: stop at the first one too young
+                    batch = []
+                    for rec in ready.values():
+                        if rec.ready_at > written_before:
+                            break
+                        batch.append(rec)
+                for rec in batch:
+                    del ready[rec.block.block_id]
                 self._sending = {r.block.block_id for r in batch}
             try:
                 if batch and self.sealing:
@@ -400,41 +412,52 @@ class BlockSealer:
                 with self._lock:
                     self._sending = set()
 
+    def _not_sealed(self, ids: np.ndarray) -> np.ndarray:
+        """Of sealed blocks ``ids`` about to leave vLLM's cache, those whose Seal call has not
+        left: dropped from it (never sealed; returned). For the others, once their Seal call
+        is on the wire, its reply is waited for (the daemon has them sealed then)."""
+        listed = ids.tolist()
+        with self._lock:
+            ready = self._ready
+            local = [u for u in listed if ready.pop(u, None) is not None]
+            wait = bool(self._sending) and not self._sending.isdisjoint(listed)
+        self.stats.not_sealed += len(local)
+        if wait:
+            with self._send_lock:
+                pass
+        return np.asarray(local, dtype=ids.dtype)
+
+    def let_go(self, ids: np.ndarray) -> np.ndarray:
+        """Sealed blocks ``ids`` are freed without a prefix (a prefix-cache reset): returns
+        those that were never sealed (they may go into the page cache); the others go back to
+        the daemon, whose directory keeps them."""
+        return self._not_sealed(ids)
+
     def unseal(self, ids: np.ndarray) -> None:
         """Sealed blocks ``ids`` are to be written again (vLLM reuses them): those whose Seal
-        call has not left are simply not sealed; the others are unsealed by the daemon (after
-        their Seal call's reply, if it is on the wire), which confirms before this returns.
+        call has not left are simply not sealed; the others are unsealed by the daemon, which
+        confirms before this returns.
 
         Raises:
             KVPoolError: the daemon refused (the blocks must then not be written).
         """
-        with self._lock:
-            ready = self._ready
-            local = [u for u in ids.tolist() if ready.pop(u, None) is not None]
-            wait = bool(self._sending) and not self._sending.isdisjoint(ids.tolist())
-        self.stats.not_sealed += len(local)
-        rest = ids[~np.isin(ids, local)] if local else ids
+        local = self._not_sealed(ids)
+        rest = ids[~np.isin(ids, local)] if local.shape[0] else ids
         if not rest.shape[0]:
             return
-        if wait:  # their Seal call's reply first: the daemon then unseals them
-            with self._send_lock:
-                pass
         self.stats.unsealed += int(self.lease.unseal(self.pool, rest))
         self.stats.unseal_calls += 1
 
     def settle(self, timeout_s: float = 30.0) -> bool:
-        """Wait until every written block's Seal call is made (tests and benches). Returns
-        False if ``timeout_s`` passed first."""
+        """Make the Seal call of every written block now, whatever its age (tests and
+        benches). Returns False if another call was still on the wire after ``timeout_s``."""
+        self.flush()
         deadline = time.monotonic() + timeout_s
-        while True:
-            with self._lock:
-                idle = not self._ready
-            if idle and not self._send_lock.locked():
-                return True
+        while self._send_lock.locked():
             if time.monotonic() > deadline:
                 return False
-            self._wake.set()
             time.sleep(0.005)
+        return True
 
     def close(self) -> None:
         """Seal what is written, stop the thread (before the lease ends). Idempotent."""
@@ -583,7 +606,7 @@ def start_sealing(scheduler: Any, binding: Any, queue: KVPoolFreeBlockQueue,
                     binding.pool, err)
         return None
     connector.kvpool_writers = writers
-    delay = number_from(env, DELAY_ENV, float, lo=0.0, hi=60.0, example="0.2")
+    delay = number_from(env, DELAY_ENV, float, lo=0.0, hi=60.0, example="1.0")
     sealer = BlockSealer(scheduler, lease, binding.pool, layout, queue, seal=seal,
                          writers_ready=lambda: connector.kvpool_writers_ready,
                          delay_s=DEFAULT_DELAY_S if delay is None else float(delay))
