@@ -54,14 +54,8 @@ def _nemotron_h(text: Mapping[str, Any], n: int, where: str) -> StateLayers:
         raise InvalidArgument(
             f"{where}: hybrid_override_pattern must be a string of num_hidden_layers ({n}) "
             f"block letters, got {pattern!r}", field=FIELD)
-    kinds = []
-    for i, letter in enumerate(pattern):
-        if letter not in NEMOTRON_H_BLOCKS:
-            raise InvalidArgument(
-                f"{where}: hybrid_override_pattern has {letter!r} at layer {i}; vLLM "
-                f"{VLLM_VERSION}'s Nemotron-H builds {', '.join(NEMOTRON_H_BLOCKS)} blocks",
-                field=FIELD)
-        kinds.append(NEMOTRON_H_BLOCKS[letter])
+    kinds = _layer_kinds(pattern, NEMOTRON_H_BLOCKS, where, "hybrid_override_pattern",
+                         "Nemotron-H", "blocks")
     heads, head_dim = _int(text, "mamba_num_heads", where), _int(text, "mamba_head_dim", where)
     mixer = MambaMixer(heads * head_dim, _int(text, "ssm_state_size", where),
                        _int(text, "conv_kernel", where), _int(text, "n_groups", where),
@@ -153,14 +147,8 @@ def _granitemoehybrid(text: Mapping[str, Any], n: int, where: str) -> StateLayer
     if not isinstance(types, list) or len(types) != n:
         raise InvalidArgument(f"{where}: {field_name} must list num_hidden_layers ({n}) layer "
                               f"types, got {types!r}", field=FIELD)
-    kinds = []
-    for i, t in enumerate(types):
-        if t not in GRANITE_LAYER_TYPES:
-            raise InvalidArgument(
-                f"{where}: {field_name} has {t!r} at layer {i}; vLLM {VLLM_VERSION}'s "
-                f"GraniteMoeHybrid builds {', '.join(GRANITE_LAYER_TYPES)} layers",
-                field=FIELD)
-        kinds.append(GRANITE_LAYER_TYPES[t])
+    kinds = _layer_kinds(types, GRANITE_LAYER_TYPES, where, field_name, "GraniteMoeHybrid",
+                         "layers")
     hidden, heads = _int(text, "hidden_size", where), _int(text, "num_attention_heads", where)
     head_dim = text.get("head_dim")
     if head_dim is not None and head_dim != hidden // heads and LayerKind.mamba in kinds:
@@ -184,3 +172,21 @@ def _granitemoehybrid(text: Mapping[str, Any], n: int, where: str) -> StateLayer
 MAMBA_HYBRIDS: dict[str, Callable[[Mapping[str, Any], int, str], StateLayers]] = {
     "nemotron_h": _nemotron_h, "jamba": _jamba, "falcon_h1": _falcon_h1,
     "granitemoehybrid": _granitemoehybrid}
+
+
+def _layer_kinds(codes: Any, table: Mapping[Any, LayerKind], where: str, field_name: str,
+                 family: str, noun: str) -> list[LayerKind]:
+    """Each layer's code (a pattern letter, a ``layer_types`` entry) as its kind, as ``table``
+    maps the family's codes.
+
+    Raises:
+        InvalidArgument: a code the family does not build, naming the layer and the field.
+    """
+    kinds = []
+    for i, code in enumerate(codes):
+        if code not in table:
+            raise InvalidArgument(
+                f"{where}: {field_name} has {code!r} at layer {i}; vLLM {VLLM_VERSION}'s "
+                f"{family} builds {', '.join(map(str, table))} {noun}", field=FIELD)
+        kinds.append(table[code])
+    return kinds
