@@ -496,6 +496,103 @@ def test_a_held_send_is_posted_by_one_call(pair: Pair) -> None:
         assert pl.free(pool, "kv", src) == 8 and dl.free(pool, "kv", dst) == 8
 
 
+def test_held_sends_are_posted_on_the_side_socket(pair: Pair) -> None:
+    """A held send names the daemon's side socket (``post_socket``) and ``post()`` goes there
+    instead of gRPC, sync and asyncio alike; the channel speaks its contract: a hello, then
+    posts answered one by one (a refused post leaves the connection usable: a wrong secret,
+    a new send instead of a post, bytes that are no SendRequest), and a frame over the bound
+    is refused and the connection closed."""
+    import asyncio
+    import socket
+
+    import msgspec
+
+    from kvpool import AsyncKVPoolClient
+    from kvpool.contract.post_channel import (
+        LENGTH,
+        MAX_FRAME_BYTES,
+        PREAMBLE,
+        PostAnswer,
+        PostHello,
+        frame,
+    )
+    from kvpool.v1 import kvpool_pb2 as pb
+
+    pool = "postchannel"
+    configure(pair, pool, TINY_SPEC)
+    side = f"{pair.prefill.socket}.fd"
+    with pair.p.lease("prefill") as pl, pair.d.lease("decode") as dl, \
+            pair.p.attach(pool, lease=pl) as src_region, \
+            pair.d.attach(pool, lease=dl) as dst_region:
+        src, dst = pl.allocate(pool, "kv", 6), dl.allocate(pool, "kv", 6)
+        names = kv_names(src_region)
+        fill(src_region, names, src, seed=23)
+        grant = dl.grant_receive(pool, dst[:2])
+        handle = pair.p.send(pool, src[:2], peer=pair.decode.target, token=grant.token,
+                             lease=pl, hold=True)
+        posts = pair.p.post_channels.posts
+        assert handle.post(30).state == TransferState.done
+        assert pair.p.post_channels.posts == posts + 1  # over the channel, not gRPC
+        assert grant.wait(30).state == TransferState.done
+
+        def answer(conn: socket.socket) -> PostAnswer:
+            head = conn.recv(LENGTH.size, socket.MSG_WAITALL)
+            body = conn.recv(LENGTH.unpack(head)[0], socket.MSG_WAITALL)
+            return msgspec.msgpack.decode(body, type=PostAnswer)
+
+        grant = dl.grant_receive(pool, dst[2:4])
+        held = pair.p.send(pool, src[2:4], peer=pair.decode.target, token=grant.token,
+                           lease=pl, hold=True)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(30)
+            conn.connect(side)
+            conn.sendall(PREAMBLE + frame(msgspec.json.encode(PostHello())))
+            assert answer(conn).code == "OK"
+            post = pb.SendRequest(lease_id=pl.lease_id, lease_secret=pl.secret,
+                                  transfer_id=held.transfer_id, wait_seconds=30)
+            refusals = [
+                (pb.SendRequest(lease_id=pl.lease_id, lease_secret=b"x" * len(pl.secret),
+                                transfer_id=held.transfer_id).SerializeToString(), "NOT_FOUND"),
+                (pb.SendRequest(lease_id=pl.lease_id, lease_secret=pl.secret, pool=pool,
+                                pages=codec_bytes(src[4:]), peer=pair.decode.target,
+                                token=b"t" * 16).SerializeToString(), "INVALID_ARGUMENT"),
+                (b"\xff\xff\xff", "INVALID_ARGUMENT"),
+            ]
+            for body, code in refusals:
+                conn.sendall(frame(body))
+                refused = answer(conn)
+                assert refused.code == code and refused.message, refused
+            conn.sendall(frame(post.SerializeToString()))
+            ok = answer(conn)
+            assert ok.code == "OK", ok
+            status = pb.SendResponse.FromString(ok.response).status
+            assert status.state == pb.TRANSFER_STATE_DONE and status.bytes == held.bytes
+            conn.sendall(LENGTH.pack(MAX_FRAME_BYTES + 1))
+            too_long = answer(conn)
+            assert too_long.code == "INVALID_ARGUMENT" and too_long.field == "frame"
+            assert conn.recv(1) == b""  # closed
+        assert grant.wait(30).state == TransferState.done
+
+        async def post_async() -> int:
+            async with AsyncKVPoolClient(pair.prefill.target) as client:
+                lease = await client.lease("prefill-async")
+                try:
+                    theirs = await lease.allocate(pool, "kv", 2)
+                    g = dl.grant_receive(pool, dst[4:])
+                    h = await client.send(pool, theirs, peer=pair.decode.target,
+                                          token=g.token, lease=lease, hold=True)
+                    assert (await h.post(30)).state == TransferState.done
+                    assert g.wait(30).state == TransferState.done
+                    return client.post_channels.posts
+                finally:
+                    await lease.close()
+
+        assert asyncio.run(post_async()) == 1
+        for a, b in zip(src[:4], dst[:4], strict=True):
+            assert page_bytes(src_region, names, int(a)) == page_bytes(dst_region, names, int(b))
+        assert pl.free(pool, "kv", src) == 6 and dl.free(pool, "kv", dst) == 6
+
+
 def test_a_held_send_never_posted_gives_both_sides_pages_back(pair: Pair) -> None:
     """A held send is never posted: at its write deadline (cut to 0.5 s by the peer in front)
     it ends failed and the receiver is told nothing was written, so the grant's pages are

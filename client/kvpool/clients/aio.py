@@ -40,6 +40,7 @@ from kvpool.contract.records import (
     SealedStats,
     Stats,
 )
+from kvpool.pd.post_channel import AsyncPostChannels
 from kvpool.v1 import kvpool_pb2 as pb
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ class AsyncKVPoolClient(Connection):
                  timeout_s: float = DEFAULT_TIMEOUT_S,
                  root_certificates: bytes | None = None) -> None:
         super().__init__(aio, target, token, timeout_s, root_certificates)
+        self.post_channels = AsyncPostChannels(self._metadata)
 
     async def call(self, method: str, request: Any, *, timeout_s: float | None = -1.0) -> Any:
         """Call ``method``; a gRPC error becomes a ``KVPoolError``."""
@@ -76,6 +78,7 @@ class AsyncKVPoolClient(Connection):
         return call.decode(await self.call(call.method, call.request, timeout_s=timeout_s))
 
     async def close(self) -> None:
+        self.post_channels.close()
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncKVPoolClient:

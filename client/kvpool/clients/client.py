@@ -40,6 +40,7 @@ from kvpool.contract.records import (
     SealedStats,
     Stats,
 )
+from kvpool.pd.post_channel import PostChannels
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
 
@@ -155,6 +156,8 @@ class KVPoolClient(Connection):
                  timeout_s: float = DEFAULT_TIMEOUT_S,
                  root_certificates: bytes | None = None) -> None:
         super().__init__(grpc, target, token, timeout_s, root_certificates)
+        # Posts of held sends over the daemon's side socket (kvpool.pd.post_channel).
+        self.post_channels = PostChannels(self._metadata)
 
     # -- plumbing ----------------------------------------------------------------------------
 
@@ -173,6 +176,7 @@ class KVPoolClient(Connection):
         return call.decode(self.call(call.method, call.request, timeout_s=timeout_s))
 
     def close(self) -> None:
+        self.post_channels.close()
         self._channel.close()
 
     def __enter__(self) -> KVPoolClient:

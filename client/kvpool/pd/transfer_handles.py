@@ -118,6 +118,8 @@ class _Send(_Waitable):
         self.descriptors = resp.descriptors
         self.peer_agent = resp.peer_agent
         self.what = f"transfer {resp.transfer_id} to {resp.peer_agent}"
+        # Where a held send can be posted without gRPC (kvpool.pd.post_channel); "": by Send.
+        self._post_socket = resp.post_socket
         # How it ended, when the daemon's answer said so (a Send that waited): wait() then
         # makes no call.
         self._ended: TransferStatus | None = None
@@ -209,8 +211,14 @@ class SendHandle(_Send, _Waits):
                 ``wait``.
         """
         wait_s = WAIT_SLICE_S if timeout_s is None else timeout_s
-        resp = self._client.run(self._post(wait_s), timeout_s=send_timeout(
-            getattr(self._client, "timeout_s", None), wait_s))
+        call = self._post(wait_s)
+        call_timeout = send_timeout(getattr(self._client, "timeout_s", None), wait_s)
+        channels = getattr(self._client, "post_channels", None)
+        resp = None
+        if self._post_socket and channels is not None:
+            resp = channels.post(self._post_socket, call.request, call_timeout)
+        if resp is None:
+            resp = self._client.run(call, timeout_s=call_timeout)
         status = self._answered(resp)
         if status is None or not wait_s:
             return status or self.status()
@@ -268,8 +276,14 @@ class AsyncSendHandle(_Send, _AsyncWaits):
     async def post(self, timeout_s: float | None = 60.0) -> TransferStatus:
         """As the sync ``post``."""
         wait_s = WAIT_SLICE_S if timeout_s is None else timeout_s
-        resp = await self._client.run(self._post(wait_s), timeout_s=send_timeout(
-            getattr(self._client, "timeout_s", None), wait_s))
+        call = self._post(wait_s)
+        call_timeout = send_timeout(getattr(self._client, "timeout_s", None), wait_s)
+        channels = getattr(self._client, "post_channels", None)
+        resp = None
+        if self._post_socket and channels is not None:
+            resp = await channels.post(self._post_socket, call.request, call_timeout)
+        if resp is None:
+            resp = await self._client.run(call, timeout_s=call_timeout)
         status = self._answered(resp)
         if status is None or not wait_s:
             return status or await self.status()

@@ -757,18 +757,20 @@ class SendRequest(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., pool: _Optional[str] = ..., pages: _Optional[bytes] = ..., peer: _Optional[str] = ..., token: _Optional[bytes] = ..., lease_secret: _Optional[bytes] = ..., hold: _Optional[bool] = ..., transfer_id: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class SendResponse(_message.Message):
-    __slots__ = ("transfer_id", "bytes", "descriptors", "peer_agent", "status")
+    __slots__ = ("transfer_id", "bytes", "descriptors", "peer_agent", "status", "post_socket")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
     PEER_AGENT_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    POST_SOCKET_FIELD_NUMBER: _ClassVar[int]
     transfer_id: int
     bytes: int
     descriptors: int
     peer_agent: str
     status: TransferStatus
-    def __init__(self, transfer_id: _Optional[int] = ..., bytes: _Optional[int] = ..., descriptors: _Optional[int] = ..., peer_agent: _Optional[str] = ..., status: _Optional[_Union[TransferStatus, _Mapping]] = ...) -> None: ...
+    post_socket: str
+    def __init__(self, transfer_id: _Optional[int] = ..., bytes: _Optional[int] = ..., descriptors: _Optional[int] = ..., peer_agent: _Optional[str] = ..., status: _Optional[_Union[TransferStatus, _Mapping]] = ..., post_socket: _Optional[str] = ...) -> None: ...
 
 class WaitTransferRequest(_message.Message):
     __slots__ = ("transfer_id", "token", "timeout_seconds")

@@ -13,6 +13,11 @@ closed. An accept that fails for want of descriptors (EMFILE, ENFILE, ENOBUFS, E
 end the loop: it reports the socket down (``on_state``), backs off (10 ms doubling to 0.25 s)
 and retries, and reports it up at the next accepted connection.
 
+A connection that starts with the post channel's preamble
+(:mod:`kvpool.contract.post_channel`) is handed, once its uid is checked, to ``post_channel``
+(the daemon's :class:`kvpoold.server.post_channel.PostChannel`): it then stays open for posts of
+held sends, holding one of the connection slots until the client closes it.
+
 ``authorize`` returns either ``(fd, size, kind)`` (one descriptor the daemon keeps open: a
 pool's sparse file) or an :class:`FdGrant` (several descriptors, each with its range; when
 ``owned``, fresh exports the server closes once sent, whatever happens).
@@ -27,7 +32,7 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import msgspec
@@ -40,6 +45,7 @@ from kvpool.contract.errors import (
     ResourceExhausted,
 )
 from kvpool.contract.fd_channel import MAX_ASK_BYTES, MAX_FDS_PER_ANSWER, FdAnswer, FdAsk
+from kvpool.contract.post_channel import PREAMBLE
 from kvpoold.settings import MAX_CONNECTIONS, MAX_CONNECTIONS_PER_UID
 from kvpoold.sharing.base import FdGrant
 from kvpoold.socket_files import finish_socket, owner_only
@@ -62,6 +68,9 @@ BACKOFF_MIN_S = 0.01
 BACKOFF_MAX_S = 0.25
 # (accepting, why) on each change: the daemon's ListenerHealth.
 StateReport = Callable[[bool, str], None]
+# Serves a post channel connection (non-blocking) to its end, given the bytes read past the
+# preamble; the server closes the connection after.
+ChannelServe = Callable[[socket.socket, bytes], Awaitable[None]]
 
 
 def peer_creds(conn: socket.socket) -> tuple[int, int]:
@@ -89,14 +98,18 @@ class FdServer:
         max_connections: connections served at once.
         max_connections_per_uid: connections of one peer uid served at once.
         on_state: told ``(accepting, why)`` when accepting stops or resumes.
+        post_channel: serves connections that open with the post channel's preamble (None:
+            they are refused as undecodable asks).
     """
 
     def __init__(self, path: Path, authorize: Authorize,
                  uids: frozenset[int] | None = None, *, gid: int | None = None,
                  max_connections: int = MAX_CONNECTIONS,
                  max_connections_per_uid: int = MAX_CONNECTIONS_PER_UID,
-                 on_state: StateReport | None = None) -> None:
+                 on_state: StateReport | None = None,
+                 post_channel: ChannelServe | None = None) -> None:
         self.path = path
+        self._post_channel = post_channel
         self._authorize = authorize
         # None: any uid (the file's group decides who can connect)
         self._uids = None if gid is not None else uids or frozenset({os.getuid(), 0})
@@ -205,27 +218,20 @@ class FdServer:
         loop = asyncio.get_running_loop()
         with conn:
             conn.setblocking(False)
+            channel = self._post_channel
             try:
                 # read first, whoever asks: a refusal then reaches the client (closing on
                 # unread bytes would reset the connection instead)
-                raw = await asyncio.wait_for(self._read_ask(loop, conn), ASK_TIMEOUT_S)
+                raw = await asyncio.wait_for(self._read_ask(loop, conn, channel is not None),
+                                             ASK_TIMEOUT_S)
                 uid, pid = peer_creds(conn)
                 if self._uids is not None and uid not in self._uids:
                     raise PermissionDenied(f"uid {uid} may not map pools of this daemon",
                                            field="uid")
-                try:
-                    ask = msgspec.json.decode(raw, type=FdAsk)
-                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    raise InvalidArgument(f"undecodable ask: {exc}", field="ask") from None
-                grant = self._authorize(ask, uid, pid)
-                if not isinstance(grant, FdGrant):
-                    fd, size, kind = grant
-                    grant = FdGrant((fd,), (), size, kind, owned=False)
-                try:
-                    self._check(grant)
-                except BaseException:
-                    grant.close()
-                    raise
+                if channel is not None and raw.startswith(PREAMBLE):
+                    grant = None
+                else:
+                    grant = self._grant(raw, uid, pid)
             except TimeoutError:
                 self.refused += 1
                 return  # said nothing in time: nothing to answer
@@ -236,12 +242,33 @@ class FdServer:
             except OSError:
                 self.refused += 1
                 return
+            if grant is None:
+                assert channel is not None
+                await channel(conn, raw[len(PREAMBLE):])
+                return
             try:
                 self._send(conn, FdAnswer(code="OK", size=grant.size, kind=grant.kind,
                                           ranges=grant.ranges), grant.fds or None)
             finally:
                 grant.close()
             self.answered += 1
+
+    def _grant(self, raw: bytes, uid: int, pid: int) -> FdGrant:
+        """What an ask of ``uid``'s process ``pid`` gets (raises a KVPoolError to refuse)."""
+        try:
+            ask = msgspec.json.decode(raw, type=FdAsk)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise InvalidArgument(f"undecodable ask: {exc}", field="ask") from None
+        grant = self._authorize(ask, uid, pid)
+        if not isinstance(grant, FdGrant):
+            fd, size, kind = grant
+            grant = FdGrant((fd,), (), size, kind, owned=False)
+        try:
+            self._check(grant)
+        except BaseException:
+            grant.close()
+            raise
+        return grant
 
     @staticmethod
     def _check(grant: FdGrant) -> None:
@@ -255,10 +282,12 @@ class FdServer:
             raise Internal(f"{len(grant.fds)} descriptors but {len(grant.ranges)} ranges")
 
     @staticmethod
-    async def _read_ask(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> bytes:
+    async def _read_ask(loop: asyncio.AbstractEventLoop, conn: socket.socket,
+                        channels: bool = False) -> bytes:
         """One ask: bytes until the client shuts its side down, at most MAX_ASK_BYTES. A longer
         one is read on (and dropped) up to DRAIN_BYTES, so the refusal reaches the client
-        instead of a connection reset."""
+        instead of a connection reset. With ``channels``, what has arrived once it starts with
+        the post channel's preamble (that client keeps its side open)."""
         data = b""
         seen = 0
         while seen <= DRAIN_BYTES:
@@ -268,6 +297,8 @@ class FdServer:
             seen += len(chunk)
             if len(data) <= MAX_ASK_BYTES:
                 data += chunk
+            if channels and data.startswith(PREAMBLE):
+                return data
         if seen > MAX_ASK_BYTES:
             raise InvalidArgument(f"the ask is {seen:,} bytes or more, over {MAX_ASK_BYTES}",
                                   field="ask")

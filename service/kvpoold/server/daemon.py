@@ -110,6 +110,9 @@ class Daemon:
         kv_events: KvEvents | None = None,
     ) -> None:
         self.device = device
+        # The Unix socket held sends are posted on (the post channel, on the side socket), set
+        # once it listens; "" while there is none (posts then come by gRPC).
+        self.post_socket = ""
         self.budget_bytes = budget_bytes
         self.version = __version__
         self._factory = backing_factory

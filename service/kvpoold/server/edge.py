@@ -354,10 +354,13 @@ def grant_receive_response(grant: ReceiveGrant, now: float) -> pb.GrantReceiveRe
         swa_pages=b"" if grant.swa_pages is None else codec.ids_to_bytes(grant.swa_pages))
 
 
-def send_response(out: Outgoing, now: float) -> pb.SendResponse:
+def send_response(out: Outgoing, now: float, post_socket: str = "") -> pb.SendResponse:
+    """The answer to a Send; ``post_socket`` (the post channel's socket, for callers that can
+    reach it) is named for a send held and not posted yet."""
     return pb.SendResponse(transfer_id=out.transfer_id, bytes=out.nbytes,
                            descriptors=out.descriptors, peer_agent=out.peer_agent,
-                           status=codec.transfer_status_to_pb(out.status(now)))
+                           status=codec.transfer_status_to_pb(out.status(now)),
+                           post_socket=post_socket if out.held is not None else "")
 
 
 def peer_done_response() -> pb.PeerDoneResponse:

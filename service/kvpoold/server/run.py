@@ -55,6 +55,7 @@ from kvpoold.server.listeners import (
 )
 from kvpoold.server.logs import adopt
 from kvpoold.server.loop_clock import StallClock
+from kvpoold.server.post_channel import PostChannel
 from kvpoold.server.servicer import KVPoolServicer
 from kvpoold.server.stats_replies import StatsReplies
 from kvpoold.server.status import RpcObserver
@@ -100,6 +101,9 @@ class KVPoolServer:
     sockets: list[Path] = field(default_factory=list)
     socket_gid: int | None = None
     listeners: ListenerHealth = field(init=False)
+    # The token check of the Unix servers (the side socket's post channel uses it too).
+    authority: Authority | None = None
+    rpc_observer: RpcObserver | None = None
 
     def __post_init__(self) -> None:
         self.listeners = ListenerHealth(self.health, ("", SERVICE_NAME))
@@ -166,7 +170,8 @@ def create_server(
     gid = group_id(socket_group) if socket_group else None
     closing = asyncio.Event()
     authority = Authority(all_tokens(token, tokens), unix_auth)
-    built = KVPoolServer([], health.aio.HealthServicer(), closing, socket_gid=gid)
+    built = KVPoolServer([], health.aio.HealthServicer(), closing, socket_gid=gid,
+                         authority=authority, rpc_observer=rpc_observer)
     replies = StatsReplies(daemon)  # one for both servicers: their Stats callers share builds
     unix = [x for x in listeners if x.transport == "unix"]
     tcp = [x for x in listeners if x.transport == "tcp"]
@@ -244,12 +249,12 @@ async def sweep_leases(daemon: Daemon, interval_s: float = SWEEP_INTERVAL_S, *,
 
 
 async def start_fd_server(daemon: Daemon, factory: BackingFactory, settings: ServeSettings,
-                          listeners: ListenerHealth) -> FdServer | None:
+                          server: KVPoolServer) -> FdServer | None:
     """The descriptor side socket (``<first Unix socket>.fd``) of a factory that hands elastic
     pools out as descriptors (CUDA VMM's allocations; a CPU pool's sparse file, so the daemon
     knows which process maps it under which lease); None for the others, or with no Unix
-    listener. It has the gRPC sockets' group and connection cap, and reports its accept loop
-    to ``listeners``.
+    listener. It has the gRPC sockets' group and connection cap, reports its accept loop to
+    the server's listener health, and carries the post channel (``daemon.post_socket``).
     """
     if not hasattr(factory, "fd_socket"):
         return None
@@ -261,14 +266,18 @@ async def start_fd_server(daemon: Daemon, factory: BackingFactory, settings: Ser
         return None
     path = fd_socket_path(unix[0])
     factory.fd_socket = path  # type: ignore[attr-defined]
-    server = FdServer(Path(path), daemon.fd_grant,
-                      gid=group_id(settings.socket_group) if settings.socket_group else None,
-                      max_connections=settings.max_connections,
-                      max_connections_per_uid=settings.max_connections_per_uid,
-                      on_state=listeners.report(f"descriptor socket {path}"))
-    await server.start()
+    assert server.authority is not None
+    channel = PostChannel(daemon, server.authority, server.rpc_observer)
+    fd_server = FdServer(Path(path), daemon.fd_grant,
+                         gid=group_id(settings.socket_group) if settings.socket_group else None,
+                         max_connections=settings.max_connections,
+                         max_connections_per_uid=settings.max_connections_per_uid,
+                         on_state=server.listeners.report(f"descriptor socket {path}"),
+                         post_channel=channel.serve)
+    await fd_server.start()
+    daemon.post_socket = path
     log.info("descriptor socket", extra={"fields": {"event": "fd_socket", "path": path}})
-    return server
+    return fd_server
 
 
 async def open_kv_events(settings: ServeSettings) -> tuple[PublisherProcess, KvEvents]:
@@ -373,7 +382,7 @@ async def _serve(settings: ServeSettings, factory: BackingFactory,
             metrics_server = start_metrics_server(metrics.registry, settings.metrics_host,
                                                   settings.metrics_port)
         await server.start()
-        fd_server = await start_fd_server(daemon, factory, settings, server.listeners)
+        fd_server = await start_fd_server(daemon, factory, settings, server)
         watch = asyncio.create_task(watch_descriptors(server.listeners.report("descriptors")))
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)

@@ -241,7 +241,9 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
                                                      remaining - DEADLINE_MARGIN_S)))
         out = await self._daemon.send(
             self._caller(context), edge.lease_ref(request.lease_id, request.lease_secret), args)
-        return edge.send_response(out, self._daemon.now())
+        # Only Unix callers are on this host, where the post channel's socket is.
+        return edge.send_response(out, self._daemon.now(), self._daemon.post_socket
+                                  if self._transport == "unix" else "")
 
     @rpc_errors
     async def WaitTransfer(self, request: pb.WaitTransferRequest, context: Ctx

@@ -89,18 +89,25 @@ async def abort_with(context: aio.ServicerContext, exc: BaseException, method: s
         exc: a KVPoolError (mapped by the table) or anything else (INTERNAL, traceback logged).
         method: the RPC name, for the log.
     """
+    code, details, field = failure(exc, method)
+    metadata = ((FIELD_METADATA_KEY, field),) if field else ()
+    await context.abort(code, details, metadata)
+
+
+def failure(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str, str]:
+    """What a failed call of ``method`` is answered with: the status code, the details and
+    the field at fault ("" for none), each bounded. A KVPoolError by the table (its refusal
+    logged for the methods of :data:`REFUSAL_EVENTS`); anything else INTERNAL, its traceback
+    logged (rate-limited). The gRPC edge and the post channel answer through this alone."""
     if isinstance(exc, KVPoolError):
         log_refusal(method, exc)
-        metadata = ((FIELD_METADATA_KEY, bounded(exc.field, 200)),) if exc.field else ()
-        await context.abort(status_of(exc), bounded(str(exc)), metadata)
+        return status_of(exc), bounded(str(exc)), bounded(exc.field, 200) if exc.field else ""
     ok, suppressed = _INTERNAL_LOG.allow((method, type(exc).__name__))
     if ok:
         log.error("unexpected error in %s", method, exc_info=exc,
                   extra={"fields": {"event": "rpc_error", "suppressed": suppressed}})
-    await context.abort(
-        grpc.StatusCode.INTERNAL,
-        bounded(f"{method}: internal error ({type(exc).__name__}: {exc})"),
-    )
+    return (grpc.StatusCode.INTERNAL,
+            bounded(f"{method}: internal error ({type(exc).__name__}: {exc})"), "")
 
 
 def bounded(text: str, limit: int = MAX_DETAILS_CHARS) -> str:

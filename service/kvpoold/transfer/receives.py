@@ -88,7 +88,7 @@ class Receives:
         grant = self.grants.add(pool, lease_id, lease.owner, pages, swa,
                                 args.ttl_s,
                                 lambda: self._pins.hold(entry, pages, linked))
-        log.info("receive granted", extra={"fields": {
+        log.debug("receive granted", extra={"fields": {
             "event": "grant", "pool": pool, "lease_id": lease_id, "pages": int(pages.shape[0]),
             "ttl_s": grant.expires_at - grant.created_at}})
         return grant
@@ -131,7 +131,7 @@ class Receives:
             grant.unwatch = self._watch.watch(args.writer, lambda: self._writer_exited(grant))
         generation = agent.generation(grant.pool)
         stale = args.known_agent != agent.name or generation not in args.known_generations
-        log.info("receive accepted", extra={"fields": {
+        log.debug("receive accepted", extra={"fields": {
             "event": "receive", "pool": grant.pool, "lease_id": grant.lease_id,
             "pages": n, "bytes": nbytes, "peer": grant.peer, "write_s": grant.write_s}})
         return Acceptance(
@@ -240,7 +240,9 @@ class Receives:
             self._peers.count(grant.peer, received=1, received_bytes=grant.nbytes)
         else:
             self._peers.count(grant.peer, receive_failures=1)
-        log.info("receive ended", extra={"fields": {
+        # Per transfer: a failure at INFO, a success at DEBUG (the metrics count those).
+        log.log(logging.DEBUG if grant.state == TransferState.done else logging.INFO,
+                "receive ended", extra={"fields": {
             "event": "receive_end", "pool": grant.pool, "state": grant.state.value,
             "message": grant.message, "bytes": grant.nbytes, "peer": grant.peer,
             "seconds": round(grant.ended_at - grant.accepted_at, 6)}})

@@ -362,7 +362,9 @@ class Sends:
             self._peers.count(out.peer, sent=1, sent_bytes=out.nbytes)
         else:
             self._peers.count(out.peer, send_failures=1)
-        log.info("send ended", extra={"fields": {
+        # Per transfer: a failure at INFO, a success at DEBUG (the metrics count those).
+        log.log(logging.DEBUG if state == TransferState.done else logging.INFO,
+                "send ended", extra={"fields": {
             "event": "send_end", "pool": out.pool, "transfer_id": out.transfer_id,
             "state": state.value, "message": message, "bytes": out.nbytes, "peer": out.peer,
             "seconds": round(out.ended_at - out.posted_at, 6) if out.posted_at else 0.0}})
