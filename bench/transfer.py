@@ -24,7 +24,7 @@ bytes are checked.
 
 Run from the repository root (needs ``kvpool[nixl]``; prints a skip line without it):
 
-    PYTHONPATH=client:service python bench/transfer.py [--rounds 7] [--sizes 1,16,256]
+    PYTHONPATH=client:service python bench/transfer.py [--rounds 15] [--sizes 1,16,256]
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def raw_write(agent: Any, local: np.ndarray, remote: np.ndarray, peer: str) -> f
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--sizes", default="1,16,256", help="pages per transfer")
     parser.add_argument("--control-calls", type=int, default=50,
                         help="one-page transfers timed for the control-plane latency")

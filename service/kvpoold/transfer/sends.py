@@ -222,12 +222,28 @@ class Sends:
         """Wait up to ``wait_s`` for a posted send's record to end."""
         if wait_s <= 0 or out.state != TransferState.pending:
             return
-        # On the write's own future (its end callback, registered first, ends the record
-        # before this wakes): no task in between on the hot path.
-        ended = out.write.done if out.write is not None else asyncio.ensure_future(
-            out.ended.wait())
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(ended), wait_s)
+        if out.write is None:  # not posted (failed before): its record's end
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(out.ended.wait(), wait_s)
+            return
+        # Woken by the write's own future (its end callback, registered first, ends the
+        # record before this wakes) or the timer, whichever first: no task, shield or
+        # wait_for in between on the hot path (each is a loop pass more per post).
+        ended = out.write.done
+        loop = asyncio.get_running_loop()
+        woken = loop.create_future()
+
+        def wake(_: object = None) -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        ended.add_done_callback(wake)
+        timer = loop.call_later(wait_s, wake)
+        try:
+            await woken
+        finally:
+            timer.cancel()
+            ended.remove_done_callback(wake)
 
     def _failed(self, agent: NixlAgent, out: Outgoing, exc: BaseException,
                 accepted: bool) -> None:
