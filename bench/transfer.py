@@ -7,8 +7,8 @@ Two ``kvpoold serve`` processes (prefill and decode) each hold a pool of the sam
 - kvpool held (the hot path): the prefill engine's ``send(..., hold=True)`` is made before the
   clock starts, like the decode side's grant (an engine makes both ahead, while prefill
   computes: the daemons' PeerReceive round trip and the descriptors happen then); the clock
-  times ``handle.post()``: one Send RPC that posts the prepared NIXL WRITE and answers once it
-  ended.
+  times ``handle.post()``: one post on the daemon's post channel (its side socket, not gRPC:
+  docs/pd-transfer.md) that posts the prepared NIXL WRITE and answers once it ended.
 - kvpool one call: ``send(..., wait_s=60)`` from scratch: one Send RPC carrying the daemons'
   PeerReceive RPC, the descriptors, one NIXL WRITE with its notification, answered once the
   write ended (``handle.wait()`` then makes no call).

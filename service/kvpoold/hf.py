@@ -637,7 +637,10 @@ def _hybrid_mamba(r: _Reader, architecture: str) -> SpecFields:
     fields = _common(r, architecture)
     hidden = r.opt_int("hidden_size")
     expand = r.config.get("mamba_expand")
-    intermediate = r.opt_int("mamba_d_ssm") or (
+    # Falcon-H1's config class gives mamba_d_ssm 1,024 when the file leaves it out (null:
+    # expand x hidden), as SGLang reads it
+    d_ssm = r.config.get("mamba_d_ssm", 1024 if architecture == "FalconH1ForCausalLM" else None)
+    intermediate = (r.opt_int("mamba_d_ssm") if "mamba_d_ssm" in r.config else d_ssm) or (
         hidden * expand if hidden is not None and isinstance(expand, int) else None)
     if intermediate is not None and intermediate != heads * head_dim:
         raise r.fail(f"Mamba2 intermediate size {intermediate:,} is not heads x head dim "

@@ -242,6 +242,22 @@ def test_falcon_h1_has_attention_and_mamba_in_every_layer():
     assert {"k.0", "conv.0", "ssm.0"} <= names
 
 
+def test_falcon_h1_without_d_ssm_reads_the_config_class_default():
+    """No mamba_d_ssm: FalconH1Config's 1,024 (SGLang's class and transformers' alike), not
+    expand x hidden (that is what a null one means)."""
+    base = {"architectures": ["FalconH1ForCausalLM"], "num_hidden_layers": 3,
+            "hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 2,
+            "head_dim": 64, "mamba_n_groups": 1, "mamba_d_state": 128, "mamba_d_conv": 4,
+            "mamba_expand": 2, "max_position_embeddings": 16384, "torch_dtype": "bfloat16"}
+    spec, _ = spec_from_hf({**base, "mamba_n_heads": 16, "mamba_d_head": 64})
+    assert spec.linear is not None and spec.linear.num_value_heads == 16
+    with pytest.raises(InvalidArgument, match="1,024 is not heads x head dim"):
+        spec_from_hf({**base, "mamba_n_heads": 32, "mamba_d_head": 64})
+    spec, _ = spec_from_hf({**base, "mamba_n_heads": 32, "mamba_d_head": 64,
+                            "mamba_d_ssm": None})  # null: 2 x 1,024
+    assert spec.linear is not None and spec.linear.num_value_heads == 32
+
+
 def test_a_mamba2_hybrid_without_its_state_keys_is_refused():
     cfg = nemotron_h()
     del cfg["mamba_num_heads"]

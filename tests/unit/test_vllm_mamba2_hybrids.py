@@ -105,8 +105,19 @@ def test_falcon_h1_null_d_ssm_is_expand_times_hidden_and_auto_head() -> None:
     assert _plan(config).block_size == 1_152
 
 
+def test_falcon_h1_without_d_ssm_takes_the_config_class_default() -> None:
+    """No mamba_d_ssm: transformers' (and SGLang's) FalconH1Config default, 1,024, as vLLM
+    reads it; with the synthetic config's 24 heads of 64 that is refused by the head check,
+    so with 16 heads of ``auto`` (1,024 / 16 = 64) it plans."""
+    with pytest.raises(InvalidArgument, match=r"is not the Mamba intermediate size 1,024"):
+        read_vllm_model(_config(FALCON, mamba_d_ssm=...))
+    model = read_vllm_model(_config(FALCON, mamba_d_ssm=..., mamba_n_heads=16,
+                                    mamba_d_head="auto"))
+    assert model.mamba is not None and model.mamba.intermediate_size == 1_024
+    assert model.mamba.head_dim == 64
+
+
 @pytest.mark.parametrize(("change", "words"), [
-    ({"mamba_d_ssm": ...}, "state it"),
     ({"mamba_d_head": 32}, r"24 x 32\) is not the Mamba intermediate size 1,536"),
     ({"mamba_n_groups": None}, "mamba_n_groups must be a positive integer"),
 ])

@@ -40,7 +40,7 @@ from kvpool.contract.records import (
     SealedStats,
     Stats,
 )
-from kvpool.pd.post_channel import AsyncPostChannels
+from kvpool.pd.post_connections import AsyncPostChannels
 from kvpool.v1 import kvpool_pb2 as pb
 
 if TYPE_CHECKING:

@@ -40,7 +40,7 @@ from kvpool.contract.records import (
     SealedStats,
     Stats,
 )
-from kvpool.pd.post_channel import PostChannels
+from kvpool.pd.post_connections import PostChannels
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc
 
@@ -156,7 +156,7 @@ class KVPoolClient(Connection):
                  timeout_s: float = DEFAULT_TIMEOUT_S,
                  root_certificates: bytes | None = None) -> None:
         super().__init__(grpc, target, token, timeout_s, root_certificates)
-        # Posts of held sends over the daemon's side socket (kvpool.pd.post_channel).
+        # Posts of held sends over the daemon's side socket (kvpool.pd.post_connections).
         self.post_channels = PostChannels(self._metadata)
 
     # -- plumbing ----------------------------------------------------------------------------

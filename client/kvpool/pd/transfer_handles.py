@@ -118,7 +118,7 @@ class _Send(_Waitable):
         self.descriptors = resp.descriptors
         self.peer_agent = resp.peer_agent
         self.what = f"transfer {resp.transfer_id} to {resp.peer_agent}"
-        # Where a held send can be posted without gRPC (kvpool.pd.post_channel); "": by Send.
+        # Where a held send can be posted without gRPC (kvpool.pd.post_connections); "": by Send.
         self._post_socket = resp.post_socket
         # How it ended, when the daemon's answer said so (a Send that waited): wait() then
         # makes no call.

@@ -15,7 +15,7 @@ and retries, and reports it up at the next accepted connection.
 
 A connection that starts with the post channel's preamble
 (:mod:`kvpool.contract.post_channel`) is handed, once its uid is checked, to ``post_channel``
-(the daemon's :class:`kvpoold.server.post_channel.PostChannel`): it then stays open for posts of
+(the daemon's :class:`kvpoold.server.post_service.PostChannel`): it then stays open for posts of
 held sends, holding one of the connection slots until the client closes it.
 
 ``authorize`` returns either ``(fd, size, kind)`` (one descriptor the daemon keeps open: a

@@ -55,7 +55,7 @@ from kvpoold.server.listeners import (
 )
 from kvpoold.server.logs import adopt
 from kvpoold.server.loop_clock import StallClock
-from kvpoold.server.post_channel import PostChannel
+from kvpoold.server.post_service import PostChannel
 from kvpoold.server.servicer import KVPoolServicer
 from kvpoold.server.stats_replies import StatsReplies
 from kvpoold.server.status import RpcObserver

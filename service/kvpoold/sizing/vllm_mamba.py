@@ -104,20 +104,19 @@ def _mamba2(text: Mapping[str, Any], where: str, intermediate: int,
                       heads, head_dim, linear_layer_types=linear_layer_types)
 
 
+# FalconH1Config's mamba_d_ssm when a config leaves it out (transformers' and SGLang's class)
+FALCON_H1_D_SSM = 1024
+
+
 def _falcon_h1(text: Mapping[str, Any], n: int, where: str) -> StateLayers:
     """Falcon-H1: every layer is an attention and a Mamba-2 mixer in parallel (vLLM's
     ``FalconH1ParallelHybrid``: attention ``model.layers.{i}.attn``, mixer
     ``model.{n + i}.mixer``); the mixer's intermediate size is ``mamba_d_ssm``, or
-    ``mamba_expand * hidden_size`` when it is null. An absent ``mamba_d_ssm`` is
-    transformers' class default (1,024), which kvpool does not assume: it refuses."""
-    if "mamba_d_ssm" not in text:
-        raise InvalidArgument(
-            f"{where}: Falcon-H1 configs state mamba_d_ssm (null: mamba_expand x "
-            f"hidden_size); absent, transformers' FalconH1Config would give 1024; state it",
-            field=FIELD)
-    d_ssm = text["mamba_d_ssm"]
+    ``mamba_expand * hidden_size`` when it is null; absent, transformers' FalconH1Config
+    default (:data:`FALCON_H1_D_SSM`), which is what vLLM reads."""
+    d_ssm = text.get("mamba_d_ssm", FALCON_H1_D_SSM)
     intermediate = (_int(text, "mamba_expand", where) * _int(text, "hidden_size", where)
-                    if d_ssm is None else _int(text, "mamba_d_ssm", where))
+                    if d_ssm is None else _int({"mamba_d_ssm": d_ssm}, "mamba_d_ssm", where))
     # transformers maps Falcon-H1's layer_types to its layers_block_type ("hybrid" per
     # layer): vLLM's CPU platform sees no linear_attention layer in it
     mixer = _mamba2(text, where, intermediate, linear_layer_types=False)
