@@ -93,3 +93,29 @@ def test_posts_after_the_token_go_through_the_send_edge(daemon: DaemonProcess) -
 def answer_to(conn: socket.socket, request: pb.SendRequest) -> PostAnswer:
     conn.sendall(frame(request.SerializeToString()))
     return answer(conn)
+
+
+def test_the_client_falls_back_where_the_channel_cannot_open(daemon: DaemonProcess) -> None:
+    """``PostChannels.post`` answers None (the handle then posts with the Send RPC) where no
+    channel opens: no socket at the path, or a hello the daemon refuses (no token here); it
+    does not try that socket again. With the token, the daemon's refusal of the post itself
+    comes back as the typed error Send would raise."""
+    from kvpool.clients.client import auth_metadata
+    from kvpool.contract.errors import FailedPrecondition, NotFound
+    from kvpool.pd.post_connections import PostChannels
+
+    post = pb.SendRequest(lease_id=1, lease_secret=b"\0" * 16, transfer_id=7)
+    channels = PostChannels(())
+    assert channels.post(f"{daemon.socket}.missing", post, 5.0) is None
+    assert channels.post(f"{daemon.socket}.fd", post, 5.0) is None  # hello without the token
+    assert channels.posts == 0
+    with KVPoolClient(daemon.target, token=TOKEN) as client, client.lease("poster") as lease:
+        channels = PostChannels(auth_metadata(TOKEN))
+        mine = pb.SendRequest(lease_id=lease.lease_id, lease_secret=lease.secret,
+                              transfer_id=7)
+        with pytest.raises((NotFound, FailedPrecondition)):
+            channels.post(f"{daemon.socket}.fd", mine, 5.0)
+        with pytest.raises(NotFound):  # the same connection, kept: a wrong secret
+            channels.post(f"{daemon.socket}.fd", post, 5.0)
+        assert channels.posts == 2
+        channels.close()
