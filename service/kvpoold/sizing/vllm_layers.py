@@ -150,3 +150,6 @@ class LayerAttention:
     index: int
     kind: LayerKind
     sliding_window: int | None = None
+    # the index in vLLM's module name when it is not the decoder layer's (Zamba2's shared
+    # attention: one module per use, numbered per shared block)
+    name_index: int | None = None
