@@ -13,7 +13,7 @@ both readers start from :func:`class_view`, built from generated data
 - **The sliding switch**: ``use_sliding_window`` false (or unset) drops ``sliding_window`` in
   every class that has the switch (Qwen2/2.5-VL/3/-MoE, their text configs), as transformers
   does; the classes without it keep the window.
-- **Derived keys** of two classes' ``__post_init__`` (:data:`DERIVED`).
+- **Derived keys** of three classes' ``__post_init__`` (:data:`DERIVED`).
 
 Then what differs per engine: the sub-config each treats as the text model
 (:data:`SGLANG_TEXT_KEYS` vs :data:`VLLM_TEXT_KEYS`) and the multi-query rule
@@ -70,10 +70,17 @@ def _falcon(view: dict[str, Any]) -> None:
         view["num_kv_heads"] = view.get("num_attention_heads")
 
 
+def _zamba2(view: dict[str, Any]) -> None:
+    # Zamba2Config.__post_init__: use_long_context sets max_position_embeddings to 16,384
+    if view.get("use_long_context"):
+        view["max_position_embeddings"] = 16384
+
+
 # model_type -> the keys its config class's __post_init__ derives that kvpool reads.
 DERIVED: dict[str, Callable[[dict[str, Any]], None]] = {
     "gpt_bigcode": _gpt_bigcode,
     "falcon": _falcon,
+    "zamba2": _zamba2,
 }
 
 

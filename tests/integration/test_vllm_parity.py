@@ -87,6 +87,12 @@ SYNTHETIC = (
     "synthetic/granite-4.0-h-small",
     "synthetic/granite-4.0-micro",  # every layer attention: not hybrid to vLLM, no state
     "synthetic/granite-4.0-h-tiny-no-attention",  # no layer_types: every layer Mamba
+    "synthetic/zamba2-1.2b",  # Mamba-2 everywhere, one shared block at 6 hybrid layers
+    "synthetic/zamba2-2.7b",  # two shared blocks (ABAB), an attention module per use
+    "synthetic/zamba2-7b",  # the same at 81 layers, 2 Mamba groups, head_dim 224
+    # three shared blocks over 7 hybrid layers: vLLM's attention names skip model.attn.5;
+    # linear_attention layer names, the class defaults (8 Mamba heads of 512, state 64)
+    "synthetic/zamba2-three-blocks",
 )
 
 
@@ -194,6 +200,27 @@ def _cases() -> list[Case]:
         variant(m, "no-hybrid", disable_hybrid_kv_cache_manager=True)
         variant(m, "memory-256MiB", kv_cache_memory_bytes=256 * MiB)
     variant("synthetic/falcon-h1-7b", "ssm-fp32", mamba_ssm_cache_dtype="float32")
+    # Zamba2: attention modules model.attn.{j} (one per use of a shared block) registered
+    # before the mixers {h + i}.mixer; its layer_types (layers_block_type) lists
+    # linear_attention, so a named half SSM dtype stays on a CPU with AVX-512 BF16; no
+    # SupportsPP (both sides refuse pp2); TP stays 1
+    zamba, small = "synthetic/zamba2-2.7b", "synthetic/zamba2-1.2b"
+    variant(small, "cpu-avx512-bf16", cpu_avx512_bf16="yes")
+    variant(small, "cpu-no-avx512-bf16", cpu_avx512_bf16="no")
+    variant(small, "ssm-bf16-cpu-avx512-bf16", mamba_ssm_cache_dtype="bfloat16",
+            cpu_avx512_bf16="yes")
+    variant(small, "ssm-fp16-cpu-no-avx512-bf16", mamba_ssm_cache_dtype="float16",
+            cpu_avx512_bf16="no")
+    variant(zamba, "no-prefix-caching", no_enable_prefix_caching=True)
+    variant(zamba, "pp2", pp_size=2)
+    variant(zamba, "block1024", block_size=1024)
+    variant(zamba, "fp8", kv_cache_dtype="fp8")
+    variant(zamba, "no-hybrid", disable_hybrid_kv_cache_manager=True)
+    variant(zamba, "memory-256MiB", kv_cache_memory_bytes=256 * MiB)
+    variant("synthetic/zamba2-7b", "cpu-no-avx512-bf16", cpu_avx512_bf16="no")
+    variant("synthetic/zamba2-7b", "block512-4096", block_size=512, max_model_len=4096,
+            kv_cache_memory_bytes=16 * GiB)
+    variant("synthetic/zamba2-1.2b", "ssm-fp32", mamba_ssm_cache_dtype="float32")
     kimi = "corpus/kimi-linear-48b-a3b-instruct"
     variant(kimi, "no-prefix-caching", no_enable_prefix_caching=True)
     variant(kimi, "no-prefix-caching-ssm-fp32", no_enable_prefix_caching=True,

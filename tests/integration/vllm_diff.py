@@ -85,11 +85,13 @@ def run_vllm(cases: list[Case], timeout_s: float = 1500) -> dict[str, dict[str, 
 
 def layer_index(name: str) -> int:
     """The index in a vLLM layer name (``model.layers.12.self_attn.attn`` -> 12, GPT-2
-    style ``model.h.12.attn.attn`` too, Falcon-H1's mixers ``model.48.mixer`` -> 48); the
-    module path differs between models, the index is what both sides share."""
-    found = re.search(r"(?:layers|\.h)\.(\d+)\.|^model\.(\d+)\.", name)
+    style ``model.h.12.attn.attn`` too, Falcon-H1's mixers ``model.48.mixer`` -> 48, Zamba2's
+    shared attention ``model.attn.3`` -> 3 and mixers ``57.mixer`` -> 57); the module path
+    differs between models, the index is what both sides share."""
+    found = re.search(r"(?:layers|\.h)\.(\d+)\.|^model\.(?:attn\.)?(\d+)(?:\.|$)|^(\d+)\.",
+                      name)
     assert found, name
-    return int(found.group(1) or found.group(2))
+    return int(next(g for g in found.groups() if g is not None))
 
 
 def _layers(names: list[str]) -> list[int]:

@@ -85,10 +85,11 @@ def test_nemotron_h_block_holds_a_float32_state() -> None:
 
 @pytest.mark.parametrize(("tp", "state", "block"), [
     (4, 30_720 + 4_194_304, 4224),
-    (16, 9_216 + 1_048_576, 2176),
+    (8, 15_360 + 2_097_152, 4224),
 ])
 def test_nemotron_h_tensor_parallel_split(tp: int, state: int, block: int) -> None:
-    """The heads split; the groups split too, or are replicated up to ``tp``."""
+    """The heads and the groups split (8 groups over TP 16 would need replicas, which vLLM's
+    MambaMixer2 makes for a single group only: refused)."""
     p = _plan(NEMOTRON, tp_size=tp)
     per_token = max(1, 8 // tp) * 2 * 128 * 2
     assert p.block_size == block
@@ -101,6 +102,8 @@ def test_mamba_dimensions_that_do_not_split_are_refused() -> None:
     with pytest.raises(InvalidArgument, match="Mamba-2 conv channels") as info:
         _plan(config, tp_size=3)
     assert info.value.field == "tp_size"
+    with pytest.raises(InvalidArgument, match="8 Mamba-2 groups do not split over tp_size 16"):
+        _plan(NEMOTRON, tp_size=16)
 
 
 def test_ssm_dtype_rules() -> None:

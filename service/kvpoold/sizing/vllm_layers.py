@@ -77,7 +77,8 @@ class MambaMixer:
     state ``(intermediate / tp, kernel - 1)`` and an SSM state ``(intermediate / tp,
     state_size)``; Mamba-2 a conv state ``((intermediate + 2 * groups * state_size) / tp,
     kernel - 1)``, ``groups`` raised to ``n_groups + tp - n_groups`` when ``n_groups`` does
-    not split over ``tp`` (the groups a head shard needs are replicated), and an SSM state
+    not split over ``tp`` (the groups a head shard needs are replicated; vLLM's mixer does
+    that for a single group only), and an SSM state
     ``(num_heads / tp, head_dim, state_size)``.
     """
 
@@ -123,6 +124,11 @@ class MambaMixer:
                 raise InvalidArgument(
                     f"the model's Mamba-{self.version} {what} ({value}) do not split over "
                     f"tp_size {tp}; choose a --tp-size that divides them", field="tp_size")
+        if self.version == 2 and self.n_groups % tp and self.n_groups != 1:
+            raise InvalidArgument(
+                f"the model's {self.n_groups} Mamba-2 groups do not split over tp_size {tp}, "
+                "and vLLM's MambaMixer2 replicates only a single group (it asserts); choose a "
+                "--tp-size that divides them", field="tp_size")
         conv = conv_dim // tp * (self.conv_kernel - 1)
         if self.version == 1:
             return conv, self.intermediate_size // tp * self.state_size
@@ -144,3 +150,6 @@ class LayerAttention:
     index: int
     kind: LayerKind
     sliding_window: int | None = None
+    # the index in vLLM's module name when it is not the decoder layer's (Zamba2's shared
+    # attention: one module per use, numbered per shared block)
+    name_index: int | None = None

@@ -5,7 +5,9 @@ Nemotron-H places its blocks by ``hybrid_override_pattern``, Jamba by period and
 Granite-4.0-H by ``layer_types`` (transformers' names: ``mamba`` / ``linear_attention`` a
 Mamba-2 mixer, ``attention`` / ``full_attention`` attention); Falcon-H1 runs an attention and
 a Mamba-2 mixer side by side in every layer (vLLM names the mixer of layer ``i``
-``model.{num_hidden_layers + i}.mixer``, outside ``model.layers``)."""
+``model.{num_hidden_layers + i}.mixer``, outside ``model.layers``); Zamba2 runs a Mamba-2
+mixer in every layer and, at its ``hybrid`` layers, shared transformer blocks whose every use
+is an attention module of its own (``model.attn.{j}``, registered before the mixers)."""
 
 from __future__ import annotations
 
@@ -38,6 +40,10 @@ class StateLayers:
     # what vLLM adds to a decoder layer's index in its mixer's module name (Falcon-H1: n)
     state_index_offset: int = 0
     head_size: int | None = None  # the attention's head size when the class fixes it
+    # attention modules the class registers before every decoder layer's, in that order:
+    # (the decoder layer using it, the index in its module name) (Zamba2's shared blocks)
+    shared_attention: tuple[tuple[int, int], ...] = ()
+    pipeline_parallel: bool = True  # the class implements vLLM's SupportsPP
 
 
 # Nemotron-H's block letters (``hybrid_override_pattern``) and what each caches
@@ -167,10 +173,92 @@ def _granitemoehybrid(text: Mapping[str, Any], n: int, where: str) -> StateLayer
                        "model.layers.{i}.mixer", head_size=hidden // heads)
 
 
+# Zamba2Config's defaults (transformers 5.19) for the keys the reader takes, its default
+# layers_block_type (54 layers) and the legacy layer names it renames
+ZAMBA2_DEFAULTS = {"mamba_d_state": 64, "mamba_d_conv": 4, "mamba_expand": 2,
+                   "mamba_ngroups": 1, "n_mamba_heads": 8, "num_mem_blocks": 1}
+ZAMBA2_LAYERS = ("mamba",) + (("mamba",) * 5 + ("hybrid",)) * 7 + ("mamba",) * 4 + (
+    "hybrid",) + ("mamba",) * 3 + ("hybrid",) + ("mamba",) * 2
+# a Zamba2 layer is a Mamba-2 mixer, a hybrid one also a shared transformer block before it
+ZAMBA2_LAYER_TYPES = {"mamba": LayerKind.mamba, "linear_attention": LayerKind.mamba,
+                      "hybrid": LayerKind.full}
+
+
+def _zamba2(text: Mapping[str, Any], n: int, where: str) -> StateLayers:
+    """Zamba2: every layer is a Mamba-2 mixer, and each ``hybrid`` layer of
+    ``layers_block_type`` runs one of ``num_mem_blocks`` shared transformer blocks (cycled)
+    before it. vLLM's ``Zamba2ForCausalLM`` gives each use of a block its own attention
+    module, ``model.attn.{j}``, all registered before the mixers (block ``b``'s uses numbered
+    from ``b * (h + blocks - 1) // blocks``, ``h`` the hybrid layers), and names layer ``i``'s
+    mixer ``{h + i}.mixer`` (outside ``model.``). The attention keeps ``num_attention_heads``
+    KV heads of ``attention_head_dim`` (transformers' default ``2 * hidden_size /
+    num_attention_heads``); the mixer's intermediate size is ``mamba_expand * hidden_size``
+    in ``n_mamba_heads`` heads of ``mamba_headdim``, SSM dtype the model's under ``auto``.
+    No pipeline parallelism (the class does not implement ``SupportsPP``)."""
+    key = "layer_types" if "layer_types" in text and "layers_block_type" not in text \
+        else "layers_block_type"
+    types = text.get(key)
+    if types is None:
+        types = list(ZAMBA2_LAYERS)
+    if not isinstance(types, list) or len(types) != n:
+        raise InvalidArgument(f"{where}: {key} must list num_hidden_layers ({n}) layer "
+                              f"types, got {types!r}", field=FIELD)
+    kinds = _layer_kinds(types, ZAMBA2_LAYER_TYPES, where, key, "Zamba2", "layers")
+    hybrid = [i for i, kind in enumerate(kinds) if kind is LayerKind.full]
+    ids = text.get("hybrid_layer_ids")
+    if ids is not None and ids != hybrid:
+        raise InvalidArgument(
+            f"{where}: hybrid_layer_ids {ids!r} are not the hybrid layers of {key} "
+            f"({hybrid}): vLLM {VLLM_VERSION}'s Zamba2 builds an attention per id and places "
+            f"the blocks by {key}; kvpool does not plan the mismatch", field=FIELD)
+    if not hybrid:
+        raise InvalidArgument(
+            f"{where}: {key} lists no hybrid layer: vLLM {VLLM_VERSION} plans such a Zamba2 "
+            f"as an attention-free model, which the vLLM profile does not plan", field=FIELD)
+    view = {**ZAMBA2_DEFAULTS, **text}
+    blocks = _int(view, "num_mem_blocks", where)
+    attention = []
+    for b in range(blocks):
+        j = b * (len(hybrid) + blocks - 1) // blocks
+        for k in range(b, len(hybrid), blocks):
+            attention.append((hybrid[k], j))
+            j += 1
+    hidden, heads = _int(text, "hidden_size", where), _int(text, "num_attention_heads", where)
+    # transformers reads a config's head_dim as attention_head_dim (attribute_map)
+    head_dim = text.get("head_dim") or 2 * hidden // heads
+    width = text.get("attention_hidden_size") or 2 * hidden
+    if head_dim * heads != width:
+        raise InvalidArgument(
+            f"{where}: attention_head_dim x num_attention_heads ({head_dim} x {heads}) is not "
+            f"attention_hidden_size ({width}): vLLM's Zamba2Attention refuses it", field=FIELD)
+    kv_heads = text.get("num_key_value_heads")
+    if kv_heads is not None and kv_heads != heads:
+        raise InvalidArgument(
+            f"{where}: num_key_value_heads {kv_heads!r} is not num_attention_heads ({heads}): "
+            f"vLLM's Zamba2 attention keeps one KV head per head while its block alignment "
+            f"reads num_key_value_heads; kvpool does not plan the mismatch", field=FIELD)
+    intermediate = _int(view, "mamba_expand", where) * hidden
+    mamba_heads = _int(view, "n_mamba_heads", where)
+    mamba_head_dim = text.get("mamba_headdim") or intermediate // mamba_heads
+    if mamba_head_dim * mamba_heads != intermediate:
+        raise InvalidArgument(
+            f"{where}: n_mamba_heads x mamba_headdim ({mamba_heads} x {mamba_head_dim}) is "
+            f"not the Mamba intermediate size mamba_expand x hidden_size ({intermediate:,}): "
+            f"vLLM's mixer and its state shape would disagree", field=FIELD)
+    # transformers calls the Mamba-only layers linear_attention (its legacy ``mamba``)
+    mixer = MambaMixer(intermediate, _int(view, "mamba_d_state", where),
+                       _int(view, "mamba_d_conv", where), _int(view, "mamba_ngroups", where),
+                       mamba_heads, mamba_head_dim,
+                       linear_layer_types=LayerKind.mamba in kinds)
+    return StateLayers(mixer, (LayerKind.mamba,) * n, (key,), "model.attn.{i}", "{i}.mixer",
+                       state_index_offset=len(hybrid), head_size=head_dim,
+                       shared_attention=tuple(attention), pipeline_parallel=False)
+
+
 # The Mamba hybrids the profile sizes, by text model_type (vLLM's is_hybrid classes).
 MAMBA_HYBRIDS: dict[str, Callable[[Mapping[str, Any], int, str], StateLayers]] = {
     "nemotron_h": _nemotron_h, "jamba": _jamba, "falcon_h1": _falcon_h1,
-    "granitemoehybrid": _granitemoehybrid}
+    "granitemoehybrid": _granitemoehybrid, "zamba2": _zamba2}
 
 
 def _layer_kinds(codes: Any, table: Mapping[Any, LayerKind], where: str, field_name: str,

@@ -70,6 +70,7 @@ class VllmModel:
     state_module: str = "model.layers.{i}.linear_attn"
     # added to a layer's index in its state module's name (Falcon-H1: num_hidden_layers)
     state_index_offset: int = 0
+    pipeline_parallel: bool = True  # vLLM's model class runs pipeline stages (SupportsPP)
 
     @property
     def num_decoder_layers(self) -> int:
@@ -296,7 +297,7 @@ def read_vllm_model(config: Mapping[str, Any], *, where: str = "config.json") ->
     marker = hf_view.kda_marker(config)
     state = hf_view.state_layer_marker(text)
     if marker is None and state is not None and not (linear and state[1] == "linear_attention") \
-            and not (hybrid is not None and state[1] == "mamba"):
+            and not (hybrid is not None and state[1] in ("mamba", "linear_attention")):
         marker = f"{state[0]} ({state[1]} layers)"
     if marker is not None:
         raise InvalidArgument(
@@ -336,7 +337,8 @@ def read_vllm_model(config: Mapping[str, Any], *, where: str = "config.json") ->
         window = None
     if hybrid is not None:
         layers_of = hybrid(text, n, where)
-        out = []
+        out = [LayerAttention(i, LayerKind.full, name_index=j)
+               for i, j in layers_of.shared_attention]
         for i, kind in enumerate(layers_of.kinds):
             if layers_of.parallel_attention:
                 out.append(LayerAttention(i, LayerKind.full))
@@ -351,7 +353,8 @@ def read_vllm_model(config: Mapping[str, Any], *, where: str = "config.json") ->
                          mamba=layers_of.mixer,
                          attention_module=layers_of.attention_module,
                          state_module=layers_of.state_module,
-                         state_index_offset=layers_of.state_index_offset)
+                         state_index_offset=layers_of.state_index_offset,
+                         pipeline_parallel=layers_of.pipeline_parallel)
     out = []
     for i in range(n):
         if linear and types[i] == "linear_attention":

@@ -344,6 +344,12 @@ def plan_vllm_model(model: VllmModel, options: VllmOptions,
             that does not hold one request of ``max_model_len`` (naming needed and available
             bytes and the knob to turn).
     """
+    if options.pp_size > 1 and not model.pipeline_parallel:
+        raise InvalidArgument(
+            f"vLLM {VLLM_VERSION} runs {model.architecture or model.model_type} in one pipeline "
+            f"stage only (its model class does not implement SupportsPP: \"Pipeline parallelism "
+            f"is not supported for this model\"), asked pp_size {options.pp_size}; use "
+            "--pp-size 1", field="pp_size")
     notes: list[str] = []
     if model.decided_by:
         kinds = ", ".join(dict.fromkeys(layer.kind.value for layer in model.layers))

@@ -345,7 +345,8 @@ def layer_specs(model: VllmModel, options: VllmOptions, block_size: int,
         else:
             spec = LayerSpec(VllmSpecType.full_attention, block_size, heads, model.head_size,
                              model.head_size, dtype)
-        out.append(NamedSpec(layer.index, layer_name(model, layer.index, layer.kind), spec))
+        named = layer.index if layer.name_index is None else layer.name_index
+        out.append(NamedSpec(layer.index, layer_name(model, named, layer.kind), spec))
     return out
 
 
