@@ -52,3 +52,17 @@ def test_cli_refuses_the_other_layouts_knobs(kvpoold: DaemonProcess) -> None:
     out = kvpool_cli("configure", "tl", "--hf-config", str(MODEL), "--budget", "12MiB",
                      "--block-size", "32", *target)
     assert out.returncode == 2 and "vLLM's knob (set: --block-size)" in out.stderr
+
+
+def test_cli_configures_an_attention_free_pool(kvpoold: DaemonProcess) -> None:
+    """Mamba-130M (SYNTHETIC): 24 Mamba-1 states of 58,368 B a block (a CPU without AVX-512
+    BF16), 8 MiB make 5 blocks that hold states only."""
+    mamba = REPO / "tests/integration/synthetic_configs/mamba-130m.json"
+    out = kvpool_cli("configure", "m", "--hf-config", str(mamba), "--engine", "vllm",
+                     "--budget", "8MiB", "--max-model-len", "2048", "--cpu-avx512-bf16", "no",
+                     "--target", kvpoold.target)
+    assert out.returncode == 0, out.stderr
+    assert "page 128: 4 pages (Mamba states only)" in out.stdout
+    assert "vllm: 5 blocks of 128 tokens (1.34 MiB each), 1 group(s), 1 KV-cache tensor(s), " \
+           "layout LBNHC" in out.stdout
+    assert "block ids 1..4 hold Mamba states" in out.stdout

@@ -1,8 +1,10 @@
 """The SYNTHETIC Falcon-H1 and Granite-4.0-H configs (``tests/integration/synthetic_configs``;
 no real Hub file is reachable: see that folder's README) against SGLang 0.5.23, the same check
 as the corpus (``sglang_diff.check_case``: family, KV dtype, token and request counts, state
-slots), on the corpus's option sets. The vLLM profile checks them against vLLM 0.32 in
-``test_vllm_parity.py`` (cases ``synthetic/...``). Skipped without the side venv.
+slots), on the corpus's option sets. The folder's attention-free Mamba-1/2 configs are checked
+too: SGLang 0.5.23 has no implementation of those classes and kvpool's SGLang profile refuses
+them as well. The vLLM profile checks them all against vLLM 0.32 in ``test_vllm_parity.py``
+(cases ``synthetic/...``). Skipped without the side venv.
 """
 
 from __future__ import annotations

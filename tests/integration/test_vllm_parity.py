@@ -46,12 +46,9 @@ VLLM_ENV_REFUSALS = {
     # size DSA either and refuses it by name
     "deepseek-v3.2-exp": "Sparse Attention is not supported on CPU",
 }
-# vLLM sizes these; the profile refuses them by name (not yet profiled).
-NOT_PROFILED: dict[str, str] = {
-    # a GraniteMoeHybrid whose layers are all Mamba: vLLM plans it attention-free (block 16,
-    # the LBNHC layout), a plan the profile does not make
-    "synthetic/granite-4.0-h-tiny-no-attention": "lists no attention layer",
-}
+# vLLM sizes these; the profile refuses them by name (not yet profiled). None at present: the
+# last one, a GraniteMoeHybrid whose layers are all Mamba (attention-free), is planned since.
+NOT_PROFILED: dict[str, str] = {}
 # vLLM 0.32 has no CPU path for these on any host, and both sides refuse for vLLM's reason:
 # Kimi Linear's model class opens a CUDA stream while it is built; with prefix caching on,
 # vLLM's config check refuses it before (the CPU platform turns prefix caching off for MLA on
@@ -77,7 +74,7 @@ CORPUS = (
     "corpus/kimi-linear-48b-a3b-instruct",  # Kimi delta attention + MLA: no CPU path
 )
 
-# SYNTHETIC configs of Mamba-2 hybrids no real Hub file of which is reachable here
+# SYNTHETIC configs of Mamba models no real Hub file of which is reachable here
 # (tests/integration/synthetic_configs/README.md): built from the published sizes, accepted by
 # transformers' config classes; what they check is the reading rule, not a published model.
 SYNTHETIC = (
@@ -93,6 +90,10 @@ SYNTHETIC = (
     # three shared blocks over 7 hybrid layers: vLLM's attention names skip model.attn.5;
     # linear_attention layer names, the class defaults (8 Mamba heads of 512, state 64)
     "synthetic/zamba2-three-blocks",
+    # attention-free (vLLM's IsAttentionFree classes): one Mamba state per layer, no KV
+    "synthetic/mamba-130m",  # Mamba-1
+    "synthetic/falcon-mamba-7b",  # Mamba-1 (vLLM's MambaForCausalLM), intermediate_size kept
+    "synthetic/mamba2-2.7b",  # Mamba-2, float16, no pipeline parallelism
 )
 
 
@@ -221,6 +222,38 @@ def _cases() -> list[Case]:
     variant("synthetic/zamba2-7b", "block512-4096", block_size=512, max_model_len=4096,
             kv_cache_memory_bytes=16 * GiB)
     variant("synthetic/zamba2-1.2b", "ssm-fp32", mamba_ssm_cache_dtype="float32")
+    # attention-free Mamba models: no attention backend, so vLLM's LBNHC layout and no block
+    # alignment; with prefix caching states are kept per --block-size tokens, else per 16
+    # (the block size the model's hook copies before the CPU platform sets 128), without it
+    # per max_model_len; the SSM dtype follows the Mamba hybrids' rule (transformers lists
+    # linear_attention for every layer); TP stays 1
+    mamba1, mamba2 = "synthetic/mamba-130m", "synthetic/mamba2-2.7b"
+    falcon_mamba = "synthetic/falcon-mamba-7b"
+    no_attention = "synthetic/granite-4.0-h-tiny-no-attention"
+    for m in (mamba1, mamba2, falcon_mamba, no_attention):
+        variant(m, "no-prefix-caching", no_enable_prefix_caching=True)
+        variant(m, "block64", block_size=64)
+        variant(m, "cpu-avx512-bf16", cpu_avx512_bf16="yes")
+        variant(m, "cpu-no-avx512-bf16", cpu_avx512_bf16="no")
+        variant(m, "ssm-bf16-cpu-avx512-bf16", mamba_ssm_cache_dtype="bfloat16",
+                cpu_avx512_bf16="yes")
+        variant(m, "pp2", pp_size=2)  # Mamba2ForCausalLM: both refuse (no SupportsPP)
+        variant(m, "memory-64MiB", kv_cache_memory_bytes=64 * MiB)
+    variant(mamba1, "ssm-fp16-cpu-no-avx512-bf16", mamba_ssm_cache_dtype="float16",
+            cpu_avx512_bf16="no")
+    variant(mamba1, "block16-no-prefix-caching", block_size=16, no_enable_prefix_caching=True)
+    variant(mamba1, "pp3", pp_size=3)
+    variant(mamba1, "no-hybrid", disable_hybrid_kv_cache_manager=True)
+    variant(mamba1, "fp8", kv_cache_dtype="fp8")
+    variant(mamba1, "max-len-above-model", max_model_len=4096)
+    variant(mamba1, "override-5", num_gpu_blocks_override=5)
+    # a request holds 2 blocks of 24 x 107,520 B (float32 SSM states), the null block one more
+    variant(mamba1, "memory-3-blocks", kv_cache_memory_bytes=3 * 24 * 107_520,
+            cpu_avx512_bf16="yes")
+    variant(mamba1, "memory-3-blocks-less-1", kv_cache_memory_bytes=3 * 24 * 107_520 - 1,
+            cpu_avx512_bf16="yes")
+    variant(mamba2, "ssm-fp32", mamba_ssm_cache_dtype="float32")
+    variant(mamba2, "async", async_scheduling=True)
     kimi = "corpus/kimi-linear-48b-a3b-instruct"
     variant(kimi, "no-prefix-caching", no_enable_prefix_caching=True)
     variant(kimi, "no-prefix-caching-ssm-fp32", no_enable_prefix_caching=True,

@@ -18,7 +18,7 @@ from kvpool.contract.codec import ids_from_bytes
 from kvpool.contract.plan import BufferKind, PoolPlan
 from kvpool.contract.spec import decode_spec
 from kvpool.contract.vllm_plan import make_vllm_options
-from kvpool.contract.wire import configure_request
+from kvpool.contract.wire import configure_request, free_request
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpoold.sizing import make_options, plan
 from kvpoold.sizing.vllm_pool import VLLM_BUFFER, pool_plan_of
@@ -150,3 +150,38 @@ async def test_vllm_pool_blocks_do_not_move_between_daemons(served: Served) -> N
             pool="tl", pages=resp.items[0].ids, **proof(lease)))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "vLLM's layout" in info.value.details()
+
+
+MAMBA = REPO / "tests/integration/synthetic_configs/mamba-130m.json"
+# Mamba-130M (SYNTHETIC, attention-free): 24 layers of a 58,368 B Mamba-1 state (bf16, a CPU
+# without AVX-512 BF16): 1,400,832 B a block; 8 MiB make 5 blocks (tests/unit/
+# test_vllm_attention_free.py computes them)
+MAMBA_KNOBS = {"kv_cache_memory_bytes": 8 << 20, "max_model_len": 2048, "cpu_avx512_bf16": "no"}
+MAMBA_BLOCK = 24 * 58_368
+
+
+async def test_an_attention_free_pool_holds_mamba_states_only(served: Served) -> None:
+    """An attention-free model's vLLM pool: the same one int8 region and ``kv`` space of vLLM
+    block ids, every block one request's Mamba state in each layer, no token slots; its
+    blocks are allocated and freed as any pool's."""
+    resp = await served.stub.Configure(configure_request("m", hf_config=MAMBA,
+                                                         vllm=MAMBA_KNOBS))
+    got = PoolPlan.from_json(resp.plan_json)
+    vplan = plan_vllm(json.loads(MAMBA.read_text()), make_vllm_options(**MAMBA_KNOBS))
+    assert got == pool_plan_of(vplan) and vplan.state_only
+    assert [g.type.value for g in vplan.groups] == ["mamba"]
+    assert (vplan.num_blocks, vplan.bytes_per_block) == (5, MAMBA_BLOCK)
+    assert (got.max_total_num_tokens, got.backing_bytes) == (0, 5 * MAMBA_BLOCK)
+    assert [(s.name, s.capacity) for s in got.id_spaces] == [("kv", 4)]
+    lease = await served.lease()
+    alloc = await served.stub.Allocate(pb.AllocateRequest(
+        pool="m", items=[pb.AllocateItem(space="kv", count=4)], **proof(lease)))
+    ids = ids_from_bytes(alloc.items[0].ids)
+    assert sorted(ids.tolist()) == [1, 2, 3, 4]
+    freed = await served.stub.Free(free_request("m", lease, [("kv", ids)]))
+    assert freed.freed == 4
+    stats = await served.stub.Stats(pb.StatsRequest(pool="m"))
+    [pool] = stats.pools
+    assert (pool.architecture, pool.max_total_num_tokens, pool.backing_bytes) == (
+        "vllm", 0, 5 * MAMBA_BLOCK)
+    assert [(k.space, k.capacity) for k in pool.spaces] == [("kv", 4)]

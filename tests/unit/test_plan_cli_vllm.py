@@ -71,3 +71,16 @@ def test_refusal_names_needed_and_available() -> None:
     assert proc.returncode == 2
     assert "131,072 tokens needs 17,179,869,184 B" in proc.stderr
     assert "at most 8,064 tokens fit" in proc.stderr
+
+
+def test_an_attention_free_model_plans_its_states() -> None:
+    """Mamba-130M (SYNTHETIC, attention-free; tests/unit/test_vllm_attention_free.py): one
+    Mamba group of 24 layers in vLLM's LBNHC layout, states kept per 16 tokens, no KV."""
+    mamba = ROOT / "tests" / "integration" / "synthetic_configs" / "mamba-130m.json"
+    proc = plan("--engine", "vllm", "--model-config", str(mamba), "--budget", "4GiB",
+                "--max-model-len", "2048", "--cpu-avx512-bf16", "no")
+    assert proc.returncode == 0, proc.stderr
+    assert "kv cache groups (1)" in proc.stdout and "LBNHC" in proc.stdout
+    assert "3,066 (block 0 is vLLM's null block)" in proc.stdout
+    assert "1533.00 requests" in proc.stdout
+    assert "vLLM plans the model attention-free" in " ".join(proc.stdout.split())

@@ -150,7 +150,6 @@ def test_granite_all_attention_is_not_hybrid() -> None:
 
 
 @pytest.mark.parametrize(("change", "words"), [
-    ({"layer_types": ...}, "lists no attention layer"),
     ({"layer_types": ["mamba"] * 39 + ["sliding_attention"]}, "'sliding_attention' at layer 39"),
     ({"layer_types": ["mamba", "attention"]}, r"num_hidden_layers \(40\)"),
     ({"head_dim": 64}, "head_dim 64 is not hidden_size / num_attention_heads"),

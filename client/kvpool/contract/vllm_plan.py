@@ -272,6 +272,13 @@ class VllmPlan(Base):
     pp_rank: int = 0
     notes: tuple[str, ...] = ()
 
+    @property
+    def state_only(self) -> bool:
+        """Every group holds Mamba states (an attention-free model: Mamba-1/2, a Granite-4.0-H
+        whose layers are all Mamba): a block is one request's state in each layer, no KV
+        page, no token slot."""
+        return bool(self.groups) and all(g.type is VllmSpecType.mamba for g in self.groups)
+
 
 def vllm_plan_to_json(plan: VllmPlan) -> str:
     """The plan as indented JSON text (``kvpoold plan --engine vllm --json``)."""

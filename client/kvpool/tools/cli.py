@@ -155,9 +155,10 @@ def run_configure(args: argparse.Namespace) -> int:
     plan = result.plan
     state = "planned (dry run)" if result.dry_run else "created" if result.created else "exists"
     print(f"pool {args.pool}: {state}, fingerprint {result.fingerprint}")
+    slots = ("Mamba states only" if plan.vllm is not None and plan.vllm.state_only
+             else f"{plan.max_total_num_tokens:,} tokens")
     print(f"  {plan.architecture}, {plan.kv_cache_dtype}, page {plan.page_size}: "
-          f"{plan.num_pages:,} pages ({plan.max_total_num_tokens:,} tokens), "
-          f"{plan.max_running_requests:,} requests")
+          f"{plan.num_pages:,} pages ({slots}), {plan.max_running_requests:,} requests")
     print(f"  backing {_human(plan.backing_bytes)} (KV+state {_human(plan.total_bytes)}, aux "
           f"{_human(plan.aux_bytes)}); daemon budget left {_human(result.budget_available_bytes)}")
     e = plan.elastic

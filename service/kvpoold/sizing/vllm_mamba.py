@@ -1,13 +1,18 @@
-"""The Mamba hybrids of vLLM 0.32 the profile reads, by text ``model_type``: which layers are
+"""The Mamba models of vLLM 0.32 the profile reads, by text ``model_type``: which layers are
 Mamba mixers, attention or MLP blocks, the mixers' state geometry and vLLM's module names.
 
-Nemotron-H places its blocks by ``hybrid_override_pattern``, Jamba by period and offset,
-Granite-4.0-H by ``layer_types`` (transformers' names: ``mamba`` / ``linear_attention`` a
-Mamba-2 mixer, ``attention`` / ``full_attention`` attention); Falcon-H1 runs an attention and
-a Mamba-2 mixer side by side in every layer (vLLM names the mixer of layer ``i``
-``model.{num_hidden_layers + i}.mixer``, outside ``model.layers``); Zamba2 runs a Mamba-2
-mixer in every layer and, at its ``hybrid`` layers, shared transformer blocks whose every use
-is an attention module of its own (``model.attn.{j}``, registered before the mixers)."""
+The hybrids (:data:`MAMBA_HYBRIDS`): Nemotron-H places its blocks by
+``hybrid_override_pattern``, Jamba by period and offset, Granite-4.0-H by ``layer_types``
+(transformers' names: ``mamba`` / ``linear_attention`` a Mamba-2 mixer, ``attention`` /
+``full_attention`` attention; none listed: every layer a mixer, which vLLM plans
+attention-free); Falcon-H1 runs an attention and a Mamba-2 mixer side by side in every layer
+(vLLM names the mixer of layer ``i`` ``model.{num_hidden_layers + i}.mixer``, outside
+``model.layers``); Zamba2 runs a Mamba-2 mixer in every layer and, at its ``hybrid`` layers,
+shared transformer blocks whose every use is an attention module of its own
+(``model.attn.{j}``, registered before the mixers). The attention-free models
+(:data:`MAMBA_MODELS`, vLLM's ``IsAttentionFree`` classes): Mamba-1 (``MambaForCausalLM``, and
+``FalconMambaForCausalLM``, the same vLLM class) and Mamba-2 (``Mamba2ForCausalLM``), a mixer
+``backbone.layers.{i}.mixer`` in every layer."""
 
 from __future__ import annotations
 
@@ -142,8 +147,9 @@ def _granitemoehybrid(text: Mapping[str, Any], n: int, where: str) -> StateLayer
     default when absent: every layer Mamba); Mamba intermediate ``mamba_expand *
     hidden_size``; the attention's head size is ``hidden_size / num_attention_heads`` (vLLM's
     class reads no ``head_dim``). Every layer attention (Granite-4.0-Micro) is not hybrid to
-    vLLM: plain attention, no state. No attention layer at all is refused (an attention-free
-    plan)."""
+    vLLM: plain attention, no state. No attention layer at all (transformers' default when
+    ``layer_types`` is absent) is still hybrid to vLLM's ``ModelConfig`` but has no attention
+    backend to align: vLLM plans it attention-free, as it plans :data:`MAMBA_MODELS`."""
     types = text.get("layer_types", text.get("layers_block_type"))
     field_name = "layer_types" if "layer_types" in text or "layers_block_type" not in text \
         else "layers_block_type"
@@ -156,16 +162,13 @@ def _granitemoehybrid(text: Mapping[str, Any], n: int, where: str) -> StateLayer
                          "layers")
     hidden, heads = _int(text, "hidden_size", where), _int(text, "num_attention_heads", where)
     head_dim = text.get("head_dim")
-    if head_dim is not None and head_dim != hidden // heads and LayerKind.mamba in kinds:
+    # (only a hybrid aligns its block: with no attention layer head_dim is read by nothing)
+    if head_dim is not None and head_dim != hidden // heads and LayerKind.mamba in kinds \
+            and LayerKind.full in kinds:
         raise InvalidArgument(
             f"{where}: head_dim {head_dim!r} is not hidden_size / num_attention_heads "
             f"({hidden // heads}): vLLM's GraniteMoeHybrid attention uses the latter while its "
             f"block alignment reads head_dim; kvpool does not plan the mismatch", field=FIELD)
-    if LayerKind.full not in kinds:
-        raise InvalidArgument(
-            f"{where}: {field_name} lists no attention layer: vLLM {VLLM_VERSION} plans such a "
-            f"GraniteMoeHybrid as an attention-free model (block 16, no alignment), which the "
-            f"vLLM profile does not plan", field=FIELD)
     # only Mamba layers make vLLM's ModelConfig.is_hybrid (Granite-4.0-Micro: none)
     mixer = _mamba2(text, where, _int(text, "mamba_expand", where) * hidden,
                     linear_layer_types=True) if LayerKind.mamba in kinds else None
@@ -259,6 +262,53 @@ def _zamba2(text: Mapping[str, Any], n: int, where: str) -> StateLayers:
 MAMBA_HYBRIDS: dict[str, Callable[[Mapping[str, Any], int, str], StateLayers]] = {
     "nemotron_h": _nemotron_h, "jamba": _jamba, "falcon_h1": _falcon_h1,
     "granitemoehybrid": _granitemoehybrid, "zamba2": _zamba2}
+
+# vLLM's module name of an attention-free model's mixer (its ``backbone``, not ``model``)
+BACKBONE_MIXER = "backbone.layers.{i}.mixer"
+
+
+def _mamba1_model(text: Mapping[str, Any], n: int, where: str) -> StateLayers:
+    """Mamba-1 (``MambaForCausalLM``; ``FalconMambaForCausalLM`` is the same vLLM class):
+    every layer a mixer of ``intermediate_size`` channels, ``state_size``, ``conv_kernel``.
+    transformers' ``MambaConfig`` / ``FalconMambaConfig`` keep the file's
+    ``intermediate_size`` (Falcon-Mamba-7B states 8,192 beside an ``expand`` of 16) and derive
+    ``int(expand * hidden_size)`` when it is absent; vLLM reads the attribute."""
+    if text.get("intermediate_size") is not None:
+        intermediate = _int(text, "intermediate_size", where)
+    else:
+        intermediate = _int(text, "expand", where) * _int(text, "hidden_size", where)
+    mixer = MambaMixer(intermediate, _int(text, "state_size", where),
+                       _int(text, "conv_kernel", where))
+    return StateLayers(mixer, (LayerKind.mamba,) * n, ("model_type",), "", BACKBONE_MIXER)
+
+
+def _mamba2_model(text: Mapping[str, Any], n: int, where: str) -> StateLayers:
+    """Mamba-2 (``Mamba2ForCausalLM``): every layer a ``MambaMixer2`` of ``num_heads`` heads of
+    ``head_dim`` (Mamba2Config's default 64), ``n_groups``, ``state_size``, ``conv_kernel``;
+    its intermediate size is ``intermediate_size`` when the file states one (vLLM's decoder
+    layer reads it so), else ``expand * hidden_size``, and must be ``num_heads * head_dim``
+    (transformers' ``validate_architecture``). vLLM's class has no pipeline parallelism."""
+    if text.get("intermediate_size") is not None:
+        intermediate = _int(text, "intermediate_size", where)
+    else:
+        intermediate = _int(text, "expand", where) * _int(text, "hidden_size", where)
+    heads, head_dim = _int(text, "num_heads", where), _int(text, "head_dim", where)
+    if heads * head_dim != intermediate:
+        raise InvalidArgument(
+            f"{where}: num_heads x head_dim ({heads} x {head_dim}) is not the Mamba "
+            f"intermediate size {intermediate:,} (transformers refuses such a config)",
+            field=FIELD)
+    mixer = MambaMixer(intermediate, _int(text, "state_size", where),
+                       _int(text, "conv_kernel", where), _int(text, "n_groups", where),
+                       heads, head_dim)
+    return StateLayers(mixer, (LayerKind.mamba,) * n, ("model_type",), "", BACKBONE_MIXER,
+                       pipeline_parallel=False)
+
+
+# The attention-free Mamba models the profile sizes, by text model_type (vLLM's
+# IsAttentionFree classes): no attention layer, one Mamba state per layer.
+MAMBA_MODELS: dict[str, Callable[[Mapping[str, Any], int, str], StateLayers]] = {
+    "mamba": _mamba1_model, "falcon_mamba": _mamba1_model, "mamba2": _mamba2_model}
 
 
 def _layer_kinds(codes: Any, table: Mapping[Any, LayerKind], where: str, field_name: str,

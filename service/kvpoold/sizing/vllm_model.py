@@ -28,7 +28,7 @@ from kvpoold.sizing.vllm_layers import (
     MambaMixer,
 )
 from kvpoold.sizing.vllm_layers import positive_int as _int
-from kvpoold.sizing.vllm_mamba import MAMBA_HYBRIDS
+from kvpoold.sizing.vllm_mamba import MAMBA_HYBRIDS, MAMBA_MODELS
 
 __all__ = ["FIELD", "VLLM_VERSION", "GatedDeltaNet", "LayerAttention", "LayerKind",
            "MambaMixer", "VllmModel", "read_vllm_model"]
@@ -43,8 +43,11 @@ DEFAULT_MAX_LEN = 2048
 SCALED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn",
                      "deepseek_llama_scaling")
 # what the refusals of other state layers name
-_STATES = ("Qwen3-Next's gated delta nets, Kimi Linear's Kimi delta attention and the Mamba "
-           f"hybrids of model_type {', '.join(MAMBA_HYBRIDS)}")
+_STATES = ("Qwen3-Next's gated delta nets, Kimi Linear's Kimi delta attention, the Mamba "
+           f"hybrids of model_type {', '.join(MAMBA_HYBRIDS)} and the attention-free Mamba "
+           f"models of model_type {', '.join(MAMBA_MODELS)}")
+# the layer kinds an attention backend serves
+ATTENTION_KINDS = (LayerKind.full, LayerKind.sliding, LayerKind.mla)
 
 @dataclass(frozen=True)
 class VllmModel:
@@ -91,6 +94,14 @@ class VllmModel:
         """Some layer keeps a per-request state (a gated delta net, a Kimi delta attention
         layer or a Mamba mixer)."""
         return self.gdn is not None or self.mamba is not None
+
+    @property
+    def is_attention_free(self) -> bool:
+        """State layers and no attention layer (Mamba-1/2, Falcon-Mamba, a Granite-4.0-H whose
+        layers are all Mamba): vLLM has no attention backend to align the block to, and its
+        blocks hold states only."""
+        return self.has_state and not any(layer.kind in ATTENTION_KINDS
+                                          for layer in self.layers)
 
     @property
     def is_kda(self) -> bool:
@@ -268,6 +279,27 @@ def _kimi_linear(config: Mapping[str, Any], text: Mapping[str, Any], architectur
                      fp8, gdn, decided, attention_module=module, state_module=module)
 
 
+def _attention_free(config: Mapping[str, Any], text: Mapping[str, Any], architecture: str,
+                    model_type: str, where: str) -> VllmModel:
+    """An attention-free Mamba model (:data:`~kvpoold.sizing.vllm_mamba.MAMBA_MODELS`): a
+    mixer in every layer, no attention heads (vLLM's ``get_total_num_attention_heads`` is 0,
+    which any TP divides), the length keys and dtype read as for any model (none of the
+    published configs states a length: vLLM's default 2,048)."""
+    n = _int(text, "num_hidden_layers", where)
+    state = MAMBA_MODELS[model_type](text, n, where)
+    dtype = DTYPE_NAMES.get(str(text.get("dtype") or text.get("torch_dtype") or ""), "float32")
+    max_len, key_len = _max_len(text)
+    fp8 = _kv_cache_fp8(text)
+    layers = tuple(LayerAttention(i, kind) for i, kind in enumerate(state.kinds))
+    sub = hf_view.text_config(config, "vllm")[0]
+    fields = ("architectures", *(f"{sub}.{f}" if sub else f for f in state.fields))
+    return VllmModel(architecture, model_type, 0, 0, 0, layers, dtype, max_len, key_len,
+                     text.get("model_max_length"), fp8, None, fields + _fp8_field(text, fp8),
+                     mamba=state.mixer, attention_module=state.attention_module,
+                     state_module=state.state_module,
+                     pipeline_parallel=state.pipeline_parallel)
+
+
 def read_vllm_model(config: Mapping[str, Any], *, where: str = "config.json") -> VllmModel:
     """Read a HF config as vLLM does for its KV cache.
 
@@ -282,6 +314,8 @@ def read_vllm_model(config: Mapping[str, Any], *, where: str = "config.json") ->
     model_type = str(text.get("model_type") or config.get("model_type") or "")
     if config.get("model_type") in hf_view.KIMI_LINEAR_TYPES:
         return _kimi_linear(config, text, architecture, model_type, where)
+    if model_type in MAMBA_MODELS:
+        return _attention_free(config, text, architecture, model_type, where)
     linear = model_type == "qwen3_next"
     hybrid = MAMBA_HYBRIDS.get(model_type)
     for key, what in (("linear_conv_kernel_dim", "linear attention"),

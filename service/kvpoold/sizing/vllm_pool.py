@@ -8,6 +8,11 @@ allocation; tensors of different groups alias it), here one buffer ``kv_cache`` 
 page id is vLLM's block id, and id 0 (never handed out) is vLLM's null block. One page is
 ``bytes_per_block`` bytes: the bytes block ``b`` takes in every layer of the widest group.
 
+An attention-free model's plan (:attr:`VllmPlan.state_only`: Mamba-1/2) is the same pool: its
+blocks hold one request's Mamba state in each layer instead of KV, so the pool has no token
+slots (``max_total_num_tokens`` and ``cell_size_bytes`` 0); the ``kv`` space is still vLLM's
+block ids, which its block pool hands to the Mamba group as to any other.
+
 Pure: no torch, no I/O.
 """
 
@@ -56,9 +61,13 @@ def pool_plan_of(vplan: VllmPlan) -> PoolPlan:
         id_space="")
     kv = IdSpaceSpec(name="kv", capacity=pages, unit="blocks",
                      bytes_per_unit=vplan.bytes_per_block, knob=VLLM_KNOB)
+    states = vplan.state_only
     notes = (*vplan.notes,
              f"vLLM-layout pool: block ids 1..{pages:,} are the kv pages; block 0 is vLLM's "
-             "null block")
+             "null block" if not states else
+             f"vLLM-layout pool of an attention-free model: block ids 1..{pages:,} hold Mamba "
+             "states (one request's state in each layer per block), no KV pages and no token "
+             "slots; block 0 is vLLM's null block")
     return PoolPlan(
         architecture="vllm",
         architecture_source="hf_config",
@@ -66,8 +75,9 @@ def pool_plan_of(vplan: VllmPlan) -> PoolPlan:
         kv_cache_dtype=vplan.cache_dtype,
         page_size=vplan.block_size,
         context_length=vplan.max_model_len,
-        cell_size_bytes=vplan.bytes_per_block // vplan.block_size,
-        max_total_num_tokens=pages * vplan.block_size,
+        # an attention-free model's blocks hold states: no bytes per token, no token slots
+        cell_size_bytes=0 if states else vplan.bytes_per_block // vplan.block_size,
+        max_total_num_tokens=0 if states else pages * vplan.block_size,
         # vLLM's scheduler caps requests itself (max_num_seqs); the pool has no request rows
         max_running_requests=0,
         full_max_total_num_tokens=None,

@@ -45,6 +45,7 @@ from kvpoold.sizing.vllm_groups import Group, kv_cache_groups, project
 from kvpoold.sizing.vllm_model import VLLM_VERSION, LayerKind, VllmModel, read_vllm_model
 from kvpoold.sizing.vllm_specs import (
     ITEMSIZE,
+    NO_ATTENTION_LAYOUT,
     BackendFacts,
     LayerSpec,
     align_hybrid_block_size,
@@ -56,6 +57,7 @@ from kvpoold.sizing.vllm_specs import (
     resolve_cache_dtype,
     ssm_state_dtype,
     stage_bounds,
+    state_block_size,
     state_bytes,
 )
 
@@ -124,6 +126,13 @@ def _check_capacity(groups: list[Group], available: int, options: VllmOptions,
             f"KV blocks beyond vLLM's null block of {bytes_per_block(groups):,} B; raise "
             "--kv-cache-memory-bytes", field="kv_cache_memory_bytes")
     needed = _needed_bytes(groups, max_model_len, in_flight)
+    if needed > available and all(g.spec.type is VllmSpecType.mamba for g in groups):
+        raise InvalidArgument(
+            f"one request's Mamba states need {needed:,} B ({needed // bytes_per_block(groups)} "
+            f"blocks of {bytes_per_block(groups):,} B, whatever its length), more than the "
+            f"{available:,} B that kv_cache_memory_bytes {options.kv_cache_memory_bytes:,} B "
+            "leaves beside the null block; raise --kv-cache-memory-bytes",
+            field="kv_cache_memory_bytes")
     if needed > available:
         fits = _estimate_max_len(groups, available, max_model_len, in_flight)
         raise InvalidArgument(
@@ -172,15 +181,19 @@ def _tensors(groups: list[Group], num_blocks: int, layout: VllmLayout) -> list[V
 
 
 def _max_model_len(model: VllmModel, options: VllmOptions) -> int:
-    """The user's ``max_model_len``, at most the model's, else the model's.
+    """The user's ``max_model_len``, at most the model's, else the model's. A config that
+    states no length (the Mamba models') has vLLM's default 2,048 and takes any length asked
+    (vLLM checks nothing then).
 
     Raises:
-        InvalidArgument: a length above the model's.
+        InvalidArgument: a length above the length the model's config states.
     """
     derived = model.derived_max_model_len
     asked = options.max_model_len
     if asked is None:
         return derived
+    if model.max_len_key is None:
+        return asked
     if asked > derived and (model.model_max_length is None or asked > model.model_max_length):
         raise InvalidArgument(
             f"max_model_len {asked:,} exceeds the model's {derived:,} "
@@ -301,18 +314,25 @@ def _ssm_why(model: VllmModel, options: VllmOptions, ssm: str) -> str:
     return "vLLM's CPU platform on a CPU with AVX-512 BF16"
 
 
-def _mamba_note(model: VllmModel, options: VllmOptions, block_size: int, dtype: str) -> str:
-    """One request's Mamba state on one TP rank, its parts and its padded page."""
+def _mamba_note(model: VllmModel, options: VllmOptions, block_size: int, dtype: str,
+                max_model_len: int) -> str:
+    """One request's Mamba state on one TP rank, its parts and its padded page (an
+    attention-free model: what its blocks are instead of KV pages)."""
     assert model.mamba is not None
     conv, ssm = model.mamba.split(options.tp_size)
     conv_dtype, ssm_dtype = model_dtype(model, options), ssm_state_dtype(model, options)
     conv_b, ssm_b = conv * ITEMSIZE[conv_dtype], ssm * ITEMSIZE[ssm_dtype]
     padded = align_hybrid_block_size(model, options, block_size, dtype)[1]
     count = sum(layer.kind is LayerKind.mamba for layer in model.layers)
-    return (f"Mamba-{model.mamba.version} state per request and layer: conv {conv_b:,} B "
-            f"({conv_dtype}) + SSM {ssm_b:,} B ({ssm_dtype}) = {conv_b + ssm_b:,} B"
-            + (f", padded to {padded:,} B" if padded else "")
-            + f"; {count} state layers, their groups beside the attention groups")
+    head = (f"Mamba-{model.mamba.version} state per request and layer: conv {conv_b:,} B "
+            f"({conv_dtype}) + SSM {ssm_b:,} B ({ssm_dtype}) = {conv_b + ssm_b:,} B")
+    if not model.is_attention_free:
+        return (head + (f", padded to {padded:,} B" if padded else "")
+                + f"; {count} state layers, their groups beside the attention groups")
+    state_block = state_block_size(model, options, block_size, max_model_len)
+    return (head + f"; {count} state layers and no attention layer: vLLM plans the model "
+            "attention-free (no KV pages: a block holds one request's state in each layer; "
+            f"states kept per {state_block:,} tokens, block_size {block_size} sizes nothing)")
 
 
 def _kda_note(model: VllmModel, options: VllmOptions, block_size: int, dtype: str,
@@ -368,7 +388,7 @@ def plan_vllm_model(model: VllmModel, options: VllmOptions,
                          f"({_ssm_why(model, options, ssm)}); conv states "
                          f"{model_dtype(model, options)}")
     if model.mamba is not None:
-        notes.append(_mamba_note(model, options, block_size, dtype))
+        notes.append(_mamba_note(model, options, block_size, dtype, max_model_len))
     if model.is_kda:
         notes.append(_kda_note(model, options, block_size, dtype, facts))
     aligned, _ = align_hybrid_block_size(model, options, block_size, dtype, facts)
@@ -376,7 +396,8 @@ def plan_vllm_model(model: VllmModel, options: VllmOptions,
         notes.append(f"block_size {block_size} raised to {aligned}: an attention page holds "
                      f"one {_state_word(model)} state")
         block_size = aligned
-    layout = facts.mla_layout if model.is_mla else facts.layout
+    layout = (NO_ATTENTION_LAYOUT if model.is_attention_free else
+              facts.mla_layout if model.is_mla else facts.layout)
     hybrid = not options.disable_hybrid_kv_cache_manager
     batched = batched_tokens(options, max_model_len)
     if options.max_num_batched_tokens is None and any(

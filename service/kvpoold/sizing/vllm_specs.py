@@ -74,10 +74,14 @@ BACKENDS: dict[VllmBackend, BackendFacts] = {
 # vLLM's hybrid alignment keeps an MLA model's block a multiple of this many tokens (its
 # TRTLLM / FlashInfer MLA decode kernels' invariant, applied on every platform).
 MLA_HYBRID_BLOCK_ALIGNMENT = 128
-
-
-# the layer kinds an attention backend serves
-ATTENTION_KINDS = (LayerKind.full, LayerKind.sliding, LayerKind.mla)
+# vLLM's CacheConfig.DEFAULT_BLOCK_SIZE: what ``block_size`` is when the model's Mamba config
+# hook copies it into ``mamba_block_size`` (with prefix caching, before the platform sets its
+# own default, 128 on CPU). A hybrid's alignment then overwrites it; an attention-free model
+# keeps it.
+CACHE_DEFAULT_BLOCK_SIZE = 16
+# The layout of a model with no attention layer: no backend declares one (vLLM's Mamba
+# backends declare none), so vLLM takes the first of its default preference.
+NO_ATTENTION_LAYOUT = VllmLayout.LBNHC
 
 
 def backend_facts(options: VllmOptions, facts: BackendFacts | None = None) -> BackendFacts:
@@ -286,7 +290,7 @@ def align_hybrid_block_size(model: VllmModel, options: VllmOptions, block_size: 
     (MLA: 576 * 2 = 1,152 B per token; a 2,170,880 B KDA state), any MLA kernel of at most 128
     tokens: ``128 * ceil(2,170,880 / 147,456) = 1,920`` tokens, states padded to 2,211,840 B.
     """
-    if not model.has_state or not any(layer.kind in ATTENTION_KINDS for layer in model.layers):
+    if not model.has_state or model.is_attention_free:
         return block_size, None  # no attention backend to align (vLLM returns early)
     facts = backend_facts(options, facts)
     per_token = attention_page_per_token(model, options, dtype)
@@ -300,6 +304,20 @@ def align_hybrid_block_size(model: VllmModel, options: VllmOptions, block_size: 
     block_size = max(block_size, aligned)
     page = block_size * per_token
     return block_size, (page if page != state else None)
+
+
+def state_block_size(model: VllmModel, options: VllmOptions, block_size: int,
+                     max_model_len: int) -> int:
+    """vLLM's ``mamba_block_size``, the block size of a state layer's spec: without prefix
+    caching one state covers the whole request (``max_model_len``); with it (mode "align")
+    states are kept per block: a hybrid's aligned attention block (``block_size``), an
+    attention-free model's ``--block-size``, else :data:`CACHE_DEFAULT_BLOCK_SIZE` (the value
+    the model's config hook saw; the CPU platform's 128 comes later and sizes nothing)."""
+    if options.no_enable_prefix_caching:
+        return max_model_len
+    if model.is_attention_free:
+        return options.block_size or CACHE_DEFAULT_BLOCK_SIZE
+    return block_size
 
 
 def layer_specs(model: VllmModel, options: VllmOptions, block_size: int,
@@ -319,9 +337,7 @@ def layer_specs(model: VllmModel, options: VllmOptions, block_size: int,
     facts = backend_facts(options, facts)
     heads = max(1, model.num_kv_heads // tp)
     state_padded = align_hybrid_block_size(model, options, block_size, dtype, facts)[1]
-    # prefix caching keeps states at block granularity ("align"); without it one state
-    # covers the whole request
-    state_block = max_model_len if options.no_enable_prefix_caching else block_size
+    state_block = state_block_size(model, options, block_size, max_model_len)
     # a request holds its running state; with prefix caching also the one it came from and
     # a Mamba-2 mixer's prefill checkpoint
     state_blocks = 1 if options.no_enable_prefix_caching else 2 + (
