@@ -131,3 +131,13 @@ def test_a_hybrid_vllm_pool_refuses_seal_naming_why(daemon) -> None:  # type: ig
             lease.seal("hy", LAYOUT, ids, [hashlib.sha256(b"x").digest()], [bytes(32)],
                        np.zeros(page, dtype=np.int32))
     assert client.sealed("hy").sealed_total == 0
+    # An attention-free model's pool (one Mamba group, no KV) says that instead.
+    client.drop("hy")
+    mamba = REPO / "tests/integration/synthetic_configs/mamba-130m.json"
+    made = client.configure("states", hf_config=mamba,
+                            vllm={"kv_cache_memory_bytes": 48 << 20, "max_model_len": 1024})
+    with client.lease("e", ttl_s=30) as lease:
+        ids = lease.allocate("states", "kv", 1)
+        with pytest.raises(FailedPrecondition, match=r"holds no full-attention KV \(1 mamba"):
+            lease.seal("states", LAYOUT, ids, [hashlib.sha256(b"x").digest()], [bytes(32)],
+                       np.zeros(made.plan.page_size or 1, dtype=np.int32))

@@ -80,6 +80,8 @@ CORPUS = (
 SYNTHETIC = (
     "synthetic/falcon-h1-0.5b",  # attention + Mamba-2 in every layer (FalconH1ParallelHybrid)
     "synthetic/falcon-h1-7b",
+    # no mamba_d_ssm: FalconH1Config's default 1,024 (16 heads of 64), as the engines read it
+    "synthetic/falcon-h1-0.5b-no-d-ssm",
     "synthetic/granite-4.0-h-tiny",  # Mamba-2 or attention by layer_types
     "synthetic/granite-4.0-h-small",
     "synthetic/granite-4.0-micro",  # every layer attention: not hybrid to vLLM, no state

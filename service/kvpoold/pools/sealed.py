@@ -147,11 +147,13 @@ def vllm_extents(plan: PoolPlan, v: VllmPlan) -> list[Extent]:
         kinds = Counter(g.type.value + (f" (window {g.sliding_window})" if g.sliding_window
                                         else "") for g in v.groups)
         shown = ", ".join(f"{n} {kind}" for kind, n in kinds.items()) or "none"
+        what = (f"holds no full-attention KV ({shown}: an attention-free model's state only)"
+                if len(v.groups) == 1 and not v.groups[0].sliding_window else
+                f"is hybrid ({len(v.groups)} KV-cache group(s): {shown}): its block ids "
+                "address several groups' pages (sliding window, Mamba state)")
         raise FailedPrecondition(
-            f"this vLLM-layout pool is hybrid ({len(v.groups)} KV-cache group(s): {shown}): "
-            "its block ids address several groups' pages (sliding window, Mamba state); "
-            "sealing is supported for vLLM pools of one full-attention KV-cache group only, "
-            "yet", field="pool")
+            f"this vLLM-layout pool {what}; sealing is supported for vLLM pools of one "
+            "full-attention KV-cache group only, yet", field="pool")
     (backing,) = [b for b in plan.buffers if b.kind == BufferKind.vllm_kv]
     pages = {layer.name: layer.page_size_padded or layer.page_size_bytes for layer in v.layers}
     return [(backing.offset_bytes + t.offset + i * t.layer_stride, t.block_stride, pages[name])
