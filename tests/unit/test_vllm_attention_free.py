@@ -37,39 +37,20 @@ state is in the model dtype, unless said; 4 GiB, 2,048 tokens):
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvpool.contract.errors import InvalidArgument
-from kvpool.contract.vllm_plan import VllmLayout, VllmSpecType, make_vllm_options
+from kvpool.contract.vllm_plan import VllmLayout, VllmSpecType
 from kvpoold.sizing.vllm_model import LayerKind, read_vllm_model
 from kvpoold.sizing.vllm_pool import pool_plan_of
-from kvpoold.sizing.vllm_profile import plan_vllm
+from tests.unit.synthetic_plans import GiB
+from tests.unit.synthetic_plans import synthetic_config as _config
+from tests.unit.synthetic_plans import synthetic_plan as _plan
 
-SYNTHETIC = Path(__file__).resolve().parents[1] / "integration" / "synthetic_configs"
-GiB = 1 << 30
 MAMBA1, MAMBA2 = "mamba-130m", "mamba2-2.7b"
 FALCON_MAMBA, NO_ATTENTION = "falcon-mamba-7b", "granite-4.0-h-tiny-no-attention"
-
-
-def _config(name: str, **change: Any) -> dict[str, Any]:
-    config = json.loads((SYNTHETIC / f"{name}.json").read_text())
-    for key, value in change.items():
-        if value is ...:
-            del config[key]
-        else:
-            config[key] = value
-    return config
-
-
-def _plan(config: dict[str, Any] | str, **options: Any):
-    if isinstance(config, str):
-        config = _config(config)
-    base = {"kv_cache_memory_bytes": 4 * GiB, "max_model_len": 2048, "cpu_avx512_bf16": "no"}
-    return plan_vllm(config, make_vllm_options(**{**base, **options}))
 
 
 @pytest.mark.parametrize(("name", "layers", "state", "blocks", "per_request", "prefix"), [

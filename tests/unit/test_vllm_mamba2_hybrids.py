@@ -27,36 +27,18 @@ Worked numbers (bf16 = 2 B, fp32 = 4 B, CPU block 128, a CPU without AVX-512 BF1
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvpool.contract.errors import InvalidArgument
-from kvpool.contract.vllm_plan import VllmSpecType, make_vllm_options
+from kvpool.contract.vllm_plan import VllmSpecType
 from kvpoold.sizing.vllm_model import LayerKind, read_vllm_model
-from kvpoold.sizing.vllm_profile import plan_vllm
+from tests.unit.synthetic_plans import synthetic_config as _config
+from tests.unit.synthetic_plans import synthetic_plan as _plan
 
-SYNTHETIC = Path(__file__).resolve().parents[1] / "integration" / "synthetic_configs"
-GiB = 1 << 30
 FALCON = "falcon-h1-0.5b"
 GRANITE = "granite-4.0-h-tiny"
-
-
-def _config(name: str, **change: Any) -> dict[str, Any]:
-    config = json.loads((SYNTHETIC / f"{name}.json").read_text())
-    for key, value in change.items():
-        if value is ...:
-            del config[key]
-        else:
-            config[key] = value
-    return config
-
-
-def _plan(config: dict[str, Any], **options: Any):
-    base = {"kv_cache_memory_bytes": 4 * GiB, "max_model_len": 2048, "cpu_avx512_bf16": "no"}
-    return plan_vllm(config, make_vllm_options(**{**base, **options}))
 
 
 def test_falcon_h1_has_an_attention_and_a_mixer_in_every_layer() -> None:
