@@ -27,7 +27,6 @@ from google.protobuf.message import DecodeError
 from kvpool.contract.errors import InvalidArgument, KVPoolError
 from kvpool.contract.post_channel import (
     LENGTH,
-    MAX_FRAME_BYTES,
     PostAnswer,
     PostHello,
     frame,
@@ -103,29 +102,19 @@ class PostChannel:
         self._daemon = daemon
         self._authority = authority
         self._observer = observer
-        self.connections = 0  # served now
-        self.posts = 0  # answered, since start
 
     async def serve(self, conn: socket.socket, pending: bytes) -> None:
         """Serve one connection (non-blocking, its uid checked) to its end; ``pending``: the
         bytes read past the preamble. The caller closes the connection."""
         loop = asyncio.get_running_loop()
         frames = _Frames(loop, conn, pending)
-        self.connections += 1
         try:
             try:
-                body = await asyncio.wait_for(frames.next(), HELLO_TIMEOUT_S)
-                if body is None:
-                    return
-                try:
-                    hello = msgspec.json.decode(body, type=PostHello)
-                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    raise InvalidArgument(f"undecodable hello: {exc}", field="hello") from None
-                metadata = ((AUTH_METADATA_KEY, hello.authorization),) if hello.authorization \
-                    else ()
-                caller = self._authority.identify(metadata, "unix")
+                caller = await self._hello(frames)
             except KVPoolError as exc:
                 await self._answer(loop, conn, self._refusal(exc))
+                return
+            if caller is None:
                 return
             await self._answer(loop, conn, PostAnswer(code="OK"))
             while True:
@@ -139,8 +128,23 @@ class PostChannel:
                 await self._answer(loop, conn, await self._post(caller, body))
         except (OSError, TimeoutError):
             return  # the client went away, or said nothing in time
-        finally:
-            self.connections -= 1
+
+    async def _hello(self, frames: _Frames) -> Caller | None:
+        """The caller the hello proves (None: the client closed first).
+
+        Raises:
+            InvalidArgument: an undecodable hello. Unauthenticated: its token, as the gRPC
+                edge refuses it. TimeoutError: no hello within HELLO_TIMEOUT_S.
+        """
+        body = await asyncio.wait_for(frames.next(), HELLO_TIMEOUT_S)
+        if body is None:
+            return None
+        try:
+            hello = msgspec.json.decode(body, type=PostHello)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise InvalidArgument(f"undecodable hello: {exc}", field="hello") from None
+        metadata = ((AUTH_METADATA_KEY, hello.authorization),) if hello.authorization else ()
+        return self._authority.identify(metadata, "unix")
 
     async def _post(self, caller: Caller, body: bytes) -> PostAnswer:
         start = time.perf_counter()
@@ -165,7 +169,6 @@ class PostChannel:
                 self._observer.failed(METHOD, answer.code)
             return answer
         finally:
-            self.posts += 1
             if self._observer is not None:
                 self._observer.observe(METHOD, time.perf_counter() - start)
 
@@ -177,6 +180,5 @@ class PostChannel:
     @staticmethod
     async def _answer(loop: asyncio.AbstractEventLoop, conn: socket.socket,
                       answer: PostAnswer) -> None:
-        body = msgspec.msgpack.encode(answer)
-        assert len(body) <= MAX_FRAME_BYTES  # a bounded message and a small response
-        await loop.sock_sendall(conn, frame(body))
+        # a bounded message and a small response: frame() refuses anything longer
+        await loop.sock_sendall(conn, frame(msgspec.msgpack.encode(answer)))
